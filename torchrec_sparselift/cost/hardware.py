@@ -1,0 +1,264 @@
+"""Hardware profiles: the resource rates the cost model divides quantities by.
+
+A :class:`HardwareProfile` is a small immutable value. Presets describe common nodes; the
+``calibrate`` step (:mod:`torchrec_sparselift.cost.calibrate`) fits one on the machine at hand
+and saves it as JSON, which :func:`HardwareProfile.load` reads back.
+
+Vocabulary (used across the package): a *rank* is one process/device; a *host* holds
+``local_world_size`` ranks; *intra-host* traffic stays on one host (NVLink, loopback), *inter-host*
+traffic crosses the NIC. Bandwidths are per rank, in bytes per second, one direction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from typing import Any, Dict, Mapping, Optional
+
+import attrs
+
+__all__ = ["HardwareProfile", "PRESETS", "get_profile", "profile_for_topology"]
+
+GiB = 1024**3
+GB = 1e9
+
+
+def _positive(instance: Any, attribute: "attrs.Attribute[Any]", value: float) -> None:
+    if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"HardwareProfile.{attribute.name} must be a positive finite number, got {value!r}"
+        )
+
+
+def _non_negative(instance: Any, attribute: "attrs.Attribute[Any]", value: float) -> None:
+    if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+        raise ValueError(
+            f"HardwareProfile.{attribute.name} must be a non-negative finite number, got {value!r}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class HardwareProfile:
+    """Resource rates of one kind of node.
+
+    Attributes:
+        name: preset or calibration name, shown in plans and logs.
+        compute_device: "cuda" or "cpu" (what TorchRec's ``Topology.compute_device`` says).
+        local_world_size: ranks per host.
+        hbm_cap_bytes / ddr_cap_bytes: device memory and host memory per rank.
+        hbm_bw: effective bandwidth of embedding row reads from device memory (TBE forward).
+        ddr_bw: effective bandwidth of row reads from host memory (UVM kernels, CPU training).
+        uvm_bw: device-to-host-memory bandwidth for UVM rows (PCIe / C2C).
+        row_granularity_bytes: memory transaction size; a row read costs at least this much.
+        bwd_factor: backward + fused optimizer update cost relative to the forward lookup
+            (gradient read, weight read-modify-write, optimizer-state read-modify-write).
+        lookup_overhead_s: fixed cost of one TBE kernel call (launch, index bookkeeping).
+        intra_host_bw / inter_host_bw: per-rank all-to-all bandwidth within a host / across hosts.
+        allreduce_bw: per-rank ring all-reduce bus bandwidth (dense gradients, replica sync).
+        collective_latency_s: fixed cost of one collective call.
+        dense_flops: sustained FLOP/s of the dense (MLP) part.
+        cache_hit_rate: row hit rate assumed for UVM-caching kernels when no statistics say better.
+    """
+
+    name: str
+    compute_device: str = attrs.field(default="cuda")
+    local_world_size: int = attrs.field(default=8)
+    hbm_cap_bytes: int = attrs.field(default=80 * GiB)
+    ddr_cap_bytes: int = attrs.field(default=256 * GiB)
+    hbm_bw: float = attrs.field(default=1.6e12, validator=_positive)
+    ddr_bw: float = attrs.field(default=50e9, validator=_positive)
+    uvm_bw: float = attrs.field(default=25e9, validator=_positive)
+    row_granularity_bytes: int = attrs.field(default=32)
+    bwd_factor: float = attrs.field(default=2.5, validator=_positive)
+    lookup_overhead_s: float = attrs.field(default=20e-6, validator=_non_negative)
+    intra_host_bw: float = attrs.field(default=300e9, validator=_positive)
+    inter_host_bw: float = attrs.field(default=45e9, validator=_positive)
+    allreduce_bw: float = attrs.field(default=200e9, validator=_positive)
+    collective_latency_s: float = attrs.field(default=30e-6, validator=_non_negative)
+    dense_flops: float = attrs.field(default=400e12, validator=_positive)
+    cache_hit_rate: float = attrs.field(default=0.9)
+
+    def __attrs_post_init__(self) -> None:
+        if self.compute_device not in ("cuda", "cpu", "mtia"):
+            raise ValueError(
+                f"HardwareProfile.compute_device must be 'cuda', 'cpu' or 'mtia', got {self.compute_device!r}"
+            )
+        if self.local_world_size < 1:
+            raise ValueError("HardwareProfile.local_world_size must be >= 1")
+        if self.hbm_cap_bytes <= 0 or self.ddr_cap_bytes < 0:
+            raise ValueError("HardwareProfile memory capacities must be positive")
+        if not 0.0 <= self.cache_hit_rate <= 1.0:
+            raise ValueError("HardwareProfile.cache_hit_rate must be within [0, 1]")
+        if self.row_granularity_bytes < 1:
+            raise ValueError("HardwareProfile.row_granularity_bytes must be >= 1")
+
+    # -- derived rates -------------------------------------------------------------------
+    def row_bytes(self, dim: int, elem_bytes: int) -> int:
+        """Bytes one row read really moves: rounded up to the memory transaction size."""
+        g = self.row_granularity_bytes
+        return -(-dim * elem_bytes // g) * g
+
+    def a2a_bw(self, group_ranks: int, spans_hosts: bool) -> float:
+        """Effective per-rank all-to-all bandwidth for a group of ``group_ranks`` ranks.
+
+        Within one host every byte goes over the intra-host link. Across hosts a fraction
+        ``(group - local) / group`` of the bytes leaves the host; the time is set by the slower
+        of the two paths, which is how a flat all-to-all behaves on NVLink + NIC fabrics.
+        """
+        if group_ranks <= 1:
+            return float("inf")
+        if not spans_hosts:
+            return self.intra_host_bw
+        local = min(self.local_world_size, group_ranks)
+        remote_frac = (group_ranks - local) / group_ranks
+        local_frac = 1.0 - remote_frac
+        t_per_byte = max(remote_frac / self.inter_host_bw, local_frac / self.intra_host_bw)
+        return 1.0 / t_per_byte
+
+    # -- serialization --------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "HardwareProfile":
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                f"unknown HardwareProfile fields {sorted(unknown)}; known fields are {sorted(known)}"
+            )
+        return cls(**dict(data))
+
+    def save(self, path: str) -> None:
+        """Write the profile as JSON, atomically (write to a temp file, then rename)."""
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"schema": "sparselift.hardware_profile/1", **self.to_dict()}, f, indent=2)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str) -> "HardwareProfile":
+        with open(path) as f:
+            data = json.load(f)
+        schema = data.pop("schema", None)
+        if schema != "sparselift.hardware_profile/1":
+            raise ValueError(
+                f"{path} is not a sparselift hardware profile (schema {schema!r}); "
+                "create one with `sparselift calibrate`"
+            )
+        return cls.from_dict(data)
+
+
+# Presets. GPU numbers are datasheet peaks derated to what TBE kernels and NCCL all-to-all
+# sustain in practice (about 50-60% of HBM peak for random row gathers, ~70-80% of link peak).
+PRESETS: Dict[str, HardwareProfile] = {
+    "h100": HardwareProfile(
+        name="h100",
+        compute_device="cuda",
+        local_world_size=8,
+        hbm_cap_bytes=80 * GiB,
+        ddr_cap_bytes=256 * GiB,
+        hbm_bw=1.8e12,  # HBM3 3.35 TB/s peak
+        ddr_bw=60e9,
+        uvm_bw=40e9,  # PCIe gen5 x16
+        intra_host_bw=350e9,  # NVLink4 450 GB/s per direction
+        inter_host_bw=40e9,  # 400 Gb/s NIC per GPU
+        allreduce_bw=250e9,
+        collective_latency_s=25e-6,
+        dense_flops=500e12,
+    ),
+    "h200": HardwareProfile(
+        name="h200",
+        compute_device="cuda",
+        local_world_size=8,
+        hbm_cap_bytes=141 * GiB,
+        ddr_cap_bytes=256 * GiB,
+        hbm_bw=2.6e12,  # HBM3e 4.8 TB/s peak
+        ddr_bw=60e9,
+        uvm_bw=40e9,
+        intra_host_bw=350e9,
+        inter_host_bw=40e9,
+        allreduce_bw=250e9,
+        collective_latency_s=25e-6,
+        dense_flops=550e12,
+    ),
+    "a100": HardwareProfile(
+        name="a100",
+        compute_device="cuda",
+        local_world_size=8,
+        hbm_cap_bytes=80 * GiB,
+        ddr_cap_bytes=128 * GiB,
+        hbm_bw=1.1e12,  # HBM2e 2.0 TB/s peak
+        ddr_bw=40e9,
+        uvm_bw=20e9,  # PCIe gen4 x16
+        intra_host_bw=200e9,  # NVLink3 300 GB/s per direction
+        inter_host_bw=20e9,  # 200 Gb/s NIC per GPU
+        allreduce_bw=150e9,
+        collective_latency_s=30e-6,
+        dense_flops=200e12,
+    ),
+    # CPU ranks talking over gloo on loopback (measured on the 2-core dev machine; see
+    # docs/benchmarks.md). Memory reads are the lookup; there is no separate device memory.
+    "cpu-gloo": HardwareProfile(
+        name="cpu-gloo",
+        compute_device="cpu",
+        local_world_size=2,
+        hbm_cap_bytes=8 * GiB,
+        ddr_cap_bytes=8 * GiB,
+        hbm_bw=4e9,
+        ddr_bw=4e9,
+        uvm_bw=4e9,
+        row_granularity_bytes=64,
+        bwd_factor=3.0,
+        lookup_overhead_s=150e-6,
+        intra_host_bw=1.2e9,
+        inter_host_bw=1.2e9,
+        allreduce_bw=1.0e9,
+        collective_latency_s=1.3e-3,
+        dense_flops=30e9,
+        cache_hit_rate=1.0,
+    ),
+}
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """Return a preset by name, or load a calibrated profile from a ``.json`` path."""
+    if name.endswith(".json") or os.path.sep in name:
+        return HardwareProfile.load(name)
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown hardware profile {name!r}; choose one of {sorted(PRESETS)} "
+            "or pass the path of a calibrated profile JSON"
+        ) from None
+
+
+def profile_for_topology(topology: Any, base: Optional[HardwareProfile] = None) -> HardwareProfile:
+    """Pick a profile that matches a TorchRec ``Topology``: device kind, ranks per host, memory.
+
+    Without ``base`` a CUDA topology gets the H100-class preset, a CPU one the gloo preset.
+    Memory capacities and ranks per host always come from the topology (it is the user's word).
+    """
+    device = topology.compute_device
+    if base is None:
+        base = PRESETS["cpu-gloo"] if device == "cpu" else PRESETS["h100"]
+    dev0 = topology.devices[0]
+    hbm = int(dev0.storage.hbm) if device != "cpu" else int(dev0.storage.ddr)
+    ddr = int(dev0.storage.ddr)
+    return attrs.evolve(
+        base,
+        compute_device=device,
+        local_world_size=int(topology.local_world_size),
+        hbm_cap_bytes=max(hbm, 1),
+        ddr_cap_bytes=max(ddr, 0),
+    )
