@@ -1,0 +1,267 @@
+"""A directory of execution plans, reused across runs and safe under concurrent processes.
+
+File layout: ``<directory>/plan-<fingerprint.cache_key()>.json`` (one file per planning input),
+plus ``.lock`` files next to them for :meth:`PlanCache.get_or_plan`.
+
+Guarantees:
+
+- **Atomic writes**: a plan is written to a temporary file in the same directory, flushed and
+  fsynced, then ``os.replace``-d over the target. Readers see the old file or the new one, never
+  a partial one, whatever other processes do.
+- **Never a crash, never a wrong plan**: :meth:`PlanCache.load` returns ``None`` for a missing,
+  unreadable, corrupt, truncated, other-schema or mismatching file, or for statistics that
+  drifted beyond tolerance, and logs exactly one line saying why (``re-planning: ...``). A hit logs
+  one line too (``reusing cached execution plan ...``).
+- **One planner at a time** (POSIX): :meth:`PlanCache.get_or_plan` holds an exclusive ``fcntl``
+  lock per cache key while it plans, so concurrent processes wait and then reuse the winner's
+  plan. After ``lock_timeout_s`` a waiter plans on its own (and logs a warning): never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+import tempfile
+import time
+from typing import Callable, Iterator, Optional, Tuple
+
+from torchrec_sparselift.plan.execution_plan import ExecutionPlan, Fingerprint, PlanFormatError
+from torchrec_sparselift.semantics.workload import WorkloadStats
+
+try:  # POSIX only; without it get_or_plan still works, just without cross-process exclusion.
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["PlanCache", "logger"]
+
+logger = logging.getLogger("torchrec_sparselift.plan.cache")
+
+
+class PlanCache:
+    """Execution plans on disk, keyed by :meth:`Fingerprint.cache_key`.
+
+    Args:
+        directory: created if missing. Share it between runs (and ranks/hosts on a shared
+            filesystem that supports ``os.replace`` atomically, e.g. local disk or NFSv4).
+        lock_timeout_s: how long :meth:`get_or_plan` waits for another process planning the
+            same inputs before planning itself.
+    """
+
+    def __init__(self, directory: "os.PathLike[str] | str", lock_timeout_s: float = 900.0) -> None:
+        self.directory = os.fspath(directory)
+        if not (isinstance(lock_timeout_s, (int, float)) and lock_timeout_s >= 0):
+            raise ValueError(f"PlanCache(lock_timeout_s=...) must be a number >= 0, got {lock_timeout_s!r}")
+        self.lock_timeout_s = float(lock_timeout_s)
+        os.makedirs(self.directory, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"PlanCache({self.directory!r})"
+
+    def path_for(self, fingerprint: Fingerprint) -> str:
+        """Where the plan for ``fingerprint`` lives (whether or not it exists)."""
+        return os.path.join(self.directory, f"plan-{fingerprint.cache_key()}.json")
+
+    # ------------------------------------------------------------------------------------------
+    # reading
+    # ------------------------------------------------------------------------------------------
+
+    def _lookup(
+        self, fingerprint: Fingerprint, stats: Optional[WorkloadStats], drift_tolerance: float
+    ) -> Tuple[Optional[ExecutionPlan], str, int]:
+        """(plan or None, reason / hit description, log level). Never raises for file problems."""
+        path = self.path_for(fingerprint)
+        name = os.path.basename(path)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None, f"re-planning: no cached plan {name} in {self.directory}", logging.INFO
+        except OSError as e:
+            return None, f"re-planning: cannot read cached plan {path}: {e}", logging.WARNING
+        if not raw:
+            return None, f"re-planning: cached plan {path} is empty (truncated write?)", logging.WARNING
+        try:
+            plan = ExecutionPlan.from_json(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return None, f"re-planning: cached plan {path} is corrupt (not UTF-8: {e})", logging.WARNING
+        except PlanFormatError as e:
+            return None, f"re-planning: cached plan {path} is unusable: {e}", logging.WARNING
+        except Exception as e:  # noqa: BLE001 - anything in a file must not crash training
+            return None, f"re-planning: cached plan {path} is unusable: {type(e).__name__}: {e}", logging.WARNING
+
+        stored = plan.fingerprint
+        why = stored.mismatch(fingerprint)
+        if why is not None:
+            return None, f"re-planning: cached plan {name} does not match: {why}", logging.INFO
+        if stored.stats_digest == fingerprint.stats_digest:
+            return plan, f"reusing cached execution plan {path}: {plan.summary()}", logging.INFO
+        if stats is None or plan.stats is None:
+            have = "has no statistics" if plan.stats is None else "was planned with statistics"
+            now = "this run has none" if stats is None else "this run has statistics"
+            return None, f"re-planning: cached plan {name} {have} and {now}", logging.INFO
+        drift = plan.stats.drift(stats)
+        if math.isinf(drift):
+            return None, (
+                f"re-planning: workload statistics of cached plan {name} cover other features"
+            ), logging.INFO
+        if drift > drift_tolerance:
+            return None, (
+                f"re-planning: workload statistics drifted by {drift:.1%} "
+                f"(tolerance {drift_tolerance:.1%}) since cached plan {name}"
+            ), logging.INFO
+        return plan, (
+            f"reusing cached execution plan {path} (statistics drift {drift:.1%} within "
+            f"{drift_tolerance:.1%}): {plan.summary()}"
+        ), logging.INFO
+
+    @staticmethod
+    def _check_args(fingerprint: Fingerprint, stats: Optional[WorkloadStats], drift_tolerance: float) -> None:
+        if not isinstance(fingerprint, Fingerprint):
+            raise TypeError(f"fingerprint must be a Fingerprint, got {type(fingerprint).__name__}")
+        if not (isinstance(drift_tolerance, (int, float)) and drift_tolerance >= 0):
+            raise ValueError(f"drift_tolerance must be a number >= 0, got {drift_tolerance!r}")
+        if stats is not None and stats.digest() != fingerprint.stats_digest:
+            raise ValueError(
+                "stats do not match fingerprint.stats_digest: build the fingerprint with "
+                "fingerprint_inputs(..., stats=stats) for the same statistics"
+            )
+
+    def load(
+        self,
+        fingerprint: Fingerprint,
+        stats: Optional[WorkloadStats] = None,
+        drift_tolerance: float = 0.2,
+    ) -> Optional[ExecutionPlan]:
+        """The cached plan for ``fingerprint``, or ``None`` (after one log line saying why).
+
+        A plan is reused when its fingerprint equals ``fingerprint`` in everything but the
+        statistics, and its statistics are identical or (given ``stats``) drifted by at most
+        ``drift_tolerance`` (see :meth:`WorkloadStats.drift`). Never raises for file problems.
+        """
+        self._check_args(fingerprint, stats, drift_tolerance)
+        plan, message, level = self._lookup(fingerprint, stats, drift_tolerance)
+        logger.log(level, message)
+        return plan
+
+    # ------------------------------------------------------------------------------------------
+    # writing
+    # ------------------------------------------------------------------------------------------
+
+    def store(self, plan: ExecutionPlan) -> str:
+        """Write ``plan`` atomically (temp file, fsync, ``os.replace``); return its path.
+
+        Raises ``OSError`` if the directory is not writable (callers decide whether that matters).
+        """
+        if not isinstance(plan, ExecutionPlan):
+            raise TypeError(f"PlanCache.store needs an ExecutionPlan, got {type(plan).__name__}")
+        data = plan.to_json(indent=1).encode("utf-8")
+        path = self.path_for(plan.fingerprint)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self._fsync_directory()
+        logger.debug("stored execution plan %s", path)
+        return path
+
+    def _fsync_directory(self) -> None:
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    # ------------------------------------------------------------------------------------------
+    # load or plan, one planner at a time
+    # ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _exclusive(self, fingerprint: Fingerprint) -> Iterator[bool]:
+        """Hold the per-key lock; yields False (unlocked) after ``lock_timeout_s`` or without fcntl."""
+        if fcntl is None:
+            yield False
+            return
+        lock_path = self.path_for(fingerprint)[: -len(".json")] + ".lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + self.lock_timeout_s
+            delay = 0.01
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        logger.warning("plan cache lock %s unavailable (%s); planning without it", lock_path, e)
+                        yield False
+                        return
+                    if time.monotonic() >= deadline:
+                        logger.warning(
+                            "another process has been planning into %s for over %.0f s; planning "
+                            "without waiting further", lock_path, self.lock_timeout_s,
+                        )
+                        yield False
+                        return
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def get_or_plan(
+        self,
+        fingerprint: Fingerprint,
+        plan_fn: Callable[[], ExecutionPlan],
+        stats: Optional[WorkloadStats] = None,
+        drift_tolerance: float = 0.2,
+    ) -> Tuple[ExecutionPlan, bool]:
+        """Return ``(plan, hit)``: the cached plan (``hit=True``, ``plan_fn`` not called) or a
+        fresh one from ``plan_fn()`` stored for next time (``hit=False``).
+
+        Logs exactly one line for the decision (``reusing ...`` or ``re-planning: ...``). While one
+        process plans, others asking for the same key wait on a lock and then reuse its plan.
+        ``plan_fn`` must return a plan whose fingerprint equals ``fingerprint``. A failure to write
+        the cache is logged as a warning and the fresh plan is still returned.
+        """
+        self._check_args(fingerprint, stats, drift_tolerance)
+        plan, message, level = self._lookup(fingerprint, stats, drift_tolerance)
+        if plan is not None:
+            logger.log(level, message)
+            return plan, True
+        # Miss: decide again under the lock and log only that decision.
+        with self._exclusive(fingerprint):
+            # Someone else may have planned while we waited for the lock.
+            again, message2, level2 = self._lookup(fingerprint, stats, drift_tolerance)
+            if again is not None:
+                logger.log(level2, message2 + " (planned by another process)")
+                return again, True
+            logger.log(level2, message2)
+            fresh = plan_fn()
+            if not isinstance(fresh, ExecutionPlan):
+                raise TypeError(f"plan_fn must return an ExecutionPlan, got {type(fresh).__name__}")
+            if fresh.fingerprint != fingerprint:
+                raise ValueError(
+                    "plan_fn returned a plan for another fingerprint "
+                    f"({fingerprint.mismatch(fresh.fingerprint) or 'statistics differ'}); build it "
+                    "with the fingerprint passed to get_or_plan"
+                )
+            try:
+                self.store(fresh)
+            except OSError as e:
+                logger.warning("could not store execution plan in %s: %s", self.directory, e)
+            return fresh, False

@@ -1,0 +1,570 @@
+"""The execution plan: what SparseLift decided, what it predicts, and what it was decided for.
+
+An :class:`ExecutionPlan` is an immutable value holding
+
+- ``sharding_plan``: the TorchRec ``ShardingPlan`` handed to ``DistributedModelParallel``;
+- ``optimizations``: the sparse-path optimizations chosen on top of sharding (:class:`Optimizations`);
+- ``prediction``: modeled step time, its lower bound and a per-rank breakdown (:class:`Prediction`);
+- ``fingerprint``: digests of the inputs it was planned for (:class:`Fingerprint`);
+- ``stats``: the :class:`~torchrec_sparselift.semantics.workload.WorkloadStats` it was planned with;
+- ``created_at`` and ``planner_info`` (solver, status, planning time, ...).
+
+It serializes to versioned JSON (schema :data:`EXECUTION_PLAN_SCHEMA`) that reads back to an equal
+value; :mod:`torchrec_sparselift.plan.cache` stores it for reuse. Everything here is a pure value:
+no files, no logging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import hashlib
+import json
+import math
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import attrs
+
+from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
+from torchrec_sparselift.semantics.workload import WorkloadStats
+
+__all__ = [
+    "EXECUTION_PLAN_SCHEMA",
+    "PIPELINES",
+    "COMM_PRECISIONS",
+    "PlanFormatError",
+    "Optimizations",
+    "RankPrediction",
+    "Prediction",
+    "Versions",
+    "Fingerprint",
+    "TableSpec",
+    "fingerprint_inputs",
+    "table_specs",
+    "canonical_digest",
+    "ExecutionPlan",
+]
+
+#: Schema tag of :meth:`ExecutionPlan.to_json`; bump the number on any incompatible change.
+EXECUTION_PLAN_SCHEMA = "sparselift.execution_plan/1"
+#: Train-pipeline kinds, in TorchRec terms: TrainPipelineBase, TrainPipelineSparseDist,
+#: TrainPipelineSemiSync, TrainPipelineFusedSparseDist, PrefetchTrainPipelineSparseDist.
+PIPELINES = ("base", "sparse_dist", "semi_sync", "fused", "prefetch")
+#: Element types of the forward (pooled embeddings) / backward (their gradients) all-to-alls.
+COMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+
+#: (module_path, table_name, rows, dim, feature_names, pooled[, data_type])
+TableSpec = Tuple[Any, ...]
+
+
+class PlanFormatError(ValueError):
+    """A serialized execution plan cannot be read (malformed, truncated, or another schema)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# canonical JSON digests
+# ----------------------------------------------------------------------------------------------
+
+
+def _canonical(obj: Any) -> Any:
+    """A JSON-ready, process-independent description of ``obj`` (no ``hash()``, no ``id()``)."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, enum.Enum):
+        return f"{type(obj).__qualname__}.{obj.name}"
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else repr(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (frozenset, set)):
+        return sorted((_canonical(v) for v in obj), key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(obj, tuple) and hasattr(obj, "_asdict"):
+        return {"__type__": type(obj).__qualname__, **_canonical(obj._asdict())}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _canonical(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {"__type__": type(obj).__qualname__, **fields}
+    if attrs.has(type(obj)):
+        return {"__type__": type(obj).__qualname__, **_canonical(attrs.asdict(obj, recurse=False))}
+    if hasattr(obj, "__dict__"):
+        public = {k: v for k, v in vars(obj).items() if not callable(v)}
+        return {"__type__": type(obj).__qualname__, **_canonical(public)}
+    # Objects without state we can read are described by their type alone.
+    return {"__type__": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+
+
+def canonical_digest(obj: Any) -> str:
+    """sha256 hex of the canonical JSON of ``obj``: equal inputs give equal digests in any process."""
+    text = json.dumps(_canonical(obj), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# validators
+# ----------------------------------------------------------------------------------------------
+
+
+def _non_negative(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a finite number >= 0, got {value!r}"
+        )
+
+
+def _non_negative_int(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be an int >= 0, got {value!r}")
+
+
+def _one_of(choices: Sequence[str]) -> Any:
+    def check(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if value not in choices:
+            raise ValueError(
+                f"{type(instance).__name__}.{attribute.name} must be one of {list(choices)}, got {value!r}"
+            )
+
+    return check
+
+
+def _hex_digest(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if value is None and attribute.default is None:
+        return
+    if not (isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a sha256 hex digest (64 lowercase hex "
+            f"characters), got {value!r}; build fingerprints with fingerprint_inputs()"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# value types
+# ----------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Optimizations:
+    """Sparse-path optimizations chosen on top of the sharding.
+
+    Attributes:
+        pipeline: train-pipeline kind, one of :data:`PIPELINES`.
+        fwd_comm_precision / bwd_comm_precision: element type of the pooled-embedding all-to-all
+            and of its gradient, one of :data:`COMM_PRECISIONS` (TorchRec qcomm codecs).
+        sharding_group_size: ranks per sharding group for 2D sparse parallelism (``DMPCollection``);
+            ``None`` means 1D (tables sharded over all ranks).
+        sync_interval: steps between replica weight/optimizer averaging (2D only; 1 otherwise).
+        table_grouping: whether tables with equal kernel/dim are fused into one TBE group.
+    """
+
+    pipeline: str = attrs.field(default="sparse_dist", validator=_one_of(PIPELINES))
+    fwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
+    bwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
+    sharding_group_size: Optional[int] = attrs.field(default=None)
+    sync_interval: int = attrs.field(default=1)
+    table_grouping: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        g = self.sharding_group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ValueError(
+                f"Optimizations.sharding_group_size must be None (1D) or an int >= 1, got {g!r}"
+            )
+        s = self.sync_interval
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"Optimizations.sync_interval must be an int >= 1 (steps), got {s!r}")
+
+    @property
+    def is_2d(self) -> bool:
+        return self.sharding_group_size is not None
+
+
+@attrs.frozen(kw_only=True)
+class RankPrediction:
+    """Modeled cost of one step on one rank (seconds, bytes)."""
+
+    rank: int = attrs.field(validator=_non_negative_int)
+    compute_s: float = attrs.field(validator=_non_negative)
+    exposed_comm_s: float = attrs.field(validator=_non_negative)
+    overlapped_comm_s: float = attrs.field(default=0.0, validator=_non_negative)
+    hbm_bytes: int = attrs.field(default=0, validator=_non_negative_int)
+    ddr_bytes: int = attrs.field(default=0, validator=_non_negative_int)
+
+    @property
+    def step_s(self) -> float:
+        """Time this rank alone would need: compute plus communication it cannot hide."""
+        return self.compute_s + self.exposed_comm_s
+
+
+def _rank_tuple(value: Iterable[RankPrediction]) -> Tuple[RankPrediction, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class Prediction:
+    """Modeled steady-state step time of a plan.
+
+    ``lower_bound_s`` is a bound on the best step time reachable under the same model, so
+    ``gap`` says how far this plan can be from optimal (0.0 = provably optimal under the model).
+    """
+
+    step_time_s: float = attrs.field(validator=_non_negative)
+    lower_bound_s: float = attrs.field(validator=_non_negative)
+    per_rank: Tuple[RankPrediction, ...] = attrs.field(converter=_rank_tuple, factory=tuple)
+    cost_model: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+
+    def __attrs_post_init__(self) -> None:
+        if self.lower_bound_s > self.step_time_s * (1 + 1e-6) + 1e-12:
+            raise ValueError(
+                f"Prediction.lower_bound_s={self.lower_bound_s} exceeds step_time_s={self.step_time_s}: "
+                "a lower bound cannot be above the plan it bounds"
+            )
+        ranks = [r.rank for r in self.per_rank]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"Prediction.per_rank lists a rank twice: ranks {ranks}")
+
+    @property
+    def gap(self) -> float:
+        """``step_time / lower_bound - 1``: 0.0 when equal, ``inf`` when the bound is 0."""
+        if self.step_time_s == self.lower_bound_s:
+            return 0.0
+        if self.lower_bound_s == 0:
+            return math.inf
+        return self.step_time_s / self.lower_bound_s - 1.0
+
+
+@attrs.frozen(kw_only=True)
+class Versions:
+    """Library versions a plan was made with, and the plan schema."""
+
+    torch: str
+    torchrec: str
+    torchrec_sparselift: str
+    schema: str = EXECUTION_PLAN_SCHEMA
+
+    @classmethod
+    def current(cls) -> "Versions":
+        """The versions installed in this process."""
+        import importlib.metadata
+
+        import torch
+
+        import torchrec_sparselift
+
+        try:
+            torchrec_version = importlib.metadata.version("torchrec")
+        except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source checkout
+            import torchrec
+
+            torchrec_version = str(getattr(torchrec, "__version__", "unknown"))
+        return cls(
+            torch=str(torch.__version__),
+            torchrec=torchrec_version,
+            torchrec_sparselift=str(torchrec_sparselift.__version__),
+        )
+
+
+def _versions(value: Any) -> Versions:
+    return value if isinstance(value, Versions) else Versions(**value)
+
+
+@attrs.frozen(kw_only=True)
+class Fingerprint:
+    """What a plan was made for, as digests of canonical JSON (stable across processes).
+
+    ``cache_key()`` covers the planning inputs that make a stored plan *a candidate* (tables,
+    topology, batch size, constraints, hardware profile); ``versions`` and ``stats_digest`` are
+    compared after loading so that a mismatch can be reported with a reason.
+    Build with :func:`fingerprint_inputs`.
+    """
+
+    tables_digest: str = attrs.field(validator=_hex_digest)
+    topology_digest: str = attrs.field(validator=_hex_digest)
+    batch_size: int = attrs.field()
+    constraints_digest: str = attrs.field(validator=_hex_digest)
+    stats_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)
+    hardware_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)
+    versions: Versions = attrs.field(factory=Versions.current, converter=_versions)
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"Fingerprint.batch_size must be an int >= 1, got {self.batch_size!r}")
+
+    def cache_key(self) -> str:
+        """sha256 hex over tables, topology, batch size, constraints and hardware digests."""
+        return canonical_digest(
+            [self.tables_digest, self.topology_digest, self.batch_size, self.constraints_digest,
+             self.hardware_digest]
+        )
+
+    def digest(self) -> str:
+        """sha256 hex over every field (including statistics and versions)."""
+        return canonical_digest(attrs.asdict(self))
+
+    def mismatch(self, other: "Fingerprint") -> Optional[str]:
+        """A short reason why ``other`` differs from ``self`` outside the statistics, or ``None``."""
+        for name in ("tables_digest", "topology_digest", "batch_size", "constraints_digest", "hardware_digest"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                label = name.replace("_digest", "")
+                if name == "batch_size":
+                    return f"batch size changed ({a} -> {b})"
+                return f"{label} changed ({str(a)[:12]} -> {str(b)[:12]})"
+        for name in ("schema", "torch", "torchrec", "torchrec_sparselift"):
+            a, b = getattr(self.versions, name), getattr(other.versions, name)
+            if a != b:
+                return f"{name} version changed ({a} -> {b})"
+        return None
+
+
+def _check_table_spec(spec: Sequence[Any]) -> Tuple[Any, ...]:
+    if not isinstance(spec, (tuple, list)) or len(spec) not in (6, 7):
+        raise ValueError(
+            "each table must be a tuple (module_path, table_name, rows, dim, feature_names, pooled"
+            f"[, data_type]); got {spec!r}"
+        )
+    module_path, name, rows, dim, features, pooled = spec[:6]
+    where = f"table {name!r} (module {module_path!r})"
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"table name must be a non-empty string, got {name!r} in module {module_path!r}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"{where}: rows must be an int >= 1, got {rows!r}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"{where}: dim must be an int >= 1, got {dim!r}")
+    if isinstance(features, str) or not all(isinstance(f, str) for f in features):
+        raise ValueError(f"{where}: feature_names must be a list of strings, got {features!r}")
+    out = (str(module_path), name, rows, dim, list(features), bool(pooled))
+    if len(spec) == 7:
+        out = out + (str(spec[6]),)
+    return out
+
+
+def _topology_description(topology: Any) -> Dict[str, Any]:
+    devices = [
+        [d.storage.hbm, d.storage.ddr, getattr(d.storage, "ssd", 0)] for d in getattr(topology, "devices", [])
+    ]
+    desc: Dict[str, Any] = {"devices": devices}
+    for name in (
+        "world_size", "compute_device", "local_world_size", "intra_group_size", "hbm_mem_bw",
+        "ddr_mem_bw", "ssd_mem_bw", "hbm_to_ddr_mem_bw", "intra_host_bw", "inter_host_bw",
+        "bwd_compute_multiplier", "weighted_feature_bwd_compute_multiplier",
+        "uneven_sharding_perf_multiplier",
+    ):
+        if hasattr(topology, name):
+            desc[name] = _canonical(getattr(topology, name))
+    return desc
+
+
+def fingerprint_inputs(
+    tables: Iterable[Sequence[Any]],
+    topology: Any,
+    batch_size: int,
+    constraints: Optional[Mapping[str, Any]] = None,
+    stats: Optional[WorkloadStats] = None,
+    hardware: Any = None,
+    versions: Optional[Versions] = None,
+) -> Fingerprint:
+    """Fingerprint of the planning inputs.
+
+    Args:
+        tables: ``(module_path, table_name, rows, dim, feature_names, pooled)`` tuples, optionally
+            with a 7th element ``data_type`` (e.g. "FP16"); order does not matter.
+            :func:`table_specs` builds them from a model.
+        topology: a TorchRec ``Topology`` (world size, devices' capacities, bandwidths).
+        batch_size: per-rank batch size, as given to the planner.
+        constraints: TorchRec ``ParameterConstraints`` by table name (or ``None``).
+        stats: the workload statistics planned with (or ``None``).
+        hardware: the :class:`~torchrec_sparselift.cost.hardware.HardwareProfile` planned with.
+        versions: defaults to :meth:`Versions.current`.
+
+    Raises ``ValueError`` naming the table with zero/negative rows or dims, a table listed twice,
+    or a non-positive batch size. The same inputs give the same fingerprint in any process.
+    """
+    specs = [_check_table_spec(t) for t in tables]
+    if not specs:
+        raise ValueError("fingerprint_inputs() needs at least one table")
+    specs.sort(key=lambda s: (s[0], s[1]))
+    for a, b in zip(specs, specs[1:]):
+        if (a[0], a[1]) == (b[0], b[1]):
+            raise ValueError(f"table {a[1]!r} listed twice in module {a[0]!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    hardware_digest = None
+    if hardware is not None:
+        to_dict = getattr(hardware, "to_dict", None)
+        hardware_digest = canonical_digest(to_dict() if callable(to_dict) else hardware)
+    return Fingerprint(
+        tables_digest=canonical_digest(specs),
+        topology_digest=canonical_digest(_topology_description(topology)),
+        batch_size=batch_size,
+        constraints_digest=canonical_digest(dict(constraints or {})),
+        stats_digest=None if stats is None else stats.digest(),
+        hardware_digest=hardware_digest,
+        versions=versions if versions is not None else Versions.current(),
+    )
+
+
+def table_specs(module: Any) -> List[TableSpec]:
+    """``(module_path, table_name, rows, dim, feature_names, pooled, data_type)`` for every
+    embedding module in ``module`` that a TorchRec sharder plans as a unit (EBC, EC, and wrappers
+    such as FP-EBC or managed-collision modules, reported at the wrapper's path)."""
+    out: List[TableSpec] = []
+    claimed: List[str] = []
+    for path, sub in module.named_modules():
+        if any(c == "" or path.startswith(c + ".") for c in claimed):
+            continue  # inside a module already reported (e.g. the EBC inside an FP-EBC)
+        configs, pooled = _embedding_configs(sub)
+        if configs is None:
+            continue
+        claimed.append(path)
+        for cfg in configs:
+            data_type = getattr(getattr(cfg, "data_type", None), "value", None) or "FP32"
+            out.append(
+                (path, cfg.name, int(cfg.num_embeddings), int(cfg.embedding_dim),
+                 list(cfg.feature_names), pooled, str(data_type))
+            )
+    return out
+
+
+def _embedding_configs(sub: Any) -> Tuple[Optional[List[Any]], bool]:
+    for attr, pooled in (("embedding_bag_configs", True), ("embedding_configs", False)):
+        fn = getattr(sub, attr, None)
+        if callable(fn):
+            try:
+                return list(fn()), pooled
+            except (AttributeError, NotImplementedError, TypeError):
+                continue
+    for inner_name in ("_embedding_bag_collection", "_embedding_collection", "_embedding_module"):
+        inner = getattr(sub, inner_name, None)
+        if inner is not None:
+            configs, pooled = _embedding_configs(inner)
+            if configs is not None:
+                return configs, pooled
+    return None, False
+
+
+# ----------------------------------------------------------------------------------------------
+# the plan
+# ----------------------------------------------------------------------------------------------
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+def _json_stable(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    try:
+        text = json.dumps(value, sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"ExecutionPlan.{attribute.name} must be JSON-serializable: {e}") from None
+    if json.loads(text) != value:
+        raise ValueError(
+            f"ExecutionPlan.{attribute.name} must survive a JSON round trip unchanged (use lists, not "
+            f"tuples; string keys): {value!r}"
+        )
+
+
+def _optional_stats(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if value is not None and not isinstance(value, WorkloadStats):
+        raise TypeError(f"ExecutionPlan.stats must be WorkloadStats or None, got {type(value).__name__}")
+
+
+def _sharding_plan(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    from torchrec.distributed.types import ShardingPlan
+
+    if not isinstance(value, ShardingPlan):
+        raise TypeError(f"ExecutionPlan.sharding_plan must be a torchrec ShardingPlan, got {type(value).__name__}")
+
+
+@attrs.frozen(kw_only=True)
+class ExecutionPlan:
+    """A sharding plan plus optimizations, prediction and provenance. See the module docstring."""
+
+    sharding_plan: Any = attrs.field(validator=_sharding_plan, repr=False)
+    optimizations: Optimizations = attrs.field(validator=attrs.validators.instance_of(Optimizations))
+    prediction: Prediction = attrs.field(validator=attrs.validators.instance_of(Prediction))
+    fingerprint: Fingerprint = attrs.field(validator=attrs.validators.instance_of(Fingerprint))
+    stats: Optional[WorkloadStats] = attrs.field(default=None, validator=_optional_stats, repr=False)
+    created_at: str = attrs.field(factory=_utc_now)
+    planner_info: Dict[str, Any] = attrs.field(factory=dict, converter=dict, validator=_json_stable)
+
+    def __attrs_post_init__(self) -> None:
+        expected = None if self.stats is None else self.stats.digest()
+        if self.fingerprint.stats_digest != expected:
+            raise ValueError(
+                "ExecutionPlan.fingerprint.stats_digest does not match ExecutionPlan.stats: build the "
+                "fingerprint with the same WorkloadStats the plan carries (or None for both)"
+            )
+
+    def summary(self) -> str:
+        """One line for logs: pipeline, precision, 2D, predicted step, gap, solver."""
+        o, p = self.optimizations, self.prediction
+        two_d = f"2D group {o.sharding_group_size}/sync {o.sync_interval}" if o.is_2d else "1D"
+        tables = sum(len(m) for m in self.sharding_plan.plan.values() if isinstance(m, dict))
+        return (
+            f"{tables} tables, pipeline={o.pipeline}, comm={o.fwd_comm_precision}/{o.bwd_comm_precision}, "
+            f"{two_d}, predicted {p.step_time_s * 1e3:.3f} ms/step (gap {p.gap:.1%}), "
+            f"solver={self.planner_info.get('solver', '?')}"
+        )
+
+    # serialization ---------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "schema": EXECUTION_PLAN_SCHEMA,
+            "fingerprint": attrs.asdict(self.fingerprint),
+            "optimizations": attrs.asdict(self.optimizations),
+            "prediction": {
+                "step_time_s": self.prediction.step_time_s,
+                "lower_bound_s": self.prediction.lower_bound_s,
+                "cost_model": self.prediction.cost_model,
+                "per_rank": [attrs.asdict(r) for r in self.prediction.per_rank],
+            },
+            "stats": None if self.stats is None else self.stats.to_dict(),
+            "created_at": self.created_at,
+            "planner_info": self.planner_info,
+            "sharding_plan": sharding_plan_to_dict(self.sharding_plan),
+        }
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        """Versioned JSON text; :meth:`from_json` reads it back to an equal plan."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ExecutionPlan":
+        if not isinstance(data, Mapping):
+            raise PlanFormatError(f"execution plan must be a JSON object, got {type(data).__name__}")
+        schema = data.get("schema")
+        if schema != EXECUTION_PLAN_SCHEMA:
+            raise PlanFormatError(f"schema {schema!r} is not {EXECUTION_PLAN_SCHEMA!r}")
+        try:
+            pred = data["prediction"]
+            stats = data["stats"]
+            return cls(
+                sharding_plan=sharding_plan_from_dict(data["sharding_plan"]),
+                optimizations=Optimizations(**data["optimizations"]),
+                prediction=Prediction(
+                    step_time_s=pred["step_time_s"],
+                    lower_bound_s=pred["lower_bound_s"],
+                    cost_model=pred["cost_model"],
+                    per_rank=tuple(RankPrediction(**r) for r in pred["per_rank"]),
+                ),
+                fingerprint=Fingerprint(**data["fingerprint"]),
+                stats=None if stats is None else WorkloadStats.from_dict(stats),
+                created_at=data["created_at"],
+                planner_info=data["planner_info"],
+            )
+        except PlanFormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanFormatError(f"malformed execution plan: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> "ExecutionPlan":
+        """Parse :meth:`to_json` output. Raises :class:`PlanFormatError` on anything unreadable."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+            raise PlanFormatError(f"not valid JSON (truncated or corrupt?): {e}") from e
+        return cls.from_dict(data)
