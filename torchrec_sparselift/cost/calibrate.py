@@ -1,0 +1,680 @@
+"""Fit a :class:`HardwareProfile` to microbenchmarks run on the machine at hand.
+
+The fitted parameters are exactly those the cost model's equations use (``B`` = ``ids x
+row_bytes(dim)``, the bytes a lookup reads; ``n`` = ranks in the group)::
+
+    lookup forward            t = lookup_overhead_s + B / bw
+    backward + fused update   t = lookup_overhead_s + bwd_factor * B / bw
+      (measured together:     t = 2 lookup_overhead_s + (1 + bwd_factor) * B / bw)
+    all_to_all_single         t = collective_latency_s + (n - 1) / n * bytes / a2a_bw
+    all_reduce                t = collective_latency_s + 2 (n - 1) / n * bytes / allreduce_bw
+    dense matmul              t = flops / dense_flops
+    pinned host->device copy  t = c + bytes / uvm_bw                 (CUDA only)
+
+``bytes`` is each rank's buffer; (n - 1) / n of it leaves the rank, which is what the cost model
+counts. ``bw`` is ``hbm_bw`` on CUDA and ``ddr_bw`` on CPU (a CPU profile gets the fitted value in
+``hbm_bw``, ``ddr_bw`` and ``uvm_bw``, as the ``cpu-gloo`` preset does). ``row_granularity_bytes``
+is chosen from a few candidates by the same fit. Each family is fitted by non-negative least
+squares on *relative* residuals (every point counts the same whatever its size) with Huber
+reweighting, so one noisy point on a shared machine cannot drag a rate far. The report gives
+each family's mean and max absolute percentage error under the fitted profile.
+
+Run: ``python -m torchrec_sparselift.cost.calibrate --out profile.json [--quick] [--base NAME]``,
+alone (no collectives: they keep the base profile's values) or under ``torchrun`` (rank 0
+writes; collectives are measured across all ranks). Nothing here imports torchrec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import attrs
+import torch
+
+from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
+from torchrec_sparselift.cost.microbench import (
+    CollectiveRecord,
+    CopyRecord,
+    DenseRecord,
+    LookupRecord,
+    MicrobenchRecords,
+    SweepConfig,
+    bench_collectives,
+    bench_dense,
+    bench_host_to_device,
+    bench_lookups,
+    resolve_kernel,
+)
+
+__all__ = [
+    "CalibrationError",
+    "FamilyFit",
+    "CalibrationReport",
+    "fit_nonnegative",
+    "fit_lookups",
+    "fit_collectives",
+    "fit_dense",
+    "fit_copies",
+    "fit_profile",
+    "predict_lookup",
+    "predict_collective",
+    "predict_dense",
+    "calibrate",
+    "main",
+]
+
+GRANULARITY_CANDIDATES = (4, 16, 32, 64, 128)
+
+
+class CalibrationError(ValueError):
+    """The records cannot determine a parameter; the message says what to measure instead."""
+
+
+# -- generic fit --------------------------------------------------------------------------------
+
+
+def _weighted_lstsq(rows: Sequence[Sequence[float]], y: Sequence[float], w: Sequence[float], cols: Sequence[int]) -> List[float]:
+    """Least squares on the chosen columns of relative rows; the other coefficients are 0."""
+    x = torch.tensor([[r[c] / yi for c in cols] for r, yi in zip(rows, y)], dtype=torch.float64)
+    sw = torch.tensor(w, dtype=torch.float64).sqrt().unsqueeze(1)
+    target = torch.ones(len(y), 1, dtype=torch.float64)
+    scale = x.abs().max(dim=0).values.clamp_min(1e-300)  # column scaling for conditioning
+    sol = torch.linalg.lstsq((x / scale) * sw, target * sw, driver="gelsd").solution.squeeze(1) / scale
+    coef = [0.0] * len(rows[0])
+    for c, v in zip(cols, sol.tolist()):
+        coef[c] = v
+    return coef
+
+
+def _relative_residuals(rows: Sequence[Sequence[float]], y: Sequence[float], coef: Sequence[float]) -> List[float]:
+    return [(sum(a * c for a, c in zip(r, coef)) - yi) / yi for r, yi in zip(rows, y)]
+
+
+def fit_nonnegative(
+    rows: Sequence[Sequence[float]],
+    y: Sequence[float],
+    *,
+    robust: bool = True,
+    iterations: int = 8,
+) -> Tuple[float, ...]:
+    """Coefficients ``c >= 0`` minimizing ``sum_i w_i ((rows_i . c - y_i) / y_i)^2``.
+
+    Exact non-negative least squares by trying every subset of active columns (fine for the
+    2-3 unknowns here). With ``robust`` the weights ``w_i`` are Huber weights on the relative
+    residuals (scale from their median absolute deviation), refitted ``iterations`` times.
+    """
+    if len(rows) != len(y) or not rows:
+        raise CalibrationError(f"need matching, non-empty rows and times (got {len(rows)} rows, {len(y)} times)")
+    k = len(rows[0])
+    if any(len(r) != k for r in rows):
+        raise CalibrationError("all design rows must have the same length")
+    if not all(math.isfinite(v) and v > 0 for v in y):
+        raise CalibrationError("measured times must be positive and finite")
+    w = [1.0] * len(y)
+    best: Optional[List[float]] = None
+    for _ in range(iterations if robust else 1):
+        best, best_loss = None, math.inf
+        for size in range(k, 0, -1):
+            for cols in itertools.combinations(range(k), size):
+                coef = _weighted_lstsq(rows, y, w, cols)
+                if any(v < 0 for v in coef):
+                    continue
+                loss = sum(wi * r * r for wi, r in zip(w, _relative_residuals(rows, y, coef)))
+                if loss < best_loss:
+                    best, best_loss = coef, loss
+        assert best is not None  # a single non-negative column always fits (the sum is positive)
+        if not robust:
+            break
+        res = _relative_residuals(rows, y, best)
+        mad = statistics.median(abs(r - statistics.median(res)) for r in res)
+        delta = 1.345 * max(1.4826 * mad, 0.01)
+        w = [1.0 if abs(r) <= delta else delta / abs(r) for r in res]
+    return tuple(best)
+
+
+# -- report values ------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class FamilyFit:
+    """How well the fitted profile predicts one family of measurements."""
+
+    family: str
+    points: int
+    mape: float  # mean |predicted - measured| / measured
+    max_ape: float
+    median_ape: float
+
+    @classmethod
+    def of(cls, family: str, predicted: Sequence[float], measured: Sequence[float]) -> "FamilyFit":
+        ape = [abs(p - m) / m for p, m in zip(predicted, measured)]
+        return cls(
+            family=family, points=len(ape), mape=sum(ape) / len(ape), max_ape=max(ape),
+            median_ape=float(statistics.median(ape)),
+        )
+
+    def line(self) -> str:
+        return (
+            f"{self.family:<16} {self.points:4d} points  MAPE {100 * self.mape:6.1f}%  "
+            f"median {100 * self.median_ape:6.1f}%  max {100 * self.max_ape:6.1f}%"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class CalibrationReport:
+    """What a calibration measured, what it fitted, and how well the fit holds."""
+
+    profile: HardwareProfile
+    base: str
+    device: str
+    kernel: Optional[str]
+    world_size: int
+    fits: Tuple[FamilyFit, ...] = attrs.field(converter=tuple)
+    diagnostics: Mapping[str, float] = attrs.field(factory=dict)
+    notes: Tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    records: MicrobenchRecords = attrs.field(factory=MicrobenchRecords)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "schema": "sparselift.calibration_report/1",
+            "profile": self.profile.to_dict(),
+            "base": self.base,
+            "device": self.device,
+            "kernel": self.kernel,
+            "world_size": self.world_size,
+            "fits": [attrs.asdict(f) for f in self.fits],
+            "diagnostics": dict(self.diagnostics),
+            "notes": list(self.notes),
+            "records": self.records.to_dict(),
+        }
+
+    def summary(self) -> str:
+        p = self.profile
+        bw = p.ddr_bw if p.compute_device == "cpu" else p.hbm_bw
+        lines = [
+            f"profile {p.name!r} ({p.compute_device}, base {self.base!r}, kernel {self.kernel}, "
+            f"{self.world_size} rank(s))",
+            f"  lookup bw {bw / 1e9:.2f} GB/s  overhead {p.lookup_overhead_s * 1e6:.1f} us  "
+            f"bwd_factor {p.bwd_factor:.2f}  row_granularity {p.row_granularity_bytes} B",
+            f"  a2a bw {p.intra_host_bw / 1e9:.3f} GB/s (intra) {p.inter_host_bw / 1e9:.3f} GB/s (inter)  "
+            f"allreduce bw {p.allreduce_bw / 1e9:.3f} GB/s  latency {p.collective_latency_s * 1e6:.1f} us",
+            f"  dense {p.dense_flops / 1e12:.3f} TFLOP/s  uvm bw {p.uvm_bw / 1e9:.2f} GB/s",
+        ]
+        lines += ["  " + f.line() for f in self.fits]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# -- model predictions (the cost model's equations, for residuals) ------------------------------
+
+
+def _lookup_bw(profile: HardwareProfile) -> float:
+    return profile.ddr_bw if profile.compute_device == "cpu" else profile.hbm_bw
+
+
+def predict_lookup(profile: HardwareProfile, rec: LookupRecord) -> float:
+    """Predicted seconds of one lookup call (forward, or forward + backward + update)."""
+    term = rec.ids * profile.row_bytes(rec.dim, rec.elem_bytes) / _lookup_bw(profile)
+    if rec.phase == "fwd":
+        return profile.lookup_overhead_s + term
+    return 2.0 * profile.lookup_overhead_s + (1.0 + profile.bwd_factor) * term
+
+
+def predict_collective(profile: HardwareProfile, rec: CollectiveRecord, spans_hosts: bool = False) -> float:
+    """Predicted seconds of one collective call on ``rec.world_size`` ranks."""
+    n = rec.world_size
+    if rec.op == "all_to_all":
+        return profile.collective_latency_s + (n - 1) / n * rec.bytes / profile.a2a_bw(n, spans_hosts)
+    return profile.collective_latency_s + 2.0 * (n - 1) / n * rec.bytes / profile.allreduce_bw
+
+
+def predict_dense(profile: HardwareProfile, rec: DenseRecord) -> float:
+    return rec.flops / profile.dense_flops
+
+
+# -- family fits --------------------------------------------------------------------------------
+
+
+def _require(records: Sequence[Any], what: str, hint: str) -> None:
+    if not records:
+        raise CalibrationError(f"no {what} records to fit; {hint}")
+
+
+def fit_lookups(
+    base: HardwareProfile,
+    lookups: Sequence[LookupRecord],
+    granularities: Sequence[int] = GRANULARITY_CANDIDATES,
+) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """Fit ``bw``, ``lookup_overhead_s``, ``bwd_factor`` and ``row_granularity_bytes``.
+
+    Forward and forward+backward records are fitted jointly: as in the cost model, the forward
+    and the backward each pay ``lookup_overhead_s`` and share the bandwidth. Returns
+    ``(parameters, diagnostics)``; the diagnostics hold each phase's own intercept and slope.
+    """
+    _require(lookups, "lookup", "run the lookup microbenchmark (bench_lookups)")
+    phases = {r.phase for r in lookups}
+    if "fwd" not in phases:
+        raise CalibrationError("lookup records hold no forward ('fwd') points; the bandwidth needs them")
+    if len({r.ids * r.dim for r in lookups}) < 2:
+        raise CalibrationError(
+            "all lookup records read the same number of bytes; vary pooling, batch size or dim "
+            "so bandwidth and overhead can be told apart"
+        )
+    y = [r.seconds for r in lookups]
+    best: Optional[Tuple[float, int, Tuple[float, ...]]] = None
+    base_result: Optional[Tuple[float, int, Tuple[float, ...]]] = None
+    for g in sorted(set(granularities) | {base.row_granularity_bytes}):
+        prof = attrs.evolve(base, row_granularity_bytes=g)
+        rows = []
+        for r in lookups:
+            b = float(r.ids * prof.row_bytes(r.dim, r.elem_bytes))
+            if r.phase == "fwd":
+                rows.append([1.0, b, 0.0])
+            else:  # forward + backward: two kernel calls, both pay the overhead
+                rows.append([2.0, b, b])
+        if "fwd_bwd" not in phases:
+            rows = [row[:2] for row in rows]
+        coef = fit_nonnegative(rows, y)
+        loss = sum(abs(e) for e in _relative_residuals(rows, y, coef))
+        result = (loss, g, coef)
+        if g == base.row_granularity_bytes:
+            base_result = result
+        if best is None or loss < best[0]:
+            best = result
+    assert best is not None and base_result is not None
+    if base_result[0] <= best[0] * 1.02:  # prefer the base granularity unless clearly worse
+        best = base_result
+    _, g, coef = best
+    overhead, per_byte = coef[0], coef[1]
+    if per_byte <= 0:
+        raise CalibrationError(
+            "lookup times do not grow with bytes read; measure larger batches or pooling factors"
+        )
+    params: Dict[str, float] = {
+        "bw": 1.0 / per_byte,
+        "lookup_overhead_s": overhead,
+        "row_granularity_bytes": g,
+    }
+    if "fwd_bwd" in phases:
+        if coef[2] <= 0:
+            raise CalibrationError(
+                "forward+backward lookups are not slower than forward ones; check the "
+                "fwd_bwd records (the backward must run the optimizer update)"
+            )
+        params["bwd_factor"] = coef[2] / per_byte
+    diagnostics: Dict[str, float] = {}
+    prof = attrs.evolve(base, row_granularity_bytes=g)
+    for phase in sorted(phases):
+        sub = [r for r in lookups if r.phase == phase]
+        if len({r.ids * r.dim for r in sub}) < 2:
+            continue
+        c = fit_nonnegative([[1.0, float(r.ids * prof.row_bytes(r.dim, r.elem_bytes))] for r in sub], [r.seconds for r in sub])
+        diagnostics[f"lookup_{phase}_intercept_s"] = c[0]
+        if c[1] > 0:
+            diagnostics[f"lookup_{phase}_bytes_per_s"] = 1.0 / c[1]
+    return params, diagnostics
+
+
+def fit_collectives(collectives: Sequence[CollectiveRecord]) -> Dict[str, float]:
+    """Fit ``collective_latency_s``, the all-to-all bandwidth and ``allreduce_bw`` jointly."""
+    _require(collectives, "collective", "run under torchrun with 2 or more ranks")
+    worlds = {r.world_size for r in collectives}
+    if len(worlds) != 1:
+        raise CalibrationError(f"collective records mix world sizes {sorted(worlds)}; fit one group at a time")
+    n = worlds.pop()
+    if n < 2:
+        raise CalibrationError("collective records need a world size of 2 or more")
+    ops = sorted({r.op for r in collectives})
+    rows = []
+    for r in collectives:
+        row = [1.0]
+        for op in ops:
+            if op == "all_to_all":
+                row.append((n - 1) / n * r.bytes if r.op == op else 0.0)
+            else:
+                row.append(2.0 * (n - 1) / n * r.bytes if r.op == op else 0.0)
+        rows.append(row)
+    for op in ops:
+        if len({r.bytes for r in collectives if r.op == op}) < 2:
+            raise CalibrationError(f"{op} was measured at one message size only; measure several sizes")
+    coef = fit_nonnegative(rows, [r.seconds for r in collectives])
+    out = {"collective_latency_s": coef[0], "world_size": float(n)}
+    for op, c in zip(ops, coef[1:]):
+        if c <= 0:
+            raise CalibrationError(f"{op} times do not grow with message size; measure larger messages")
+        out["a2a_bw" if op == "all_to_all" else "allreduce_bw"] = 1.0 / c
+    return out
+
+
+def fit_dense(dense: Sequence[DenseRecord], dtype: str) -> float:
+    """Sustained FLOP/s for ``dtype``: the slope through the origin of time against FLOPs."""
+    sub = [r for r in dense if r.dtype == dtype]
+    _require(sub, f"dense {dtype}", f"measure matmuls in {dtype} (available: {sorted({r.dtype for r in dense})})")
+    (per_flop,) = fit_nonnegative([[float(r.flops)] for r in sub], [r.seconds for r in sub])
+    return 1.0 / per_flop
+
+
+def fit_copies(copies: Sequence[CopyRecord]) -> Tuple[float, float]:
+    """``(bytes_per_s, fixed_s)`` of pinned host-to-device copies."""
+    sub = [r for r in copies if r.direction == "h2d"]
+    _require(sub, "host-to-device copy", "measure pinned copies on a CUDA device")
+    if len({r.bytes for r in sub}) < 2:
+        raise CalibrationError("copies were measured at one size only; measure several sizes")
+    fixed, per_byte = fit_nonnegative([[1.0, float(r.bytes)] for r in sub], [r.seconds for r in sub])
+    if per_byte <= 0:
+        raise CalibrationError("copy times do not grow with size; measure larger copies")
+    return 1.0 / per_byte, fixed
+
+
+def _a2a_fields(base: HardwareProfile, a2a_bw: float, n: int, spans_hosts: bool) -> Dict[str, float]:
+    """Profile fields that make ``a2a_bw(n, spans_hosts)`` equal the measured bandwidth."""
+    if not spans_hosts:
+        fields = {"intra_host_bw": a2a_bw}
+        if base.compute_device == "cpu":
+            fields["inter_host_bw"] = a2a_bw  # loopback gloo: one path
+        return fields
+    local = min(base.local_world_size, n)
+    remote_frac = (n - local) / n
+    return {"inter_host_bw": max(remote_frac * a2a_bw, 1.0)}
+
+
+def fit_profile(
+    base: HardwareProfile,
+    records: MicrobenchRecords,
+    *,
+    name: Optional[str] = None,
+    dense_dtype: Optional[str] = None,
+    compute_device: Optional[str] = None,
+    local_world_size: Optional[int] = None,
+    spans_hosts: bool = False,
+    hbm_cap_bytes: Optional[int] = None,
+    notes: Sequence[str] = (),
+) -> Tuple[HardwareProfile, CalibrationReport]:
+    """Fit every parameter the records determine; the others keep ``base``'s values.
+
+    Pure: no measurement happens here. Raises :class:`CalibrationError` when the records cannot
+    determine a parameter (no lookups, one message size, ...).
+    """
+    notes = list(notes)
+    device = compute_device or (records.lookups[0].device if records.lookups else base.compute_device)
+    fields: Dict[str, Any] = {"name": name or f"{base.name}-calibrated", "compute_device": device}
+    if local_world_size is not None:
+        fields["local_world_size"] = local_world_size
+    if hbm_cap_bytes is not None:
+        fields["hbm_cap_bytes"] = hbm_cap_bytes
+    start = attrs.evolve(base, **fields)
+
+    lk, diagnostics = fit_lookups(start, records.lookups)
+    fields.update(
+        row_granularity_bytes=int(lk["row_granularity_bytes"]),
+        lookup_overhead_s=lk["lookup_overhead_s"],
+    )
+    if "bwd_factor" in lk:
+        fields["bwd_factor"] = lk["bwd_factor"]
+    else:
+        notes.append("no forward+backward lookups measured: bwd_factor kept from the base profile")
+    if device == "cpu":
+        fields.update(hbm_bw=lk["bw"], ddr_bw=lk["bw"], uvm_bw=lk["bw"])
+    else:
+        fields["hbm_bw"] = lk["bw"]
+
+    world = 1
+    if records.collectives:
+        col = fit_collectives(records.collectives)
+        world = int(col["world_size"])
+        fields["collective_latency_s"] = col["collective_latency_s"]
+        if "a2a_bw" in col:
+            fields.update(_a2a_fields(start, col["a2a_bw"], world, spans_hosts))
+        if "allreduce_bw" in col:
+            fields["allreduce_bw"] = col["allreduce_bw"]
+    else:
+        notes.append("no collectives measured (single process): link bandwidths and latency kept from the base profile")
+
+    if records.dense:
+        dtypes = sorted({r.dtype for r in records.dense})
+        chosen = dense_dtype or ("fp32" if "fp32" in dtypes else dtypes[0])
+        fields["dense_flops"] = fit_dense(records.dense, chosen)
+        for dt in dtypes:
+            sub = [r for r in records.dense if r.dtype == dt]
+            diagnostics[f"dense_{dt}_fitted_flops"] = fit_dense(records.dense, dt)
+            diagnostics[f"dense_{dt}_best_flops"] = max(r.flops / r.seconds for r in sub)
+        notes.append(f"dense_flops fitted on {chosen} matmuls")
+    else:
+        chosen = None
+        notes.append("no dense matmuls measured: dense_flops kept from the base profile")
+
+    if records.copies:
+        bw, fixed = fit_copies(records.copies)
+        fields["uvm_bw"] = bw
+        diagnostics["h2d_fixed_s"] = fixed
+        notes.append("uvm_bw = pinned host-to-device copy bandwidth (an upper bound for UVM row gathers)")
+
+    profile = attrs.evolve(base, **fields)
+
+    fits: List[FamilyFit] = []
+    for phase in ("fwd", "fwd_bwd"):
+        sub = [r for r in records.lookups if r.phase == phase]
+        if sub:
+            fits.append(FamilyFit.of(f"lookup_{phase}", [predict_lookup(profile, r) for r in sub], [r.seconds for r in sub]))
+    for op in ("all_to_all", "all_reduce"):
+        sub = [r for r in records.collectives if r.op == op]
+        if sub:
+            fits.append(FamilyFit.of(op, [predict_collective(profile, r, spans_hosts) for r in sub], [r.seconds for r in sub]))
+    for dt in sorted({r.dtype for r in records.dense}):
+        sub = [r for r in records.dense if r.dtype == dt]
+        rate = diagnostics[f"dense_{dt}_fitted_flops"]
+        fits.append(FamilyFit.of(f"dense_{dt}", [r.flops / rate for r in sub], [r.seconds for r in sub]))
+    if records.copies:
+        sub = [r for r in records.copies if r.direction == "h2d"]
+        fits.append(FamilyFit.of("h2d_copy", [diagnostics["h2d_fixed_s"] + r.bytes / profile.uvm_bw for r in sub], [r.seconds for r in sub]))
+
+    kernels = sorted({r.kernel for r in records.lookups})
+    report = CalibrationReport(
+        profile=profile, base=base.name, device=device, kernel=",".join(kernels) or None,
+        world_size=world, fits=fits, diagnostics=diagnostics, notes=notes, records=records,
+    )
+    return profile, report
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+
+def _rank0_print(message: str) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(f"[calibrate] {message}", flush=True)
+
+
+def calibrate(
+    base: HardwareProfile,
+    quick: bool = False,
+    pg: Any = None,
+    *,
+    device: Optional[str] = None,
+    kernel: str = "auto",
+    config: Optional[SweepConfig] = None,
+    dense_dtype: Optional[str] = None,
+    name: Optional[str] = None,
+    budget_s: Optional[float] = None,
+    progress: Optional[Callable[[str], None]] = _rank0_print,
+) -> Tuple[HardwareProfile, CalibrationReport]:
+    """Run the microbenchmarks here and fit a profile on top of ``base``.
+
+    ``pg``: the process group for collectives; ``None`` means the default group when one is
+    initialized, else none. With one rank, collectives are skipped (and the report says so).
+    Every rank of ``pg`` must call this with the same arguments. Compute benchmarks run on all
+    ranks at once (they contend as in training); each rank fits its own compute records and the
+    shared collective records, so save rank 0's result (``main`` does). ``device`` defaults to
+    CUDA when available. ``budget_s`` (single process only) stops starting new lookup tables
+    once 70% of it is spent, leaving the rest for the dense and copy benchmarks.
+    """
+    import torch.distributed as dist
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+    if dev.type not in ("cpu", "cuda"):
+        raise CalibrationError(f"calibration runs on 'cpu' or 'cuda', not {dev.type!r}")
+    if pg is None and dist.is_available() and dist.is_initialized():
+        pg = dist.group.WORLD
+    world = dist.get_world_size(pg) if pg is not None else 1
+    cfg = config or (SweepConfig.quick(dev.type) if quick else SweepConfig.full(dev.type))
+    if dense_dtype is not None and dense_dtype not in cfg.dense_dtypes:
+        cfg = attrs.evolve(cfg, dense_dtypes=cfg.dense_dtypes + (dense_dtype,))
+    notes: List[str] = []
+    barrier = (lambda: dist.barrier(group=pg)) if world > 1 else None
+    say = progress or (lambda _m: None)
+
+    kern = resolve_kernel(kernel)
+    say(f"device {dev}, lookup kernel {kern}, {world} rank(s), {'quick' if quick else 'full'} sweep")
+    deadline = None
+    if budget_s is not None:
+        if world > 1:
+            raise CalibrationError("budget_s works in a single process only (ranks must sweep the same tables)")
+        deadline = time.monotonic() + 0.7 * budget_s
+    lookups = bench_lookups(cfg, dev, kernel=kern, barrier=barrier, progress=say, deadline=deadline)
+    say(f"lookups: {len(lookups)} records")
+    dense = bench_dense(cfg, dev, progress=say)
+    copies = bench_host_to_device(cfg, dev, progress=say)
+    if world > 1:
+        collectives = bench_collectives(cfg, pg, dev, progress=say)
+    else:
+        collectives = []
+        say("single process: collectives skipped (run under torchrun with >= 2 ranks to measure them)")
+    records = MicrobenchRecords(lookups=lookups, collectives=collectives, dense=dense, copies=copies)
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if world > 1 else None
+    spans = world > 1 and local is not None and world > local
+    hbm_cap = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    if dev.type == "cuda":
+        notes.append(f"measured on {torch.cuda.get_device_name(dev)}")
+    if kern == "torch_embedding_bag":
+        notes.append(
+            "lookups used torch.nn.functional.embedding_bag + row-wise AdaGrad (fbgemm_gpu not "
+            "importable); fbgemm TBE is typically faster, so bw is a lower and bwd_factor an upper estimate"
+        )
+    return fit_profile(
+        base, records, name=name, dense_dtype=dense_dtype, compute_device=dev.type,
+        local_world_size=local, spans_hosts=spans, hbm_cap_bytes=hbm_cap, notes=notes,
+    )
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def _write_json(path: str, data: Mapping[str, Any]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".calib-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sparselift calibrate",
+        description="Measure this machine and fit a hardware profile JSON the planner can load.",
+    )
+    p.add_argument("--out", required=True, help="where to write the fitted profile JSON")
+    p.add_argument("--quick", action="store_true", help="a small sweep (seconds) instead of the full one")
+    p.add_argument("--base", default=None, help="preset or profile JSON whose unmeasured fields are kept "
+                   "(default: cpu-gloo on CPU, h100 on CUDA)")
+    p.add_argument("--name", default=None, help="name of the fitted profile (default: BASE-calibrated)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("--kernel", choices=("auto", "fbgemm", "torch"), default="auto",
+                   help="lookup kernel: fbgemm TBE or torch embedding_bag (auto: fbgemm when importable)")
+    p.add_argument("--dense-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="matmul dtype whose throughput becomes dense_flops (default fp32)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads while measuring (torchrun sets 1 per rank; on a shared "
+                   "machine 1 avoids OpenMP spin-wait stalls in the CPU TBE backward)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="single process: stop adding lookup tables after 70%% of this many seconds")
+    p.add_argument("--records", default=None,
+                   help="where to write raw records + fit report (default: OUT with .records.json)")
+    p.add_argument("--from-records", default=None,
+                   help="refit from a records/report JSON written earlier instead of measuring")
+    return p
+
+
+def _load_records(path: str) -> Tuple[MicrobenchRecords, Dict[str, Any]]:
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("schema") == "sparselift.calibration_report/1":
+        return MicrobenchRecords.from_dict(data["records"]), data
+    return MicrobenchRecords.from_dict(data), {}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``sparselift calibrate``: measure (or refit saved records), write the profile; 0 on success."""
+    import torch.distributed as dist
+
+    args = _parser().parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            print("calibrate: error: --threads must be >= 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
+    records_path = args.records or (os.path.splitext(args.out)[0] + ".records.json")
+    own_pg = False
+    try:
+        if args.from_records:
+            records, previous = _load_records(args.from_records)
+            base = get_profile(args.base or previous.get("base") or "cpu-gloo")
+            dev = args.device or (records.lookups[0].device if records.lookups else base.compute_device)
+            prev_profile = previous.get("profile", {})
+            profile, report = fit_profile(
+                base, records, name=args.name, dense_dtype=args.dense_dtype, compute_device=dev,
+                local_world_size=prev_profile.get("local_world_size"),
+                hbm_cap_bytes=prev_profile.get("hbm_cap_bytes"),
+                notes=[n for n in previous.get("notes", []) if n.startswith(("measured on", "lookups used"))],
+            )
+            rank = 0
+        else:
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+                use_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+                if use_cuda:
+                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+                own_pg = True
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+            base = get_profile(args.base or ("h100" if on_cuda else "cpu-gloo"))
+            profile, report = calibrate(
+                base, quick=args.quick, device=args.device, kernel=args.kernel,
+                dense_dtype=args.dense_dtype, name=args.name, budget_s=args.budget_s,
+            )
+        if rank == 0:
+            profile.save(args.out)
+            _write_json(records_path, report.to_dict())
+            print(report.summary(), flush=True)
+            print(f"[calibrate] wrote {args.out} and {records_path}", flush=True)
+        return 0
+    except (CalibrationError, ValueError, RuntimeError, OSError) as exc:
+        print(f"calibrate: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if own_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

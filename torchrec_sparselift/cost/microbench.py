@@ -1,0 +1,555 @@
+"""Microbenchmarks that measure the rates a :class:`~.hardware.HardwareProfile` holds.
+
+Each benchmark runs on the machine at hand and returns plain immutable records; fitting them to
+the cost model's equations is :mod:`torchrec_sparselift.cost.calibrate`'s job. Nothing here
+imports torchrec: the embedding kernel is fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen``
+(the kernel TorchRec's fused tables run, on CPU with ``EmbeddingLocation.HOST`` /
+``ComputeDevice.CPU``, exactly as ``BatchedFusedEmbeddingBag`` builds it) when ``fbgemm_gpu``
+imports, and ``torch.nn.functional.embedding_bag`` plus a row-wise AdaGrad update otherwise.
+
+Timing: warm-up calls, then ``trials`` timed runs of ``inner`` back-to-back calls each (``inner``
+chosen so one run lasts about ``target_trial_s``), synchronizing the device before and after each
+run; a record holds the median seconds per call. Back-to-back calls measure what a training step
+pays per call on a busy device stream, not an idle device's launch latency.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import attrs
+import torch
+
+__all__ = [
+    "LookupRecord",
+    "CollectiveRecord",
+    "DenseRecord",
+    "CopyRecord",
+    "MicrobenchRecords",
+    "SweepConfig",
+    "fbgemm_available",
+    "time_per_call",
+    "bench_lookups",
+    "bench_collectives",
+    "bench_dense",
+    "bench_host_to_device",
+]
+
+RECORDS_SCHEMA = "sparselift.calibration_records/1"
+
+_ELEM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _pos_int(instance: Any, attribute: "attrs.Attribute[Any]", value: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _pos_seconds(instance: Any, attribute: "attrs.Attribute[Any]", value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a positive finite time in seconds, "
+            f"got {value!r}"
+        )
+
+
+def _one_of(*choices: str) -> Callable[[Any, "attrs.Attribute[Any]", str], None]:
+    def check(instance: Any, attribute: "attrs.Attribute[Any]", value: str) -> None:
+        if value not in choices:
+            raise ValueError(
+                f"{type(instance).__name__}.{attribute.name} must be one of {list(choices)}, got {value!r}"
+            )
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class LookupRecord:
+    """One embedding-bag measurement: ``batch_size`` bags of ``pooling`` ids into one table.
+
+    ``phase`` is ``"fwd"`` (forward lookup) or ``"fwd_bwd"`` (forward, backward and the fused
+    row-wise AdaGrad update); ``seconds`` is the median time of one call.
+    """
+
+    kernel: str = attrs.field(validator=_one_of("fbgemm_tbe", "torch_embedding_bag"))
+    device: str = attrs.field(validator=_one_of("cpu", "cuda"))
+    phase: str = attrs.field(validator=_one_of("fwd", "fwd_bwd"))
+    rows: int = attrs.field(validator=_pos_int)
+    dim: int = attrs.field(validator=_pos_int)
+    batch_size: int = attrs.field(validator=_pos_int)
+    pooling: int = attrs.field(validator=_pos_int)
+    elem_bytes: int = attrs.field(default=4, validator=_pos_int)
+    seconds: float = attrs.field(validator=_pos_seconds)
+
+    @property
+    def ids(self) -> int:
+        """Row reads per call (batch size x pooling factor)."""
+        return self.batch_size * self.pooling
+
+
+@attrs.frozen(kw_only=True)
+class CollectiveRecord:
+    """One collective measurement on ``world_size`` ranks.
+
+    ``bytes`` is the size of each rank's input buffer (for all-to-all: the whole send buffer,
+    its own chunk included, so ``(n - 1) / n`` of it crosses a link; for all-reduce: the tensor
+    being reduced). ``seconds`` is the median
+    over calls of the slowest rank's time.
+    """
+
+    op: str = attrs.field(validator=_one_of("all_to_all", "all_reduce"))
+    backend: str
+    world_size: int = attrs.field(validator=_pos_int)
+    bytes: int = attrs.field(validator=_pos_int)
+    seconds: float = attrs.field(validator=_pos_seconds)
+
+
+@attrs.frozen(kw_only=True)
+class DenseRecord:
+    """One ``(m, k) @ (k, n)`` matmul measurement; ``flops`` = 2 m n k."""
+
+    device: str = attrs.field(validator=_one_of("cpu", "cuda"))
+    dtype: str = attrs.field(validator=_one_of(*_DTYPES))
+    m: int = attrs.field(validator=_pos_int)
+    n: int = attrs.field(validator=_pos_int)
+    k: int = attrs.field(validator=_pos_int)
+    seconds: float = attrs.field(validator=_pos_seconds)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+
+@attrs.frozen(kw_only=True)
+class CopyRecord:
+    """A pinned host-to-device copy of ``bytes`` (the bound on UVM row traffic)."""
+
+    direction: str = attrs.field(validator=_one_of("h2d", "d2h"))
+    bytes: int = attrs.field(validator=_pos_int)
+    seconds: float = attrs.field(validator=_pos_seconds)
+
+
+_RECORD_TYPES = {
+    "lookups": LookupRecord,
+    "collectives": CollectiveRecord,
+    "dense": DenseRecord,
+    "copies": CopyRecord,
+}
+
+
+@attrs.frozen(kw_only=True)
+class MicrobenchRecords:
+    """All measurements of one calibration run, JSON-serializable."""
+
+    lookups: Tuple[LookupRecord, ...] = attrs.field(default=(), converter=tuple)
+    collectives: Tuple[CollectiveRecord, ...] = attrs.field(default=(), converter=tuple)
+    dense: Tuple[DenseRecord, ...] = attrs.field(default=(), converter=tuple)
+    copies: Tuple[CopyRecord, ...] = attrs.field(default=(), converter=tuple)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "schema": RECORDS_SCHEMA,
+            **{key: [attrs.asdict(r) for r in getattr(self, key)] for key in _RECORD_TYPES},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "MicrobenchRecords":
+        if data.get("schema") != RECORDS_SCHEMA:
+            raise ValueError(
+                f"not a calibration records file (schema {data.get('schema')!r}, expected "
+                f"{RECORDS_SCHEMA!r}); write one with `calibrate --records PATH`"
+            )
+        return cls(
+            **{key: [typ(**r) for r in data.get(key, [])] for key, typ in _RECORD_TYPES.items()}
+        )
+
+
+@attrs.frozen(kw_only=True)
+class SweepConfig:
+    """What to measure. ``quick()`` and ``full()`` give the standard sweeps for a device."""
+
+    dims: Tuple[int, ...] = attrs.field(converter=tuple)
+    rows: Tuple[int, ...] = attrs.field(converter=tuple)
+    poolings: Tuple[int, ...] = attrs.field(converter=tuple)
+    batch_sizes: Tuple[int, ...] = attrs.field(converter=tuple)
+    max_table_bytes: int = attrs.field(validator=_pos_int)
+    message_bytes: Tuple[int, ...] = attrs.field(converter=tuple)
+    matmul_shapes: Tuple[Tuple[int, int, int], ...] = attrs.field(
+        converter=lambda v: tuple(tuple(s) for s in v)
+    )
+    dense_dtypes: Tuple[str, ...] = attrs.field(converter=tuple)
+    copy_bytes: Tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    warmup: int = attrs.field(default=2, validator=_pos_int)
+    trials: int = attrs.field(default=5, validator=_pos_int)
+    target_trial_s: float = attrs.field(default=0.01, validator=_pos_seconds)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("dims", "rows", "poolings", "batch_sizes", "message_bytes"):
+            values = getattr(self, name)
+            if not all(isinstance(v, int) and v >= 1 for v in values):
+                raise ValueError(f"SweepConfig.{name} must hold ints >= 1, got {values!r}")
+        if not self.dims or not self.rows or not self.poolings or not self.batch_sizes:
+            raise ValueError("SweepConfig needs at least one dim, row count, pooling factor and batch size")
+        bad = [d for d in self.dense_dtypes if d not in _DTYPES]
+        if bad:
+            raise ValueError(f"SweepConfig.dense_dtypes {bad} unknown; use {sorted(_DTYPES)}")
+
+    def tables(self) -> List[Tuple[int, int]]:
+        """(rows, dim) pairs to build, skipping tables above ``max_table_bytes`` (fp32).
+
+        In a fixed shuffled order, so that a sweep cut short by a time budget still spans
+        small and large tables.
+        """
+        pairs = [(r, d) for r in self.rows for d in self.dims if r * d * 4 <= self.max_table_bytes]
+        random.Random(0).shuffle(pairs)
+        return pairs
+
+    @classmethod
+    def quick(cls, device: str) -> "SweepConfig":
+        if device == "cuda":
+            return cls(
+                dims=(16, 64, 256), rows=(1000, 1_000_000), poolings=(1, 16, 64),
+                batch_sizes=(512, 8192), max_table_bytes=2 << 30,
+                message_bytes=(1 << 10, 64 << 10, 1 << 20, 16 << 20),
+                matmul_shapes=((4096, 4096, 4096), (8192, 1024, 1024)),
+                dense_dtypes=("fp32", "bf16"), copy_bytes=(1 << 20, 64 << 20),
+                warmup=3, trials=5, target_trial_s=0.002,
+            )
+        return cls(
+            dims=(16, 128), rows=(1000, 100_000), poolings=(1, 16),
+            batch_sizes=(256,), max_table_bytes=64 << 20,
+            message_bytes=(1 << 10, 64 << 10, 1 << 20),
+            matmul_shapes=((256, 256, 256), (512, 512, 256)),
+            dense_dtypes=("fp32",), warmup=2, trials=5, target_trial_s=0.003,
+        )
+
+    @classmethod
+    def full(cls, device: str) -> "SweepConfig":
+        if device == "cuda":
+            return cls(
+                dims=(8, 16, 32, 64, 128, 256), rows=(1000, 10_000, 100_000, 1_000_000, 4_000_000),
+                poolings=(1, 4, 16, 64), batch_sizes=(512, 4096, 32768), max_table_bytes=4 << 30,
+                message_bytes=tuple(1 << s for s in range(10, 25, 2)),
+                matmul_shapes=(
+                    (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
+                    (8192, 1024, 1024), (32768, 512, 512), (65536, 1024, 512),
+                ),
+                dense_dtypes=("fp32", "bf16"),
+                copy_bytes=(1 << 20, 16 << 20, 256 << 20, 1 << 30),
+                warmup=5, trials=7, target_trial_s=0.005,
+            )
+        return cls(
+            dims=(8, 16, 32, 64, 128, 256), rows=(1000, 10_000, 100_000, 1_000_000),
+            poolings=(1, 4, 16, 64), batch_sizes=(128, 1024), max_table_bytes=256 << 20,
+            message_bytes=tuple(1 << s for s in range(10, 25, 2)),
+            matmul_shapes=((128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 512, 512)),
+            dense_dtypes=("fp32",), warmup=2, trials=5, target_trial_s=0.01,
+        )
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_per_call(
+    fn: Callable[[], Any],
+    device: torch.device,
+    *,
+    warmup: int = 2,
+    trials: int = 5,
+    target_trial_s: float = 0.01,
+    max_inner: int = 200,
+) -> float:
+    """Median seconds per call of ``fn`` over ``trials`` timed runs of back-to-back calls.
+
+    Runs ``warmup`` untimed calls first; the device is synchronized around every timed run.
+    """
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, min(max_inner, int(math.ceil(target_trial_s / once))))
+    samples = []
+    for _ in range(trials):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / inner)
+    return float(statistics.median(samples))
+
+
+# -- embedding lookups --------------------------------------------------------------------------
+
+
+def fbgemm_available() -> bool:
+    """True when fbgemm_gpu's training TBE imports (CPU wheel or CUDA wheel)."""
+    try:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception:  # ImportError, or a broken native library
+        return False
+    return True
+
+
+class _TbeTable:
+    """One fbgemm TBE table with fused EXACT_ROWWISE_ADAGRAD, built as TorchRec builds fused tables."""
+
+    kernel = "fbgemm_tbe"
+
+    def __init__(self, rows: int, dim: int, device: torch.device) -> None:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        if device.type == "cuda":
+            spec = (rows, dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
+        else:
+            spec = (rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+        self.module = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[spec],
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=0.01,
+            pooling_mode=PoolingMode.SUM,
+            device=device,
+        )
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.module(indices, offsets)
+
+    def forward_backward(self, indices: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> None:
+        self.module(indices, offsets).backward(grad)  # the update is fused into backward
+
+
+class _TorchTable:
+    """``F.embedding_bag`` (sum) with a sparse gradient and a row-wise AdaGrad update.
+
+    The same work TBE's fused backward does (gradient per touched row, one accumulator per row,
+    read-modify-write of the touched rows), in stock PyTorch ops.
+    """
+
+    kernel = "torch_embedding_bag"
+
+    def __init__(self, rows: int, dim: int, device: torch.device) -> None:
+        self.weight = torch.empty(rows, dim, device=device).uniform_(-0.01, 0.01).requires_grad_(True)
+        self.state = torch.zeros(rows, device=device)
+        self.lr = 0.01
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.nn.functional.embedding_bag(
+                indices, self.weight, offsets, mode="sum", include_last_offset=True
+            )
+
+    def forward_backward(self, indices: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> None:
+        out = torch.nn.functional.embedding_bag(
+            indices, self.weight, offsets, mode="sum", sparse=True, include_last_offset=True
+        )
+        out.backward(grad)
+        g = self.weight.grad.coalesce()
+        self.weight.grad = None
+        rows = g.indices()[0]
+        values = g.values()
+        with torch.no_grad():
+            self.state.index_add_(0, rows, values.pow(2).mean(dim=1))
+            scale = self.state.index_select(0, rows).add(1e-8).rsqrt().mul_(-self.lr)
+            self.weight.index_add_(0, rows, values * scale.unsqueeze(1))
+
+
+def _make_table(kernel: str, rows: int, dim: int, device: torch.device) -> Any:
+    return _TbeTable(rows, dim, device) if kernel == "fbgemm_tbe" else _TorchTable(rows, dim, device)
+
+
+def resolve_kernel(kernel: str) -> str:
+    """Map ``"auto"|"fbgemm"|"torch"`` to a record kernel name; ``auto`` prefers fbgemm."""
+    if kernel == "auto":
+        return "fbgemm_tbe" if fbgemm_available() else "torch_embedding_bag"
+    if kernel in ("fbgemm", "fbgemm_tbe"):
+        if not fbgemm_available():
+            raise RuntimeError("kernel 'fbgemm' requested but fbgemm_gpu does not import; use 'torch' or 'auto'")
+        return "fbgemm_tbe"
+    if kernel in ("torch", "torch_embedding_bag"):
+        return "torch_embedding_bag"
+    raise ValueError(f"unknown lookup kernel {kernel!r}; use 'auto', 'fbgemm' or 'torch'")
+
+
+def bench_lookups(
+    config: SweepConfig,
+    device: torch.device,
+    *,
+    kernel: str = "auto",
+    barrier: Optional[Callable[[], None]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+    seed: int = 0,
+    deadline: Optional[float] = None,
+) -> List[LookupRecord]:
+    """Time forward and forward+backward(+row-wise AdaGrad) lookups over the sweep.
+
+    Ids are uniform over the table's rows. ``barrier`` (if given) runs before every point so that
+    ranks benchmarking together contend for memory as they would in training. With a
+    ``deadline`` (a ``time.monotonic()`` value) no new table starts after it; ranks sharing a
+    barrier must pass the same sweep and agree on stopping (pass ``deadline`` only when alone).
+    """
+    name = resolve_kernel(kernel)
+    gen = torch.Generator().manual_seed(seed)
+    records: List[LookupRecord] = []
+    tables = config.tables()
+    for t_i, (rows, dim) in enumerate(tables):
+        if deadline is not None and time.monotonic() > deadline and records:
+            if progress:
+                progress(f"lookups: time budget spent, stopping after {t_i} of {len(tables)} tables")
+            break
+        if progress:
+            progress(f"lookups: table {t_i + 1}/{len(tables)} rows={rows} dim={dim} ({name})")
+        table = _make_table(name, rows, dim, device)
+        for batch in config.batch_sizes:
+            for pooling in config.poolings:
+                n = batch * pooling
+                indices = torch.randint(0, rows, (n,), generator=gen, dtype=torch.int64).to(device)
+                offsets = torch.arange(0, n + 1, pooling, dtype=torch.int64).to(device)
+                grad = torch.ones(batch, dim, device=device)
+                for phase in ("fwd", "fwd_bwd"):
+                    if barrier:
+                        barrier()
+                    if phase == "fwd":
+                        fn = lambda: table.forward(indices, offsets)  # noqa: E731
+                    else:
+                        fn = lambda: table.forward_backward(indices, offsets, grad)  # noqa: E731
+                    seconds = time_per_call(
+                        fn, device, warmup=config.warmup, trials=config.trials,
+                        target_trial_s=config.target_trial_s,
+                    )
+                    records.append(
+                        LookupRecord(
+                            kernel=name, device=device.type, phase=phase, rows=rows, dim=dim,
+                            batch_size=batch, pooling=pooling, elem_bytes=4, seconds=seconds,
+                        )
+                    )
+        del table
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return records
+
+
+# -- collectives --------------------------------------------------------------------------------
+
+
+def bench_collectives(
+    config: SweepConfig,
+    pg: Any,
+    device: torch.device,
+    *,
+    progress: Optional[Callable[[str], None]] = None,
+) -> List[CollectiveRecord]:
+    """Time ``all_to_all_single`` and ``all_reduce`` on ``pg`` over ``config.message_bytes``.
+
+    Every rank must call this with the same config. Each call is preceded by a barrier; a
+    record's time is the median over calls of the slowest rank's time. Returns [] on one rank.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size(pg)
+    if world < 2:
+        return []
+    backend = str(dist.get_backend(pg))
+    records: List[CollectiveRecord] = []
+    for op in ("all_to_all", "all_reduce"):
+        for size in config.message_bytes:
+            numel = max(world, (size // 4) // world * world)  # fp32, divisible by the world size
+            nbytes = numel * 4
+            x = torch.ones(numel, dtype=torch.float32, device=device)
+            y = torch.empty_like(x)
+            if progress:
+                progress(f"collectives: {op} {nbytes} bytes/rank on {world} ranks ({backend})")
+
+            def call() -> None:
+                if op == "all_to_all":
+                    dist.all_to_all_single(y, x, group=pg)
+                else:
+                    dist.all_reduce(x, group=pg)
+
+            for _ in range(config.warmup):
+                call()
+            samples = []
+            for _ in range(max(config.trials, 3)):
+                dist.barrier(group=pg)
+                _sync(device)
+                t0 = time.perf_counter()
+                call()
+                _sync(device)
+                samples.append(time.perf_counter() - t0)
+            worst = torch.tensor(samples, dtype=torch.float64, device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pg)
+            seconds = float(statistics.median(worst.cpu().tolist()))
+            records.append(
+                CollectiveRecord(op=op, backend=backend, world_size=world, bytes=nbytes, seconds=seconds)
+            )
+    return records
+
+
+# -- dense and copies ---------------------------------------------------------------------------
+
+
+def bench_dense(
+    config: SweepConfig,
+    device: torch.device,
+    *,
+    progress: Optional[Callable[[str], None]] = None,
+) -> List[DenseRecord]:
+    """Time ``(m, k) @ (k, n)`` matmuls for every shape and dtype in the sweep."""
+    records = []
+    for dtype in config.dense_dtypes:
+        for m, n, k in config.matmul_shapes:
+            if progress:
+                progress(f"dense: {dtype} matmul {m}x{k} @ {k}x{n}")
+            a = torch.randn(m, k, device=device).to(_DTYPES[dtype])
+            b = torch.randn(k, n, device=device).to(_DTYPES[dtype])
+            seconds = time_per_call(
+                lambda: torch.matmul(a, b), device, warmup=config.warmup, trials=config.trials,
+                target_trial_s=config.target_trial_s,
+            )
+            records.append(DenseRecord(device=device.type, dtype=dtype, m=m, n=n, k=k, seconds=seconds))
+    return records
+
+
+def bench_host_to_device(
+    config: SweepConfig,
+    device: torch.device,
+    *,
+    progress: Optional[Callable[[str], None]] = None,
+) -> List[CopyRecord]:
+    """Time pinned host-to-device copies (CUDA only; [] otherwise)."""
+    if device.type != "cuda":
+        return []
+    records = []
+    for size in config.copy_bytes:
+        if progress:
+            progress(f"copies: h2d {size} bytes (pinned)")
+        host = torch.empty(size, dtype=torch.uint8).pin_memory()
+        dev = torch.empty(size, dtype=torch.uint8, device=device)
+        seconds = time_per_call(
+            lambda: dev.copy_(host, non_blocking=True), device, warmup=config.warmup,
+            trials=config.trials, target_trial_s=config.target_trial_s,
+        )
+        records.append(CopyRecord(direction="h2d", bytes=size, seconds=seconds))
+    return records
