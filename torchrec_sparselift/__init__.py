@@ -6,14 +6,28 @@ Drop-in use::
     planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
     plan = planner.collective_plan(model, sharders, pg)
     model = DistributedModelParallel(model, plan=plan, ...)
+
+Names are imported lazily, so the cost layer (hardware profiles, calibration) works on machines
+that have torch but not torchrec.
 """
+
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
 
-from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile  # noqa: E402
+_EXPORTS = {
+    "HardwareProfile": "torchrec_sparselift.cost.hardware",
+    "get_profile": "torchrec_sparselift.cost.hardware",
+    "SparseLiftPlanner": "torchrec_sparselift.planner",
+    "PlanResult": "torchrec_sparselift.planner",
+    "SparseLiftPlannerError": "torchrec_sparselift.search.errors",
+}
 
-__all__ = [
-    "__version__",
-    "HardwareProfile",
-    "get_profile",
-]
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'torchrec_sparselift' has no attribute {name!r}")

@@ -1,0 +1,228 @@
+"""Incremental step-time evaluator.
+
+Holds a plan as per-rank load vectors (one row per rank, one column per resource, see
+:data:`torchrec_sparselift.cost.model.COMPONENTS`). Moving one shard changes the rows of the
+ranks it leaves and joins; the evaluator updates those rows and the per-column maxima, and can
+price a move *without* applying it in O(K) using the top-3 ranks per column. The property test
+``tests/test_incremental_evaluator.py`` checks that incremental results equal
+:meth:`PlanEvaluator.full_recompute` on random plans.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from torchrec_sparselift.cost.model import (
+    DEV_MEM,
+    HOST_MEM,
+    K,
+    CostContext,
+    ShardCost,
+    StepTime,
+    phase_times,
+    step_time,
+)
+
+__all__ = ["PlanEvaluator", "Assignment"]
+
+Assignment = Tuple[int, Tuple[int, ...]]  # (candidate id, rank of each shard)
+
+_TOP = 3
+
+
+class PlanEvaluator:
+    """Per-rank loads of a (partial) plan, updated move by move.
+
+    Args:
+        ctx: cost context (hardware, world size, batch size, dense part).
+        costs: ``costs[c]`` is the :class:`ShardCost` of one shard of candidate ``c``.
+        sharding_types: ``sharding_types[c]`` is candidate ``c``'s sharding type (for the
+            number of collective groups).
+        device_cap / host_cap: per-rank memory limits in bytes (arrays of length world size).
+        pipeline, fwd_precision, bwd_precision: the optimizations the objective is priced under.
+    """
+
+    def __init__(
+        self,
+        ctx: CostContext,
+        costs: Sequence[ShardCost],
+        sharding_types: Sequence[str],
+        device_cap: np.ndarray,
+        host_cap: np.ndarray,
+        pipeline: str = "sparse_dist",
+        fwd_precision: str = "fp32",
+        bwd_precision: str = "fp32",
+    ) -> None:
+        self.ctx = ctx
+        self.W = ctx.world_size
+        self.costs = list(costs)
+        self.types = list(sharding_types)
+        self.owner = np.stack([c.owner for c in self.costs]) if self.costs else np.zeros((0, K))
+        self.peers = np.stack([c.peers for c in self.costs]) if self.costs else np.zeros((0, K))
+        self.allreduce = np.array([c.allreduce_bytes for c in self.costs])
+        self.device_cap = np.asarray(device_cap, dtype=float)
+        self.host_cap = np.asarray(host_cap, dtype=float)
+        self.pipeline = pipeline
+        self.fwd_precision = fwd_precision
+        self.bwd_precision = bwd_precision
+        self.loads = np.zeros((self.W, K))
+        self.uniform = np.zeros(K)
+        self.allreduce_bytes = 0.0
+        self.groups: Counter = Counter()
+        self.assignment: Dict[int, Assignment] = {}
+        self._top = np.zeros((min(_TOP, self.W), K), dtype=np.int64)
+        self._colmax = np.zeros(K)
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _refresh_top(self) -> None:
+        if self.W <= _TOP:
+            self._top = np.argsort(-self.loads, axis=0, kind="stable")
+        else:
+            part = np.argpartition(-self.loads, _TOP - 1, axis=0)[:_TOP]
+            vals = np.take_along_axis(self.loads, part, axis=0)
+            order = np.argsort(-vals, axis=0, kind="stable")
+            self._top = np.take_along_axis(part, order, axis=0)
+        self._colmax = self.loads.max(axis=0) if self.W else np.zeros(K)
+
+    def _apply(self, table: int, cand: int, ranks: Sequence[int], sign: float) -> None:
+        vec = self.owner[cand] * sign
+        np.add.at(self.loads, np.asarray(ranks, dtype=np.int64), vec)
+        n = len(ranks)
+        self.uniform += self.peers[cand] * (n * sign)
+        self.allreduce_bytes += self.allreduce[cand] * n * sign / max(self.W, 1)
+        st = self.types[cand]
+        if st != "data_parallel":
+            self.groups[st] += 1 if sign > 0 else -1
+            if self.groups[st] <= 0:
+                del self.groups[st]
+
+    def assign(self, table: int, cand: int, ranks: Sequence[int]) -> None:
+        """Place ``table`` with candidate ``cand``, shard ``i`` on ``ranks[i]`` (replacing any
+        previous placement of the table)."""
+        if table in self.assignment:
+            self.unassign(table, refresh=False)
+        ranks = tuple(int(r) for r in ranks)
+        self._apply(table, cand, ranks, 1.0)
+        self.assignment[table] = (cand, ranks)
+        self._refresh_top()
+
+    def unassign(self, table: int, refresh: bool = True) -> None:
+        cand, ranks = self.assignment.pop(table)
+        self._apply(table, cand, ranks, -1.0)
+        if refresh:
+            self._refresh_top()
+
+    # -- pricing ------------------------------------------------------------------------
+    @property
+    def comm_groups(self) -> int:
+        return len(self.groups)
+
+    def colmax(self) -> np.ndarray:
+        """Per-column maximum over ranks of each rank's load (owner + peers share)."""
+        return self._colmax + self.uniform
+
+    def objective_of(self, colmax: np.ndarray, allreduce_bytes: float, groups: int) -> float:
+        return step_time(
+            colmax, allreduce_bytes, groups, self.ctx, self.pipeline,
+            self.fwd_precision, self.bwd_precision,
+        ).total_s
+
+    def objective(self) -> float:
+        return self.objective_of(self.colmax(), self.allreduce_bytes, self.comm_groups)
+
+    def step_time(self, pipeline: Optional[str] = None, fwd: Optional[str] = None,
+                  bwd: Optional[str] = None) -> StepTime:
+        return step_time(
+            self.colmax(), self.allreduce_bytes, self.comm_groups, self.ctx,
+            pipeline or self.pipeline, fwd or self.fwd_precision, bwd or self.bwd_precision,
+        )
+
+    def move_objective(self, table: int, cand: int, ranks: Sequence[int]) -> float:
+        """Objective if ``table`` were placed as (cand, ranks), without changing anything.
+
+        Returns ``inf`` when the move breaks a memory limit.
+        """
+        old = self.assignment.get(table)
+        deltas: Dict[int, np.ndarray] = {}
+        if old is not None:
+            oc, oranks = old
+            for r in oranks:
+                deltas[r] = deltas.get(r, 0.0) - self.owner[oc]
+        for r in ranks:
+            deltas[int(r)] = deltas.get(int(r), 0.0) + self.owner[cand]
+        touched = np.fromiter(deltas.keys(), dtype=np.int64, count=len(deltas))
+        new_rows = self.loads[touched] + np.stack([np.broadcast_to(d, (K,)) for d in deltas.values()])
+        if np.any(new_rows[:, DEV_MEM] > self.device_cap[touched] + 1e-6) or np.any(
+            new_rows[:, HOST_MEM] > self.host_cap[touched] + 1e-6
+        ):
+            return float("inf")
+        # max over untouched ranks from the top-3 cache; fall back to a masked max
+        if len(touched) >= self.W:
+            rest = np.full(K, -np.inf)
+        else:
+            touched_set = set(deltas)
+            rest = np.empty(K)
+            for c in range(K):
+                for idx in self._top[:, c]:
+                    if int(idx) not in touched_set:
+                        rest[c] = self.loads[idx, c]
+                        break
+                else:
+                    mask = np.ones(self.W, dtype=bool)
+                    mask[touched] = False
+                    rest[c] = self.loads[mask, c].max()
+        colmax = np.maximum(rest, new_rows.max(axis=0))
+        uniform = self.uniform.copy()
+        allreduce = self.allreduce_bytes
+        groups = Counter(self.groups)
+        if old is not None:
+            uniform -= self.peers[oc] * len(oranks)
+            allreduce -= self.allreduce[oc] * len(oranks) / self.W
+            if self.types[oc] != "data_parallel":
+                groups[self.types[oc]] -= 1
+        uniform += self.peers[cand] * len(ranks)
+        allreduce += self.allreduce[cand] * len(ranks) / self.W
+        if self.types[cand] != "data_parallel":
+            groups[self.types[cand]] += 1
+        ngroups = sum(1 for v in groups.values() if v > 0)
+        return self.objective_of(colmax + uniform, allreduce, ngroups)
+
+    # -- checks and reports --------------------------------------------------------------
+    def full_recompute(self) -> Tuple[np.ndarray, np.ndarray, float, int]:
+        """(loads, uniform, allreduce bytes, groups) rebuilt from scratch from the assignment."""
+        loads = np.zeros((self.W, K))
+        uniform = np.zeros(K)
+        allreduce = 0.0
+        groups = set()
+        for table, (cand, ranks) in self.assignment.items():
+            for r in ranks:
+                loads[r] += self.owner[cand]
+            uniform += self.peers[cand] * len(ranks)
+            allreduce += self.allreduce[cand] * len(ranks) / self.W
+            if self.types[cand] != "data_parallel":
+                groups.add(self.types[cand])
+        return loads, uniform, allreduce, len(groups)
+
+    def full_objective(self) -> float:
+        loads, uniform, allreduce, groups = self.full_recompute()
+        return self.objective_of(loads.max(axis=0) + uniform, allreduce, groups)
+
+    def rank_loads(self) -> np.ndarray:
+        """Each rank's load vector including its share of peers' traffic."""
+        return self.loads + self.uniform[None, :]
+
+    def memory_ok(self) -> bool:
+        return bool(
+            np.all(self.loads[:, DEV_MEM] <= self.device_cap + 1e-6)
+            and np.all(self.loads[:, HOST_MEM] <= self.host_cap + 1e-6)
+        )
+
+    def phases(self) -> Dict[str, float]:
+        return phase_times(self.colmax(), self.allreduce_bytes, self.comm_groups, self.ctx,
+                           self.fwd_precision, self.bwd_precision)
+
+    def tables_on(self, rank: int) -> List[int]:
+        return [t for t, (_, ranks) in self.assignment.items() if rank in ranks]

@@ -1,0 +1,321 @@
+"""Cost equations: sparse-path nodes -> per-rank resource loads -> step time.
+
+Everything here is a pure function of immutable inputs. The equations (also in docs/cost_model.md):
+
+* a lookup of ``n`` rows of ``w`` bytes on resource ``m``:
+  ``t = overhead + n * ceil(w / g) * g / bw(m)`` (``g`` the memory transaction size);
+  UVM-caching kernels split rows into hits (``bw = hbm_bw``) and misses (``bw = uvm_bw``);
+  the miss part is what a prefetch pipeline can hide.
+* backward + fused optimizer update: ``bwd_factor`` times the forward row traffic.
+* a collective phase (input_dist, output_dist, grad_dist) is as slow as its slowest rank:
+  ``t = latency * groups + max(max_r intra_r / intra_bw, max_r inter_r / inter_bw)``,
+  where each rank's bytes are what its shards send/receive plus its share of its peers' traffic.
+* data-parallel tables and the dense model all-reduce their gradients:
+  ``t = latency + 2 (W-1)/W * bytes / allreduce_bw``.
+* dense compute: ``flops / dense_flops`` (forward 1/3, backward 2/3 of ``6 * params * B``).
+* the pipeline kind decides what overlaps (see :func:`step_time`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Tuple
+
+import attrs
+import numpy as np
+
+from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.semantics.graph import Candidate, Node, shard_memory, shard_nodes
+from torchrec_sparselift.semantics.tables import TableSpec
+
+__all__ = [
+    "COMPONENTS",
+    "K",
+    "FWD", "BWD", "UVM", "IN_INTRA", "IN_INTER", "OUT_INTRA", "OUT_INTER", "DEV_MEM", "HOST_MEM",
+    "PIPELINES",
+    "PRECISION_BYTES",
+    "DenseWork",
+    "CostContext",
+    "ShardCost",
+    "StepTime",
+    "shard_cost",
+    "step_time",
+    "step_total_batch",
+    "phase_times",
+    "node_time",
+]
+
+COMPONENTS = (
+    "fwd_s", "bwd_s", "uvm_s",
+    "in_intra_bytes", "in_inter_bytes",
+    "out_intra_bytes", "out_inter_bytes",
+    "device_mem_bytes", "host_mem_bytes",
+)
+FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER, DEV_MEM, HOST_MEM = range(len(COMPONENTS))
+K = len(COMPONENTS)
+TIME_COLUMNS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
+
+PIPELINES = ("base", "sparse_dist", "fused", "semi_sync", "prefetch")
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+@attrs.frozen
+class DenseWork:
+    """The dense part of the model, per rank: parameters and FLOPs per sample (forward)."""
+
+    param_bytes: float = 0.0
+    fwd_flops_per_sample: float = 0.0
+
+
+@attrs.frozen
+class CostContext:
+    """What every cost equation needs besides the table: hardware, scale, dense part."""
+
+    profile: HardwareProfile
+    world_size: int
+    local_world_size: int
+    batch_size: int
+    dense: DenseWork = DenseWork()
+
+    def __attrs_post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.local_world_size < 1 or self.world_size % min(self.local_world_size, self.world_size):
+            raise ValueError(
+                f"world_size {self.world_size} must be a multiple of local_world_size "
+                f"{self.local_world_size}"
+            )
+
+    @property
+    def num_hosts(self) -> int:
+        return max(1, self.world_size // min(self.local_world_size, self.world_size))
+
+
+@attrs.frozen
+class ShardCost:
+    """Per-shard loads. ``owner`` lands on the shard's rank, ``peers`` on every rank,
+    ``allreduce_bytes`` joins the gradient all-reduce."""
+
+    owner: np.ndarray = attrs.field(eq=False)
+    peers: np.ndarray = attrs.field(eq=False)
+    allreduce_bytes: float = 0.0
+    dense_update_s: float = 0.0
+
+
+def node_time(node: Node, profile: HardwareProfile) -> float:
+    """Seconds a compute node takes on its resource (links are handled per phase)."""
+    if node.unit == "rows":
+        moved = node.quantity * profile.row_bytes(node.width_bytes, 1)
+        if node.resource == "hbm":
+            return moved / profile.hbm_bw
+        if node.resource == "uvm":
+            return moved / profile.uvm_bw
+        if node.resource == "uvm_cached":
+            h = profile.cache_hit_rate
+            return moved * (h / profile.hbm_bw + (1 - h) / profile.uvm_bw)
+        return moved / profile.ddr_bw
+    if node.resource == "hbm":
+        return node.quantity / profile.hbm_bw
+    if node.resource == "ddr":
+        return node.quantity / profile.ddr_bw
+    raise ValueError(f"node {node.kind} on {node.resource} has no compute time")
+
+
+def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
+    """Fold one shard's sparse-path nodes into per-rank load vectors (fp32 comm bytes)."""
+    p = ctx.profile
+    owner = np.zeros(K)
+    peers = np.zeros(K)
+    allreduce = 0.0
+    for node in shard_nodes(spec, cand, ctx.world_size, ctx.local_world_size):
+        vec = owner if node.scope == "owner" else peers
+        if node.kind in ("lookup", "backward_update"):
+            t = node_time(node, p)
+            if node.unit == "rows":
+                if node.kind == "backward_update":
+                    t *= p.bwd_factor
+                t += p.lookup_overhead_s
+            col = BWD if node.backward else FWD
+            vec[col] += t
+            if node.resource == "uvm_cached" and node.kind == "lookup":
+                # the miss traffic is what a prefetch pipeline moves ahead of time
+                miss = node.quantity * p.row_bytes(node.width_bytes, 1) * (1 - p.cache_hit_rate)
+                vec[FWD] -= miss / p.uvm_bw
+                vec[UVM] += miss / p.uvm_bw
+        elif node.kind == "grad_allreduce":
+            allreduce += node.quantity
+        elif node.kind == "input_dist":
+            vec[IN_INTRA if node.resource == "intra_host" else IN_INTER] += node.quantity
+        elif node.kind == "output_dist":
+            vec[OUT_INTRA if node.resource == "intra_host" else OUT_INTER] += node.quantity
+        # grad_dist mirrors output_dist byte for byte; step_time scales it by bwd precision
+    dev, host = shard_memory(spec, cand, ctx.world_size)
+    owner[DEV_MEM] += dev
+    owner[HOST_MEM] += host
+    return ShardCost(owner=owner, peers=peers, allreduce_bytes=allreduce)
+
+
+@attrs.frozen
+class StepTime:
+    """Predicted steady-state step time and where it goes (seconds)."""
+
+    total_s: float
+    phases: Mapping[str, float]
+    compute_s: float
+    exposed_comm_s: float
+    overlapped_s: float
+    pipeline: str
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{k}={v * 1e3:.3f}ms" for k, v in self.phases.items() if v)
+        return f"StepTime({self.total_s * 1e3:.3f} ms, {self.pipeline}: {parts})"
+
+
+def _allreduce_s(bytes_: float, ctx: CostContext) -> float:
+    W = ctx.world_size
+    if W <= 1 or bytes_ <= 0:
+        return 0.0
+    return ctx.profile.collective_latency_s + 2 * (W - 1) / W * bytes_ / ctx.profile.allreduce_bw
+
+
+def phase_times(
+    colmax: np.ndarray,
+    allreduce_bytes: float,
+    comm_groups: int,
+    ctx: CostContext,
+    fwd_precision: str = "fp32",
+    bwd_precision: str = "fp32",
+) -> Dict[str, float]:
+    """Seconds per phase from the per-column maxima over ranks."""
+    p = ctx.profile
+    fscale = PRECISION_BYTES[fwd_precision] / 4
+    bscale = PRECISION_BYTES[bwd_precision] / 4
+    lat = p.collective_latency_s * comm_groups if ctx.world_size > 1 else 0.0
+
+    def link(intra: float, inter: float) -> float:
+        return max(intra / p.intra_host_bw, inter / p.inter_host_bw)
+
+    dense_fwd = ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    return {
+        "input_dist": lat + link(colmax[IN_INTRA], colmax[IN_INTER]),
+        "uvm_fetch": float(colmax[UVM]),
+        "lookup": float(colmax[FWD]),
+        "output_dist": lat + fscale * link(colmax[OUT_INTRA], colmax[OUT_INTER]),
+        "dense_fwd": dense_fwd,
+        "dense_bwd": 2 * dense_fwd,
+        "grad_dist": lat + bscale * link(colmax[OUT_INTRA], colmax[OUT_INTER]),
+        "backward_update": float(colmax[BWD]),
+        "allreduce": _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx),
+    }
+
+
+def step_time(
+    colmax: np.ndarray,
+    allreduce_bytes: float,
+    comm_groups: int,
+    ctx: CostContext,
+    pipeline: str = "sparse_dist",
+    fwd_precision: str = "fp32",
+    bwd_precision: str = "fp32",
+) -> StepTime:
+    """Steady-state step time under a pipeline kind's overlap rules.
+
+    * ``base``: everything in sequence.
+    * ``sparse_dist``: the next batch's ``input_dist`` runs during this batch's work.
+    * ``fused``: as sparse_dist, and the embedding backward/optimizer overlaps the dense all-reduce.
+    * ``semi_sync``: as sparse_dist, and the next batch's lookup + output_dist overlap this
+      batch's dense forward/backward (one step of embedding staleness).
+    * ``prefetch``: as sparse_dist, and UVM-cache misses are fetched with the input_dist.
+
+    On hardware without compute/communication overlap (``profile.supports_overlap`` False,
+    e.g. CPU gloo) every pipeline degrades to ``base``.
+    """
+    if pipeline not in PIPELINES:
+        raise ValueError(f"unknown pipeline {pipeline!r}; choose one of {PIPELINES}")
+    ph = phase_times(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision)
+    dense = ph["dense_fwd"] + ph["dense_bwd"]
+    # DDP overlaps the gradient all-reduce with the dense backward
+    ar_exposed = max(0.0, ph["allreduce"] - ph["dense_bwd"])
+    emb_fwd = ph["uvm_fetch"] + ph["lookup"] + ph["output_dist"]
+    emb_bwd = ph["grad_dist"] + ph["backward_update"]
+    serial = ph["input_dist"] + emb_fwd + dense + emb_bwd + ar_exposed
+    compute = ph["lookup"] + ph["backward_update"] + dense + ph["uvm_fetch"]
+    overlap = getattr(ctx.profile, "supports_overlap", True)
+    if not overlap or pipeline == "base":
+        total = serial
+    elif pipeline == "sparse_dist":
+        total = max(ph["input_dist"], serial - ph["input_dist"])
+    elif pipeline == "fused":
+        rest = emb_fwd + ph["dense_fwd"] + max(
+            ph["dense_bwd"] + ar_exposed, ph["dense_bwd"] + emb_bwd
+        )
+        total = max(ph["input_dist"], rest)
+    elif pipeline == "semi_sync":
+        rest = max(emb_fwd, dense) + emb_bwd + ar_exposed
+        total = max(ph["input_dist"], rest)
+    else:  # prefetch
+        total = max(ph["input_dist"] + ph["uvm_fetch"], serial - ph["input_dist"] - ph["uvm_fetch"])
+    comm = serial - compute
+    exposed = max(0.0, total - compute)
+    return StepTime(
+        total_s=float(total),
+        phases={k: float(v) for k, v in ph.items()},
+        compute_s=float(compute),
+        exposed_comm_s=float(min(exposed, comm)),
+        overlapped_s=float(max(0.0, serial - total)),
+        pipeline=pipeline,
+    )
+
+
+def describe_precisions(fwd: str, bwd: str) -> Tuple[str, str]:
+    for p in (fwd, bwd):
+        if p not in PRECISION_BYTES:
+            raise ValueError(f"unknown comm precision {p!r}; choose one of {sorted(PRECISION_BYTES)}")
+    return fwd, bwd
+
+
+def step_total_batch(
+    colmax: np.ndarray,
+    allreduce_bytes: float,
+    comm_groups: int,
+    ctx: CostContext,
+    pipeline: str = "sparse_dist",
+    fwd_precision: str = "fp32",
+    bwd_precision: str = "fp32",
+) -> np.ndarray:
+    """:func:`step_time`'s total for many column-maximum vectors at once (rows of ``colmax``).
+
+    Used by the search to price every target rank of a move in one numpy pass; equal to
+    ``step_time(row, ...).total_s`` for each row (tested).
+    """
+    p = ctx.profile
+    cm = np.atleast_2d(colmax)
+    fscale = PRECISION_BYTES[fwd_precision] / 4
+    bscale = PRECISION_BYTES[bwd_precision] / 4
+    lat = p.collective_latency_s * comm_groups if ctx.world_size > 1 else 0.0
+    link_in = np.maximum(cm[:, IN_INTRA] / p.intra_host_bw, cm[:, IN_INTER] / p.inter_host_bw)
+    link_out = np.maximum(cm[:, OUT_INTRA] / p.intra_host_bw, cm[:, OUT_INTER] / p.inter_host_bw)
+    t_in = lat + link_in
+    t_out = lat + fscale * link_out
+    t_grad = lat + bscale * link_out
+    dense_fwd = ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    dense_bwd = 2 * dense_fwd
+    dense = dense_fwd + dense_bwd
+    ar_exposed = max(0.0, _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx) - dense_bwd)
+    emb_fwd = cm[:, UVM] + cm[:, FWD] + t_out
+    emb_bwd = t_grad + cm[:, BWD]
+    serial = t_in + emb_fwd + dense + emb_bwd + ar_exposed
+    overlap = getattr(p, "supports_overlap", True)
+    if not overlap or pipeline == "base":
+        return serial
+    if pipeline == "sparse_dist":
+        return np.maximum(t_in, serial - t_in)
+    if pipeline == "fused":
+        rest = emb_fwd + dense_fwd + np.maximum(dense_bwd + ar_exposed, dense_bwd + emb_bwd)
+        return np.maximum(t_in, rest)
+    if pipeline == "semi_sync":
+        return np.maximum(t_in, np.maximum(emb_fwd, dense) + emb_bwd + ar_exposed)
+    if pipeline == "prefetch":
+        return np.maximum(t_in + cm[:, UVM], serial - t_in - cm[:, UVM])
+    raise ValueError(f"unknown pipeline {pipeline!r}; choose one of {PIPELINES}")

@@ -1,0 +1,160 @@
+"""The planning problem as data: tables, their candidate shardings, per-shard costs, limits.
+
+Like ``scipy.optimize.milp``'s inputs, a :class:`PlanningProblem` is a value; solvers
+(:mod:`.solve`) take it and return a :class:`~torchrec_sparselift.search.solve.SearchResult`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import attrs
+import numpy as np
+
+from torchrec_sparselift.cost.model import (
+    DEV_MEM,
+    HOST_MEM,
+    CostContext,
+    ShardCost,
+    shard_cost,
+)
+from torchrec_sparselift.semantics.graph import Candidate, candidate_for
+from torchrec_sparselift.semantics.tables import TableSpec
+
+__all__ = ["PlanningProblem", "build_problem", "column_splits", "SUPPORTED_KERNELS"]
+
+# Kernels whose sparse path the cost model describes. Others (key-value/SSD tables) are only
+# planned when a user constrains a table to them, and then rejected with a clear message.
+SUPPORTED_KERNELS = ("fused", "dense", "fused_uvm", "fused_uvm_caching")
+
+
+def column_splits(spec: TableSpec, world_size: int, compute_device: str) -> List[int]:
+    """Column-wise shard counts worth trying: powers of two, equal widths, each width a
+    multiple of 4 and at least ``min_partition`` (default 32 on GPU, 8 on CPU)."""
+    dim = spec.embedding_dim
+    min_w = spec.min_partition or (32 if compute_device != "cpu" else 8)
+    out = []
+    k = 2
+    while k <= min(world_size, 64) and dim % k == 0 and dim // k >= min_w and (dim // k) % 4 == 0:
+        out.append(k)
+        k *= 2
+    return out
+
+
+@attrs.frozen
+class PlanningProblem:
+    """Everything a solver needs, as immutable data.
+
+    ``candidates[t]`` lists candidate ids (indices into ``cands``/``costs``) for table ``t``.
+    """
+
+    specs: Tuple[TableSpec, ...]
+    ctx: CostContext
+    cands: Tuple[Candidate, ...]
+    costs: Tuple[ShardCost, ...] = attrs.field(eq=False)
+    candidates: Tuple[Tuple[int, ...], ...]
+    device_cap: np.ndarray = attrs.field(eq=False)
+    host_cap: np.ndarray = attrs.field(eq=False)
+    pipelines: Tuple[str, ...] = ("sparse_dist",)
+    precisions: Tuple[Tuple[str, str], ...] = (("fp32", "fp32"),)
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.specs)
+
+    def shard_time(self, c: int) -> float:
+        """A scalar size for one shard of candidate ``c`` (seconds of its own work)."""
+        p = self.ctx.profile
+        o = self.costs[c].owner
+        return float(o[0] + o[1] + o[2] + (o[3] + o[5]) / p.intra_host_bw + (o[4] + o[6]) / p.inter_host_bw)
+
+
+def build_problem(
+    specs: Sequence[TableSpec],
+    ctx: CostContext,
+    device_cap: np.ndarray,
+    host_cap: np.ndarray,
+    pipelines: Sequence[str] = ("sparse_dist",),
+    precisions: Sequence[Tuple[str, str]] = (("fp32", "fp32"),),
+) -> PlanningProblem:
+    """Enumerate candidates for every table, price one shard of each, drop what cannot fit.
+
+    Raises ``ValueError`` naming each table for which nothing fits, with how much memory its
+    smallest option needs against the largest per-rank capacity.
+    """
+    W, L = ctx.world_size, min(ctx.local_world_size, ctx.world_size)
+    device = ctx.profile.compute_device
+    cands: List[Candidate] = []
+    costs: List[ShardCost] = []
+    per_table: List[Tuple[int, ...]] = []
+    max_dev = float(np.max(device_cap)) if len(device_cap) else 0.0
+    max_host = float(np.max(host_cap)) if len(host_cap) else 0.0
+    misfits: List[str] = []
+    for t, spec in enumerate(specs):
+        ids: List[int] = []
+        smallest: Optional[Tuple[float, str]] = None
+        for st in spec.sharding_types:
+            for kernel in spec.kernels_for(st):
+                if kernel not in SUPPORTED_KERNELS:
+                    continue
+                if st == "table_row_wise" and W == L and "row_wise" in spec.sharding_types:
+                    continue  # one host: identical to row-wise
+                if st == "grid_shard":
+                    continue
+                splits = [1]
+                if st in ("column_wise", "table_column_wise"):
+                    splits = column_splits(spec, W, device)
+                    if not splits:
+                        if "table_wise" in spec.sharding_types:
+                            continue
+                        splits = [1]
+                for k in splits:
+                    cand = candidate_for(t, spec, st, kernel, W, L, k)
+                    cost = shard_cost(spec, cand, ctx)
+                    dev, host = cost.owner[DEV_MEM], cost.owner[HOST_MEM]
+                    if smallest is None or dev < smallest[0]:
+                        smallest = (dev, f"{st}/{kernel}")
+                    if dev > max_dev or host > max_host:
+                        continue
+                    ids.append(len(cands))
+                    cands.append(cand)
+                    costs.append(cost)
+        if not ids:
+            if smallest is None:
+                misfits.append(
+                    f"{spec.fqn}: no supported sharding type/kernel among "
+                    f"{list(spec.compute_kernels)} (the cost model covers kernels {SUPPORTED_KERNELS})"
+                )
+            else:
+                misfits.append(
+                    f"{spec.fqn} ({spec.num_embeddings} x {spec.embedding_dim}): smallest shard "
+                    f"({smallest[1]}) needs {smallest[0] / 2**30:.2f} GiB, a rank has "
+                    f"{max_dev / 2**30:.2f} GiB (short by {(smallest[0] - max_dev) / 2**30:.2f} GiB)"
+                )
+        per_table.append(tuple(ids))
+    if misfits:
+        raise _no_fit_error(misfits)
+    return PlanningProblem(
+        specs=tuple(specs),
+        ctx=ctx,
+        cands=tuple(cands),
+        costs=tuple(costs),
+        candidates=tuple(per_table),
+        device_cap=np.asarray(device_cap, dtype=float),
+        host_cap=np.asarray(host_cap, dtype=float),
+        pipelines=tuple(pipelines),
+        precisions=tuple(precisions),
+    )
+
+
+def _no_fit_error(lines: List[str]) -> Exception:
+    from torchrec_sparselift.search.errors import SparseLiftPlannerError
+
+    return SparseLiftPlannerError(
+        "no sharding of these tables fits in one rank's memory:\n  "
+        + "\n  ".join(lines)
+        + "\nTo fix: allow row-wise/table-row-wise or column-wise sharding for them "
+        "(ParameterConstraints.sharding_types), allow a UVM kernel (fused_uvm_caching) on GPUs, "
+        "use more ranks or ranks with more memory, or shrink the tables.",
+        kind="insufficient_storage",
+    )

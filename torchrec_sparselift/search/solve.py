@@ -1,0 +1,156 @@
+"""Solve a :class:`PlanningProblem`: choose options, place shards, pick optimizations, bound.
+
+``solve(problem, time_budget_s)`` is the one call; it returns a :class:`SearchResult` with the
+plan, its predicted step time, a lower bound under the same model, and the gap. Deterministic:
+the same problem gives the same result (no randomness, ties broken by index).
+
+Strategy (large-scale path, any size):
+1. LP relaxation on aggregated loads (:mod:`.lp`) -> option per table + lower bound.
+2. Greedy LPT placement of the LP's choice and of a "least work" choice; keep the better.
+3. Local search on the hottest ranks (re-place or re-shard their biggest tables).
+4. Price every allowed pipeline kind and comm precision on the final loads; keep the best,
+   and polish with local search under it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import attrs
+import numpy as np
+
+from torchrec_sparselift.cost.evaluator import PlanEvaluator
+from torchrec_sparselift.cost.model import StepTime
+from torchrec_sparselift.search.errors import SparseLiftPlannerError
+from torchrec_sparselift.search.lp import solve_lp
+from torchrec_sparselift.search.place import greedy_place, local_search
+from torchrec_sparselift.search.problem import PlanningProblem
+
+__all__ = ["SearchResult", "solve", "new_evaluator"]
+
+
+@attrs.frozen
+class SearchResult:
+    """A solved plan under the cost model."""
+
+    assignment: Tuple[Tuple[int, Tuple[int, ...]], ...]  # per table: (candidate id, ranks)
+    step: StepTime
+    lower_bound_s: float
+    pipeline: str
+    fwd_precision: str
+    bwd_precision: str
+    solver: str
+    status: str
+    planning_time_s: float
+    moves: int
+    rank_loads: np.ndarray = attrs.field(eq=False, repr=False)
+    alternatives: Tuple[Tuple[str, float], ...] = ()
+
+    @property
+    def gap(self) -> float:
+        if not self.lower_bound_s or not np.isfinite(self.lower_bound_s):
+            return float("nan")
+        return self.step.total_s / self.lower_bound_s - 1.0
+
+
+def new_evaluator(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str = "fp32") -> PlanEvaluator:
+    return PlanEvaluator(
+        prob.ctx, prob.costs, [c.sharding_type for c in prob.cands], prob.device_cap,
+        prob.host_cap, pipeline, fwd, bwd,
+    )
+
+
+def _least_work_choice(prob: PlanningProblem) -> List[int]:
+    out = []
+    for ids in prob.candidates:
+        out.append(min(ids, key=lambda i: (prob.shard_time(i) * prob.cands[i].num_shards, i)))
+    return out
+
+
+def _place(prob: PlanningProblem, choice: Sequence[int], pipeline: str, fwd: str, bwd: str):
+    ev = new_evaluator(prob, pipeline, fwd, bwd)
+    unplaced = greedy_place(ev, prob, choice)
+    return ev, unplaced
+
+
+def solve(
+    prob: PlanningProblem,
+    time_budget_s: float = 30.0,
+    pipeline: Optional[str] = None,
+    precision: Optional[Tuple[str, str]] = None,
+) -> SearchResult:
+    """Plan ``prob`` within about ``time_budget_s`` seconds (the LP and one greedy pass always
+    run; local search stops at the budget)."""
+    t0 = time.monotonic()
+    deadline = t0 + time_budget_s
+    pipelines = (pipeline,) if pipeline else prob.pipelines
+    precisions = (precision,) if precision else prob.precisions
+    search_pl = "sparse_dist" if "sparse_dist" in pipelines else pipelines[0]
+    fwd, bwd = precisions[0]
+
+    lp = solve_lp(prob, search_pl, fwd, bwd, time_limit_s=max(2.0, 0.4 * time_budget_s))
+    seeds: List[Tuple[str, Sequence[int]]] = []
+    if lp.choice:
+        seeds.append(("lp", lp.choice))
+    seeds.append(("least_work", _least_work_choice(prob)))
+    best_ev: Optional[PlanEvaluator] = None
+    best_name = ""
+    failures: Dict[str, List[int]] = {}
+    for name, choice in seeds:
+        ev, unplaced = _place(prob, choice, search_pl, fwd, bwd)
+        if unplaced:
+            failures[name] = unplaced
+            continue
+        if best_ev is None or ev.objective() < best_ev.objective():
+            best_ev, best_name = ev, name
+    if best_ev is None:
+        bad = sorted({t for v in failures.values() for t in v})
+        names = ", ".join(prob.specs[t].fqn for t in bad[:20])
+        need = sum(float(np.min([prob.costs[i].owner[7] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
+        raise SparseLiftPlannerError(
+            f"could not place {len(bad)} table(s) within per-rank memory: {names}"
+            f"{' ...' if len(bad) > 20 else ''}. They need at least {need / 2**30:.2f} GiB more "
+            f"device memory than is free after the other tables (total device memory "
+            f"{float(np.sum(prob.device_cap)) / 2**30:.2f} GiB over {prob.ctx.world_size} ranks). "
+            "To fix: add ranks or memory, allow row-wise/column-wise sharding or UVM caching for "
+            "large tables, or reduce batch size (comm buffers scale with it).",
+            kind="partition",
+        )
+    ev = best_ev
+    moves = local_search(ev, prob, deadline=t0 + 0.8 * time_budget_s)
+
+    # choose the optimizations on the final loads
+    alts: List[Tuple[str, float]] = []
+    best_combo = None
+    for pl in pipelines:
+        for f, b in precisions:
+            st = ev.step_time(pl, f, b)
+            alts.append((f"{pl}/{f}/{b}", st.total_s))
+            if best_combo is None or st.total_s < best_combo[3] * (1 - 1e-12):
+                best_combo = (pl, f, b, st.total_s)
+    pl, f, b, _ = best_combo
+    if (pl, f, b) != (search_pl, fwd, bwd):
+        ev.pipeline, ev.fwd_precision, ev.bwd_precision = pl, f, b
+        moves += local_search(ev, prob, deadline=max(deadline, time.monotonic() + 0.1))
+    bound = lp.lower_bound_s
+    if (pl, f, b) != (search_pl, fwd, bwd) or lp.status != "optimal":
+        remaining = max(1.0, deadline - time.monotonic())
+        lp2 = solve_lp(prob, pl, f, b, time_limit_s=remaining)
+        bound = lp2.lower_bound_s if lp2.status == "optimal" else float("nan")
+    step = ev.step_time()
+    assignment = tuple(ev.assignment[t] for t in range(prob.num_tables))
+    return SearchResult(
+        assignment=assignment,
+        step=step,
+        lower_bound_s=float(min(bound, step.total_s)) if np.isfinite(bound) else float("nan"),
+        pipeline=pl,
+        fwd_precision=f,
+        bwd_precision=b,
+        solver=f"lp+greedy({best_name})+local_search",
+        status="ok" if ev.memory_ok() else "memory_violation",
+        planning_time_s=time.monotonic() - t0,
+        moves=moves,
+        rank_loads=ev.rank_loads(),
+        alternatives=tuple(alts),
+    )

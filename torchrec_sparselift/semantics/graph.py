@@ -1,0 +1,284 @@
+"""The sparse-path graph: what a sharding option really does, node by node.
+
+TorchRec shows a sharded embedding module as one opaque node. Here each candidate sharding of a
+table is unfolded into the nodes it implies on the ranks that hold its shards:
+
+``input_dist`` (ids + lengths all-to-all) -> ``lookup`` (TBE forward) -> ``output_dist`` (pooled
+all-to-all, or reduce-scatter for row-wise) -> ... dense ... -> ``grad_dist`` -> ``backward_update``
+(TBE backward with the fused optimizer) [-> ``replica_sync`` for 2D, ``grad_allreduce`` for
+data-parallel tables].
+
+Every node names the resource it occupies, how much of it (bytes or rows), the memory it pins and
+what it waits for. The cost model (:mod:`torchrec_sparselift.cost.model`) turns nodes into time;
+``explain`` shows the same nodes to users. Quantities are hardware-independent; only the cost model
+knows rates.
+
+All shards of one candidate are identical up to TorchRec's remainder rounding, so a candidate
+carries one shard template plus the rule that places its shards (``free``: each shard on any rank,
+``host``: all shards on the ranks of one host, ``all``: shard ``i`` on rank ``i``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import attrs
+
+from torchrec_sparselift.semantics.tables import TableSpec
+
+__all__ = [
+    "Node",
+    "Candidate",
+    "shard_nodes",
+    "candidate_for",
+    "PLACEMENT_OF",
+    "INDEX_BYTES",
+    "LENGTH_BYTES",
+    "OPTIMIZER_STATE_BYTES_PER_ROW",
+]
+
+INDEX_BYTES = 8  # int64 ids on the wire
+LENGTH_BYTES = 4  # int32 lengths, one per (sample, feature)
+OPTIMIZER_STATE_BYTES_PER_ROW = 4  # row-wise AdaGrad: one fp32 accumulator per row
+DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default for UVM caching kernels
+
+PLACEMENT_OF = {
+    "table_wise": "free",
+    "column_wise": "free",
+    "table_column_wise": "free",
+    "row_wise": "all",
+    "data_parallel": "all",
+    "table_row_wise": "host",
+    "grid_shard": "host",
+}
+
+NODE_KINDS = (
+    "input_dist",
+    "lookup",
+    "output_dist",
+    "grad_dist",
+    "backward_update",
+    "grad_allreduce",
+)
+RESOURCES = ("hbm", "ddr", "uvm", "intra_host", "inter_host")
+
+
+@attrs.frozen
+class Node:
+    """One step of the sparse path on the rank that holds a shard.
+
+    ``quantity`` is bytes for links and memory traffic, rows for lookups (a row moves
+    ``width_bytes``; the cost model rounds to the memory transaction size). ``scope`` says who
+    pays: ``"owner"`` the rank holding the shard, ``"peers"`` every rank equally (the other end
+    of an all-to-all), ``"global"`` a collective over all ranks (data-parallel all-reduce).
+    """
+
+    kind: str
+    resource: str
+    quantity: float
+    unit: str = "bytes"
+    width_bytes: int = 0
+    scope: str = "owner"
+    deps: Tuple[str, ...] = ()
+    precision_scaled: bool = False  # comm bytes that a lower comm precision shrinks
+    backward: bool = False  # happens in the backward pass
+
+
+@attrs.frozen
+class Candidate:
+    """One way to shard one table: type, kernel, and the shape and count of its shards."""
+
+    table: int
+    sharding_type: str
+    compute_kernel: str
+    num_shards: int
+    shard_rows: int
+    shard_cols: int
+    placement: str
+
+    @property
+    def key(self) -> Tuple[str, str, int]:
+        return (self.sharding_type, self.compute_kernel, self.num_shards)
+
+
+def candidate_for(
+    table_index: int,
+    spec: TableSpec,
+    sharding_type: str,
+    compute_kernel: str,
+    world_size: int,
+    local_world_size: int,
+    column_splits: int = 1,
+) -> Candidate:
+    rows, dim = spec.num_embeddings, spec.embedding_dim
+    if sharding_type in ("table_wise",):
+        n, r, c = 1, rows, dim
+    elif sharding_type in ("column_wise", "table_column_wise"):
+        n, r, c = column_splits, rows, dim // column_splits
+    elif sharding_type == "row_wise":
+        n, r, c = world_size, -(-rows // world_size), dim
+    elif sharding_type == "table_row_wise":
+        n, r, c = local_world_size, -(-rows // local_world_size), dim
+    elif sharding_type == "data_parallel":
+        n, r, c = world_size, rows, dim
+    elif sharding_type == "grid_shard":
+        n, r, c = local_world_size * column_splits, -(-rows // local_world_size), dim // column_splits
+    else:
+        raise ValueError(f"table {spec.fqn!r}: unknown sharding type {sharding_type!r}")
+    return Candidate(
+        table=table_index,
+        sharding_type=sharding_type,
+        compute_kernel=compute_kernel,
+        num_shards=n,
+        shard_rows=r,
+        shard_cols=c,
+        placement=PLACEMENT_OF[sharding_type],
+    )
+
+
+def _flat_a2a_fractions(world_size: int, local_world_size: int) -> Tuple[float, float]:
+    """(intra, inter) fraction of one rank's all-to-all bytes in a flat all-to-all."""
+    if world_size <= 1:
+        return 0.0, 0.0
+    local = min(local_world_size, world_size)
+    return (local - 1) / world_size, (world_size - local) / world_size
+
+
+def shard_nodes(
+    spec: TableSpec, cand: Candidate, world_size: int, local_world_size: int
+) -> List[Node]:
+    """Nodes one shard of ``cand`` puts on its rank (plus ``peers``/``global`` terms).
+
+    Quantities per training step, for the per-rank batch ``spec.batch_size``:
+    ``I = B * W * pf`` ids per step over the whole job.
+    """
+    B, W, L = spec.batch_size, world_size, min(local_world_size, world_size)
+    pf = spec.pooling_factor
+    nf = len(spec.feature_names)
+    ids_global = B * W * pf
+    st = cand.sharding_type
+    width = cand.shard_cols * spec.elem_bytes
+    fi, fe = _flat_a2a_fractions(W, L)
+    nodes: List[Node] = []
+
+    def a2a(kind: str, owner_bytes: float, intra: float, inter: float, peer_bytes: float,
+            scaled: bool, backward: bool, deps: Tuple[str, ...]) -> None:
+        if intra > 0:
+            nodes.append(Node(kind, "intra_host", owner_bytes * intra, deps=deps,
+                              precision_scaled=scaled, backward=backward))
+        if inter > 0:
+            nodes.append(Node(kind, "inter_host", owner_bytes * inter, deps=deps,
+                              precision_scaled=scaled, backward=backward))
+        if peer_bytes > 0 and W > 1:
+            pi = (L - 1) / (W - 1)
+            if pi > 0:
+                nodes.append(Node(kind, "intra_host", peer_bytes * pi, scope="peers", deps=deps,
+                                  precision_scaled=scaled, backward=backward))
+            if pi < 1:
+                nodes.append(Node(kind, "inter_host", peer_bytes * (1 - pi), scope="peers",
+                                  deps=deps, precision_scaled=scaled, backward=backward))
+
+    kernel = cand.compute_kernel
+    lookup_res = {"fused_uvm": "uvm", "fused_uvm_caching": "uvm_cached"}.get(kernel, "hbm")
+
+    if st == "data_parallel":
+        rows_local = B * pf
+        nodes.append(Node("lookup", lookup_res, rows_local, unit="rows", width_bytes=width))
+        nodes.append(Node("backward_update", lookup_res, rows_local, unit="rows",
+                          width_bytes=width, deps=("lookup",), backward=True))
+        grad_bytes = spec.num_embeddings * spec.embedding_dim * 4
+        nodes.append(Node("grad_allreduce", "allreduce", grad_bytes, scope="global",
+                          deps=("backward_update",), backward=True))
+        # dense optimizer step over the whole replica: read weight + grad + state, write both
+        nodes.append(Node("backward_update", "hbm", 3.0 * grad_bytes, deps=("grad_allreduce",),
+                          backward=True))
+        return nodes
+
+    if st in ("table_wise", "column_wise", "table_column_wise"):
+        ids_here = ids_global
+        in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
+        a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False, False, ())
+        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width,
+                          deps=("input_dist",)))
+        if spec.is_pooled:
+            out_bytes = B * (W - 1) * cand.shard_cols * 4
+        else:
+            out_bytes = ids_global * (W - 1) / W * cand.shard_cols * 4
+        frac_i = (L - 1) / (W - 1) if W > 1 else 0.0
+        a2a("output_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, out_bytes / W,
+            True, False, ("lookup",))
+        a2a("grad_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, out_bytes / W,
+            True, True, ("output_dist",))
+        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
+                          deps=("grad_dist",), backward=True))
+        return nodes
+
+    if st == "row_wise":
+        ids_here = ids_global / W
+        in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
+        a2a("input_dist", in_bytes, fi, fe, 0.0, False, False, ())
+        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width,
+                          deps=("input_dist",)))
+        if spec.is_pooled:  # reduce-scatter of partial sums over all ranks
+            out_bytes = B * W * cand.shard_cols * 4 * (W - 1) / W
+        else:
+            out_bytes = ids_here * cand.shard_cols * 4 * (W - 1) / W
+        a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), 0.0,
+            True, False, ("lookup",))
+        a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), 0.0,
+            True, True, ("output_dist",))
+        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
+                          deps=("grad_dist",), backward=True))
+        return nodes
+
+    if st in ("table_row_wise", "grid_shard"):
+        rows_split = L
+        ids_here = ids_global / rows_split
+        in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
+        a2a("input_dist", in_bytes, fi, fe, in_bytes * rows_split / W, False, False, ())
+        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width,
+                          deps=("input_dist",)))
+        if spec.is_pooled:
+            partial = B * W * cand.shard_cols * 4
+            rs_intra = partial * (L - 1) / L  # intra-host reduce-scatter
+            slice_bytes = partial / L  # then the slice goes to every rank
+        else:
+            rs_intra = 0.0
+            slice_bytes = ids_here * cand.shard_cols * 4
+        for kind, bwd in (("output_dist", False), ("grad_dist", True)):
+            if rs_intra > 0:
+                nodes.append(Node(kind, "intra_host", rs_intra, deps=("lookup",),
+                                  precision_scaled=True, backward=bwd))
+            a2a(kind, slice_bytes * (W - 1) / W if W > 1 else 0.0,
+                (L - 1) / max(W - 1, 1), (W - L) / max(W - 1, 1), slice_bytes * L / W,
+                True, bwd, ("lookup",))
+        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
+                          deps=("grad_dist",), backward=True))
+        return nodes
+
+    raise ValueError(f"table {spec.fqn!r}: no sparse-path model for sharding type {st!r}")
+
+
+def shard_memory(spec: TableSpec, cand: Candidate, world_size: int,
+                 cache_load_factor: float = DEFAULT_CACHE_LOAD_FACTOR) -> Tuple[float, float]:
+    """(device bytes, host bytes) one shard pins: weights, optimizer state, comm buffers."""
+    rows, cols = cand.shard_rows, cand.shard_cols
+    weights = rows * cols * spec.elem_bytes
+    if cand.sharding_type == "data_parallel":
+        # dense replica: weight + gradient + (Adagrad) state, all full size
+        return float(weights + 2 * rows * cols * 4), 0.0
+    state = rows * OPTIMIZER_STATE_BYTES_PER_ROW
+    B, W = spec.batch_size, world_size
+    if cand.sharding_type == "row_wise":
+        ids_here = B * W * spec.pooling_factor / W
+    elif cand.sharding_type in ("table_row_wise", "grid_shard"):
+        ids_here = B * W * spec.pooling_factor / max(cand.num_shards, 1)
+    else:
+        ids_here = B * W * spec.pooling_factor
+    out_rows = B * W if spec.is_pooled else ids_here
+    buffers = ids_here * INDEX_BYTES + out_rows * cols * 4 * 2  # ids in; output + its grad
+    if cand.compute_kernel == "fused_uvm":
+        return float(buffers), float(weights + state)
+    if cand.compute_kernel == "fused_uvm_caching":
+        return float(cache_load_factor * weights + state + buffers), float(weights)
+    return float(weights + state + buffers), 0.0

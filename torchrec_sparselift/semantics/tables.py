@@ -1,0 +1,289 @@
+"""Find the embedding tables a planner must place, as plain values.
+
+:func:`extract_tables` walks a module the way TorchRec's enumerator does (module by module,
+asking each default sharder for its shardable parameters) and returns one :class:`TableSpec` per
+table: shape, features, pooling, element size, and which sharding types and compute kernels the
+device and the sharder really support. The live objects TorchRec needs to build
+``ShardingOption``s (the parameter tensor, the owning module, the sharder) travel separately in a
+:class:`TableHandle`, so everything the cost model and the search read is immutable and hashable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import attrs
+from torch import nn
+
+__all__ = [
+    "TableSpec",
+    "TableHandle",
+    "extract_tables",
+    "CPU_RUNTIME_SHARDING_TYPES",
+    "ELEMENT_BYTES",
+]
+
+# Sharding types the CPU/gloo runtime executes correctly (measured, TORCHREC_NOTES.md), although
+# TorchRec's sharders only *offer* row-wise and table-row-wise for CUDA.
+CPU_RUNTIME_SHARDING_TYPES: Tuple[str, ...] = (
+    "data_parallel",
+    "table_wise",
+    "column_wise",
+    "row_wise",
+    "table_row_wise",
+)
+
+ELEMENT_BYTES: Dict[str, int] = {
+    "FP32": 4,
+    "FP16": 2,
+    "BF16": 2,
+    "INT8": 1,
+    "UINT8": 1,
+    "INT4": 1,
+    "INT2": 1,
+}
+
+
+@attrs.frozen
+class TableSpec:
+    """One embedding table as the planner sees it.
+
+    Attributes:
+        module_path: FQN of the sharded module that owns the table ("" for the root module).
+        name: table name (the key of the table in the module's sharding plan).
+        num_embeddings: rows.
+        embedding_dim: columns.
+        feature_names: features that look this table up.
+        pooling_factor: ids looked up per sample, summed over the table's features.
+        is_pooled: True for bags (EmbeddingBagCollection), False for sequences.
+        elem_bytes: bytes per weight element (4 for fp32).
+        sharding_types: types the device, the sharder and the user's constraints all allow.
+        compute_kernels: per sharding type, the allowed compute kernels.
+        min_partition: smallest column-wise shard width the user allows (None: no preference).
+        batch_size: per-rank batch size for this table's features.
+    """
+
+    module_path: str
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: Tuple[str, ...]
+    pooling_factor: float
+    is_pooled: bool
+    elem_bytes: int
+    sharding_types: Tuple[str, ...]
+    compute_kernels: Tuple[Tuple[str, Tuple[str, ...]], ...]
+    min_partition: Optional[int] = None
+    batch_size: int = 512
+
+    def __attrs_post_init__(self) -> None:
+        where = f"table {self.fqn!r}"
+        if self.num_embeddings <= 0:
+            raise ValueError(f"{where}: num_embeddings must be positive, got {self.num_embeddings}")
+        if self.embedding_dim <= 0:
+            raise ValueError(f"{where}: embedding_dim must be positive, got {self.embedding_dim}")
+        if not (self.pooling_factor >= 0):
+            raise ValueError(f"{where}: pooling factor must be >= 0, got {self.pooling_factor}")
+        if self.batch_size <= 0:
+            raise ValueError(f"{where}: batch size must be positive, got {self.batch_size}")
+
+    @property
+    def fqn(self) -> str:
+        return f"{self.module_path}.{self.name}" if self.module_path else self.name
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_embeddings * self.embedding_dim * self.elem_bytes
+
+    def kernels_for(self, sharding_type: str) -> Tuple[str, ...]:
+        for st, kernels in self.compute_kernels:
+            if st == sharding_type:
+                return kernels
+        return ()
+
+
+@attrs.define(eq=False)
+class TableHandle:
+    """The live objects behind a :class:`TableSpec`, needed only to build TorchRec values."""
+
+    spec: TableSpec
+    tensor: Any
+    module: Tuple[str, nn.Module]
+    sharder: Any
+    sharder_key: str
+    constraints: Any = None
+
+
+def _sharder_key(module_type: type) -> str:
+    # Same key TorchRec uses to match sharders to modules (planner.utils.sharder_name).
+    from torchrec.distributed.planner.utils import sharder_name
+
+    return sharder_name(module_type)
+
+
+def _configs_by_table(module: nn.Module) -> Dict[str, Any]:
+    """Table name -> EmbeddingConfig/EmbeddingBagConfig for the module or the module it wraps."""
+    found: Dict[str, Any] = {}
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        for getter in ("embedding_bag_configs", "embedding_configs"):
+            fn = getattr(m, getter, None)
+            if callable(fn):
+                try:
+                    for cfg in fn():
+                        found.setdefault(cfg.name, cfg)
+                except Exception:  # a module whose configs need runtime state: skip
+                    pass
+        if not found:
+            stack.extend(m.children())
+    return found
+
+
+def _device_sharding_types(sharder: Any, compute_device: str) -> List[str]:
+    offered = list(sharder.sharding_types(compute_device))
+    if compute_device == "cpu":
+        # The CPU runtime also runs row-wise and table-row-wise; offer them when the sharder
+        # supports them on CUDA (i.e. the module kind can be sharded that way at all).
+        cuda_types = set(sharder.sharding_types("cuda"))
+        for st in ("row_wise", "table_row_wise"):
+            if st in cuda_types and st not in offered:
+                offered.append(st)
+        offered = [t for t in offered if t in CPU_RUNTIME_SHARDING_TYPES]
+    return offered
+
+
+def _pooling_factor(
+    feature_names: Sequence[str],
+    constraint: Any,
+    stats: Any,
+    default: float,
+) -> float:
+    if constraint is not None and getattr(constraint, "pooling_factors", None):
+        pfs = list(constraint.pooling_factors)
+        # TorchRec's default is one entry [POOLING_FACTOR]; a user may give one per feature.
+        if len(pfs) == 1 and len(feature_names) > 1 and stats is None:
+            return float(pfs[0]) * len(feature_names)
+        if not (len(pfs) == 1 and pfs[0] == default and stats is not None):
+            return float(sum(pfs))
+    if stats is not None:
+        return float(sum(stats.pooling_factor(f, default) for f in feature_names))
+    return float(default) * max(1, len(feature_names))
+
+
+def extract_tables(
+    module: nn.Module,
+    sharders: Sequence[Any],
+    compute_device: str,
+    batch_size: int,
+    constraints: Optional[Mapping[str, Any]] = None,
+    stats: Any = None,
+    default_pooling_factor: float = 1.0,
+) -> List[TableHandle]:
+    """Every shardable table of ``module``, in a deterministic order (module FQN, then table).
+
+    Raises ``ValueError`` naming the table when the device, the sharder and the user's
+    constraints leave no sharding type or kernel, or when a constraint names a table the module
+    does not have.
+    """
+    constraints = dict(constraints or {})
+    sharder_map = {_sharder_key(s.module_type): s for s in sharders}
+    handles: List[TableHandle] = []
+
+    def visit(path: str, m: nn.Module) -> None:
+        key = _sharder_key(type(m))
+        sharder = sharder_map.get(key)
+        if sharder is None:
+            for child_name, child in m.named_children():
+                visit(f"{path}.{child_name}" if path else child_name, child)
+            return
+        configs = _configs_by_table(m)
+        is_pooled = _module_pooled(m)
+        device_types = _device_sharding_types(sharder, compute_device)
+        if "FeatureProcessed" in key:
+            # TorchRec guards position-weighted modules against row-splitting types.
+            device_types = [
+                t for t in device_types if t not in ("row_wise", "table_row_wise", "grid_shard")
+            ]
+        for name, param in sorted(sharder.shardable_parameters(m).items()):
+            c = constraints.get(name)
+            cfg = configs.get(name)
+            feature_names = tuple(
+                (c.feature_names if c is not None and c.feature_names else None)
+                or (cfg.feature_names if cfg is not None else None)
+                or [name]
+            )
+            types = [t for t in device_types if t != "grid_shard"]
+            if c is not None and c.sharding_types:
+                allowed = set(c.sharding_types)
+                types = [t for t in device_types if t in allowed]
+                if not types:
+                    raise ValueError(
+                        f"table {name!r}: ParameterConstraints.sharding_types={list(c.sharding_types)} "
+                        f"leaves nothing the {compute_device} runtime and {type(sharder).__name__} "
+                        f"support ({device_types}); allow one of those"
+                    )
+            kernels: List[Tuple[str, Tuple[str, ...]]] = []
+            for st in types:
+                ks = list(sharder.compute_kernels(st, compute_device))
+                if c is not None and c.compute_kernels:
+                    ks = [k for k in ks if k in set(c.compute_kernels)]
+                if ks:
+                    kernels.append((st, tuple(ks)))
+            if not kernels:
+                raise ValueError(
+                    f"table {name!r}: no compute kernel is left for sharding types {types} on "
+                    f"{compute_device}; ParameterConstraints.compute_kernels="
+                    f"{list(c.compute_kernels) if c is not None and c.compute_kernels else None} "
+                    "must include one the sharder supports"
+                )
+            rows, dim = int(param.shape[0]), int(param.shape[1])
+            dtype_name = getattr(getattr(cfg, "data_type", None), "name", "FP32")
+            tbs = batch_size
+            if c is not None and c.batch_sizes:
+                tbs = int(max(c.batch_sizes))
+            spec = TableSpec(
+                module_path=path,
+                name=name,
+                num_embeddings=rows,
+                embedding_dim=dim,
+                feature_names=feature_names,
+                pooling_factor=_pooling_factor(feature_names, c, stats, default_pooling_factor),
+                is_pooled=is_pooled,
+                elem_bytes=ELEMENT_BYTES.get(dtype_name, 4),
+                sharding_types=tuple(st for st, _ in kernels),
+                compute_kernels=tuple(kernels),
+                min_partition=(c.min_partition if c is not None else None),
+                batch_size=tbs,
+            )
+            handles.append(
+                TableHandle(
+                    spec=spec,
+                    tensor=param,
+                    module=(path, m),
+                    sharder=sharder,
+                    sharder_key=key,
+                    constraints=c,
+                )
+            )
+
+    visit("", module)
+    if constraints:
+        known = {h.spec.name for h in handles}
+        unknown = sorted(set(constraints) - known)
+        if unknown:
+            raise ValueError(
+                f"constraints name tables the model does not have: {unknown}; "
+                f"known tables: {sorted(known)[:20]}{' ...' if len(known) > 20 else ''}"
+            )
+    handles.sort(key=lambda h: (h.spec.module_path, h.spec.name))
+    return handles
+
+
+def _module_pooled(m: nn.Module) -> bool:
+    from torchrec.distributed.planner.types import ShardingOption
+
+    try:
+        return bool(ShardingOption.module_pooled(m, ""))
+    except Exception:
+        return "Bag" in type(m).__name__
