@@ -1,0 +1,205 @@
+"""Input data for the DLRM example: synthetic batches generated on the fly, or Criteo ``.npy`` files.
+
+Synthetic data (the default) is a fresh batch every step, drawn from a generator seeded by
+``(seed, rank, step)``: no cycle of batches for the model to memorize, and any run is reproducible.
+Each feature's bag holds ``pooling_factor`` ids drawn from a power law over the table's rows
+(rank ``k`` has probability ~ ``k**-alpha``; ranks are scattered over the id space by a fixed
+bijection so hot rows are not all at the start of the table). Labels carry a planted signal:
+``P(label=1) = sigmoid(strength * (0.8 * sparse_signal + 0.6 * dense_signal))`` where
+``sparse_signal`` averages a hidden weight in [-1, 1] per (feature, id) over each bag, and
+``dense_signal`` is a fixed unit direction dotted with the dense features. Both parts have unit
+variance, so the loss of a model that learns them falls well below ln 2 = 0.693.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Iterator, List, Sequence
+
+import numpy as np
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dlrm_tables import TableSpec, TableSetError
+
+__all__ = [
+    "NUM_DENSE_FEATURES",
+    "hidden_id_weight",
+    "power_law_ids",
+    "synthetic_batch",
+    "synthetic_batches",
+    "criteo_batches",
+]
+
+NUM_DENSE_FEATURES = 13  # Criteo's integer features
+_PRIME = np.uint64(2147483647)  # > any table's rows, so id -> id * P mod rows is a bijection
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A well-mixed 64-bit hash of each element of the uint64 array ``x`` (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def hidden_id_weight(ids: np.ndarray, feature_index: int, seed: int) -> np.ndarray:
+    """The planted per-id weight in [-1, 1) of each id of feature ``feature_index`` (a pure
+    function of its arguments: the same on every rank and step)."""
+    salt = _splitmix64(np.array([seed * 1_000_003 + feature_index], dtype=np.uint64))[0]
+    with np.errstate(over="ignore"):
+        z = _splitmix64(ids.astype(np.uint64) ^ salt)
+    return (z >> np.uint64(11)).astype(np.float64) * (2.0 / 2.0**53) - 1.0
+
+
+def power_law_ids(rng: np.random.Generator, rows: int, n: int, alpha: float, salt: int) -> np.ndarray:
+    """``n`` ids in [0, rows) with popularity rank ``k`` drawn with probability ~ ``k**-alpha``
+    (continuous inverse-CDF approximation), then scattered by the bijection ``k*P + salt mod rows``."""
+    u = rng.random(n)
+    if abs(alpha - 1.0) < 1e-9:
+        k = np.exp(u * np.log(rows + 1.0))
+    else:
+        e = 1.0 - alpha
+        k = ((np.power(rows + 1.0, e) - 1.0) * u + 1.0) ** (1.0 / e)
+    k = np.clip(np.floor(k).astype(np.int64) - 1, 0, rows - 1).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return ((k * _PRIME + np.uint64(salt)) % np.uint64(rows)).astype(np.int64)
+
+
+def _dense_direction(seed: int) -> np.ndarray:
+    v = np.random.default_rng([seed, 0xD5]).standard_normal(NUM_DENSE_FEATURES)
+    return v / np.linalg.norm(v)
+
+
+def synthetic_batch(
+    tables: Sequence[TableSpec],
+    batch_size: int,
+    seed: int,
+    rank: int,
+    step: int,
+    alpha: float = 1.05,
+    strength: float = 3.0,
+) -> Batch:
+    """Rank ``rank``'s batch for ``step``: ``batch_size`` samples, 13 dense features, one bag of
+    ``pooling_factor`` power-law ids per feature of ``tables`` (KJT keys in table order), and
+    labels drawn from the planted model described in the module docstring."""
+    rng = np.random.default_rng([seed, rank, step])
+    dense = rng.standard_normal((batch_size, NUM_DENSE_FEATURES)).astype(np.float32)
+    keys: List[str] = []
+    values: List[np.ndarray] = []
+    lengths: List[np.ndarray] = []
+    sparse_signal = np.zeros(batch_size)
+    num_features = 0
+    for t in tables:
+        for f in t.features:
+            fi = num_features
+            num_features += 1
+            ids = power_law_ids(rng, t.rows, batch_size * t.pooling_factor, alpha, salt=seed + 7919 * fi)
+            w = hidden_id_weight(ids, fi, seed).reshape(batch_size, t.pooling_factor)
+            # a bag mean of pf weights uniform in [-1, 1) has variance 1/(3 pf): rescale to 1
+            sparse_signal += w.mean(axis=1) * np.sqrt(3.0 * t.pooling_factor)
+            keys.append(f)
+            values.append(ids)
+            lengths.append(np.full(batch_size, t.pooling_factor, dtype=np.int32))
+    sparse_signal /= np.sqrt(num_features)
+    dense_signal = dense.astype(np.float64) @ _dense_direction(seed)
+    logit = strength * (0.8 * sparse_signal + 0.6 * dense_signal)
+    labels = (rng.random(batch_size) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int64)
+    return Batch(
+        dense_features=torch.from_numpy(dense),
+        sparse_features=KeyedJaggedTensor(
+            keys=keys,
+            values=torch.from_numpy(np.concatenate(values)),
+            lengths=torch.from_numpy(np.concatenate(lengths)),
+        ),
+        labels=torch.from_numpy(labels),
+    )
+
+
+def synthetic_batches(
+    tables: Sequence[TableSpec],
+    batch_size: int,
+    seed: int,
+    rank: int,
+    steps: int,
+    alpha: float = 1.05,
+    strength: float = 3.0,
+) -> Iterator[Batch]:
+    """``steps`` fresh synthetic batches for ``rank`` (see ``synthetic_batch``)."""
+    for step in range(steps):
+        yield synthetic_batch(tables, batch_size, seed, rank, step, alpha, strength)
+
+
+def _criteo_day_files(criteo_dir: str) -> List[int]:
+    days = []
+    for path in glob.glob(os.path.join(criteo_dir, "day_*_dense.npy")):
+        m = re.fullmatch(r"day_(\d+)_dense\.npy", os.path.basename(path))
+        if m:
+            days.append(int(m.group(1)))
+    return sorted(days)
+
+
+def criteo_batches(
+    criteo_dir: str, tables: Sequence[TableSpec], batch_size: int, rank: int, world_size: int, steps: int
+) -> Iterator[Batch]:
+    """``steps`` batches of rank ``rank``'s share of the Criteo ``.npy`` files in ``criteo_dir``
+    (``day_{i}_dense.npy`` float32 [N, 13], ``day_{i}_sparse.npy`` int64 [N, 26],
+    ``day_{i}_labels.npy`` int32 [N, 1], as written by TorchRec's ``npy_preproc_criteo.py``),
+    repeating the files when ``steps`` outlasts them. Ids are hashed modulo each table's rows;
+    the tables must be the 26 one-feature tables ``cat_0..cat_25`` (the presets)."""
+    from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, InMemoryBinaryCriteoIterDataPipe
+
+    features = [f for t in tables for f in t.features]
+    if features != DEFAULT_CAT_NAMES:
+        raise TableSetError(
+            f"--criteo-dir needs the {CAT_FEATURE_COUNT} features cat_0..cat_25, one per table in order "
+            "(use --tables dcnv2 or kaggle)"
+        )
+    if not os.path.isdir(criteo_dir):
+        raise TableSetError(f"--criteo-dir {criteo_dir!r} is not a directory")
+    days = _criteo_day_files(criteo_dir)
+    if not days:
+        raise TableSetError(f"--criteo-dir {criteo_dir!r} holds no day_<i>_dense.npy files")
+    paths = {
+        kind: [os.path.join(criteo_dir, f"day_{d}_{kind}.npy") for d in days] for kind in ("dense", "sparse", "labels")
+    }
+    missing = [p for ps in paths.values() for p in ps if not os.path.isfile(p)]
+    if missing:
+        raise TableSetError(f"--criteo-dir is missing {missing[:3]} (each day needs _dense, _sparse, _labels)")
+    pipe = InMemoryBinaryCriteoIterDataPipe(
+        stage="train",
+        dense_paths=paths["dense"],
+        sparse_paths=paths["sparse"],
+        labels_paths=paths["labels"],
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        drop_last=True,
+        mmap_mode=True,
+        hashes=[t.rows for t in tables],
+    )
+    if len(pipe) == 0:
+        raise TableSetError(
+            f"--criteo-dir {criteo_dir!r} has fewer than {batch_size * world_size} samples: "
+            "lower --batch-size or add files"
+        )
+    return _repeat(pipe, steps)
+
+
+def _repeat(pipe, steps: int) -> Iterator[Batch]:
+    produced = 0
+    while produced < steps:
+        for batch in pipe:
+            yield Batch(
+                dense_features=batch.dense_features,
+                sparse_features=batch.sparse_features,
+                labels=batch.labels.long(),
+            )
+            produced += 1
+            if produced == steps:
+                return

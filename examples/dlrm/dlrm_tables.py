@@ -1,0 +1,205 @@
+"""Embedding table sets for the DLRM example: MLPerf DLRM-DCNv2 and Criteo Kaggle presets, or a file.
+
+Importing this module needs only ``attrs`` (no torch), so a launcher can validate arguments cheaply.
+
+Vocabulary: a *table* holds ``rows`` x ``dim`` weights; each of its *features* (a KJT key) looks up
+a bag of ``pooling_factor`` ids per sample in it. The presets give one feature per table, named
+``cat_0`` .. ``cat_25`` like TorchRec's Criteo datasets, so the same tables serve synthetic and
+Criteo ``.npy`` data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import attrs
+
+__all__ = [
+    "TableSpec",
+    "TableSetError",
+    "DCNV2_ROWS",
+    "DCNV2_MULTI_HOT",
+    "KAGGLE_ROWS",
+    "MIN_SCALED_ROWS",
+    "preset_tables",
+    "scale_tables",
+    "load_table_file",
+    "check_uniform_dim",
+    "feature_names",
+]
+
+# MLPerf DLRM-DCNv2 on Criteo 1TB multi-hot (DESIGN.md section 3).
+DCNV2_ROWS: Tuple[int, ...] = (
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+)  # fmt: skip
+DCNV2_MULTI_HOT: Tuple[int, ...] = (
+    3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
+)  # fmt: skip
+DCNV2_DIM = 128
+# Criteo Kaggle (Display Advertising Challenge), one-hot.
+KAGGLE_ROWS: Tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+KAGGLE_DIM = 64
+
+# --scale never shrinks a table below this many rows (tables already smaller keep their size).
+MIN_SCALED_ROWS = 100
+
+
+class TableSetError(ValueError):
+    """A table set (preset, scale or file) that cannot be used; the message says what to change."""
+
+
+def _positive_int(name: str):
+    def check(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TableSetError(
+                f"table {getattr(instance, 'name', '?')!r}: {name} must be a positive integer, got {value!r}"
+            )
+
+    return check
+
+
+def _features_valid(instance: "TableSpec", attribute: attrs.Attribute, value: Tuple[str, ...]) -> None:
+    if not value or not all(isinstance(f, str) and f for f in value):
+        raise TableSetError(
+            f"table {instance.name!r}: features must be a non-empty list of non-empty names, got {list(value)!r}"
+        )
+
+
+def _name_valid(instance: "TableSpec", attribute: attrs.Attribute, value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise TableSetError(f"every table needs a non-empty string name, got {value!r}")
+
+
+@attrs.frozen
+class TableSpec:
+    """One embedding table: ``rows`` x ``dim`` weights, looked up by ``features`` with bags of
+    ``pooling_factor`` ids per sample (a fixed, MLPerf-style multi-hot size)."""
+
+    name: str = attrs.field(validator=_name_valid)
+    rows: int = attrs.field(validator=_positive_int("rows"))
+    dim: int = attrs.field(validator=_positive_int("dim"))
+    features: Tuple[str, ...] = attrs.field(converter=tuple, validator=_features_valid)
+    pooling_factor: int = attrs.field(default=1, validator=_positive_int("pooling_factor"))
+
+
+def preset_tables(preset: str, embedding_dim: Optional[int] = None) -> List[TableSpec]:
+    """The 26 tables of ``preset`` ("dcnv2" or "kaggle") at full size, features ``cat_0..cat_25``.
+
+    ``embedding_dim`` overrides the preset's dim (dcnv2: 128, kaggle: 64)."""
+    if preset == "dcnv2":
+        rows, bags, dim = DCNV2_ROWS, DCNV2_MULTI_HOT, DCNV2_DIM
+    elif preset == "kaggle":
+        rows, bags, dim = KAGGLE_ROWS, (1,) * len(KAGGLE_ROWS), KAGGLE_DIM
+    else:
+        raise TableSetError(f"unknown table preset {preset!r}: use 'dcnv2', 'kaggle' or a --table-file")
+    dim = embedding_dim if embedding_dim is not None else dim
+    return [
+        TableSpec(name=f"t_cat_{i}", rows=r, dim=dim, features=(f"cat_{i}",), pooling_factor=b)
+        for i, (r, b) in enumerate(zip(rows, bags))
+    ]
+
+
+def scale_tables(tables: Sequence[TableSpec], scale: float, min_rows: int = MIN_SCALED_ROWS) -> List[TableSpec]:
+    """Tables with ``rows`` multiplied by ``scale`` (rounded up), never below ``min_rows`` unless the
+    table was already smaller. ``scale`` must lie in (0, 1]; 1 returns the tables unchanged."""
+    if not (isinstance(scale, (int, float)) and 0.0 < scale <= 1.0):
+        raise TableSetError(f"--scale must be in (0, 1], got {scale!r} (e.g. 0.001 for a laptop)")
+    return [
+        attrs.evolve(t, rows=max(min(t.rows, min_rows), math.ceil(t.rows * scale))) for t in tables
+    ]
+
+
+def check_uniform_dim(tables: Sequence[TableSpec]) -> int:
+    """The single embedding dim shared by ``tables`` (TorchRec's DLRM models require one)."""
+    dims = sorted({t.dim for t in tables})
+    if len(dims) != 1:
+        by_dim = {d: [t.name for t in tables if t.dim == d][:3] for d in dims}
+        raise TableSetError(
+            f"DLRM needs one embedding dim for all tables, found {dims} (e.g. {by_dim}); "
+            "set the same dim everywhere or pass --embedding-dim to override"
+        )
+    return dims[0]
+
+
+def _table_from_entry(i: int, entry: Any, path: str) -> TableSpec:
+    if not isinstance(entry, dict):
+        raise TableSetError(f"{path}: entry {i} must be an object with name, rows, dim, got {entry!r}")
+    unknown = set(entry) - {"name", "rows", "dim", "features", "pooling_factor"}
+    if unknown:
+        raise TableSetError(
+            f"{path}: entry {i} has unknown key(s) {sorted(unknown)}; allowed: name, rows, dim, features, pooling_factor"
+        )
+    missing = [k for k in ("name", "rows", "dim") if k not in entry]
+    if missing:
+        raise TableSetError(f"{path}: entry {i} ({entry.get('name', '?')!r}) is missing {missing}")
+    features = entry.get("features", [entry["name"]])
+    if isinstance(features, str):
+        features = [features]
+    return TableSpec(
+        name=entry["name"],
+        rows=entry["rows"],
+        dim=entry["dim"],
+        features=features,
+        pooling_factor=entry.get("pooling_factor", 1),
+    )
+
+
+def load_table_file(path: str) -> List[TableSpec]:
+    """Tables from a JSON (or, with PyYAML installed, YAML) file holding a list of
+    ``{name, rows, dim, features?, pooling_factor?}`` (or ``{"tables": [...]}``).
+
+    Raises TableSetError naming the file and entry when something is wrong: missing file,
+    bad syntax, missing/unknown keys, non-positive sizes, duplicate table or feature names."""
+    if not os.path.isfile(path):
+        raise TableSetError(f"table file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml  # type: ignore[import-untyped]
+        except ImportError as e:
+            raise TableSetError(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use a .json file") from e
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise TableSetError(f"{path}: not valid YAML: {e}") from e
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TableSetError(f"{path}: not valid JSON: {e}") from e
+    if isinstance(data, dict) and "tables" in data:
+        data = data["tables"]
+    if not isinstance(data, list) or not data:
+        raise TableSetError(f"{path}: expected a non-empty list of tables (or {{\"tables\": [...]}})")
+    tables = [_table_from_entry(i, e, path) for i, e in enumerate(data)]
+    _check_unique(tables, path)
+    return tables
+
+
+def _check_unique(tables: Sequence[TableSpec], where: str) -> None:
+    seen_tables: Dict[str, int] = {}
+    seen_features: Dict[str, str] = {}
+    for t in tables:
+        if t.name in seen_tables:
+            raise TableSetError(f"{where}: table name {t.name!r} appears twice; table names must be unique")
+        seen_tables[t.name] = 1
+        for f in t.features:
+            if f in seen_features:
+                raise TableSetError(
+                    f"{where}: feature {f!r} is used by tables {seen_features[f]!r} and {t.name!r}; "
+                    "each feature must belong to one table"
+                )
+            seen_features[f] = t.name
+
+
+def feature_names(tables: Sequence[TableSpec]) -> List[str]:
+    """All features of ``tables`` in table order (the KJT key order the example uses)."""
+    return [f for t in tables for f in t.features]

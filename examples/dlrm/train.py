@@ -1,0 +1,456 @@
+"""Train TorchRec's DLRM / DLRM-DCN with embedding tables sharded by a chosen planner.
+
+    torchrun --standalone --nproc_per_node 2 examples/dlrm/train.py \
+        --planner sparselift --tables dcnv2 --scale 0.001 --steps 100 --out result.json
+
+CPU + gloo by default, CUDA + NCCL when GPUs are present (``--device auto``). Run without torchrun
+it trains on one rank. The model is built on the meta device, planned with the planner's
+``collective_plan`` (every rank gets the same plan), wrapped in ``DistributedModelParallel`` and
+trained with ``TrainPipelineSparseDist``. Sharded tables use fused row-wise AdaGrad (applied in
+backward); dense parameters, including any data-parallel tables, use ``--dense-optimizer``.
+
+Output: the plan summary, a progress bar with the loss (rank 0), steady-state steps/s with
+warm-up excluded; rank 0 writes ``--out`` as JSON. On failure it exits non-zero with one line
+saying what went wrong (``--debug`` for the full traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import time
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import attrs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dlrm_tables import (  # noqa: E402
+    TableSetError,
+    TableSpec,
+    check_uniform_dim,
+    load_table_file,
+    preset_tables,
+    scale_tables,
+)
+
+__all__ = ["UsageError", "ArchSpec", "TrainResult", "parse_args", "resolve_tables", "train_loop", "main"]
+
+EXIT_USAGE = 2  # bad flags, table file or data directory
+EXIT_FAILURE = 1  # anything that failed while planning or training
+
+
+class UsageError(ValueError):
+    """The command line asks for something the example cannot do; the message says what to change."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see --help)")
+
+
+@attrs.frozen
+class ArchSpec:
+    """Dense layer sizes of the model: ``dense`` ends at the embedding dim, ``over`` at 1."""
+
+    dense: List[int]
+    over: List[int]
+    dcn_layers: int
+    dcn_rank: int
+
+
+def arch_spec(name: str, dim: int) -> ArchSpec:
+    """``mlperf``: the MLPerf DLRM-DCNv2 sizes (DESIGN.md section 3); ``small``: a CPU-sized net."""
+    if name == "mlperf":
+        return ArchSpec(dense=[512, 256, dim], over=[1024, 1024, 512, 256, 1], dcn_layers=3, dcn_rank=512)
+    if name == "small":
+        return ArchSpec(dense=[64, dim], over=[128, 64, 1], dcn_layers=2, dcn_rank=32)
+    raise UsageError(f"unknown --arch {name!r}: use mlperf or small")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The parsed and checked command line; raises UsageError saying which flag to change."""
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--planner", choices=["sparselift", "torchrec"], default="sparselift")
+    p.add_argument("--tables", choices=["dcnv2", "kaggle"], default="dcnv2", help="table preset")
+    p.add_argument(
+        "--table-file", help="JSON/YAML list of {name, rows, dim, features?, pooling_factor?}; overrides --tables"
+    )
+    p.add_argument("--scale", type=float, default=1.0, help="multiply table rows by this (0, 1]")
+    p.add_argument("--embedding-dim", type=int, help="override every table's dim (preset default: dcnv2 128, kaggle 64)")
+    p.add_argument("--model", choices=["auto", "dcn", "dlrm"], default="auto", help="auto: dcn for dcnv2, else dlrm")
+    p.add_argument("--arch", choices=["mlperf", "small"], default="small", help="dense layer sizes")
+    p.add_argument("--batch-size", type=int, default=256, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup-steps", type=int, default=10, help="steps left out of steps/s")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate of the sharded tables (row-wise AdaGrad)")
+    p.add_argument("--dense-lr", type=float, default=0.005, help="learning rate of the dense part")
+    p.add_argument("--dense-optimizer", choices=["adagrad", "sgd"], default="adagrad")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zipf-alpha", type=float, default=1.05, help="power-law exponent of id popularity")
+    p.add_argument("--signal", type=float, default=3.0, help="strength of the planted label signal")
+    p.add_argument("--criteo-dir", help="train on Criteo day_<i>_{dense,sparse,labels}.npy files instead")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", help="write the JSON result here (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks on failure")
+    p.add_argument("--check", action="store_true", help="only validate the flags and tables, then exit (no torch)")
+    args = p.parse_args(argv)
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if not 0 <= args.warmup_steps < args.steps:
+        raise UsageError(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
+    if args.embedding_dim is not None and args.embedding_dim < 1:
+        raise UsageError(f"--embedding-dim must be >= 1, got {args.embedding_dim}")
+    if not (args.lr > 0 and args.dense_lr > 0):
+        raise UsageError("--lr and --dense-lr must be > 0")
+    if args.zipf_alpha <= 0:
+        raise UsageError(f"--zipf-alpha must be > 0, got {args.zipf_alpha}")
+    return args
+
+
+def resolve_tables(args: argparse.Namespace) -> List[TableSpec]:
+    """The tables the run trains: preset or file, then ``--embedding-dim`` and ``--scale``."""
+    if args.table_file:
+        tables = load_table_file(args.table_file)
+        if args.embedding_dim is not None:
+            tables = [attrs.evolve(t, dim=args.embedding_dim) for t in tables]
+    else:
+        tables = preset_tables(args.tables, args.embedding_dim)
+    tables = scale_tables(tables, args.scale)
+    check_uniform_dim(tables)
+    return tables
+
+
+# ---------------------------------------------------------------- distributed setup (side effects)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device_flag: str):
+    """Join (or, outside torchrun, create a 1-rank) process group; returns (rank, world_size,
+    local_world_size, device, backend)."""
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        )  # fmt: skip
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda but no CUDA device is visible: use --device cpu")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend=backend)
+    return rank, world_size, local_world_size, device, backend
+
+
+# ---------------------------------------------------------------- model, plan, sharding
+
+
+def build_model(tables: Sequence[TableSpec], model_kind: str, arch: ArchSpec):
+    """DLRMTrain(DLRM or DLRM_DCN) with its EmbeddingBagCollection on the meta device."""
+    import torch
+    from torchrec.datasets.criteo import INT_FEATURE_COUNT
+    from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    configs = [
+        EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=list(t.features))
+        for t in tables
+    ]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    common = dict(
+        embedding_bag_collection=ebc,
+        dense_in_features=INT_FEATURE_COUNT,
+        dense_arch_layer_sizes=arch.dense,
+        over_arch_layer_sizes=arch.over,
+    )
+    if model_kind == "dcn":
+        dlrm = DLRM_DCN(**common, dcn_num_layers=arch.dcn_layers, dcn_low_rank_dim=arch.dcn_rank)
+    else:
+        dlrm = DLRM(**common)
+    return DLRMTrain(dlrm)
+
+
+def make_planner(name: str, world_size: int, local_world_size: int, compute_device: str, batch_size: int):
+    """The planner ``name`` built with EmbeddingShardingPlanner's arguments (the one-word swap)."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Topology(...) warns that TopologyFactory is preferred
+        topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=compute_device)
+    if name == "torchrec":
+        return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size)
+    try:
+        from torchrec_sparselift import SparseLiftPlanner
+    except ImportError as e:
+        raise UsageError(
+            f"--planner sparselift: SparseLiftPlanner is not importable ({e}); install the package "
+            "(bash scripts/setup.sh) or use --planner torchrec"
+        ) from e
+    return SparseLiftPlanner(topology=topology, batch_size=batch_size)
+
+
+def plan_summary(plan) -> List[Dict[str, Any]]:
+    """One row per table of ``plan``: module, table, sharding type, compute kernel, ranks."""
+    rows = []
+    for module_path, module_plan in sorted(plan.plan.items()):
+        for table, ps in sorted(module_plan.items()):
+            rows.append(
+                dict(
+                    module=module_path,
+                    table=table,
+                    sharding_type=ps.sharding_type,
+                    compute_kernel=ps.compute_kernel,
+                    ranks=sorted(set(ps.ranks)) if ps.ranks is not None else [],
+                )
+            )
+    return rows
+
+
+def format_plan_summary(rows: Sequence[Dict[str, Any]], tables: Sequence[TableSpec]) -> str:
+    size = {t.name: (t.rows, t.dim) for t in tables}
+    lines = [f"{'table':<14}{'rows':>10}{'dim':>5}  {'sharding':<16}{'kernel':<14}ranks"]
+    for r in rows:
+        rows_, dim = size.get(r["table"], ("?", "?"))
+        ranks = ",".join(map(str, r["ranks"])) if r["ranks"] else "all"
+        lines.append(f"{r['table']:<14}{rows_:>10}{dim:>5}  {r['sharding_type']:<16}{r['compute_kernel']:<14}{ranks}")
+    counts: Dict[str, int] = {}
+    for r in rows:
+        counts[r["sharding_type"]] = counts.get(r["sharding_type"], 0) + 1
+    lines.append("sharding types: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+    return "\n".join(lines)
+
+
+def shard_model(model, plan, device, lr: float, dense_optimizer: str, dense_lr: float):
+    """DistributedModelParallel(model) under ``plan`` plus one optimizer over everything trainable:
+    fused row-wise AdaGrad for sharded tables, ``dense_optimizer`` for the rest. Data-parallel
+    tables lose the in-backward marker when sharded, so the filter hands them to the dense
+    optimizer (whose gradients DDP all-reduces)."""
+    import torch
+    from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": lr})
+    dmp = DistributedModelParallel(module=model, device=device, plan=plan, sharders=get_default_sharders())
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    opt_cls = torch.optim.Adagrad if dense_optimizer == "adagrad" else torch.optim.SGD
+    dense_opt = KeyedOptimizerWrapper(dense, lambda params: opt_cls(params, lr=dense_lr))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+
+
+# ---------------------------------------------------------------- the training loop
+
+
+@attrs.frozen
+class TrainResult:
+    """Per-step losses (this rank) and wall-clock seconds at the end of each step."""
+
+    losses: List[float]
+    step_end_s: List[float]
+
+
+def train_loop(model, optimizer, batches: Iterator, device, steps: int, progress=None) -> TrainResult:
+    """Run ``steps`` steps of TrainPipelineSparseDist over ``batches``; ``progress(step, loss)``
+    is called after each step. This is the one place a different pipeline would plug in."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    pipeline = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
+    losses: List[float] = []
+    ends: List[float] = []
+    start = time.perf_counter()
+    for step in range(steps):
+        loss, _logits, _labels = pipeline.progress(batches)
+        losses.append(float(loss.detach().float().cpu()))
+        ends.append(time.perf_counter() - start)
+        if progress is not None:
+            progress(step, losses[-1])
+    return TrainResult(losses=losses, step_end_s=ends)
+
+
+def steady_state(result: TrainResult, warmup: int) -> float:
+    """Seconds spent on the steps after the first ``warmup`` ones."""
+    before = result.step_end_s[warmup - 1] if warmup > 0 else 0.0
+    return result.step_end_s[-1] - before
+
+
+# ---------------------------------------------------------------- main
+
+
+def _quiet_logs() -> None:
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
+    """Plan, shard and train per ``args``; returns the JSON result (the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+    import torchrec
+
+    from dlrm_data import criteo_batches, synthetic_batches
+
+    rank, world_size, local_world_size, device, backend = init_distributed(args.device)
+    torch.manual_seed(args.seed)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if args.criteo_dir:
+        batches = criteo_batches(args.criteo_dir, tables, args.batch_size, rank, world_size, args.steps)
+    else:
+        batches = synthetic_batches(
+            tables, args.batch_size, args.seed, rank, args.steps, args.zipf_alpha, args.signal
+        )
+    model_kind = args.model if args.model != "auto" else ("dcn" if args.tables == "dcnv2" and not args.table_file else "dlrm")
+    dim = check_uniform_dim(tables)
+    arch = arch_spec(args.arch, dim)
+    model = build_model(tables, model_kind, arch)
+    say(
+        f"[dlrm] {world_size} rank(s), {backend} on {device.type}; model {model_kind} ({args.arch}); "
+        f"{len(tables)} tables, {sum(t.rows for t in tables):,} rows, dim {dim}; "
+        f"batch {args.batch_size}/rank; planner {args.planner}"
+    )
+    planner = make_planner(args.planner, world_size, local_world_size, device.type, args.batch_size)
+    t0 = time.perf_counter()
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
+    planning_s = time.perf_counter() - t0
+    summary = plan_summary(plan)
+    say(f"[dlrm] plan ({args.planner}, {planning_s:.2f} s):\n" + format_plan_summary(summary, tables))
+    dmp, optimizer = shard_model(model, plan, device, args.lr, args.dense_optimizer, args.dense_lr)
+
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout, mininterval=1.0, ascii=True)
+
+    def progress(step: int, loss: float) -> None:
+        if bar is not None:
+            bar.update(1)
+            if step % 5 == 0 or step == args.steps - 1:
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    result = train_loop(dmp, optimizer, batches, device, args.steps, progress)
+    if bar is not None:
+        bar.close()
+
+    losses = torch.tensor(result.losses, dtype=torch.float64)
+    dist.all_reduce(losses)
+    losses /= world_size
+    elapsed = torch.tensor([steady_state(result, args.warmup_steps)], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    measured = args.steps - args.warmup_steps
+    steps_per_s = measured / elapsed.item() if elapsed.item() > 0 else float("inf")
+    loss_list = [float(x) for x in losses]
+    k = max(1, len(loss_list) // 10)
+    out = dict(
+        planner=args.planner,
+        world_size=world_size,
+        backend=backend,
+        device=device.type,
+        model=model_kind,
+        arch=attrs.asdict(arch),
+        tables=[attrs.asdict(t) for t in tables],
+        batch_size_per_rank=args.batch_size,
+        global_batch_size=args.batch_size * world_size,
+        planning_time_s=planning_s,
+        plan=summary,
+        losses=loss_list,
+        loss_first=sum(loss_list[:k]) / k,
+        loss_last=sum(loss_list[-k:]) / k,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        steps_per_s=steps_per_s,
+        step_time_ms=1000.0 / steps_per_s,
+        samples_per_s=steps_per_s * args.batch_size * world_size,
+        versions=dict(torch=torch.__version__, torchrec=getattr(torchrec, "__version__", "unknown")),
+        args=vars(args),
+    )
+    say(
+        f"[dlrm] loss {out['loss_first']:.4f} -> {out['loss_last']:.4f} (mean of first/last {k} steps); "
+        f"steady state {steps_per_s:.2f} steps/s, {out['step_time_ms']:.1f} ms/step, "
+        f"{out['samples_per_s']:.0f} samples/s ({measured} steps after {args.warmup_steps} warm-up)"
+    )
+    if not all(math.isfinite(x) for x in loss_list):
+        raise RuntimeError("training diverged: a loss is not finite (lower --lr)")
+    if rank == 0 and args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+        os.replace(tmp, args.out)
+        say(f"[dlrm] wrote {args.out}")
+    dist.barrier()
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: returns the process exit code (0 ok, 2 usage error, 1 failure)."""
+    rank = int(os.environ.get("RANK", "0"))
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    if not debug:
+        _quiet_logs()
+    try:
+        args = parse_args(argv)
+        tables = resolve_tables(args)
+        if args.check:
+            return 0
+        run(args, tables)
+        return 0
+    except (UsageError, TableSetError) as e:
+        if debug:
+            raise
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except Exception as e:  # noqa: BLE001 - one clear line instead of a traceback
+        if debug:
+            raise
+        print(
+            f"error [rank {rank}]: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_FAILURE
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up (if needed) and train the DLRM example on 2 CPU ranks with the SparseLift planner.
+# Defaults finish in about 1-2 minutes on 2 CPU cores; extra arguments go to train.py and
+# override the defaults (e.g. --planner torchrec, --steps 500, --tables kaggle, --out my.json).
+# NPROC=4 bash scripts/run_dlrm.sh runs 4 ranks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+NPROC=${NPROC:-2}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+DEFAULTS=(--planner sparselift --tables dcnv2 --scale 0.001 --batch-size 256 --steps 300 --warmup-steps 20
+          --out runs/dlrm_result.json)
+# Validate flags and table file in one cheap process first (no torch): a clear error, no launcher noise.
+.venv/bin/python examples/dlrm/train.py "${DEFAULTS[@]}" "$@" --check
+mkdir -p runs
+exec .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" examples/dlrm/train.py "${DEFAULTS[@]}" "$@"
