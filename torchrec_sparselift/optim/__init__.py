@@ -1,0 +1,15 @@
+"""optim: the momentum-scaled row-wise AdaGrad replica merge for 2D sparse parallelism."""
+
+from torchrec_sparselift.optim.momentum_scaled import (
+    MergeStats,
+    MomentumScaledRowWiseAdagrad,
+    finish_merge,
+    local_payload,
+)
+
+__all__ = [
+    "MomentumScaledRowWiseAdagrad",
+    "MergeStats",
+    "local_payload",
+    "finish_merge",
+]

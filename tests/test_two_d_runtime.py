@@ -1,0 +1,227 @@
+"""2D sparse parallelism at runtime on CPU: DMPCollection over 4 gloo ranks, sharding groups of 2."""
+
+import os
+import socket
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchrec_sparselift.runtime.two_d import TwoDConfig, replica_groups
+
+WORLD, GROUP = 4, 2
+LR, EPS, INTERVAL, MOMENTUM = 0.1, 1e-4, 2, 0.5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_and_plan():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import (
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingPlan
+
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=40, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=60, feature_names=["f1"]),
+    ]
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+            self.lin = torch.nn.Linear(16, 1)
+
+        def forward(self, kjt):
+            kt = self.ebc(kjt)
+            return self.lin(torch.cat([kt["f0"], kt["f1"]], dim=1)).squeeze(1)
+
+    net = Net()
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": LR,
+            "eps": EPS,
+        }
+    )
+    module_plan = construct_module_sharding_plan(
+        net.ebc,
+        {"t0": table_wise(rank=1, compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")},
+        sharder=sharder,
+        local_size=GROUP,
+        world_size=GROUP,
+        device_type="cpu",
+    )
+    return net, ShardingPlan({"ebc": module_plan}), sharder
+
+
+def _batch(gen):
+    from torchrec import KeyedJaggedTensor
+
+    ids0 = torch.randint(0, 40, (6,), generator=gen)
+    ids1 = torch.randint(0, 60, (6,), generator=gen)
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1"],
+        values=torch.cat([ids0, ids1]),
+        lengths=torch.ones(12, dtype=torch.long),
+    )
+    return kjt, torch.randn(6, generator=gen)
+
+
+def _gather(tensors, group):
+    """Stack each tensor over the ranks of ``group`` -> list of [R, ...] arrays."""
+    out = []
+    for t in tensors:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.detach().contiguous(), group=group)
+        out.append(torch.stack(parts).double().numpy())
+    return out
+
+
+def _train(model, opt, gen, steps):
+    for _ in range(steps):
+        kjt, target = _batch(gen)
+        loss = (model(kjt) - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _worker(rank, port, errors):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        torch.manual_seed(rank)  # replicas start from different random tables on purpose
+        from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
+        from torchrec_sparselift.optim.reference import momentum_scaled_merge
+        from torchrec_sparselift.runtime.two_d import (
+            build_2d_model_parallel,
+            row_wise_adagrad_slots,
+        )
+
+        net, plan, sharder = _model_and_plan()
+        model = build_2d_model_parallel(
+            net,
+            plan,
+            sharding_group_size=GROUP,
+            global_pg=dist.group.WORLD,
+            device=torch.device("cpu"),
+            sharders=[sharder],
+            sync_interval=INTERVAL,
+            replica_sync=MomentumScaledRowWiseAdagrad(momentum=MOMENTUM),
+        )
+        replica_pg = model._default_ctx.replica_pg
+        slots = row_wise_adagrad_slots(model)
+        assert slots, "no fused row-wise AdaGrad tables found"
+        ws = [s.weight for s in slots]
+        accs = [s.accumulator for s in slots]
+        for stacked in _gather(ws + accs, replica_pg):
+            assert np.array_equal(stacked[0], stacked[1]), "replicas differ right after build"
+
+        dense = [p for n, p in model.named_parameters() if "lin" in n]
+        opt = torch.optim.SGD(dense, lr=LR)
+        gen = torch.Generator().manual_seed(1000 + rank)
+
+        # momentum-scaled merge: distributed result == numpy reference on the gathered states
+        anchors = _gather(ws + accs, replica_pg)
+        m_ref = [np.zeros(w.shape) for w in ws]
+        for _ in range(2):  # two syncs so the momentum buffer matters
+            _train(model, opt, gen, INTERVAL)
+            local = _gather(ws + accs, replica_pg)
+            assert any(not np.array_equal(x[0], x[1]) for x in local), "replicas did not diverge"
+            model.sync()
+            merged = _gather(ws + accs, replica_pg)
+            for i, slot in enumerate(slots):
+                j = len(slots) + i
+                w_ref, a_ref, m_ref[i] = momentum_scaled_merge(
+                    anchors[i][0], anchors[j][0], local[i], local[j], m_ref[i],
+                    slot.learning_rate(), slot.eps(), INTERVAL, MOMENTUM,
+                )
+                for r in range(merged[i].shape[0]):
+                    np.testing.assert_allclose(merged[i][r], w_ref, atol=1e-6)
+                    np.testing.assert_allclose(merged[j][r], a_ref, atol=1e-6)
+            anchors = merged
+
+        # TorchRec's plain averaging through the same object: replicas equal, == mean of locals
+        _train(model, opt, gen, INTERVAL)
+        local = _gather(ws + accs, replica_pg)
+        from torchrec.distributed.model_parallel import DMPCollection
+
+        DMPCollection.sync(model)
+        merged = _gather(ws + accs, replica_pg)
+        for before, after in zip(local, merged):
+            np.testing.assert_allclose(after[0], before.mean(axis=0), atol=1e-6)
+            assert np.array_equal(after[0], after[1])
+
+        # dense parameters are data-parallel over all 4 ranks: identical everywhere
+        for stacked in _gather([p.detach() for p in dense], dist.group.WORLD):
+            assert all(np.array_equal(stacked[0], s) for s in stacked[1:])
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # report the failing rank's traceback to the parent
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+@pytest.mark.multiprocess
+def test_dmpcollection_on_cpu_trains_and_sync_makes_replicas_equal():
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, errors)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    assert not messages, "\n".join(messages)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_replica_groups_hold_one_rank_per_sharding_group():
+    config = TwoDConfig(world_size=8, sharding_group_size=4)
+    assert config.num_replicas == 2
+    assert replica_groups(config) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    inter = TwoDConfig(world_size=8, sharding_group_size=4, use_inter_host_allreduce=True)
+    assert replica_groups(inter) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_group_size_that_does_not_divide_world_is_refused():
+    with pytest.raises(ValueError, match="must divide world_size"):
+        TwoDConfig(world_size=6, sharding_group_size=4)
+
+
+def test_plan_with_ranks_outside_the_group_is_refused():
+    from torchrec_sparselift.runtime.two_d import _check_2d_plan
+
+    _, plan, _ = _model_and_plan()
+    _check_2d_plan(plan, GROUP)
+    plan.plan["ebc"]["t0"].ranks = [3]
+    with pytest.raises(ValueError, match="group-local topology"):
+        _check_2d_plan(plan, GROUP)
+
+
+def test_model_parallel_table_on_dense_kernel_is_refused():
+    from torchrec_sparselift.runtime.two_d import _check_2d_plan
+
+    _, plan, _ = _model_and_plan()
+    plan.plan["ebc"]["t1"].compute_kernel = "dense"
+    with pytest.raises(ValueError, match="compute_kernel='fused'"):
+        _check_2d_plan(plan, GROUP)

@@ -1,0 +1,181 @@
+"""Momentum-scaled row-wise AdaGrad: a row-aware replica merge for 2D sparse parallelism.
+
+Replicas train with TorchRec's fused ``EXACT_ROWWISE_ADAGRAD`` locally; at every replica sync,
+instead of averaging weights and accumulators (TorchRec's ``DMPCollection.sync``), each row is
+merged as one 1D-equivalent AdaGrad step on the replicas' summed pseudo-gradients, with an
+accumulator increment estimated at the 1D scale and an optional per-row momentum on the merged
+step. Equations and rationale: docs/optimizer.md; numpy reference:
+:func:`torchrec_sparselift.optim.reference.momentum_scaled_merge`.
+
+Enable it with one argument::
+
+    model = build_2d_model_parallel(..., replica_sync=MomentumScaledRowWiseAdagrad(momentum=0.0))
+
+The merge is split into a local part (:func:`local_payload`), one SUM all-reduce over the replica
+group, and a local finish (:func:`finish_merge`); both parts are pure tensor functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import attrs
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MomentumScaledRowWiseAdagrad",
+    "MergeStats",
+    "local_payload",
+    "finish_merge",
+]
+
+_DTYPE = torch.float64
+
+
+def _unit_interval(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"{attribute.name} must be in [0, 1), got {value}; 0 disables the momentum term."
+        )
+
+
+def local_payload(
+    anchor_w: torch.Tensor,
+    anchor_a: torch.Tensor,
+    w: torch.Tensor,
+    a: torch.Tensor,
+    lr: float,
+    eps: float,
+) -> torch.Tensor:
+    """This replica's contribution to the merge, ``[rows, dim + 3]``: ``[G, mean(G^2), dA, touched]``.
+
+    ``G = -(w - w0) (sqrt(a) + eps) / lr`` is the pseudo-gradient (exactly the gradient when one
+    step passed since the anchor), ``dA = a - a0`` the accumulator growth, ``touched`` 1.0 for
+    rows whose weight or accumulator changed. Summing payloads over replicas gives the inputs of
+    :func:`finish_merge`.
+    """
+    dw = w.to(_DTYPE) - anchor_w.to(_DTYPE)
+    da = a.to(_DTYPE) - anchor_a.to(_DTYPE)
+    G = -dw * ((a.to(_DTYPE).sqrt() + eps) / lr).unsqueeze(1)
+    touched = ((da > 0) | (dw != 0).any(dim=1)).to(_DTYPE)
+    return torch.cat(
+        [G, G.pow(2).mean(dim=1, keepdim=True), da.unsqueeze(1), touched.unsqueeze(1)], dim=1
+    )
+
+
+def finish_merge(
+    anchor_w: torch.Tensor,
+    anchor_a: torch.Tensor,
+    momentum_buf: torch.Tensor,
+    summed_payload: torch.Tensor,
+    lr: float,
+    eps: float,
+    sync_interval: int,
+    momentum: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merged ``(w, a, momentum_buf, k)`` from the anchor and the replica-summed payload.
+
+    Untouched rows (``k == 0``) keep the anchor and their momentum buffer. Results are float64;
+    ``k`` is the number of replicas that touched each row.
+    """
+    dim = anchor_w.shape[1]
+    S = summed_payload[:, :dim]
+    Q = summed_payload[:, dim]
+    U = summed_payload[:, dim + 1]
+    k = summed_payload[:, dim + 2].round()
+    w0 = anchor_w.to(_DTYPE)
+    a0 = anchor_a.to(_DTYPE)
+    m0 = momentum_buf.to(_DTYPE)
+    dA = (U + (S.pow(2).mean(dim=1) - Q) / sync_interval).clamp_min(0.0)
+    a_new = a0 + dA
+    D = -lr * S / (a_new.sqrt() + eps).unsqueeze(1)
+    m_new = momentum * m0 + D
+    touched = (k > 0).unsqueeze(1)
+    w_out = torch.where(touched, w0 + m_new, w0)
+    a_out = torch.where(touched.squeeze(1), a_new, a0)
+    m_out = torch.where(touched, m_new, m0)
+    return w_out, a_out, m_out, k
+
+
+@attrs.frozen
+class MergeStats:
+    """What the last merge did: rows touched by exactly k replicas, for k = 0..R."""
+
+    rows_by_touch_count: Tuple[int, ...]
+
+
+@attrs.frozen
+class MomentumScaledRowWiseAdagrad:
+    """Replica sync rule for 2D sparse parallelism (see module docstring and docs/optimizer.md).
+
+    ``momentum``: per-row heavy-ball coefficient on the merged step (0 disables it; then a sync
+    after every step reproduces 1D row-wise AdaGrad exactly). Requires the sharded tables to use
+    the fused ``EXACT_ROWWISE_ADAGRAD`` without weight decay. Keeps, per local table row, an
+    anchor copy of weights and accumulator and (if ``momentum > 0``) a momentum buffer.
+    """
+
+    momentum: float = attrs.field(default=0.0, validator=_unit_interval)
+
+    def bind(self, slots: Sequence[Any], replica_pg: dist.ProcessGroup, sync_interval: int):
+        """Bind to one rank's ``RowWiseAdagradSlot`` s; the current state becomes the anchor."""
+        if sync_interval < 1:
+            raise ValueError(f"sync_interval must be >= 1, got {sync_interval}")
+        return _MomentumScaledSession(self, list(slots), replica_pg, sync_interval)
+
+
+class _MomentumScaledSession:
+    """Per-rank state of :class:`MomentumScaledRowWiseAdagrad`: anchors and momentum buffers."""
+
+    def __init__(
+        self,
+        rule: MomentumScaledRowWiseAdagrad,
+        slots: List[Any],
+        replica_pg: dist.ProcessGroup,
+        sync_interval: int,
+    ) -> None:
+        self.rule = rule
+        self.slots = slots
+        self.replica_pg = replica_pg
+        self.sync_interval = sync_interval
+        self.num_replicas = dist.get_world_size(replica_pg)
+        self.anchor_w = [s.weight.detach().clone() for s in slots]
+        self.anchor_a = [s.accumulator.detach().clone() for s in slots]
+        self.momentum_buf = [torch.zeros_like(s.weight, dtype=_DTYPE) for s in slots]
+        self.last_stats = MergeStats(rows_by_touch_count=())
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Merge this rank's slots with the same slots of the other replicas (one all-reduce)."""
+        if not self.slots:
+            return
+        hyper = [(s.learning_rate(), s.eps()) for s in self.slots]
+        payloads = [
+            local_payload(aw, aa, s.weight, s.accumulator, lr, eps)
+            for s, aw, aa, (lr, eps) in zip(self.slots, self.anchor_w, self.anchor_a, hyper)
+        ]
+        sizes = [p.numel() for p in payloads]
+        flat = torch.cat([p.reshape(-1) for p in payloads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.replica_pg)
+        counts = torch.zeros(self.num_replicas + 1, dtype=torch.long)
+        for i, (slot, part, (lr, eps)) in enumerate(
+            zip(self.slots, torch.split(flat, sizes), hyper)
+        ):
+            summed = part.view(payloads[i].shape)
+            w, a, m, k = finish_merge(
+                self.anchor_w[i],
+                self.anchor_a[i],
+                self.momentum_buf[i],
+                summed,
+                lr,
+                eps,
+                self.sync_interval,
+                self.rule.momentum,
+            )
+            slot.weight.copy_(w)
+            slot.accumulator.copy_(a)
+            self.momentum_buf[i] = m
+            self.anchor_w[i] = slot.weight.detach().clone()
+            self.anchor_a[i] = slot.accumulator.detach().clone()
+            counts += torch.bincount(k.long(), minlength=self.num_replicas + 1)
+        self.last_stats = MergeStats(rows_by_touch_count=tuple(int(c) for c in counts))

@@ -1,0 +1,435 @@
+"""2D sparse parallelism at runtime: TorchRec's ``DMPCollection``, on GPUs and on CPU/gloo.
+
+Vocabulary (used throughout): the world of ``W`` ranks is split into ``R = W / L`` *replicas*
+(TorchRec: "parallel worlds"); each replica is a *sharding group* of ``L`` ranks over which
+every table is sharded by an ordinary plan whose ranks are group-local (``0..L-1``). Ranks that
+hold the same shard in different replicas form a *replica group*; a *replica sync* merges their
+copies (weights and optimizer state) every ``sync_interval`` steps.
+
+On CUDA/MTIA, :func:`build_2d_model_parallel` builds TorchRec's own ``DMPCollection`` (a thin
+subclass that only adds the pluggable replica sync below). On CPU it builds
+:class:`CpuDMPCollection`, which confines the two CPU adaptations to that one class:
+
+1. ``DMPCollection.__init__`` asserts a CUDA/MTIA device. ``CpuDMPCollection.__init__`` performs
+   the same construction steps (process groups from a device mesh, plan remapping, sharding via
+   ``DistributedModelParallel``, caching of the sync tensors) through TorchRec's own methods,
+   without that assertion.
+2. ``DMPCollection._remap_sharding_plan`` writes shard placements ``rank:K/cpu:<K % local>``;
+   ShardedTensor rejects them because CPU tensors live on ``cpu``, not ``cpu:N``.
+   ``CpuDMPCollection._remap_sharding_plan`` rewrites them to ``rank:K/cpu``.
+
+Nothing is patched into TorchRec globally; a CUDA run never touches this class.
+
+The replica sync is pluggable: ``replica_sync=None`` keeps TorchRec's plain averaging
+(all-reduce AVG of weights and row-wise accumulators); an object implementing
+:class:`ReplicaSync` (e.g. ``torchrec_sparselift.optim.MomentumScaledRowWiseAdagrad``) replaces
+it with its own merge over the :class:`RowWiseAdagradSlot` s of this rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable, List, Optional, Protocol, Sequence, runtime_checkable
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torch.distributed.remote_device import _remote_device
+from torchrec.distributed.model_parallel import (
+    DataParallelWrapper,
+    DistributedModelParallel,
+    DMPCollection,
+)
+from torchrec.distributed.types import (
+    DMPCollectionContext,
+    ModuleSharder,
+    ShardingEnv2D,
+    ShardingPlan,
+    ShardingStrategy,
+)
+
+__all__ = [
+    "TwoDConfig",
+    "RowWiseAdagradSlot",
+    "ReplicaSync",
+    "ReplicaSyncSession",
+    "SparseLiftDMPCollection",
+    "CpuDMPCollection",
+    "build_2d_model_parallel",
+    "row_wise_adagrad_slots",
+    "replica_groups",
+]
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}; pass a positive integer.")
+
+
+@attrs.frozen
+class TwoDConfig:
+    """Shape of a 2D layout: ``world_size`` ranks in sharding groups of ``sharding_group_size``.
+
+    ``sync_interval`` is the number of training steps between replica syncs (the
+    ``dmp_collection_sync_interval_batches`` of TorchRec's train pipelines).
+    """
+
+    world_size: int = attrs.field(validator=_positive)
+    sharding_group_size: int = attrs.field(validator=_positive)
+    sync_interval: int = attrs.field(default=1, validator=_positive)
+    use_inter_host_allreduce: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.world_size % self.sharding_group_size != 0:
+            raise ValueError(
+                f"sharding_group_size={self.sharding_group_size} must divide world_size="
+                f"{self.world_size}; pick a divisor such as "
+                f"{[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]}."
+            )
+
+    @property
+    def num_replicas(self) -> int:
+        """R = world_size / sharding_group_size."""
+        return self.world_size // self.sharding_group_size
+
+
+def replica_groups(config: TwoDConfig) -> List[List[int]]:
+    """Global ranks of each replica group (ranks holding the same shard), as DMPCollection builds them.
+
+    With intra-host all-reduce (the default) sharding group ``g`` is ranks ``g, g+R, g+2R, ...``
+    and replica group ``j`` is ranks ``j*R .. j*R+R-1``; with ``use_inter_host_allreduce`` the
+    sharding groups are contiguous and the replica groups strided.
+    """
+    R, L = config.num_replicas, config.sharding_group_size
+    if config.use_inter_host_allreduce:
+        return [[shard + replica * L for replica in range(R)] for shard in range(L)]
+    return [[shard * R + replica for replica in range(R)] for shard in range(L)]
+
+
+@attrs.frozen(eq=False)
+class RowWiseAdagradSlot:
+    """One table's (or table shard's) local state under a fused exact row-wise AdaGrad.
+
+    ``weight`` is a ``[rows, dim]`` view and ``accumulator`` a ``[rows]`` view into the fused
+    kernel's storage (in-place writes reach the kernel). ``kernel`` is the fbgemm TBE module that
+    owns them; the learning rate and eps are read from it at sync time so schedulers are honoured.
+    """
+
+    weight: torch.Tensor
+    accumulator: torch.Tensor
+    kernel: nn.Module
+
+    def learning_rate(self) -> float:
+        return float(self.kernel.get_learning_rate())
+
+    def eps(self) -> float:
+        return float(self.kernel.optimizer_args.eps)
+
+
+@runtime_checkable
+class ReplicaSyncSession(Protocol):
+    """A replica sync bound to one rank's slots: ``sync()`` merges them across the replica group."""
+
+    def sync(self) -> None: ...
+
+
+@runtime_checkable
+class ReplicaSync(Protocol):
+    """A replica merge rule. ``bind`` is called once, after the replicas were made identical."""
+
+    def bind(
+        self,
+        slots: Sequence[RowWiseAdagradSlot],
+        replica_pg: dist.ProcessGroup,
+        sync_interval: int,
+    ) -> ReplicaSyncSession: ...
+
+
+def _tbe_kernels(model: DMPCollection) -> Iterable[nn.Module]:
+    """The fused TBE kernels DMPCollection syncs (found by TorchRec after sharding), in order."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    seen = set()
+    for ctx in model._ctxs:
+        for kernel, _ in ctx.modules_to_sync:
+            if isinstance(kernel, SplitTableBatchedEmbeddingBagsCodegen) and id(kernel) not in seen:
+                seen.add(id(kernel))
+                yield kernel
+
+
+def row_wise_adagrad_slots(model: DMPCollection) -> List[RowWiseAdagradSlot]:
+    """Every fused TBE table that ``model`` syncs, as a :class:`RowWiseAdagradSlot`, in a rank-stable order.
+
+    Raises ``ValueError`` if a fused kernel is not plain exact row-wise AdaGrad (the rule the
+    row-aware merges are derived for).
+    """
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        OptimType,
+        WeightDecayMode,
+    )
+
+    slots: List[RowWiseAdagradSlot] = []
+    for kernel in _tbe_kernels(model):
+        if kernel.optimizer != OptimType.EXACT_ROWWISE_ADAGRAD:
+            raise ValueError(
+                f"row-aware replica sync needs EXACT_ROWWISE_ADAGRAD tables, found {kernel.optimizer}; "
+                'pass fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, ...} to the sharders.'
+            )
+        if WeightDecayMode(kernel.optimizer_args.weight_decay_mode) != WeightDecayMode.NONE:
+            raise ValueError(
+                "row-aware replica sync assumes no weight decay in the fused optimizer; "
+                "drop weight_decay/weight_decay_mode from fused_params."
+            )
+        weights = kernel.split_embedding_weights()
+        states = kernel.get_optimizer_state()
+        for w, state in zip(weights, states):
+            acc = state["sum"].view(-1)
+            if acc.numel() != w.shape[0]:
+                raise ValueError(
+                    f"expected one accumulator per row ({w.shape[0]}), got {acc.numel()}"
+                )
+            slots.append(RowWiseAdagradSlot(weight=w, accumulator=acc, kernel=kernel))
+    return slots
+
+
+class SparseLiftDMPCollection(DMPCollection):
+    """TorchRec's ``DMPCollection`` whose ``sync()`` can be replaced by a row-aware replica merge.
+
+    Construction is TorchRec's (CUDA/MTIA only); see :class:`CpuDMPCollection` for CPU.
+    Call :meth:`install_replica_sync` once after construction (``build_2d_model_parallel`` does).
+    """
+
+    _sparselift_sync: Optional[ReplicaSyncSession] = None
+    _sparselift_sync_interval: int = 1
+    _sparselift_steps: int = 0
+
+    def install_replica_sync(
+        self, replica_sync: Optional[ReplicaSync], sync_interval: int = 1
+    ) -> None:
+        """Make replicas identical (plain average), then bind ``replica_sync`` (None: TorchRec's)."""
+        self._sparselift_sync_interval = sync_interval
+        self._sparselift_steps = 0
+        DMPCollection.sync(self, include_optimizer_state=True)
+        if replica_sync is None:
+            self._sparselift_sync = None
+            return
+        slots = row_wise_adagrad_slots(self)
+        self._sparselift_sync = replica_sync.bind(
+            slots, self._default_ctx.replica_pg, sync_interval
+        )
+
+    @property
+    def sync_interval(self) -> int:
+        return self._sparselift_sync_interval
+
+    def sync(self, include_optimizer_state: bool = True) -> None:
+        """Merge the replicas now: the installed replica sync, or TorchRec's plain averaging."""
+        if self._sparselift_sync is None:
+            DMPCollection.sync(self, include_optimizer_state)
+        else:
+            self._sparselift_sync.sync()
+
+    def step_done(self) -> bool:
+        """Count one finished training step; sync every ``sync_interval`` steps. Returns True if synced.
+
+        For hand-written loops; TorchRec's pipelines call ``sync()`` themselves when given
+        ``dmp_collection_sync_interval_batches``.
+        """
+        self._sparselift_steps += 1
+        if self._sparselift_steps % self._sparselift_sync_interval == 0:
+            self.sync()
+            return True
+        return False
+
+
+class CpuDMPCollection(SparseLiftDMPCollection):
+    """``DMPCollection`` on CPU/gloo (tests and small experiments); see the module docstring.
+
+    Supports the default context only (no ``submodule_configs``, no sharded relay, no custom
+    all-reduce), ``ShardingStrategy.DEFAULT``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        plan: ShardingPlan,
+        world_size: int,
+        sharding_group_size: int,
+        global_pg: dist.ProcessGroup,
+        sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+        init_data_parallel: bool = True,
+        init_parameters: bool = True,
+        data_parallel_wrapper: Optional[DataParallelWrapper] = None,
+        use_inter_host_allreduce: bool = False,
+    ) -> None:
+        if device.type != "cpu":
+            raise ValueError(
+                f"CpuDMPCollection is for device 'cpu', got {device}; use build_2d_model_parallel, "
+                "which builds TorchRec's DMPCollection on accelerators."
+            )
+        from torchrec.distributed.sharding_plan import get_default_sharders
+
+        self._device = device
+        self._pg = global_pg
+        self._global_rank = dist.get_rank(global_pg)
+        self._custom_all_reduce = None
+        self._use_sharded_relay = False
+        self._sharded_relay_state = None
+        sharders = sharders if sharders is not None else get_default_sharders()
+        self._sharder_map = {sharder.module_type: sharder for sharder in sharders}
+        self._default_ctx = DMPCollectionContext(
+            module=None,  # type: ignore[arg-type]  (TorchRec's default context has no module type)
+            plan=plan,
+            sharding_group_size=sharding_group_size,
+            node_group_size=None,
+            use_inter_host_allreduce=use_inter_host_allreduce,
+            sharding_strategy=ShardingStrategy.DEFAULT,
+        )
+        self._submodule_ctxs = []
+        self._ctxs = [self._default_ctx]
+        ctx = self._default_ctx
+        ctx.device_mesh, ctx.sharding_pg, ctx.replica_pg = self._create_process_groups(
+            global_rank=self._global_rank,
+            world_size=world_size,
+            local_size=sharding_group_size,
+            use_inter_host_allreduce=use_inter_host_allreduce,
+        )
+        self._remap_sharding_plan(
+            plan=ctx.plan,
+            rank=self._global_rank,
+            step=world_size // sharding_group_size,
+            sharding_group_size=sharding_group_size,
+            use_inter_host_allreduce=use_inter_host_allreduce,
+        )
+        env = ShardingEnv2D(
+            global_pg=global_pg,
+            sharding_pg=ctx.sharding_pg,
+            replica_pg=ctx.replica_pg,
+            device_mesh=ctx.device_mesh,
+            node_group_size=None,
+            use_inter_host_allreduce=use_inter_host_allreduce,
+            sharding_strategy=ShardingStrategy.DEFAULT,
+        )
+        DistributedModelParallel.__init__(
+            self,
+            module,
+            env,
+            device,
+            ctx.plan,
+            sharders,
+            init_data_parallel,
+            init_parameters,
+            data_parallel_wrapper,
+        )
+        self._group_sharded_modules(self._ctxs)
+        self._cache_sync_tensors(self._ctxs)
+
+    def _remap_sharding_plan(
+        self,
+        plan: ShardingPlan,
+        rank: int,
+        step: int,
+        sharding_group_size: int,
+        use_inter_host_allreduce: bool = False,
+    ) -> None:
+        """TorchRec's remapping, then placements ``rank:K/cpu:N`` rewritten to ``rank:K/cpu``."""
+        super()._remap_sharding_plan(
+            plan, rank, step, sharding_group_size, use_inter_host_allreduce
+        )
+        for module_plan in plan.plan.values():
+            for param_sharding in module_plan.values():  # type: ignore[attr-defined]
+                spec = param_sharding.sharding_spec
+                if isinstance(spec, EnumerableShardingSpec) and spec.shards is not None:
+                    for shard in spec.shards:
+                        shard.placement = _remote_device(f"rank:{shard.placement.rank()}/cpu")
+
+
+def build_2d_model_parallel(
+    module: nn.Module,
+    plan: ShardingPlan,
+    sharding_group_size: int,
+    global_pg: dist.ProcessGroup,
+    device: torch.device,
+    sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+    sync_interval: int = 1,
+    replica_sync: Optional[ReplicaSync] = None,
+    use_inter_host_allreduce: bool = False,
+    init_data_parallel: bool = True,
+    data_parallel_wrapper: Optional[DataParallelWrapper] = None,
+) -> SparseLiftDMPCollection:
+    """Shard ``module`` in 2D: tables over sharding groups of ``sharding_group_size`` ranks, replicated.
+
+    ``plan`` must be made for a group-local topology (``world_size=sharding_group_size``), e.g.
+    by a planner given ``Topology(world_size=sharding_group_size, ...)``; it is deep-copied (the
+    remapping to global ranks is rank-specific). Returns a ``DMPCollection`` (TorchRec's on
+    CUDA/MTIA, :class:`CpuDMPCollection` on CPU) whose replicas are already identical and whose
+    ``sync()`` runs ``replica_sync`` (None: TorchRec's plain averaging of weights and
+    accumulators). Call ``sync()`` every ``sync_interval`` steps, or ``step_done()`` after each.
+    """
+    world_size = dist.get_world_size(global_pg)
+    config = TwoDConfig(
+        world_size=world_size,
+        sharding_group_size=sharding_group_size,
+        sync_interval=sync_interval,
+        use_inter_host_allreduce=use_inter_host_allreduce,
+    )
+    if replica_sync is not None and not isinstance(replica_sync, ReplicaSync):
+        raise TypeError(
+            f"replica_sync must implement bind(slots, replica_pg, sync_interval), got {type(replica_sync).__name__}; "
+            "use e.g. torchrec_sparselift.optim.MomentumScaledRowWiseAdagrad()."
+        )
+    _check_2d_plan(plan, sharding_group_size)
+    plan = copy.deepcopy(plan)
+    kwargs = dict(
+        module=module,
+        device=device,
+        plan=plan,
+        world_size=config.world_size,
+        sharding_group_size=config.sharding_group_size,
+        global_pg=global_pg,
+        sharders=sharders,
+        init_data_parallel=init_data_parallel,
+        data_parallel_wrapper=data_parallel_wrapper,
+        use_inter_host_allreduce=config.use_inter_host_allreduce,
+    )
+    if device.type == "cpu":
+        model: SparseLiftDMPCollection = CpuDMPCollection(**kwargs)
+    else:
+        model = SparseLiftDMPCollection(**kwargs)
+    model.install_replica_sync(replica_sync, config.sync_interval)
+    return model
+
+
+def _check_2d_plan(plan: ShardingPlan, sharding_group_size: int) -> None:
+    """Refuse plans DMPCollection would run wrongly: ranks outside the group, unsynced kernels.
+
+    A model-parallel table on the ``dense`` compute kernel is updated by the dense optimizer but
+    is neither all-reduced by DDP nor synced by ``DMPCollection.sync`` (which syncs fused TBEs
+    only): its replicas would silently drift apart.
+    """
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.types import ShardingType
+
+    for module_path, module_plan in plan.plan.items():
+        for name, param_sharding in module_plan.items():  # type: ignore[attr-defined]
+            if (
+                param_sharding.compute_kernel == EmbeddingComputeKernel.DENSE.value
+                and param_sharding.sharding_type != ShardingType.DATA_PARALLEL.value
+            ):
+                raise ValueError(
+                    f"{module_path}.{name} is {param_sharding.sharding_type} on the 'dense' compute "
+                    "kernel, which DMPCollection never syncs across replicas; plan it with "
+                    "compute_kernel='fused' (EmbeddingComputeKernel.FUSED)."
+                )
+            for r in param_sharding.ranks or []:
+                if not 0 <= r < sharding_group_size:
+                    raise ValueError(
+                        f"plan places {module_path}.{name} on rank {r}, outside the sharding group "
+                        f"0..{sharding_group_size - 1}; plan with a group-local topology "
+                        f"(Topology(world_size={sharding_group_size}, ...))."
+                    )
