@@ -385,3 +385,34 @@ def test_fingerprint_is_identical_in_another_process_with_another_hash_seed():
                                constraints={"tw": ParameterConstraints(sharding_types=["table_wise"])},
                                stats=declare(f_tw=2.5))
     assert out.stdout.strip().splitlines()[-1] == local.digest()
+
+
+def test_table_specs_reports_wrapped_tables_at_the_wrapper_path():
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        ManagedCollisionCollection,
+        MCHManagedCollisionModule,
+    )
+
+    cfg = [EmbeddingBagConfig(name="mc_t", embedding_dim=8, num_embeddings=100, feature_names=["mc_f"])]
+    model = nn.Module()
+    model.fp = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="w", embedding_dim=8, num_embeddings=10, feature_names=["g"])],
+            is_weighted=True, device=META,
+        ),
+        PositionWeightedModuleCollection({"g": 4}),
+    )
+    model.mc = ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=cfg),
+        ManagedCollisionCollection(
+            {"mc_t": MCHManagedCollisionModule(zch_size=100, device=torch.device("cpu"), eviction_interval=1,
+                                               eviction_policy=DistanceLFU_EvictionPolicy())},
+            embedding_configs=cfg,
+        ),
+    )
+    assert table_specs(model) == [
+        ("fp", "w", 10, 8, ["g"], True, "FP32"),
+        ("mc", "mc_t", 100, 8, ["mc_f"], True, "FP32"),
+    ]
