@@ -83,15 +83,34 @@ class CalibrationError(ValueError):
 
 
 def _weighted_lstsq(rows: Sequence[Sequence[float]], y: Sequence[float], w: Sequence[float], cols: Sequence[int]) -> List[float]:
-    """Least squares on the chosen columns of relative rows; the other coefficients are 0."""
-    x = torch.tensor([[r[c] / yi for c in cols] for r, yi in zip(rows, y)], dtype=torch.float64)
-    sw = torch.tensor(w, dtype=torch.float64).sqrt().unsqueeze(1)
-    target = torch.ones(len(y), 1, dtype=torch.float64)
-    scale = x.abs().max(dim=0).values.clamp_min(1e-300)  # column scaling for conditioning
-    sol = torch.linalg.lstsq((x / scale) * sw, target * sw, driver="gelsd").solution.squeeze(1) / scale
+    """Least squares on the chosen columns of relative rows; the other coefficients are 0.
+
+    Pure Python (2-3 unknowns): normal equations on max-scaled columns, Gaussian elimination
+    with partial pivoting. A singular system returns all-NaN coefficients (rejected by callers).
+    """
+    a = [[r[c] / yi for c in cols] for r, yi in zip(rows, y)]
+    k = len(cols)
+    scale = [max(abs(row[j]) for row in a) or 1.0 for j in range(k)]
+    a = [[row[j] / scale[j] for j in range(k)] for row in a]
+    m = [[sum(wi * row[i] * row[j] for wi, row in zip(w, a)) for j in range(k)] for i in range(k)]
+    v = [sum(wi * row[i] for wi, row in zip(w, a)) for i in range(k)]  # target: all ones
+    for col in range(k):
+        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-14 * max(1.0, max(abs(x) for x in m[col])):
+            return [math.nan] * len(rows[0])
+        m[col], m[piv] = m[piv], m[col]
+        v[col], v[piv] = v[piv], v[col]
+        for r in range(col + 1, k):
+            f = m[r][col] / m[col][col]
+            for c in range(col, k):
+                m[r][c] -= f * m[col][c]
+            v[r] -= f * v[col]
+    sol = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        sol[i] = (v[i] - sum(m[i][j] * sol[j] for j in range(i + 1, k))) / m[i][i]
     coef = [0.0] * len(rows[0])
-    for c, v in zip(cols, sol.tolist()):
-        coef[c] = v
+    for c, x, sc in zip(cols, sol, scale):
+        coef[c] = x / sc
     return coef
 
 
@@ -126,7 +145,7 @@ def fit_nonnegative(
         for size in range(k, 0, -1):
             for cols in itertools.combinations(range(k), size):
                 coef = _weighted_lstsq(rows, y, w, cols)
-                if any(v < 0 for v in coef):
+                if any(not (v >= 0) for v in coef):  # negative or NaN (singular)
                     continue
                 loss = sum(wi * r * r for wi, r in zip(w, _relative_residuals(rows, y, coef)))
                 if loss < best_loss:
@@ -304,13 +323,10 @@ def fit_lookups(
         "lookup_overhead_s": overhead,
         "row_granularity_bytes": g,
     }
-    if "fwd_bwd" in phases:
-        if coef[2] <= 0:
-            raise CalibrationError(
-                "forward+backward lookups are not slower than forward ones; check the "
-                "fwd_bwd records (the backward must run the optimizer update)"
-            )
+    if "fwd_bwd" in phases and coef[2] > 0:
         params["bwd_factor"] = coef[2] / per_byte
+    # else: the sweep cannot resolve the backward's bytes term (overhead-dominated); the caller
+    # keeps the base bwd_factor and says so
     diagnostics: Dict[str, float] = {}
     prof = attrs.evolve(base, row_granularity_bytes=g)
     for phase in sorted(phases):
@@ -420,6 +436,11 @@ def fit_profile(
     )
     if "bwd_factor" in lk:
         fields["bwd_factor"] = lk["bwd_factor"]
+    elif any(r.phase == "fwd_bwd" for r in records.lookups):
+        notes.append(
+            "the backward's bytes term fitted to zero (overhead-dominated sweep): bwd_factor kept "
+            "from the base profile; measure larger batches or pooling factors"
+        )
     else:
         notes.append("no forward+backward lookups measured: bwd_factor kept from the base profile")
     if device == "cpu":
