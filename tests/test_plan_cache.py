@@ -236,11 +236,20 @@ def test_statistics_within_tolerance_reuse_and_beyond_tolerance_replan(tmp_path,
     assert plan_fn.calls == 1
 
 
-def test_statistics_appearing_or_disappearing_replans(tmp_path):
+def test_statistics_appearing_or_disappearing_replans_saying_so(tmp_path, caplog):
     cache = PlanCache(tmp_path)
-    cache.store(_plan(_fingerprint()))
+    caplog.set_level(logging.INFO, logger=LOGGER)
     stats = declare(f0=2.0)
+    cache.store(_plan(_fingerprint()))
     assert cache.load(_fingerprint(stats=stats), stats=stats) is None
+    assert "has no statistics and this run has statistics" in _replan_records(caplog)[-1].getMessage()
+    cache.store(_plan(_fingerprint(stats=stats), stats=stats))
+    assert cache.load(_fingerprint()) is None
+    assert "planned with statistics and this run has none" in _replan_records(caplog)[-1].getMessage()
+    other = declare(f0=2.1)
+    assert cache.load(_fingerprint(stats=other)) is None  # no stats= given: drift cannot be measured
+    assert "pass stats=" in _replan_records(caplog)[-1].getMessage()
+    assert cache.load(_fingerprint(stats=other), stats=other) is not None
 
 
 def test_stats_that_contradict_the_fingerprint_are_a_caller_error(tmp_path):

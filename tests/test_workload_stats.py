@@ -133,7 +133,7 @@ def test_invalid_declarations_name_the_feature_or_table():
     with pytest.raises(ValueError, match="table 't1'.*2 pooling_factors for 1 features"):
         from_constraints({"t1": ParameterConstraints(pooling_factors=[1.0, 2.0], feature_names=["x"])})
     with pytest.raises(ValueError, match="table 't9'.*feature_names"):
-        from_constraints({"t9": ParameterConstraints(pooling_factors=[1.0])})
+        from_constraints({"t9": ParameterConstraints(pooling_factors=[2.0])})
     with pytest.raises(ValueError, match="feature 'f'.*unique_ratio"):
         FeatureStats(feature="f", pooling_factor=1.0, unique_ratio=1.5)
     with pytest.raises(ValueError, match="feature 'f'.*p95 <= p99 <= max"):
@@ -167,3 +167,13 @@ def test_drift_is_the_largest_relative_change_and_infinite_for_other_features():
     assert base.drift(moved) == pytest.approx(0.3)  # unique ratio 0.5 -> 0.65
     assert math.isinf(base.drift(declare(a=10.0)))
     assert math.isinf(declare(a=0.0).drift(declare(a=1.0)))
+
+
+def test_constraints_that_keep_torchrec_default_pooling_declare_nothing():
+    stats = from_constraints(
+        {"only_sharding": ParameterConstraints(sharding_types=["table_wise"]),
+         "t": ParameterConstraints(pooling_factors=[4.0], feature_names=["x"])}
+    )
+    assert list(stats) == ["x"]
+    with pytest.raises(ValueError, match="no table's ParameterConstraints sets pooling_factors"):
+        from_constraints({"only_sharding": ParameterConstraints(sharding_types=["table_wise"])})

@@ -99,10 +99,19 @@ class PlanCache:
             return None, f"re-planning: cached plan {name} does not match: {why}", logging.INFO
         if stored.stats_digest == fingerprint.stats_digest:
             return plan, f"reusing cached execution plan {path}: {plan.summary()}", logging.INFO
-        if stats is None or plan.stats is None:
-            have = "has no statistics" if plan.stats is None else "was planned with statistics"
-            now = "this run has none" if stats is None else "this run has statistics"
-            return None, f"re-planning: cached plan {name} {have} and {now}", logging.INFO
+        if plan.stats is None:
+            return None, (
+                f"re-planning: cached plan {name} has no statistics and this run has statistics"
+            ), logging.INFO
+        if fingerprint.stats_digest is None:
+            return None, (
+                f"re-planning: cached plan {name} was planned with statistics and this run has none"
+            ), logging.INFO
+        if stats is None:
+            return None, (
+                f"re-planning: workload statistics changed since cached plan {name} (pass stats= to "
+                "reuse plans within the drift tolerance)"
+            ), logging.INFO
         drift = plan.stats.drift(stats)
         if math.isinf(drift):
             return None, (

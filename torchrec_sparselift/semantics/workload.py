@@ -411,10 +411,17 @@ def from_constraints(
     Each table's ``pooling_factors`` (and ``batch_sizes`` when given) are matched position by
     position with its features: ``ParameterConstraints.feature_names`` when set, else
     ``feature_names[table]`` (e.g. from the module's ``EmbeddingBagConfig.feature_names``).
+    Tables whose constraints keep TorchRec's default ``pooling_factors=[1.0]`` (and no
+    ``batch_sizes``) declare nothing and are skipped.
     Raises ``ValueError`` naming the table whose lengths disagree or whose features are unknown.
     """
+    from torchrec.distributed.planner.constants import POOLING_FACTOR
+
     out: Dict[str, FeatureStats] = {}
     for table, pc in constraints.items():
+        pfs = list(pc.pooling_factors)
+        if pfs == [POOLING_FACTOR] and getattr(pc, "batch_sizes", None) is None:
+            continue  # TorchRec's untouched default: this constraint declares no statistics
         names = getattr(pc, "feature_names", None)
         if names is None and feature_names is not None:
             names = feature_names.get(table)
@@ -423,7 +430,6 @@ def from_constraints(
                 f"constraints for table {table!r} do not say which features its pooling_factors "
                 "belong to: set ParameterConstraints.feature_names or pass feature_names={table: [...]}"
             )
-        pfs = list(pc.pooling_factors)
         if len(pfs) != len(names):
             raise ValueError(
                 f"constraints for table {table!r}: {len(pfs)} pooling_factors for {len(names)} "
@@ -451,5 +457,8 @@ def from_constraints(
                 batch_size=None if bss is None else bss[i],
             )
     if not out:
-        raise ValueError("from_constraints() got no tables")
+        raise ValueError(
+            "from_constraints(): no table's ParameterConstraints sets pooling_factors; declare them "
+            "(or use observe()/declare())"
+        )
     return WorkloadStats(tuple(out.values()))
