@@ -231,10 +231,28 @@ def plan_summary(plan) -> List[Dict[str, Any]]:
     return rows
 
 
+def planner_prediction(planner) -> Optional[Dict[str, Any]]:
+    """What a SparseLiftPlanner predicted for its last plan (rank 0 plans), else None."""
+    res = getattr(planner, "last_result", None)
+    search = getattr(res, "search", None)
+    if search is None:
+        return None
+    return dict(
+        step_time_ms=search.step.total_s * 1e3,
+        lower_bound_ms=search.lower_bound_s * 1e3,
+        pipeline=search.pipeline,
+        comm_precision=f"{search.fwd_precision}/{search.bwd_precision}",
+        solver=search.solver,
+        hardware=getattr(getattr(res, "profile", None), "name", None),
+    )
+
+
 def format_plan_summary(rows: Sequence[Dict[str, Any]], tables: Sequence[TableSpec]) -> str:
+    """The plan as a table, one line per embedding table in the order of ``tables``."""
     size = {t.name: (t.rows, t.dim) for t in tables}
+    order = {t.name: i for i, t in enumerate(tables)}
     lines = [f"{'table':<14}{'rows':>10}{'dim':>5}  {'sharding':<16}{'kernel':<14}ranks"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (order.get(r["table"], len(order)), r["table"])):
         rows_, dim = size.get(r["table"], ("?", "?"))
         ranks = ",".join(map(str, r["ranks"])) if r["ranks"] else "all"
         lines.append(f"{r['table']:<14}{rows_:>10}{dim:>5}  {r['sharding_type']:<16}{r['compute_kernel']:<14}{ranks}")
@@ -346,6 +364,14 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     planning_s = time.perf_counter() - t0
     summary = plan_summary(plan)
     say(f"[dlrm] plan ({args.planner}, {planning_s:.2f} s):\n" + format_plan_summary(summary, tables))
+    prediction = planner_prediction(planner)
+    if prediction is not None:
+        say(
+            f"[dlrm] SparseLift predicts {prediction['step_time_ms']:.2f} ms/step (lower bound "
+            f"{prediction['lower_bound_ms']:.2f} ms) on {prediction['hardware']}, pipeline "
+            f"{prediction['pipeline']}, comm {prediction['comm_precision']}; this example runs "
+            "TrainPipelineSparseDist in fp32"
+        )
     dmp, optimizer = shard_model(model, plan, device, args.lr, args.dense_optimizer, args.dense_lr)
 
     bar = None
@@ -385,6 +411,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         global_batch_size=args.batch_size * world_size,
         planning_time_s=planning_s,
         plan=summary,
+        prediction=prediction,
         losses=loss_list,
         loss_first=sum(loss_list[:k]) / k,
         loss_last=sum(loss_list[-k:]) / k,
