@@ -1,0 +1,55 @@
+"""runtime: apply a plan. ``lift`` / ``SparseLiftModelParallel`` build DistributedModelParallel with
+the plan's comm codecs and the planned train pipeline; ``StepTimer`` measures steady-state step time
+against the prediction. CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in
+``runtime.two_d``.
+"""
+
+from torchrec_sparselift.runtime.model_parallel import (
+    COMM_PRECISIONS,
+    Lifted,
+    RuntimeSettings,
+    SparseLiftModelParallel,
+    build_optimizer,
+    comm_codecs_registry,
+    default_device,
+    lift,
+    resolve_settings,
+    sharders_with_comm_codecs,
+)
+from torchrec_sparselift.runtime.pipelines import (
+    EXACT_PIPELINE_KINDS,
+    PIPELINE_KINDS,
+    make_train_pipeline,
+    pipeline_class,
+)
+from torchrec_sparselift.runtime.timing import (
+    StepRecord,
+    StepStats,
+    StepTimer,
+    load_records,
+    save_records,
+    step_stats,
+)
+
+__all__ = [
+    "COMM_PRECISIONS",
+    "EXACT_PIPELINE_KINDS",
+    "PIPELINE_KINDS",
+    "Lifted",
+    "RuntimeSettings",
+    "SparseLiftModelParallel",
+    "StepRecord",
+    "StepStats",
+    "StepTimer",
+    "build_optimizer",
+    "comm_codecs_registry",
+    "default_device",
+    "lift",
+    "load_records",
+    "make_train_pipeline",
+    "pipeline_class",
+    "resolve_settings",
+    "save_records",
+    "sharders_with_comm_codecs",
+    "step_stats",
+]

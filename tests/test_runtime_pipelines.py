@@ -1,0 +1,398 @@
+"""lift(): DistributedModelParallel + comm codecs + the planned train pipeline, on 2 gloo ranks.
+
+One 2-rank job (module fixture) runs every scenario and writes per-rank results; the tests read
+them. Single-process tests at the bottom pin the settings/validation logic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import traceback
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from torchrec_sparselift.runtime.pipelines import EXACT_PIPELINE_KINDS
+
+WORLD = 2
+STEPS = 6
+SEMI_SYNC_STEPS = 24
+SEMI_SYNC_LR = dict(lr=8.0, dense_lr=0.05)  # learns the 4 cycled batches within 24 steps
+SEED = 7
+NUM_EMB = 64
+DIM = 8
+LOCAL_B = 8
+FEATURES = ("f0", "f1", "f2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tiny_model() -> torch.nn.Module:
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    class TinyRec(torch.nn.Module):
+        """EBC (3 tables) + dense layer + over layer; forward returns (loss, (loss, logits))."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=NUM_EMB, feature_names=[f])
+                    for i, f in enumerate(FEATURES)
+                ]
+            )
+            self.dense = torch.nn.Linear(4, DIM)
+            self.over = torch.nn.Linear(DIM * (1 + len(FEATURES)), 1)
+
+        def forward(self, batch):  # type: ignore[no-untyped-def]
+            kt = self.ebc(batch.sparse_features)
+            x = torch.cat([self.dense(batch.dense_features)] + [kt[f] for f in FEATURES], dim=1)
+            logits = self.over(x).squeeze(1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+            return loss, (loss.detach(), logits.detach())
+
+    return TinyRec()
+
+
+def _batches(rank: int, n: int):  # type: ignore[no-untyped-def]
+    """Deterministic local batches; the label is learnable from the single f0 id (id < NUM_EMB/2)."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    out = []
+    for step in range(n):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        lengths = torch.randint(0, 4, (len(FEATURES) * LOCAL_B,), generator=g)
+        lengths[:LOCAL_B] = 1  # one f0 id per sample: the label
+        ids = torch.randint(0, NUM_EMB, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=list(FEATURES), values=ids, lengths=lengths)
+        labels = (ids[:LOCAL_B] < NUM_EMB // 2).float()
+        out.append(Batch(dense_features=torch.randn(LOCAL_B, 4, generator=g), sparse_features=kjt, labels=labels))
+    return out
+
+
+def _plan(model: torch.nn.Module):  # type: ignore[no-untyped-def]
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingPlan
+
+    ebc_plan = construct_module_sharding_plan(
+        model.ebc,
+        {
+            "t0": table_wise(rank=1, compute_kernel="fused"),
+            "t1": row_wise(compute_kernel="fused"),
+            "t2": column_wise(ranks=[0, 1], compute_kernel="fused"),
+        },
+        world_size=WORLD,
+        local_size=WORLD,
+        device_type="cpu",
+    )
+    return ShardingPlan({"ebc": ebc_plan})
+
+
+def _lift(plan_or_exec, lr: float = 0.5, dense_lr: float = 0.5, **kwargs):  # type: ignore[no-untyped-def]
+    from torchrec_sparselift.runtime import lift
+
+    torch.manual_seed(SEED)
+    model = _tiny_model()
+    plan = plan_or_exec(model) if callable(plan_or_exec) else plan_or_exec
+    return lift(
+        model,
+        plan,
+        device=torch.device("cpu"),
+        embedding_optimizer=(torch.optim.SGD, {"lr": lr}),
+        dense_optimizer_factory=lambda params: torch.optim.SGD(params, lr=dense_lr),
+        **kwargs,
+    )
+
+
+def _pipeline_losses(lifted, batches):  # type: ignore[no-untyped-def]
+    it = iter(batches)
+    losses = []
+    while True:
+        try:
+            loss, _ = lifted.pipeline.progress(it)
+        except StopIteration:
+            return losses
+        losses.append(float(loss))
+
+
+def _scenarios(rank: int) -> dict:
+    import torch.distributed as dist
+
+    from torchrec_sparselift.runtime import StepTimer
+
+    out: dict = {}
+    batches = _batches(rank, STEPS)
+
+    # plain loop: forward / backward / optimizer step by hand, no pipeline
+    lifted = _lift(_plan, pipeline="base")
+    losses = []
+    for b in batches:
+        loss, _ = lifted.model(b)
+        loss.backward()
+        lifted.optimizer.step()
+        lifted.optimizer.zero_grad()
+        losses.append(float(loss))
+    out["plain"] = losses
+
+    for kind in EXACT_PIPELINE_KINDS:
+        lifted = _lift(_plan, pipeline=kind)
+        out[kind] = _pipeline_losses(lifted, batches)
+        out[f"{kind}_class"] = type(lifted.pipeline).__name__
+
+    cycled = [b for _ in range(SEMI_SYNC_STEPS // 4) for b in _batches(rank, 4)]
+    lifted = _lift(_plan, **SEMI_SYNC_LR, pipeline="semi_sync", pipeline_options={"start_batch": 0})
+    out["semi_sync"] = _pipeline_losses(lifted, cycled)
+    out["semi_sync_class"] = type(lifted.pipeline).__name__
+    lifted = _lift(_plan, **SEMI_SYNC_LR, pipeline="sparse_dist")
+    out["sparse_dist_cycled"] = _pipeline_losses(lifted, cycled)
+
+    for prec in ("fp16", "bf16"):
+        lifted = _lift(_plan, pipeline="sparse_dist", fwd_comm_precision=prec, bwd_comm_precision=prec)
+        out[f"comm_{prec}"] = _pipeline_losses(lifted, batches)
+        out[f"comm_{prec}_settings"] = [lifted.settings.fwd_comm_precision, lifted.settings.bwd_comm_precision]
+
+    # an execution plan (duck-typed) chooses the pipeline and precision; keywords override it
+    torch.manual_seed(SEED)
+    exec_plan = SimpleNamespace(
+        sharding_plan=_plan(_tiny_model()),
+        optimizations=SimpleNamespace(
+            pipeline="fused", fwd_comm_precision="fp16", bwd_comm_precision="fp32",
+            sharding_group_size=None, sync_interval=1,
+        ),
+        prediction=SimpleNamespace(step_time_s=0.004),
+        summary=lambda: "tiny plan",
+    )
+    lifted = _lift(exec_plan)
+    out["exec_plan"] = [type(lifted.pipeline).__name__, lifted.settings.fwd_comm_precision,
+                        lifted.settings.predicted_step_s, lifted.settings.label()]
+    lifted = _lift(exec_plan, pipeline="base", fwd_comm_precision="fp32")
+    out["exec_plan_override"] = [type(lifted.pipeline).__name__, lifted.settings.fwd_comm_precision]
+
+    # unpacking and the step timer on a real pipeline
+    model, pipeline = _lift(_plan, pipeline="sparse_dist")
+    timer = StepTimer(torch.device("cpu"), warmup_steps=2, predicted_s=0.004, plan="tiny")
+    ran = timer.time_pipeline(pipeline, iter(_batches(rank, 8)), steps=20)
+    rec = timer.record(pg=dist.group.WORLD)
+    out["timer"] = [ran, rec.steps, rec.measured_s, rec.world_size, rec.ratio]
+    return out
+
+
+def _worker(rank: int, port: int, outdir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        result = _scenarios(rank)
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
+    outdir = str(tmp_path_factory.mktemp("lift"))
+    mp.spawn(_worker, args=(_free_port(), outdir), nprocs=WORLD, join=True)
+    results = []
+    for rank in range(WORLD):
+        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
+            res = json.load(f)
+        assert "error" not in res, f"rank {rank} failed:\n{res['error']}"
+        results.append(res)
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", EXACT_PIPELINE_KINDS)
+def test_synchronous_pipeline_losses_equal_plain_loop(runs, kind) -> None:  # type: ignore[no-untyped-def]
+    for res in runs:
+        assert len(res[kind]) == STEPS
+        assert res[kind] == res["plain"], f"{kind} ({res[f'{kind}_class']}) diverged from the plain loop"
+
+
+@pytest.mark.multiprocess
+def test_multistream_pipelines_use_cpu_adaptation_on_cpu(runs) -> None:  # type: ignore[no-untyped-def]
+    res = runs[0]
+    assert res["base_class"] == "TrainPipelineBase"
+    assert res["sparse_dist_class"] == "TrainPipelineSparseDist"
+    assert res["fused_class"] == "CpuTrainPipelineFusedSparseDist"
+    assert res["prefetch_class"] == "CpuPrefetchTrainPipelineSparseDist"
+    assert res["semi_sync_class"] == "CpuTrainPipelineSemiSync"
+
+
+@pytest.mark.multiprocess
+def test_semi_sync_trains_and_loss_falls(runs) -> None:  # type: ignore[no-untyped-def]
+    for res in runs:
+        losses = res["semi_sync"]
+        assert len(losses) == SEMI_SYNC_STEPS and all(math.isfinite(x) for x in losses)
+        first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+        assert last < 0.85 * first, f"semi-sync loss did not fall: {losses} (sync: {res['sparse_dist_cycled']})"
+        # stale by one step: not the synchronous trajectory
+        assert losses != res["sparse_dist_cycled"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("prec", ["fp16", "bf16"])
+def test_quantized_comms_run_and_stay_close_to_fp32(runs, prec) -> None:  # type: ignore[no-untyped-def]
+    for res in runs:
+        q, ref = res[f"comm_{prec}"], res["plain"]
+        assert len(q) == STEPS
+        assert q != ref, "codecs were not installed: losses are bit-identical to fp32"
+        assert all(abs(a - b) < 2e-2 for a, b in zip(q, ref)), (q, ref)
+        assert res[f"comm_{prec}_settings"] == [prec, prec]
+
+
+@pytest.mark.multiprocess
+def test_execution_plan_optimizations_applied_and_overridable(runs) -> None:  # type: ignore[no-untyped-def]
+    cls, fwd, predicted, label = runs[0]["exec_plan"]
+    assert (cls, fwd, predicted, label) == ("CpuTrainPipelineFusedSparseDist", "fp16", 0.004, "tiny plan")
+    assert runs[0]["exec_plan_override"] == ["TrainPipelineBase", "fp32"]
+
+
+@pytest.mark.multiprocess
+def test_step_timer_reports_slowest_rank_over_steady_steps(runs) -> None:  # type: ignore[no-untyped-def]
+    ran0, steps0, measured0, world0, ratio0 = runs[0]["timer"]
+    ran1, steps1, measured1, world1, _ = runs[1]["timer"]
+    assert ran0 == ran1 == 8 and steps0 == steps1 == 6  # 8 batches, 2 warm-up steps left out
+    assert measured0 == measured1 > 0 and world0 == world1 == WORLD
+    assert ratio0 == pytest.approx(measured0 / 0.004)
+
+
+# ---- single-process -----------------------------------------------------------------------
+
+
+def test_sharding_plan_defaults_to_sparse_dist_fp32() -> None:
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_sparselift.runtime import resolve_settings
+
+    plan, settings = resolve_settings(ShardingPlan({}))
+    assert (settings.pipeline, settings.fwd_comm_precision, settings.bwd_comm_precision) == ("sparse_dist", "fp32", "fp32")
+    assert not settings.is_2d and settings.predicted_step_s is None
+
+
+def test_unknown_pipeline_or_precision_is_refused_with_choices() -> None:
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_sparselift.runtime import resolve_settings
+
+    with pytest.raises(ValueError, match="sparse_dist"):
+        resolve_settings(ShardingPlan({}), pipeline="staged")
+    with pytest.raises(ValueError, match="fp16"):
+        resolve_settings(ShardingPlan({}), fwd_comm_precision="int4")
+
+
+def test_plan_without_sharding_plan_is_refused() -> None:
+    from torchrec_sparselift.runtime import resolve_settings
+
+    with pytest.raises(TypeError, match="ShardingPlan"):
+        resolve_settings(object())
+
+
+def test_2d_plan_keeps_group_and_interval_1d_drops_interval() -> None:
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_sparselift.runtime import resolve_settings
+
+    def plan(group):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(sharding_plan=ShardingPlan({}), optimizations=SimpleNamespace(
+            pipeline="semi_sync", fwd_comm_precision="bf16", bwd_comm_precision="fp16",
+            sharding_group_size=group, sync_interval=4))
+
+    _, s2 = resolve_settings(plan(2))
+    assert (s2.sharding_group_size, s2.sync_interval, s2.pipeline) == (2, 4, "semi_sync")
+    _, s1 = resolve_settings(plan(None))
+    assert (s1.sharding_group_size, s1.sync_interval) == (None, None)
+
+
+def test_2d_plan_refused_by_model_parallel_class() -> None:
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_sparselift.runtime import SparseLiftModelParallel
+
+    plan = SimpleNamespace(sharding_plan=ShardingPlan({}), optimizations=SimpleNamespace(
+        pipeline="sparse_dist", fwd_comm_precision="fp32", bwd_comm_precision="fp32",
+        sharding_group_size=2, sync_interval=1))
+    with pytest.raises(ValueError, match="lift"):
+        SparseLiftModelParallel(torch.nn.Linear(1, 1), plan)
+
+
+def test_pipeline_classes_unchanged_on_cuda_adapted_on_cpu() -> None:
+    from torchrec.distributed.train_pipeline import TrainPipelineFusedSparseDist, TrainPipelineSparseDist
+
+    from torchrec_sparselift.runtime import pipeline_class
+    from torchrec_sparselift.runtime.cpu_compat import CpuTrainPipelineFusedSparseDist
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert pipeline_class("fused", cuda) is TrainPipelineFusedSparseDist
+    assert pipeline_class("fused", cpu) is CpuTrainPipelineFusedSparseDist
+    assert pipeline_class("sparse_dist", cpu) is TrainPipelineSparseDist
+    with pytest.raises(ValueError, match="one of"):
+        pipeline_class("staged", cpu)
+
+
+def test_sync_interval_refused_for_pipelines_that_never_sync() -> None:
+    from torchrec_sparselift.runtime import make_train_pipeline
+
+    for kind in ("base", "fused", "prefetch"):
+        with pytest.raises(ValueError, match="never syncs"):
+            make_train_pipeline(kind, torch.nn.Linear(1, 1), None, torch.device("cpu"), sync_interval=2)  # type: ignore[arg-type]
+
+
+def test_record_stream_noop_only_inside_context_and_restored() -> None:
+    from torchrec_sparselift.runtime.cpu_compat import CpuStream, cpu_record_stream_noop
+
+    before = torch.Tensor.__dict__.get("record_stream")
+    t = torch.ones(2)
+    with pytest.raises((RuntimeError, TypeError, NotImplementedError)):
+        t.record_stream(CpuStream())
+    with cpu_record_stream_noop():
+        with cpu_record_stream_noop():  # reentrant
+            t.record_stream(CpuStream())
+        t.record_stream(CpuStream())
+    assert torch.Tensor.__dict__.get("record_stream") is before
+    with pytest.raises((RuntimeError, TypeError, NotImplementedError)):
+        t.record_stream(CpuStream())
+
+
+def test_fp32_comms_install_no_codecs_and_fp8_refused_on_cpu() -> None:
+    from torchrec_sparselift.runtime import comm_codecs_registry, sharders_with_comm_codecs
+
+    cpu = torch.device("cpu")
+    assert comm_codecs_registry("fp32", "fp32", cpu) is None
+    assert sharders_with_comm_codecs(None, None) is None
+    with pytest.raises(ValueError, match="GPU"):
+        comm_codecs_registry("fp8", "fp32", cpu)
+
+
+def test_user_sharders_without_codecs_refused_when_plan_quantizes() -> None:
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from torchrec_sparselift.runtime import comm_codecs_registry, sharders_with_comm_codecs
+
+    reg = comm_codecs_registry("fp16", "fp16", torch.device("cpu"))
+    with pytest.raises(ValueError, match="qcomm_codecs_registry"):
+        sharders_with_comm_codecs(reg, [EmbeddingBagCollectionSharder()])
+    ok = [EmbeddingBagCollectionSharder(qcomm_codecs_registry=reg)]
+    assert sharders_with_comm_codecs(reg, ok) == ok
+    defaults = sharders_with_comm_codecs(reg, None)
+    assert all(s.qcomm_codecs_registry is reg for s in defaults if isinstance(s, EmbeddingBagCollectionSharder))

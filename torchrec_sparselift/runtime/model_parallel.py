@@ -1,0 +1,482 @@
+"""Apply a plan: DistributedModelParallel with the plan's comm codecs, plus its train pipeline.
+
+From a planner to a running loop::
+
+    plan = SparseLiftPlanner(topology=topology, batch_size=batch_size).collective_plan(model, sharders, pg)
+    model, pipeline = lift(model, plan, pg=pg, device=device,
+                           embedding_optimizer=(torch.optim.SGD, {"lr": 0.1}),
+                           dense_optimizer_factory=lambda params: torch.optim.Adam(params, lr=1e-3))
+    for _ in range(steps):
+        pipeline.progress(dataloader_iter)
+
+``plan`` is either a TorchRec ``ShardingPlan`` (then the optimizations come from the keyword
+arguments, default ``sparse_dist`` and fp32 comms) or an execution plan: any object with
+``.sharding_plan`` and ``.optimizations`` (``pipeline``, ``fwd_comm_precision``,
+``bwd_comm_precision``, ``sharding_group_size``, ``sync_interval``), such as
+``torchrec_sparselift.plan.ExecutionPlan``. Explicit keyword arguments override the plan's choice.
+The same code runs on CUDA (NCCL) and on CPU (gloo); the CPU adaptations live in
+:mod:`torchrec_sparselift.runtime.cpu_compat`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fbgemm_qcomm_codec import (
+    CommType,
+    QCommsConfig,
+    get_qcomm_codecs_registry,
+)
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
+
+__all__ = [
+    "COMM_PRECISIONS",
+    "RuntimeSettings",
+    "resolve_settings",
+    "comm_codecs_registry",
+    "sharders_with_comm_codecs",
+    "default_device",
+    "build_optimizer",
+    "SparseLiftModelParallel",
+    "Lifted",
+    "lift",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Comm precisions a plan may choose for the pooled-embedding all-to-all / reduce-scatter.
+COMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+
+EmbeddingOptimizerSpec = Tuple[Type[torch.optim.Optimizer], Mapping[str, Any]]
+DenseOptimizerFactory = Callable[[List[torch.Tensor]], torch.optim.Optimizer]
+
+
+def _one_of(choices: Sequence[str]) -> Callable[[Any, "attrs.Attribute[Any]", Any], None]:
+    def check(_: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"{attribute.name}={value!r} is not supported: use one of {', '.join(choices)}")
+
+    return check
+
+
+def _optional_positive_int(_: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{attribute.name} must be None or an int >= 1, got {value!r}")
+
+
+def _optional_non_negative(_: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if value is not None and not value >= 0:
+        raise ValueError(f"{attribute.name} must be None or a time >= 0 in seconds, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeSettings:
+    """What the runtime applies: the plan's optimizations after keyword overrides.
+
+    ``predicted_step_s`` is the plan's predicted steady-state step time (None for a bare
+    ``ShardingPlan``); ``description`` is a one-line label for logs and measurement records.
+    """
+
+    pipeline: str = attrs.field(default="sparse_dist", validator=_one_of(PIPELINE_KINDS))
+    fwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
+    bwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
+    sharding_group_size: Optional[int] = attrs.field(default=None, validator=_optional_positive_int)
+    sync_interval: Optional[int] = attrs.field(default=None, validator=_optional_positive_int)
+    predicted_step_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
+    description: str = attrs.field(default="")
+
+    @property
+    def is_2d(self) -> bool:
+        return self.sharding_group_size is not None
+
+    def label(self) -> str:
+        """``description`` if set, else the settings themselves in one line."""
+        if self.description:
+            return self.description
+        two_d = f", 2D group {self.sharding_group_size}/sync {self.sync_interval}" if self.is_2d else ""
+        return f"pipeline={self.pipeline}, comm={self.fwd_comm_precision}/{self.bwd_comm_precision}{two_d}"
+
+
+def resolve_settings(
+    plan: Any,
+    *,
+    pipeline: Optional[str] = None,
+    fwd_comm_precision: Optional[str] = None,
+    bwd_comm_precision: Optional[str] = None,
+) -> Tuple[ShardingPlan, RuntimeSettings]:
+    """Split ``plan`` into the TorchRec ``ShardingPlan`` and the settings to apply.
+
+    Promises: for a ``ShardingPlan``, settings from the keywords (defaults ``sparse_dist``, fp32,
+    1D); for an execution plan (duck-typed: ``.sharding_plan`` and ``.optimizations``), the plan's
+    optimizations with any non-None keyword taking precedence (logged). A 1D plan's
+    ``sync_interval`` is dropped (it only means something for 2D).
+    """
+    overrides = {
+        "pipeline": pipeline,
+        "fwd_comm_precision": fwd_comm_precision,
+        "bwd_comm_precision": bwd_comm_precision,
+    }
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(plan, ShardingPlan):
+        return plan, RuntimeSettings(**given)
+    if not (hasattr(plan, "sharding_plan") and hasattr(plan, "optimizations")):
+        raise TypeError(
+            f"plan must be a torchrec ShardingPlan or an execution plan with .sharding_plan and "
+            f".optimizations (e.g. torchrec_sparselift.plan.ExecutionPlan), got {type(plan).__name__}"
+        )
+    sharding_plan = plan.sharding_plan
+    if not isinstance(sharding_plan, ShardingPlan):
+        raise TypeError(f"plan.sharding_plan must be a torchrec ShardingPlan, got {type(sharding_plan).__name__}")
+    opt = plan.optimizations
+    group = getattr(opt, "sharding_group_size", None)
+    chosen = {
+        "pipeline": getattr(opt, "pipeline", "sparse_dist"),
+        "fwd_comm_precision": getattr(opt, "fwd_comm_precision", "fp32"),
+        "bwd_comm_precision": getattr(opt, "bwd_comm_precision", "fp32"),
+    }
+    for key, value in given.items():
+        if value != chosen[key]:
+            logger.info("sparselift: %s=%s overrides the plan's %s", key, value, chosen[key])
+    chosen.update(given)
+    prediction = getattr(plan, "prediction", None)
+    predicted = getattr(prediction, "step_time_s", None)
+    summary = getattr(plan, "summary", None)
+    description = summary() if callable(summary) else ""
+    return sharding_plan, RuntimeSettings(
+        **chosen,
+        sharding_group_size=group,
+        sync_interval=getattr(opt, "sync_interval", None) if group is not None else None,
+        predicted_step_s=predicted,
+        description=description if not given else "",
+    )
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def comm_codecs_registry(
+    fwd_comm_precision: str, bwd_comm_precision: str, device: torch.device
+) -> Optional[Dict[str, Any]]:
+    """TorchRec quantized-comm codecs for the pooled/sequence embedding all-to-alls and reduce-scatter.
+
+    None for fp32/fp32 (no codec at all). On CPU (gloo) TorchRec replaces bf16 with fp16 and logs
+    a warning; fp8 on CPU is refused here because fbgemm's CPU build has no fp8 quantizer.
+    """
+    for name, value in (("fwd_comm_precision", fwd_comm_precision), ("bwd_comm_precision", bwd_comm_precision)):
+        if value not in COMM_PRECISIONS:
+            raise ValueError(f"{name}={value!r} is not supported: use one of {', '.join(COMM_PRECISIONS)}")
+        if value == "fp8" and device.type == "cpu":
+            raise ValueError(f"{name}='fp8' needs a GPU; on CPU use fp16 or fp32")
+    return get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=CommType(fwd_comm_precision), backward_precision=CommType(bwd_comm_precision)),
+        device=device,
+    )
+
+
+def sharders_with_comm_codecs(
+    registry: Optional[Dict[str, Any]],
+    sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
+) -> Optional[List[ModuleSharder[nn.Module]]]:
+    """Sharders that install ``registry`` (codecs from :func:`comm_codecs_registry`).
+
+    Promises: with no codecs, ``sharders`` unchanged (None = TorchRec's defaults). With codecs and
+    no sharders, TorchRec's default sharders with the embedding-bag, embedding and
+    feature-processed sharders rebuilt with the codecs. With codecs and user sharders, the user's
+    sharders as given, provided every embedding sharder already carries codecs; otherwise
+    ``ValueError`` saying how to build them (a sharder's codecs are fixed at construction).
+    """
+    if registry is None:
+        return None if sharders is None else list(sharders)
+    if sharders is None:
+        ebc = EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)
+        replaced: Dict[Type[nn.Module], ModuleSharder[nn.Module]] = {
+            EmbeddingBagCollection: ebc,
+            EmbeddingCollection: EmbeddingCollectionSharder(qcomm_codecs_registry=registry),
+        }
+        fp = FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc, qcomm_codecs_registry=registry)
+        replaced[fp.module_type] = fp
+        return [replaced.get(s.module_type, s) for s in get_default_sharders()]
+    missing = [
+        type(s).__name__
+        for s in sharders
+        if isinstance(s, (EmbeddingBagCollectionSharder, EmbeddingCollectionSharder))
+        and not getattr(s, "qcomm_codecs_registry", None)
+    ]
+    if missing:
+        raise ValueError(
+            f"the plan chose quantized comms but sharders {missing} were built without codecs: build them "
+            f"with qcomm_codecs_registry=comm_codecs_registry(fwd, bwd, device), or pass sharders=None"
+        )
+    return list(sharders)
+
+
+def _embedding_modules(module: nn.Module) -> Iterator[nn.Module]:
+    for sub in module.modules():
+        if isinstance(sub, (EmbeddingBagCollection, EmbeddingCollection)):
+            yield sub
+
+
+def _apply_embedding_optimizer(module: nn.Module, spec: Optional[EmbeddingOptimizerSpec]) -> None:
+    if spec is None:
+        return
+    optimizer_class, kwargs = spec
+    params = [p for m in _embedding_modules(module) for p in m.parameters()]
+    if not params:
+        raise ValueError("embedding_optimizer was given but the model has no EmbeddingBagCollection/EmbeddingCollection")
+    apply_optimizer_in_backward(optimizer_class, params, dict(kwargs))
+
+
+class SparseLiftModelParallel(DistributedModelParallel):
+    """``DistributedModelParallel`` built from a plan, with the plan's comm codecs installed.
+
+    ``plan``: a ``ShardingPlan`` or an execution plan (see :func:`resolve_settings`); a 2D plan
+    (``sharding_group_size`` set) needs ``DMPCollection``: use :func:`lift`.
+    ``embedding_optimizer``: ``(optimizer class, kwargs)`` applied in backward
+    (``apply_optimizer_in_backward``) to every embedding table before sharding, i.e. fused into
+    TBE; leave None if the model already has one. Other keywords go to ``DistributedModelParallel``.
+    ``settings`` keeps what was applied; :meth:`train_pipeline` builds the planned pipeline.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: Any,
+        *,
+        env: Optional[ShardingEnv] = None,
+        pg: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
+        pipeline: Optional[str] = None,
+        fwd_comm_precision: Optional[str] = None,
+        bwd_comm_precision: Optional[str] = None,
+        embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
+        **dmp_kwargs: Any,
+    ) -> None:
+        sharding_plan, settings = resolve_settings(
+            plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision
+        )
+        if settings.is_2d:
+            raise ValueError(
+                f"the plan is 2D (sharding_group_size={settings.sharding_group_size}): it needs DMPCollection, "
+                "which SparseLiftModelParallel is not; call torchrec_sparselift.runtime.lift(...) instead"
+            )
+        device = device if device is not None else default_device()
+        env = _resolve_env(env, pg)
+        _apply_embedding_optimizer(module, embedding_optimizer)
+        registry = comm_codecs_registry(settings.fwd_comm_precision, settings.bwd_comm_precision, device)
+        super().__init__(
+            module,
+            env=env,
+            device=device,
+            plan=sharding_plan,
+            sharders=sharders_with_comm_codecs(registry, sharders),
+            **dmp_kwargs,
+        )
+        self.settings: RuntimeSettings = settings
+        logger.info("sparselift: DMP on %s applying %s", device, settings.label())
+
+    def train_pipeline(
+        self,
+        *,
+        dense_optimizer_factory: Optional[DenseOptimizerFactory] = None,
+        kind: Optional[str] = None,
+        options: Optional[Mapping[str, Any]] = None,
+    ) -> Tuple[Any, KeyedOptimizer]:
+        """The planned train pipeline over this model and the optimizer it steps.
+
+        See :func:`build_optimizer` for ``dense_optimizer_factory``; ``kind`` overrides the
+        planned pipeline; ``options`` go to the TorchRec pipeline constructor.
+        """
+        optimizer = build_optimizer(self, dense_optimizer_factory)
+        pipeline = make_train_pipeline(kind or self.settings.pipeline, self, optimizer, self.device, options=options)
+        return pipeline, optimizer
+
+
+def _resolve_env(env: Optional[ShardingEnv], pg: Optional[dist.ProcessGroup]) -> ShardingEnv:
+    if env is not None and pg is not None:
+        raise ValueError("pass env or pg, not both")
+    if env is not None:
+        return env
+    if pg is None:
+        if not dist.is_initialized():
+            raise RuntimeError("no process group: call torch.distributed.init_process_group first, or pass pg=/env=")
+        pg = dist.GroupMember.WORLD
+    return ShardingEnv.from_process_group(pg)
+
+
+def build_optimizer(model: nn.Module, dense_optimizer_factory: Optional[DenseOptimizerFactory]) -> KeyedOptimizer:
+    """The optimizer a train pipeline steps: fused (in-backward) embedding optimizer + dense one.
+
+    Dense parameters are every parameter without an in-backward optimizer (this includes
+    data-parallel tables, whose gradients DDP all-reduces). ``dense_optimizer_factory(params)``
+    builds their optimizer; it is required whenever such parameters exist. The fused part's
+    ``step()`` only pushes the learning rate into TBE (the update itself runs in backward).
+    """
+    dense = dict(in_backward_optimizer_filter(model.named_parameters()))
+    dense = {k: v for k, v in dense.items() if v.requires_grad}
+    fused = getattr(model, "fused_optimizer", None)
+    parts: List[Tuple[str, KeyedOptimizer]] = []
+    if fused is not None and fused.params:
+        parts.append(("embeddings", fused))
+    if dense:
+        if dense_optimizer_factory is None:
+            names = ", ".join(sorted(dense)[:3]) + (", ..." if len(dense) > 3 else "")
+            raise ValueError(
+                f"the model has {len(dense)} dense parameters ({names}) but no dense_optimizer_factory: pass e.g. "
+                "dense_optimizer_factory=lambda params: torch.optim.Adam(params, lr=1e-3)"
+            )
+        parts.append(("dense", KeyedOptimizerWrapper(dense, dense_optimizer_factory)))
+    if not parts:
+        raise ValueError("the model has no trainable parameters")
+    return CombinedOptimizer(parts)
+
+
+@attrs.frozen
+class Lifted:
+    """What :func:`lift` returns; unpacks as ``model, pipeline = lift(...)``.
+
+    ``optimizer`` is the optimizer the pipeline steps (for LR schedules and checkpoints);
+    ``settings`` what was applied; ``device`` where the model runs.
+    """
+
+    model: nn.Module
+    pipeline: Any
+    optimizer: KeyedOptimizer
+    settings: RuntimeSettings
+    device: torch.device
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.model, self.pipeline))
+
+
+def lift(
+    module: nn.Module,
+    plan: Any,
+    *,
+    env: Optional[ShardingEnv] = None,
+    pg: Optional[dist.ProcessGroup] = None,
+    device: Optional[torch.device] = None,
+    sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
+    pipeline: Optional[str] = None,
+    fwd_comm_precision: Optional[str] = None,
+    bwd_comm_precision: Optional[str] = None,
+    embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
+    dense_optimizer_factory: Optional[DenseOptimizerFactory] = None,
+    pipeline_options: Optional[Mapping[str, Any]] = None,
+    **dmp_kwargs: Any,
+) -> Lifted:
+    """Shard ``module`` per ``plan`` and return it with its planned train pipeline.
+
+    1D plans build :class:`SparseLiftModelParallel`; 2D plans (``sharding_group_size`` set) are
+    delegated to :mod:`torchrec_sparselift.runtime.two_d` (``DMPCollection``). ``pipeline`` /
+    ``*_comm_precision`` override the plan (defaults for a bare ``ShardingPlan``: ``sparse_dist``,
+    fp32). ``pipeline_options`` go to the TorchRec pipeline constructor (e.g.
+    ``{"start_batch": 0}`` to make ``semi_sync`` stale from the first step).
+    """
+    sharding_plan, settings = resolve_settings(
+        plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision
+    )
+    if settings.is_2d:
+        return _lift_2d(
+            module,
+            sharding_plan,
+            settings,
+            env=env,
+            pg=pg,
+            device=device,
+            sharders=sharders,
+            embedding_optimizer=embedding_optimizer,
+            dense_optimizer_factory=dense_optimizer_factory,
+            pipeline_options=pipeline_options,
+            **dmp_kwargs,
+        )
+    model = SparseLiftModelParallel(
+        module,
+        plan,
+        env=env,
+        pg=pg,
+        device=device,
+        sharders=sharders,
+        pipeline=pipeline,
+        fwd_comm_precision=fwd_comm_precision,
+        bwd_comm_precision=bwd_comm_precision,
+        embedding_optimizer=embedding_optimizer,
+        **dmp_kwargs,
+    )
+    train_pipeline, optimizer = model.train_pipeline(
+        dense_optimizer_factory=dense_optimizer_factory, options=pipeline_options
+    )
+    return Lifted(model=model, pipeline=train_pipeline, optimizer=optimizer, settings=settings, device=model.device)
+
+
+def _lift_2d(
+    module: nn.Module,
+    sharding_plan: ShardingPlan,
+    settings: RuntimeSettings,
+    *,
+    env: Optional[ShardingEnv],
+    pg: Optional[dist.ProcessGroup],
+    device: Optional[torch.device],
+    sharders: Optional[Sequence[ModuleSharder[nn.Module]]],
+    embedding_optimizer: Optional[EmbeddingOptimizerSpec],
+    dense_optimizer_factory: Optional[DenseOptimizerFactory],
+    pipeline_options: Optional[Mapping[str, Any]],
+    **two_d_kwargs: Any,
+) -> Lifted:
+    """2D: ``DMPCollection`` from :mod:`torchrec_sparselift.runtime.two_d`, then codecs, optimizer, pipeline."""
+    try:
+        two_d = importlib.import_module("torchrec_sparselift.runtime.two_d")
+    except ModuleNotFoundError as exc:
+        if exc.name != "torchrec_sparselift.runtime.two_d":
+            raise
+        two_d = None
+    build = getattr(two_d, "build_2d_model_parallel", None)
+    if build is None:
+        raise NotImplementedError(
+            f"the plan is 2D (sharding_group_size={settings.sharding_group_size}) but "
+            "torchrec_sparselift.runtime.two_d.build_2d_model_parallel is not available in this version: "
+            "plan 1D (sharding_group_size=None) or build DMPCollection yourself"
+        )
+    global_pg = _resolve_env(env, pg).process_group
+    device = device if device is not None else default_device()
+    _apply_embedding_optimizer(module, embedding_optimizer)
+    registry = comm_codecs_registry(settings.fwd_comm_precision, settings.bwd_comm_precision, device)
+    sync_interval = settings.sync_interval or 1
+    model = build(
+        module,
+        sharding_plan,
+        settings.sharding_group_size,
+        global_pg,
+        device,
+        sharders=sharders_with_comm_codecs(registry, sharders),
+        sync_interval=sync_interval,
+        **two_d_kwargs,
+    )
+    optimizer = build_optimizer(model, dense_optimizer_factory)
+    train_pipeline = make_train_pipeline(
+        settings.pipeline, model, optimizer, device, sync_interval=sync_interval, options=pipeline_options
+    )
+    logger.info("sparselift: DMPCollection on %s applying %s", device, settings.label())
+    return Lifted(model=model, pipeline=train_pipeline, optimizer=optimizer, settings=settings, device=device)

@@ -1,0 +1,107 @@
+"""Train-pipeline kinds: from the plan's pipeline name to a TorchRec train pipeline.
+
+Kinds (the names ``ExecutionPlan.optimizations.pipeline`` uses):
+
+==============  ==================================  ===================================================
+kind            TorchRec class                      what it overlaps with step i's forward/backward
+==============  ==================================  ===================================================
+``base``        ``TrainPipelineBase``               host-to-device copy of batch i+1
+``sparse_dist`` ``TrainPipelineSparseDist``         + input_dist (ids/lengths all-to-all) of batch i+1
+``fused``       ``TrainPipelineFusedSparseDist``    + lookup and output_dist of batch i run on a side
+                                                    stream, overlapping step i-1's dense optimizer
+``prefetch``    ``PrefetchTrainPipelineSparseDist`` + cache prefetch (UVM caching kernels) of batch i+1
+``semi_sync``   ``TrainPipelineSemiSync``           + lookup of batch i+1 before step i's embedding
+                                                    update: one step stale embeddings (not exact)
+==============  ==================================  ===================================================
+
+All but ``semi_sync`` compute exactly what a plain forward/backward/step loop computes. On CPU the
+multi-stream kinds (``fused``, ``prefetch``, ``semi_sync``) run through the adaptations in
+:mod:`torchrec_sparselift.runtime.cpu_compat`; on CUDA the TorchRec classes are used unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Type
+
+import torch
+from torchrec.distributed.train_pipeline import (
+    PrefetchTrainPipelineSparseDist,
+    TrainPipelineBase,
+    TrainPipelineFusedSparseDist,
+    TrainPipelineSparseDist,
+)
+from torchrec.distributed.train_pipeline.train_pipelines import (
+    TrainPipeline,
+    TrainPipelineSemiSync,
+)
+
+from torchrec_sparselift.runtime.cpu_compat import cpu_pipeline_class
+
+__all__ = [
+    "PIPELINE_KINDS",
+    "EXACT_PIPELINE_KINDS",
+    "pipeline_class",
+    "make_train_pipeline",
+]
+
+_CLASSES: Dict[str, Type[TrainPipeline]] = {
+    "base": TrainPipelineBase,
+    "sparse_dist": TrainPipelineSparseDist,
+    "semi_sync": TrainPipelineSemiSync,
+    "fused": TrainPipelineFusedSparseDist,
+    "prefetch": PrefetchTrainPipelineSparseDist,
+}
+
+#: Every pipeline kind, in the order of increasing overlap.
+PIPELINE_KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync")
+#: Kinds whose per-step results equal a plain forward/backward/optimizer-step loop.
+EXACT_PIPELINE_KINDS = ("base", "sparse_dist", "fused", "prefetch")
+
+# Kinds whose constructor takes ``dmp_collection_sync_interval_batches`` (2D replica sync).
+_SYNC_INTERVAL_KINDS = ("sparse_dist", "semi_sync")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _CLASSES:
+        raise ValueError(f"unknown train-pipeline kind {kind!r}: use one of {', '.join(PIPELINE_KINDS)}")
+
+
+def pipeline_class(kind: str, device: torch.device) -> Type[TrainPipeline]:
+    """The class :func:`make_train_pipeline` instantiates for ``kind`` on ``device``.
+
+    The TorchRec class itself on any accelerator and, on CPU, for ``base``/``sparse_dist``; the
+    CPU-adapted subclass for the multi-stream kinds on CPU.
+    """
+    _check_kind(kind)
+    return cpu_pipeline_class(_CLASSES[kind], device)
+
+
+def make_train_pipeline(
+    kind: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    sync_interval: Optional[int] = None,
+    options: Optional[Mapping[str, Any]] = None,
+) -> TrainPipeline:
+    """A ready-to-``progress()`` train pipeline of ``kind`` over ``model`` (a DMP or DMPCollection).
+
+    ``sync_interval``: steps between 2D replica syncs (``dmp_collection_sync_interval_batches``);
+    only ``sparse_dist`` and ``semi_sync`` run the sync, so any other kind refuses a 2D interval.
+    ``options``: extra keyword arguments for the TorchRec constructor (e.g. ``start_batch`` for
+    ``semi_sync``, whose TorchRec default keeps the first 900 steps synchronous).
+    """
+    cls = pipeline_class(kind, device)
+    kwargs: Dict[str, Any] = dict(options or {})
+    if sync_interval is not None:
+        if kind not in _SYNC_INTERVAL_KINDS:
+            raise ValueError(
+                f"pipeline {kind!r} never syncs 2D replicas (TorchRec passes "
+                f"dmp_collection_sync_interval_batches only through {' and '.join(_SYNC_INTERVAL_KINDS)}): "
+                f"plan a 2D model with one of those pipelines"
+            )
+        if sync_interval < 1:
+            raise ValueError(f"sync_interval must be >= 1 step, got {sync_interval}")
+        kwargs["dmp_collection_sync_interval_batches"] = sync_interval
+    return cls(model, optimizer, device, **kwargs)

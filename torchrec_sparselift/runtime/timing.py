@@ -1,0 +1,289 @@
+"""Steady-state step time, measured and set against the plan's prediction.
+
+::
+
+    timer = StepTimer(device, warmup_steps=5, predicted_s=plan.prediction.step_time_s, plan=plan.summary())
+    for _ in range(steps):
+        with timer.step():
+            pipeline.progress(batches)
+    record = timer.record(pg=pg)        # logs measured/predicted; slowest rank when pg is given
+    save_records("steps.json", [record])
+
+A step is timed by the wall clock between step boundaries; on CUDA each boundary first
+synchronizes the device, so a step's time includes the kernels it queued. The first
+``warmup_steps`` steps (pipeline fill, allocator and kernel warm-up) are left out. Inside a step,
+``timer.stage(name)`` times a part of a hand-written loop (forward, backward, optimizer): with CUDA
+events on GPU (no synchronization inside the step), with the wall clock on CPU. A train pipeline's
+internal stages are interleaved across batches and are not separable this way; time its
+``progress()`` as one step.
+
+:class:`StepRecord` is the export: plan description, predicted and measured seconds, plus spread
+and stage means; plain JSON for the calibration and ``explain`` code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import attrs
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "StepRecord",
+    "StepStats",
+    "StepTimer",
+    "step_stats",
+    "save_records",
+    "load_records",
+]
+
+logger = logging.getLogger(__name__)
+
+RECORD_SCHEMA = "sparselift.step_records/1"
+
+
+@attrs.frozen(kw_only=True)
+class StepStats:
+    """Summary of steady-state step durations (seconds)."""
+
+    steps: int
+    median_s: float
+    mean_s: float
+    min_s: float
+    max_s: float
+    stdev_s: float
+
+
+def step_stats(durations_s: Sequence[float]) -> StepStats:
+    """Median, mean, extremes and sample standard deviation of ``durations_s`` (non-empty)."""
+    if not durations_s:
+        raise ValueError("no steady-state steps to summarise: run more steps than warmup_steps")
+    values = [float(d) for d in durations_s]
+    return StepStats(
+        steps=len(values),
+        median_s=statistics.median(values),
+        mean_s=statistics.fmean(values),
+        min_s=min(values),
+        max_s=max(values),
+        stdev_s=statistics.stdev(values) if len(values) > 1 else 0.0,
+    )
+
+
+def _stages(value: Any) -> Tuple[Tuple[str, float], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple((str(k), float(v)) for k, v in items)
+
+
+@attrs.frozen(kw_only=True)
+class StepRecord:
+    """One measurement: a plan's predicted vs measured steady-state step time.
+
+    ``measured_s`` is the median steady-state step (the slowest rank's when recorded with a
+    process group); ``stages`` the mean seconds per named stage per step.
+    """
+
+    plan: str
+    predicted_s: Optional[float]
+    measured_s: float = attrs.field()
+    mean_s: float
+    stdev_s: float
+    steps: int
+    warmup_steps: int
+    device: str
+    world_size: int = 1
+    stages: Tuple[Tuple[str, float], ...] = attrs.field(default=(), converter=_stages)
+
+    @measured_s.validator
+    def _positive(self, attribute: "attrs.Attribute[float]", value: float) -> None:
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"StepRecord.measured_s must be a finite time >= 0 s, got {value!r}")
+
+    @property
+    def ratio(self) -> Optional[float]:
+        """measured / predicted (>1: slower than predicted); None without a positive prediction."""
+        if not self.predicted_s:
+            return None
+        return self.measured_s / self.predicted_s
+
+    def summary(self) -> str:
+        """One log line."""
+        pred = "no prediction" if self.predicted_s is None else f"predicted {self.predicted_s * 1e3:.3f} ms"
+        ratio = "" if self.ratio is None else f", measured/predicted {self.ratio:.2f}"
+        return (
+            f"{self.plan or 'plan'}: measured {self.measured_s * 1e3:.3f} ms/step "
+            f"(median of {self.steps}, +-{self.stdev_s * 1e3:.3f} ms) vs {pred}{ratio} on {self.device} x{self.world_size}"
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = attrs.asdict(self)
+        d["stages"] = dict(self.stages)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
+        return cls(**dict(data))
+
+
+class StepTimer:
+    """Times training steps; see the module docstring.
+
+    ``device``: where the step runs (CUDA is synchronized at step boundaries).
+    ``warmup_steps``: leading steps excluded from every statistic.
+    ``predicted_s`` / ``plan``: the prediction to compare with and its label.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        warmup_steps: int = 5,
+        predicted_s: Optional[float] = None,
+        plan: str = "",
+    ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if predicted_s is not None and not predicted_s >= 0:
+            raise ValueError(f"predicted_s must be None or >= 0 seconds, got {predicted_s}")
+        self.device = torch.device(device)
+        self.warmup_steps = warmup_steps
+        self.predicted_s = predicted_s
+        self.plan = plan
+        self._durations: List[float] = []
+        self._stage_totals: Dict[str, float] = {}
+        self._pending_events: List[Tuple[str, Any, Any]] = []
+        self._in_step = False
+
+    @property
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def steps_timed(self) -> int:
+        """All steps timed so far, warm-up included."""
+        return len(self._durations)
+
+    @property
+    def steady_durations_s(self) -> List[float]:
+        """Durations of the steps after warm-up, in order."""
+        return list(self._durations[self.warmup_steps :])
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Time one step (not reentrant). A step that raises (e.g. StopIteration) is not recorded."""
+        if self._in_step:
+            raise RuntimeError("StepTimer.step() is already open: steps do not nest")
+        self._in_step = True
+        self._pending_events = []
+        try:
+            self._sync()
+            start = time.perf_counter()
+            yield
+            self._sync()
+            elapsed = time.perf_counter() - start
+        finally:
+            self._in_step = False
+        warm = len(self._durations) >= self.warmup_steps
+        self._durations.append(elapsed)
+        for name, begin, end in self._pending_events:
+            if warm:
+                self._stage_totals[name] = self._stage_totals.get(name, 0.0) + begin.elapsed_time(end) / 1e3
+        self._pending_events = []
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time a named part of the open step (CUDA events on GPU, wall clock on CPU)."""
+        if not self._in_step:
+            raise RuntimeError("StepTimer.stage() must be used inside StepTimer.step()")
+        warm = len(self._durations) >= self.warmup_steps
+        if self._cuda:
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end.record()
+            self._pending_events.append((name, begin, end))
+            return
+        start = time.perf_counter()
+        yield
+        if warm:
+            self._stage_totals[name] = self._stage_totals.get(name, 0.0) + time.perf_counter() - start
+
+    def time_pipeline(self, pipeline: Any, dataloader_iter: Iterator[Any], steps: int) -> int:
+        """Run up to ``steps`` ``pipeline.progress`` calls, each timed as a step; returns steps run."""
+        done = 0
+        for _ in range(steps):
+            try:
+                with self.step():
+                    pipeline.progress(dataloader_iter)
+            except StopIteration:
+                break
+            done += 1
+        return done
+
+    def record(self, pg: Optional[dist.ProcessGroup] = None) -> StepRecord:
+        """The steady-state measurement, logged with its measured/predicted ratio.
+
+        With ``pg``, every rank of ``pg`` must call this; all get the slowest rank's median and mean
+        (a synchronous step is as slow as its slowest participant) and ``world_size`` is pg's size.
+        """
+        stats = step_stats(self.steady_durations_s)
+        median, mean, world = stats.median_s, stats.mean_s, 1
+        if pg is not None:
+            t = torch.tensor([median, mean], dtype=torch.float64)
+            if dist.get_backend(pg) == "nccl":
+                t = t.to(self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+            median, mean = (float(x) for x in t.cpu())
+            world = dist.get_world_size(pg)
+        stages = {k: v / stats.steps for k, v in sorted(self._stage_totals.items())}
+        rec = StepRecord(
+            plan=self.plan,
+            predicted_s=self.predicted_s,
+            measured_s=median,
+            mean_s=mean,
+            stdev_s=stats.stdev_s,
+            steps=stats.steps,
+            warmup_steps=self.warmup_steps,
+            device=str(self.device.type),
+            world_size=world,
+            stages=stages,
+        )
+        logger.info("sparselift step time: %s", rec.summary())
+        return rec
+
+
+def save_records(path: str, records: Sequence[StepRecord]) -> None:
+    """Write ``records`` as versioned JSON, atomically (a reader never sees a partial file)."""
+    payload = {"schema": RECORD_SCHEMA, "records": [r.to_dict() for r in records]}
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".steps-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_records(path: str) -> List[StepRecord]:
+    """Read records written by :func:`save_records`; ``ValueError`` for another schema."""
+    with open(path) as f:
+        payload = json.load(f)
+    if not isinstance(payload, dict) or payload.get("schema") != RECORD_SCHEMA:
+        raise ValueError(f"{path} is not a {RECORD_SCHEMA} file")
+    return [StepRecord.from_dict(r) for r in payload["records"]]
