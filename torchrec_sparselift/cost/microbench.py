@@ -491,7 +491,7 @@ def bench_collectives(
             for _ in range(config.warmup):
                 call()
             samples = []
-            for _ in range(max(config.trials, 3)):
+            for _ in range(max(config.trials, 9)):  # single calls: more samples for the median
                 dist.barrier(group=pg)
                 _sync(device)
                 t0 = time.perf_counter()
