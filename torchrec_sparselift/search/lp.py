@@ -82,42 +82,50 @@ def solve_lp(
         b_ub.append(float(rhs))
         r += 1
 
-    xs = np.arange(nx)
+    # Units: milliseconds for time, link columns pre-divided by their bandwidth, GiB for memory
+    # (HiGHS drops matrix coefficients below ~1e-9, so raw bytes/bandwidth would vanish).
+    ms = 1e3
+    scale = np.ones(owner.shape[1]) * ms
+    scale[[IN_INTRA, OUT_INTRA]] = ms / p.intra_host_bw
+    scale[[IN_INTER, OUT_INTER]] = ms / p.inter_host_bw
+    own = owner * scale[None, :]
+    per = peers * scale[None, :]
     # averages: sum_x x * n * (owner/W + peers) - z_c <= 0
     for c in _TIME_COLS:
-        coef = nshards * (owner[:, c] / W + peers[:, c])
+        coef = nshards * (own[:, c] / W + per[:, c])
         nz = np.nonzero(coef)[0]
         add_row(list(zip(nz.tolist(), coef[nz].tolist())) + [(iz[c], -1.0)], 0.0)
     # largest pieces: for the tables with the biggest shards, sum_o x[t,o]*owner_c <= z_c
     for c in _TIME_COLS:
         best_piece = []
         for t, ids in enumerate(prob.candidates):
-            m = min(owner[i, c] for i in ids) if ids else 0.0
+            m = min(own[i, c] for i in ids) if ids else 0.0
             if m > 0:
                 best_piece.append((m, t))
         best_piece.sort(reverse=True)
         for _, t in best_piece[: MAX_PIECE_ROWS // len(_TIME_COLS)]:
             ids = prob.candidates[t]
-            add_row([(i, owner[i, c]) for i in ids] + [(iz[c], -1.0)], 0.0)
-    # link phases: y >= z_intra / bw_i, y >= z_inter / bw_e
+            add_row([(i, own[i, c]) for i in ids] + [(iz[c], -1.0)], 0.0)
+    # link phases (z already in ms): y >= z_intra, y >= z_inter
     for iy, ci, ce in ((iy_in, IN_INTRA, IN_INTER), (iy_out, OUT_INTRA, OUT_INTER)):
-        add_row([(iz[ci], 1.0 / p.intra_host_bw), (iy, -1.0)], 0.0)
-        add_row([(iz[ce], 1.0 / p.inter_host_bw), (iy, -1.0)], 0.0)
+        add_row([(iz[ci], 1.0), (iy, -1.0)], 0.0)
+        add_row([(iz[ce], 1.0), (iy, -1.0)], 0.0)
     # exposed all-reduce: a >= lat + 2(W-1)/W * (bytes + dense) / bw - dense_bwd
-    dense_fwd = ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    dense_fwd = ms * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
     dense_bwd = 2 * dense_fwd
     dense = dense_fwd + dense_bwd
     if W > 1:
-        k = 2 * (W - 1) / W / p.allreduce_bw
-        const = p.collective_latency_s + k * ctx.dense.param_bytes - dense_bwd
+        k = ms * 2 * (W - 1) / W / p.allreduce_bw
+        const = ms * p.collective_latency_s + k * ctx.dense.param_bytes - dense_bwd
         nz = np.nonzero(allreduce)[0]
         add_row([(int(i), k * allreduce[i]) for i in nz] + [(ia, -1.0)], -const)
-    # memory, aggregated over ranks
+    # memory, aggregated over ranks (GiB)
+    gib = 2.0**30
     for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
-        coef = nshards * owner[:, col]
+        coef = nshards * owner[:, col] / gib
         nz = np.nonzero(coef)[0]
         if len(nz):
-            add_row(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)))
+            add_row(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
     # step composition (mirrors cost.model.step_time)
     fs = PRECISION_BYTES[fwd_precision] / 4
     bs = PRECISION_BYTES[bwd_precision] / 4
@@ -170,6 +178,6 @@ def solve_lp(
         vals_t = x[list(ids)]
         choice.append(int(ids[int(np.argmax(vals_t))]))
     # linprog's optimum is feasible-primal; its objective is the bound (small tolerance)
-    bound = float(res.fun) * (1 - 1e-7)
+    bound = float(res.fun) / 1e3 * (1 - 1e-6)
     return LPResult(lower_bound_s=bound, choice=tuple(choice), x=x,
                     status="optimal" if res.status == 0 else "time_limit")

@@ -140,58 +140,122 @@ def greedy_place(
     return unplaced
 
 
+def _time_weights(ev: PlanEvaluator) -> np.ndarray:
+    """Seconds per unit of each load column (0 for memory columns)."""
+    p = ev.ctx.profile
+    w = np.zeros(ev.loads.shape[1])
+    w[0] = w[1] = w[2] = 1.0
+    w[3], w[4] = 1.0 / p.intra_host_bw, 1.0 / p.inter_host_bw
+    w[5], w[6] = 2.0 / p.intra_host_bw, 2.0 / p.inter_host_bw  # output + grad
+    return w
+
+
+def _spread(ev: PlanEvaluator, rows: np.ndarray, w: np.ndarray) -> float:
+    """Sum of squared per-rank loads (seconds): lower means better balanced. Breaks ties when
+    several ranks share the maximum and no single move lowers the step time."""
+    x = rows * w[None, :]
+    return float(np.sum(x * x))
+
+
+def _spread_delta(ev: PlanEvaluator, t: int, cand: int, ranks: Sequence[int], w: np.ndarray) -> float:
+    old_c, old_r = ev.assignment[t]
+    touched = sorted(set(old_r) | set(int(r) for r in ranks))
+    before = ev.loads[touched]
+    after = before.copy()
+    idx = {r: i for i, r in enumerate(touched)}
+    for r in old_r:
+        after[idx[r]] -= ev.owner[old_c]
+    for r in ranks:
+        after[idx[int(r)]] += ev.owner[cand]
+    return _spread(ev, after, w) - _spread(ev, before, w)
+
+
 def _try_table(ev: PlanEvaluator, prob: PlanningProblem, t: int, current: float,
-               switch_options: bool) -> Optional[Tuple[int, Tuple[int, ...], float]]:
-    """Best improving re-placement (same or other candidate) of table ``t``."""
+               switch_options: bool, w: np.ndarray):
+    """Best improving re-placement (same or other candidate) of table ``t``: lower step time,
+    or equal step time and better balance. Returns (cand, ranks, objective, spread delta)."""
     cand, ranks = ev.assignment[t]
     ev.unassign(t)
-    best = None
+    found = []
     options = prob.candidates[t] if switch_options else (cand,)
     for alt in options:
         g = best_placement(ev, prob, t, alt)
-        if g is None:
-            continue
-        if g[1] < current * (1 - 1e-9) and (best is None or g[1] < best[2]):
-            best = (alt, g[0], g[1])
+        if g is not None and g[1] <= current * (1 + 1e-12):
+            found.append((alt, g[0], g[1]))
     ev.assign(t, cand, ranks)
+    best = None
+    for alt, rk, obj in found:
+        if alt == cand and tuple(rk) == tuple(ranks):
+            continue
+        d = _spread_delta(ev, t, alt, rk, w)
+        better_time = obj < current * (1 - 1e-9)
+        if not better_time and d >= -1e-9 * max(1e-30, abs(_spread(ev, ev.loads[list(ranks)], w))):
+            continue
+        key = (round(obj / max(current, 1e-30), 9), d)
+        if best is None or key < best[4]:
+            best = (alt, tuple(rk), obj, d, key)
     return best
 
 
-def local_search(
-    ev: PlanEvaluator, prob: PlanningProblem, deadline: float, max_rounds: int = 10_000,
-    tables_per_rank: int = 24,
-) -> int:
-    """Improve the plan move by move until no move helps or ``deadline`` (time.monotonic()).
+def _hot_ranks(ev: PlanEvaluator, w: np.ndarray, extra: int = 2) -> List[int]:
+    """Ranks worth unloading: the argmax rank of each time column (most critical column first)
+    and the ranks with the largest total load."""
+    loads = ev.loads
+    colmax_s = (ev._colmax + ev.uniform) * w
+    order = [c for c in np.argsort(-colmax_s, kind="stable") if w[c] > 0]
+    hot: List[int] = []
+    for c in order:
+        r = int(np.argmax(loads[:, c]))
+        if r not in hot:
+            hot.append(r)
+    for r in np.argsort(-rank_time(ev, loads), kind="stable")[:extra]:
+        if int(r) not in hot:
+            hot.append(int(r))
+    return hot
 
-    Each round looks at the most loaded ranks and tries to re-place (or re-shard) their largest
-    tables, applying the best improving move. Returns the number of moves applied.
+
+def local_search(
+    ev: PlanEvaluator, prob: PlanningProblem, deadline: float, max_rounds: Optional[int] = None,
+    tables_per_rank: int = 12,
+) -> Tuple[int, bool]:
+    """Improve the plan move by move until no move helps (or ``deadline``, time.monotonic()).
+
+    Each round looks at the most loaded ranks (the argmax rank of every time column, then the
+    busiest ranks) and, for each, applies the best re-placement or re-sharding of one of its
+    largest tables that lowers the step time, or keeps it and balances the ranks better (so
+    plateaus where many ranks share the maximum can be left). Deterministic: the result depends
+    only on the problem, unless the deadline cuts the search short.
+
+    Returns (moves applied, whether the deadline stopped it).
     """
+    w = _time_weights(ev)
     moves = 0
     current = ev.objective()
-    for _ in range(max_rounds):
-        if time.monotonic() > deadline:
-            break
-        loads = ev.rank_loads()
-        hot = np.argsort(-rank_time(ev, loads), kind="stable")[:3]
-        improved = False
-        for r in hot:
+    rounds = max_rounds if max_rounds is not None else 4 * prob.num_tables + 50
+    for _ in range(rounds):
+        applied = False
+        for r in _hot_ranks(ev, w):
+            if time.monotonic() > deadline:
+                return moves, True
             tabs = ev.tables_on(int(r))
-            tabs.sort(key=lambda t: -prob.shard_time(ev.assignment[t][0]))
+            tabs.sort(key=lambda t: (-prob.shard_time(ev.assignment[t][0]), t))
             best = None
             for t in tabs[:tables_per_rank]:
-                if time.monotonic() > deadline:
-                    break
-                got = _try_table(ev, prob, t, current, switch_options=True)
-                if got is not None and (best is None or got[2] < best[3]):
-                    best = (t, got[0], got[1], got[2])
-            if best is not None:
-                ev.assign(best[0], best[1], best[2])
-                new = ev.objective()
-                if new < current * (1 - 1e-9):
-                    current = new
-                    moves += 1
-                    improved = True
-                    break
-        if not improved:
+                got = _try_table(ev, prob, t, current, switch_options=True, w=w)
+                if got is not None and (best is None or got[4] < best[1][4]):
+                    best = (t, got)
+            if best is None:
+                continue
+            t, (alt, rk, _, _, _) = best
+            old = ev.assignment[t]
+            ev.assign(t, alt, rk)
+            new = ev.objective()
+            if new <= current * (1 + 1e-12):
+                current = min(current, new)
+                moves += 1
+                applied = True
+            else:  # priced against a stale maximum: undo
+                ev.assign(t, old[0], old[1])
+        if not applied:
             break
-    return moves
+    return moves, False

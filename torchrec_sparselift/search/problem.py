@@ -90,17 +90,25 @@ def build_problem(
     max_dev = float(np.max(device_cap)) if len(device_cap) else 0.0
     max_host = float(np.max(host_cap)) if len(host_cap) else 0.0
     misfits: List[str] = []
+    min_dev = float(np.min(device_cap)) if len(device_cap) else 0.0
     for t, spec in enumerate(specs):
         ids: List[int] = []
+        # UVM kernels trade speed for memory: only worth offering when the table is big
+        # relative to a rank's memory (its whole fused table would take over 1/8 of a rank).
+        uvm_useful = spec.weight_bytes > min_dev / 8
         smallest: Optional[Tuple[float, str]] = None
         for st in spec.sharding_types:
             for kernel in spec.kernels_for(st):
                 if kernel not in SUPPORTED_KERNELS:
                     continue
+                if kernel in ("fused_uvm", "fused_uvm_caching") and not uvm_useful and any(
+                    k == "fused" for k in spec.kernels_for(st)
+                ):
+                    continue  # dominated: same traffic, slower lookups, memory not needed
                 if st == "table_row_wise" and W == L and "row_wise" in spec.sharding_types:
                     continue  # one host: identical to row-wise
-                if st == "grid_shard":
-                    continue
+                if st in ("grid_shard", "table_column_wise"):
+                    continue  # grid: not modelled yet; table-column-wise: column-wise covers it
                 splits = [1]
                 if st in ("column_wise", "table_column_wise"):
                     splits = column_splits(spec, W, device)

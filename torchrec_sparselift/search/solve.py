@@ -118,7 +118,7 @@ def solve(
             kind="partition",
         )
     ev = best_ev
-    moves = local_search(ev, prob, deadline=t0 + 0.8 * time_budget_s)
+    moves, cut = local_search(ev, prob, deadline=t0 + 0.85 * time_budget_s)
 
     # choose the optimizations on the final loads
     alts: List[Tuple[str, float]] = []
@@ -132,7 +132,9 @@ def solve(
     pl, f, b, _ = best_combo
     if (pl, f, b) != (search_pl, fwd, bwd):
         ev.pipeline, ev.fwd_precision, ev.bwd_precision = pl, f, b
-        moves += local_search(ev, prob, deadline=max(deadline, time.monotonic() + 0.1))
+        more, cut2 = local_search(ev, prob, deadline=deadline)
+        moves += more
+        cut = cut or cut2
     bound = lp.lower_bound_s
     if (pl, f, b) != (search_pl, fwd, bwd) or lp.status != "optimal":
         remaining = max(1.0, deadline - time.monotonic())
@@ -148,7 +150,7 @@ def solve(
         fwd_precision=f,
         bwd_precision=b,
         solver=f"lp+greedy({best_name})+local_search",
-        status="ok" if ev.memory_ok() else "memory_violation",
+        status=("time_limit" if cut else "converged") if ev.memory_ok() else "memory_violation",
         planning_time_s=time.monotonic() - t0,
         moves=moves,
         rank_loads=ev.rank_loads(),
