@@ -486,6 +486,10 @@ def fit_profile(
         sub = [r for r in records.lookups if r.phase == phase]
         if sub:
             fits.append(FamilyFit.of(f"lookup_{phase}", [predict_lookup(profile, r) for r in sub], [r.seconds for r in sub]))
+            for rows in sorted({r.rows for r in sub}):  # the model has no cache term: show its cost
+                part = [r for r in sub if r.rows == rows]
+                signed = [(predict_lookup(profile, r) - r.seconds) / r.seconds for r in part]
+                diagnostics[f"lookup_{phase}_rows_{rows}_mean_signed_error"] = sum(signed) / len(signed)
     for op in ("all_to_all", "all_reduce"):
         sub = [r for r in records.collectives if r.op == op]
         if sub:
