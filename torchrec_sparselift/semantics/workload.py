@@ -285,8 +285,17 @@ def _quantile(sorted_values: torch.Tensor, q: float) -> float:
     return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac)
 
 
+def _distinct(ids: torch.Tensor) -> int:
+    """Number of distinct values (sort + neighbour compare: several times faster than
+    ``torch.unique`` on CPU for millions of ids)."""
+    if ids.numel() == 0:
+        return 0
+    s = torch.sort(ids).values
+    return int((s[1:] != s[:-1]).sum()) + 1
+
+
 def _hot_row_skew(ids: torch.Tensor) -> float:
-    _, counts = torch.unique(ids, return_counts=True)
+    _, counts = torch.unique_consecutive(torch.sort(ids).values, return_counts=True)
     k = max(1, math.ceil(HOT_ROW_FRACTION * counts.numel()))
     top = torch.topk(counts, k, sorted=False).values
     return float(top.sum().item()) / float(ids.numel())
@@ -337,9 +346,7 @@ def observe(batches: Iterable[Any], max_batches: int = 8) -> WorkloadStats:
             ids_by_feature.setdefault(key, []).append(key_values)
             batch_sizes.setdefault(key, []).append(stride)
             if key_values.numel():
-                unique_ratios.setdefault(key, []).append(
-                    torch.unique(key_values).numel() / key_values.numel()
-                )
+                unique_ratios.setdefault(key, []).append(_distinct(key_values) / key_values.numel())
     if n_seen == 0:
         raise ValueError("observe() got no batches: pass an iterable that yields at least one KJT")
 
