@@ -19,7 +19,7 @@ import math
 import random
 import statistics
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import attrs
 import torch
