@@ -62,6 +62,31 @@ class PlanResult:
     topology: Topology = attrs.field(eq=False, repr=False)
     profile: HardwareProfile
 
+    def rank_breakdown(self) -> List[Dict[str, float]]:
+        """Per rank: compute, communication (exposed / overlapped) seconds and memory bytes."""
+        return rank_breakdown(self.problem.ctx, self.search)
+
+    def optimizations(self) -> Any:
+        from torchrec_sparselift.plan import Optimizations
+
+        s = self.search
+        return Optimizations(pipeline=s.pipeline, fwd_comm_precision=s.fwd_precision,
+                             bwd_comm_precision=s.bwd_precision)
+
+    def prediction(self) -> Any:
+        from torchrec_sparselift.plan import Prediction, RankPrediction
+
+        s = self.search
+        per_rank = [
+            RankPrediction(rank=r, compute_s=b["compute_s"], exposed_comm_s=b["exposed_comm_s"],
+                           overlapped_comm_s=b["overlapped_comm_s"], hbm_bytes=int(b["device_bytes"]),
+                           ddr_bytes=int(b["host_bytes"]))
+            for r, b in enumerate(self.rank_breakdown())
+        ]
+        lb = s.lower_bound_s if np.isfinite(s.lower_bound_s) else 0.0
+        return Prediction(step_time_s=s.step.total_s, lower_bound_s=min(lb, s.step.total_s),
+                          per_rank=per_rank, cost_model=f"sparselift/{self.profile.name}")
+
     def summary(self) -> str:
         s = self.search
         lines = [
@@ -79,6 +104,36 @@ class PlanResult:
                 f"{c.num_shards:>4} shard(s) on ranks {rk}"
             )
         return "\n".join(lines)
+
+
+def rank_breakdown(ctx: CostContext, search: SearchResult) -> List[Dict[str, float]]:
+    """Each rank's compute and communication seconds, and memory, under the plan's pipeline."""
+    from torchrec_sparselift.cost.model import (
+        BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
+    )
+
+    p = ctx.profile
+    L = search.rank_loads
+    dense = 3 * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    fs = PRECISION_BYTES[search.fwd_precision] / 4
+    bs = PRECISION_BYTES[search.bwd_precision] / 4
+    out = []
+    step = search.step.total_s
+    for r in range(L.shape[0]):
+        compute = float(L[r, FWD] + L[r, BWD] + L[r, UVM] + dense)
+        comm_in = max(L[r, IN_INTRA] / p.intra_host_bw, L[r, IN_INTER] / p.inter_host_bw)
+        comm_out = max(L[r, OUT_INTRA] / p.intra_host_bw, L[r, OUT_INTER] / p.inter_host_bw)
+        comm = float(comm_in + (fs + bs) * comm_out)
+        exposed = float(min(comm, max(0.0, step - compute)))
+        out.append({
+            "compute_s": compute,
+            "comm_s": comm,
+            "exposed_comm_s": exposed,
+            "overlapped_comm_s": float(comm - exposed),
+            "device_bytes": float(L[r, DEV_MEM]),
+            "host_bytes": float(L[r, HOST_MEM]),
+        })
+    return out
 
 
 def _ranks_repr(ranks: Sequence[int]) -> str:
@@ -128,6 +183,7 @@ class SparseLiftPlanner(ShardingPlanner):
         allow_lossy_comm: allow fp16/bf16 communication (and fp8 if also ``allow_fp8``).
         allow_staleness: allow ``semi_sync`` (one step of embedding staleness).
         time_budget_s: search time budget in seconds (default 10; ``timeout_seconds`` too).
+        cache_dir: directory of reusable execution plans (see :meth:`plan_execution`).
     """
 
     def __init__(
@@ -154,7 +210,13 @@ class SparseLiftPlanner(ShardingPlanner):
         allow_staleness: bool = False,
         time_budget_s: Optional[float] = None,
         heuristical_storage_reservation_percentage: float = 0.15,
+        cache_dir: Optional[str] = None,
+        drift_tolerance: float = 0.2,
     ) -> None:
+        """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
+        whose inputs match a stored plan's fingerprint loads it instead of planning);
+        ``drift_tolerance``: how far observed statistics may move before a stored plan is
+        re-planned."""
         for name, value in (
             ("enumerator", enumerator), ("proposer", proposer), ("partitioner", partitioner),
             ("performance_model", performance_model), ("plan_loader", plan_loader),
@@ -205,7 +267,11 @@ class SparseLiftPlanner(ShardingPlanner):
             if allow_fp8:
                 precs += [("fp8", "bf16")]
         self._precisions = tuple(precs)
+        self._cache_dir = cache_dir
+        self._drift_tolerance = float(drift_tolerance)
         self.last_result: Optional[PlanResult] = None
+        self.last_execution_plan: Any = None
+        self.last_cache_hit: Optional[bool] = None
 
     # -- ShardingPlanner API -----------------------------------------------------------
     def collective_plan(
@@ -214,7 +280,23 @@ class SparseLiftPlanner(ShardingPlanner):
         sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
         pg: Optional[dist.ProcessGroup] = None,
     ) -> ShardingPlan:
-        """Plan on rank 0 and broadcast, so every rank gets the identical plan."""
+        """Plan on rank 0 and broadcast, so every rank gets the identical plan.
+
+        First every rank checks that all ranks are planning the same input (tables, topology,
+        batch size, constraints, statistics); if not, every rank raises an error naming the
+        ranks that differ, instead of hanging or sharding inconsistently.
+        """
+        return self.collective_plan_execution(module, sharders, pg).sharding_plan
+
+    def collective_plan_execution(
+        self,
+        module: nn.Module,
+        sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+        pg: Optional[dist.ProcessGroup] = None,
+    ) -> Any:
+        """:meth:`plan_execution` on rank 0, broadcast to all ranks (an ``ExecutionPlan``)."""
+        from torchrec_sparselift.plan import ExecutionPlan
+
         if pg is None:
             if not dist.is_initialized():
                 raise RuntimeError(
@@ -222,16 +304,91 @@ class SparseLiftPlanner(ShardingPlanner):
                     "torch.distributed.init_process_group() first, or use plan() on one process"
                 )
             pg = dist.GroupMember.WORLD
-        if sharders is None:
-            sharders = get_default_sharders()
-        return invoke_on_rank_and_broadcast_result(pg, 0, self.plan, module, sharders)
+        sharders = list(sharders) if sharders is not None else get_default_sharders()
+        self._check_ranks_agree(module, sharders, pg)
+        text = invoke_on_rank_and_broadcast_result(
+            pg, 0, lambda: self.plan_execution(module, sharders).to_json()
+        )
+        ep = ExecutionPlan.from_json(text)
+        self.last_execution_plan = ep
+        return ep
+
+    def _check_ranks_agree(self, module: nn.Module, sharders: Sequence[Any], pg: Any) -> None:
+        digest = self.fingerprint(module).digest()
+        digests: List[Any] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(digests, digest, group=pg)
+        if len(set(digests)) > 1:
+            groups: Dict[str, List[int]] = {}
+            for r, d in enumerate(digests):
+                groups.setdefault(d, []).append(r)
+            majority = max(groups.values(), key=len)
+            differ = sorted(r for rs in groups.values() if rs is not majority for r in rs)
+            raise SparseLiftPlannerError(
+                f"ranks planned different inputs: ranks {differ} differ from ranks {majority} "
+                "(tables, topology, batch size, constraints or workload statistics). Build the "
+                "model and the planner identically on every rank.",
+                kind="other",
+            )
 
     def plan(
         self,
         module: nn.Module,
         sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
     ) -> ShardingPlan:
+        if self._cache_dir:
+            return self.plan_execution(module, sharders).sharding_plan
         return self.plan_with_result(module, sharders).sharding_plan
+
+    def fingerprint(self, module: nn.Module) -> Any:
+        """What a stored plan must match to be reused (see :mod:`torchrec_sparselift.plan`)."""
+        from torchrec_sparselift.plan import fingerprint_inputs, table_specs
+
+        return fingerprint_inputs(
+            table_specs(module), self._topology, self._batch_size, self._constraints,
+            self._workload, hardware=self._profile(),
+        )
+
+    def plan_execution(
+        self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None
+    ) -> Any:
+        """Plan and return an ``ExecutionPlan`` (sharding plan + optimizations + prediction +
+        fingerprint). With ``cache_dir`` set, a stored plan with the same fingerprint is loaded
+        instead of planning; a missing, corrupt, stale or drifted one is re-planned (one log
+        line says why) and stored."""
+        from torchrec_sparselift.plan import PlanCache
+
+        fp = self.fingerprint(module)
+        if not self._cache_dir:
+            ep = self._execution_plan(module, sharders, fp)
+            self.last_cache_hit = None
+        else:
+            ep, hit = PlanCache(self._cache_dir).get_or_plan(
+                fp, lambda: self._execution_plan(module, sharders, fp), self._workload,
+                self._drift_tolerance,
+            )
+            self.last_cache_hit = hit
+        self.last_execution_plan = ep
+        return ep
+
+    def _execution_plan(self, module: nn.Module, sharders: Any, fp: Any) -> Any:
+        from torchrec_sparselift.plan import ExecutionPlan
+
+        res = self.plan_with_result(module, sharders)
+        return ExecutionPlan(
+            sharding_plan=res.sharding_plan,
+            optimizations=res.optimizations(),
+            prediction=res.prediction(),
+            fingerprint=fp,
+            stats=self._workload,
+            planner_info={
+                "planner": "SparseLiftPlanner",
+                "solver": res.search.solver if res.search else "none",
+                "status": res.search.status if res.search else "empty",
+                "planning_time_s": round(res.search.planning_time_s, 4) if res.search else 0.0,
+                "hardware": res.profile.name,
+                "alternatives": {k: v for k, v in res.search.alternatives} if res.search else {},
+            },
+        )
 
     # -- the work ------------------------------------------------------------------------
     def plan_with_result(
