@@ -21,6 +21,7 @@ _EXPORTS = {
     "get_profile": "torchrec_sparselift.cost.hardware",
     "SparseLiftPlanner": "torchrec_sparselift.planner",
     "PlanResult": "torchrec_sparselift.planner",
+    "evaluate_sharding_plan": "torchrec_sparselift.planner",
     "SparseLiftPlannerError": "torchrec_sparselift.search.errors",
 }
 

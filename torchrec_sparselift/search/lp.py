@@ -124,7 +124,7 @@ def solve_lp(
     for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
         coef = nshards * owner[:, col] / gib
         nz = np.nonzero(coef)[0]
-        if len(nz):
+        if len(nz) and np.all(np.isfinite(cap)):
             add_row(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
     # step composition (mirrors cost.model.step_time)
     fs = PRECISION_BYTES[fwd_precision] / 4
