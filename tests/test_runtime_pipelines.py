@@ -396,3 +396,25 @@ def test_user_sharders_without_codecs_refused_when_plan_quantizes() -> None:
     assert sharders_with_comm_codecs(reg, ok) == ok
     defaults = sharders_with_comm_codecs(reg, None)
     assert all(s.qcomm_codecs_registry is reg for s in defaults if isinstance(s, EmbeddingBagCollectionSharder))
+
+
+@pytest.mark.parametrize("table_plan", ["data_parallel", "dense_table_wise"])
+def test_semi_sync_refuses_tables_on_the_dense_kernel(table_plan) -> None:  # type: ignore[no-untyped-def]
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_sparselift.runtime import check_pipeline_supports_plan
+
+    model = _tiny_model()
+    gen = data_parallel() if table_plan == "data_parallel" else table_wise(rank=0, compute_kernel="dense")
+    fused = {f"t{i}": table_wise(rank=i % WORLD, compute_kernel="fused") for i in (1, 2)}
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, {"t0": gen, **fused}, world_size=WORLD, local_size=WORLD, device_type="cpu")})
+    with pytest.raises(ValueError, match=r"ebc\.t0.*compute_kernel='fused'"):
+        check_pipeline_supports_plan("semi_sync", plan)
+    for kind in EXACT_PIPELINE_KINDS:  # every synchronous pipeline accepts it
+        check_pipeline_supports_plan(kind, plan)
+    fused_only = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, {"t0": table_wise(rank=0, compute_kernel="fused"), **fused},
+        world_size=WORLD, local_size=WORLD, device_type="cpu")})
+    check_pipeline_supports_plan("semi_sync", fused_only)

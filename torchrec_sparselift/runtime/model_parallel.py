@@ -54,6 +54,7 @@ __all__ = [
     "comm_codecs_registry",
     "sharders_with_comm_codecs",
     "default_device",
+    "check_pipeline_supports_plan",
     "build_optimizer",
     "SparseLiftModelParallel",
     "Lifted",
@@ -169,6 +170,32 @@ def resolve_settings(
     )
 
 
+def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan) -> None:
+    """Refuse plan/pipeline pairs that cannot train; ``ValueError`` naming the tables otherwise.
+
+    ``semi_sync`` looks up batch i+1 before step i's embedding update, so every table of a
+    pipelined module must update inside its fused backward (TBE kernels ``fused*``/key-value).
+    A ``dense`` kernel (which includes every data-parallel table) is updated in place after that
+    lookup saved the weights for its backward, and autograd aborts the next backward ("modified
+    by an inplace operation"); measured with TorchRec 1.8 on CPU/gloo.
+    """
+    if kind != "semi_sync":
+        return
+    dense = sorted(
+        f"{path}.{name} ({ps.sharding_type})"
+        for path, module_plan in sharding_plan.plan.items()
+        if isinstance(module_plan, Mapping)
+        for name, ps in module_plan.items()
+        if getattr(ps, "compute_kernel", None) == "dense"
+    )
+    if dense:
+        raise ValueError(
+            f"pipeline 'semi_sync' needs fused embedding kernels, but {', '.join(dense)} use the dense kernel "
+            "(data-parallel tables always do): shard those tables model-parallel with compute_kernel='fused', "
+            "or choose pipeline 'fused' or 'sparse_dist'"
+        )
+
+
 def default_device() -> torch.device:
     """``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``."""
     if torch.cuda.is_available():
@@ -282,6 +309,7 @@ class SparseLiftModelParallel(DistributedModelParallel):
                 f"the plan is 2D (sharding_group_size={settings.sharding_group_size}): it needs DMPCollection, "
                 "which SparseLiftModelParallel is not; call torchrec_sparselift.runtime.lift(...) instead"
             )
+        check_pipeline_supports_plan(settings.pipeline, sharding_plan)
         device = device if device is not None else default_device()
         env = _resolve_env(env, pg)
         _apply_embedding_optimizer(module, embedding_optimizer)
@@ -295,6 +323,7 @@ class SparseLiftModelParallel(DistributedModelParallel):
             **dmp_kwargs,
         )
         self.settings: RuntimeSettings = settings
+        self.sharding_plan: ShardingPlan = sharding_plan
         logger.info("sparselift: DMP on %s applying %s", device, settings.label())
 
     def train_pipeline(
@@ -309,8 +338,10 @@ class SparseLiftModelParallel(DistributedModelParallel):
         See :func:`build_optimizer` for ``dense_optimizer_factory``; ``kind`` overrides the
         planned pipeline; ``options`` go to the TorchRec pipeline constructor.
         """
+        kind = kind or self.settings.pipeline
+        check_pipeline_supports_plan(kind, self.sharding_plan)
         optimizer = build_optimizer(self, dense_optimizer_factory)
-        pipeline = make_train_pipeline(kind or self.settings.pipeline, self, optimizer, self.device, options=options)
+        pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options)
         return pipeline, optimizer
 
 
@@ -459,6 +490,7 @@ def _lift_2d(
             "torchrec_sparselift.runtime.two_d.build_2d_model_parallel is not available in this version: "
             "plan 1D (sharding_group_size=None) or build DMPCollection yourself"
         )
+    check_pipeline_supports_plan(settings.pipeline, sharding_plan)
     global_pg = _resolve_env(env, pg).process_group
     device = device if device is not None else default_device()
     _apply_embedding_optimizer(module, embedding_optimizer)

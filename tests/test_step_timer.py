@@ -1,0 +1,143 @@
+"""StepTimer: steady-state step time (warm-up excluded), stage means, records for calibration."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from torchrec_sparselift.runtime.timing import (
+    StepRecord,
+    StepTimer,
+    load_records,
+    save_records,
+    step_stats,
+)
+
+CPU = torch.device("cpu")
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_warmup_steps_are_left_out_of_the_measurement() -> None:
+    timer = StepTimer(CPU, warmup_steps=2)
+    for seconds in (0.05, 0.05, 0.002, 0.002, 0.002):
+        with timer.step():
+            _busy(seconds)
+    assert timer.steps_timed == 5
+    assert len(timer.steady_durations_s) == 3
+    rec = timer.record()
+    assert rec.steps == 3 and rec.warmup_steps == 2
+    assert 0.002 <= rec.measured_s < 0.03  # the 50 ms warm-up steps are not in it
+
+
+def test_ratio_is_measured_over_predicted_and_none_without_prediction() -> None:
+    timer = StepTimer(CPU, warmup_steps=0, predicted_s=0.001, plan="p")
+    for _ in range(3):
+        with timer.step():
+            _busy(0.002)
+    rec = timer.record()
+    assert rec.ratio == pytest.approx(rec.measured_s / 0.001)
+    assert rec.ratio > 1.5
+    assert "measured/predicted" in rec.summary()
+    no_pred = StepRecord(plan="p", predicted_s=None, measured_s=0.01, mean_s=0.01, stdev_s=0.0,
+                         steps=1, warmup_steps=0, device="cpu")
+    assert no_pred.ratio is None
+
+
+def test_stage_means_are_per_steady_step_on_cpu() -> None:
+    timer = StepTimer(CPU, warmup_steps=1)
+    for _ in range(4):
+        with timer.step():
+            with timer.stage("forward"):
+                _busy(0.01)
+            with timer.stage("backward"):
+                _busy(0.002)
+    stages = dict(timer.record().stages)
+    assert set(stages) == {"forward", "backward"}
+    assert 0.01 <= stages["forward"] < 0.025  # a mean over 3 steady steps, not their 0.03 s sum
+    assert 0.002 <= stages["backward"] < stages["forward"]
+
+
+def test_failed_step_is_not_recorded_and_timer_stays_usable() -> None:
+    timer = StepTimer(CPU, warmup_steps=0)
+    with pytest.raises(StopIteration):
+        with timer.step():
+            raise StopIteration
+    assert timer.steps_timed == 0
+    with timer.step():
+        pass
+    assert timer.steps_timed == 1
+
+
+def test_steps_do_not_nest_and_stages_need_a_step() -> None:
+    timer = StepTimer(CPU)
+    with pytest.raises(RuntimeError, match="inside StepTimer.step"):
+        with timer.stage("x"):
+            pass
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with timer.step():
+            with timer.step():
+                pass
+
+
+def test_too_few_steps_say_to_run_more_than_warmup() -> None:
+    timer = StepTimer(CPU, warmup_steps=3)
+    with timer.step():
+        pass
+    with pytest.raises(ValueError, match="more steps than warmup_steps"):
+        timer.record()
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="warmup_steps"):
+        StepTimer(CPU, warmup_steps=-1)
+    with pytest.raises(ValueError, match="predicted_s"):
+        StepTimer(CPU, predicted_s=-0.1)
+    with pytest.raises(ValueError, match="measured_s"):
+        StepRecord(plan="p", predicted_s=None, measured_s=float("nan"), mean_s=0.0, stdev_s=0.0,
+                   steps=1, warmup_steps=0, device="cpu")
+
+
+def test_time_pipeline_stops_at_end_of_data() -> None:
+    class Pipeline:
+        def progress(self, it):  # type: ignore[no-untyped-def]
+            return next(it)
+
+    timer = StepTimer(CPU, warmup_steps=1)
+    assert timer.time_pipeline(Pipeline(), iter(range(4)), steps=10) == 4
+    assert timer.record().steps == 3
+
+
+def test_step_stats_summarise_durations() -> None:
+    s = step_stats([0.3, 0.1, 0.2])
+    assert (s.steps, s.median_s, s.min_s, s.max_s) == (3, 0.2, 0.1, 0.3)
+    assert s.mean_s == pytest.approx(0.2)
+    assert s.stdev_s == pytest.approx(0.1)
+    assert step_stats([0.5]).stdev_s == 0.0
+
+
+def test_records_round_trip_through_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rec = StepRecord(plan="3 tables, pipeline=fused", predicted_s=0.004, measured_s=0.005, mean_s=0.0052,
+                     stdev_s=0.0003, steps=20, warmup_steps=5, device="cpu", world_size=2,
+                     stages={"forward": 0.002})
+    path = tmp_path / "steps.json"
+    save_records(str(path), [rec, rec])
+    assert load_records(str(path)) == [rec, rec]
+    raw = json.loads(path.read_text())
+    assert raw["records"][0]["predicted_s"] == 0.004 and raw["records"][0]["measured_s"] == 0.005
+    assert raw["records"][0]["stages"] == {"forward": 0.002}
+    assert [p.name for p in tmp_path.iterdir()] == ["steps.json"]  # no temp file left behind
+
+
+def test_foreign_json_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"records": []}))
+    with pytest.raises(ValueError, match="step_records"):
+        load_records(str(path))
