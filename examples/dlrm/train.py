@@ -470,13 +470,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         return EXIT_FAILURE
     finally:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
+        dist = sys.modules.get("torch.distributed")  # never import torch just to clean up
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            try:
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+            except Exception:  # noqa: BLE001
+                pass
 
 
 if __name__ == "__main__":

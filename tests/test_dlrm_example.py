@@ -1,0 +1,193 @@
+"""The DLRM example (examples/dlrm/train.py): end to end under torchrun with 2 gloo ranks, its
+synthetic data and table sets, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
+TRAIN = os.path.join(EXAMPLE, "train.py")
+sys.path.insert(0, EXAMPLE)
+
+from dlrm_data import hidden_id_weight, power_law_ids, synthetic_batch  # noqa: E402
+from dlrm_tables import (  # noqa: E402
+    DCNV2_MULTI_HOT,
+    DCNV2_ROWS,
+    MIN_SCALED_ROWS,
+    TableSetError,
+    TableSpec,
+    load_table_file,
+    preset_tables,
+    scale_tables,
+)
+
+TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--batch-size", "128"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    return env
+
+
+def _torchrun(args, timeout=180):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", TRAIN, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env())
+
+
+def _python(args, timeout=60):
+    return subprocess.run(
+        [sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env()
+    )
+
+
+def _check_result(path, planner):
+    with open(path) as f:
+        res = json.load(f)
+    assert res["planner"] == planner
+    assert res["world_size"] == 2 and res["global_batch_size"] == 256
+    assert len(res["losses"]) == res["steps"]
+    assert all(math.isfinite(x) for x in res["losses"])
+    assert res["steps_per_s"] > 0 and res["step_time_ms"] > 0
+    assert {r["table"] for r in res["plan"]} == {f"t_cat_{i}" for i in range(26)}
+    assert all(r["sharding_type"] and r["compute_kernel"] for r in res["plan"])
+    # the planted signal is learnable: the loss falls within a few dozen steps
+    assert res["loss_last"] < res["loss_first"] - 0.05, (res["loss_first"], res["loss_last"])
+    return res
+
+
+def _run_and_check(tmp_path, planner):
+    out = tmp_path / f"{planner}.json"
+    proc = _torchrun(["--planner", planner, *TINY, "--steps", "30", "--warmup-steps", "5", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "sharding types:" in proc.stdout and "steps/s" in proc.stdout
+    return _check_result(out, planner)
+
+
+def test_example_trains_two_ranks_with_sparselift_planner(tmp_path):
+    res = _run_and_check(tmp_path, "sparselift")
+    assert res["prediction"] is not None and res["prediction"]["step_time_ms"] > 0
+
+
+@pytest.mark.slow
+def test_example_trains_two_ranks_with_torchrec_planner(tmp_path):
+    res = _run_and_check(tmp_path, "torchrec")
+    assert res["prediction"] is None
+
+
+def test_unknown_flag_exits_nonzero_with_one_line_under_torchrun():
+    proc = _torchrun(["--planner", "sparselift", "--no-such-flag"], timeout=90)
+    assert proc.returncode != 0
+    assert "error: unrecognized arguments: --no-such-flag" in proc.stderr
+    assert proc.stderr.count("error: unrecognized") == 1  # rank 0 speaks, not every rank
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[{\"name\": \"a\", \"rows\": 10}]", "is missing ['dim']"),
+        ("[{\"name\": \"a\", \"rows\": 0, \"dim\": 8}]", "rows must be a positive integer"),
+        ("[{\"name\": \"a\", \"rows\": 10, \"dim\": 8, \"colour\": 1}]", "unknown key(s) ['colour']"),
+        ("[{\"name\": \"a\", \"rows\": 10, \"dim\": 8}, {\"name\": \"b\", \"rows\": 10, \"dim\": 16}]", "one embedding dim"),
+        ("not json", "not valid JSON"),
+    ],
+)
+def test_bad_table_file_exits_with_a_clear_message(tmp_path, content, message):
+    path = tmp_path / "tables.json"
+    path.write_text(content)
+    proc = _python(["--table-file", str(path), "--check"])
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bad_values_exit_with_a_clear_message():
+    for args, message in [
+        (["--scale", "2"], "--scale must be in (0, 1]"),
+        (["--steps", "5", "--warmup-steps", "5"], "--warmup-steps must be in [0, --steps)"),
+        (["--table-file", "/no/such/file.json"], "does not exist"),
+    ]:
+        proc = _python([*args, "--check"])
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+
+
+def test_table_file_lists_tables_features_and_pooling(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"tables": [
+        {"name": "user", "rows": 1000, "dim": 32, "features": ["user_id", "friend_ids"], "pooling_factor": 4},
+        {"name": "item", "rows": 50, "dim": 32},
+    ]}))  # fmt: skip
+    user, item = load_table_file(str(path))
+    assert user == TableSpec("user", 1000, 32, ("user_id", "friend_ids"), 4)
+    assert item.features == ("item",) and item.pooling_factor == 1
+
+
+def test_table_file_rejects_a_feature_shared_by_two_tables(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([
+        {"name": "a", "rows": 10, "dim": 8, "features": ["f"]},
+        {"name": "b", "rows": 10, "dim": 8, "features": ["f"]},
+    ]))  # fmt: skip
+    with pytest.raises(TableSetError, match="feature 'f' is used by tables 'a' and 'b'"):
+        load_table_file(str(path))
+
+
+def test_dcnv2_preset_has_the_mlperf_shapes():
+    tables = preset_tables("dcnv2")
+    assert [t.rows for t in tables] == list(DCNV2_ROWS)
+    assert [t.pooling_factor for t in tables] == list(DCNV2_MULTI_HOT)
+    assert {t.dim for t in tables} == {128}
+    assert [t.features for t in tables] == [(f"cat_{i}",) for i in range(26)]
+    assert {t.dim for t in preset_tables("kaggle", embedding_dim=16)} == {16}
+
+
+def test_scale_shrinks_big_tables_but_keeps_a_minimum_and_small_tables():
+    scaled = {t.name: t.rows for t in scale_tables(preset_tables("dcnv2"), 0.001)}
+    assert scaled["t_cat_0"] == 40000  # 40M * 0.001
+    assert scaled["t_cat_1"] == MIN_SCALED_ROWS  # 39060 * 0.001 = 40 -> raised to the minimum
+    assert scaled["t_cat_5"] == 3  # already below the minimum: unchanged
+    with pytest.raises(TableSetError, match="--scale"):
+        scale_tables(preset_tables("dcnv2"), 0.0)
+
+
+def test_synthetic_batches_are_reproducible_and_fresh_every_step_and_rank():
+    tables = scale_tables(preset_tables("dcnv2"), 0.0001)
+    a = synthetic_batch(tables, 32, seed=3, rank=0, step=7)
+    b = synthetic_batch(tables, 32, seed=3, rank=0, step=7)
+    assert a.sparse_features.values().equal(b.sparse_features.values()) and a.labels.equal(b.labels)
+    for other in (synthetic_batch(tables, 32, 3, 0, 8), synthetic_batch(tables, 32, 3, 1, 7)):
+        assert not other.sparse_features.values().equal(a.sparse_features.values())
+        assert not other.dense_features.equal(a.dense_features)
+
+
+def test_synthetic_bags_follow_each_tables_pooling_factor():
+    tables = scale_tables(preset_tables("dcnv2"), 0.0001)
+    kjt = synthetic_batch(tables, 16, seed=0, rank=0, step=0).sparse_features
+    assert kjt.keys() == [f"cat_{i}" for i in range(26)]
+    for t in tables:
+        lengths = kjt[t.features[0]].lengths()
+        assert lengths.tolist() == [t.pooling_factor] * 16
+        vals = kjt[t.features[0]].values()
+        assert int(vals.min()) >= 0 and int(vals.max()) < t.rows
+
+
+def test_power_law_ids_concentrate_on_a_few_hot_rows():
+    ids = power_law_ids(np.random.default_rng(0), rows=100_000, n=50_000, alpha=1.05, salt=1)
+    counts = np.sort(np.bincount(ids, minlength=100_000))[::-1]
+    assert counts[:100].sum() > 0.3 * len(ids)  # top 0.1% of rows get > 30% of lookups
+    assert (counts > 0).sum() > 5_000  # and a long tail is still touched
+
+
+def test_hidden_id_weights_are_a_fixed_uniform_function_of_the_id():
+    ids = np.arange(20_000)
+    w = hidden_id_weight(ids, 3, seed=0)
+    assert np.array_equal(w, hidden_id_weight(ids, 3, seed=0))
+    assert -1.0 <= w.min() and w.max() < 1.0 and abs(w.mean()) < 0.02
+    assert not np.array_equal(w, hidden_id_weight(ids, 4, seed=0))
