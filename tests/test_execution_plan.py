@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -362,6 +365,34 @@ def test_fingerprint_inputs_reject_bad_tables_naming_them():
         fingerprint_inputs(tables, _topology(), 0)
 
 
+@dataclasses.dataclass
+class _Constraint:  # torchrec-independent stand-in, so the golden digest survives torchrec upgrades
+    sharding_types: list
+    min_partition: Optional[int] = None
+
+
+def _golden_fingerprint() -> Fingerprint:
+    storage = SimpleNamespace(hbm=80 * 2**30, ddr=512 * 2**30, ssd=0)
+    topology = SimpleNamespace(world_size=2, compute_device="cuda", local_world_size=2,
+                               devices=[SimpleNamespace(storage=storage)] * 2,
+                               intra_host_bw=6e11, inter_host_bw=1.25e10)
+    return fingerprint_inputs(
+        [("ebc", "t1", 1000, 64, ["a", "b"], True), ("ec", "t2", 50, 16, ["c"], False, "FP16")], topology, 256,
+        constraints={"t1": _Constraint(sharding_types=["row_wise"], min_partition=8)},
+        stats=declare(a=2.5, b=1.0), versions=Versions(torch="x", torchrec="y", torchrec_sparselift="z"),
+    )
+
+
+def test_fingerprint_digests_are_pinned_canonical_json_hashes():
+    # Computed once in another process; Python's per-process hash randomization cannot move them.
+    # If you change the canonical form on purpose, bump EXECUTION_PLAN_SCHEMA and update these.
+    fp = _golden_fingerprint()
+    assert fp.cache_key() == "6b3a1541e18f9d999b2c3959f1e50b408e21cb96d4262f525f38e44d00290232"
+    assert fp.stats_digest == "8a2218a4345def6f8240bb23656169e88613fe095917c5b3422e6ac18a0cbd94"
+    assert fp.digest() == "8381e1c83746a69b2163e40706f83504ea751936d67dd96d13a77b2c67a0d27e"
+
+
+@pytest.mark.slow
 def test_fingerprint_is_identical_in_another_process_with_another_hash_seed():
     script = textwrap.dedent(
         """
