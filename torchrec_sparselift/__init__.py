@@ -23,6 +23,14 @@ _EXPORTS = {
     "PlanResult": "torchrec_sparselift.planner",
     "evaluate_sharding_plan": "torchrec_sparselift.planner",
     "SparseLiftPlannerError": "torchrec_sparselift.search.errors",
+    "SparseLiftEnumerator": "torchrec_sparselift.search.enumerator",
+    "SparseLiftProposer": "torchrec_sparselift.search.proposer",
+    "ExecutionPlan": "torchrec_sparselift.plan",
+    "PlanCache": "torchrec_sparselift.plan",
+    "Optimizations": "torchrec_sparselift.plan",
+    "WorkloadStats": "torchrec_sparselift.semantics.workload",
+    "observe": "torchrec_sparselift.semantics.workload",
+    "declare": "torchrec_sparselift.semantics.workload",
 }
 
 __all__ = ["__version__", *_EXPORTS]
