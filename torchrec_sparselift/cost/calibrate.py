@@ -341,7 +341,11 @@ def fit_lookups(
 
 
 def fit_collectives(collectives: Sequence[CollectiveRecord]) -> Dict[str, float]:
-    """Fit ``collective_latency_s``, the all-to-all bandwidth and ``allreduce_bw`` jointly."""
+    """Fit ``collective_latency_s``, the all-to-all bandwidth and ``allreduce_bw`` jointly.
+
+    A bandwidth whose bytes term fits to zero (times that do not grow with size, e.g. on a
+    loaded machine) is left out of the result.
+    """
     _require(collectives, "collective", "run under torchrun with 2 or more ranks")
     worlds = {r.world_size for r in collectives}
     if len(worlds) != 1:
@@ -365,9 +369,8 @@ def fit_collectives(collectives: Sequence[CollectiveRecord]) -> Dict[str, float]
     coef = fit_nonnegative(rows, [r.seconds for r in collectives])
     out = {"collective_latency_s": coef[0], "world_size": float(n)}
     for op, c in zip(ops, coef[1:]):
-        if c <= 0:
-            raise CalibrationError(f"{op} times do not grow with message size; measure larger messages")
-        out["a2a_bw" if op == "all_to_all" else "allreduce_bw"] = 1.0 / c
+        if c > 0:  # else noise hid the size dependence: the caller keeps the base value
+            out["a2a_bw" if op == "all_to_all" else "allreduce_bw"] = 1.0 / c
     return out
 
 
@@ -453,6 +456,12 @@ def fit_profile(
         col = fit_collectives(records.collectives)
         world = int(col["world_size"])
         fields["collective_latency_s"] = col["collective_latency_s"]
+        for key, op in (("a2a_bw", "all_to_all"), ("allreduce_bw", "all_reduce")):
+            if key not in col and any(r.op == op for r in records.collectives):
+                notes.append(
+                    f"{op} times did not grow with message size (noise?): its bandwidth is kept "
+                    "from the base profile; measure larger messages or on a quieter machine"
+                )
         if "a2a_bw" in col:
             fields.update(_a2a_fields(start, col["a2a_bw"], world, spans_hosts))
         if "allreduce_bw" in col:
