@@ -183,6 +183,34 @@ def _scenarios(rank: int) -> dict:
     lifted = _lift(exec_plan, pipeline="base", fwd_comm_precision="fp32")
     out["exec_plan_override"] = [type(lifted.pipeline).__name__, lifted.settings.fwd_comm_precision]
 
+    # a 2D execution plan goes to runtime.two_d (DMPCollection): 2 replicas of a 1-rank group
+    def plan_2d(pipeline: str):  # type: ignore[no-untyped-def]
+        from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+        from torchrec.distributed.types import ShardingPlan
+
+        ebc_plan = construct_module_sharding_plan(
+            _tiny_model().ebc, {f"t{i}": table_wise(rank=0, compute_kernel="fused") for i in range(3)},
+            world_size=1, local_size=1, device_type="cpu")
+        return SimpleNamespace(sharding_plan=ShardingPlan({"ebc": ebc_plan}), optimizations=SimpleNamespace(
+            pipeline=pipeline, fwd_comm_precision="fp32", bwd_comm_precision="fp32",
+            sharding_group_size=1, sync_interval=2))
+
+    lifted = _lift(plan_2d("sparse_dist"))
+    # TorchRec syncs after the backward of steps whose 0-based index % sync_interval == 0: 0, 2, 4
+    losses_2d = _pipeline_losses(lifted, _batches(rank, 5))
+    local = lifted.model.state_dict()["ebc.embedding_bags.t0.weight"]
+    local = local.to_local() if hasattr(local, "to_local") else local.local_tensor()
+    local = torch.cat([t.flatten() for t in local.local_shards()]) if hasattr(local, "local_shards") else local
+    gathered = [torch.empty_like(local) for _ in range(WORLD)]
+    dist.all_gather(gathered, local.contiguous())
+    out["two_d"] = [type(lifted.model).__name__, type(lifted.pipeline).__name__, losses_2d,
+                    all(torch.equal(gathered[0], g) for g in gathered)]
+    try:
+        _lift(plan_2d("base"))
+        out["two_d_base"] = "no error"
+    except ValueError as exc:
+        out["two_d_base"] = str(exc)
+
     # unpacking and the step timer on a real pipeline
     model, pipeline = _lift(_plan, pipeline="sparse_dist")
     timer = StepTimer(torch.device("cpu"), warmup_steps=2, predicted_s=0.004, plan="tiny")
@@ -275,6 +303,17 @@ def test_step_timer_reports_slowest_rank_over_steady_steps(runs) -> None:  # typ
     assert ran0 == ran1 == 8 and steps0 == steps1 == 6  # 8 batches, 2 warm-up steps left out
     assert measured0 == measured1 > 0 and world0 == world1 == WORLD
     assert ratio0 == pytest.approx(measured0 / 0.004)
+
+
+@pytest.mark.multiprocess
+def test_2d_plan_builds_dmp_collection_whose_pipeline_syncs_replicas(runs) -> None:  # type: ignore[no-untyped-def]
+    for res in runs:
+        model_cls, pipeline_cls, losses, replicas_equal = res["two_d"]
+        assert (model_cls, pipeline_cls) == ("CpuDMPCollection", "TrainPipelineSparseDist")
+        assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
+        assert replicas_equal, "synced after the 5th step (sync_interval=2): the replicas should hold equal tables"
+    assert runs[0]["two_d"][2] != runs[1]["two_d"][2]  # replicas saw different data
+    assert "never syncs" in runs[0]["two_d_base"]
 
 
 # ---- single-process -----------------------------------------------------------------------
