@@ -170,3 +170,13 @@ def test_lossy_comm_only_when_allowed():
 def test_semi_sync_requires_allow_staleness():
     with pytest.raises(ValueError, match="allow_staleness"):
         SparseLiftPlanner(topology=_topo(8), batch_size=64, pipelines=["semi_sync"])
+
+
+def test_exact_milp_never_worse_than_heuristic_and_tightens_bound():
+    wl = production(6, seed=5)
+    topo = _topo(4, local=4)
+    _, heur = _plan(wl.module(), topo, 512, wl.constraints(), solver="heuristic")
+    _, exact = _plan(wl.module(), topo, 512, wl.constraints(), solver="milp", time_budget_s=8)
+    assert exact.search.step.total_s <= heur.search.step.total_s * (1 + 1e-9)
+    assert exact.search.lower_bound_s >= heur.search.lower_bound_s * (1 - 1e-6)
+    assert exact.search.lower_bound_s <= exact.search.step.total_s * (1 + 1e-9)

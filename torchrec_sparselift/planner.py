@@ -184,6 +184,9 @@ class SparseLiftPlanner(ShardingPlanner):
         allow_staleness: allow ``semi_sync`` (one step of embedding staleness).
         time_budget_s: search time budget in seconds (default 10; ``timeout_seconds`` too).
         cache_dir: directory of reusable execution plans (see :meth:`plan_execution`).
+        solver: "auto" (default: LP + greedy + local search; the exact MILP too on tiny
+            instances), "heuristic", or "milp" (exact MILP over choice and placement with half
+            the time budget; keeps the better plan and the tighter lower bound).
     """
 
     def __init__(
@@ -212,6 +215,7 @@ class SparseLiftPlanner(ShardingPlanner):
         heuristical_storage_reservation_percentage: float = 0.15,
         cache_dir: Optional[str] = None,
         drift_tolerance: float = 0.2,
+        solver: str = "auto",
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
         whose inputs match a stored plan's fingerprint loads it instead of planning);
@@ -267,6 +271,9 @@ class SparseLiftPlanner(ShardingPlanner):
             if allow_fp8:
                 precs += [("fp8", "bf16")]
         self._precisions = tuple(precs)
+        if solver not in ("auto", "heuristic", "milp"):
+            raise ValueError(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
+        self._solver = solver
         self._cache_dir = cache_dir
         self._drift_tolerance = float(drift_tolerance)
         self.last_result: Optional[PlanResult] = None
@@ -428,7 +435,8 @@ class SparseLiftPlanner(ShardingPlanner):
             [h.spec for h in handles], ctx, device_cap, host_cap,
             pipelines=self._pipelines, precisions=self._precisions,
         )
-        result = solve(prob, time_budget_s=max(0.5, self._budget - (time.monotonic() - t0)))
+        result = solve(prob, time_budget_s=max(0.5, self._budget - (time.monotonic() - t0)),
+                       solver=self._solver)
         options = [
             to_sharding_option(h, prob, cid, ranks)
             for h, (cid, ranks) in zip(handles, result.assignment)

@@ -33,7 +33,7 @@ from torchrec_sparselift.cost.model import (
 )
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["LPResult", "solve_lp"]
+__all__ = ["LPResult", "solve_lp", "composition_rows"]
 
 _TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 MAX_PIECE_ROWS = 4000
@@ -45,6 +45,31 @@ class LPResult:
     choice: Tuple[int, ...]  # chosen candidate id per table (argmax of x)
     x: np.ndarray = attrs.field(eq=False)
     status: str = "optimal"
+
+
+def composition_rows(pl, z, iy_in, iy_out, ia, ie, itot, fs, bs, dense, ilat=None):
+    """``A_ub`` rows (entries, rhs) that make ``total`` >= the step time of pipeline ``pl``
+    given phase variables in ms (mirrors :func:`torchrec_sparselift.cost.model.step_time`).
+    ``ilat``: optional variable holding one collective phase's latency (added to each phase)."""
+    lat = [(ilat, 1.0)] if ilat is not None else []
+    emb_fwd = [(z[UVM], 1.0), (z[FWD], 1.0), (iy_out, fs)] + lat
+    emb_bwd = [(iy_out, bs), (z[BWD], 1.0)] + lat
+    tot = [(itot, -1.0)]
+    iy_in_l = [(iy_in, 1.0)] + lat
+    if pl == "base":
+        return [([(iy_in, 1.0)] + emb_fwd + emb_bwd + [(ia, 1.0)] + tot, -dense)]
+    if pl == "sparse_dist":
+        return [(iy_in_l + tot, 0.0), (emb_fwd + emb_bwd + [(ia, 1.0)] + tot, -dense)]
+    if pl == "fused":
+        return [(iy_in_l + tot, 0.0), (emb_fwd + [(ia, 1.0)] + tot, -dense),
+                (emb_fwd + emb_bwd + tot, -dense)]
+    if pl == "semi_sync":
+        return [(iy_in_l + tot, 0.0), (emb_fwd + [(ie, -1.0)], 0.0), ([(ie, -1.0)], -dense),
+                ([(ie, 1.0)] + emb_bwd + [(ia, 1.0)] + tot, 0.0)]
+    if pl == "prefetch":
+        return [(iy_in_l + [(z[UVM], 1.0)] + tot, 0.0),
+                ([(z[FWD], 1.0), (iy_out, fs)] + emb_bwd + [(ia, 1.0)] + tot, -dense)]
+    raise ValueError(f"unknown pipeline {pl!r}")
 
 
 def solve_lp(
@@ -127,33 +152,12 @@ def solve_lp(
         if len(nz) and np.all(np.isfinite(cap)):
             add_row(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
     # step composition (mirrors cost.model.step_time)
-    fs = PRECISION_BYTES[fwd_precision] / 4
-    bs = PRECISION_BYTES[bwd_precision] / 4
-    z = iz
-    emb_fwd = [(z[UVM], 1.0), (z[FWD], 1.0), (iy_out, fs)]
-    emb_bwd = [(iy_out, bs), (z[BWD], 1.0)]
     overlap = getattr(p, "supports_overlap", True)
-    pl = pipeline if overlap else "base"
-    tot = [(itot, -1.0)]
-    if pl == "base":
-        add_row([(iy_in, 1.0)] + emb_fwd + emb_bwd + [(ia, 1.0)] + tot, -dense)
-    elif pl == "sparse_dist":
-        add_row([(iy_in, 1.0)] + tot, 0.0)
-        add_row(emb_fwd + emb_bwd + [(ia, 1.0)] + tot, -dense)
-    elif pl == "fused":
-        add_row([(iy_in, 1.0)] + tot, 0.0)
-        add_row(emb_fwd + [(ia, 1.0)] + tot, -dense)
-        add_row(emb_fwd + emb_bwd + tot, -dense)
-    elif pl == "semi_sync":
-        add_row([(iy_in, 1.0)] + tot, 0.0)
-        add_row(emb_fwd + [(ie, -1.0)], 0.0)
-        add_row([(ie, -1.0)], -dense)
-        add_row([(ie, 1.0)] + emb_bwd + [(ia, 1.0)] + tot, 0.0)
-    elif pl == "prefetch":
-        add_row([(iy_in, 1.0), (z[UVM], 1.0)] + tot, 0.0)
-        add_row([(z[FWD], 1.0), (iy_out, fs)] + emb_bwd + [(ia, 1.0)] + tot, -dense)
-    else:
-        raise ValueError(f"unknown pipeline {pipeline!r}")
+    for entries, rhs in composition_rows(
+        pipeline if overlap else "base", iz, iy_in, iy_out, ia, ie, itot,
+        PRECISION_BYTES[fwd_precision] / 4, PRECISION_BYTES[bwd_precision] / 4, dense,
+    ):
+        add_row(entries, rhs)
     A_ub = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
     # one option per table
     er, ec = [], []

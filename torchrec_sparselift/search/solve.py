@@ -24,6 +24,7 @@ from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import StepTime
 from torchrec_sparselift.search.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.lp import solve_lp
+from torchrec_sparselift.search.milp import milp_size, solve_milp
 from torchrec_sparselift.search.place import greedy_place, local_search
 from torchrec_sparselift.search.problem import PlanningProblem
 
@@ -74,14 +75,25 @@ def _place(prob: PlanningProblem, choice: Sequence[int], pipeline: str, fwd: str
     return ev, unplaced
 
 
+AUTO_MILP_MAX_VARS = 400
+
+
 def solve(
     prob: PlanningProblem,
     time_budget_s: float = 30.0,
     pipeline: Optional[str] = None,
     precision: Optional[Tuple[str, str]] = None,
+    solver: str = "auto",
 ) -> SearchResult:
     """Plan ``prob`` within about ``time_budget_s`` seconds (the LP and one greedy pass always
-    run; local search stops at the budget)."""
+    run; local search stops at the budget).
+
+    ``solver``: ``"heuristic"`` (LP + greedy + local search), ``"milp"`` (also run the exact MILP
+    over choice and placement with half the budget, keep the better plan and the tighter bound),
+    or ``"auto"`` (MILP only for tiny instances, <= 400 placement variables).
+    """
+    if solver not in ("auto", "heuristic", "milp"):
+        raise ValueError(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
     t0 = time.monotonic()
     deadline = t0 + time_budget_s
     pipelines = (pipeline,) if pipeline else prob.pipelines
@@ -140,6 +152,21 @@ def solve(
         remaining = max(1.0, deadline - time.monotonic())
         lp2 = solve_lp(prob, pl, f, b, time_limit_s=remaining)
         bound = lp2.lower_bound_s if lp2.status == "optimal" else float("nan")
+    solver_name = f"lp+greedy({best_name})+local_search"
+    if solver == "milp" or (solver == "auto" and milp_size(prob) <= AUTO_MILP_MAX_VARS):
+        limit = max(1.0, 0.5 * time_budget_s) if solver == "milp" else min(3.0, max(0.5, 0.3 * time_budget_s))
+        m = solve_milp(prob, pl, f, b, time_limit_s=limit)
+        if np.isfinite(m.bound_s):
+            bound = max(bound, m.bound_s) if np.isfinite(bound) else m.bound_s
+        if m.assignment:
+            alt = new_evaluator(prob, pl, f, b)
+            for t, (c, rk) in enumerate(m.assignment):
+                alt.assign(t, c, rk)
+            if alt.memory_ok() and alt.objective() < ev.objective() * (1 - 1e-9):
+                ev = alt
+                solver_name = f"milp({m.status})"
+            else:
+                solver_name += f"; milp({m.status}) not better"
     step = ev.step_time()
     assignment = tuple(ev.assignment[t] for t in range(prob.num_tables))
     return SearchResult(
@@ -149,7 +176,7 @@ def solve(
         pipeline=pl,
         fwd_precision=f,
         bwd_precision=b,
-        solver=f"lp+greedy({best_name})+local_search",
+        solver=solver_name,
         status=("time_limit" if cut else "converged") if ev.memory_ok() else "memory_violation",
         planning_time_s=time.monotonic() - t0,
         moves=moves,
