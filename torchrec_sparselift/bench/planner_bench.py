@@ -176,6 +176,16 @@ def _limit_memory(gib: float) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def run_torchrec(sc: Scenario, timeout_s: float, mem_gib: float, hbm_gib: float = 80.0) -> Dict[str, Any]:
     """:func:`run_torchrec_in_process` in a child process limited to ``timeout_s`` seconds of
     wall time (imports included) and ``mem_gib`` GiB of address space. Returns its result, or
@@ -185,20 +195,28 @@ def run_torchrec(sc: Scenario, timeout_s: float, mem_gib: float, hbm_gib: float 
         cmd = [sys.executable, "-m", "torchrec_sparselift.bench", "planners", "--torchrec-child", sc.name,
                "--child-out", out, "--hbm-gib", str(hbm_gib)]
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                                  preexec_fn=(lambda: _limit_memory(mem_gib)) if mem_gib > 0 else None)
-        except subprocess.TimeoutExpired:
-            return {"status": "timeout", "limit_s": timeout_s,
-                    "note": f"no plan within {timeout_s:.0f} s (child process incl. ~5-10 s of imports)"}
+        with open(os.path.join(d, "stderr.txt"), "w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                    preexec_fn=(lambda: _limit_memory(mem_gib)) if mem_gib > 0 else None)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                cpu = _cpu_seconds(proc.pid)
+                proc.kill()
+                proc.wait()
+                return {"status": "timeout", "limit_s": timeout_s, "cpu_s_at_limit": cpu,
+                        "note": f"no plan within {timeout_s:.0f} s wall ({cpu:.0f} s CPU), child process "
+                                "incl. imports and module construction"}
+            err.seek(0)
+            stderr = err.read()
         elapsed = time.perf_counter() - t0
         if os.path.exists(out):
             with open(out) as f:
                 res = json.load(f)
             res["child_wall_s"] = elapsed
             return res
-        tail = (proc.stderr or "").strip().splitlines()[-3:]
-        oom = "MemoryError" in (proc.stderr or "") or "std::bad_alloc" in (proc.stderr or "")
+        tail = stderr.strip().splitlines()[-3:]
+        oom = "MemoryError" in stderr or "std::bad_alloc" in stderr
         return {"status": "oom" if oom else "error", "rc": proc.returncode, "limit_gib": mem_gib,
                 "note": " | ".join(tail)}
 
