@@ -1,0 +1,1014 @@
+"""``sparselift``: plan, compare, explain and calibrate from the command line.
+
+::
+
+    sparselift plan --tables tables.json --topology h100 --world-size 16 --out plan.json
+    sparselift compare --workload dcnv2 --topology h100 --world-size 8
+    sparselift explain plan.json --png plan.png
+    sparselift calibrate --quick --out my-machine.json
+
+Inputs are a table file (JSON, or YAML when PyYAML is installed), a reference workload
+(``--workload dcnv2|kaggle|production-N``) or an importable model factory
+(``--model package.module:factory``), and a topology (a hardware preset or calibrated profile
+plus world size). ``plan`` stores those inputs in the plan's ``planner_info["inputs"]`` so
+``explain`` can re-price the plan's tables without re-planning.
+
+Exit codes: 0 success, 1 no plan satisfies the constraints, 2 bad input (arguments, files,
+topology). Errors print one ``sparselift <command>: error: ...`` message and no traceback
+(``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import attrs
+
+__all__ = [
+    "main",
+    "CliError",
+    "TableEntry",
+    "TopologySpec",
+    "PlanInputs",
+    "load_table_file",
+    "parse_table_entries",
+]
+
+SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise",
+                  "table_column_wise", "grid_shard")
+COMPUTE_KERNELS = ("dense", "fused", "fused_uvm", "fused_uvm_caching", "quant", "quant_uvm",
+                   "quant_uvm_caching", "key_value")
+TABLE_KEYS = ("name", "rows", "dim", "features", "pooling_factor", "sharding_types",
+              "compute_kernels", "min_partition")
+CONSTRAINT_KEYS = ("name", "pooling_factor", "sharding_types", "compute_kernels", "min_partition")
+DEFAULT_BATCH_SIZE = 512
+INPUTS_SCHEMA = "sparselift.cli_inputs/1"
+
+
+class CliError(Exception):
+    """A problem with the user's input; the message says what to change. Exit code 2."""
+
+    exit_code = 2
+
+
+# ----------------------------------------------------------------------------------------------
+# table files
+# ----------------------------------------------------------------------------------------------
+
+
+def _str_tuple(value: Any) -> Tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen
+class TableEntry:
+    """One table of a table file: shape, features, pooling and optional constraints.
+
+    ``pooling_factor`` holds one value per feature (ids per sample looked up by that feature).
+    ``sharding_types``/``compute_kernels``/``min_partition`` become TorchRec
+    ``ParameterConstraints`` when given. For constraint-only entries (``--constraints``) rows and
+    dim are 0.
+    """
+
+    name: str
+    rows: int
+    dim: int
+    features: Tuple[str, ...] = attrs.field(converter=_str_tuple)
+    pooling_factor: Optional[Tuple[float, ...]] = None
+    sharding_types: Optional[Tuple[str, ...]] = None
+    compute_kernels: Optional[Tuple[str, ...]] = None
+    min_partition: Optional[int] = None
+
+    def constraints(self, pooling: Optional[Sequence[float]] = None) -> Any:
+        from torchrec.distributed.planner.types import ParameterConstraints
+
+        kw: Dict[str, Any] = {}
+        pf = self.pooling_factor or (tuple(pooling) if pooling else None)
+        if pf:
+            kw["pooling_factors"] = [float(x) for x in pf]
+        if self.sharding_types:
+            kw["sharding_types"] = list(self.sharding_types)
+        if self.compute_kernels:
+            kw["compute_kernels"] = list(self.compute_kernels)
+        if self.min_partition:
+            kw["min_partition"] = int(self.min_partition)
+        return ParameterConstraints(**kw)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"name": self.name}
+        if self.rows:
+            d.update(rows=self.rows, dim=self.dim, features=list(self.features))
+        for k in ("pooling_factor", "sharding_types", "compute_kernels"):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = list(v)
+        if self.min_partition is not None:
+            d["min_partition"] = self.min_partition
+        return d
+
+
+def _positive_int(where: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CliError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _choice_list(where: str, key: str, value: Any, choices: Sequence[str]) -> Tuple[str, ...]:
+    vals = [value] if isinstance(value, str) else value
+    if not isinstance(vals, list) or not vals or not all(isinstance(v, str) for v in vals):
+        raise CliError(f"{where}: {key} must be a non-empty list of names from {list(choices)}, got {value!r}")
+    bad = [v for v in vals if v not in choices]
+    if bad:
+        raise CliError(f"{where}: unknown {key} {bad}; choose from {list(choices)}")
+    return tuple(vals)
+
+
+def _entry(i: int, raw: Any, where: str, constraint_only: bool) -> TableEntry:
+    allowed = CONSTRAINT_KEYS if constraint_only else TABLE_KEYS
+    if not isinstance(raw, dict):
+        raise CliError(f"{where}: entry {i} must be an object with keys {list(allowed)}, got {raw!r}")
+    name = raw.get("name")
+    at = f"{where}: entry {i}" + (f" ({name!r})" if isinstance(name, str) else "")
+    unknown = sorted(set(raw) - set(allowed))
+    if unknown:
+        raise CliError(f"{at}: unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
+    required = ("name",) if constraint_only else ("name", "rows", "dim")
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise CliError(f"{at}: missing {', '.join(missing)}")
+    if not isinstance(name, str) or not name:
+        raise CliError(f"{at}: name must be a non-empty string, got {name!r}")
+    rows = 0 if constraint_only else _positive_int(at, "rows", raw["rows"])
+    dim = 0 if constraint_only else _positive_int(at, "dim", raw["dim"])
+    features = raw.get("features", [name])
+    features = [features] if isinstance(features, str) else features
+    if not isinstance(features, list) or not features or not all(isinstance(f, str) and f for f in features):
+        raise CliError(f"{at}: features must be a non-empty list of names, got {raw.get('features')!r}")
+    pf = raw.get("pooling_factor")
+    pooling: Optional[Tuple[float, ...]] = None
+    if pf is not None:
+        vals = pf if isinstance(pf, list) else [pf] * len(features)
+        if len(vals) != len(features) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in vals
+        ):
+            raise CliError(
+                f"{at}: pooling_factor must be a positive number (ids per sample, for each feature) or a "
+                f"list with one per feature ({len(features)}), got {pf!r}"
+            )
+        pooling = tuple(float(v) for v in vals)
+    st = raw.get("sharding_types")
+    ck = raw.get("compute_kernels")
+    mp = raw.get("min_partition")
+    return TableEntry(
+        name=name, rows=rows, dim=dim, features=tuple(features), pooling_factor=pooling,
+        sharding_types=None if st is None else _choice_list(at, "sharding_types", st, SHARDING_TYPES),
+        compute_kernels=None if ck is None else _choice_list(at, "compute_kernels", ck, COMPUTE_KERNELS),
+        min_partition=None if mp is None else _positive_int(at, "min_partition", mp),
+    )
+
+
+def parse_table_entries(data: Any, where: str, constraint_only: bool = False) -> Tuple[TableEntry, ...]:
+    """Validate parsed table-file data: a list of table objects, or ``{"tables": [...]}``.
+
+    Raises :class:`CliError` naming the file, the entry and the key that is wrong, and on
+    duplicate table names or a feature used by two tables.
+    """
+    if isinstance(data, dict) and "tables" in data:
+        extra = sorted(set(data) - {"tables"})
+        if extra:
+            raise CliError(f"{where}: unknown top-level key(s) {extra}; the file holds {{\"tables\": [...]}}")
+        data = data["tables"]
+    if not isinstance(data, list) or not data:
+        raise CliError(f"{where}: expected a non-empty list of tables (or {{\"tables\": [...]}}), "
+                       f"got {type(data).__name__}")
+    entries = tuple(_entry(i, e, where, constraint_only) for i, e in enumerate(data))
+    names: Dict[str, int] = {}
+    features: Dict[str, str] = {}
+    for i, e in enumerate(entries):
+        if e.name in names:
+            raise CliError(f"{where}: table {e.name!r} appears twice (entries {names[e.name]} and {i})")
+        names[e.name] = i
+        if not constraint_only:
+            for f in e.features:
+                if f in features:
+                    raise CliError(f"{where}: feature {f!r} is used by tables {features[f]!r} and "
+                                   f"{e.name!r}; each feature looks up one table")
+                features[f] = e.name
+    return entries
+
+
+def _read_structured(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise CliError(f"file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read {path}: {e}") from None
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml  # type: ignore[import-untyped]
+        except ImportError:
+            raise CliError(f"{path}: reading YAML needs PyYAML (pip install pyyaml); or use a .json file") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise CliError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"{path}: not valid JSON: {e}") from None
+
+
+def load_table_file(path: str, constraint_only: bool = False) -> Tuple[TableEntry, ...]:
+    """Tables (or, with ``constraint_only``, per-table constraints) from a JSON or YAML file."""
+    return parse_table_entries(_read_structured(path), path, constraint_only)
+
+
+# ----------------------------------------------------------------------------------------------
+# topology
+# ----------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TopologySpec:
+    """A topology as the user names it: hardware preset (or calibrated profile JSON) and sizes.
+
+    ``local_world_size``, ``hbm_gib`` and ``ddr_gib`` default to the profile's values. On CPU
+    the rank's memory is host memory: ``hbm_gib`` (if given) is used as it.
+    """
+
+    hardware: str
+    world_size: int
+    local_world_size: Optional[int] = None
+    hbm_gib: Optional[float] = None
+    ddr_gib: Optional[float] = None
+
+    def profile(self) -> Any:
+        from torchrec_sparselift.cost.hardware import PRESETS, get_profile
+
+        try:
+            return get_profile(self.hardware)
+        except (ValueError, OSError, KeyError, TypeError) as e:
+            if self.hardware.endswith(".json") or os.path.sep in self.hardware:
+                raise CliError(f"cannot load hardware profile {self.hardware!r}: {e}") from None
+            raise CliError(
+                f"unknown topology {self.hardware!r}; choose one of {', '.join(sorted(PRESETS))} "
+                "or pass a calibrated profile .json (from `sparselift calibrate`)"
+            ) from None
+
+    def resolved(self) -> Tuple[str, int, int, int, int]:
+        """(compute device, world size, ranks per host, device bytes, host bytes per rank)."""
+        p = self.profile()
+        if self.world_size < 1:
+            raise CliError(f"--world-size must be >= 1, got {self.world_size}")
+        local = self.local_world_size or min(p.local_world_size, self.world_size)
+        if local < 1 or self.world_size % local:
+            raise CliError(
+                f"--world-size {self.world_size} is not a multiple of --local-world-size {local}; "
+                "set --local-world-size to the ranks per host"
+            )
+        for flag, v in (("--hbm-gib", self.hbm_gib), ("--ddr-gib", self.ddr_gib)):
+            if v is not None and not v > 0:
+                raise CliError(f"{flag} must be positive, got {v}")
+        gib = 2**30
+        ddr = int(self.ddr_gib * gib) if self.ddr_gib else int(p.ddr_cap_bytes)
+        if p.compute_device == "cpu":
+            ddr = int(self.hbm_gib * gib) if self.hbm_gib else ddr
+            return "cpu", self.world_size, local, 0, ddr
+        hbm = int(self.hbm_gib * gib) if self.hbm_gib else int(p.hbm_cap_bytes)
+        return p.compute_device, self.world_size, local, hbm, ddr
+
+    def topology(self) -> Any:
+        """A TorchRec ``Topology`` (TorchRec's default bandwidth constants; our profile prices)."""
+        from torchrec.distributed.planner.types import Topology
+
+        device, world, local, hbm, ddr = self.resolved()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if device == "cpu":
+                return Topology(world_size=world, local_world_size=local, compute_device="cpu", ddr_cap=ddr)
+            return Topology(world_size=world, local_world_size=local, compute_device=device,
+                            hbm_cap=hbm, ddr_cap=ddr)
+
+    def describe(self) -> str:
+        device, world, local, hbm, ddr = self.resolved()
+        mem = f"{ddr / 2**30:.0f} GiB/rank" if device == "cpu" else f"{hbm / 2**30:.0f} GiB HBM/rank"
+        return f"{self.hardware}: {world} {device} rank(s), {local} per host, {mem}"
+
+
+# ----------------------------------------------------------------------------------------------
+# planning inputs (stored in the plan so explain can rebuild them)
+# ----------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PlanInputs:
+    """Everything ``plan``/``compare`` planned from, as JSON-able values.
+
+    Exactly one of ``tables`` (from a table file), ``workload`` (a reference workload name) or
+    ``model`` (``module:factory``) is set. ``constraints`` override per-table constraints.
+    """
+
+    topology: TopologySpec
+    tables: Optional[Tuple[TableEntry, ...]] = None
+    workload: Optional[str] = None
+    model: Optional[str] = None
+    constraints: Tuple[TableEntry, ...] = ()
+    batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    allow_lossy_comm: bool = False
+    allow_staleness: bool = False
+    time_budget_s: float = 10.0
+    source: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        given = [x for x in (self.tables, self.workload, self.model) if x]
+        if len(given) != 1:
+            raise CliError("give exactly one input: --tables FILE, --workload NAME or --model MODULE:FACTORY")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise CliError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise CliError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+
+    def per_rank_batch(self) -> int:
+        if self.batch_size:
+            return self.batch_size
+        world = self.topology.world_size
+        if self.global_batch_size:
+            return max(1, self.global_batch_size // world)
+        if self.workload:
+            return _workload(self.workload).per_rank_batch(world)
+        return DEFAULT_BATCH_SIZE
+
+    def describe(self) -> str:
+        if self.tables:
+            return f"{len(self.tables)} tables from {self.source or 'a table file'}"
+        if self.workload:
+            return f"workload {self.workload}"
+        return f"model {self.model}"
+
+    def build(self) -> Tuple[Any, Dict[str, Any]]:
+        """(module on the meta device or as the factory made it, constraints by table name)."""
+        constraints: Dict[str, Any] = {}
+        if self.tables:
+            module = _tables_module(self.tables)
+            constraints = {e.name: e.constraints() for e in self.tables
+                           if e.pooling_factor or e.sharding_types or e.compute_kernels or e.min_partition}
+        elif self.workload:
+            wl = _workload(self.workload)
+            module = wl.module()
+            constraints = dict(wl.constraints())
+        else:
+            module = _load_model(self.model or "")
+        for c in self.constraints:
+            prev = constraints.get(c.name)
+            pooling = getattr(prev, "pooling_factors", None) if prev is not None else None
+            constraints[c.name] = c.constraints(pooling)
+        return module, constraints
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "schema": INPUTS_SCHEMA,
+            "topology": attrs.asdict(self.topology),
+            "tables": None if self.tables is None else [e.to_dict() for e in self.tables],
+            "workload": self.workload,
+            "model": self.model,
+            "constraints": [c.to_dict() for c in self.constraints],
+            "batch_size": self.per_rank_batch(),
+            "allow_lossy_comm": self.allow_lossy_comm,
+            "allow_staleness": self.allow_staleness,
+            "time_budget_s": self.time_budget_s,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PlanInputs":
+        if not isinstance(data, Mapping) or data.get("schema") != INPUTS_SCHEMA:
+            raise CliError(f"the plan's planner_info.inputs is not a {INPUTS_SCHEMA} record")
+        try:
+            return cls(
+                topology=TopologySpec(**data["topology"]),
+                tables=None if data.get("tables") is None else parse_table_entries(data["tables"], "stored inputs"),
+                workload=data.get("workload"),
+                model=data.get("model"),
+                constraints=parse_table_entries(data["constraints"], "stored constraints", True)
+                if data.get("constraints") else (),
+                batch_size=int(data["batch_size"]),
+                allow_lossy_comm=bool(data.get("allow_lossy_comm", False)),
+                allow_staleness=bool(data.get("allow_staleness", False)),
+                time_budget_s=float(data.get("time_budget_s", 10.0)),
+                source=str(data.get("source", "")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CliError(f"the plan's stored inputs are malformed: {type(e).__name__}: {e}") from None
+
+
+def _workload(name: str) -> Any:
+    from torchrec_sparselift.bench.workloads import by_name
+
+    try:
+        return by_name(name)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _tables_module(entries: Sequence[TableEntry]) -> Any:
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    try:
+        return EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=e.name, embedding_dim=e.dim, num_embeddings=e.rows,
+                                       feature_names=list(e.features)) for e in entries],
+            device=torch.device("meta"),
+        )
+    except (ValueError, AssertionError) as e:
+        raise CliError(f"TorchRec rejected the tables: {e}") from None
+
+
+def _load_model(spec: str) -> Any:
+    from torch import nn
+
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise CliError(f"--model must look like package.module:factory, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise CliError(f"cannot import {mod_name!r} for --model: {e}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise CliError(f"{mod_name!r} has no callable {fn_name!r} for --model")
+    model = fn()
+    if not isinstance(model, nn.Module):
+        raise CliError(f"--model {spec} returned {type(model).__name__}, not a torch nn.Module")
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# progress and output helpers
+# ----------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Tell the user (stderr) about a step only if it takes longer than ``after_s`` seconds,
+    then every ``every_s`` seconds until it ends, and how long it took."""
+
+    def __init__(self, what: str, quiet: bool = False, after_s: float = 2.0, every_s: float = 15.0) -> None:
+        self.what = what
+        self.quiet = quiet
+        self.after_s = after_s
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._shown = False
+        self._t0 = 0.0
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self) -> None:
+        if self._stop.wait(self.after_s):
+            return
+        self._shown = True
+        print(f"sparselift: {self.what} ...", file=sys.stderr, flush=True)
+        while not self._stop.wait(self.every_s):
+            print(f"sparselift: still {self.what} ({time.monotonic() - self._t0:.0f} s)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "Progress":
+        self._t0 = time.monotonic()
+        if not self.quiet:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._shown and exc[0] is None:
+            print(f"sparselift: {self.what}: done in {time.monotonic() - self._t0:.1f} s",
+                  file=sys.stderr, flush=True)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._t0
+
+
+def _write_text(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".sparselift-", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# argument parsing
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_input_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    g = p.add_argument_group("input (exactly one)" if required else "input (default: the inputs stored in the plan)")
+    g.add_argument("--tables", metavar="FILE", help="table file (.json, or .yaml with PyYAML): a list of "
+                   "{name, rows, dim, features?, pooling_factor?, sharding_types?, compute_kernels?, "
+                   "min_partition?}")
+    g.add_argument("--workload", metavar="NAME", help="reference workload: dcnv2, kaggle or production-N")
+    g.add_argument("--model", metavar="MODULE:FACTORY", help="importable function returning an nn.Module")
+    g.add_argument("--constraints", metavar="FILE", help="per-table constraints (same keys as a table file, "
+                   "without rows/dim) for --model or --workload")
+    t = p.add_argument_group("topology")
+    t.add_argument("--topology", metavar="NAME", default=None if not required else "h100",
+                   help="hardware preset (h100, h200, a100, cpu-gloo) or a calibrated profile .json "
+                   "(default h100)" if required else "hardware preset or profile .json")
+    t.add_argument("--world-size", type=int, default=None, help="number of ranks (default: one host)")
+    t.add_argument("--local-world-size", type=int, default=None, help="ranks per host (default: the preset's)")
+    t.add_argument("--hbm-gib", type=float, default=None, help="device memory per rank in GiB "
+                   "(CPU: the rank's memory)")
+    t.add_argument("--ddr-gib", type=float, default=None, help="host memory per rank in GiB")
+    b = p.add_argument_group("batch")
+    b.add_argument("--batch-size", type=int, default=None, help="per-rank batch size "
+                   f"(default: the workload's global batch / world size, else {DEFAULT_BATCH_SIZE})")
+    b.add_argument("--global-batch-size", type=int, default=None, help="global batch size (divided over ranks)")
+
+
+def _add_planner_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("planner")
+    g.add_argument("--time-budget", type=float, default=10.0, metavar="S", help="search time budget (default 10 s)")
+    g.add_argument("--allow-lossy-comm", action="store_true", help="allow fp16/bf16 embedding communication")
+    g.add_argument("--allow-staleness", action="store_true", help="allow the semi-sync pipeline (one-step-stale "
+                   "embeddings)")
+
+
+def _add_common(p: argparse.ArgumentParser, top: bool = False) -> None:
+    # subcommands must not reset a flag given before the command name
+    default = False if top else argparse.SUPPRESS
+    p.add_argument("--quiet", action="store_true", default=default, help="no progress messages on stderr")
+    p.add_argument("--debug", action="store_true", default=default, help="show tracebacks and library warnings")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparselift",
+        description="Plan TorchRec embedding sharding with SparseLift's cost model, compare with "
+        "TorchRec's planner, and explain plans.",
+        epilog="Run `sparselift COMMAND --help` for each command's options.",
+    )
+    _add_common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("plan", help="plan and write an ExecutionPlan JSON",
+                       description="Plan the input on the topology, write the ExecutionPlan JSON and print "
+                       "a summary table.")
+    _add_input_args(p)
+    _add_planner_args(p)
+    p.add_argument("--out", "-o", default="sparselift-plan.json", help="where to write the plan "
+                   "(default sparselift-plan.json)")
+    p.add_argument("--cache-dir", default=None, help="reuse a stored plan with the same inputs from this "
+                   "directory (and store new ones there)")
+    _add_common(p)
+
+    c = sub.add_parser("compare", help="SparseLift vs TorchRec's EmbeddingShardingPlanner, side by side",
+                       description="Plan the same input with SparseLift and TorchRec's EmbeddingShardingPlanner; "
+                       "score both plans under SparseLift's cost model and TorchRec's estimator; show lower "
+                       "bound, per-rank peak memory and planning time.")
+    _add_input_args(c)
+    _add_planner_args(c)
+    c.add_argument("--torchrec-timeout", type=float, default=None, metavar="S",
+                   help="TorchRec planner's timeout_seconds (default: none)")
+    c.add_argument("--json", default=None, metavar="FILE", help="also write the numbers as JSON")
+    _add_common(c)
+
+    e = sub.add_parser("explain", help="explain a plan: per-rank breakdown, critical path, per-table reasons",
+                       description="Explain an ExecutionPlan: per-rank compute/communication/memory, the "
+                       "critical path of a step, the gap to the lower bound, and for each large table the "
+                       "alternative shardings it beat (re-priced with the same cost model, not re-planned).")
+    e.add_argument("plan", help="ExecutionPlan JSON written by `sparselift plan`")
+    e.add_argument("--top", type=int, default=8, help="explain this many of the largest tables (default 8)")
+    e.add_argument("--png", default=None, metavar="FILE", help="also draw per-rank bars and a step timeline "
+                   "(needs matplotlib)")
+    _add_input_args(e, required=False)
+    _add_common(e)
+
+    sub.add_parser("calibrate", help="measure this machine and fit a hardware profile", add_help=False)
+    return parser
+
+
+def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] = "h100") -> PlanInputs:
+    given = [n for n in ("tables", "workload", "model") if getattr(args, n, None)]
+    if len(given) != 1:
+        raise CliError("give exactly one input: --tables FILE, --workload NAME or --model MODULE:FACTORY"
+                       + (f" (got {', '.join('--' + g for g in given)})" if given else ""))
+    if args.constraints and args.tables:
+        raise CliError("--constraints is for --model/--workload; put constraints in the table file instead")
+    tables = load_table_file(args.tables) if args.tables else None
+    constraints = load_table_file(args.constraints, constraint_only=True) if args.constraints else ()
+    hardware = args.topology or topology_default
+    spec = TopologySpec(hardware=hardware, world_size=1, local_world_size=args.local_world_size,
+                        hbm_gib=args.hbm_gib, ddr_gib=args.ddr_gib)
+    world = args.world_size or spec.profile().local_world_size
+    spec = attrs.evolve(spec, world_size=world)
+    spec.resolved()  # validate before importing torchrec
+    if args.workload:
+        _workload(args.workload)
+    return PlanInputs(
+        topology=spec, tables=tables, workload=args.workload, model=args.model, constraints=constraints,
+        batch_size=args.batch_size, global_batch_size=args.global_batch_size,
+        allow_lossy_comm=getattr(args, "allow_lossy_comm", False),
+        allow_staleness=getattr(args, "allow_staleness", False),
+        time_budget_s=float(getattr(args, "time_budget", 10.0)),
+        source=os.path.abspath(args.tables) if args.tables else "",
+    )
+
+
+def _import_torchrec(quiet: bool) -> None:
+    with Progress("importing torchrec", quiet):
+        import torchrec  # noqa: F401
+        import torchrec.distributed.planner  # noqa: F401
+
+
+def _planner(inputs: PlanInputs, constraints: Dict[str, Any], cache_dir: Optional[str] = None) -> Any:
+    from torchrec_sparselift.planner import SparseLiftPlanner
+
+    return SparseLiftPlanner(
+        topology=inputs.topology.topology(), batch_size=inputs.per_rank_batch(),
+        constraints=constraints or None, hardware=inputs.topology.profile(), debug=False,
+        time_budget_s=inputs.time_budget_s, allow_lossy_comm=inputs.allow_lossy_comm,
+        allow_staleness=inputs.allow_staleness, cache_dir=cache_dir,
+    )
+
+
+def _peak(values: Sequence[float]) -> float:
+    return max(values) if values else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# commands
+# ----------------------------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from torchrec_sparselift.explain import format_plan_table
+
+    inputs = _inputs_from_args(args)
+    _import_torchrec(args.quiet)
+    module, constraints = inputs.build()
+    planner = _planner(inputs, constraints, args.cache_dir)
+    what = f"planning {inputs.describe()} on {inputs.topology.describe()}"
+    with Progress(what, args.quiet):
+        ep = planner.plan_execution(module)
+    ep = attrs.evolve(ep, planner_info={**ep.planner_info, "inputs": inputs.to_dict()})
+    _write_text(args.out, ep.to_json(indent=1))
+    p = ep.prediction
+    hit = planner.last_cache_hit
+    print(f"SparseLift plan for {inputs.describe()} on {inputs.topology.describe()}, "
+          f"batch {inputs.per_rank_batch()}/rank" + (" (reused from cache)" if hit else ""))
+    print(f"  {ep.summary()}")
+    print(f"  predicted step {p.step_time_s * 1e3:.3f} ms, lower bound {p.lower_bound_s * 1e3:.3f} ms, "
+          f"planning {ep.planner_info.get('planning_time_s', 0.0):.2f} s")
+    peak_dev = _peak([r.hbm_bytes for r in p.per_rank])
+    peak_host = _peak([r.ddr_bytes for r in p.per_rank])
+    print(f"  peak per-rank memory: device {peak_dev / 2**30:.2f} GiB, host {peak_host / 2**30:.2f} GiB")
+    print()
+    print(format_plan_table(ep))
+    print()
+    print(f"wrote {args.out}; see why with: sparselift explain {args.out}")
+    return 0
+
+
+def _torchrec_scores(options: Sequence[Any], topology: Any, constraints: Dict[str, Any]) -> Tuple[float, List[float]]:
+    """TorchRec's estimator on copies of ``options``: (max over ranks of summed Perf.total in ms,
+    per-rank HBM bytes (DDR on CPU) by TorchRec's storage estimator)."""
+    import copy
+
+    from torchrec.distributed.planner.perf_models import NoopPerfModel
+    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+    from torchrec.distributed.planner.utils import build_sharder_data_map, sharder_name
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    opts = []
+    for o in options:
+        o2 = copy.copy(o)
+        o2.shards = [copy.copy(s) for s in o.shards]
+        opts.append(o2)
+    sdm = build_sharder_data_map({sharder_name(s.module_type): s for s in get_default_sharders()})
+    EmbeddingPerfEstimator(topology, constraints or None).estimate(opts, sdm)
+    EmbeddingStorageEstimator(topology, constraints or None).estimate(opts, sdm)
+    mem = [0.0] * topology.world_size
+    cpu = topology.compute_device == "cpu"
+    for o in opts:
+        for s in o.shards:
+            mem[s.rank] += float(s.storage.ddr if cpu else s.storage.hbm)
+    return float(NoopPerfModel(topology).rate(opts)), mem
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import PlannerError
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.explain import format_table
+    from torchrec_sparselift.planner import evaluate_sharding_plan
+
+    inputs = _inputs_from_args(args)
+    _import_torchrec(args.quiet)
+    module, constraints = inputs.build()
+    topo = inputs.topology.topology()
+    profile = inputs.topology.profile()
+    bs = inputs.per_rank_batch()
+    planner = _planner(inputs, constraints)
+    with Progress(f"planning with SparseLift ({inputs.describe()})", args.quiet):
+        t0 = time.monotonic()
+        ours = planner.plan_with_result(module)
+        ours_time = time.monotonic() - t0
+    s = ours.search
+    cols: Dict[str, Dict[str, Any]] = {"sparselift": {}, "torchrec": {}}
+    sl = cols["sparselift"]
+    sl["planning_time_s"] = ours_time
+    sl["optimizations"] = f"{s.pipeline}/{s.fwd_precision}/{s.bwd_precision}"
+    sl["step_s"] = s.step.total_s
+    sl["lower_bound_s"] = s.lower_bound_s
+    sl["peak_device_bytes"] = _peak([b["device_bytes"] for b in ours.rank_breakdown()])
+    base = evaluate_sharding_plan(module, ours.sharding_plan, topo, bs, constraints or None, hardware=profile)
+    sl["step_sparse_dist_s"] = base.search.step.total_s
+    try:
+        sl["torchrec_estimate_ms"], mem = _torchrec_scores(ours.sharding_options, topo, constraints)
+        sl["torchrec_peak_bytes"] = _peak(mem)
+    except Exception as e:  # TorchRec's estimator may not know an option; say so, keep going
+        sl["torchrec_estimate_error"] = f"{type(e).__name__}: {e}"
+
+    tr = cols["torchrec"]
+    sharders = get_default_sharders()
+    tr_planner = EmbeddingShardingPlanner(topology=topo, batch_size=bs, constraints=constraints or None,
+                                          timeout_seconds=int(args.torchrec_timeout) if args.torchrec_timeout else None)
+    with Progress("planning with TorchRec's EmbeddingShardingPlanner", args.quiet):
+        t0 = time.monotonic()
+        try:
+            tr_plan = tr_planner.plan(module, sharders)
+        except PlannerError as e:
+            tr_plan = None
+            tr["error"] = " ".join(str(e).split())[:300]
+        tr["planning_time_s"] = time.monotonic() - t0
+    if tr_plan is not None:
+        ev = evaluate_sharding_plan(module, tr_plan, topo, bs, constraints or None, hardware=profile)
+        tr["optimizations"] = "sparse_dist/fp32/fp32"
+        tr["step_s"] = ev.search.step.total_s
+        tr["step_sparse_dist_s"] = ev.search.step.total_s
+        tr["lower_bound_s"] = ev.search.lower_bound_s
+        tr["peak_device_bytes"] = _peak([b["device_bytes"] for b in ev.rank_breakdown()])
+        best = getattr(tr_planner, "_best_plan", None)
+        if best:
+            try:
+                tr["torchrec_estimate_ms"], mem = _torchrec_scores(best, topo, constraints)
+                tr["torchrec_peak_bytes"] = _peak(mem)
+            except Exception as e:
+                tr["torchrec_estimate_error"] = f"{type(e).__name__}: {e}"
+        tr["proposals"] = getattr(tr_planner, "_num_proposals", None)
+
+    def ms(d: Dict[str, Any], k: str) -> str:
+        return f"{d[k] * 1e3:.3f}" if k in d and d[k] == d[k] else "n/a"
+
+    def gib(d: Dict[str, Any], k: str) -> str:
+        return f"{d[k] / 2**30:.2f}" if k in d else "n/a"
+
+    def ratio(k: str, scale: float = 1.0) -> str:
+        if k in sl and k in tr and sl[k]:
+            return f"{tr[k] / sl[k]:.2f}x"
+        return ""
+
+    lb = sl["lower_bound_s"]
+    rows = [
+        ["SparseLift model: step, chosen optimizations (ms)", ms(sl, "step_s"), ms(tr, "step_s"), ratio("step_s")],
+        ["  optimizations", sl["optimizations"], tr.get("optimizations", "n/a"), ""],
+        ["SparseLift model: step, sparse_dist/fp32 (ms)", ms(sl, "step_sparse_dist_s"), ms(tr, "step_sparse_dist_s"),
+         ratio("step_sparse_dist_s")],
+        ["  lower bound (ms)", f"{lb * 1e3:.3f}", f"{lb * 1e3:.3f}", ""],
+        ["  gap to lower bound", f"{sl['step_s'] / lb - 1:.1%}" if lb else "n/a",
+         f"{tr['step_s'] / lb - 1:.1%}" if lb and "step_s" in tr else "n/a", ""],
+        ["TorchRec estimator: slowest rank (ms)",
+         f"{sl['torchrec_estimate_ms']:.3f}" if "torchrec_estimate_ms" in sl else "n/a",
+         f"{tr['torchrec_estimate_ms']:.3f}" if "torchrec_estimate_ms" in tr else "n/a", ratio("torchrec_estimate_ms")],
+        ["peak device memory/rank, SparseLift model (GiB)", gib(sl, "peak_device_bytes"), gib(tr, "peak_device_bytes"), ""],
+        ["peak memory/rank, TorchRec estimator (GiB)", gib(sl, "torchrec_peak_bytes"), gib(tr, "torchrec_peak_bytes"), ""],
+        ["planning time (s)", f"{sl['planning_time_s']:.2f}", f"{tr['planning_time_s']:.2f}", ratio("planning_time_s")],
+    ]
+    print(f"{inputs.describe()} on {inputs.topology.describe()}, batch {bs}/rank")
+    print(format_table(["", "SparseLift", "TorchRec", "TorchRec/SparseLift"], rows, "<>>>"))
+    if "error" in tr:
+        print(f"TorchRec planner failed: {tr['error']}")
+    for name, d in (("SparseLift", sl), ("TorchRec", tr)):
+        if "torchrec_estimate_error" in d:
+            print(f"TorchRec estimator could not price the {name} plan: {d['torchrec_estimate_error']}")
+    print("(TorchRec's plan is priced under SparseLift's model with TrainPipelineSparseDist and fp32 comms, "
+          "its default runtime; the lower bound is SparseLift's, for the sparse_dist/fp32 row it is for the "
+          "chosen optimizations.)")
+    if args.json:
+        _write_text(args.json, json.dumps({"inputs": inputs.to_dict(), **cols}, indent=1, default=str))
+    return 0
+
+
+def _explain_inputs(args: argparse.Namespace, ep: Any) -> Optional[PlanInputs]:
+    if args.tables or args.workload or args.model:
+        return _inputs_from_args(args)
+    stored = ep.planner_info.get("inputs")
+    if stored is None:
+        return None
+    inputs = PlanInputs.from_dict(stored)
+    if args.topology or args.world_size or args.batch_size:
+        raise CliError("topology/batch flags for explain need an input too (--tables, --workload or --model)")
+    return inputs
+
+
+def _device_caps(inputs: PlanInputs, module: Any, constraints: Dict[str, Any]) -> Tuple[Any, Any]:
+    """Per-rank memory limits as SparseLiftPlanner computes them (storage reservation applied)."""
+    import numpy as np
+    from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    topo = inputs.topology.topology()
+    reserved = HeuristicalStorageReservation(percentage=0.15).reserve(
+        topo, inputs.per_rank_batch(), module, get_default_sharders(), constraints or None)
+    if topo.compute_device == "cpu":
+        dev = np.array([d.storage.ddr for d in reserved.devices], dtype=float)
+        return dev, dev.copy()
+    return (np.array([d.storage.hbm for d in reserved.devices], dtype=float),
+            np.array([d.storage.ddr for d in reserved.devices], dtype=float))
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from torchrec_sparselift.explain import (
+        explain_tables, format_rank_breakdown, format_tables, format_timeline, render_png, step_timeline,
+    )
+
+    if args.top < 0:
+        raise CliError(f"--top must be >= 0, got {args.top}")
+    if not os.path.isfile(args.plan):
+        raise CliError(f"plan file {args.plan!r} does not exist")
+    _import_torchrec(args.quiet)
+    from torchrec_sparselift.plan import ExecutionPlan, PlanFormatError
+
+    try:
+        with open(args.plan, encoding="utf-8") as f:
+            ep = ExecutionPlan.from_json(f.read())
+    except (PlanFormatError, UnicodeDecodeError) as e:
+        raise CliError(f"{args.plan}: not a SparseLift execution plan: {e}") from None
+    p = ep.prediction
+    o = ep.optimizations
+    print(f"{args.plan}: {ep.summary()}")
+    lb_txt = f"{p.lower_bound_s * 1e3:.3f} ms" if p.lower_bound_s > 0 else "n/a"
+    print(f"step {p.step_time_s * 1e3:.3f} ms, lower bound {lb_txt}, gap {p.gap:.1%}"
+          + ("  (the plan is within this of the best possible under the model)" if p.lower_bound_s > 0 else ""))
+    print()
+    print("Per-rank breakdown (modelled; busy = compute + exposed comm):")
+    print(format_rank_breakdown(p))
+    busiest = max(p.per_rank, key=lambda r: r.step_s, default=None)
+    if busiest is not None:
+        print(f"busiest rank {busiest.rank}: {busiest.step_s * 1e3:.3f} ms busy "
+              f"({busiest.exposed_comm_s / max(busiest.step_s, 1e-30):.0%} exposed communication)")
+
+    inputs = _explain_inputs(args, ep)
+    segments = None
+    if inputs is None:
+        print("\nThis plan carries no planning inputs (it was not written by `sparselift plan`): pass "
+              "--tables/--workload/--model and topology flags to see the critical path and per-table reasons.")
+    else:
+        module, constraints = inputs.build()
+        topo = inputs.topology.topology()
+        profile = inputs.topology.profile()
+        from torchrec_sparselift.planner import evaluate_sharding_plan
+
+        with Progress("re-pricing the plan", args.quiet):
+            planner = _planner(inputs, constraints)
+            why = planner.fingerprint(module).mismatch(ep.fingerprint)
+            if why:
+                print(f"\nnote: the inputs differ from the ones this plan was made for ({why}); the "
+                      "explanation below prices the plan on the current inputs")
+            try:
+                evaluated = evaluate_sharding_plan(
+                    module, ep.sharding_plan, topo, inputs.per_rank_batch(), constraints or None,
+                    hardware=profile, pipeline=o.pipeline, fwd_precision=o.fwd_comm_precision,
+                    bwd_precision=o.bwd_comm_precision)
+            except ValueError as e:
+                raise CliError(f"the plan does not match its inputs: {e}") from None
+            dev_cap, host_cap = _device_caps(inputs, module, constraints)
+            expl = explain_tables(evaluated, dev_cap, host_cap, top=args.top)
+        step = evaluated.search.step
+        supports = getattr(evaluated.profile, "supports_overlap", True)
+        segments = step_timeline(step.phases, step.pipeline, supports)
+        if abs(step.total_s - p.step_time_s) > 1e-6 * max(p.step_time_s, 1e-12):
+            print(f"\nnote: re-priced step {step.total_s * 1e3:.3f} ms differs from the stored "
+                  f"{p.step_time_s * 1e3:.3f} ms (cost model or inputs changed since planning)")
+        print(f"\nCritical path of one step (pipeline {step.pipeline}"
+              + ("" if supports else "; this hardware does not overlap, so every pipeline runs as base")
+              + "):")
+        print(format_timeline(segments, step.total_s))
+        if p.lower_bound_s > 0:
+            print(f"gap to the lower bound: {(step.total_s - p.lower_bound_s) * 1e3:.3f} ms ({p.gap:.1%}); "
+                  "the bound assumes perfectly divisible work, so part of the gap may be unreachable")
+        if expl:
+            print(f"\nWhy the {len(expl)} largest tables got their sharding (each alternative priced on its "
+                  "best ranks with the rest of the plan fixed):")
+            print(format_tables(expl))
+    if args.png:
+        if segments is None:
+            raise CliError("--png needs the step timeline: give the plan's inputs (see the note above)")
+        try:
+            render_png(p, segments, args.png, title=f"{os.path.basename(args.plan)}: {ep.summary()}")
+        except ImportError as e:
+            raise CliError(str(e)) from None
+        except OSError as e:
+            raise CliError(f"cannot write {args.png}: {e}") from None
+        print(f"\nwrote {args.png}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def _quiet_libraries(debug: bool) -> None:
+    cache_log = logging.getLogger("torchrec_sparselift.plan.cache")
+    if not any(getattr(h, "_sparselift_cli", False) for h in cache_log.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("sparselift: %(message)s"))
+        h._sparselift_cli = True  # type: ignore[attr-defined]
+        cache_log.addHandler(h)
+        cache_log.setLevel(logging.INFO)
+        cache_log.propagate = False
+    if debug:
+        return
+    warnings.filterwarnings("ignore")
+    for name in ("torchrec", "fbgemm_gpu", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("torchrec_sparselift.planner").setLevel(logging.ERROR)
+
+
+def _planning_errors() -> Tuple[type, ...]:
+    try:
+        from torchrec.distributed.planner.types import PlannerError
+
+        return (PlannerError,)
+    except ImportError:
+        return ()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``sparselift`` command line; returns the exit code (0 ok, 1 no plan, 2 bad input)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "calibrate":
+        from torchrec_sparselift.cost.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    debug = bool(args.debug)
+    _quiet_libraries(debug)
+    cmd = {"plan": cmd_plan, "compare": cmd_compare, "explain": cmd_explain}[args.command]
+    prefix = f"sparselift {args.command}: error:"
+    try:
+        return cmd(args)
+    except CliError as e:
+        if debug:
+            raise
+        print(f"{prefix} {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"sparselift {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place that turns errors into messages
+        if debug:
+            raise
+        planning = _planning_errors()
+        if planning and isinstance(e, planning):
+            msg = getattr(e, "message", None) or str(e)
+            print(f"{prefix} no plan fits: {msg}", file=sys.stderr)
+            return 1
+        if isinstance(e, (ValueError, OSError, ImportError, TypeError)):
+            print(f"{prefix} {e}", file=sys.stderr)
+            return 2
+        print(f"{prefix} {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,468 @@
+"""Explain a plan: where the step time goes, what bounds it, and why each big table got its sharding.
+
+Everything here reads values (an :class:`~torchrec_sparselift.plan.ExecutionPlan`, a
+:class:`~torchrec_sparselift.cost.model.StepTime`, a :class:`~torchrec_sparselift.planner.PlanResult`
+from :func:`~torchrec_sparselift.planner.evaluate_sharding_plan`) and returns values or text;
+:func:`render_png` is the only function with a side effect (it writes a file, and needs
+matplotlib: ``pip install matplotlib``).
+
+* :func:`step_timeline` lays one steady-state step out as segments on lanes, following the overlap
+  rules of :func:`~torchrec_sparselift.cost.model.step_time`; the critical segments end exactly at
+  the modelled step time, so the picture and the number agree.
+* :func:`explain_tables` re-prices each large table's other candidate shardings with the same
+  incremental evaluator the search used (the rest of the plan fixed, best placement for each
+  candidate, per-rank memory limits enforced): the alternatives the chosen sharding beat, and by
+  how much.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import attrs
+import numpy as np
+
+__all__ = [
+    "Segment",
+    "Alternative",
+    "TableExplanation",
+    "step_timeline",
+    "critical_path",
+    "explain_tables",
+    "format_plan_table",
+    "format_rank_breakdown",
+    "format_timeline",
+    "format_tables",
+    "render_png",
+]
+
+PHASE_ORDER = (
+    "input_dist", "uvm_fetch", "lookup", "output_dist", "dense_fwd", "dense_bwd", "grad_dist",
+    "backward_update", "allreduce",
+)
+COMM_PHASES = ("input_dist", "uvm_fetch", "output_dist", "grad_dist", "allreduce")
+
+
+@attrs.frozen
+class Segment:
+    """One phase of a step on a lane, in seconds from the start of the step.
+
+    ``critical`` segments form the chain that sets the step time; the others run hidden behind
+    them (``hidden_by`` names what they overlap). ``next_batch`` marks work done for the next
+    batch (pipelined ahead).
+    """
+
+    phase: str
+    lane: str
+    start_s: float
+    duration_s: float
+    critical: bool
+    hidden_by: str = ""
+    next_batch: bool = False
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.duration_s
+
+
+def _seq(names: Sequence[Tuple[str, float]], lane: str, start: float, **kw: Any) -> Tuple[List[Segment], float]:
+    out = []
+    t = start
+    for name, dur in names:
+        if dur > 0:
+            out.append(Segment(name, lane, t, dur, **kw))
+            t += dur
+    return out, t
+
+
+def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: bool = True) -> Tuple[Segment, ...]:
+    """Segments of one steady-state step under ``pipeline``'s overlap rules.
+
+    Mirrors :func:`torchrec_sparselift.cost.model.step_time`: the end of the last critical segment
+    equals its ``total_s`` for the same phases (tested). The gradient all-reduce overlaps the
+    dense backward; only the part longer than the dense backward is exposed (``allreduce``
+    critical tail). Hardware without overlap runs every pipeline as ``base``.
+    """
+    ph = {k: float(phases.get(k, 0.0)) for k in PHASE_ORDER}
+    ar_hidden = min(ph["allreduce"], ph["dense_bwd"])
+    ar_exposed = max(0.0, ph["allreduce"] - ph["dense_bwd"])
+    kind = pipeline if supports_overlap else "base"
+    segs: List[Segment] = []
+
+    emb_fwd = [("uvm_fetch", ph["uvm_fetch"]), ("lookup", ph["lookup"]), ("output_dist", ph["output_dist"])]
+    emb_bwd = [("grad_dist", ph["grad_dist"]), ("backward_update", ph["backward_update"])]
+
+    if kind == "base":
+        s, t = _seq([("input_dist", ph["input_dist"])] + emb_fwd, "main", 0.0, critical=True)
+        segs.extend(s)
+        t = dense_with_allreduce_into(segs, t, ph, ar_hidden)
+        s, t = _seq(emb_bwd + [("allreduce", ar_exposed)], "main", t, critical=True)
+        segs.extend(s)
+    elif kind in ("sparse_dist", "prefetch"):
+        ahead = [("input_dist", ph["input_dist"])]
+        body = emb_fwd
+        if kind == "prefetch":
+            ahead.append(("uvm_fetch", ph["uvm_fetch"]))
+            body = emb_fwd[1:]
+        s, t = _seq(body, "main", 0.0, critical=True)
+        main = list(s)
+        t = dense_with_allreduce_into(main, t, ph, ar_hidden)
+        s, t = _seq(emb_bwd + [("allreduce", ar_exposed)], "main", t, critical=True)
+        main.extend(s)
+        ahead_total = sum(d for _, d in ahead)
+        ahead_critical = ahead_total > t
+        pre, _ = _seq(ahead, "next batch", 0.0, critical=ahead_critical,
+                      hidden_by="" if ahead_critical else "the step's lookup/dense/backward",
+                      next_batch=True)
+        if ahead_critical:
+            main = [attrs.evolve(m, critical=False, hidden_by="the next batch's " + "+".join(n for n, _ in ahead))
+                    if m.lane == "main" else m for m in main]
+        segs.extend(pre + main)
+    elif kind == "fused":
+        s, t = _seq(emb_fwd, "main", 0.0, critical=True)
+        main = list(s)
+        t = dense_with_allreduce_into(main, t, ph, ar_hidden)
+        bwd_len = sum(d for _, d in emb_bwd)
+        emb_critical = bwd_len >= ar_exposed
+        s1, t1 = _seq(emb_bwd, "main", t, critical=emb_critical,
+                      hidden_by="" if emb_critical else "allreduce")
+        s2, t2 = _seq([("allreduce", ar_exposed)], "comm", t, critical=not emb_critical,
+                      hidden_by="" if not emb_critical else "embedding backward")
+        main.extend(s1 + s2)
+        end = max(t1, t2)
+        pre, _ = _seq([("input_dist", ph["input_dist"])], "next batch", 0.0,
+                      critical=ph["input_dist"] > end, next_batch=True,
+                      hidden_by="" if ph["input_dist"] > end else "the step")
+        if ph["input_dist"] > end:
+            main = [attrs.evolve(m, critical=False, hidden_by="the next batch's input_dist") for m in main]
+        segs.extend(pre + main)
+    elif kind == "semi_sync":
+        fwd_len = sum(d for _, d in emb_fwd)
+        dense_len = ph["dense_fwd"] + ph["dense_bwd"]
+        dense_critical = dense_len >= fwd_len
+        main: List[Segment] = []
+        t_dense = dense_with_allreduce_into(main, 0.0, ph, ar_hidden, critical=dense_critical)
+        pre, t_fwd = _seq(emb_fwd, "next batch", 0.0, critical=not dense_critical, next_batch=True,
+                          hidden_by="" if not dense_critical else "dense fwd/bwd")
+        if not dense_critical:
+            main = [attrs.evolve(m, hidden_by="next batch's embedding forward") if m.lane == "main" else m
+                    for m in main]
+        t = max(t_dense, t_fwd)
+        s, t = _seq(emb_bwd + [("allreduce", ar_exposed)], "main", t, critical=True)
+        main.extend(s)
+        end = t
+        inp, _ = _seq([("input_dist", ph["input_dist"])], "input", 0.0,
+                      critical=ph["input_dist"] > end, next_batch=True,
+                      hidden_by="" if ph["input_dist"] > end else "the step")
+        if ph["input_dist"] > end:
+            main = [attrs.evolve(m, critical=False, hidden_by="input_dist") for m in main]
+            pre = [attrs.evolve(m, critical=False, hidden_by="input_dist") for m in pre]
+        segs.extend(inp + pre + main)
+    else:
+        raise ValueError(f"unknown pipeline {pipeline!r}")
+    return tuple(segs)
+
+
+def dense_with_allreduce_into(out: List[Segment], start: float, ph: Mapping[str, float],
+                              ar_hidden: float, critical: bool = True) -> float:
+    """Append dense forward, dense backward (and the all-reduce hidden under it) from ``start``;
+    return the end of the dense backward."""
+    t = start
+    if ph["dense_fwd"] > 0:
+        out.append(Segment("dense_fwd", "main", t, ph["dense_fwd"], critical))
+        t += ph["dense_fwd"]
+    if ph["dense_bwd"] > 0:
+        out.append(Segment("dense_bwd", "main", t, ph["dense_bwd"], critical))
+    if ar_hidden > 0:
+        out.append(Segment("allreduce", "comm", t, ar_hidden, False, hidden_by="dense_bwd"))
+    return t + ph["dense_bwd"]
+
+
+def critical_path(segments: Sequence[Segment]) -> Tuple[Segment, ...]:
+    """The critical segments in time order; their last end is the step time."""
+    return tuple(sorted((s for s in segments if s.critical), key=lambda s: (s.start_s, s.lane)))
+
+
+def timeline_end(segments: Sequence[Segment]) -> float:
+    return max((s.end_s for s in segments), default=0.0)
+
+
+# ------------------------------------------------------------------------------------------
+# per-table alternatives
+# ------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Alternative:
+    """Another candidate sharding for one table, priced with everything else fixed.
+
+    ``step_s`` is the modelled step time with the table sharded this way on its best ranks;
+    ``None`` when it does not fit in per-rank memory next to the other tables.
+    """
+
+    label: str
+    step_s: Optional[float]
+    ranks: Tuple[int, ...] = ()
+
+
+@attrs.frozen
+class TableExplanation:
+    """Why one table got its sharding: the chosen option and the alternatives it beat."""
+
+    fqn: str
+    rows: int
+    dim: int
+    weight_bytes: int
+    chosen: str
+    ranks: Tuple[int, ...]
+    step_s: float
+    work_s: float
+    alternatives: Tuple[Alternative, ...]
+
+    def best_alternative(self) -> Optional[Alternative]:
+        fits = [a for a in self.alternatives if a.step_s is not None]
+        return min(fits, key=lambda a: a.step_s) if fits else None
+
+
+def _label(cand: Any) -> str:
+    return f"{cand.sharding_type}/{cand.compute_kernel} x{cand.num_shards}"
+
+
+def explain_tables(
+    evaluated: Any,
+    device_cap: np.ndarray,
+    host_cap: np.ndarray,
+    top: int = 8,
+) -> List[TableExplanation]:
+    """For the ``top`` tables with the most work, price every other candidate sharding.
+
+    ``evaluated`` is a :class:`~torchrec_sparselift.planner.PlanResult` from
+    :func:`~torchrec_sparselift.planner.evaluate_sharding_plan` (its ``problem`` holds each
+    table's enumerated candidates plus the plan's own option; ``search.assignment`` the plan).
+    ``device_cap``/``host_cap`` are the per-rank memory limits the planner used. The plan is
+    loaded into a fresh :class:`~torchrec_sparselift.cost.evaluator.PlanEvaluator`; for one
+    table at a time the table is lifted out and each candidate is placed on its best ranks
+    (:func:`~torchrec_sparselift.search.place.best_placement`) and priced. Nothing is re-planned.
+    """
+    from torchrec_sparselift.search.place import best_placement
+    from torchrec_sparselift.search.solve import new_evaluator
+
+    prob = attrs.evolve(evaluated.problem, device_cap=np.asarray(device_cap, dtype=float),
+                        host_cap=np.asarray(host_cap, dtype=float))
+    s = evaluated.search
+    ev = new_evaluator(prob, s.pipeline, s.fwd_precision, s.bwd_precision)
+    for t, (cid, ranks) in enumerate(s.assignment):
+        ev.assign(t, cid, ranks)
+    current = ev.objective()
+    work = [prob.shard_time(cid) * len(ranks) for cid, ranks in s.assignment]
+    order = sorted(range(prob.num_tables), key=lambda t: (-work[t], t))[: max(0, top)]
+    out = []
+    for t in order:
+        cid, ranks = s.assignment[t]
+        chosen = prob.cands[cid]
+        ev.unassign(t)
+        alts: Dict[str, Alternative] = {}
+        for alt in prob.candidates[t]:
+            c = prob.cands[alt]
+            if c.key == chosen.key:
+                continue
+            got = best_placement(ev, prob, t, alt)
+            a = Alternative(_label(c), None if got is None else float(got[1]),
+                            () if got is None else tuple(int(r) for r in got[0]))
+            prev = alts.get(a.label)
+            if prev is None or (a.step_s is not None and (prev.step_s is None or a.step_s < prev.step_s)):
+                alts[a.label] = a
+        ev.assign(t, cid, ranks)
+        spec = prob.specs[t]
+        out.append(TableExplanation(
+            fqn=spec.fqn, rows=spec.num_embeddings, dim=spec.embedding_dim,
+            weight_bytes=spec.weight_bytes, chosen=_label(chosen), ranks=tuple(int(r) for r in ranks),
+            step_s=float(current), work_s=float(work[t]),
+            alternatives=tuple(sorted(alts.values(), key=lambda a: (a.step_s is None, a.step_s or 0.0, a.label))),
+        ))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# text
+# ------------------------------------------------------------------------------------------
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3f}"
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f}"
+
+
+def _ranks(r: Sequence[int]) -> str:
+    r = list(r)
+    if len(r) > 3 and r == list(range(r[0], r[0] + len(r))):
+        return f"{r[0]}..{r[-1]}"
+    if len(r) > 8:
+        return ",".join(map(str, r[:8])) + f",... ({len(r)})"
+    return ",".join(map(str, r))
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """A plain fixed-width table; ``align`` holds '<' or '>' per column (default: first left)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    al = align or ("<" + ">" * (len(header) - 1))
+    lines = []
+    for n, r in enumerate(cells):
+        lines.append("  ".join(f"{c:{al[i]}{widths[i]}}" for i, c in enumerate(r)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_plan_table(ep: Any) -> str:
+    """One row per table of an ExecutionPlan: sharding, kernel, shards, ranks, shard shape."""
+    rows = []
+    for module_path, mod in sorted(ep.sharding_plan.plan.items()):
+        for name, ps in sorted(mod.items()):
+            fqn = f"{module_path}.{name}" if module_path else name
+            shards = getattr(getattr(ps, "sharding_spec", None), "shards", None) or []
+            shape = "x".join(map(str, shards[0].shard_sizes)) if shards else "-"
+            rows.append([fqn, ps.sharding_type, ps.compute_kernel, len(ps.ranks or []),
+                         _ranks(ps.ranks or []), shape])
+    return format_table(["table", "sharding", "kernel", "shards", "ranks", "shard shape"], rows, "<<<><<")
+
+
+def format_rank_breakdown(prediction: Any, max_rows: int = 64) -> str:
+    """Per rank: compute, exposed and overlapped communication (ms), device and host memory (GiB).
+    With more ranks than ``max_rows``, the busiest ranks are shown and the rest summarised."""
+    per = list(prediction.per_rank)
+    order = per
+    note = ""
+    if len(per) > max_rows:
+        order = sorted(per, key=lambda r: -(r.compute_s + r.exposed_comm_s))[:max_rows]
+        order.sort(key=lambda r: r.rank)
+        note = f"\n({len(per) - max_rows} less busy ranks not shown)"
+    rows = [[r.rank, _ms(r.compute_s), _ms(r.exposed_comm_s), _ms(r.overlapped_comm_s),
+             _ms(r.compute_s + r.exposed_comm_s), _gib(r.hbm_bytes), _gib(r.ddr_bytes)] for r in order]
+    return format_table(["rank", "compute ms", "exposed comm ms", "overlapped ms", "busy ms",
+                         "device GiB", "host GiB"], rows) + note
+
+
+def format_timeline(segments: Sequence[Segment], total_s: float) -> str:
+    """The step's phases in time order: start, duration, and whether they are on the critical path."""
+    rows = []
+    for s in sorted(segments, key=lambda s: (s.start_s, not s.critical, s.lane)):
+        what = "critical" if s.critical else f"hidden behind {s.hidden_by}" if s.hidden_by else "hidden"
+        lane = s.lane + (" (next batch)" if s.next_batch and s.lane != "next batch" else "")
+        rows.append([s.phase, lane, _ms(s.start_s), _ms(s.duration_s), _ms(s.end_s), what])
+    crit = critical_path(segments)
+    chain = " -> ".join(f"{s.phase} {_ms(s.duration_s)}" for s in crit)
+    return (format_table(["phase", "lane", "start ms", "ms", "end ms", ""], rows, "<<>>><")
+            + f"\ncritical path ({_ms(total_s)} ms): {chain}")
+
+
+def format_tables(expl: Sequence[TableExplanation]) -> str:
+    """Per large table: chosen sharding and each alternative's step time relative to it."""
+    lines = []
+    for e in expl:
+        lines.append(f"{e.fqn} ({e.rows:,} x {e.dim}, {_gib(e.weight_bytes)} GiB): {e.chosen} on ranks "
+                     f"{_ranks(e.ranks)}  [step {_ms(e.step_s)} ms]")
+        if not e.alternatives:
+            lines.append("    no other sharding was allowed for this table")
+        for a in e.alternatives:
+            if a.step_s is None:
+                lines.append(f"    {a.label:<34} does not fit in per-rank memory next to the other tables")
+                continue
+            d = a.step_s - e.step_s
+            rel = d / e.step_s if e.step_s else 0.0
+            if d > 1e-12:
+                verdict = f"+{_ms(d)} ms ({rel:+.1%}) slower"
+            elif d < -1e-12:
+                verdict = f"{_ms(d)} ms ({rel:+.1%}) FASTER: the plan is not locally optimal here"
+            else:
+                verdict = "same step time (tie; the chosen one balances ranks better or came first)"
+            lines.append(f"    {a.label:<34} {_ms(a.step_s)} ms  {verdict}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------
+# picture
+# ------------------------------------------------------------------------------------------
+
+_COLORS = {
+    "compute": "#4C72B0", "exposed": "#C44E52", "overlapped": "#F2B880",
+    "input_dist": "#DD8452", "uvm_fetch": "#937860", "lookup": "#4C72B0", "output_dist": "#C44E52",
+    "dense_fwd": "#55A868", "dense_bwd": "#2E7D32", "grad_dist": "#E377C2",
+    "backward_update": "#8172B3", "allreduce": "#8C8C8C",
+}
+
+
+def render_png(prediction: Any, segments: Sequence[Segment], path: str, title: str = "") -> str:
+    """Write a PNG with per-rank stacked bars (compute / exposed comm / overlapped comm, with the
+    step time and lower bound as lines) above a timeline of one step. Returns ``path``.
+
+    Raises ``ImportError`` with the install command when matplotlib is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("the PNG needs matplotlib: pip install matplotlib "
+                          "(or pip install 'torchrec_sparselift[plot]')") from e
+    per = list(prediction.per_rank)
+    ranks = [r.rank for r in per]
+    comp = np.array([r.compute_s for r in per]) * 1e3
+    exp_ = np.array([r.exposed_comm_s for r in per]) * 1e3
+    ovl = np.array([r.overlapped_comm_s for r in per]) * 1e3
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8.0, min(20.0, 0.25 * len(per) + 6)), 8.5),
+                                   gridspec_kw={"height_ratios": [3, 2]})
+    if len(title) > 80:  # wrap long titles at a comma
+        cut = title.rfind(",", 0, 80)
+        title = title[: cut + 1] + "\n" + title[cut + 1:].strip() if cut > 0 else title
+    width = 0.8
+    ax1.bar(ranks, comp, width, color=_COLORS["compute"], label="compute")
+    ax1.bar(ranks, exp_, width, bottom=comp, color=_COLORS["exposed"], label="exposed comm")
+    ax1.bar(ranks, ovl, width, bottom=comp + exp_, color=_COLORS["overlapped"], hatch="//",
+            alpha=0.7, label="overlapped comm")
+    ax1.axhline(prediction.step_time_s * 1e3, color="black", lw=1.2,
+                label=f"step {prediction.step_time_s * 1e3:.3f} ms")
+    if prediction.lower_bound_s > 0:
+        ax1.axhline(prediction.lower_bound_s * 1e3, color="black", ls="--", lw=1,
+                    label=f"lower bound {prediction.lower_bound_s * 1e3:.3f} ms")
+    top = max([prediction.step_time_s * 1e3] + list(comp + exp_ + ovl))
+    ax1.set_ylim(0, 1.3 * top if top > 0 else 1.0)
+    ax1.set_xlabel("rank")
+    ax1.set_ylabel("ms per step")
+    ax1.set_title(title or "per-rank breakdown", fontsize=10)
+    ax1.legend(loc="upper left", fontsize=8, ncol=3)
+    if len(per) <= 32:
+        ax1.set_xticks(ranks)
+
+    lanes: List[str] = []
+    for s in segments:
+        if s.lane not in lanes:
+            lanes.append(s.lane)
+    for s in segments:
+        y = lanes.index(s.lane)
+        ax2.barh(y, s.duration_s * 1e3, left=s.start_s * 1e3, height=0.6,
+                 color=_COLORS.get(s.phase, "#777777"), alpha=1.0 if s.critical else 0.45,
+                 edgecolor="black" if s.critical else "none", lw=0.8)
+    total = timeline_end([s for s in segments if s.critical]) or timeline_end(segments)
+    for s in segments:
+        if s.duration_s * 1e3 > 0.06 * max(total * 1e3, 1e-12):
+            ax2.text((s.start_s + s.duration_s / 2) * 1e3, lanes.index(s.lane), s.phase,
+                     ha="center", va="center", fontsize=7)
+    ax2.set_yticks(range(len(lanes)))
+    ax2.set_yticklabels(lanes)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("ms from step start (solid outline: critical path; faded: hidden by overlap)")
+    ax2.set_title("one steady-state step")
+    present = [p for p in PHASE_ORDER if any(s.phase == p for s in segments)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[p]) for p in present]
+    ax2.legend(handles, present, fontsize=7, ncol=min(5, max(1, len(present))), loc="upper center",
+               bbox_to_anchor=(0.5, -0.28))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
