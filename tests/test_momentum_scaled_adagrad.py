@@ -166,3 +166,22 @@ def test_untouched_rows_keep_anchor_and_momentum():
 def test_momentum_outside_unit_interval_is_refused(bad):
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         MomentumScaledRowWiseAdagrad(momentum=bad)
+
+
+def test_fresh_row_with_opposing_replicas_moves_at_most_lr_sqrt_n():
+    """Pseudo-gradients of a fresh row are amplified; the accumulator floor keeps the step bounded."""
+    interval, dim = 4, 3
+    w0, a0 = np.zeros((1, dim)), np.zeros(1)
+    replica_w, replica_a = [], []
+    for sign, touches in ((1.0, 3), (-1.0, 1)):  # replica 0 pushes 3 times, replica 1 once back
+        w, a = w0, a0
+        for _ in range(touches):
+            w, a = rowwise_adagrad_step(w, a, np.full((1, dim), sign), LR, EPS)
+        replica_w.append(w)
+        replica_a.append(a)
+    w, a, _ = momentum_scaled_merge(
+        w0, a0, np.stack(replica_w), np.stack(replica_a), np.zeros_like(w0), LR, EPS, interval, 0.0
+    )
+    step_rms = np.sqrt(np.mean((w - w0) ** 2))
+    assert 0.0 < step_rms <= LR * np.sqrt(interval) + 1e-12
+    assert a[0] > 0.0

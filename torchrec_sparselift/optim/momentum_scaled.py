@@ -87,7 +87,9 @@ def finish_merge(
     w0 = anchor_w.to(_DTYPE)
     a0 = anchor_a.to(_DTYPE)
     m0 = momentum_buf.to(_DTYPE)
-    dA = (U + (S.pow(2).mean(dim=1) - Q) / sync_interval).clamp_min(0.0)
+    S2 = S.pow(2).mean(dim=1)
+    # the floor mean(S^2)/N bounds the merged step's rms by lr*sqrt(N) (docs/optimizer.md)
+    dA = torch.maximum(U + (S2 - Q) / sync_interval, S2 / sync_interval)
     a_new = a0 + dA
     D = -lr * S / (a_new.sqrt() + eps).unsqueeze(1)
     m_new = momentum * m0 + D

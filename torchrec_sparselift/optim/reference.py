@@ -70,7 +70,7 @@ def momentum_scaled_merge(
         S    = sum_r G_r
         Q    = sum_r mean(G_r^2)
         U    = sum_r (a_r - a0)
-        dA   = max(0, U + (mean(S^2) - Q) / N)
+        dA   = max(U + (mean(S^2) - Q) / N,  mean(S^2) / N)
         a    = a0 + dA
         D    = -lr * S / (sqrt(a) + eps)
         m    = momentum * m + D
@@ -102,7 +102,7 @@ def momentum_scaled_merge(
             U += da
         if k == 0:
             continue
-        dA = max(0.0, U + (np.mean(S**2) - Q) / sync_interval)
+        dA = max(U + (np.mean(S**2) - Q) / sync_interval, np.mean(S**2) / sync_interval)
         a[i] = anchor_a[i] + dA
         D = -lr * S / (np.sqrt(a[i]) + eps)
         m[i] = momentum * m[i] + D
