@@ -180,3 +180,29 @@ def test_exact_milp_never_worse_than_heuristic_and_tightens_bound():
     assert exact.search.step.total_s <= heur.search.step.total_s * (1 + 1e-9)
     assert exact.search.lower_bound_s >= heur.search.lower_bound_s * (1 - 1e-6)
     assert exact.search.lower_bound_s <= exact.search.step.total_s * (1 + 1e-9)
+
+
+def test_2d_planning_returns_group_local_plan_with_sync_interval():
+    wl = production(20, seed=2)
+    topo = _topo(16)
+    planner, res = _plan(wl.module(), topo, 256, wl.constraints(), sharding_group_size=4, sync_interval=8)
+    assert res.sharding_group_size == 4 and res.sync_interval == 8
+    ranks = {r for mp in res.sharding_plan.plan.values() for ps in mp.values() for r in ps.ranks}
+    assert ranks <= set(range(4))
+    assert res.sync_s > 0
+    opt = res.optimizations()
+    assert opt.sharding_group_size == 4 and opt.sync_interval == 8
+
+
+def test_auto_group_size_considers_1d_and_2d():
+    wl = production(20, seed=2)
+    _, res = _plan(wl.module(), _topo(32), 256, wl.constraints(), sharding_group_size="auto")
+    sizes = [g for g, _ in res.alternatives_2d]
+    assert 32 in sizes and min(sizes) < 32
+    best = min(s for _, s in res.alternatives_2d)
+    assert res.step_time_s <= best * (1 + 1e-9)
+
+
+def test_group_size_must_divide_world():
+    with pytest.raises(ValueError, match="divisor"):
+        SparseLiftPlanner(topology=_topo(16), batch_size=64, sharding_group_size=3)

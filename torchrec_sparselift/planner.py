@@ -26,6 +26,7 @@ from torchrec.distributed.planner.planners import to_sharding_plan
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
+    PlannerError,
     ShardingOption,
     StorageReservation,
     Topology,
@@ -35,6 +36,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlan
 
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
 from torchrec_sparselift.cost.model import PIPELINES, CostContext, DenseWork
+from torchrec_sparselift.cost.two_d import choose_sync_interval, group_sizes, replica_sync_s
 from torchrec_sparselift.search.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import PlanningProblem, build_problem
@@ -61,6 +63,15 @@ class PlanResult:
     handles: Tuple[TableHandle, ...] = attrs.field(eq=False, repr=False)
     topology: Topology = attrs.field(eq=False, repr=False)
     profile: HardwareProfile
+    sharding_group_size: Optional[int] = None  # None: 1D (tables sharded over all ranks)
+    sync_interval: int = 1
+    sync_s: float = 0.0  # replica sync per step (amortised), 2D only
+    alternatives_2d: Tuple[Tuple[int, float], ...] = ()  # (group size, predicted step s)
+
+    @property
+    def step_time_s(self) -> float:
+        """Predicted steady-state step time including 2D replica sync."""
+        return self.search.step.total_s + self.sync_s
 
     def rank_breakdown(self) -> List[Dict[str, float]]:
         """Per rank: compute, communication (exposed / overlapped) seconds and memory bytes."""
@@ -71,7 +82,9 @@ class PlanResult:
 
         s = self.search
         return Optimizations(pipeline=s.pipeline, fwd_comm_precision=s.fwd_precision,
-                             bwd_comm_precision=s.bwd_precision)
+                             bwd_comm_precision=s.bwd_precision,
+                             sharding_group_size=self.sharding_group_size,
+                             sync_interval=self.sync_interval)
 
     def prediction(self) -> Any:
         from torchrec_sparselift.plan import Prediction, RankPrediction
@@ -84,15 +97,18 @@ class PlanResult:
             for r, b in enumerate(self.rank_breakdown())
         ]
         lb = s.lower_bound_s if np.isfinite(s.lower_bound_s) else 0.0
-        return Prediction(step_time_s=s.step.total_s, lower_bound_s=min(lb, s.step.total_s),
+        return Prediction(step_time_s=self.step_time_s, lower_bound_s=min(lb, self.step_time_s),
                           per_rank=per_rank, cost_model=f"sparselift/{self.profile.name}")
 
     def summary(self) -> str:
         s = self.search
         lines = [
-            f"SparseLift plan: {len(self.handles)} tables on {self.problem.ctx.world_size} ranks "
-            f"({self.profile.name}), pipeline={s.pipeline}, comm={s.fwd_precision}/{s.bwd_precision}",
-            f"  predicted step {s.step.total_s * 1e3:.3f} ms, lower bound "
+            f"SparseLift plan: {len(self.handles)} tables on {self.topology.world_size} ranks "
+            f"({self.profile.name}), pipeline={s.pipeline}, comm={s.fwd_precision}/{s.bwd_precision}"
+            + (f", 2D: groups of {self.sharding_group_size} ranks, replica sync every "
+               f"{self.sync_interval} steps ({self.sync_s * 1e3:.3f} ms/step)"
+               if self.sharding_group_size else ", 1D"),
+            f"  predicted step {self.step_time_s * 1e3:.3f} ms, lower bound "
             f"{s.lower_bound_s * 1e3:.3f} ms (gap {s.gap * 100:.1f}%), planned in "
             f"{s.planning_time_s:.2f} s by {s.solver}",
         ]
@@ -187,6 +203,12 @@ class SparseLiftPlanner(ShardingPlanner):
         solver: "auto" (default: LP + greedy + local search; the exact MILP too on tiny
             instances), "heuristic", or "milp" (exact MILP over choice and placement with half
             the time budget; keeps the better plan and the tighter lower bound).
+        sharding_group_size: None (default, 1D: a plan for plain ``DistributedModelParallel``),
+            "auto" (2D sparse parallelism: the planner picks the group size, possibly the whole
+            world) or a divisor of the world size. A 2D plan's ranks are group-local: apply it
+            with ``torchrec_sparselift.runtime.lift`` (which builds ``DMPCollection``).
+        sync_interval: pin the 2D replica sync interval (steps); default: the smallest interval
+            whose amortised sync costs at most 5% of the step.
     """
 
     def __init__(
@@ -216,6 +238,8 @@ class SparseLiftPlanner(ShardingPlanner):
         cache_dir: Optional[str] = None,
         drift_tolerance: float = 0.2,
         solver: str = "auto",
+        sharding_group_size: Any = None,
+        sync_interval: Optional[int] = None,
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
         whose inputs match a stored plan's fingerprint loads it instead of planning);
@@ -274,6 +298,18 @@ class SparseLiftPlanner(ShardingPlanner):
         if solver not in ("auto", "heuristic", "milp"):
             raise ValueError(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
         self._solver = solver
+        if sharding_group_size not in (None, "auto") and (
+            not isinstance(sharding_group_size, int) or sharding_group_size < 1
+            or topology.world_size % sharding_group_size
+        ):
+            raise ValueError(
+                f"sharding_group_size must be None (1D), 'auto' or a divisor of the world size "
+                f"{topology.world_size}, got {sharding_group_size!r}"
+            )
+        if sync_interval is not None and (not isinstance(sync_interval, int) or sync_interval < 1):
+            raise ValueError(f"sync_interval must be a positive number of steps, got {sync_interval!r}")
+        self._group = sharding_group_size
+        self._sync_interval = sync_interval
         self._cache_dir = cache_dir
         self._drift_tolerance = float(drift_tolerance)
         self.last_result: Optional[PlanResult] = None
@@ -409,19 +445,58 @@ class SparseLiftPlanner(ShardingPlanner):
             self._workload,
         )
         if not handles:
-            self.last_result = None
-            return PlanResult(
-                sharding_plan=ShardingPlan({}), sharding_options=(), search=None, problem=None,  # type: ignore[arg-type]
-                handles=(), topology=topo, profile=self._profile(),
+            raise SparseLiftPlannerError(
+                "the module has no embedding tables that the given sharders can shard; pass the "
+                "model that holds the EmbeddingBagCollection/EmbeddingCollection and matching sharders",
+                kind="other",
             )
+        if self._group is None:
+            res = self._solve_group(module, sharders, handles, topo.world_size, self._budget, t0)
+        else:
+            sizes = [self._group] if isinstance(self._group, int) else group_sizes(
+                topo.world_size, topo.local_world_size)
+            budget = self._budget / (len(sizes) + 1)
+            results: List[PlanResult] = []
+            failures: List[str] = []
+            for g in sizes:
+                try:
+                    results.append(self._solve_group(module, sharders, handles, g, budget,
+                                                     time.monotonic()))
+                except PlannerError as e:  # tables do not fit in g ranks
+                    failures.append(f"group size {g}: {str(e).splitlines()[0]}")
+            if not results:
+                raise SparseLiftPlannerError(
+                    "no sharding-group size fits the tables:\n  " + "\n  ".join(failures),
+                    kind="insufficient_storage",
+                )
+            best = min(results, key=lambda r: (r.step_time_s, -(r.sharding_group_size or topo.world_size)))
+            alts = tuple((r.sharding_group_size or topo.world_size, r.step_time_s) for r in results)
+            # polish the winner with the full budget left
+            left = max(0.5, self._budget - (time.monotonic() - t0))
+            g = best.sharding_group_size or topo.world_size
+            res = self._solve_group(module, sharders, handles, g, left, time.monotonic())
+            if res.step_time_s > best.step_time_s:
+                res = best
+            res = attrs.evolve(res, alternatives_2d=alts)
+        self.last_result = res
+        if self._debug:
+            logger.info("%s", res.summary())
+        return res
+
+    def _solve_group(self, module: nn.Module, sharders: Sequence[Any], handles: Sequence[TableHandle],
+                     group: int, budget: float, t0: float) -> PlanResult:
+        """Plan the tables over ``group`` ranks (the whole world for 1D)."""
+        topo = self._topology
+        W = topo.world_size
+        gtopo = topo if group == W else _sub_topology(topo, group)
         reserved = self._storage_reservation.reserve(
-            topo, self._batch_size, module, sharders, self._constraints
+            gtopo, self._batch_size, module, list(sharders), self._constraints
         )
         profile = self._profile()
         ctx = CostContext(
             profile=profile,
-            world_size=topo.world_size,
-            local_world_size=min(topo.local_world_size, topo.world_size),
+            world_size=group,
+            local_world_size=min(topo.local_world_size, group),
             batch_size=self._batch_size,
             dense=dense_work(module, handles),
         )
@@ -435,7 +510,7 @@ class SparseLiftPlanner(ShardingPlanner):
             [h.spec for h in handles], ctx, device_cap, host_cap,
             pipelines=self._pipelines, precisions=self._precisions,
         )
-        result = solve(prob, time_budget_s=max(0.5, self._budget - (time.monotonic() - t0)),
+        result = solve(prob, time_budget_s=max(0.5, budget - (time.monotonic() - t0)),
                        solver=self._solver)
         options = [
             to_sharding_option(h, prob, cid, ranks)
@@ -444,15 +519,25 @@ class SparseLiftPlanner(ShardingPlanner):
         for cb in self._callbacks:
             options = cb(options)
         _check_complete(handles, options)
-        plan = to_sharding_plan(options, topo)
-        res = PlanResult(
+        plan = to_sharding_plan(options, gtopo)
+        sync_s, interval = 0.0, 1
+        if self._group is not None and group < W:
+            per_rank = np.zeros(group)
+            for cid, ranks in result.assignment:
+                c = prob.cands[cid]
+                spec = prob.specs[c.table]
+                b = c.shard_rows * c.shard_cols * spec.elem_bytes + c.shard_rows * 4
+                for r in ranks:
+                    per_rank[r] += b
+            one = replica_sync_s(float(per_rank.max()), W, group, profile)
+            interval = self._sync_interval or choose_sync_interval(result.step.total_s, one)
+            sync_s = one / interval
+        return PlanResult(
             sharding_plan=plan, sharding_options=tuple(options), search=result, problem=prob,
             handles=tuple(handles), topology=topo, profile=profile,
+            sharding_group_size=(group if self._group is not None and group < W else None),
+            sync_interval=interval, sync_s=sync_s,
         )
-        self.last_result = res
-        if self._debug:
-            logger.info("%s", res.summary())
-        return res
 
     def _profile(self) -> HardwareProfile:
         return profile_for_topology(self._topology, self._hardware)
@@ -471,6 +556,16 @@ def _check_complete(handles: Sequence[TableHandle], options: Sequence[ShardingOp
     for o in options:
         if any(s.rank is None for s in o.shards):
             raise SparseLiftPlannerError(f"internal error: table {o.fqn} has an unplaced shard")
+
+
+def _sub_topology(topo: Topology, group: int) -> Topology:
+    """The topology one sharding group sees: ``group`` ranks with the same devices."""
+    dev = topo.devices[0].storage
+    kw = dict(world_size=group, local_world_size=min(topo.local_world_size, group),
+              compute_device=topo.compute_device, ddr_cap=dev.ddr)
+    if topo.compute_device != "cpu":
+        kw["hbm_cap"] = dev.hbm
+    return Topology(**kw)
 
 
 def _default_topology() -> Topology:
