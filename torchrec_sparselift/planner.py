@@ -42,6 +42,7 @@ from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import PlanningProblem, build_problem
 from torchrec_sparselift.search.solve import SearchResult, solve
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
+from torchrec_sparselift.validation import validate_inputs
 
 __all__ = ["SparseLiftPlanner", "PlanResult", "dense_work", "evaluate_sharding_plan", "rank_breakdown"]
 
@@ -444,6 +445,7 @@ class SparseLiftPlanner(ShardingPlanner):
             module, sharders, topo.compute_device, self._batch_size, self._constraints,
             self._workload,
         )
+        validate_inputs(handles, topo, self._batch_size, self._constraints, self._workload)
         if not handles:
             raise SparseLiftPlannerError(
                 "the module has no embedding tables that the given sharders can shard; pass the "
