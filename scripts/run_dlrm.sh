@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-DEFAULTS=(--planner sparselift --tables dcnv2 --scale 0.001 --batch-size 256 --steps 300 --warmup-steps 20
+DEFAULTS=(--planner sparselift --tables dcnv2 --scale 0.001 --batch-size 256 --steps 200 --warmup-steps 20
           --out runs/dlrm_result.json)
 # Validate flags and table file in one cheap process first (no torch): a clear error, no launcher noise.
 .venv/bin/python examples/dlrm/train.py "${DEFAULTS[@]}" "$@" --check
