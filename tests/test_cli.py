@@ -1,0 +1,321 @@
+"""The ``sparselift`` command line: plan, compare, explain (text and PNG), calibrate, and errors.
+
+Most tests call :func:`torchrec_sparselift.cli.main` in-process (importing torchrec once); one
+runs the real console entry point in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from torchrec_sparselift import cli
+from torchrec_sparselift.cli import CliError, load_table_file, main, parse_table_entries
+from torchrec_sparselift.explain import critical_path, step_timeline, timeline_end
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "tables")
+TINY = os.path.join(EXAMPLES, "cpu_tiny.json")
+CPU = ["--topology", "cpu-gloo", "--world-size", "2", "--quiet"]
+
+
+def run_cli(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """A plan of the tiny CPU table file, written by `sparselift plan` (shared by explain tests)."""
+    out = str(tmp_path_factory.mktemp("plan") / "plan.json")
+    rc = main(["plan", "--tables", TINY, *CPU, "--out", out, "--time-budget", "2"])
+    assert rc == 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# table files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_table_file_gives_per_feature_pooling_and_constraints():
+    entries = {e.name: e for e in load_table_file(os.path.join(EXAMPLES, "small.json"))}
+    hist = entries["item_history"]
+    assert hist.features == ("clicked_items", "viewed_items")
+    assert hist.pooling_factor == (20.0, 50.0)
+    assert entries["user_id"].features == ("user_id",)  # one feature named after the table
+    c = entries["query_terms"].constraints()
+    assert c.sharding_types == ["row_wise", "column_wise", "table_wise"]
+    assert c.min_partition == 16
+    assert c.pooling_factors == [12.0]
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "non-empty list"),
+        ('[{"name": "a", "dim": 8}]', "missing rows"),
+        ('[{"name": "a", "rows": -3, "dim": 8}]', "rows must be a positive integer"),
+        ('[{"name": "a", "rows": 10, "dim": 8, "colour": 1}]', "unknown key(s) ['colour']"),
+        ('[{"name": "a", "rows": 10, "dim": 8}, {"name": "a", "rows": 5, "dim": 8}]', "appears twice"),
+        ('[{"name": "a", "rows": 10, "dim": 8, "features": ["f"]}, '
+         '{"name": "b", "rows": 10, "dim": 8, "features": ["f"]}]', "feature 'f' is used by tables"),
+        ('[{"name": "a", "rows": 10, "dim": 8, "sharding_types": ["diagonal"]}]', "unknown sharding_types"),
+        ('[{"name": "a", "rows": 10, "dim": 8, "features": ["x", "y"], "pooling_factor": [1]}]',
+         "one per feature"),
+    ],
+)
+def test_malformed_table_file_is_one_error_line_and_exit_2(tmp_path, capsys, text, says):
+    path = write(tmp_path, "t.json", text)
+    rc, out, err = run_cli(capsys, "plan", "--tables", path, *CPU, "--out", str(tmp_path / "p.json"))
+    assert rc == 2
+    assert err.startswith("sparselift plan: error: ") and says in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_missing_table_file_is_named(tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "plan", "--tables", str(tmp_path / "nope.json"), *CPU)
+    assert rc == 2 and "nope.json" in err and "does not exist" in err
+
+
+def test_yaml_tables_parse_or_say_how_to_install_pyyaml(capsys):
+    path = os.path.join(EXAMPLES, "small.yaml")
+    try:
+        import yaml  # noqa: F401
+    except ImportError:
+        with pytest.raises(CliError, match="pip install pyyaml"):
+            load_table_file(path)
+        return
+    assert load_table_file(path) == load_table_file(os.path.join(EXAMPLES, "small.json"))
+
+
+def test_constraint_entries_need_only_a_name():
+    got = parse_table_entries([{"name": "t1", "sharding_types": "table_wise"}], "c.json", constraint_only=True)
+    assert got[0].sharding_types == ("table_wise",)
+    with pytest.raises(CliError, match="unknown key"):
+        parse_table_entries([{"name": "t1", "rows": 5}], "c.json", constraint_only=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# topology and input errors
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", ["plan", "compare"])
+def test_unknown_topology_name_is_one_line_listing_presets(tmp_path, capsys, cmd):
+    rc, _, err = run_cli(capsys, cmd, "--tables", TINY, "--topology", "h300", "--world-size", "8", "--quiet")
+    assert rc == 2
+    assert err.strip() == (f"sparselift {cmd}: error: unknown topology 'h300'; choose one of a100, cpu-gloo, "
+                           "h100, h200 or pass a calibrated profile .json (from `sparselift calibrate`)")
+
+
+def test_world_size_must_be_a_multiple_of_ranks_per_host(capsys):
+    rc, _, err = run_cli(capsys, "plan", "--tables", TINY, "--topology", "h100", "--world-size", "12", "--quiet")
+    assert rc == 2 and "not a multiple of --local-world-size 8" in err
+
+
+def test_exactly_one_input_is_required(capsys):
+    rc, _, err = run_cli(capsys, "plan", "--tables", TINY, "--workload", "dcnv2", *CPU)
+    assert rc == 2 and "exactly one input" in err
+
+
+def test_table_too_big_for_any_rank_exits_1_naming_it(tmp_path, capsys):
+    path = write(tmp_path, "big.json", json.dumps(
+        [{"name": "huge", "rows": 100_000_000, "dim": 128, "sharding_types": ["table_wise"]},
+         {"name": "small", "rows": 100, "dim": 8}]))
+    rc, _, err = run_cli(capsys, "plan", "--tables", path, *CPU, "--out", str(tmp_path / "p.json"))
+    assert rc == 1
+    assert err.startswith("sparselift plan: error: no plan fits") and "huge" in err
+    assert "Traceback" not in err
+
+
+def test_model_factory_with_unknown_table_in_constraints_exits_2(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_model.py").write_text(
+        "import torch\n"
+        "from torchrec import EmbeddingBagCollection, EmbeddingBagConfig\n"
+        "def make():\n"
+        "    return EmbeddingBagCollection(tables=[EmbeddingBagConfig(name='ads', embedding_dim=16,\n"
+        "        num_embeddings=1000, feature_names=['ad'])], device=torch.device('meta'))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cons = write(tmp_path, "c.json", '[{"name": "adz", "pooling_factor": 3}]')
+    rc, _, err = run_cli(capsys, "plan", "--model", "my_model:make", "--constraints", cons, *CPU,
+                         "--out", str(tmp_path / "p.json"))
+    assert rc == 2 and "adz" in err and "ads" in err
+    rc, out, _ = run_cli(capsys, "plan", "--model", "my_model:make", *CPU, "--out", str(tmp_path / "p.json"))
+    assert rc == 0 and "ads" in out
+    rc, _, err = run_cli(capsys, "plan", "--model", "my_model:missing", *CPU)
+    assert rc == 2 and "no callable 'missing'" in err
+
+
+def test_debug_shows_the_exception_instead_of_one_line(tmp_path):
+    with pytest.raises(CliError):
+        main(["--debug", "plan", "--tables", TINY, "--topology", "h300", "--world-size", "8"])
+
+
+# ---------------------------------------------------------------------------------------------
+# plan / explain / compare / calibrate
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plan_writes_an_execution_plan_that_carries_its_inputs(tiny_plan, capsys):
+    from torchrec_sparselift.plan import ExecutionPlan
+
+    with open(tiny_plan) as f:
+        ep = ExecutionPlan.from_json(f.read())
+    names = {n for m in ep.sharding_plan.plan.values() for n in m}
+    assert names == {"t0", "t1", "t2", "t3"}
+    inputs = cli.PlanInputs.from_dict(ep.planner_info["inputs"])
+    assert inputs.topology.hardware == "cpu-gloo" and inputs.topology.world_size == 2
+    assert [e.name for e in inputs.tables] == ["t0", "t1", "t2", "t3"]
+    assert len(ep.prediction.per_rank) == 2
+
+
+def test_plan_prints_a_summary_table(tmp_path, capsys):
+    rc, out, _ = run_cli(capsys, "plan", "--tables", TINY, *CPU, "--out", str(tmp_path / "p.json"))
+    assert rc == 0
+    assert "predicted step" in out and "peak per-rank memory" in out
+    for name in ("t0", "t1", "t2", "t3"):
+        assert any(line.startswith(name + " ") for line in out.splitlines())
+
+
+def test_explain_shows_ranks_critical_path_gap_and_table_alternatives(tiny_plan, capsys):
+    rc, out, err = run_cli(capsys, "explain", tiny_plan, "--quiet")
+    assert rc == 0, err
+    assert "Per-rank breakdown" in out and "exposed comm ms" in out
+    assert "critical path (" in out
+    assert "gap to the lower bound" in out
+    assert "Why the 4 largest tables" in out
+    assert "t3 (50,000 x 32" in out
+    assert " ms  +" in out or "same step time" in out  # alternatives priced against the choice
+
+
+def test_explain_png_is_written_and_not_empty(tiny_plan, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    rc, out, err = run_cli(capsys, "explain", tiny_plan, "--png", str(png), "--top", "1", "--quiet")
+    assert rc == 0, err
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_explain_without_stored_inputs_still_shows_the_rank_breakdown(tiny_plan, tmp_path, capsys):
+    with open(tiny_plan) as f:
+        data = json.load(f)
+    del data["planner_info"]["inputs"]
+    bare = write(tmp_path, "bare.json", json.dumps(data))
+    rc, out, _ = run_cli(capsys, "explain", bare, "--quiet")
+    assert rc == 0 and "Per-rank breakdown" in out and "carries no planning inputs" in out
+    rc, out, _ = run_cli(capsys, "explain", bare, "--tables", TINY, *CPU)
+    assert rc == 0 and "critical path (" in out
+
+
+def test_explain_rejects_a_corrupt_plan_file(tmp_path, capsys):
+    bad = write(tmp_path, "bad.json", '{"schema": "something else"}')
+    rc, _, err = run_cli(capsys, "explain", bad, "--quiet")
+    assert rc == 2 and "not a SparseLift execution plan" in err
+
+
+def test_compare_scores_both_planners_side_by_side(tmp_path, capsys):
+    out_json = tmp_path / "c.json"
+    rc, out, err = run_cli(capsys, "compare", "--tables", TINY, *CPU, "--time-budget", "2",
+                           "--json", str(out_json))
+    assert rc == 0, err
+    assert "SparseLift" in out and "TorchRec" in out
+    for row in ("SparseLift model, sparse_dist/fp32 (ms)", "lower bound", "TorchRec estimator: slowest rank",
+                "peak memory/rank", "planning time (s)"):
+        assert row in out
+    data = json.loads(out_json.read_text())
+    assert data["sparselift"]["step_sparse_dist_s"] > 0 and data["torchrec"]["step_sparse_dist_s"] > 0
+    assert data["sparselift"]["planning_time_s"] > 0 and data["torchrec"]["planning_time_s"] > 0
+
+
+def test_calibrate_delegates_to_the_calibration_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--help"])
+    assert e.value.code == 0
+    assert "sparselift calibrate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", [[], ["plan"], ["compare"], ["explain"]])
+def test_every_command_has_help(capsys, cmd):
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    assert e.value.code == 0
+    assert "usage: sparselift" in capsys.readouterr().out
+
+
+def test_module_entry_point_runs_and_reports_errors_without_traceback():
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "torchrec_sparselift", "plan", "--tables", TINY,
+                        "--topology", "nope", "--world-size", "2"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 2
+    assert "unknown topology 'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# explain's pure parts
+# ---------------------------------------------------------------------------------------------
+
+
+def test_step_timeline_ends_at_the_modelled_step_time_for_every_pipeline():
+    from torchrec_sparselift.cost.hardware import PRESETS
+    from torchrec_sparselift.cost.model import K, PIPELINES, CostContext, DenseWork, step_time
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        prof = PRESETS[str(rng.choice(["h100", "cpu-gloo"]))]
+        ctx = CostContext(profile=prof, world_size=8, local_world_size=prof.local_world_size,
+                          batch_size=int(rng.integers(1, 8192)),
+                          dense=DenseWork(param_bytes=float(rng.uniform(0, 1e9)),
+                                          fwd_flops_per_sample=float(rng.uniform(0, 1e8))))
+        colmax = rng.uniform(0, 1, K) * rng.choice([1e-5, 1e-3, 1e-2], K)
+        colmax[3:7] *= 1e10  # bytes columns
+        if rng.random() < 0.3:
+            colmax[2] = 0.0
+        for pl in PIPELINES:
+            st = step_time(colmax, float(rng.uniform(0, 1e8)), 3, ctx, pl)
+            segs = step_timeline(st.phases, pl, prof.supports_overlap)
+            crit = critical_path(segs)
+            assert max(s.end_s for s in crit) == pytest.approx(st.total_s, rel=1e-9, abs=1e-15)
+            assert sum(s.duration_s for s in crit) == pytest.approx(st.total_s, rel=1e-9, abs=1e-15)
+            assert timeline_end(segs) == pytest.approx(st.total_s, rel=1e-9, abs=1e-15)
+
+
+def test_no_alternative_beats_a_converged_sparselift_choice():
+    import attrs
+    from torchrec.distributed.planner.types import Topology
+
+    from torchrec_sparselift.explain import explain_tables
+    from torchrec_sparselift.planner import SparseLiftPlanner, evaluate_sharding_plan
+
+    entries = load_table_file(os.path.join(EXAMPLES, "small.json"))
+    inputs = cli.PlanInputs(topology=cli.TopologySpec("h100", 8), tables=entries)
+    module, constraints = inputs.build()
+    topo = inputs.topology.topology()
+    res = SparseLiftPlanner(topology=topo, batch_size=512, constraints=constraints, hardware="h100",
+                            debug=False, time_budget_s=5).plan_with_result(module)
+    assert res.search.status == "converged"
+    ev = evaluate_sharding_plan(module, res.sharding_plan, topo, 512, constraints, hardware="h100",
+                                pipeline=res.search.pipeline)
+    expl = explain_tables(ev, res.problem.device_cap, res.problem.host_cap, top=6)
+    assert len(expl) == 6 and all(e.step_s == pytest.approx(res.search.step.total_s) for e in expl)
+    assert any(e.alternatives for e in expl)
+    for e in expl:
+        for a in e.alternatives:
+            assert a.step_s is None or a.step_s >= e.step_s * (1 - 1e-9), (e.fqn, a)
+    assert attrs.has(type(expl[0]))
