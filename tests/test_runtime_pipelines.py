@@ -211,6 +211,23 @@ def _scenarios(rank: int) -> dict:
     except ValueError as exc:
         out["two_d_base"] = str(exc)
 
+    # end to end: SparseLiftPlanner's execution plan -> lift -> pipelined training, timed
+    from torchrec.distributed.planner import Topology
+
+    from torchrec_sparselift import SparseLiftPlanner
+
+    torch.manual_seed(SEED)
+    model = _tiny_model()
+    planner = SparseLiftPlanner(topology=Topology(world_size=WORLD, compute_device="cpu"), batch_size=LOCAL_B,
+                                pipelines=["fused"], time_budget_s=1.0)
+    exec_plan = planner.collective_plan_execution(model, pg=dist.group.WORLD)
+    lifted = _lift(exec_plan)
+    timer = StepTimer(torch.device("cpu"), warmup_steps=1, predicted_s=lifted.settings.predicted_step_s,
+                      plan=lifted.settings.label())
+    timer.time_pipeline(lifted.pipeline, iter(_batches(rank, 4)), steps=4)
+    rec = timer.record(pg=dist.group.WORLD)
+    out["planner"] = [exec_plan.optimizations.pipeline, type(lifted.pipeline).__name__, rec.predicted_s, rec.plan]
+
     # unpacking and the step timer on a real pipeline
     model, pipeline = _lift(_plan, pipeline="sparse_dist")
     timer = StepTimer(torch.device("cpu"), warmup_steps=2, predicted_s=0.004, plan="tiny")
@@ -314,6 +331,15 @@ def test_2d_plan_builds_dmp_collection_whose_pipeline_syncs_replicas(runs) -> No
         assert replicas_equal, "synced after the 5th step (sync_interval=2): the replicas should hold equal tables"
     assert runs[0]["two_d"][2] != runs[1]["two_d"][2]  # replicas saw different data
     assert "never syncs" in runs[0]["two_d_base"]
+
+
+@pytest.mark.multiprocess
+def test_planner_execution_plan_lifts_to_its_pipeline_and_is_timed(runs) -> None:  # type: ignore[no-untyped-def]
+    chosen, cls, predicted, label = runs[0]["planner"]
+    assert chosen == "fused" and cls == "CpuTrainPipelineFusedSparseDist"
+    assert predicted is not None and predicted > 0
+    assert "pipeline=fused" in label
+    assert runs[1]["planner"] == runs[0]["planner"]
 
 
 # ---- single-process -----------------------------------------------------------------------
