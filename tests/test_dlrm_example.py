@@ -191,3 +191,40 @@ def test_hidden_id_weights_are_a_fixed_uniform_function_of_the_id():
     assert np.array_equal(w, hidden_id_weight(ids, 3, seed=0))
     assert -1.0 <= w.min() and w.max() < 1.0 and abs(w.mean()) < 0.02
     assert not np.array_equal(w, hidden_id_weight(ids, 4, seed=0))
+
+
+def _write_fake_criteo(directory, days=2, rows=300, seed=0):
+    rng = np.random.default_rng(seed)
+    for d in range(days):
+        np.save(directory / f"day_{d}_dense.npy", rng.random((rows, 13), dtype=np.float32))
+        np.save(directory / f"day_{d}_sparse.npy", rng.integers(0, 2**40, (rows, 26), dtype=np.int64))
+        np.save(directory / f"day_{d}_labels.npy", rng.integers(0, 2, (rows, 1), dtype=np.int32))
+
+
+def test_criteo_loader_reads_npy_days_hashes_ids_and_repeats(tmp_path):
+    from dlrm_data import criteo_batches
+
+    _write_fake_criteo(tmp_path)
+    tables = scale_tables(preset_tables("kaggle"), 0.0001)
+    batches = list(criteo_batches(str(tmp_path), tables, 64, rank=1, world_size=2, steps=7))
+    assert len(batches) == 7  # 600 rows / (2 ranks x 64) = 4 batches per pass: the files repeat
+    for b in batches:
+        assert tuple(b.dense_features.shape) == (64, 13) and tuple(b.labels.shape) == (64,)
+        kjt = b.sparse_features
+        assert kjt.keys() == [f"cat_{i}" for i in range(26)]
+        for t in tables:
+            vals = kjt[t.features[0]].values()
+            assert vals.numel() == 64 and int(vals.max()) < t.rows and int(vals.min()) >= 0
+
+
+def test_criteo_loader_refuses_other_tables_and_missing_files(tmp_path):
+    from dlrm_data import criteo_batches
+
+    _write_fake_criteo(tmp_path, days=1)
+    with pytest.raises(TableSetError, match="cat_0..cat_25"):
+        criteo_batches(str(tmp_path), [TableSpec("a", 10, 8, ("a",))], 64, 0, 2, 1)
+    with pytest.raises(TableSetError, match="is not a directory"):
+        criteo_batches(str(tmp_path / "missing"), preset_tables("kaggle"), 64, 0, 2, 1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TableSetError, match="holds no day_<i>_dense.npy"):
+        criteo_batches(str(tmp_path / "empty"), preset_tables("kaggle"), 64, 0, 2, 1)
