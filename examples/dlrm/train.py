@@ -324,7 +324,9 @@ def steady_state(result: TrainResult, warmup: int) -> float:
 
 def _quiet_logs() -> None:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.ERROR)  # TorchRec also logs notices on the root logger
     logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger("torchrec_sparselift").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
