@@ -198,7 +198,7 @@ def test_explain_shows_ranks_critical_path_gap_and_table_alternatives(tiny_plan,
     assert "Per-rank breakdown" in out and "exposed comm ms" in out
     assert "critical path (" in out
     assert "gap to the lower bound" in out
-    assert "Why the 4 largest tables" in out
+    assert "Why the 4 tables with the most modelled work" in out
     assert "t3 (50,000 x 32" in out
     assert " ms  +" in out or "same step time" in out  # alternatives priced against the choice
 

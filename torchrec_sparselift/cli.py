@@ -926,8 +926,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"gap to the lower bound: {(step.total_s - p.lower_bound_s) * 1e3:.3f} ms ({p.gap:.1%}); "
                   "the bound assumes perfectly divisible work, so part of the gap may be unreachable")
         if expl:
-            print(f"\nWhy the {len(expl)} largest tables got their sharding (each alternative priced on its "
-                  "best ranks with the rest of the plan fixed):")
+            print(f"\nWhy the {len(expl)} tables with the most modelled work got their sharding (each "
+                  "alternative priced on its best ranks with the rest of the plan fixed):")
             print(format_tables(expl))
     if args.png:
         if segments is None:
@@ -999,6 +999,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"sparselift {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
     except Exception as e:  # noqa: BLE001 - the one place that turns errors into messages
         if debug:
             raise
