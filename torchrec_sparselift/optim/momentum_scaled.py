@@ -77,7 +77,8 @@ def finish_merge(
     """Merged ``(w, a, momentum_buf, k)`` from the anchor and the replica-summed payload.
 
     Untouched rows (``k == 0``) keep the anchor and their momentum buffer. Results are float64;
-    ``k`` is the number of replicas that touched each row.
+    ``k`` is the number of replicas that touched each row. ``momentum_buf`` may be a scalar
+    zero tensor when ``momentum == 0``.
     """
     dim = anchor_w.shape[1]
     S = summed_payload[:, :dim]
@@ -114,7 +115,9 @@ class MomentumScaledRowWiseAdagrad:
     ``momentum``: per-row heavy-ball coefficient on the merged step (0 disables it; then a sync
     after every step reproduces 1D row-wise AdaGrad exactly). Requires the sharded tables to use
     the fused ``EXACT_ROWWISE_ADAGRAD`` without weight decay. Keeps, per local table row, an
-    anchor copy of weights and accumulator and (if ``momentum > 0``) a momentum buffer.
+    anchor copy of weights and accumulator and (if ``momentum > 0``) a float64 momentum buffer.
+    This state is not part of the model's ``state_dict``: after loading a checkpoint, call the
+    model's ``install_replica_sync`` again to re-anchor (the momentum buffer restarts at zero).
     """
 
     momentum: float = attrs.field(default=0.0, validator=_unit_interval)
@@ -143,7 +146,13 @@ class _MomentumScaledSession:
         self.num_replicas = dist.get_world_size(replica_pg)
         self.anchor_w = [s.weight.detach().clone() for s in slots]
         self.anchor_a = [s.accumulator.detach().clone() for s in slots]
-        self.momentum_buf = [torch.zeros_like(s.weight, dtype=_DTYPE) for s in slots]
+        # with momentum 0 the buffer stays a broadcast scalar zero: no per-row memory
+        self.momentum_buf = [
+            torch.zeros_like(s.weight, dtype=_DTYPE)
+            if rule.momentum > 0
+            else torch.zeros((), dtype=_DTYPE)
+            for s in slots
+        ]
         self.last_stats = MergeStats(rows_by_touch_count=())
 
     @torch.no_grad()
@@ -176,7 +185,8 @@ class _MomentumScaledSession:
             )
             slot.weight.copy_(w)
             slot.accumulator.copy_(a)
-            self.momentum_buf[i] = m
+            if self.rule.momentum > 0:
+                self.momentum_buf[i] = m
             self.anchor_w[i] = slot.weight.detach().clone()
             self.anchor_a[i] = slot.accumulator.detach().clone()
             counts += torch.bincount(k.long(), minlength=self.num_replicas + 1)

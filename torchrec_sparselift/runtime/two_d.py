@@ -200,7 +200,8 @@ class SparseLiftDMPCollection(DMPCollection):
     """TorchRec's ``DMPCollection`` whose ``sync()`` can be replaced by a row-aware replica merge.
 
     Construction is TorchRec's (CUDA/MTIA only); see :class:`CpuDMPCollection` for CPU.
-    Call :meth:`install_replica_sync` once after construction (``build_2d_model_parallel`` does).
+    Call :meth:`install_replica_sync` after construction (``build_2d_model_parallel`` does) and
+    again after loading weights or a checkpoint, so the row-aware merge re-anchors on them.
     """
 
     _sparselift_sync: Optional[ReplicaSyncSession] = None
