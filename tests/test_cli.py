@@ -243,6 +243,26 @@ def test_compare_scores_both_planners_side_by_side(tmp_path, capsys):
     assert data["sparselift"]["planning_time_s"] > 0 and data["torchrec"]["planning_time_s"] > 0
 
 
+def test_compare_saves_both_plans_and_explain_reads_torchrecs(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "compare", "--tables", TINY, *CPU, "--time-budget", "2",
+                           "--save-plans", str(tmp_path))
+    assert rc == 0, err
+    assert (tmp_path / "sparselift.json").exists()
+    rc, out, err = run_cli(capsys, "explain", str(tmp_path / "torchrec.json"), "--top", "2", "--quiet")
+    assert rc == 0, err
+    assert "EmbeddingShardingPlanner" not in err and "critical path (" in out
+
+
+def test_plan_cache_dir_reuses_the_stored_plan_and_says_so(tmp_path, capsys):
+    argv = ["plan", "--tables", TINY, *CPU, "--out", str(tmp_path / "p.json"), "--cache-dir", str(tmp_path / "c")]
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 0 and "reused from cache" not in out and "re-planning: no cached plan" in err
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 0 and "(reused from cache)" in out and "reusing cached execution plan" in err
+    rc, out, err = run_cli(capsys, *argv[:-2], "--batch-size", "64", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 0 and "reused from cache" not in out and "re-planning: no cached plan" in err
+
+
 def test_calibrate_delegates_to_the_calibration_command(capsys):
     with pytest.raises(SystemExit) as e:
         main(["calibrate", "--help"])

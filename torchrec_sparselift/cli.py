@@ -593,6 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--torchrec-timeout", type=float, default=None, metavar="S",
                    help="TorchRec planner's timeout_seconds (default: none)")
     c.add_argument("--json", default=None, metavar="FILE", help="also write the numbers as JSON")
+    c.add_argument("--save-plans", default=None, metavar="DIR", help="also write both plans as ExecutionPlan "
+                   "JSON (DIR/sparselift.json, DIR/torchrec.json) for `sparselift explain`")
     _add_common(c)
 
     e = sub.add_parser("explain", help="explain a plan: per-rank breakdown, critical path, per-table reasons",
@@ -824,7 +826,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
           "TrainPipelineSparseDist and fp32 comms, TorchRec's default runtime. Ratios above 1.00x favour SparseLift.")
     if args.json:
         _write_text(args.json, json.dumps({"inputs": inputs.to_dict(), **cols}, indent=1, default=str))
+    if args.save_plans:
+        fp = planner.fingerprint(module)
+        info = {"inputs": inputs.to_dict()}
+        written = [_save_execution_plan(os.path.join(args.save_plans, "sparselift.json"), ours, fp,
+                                        {"planner": "SparseLiftPlanner", "solver": s.solver,
+                                         "planning_time_s": round(ours_time, 4), **info})]
+        if tr_plan is not None:
+            written.append(_save_execution_plan(os.path.join(args.save_plans, "torchrec.json"), ev, fp,
+                                                {"planner": "EmbeddingShardingPlanner", "solver": "torchrec",
+                                                 "planning_time_s": round(tr["planning_time_s"], 4), **info}))
+        print(f"wrote {' and '.join(written)}; explain with: sparselift explain {written[-1]}")
     return 0
+
+
+def _save_execution_plan(path: str, result: Any, fingerprint: Any, info: Dict[str, Any]) -> str:
+    """Write a PlanResult (planned or evaluated) as an ExecutionPlan JSON that explain can read."""
+    from torchrec_sparselift.plan import ExecutionPlan
+
+    ep = ExecutionPlan(sharding_plan=result.sharding_plan, optimizations=result.optimizations(),
+                       prediction=result.prediction(), fingerprint=fingerprint, planner_info=info)
+    _write_text(path, ep.to_json(indent=1))
+    return path
 
 
 def _explain_inputs(args: argparse.Namespace, ep: Any) -> Optional[PlanInputs]:
@@ -962,6 +985,9 @@ def _quiet_libraries(debug: bool) -> None:
     for name in ("torchrec", "fbgemm_gpu", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger("torchrec_sparselift.planner").setLevel(logging.ERROR)
+    # TorchRec's planner warns on the root logger, e.g. "Sharding spec not found" for every
+    # data-parallel table; our cache log has its own handler and is unaffected
+    logging.getLogger().setLevel(logging.ERROR)
 
 
 def _planning_errors() -> Tuple[type, ...]:
