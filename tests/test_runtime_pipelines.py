@@ -222,8 +222,7 @@ def _scenarios(rank: int) -> dict:
                                 pipelines=["fused"], time_budget_s=1.0)
     exec_plan = planner.collective_plan_execution(model, pg=dist.group.WORLD)
     lifted = _lift(exec_plan)
-    timer = StepTimer(torch.device("cpu"), warmup_steps=1, predicted_s=lifted.settings.predicted_step_s,
-                      plan=lifted.settings.label())
+    timer = lifted.step_timer(warmup_steps=1)
     timer.time_pipeline(lifted.pipeline, iter(_batches(rank, 4)), steps=4)
     rec = timer.record(pg=dist.group.WORLD)
     out["planner"] = [exec_plan.optimizations.pipeline, type(lifted.pipeline).__name__, rec.predicted_s, rec.plan]
@@ -445,7 +444,7 @@ def test_fp32_comms_install_no_codecs_and_fp8_refused_on_cpu() -> None:
     cpu = torch.device("cpu")
     assert comm_codecs_registry("fp32", "fp32", cpu) is None
     assert sharders_with_comm_codecs(None, None) is None
-    with pytest.raises(ValueError, match="GPU"):
+    with pytest.raises(ValueError, match="does not run on CPU"):
         comm_codecs_registry("fp8", "fp32", cpu)
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Dict, Iterator, Optional, Type
+from typing import Any, Dict, Iterator, Type
 
 import torch
 from torchrec.distributed.train_pipeline import (
@@ -146,14 +146,12 @@ class CpuStreamsMixin:
                 f"{type(self).__name__} is the CPU adaptation of a TorchRec pipeline; on device "
                 f"{device} instantiate the TorchRec pipeline class itself."
             )
-        old_data_dist = getattr(self, "_data_dist_stream", None)
         for name in _STREAM_ATTRIBUTES:
             if hasattr(self, name) and getattr(self, name) is None:
                 setattr(self, name, CpuStream())
-        # The fused pipeline's embedding-lookup stream: "data_dist" (default) aliases the data-dist
-        # stream, "new" is None off-GPU; "current" already holds torch.cpu.current_stream().
-        lookup: Optional[Any] = getattr(self, "_emb_lookup_stream", "absent")
-        if lookup is None or (lookup is old_data_dist and lookup is not None):
+        # The fused pipeline's embedding-lookup stream is None off-GPU for emb_lookup_stream
+        # "data_dist" (the default: it aliases the then-None data-dist stream) and "new".
+        if hasattr(self, "_emb_lookup_stream") and self._emb_lookup_stream is None:
             self._emb_lookup_stream = self._data_dist_stream  # type: ignore[attr-defined]
         self._stream_context = torch.cpu.stream
 
