@@ -1,8 +1,8 @@
 """Bad planning input fails early with an error naming the table or field and the fix.
 
-Two layers are pinned: ``validate_inputs`` itself, and what a user of ``SparseLiftPlanner`` sees.
-Tests marked xfail(reason=WIRING) pass once ``SparseLiftPlanner.plan_with_result`` calls
-``validate_inputs``; until then the planner accepts that input silently (or crashes later).
+Two layers are pinned: ``validate_inputs`` itself, and what a user of ``SparseLiftPlanner`` sees
+(``plan_with_result`` calls ``validate_inputs`` right after extracting the tables). Without that
+call the planner accepted most of these inputs silently or crashed later (``test_planner_refuses_*``).
 """
 
 import warnings
@@ -23,7 +23,6 @@ from torchrec_sparselift.validation import validate_inputs
 warnings.filterwarnings("ignore", category=FutureWarning)
 GiB = 1024**3
 META = torch.device("meta")
-WIRING = "lead wires validate_inputs into SparseLiftPlanner.plan_with_result"
 
 
 def _topo(world_size=2, device="cuda", local=2, hbm=80 * GiB, ddr=256 * GiB):
@@ -114,7 +113,6 @@ def test_dim_not_multiple_of_4_is_fine_when_constrained_to_dense():
     assert (ps.sharding_type, ps.compute_kernel) == ("data_parallel", "dense")
 
 
-@pytest.mark.xfail(strict=False, reason=WIRING)
 def test_planner_refuses_dim_not_multiple_of_4():
     with pytest.raises(ValueError, match="'odd'.*multiple of 4"):
         _plan(_ebc(("odd", 10**7, 6, ["f"])), topology=_topo(4))
@@ -136,7 +134,6 @@ def test_same_feature_in_two_modules_is_allowed():
     _validate(torch.nn.ModuleDict({"bags": bags, "seq": seq}))
 
 
-@pytest.mark.xfail(strict=False, reason=WIRING)
 def test_planner_refuses_feature_in_two_tables():
     with pytest.raises(ValueError, match="'shared'"):
         _plan(_ebc(("a", 100, 8, ["shared"]), ("b", 100, 8, ["shared"])))
@@ -149,7 +146,6 @@ def test_statistics_for_unknown_features_are_refused():
         _validate(m, stats=declare(f=2.0, ghost=3.0))
 
 
-@pytest.mark.xfail(strict=False, reason=WIRING)
 def test_planner_refuses_statistics_for_unknown_features():
     with pytest.raises(ValueError, match="'ghost'"):
         _plan(_ebc(("t", 100, 8, ["f"])), workload=declare(f=2.0, ghost=3.0))
@@ -177,9 +173,8 @@ def test_empty_world_is_refused():
         validate_inputs([], _topo(0, local=1), 64)
 
 
-@pytest.mark.xfail(strict=False, reason=WIRING)
 def test_planner_refuses_empty_world():
-    # Today: IndexError deep inside the search.
+    # Without validation: IndexError deep inside the search.
     with pytest.raises(ValueError, match="world_size must be a positive"):
         _plan(_ebc(("t", 100, 8, ["f"])), topology=_topo(0, local=1))
 
@@ -219,7 +214,6 @@ def test_min_partition_wider_than_a_column_wise_only_table_is_refused():
     _validate(m, constraints=ok)
 
 
-@pytest.mark.xfail(strict=False, reason=WIRING)
 def test_planner_refuses_min_partition_wider_than_column_wise_only_table():
     cons = {"t": ParameterConstraints(sharding_types=["column_wise"], min_partition=32)}
     with pytest.raises(ValueError, match="min_partition"):
@@ -240,9 +234,8 @@ def test_malformed_constraint_fields_are_refused(field, value, bad):
         validate_inputs(extract_tables(m, get_default_sharders(), "cuda", 64), _topo(), 64, cons)
 
 
-@pytest.mark.xfail(strict=False, reason=WIRING)
 def test_planner_refuses_misspelt_sharding_type():
-    # Today the typo is dropped silently and the table is planned table_wise.
+    # Without validation the typo was dropped silently and the table planned table_wise.
     cons = {"t": ParameterConstraints(sharding_types=["rowwise", "table_wise"])}
     with pytest.raises(ValueError, match="'rowwise'"):
         _plan(_ebc(("t", 100, 16, ["f"])), constraints=cons)
@@ -272,6 +265,6 @@ def test_tables_exceeding_the_whole_cluster_are_refused_before_search():
     with pytest.raises(SparseLiftPlannerError, match=r"need 8.00 GiB.*has 4.00 GiB") as e:
         _validate(m, topo)
     assert e.value.kind == "insufficient_storage"
-    with pytest.raises(PlannerError) as e:  # today from the search, once wired from validation
+    with pytest.raises(PlannerError) as e:  # from validation (before it: from the search)
         _plan(m, topology=topo)
     assert "GiB" in str(e.value) and any(f"t{i}" in str(e.value) for i in range(8))
