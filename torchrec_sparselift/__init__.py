@@ -31,6 +31,10 @@ _EXPORTS = {
     "WorkloadStats": "torchrec_sparselift.semantics.workload",
     "observe": "torchrec_sparselift.semantics.workload",
     "declare": "torchrec_sparselift.semantics.workload",
+    "lift": "torchrec_sparselift.runtime.model_parallel",
+    "SparseLiftModelParallel": "torchrec_sparselift.runtime.model_parallel",
+    "build_2d_model_parallel": "torchrec_sparselift.runtime.two_d",
+    "MomentumScaledRowWiseAdagrad": "torchrec_sparselift.optim",
 }
 
 __all__ = ["__version__", *_EXPORTS]
