@@ -1,0 +1,232 @@
+"""Fuzzed planning: hypothesis draws table sets, constraints, topologies and batch sizes.
+
+Whatever it draws, ``SparseLiftPlanner`` either returns a plan or raises a documented error
+(``PlannerError`` or ``ValueError``, with a message). Every returned plan
+
+* places every table exactly once, every shard on a rank that exists;
+* keeps every rank within its reserved memory (device memory on GPU, DDR on CPU; host memory too);
+* uses only sharding types and compute kernels the table's constraints allow;
+* is identical when the same input is planned again by a fresh planner;
+
+and ``validate_inputs`` never refuses an input the planner could plan.
+
+The default run is bounded (25 derandomized examples, mostly small worlds). The long run
+(up to 1024 simulated GPUs, ``SPARSELIFT_FUZZ_EXAMPLES`` examples, default 300, random seed)::
+
+    pytest -m slow tests/test_fuzz_planner.py
+    SPARSELIFT_FUZZ_EXAMPLES=2000 pytest -m slow tests/test_fuzz_planner.py
+"""
+
+import os
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
+from torchrec.distributed.sharding_plan import get_default_sharders
+
+from torchrec_sparselift import SparseLiftPlanner
+from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM
+from torchrec_sparselift.semantics.workload import declare
+from torchrec_sparselift.validation import validate_inputs
+
+warnings.filterwarnings("ignore")
+MiB, GiB, TiB = 1024**2, 1024**3, 1024**4
+
+TYPES = {
+    "cuda": ["data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise"],
+    "cpu": ["data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise"],
+}
+KERNELS = {"cuda": ["dense", "fused", "fused_uvm", "fused_uvm_caching"], "cpu": ["dense", "fused"]}
+SLOW_EXAMPLES = int(os.environ.get("SPARSELIFT_FUZZ_EXAMPLES", "300"))
+
+
+@attrs.frozen
+class Case:
+    """One drawn planning input (printed by hypothesis when a property fails)."""
+
+    device: str
+    world_size: int
+    local_world_size: int
+    hbm: int
+    ddr: int
+    batch_size: int
+    tables: Tuple[Tuple[str, int, int, float], ...]  # name, rows, dim, pooling factor
+    constraints: Tuple[Tuple[str, Optional[Tuple[str, ...]], Optional[Tuple[str, ...]], Optional[int]], ...]
+    stats: Optional[Tuple[Tuple[str, float], ...]]
+
+    def module(self) -> EmbeddingBagCollection:
+        return EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
+                    for n, r, d, _ in self.tables],
+            device=torch.device("meta"),
+        )
+
+    def topology(self) -> Topology:
+        return Topology(world_size=self.world_size, local_world_size=self.local_world_size,
+                        compute_device=self.device, hbm_cap=self.hbm, ddr_cap=self.ddr)
+
+    def parameter_constraints(self) -> Dict[str, ParameterConstraints]:
+        pfs = {n: pf for n, _, _, pf in self.tables}
+        out = {n: ParameterConstraints(pooling_factors=[pfs[n]]) for n in pfs}
+        for name, types, kernels, min_partition in self.constraints:
+            out[name] = ParameterConstraints(
+                sharding_types=list(types) if types else None,
+                compute_kernels=list(kernels) if kernels else None,
+                min_partition=min_partition, pooling_factors=[pfs[name]],
+            )
+        return out
+
+    def workload(self):
+        return declare({f"f_{n}": pf for n, pf in self.stats}) if self.stats else None
+
+    def planner(self) -> SparseLiftPlanner:
+        return SparseLiftPlanner(topology=self.topology(), batch_size=self.batch_size,
+                                 constraints=self.parameter_constraints(), workload=self.workload(),
+                                 debug=False, time_budget_s=2)
+
+
+def log_int(lo: int, hi: int):
+    """Integers in [lo, hi], roughly log-uniform (tiny and huge values both show up)."""
+    return st.floats(np.log10(lo), np.log10(hi)).map(lambda x: int(min(hi, max(lo, round(10**x)))))
+
+
+@st.composite
+def cases(draw, max_hosts: int = 4, max_tables: int = 20) -> Case:
+    device = draw(st.sampled_from(["cuda", "cuda", "cuda", "cpu"]))
+    local = draw(st.sampled_from([1, 2, 4, 8]))
+    hosts = draw(st.integers(1, max_hosts))
+    world = local * hosts
+    n = draw(st.integers(1, max_tables))
+    tables = tuple(
+        (f"t{i}", draw(log_int(1, 10**9)), 4 * draw(st.integers(1, 128)),
+         draw(st.sampled_from([0.0, 1.0]) | st.floats(0.0, 200.0)))
+        for i in range(n)
+    )
+    constrained = draw(st.lists(st.sampled_from([t[0] for t in tables]), unique=True, max_size=n))
+    cons = []
+    for name in constrained:
+        types = draw(st.none() | st.lists(st.sampled_from(TYPES[device]), min_size=1, unique=True).map(tuple))
+        kernels = draw(st.none() | st.lists(st.sampled_from(KERNELS[device]), min_size=1, unique=True).map(tuple))
+        min_partition = draw(st.none() | st.sampled_from([4, 8, 16, 32, 64]))
+        cons.append((name, types, kernels, min_partition))
+    stats = None
+    if draw(st.booleans()):
+        named = draw(st.lists(st.sampled_from([t[0] for t in tables]), unique=True, min_size=1, max_size=n))
+        stats = tuple((nm, draw(st.floats(0.0, 100.0))) for nm in sorted(named))
+    return Case(
+        device=device, world_size=world, local_world_size=local,
+        hbm=draw(log_int(MiB, TiB)), ddr=draw(log_int(16 * MiB, 4 * TiB)),
+        batch_size=draw(log_int(1, 65536)), tables=tables, constraints=tuple(cons), stats=stats,
+    )
+
+
+def check_case(case: Case) -> Optional[str]:
+    """Plan ``case`` twice and check every property; returns the plan's text (None: refused)."""
+    module = case.module()
+    planner = case.planner()
+    try:
+        result = planner.plan_with_result(module, get_default_sharders())
+    except (PlannerError, ValueError) as e:
+        msg = str(e)
+        assert msg.strip(), f"{type(e).__name__} without a message"
+        assert "internal error" not in msg, msg
+        return None
+
+    topo = case.topology()
+    W = case.world_size
+    names = [t[0] for t in case.tables]
+    cons = case.parameter_constraints()
+
+    # every table exactly once, every shard on a rank that exists
+    plan = result.sharding_plan.plan
+    assert list(plan) == [""]
+    assert sorted(plan[""]) == sorted(names)
+    assert sorted(o.name for o in result.sharding_options) == sorted(names)
+    for opt in result.sharding_options:
+        assert opt.shards, opt.name
+        for s in opt.shards:
+            assert s.rank is not None and 0 <= s.rank < W, (opt.name, s.rank)
+        ps = plan[""][opt.name]
+        assert ps.sharding_type == opt.sharding_type and ps.compute_kernel == opt.compute_kernel
+        assert all(0 <= r < W for r in ps.ranks)
+        # constraints respected
+        c = cons[opt.name]
+        if c.sharding_types:
+            assert opt.sharding_type in c.sharding_types, (opt.name, opt.sharding_type, c.sharding_types)
+        if c.compute_kernels:
+            assert opt.compute_kernel in c.compute_kernels, (opt.name, opt.compute_kernel, c.compute_kernels)
+        if case.device == "cpu":
+            assert opt.compute_kernel in KERNELS["cpu"]
+
+    # memory: per rank within the reserved capacity the planner was given, which is within the topology's
+    prob, search = result.problem, result.search
+    assert search.status != "memory_violation", search.status
+    raw_dev = np.array([d.storage.ddr if case.device == "cpu" else d.storage.hbm for d in topo.devices], float)
+    assert np.all(prob.device_cap <= raw_dev + 1)
+    loads = search.rank_loads
+    assert np.all(loads[:, DEV_MEM] <= prob.device_cap * (1 + 1e-9) + 1), (loads[:, DEV_MEM], prob.device_cap)
+    assert np.all(loads[:, HOST_MEM] <= prob.host_cap * (1 + 1e-9) + 1), (loads[:, HOST_MEM], prob.host_cap)
+    used_dev = np.zeros(W)
+    used_host = np.zeros(W)
+    for opt in result.sharding_options:
+        for s in opt.shards:
+            used_dev[s.rank] += s.storage.ddr if case.device == "cpu" else s.storage.hbm
+            used_host[s.rank] += 0 if case.device == "cpu" else s.storage.ddr
+    assert np.all(used_dev <= prob.device_cap + 1 * len(names)), (used_dev, prob.device_cap)
+    if case.device != "cpu":
+        assert np.all(used_host <= prob.host_cap + 1 * len(names)), (used_host, prob.host_cap)
+
+    # validation never refuses what the planner can plan
+    validate_inputs(result.handles, topo, case.batch_size, cons, case.workload())
+
+    # identical when repeated
+    again = case.planner().plan_with_result(case.module(), get_default_sharders())
+    text = str(result.sharding_plan)
+    assert str(again.sharding_plan) == text
+    assert (again.search.pipeline, again.search.fwd_precision) == (search.pipeline, search.fwd_precision)
+    return text
+
+
+FAST = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                suppress_health_check=list(HealthCheck), print_blob=True)
+SLOW = settings(max_examples=SLOW_EXAMPLES, deadline=None, database=None,
+                suppress_health_check=list(HealthCheck), print_blob=True)
+
+
+@FAST
+@given(cases(max_hosts=4, max_tables=20))
+def test_fuzzed_inputs_plan_validly_or_raise_documented_errors(case):
+    check_case(case)
+
+
+@FAST
+@given(cases(max_hosts=2, max_tables=60).map(lambda c: attrs.evolve(c, hbm=64 * MiB, ddr=256 * MiB)))
+def test_fuzzed_many_tables_in_little_memory_plan_validly_or_raise_documented_errors(case):
+    check_case(case)
+
+
+@pytest.mark.slow
+@SLOW
+@given(cases(max_hosts=128, max_tables=60))
+def test_fuzzed_inputs_up_to_1024_ranks_slow(case):
+    check_case(case)
+
+
+def test_check_case_sees_both_outcomes():
+    """Neither branch of ``check_case`` is vacuous: a roomy case plans, an impossible one is refused."""
+    roomy = Case(device="cuda", world_size=4, local_world_size=2, hbm=64 * GiB, ddr=256 * GiB,
+                 batch_size=256, tables=(("a", 10**5, 64, 3.0), ("b", 10**6, 128, 20.0)),
+                 constraints=(("b", ("row_wise", "column_wise"), None, None),), stats=(("a", 2.0),))
+    text = check_case(roomy)
+    assert text is not None and ("row_wise" in text or "column_wise" in text)
+    impossible = attrs.evolve(roomy, hbm=MiB, ddr=16 * MiB, tables=(("big", 10**9, 512, 1.0),),
+                              constraints=(), stats=None)
+    assert check_case(impossible) is None
