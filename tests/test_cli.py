@@ -339,3 +339,18 @@ def test_no_alternative_beats_a_converged_sparselift_choice():
         for a in e.alternatives:
             assert a.step_s is None or a.step_s >= e.step_s * (1 - 1e-9), (e.fqn, a)
     assert attrs.has(type(expl[0]))
+
+
+def test_main_in_process_leaves_logging_and_warning_filters_as_they_were(tmp_path, capsys):
+    import logging
+    import warnings
+
+    levels = {n: logging.getLogger(n or None).level for n in ("", "torchrec", "torchrec_sparselift.planner")}
+    cache_log = logging.getLogger("torchrec_sparselift.plan.cache")
+    handlers = list(cache_log.handlers)
+    filters = list(warnings.filters)
+    rc, _, _ = run_cli(capsys, "plan", "--tables", TINY, *CPU, "--out", str(tmp_path / "p.json"))
+    assert rc == 0
+    assert {n: logging.getLogger(n or None).level for n in levels} == levels
+    assert cache_log.handlers == handlers and cache_log.propagate
+    assert warnings.filters == filters

@@ -21,6 +21,7 @@ topology). Errors print one ``sparselift <command>: error: ...`` message and no 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -30,7 +31,7 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
@@ -970,24 +971,35 @@ def cmd_explain(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _quiet_libraries(debug: bool) -> None:
+@contextlib.contextmanager
+def _library_noise(debug: bool) -> Iterator[None]:
+    """While a command runs: print the plan cache's log lines on stderr, and (unless ``debug``)
+    silence library warnings and TorchRec's log chatter. Everything is restored afterwards, so
+    calling :func:`main` in-process leaves logging and warning filters as they were."""
     cache_log = logging.getLogger("torchrec_sparselift.plan.cache")
-    if not any(getattr(h, "_sparselift_cli", False) for h in cache_log.handlers):
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("sparselift: %(message)s"))
-        h._sparselift_cli = True  # type: ignore[attr-defined]
-        cache_log.addHandler(h)
-        cache_log.setLevel(logging.INFO)
-        cache_log.propagate = False
-    if debug:
-        return
-    warnings.filterwarnings("ignore")
-    for name in ("torchrec", "fbgemm_gpu", "torch.distributed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger("torchrec_sparselift.planner").setLevel(logging.ERROR)
-    # TorchRec's planner warns on the root logger, e.g. "Sharding spec not found" for every
-    # data-parallel table; our cache log has its own handler and is unaffected
-    logging.getLogger().setLevel(logging.ERROR)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("sparselift: %(message)s"))
+    quiet = ("torchrec", "fbgemm_gpu", "torch.distributed", "torchrec_sparselift.planner", "")
+    saved = {name: logging.getLogger(name or None).level for name in quiet}
+    saved_cache = (cache_log.level, cache_log.propagate)
+    cache_log.addHandler(handler)
+    cache_log.setLevel(logging.INFO)
+    cache_log.propagate = False
+    try:
+        with warnings.catch_warnings():
+            if not debug:
+                warnings.simplefilter("ignore")
+                # TorchRec's planner also warns on the root logger (e.g. "Sharding spec not found"
+                # for every data-parallel table); the cache log has its own handler
+                for name in quiet:
+                    logging.getLogger(name or None).setLevel(logging.ERROR)
+            yield
+    finally:
+        cache_log.removeHandler(handler)
+        cache_log.setLevel(saved_cache[0])
+        cache_log.propagate = saved_cache[1]
+        for name, level in saved.items():
+            logging.getLogger(name or None).setLevel(level)
 
 
 def _planning_errors() -> Tuple[type, ...]:
@@ -1012,11 +1024,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     debug = bool(args.debug)
-    _quiet_libraries(debug)
     cmd = {"plan": cmd_plan, "compare": cmd_compare, "explain": cmd_explain}[args.command]
     prefix = f"sparselift {args.command}: error:"
     try:
-        return cmd(args)
+        with _library_noise(debug):
+            return cmd(args)
     except CliError as e:
         if debug:
             raise

@@ -95,7 +95,7 @@ def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: 
     if kind == "base":
         s, t = _seq([("input_dist", ph["input_dist"])] + emb_fwd, "main", 0.0, critical=True)
         segs.extend(s)
-        t = dense_with_allreduce_into(segs, t, ph, ar_hidden)
+        t = _dense_into(segs, t, ph, ar_hidden)
         s, t = _seq(emb_bwd + [("allreduce", ar_exposed)], "main", t, critical=True)
         segs.extend(s)
     elif kind in ("sparse_dist", "prefetch"):
@@ -106,7 +106,7 @@ def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: 
             body = emb_fwd[1:]
         s, t = _seq(body, "main", 0.0, critical=True)
         main = list(s)
-        t = dense_with_allreduce_into(main, t, ph, ar_hidden)
+        t = _dense_into(main, t, ph, ar_hidden)
         s, t = _seq(emb_bwd + [("allreduce", ar_exposed)], "main", t, critical=True)
         main.extend(s)
         ahead_total = sum(d for _, d in ahead)
@@ -121,7 +121,7 @@ def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: 
     elif kind == "fused":
         s, t = _seq(emb_fwd, "main", 0.0, critical=True)
         main = list(s)
-        t = dense_with_allreduce_into(main, t, ph, ar_hidden)
+        t = _dense_into(main, t, ph, ar_hidden)
         bwd_len = sum(d for _, d in emb_bwd)
         emb_critical = bwd_len >= ar_exposed
         s1, t1 = _seq(emb_bwd, "main", t, critical=emb_critical,
@@ -140,8 +140,8 @@ def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: 
         fwd_len = sum(d for _, d in emb_fwd)
         dense_len = ph["dense_fwd"] + ph["dense_bwd"]
         dense_critical = dense_len >= fwd_len
-        main: List[Segment] = []
-        t_dense = dense_with_allreduce_into(main, 0.0, ph, ar_hidden, critical=dense_critical)
+        main = []
+        t_dense = _dense_into(main, 0.0, ph, ar_hidden, critical=dense_critical)
         pre, t_fwd = _seq(emb_fwd, "next batch", 0.0, critical=not dense_critical, next_batch=True,
                           hidden_by="" if not dense_critical else "dense fwd/bwd")
         if not dense_critical:
@@ -151,7 +151,7 @@ def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: 
         s, t = _seq(emb_bwd + [("allreduce", ar_exposed)], "main", t, critical=True)
         main.extend(s)
         end = t
-        inp, _ = _seq([("input_dist", ph["input_dist"])], "input", 0.0,
+        inp, _ = _seq([("input_dist", ph["input_dist"])], "next batch input", 0.0,
                       critical=ph["input_dist"] > end, next_batch=True,
                       hidden_by="" if ph["input_dist"] > end else "the step")
         if ph["input_dist"] > end:
@@ -163,7 +163,7 @@ def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: 
     return tuple(segs)
 
 
-def dense_with_allreduce_into(out: List[Segment], start: float, ph: Mapping[str, float],
+def _dense_into(out: List[Segment], start: float, ph: Mapping[str, float],
                               ar_hidden: float, critical: bool = True) -> float:
     """Append dense forward, dense backward (and the all-reduce hidden under it) from ``start``;
     return the end of the dense backward."""
