@@ -181,7 +181,8 @@ def _scenarios(rank: int) -> dict:
     out["exec_plan"] = [type(lifted.pipeline).__name__, lifted.settings.fwd_comm_precision,
                         lifted.settings.predicted_step_s, lifted.settings.label()]
     lifted = _lift(exec_plan, pipeline="base", fwd_comm_precision="fp32")
-    out["exec_plan_override"] = [type(lifted.pipeline).__name__, lifted.settings.fwd_comm_precision]
+    out["exec_plan_override"] = [type(lifted.pipeline).__name__, lifted.settings.fwd_comm_precision,
+                                 lifted.settings.predicted_step_s]
 
     # a 2D execution plan goes to runtime.two_d (DMPCollection): 2 replicas of a 1-rank group
     def plan_2d(pipeline: str):  # type: ignore[no-untyped-def]
@@ -309,7 +310,7 @@ def test_quantized_comms_run_and_stay_close_to_fp32(runs, prec) -> None:  # type
 def test_execution_plan_optimizations_applied_and_overridable(runs) -> None:  # type: ignore[no-untyped-def]
     cls, fwd, predicted, label = runs[0]["exec_plan"]
     assert (cls, fwd, predicted, label) == ("CpuTrainPipelineFusedSparseDist", "fp16", 0.004, "tiny plan")
-    assert runs[0]["exec_plan_override"] == ["TrainPipelineBase", "fp32"]
+    assert runs[0]["exec_plan_override"] == ["TrainPipelineBase", "fp32", None]  # prediction was for "fused"
 
 
 @pytest.mark.multiprocess
@@ -370,6 +371,18 @@ def test_plan_without_sharding_plan_is_refused() -> None:
 
     with pytest.raises(TypeError, match="ShardingPlan"):
         resolve_settings(object())
+
+
+def test_override_matching_the_plan_keeps_its_prediction() -> None:
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_sparselift.runtime import resolve_settings
+
+    plan = SimpleNamespace(sharding_plan=ShardingPlan({}), optimizations=SimpleNamespace(pipeline="fused"),
+                           prediction=SimpleNamespace(step_time_s=0.01), summary=lambda: "p")
+    assert resolve_settings(plan, pipeline="fused")[1].predicted_step_s == 0.01
+    changed = resolve_settings(plan, pipeline="base")[1]
+    assert (changed.predicted_step_s, changed.label()) == (None, "pipeline=base, comm=fp32/fp32")
 
 
 def test_2d_plan_keeps_group_and_interval_1d_drops_interval() -> None:

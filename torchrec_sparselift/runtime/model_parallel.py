@@ -127,8 +127,10 @@ def resolve_settings(
     """Split ``plan`` into the TorchRec ``ShardingPlan`` and the settings to apply.
 
     Promises: for a ``ShardingPlan``, settings from the keywords (defaults ``sparse_dist``, fp32,
-    1D); for an execution plan (duck-typed: ``.sharding_plan`` and ``.optimizations``), the plan's
-    optimizations with any non-None keyword taking precedence (logged). A 1D plan's
+    1D); for an execution plan (duck-typed: ``.sharding_plan`` and ``.optimizations``, optionally
+    ``.prediction.step_time_s`` and ``.summary()``), the plan's optimizations with any non-None
+    keyword taking precedence; a keyword that changes the plan's choice is logged and drops the
+    plan's prediction and description (they describe another configuration). A 1D plan's
     ``sync_interval`` is dropped (it only means something for 2D).
     """
     overrides = {
@@ -154,20 +156,21 @@ def resolve_settings(
         "fwd_comm_precision": getattr(opt, "fwd_comm_precision", "fp32"),
         "bwd_comm_precision": getattr(opt, "bwd_comm_precision", "fp32"),
     }
-    for key, value in given.items():
-        if value != chosen[key]:
-            logger.info("sparselift: %s=%s overrides the plan's %s", key, value, chosen[key])
+    changed = {k: v for k, v in given.items() if v != chosen[k]}
+    for key, value in changed.items():
+        logger.info(
+            "sparselift: %s=%s overrides the plan's %s; the plan's step-time prediction no longer applies",
+            key, value, chosen[key],
+        )
     chosen.update(given)
     prediction = getattr(plan, "prediction", None)
-    predicted = getattr(prediction, "step_time_s", None)
     summary = getattr(plan, "summary", None)
-    description = summary() if callable(summary) else ""
     return sharding_plan, RuntimeSettings(
         **chosen,
         sharding_group_size=group,
         sync_interval=getattr(opt, "sync_interval", None) if group is not None else None,
-        predicted_step_s=predicted,
-        description=description if not given else "",
+        predicted_step_s=None if changed else getattr(prediction, "step_time_s", None),
+        description="" if changed or not callable(summary) else summary(),
     )
 
 
