@@ -538,15 +538,15 @@ def _add_input_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     t.add_argument("--topology", metavar="NAME", default=None if not required else "h100",
                    help="hardware preset (h100, h200, a100, cpu-gloo) or a calibrated profile .json "
                    "(default h100)" if required else "hardware preset or profile .json")
-    t.add_argument("--world-size", type=int, default=None, help="number of ranks (default: one host)")
-    t.add_argument("--local-world-size", type=int, default=None, help="ranks per host (default: the preset's)")
-    t.add_argument("--hbm-gib", type=float, default=None, help="device memory per rank in GiB "
+    t.add_argument("--world-size", type=int, default=None, metavar="N", help="number of ranks (default: one host)")
+    t.add_argument("--local-world-size", type=int, default=None, metavar="N", help="ranks per host (default: the preset's)")
+    t.add_argument("--hbm-gib", type=float, default=None, metavar="GIB", help="device memory per rank in GiB "
                    "(CPU: the rank's memory)")
-    t.add_argument("--ddr-gib", type=float, default=None, help="host memory per rank in GiB")
+    t.add_argument("--ddr-gib", type=float, default=None, metavar="GIB", help="host memory per rank in GiB")
     b = p.add_argument_group("batch")
-    b.add_argument("--batch-size", type=int, default=None, help="per-rank batch size "
+    b.add_argument("--batch-size", type=int, default=None, metavar="B", help="per-rank batch size "
                    f"(default: the workload's global batch / world size, else {DEFAULT_BATCH_SIZE})")
-    b.add_argument("--global-batch-size", type=int, default=None, help="global batch size (divided over ranks)")
+    b.add_argument("--global-batch-size", type=int, default=None, metavar="B", help="global batch size (divided over ranks)")
 
 
 def _add_planner_args(p: argparse.ArgumentParser) -> None:
@@ -579,9 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "a summary table.")
     _add_input_args(p)
     _add_planner_args(p)
-    p.add_argument("--out", "-o", default="sparselift-plan.json", help="where to write the plan "
+    p.add_argument("--out", "-o", default="sparselift-plan.json", metavar="FILE", help="where to write the plan "
                    "(default sparselift-plan.json)")
-    p.add_argument("--cache-dir", default=None, help="reuse a stored plan with the same inputs from this "
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help="reuse a stored plan with the same inputs from this "
                    "directory (and store new ones there)")
     _add_common(p)
 
@@ -603,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "critical path of a step, the gap to the lower bound, and for each large table the "
                        "alternative shardings it beat (re-priced with the same cost model, not re-planned).")
     e.add_argument("plan", help="ExecutionPlan JSON written by `sparselift plan`")
-    e.add_argument("--top", type=int, default=8, help="explain this many of the largest tables (default 8)")
+    e.add_argument("--top", type=int, default=8, metavar="N", help="explain this many of the largest tables (default 8)")
     e.add_argument("--png", default=None, metavar="FILE", help="also draw per-rank bars and a step timeline "
                    "(needs matplotlib)")
     _add_input_args(e, required=False)
