@@ -18,7 +18,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
