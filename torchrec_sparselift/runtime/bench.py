@@ -38,13 +38,13 @@ def _batches(rank: int, n: int, args: argparse.Namespace, device: torch.device) 
         lengths = torch.randint(0, 2 * args.pooling + 1, (args.tables * args.batch_size,), generator=g)
         ids = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=ids, lengths=lengths)
-        out.append(
-            Batch(
-                dense_features=torch.randn(args.batch_size, 13, generator=g),
-                sparse_features=kjt,
-                labels=(torch.rand(args.batch_size, generator=g) < 0.5).float(),
-            ).to(device)
+        batch = Batch(
+            dense_features=torch.randn(args.batch_size, 13, generator=g),
+            sparse_features=kjt,
+            labels=(torch.rand(args.batch_size, generator=g) < 0.5).float(),
         )
+        # host batches, as a dataloader yields them: the pipelines copy them to the device
+        out.append(batch.pin_memory() if device.type == "cuda" else batch)
     return out
 
 
