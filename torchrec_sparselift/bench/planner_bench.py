@@ -53,6 +53,7 @@ __all__ = [
     "check_targets",
     "Target",
     "format_table",
+    "resolve_hardware",
     "main",
 ]
 
@@ -114,6 +115,28 @@ def bench_topology(world_size: int, hbm_gib: float = 80.0) -> Any:
 
     return Topology(world_size=world_size, local_world_size=min(8, world_size), compute_device="cuda",
                     hbm_cap=int(hbm_gib * GiB))
+
+
+TORCHREC_CONSTANTS = "torchrec-constants"
+
+
+def resolve_hardware(name: str) -> Any:
+    """A SparseLift hardware profile by preset name, or ``"torchrec-constants"``: the ``h100``
+    preset with TorchRec's planner constants (HBM 897 GiB/s, DDR 51 GiB/s, HBM<->DDR 32 GiB/s,
+    intra-host 600 GiB/s, inter-host 12.5 GiB/s, backward 2x forward), so both planners assume
+    the same machine and a comparison isolates the search from the hardware numbers."""
+    from torchrec.distributed.planner import constants as C
+
+    from torchrec_sparselift.cost.hardware import get_profile
+
+    if name != TORCHREC_CONSTANTS:
+        return get_profile(name)
+    per_s = 1e3  # TorchRec's constants are bytes per millisecond
+    return attrs.evolve(
+        get_profile("h100"), name=TORCHREC_CONSTANTS, hbm_bw=C.HBM_MEM_BW * per_s, ddr_bw=C.DDR_MEM_BW * per_s,
+        uvm_bw=C.HBM_TO_DDR_MEM_BW * per_s, intra_host_bw=C.INTRA_NODE_BANDWIDTH * per_s,
+        inter_host_bw=C.CROSS_NODE_BANDWIDTH * per_s, bwd_factor=float(C.BWD_COMPUTE_MULTIPLIER),
+    )
 
 
 def _quiet() -> None:
@@ -229,7 +252,8 @@ def run_sparselift(sc: Scenario, hardware: str = "h100", budget_s: Optional[floa
     from torchrec_sparselift.planner import SparseLiftPlanner
 
     wl, module, topo, batch, cons, sharders = _inputs(sc, hbm_gib)
-    planner = SparseLiftPlanner(topology=topo, batch_size=batch, constraints=cons, hardware=hardware,
+    planner = SparseLiftPlanner(topology=topo, batch_size=batch, constraints=cons,
+                                hardware=resolve_hardware(hardware),
                                 debug=False, time_budget_s=budget_s)
     w0, c0 = time.perf_counter(), time.process_time()
     res = planner.plan_with_result(module, sharders)
@@ -264,7 +288,8 @@ def _price(sc: Scenario, plan: Any, hardware: str, pipeline: str, hbm_gib: float
     from torchrec_sparselift.planner import evaluate_sharding_plan
 
     wl, module, topo, batch, cons, sharders = _inputs(sc, hbm_gib)
-    r = evaluate_sharding_plan(module, plan, topo, batch, cons, hardware=hardware, pipeline=pipeline)
+    r = evaluate_sharding_plan(module, plan, topo, batch, cons, hardware=resolve_hardware(hardware),
+                               pipeline=pipeline)
     return {"step_ms": r.search.step.total_s * 1e3,
             "peak_dev_bytes": float(np.max(r.search.rank_loads[:, DEV_MEM]))}
 
@@ -471,7 +496,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated WORKLOAD@WORLD_SIZE[:sl] and/or sets: "
                         + ", ".join(f"{k}" for k in SCENARIO_SETS) + " (default: small)")
     p.add_argument("--out", default=None, help="JSON results file (rewritten after every scenario)")
-    p.add_argument("--hardware", default="h100", help="SparseLift hardware profile (default h100)")
+    p.add_argument("--hardware", default="h100",
+                   help="SparseLift hardware profile: h100, h200, a100 or torchrec-constants "
+                        "(h100 with TorchRec's planner bandwidths; default h100)")
     p.add_argument("--hbm-gib", type=float, default=80.0, help="HBM per GPU in the topology (default 80)")
     p.add_argument("--budget", type=float, default=None, help="SparseLift search time budget in seconds")
     p.add_argument("--torchrec-timeout", type=float, default=600.0,
