@@ -295,22 +295,28 @@ class TrainResult:
     step_end_s: List[float]
 
 
-def train_loop(model, optimizer, batches: Iterator, device, steps: int, progress=None) -> TrainResult:
+def train_loop(model, optimizer, batches: Iterator, device, steps: int, warmup: int = 0, progress=None) -> TrainResult:
     """Run ``steps`` steps of TrainPipelineSparseDist over ``batches``; ``progress(step, loss)``
-    is called after each step. This is the one place a different pipeline would plug in."""
+    (``loss`` a 0-d tensor) is called after each step. On CUDA the device is synchronised only
+    where a time is read for steady state (after step ``warmup - 1`` and after the last step), so
+    the loop never waits on a loss. This is the one place a different pipeline would plug in."""
+    import torch
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     pipeline = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
-    losses: List[float] = []
+    losses = []
     ends: List[float] = []
     start = time.perf_counter()
     for step in range(steps):
         loss, _logits, _labels = pipeline.progress(batches)
-        losses.append(float(loss.detach().float().cpu()))
+        losses.append(loss.detach())
+        if step in (warmup - 1, steps - 1):
+            sync()
         ends.append(time.perf_counter() - start)
         if progress is not None:
             progress(step, losses[-1])
-    return TrainResult(losses=losses, step_end_s=ends)
+    return TrainResult(losses=[float(x) for x in torch.stack(losses).float().cpu()], step_end_s=ends)
 
 
 def steady_state(result: TrainResult, warmup: int) -> float:
@@ -382,13 +388,13 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
 
         bar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout, mininterval=1.0, ascii=True)
 
-    def progress(step: int, loss: float) -> None:
+    def progress(step: int, loss) -> None:
         if bar is not None:
             bar.update(1)
             if step % 5 == 0 or step == args.steps - 1:
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
 
-    result = train_loop(dmp, optimizer, batches, device, args.steps, progress)
+    result = train_loop(dmp, optimizer, batches, device, args.steps, args.warmup_steps, progress)
     if bar is not None:
         bar.close()
 
