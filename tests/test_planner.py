@@ -154,7 +154,7 @@ def test_zero_batch_size_is_an_error():
 def test_torchrec_search_components_are_reported_not_silently_used(caplog):
     from torchrec.distributed.planner.proposers import GreedyProposer
 
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="torchrec_sparselift.planner"):
         SparseLiftPlanner(topology=_topo(8), batch_size=64, proposer=GreedyProposer())
     assert "not used" in caplog.text
 

@@ -62,6 +62,12 @@ class HardwareProfile:
         cache_hit_rate: row hit rate assumed for UVM-caching kernels when no statistics say better.
         supports_overlap: whether communication really overlaps compute (separate streams and
             copy engines). False makes every pipeline kind cost the same as a plain loop.
+        id_overhead_bytes: per-id cost of a forward lookup that does not depend on the row
+            width (index and offset reads, bag bookkeeping), as equivalent bytes.
+        bwd_id_overhead_bytes: per-id cost of the backward + optimizer that does not depend on
+            the row width (sorting ids, de-duplication, per-row optimizer bookkeeping). These two
+            make splitting a hot table into narrow column shards cost what it costs: every
+            column shard processes every id.
     """
 
     name: str
@@ -82,6 +88,8 @@ class HardwareProfile:
     dense_flops: float = attrs.field(default=400e12, validator=_positive)
     cache_hit_rate: float = attrs.field(default=0.9)
     supports_overlap: bool = attrs.field(default=True)
+    id_overhead_bytes: float = attrs.field(default=64.0, validator=_non_negative)
+    bwd_id_overhead_bytes: float = attrs.field(default=256.0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):

@@ -3,10 +3,11 @@
 Everything here is a pure function of immutable inputs. The equations (also in docs/cost_model.md):
 
 * a lookup of ``n`` rows of ``w`` bytes on resource ``m``:
-  ``t = overhead + n * ceil(w / g) * g / bw(m)`` (``g`` the memory transaction size);
+  ``t = overhead + n * (ceil(w / g) * g + id_overhead) / bw(m)`` (``g`` the memory transaction
+  size, ``id_overhead`` the width-independent per-id cost);
   UVM-caching kernels split rows into hits (``bw = hbm_bw``) and misses (``bw = uvm_bw``);
   the miss part is what a prefetch pipeline can hide.
-* backward + fused optimizer update: ``bwd_factor`` times the forward row traffic.
+* backward + fused optimizer update: ``n * (bwd_factor * ceil(w/g) g + bwd_id_overhead) / bw``.
 * a collective phase (input_dist, output_dist, grad_dist) is as slow as its slowest rank:
   ``t = latency * groups + max(max_r intra_r / intra_bw, max_r inter_r / inter_bw)``,
   where each rank's bytes are what its shards send/receive plus its share of its peers' traffic.
@@ -104,9 +105,17 @@ class ShardCost:
 
 
 def node_time(node: Node, profile: HardwareProfile) -> float:
-    """Seconds a compute node takes on its resource (links are handled per phase)."""
+    """Seconds a compute node takes on its resource (links are handled per phase).
+
+    A lookup of ``n`` rows moves ``n * (row_bytes(w) + id_overhead)``; a backward + update
+    moves ``n * (bwd_factor * row_bytes(w) + bwd_id_overhead)``.
+    """
     if node.unit == "rows":
-        moved = node.quantity * profile.row_bytes(node.width_bytes, 1)
+        rb = profile.row_bytes(node.width_bytes, 1)
+        if node.kind == "backward_update":
+            moved = node.quantity * (profile.bwd_factor * rb + profile.bwd_id_overhead_bytes)
+        else:
+            moved = node.quantity * (rb + profile.id_overhead_bytes)
         if node.resource == "hbm":
             return moved / profile.hbm_bw
         if node.resource == "uvm":
@@ -133,8 +142,6 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
         if node.kind in ("lookup", "backward_update"):
             t = node_time(node, p)
             if node.unit == "rows":
-                if node.kind == "backward_update":
-                    t *= p.bwd_factor
                 t += p.lookup_overhead_s
             col = BWD if node.backward else FWD
             vec[col] += t
