@@ -199,7 +199,7 @@ class SparseLiftPlanner(ShardingPlanner):
             ones, plus ``semi_sync`` when ``allow_staleness``).
         allow_lossy_comm: allow fp16/bf16 communication (and fp8 if also ``allow_fp8``).
         allow_staleness: allow ``semi_sync`` (one step of embedding staleness).
-        time_budget_s: search time budget in seconds (default 10; ``timeout_seconds`` too).
+        time_budget_s: search time budget in seconds (default 8; ``timeout_seconds`` too).
         cache_dir: directory of reusable execution plans (see :meth:`plan_execution`).
         solver: "auto" (default: LP + greedy + local search; the exact MILP too on tiny
             instances), "heuristic", or "milp" (exact MILP over choice and placement with half
@@ -276,7 +276,7 @@ class SparseLiftPlanner(ShardingPlanner):
         self._stats = stats
         self._debug = debug
         self._callbacks = list(callbacks or [])
-        self._budget = float(time_budget_s or timeout_seconds or 10.0)
+        self._budget = float(time_budget_s or timeout_seconds or 8.0)
         if isinstance(hardware, str):
             hardware = get_profile(hardware)
         self._hardware: Optional[HardwareProfile] = hardware

@@ -257,5 +257,45 @@ def local_search(
             else:  # priced against a stale maximum: undo
                 ev.assign(t, old[0], old[1])
         if not applied:
-            break
+            if time.monotonic() > deadline or not _try_swaps(ev, prob, w, current, deadline):
+                break
+            current = ev.objective()
+            moves += 1
     return moves, False
+
+
+def _try_swaps(ev: PlanEvaluator, prob: PlanningProblem, w: np.ndarray, current: float,
+               deadline: float, partners: int = 8, per_rank: int = 6) -> bool:
+    """Exchange a single-shard table on a hot rank with a smaller one on a cool rank, when no
+    single move helps (typically when memory is tight). Applies the first improving swap."""
+    loads = ev.rank_loads()
+    busy = rank_time(ev, loads)
+    cool = [int(r) for r in np.argsort(busy, kind="stable")[:partners]]
+    spread0 = _spread(ev, ev.loads, w)
+    for r in _hot_ranks(ev, w):
+        mine = [t for t in ev.tables_on(r) if len(ev.assignment[t][1]) == 1]
+        mine.sort(key=lambda t: (-prob.shard_time(ev.assignment[t][0]), t))
+        for t1 in mine[:per_rank]:
+            c1, _ = ev.assignment[t1]
+            for r2 in cool:
+                if r2 == r:
+                    continue
+                theirs = [t for t in ev.tables_on(r2) if len(ev.assignment[t][1]) == 1
+                          and prob.shard_time(ev.assignment[t][0]) < prob.shard_time(c1)]
+                theirs.sort(key=lambda t: (-prob.shard_time(ev.assignment[t][0]), t))
+                for t2 in theirs[:per_rank]:
+                    if time.monotonic() > deadline:
+                        return False
+                    c2, _ = ev.assignment[t2]
+                    ev.assign(t1, c1, (r2,))
+                    ev.assign(t2, c2, (r,))
+                    new = ev.objective()
+                    ok = ev.memory_ok() and (
+                        new < current * (1 - 1e-9)
+                        or (new <= current * (1 + 1e-12) and _spread(ev, ev.loads, w) < spread0 * (1 - 1e-6))
+                    )
+                    if ok:
+                        return True
+                    ev.assign(t1, c1, (r,))
+                    ev.assign(t2, c2, (r2,))
+    return False
