@@ -135,7 +135,10 @@ def solve(
     # choose the optimizations on the final loads
     alts: List[Tuple[str, float]] = []
     best_combo = None
+    has_dense_kernel = any(prob.cands[c].compute_kernel == "dense" for c, _ in ev.assignment.values())
     for pl in pipelines:
+        if pl == "semi_sync" and has_dense_kernel and len(pipelines) > 1:
+            continue  # TrainPipelineSemiSync cannot train dense-kernel (data-parallel) tables
         for f, b in precisions:
             st = ev.step_time(pl, f, b)
             alts.append((f"{pl}/{f}/{b}", st.total_s))
