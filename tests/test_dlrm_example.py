@@ -228,3 +228,38 @@ def test_criteo_loader_refuses_other_tables_and_missing_files(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TableSetError, match="holds no day_<i>_dense.npy"):
         criteo_batches(str(tmp_path / "empty"), preset_tables("kaggle"), 64, 0, 2, 1)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"no_such_table": {"sharding_types": ["row_wise"]}}', "is not one of the run's tables"),
+        ('{"t_cat_0": {"colour": 1}}', "unknown key(s) ['colour']"),
+        ('{"t_cat_0": {"min_partition": 0}}', "min_partition must be a positive integer"),
+        ('{"t_cat_0": {"sharding_types": []}}', "must be a non-empty list of strings"),
+        ("[1]", "expected an object"),
+    ],
+)
+def test_bad_constraints_file_exits_with_a_clear_message(tmp_path, content, message):
+    path = tmp_path / "c.json"
+    path.write_text(content)
+    proc = _python(["--constraints", str(path), "--check"])
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_constraints_map_to_torchrec_parameter_constraints_with_pooling_factors(tmp_path):
+    from dlrm_tables import load_constraints_file
+    from train import UsageError, planner_constraints
+
+    tables = scale_tables(preset_tables("dcnv2"), 0.0001)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"t_cat_0": {"sharding_types": "row_wise", "compute_kernels": ["fused"], "min_partition": 4}}))
+    pc = planner_constraints(tables, load_constraints_file(str(path), tables))
+    assert pc["t_cat_0"].sharding_types == ["row_wise"] and pc["t_cat_0"].compute_kernels == ["fused"]
+    assert pc["t_cat_0"].min_partition == 4
+    assert pc["t_cat_1"].sharding_types is None and pc["t_cat_20"].pooling_factors == [100.0]
+    assert planner_constraints(tables, [], one_hot=True)["t_cat_20"].pooling_factors == [1.0]
+    path.write_text(json.dumps({"t_cat_0": {"sharding_types": ["diagonal"]}}))
+    with pytest.raises(UsageError, match="unknown sharding type 'diagonal'"):
+        planner_constraints(tables, load_constraints_file(str(path), tables))

@@ -29,6 +29,8 @@ __all__ = [
     "load_table_file",
     "check_uniform_dim",
     "feature_names",
+    "ConstraintSpec",
+    "load_constraints_file",
 ]
 
 # MLPerf DLRM-DCNv2 on Criteo 1TB multi-hot (DESIGN.md section 3).
@@ -203,3 +205,70 @@ def _check_unique(tables: Sequence[TableSpec], where: str) -> None:
 def feature_names(tables: Sequence[TableSpec]) -> List[str]:
     """All features of ``tables`` in table order (the KJT key order the example uses)."""
     return [f for t in tables for f in t.features]
+
+
+@attrs.frozen
+class ConstraintSpec:
+    """What ``--constraints`` forces on one table (None: the planner chooses). Values are checked
+    against TorchRec's enums where the run starts (this module does not import torch)."""
+
+    table: str
+    sharding_types: Optional[Tuple[str, ...]] = None
+    compute_kernels: Optional[Tuple[str, ...]] = None
+    min_partition: Optional[int] = None
+
+
+_CONSTRAINT_KEYS = ("sharding_types", "compute_kernels", "min_partition")
+
+
+def _string_list(value: Any, where: str) -> Tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise TableSetError(f"{where} must be a non-empty list of strings, got {value!r}")
+    return tuple(value)
+
+
+def load_constraints_file(path: str, tables: Sequence[TableSpec]) -> List[ConstraintSpec]:
+    """Per-table planner constraints from a JSON object ``{table name: {sharding_types?,
+    compute_kernels?, min_partition?}}`` (a string is taken as a one-item list).
+
+    Raises TableSetError naming the file and table when the file is missing or malformed, a key
+    is unknown, or a table is not one of ``tables``."""
+    if not os.path.isfile(path):
+        raise TableSetError(f"constraints file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise TableSetError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise TableSetError(f"{path}: expected an object {{table name: {{sharding_types, compute_kernels, min_partition}}}}")
+    names = {t.name for t in tables}
+    specs = []
+    for name, entry in data.items():
+        where = f"{path}: table {name!r}"
+        if name not in names:
+            known = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+            raise TableSetError(f"{where} is not one of the run's tables ({known})")
+        if not isinstance(entry, dict):
+            raise TableSetError(f"{where}: expected an object with keys {list(_CONSTRAINT_KEYS)}")
+        unknown = sorted(set(entry) - set(_CONSTRAINT_KEYS))
+        if unknown:
+            raise TableSetError(f"{where}: unknown key(s) {unknown}; allowed: {list(_CONSTRAINT_KEYS)}")
+        mp = entry.get("min_partition")
+        if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
+            raise TableSetError(f"{where}: min_partition must be a positive integer, got {mp!r}")
+        specs.append(
+            ConstraintSpec(
+                table=name,
+                sharding_types=_string_list(entry["sharding_types"], f"{where}: sharding_types")
+                if "sharding_types" in entry
+                else None,
+                compute_kernels=_string_list(entry["compute_kernels"], f"{where}: compute_kernels")
+                if "compute_kernels" in entry
+                else None,
+                min_partition=mp,
+            )
+        )
+    return specs

@@ -32,9 +32,11 @@ import attrs
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dlrm_tables import (  # noqa: E402
+    ConstraintSpec,
     TableSetError,
     TableSpec,
     check_uniform_dim,
+    load_constraints_file,
     load_table_file,
     preset_tables,
     scale_tables,
@@ -81,6 +83,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tables", choices=["dcnv2", "kaggle"], default="dcnv2", help="table preset")
     p.add_argument(
         "--table-file", help="JSON/YAML list of {name, rows, dim, features?, pooling_factor?}; overrides --tables"
+    )
+    p.add_argument(
+        "--constraints",
+        metavar="FILE.json",
+        help="force planner choices: {table: {sharding_types: [...], compute_kernels: [...], min_partition: N}}",
     )
     p.add_argument("--scale", type=float, default=1.0, help="multiply table rows by this (0, 1]")
     p.add_argument("--embedding-dim", type=int, help="override every table's dim (preset default: dcnv2 128, kaggle 64)")
@@ -195,7 +202,45 @@ def build_model(tables: Sequence[TableSpec], model_kind: str, arch: ArchSpec):
     return DLRMTrain(dlrm)
 
 
-def make_planner(name: str, world_size: int, local_world_size: int, compute_device: str, batch_size: int):
+def planner_constraints(
+    tables: Sequence[TableSpec], specs: Sequence[ConstraintSpec], one_hot: bool = False
+) -> Dict[str, Any]:
+    """TorchRec ``ParameterConstraints`` per table: every table's pooling factor (1 when
+    ``one_hot``, e.g. Criteo files), plus what ``specs`` force. Raises UsageError for a sharding
+    type or compute kernel TorchRec does not know."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingType
+
+    known_types = [s.value for s in ShardingType]
+    known_kernels = [k.value for k in EmbeddingComputeKernel]
+    by_table = {s.table: s for s in specs}
+    out = {}
+    for t in tables:
+        spec = by_table.get(t.name, ConstraintSpec(table=t.name))
+        for value in spec.sharding_types or ():
+            if value not in known_types:
+                raise UsageError(f"--constraints: table {t.name!r}: unknown sharding type {value!r}; use one of {known_types}")
+        for value in spec.compute_kernels or ():
+            if value not in known_kernels:
+                raise UsageError(f"--constraints: table {t.name!r}: unknown compute kernel {value!r}; use one of {known_kernels}")
+        out[t.name] = ParameterConstraints(
+            sharding_types=list(spec.sharding_types) if spec.sharding_types else None,
+            compute_kernels=list(spec.compute_kernels) if spec.compute_kernels else None,
+            min_partition=spec.min_partition,
+            pooling_factors=[1.0 if one_hot else float(t.pooling_factor)] * len(t.features),
+        )
+    return out
+
+
+def make_planner(
+    name: str,
+    world_size: int,
+    local_world_size: int,
+    compute_device: str,
+    batch_size: int,
+    constraints: Optional[Dict[str, Any]] = None,
+):
     """The planner ``name`` built with EmbeddingShardingPlanner's arguments (the one-word swap)."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
@@ -203,7 +248,7 @@ def make_planner(name: str, world_size: int, local_world_size: int, compute_devi
         warnings.simplefilter("ignore")  # Topology(...) warns that TopologyFactory is preferred
         topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=compute_device)
     if name == "torchrec":
-        return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size)
+        return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
     try:
         from torchrec_sparselift import SparseLiftPlanner
     except ImportError as e:
@@ -211,7 +256,7 @@ def make_planner(name: str, world_size: int, local_world_size: int, compute_devi
             f"--planner sparselift: SparseLiftPlanner is not importable ({e}); install the package "
             "(bash scripts/setup.sh) or use --planner torchrec"
         ) from e
-    return SparseLiftPlanner(topology=topology, batch_size=batch_size)
+    return SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
 
 
 def plan_summary(plan) -> List[Dict[str, Any]]:
@@ -364,7 +409,9 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         f"{len(tables)} tables, {sum(t.rows for t in tables):,} rows, dim {dim}; "
         f"batch {args.batch_size}/rank; planner {args.planner}"
     )
-    planner = make_planner(args.planner, world_size, local_world_size, device.type, args.batch_size)
+    specs = load_constraints_file(args.constraints, tables) if args.constraints else []
+    constraints = planner_constraints(tables, specs, one_hot=bool(args.criteo_dir))
+    planner = make_planner(args.planner, world_size, local_world_size, device.type, args.batch_size, constraints)
     t0 = time.perf_counter()
     from torchrec.distributed.sharding_plan import get_default_sharders
 
@@ -458,6 +505,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parse_args(argv)
         tables = resolve_tables(args)
+        if args.constraints:
+            load_constraints_file(args.constraints, tables)  # a bad file fails here, before torch
         if args.check:
             return 0
         run(args, tables)
