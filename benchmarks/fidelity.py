@@ -1,0 +1,509 @@
+"""Fidelity of step-time predictions: measured DLRM step time vs SparseLift's and TorchRec's estimate.
+
+Three stages (``scripts/bench_fidelity.sh`` runs them in order)::
+
+    python benchmarks/fidelity.py predict --out runs/fidelity/plans.pkl
+    torchrun --standalone --nproc_per_node 2 benchmarks/fidelity.py measure \
+        --plans runs/fidelity/plans.pkl --reps 3 --steps 60 --warmup 15 --out runs/fidelity/measured.json
+    python benchmarks/fidelity.py report --plans runs/fidelity/plans.pkl \
+        --measured runs/fidelity/measured.json [--profile profiles/cpu-2core-gloo.json]
+
+``predict`` builds the DLRM example's model (``examples/dlrm``: its tables, ``build_model`` on the
+meta device) and a set of deliberately different plans (:data:`PLAN_KINDS`: all table-wise, all
+row-wise, all column-wise, mixed, imbalanced, data-parallel small tables, SparseLift's own choice),
+forced through ``SparseLiftPlanner`` constraints (the imbalanced plan by moving table-wise shards
+afterwards). Each plan is scored by TorchRec's ``EmbeddingPerfEstimator`` rated like
+``NoopPerfModel`` (max over ranks of summed shard perf; :func:`torchrec_score`) and saved.
+
+``measure`` trains the example's model under every saved plan with the example's own
+``shard_model`` and ``train_loop`` (``TrainPipelineSparseDist``; fused row-wise AdaGrad for sharded
+tables, dense AdaGrad for the rest), plans interleaved round-robin ``--reps`` times, batches
+generated before the timed loop (the example generates them inside it). Step time per run: the
+median over steady-state steps of the slowest rank's step duration (``step_ms``), and the mean
+(``mean_step_ms``); a plan's measured time is the median over repetitions.
+
+``report`` prices the saved plans with ``evaluate_sharding_plan`` under ``--profile`` (so a refined
+profile can be tried without re-measuring) and prints the table, MAPE and Spearman correlation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import pickle
+import sys
+import time
+import warnings
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import attrs
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_EXAMPLE = os.path.join(os.path.dirname(_HERE), "examples", "dlrm")
+if _EXAMPLE not in sys.path:
+    sys.path.insert(0, _EXAMPLE)
+
+__all__ = [
+    "PLAN_KINDS",
+    "FidelityConfig",
+    "size_class",
+    "sharding_types_for",
+    "table_constraints",
+    "imbalance_ranks",
+    "mape",
+    "spearman",
+    "fidelity_summary",
+    "build_cases",
+    "predict_ours",
+    "measure_cases",
+    "main",
+]
+
+# Each plan kind: (description, {size class -> sharding type}); "auto" leaves the choice to SparseLift.
+PLAN_KINDS: Dict[str, Tuple[str, Dict[str, str]]] = {
+    "table_wise": ("every table table-wise", dict(large="table_wise", medium="table_wise", small="table_wise")),
+    "row_wise": ("every table row-wise", dict(large="row_wise", medium="row_wise", small="row_wise")),
+    "column_wise": ("every table column-wise (2 column shards)",
+                    dict(large="column_wise", medium="column_wise", small="column_wise")),
+    "mixed": ("large row-wise, medium column-wise, small table-wise",
+              dict(large="row_wise", medium="column_wise", small="table_wise")),
+    "imbalanced": ("every table table-wise, all on rank 0 but the last small one",
+                   dict(large="table_wise", medium="table_wise", small="table_wise")),
+    "dp_small": ("small tables data-parallel, the rest table-wise",
+                 dict(large="table_wise", medium="table_wise", small="data_parallel")),
+    "auto": ("SparseLift's own choice", {}),
+}
+LARGE_ROWS = 10_000  # tables with at least this many rows are "large"
+SMALL_ROWS = 200  # tables with at most this many rows are "small"; between: "medium"
+KERNEL_FOR = {"data_parallel": "dense"}  # every other sharding type uses the "fused" kernel on CPU
+
+
+@attrs.frozen
+class FidelityConfig:
+    """The DLRM workload the plans are made and measured for (the example's flags)."""
+
+    tables: str = "dcnv2"
+    scale: float = 0.001
+    embedding_dim: Optional[int] = None
+    arch: str = "small"
+    batch_size: int = 256  # per rank
+    world_size: int = 2
+    column_shard_dim: int = 64  # min_partition of column-wise plans
+    seed: int = 0
+    zipf_alpha: float = 1.05
+    signal: float = 3.0
+    lr: float = 0.05
+    dense_lr: float = 0.005
+
+
+def size_class(rows: int) -> str:
+    """"large" (>= LARGE_ROWS rows), "small" (<= SMALL_ROWS) or "medium"."""
+    if rows >= LARGE_ROWS:
+        return "large"
+    if rows <= SMALL_ROWS:
+        return "small"
+    return "medium"
+
+
+def sharding_types_for(kind: str, tables: Sequence[Any]) -> Dict[str, Optional[str]]:
+    """Table name -> the sharding type plan ``kind`` forces on it (None: the planner chooses)."""
+    if kind not in PLAN_KINDS:
+        raise ValueError(f"unknown plan kind {kind!r}: use one of {sorted(PLAN_KINDS)}")
+    by_class = PLAN_KINDS[kind][1]
+    return {t.name: by_class.get(size_class(t.rows)) for t in tables}
+
+
+def table_constraints(
+    tables: Sequence[Any], forced: Mapping[str, Optional[str]], column_shard_dim: int
+) -> Dict[str, Any]:
+    """TorchRec ``ParameterConstraints`` per table: the data's pooling factor always (both
+    estimators read it), and where ``forced`` names a sharding type, that type with its CPU
+    kernel (column-wise: ``min_partition=column_shard_dim``)."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    out = {}
+    for t in tables:
+        st = forced.get(t.name)
+        kw: Dict[str, Any] = dict(pooling_factors=[float(t.pooling_factor)])
+        if st is not None:
+            kw.update(sharding_types=[st], compute_kernels=[KERNEL_FOR.get(st, "fused")])
+            if st in ("column_wise", "table_column_wise"):
+                kw.update(min_partition=column_shard_dim)
+        out[t.name] = ParameterConstraints(**kw)
+    return out
+
+
+def imbalance_ranks(names: Sequence[str], rows: Sequence[int]) -> Dict[str, int]:
+    """Rank of each table in the imbalanced plan: everything on rank 0 except the smallest
+    table, on rank 1 (so rank 1 still takes part in every collective)."""
+    if not names:
+        return {}
+    smallest = min(range(len(names)), key=lambda i: (rows[i], names[i]))
+    return {n: (1 if i == smallest else 0) for i, n in enumerate(names)}
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Mean absolute percentage error of ``predicted`` against ``measured`` (a fraction: 0.1 = 10%)."""
+    if len(predicted) != len(measured) or not measured:
+        raise ValueError(f"need equally many predictions and measurements, got {len(predicted)} and {len(measured)}")
+    if any(m <= 0 for m in measured):
+        raise ValueError("measured times must be > 0")
+    return sum(abs(p - m) / m for p, m in zip(predicted, measured)) / len(measured)
+
+
+def _ranks(xs: Sequence[float]) -> List[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2.0 + 1.0  # ties share the mean rank
+        i = j + 1
+    return r
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman rank correlation of ``a`` and ``b`` (Pearson correlation of their ranks, ties
+    averaged); nan when either is constant."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"need two equally long sequences of >= 2 values, got {len(a)} and {len(b)}")
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    if va == 0 or vb == 0:
+        return float("nan")
+    return cov / math.sqrt(va * vb)
+
+
+def fidelity_summary(measured: Sequence[float], predicted: Sequence[float]) -> Dict[str, float]:
+    """MAPE (fraction), Spearman correlation and mean signed error (fraction) of one predictor."""
+    bias = sum((p - m) / m for p, m in zip(predicted, measured)) / len(measured)
+    return dict(mape=mape(predicted, measured), spearman=spearman(predicted, measured), bias=bias)
+
+
+# ---------------------------------------------------------------- plans and predictions (torchrec)
+
+
+def _example():
+    import train  # noqa: F401  (examples/dlrm/train.py)
+    import dlrm_tables
+
+    return train, dlrm_tables
+
+
+def resolve_tables(cfg: FidelityConfig) -> List[Any]:
+    """The example's tables for ``cfg`` (preset, dim override, scale)."""
+    _, dlrm_tables = _example()
+    tables = dlrm_tables.preset_tables(cfg.tables, cfg.embedding_dim)
+    return dlrm_tables.scale_tables(tables, cfg.scale)
+
+
+def build_model(cfg: FidelityConfig, tables: Sequence[Any]):
+    """The example's DLRMTrain model on the meta device (dcn for dcnv2 tables, like ``--model auto``)."""
+    train, dlrm_tables = _example()
+    dim = dlrm_tables.check_uniform_dim(tables)
+    kind = "dcn" if cfg.tables == "dcnv2" else "dlrm"
+    return train.build_model(tables, kind, train.arch_spec(cfg.arch, dim))
+
+
+def topology_for(cfg: FidelityConfig):
+    from torchrec.distributed.planner import Topology
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Topology(world_size=cfg.world_size, local_world_size=cfg.world_size, compute_device="cpu")
+
+
+@attrs.frozen
+class Case:
+    """One plan to measure: its kind, the ShardingPlan, TorchRec's estimate and SparseLift's
+    prediction under the profile used by ``predict``."""
+
+    name: str
+    description: str
+    plan: Any = attrs.field(eq=False, repr=False)
+    summary: Tuple[Tuple[str, str, Tuple[int, ...]], ...] = attrs.field(repr=False)
+    torchrec_ms: float
+    torchrec_rank_ms: Tuple[float, ...]
+    ours_ms: float
+
+
+def _plan_summary(plan) -> Tuple[Tuple[str, str, Tuple[int, ...]], ...]:
+    rows = []
+    for _path, mp in sorted(plan.plan.items()):
+        for table, ps in sorted(mp.items()):
+            rows.append((table, ps.sharding_type, tuple(sorted(set(ps.ranks or ())))))
+    return tuple(rows)
+
+
+def predict_ours(cfg: FidelityConfig, plan, profile, tables=None, model=None) -> float:
+    """SparseLift's predicted step time (ms) of ``plan`` (TrainPipelineSparseDist, fp32 comm)
+    for the DLRM model of ``cfg``, priced with ``profile``, dense part included."""
+    from torchrec_sparselift import evaluate_sharding_plan
+
+    tables = tables if tables is not None else resolve_tables(cfg)
+    model = model if model is not None else build_model(cfg, tables)
+    cons = table_constraints(tables, {}, cfg.column_shard_dim)
+    res = evaluate_sharding_plan(model, plan, topology_for(cfg), cfg.batch_size, cons,
+                                 hardware=profile, pipeline="sparse_dist")
+    return res.step_time_s * 1e3
+
+
+def build_cases(cfg: FidelityConfig, kinds: Sequence[str], profile) -> List[Case]:
+    """One :class:`Case` per plan kind: planned by SparseLiftPlanner under the kind's
+    constraints (imbalanced: its table-wise shards then moved per :func:`imbalance_ranks`),
+    scored by TorchRec's estimator and by SparseLift's model under ``profile``."""
+    from torchrec.distributed.planner.planners import to_sharding_plan
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift import SparseLiftPlanner
+    from torchrec_sparselift.bench.torchrec_score import torchrec_score
+
+    tables = resolve_tables(cfg)
+    topo = topology_for(cfg)
+    sharders = get_default_sharders()
+    pf_only = table_constraints(tables, {}, cfg.column_shard_dim)
+    cases = []
+    for kind in kinds:
+        model = build_model(cfg, tables)
+        cons = table_constraints(tables, sharding_types_for(kind, tables), cfg.column_shard_dim)
+        planner = SparseLiftPlanner(topology=topo, batch_size=cfg.batch_size, constraints=cons,
+                                    hardware=profile, pipelines=["sparse_dist"], debug=False)
+        plan = planner.plan(model, sharders)
+        options = list(planner.last_result.sharding_options)
+        if kind == "imbalanced":
+            options = [copy.copy(o) for o in options]
+            names = [o.name for o in options]
+            rows = [o.tensor.shape[0] for o in options]
+            target = imbalance_ranks(names, rows)
+            for o in options:
+                if o.sharding_type != "table_wise":
+                    raise RuntimeError(f"imbalanced plan: table {o.name!r} is {o.sharding_type}, expected table_wise")
+                o.shards = [attrs_evolve_shard(s, target[o.name]) for s in o.shards]
+            plan = to_sharding_plan(options, topo)
+        tr = torchrec_score(options, topo, sharders, pf_only)
+        ours = predict_ours(cfg, plan, profile, tables, model)
+        cases.append(Case(name=kind, description=PLAN_KINDS[kind][0], plan=plan, summary=_plan_summary(plan),
+                          torchrec_ms=float(tr.perf_ms), torchrec_rank_ms=tuple(tr.rank_perf_ms), ours_ms=ours))
+    return cases
+
+
+def attrs_evolve_shard(shard, rank: int):
+    """A copy of TorchRec ``Shard`` ``shard`` placed on ``rank``."""
+    s = copy.copy(shard)
+    s.rank = rank
+    return s
+
+
+# ---------------------------------------------------------------- measurement (under torchrun)
+
+
+def measure_cases(cfg: FidelityConfig, cases: Sequence[Tuple[str, Any]], reps: int, steps: int, warmup: int,
+                  log=print) -> List[Dict[str, Any]]:
+    """Train the example's model under each ``(name, plan)`` for ``steps`` steps, ``reps``
+    rounds, plans interleaved round-robin; one record per run (every rank returns the same).
+
+    Record: name, rep, step_ms (median over the steps after ``warmup`` of the slowest rank's
+    step duration), mean_step_ms (steady-state seconds / steps, slowest rank), load average."""
+    import torch
+    import torch.distributed as dist
+
+    train, _ = _example()
+    from dlrm_data import synthetic_batches
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != cfg.world_size:
+        raise RuntimeError(f"plans were made for {cfg.world_size} ranks, running on {world_size}")
+    tables = resolve_tables(cfg)
+    device = torch.device("cpu")
+    batches = list(synthetic_batches(tables, cfg.batch_size, cfg.seed, rank, steps, cfg.zipf_alpha, cfg.signal))
+    records = []
+    for rep in range(reps):
+        for name, plan in cases:
+            torch.manual_seed(cfg.seed)
+            model = build_model(cfg, tables)
+            dmp, opt = train.shard_model(model, plan, device, cfg.lr, "adagrad", cfg.dense_lr)
+            dist.barrier()
+            load_before = os.getloadavg()[0]
+            res = train.train_loop(dmp, opt, iter(batches), device, steps, warmup)
+            ends = [0.0] + list(res.step_end_s)
+            durs = torch.tensor([ends[i + 1] - ends[i] for i in range(warmup, steps)], dtype=torch.float64)
+            dist.all_reduce(durs, op=dist.ReduceOp.MAX)
+            total = torch.tensor([train.steady_state(res, warmup)], dtype=torch.float64)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            rec = dict(name=name, rep=rep, step_ms=float(durs.median()) * 1e3,
+                       mean_step_ms=float(total) / (steps - warmup) * 1e3,
+                       load_before=load_before, load_after=os.getloadavg()[0],
+                       loss_last=res.losses[-1])
+            if not math.isfinite(rec["loss_last"]):
+                raise RuntimeError(f"plan {name}: training diverged (loss {rec['loss_last']})")
+            records.append(rec)
+            if rank == 0:
+                log(f"[fidelity] rep {rep} {name:<12} median {rec['step_ms']:8.2f} ms  mean "
+                    f"{rec['mean_step_ms']:8.2f} ms  load {load_before:.1f}", flush=True)
+            del dmp, opt, model, res
+            gc.collect()
+    return records
+
+
+def measured_per_plan(records: Sequence[Mapping[str, Any]], key: str = "step_ms") -> Dict[str, float]:
+    """Plan name -> median of ``key`` over its repetitions."""
+    by: Dict[str, List[float]] = {}
+    for r in records:
+        by.setdefault(r["name"], []).append(float(r[key]))
+    out = {}
+    for n, xs in by.items():
+        xs = sorted(xs)
+        k = len(xs)
+        out[n] = xs[k // 2] if k % 2 else 0.5 * (xs[k // 2 - 1] + xs[k // 2])
+    return out
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _load_plans(path: str) -> Dict[str, Any]:
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    data["config"] = FidelityConfig(**data["config"])
+    return data
+
+
+def _cmd_predict(args) -> int:
+    from torchrec_sparselift.cost.hardware import get_profile
+
+    cfg = FidelityConfig(tables=args.tables, scale=args.scale, embedding_dim=args.embedding_dim,
+                         batch_size=args.batch_size)
+    profile = get_profile(args.profile)
+    kinds = args.kinds.split(",")
+    cases = build_cases(cfg, kinds, profile)
+    for c in cases:
+        types = {}
+        for _t, st, _r in c.summary:
+            types[st] = types.get(st, 0) + 1
+        print(f"{c.name:<12} ours {c.ours_ms:8.2f} ms  torchrec {c.torchrec_ms:8.2f} ms  "
+              f"(ranks {', '.join(f'{x:.2f}' for x in c.torchrec_rank_ms)})  {types}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "wb") as f:
+        pickle.dump(dict(config=attrs.asdict(cfg), profile=args.profile, cases=cases), f)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_measure(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    data = _load_plans(args.plans)
+    cfg = data["config"]
+    train, _ = _example()
+    train._quiet_logs()
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="gloo")
+    try:
+        names = args.kinds.split(",") if args.kinds else [c.name for c in data["cases"]]
+        chosen = [(c.name, c.plan) for c in data["cases"] if c.name in names]
+        t0 = time.time()
+        recs = measure_cases(cfg, chosen, args.reps, args.steps, args.warmup)
+        if dist.get_rank() == 0:
+            out = dict(config=attrs.asdict(cfg), steps=args.steps, warmup=args.warmup, reps=args.reps,
+                       wall_s=time.time() - t0, records=recs,
+                       started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+                       torch=torch.__version__)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(out, f, indent=1)
+            print(f"[fidelity] wrote {args.out}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def report(data: Mapping[str, Any], measured: Mapping[str, Any], profile, key: str = "step_ms") -> Dict[str, Any]:
+    """Rows (plan, measured, ours, TorchRec; ms) and each predictor's :func:`fidelity_summary`,
+    SparseLift re-priced under ``profile``."""
+    cfg = data["config"]
+    meas = measured_per_plan(measured["records"], key)
+    tables = resolve_tables(cfg)
+    model = build_model(cfg, tables)
+    rows = []
+    for c in data["cases"]:
+        if c.name not in meas:
+            continue
+        rows.append(dict(plan=c.name, description=c.description, measured_ms=meas[c.name],
+                         ours_ms=predict_ours(cfg, c.plan, profile, tables, model), torchrec_ms=c.torchrec_ms))
+    m = [r["measured_ms"] for r in rows]
+    return dict(rows=rows, ours=fidelity_summary(m, [r["ours_ms"] for r in rows]),
+                torchrec=fidelity_summary(m, [r["torchrec_ms"] for r in rows]))
+
+
+def format_report(rep: Mapping[str, Any]) -> str:
+    """The report as a markdown table plus one line per predictor."""
+    lines = ["| plan | measured ms | SparseLift ms | TorchRec ms |", "|---|---:|---:|---:|"]
+    for r in rep["rows"]:
+        lines.append(f"| {r['plan']} | {r['measured_ms']:.1f} | {r['ours_ms']:.1f} | {r['torchrec_ms']:.2f} |")
+    for who in ("ours", "torchrec"):
+        s = rep[who]
+        lines.append(f"\n{who}: MAPE {s['mape'] * 100:.1f}%, Spearman {s['spearman']:.3f}, "
+                     f"mean signed error {s['bias'] * 100:+.1f}%")
+    return "\n".join(lines)
+
+
+def _cmd_report(args) -> int:
+    from torchrec_sparselift.cost.hardware import get_profile
+
+    data = _load_plans(args.plans)
+    with open(args.measured, encoding="utf-8") as f:
+        measured = json.load(f)
+    rep = report(data, measured, get_profile(args.profile or data["profile"]), args.key)
+    rep["profile"] = args.profile or data["profile"]
+    rep["key"] = args.key
+    print(format_report(rep))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(rep, f, indent=1)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("predict", help="make the plans and score them")
+    pp.add_argument("--out", required=True)
+    pp.add_argument("--profile", default="profiles/cpu-2core-gloo.json")
+    pp.add_argument("--kinds", default=",".join(PLAN_KINDS))
+    pp.add_argument("--tables", default="dcnv2")
+    pp.add_argument("--scale", type=float, default=0.001)
+    pp.add_argument("--embedding-dim", type=int)
+    pp.add_argument("--batch-size", type=int, default=256)
+    pm = sub.add_parser("measure", help="train under every plan (run with torchrun, 2 ranks)")
+    pm.add_argument("--plans", required=True)
+    pm.add_argument("--out", required=True)
+    pm.add_argument("--kinds", help="comma-separated subset of the saved plans")
+    pm.add_argument("--reps", type=int, default=3)
+    pm.add_argument("--steps", type=int, default=60)
+    pm.add_argument("--warmup", type=int, default=15)
+    pr = sub.add_parser("report", help="MAPE and Spearman of both predictors")
+    pr.add_argument("--plans", required=True)
+    pr.add_argument("--measured", required=True)
+    pr.add_argument("--profile", help="re-price with this profile (default: the one predict used)")
+    pr.add_argument("--key", choices=["step_ms", "mean_step_ms"], default="step_ms")
+    pr.add_argument("--out")
+    args = p.parse_args(argv)
+    if args.cmd == "measure" and not 0 <= args.warmup < args.steps - 1:
+        p.error("--warmup must be in [0, --steps - 1)")
+    return {"predict": _cmd_predict, "measure": _cmd_measure, "report": _cmd_report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
