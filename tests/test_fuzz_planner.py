@@ -115,16 +115,19 @@ def cases(draw, max_hosts: int = 4, max_tables: int = 20) -> Case:
     cons = []
     for name in constrained:
         types = draw(st.none() | st.lists(st.sampled_from(TYPES[device]), min_size=1, unique=True).map(tuple))
-        kernels = draw(st.none() | st.lists(st.sampled_from(KERNELS[device]), min_size=1, unique=True).map(tuple))
+        kernels = draw(st.sampled_from([None, None, None]) | st.lists(st.sampled_from(KERNELS[device]), min_size=1, unique=True).map(tuple))
         min_partition = draw(st.none() | st.sampled_from([4, 8, 16, 32, 64]))
         cons.append((name, types, kernels, min_partition))
     stats = None
     if draw(st.booleans()):
         named = draw(st.lists(st.sampled_from([t[0] for t in tables]), unique=True, min_size=1, max_size=n))
         stats = tuple((nm, draw(st.floats(0.0, 100.0))) for nm in sorted(named))
+    # memory per rank relative to the tables' weights spread evenly: 1/30x (hopeless) to 300x
+    even = sum(r * d * 4 for _, r, d, _ in tables) / world
+    hbm = int(np.clip(even * 10 ** draw(st.floats(-1.5, 2.5)), MiB, 4 * TiB))
+    ddr = int(np.clip(hbm * 10 ** draw(st.floats(-1.0, 1.5)), 16 * MiB, 16 * TiB))
     return Case(
-        device=device, world_size=world, local_world_size=local,
-        hbm=draw(log_int(MiB, TiB)), ddr=draw(log_int(16 * MiB, 4 * TiB)),
+        device=device, world_size=world, local_world_size=local, hbm=hbm, ddr=ddr,
         batch_size=draw(log_int(1, 65536)), tables=tables, constraints=tuple(cons), stats=stats,
     )
 
