@@ -64,23 +64,48 @@ def _check_result(path, planner):
     return res
 
 
-def _run_and_check(tmp_path, planner):
+def _run_and_check(tmp_path, planner, *extra):
     out = tmp_path / f"{planner}.json"
-    proc = _torchrun(["--planner", planner, *TINY, "--steps", "30", "--warmup-steps", "5", "--out", str(out)])
+    args = ["--planner", planner, *TINY, "--steps", "30", "--warmup-steps", "5", "--out", str(out), *extra]
+    proc = _torchrun(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "sharding types:" in proc.stdout and "steps/s" in proc.stdout
-    return _check_result(out, planner)
+    return _check_result(out, planner), proc.stdout
 
 
-def test_example_trains_two_ranks_with_sparselift_planner(tmp_path):
-    res = _run_and_check(tmp_path, "sparselift")
-    assert res["prediction"] is not None and res["prediction"]["step_time_ms"] > 0
+def test_example_trains_with_the_runtime_wrapper_and_reuses_its_cached_plan(tmp_path):
+    """First run: plans (solver runs), stores the execution plan, trains with the planned
+    pipeline through ``lift`` and reports predicted vs measured step time. Second run with the
+    same inputs (fewer steps: not part of the plan's fingerprint): loads the stored plan, so the
+    solver is not invoked, and gets the identical plan and prediction."""
+    cache = tmp_path / "plans"
+    res, stdout = _run_and_check(tmp_path, "sparselift", "--plan-cache", str(cache))
+    assert "plan: planned in" in stdout and "plan: reused" not in stdout
+    assert res["plan_reused"] is False and os.listdir(cache)
+    pred = res["prediction"]
+    assert pred["step_time_ms"] > 0 and pred["applies"] and pred["solver"] not in (None, "none")
+    assert res["pipeline"] == pred["pipeline"] and res["comm_precision"] == pred["comm_precision"]
+    assert res["predicted_step_time_ms"] == pytest.approx(pred["step_time_ms"])
+    assert res["measured_step_time_ms"] > 0
+    assert res["measured_over_predicted"] == pytest.approx(res["measured_step_time_ms"] / pred["step_time_ms"])
+    assert "measured/predicted" in stdout
+    assert res["hardware"].endswith("cpu-2core-gloo.json") and pred["hardware"] == "cpu-2core-gloo"
+
+    out2 = tmp_path / "again.json"
+    args = ["--planner", "sparselift", *TINY, "--steps", "3", "--warmup-steps", "1", "--plan-cache", str(cache)]
+    proc = _torchrun([*args, "--out", str(out2)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "plan: reused cached execution plan" in proc.stdout and "plan: planned in" not in proc.stdout
+    again = json.loads(out2.read_text())
+    assert again["plan_reused"] is True
+    assert again["plan"] == res["plan"] and again["prediction"] == res["prediction"]
 
 
 @pytest.mark.slow
 def test_example_trains_two_ranks_with_torchrec_planner(tmp_path):
-    res = _run_and_check(tmp_path, "torchrec")
-    assert res["prediction"] is None
+    res, stdout = _run_and_check(tmp_path, "torchrec")
+    assert res["prediction"] is None and res["plan_reused"] is None and res["pipeline"] == "sparse_dist"
+    assert res["measured_step_time_ms"] > 0 and res["measured_over_predicted"] is None
 
 
 def test_unknown_flag_exits_nonzero_with_one_line_under_torchrun():

@@ -14,6 +14,7 @@ variance, so the loss of a model that learns them falls well below ln 2 = 0.693.
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import re
 from typing import Iterator, List, Sequence
@@ -129,9 +130,11 @@ def synthetic_batches(
     steps: int,
     alpha: float = 1.05,
     strength: float = 3.0,
+    start: int = 0,
 ) -> Iterator[Batch]:
-    """``steps`` fresh synthetic batches for ``rank`` (see ``synthetic_batch``)."""
-    for step in range(steps):
+    """The synthetic batches of steps ``start .. steps - 1`` for ``rank`` (see ``synthetic_batch``);
+    a run resumed at ``start`` sees exactly the batches an uninterrupted run sees from there."""
+    for step in range(start, steps):
         yield synthetic_batch(tables, batch_size, seed, rank, step, alpha, strength)
 
 
@@ -145,13 +148,20 @@ def _criteo_day_files(criteo_dir: str) -> List[int]:
 
 
 def criteo_batches(
-    criteo_dir: str, tables: Sequence[TableSpec], batch_size: int, rank: int, world_size: int, steps: int
+    criteo_dir: str,
+    tables: Sequence[TableSpec],
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    steps: int,
+    start: int = 0,
 ) -> Iterator[Batch]:
     """``steps`` batches of rank ``rank``'s share of the Criteo ``.npy`` files in ``criteo_dir``
     (``day_{i}_dense.npy`` float32 [N, 13], ``day_{i}_sparse.npy`` int64 [N, 26],
     ``day_{i}_labels.npy`` int32 [N, 1], as written by TorchRec's ``npy_preproc_criteo.py``),
     repeating the files when ``steps`` outlasts them. Ids are hashed modulo each table's rows;
-    the tables must be the 26 one-feature tables ``cat_0..cat_25`` (the presets)."""
+    the tables must be the 26 one-feature tables ``cat_0..cat_25`` (the presets). With ``start``
+    the first ``start`` batches are read and skipped (a resumed run continues where it stopped)."""
     from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, InMemoryBinaryCriteoIterDataPipe
 
     features = [f for t in tables for f in t.features]
@@ -188,7 +198,7 @@ def criteo_batches(
             f"--criteo-dir {criteo_dir!r} has fewer than {batch_size * world_size} samples: "
             "lower --batch-size or add files"
         )
-    return _repeat(pipe, steps)
+    return itertools.islice(_repeat(pipe, steps), start, None)
 
 
 def _repeat(pipe, steps: int) -> Iterator[Batch]:

@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import attrs
 
@@ -104,6 +104,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--signal", type=float, default=3.0, help="strength of the planted label signal")
     p.add_argument("--criteo-dir", help="train on Criteo day_<i>_{dense,sparse,labels}.npy files instead")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--hardware",
+        default="auto",
+        metavar="NAME|PROFILE.json",
+        help="sparselift cost-model hardware: a preset (h100, h200, a100, cpu-gloo) or a calibrated profile; "
+        "auto: profiles/cpu-2core-gloo.json on CPU, else the preset for the topology",
+    )
+    p.add_argument(
+        "--plan-cache",
+        default=".sparselift_cache",
+        metavar="DIR",
+        help="sparselift: reuse the execution plan stored here when the inputs match (else plan and store)",
+    )
+    p.add_argument("--no-plan-cache", action="store_true", help="always plan; store nothing")
+    p.add_argument(
+        "--pipeline",
+        choices=["base", "sparse_dist", "fused", "prefetch", "semi_sync"],
+        help="sparselift: train with this pipeline instead of the planned one (the prediction then no longer applies)",
+    )
+    p.add_argument("--allow-lossy-comm", action="store_true", help="sparselift may plan fp16/bf16 communication")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save sharded model + optimizer state here; resume from it")
+    p.add_argument("--checkpoint-every", type=int, default=100, metavar="N", help="checkpoint after every N steps")
+    p.add_argument(
+        "--fail-at-step",
+        type=int,
+        metavar="K",
+        help="testing: exit non-zero after step K (and its checkpoint, if K is a multiple of --checkpoint-every)",
+    )
     p.add_argument("--out", help="write the JSON result here (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on failure")
@@ -119,6 +147,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise UsageError(f"--embedding-dim must be >= 1, got {args.embedding_dim}")
     if not (args.lr > 0 and args.dense_lr > 0):
         raise UsageError("--lr and --dense-lr must be > 0")
+    if args.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    if args.fail_at_step is not None and not 1 <= args.fail_at_step <= args.steps:
+        raise UsageError(f"--fail-at-step must be in [1, --steps], got {args.fail_at_step}")
+    if args.pipeline is not None and args.planner != "sparselift":
+        raise UsageError("--pipeline applies to --planner sparselift (--planner torchrec trains with sparse_dist)")
     if args.zipf_alpha <= 0:
         raise UsageError(f"--zipf-alpha must be > 0, got {args.zipf_alpha}")
     return args
@@ -233,6 +267,22 @@ def planner_constraints(
     return out
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: Hardware profile measured on the 2-core CPU machine this example is developed on (docs/calibration.md).
+CPU_PROFILE = os.path.join(REPO_ROOT, "profiles", "cpu-2core-gloo.json")
+
+
+def hardware_choice(flag: str, device_type: str) -> Optional[str]:
+    """What ``--hardware`` hands the planner: a preset name or profile path; for ``auto``, the
+    committed calibrated CPU profile on CPU when it exists, else None (the planner picks a preset
+    from the topology)."""
+    if flag != "auto":
+        return flag
+    if device_type == "cpu" and os.path.isfile(CPU_PROFILE):
+        return CPU_PROFILE
+    return None
+
+
 def make_planner(
     name: str,
     world_size: int,
@@ -240,8 +290,14 @@ def make_planner(
     compute_device: str,
     batch_size: int,
     constraints: Optional[Dict[str, Any]] = None,
+    *,
+    hardware: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+    allow_lossy_comm: bool = False,
 ):
-    """The planner ``name`` built with EmbeddingShardingPlanner's arguments (the one-word swap)."""
+    """The planner ``name`` built with EmbeddingShardingPlanner's arguments (the one-word swap);
+    SparseLift also gets ``hardware`` (preset name or profile JSON), ``cache_dir`` (execution
+    plan reuse) and ``allow_lossy_comm``."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
     with warnings.catch_warnings():
@@ -251,12 +307,26 @@ def make_planner(
         return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
     try:
         from torchrec_sparselift import SparseLiftPlanner
+        from torchrec_sparselift.cost.hardware import get_profile
     except ImportError as e:
         raise UsageError(
             f"--planner sparselift: SparseLiftPlanner is not importable ({e}); install the package "
             "(bash scripts/setup.sh) or use --planner torchrec"
         ) from e
-    return SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
+    profile = None
+    if hardware is not None:
+        try:
+            profile = get_profile(hardware)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--hardware {hardware}: {e}") from e
+    return SparseLiftPlanner(
+        topology=topology,
+        batch_size=batch_size,
+        constraints=constraints,
+        hardware=profile,
+        cache_dir=cache_dir,
+        allow_lossy_comm=allow_lossy_comm,
+    )
 
 
 def plan_summary(plan) -> List[Dict[str, Any]]:
@@ -276,19 +346,20 @@ def plan_summary(plan) -> List[Dict[str, Any]]:
     return rows
 
 
-def planner_prediction(planner) -> Optional[Dict[str, Any]]:
-    """What a SparseLiftPlanner predicted for its last plan (rank 0 plans), else None."""
-    res = getattr(planner, "last_result", None)
-    search = getattr(res, "search", None)
-    if search is None:
-        return None
+def execution_plan_prediction(ep, settings) -> Dict[str, Any]:
+    """What the execution plan ``ep`` predicts, and whether it applies to what runs: it does not
+    when an override (``--pipeline``) changed the plan's choice (``settings.predicted_step_s``
+    is then None)."""
+    o, p = ep.optimizations, ep.prediction
     return dict(
-        step_time_ms=search.step.total_s * 1e3,
-        lower_bound_ms=search.lower_bound_s * 1e3,
-        pipeline=search.pipeline,
-        comm_precision=f"{search.fwd_precision}/{search.bwd_precision}",
-        solver=search.solver,
-        hardware=getattr(getattr(res, "profile", None), "name", None),
+        step_time_ms=p.step_time_s * 1e3,
+        lower_bound_ms=p.lower_bound_s * 1e3,
+        pipeline=o.pipeline,
+        comm_precision=f"{o.fwd_comm_precision}/{o.bwd_comm_precision}",
+        solver=ep.planner_info.get("solver"),
+        hardware=ep.planner_info.get("hardware"),
+        applies=settings.predicted_step_s is not None,
+        summary=ep.summary(),
     )
 
 
@@ -332,42 +403,38 @@ def shard_model(model, plan, device, lr: float, dense_optimizer: str, dense_lr: 
 # ---------------------------------------------------------------- the training loop
 
 
+class SimulatedFailure(RuntimeError):
+    """``--fail-at-step`` was reached: the run stops as if it had crashed."""
+
+
 @attrs.frozen
 class TrainResult:
-    """Per-step losses (this rank) and wall-clock seconds at the end of each step."""
+    """Per-step losses (this rank) of steps ``first_step + 1 .. first_step + len(losses)``
+    (1-based step numbers)."""
 
+    first_step: int
     losses: List[float]
-    step_end_s: List[float]
 
 
-def train_loop(model, optimizer, batches: Iterator, device, steps: int, warmup: int = 0, progress=None) -> TrainResult:
-    """Run ``steps`` steps of TrainPipelineSparseDist over ``batches``; ``progress(step, loss)``
-    (``loss`` a 0-d tensor) is called after each step. On CUDA the device is synchronised only
-    where a time is read for steady state (after step ``warmup - 1`` and after the last step), so
-    the loop never waits on a loss. This is the one place a different pipeline would plug in."""
+def train_loop(
+    pipeline, batches: Iterator, first_step: int, steps: int, timer, after_step: Optional[Callable] = None
+) -> TrainResult:
+    """Run steps ``first_step + 1 .. steps`` (1-based) as ``pipeline.progress(batches)``, each
+    timed by ``timer.step()``; ``after_step(step, loss)`` (``loss`` a 0-d tensor) is called after
+    each step, outside the timed region (progress bar, checkpoint, simulated crash). Losses are
+    read from the device only at the end. ``batches`` must start at step ``first_step + 1``'s
+    batch: a pipeline prefetches from it, so it cannot be advanced here."""
     import torch
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    pipeline = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
     losses = []
-    ends: List[float] = []
-    start = time.perf_counter()
-    for step in range(steps):
-        loss, _logits, _labels = pipeline.progress(batches)
+    for step in range(first_step + 1, steps + 1):
+        with timer.step():
+            loss, _logits, _labels = pipeline.progress(batches)
         losses.append(loss.detach())
-        if step in (warmup - 1, steps - 1):
-            sync()
-        ends.append(time.perf_counter() - start)
-        if progress is not None:
-            progress(step, losses[-1])
-    return TrainResult(losses=[float(x) for x in torch.stack(losses).float().cpu()], step_end_s=ends)
-
-
-def steady_state(result: TrainResult, warmup: int) -> float:
-    """Seconds spent on the steps after the first ``warmup`` ones."""
-    before = result.step_end_s[warmup - 1] if warmup > 0 else 0.0
-    return result.step_end_s[-1] - before
+        if after_step is not None:
+            after_step(step, losses[-1])
+    values = [float(x) for x in torch.stack(losses).float().cpu()] if losses else []
+    return TrainResult(first_step=first_step, losses=values)
 
 
 # ---------------------------------------------------------------- main
@@ -383,23 +450,33 @@ def _quiet_logs() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+def checkpoint_config(args: argparse.Namespace, tables: Sequence[TableSpec], world_size: int) -> Dict[str, Any]:
+    """What a checkpoint must match to be resumed by this run (``--steps`` may grow)."""
+    keys = (
+        "planner", "model", "arch", "batch_size", "lr", "dense_lr", "dense_optimizer", "seed",
+        "zipf_alpha", "signal", "criteo_dir",
+    )  # fmt: skip
+    return dict(
+        {k: getattr(args, k) for k in keys},
+        world_size=world_size,
+        tables=[[t.name, t.rows, t.dim, list(t.features), t.pooling_factor] for t in tables],
+    )
+
+
 def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     """Plan, shard and train per ``args``; returns the JSON result (the same on every rank)."""
     import torch
     import torch.distributed as dist
     import torchrec
+    from torchrec.distributed.sharding_plan import get_default_sharders
 
+    from dlrm_checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
     from dlrm_data import criteo_batches, synthetic_batches
 
     rank, world_size, local_world_size, device, backend = init_distributed(args.device)
+    pg = dist.GroupMember.WORLD
     torch.manual_seed(args.seed)
     say = print if rank == 0 else (lambda *a, **k: None)
-    if args.criteo_dir:
-        batches = criteo_batches(args.criteo_dir, tables, args.batch_size, rank, world_size, args.steps)
-    else:
-        batches = synthetic_batches(
-            tables, args.batch_size, args.seed, rank, args.steps, args.zipf_alpha, args.signal
-        )
     model_kind = args.model if args.model != "auto" else ("dcn" if args.tables == "dcnv2" and not args.table_file else "dlrm")
     dim = check_uniform_dim(tables)
     arch = arch_spec(args.arch, dim)
@@ -411,46 +488,128 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     )
     specs = load_constraints_file(args.constraints, tables) if args.constraints else []
     constraints = planner_constraints(tables, specs, one_hot=bool(args.criteo_dir))
-    planner = make_planner(args.planner, world_size, local_world_size, device.type, args.batch_size, constraints)
+    cache_dir = None if (args.no_plan_cache or args.planner != "sparselift") else args.plan_cache
+    hardware = hardware_choice(args.hardware, device.type)
+    planner = make_planner(
+        args.planner, world_size, local_world_size, device.type, args.batch_size, constraints,
+        hardware=hardware, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm,
+    )  # fmt: skip
+    sharders = get_default_sharders()
+    opt_cls = torch.optim.Adagrad if args.dense_optimizer == "adagrad" else torch.optim.SGD
     t0 = time.perf_counter()
-    from torchrec.distributed.sharding_plan import get_default_sharders
+    reused: Optional[bool] = None
+    if args.planner == "sparselift":
+        from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+        from torchrec_sparselift.runtime import lift
 
-    plan = planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
-    planning_s = time.perf_counter() - t0
+        ep = planner.collective_plan_execution(model, sharders, pg)
+        planning_s = time.perf_counter() - t0
+        if cache_dir:
+            flag = [planner.last_cache_hit]  # known on rank 0, which planned
+            dist.broadcast_object_list(flag, src=0, group=pg)
+            reused = bool(flag[0])
+        plan = ep.sharding_plan
+        lifted = lift(
+            model, ep, pg=pg, device=device, sharders=sharders, pipeline=args.pipeline,
+            embedding_optimizer=(RowWiseAdagrad, {"lr": args.lr}),
+            dense_optimizer_factory=lambda params: opt_cls(params, lr=args.dense_lr),
+        )  # fmt: skip
+        dmp, pipeline, optimizer = lifted.model, lifted.pipeline, lifted.optimizer
+        settings = lifted.settings
+        prediction = execution_plan_prediction(ep, settings)
+        pipeline_kind, comm = settings.pipeline, f"{settings.fwd_comm_precision}/{settings.bwd_comm_precision}"
+        predicted_s, timer_label = settings.predicted_step_s, settings.label()
+    else:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        plan = planner.collective_plan(model, sharders, pg)
+        planning_s = time.perf_counter() - t0
+        dmp, optimizer = shard_model(model, plan, device, args.lr, args.dense_optimizer, args.dense_lr)
+        pipeline = TrainPipelineSparseDist(dmp, optimizer, device, execute_all_batches=True)
+        prediction, pipeline_kind, comm, predicted_s, timer_label = None, "sparse_dist", "fp32/fp32", None, "torchrec"
     summary = plan_summary(plan)
-    say(f"[dlrm] plan ({args.planner}, {planning_s:.2f} s):\n" + format_plan_summary(summary, tables))
-    prediction = planner_prediction(planner)
+    if reused:
+        say(f"[dlrm] plan: reused cached execution plan from {cache_dir} (solver not run; {planning_s:.2f} s)")
+    else:
+        where = f"; stored in {cache_dir}" if cache_dir else ""
+        say(f"[dlrm] plan: planned in {planning_s:.2f} s ({args.planner}{where})")
+    say(format_plan_summary(summary, tables))
     if prediction is not None:
+        note = "" if prediction["applies"] else f"; not what runs: --pipeline {args.pipeline} overrides it"
         say(
             f"[dlrm] SparseLift predicts {prediction['step_time_ms']:.2f} ms/step (lower bound "
-            f"{prediction['lower_bound_ms']:.2f} ms) on {prediction['hardware']}, pipeline "
-            f"{prediction['pipeline']}, comm {prediction['comm_precision']}; this example runs "
-            "TrainPipelineSparseDist in fp32"
+            f"{prediction['lower_bound_ms']:.2f} ms) on {prediction['hardware']} with pipeline "
+            f"{prediction['pipeline']}, comm {prediction['comm_precision']}{note}"
         )
-    dmp, optimizer = shard_model(model, plan, device, args.lr, args.dense_optimizer, args.dense_lr)
+    say(f"[dlrm] training with pipeline {pipeline_kind}, comm {comm}")
 
+    # ---- resume
+    config = checkpoint_config(args, tables, world_size)
+    first_step, resumed_from = 0, None
+    if args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        try:
+            info = latest_checkpoint(args.checkpoint_dir, config)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from e
+        if info is not None:
+            if info.step >= args.steps:
+                raise UsageError(
+                    f"the checkpoint in {args.checkpoint_dir} is at step {info.step}, not before --steps "
+                    f"{args.steps}: raise --steps to train further"
+                )
+            load_checkpoint(args.checkpoint_dir, info, dmp, optimizer)
+            first_step = resumed_from = info.step
+            say(f"[dlrm] resumed from the checkpoint after step {info.step} in {args.checkpoint_dir}")
+    # The pipeline prefetches from this iterator, so it starts at the first step to run.
+    if args.criteo_dir:
+        batches = criteo_batches(args.criteo_dir, tables, args.batch_size, rank, world_size, args.steps, first_step)
+    else:
+        batches = synthetic_batches(
+            tables, args.batch_size, args.seed, rank, args.steps, args.zipf_alpha, args.signal, start=first_step
+        )
+    to_run = args.steps - first_step
+    warmup = min(args.warmup_steps, to_run - 1)
+
+    from torchrec_sparselift.runtime.timing import StepTimer
+
+    timer = StepTimer(device, warmup_steps=warmup, predicted_s=predicted_s, plan=timer_label)
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout, mininterval=1.0, ascii=True)
+        bar = tqdm(
+            total=args.steps, initial=first_step, desc="train", unit="step", file=sys.stdout, mininterval=1.0, ascii=True
+        )
+    saved: List[int] = []
 
-    def progress(step: int, loss) -> None:
+    def after_step(step: int, loss) -> None:
         if bar is not None:
             bar.update(1)
-            if step % 5 == 0 or step == args.steps - 1:
+            if step % 5 == 0 or step == args.steps:
                 bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+        if args.checkpoint_dir and step % args.checkpoint_every == 0:
+            save_checkpoint(args.checkpoint_dir, step, dmp, optimizer, config)
+            saved.append(step)
+        if step == args.fail_at_step:
+            raise SimulatedFailure(f"--fail-at-step {step}: stopping as if the run had crashed after step {step}")
 
-    result = train_loop(dmp, optimizer, batches, device, args.steps, args.warmup_steps, progress)
-    if bar is not None:
-        bar.close()
+    try:
+        result = train_loop(pipeline, batches, first_step, args.steps, timer, after_step)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.checkpoint_dir and (not saved or saved[-1] != args.steps):
+        save_checkpoint(args.checkpoint_dir, args.steps, dmp, optimizer, config)  # the final state
+        saved.append(args.steps)
 
     losses = torch.tensor(result.losses, dtype=torch.float64)
     dist.all_reduce(losses)
     losses /= world_size
-    elapsed = torch.tensor([steady_state(result, args.warmup_steps)], dtype=torch.float64)
+    record = timer.record(pg=pg)  # slowest rank's median step
+    elapsed = torch.tensor([sum(timer.steady_durations_s)], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    measured = args.steps - args.warmup_steps
+    measured = to_run - warmup
     steps_per_s = measured / elapsed.item() if elapsed.item() > 0 else float("inf")
     loss_list = [float(x) for x in losses]
     k = max(1, len(loss_list) // 10)
@@ -464,25 +623,47 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         tables=[attrs.asdict(t) for t in tables],
         batch_size_per_rank=args.batch_size,
         global_batch_size=args.batch_size * world_size,
+        hardware=hardware,
+        plan_cache=cache_dir,
+        plan_reused=reused,
         planning_time_s=planning_s,
         plan=summary,
         prediction=prediction,
+        pipeline=pipeline_kind,
+        comm_precision=comm,
+        predicted_step_time_ms=None if predicted_s is None else predicted_s * 1e3,
+        measured_step_time_ms=record.measured_s * 1e3,
+        measured_over_predicted=record.ratio,
+        step_record=record.to_dict(),
+        first_step=first_step + 1,
+        resumed_from_step=resumed_from,
+        checkpoints_saved=saved,
         losses=loss_list,
         loss_first=sum(loss_list[:k]) / k,
         loss_last=sum(loss_list[-k:]) / k,
         steps=args.steps,
-        warmup_steps=args.warmup_steps,
+        warmup_steps=warmup,
         steps_per_s=steps_per_s,
         step_time_ms=1000.0 / steps_per_s,
         samples_per_s=steps_per_s * args.batch_size * world_size,
         versions=dict(torch=torch.__version__, torchrec=getattr(torchrec, "__version__", "unknown")),
         args=vars(args),
     )
+    span = f"steps {first_step + 1}-{args.steps}" if first_step else f"{len(loss_list)} steps"
     say(
-        f"[dlrm] loss {out['loss_first']:.4f} -> {out['loss_last']:.4f} (mean of first/last {k} steps); "
+        f"[dlrm] loss {out['loss_first']:.4f} -> {out['loss_last']:.4f} (mean of first/last {k} of {span}); "
         f"steady state {steps_per_s:.2f} steps/s, {out['step_time_ms']:.1f} ms/step, "
-        f"{out['samples_per_s']:.0f} samples/s ({measured} steps after {args.warmup_steps} warm-up)"
+        f"{out['samples_per_s']:.0f} samples/s ({measured} steps after {warmup} warm-up)"
     )
+    if predicted_s is not None:
+        say(
+            f"[dlrm] step time: measured {record.measured_s * 1e3:.2f} ms (median, slowest rank) vs predicted "
+            f"{predicted_s * 1e3:.2f} ms: measured/predicted {record.ratio:.2f}"
+        )
+    else:
+        say(f"[dlrm] step time: measured {record.measured_s * 1e3:.2f} ms (median, slowest rank); no prediction applies")
+    if saved:
+        say(f"[dlrm] checkpoints after step(s) {saved} in {args.checkpoint_dir}")
     if not all(math.isfinite(x) for x in loss_list):
         raise RuntimeError("training diverged: a loss is not finite (lower --lr)")
     if rank == 0 and args.out:
