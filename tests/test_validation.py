@@ -280,3 +280,9 @@ def test_uvm_table_too_big_for_host_memory_reports_the_host_shortfall():
         _plan(m, topology=_topo(2, hbm=4 * GiB, ddr=4 * GiB), constraints=cons)
     msg = str(e.value)
     assert "t0" in msg and "short by -" not in msg and ("host" in msg or "DDR" in msg)
+
+
+def test_small_memory_shortfalls_are_printed_in_readable_units():
+    m = _ebc(("t", 1000, 16, ["f"]))  # 62.50 KiB of weights
+    with pytest.raises(SparseLiftPlannerError, match=r"need 62.50 KiB but the whole cluster has 16.00 KiB"):
+        _validate(m, _topo(2, device="cpu", ddr=8 * 1024))

@@ -188,6 +188,14 @@ def _check_stats(specs: Sequence[Any], stats: Any, problems: List[str]) -> None:
         )
 
 
+def _fmt_bytes(n: float) -> str:
+    """Bytes in GiB, or in MiB/KiB/B when GiB would print as 0.00."""
+    for unit, size, least in (("GiB", 2**30, 0.01), ("MiB", 2**20, 1.0), ("KiB", 2**10, 1.0)):
+        if n >= least * size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _cluster_bytes(topology: Any) -> float:
     if topology.compute_device == "cpu":
         return float(sum(d.storage.ddr for d in topology.devices))
@@ -202,11 +210,11 @@ def _check_total_memory(specs: Sequence[Any], topology: Any) -> None:
     have = _cluster_bytes(topology)
     if need > have:
         biggest = sorted(specs, key=lambda s: (-s.weight_bytes, s.fqn))[:5]
-        names = ", ".join(f"{s.fqn} ({s.weight_bytes / 2**30:.2f} GiB)" for s in biggest)
+        names = ", ".join(f"{s.fqn} ({_fmt_bytes(s.weight_bytes)})" for s in biggest)
         kind = "DDR" if topology.compute_device == "cpu" else "HBM + DDR"
         raise SparseLiftPlannerError(
-            f"the tables' weights alone need {need / 2**30:.2f} GiB but the whole cluster has "
-            f"{have / 2**30:.2f} GiB ({kind} over {topology.world_size} ranks); largest tables: "
+            f"the tables' weights alone need {_fmt_bytes(need)} but the whole cluster has "
+            f"{_fmt_bytes(have)} ({kind} over {topology.world_size} ranks); largest tables: "
             f"{names}. To fix: add ranks or memory, shrink the largest tables (fewer rows, "
             "smaller dims) or store them in a narrower data type (FP16)",
             kind="insufficient_storage",
