@@ -242,10 +242,13 @@ def _lookup_bw(profile: HardwareProfile) -> float:
 
 def predict_lookup(profile: HardwareProfile, rec: LookupRecord) -> float:
     """Predicted seconds of one lookup call (forward, or forward + backward + update)."""
-    term = rec.ids * profile.row_bytes(rec.dim, rec.elem_bytes) / _lookup_bw(profile)
+    bw = _lookup_bw(profile)
+    term = rec.ids * profile.row_bytes(rec.dim, rec.elem_bytes) / bw
+    ids_fwd = rec.ids * profile.id_overhead_bytes / bw
     if rec.phase == "fwd":
-        return profile.lookup_overhead_s + term
-    return 2.0 * profile.lookup_overhead_s + (1.0 + profile.bwd_factor) * term
+        return profile.lookup_overhead_s + term + ids_fwd
+    ids_bwd = rec.ids * profile.bwd_id_overhead_bytes / bw
+    return 2.0 * profile.lookup_overhead_s + (1.0 + profile.bwd_factor) * term + ids_fwd + ids_bwd
 
 
 def predict_collective(profile: HardwareProfile, rec: CollectiveRecord, spans_hosts: bool = False) -> float:
@@ -273,7 +276,8 @@ def fit_lookups(
     lookups: Sequence[LookupRecord],
     granularities: Sequence[int] = GRANULARITY_CANDIDATES,
 ) -> Tuple[Dict[str, float], Dict[str, float]]:
-    """Fit ``bw``, ``lookup_overhead_s``, ``bwd_factor`` and ``row_granularity_bytes``.
+    """Fit ``bw``, ``lookup_overhead_s``, ``bwd_factor``, ``row_granularity_bytes`` and the
+    width-independent per-id costs ``id_overhead_bytes`` / ``bwd_id_overhead_bytes``.
 
     Forward and forward+backward records are fitted jointly: as in the cost model, the forward
     and the backward each pay ``lookup_overhead_s`` and share the bandwidth. Returns
@@ -289,29 +293,42 @@ def fit_lookups(
             "so bandwidth and overhead can be told apart"
         )
     y = [r.seconds for r in lookups]
-    best: Optional[Tuple[float, int, Tuple[float, ...]]] = None
-    base_result: Optional[Tuple[float, int, Tuple[float, ...]]] = None
-    for g in sorted(set(granularities) | {base.row_granularity_bytes}):
-        prof = attrs.evolve(base, row_granularity_bytes=g)
-        rows = []
-        for r in lookups:
-            b = float(r.ids * prof.row_bytes(r.dim, r.elem_bytes))
-            if r.phase == "fwd":
-                rows.append([1.0, b, 0.0])
-            else:  # forward + backward: two kernel calls, both pay the overhead
-                rows.append([2.0, b, b])
-        if "fwd_bwd" not in phases:
-            rows = [row[:2] for row in rows]
-        coef = fit_nonnegative(rows, y)
-        loss = sum(abs(e) for e in _relative_residuals(rows, y, coef))
-        result = (loss, g, coef)
-        if g == base.row_granularity_bytes:
-            base_result = result
-        if best is None or loss < best[0]:
-            best = result
-    assert best is not None and base_result is not None
-    if base_result[0] <= best[0] * 1.02:  # prefer the base granularity unless clearly worse
-        best = base_result
+
+    def search(with_ids: bool) -> Tuple[float, int, Tuple[float, ...]]:
+        best: Optional[Tuple[float, int, Tuple[float, ...]]] = None
+        base_result: Optional[Tuple[float, int, Tuple[float, ...]]] = None
+        for g in sorted(set(granularities) | {base.row_granularity_bytes}):
+            prof = attrs.evolve(base, row_granularity_bytes=g)
+            rows = []
+            for r in lookups:
+                b = float(r.ids * prof.row_bytes(r.dim, r.elem_bytes))
+                n = float(r.ids) if with_ids else 0.0
+                # columns: overhead, fwd bytes, bwd bytes, fwd per-id, bwd per-id
+                if r.phase == "fwd":
+                    rows.append([1.0, b, 0.0, n, 0.0])
+                else:  # forward + backward: two kernel calls, both pay the overhead
+                    rows.append([2.0, b, b, n, n])
+            keep = [0, 1] + ([2] if "fwd_bwd" in phases else []) + (
+                [3] + ([4] if "fwd_bwd" in phases else []) if with_ids else [])
+            sub = [[row[k] for k in keep] for row in rows]
+            c = fit_nonnegative(sub, y)
+            full = [0.0] * 5
+            for k, v in zip(keep, c):
+                full[k] = v
+            loss = sum(abs(e) for e in _relative_residuals(sub, y, c))
+            result = (loss, g, tuple(full))
+            if g == base.row_granularity_bytes:
+                base_result = result
+            if best is None or loss < best[0]:
+                best = result
+        assert best is not None and base_result is not None
+        if base_result[0] <= best[0] * 1.02:  # prefer the base granularity unless clearly worse
+            best = base_result
+        return best
+
+    best = search(with_ids=True)
+    if best[2][1] <= 0:  # bytes and ids not separable in this sweep: bytes only
+        best = search(with_ids=False)
     _, g, coef = best
     overhead, per_byte = coef[0], coef[1]
     if per_byte <= 0:
@@ -322,7 +339,10 @@ def fit_lookups(
         "bw": 1.0 / per_byte,
         "lookup_overhead_s": overhead,
         "row_granularity_bytes": g,
+        "id_overhead_bytes": coef[3] / per_byte,
     }
+    if "fwd_bwd" in phases:
+        params["bwd_id_overhead_bytes"] = coef[4] / per_byte
     if "fwd_bwd" in phases and coef[2] > 0:
         params["bwd_factor"] = coef[2] / per_byte
     # else: the sweep cannot resolve the backward's bytes term (overhead-dominated); the caller
@@ -436,7 +456,10 @@ def fit_profile(
     fields.update(
         row_granularity_bytes=int(lk["row_granularity_bytes"]),
         lookup_overhead_s=lk["lookup_overhead_s"],
+        id_overhead_bytes=lk["id_overhead_bytes"],
     )
+    if "bwd_id_overhead_bytes" in lk:
+        fields["bwd_id_overhead_bytes"] = lk["bwd_id_overhead_bytes"]
     if "bwd_factor" in lk:
         fields["bwd_factor"] = lk["bwd_factor"]
     elif any(r.phase == "fwd_bwd" for r in records.lookups):
