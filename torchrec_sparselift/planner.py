@@ -39,7 +39,7 @@ from torchrec_sparselift.cost.model import PIPELINES, CostContext, DenseWork
 from torchrec_sparselift.cost.two_d import choose_sync_interval, group_sizes, replica_sync_s
 from torchrec_sparselift.search.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.options import to_sharding_option
-from torchrec_sparselift.search.problem import PlanningProblem, build_problem
+from torchrec_sparselift.search.problem import PlanningProblem, build_problem, device_caps
 from torchrec_sparselift.search.solve import SearchResult, solve
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
 from torchrec_sparselift.validation import validate_inputs
@@ -502,12 +502,7 @@ class SparseLiftPlanner(ShardingPlanner):
             batch_size=self._batch_size,
             dense=dense_work(module, handles),
         )
-        if topo.compute_device == "cpu":
-            device_cap = np.array([d.storage.ddr for d in reserved.devices], dtype=float)
-            host_cap = device_cap.copy()
-        else:
-            device_cap = np.array([d.storage.hbm for d in reserved.devices], dtype=float)
-            host_cap = np.array([d.storage.ddr for d in reserved.devices], dtype=float)
+        device_cap, host_cap = device_caps(reserved)
         prob = build_problem(
             [h.spec for h in handles], ctx, device_cap, host_cap,
             pipelines=self._pipelines, precisions=self._precisions,

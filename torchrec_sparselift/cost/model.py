@@ -242,27 +242,12 @@ def step_time(
         raise ValueError(f"unknown pipeline {pipeline!r}; choose one of {PIPELINES}")
     ph = phase_times(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision)
     dense = ph["dense_fwd"] + ph["dense_bwd"]
-    # DDP overlaps the gradient all-reduce with the dense backward
     ar_exposed = max(0.0, ph["allreduce"] - ph["dense_bwd"])
-    emb_fwd = ph["uvm_fetch"] + ph["lookup"] + ph["output_dist"]
-    emb_bwd = ph["grad_dist"] + ph["backward_update"]
-    serial = ph["input_dist"] + emb_fwd + dense + emb_bwd + ar_exposed
+    serial = (ph["input_dist"] + ph["uvm_fetch"] + ph["lookup"] + ph["output_dist"] + dense
+              + ph["grad_dist"] + ph["backward_update"] + ar_exposed)
     compute = ph["lookup"] + ph["backward_update"] + dense + ph["uvm_fetch"]
-    overlap = getattr(ctx.profile, "supports_overlap", True)
-    if not overlap or pipeline == "base":
-        total = serial
-    elif pipeline == "sparse_dist":
-        total = max(ph["input_dist"], serial - ph["input_dist"])
-    elif pipeline == "fused":
-        rest = emb_fwd + ph["dense_fwd"] + max(
-            ph["dense_bwd"] + ar_exposed, ph["dense_bwd"] + emb_bwd
-        )
-        total = max(ph["input_dist"], rest)
-    elif pipeline == "semi_sync":
-        rest = max(emb_fwd, dense) + emb_bwd + ar_exposed
-        total = max(ph["input_dist"], rest)
-    else:  # prefetch
-        total = max(ph["input_dist"] + ph["uvm_fetch"], serial - ph["input_dist"] - ph["uvm_fetch"])
+    total = float(step_total_batch(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes,
+                                   comm_groups, ctx, pipeline, fwd_precision, bwd_precision)[0])
     comm = serial - compute
     exposed = max(0.0, total - compute)
     return StepTime(

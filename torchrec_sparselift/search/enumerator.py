@@ -26,7 +26,7 @@ from torchrec.distributed.types import ModuleSharder
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
 from torchrec_sparselift.cost.model import CostContext, shard_cost
 from torchrec_sparselift.search.options import to_sharding_option
-from torchrec_sparselift.search.problem import PlanningProblem, build_problem
+from torchrec_sparselift.search.problem import PlanningProblem, build_problem, device_caps
 from torchrec_sparselift.semantics.graph import candidate_for
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
 
@@ -77,12 +77,7 @@ class SparseLiftEnumerator(Enumerator):
         ctx = CostContext(profile=self._profile, world_size=topo.world_size,
                           local_world_size=min(topo.local_world_size, topo.world_size),
                           batch_size=self._batch_size, dense=dense_work(module, handles))
-        if topo.compute_device == "cpu":
-            dev = np.array([d.storage.ddr for d in topo.devices], dtype=float)
-            host = dev.copy()
-        else:
-            dev = np.array([d.storage.hbm for d in topo.devices], dtype=float)
-            host = np.array([d.storage.ddr for d in topo.devices], dtype=float)
+        dev, host = device_caps(topo)
         prob = build_problem([h.spec for h in handles], ctx, dev, host)
         options: List[ShardingOption] = []
         self.option_candidates = {}

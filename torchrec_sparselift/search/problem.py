@@ -21,11 +21,21 @@ from torchrec_sparselift.cost.model import (
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
 
-__all__ = ["PlanningProblem", "build_problem", "column_splits", "SUPPORTED_KERNELS"]
+__all__ = ["PlanningProblem", "build_problem", "column_splits", "device_caps", "SUPPORTED_KERNELS"]
 
 # Kernels whose sparse path the cost model describes. Others (key-value/SSD tables) are only
 # planned when a user constrains a table to them, and then rejected with a clear message.
 SUPPORTED_KERNELS = ("fused", "dense", "fused_uvm", "fused_uvm_caching")
+
+
+def device_caps(topology) -> Tuple[np.ndarray, np.ndarray]:
+    """(device memory, host memory) per rank of a TorchRec ``Topology``. On CPU the device
+    memory is DDR and host memory is the same DDR (fused CPU tables live there)."""
+    if topology.compute_device == "cpu":
+        dev = np.array([d.storage.ddr for d in topology.devices], dtype=float)
+        return dev, dev.copy()
+    return (np.array([d.storage.hbm for d in topology.devices], dtype=float),
+            np.array([d.storage.ddr for d in topology.devices], dtype=float))
 
 
 def column_splits(spec: TableSpec, world_size: int, compute_device: str) -> List[int]:
