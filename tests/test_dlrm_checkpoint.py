@@ -1,0 +1,113 @@
+"""Checkpoint and resume of the DLRM example (examples/dlrm/train.py, dlrm_checkpoint.py): a run
+that crashes mid-training and is rerun continues from its last checkpoint and loses nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
+TRAIN = os.path.join(EXAMPLE, "train.py")
+sys.path.insert(0, EXAMPLE)
+
+TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--batch-size", "64"]
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Run:
+    """train.py on 2 gloo ranks, started as 2 processes with torchrun's environment variables
+    (no launcher process: it would cost a third torch import per run)."""
+
+    def __init__(self, args):
+        port = str(_free_port())
+        self.procs = []
+        for rank in range(2):
+            env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+            self.procs.append(
+                subprocess.Popen([sys.executable, TRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, cwd=ROOT, env=env)  # fmt: skip
+            )
+
+    def finish(self, timeout=120):
+        """(return codes, rank 0's stdout, both ranks' stderr)."""
+        outs = []
+        try:
+            for p in self.procs:
+                outs.append(p.communicate(timeout=timeout))
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        return [p.returncode for p in self.procs], outs[0][0], outs[0][1] + outs[1][1]
+
+
+def test_run_killed_mid_training_resumes_with_the_losses_of_an_uninterrupted_run(tmp_path):
+    """2 gloo ranks, 12 steps, pipeline ``sparse_dist`` (it prefetches the next batch, so the
+    resumed run must start its data iterator at the resumed step, not replay from 0).
+
+    The crashed run checkpoints after step 4 and dies after step 7; the rerun loads step 4's
+    model and optimizer state (sharded tables, fused row-wise AdaGrad state, dense AdaGrad
+    state) and trains steps 5-12. Its per-step losses must EQUAL the uninterrupted run's, bit for
+    bit: all runs get the same plan (planning this instance is deterministic and not time-limited;
+    the runs also share a plan cache, which is safe to fill concurrently), DCP restores every tensor exactly, the
+    synthetic batch of a step depends only on (seed, rank, step), and the CPU kernels are
+    deterministic, so there is no rounding to tolerate. A missed piece of state (optimizer
+    momentum, data position) changes the losses and fails this test."""
+    common = [*TINY, "--steps", "12", "--warmup-steps", "1", "--no-progress", "--pipeline", "sparse_dist",
+              "--plan-cache", str(tmp_path / "plans")]  # fmt: skip
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
+
+    # The uninterrupted and the crashing run are independent: run them side by side (time).
+    whole_run = _Run([*common, "--out", str(tmp_path / "whole.json")])
+    codes, _, err = _Run([*common, *ck, "--fail-at-step", "7", "--out", str(tmp_path / "crashed.json")]).finish()
+    assert codes == [1, 1], err[-2000:]
+    assert "SimulatedFailure: --fail-at-step 7" in err
+    assert not (tmp_path / "crashed.json").exists()
+    marker = json.loads((tmp_path / "ck" / "latest.json").read_text())
+    assert marker["step"] == 4
+    codes, _, err = whole_run.finish()
+    assert codes == [0, 0], err[-2000:]
+
+    codes, out, err = _Run([*common, *ck, "--out", str(tmp_path / "resumed.json")]).finish()
+    assert codes == [0, 0], out[-2000:] + err[-2000:]
+    assert "resumed from the checkpoint after step 4" in out
+
+    full = json.loads((tmp_path / "whole.json").read_text())
+    res = json.loads((tmp_path / "resumed.json").read_text())
+    assert res["resumed_from_step"] == 4 and res["first_step"] == 5
+    assert len(full["losses"]) == 12 and len(res["losses"]) == 8
+    assert res["losses"] == full["losses"][4:]
+    assert res["checkpoints_saved"] == [8, 12]
+
+
+def test_checkpoint_of_a_different_run_is_refused_with_what_differs(tmp_path):
+    from dlrm_checkpoint import CHECKPOINT_SCHEMA, CheckpointError, latest_checkpoint
+
+    assert latest_checkpoint(str(tmp_path / "missing"), {"seed": 0}) is None
+    (tmp_path / "step_00000004").mkdir()
+    marker = {"schema": CHECKPOINT_SCHEMA, "step": 4, "path": "step_00000004", "config": {"seed": 0, "lr": 0.05}}
+    (tmp_path / "latest.json").write_text(json.dumps(marker))
+    info = latest_checkpoint(str(tmp_path), {"seed": 0, "lr": 0.05})
+    assert info.step == 4 and info.path == "step_00000004"
+    with pytest.raises(CheckpointError, match=r"different run \(seed: 0 -> 1\)"):
+        latest_checkpoint(str(tmp_path), {"seed": 1, "lr": 0.05})
+    (tmp_path / "latest.json").write_text('{"schema": "dlrm_example.checkpoint/1", "step": ')
+    with pytest.raises(CheckpointError, match="is unreadable"):
+        latest_checkpoint(str(tmp_path), {"seed": 0, "lr": 0.05})
+    marker["path"] = "step_00000008"
+    (tmp_path / "latest.json").write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="which is missing"):
+        latest_checkpoint(str(tmp_path), {"seed": 0, "lr": 0.05})
