@@ -56,6 +56,8 @@ __all__ = [
     "imbalance_ranks",
     "mape",
     "spearman",
+    "fit_fields",
+    "linear_terms",
     "fidelity_summary",
     "build_cases",
     "predict_ours",
@@ -400,6 +402,90 @@ def measured_per_plan(records: Sequence[Mapping[str, Any]], key: str = "step_ms"
     return out
 
 
+# ---------------------------------------------------------------- hold-out refit of a profile
+
+FIT_FIELDS = ("lookup_overhead_s", "1/dense_flops")
+
+
+def field_value(profile, field: str) -> float:
+    """``profile``'s value of ``field``; ``"1/name"`` is the reciprocal of field ``name`` (a rate
+    enters the step time as its inverse, so it is fitted as one)."""
+    if field.startswith("1/"):
+        return 1.0 / float(getattr(profile, field[2:]))
+    return float(getattr(profile, field))
+
+
+def with_field(profile, field: str, value: float):
+    """``profile`` with ``field`` (see :func:`field_value`) set to ``value``."""
+    if field.startswith("1/"):
+        return attrs.evolve(profile, **{field[2:]: 1.0 / value if value > 0 else float("inf")})
+    return attrs.evolve(profile, **{field: value})
+
+
+def linear_terms(cfg: FidelityConfig, plan, profile, fields: Sequence[str], tables=None, model=None,
+                 rel: float = 0.5) -> Tuple[float, Dict[str, float]]:
+    """SparseLift's prediction (ms) of ``plan`` under ``profile`` and its slope (ms per unit) in
+    each profile field of ``fields``, by a finite difference of ``rel`` times the field's value
+    (the step time is piecewise linear in these fields; :func:`fit_fields` checks the refit
+    with a full evaluation)."""
+    base = predict_ours(cfg, plan, profile, tables, model)
+    slopes = {}
+    for f in fields:
+        x0 = field_value(profile, f)
+        dx = rel * x0 if x0 > 0 else 1e-4
+        up = predict_ours(cfg, plan, with_field(profile, f, x0 + dx), tables, model)
+        slopes[f] = (up - base) / dx
+    return base, slopes
+
+
+def fit_fields(points: Sequence[Tuple[float, Mapping[str, float], float]], x0: Mapping[str, float]
+               ) -> Dict[str, float]:
+    """Non-negative values of the fields in ``x0`` minimising the squared relative error of the
+    linearised predictions ``base + sum_f slope_f * (x_f - x0_f)`` against the measurements;
+    ``points`` holds ``(base_ms, slopes, measured_ms)`` per training plan."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    fields = list(x0)
+    A = np.array([[sl[f] / m for f in fields] for _b, sl, m in points])
+    b = np.array([(m - (base - sum(sl[f] * x0[f] for f in fields))) / m for base, sl, m in points])
+    x, _ = nnls(A, b)
+    return {f: float(v) for f, v in zip(fields, x)}
+
+
+def _cmd_fit(args) -> int:
+    from torchrec_sparselift.cost.hardware import get_profile
+
+    data = _load_plans(args.plans)
+    with open(args.measured, encoding="utf-8") as f:
+        measured = json.load(f)
+    cfg = data["config"]
+    profile = get_profile(args.profile or data["profile"])
+    meas = measured_per_plan(measured["records"], args.key)
+    train_names = args.train.split(",")
+    tables = resolve_tables(cfg)
+    model = build_model(cfg, tables)
+    fields = args.fields.split(",")
+    points = []
+    for c in data["cases"]:
+        if c.name in train_names:
+            base, slopes = linear_terms(cfg, c.plan, profile, fields, tables, model)
+            points.append((base, slopes, meas[c.name]))
+            print(f"train {c.name:<12} measured {meas[c.name]:7.2f} ms  predicted {base:7.2f} ms  slopes "
+                  + ", ".join(f"{k} {v:.4g}" for k, v in slopes.items()))
+    if len(points) < len(fields):
+        raise SystemExit(f"need at least {len(fields)} training plans for {fields}, got {len(points)}")
+    values = fit_fields(points, {f: field_value(profile, f) for f in fields})
+    refined = attrs.evolve(profile, name=args.name)
+    for f, v in values.items():
+        refined = with_field(refined, f, v)
+    refined.save(args.out)
+    print("fitted " + ", ".join(f"{k} = {v:.6g} (was {field_value(profile, k):.6g})" for k, v in values.items()))
+    print(f"wrote {args.out}; train plans: {train_names}; held out: "
+          f"{[c.name for c in data['cases'] if c.name not in train_names]}")
+    return 0
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -534,10 +620,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pr.add_argument("--profile", help="re-price with this profile (default: the one predict used)")
     pr.add_argument("--key", choices=["step_ms", "mean_step_ms", "cpu_step_ms", "p10_step_ms"], default="step_ms")
     pr.add_argument("--out")
+    pf = sub.add_parser("fit", help="refit profile fields on a subset of plans (hold out the rest)")
+    pf.add_argument("--plans", required=True)
+    pf.add_argument("--measured", required=True)
+    pf.add_argument("--train", required=True, help="comma-separated plan names to fit on")
+    pf.add_argument("--fields", default=",".join(FIT_FIELDS))
+    pf.add_argument("--profile", help="the profile to refine (default: the one predict used)")
+    pf.add_argument("--key", choices=["step_ms", "mean_step_ms", "cpu_step_ms", "p10_step_ms"], default="step_ms")
+    pf.add_argument("--name", default="cpu-2core-gloo-fidelity")
+    pf.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.cmd == "measure" and not 0 <= args.warmup < args.steps - 1:
         p.error("--warmup must be in [0, --steps - 1)")
-    return {"predict": _cmd_predict, "measure": _cmd_measure, "report": _cmd_report}[args.cmd](args)
+    cmds = {"predict": _cmd_predict, "measure": _cmd_measure, "report": _cmd_report, "fit": _cmd_fit}
+    return cmds[args.cmd](args)
 
 
 if __name__ == "__main__":

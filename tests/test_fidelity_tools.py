@@ -87,3 +87,22 @@ def test_imbalance_puts_all_but_the_smallest_table_on_rank_zero():
 def test_measured_per_plan_takes_the_median_over_repetitions():
     recs = [dict(name="x", step_ms=v) for v in (5.0, 1.0, 3.0)] + [dict(name="y", step_ms=v) for v in (2.0, 4.0)]
     assert F.measured_per_plan(recs) == {"x": 3.0, "y": 3.0}
+
+
+def test_fit_fields_recovers_the_values_that_explain_linear_measurements():
+    # predicted = 10 + 100 * a + 50 * b around x0 = (0.1, 0.1); the truth is a = 0.02, b = 0.2
+    x0 = {"a": 0.1, "b": 0.1}
+    slopes = [{"a": 100.0, "b": 50.0}, {"a": 300.0, "b": 10.0}, {"a": 20.0, "b": 80.0}]
+    points = []
+    for sl in slopes:
+        base = 10 + sl["a"] * x0["a"] + sl["b"] * x0["b"]
+        truth = 10 + sl["a"] * 0.02 + sl["b"] * 0.2
+        points.append((base, sl, truth))
+    fitted = F.fit_fields(points, x0)
+    assert fitted["a"] == pytest.approx(0.02, rel=1e-6) and fitted["b"] == pytest.approx(0.2, rel=1e-6)
+
+
+def test_fit_fields_never_returns_a_negative_value():
+    x0 = {"a": 1.0}
+    fitted = F.fit_fields([(10.0, {"a": 5.0}, 1.0), (20.0, {"a": 5.0}, 2.0)], x0)
+    assert fitted["a"] >= 0.0
