@@ -76,6 +76,22 @@ def test_torchrec_past_its_wall_limit_is_reported_as_timeout():
     assert res["status"] == "timeout" and res["limit_s"] == 0.5
 
 
+def test_stored_torchrec_result_is_reused_unless_its_limit_was_tighter(tmp_path, monkeypatch):
+    import json
+
+    import torchrec
+
+    calls = []
+    monkeypatch.setattr(pb, "run_torchrec", lambda sc, t, m, h=80.0: calls.append(t) or {"status": "timeout", "limit_s": t})
+    key = tmp_path / f"production-6@8_hbm80_torchrec-{torchrec.__version__}.json"
+    key.write_text(json.dumps({"status": "timeout", "limit_s": 300.0, "measured_at": "then"}))
+    assert pb.cached_run_torchrec(TINY, 200.0, 8.0, 80.0, str(tmp_path))["cached"] == "then"
+    assert calls == []
+    res = pb.cached_run_torchrec(TINY, 900.0, 8.0, 80.0, str(tmp_path))
+    assert calls == [900.0] and "cached" not in res
+    assert json.loads(key.read_text())["limit_s"] == 900.0
+
+
 def _row(name, wl, ws, est, model, gap, sl_t=1.0, tr_t=30.0, tr_status="ok"):
     return {
         "scenario": name, "workload": wl, "world_size": ws,

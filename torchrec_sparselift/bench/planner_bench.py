@@ -49,6 +49,7 @@ __all__ = [
     "run_sparselift",
     "run_torchrec",
     "run_torchrec_in_process",
+    "cached_run_torchrec",
     "compare",
     "check_targets",
     "Target",
@@ -244,6 +245,36 @@ def run_torchrec(sc: Scenario, timeout_s: float, mem_gib: float, hbm_gib: float 
                 "note": " | ".join(tail)}
 
 
+def cached_run_torchrec(sc: Scenario, timeout_s: float, mem_gib: float, hbm_gib: float = 80.0,
+                        cache_dir: Optional[str] = None) -> Dict[str, Any]:
+    """:func:`run_torchrec`, reusing a stored result for the same scenario, HBM size and torchrec
+    version from ``cache_dir`` (TorchRec's plan does not depend on SparseLift, so re-running the
+    benchmark after a SparseLift change need not re-plan with TorchRec). A stored plan is always
+    reused; a stored timeout/oom only if its limit was at least as generous as this one. The
+    result says ``"cached": <when it was measured>`` when reused."""
+    if not cache_dir:
+        return run_torchrec(sc, timeout_s, mem_gib, hbm_gib)
+    import torchrec
+
+    path = os.path.join(cache_dir, f"{sc.workload}@{sc.world_size}_hbm{hbm_gib:g}_torchrec-{torchrec.__version__}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            res = json.load(f)
+        st = res.get("status")
+        if st == "ok" or (st == "timeout" and res.get("limit_s", 0) >= timeout_s) or (
+                st == "oom" and res.get("limit_gib", 0) >= mem_gib > 0):
+            res["cached"] = res.get("measured_at", "unknown")
+            return res
+    res = run_torchrec(sc, timeout_s, mem_gib, hbm_gib)
+    res["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if res.get("status") in ("ok", "timeout", "oom"):
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(res, f, default=float)
+        os.replace(path + ".tmp", path)
+    return res
+
+
 def run_sparselift(sc: Scenario, hardware: str = "h100", budget_s: Optional[float] = None,
                    hbm_gib: float = 80.0) -> Tuple[Dict[str, Any], Any]:
     """Plan ``sc`` with ``SparseLiftPlanner``; return (record, PlanResult)."""
@@ -302,7 +333,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 def compare(sc: Scenario, hardware: str = "h100", budget_s: Optional[float] = None,
             torchrec_timeout_s: float = 600.0, torchrec_mem_gib: float = 8.0,
-            hbm_gib: float = 80.0) -> Dict[str, Any]:
+            hbm_gib: float = 80.0, torchrec_cache: Optional[str] = None) -> Dict[str, Any]:
     """Plan ``sc`` with both planners and compare them (one result row; see module docstring)."""
     from torchrec_sparselift.plan.serialization import sharding_plan_from_dict
 
@@ -324,7 +355,7 @@ def compare(sc: Scenario, hardware: str = "h100", budget_s: Optional[float] = No
     if not sc.torchrec:
         row["torchrec"] = {"status": "skipped"}
         return row
-    tr = run_torchrec(sc, torchrec_timeout_s, torchrec_mem_gib, hbm_gib)
+    tr = dict(cached_run_torchrec(sc, torchrec_timeout_s, torchrec_mem_gib, hbm_gib, torchrec_cache))
     if tr.get("status") == "ok":
         plan = sharding_plan_from_dict(tr.pop("plan"))
         if res is not None:
@@ -344,7 +375,7 @@ def compare(sc: Scenario, hardware: str = "h100", budget_s: Optional[float] = No
             "planning_cpu": _ratio(tr.get("plan_cpu_s"), sl.get("plan_cpu_s")),
         }
         if tr.get("status") == "timeout":
-            row["ratios"]["planning_wall_at_least"] = torchrec_timeout_s / sl["plan_wall_s"]
+            row["ratios"]["planning_wall_at_least"] = tr["limit_s"] / sl["plan_wall_s"]
     return row
 
 
@@ -487,6 +518,14 @@ def _write(path: Optional[str], rows: Sequence[Dict[str, Any]], targets: Sequenc
     os.replace(tmp, path)
 
 
+def _git_commit() -> Optional[str]:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchrec_sparselift.bench planners",
@@ -505,6 +544,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="wall-clock limit for TorchRec's planner per scenario, seconds (default 600)")
     p.add_argument("--torchrec-mem-gib", type=float, default=8.0,
                    help="address-space limit of TorchRec's child process in GiB; 0: none (default 8)")
+    p.add_argument("--torchrec-cache", default="runs/torchrec_cache",
+                   help="directory of stored TorchRec results to reuse (key: scenario, HBM, torchrec "
+                        "version); '' to always re-plan (default runs/torchrec_cache)")
     p.add_argument("--torchrec-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     return p
@@ -524,11 +566,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     scenarios = parse_scenarios(args.scenarios)
     meta = {"command": "python -m torchrec_sparselift.bench planners " + " ".join(argv if argv is not None else sys.argv[1:]),
             "hardware": args.hardware, "hbm_gib": args.hbm_gib, "torchrec_timeout_s": args.torchrec_timeout,
-            "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "cpus": os.cpu_count(), "git_commit": _git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows: List[Dict[str, Any]] = []
     for sc in scenarios:
         print(f"== {sc.name} ...", flush=True)
-        row = compare(sc, args.hardware, args.budget, args.torchrec_timeout, args.torchrec_mem_gib, args.hbm_gib)
+        row = compare(sc, args.hardware, args.budget, args.torchrec_timeout, args.torchrec_mem_gib, args.hbm_gib,
+                      args.torchrec_cache or None)
         rows.append(row)
         sl, tr, ra = row["sparselift"], row["torchrec"], row.get("ratios", {})
         print(f"   SparseLift: {json.dumps({k: v for k, v in sl.items() if k != 'types'}, default=float)}", flush=True)
