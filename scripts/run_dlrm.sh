@@ -2,7 +2,9 @@
 # Set up (if needed) and train the DLRM example on 2 CPU ranks with the SparseLift planner.
 # Defaults finish in about 1-2 minutes on 2 CPU cores; extra arguments go to train.py and
 # override the defaults (e.g. --planner torchrec, --steps 500, --tables kaggle, --out my.json).
-# NPROC=4 bash scripts/run_dlrm.sh runs 4 ranks.
+# NPROC=4 bash scripts/run_dlrm.sh runs 4 ranks. The SparseLift plan is cached in .sparselift_cache/:
+# a second run with the same tables and batch size reuses it. Add --checkpoint-dir DIR to save
+# and resume (rerun the same command after a crash).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -4,14 +4,20 @@
         --planner sparselift --tables dcnv2 --scale 0.001 --steps 100 --out result.json
 
 CPU + gloo by default, CUDA + NCCL when GPUs are present (``--device auto``). Run without torchrun
-it trains on one rank. The model is built on the meta device, planned with the planner's
-``collective_plan`` (every rank gets the same plan), wrapped in ``DistributedModelParallel`` and
-trained with ``TrainPipelineSparseDist``. Sharded tables use fused row-wise AdaGrad (applied in
-backward); dense parameters, including any data-parallel tables, use ``--dense-optimizer``.
+it trains on one rank. The model is built on the meta device and planned collectively (every
+rank gets the same plan). ``--planner sparselift``: an ``ExecutionPlan`` from
+``collective_plan_execution``, reused from ``--plan-cache`` when the inputs match, applied with
+``torchrec_sparselift.runtime.lift`` (DMP + the planned comm codecs + the planned train
+pipeline); the measured steady-state step time is set against the plan's prediction.
+``--planner torchrec``: ``EmbeddingShardingPlanner``, ``DistributedModelParallel`` and
+``TrainPipelineSparseDist``. Sharded tables use fused row-wise AdaGrad (applied in backward);
+dense parameters, including any data-parallel tables, use ``--dense-optimizer``.
+``--checkpoint-dir`` saves model and optimizer state with torch.distributed.checkpoint every
+``--checkpoint-every`` steps and resumes from it (see dlrm_checkpoint.py).
 
 Output: the plan summary, a progress bar with the loss (rank 0), steady-state steps/s with
-warm-up excluded; rank 0 writes ``--out`` as JSON. On failure it exits non-zero with one line
-saying what went wrong (``--debug`` for the full traceback).
+warm-up excluded, measured vs predicted step time; rank 0 writes ``--out`` as JSON. On failure it
+exits non-zero with one line saying what went wrong (``--debug`` for the full traceback).
 """
 
 from __future__ import annotations
@@ -42,7 +48,21 @@ from dlrm_tables import (  # noqa: E402
     scale_tables,
 )
 
-__all__ = ["UsageError", "ArchSpec", "TrainResult", "parse_args", "resolve_tables", "train_loop", "main"]
+__all__ = [
+    "UsageError",
+    "SimulatedFailure",
+    "ArchSpec",
+    "TrainResult",
+    "parse_args",
+    "resolve_tables",
+    "planner_constraints",
+    "hardware_choice",
+    "make_planner",
+    "checkpoint_config",
+    "train_loop",
+    "run",
+    "main",
+]
 
 EXIT_USAGE = 2  # bad flags, table file or data directory
 EXIT_FAILURE = 1  # anything that failed while planning or training
