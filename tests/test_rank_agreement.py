@@ -9,6 +9,8 @@ import pytest
 
 from conftest import spawn
 
+pytestmark = pytest.mark.multiprocess
+
 GiB = 1024**3
 HANG_TIMEOUT_S = 6
 HANG_REASON = ("collective_plan: an error raised on one rank is not shared, so the other ranks wait "
