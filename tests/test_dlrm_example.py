@@ -138,6 +138,11 @@ def test_bad_values_exit_with_a_clear_message():
         (["--scale", "2"], "--scale must be in (0, 1]"),
         (["--steps", "5", "--warmup-steps", "5"], "--warmup-steps must be in [0, --steps)"),
         (["--table-file", "/no/such/file.json"], "does not exist"),
+        (["--hardware", "tpu-v9"], "--hardware tpu-v9: unknown hardware profile 'tpu-v9'"),
+        (["--hardware", "/no/such/profile.json"], "--hardware /no/such/profile.json"),
+        (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
+        (["--steps", "10", "--warmup-steps", "2", "--fail-at-step", "11"], "--fail-at-step must be in [1, --steps]"),
+        (["--planner", "torchrec", "--pipeline", "fused"], "--pipeline applies to --planner sparselift"),
     ]:
         proc = _python([*args, "--check"])
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)

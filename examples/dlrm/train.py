@@ -57,6 +57,7 @@ __all__ = [
     "resolve_tables",
     "planner_constraints",
     "hardware_choice",
+    "check_hardware",
     "make_planner",
     "checkpoint_config",
     "train_loop",
@@ -303,6 +304,19 @@ def hardware_choice(flag: str, device_type: str) -> Optional[str]:
     return None
 
 
+def check_hardware(name: str):
+    """The HardwareProfile ``--hardware name`` names (preset or profile JSON); UsageError if none.
+    Needs no torch."""
+    try:
+        from torchrec_sparselift.cost.hardware import get_profile
+    except ImportError as e:
+        raise UsageError(f"--hardware needs torchrec_sparselift ({e}); install it (bash scripts/setup.sh)") from e
+    try:
+        return get_profile(name)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--hardware {name}: {e}") from e
+
+
 def make_planner(
     name: str,
     world_size: int,
@@ -327,18 +341,12 @@ def make_planner(
         return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
     try:
         from torchrec_sparselift import SparseLiftPlanner
-        from torchrec_sparselift.cost.hardware import get_profile
     except ImportError as e:
         raise UsageError(
             f"--planner sparselift: SparseLiftPlanner is not importable ({e}); install the package "
             "(bash scripts/setup.sh) or use --planner torchrec"
         ) from e
-    profile = None
-    if hardware is not None:
-        try:
-            profile = get_profile(hardware)
-        except (ValueError, OSError) as e:
-            raise UsageError(f"--hardware {hardware}: {e}") from e
+    profile = check_hardware(hardware) if hardware is not None else None
     return SparseLiftPlanner(
         topology=topology,
         batch_size=batch_size,
@@ -708,6 +716,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tables = resolve_tables(args)
         if args.constraints:
             load_constraints_file(args.constraints, tables)  # a bad file fails here, before torch
+        if args.planner == "sparselift" and args.hardware != "auto":
+            check_hardware(args.hardware)
         if args.check:
             return 0
         run(args, tables)
