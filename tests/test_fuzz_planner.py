@@ -19,7 +19,7 @@ The default run is bounded (25 derandomized examples, mostly small worlds). The 
 
 import os
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import attrs
 import numpy as np
@@ -121,7 +121,8 @@ def cases(draw, max_hosts: int = 4, max_tables: int = 20) -> Case:
     cons = []
     for name in constrained:
         types = draw(st.none() | st.lists(st.sampled_from(TYPES[device]), min_size=1, unique=True).map(tuple))
-        kernels = draw(st.sampled_from([None, None, None]) | st.lists(st.sampled_from(KERNELS[device]), min_size=1, unique=True).map(tuple))
+        kernels = draw(st.sampled_from([None, None, None])
+                       | st.lists(st.sampled_from(KERNELS[device]), min_size=1, unique=True).map(tuple))
         min_partition = draw(st.none() | st.sampled_from([4, 8, 16, 32, 64]))
         cons.append((name, types, kernels, min_partition))
     stats = None
@@ -187,7 +188,8 @@ def check_case(case: Case) -> Optional[str]:
     # memory: per rank within the reserved capacity the planner was given, which is within the topology's
     prob, search = result.problem, result.search
     assert search.status != "memory_violation", search.status
-    raw_dev = np.array([d.storage.ddr if case.device == "cpu" else d.storage.hbm for d in topo.devices[:W]], float)
+    raw_dev = np.array([d.storage.ddr if case.device == "cpu" else d.storage.hbm
+                        for d in topo.devices[:W]], float)
     assert np.all(prob.device_cap <= raw_dev + 1)
     loads = search.rank_loads
     assert np.all(loads[:, DEV_MEM] <= prob.device_cap * (1 + 1e-9) + 1), (loads[:, DEV_MEM], prob.device_cap)
@@ -276,7 +278,8 @@ TIME_LIMITED_CASE = Case(
             ("t3", 1, 332, 0.0), ("t4", 136798, 128, 1.0), ("t5", 172905, 180, 0.0), ("t6", 1, 452, 1.0)),
     constraints=(("t5", ("data_parallel", "column_wise"), None, None), ("t2", None, None, 16),
                  ("t0", None, None, 16), ("t1", None, ("fused_uvm", "dense"), 4),
-                 ("t4", ("column_wise", "data_parallel", "table_row_wise", "table_wise", "row_wise"), None, 8)),
+                 ("t4", ("column_wise", "data_parallel", "table_row_wise", "table_wise", "row_wise"),
+                  None, 8)),
     stats=None,
 )
 
@@ -289,7 +292,8 @@ def test_time_limited_plans_are_reproducible():
     assert len(plans) == 1
 
 
-@pytest.mark.xfail(strict=False, reason="planner: group_sizes(1, 1) is empty, so 'auto' finds no group (reported)")
+@pytest.mark.xfail(strict=False,
+                   reason="planner: group_sizes(1, 1) is empty, so 'auto' finds no group (reported)")
 def test_auto_sharding_group_on_one_rank_plans_1d():
     one = Case(device="cuda", world_size=1, local_world_size=1, hbm=8 * GiB, ddr=64 * GiB, batch_size=64,
                tables=(("a", 1000, 16, 1.0),), constraints=(), stats=None, group="auto")

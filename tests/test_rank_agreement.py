@@ -82,7 +82,8 @@ def _scenarios(rank: int, world_size: int):
     if rank == 1:
         cfg = EmbeddingBagConfig(name="t2", embedding_dim=16, num_embeddings=10, feature_names=["f2"])
         cfg.num_embeddings = 0
-        bad = EmbeddingBagCollection(tables=[*model(2).embedding_bag_configs(), cfg], device=torch.device("meta"))
+        bad = EmbeddingBagCollection(tables=[*model(2).embedding_bag_configs(), cfg],
+                                     device=torch.device("meta"))
     out["one_rank_malformed"] = timed(bad, topo(), 32, groups[1])
     return out
 
