@@ -17,6 +17,14 @@ TRAIN = os.path.join(EXAMPLE, "train.py")
 sys.path.insert(0, EXAMPLE)
 
 TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--batch-size", "64"]
+# Every kind of state a checkpoint must carry: row-, column- and table-row-wise shards (fused
+# optimizer state sharded with them) and a data-parallel table (DDP weight, dense optimizer).
+MIXED_SHARDING = {
+    "t_cat_0": {"sharding_types": ["row_wise"]},
+    "t_cat_1": {"sharding_types": ["data_parallel"], "compute_kernels": ["dense"]},
+    "t_cat_2": {"sharding_types": ["column_wise"], "min_partition": 8},
+    "t_cat_3": {"sharding_types": ["table_row_wise"]},
+}
 
 
 def _free_port():
@@ -66,8 +74,10 @@ def test_run_killed_mid_training_resumes_with_the_losses_of_an_uninterrupted_run
     synthetic batch of a step depends only on (seed, rank, step), and the CPU kernels are
     deterministic, so there is no rounding to tolerate. A missed piece of state (optimizer
     momentum, data position) changes the losses and fails this test."""
+    constraints = tmp_path / "constraints.json"
+    constraints.write_text(json.dumps(MIXED_SHARDING))
     common = [*TINY, "--steps", "12", "--warmup-steps", "1", "--no-progress", "--pipeline", "sparse_dist",
-              "--plan-cache", str(tmp_path / "plans")]  # fmt: skip
+              "--plan-cache", str(tmp_path / "plans"), "--constraints", str(constraints)]  # fmt: skip
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
 
     # The uninterrupted and the crashing run are independent: run them side by side (time).
@@ -91,6 +101,8 @@ def test_run_killed_mid_training_resumes_with_the_losses_of_an_uninterrupted_run
     assert len(full["losses"]) == 12 and len(res["losses"]) == 8
     assert res["losses"] == full["losses"][4:]
     assert res["checkpoints_saved"] == [8, 12]
+    kinds = {r["table"]: r["sharding_type"] for r in res["plan"]}
+    assert {kinds[t] for t in MIXED_SHARDING} == {"row_wise", "data_parallel", "column_wise", "table_row_wise"}
 
 
 def test_checkpoint_of_a_different_run_is_refused_with_what_differs(tmp_path):
