@@ -453,6 +453,15 @@ def fit_fields(points: Sequence[Tuple[float, Mapping[str, float], float]], x0: M
     return {f: float(v) for f, v in zip(fields, x)}
 
 
+def refit(profile, points: Sequence[Tuple[float, Mapping[str, float], float]], fields: Sequence[str], name: str):
+    """``profile`` with ``fields`` refitted by :func:`fit_fields` on ``points``."""
+    values = fit_fields(points, {f: field_value(profile, f) for f in fields})
+    out = attrs.evolve(profile, name=name)
+    for f, v in values.items():
+        out = with_field(out, f, v)
+    return out, values
+
+
 def _cmd_fit(args) -> int:
     from torchrec_sparselift.cost.hardware import get_profile
 
@@ -462,27 +471,42 @@ def _cmd_fit(args) -> int:
     cfg = data["config"]
     profile = get_profile(args.profile or data["profile"])
     meas = measured_per_plan(measured["records"], args.key)
-    train_names = args.train.split(",")
+    cases = [c for c in data["cases"] if c.name in meas]
+    train_names = args.train.split(",") if args.train else [c.name for c in cases]
     tables = resolve_tables(cfg)
     model = build_model(cfg, tables)
     fields = args.fields.split(",")
-    points = []
-    for c in data["cases"]:
-        if c.name in train_names:
-            base, slopes = linear_terms(cfg, c.plan, profile, fields, tables, model)
-            points.append((base, slopes, meas[c.name]))
-            print(f"train {c.name:<12} measured {meas[c.name]:7.2f} ms  predicted {base:7.2f} ms  slopes "
-                  + ", ".join(f"{k} {v:.4g}" for k, v in slopes.items()))
+    terms = {}
+    for c in cases:
+        base, slopes = linear_terms(cfg, c.plan, profile, fields, tables, model)
+        terms[c.name] = (base, slopes, meas[c.name])
+        print(f"{c.name:<12} measured {meas[c.name]:7.2f} ms  predicted {base:7.2f} ms  slopes "
+              + ", ".join(f"{k} {v:.4g}" for k, v in slopes.items()))
+    points = [terms[n] for n in train_names]
     if len(points) < len(fields):
         raise SystemExit(f"need at least {len(fields)} training plans for {fields}, got {len(points)}")
-    values = fit_fields(points, {f: field_value(profile, f) for f in fields})
-    refined = attrs.evolve(profile, name=args.name)
-    for f, v in values.items():
-        refined = with_field(refined, f, v)
+    refined, values = refit(profile, points, fields, args.name)
     refined.save(args.out)
-    print("fitted " + ", ".join(f"{k} = {v:.6g} (was {field_value(profile, k):.6g})" for k, v in values.items()))
-    print(f"wrote {args.out}; train plans: {train_names}; held out: "
-          f"{[c.name for c in data['cases'] if c.name not in train_names]}")
+    print("fitted on " + ",".join(train_names) + ": "
+          + ", ".join(f"{k} = {v:.6g} (was {field_value(profile, k):.6g})" for k, v in values.items()))
+    print(f"wrote {args.out}")
+    if args.loo:
+        # leave-one-out: each plan predicted by a profile fitted on the other plans only
+        rows = []
+        for c in cases:
+            others = [terms[n] for n in terms if n != c.name]
+            prof_c, _ = refit(profile, others, fields, args.name)
+            rows.append(dict(plan=c.name, measured_ms=meas[c.name],
+                             ours_ms=predict_ours(cfg, c.plan, prof_c, tables, model), torchrec_ms=c.torchrec_ms))
+        m = [r["measured_ms"] for r in rows]
+        rep = dict(rows=rows, ours=fidelity_summary(m, [r["ours_ms"] for r in rows]),
+                   torchrec=fidelity_summary(m, [r["torchrec_ms"] for r in rows]),
+                   fields=fields, key=args.key, note="ours: leave-one-out (each plan's profile fitted on the others)")
+        print("leave-one-out (each plan predicted by a profile fitted on the other plans):")
+        print(format_report(rep))
+        if args.loo_out:
+            with open(args.loo_out, "w", encoding="utf-8") as f:
+                json.dump(rep, f, indent=1)
     return 0
 
 
@@ -623,7 +647,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pf = sub.add_parser("fit", help="refit profile fields on a subset of plans (hold out the rest)")
     pf.add_argument("--plans", required=True)
     pf.add_argument("--measured", required=True)
-    pf.add_argument("--train", required=True, help="comma-separated plan names to fit on")
+    pf.add_argument("--train", help="comma-separated plan names to fit on (default: all measured)")
+    pf.add_argument("--loo", action="store_true", help="also report leave-one-out predictions")
+    pf.add_argument("--loo-out", help="write the leave-one-out report JSON here")
     pf.add_argument("--fields", default=",".join(FIT_FIELDS))
     pf.add_argument("--profile", help="the profile to refine (default: the one predict used)")
     pf.add_argument("--key", choices=["step_ms", "mean_step_ms", "cpu_step_ms", "p10_step_ms"], default="step_ms")
