@@ -15,6 +15,10 @@ The default run is bounded (25 derandomized examples, mostly small worlds). The 
 
     pytest -m slow tests/test_fuzz_planner.py
     SPARSELIFT_FUZZ_EXAMPLES=2000 pytest -m slow tests/test_fuzz_planner.py
+
+Draws also cover the solver ("auto", "heuristic", "milp"), lossy communication, staleness and 2D
+sharding groups. A plan whose search a wall-clock limit cut short is exempt from the identity
+check (see ``time_limited``); SPARSELIFT_FUZZ_STRICT_DETERMINISM=1 checks it too.
 """
 
 import os
