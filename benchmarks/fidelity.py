@@ -10,7 +10,7 @@ Three stages (``scripts/bench_fidelity.sh`` runs them in order)::
 
 ``predict`` builds the DLRM example's model (``examples/dlrm``: its tables, ``build_model`` on the
 meta device) and a set of deliberately different plans (:data:`PLAN_KINDS`: all table-wise, all
-row-wise, all column-wise, mixed, imbalanced, data-parallel small tables, SparseLift's own choice),
+row-wise, all column-wise, mixed, imbalanced, data-parallel small tables, all data-parallel),
 forced through ``SparseLiftPlanner`` constraints (the imbalanced plan by moving table-wise shards
 afterwards). Each plan is scored by TorchRec's ``EmbeddingPerfEstimator`` rated like
 ``NoopPerfModel`` (max over ranks of summed shard perf; :func:`torchrec_score`) and saved.
@@ -77,10 +77,13 @@ PLAN_KINDS: Dict[str, Tuple[str, Dict[str, str]]] = {
                    dict(large="table_wise", medium="table_wise", small="table_wise")),
     "dp_small": ("small tables data-parallel, the rest table-wise",
                  dict(large="table_wise", medium="table_wise", small="data_parallel")),
+    "data_parallel": ("every table data-parallel (large tables' gradients all-reduced)",
+                      dict(large="data_parallel", medium="data_parallel", small="data_parallel")),
     "auto": ("SparseLift's own choice", {}),
 }
-# the six plans of the benchmark ("auto" repeats table_wise's placement here: a noise control)
-DEFAULT_KINDS = ("table_wise", "row_wise", "column_wise", "mixed", "imbalanced", "dp_small")
+# the plans of the benchmark: the six of issue 3 plus an all-data-parallel one ("auto" repeats
+# table_wise's placement on the DLRM workload, so it only serves as a noise control)
+DEFAULT_KINDS = ("table_wise", "row_wise", "column_wise", "mixed", "imbalanced", "dp_small", "data_parallel")
 LARGE_ROWS = 10_000  # tables with at least this many rows are "large"
 SMALL_ROWS = 200  # tables with at most this many rows are "small"; between: "medium"
 KERNEL_FOR = {"data_parallel": "dense"}  # every other sharding type uses the "fused" kernel on CPU
