@@ -123,3 +123,26 @@ def test_checkpoint_of_a_different_run_is_refused_with_what_differs(tmp_path):
     (tmp_path / "latest.json").write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match="which is missing"):
         latest_checkpoint(str(tmp_path), {"seed": 0, "lr": 0.05})
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_after_a_simulated_crash_with_the_same_losses(tmp_path):
+    """``torchrun --max-restarts 1``: the first attempt crashes after step 7, the restarted
+    workers (same flags; ``--fail-at-step`` acts only on the first attempt) meet in a fresh store
+    key space, resume from step 4's checkpoint and finish with the uninterrupted run's losses."""
+    common = [*TINY, "--steps", "12", "--warmup-steps", "1", "--no-progress", "--pipeline", "sparse_dist",
+              "--plan-cache", str(tmp_path / "plans")]  # fmt: skip
+    whole_run = _Run([*common, "--out", str(tmp_path / "whole.json")])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
+           "--nproc_per_node", "2", TRAIN, *common, "--checkpoint-dir", str(tmp_path / "ck"),
+           "--checkpoint-every", "4", "--fail-at-step", "7", "--out", str(tmp_path / "restarted.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    codes, _, err = whole_run.finish()
+    assert codes == [0, 0], err[-2000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "SimulatedFailure" in proc.stderr and "resumed from the checkpoint after step 4" in proc.stdout
+    full = json.loads((tmp_path / "whole.json").read_text())
+    res = json.loads((tmp_path / "restarted.json").read_text())
+    assert res["first_step"] == 5 and res["losses"] == full["losses"][4:]

@@ -151,7 +151,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--fail-at-step",
         type=int,
         metavar="K",
-        help="testing: exit non-zero after step K (and its checkpoint, if K is a multiple of --checkpoint-every)",
+        help="testing: exit non-zero after step K (and its checkpoint, if K is a multiple of --checkpoint-every); "
+        "only on torchrun's first attempt, so --max-restarts resumes",
     )
     p.add_argument("--out", help="write the JSON result here (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -224,7 +225,23 @@ def init_distributed(device_flag: str):
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend=backend)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        dist.init_process_group(backend=backend)
+    else:
+        # torchrun --max-restarts: the restarted workers meet in the agent's store, which still
+        # holds the failed attempt's gloo addresses (measured: "connectFullMesh failed ...
+        # Connection refused"); give this attempt its own key space.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=not agent_store and rank == 0,
+            multi_tenant=not agent_store,
+        )
+        prefixed = dist.PrefixStore(f"/dlrm_example/attempt_{attempt}", store)
+        dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world_size)
     return rank, world_size, local_world_size, device, backend
 
 
@@ -610,6 +627,9 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
             total=args.steps, initial=first_step, desc="train", unit="step", file=sys.stdout, mininterval=1.0, ascii=True
         )
     saved: List[int] = []
+    # Under ``torchrun --max-restarts`` the restarted workers get the same flags: only the first
+    # attempt simulates the crash, so the restart resumes and finishes.
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
     def after_step(step: int, loss) -> None:
         if bar is not None:
@@ -619,7 +639,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         if args.checkpoint_dir and step % args.checkpoint_every == 0:
             save_checkpoint(args.checkpoint_dir, step, dmp, optimizer, config)
             saved.append(step)
-        if step == args.fail_at_step:
+        if step == args.fail_at_step and first_attempt:
             raise SimulatedFailure(f"--fail-at-step {step}: stopping as if the run had crashed after step {step}")
 
     try:
