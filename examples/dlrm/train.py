@@ -555,7 +555,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
             reused = bool(flag[0])
         plan = ep.sharding_plan
         lifted = lift(
-            model, ep, pg=pg, device=device, sharders=sharders, pipeline=args.pipeline,
+            model, ep, pg=pg, device=device, pipeline=args.pipeline,  # sharders rebuilt with the planned codecs
             embedding_optimizer=(RowWiseAdagrad, {"lr": args.lr}),
             dense_optimizer_factory=lambda params: opt_cls(params, lr=args.dense_lr),
         )  # fmt: skip
