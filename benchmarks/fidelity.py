@@ -421,7 +421,9 @@ def field_value(profile, field: str) -> float:
 def with_field(profile, field: str, value: float):
     """``profile`` with ``field`` (see :func:`field_value`) set to ``value``."""
     if field.startswith("1/"):
-        return attrs.evolve(profile, **{field[2:]: 1.0 / value if value > 0 else float("inf")})
+        if value <= 0:
+            raise ValueError(f"{field} must be > 0 to be set, got {value} (the rate would be infinite)")
+        return attrs.evolve(profile, **{field[2:]: 1.0 / value})
     return attrs.evolve(profile, **{field: value})
 
 
@@ -445,15 +447,21 @@ def fit_fields(points: Sequence[Tuple[float, Mapping[str, float], float]], x0: M
                ) -> Dict[str, float]:
     """Non-negative values of the fields in ``x0`` minimising the squared relative error of the
     linearised predictions ``base + sum_f slope_f * (x_f - x0_f)`` against the measurements;
-    ``points`` holds ``(base_ms, slopes, measured_ms)`` per training plan."""
+    ``points`` holds ``(base_ms, slopes, measured_ms)`` per training plan. A field that no
+    point's prediction depends on keeps its ``x0`` value."""
     import numpy as np
     from scipy.optimize import nnls
 
-    fields = list(x0)
+    # a field no training point depends on is not determined by them: it keeps its value
+    fields = [f for f in x0 if any(sl[f] != 0 for _b, sl, _m in points)]
+    out = {f: float(v) for f, v in x0.items()}
+    if not fields:
+        return out
     A = np.array([[sl[f] / m for f in fields] for _b, sl, m in points])
-    b = np.array([(m - (base - sum(sl[f] * x0[f] for f in fields))) / m for base, sl, m in points])
+    b = np.array([(m - (base - sum(sl[f] * x0[f] for f in x0))) / m for base, sl, m in points])
     x, _ = nnls(A, b)
-    return {f: float(v) for f, v in zip(fields, x)}
+    out.update({f: float(v) for f, v in zip(fields, x)})
+    return out
 
 
 def refit(profile, points: Sequence[Tuple[float, Mapping[str, float], float]], fields: Sequence[str], name: str):

@@ -106,3 +106,9 @@ def test_fit_fields_never_returns_a_negative_value():
     x0 = {"a": 1.0}
     fitted = F.fit_fields([(10.0, {"a": 5.0}, 1.0), (20.0, {"a": 5.0}, 2.0)], x0)
     assert fitted["a"] >= 0.0
+
+
+def test_fit_fields_keeps_a_field_that_no_training_plan_depends_on():
+    x0 = {"a": 0.1, "b": 0.5}
+    points = [(10.0, {"a": 100.0, "b": 0.0}, 12.0), (20.0, {"a": 50.0, "b": 0.0}, 21.0)]
+    assert F.fit_fields(points, x0)["b"] == 0.5
