@@ -270,8 +270,6 @@ def test_tables_exceeding_the_whole_cluster_are_refused_before_search():
     assert "GiB" in str(e.value) and any(f"t{i}" in str(e.value) for i in range(8))
 
 
-@pytest.mark.xfail(strict=False,
-                   reason="planner: build_problem reports device memory for a host-memory misfit (reported)")
 def test_uvm_table_too_big_for_host_memory_reports_the_host_shortfall():
     # 4.77 GiB of weights in UVM (host memory) on ranks with 4 GiB DDR: the message said
     # "needs 0.00 GiB, a rank has 3.40 GiB (short by -3.40 GiB)".
@@ -289,8 +287,6 @@ def test_small_memory_shortfalls_are_printed_in_readable_units():
         _validate(m, _topo(2, device="cpu", ddr=8 * 1024))
 
 
-@pytest.mark.xfail(strict=False,
-                   reason="planner: sharding_group_size not checked against local_world_size (reported)")
 def test_sharding_group_that_splits_a_host_unevenly_is_refused_naming_the_field():
     # 24 ranks, 8 per host: groups of 12 span one and a half hosts. Planning failed later with
     # "world_size 12 must be a multiple of local_world_size 8" (a world size the user never gave).

@@ -307,6 +307,13 @@ class SparseLiftPlanner(ShardingPlanner):
                 f"sharding_group_size must be None (1D), 'auto' or a divisor of the world size "
                 f"{topology.world_size}, got {sharding_group_size!r}"
             )
+        if isinstance(sharding_group_size, int) and sharding_group_size < topology.world_size:
+            L = min(topology.local_world_size, topology.world_size)
+            if sharding_group_size % L and L % sharding_group_size:
+                raise ValueError(
+                    f"sharding_group_size {sharding_group_size} must be a multiple or a divisor of "
+                    f"the ranks per host ({L}), so every group has whole hosts or fits in one"
+                )
         if sync_interval is not None and (not isinstance(sync_interval, int) or sync_interval < 1):
             raise ValueError(f"sync_interval must be a positive number of steps, got {sync_interval!r}")
         self._group = sharding_group_size
@@ -350,17 +357,37 @@ class SparseLiftPlanner(ShardingPlanner):
             pg = dist.GroupMember.WORLD
         sharders = list(sharders) if sharders is not None else get_default_sharders()
         self._check_ranks_agree(module, sharders, pg)
-        text = invoke_on_rank_and_broadcast_result(
-            pg, 0, lambda: self.plan_execution(module, sharders).to_json()
-        )
-        ep = ExecutionPlan.from_json(text)
+        local_error: List[Any] = [None]
+
+        def plan_on_rank_0() -> Tuple[Any, ...]:
+            try:
+                return ("ok", self.plan_execution(module, sharders).to_json())
+            except Exception as e:  # noqa: BLE001 - shared with every rank, re-raised below
+                local_error[0] = e
+                return ("error", type(e).__name__, getattr(e, "kind", None), str(e))
+
+        out = invoke_on_rank_and_broadcast_result(pg, 0, plan_on_rank_0)
+        if out[0] == "error":
+            _reraise_shared(out, local_error[0], "rank 0 could not plan")
+        ep = ExecutionPlan.from_json(out[1])
         self.last_execution_plan = ep
         return ep
 
     def _check_ranks_agree(self, module: nn.Module, sharders: Sequence[Any], pg: Any) -> None:
-        digest = self.fingerprint(module).digest()
-        digests: List[Any] = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(digests, digest, group=pg)
+        """All ranks must plan the same input; an error on one rank is raised on every rank
+        (instead of leaving the others waiting in a collective)."""
+        local_error = None
+        try:
+            mine: Any = ("ok", self.fingerprint(module).digest())
+        except Exception as e:  # noqa: BLE001 - every rank learns of it through the all_gather
+            local_error = e
+            mine = ("error", type(e).__name__, getattr(e, "kind", None), str(e))
+        entries: List[Any] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(entries, mine, group=pg)
+        failed = [r for r, e in enumerate(entries) if e[0] == "error"]
+        if failed:
+            _reraise_shared(entries[failed[0]], local_error, f"rank(s) {failed} have invalid planning input")
+        digests = [e[1] for e in entries]
         if len(set(digests)) > 1:
             groups: Dict[str, List[int]] = {}
             for r, d in enumerate(digests):
@@ -553,6 +580,17 @@ def _check_complete(handles: Sequence[TableHandle], options: Sequence[ShardingOp
     for o in options:
         if any(s.rank is None for s in o.shards):
             raise SparseLiftPlannerError(f"internal error: table {o.fqn} has an unplaced shard")
+
+
+def _reraise_shared(out: Any, local_error: Any, who: str) -> None:
+    """Raise, on every rank, the error one rank reported: the original object where it
+    happened, the same kind and message elsewhere."""
+    if local_error is not None:
+        raise local_error
+    _, name, kind, msg = out
+    if name == "ValueError":
+        raise ValueError(f"{who}: {msg}")
+    raise SparseLiftPlannerError(f"{who}: {msg}" if kind else f"{who}: {name}: {msg}", kind=kind or "other")
 
 
 def _sub_topology(topo: Topology, group: int) -> Topology:

@@ -37,7 +37,9 @@ def replica_sync_s(max_rank_bytes: float, world_size: int, group_size: int,
 def group_sizes(world_size: int, local_world_size: int) -> List[int]:
     """Sharding-group sizes worth trying: divisors of the world size from 2 up, the full
     world (1D) included."""
-    return [g for g in range(2, world_size + 1) if world_size % g == 0 and (g & (g - 1) == 0 or g == world_size or g % local_world_size == 0)]
+    sizes = [g for g in range(2, world_size) if world_size % g == 0
+             and (g & (g - 1) == 0 or g % local_world_size == 0)]
+    return sizes + [world_size]
 
 
 def choose_sync_interval(step_s: float, sync_s: float, max_overhead: float = 0.05,

@@ -48,7 +48,9 @@ def milp_size(prob: PlanningProblem) -> int:
 
 
 def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str = "fp32",
-               time_limit_s: float = 10.0) -> MILPResult:
+               time_limit_s: float = 10.0, node_limit: Optional[int] = None) -> MILPResult:
+    """Solve the MILP. ``node_limit`` (branch-and-bound nodes) makes a limited search
+    deterministic; ``time_limit_s`` is a wall-clock safety net."""
     ctx = prob.ctx
     p = ctx.profile
     W = ctx.world_size
@@ -168,7 +170,8 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
         ub[ig[st]] = 1.0
     res = milp(cvec, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
                bounds=Bounds(lb, ub),
-               options={"time_limit": max(0.5, time_limit_s), "disp": False, "mip_rel_gap": 1e-4})
+               options={"time_limit": max(0.5, time_limit_s), "disp": False, "mip_rel_gap": 1e-4,
+                        **({"node_limit": int(node_limit)} if node_limit is not None else {})})
     bound = getattr(res, "mip_dual_bound", None)
     bound_s = float(bound) / ms if bound is not None and np.isfinite(bound) else float("nan")
     if res.x is None:

@@ -130,8 +130,14 @@ def build_problem(
                     cand = candidate_for(t, spec, st, kernel, W, L, k)
                     cost = shard_cost(spec, cand, ctx)
                     dev, host = cost.owner[DEV_MEM], cost.owner[HOST_MEM]
-                    if smallest is None or dev < smallest[0]:
-                        smallest = (dev, f"{st}/{kernel}")
+                    # how far over the limits this option is, in the resource that is short
+                    over = max(dev - max_dev, host - max_host)
+                    if smallest is None or over < smallest[0]:
+                        short_host = host - max_host > dev - max_dev
+                        need = host if short_host else dev
+                        have = max_host if short_host else max_dev
+                        smallest = (over, f"{st}/{kernel}", need, have,
+                                    "host memory" if short_host else "device memory")
                     if dev > max_dev or host > max_host:
                         continue
                     ids.append(len(cands))
@@ -144,10 +150,11 @@ def build_problem(
                     f"{list(spec.compute_kernels)} (the cost model covers kernels {SUPPORTED_KERNELS})"
                 )
             else:
+                _, option, need, have, resource = smallest
                 misfits.append(
-                    f"{spec.fqn} ({spec.num_embeddings} x {spec.embedding_dim}): smallest shard "
-                    f"({smallest[1]}) needs {smallest[0] / 2**30:.2f} GiB, a rank has "
-                    f"{max_dev / 2**30:.2f} GiB (short by {(smallest[0] - max_dev) / 2**30:.2f} GiB)"
+                    f"{spec.fqn} ({spec.num_embeddings} x {spec.embedding_dim}): its best-fitting "
+                    f"shard ({option}) needs {need / 2**30:.2f} GiB of {resource}, a rank has "
+                    f"{have / 2**30:.2f} GiB (short by {(need - have) / 2**30:.2f} GiB)"
                 )
         per_table.append(tuple(ids))
     if misfits:

@@ -76,6 +76,7 @@ def _place(prob: PlanningProblem, choice: Sequence[int], pipeline: str, fwd: str
 
 
 AUTO_MILP_MAX_VARS = 400
+AUTO_MILP_NODES = 300
 
 
 def solve(
@@ -119,12 +120,14 @@ def solve(
     if best_ev is None:
         bad = sorted({t for v in failures.values() for t in v})
         names = ", ".join(prob.specs[t].fqn for t in bad[:20])
-        need = sum(float(np.min([prob.costs[i].owner[7] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
+        need_dev = sum(float(np.min([prob.costs[i].owner[7] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
+        need_host = sum(float(np.min([prob.costs[i].owner[8] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
         raise SparseLiftPlannerError(
             f"could not place {len(bad)} table(s) within per-rank memory: {names}"
-            f"{' ...' if len(bad) > 20 else ''}. They need at least {need / 2**30:.2f} GiB more "
-            f"device memory than is free after the other tables (total device memory "
-            f"{float(np.sum(prob.device_cap)) / 2**30:.2f} GiB over {prob.ctx.world_size} ranks). "
+            f"{' ...' if len(bad) > 20 else ''}. Their smallest options take {need_dev / 2**30:.2f} GiB "
+            f"of device memory and {need_host / 2**30:.2f} GiB of host memory, more than is free "
+            f"after the other tables (device {float(np.sum(prob.device_cap)) / 2**30:.2f} GiB, host "
+            f"{float(np.sum(prob.host_cap)) / 2**30:.2f} GiB over {prob.ctx.world_size} ranks). "
             "To fix: add ranks or memory, allow row-wise/column-wise sharding or UVM caching for "
             "large tables, or reduce batch size (comm buffers scale with it).",
             kind="partition",
@@ -157,8 +160,10 @@ def solve(
         bound = lp2.lower_bound_s if lp2.status == "optimal" else float("nan")
     solver_name = f"lp+greedy({best_name})+local_search"
     if solver == "milp" or (solver == "auto" and milp_size(prob) <= AUTO_MILP_MAX_VARS):
-        limit = max(1.0, 0.5 * time_budget_s) if solver == "milp" else min(3.0, max(0.5, 0.3 * time_budget_s))
-        m = solve_milp(prob, pl, f, b, time_limit_s=limit)
+        if solver == "milp":
+            m = solve_milp(prob, pl, f, b, time_limit_s=max(1.0, 0.5 * time_budget_s))
+        else:  # tiny instance: a node-limited (deterministic) search, time only as a safety net
+            m = solve_milp(prob, pl, f, b, time_limit_s=max(5.0, time_budget_s), node_limit=AUTO_MILP_NODES)
         if np.isfinite(m.bound_s):
             bound = max(bound, m.bound_s) if np.isfinite(bound) else m.bound_s
         if m.assignment:
