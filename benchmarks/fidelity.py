@@ -584,16 +584,17 @@ def _cmd_measure(args) -> int:
     return 0
 
 
-def report(data: Mapping[str, Any], measured: Mapping[str, Any], profile, key: str = "step_ms") -> Dict[str, Any]:
+def report(data: Mapping[str, Any], measured: Mapping[str, Any], profile, key: str = "step_ms",
+           kinds: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Rows (plan, measured, ours, TorchRec; ms) and each predictor's :func:`fidelity_summary`,
-    SparseLift re-priced under ``profile``."""
+    SparseLift re-priced under ``profile``; only the plans in ``kinds`` when given."""
     cfg = data["config"]
     meas = measured_per_plan(measured["records"], key)
     tables = resolve_tables(cfg)
     model = build_model(cfg, tables)
     rows = []
     for c in data["cases"]:
-        if c.name not in meas:
+        if c.name not in meas or (kinds is not None and c.name not in kinds):
             continue
         rows.append(dict(plan=c.name, description=c.description, measured_ms=meas[c.name],
                          ours_ms=predict_ours(cfg, c.plan, profile, tables, model), torchrec_ms=c.torchrec_ms))
@@ -620,7 +621,8 @@ def _cmd_report(args) -> int:
     data = _load_plans(args.plans)
     with open(args.measured, encoding="utf-8") as f:
         measured = json.load(f)
-    rep = report(data, measured, get_profile(args.profile or data["profile"]), args.key)
+    kinds = args.kinds.split(",") if args.kinds else None
+    rep = report(data, measured, get_profile(args.profile or data["profile"]), args.key, kinds)
     rep["profile"] = args.profile or data["profile"]
     rep["key"] = args.key
     print(format_report(rep))
@@ -654,6 +656,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pr.add_argument("--measured", required=True)
     pr.add_argument("--profile", help="re-price with this profile (default: the one predict used)")
     pr.add_argument("--key", choices=["step_ms", "mean_step_ms", "cpu_step_ms", "p10_step_ms"], default="step_ms")
+    pr.add_argument("--kinds", help="comma-separated subset of the plans to report")
     pr.add_argument("--out")
     pf = sub.add_parser("fit", help="refit profile fields on a subset of plans (hold out the rest)")
     pf.add_argument("--plans", required=True)
