@@ -24,6 +24,7 @@ from torchrec_sparselift.cost.model import (
     StepTime,
     phase_times,
     step_time,
+    step_total_batch,
 )
 
 __all__ = ["PlanEvaluator", "Assignment"]
@@ -125,10 +126,10 @@ class PlanEvaluator:
         return self._colmax + self.uniform
 
     def objective_of(self, colmax: np.ndarray, allreduce_bytes: float, groups: int) -> float:
-        return step_time(
-            colmax, allreduce_bytes, groups, self.ctx, self.pipeline,
+        return float(step_total_batch(
+            colmax[None, :], allreduce_bytes, groups, self.ctx, self.pipeline,
             self.fwd_precision, self.bwd_precision,
-        ).total_s
+        )[0])
 
     def objective(self) -> float:
         return self.objective_of(self.colmax(), self.allreduce_bytes, self.comm_groups)
@@ -146,15 +147,17 @@ class PlanEvaluator:
         Returns ``inf`` when the move breaks a memory limit.
         """
         old = self.assignment.get(table)
-        deltas: Dict[int, np.ndarray] = {}
+        new_vec = self.owner[cand]
         if old is not None:
             oc, oranks = old
-            for r in oranks:
-                deltas[r] = deltas.get(r, 0.0) - self.owner[oc]
-        for r in ranks:
-            deltas[int(r)] = deltas.get(int(r), 0.0) + self.owner[cand]
-        touched = np.fromiter(deltas.keys(), dtype=np.int64, count=len(deltas))
-        new_rows = self.loads[touched] + np.stack([np.broadcast_to(d, (K,)) for d in deltas.values()])
+            old_vec = self.owner[oc]
+        else:
+            oc, oranks, old_vec = -1, (), None
+        touched = np.unique(np.fromiter((*oranks, *ranks), dtype=np.int64))
+        new_rows = self.loads[touched].copy()
+        if oranks:
+            np.subtract.at(new_rows, np.searchsorted(touched, np.asarray(oranks, dtype=np.int64)), old_vec)
+        np.add.at(new_rows, np.searchsorted(touched, np.asarray(ranks, dtype=np.int64)), new_vec)
         if np.any(new_rows[:, DEV_MEM] > self.device_cap[touched] + 1e-6) or np.any(
             new_rows[:, HOST_MEM] > self.host_cap[touched] + 1e-6
         ):
@@ -163,31 +166,27 @@ class PlanEvaluator:
         if len(touched) >= self.W:
             rest = np.full(K, -np.inf)
         else:
-            touched_set = set(deltas)
-            rest = np.empty(K)
-            for c in range(K):
-                for idx in self._top[:, c]:
-                    if int(idx) not in touched_set:
-                        rest[c] = self.loads[idx, c]
-                        break
-                else:
-                    mask = np.ones(self.W, dtype=bool)
-                    mask[touched] = False
-                    rest[c] = self.loads[mask, c].max()
+            valid = ~np.isin(self._top, touched)
+            first = np.argmax(valid, axis=0)
+            cols = np.arange(K)
+            rest = self.loads[self._top[first, cols], cols]
+            missing = ~valid.any(axis=0)
+            if missing.any():
+                mask = np.ones(self.W, dtype=bool)
+                mask[touched] = False
+                rest[missing] = self.loads[mask][:, missing].max(axis=0)
         colmax = np.maximum(rest, new_rows.max(axis=0))
-        uniform = self.uniform.copy()
-        allreduce = self.allreduce_bytes
-        groups = Counter(self.groups)
+        uniform = self.uniform + self.peers[cand] * len(ranks)
+        allreduce = self.allreduce_bytes + self.allreduce[cand] * len(ranks) / self.W
+        ngroups = len(self.groups)
+        new_t, old_t = self.types[cand], (self.types[oc] if old is not None else None)
         if old is not None:
-            uniform -= self.peers[oc] * len(oranks)
+            uniform = uniform - self.peers[oc] * len(oranks)
             allreduce -= self.allreduce[oc] * len(oranks) / self.W
-            if self.types[oc] != "data_parallel":
-                groups[self.types[oc]] -= 1
-        uniform += self.peers[cand] * len(ranks)
-        allreduce += self.allreduce[cand] * len(ranks) / self.W
-        if self.types[cand] != "data_parallel":
-            groups[self.types[cand]] += 1
-        ngroups = sum(1 for v in groups.values() if v > 0)
+            if old_t != "data_parallel" and old_t != new_t and self.groups.get(old_t, 0) == 1:
+                ngroups -= 1
+        if new_t != "data_parallel" and new_t != old_t and self.groups.get(new_t, 0) == 0:
+            ngroups += 1
         return self.objective_of(colmax + uniform, allreduce, ngroups)
 
     # -- checks and reports --------------------------------------------------------------
