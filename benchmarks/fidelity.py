@@ -295,7 +295,7 @@ def build_cases(cfg: FidelityConfig, kinds: Sequence[str], profile) -> List[Case
             for o in options:
                 if o.sharding_type != "table_wise":
                     raise RuntimeError(f"imbalanced plan: table {o.name!r} is {o.sharding_type}, expected table_wise")
-                o.shards = [attrs_evolve_shard(s, target[o.name]) for s in o.shards]
+                o.shards = [_moved_shard(s, target[o.name]) for s in o.shards]
             plan = to_sharding_plan(options, topo)
         tr = torchrec_score(options, topo, sharders, pf_only)
         ours = predict_ours(cfg, plan, profile, tables, model)
@@ -304,7 +304,7 @@ def build_cases(cfg: FidelityConfig, kinds: Sequence[str], profile) -> List[Case
     return cases
 
 
-def attrs_evolve_shard(shard, rank: int):
+def _moved_shard(shard, rank: int):
     """A copy of TorchRec ``Shard`` ``shard`` placed on ``rank``."""
     s = copy.copy(shard)
     s.rank = rank
