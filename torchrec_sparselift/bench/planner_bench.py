@@ -471,8 +471,8 @@ def check_targets(rows: Sequence[Dict[str, Any]]) -> List[Target]:
     return out
 
 
-def _fmt(x: Any, spec: str = ".3f", none: str = "-") -> str:
-    return none if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+def _fmt(x: Any, spec: str = ".3f", none: str = "-", suffix: str = "") -> str:
+    return none if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec) + suffix
 
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
@@ -499,9 +499,9 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
         pr_s = f"{pr:.1f}x" if pr else (f">= {ra['planning_wall_at_least']:.0f}x" if ra.get("planning_wall_at_least") else "-")
         lines.append(
             f"| {r['scenario']} "
-            f"| {tr_est} / {_fmt(sl.get('torchrec_perf_ms'))} ({_fmt(ra.get('torchrec_estimator'), '.2f')}x) "
-            f"| {tr_mod} / {_fmt(sl['step_ms'])} ({_fmt(ra.get('our_model_same_pipeline'), '.2f')}x) [{sl['pipeline']}] "
-            f"| {sl['gap'] * 100:.1f}% "
+            f"| {tr_est} / {_fmt(sl.get('torchrec_perf_ms'))} ({_fmt(ra.get('torchrec_estimator'), '.2f', suffix='x')}) "
+            f"| {tr_mod} / {_fmt(sl['step_ms'])} ({_fmt(ra.get('our_model_same_pipeline'), '.2f', suffix='x')}) [{sl['pipeline']}] "
+            f"| {_fmt(sl['gap'] * 100, '.1f', 'no bound', '%')} "
             f"| {tr_t} / {sl['plan_wall_s']:.2f} ({pr_s}) "
             f"| {tr_mem} / {sl['peak_dev_bytes'] / GiB:.1f} |"
         )
@@ -547,6 +547,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--torchrec-cache", default="runs/torchrec_cache",
                    help="directory of stored TorchRec results to reuse (key: scenario, HBM, torchrec "
                         "version); '' to always re-plan (default runs/torchrec_cache)")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="print the table and target lines of a stored --out file and exit")
     p.add_argument("--torchrec-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     return p
@@ -555,6 +557,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     _quiet()
+    if args.report:
+        with open(args.report) as f:
+            data = json.load(f)
+        print(format_table(data["rows"]))
+        print()
+        for t in check_targets(data["rows"]):
+            print(t.line())
+        return 0
     if args.torchrec_child:
         try:
             res = run_torchrec_in_process(Scenario.parse(args.torchrec_child), args.hbm_gib)
