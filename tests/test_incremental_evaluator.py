@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from torchrec_sparselift.cost.hardware import PRESETS
 from torchrec_sparselift.cost.model import PIPELINES, CostContext, DenseWork, step_time, step_total_batch
+from torchrec_sparselift.search.lp import analytic_bound
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import new_evaluator, solve
 from torchrec_sparselift.semantics.tables import TableSpec
@@ -99,5 +100,6 @@ def test_plans_respect_memory_and_lower_bound(tabs, topo):
     prob = _problem(tabs, world, local)
     res = solve(prob, time_budget_s=5)
     assert res.lower_bound_s <= res.step.total_s * (1 + 1e-9)
+    assert analytic_bound(prob, res.pipeline, res.fwd_precision, res.bwd_precision) <= res.step.total_s * (1 + 1e-9)
     assert res.status in ("converged", "time_limit")
     assert len(res.assignment) == prob.num_tables

@@ -33,7 +33,7 @@ from torchrec_sparselift.cost.model import (
 )
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["LPResult", "solve_lp", "composition_rows"]
+__all__ = ["LPResult", "solve_lp", "composition_rows", "analytic_bound"]
 
 _TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 MAX_PIECE_ROWS = 4000
@@ -185,3 +185,30 @@ def solve_lp(
     bound = float(res.fun) / 1e3 * (1 - 1e-6)
     return LPResult(lower_bound_s=bound, choice=tuple(choice), x=x,
                     status="optimal" if res.status == 0 else "time_limit")
+
+
+def analytic_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp32",
+                   bwd_precision: str = "fp32") -> float:
+    """A lower bound without an LP: each column's maximum over ranks is at least the smallest
+    possible average load and at least the biggest unavoidable single shard; the step time is
+    non-decreasing in every column maximum, so composing those gives a bound (looser than the
+    LP's, used when the LP cannot finish)."""
+    from torchrec_sparselift.cost.model import step_total_batch
+
+    W = prob.ctx.world_size
+    lb = np.zeros(9)
+    allreduce = 0.0
+    for ids in prob.candidates:
+        n = np.array([prob.cands[i].num_shards for i in ids], dtype=float)
+        own = np.stack([prob.costs[i].owner for i in ids])
+        per = np.stack([prob.costs[i].peers for i in ids])
+        avg = n[:, None] * (own / W + per)
+        lb[list(_TIME_COLS)] += avg[:, list(_TIME_COLS)].min(axis=0)
+        allreduce += min(prob.costs[i].allreduce_bytes * prob.cands[i].num_shards / W for i in ids)
+    piece = np.zeros(9)
+    for ids in prob.candidates:
+        own = np.stack([prob.costs[i].owner for i in ids])
+        piece = np.maximum(piece, own.min(axis=0))
+    colmax = np.maximum(lb, piece)
+    return float(step_total_batch(colmax[None, :], allreduce, 0, prob.ctx, pipeline,
+                                  fwd_precision, bwd_precision)[0])

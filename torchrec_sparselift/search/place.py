@@ -17,7 +17,7 @@ from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, step_total_batch
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["best_placement", "greedy_place", "local_search", "rank_time"]
+__all__ = ["best_placement", "greedy_place", "local_search", "rank_time", "WorkBudget"]
 
 _REL_TIE = 1e-9
 
@@ -214,9 +214,28 @@ def _hot_ranks(ev: PlanEvaluator, w: np.ndarray, extra: int = 2) -> List[int]:
     return hot
 
 
+class WorkBudget:
+    """A deterministic budget of search work (priced placements), with the wall clock only as a
+    safety net: the same problem and budget give the same plan on a fast or a loaded machine."""
+
+    def __init__(self, units: int, deadline: float) -> None:
+        self.units = units
+        self.deadline = deadline
+        self.used = 0
+        self.cut = False
+
+    def spend(self, n: int = 1) -> bool:
+        """Spend ``n`` units; False once the budget (or the safety deadline) is exhausted."""
+        self.used += n
+        if self.used > self.units or time.monotonic() > self.deadline:
+            self.cut = True
+            return False
+        return True
+
+
 def local_search(
     ev: PlanEvaluator, prob: PlanningProblem, deadline: float, max_rounds: Optional[int] = None,
-    tables_per_rank: int = 12,
+    tables_per_rank: int = 12, budget: Optional[WorkBudget] = None,
 ) -> Tuple[int, bool]:
     """Improve the plan move by move until no move helps (or ``deadline``, time.monotonic()).
 
@@ -226,21 +245,25 @@ def local_search(
     plateaus where many ranks share the maximum can be left). Deterministic: the result depends
     only on the problem, unless the deadline cuts the search short.
 
-    Returns (moves applied, whether the deadline stopped it).
+    ``budget`` bounds the work deterministically (priced candidate placements); ``deadline``
+    is a wall-clock safety net. Returns (moves applied, whether a budget stopped it).
     """
     w = _time_weights(ev)
     moves = 0
     current = ev.objective()
     rounds = max_rounds if max_rounds is not None else 4 * prob.num_tables + 50
+    budget = budget or WorkBudget(10**12, deadline)
     for _ in range(rounds):
         applied = False
         for r in _hot_ranks(ev, w):
-            if time.monotonic() > deadline:
+            if not budget.spend(0):
                 return moves, True
             tabs = ev.tables_on(int(r))
             tabs.sort(key=lambda t: (-prob.shard_time(ev.assignment[t][0]), t))
             best = None
             for t in tabs[:tables_per_rank]:
+                if not budget.spend(len(prob.candidates[t])):
+                    return moves, True
                 got = _try_table(ev, prob, t, current, switch_options=True, w=w)
                 if got is not None and (best is None or got[4] < best[1][4]):
                     best = (t, got)
@@ -257,7 +280,7 @@ def local_search(
             else:  # priced against a stale maximum: undo
                 ev.assign(t, old[0], old[1])
         if not applied:
-            if time.monotonic() > deadline or not _try_swaps(ev, prob, w, current, deadline):
+            if not budget.spend(0) or not _try_swaps(ev, prob, w, current, budget):
                 break
             current = ev.objective()
             moves += 1
@@ -265,7 +288,7 @@ def local_search(
 
 
 def _try_swaps(ev: PlanEvaluator, prob: PlanningProblem, w: np.ndarray, current: float,
-               deadline: float, partners: int = 8, per_rank: int = 6) -> bool:
+               budget: "WorkBudget", partners: int = 8, per_rank: int = 6) -> bool:
     """Exchange a single-shard table on a hot rank with a smaller one on a cool rank, when no
     single move helps (typically when memory is tight). Applies the first improving swap."""
     loads = ev.rank_loads()
@@ -284,7 +307,7 @@ def _try_swaps(ev: PlanEvaluator, prob: PlanningProblem, w: np.ndarray, current:
                           and prob.shard_time(ev.assignment[t][0]) < prob.shard_time(c1)]
                 theirs.sort(key=lambda t: (-prob.shard_time(ev.assignment[t][0]), t))
                 for t2 in theirs[:per_rank]:
-                    if time.monotonic() > deadline:
+                    if not budget.spend(2):
                         return False
                     c2, _ = ev.assignment[t2]
                     ev.assign(t1, c1, (r2,))
