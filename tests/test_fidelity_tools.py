@@ -112,3 +112,10 @@ def test_fit_fields_keeps_a_field_that_no_training_plan_depends_on():
     x0 = {"a": 0.1, "b": 0.5}
     points = [(10.0, {"a": 100.0, "b": 0.0}, 12.0), (20.0, {"a": 50.0, "b": 0.0}, 21.0)]
     assert F.fit_fields(points, x0)["b"] == 0.5
+
+
+def test_measured_per_plan_min_is_the_fastest_repetition():
+    recs = [dict(name="x", step_ms=v) for v in (5.0, 1.5, 3.0)]
+    assert F.measured_per_plan(recs, stat="min") == {"x": 1.5}
+    with pytest.raises(ValueError):
+        F.measured_per_plan(recs, stat="mean")
