@@ -622,6 +622,50 @@ def format_report(rep: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_COLUMNS = (("wall median", "step_ms", "median"), ("wall min", "step_ms", "min"),
+                   ("CPU median", "cpu_step_ms", "median"))
+
+
+def summary_markdown(data: Mapping[str, Any], measured: Mapping[str, Any], profile,
+                     subsets: Sequence[Tuple[str, Optional[Sequence[str]]]]) -> str:
+    """Two markdown tables: per plan the measured times (:data:`SUMMARY_COLUMNS`) and both
+    predictions; per measurement and plan subset, MAPE and Spearman of both predictors."""
+    reps = {c[0]: report(data, measured, profile, c[1], None, c[2]) for c in SUMMARY_COLUMNS}
+    lines = ["| plan | " + " | ".join(f"measured {c[0]} ms" for c in SUMMARY_COLUMNS)
+             + " | SparseLift ms | TorchRec ms |", "|---|" + "---:|" * (len(SUMMARY_COLUMNS) + 2)]
+    first = reps[SUMMARY_COLUMNS[0][0]]["rows"]
+    for i, r in enumerate(first):
+        lines.append(f"| {r['plan']} | " + " | ".join(f"{reps[c[0]]['rows'][i]['measured_ms']:.1f}"
+                                                    for c in SUMMARY_COLUMNS)
+                     + f" | {r['ours_ms']:.1f} | {r['torchrec_ms']:.2f} |")
+    lines += ["", "| measured | plans | SparseLift MAPE | SparseLift Spearman | TorchRec MAPE | TorchRec Spearman |",
+              "|---|---|---:|---:|---:|---:|"]
+    for label, key, stat in SUMMARY_COLUMNS:
+        for name, kinds in subsets:
+            rp = report(data, measured, profile, key, kinds, stat)
+            o, t = rp["ours"], rp["torchrec"]
+            lines.append(f"| {label} | {name} | {o['mape'] * 100:.1f}% | {o['spearman']:.2f} | "
+                         f"{t['mape'] * 100:.1f}% | {t['spearman']:.2f} |")
+    recs = measured["records"]
+    lines.append(f"\nmeasured {measured.get('started', '?')}, {measured.get('wall_s', float('nan')):.0f} s, "
+                 f"{measured.get('reps')} repetitions of {measured.get('steps')} steps ({measured.get('warmup')} "
+                 f"warm-up), load average {min(r['load_before'] for r in recs):.1f}-"
+                 f"{max(r['load_after'] for r in recs):.1f}")
+    return "\n".join(lines)
+
+
+def _cmd_summary(args) -> int:
+    from torchrec_sparselift.cost.hardware import get_profile
+
+    data = _load_plans(args.plans)
+    with open(args.measured, encoding="utf-8") as f:
+        measured = json.load(f)
+    six = [k for k in DEFAULT_KINDS if k != "data_parallel"]
+    print(summary_markdown(data, measured, get_profile(args.profile or data["profile"]),
+                           [(f"all {len(data['cases'])}", None), (f"{len(six)} sharded", six)]))
+    return 0
+
+
 def _cmd_report(args) -> int:
     from torchrec_sparselift.cost.hardware import get_profile
 
@@ -667,6 +711,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pr.add_argument("--kinds", help="comma-separated subset of the plans to report")
     pr.add_argument("--stat", choices=["median", "min"], default="median", help="over repetitions")
     pr.add_argument("--out")
+    ps = sub.add_parser("summary", help="markdown tables: wall median/min and CPU time vs both predictors")
+    ps.add_argument("--plans", required=True)
+    ps.add_argument("--measured", required=True)
+    ps.add_argument("--profile", help="re-price with this profile (default: the one predict used)")
     pf = sub.add_parser("fit", help="refit profile fields on a subset of plans (hold out the rest)")
     pf.add_argument("--plans", required=True)
     pf.add_argument("--measured", required=True)
@@ -682,7 +730,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "measure" and not 0 <= args.warmup < args.steps - 1:
         p.error("--warmup must be in [0, --steps - 1)")
-    cmds = {"predict": _cmd_predict, "measure": _cmd_measure, "report": _cmd_report, "fit": _cmd_fit}
+    cmds = {"predict": _cmd_predict, "measure": _cmd_measure, "report": _cmd_report, "fit": _cmd_fit,
+            "summary": _cmd_summary}
     return cmds[args.cmd](args)
 
 

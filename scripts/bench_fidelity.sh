@@ -39,6 +39,9 @@ python benchmarks/fidelity.py report --plans "$OUT/plans.pkl" --measured "$OUT/m
   --profile "$PROFILE" --key step_ms --stat min --out "$OUT/report_step_ms_min.json" 2>> "$OUT/report.log"
 python benchmarks/fidelity.py report --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" \
   --profile "$PROFILE" --key step_ms --stat min --kinds "$SIX" 2>> "$OUT/report.log" | tail -3
+echo "== summary"
+python benchmarks/fidelity.py summary --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" --profile "$PROFILE" \
+  2>> "$OUT/report.log" | tee "$OUT/summary.md"
 # hold-out refit (leave-one-out) of the per-table lookup overhead, dense FLOP/s and all-reduce bandwidth
 # on the load-robust CPU-time measurement; FIT_OUT receives the profile fitted on all plans
 if [ "${FIT:-1}" = 1 ]; then
