@@ -16,7 +16,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from torchrec_sparselift.cost.model import (
+    BWD,
     DEV_MEM,
+    FWD,
     HOST_MEM,
     K,
     CostContext,
@@ -44,6 +46,9 @@ class PlanEvaluator:
             number of collective groups).
         device_cap / host_cap: per-rank memory limits in bytes (arrays of length world size).
         pipeline, fwd_precision, bwd_precision: the optimizations the objective is priced under.
+        kernels: ``kernels[c]`` is candidate ``c``'s compute kernel. Tables of one sharding type
+            and kernel on a rank share one TBE call, whose fixed cost (``lookup_overhead_s``,
+            forward and backward) the evaluator charges once per rank and group.
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class PlanEvaluator:
         pipeline: str = "sparse_dist",
         fwd_precision: str = "fp32",
         bwd_precision: str = "fp32",
+        kernels: Optional[Sequence[str]] = None,
     ) -> None:
         self.ctx = ctx
         self.W = ctx.world_size
@@ -69,6 +75,16 @@ class PlanEvaluator:
         self.pipeline = pipeline
         self.fwd_precision = fwd_precision
         self.bwd_precision = bwd_precision
+        # TBE groups: TorchRec runs one fused kernel per (sharding type, kernel) on a rank, so
+        # the fixed lookup cost is paid once per group present on a rank, not per table
+        kern = list(kernels) if kernels is not None else [""] * len(self.types)
+        keys = sorted(set(zip(self.types, kern)))
+        self._gidx = {k: i for i, k in enumerate(keys)}
+        self.group_of = np.array([self._gidx[k] for k in zip(self.types, kern)], dtype=np.int64)
+        self.gcount = np.zeros((self.W, max(1, len(keys))), dtype=np.int64)
+        self.overhead = np.zeros(K)
+        self.overhead[FWD] = ctx.profile.lookup_overhead_s
+        self.overhead[BWD] = ctx.profile.lookup_overhead_s
         self.loads = np.zeros((self.W, K))
         self.uniform = np.zeros(K)
         self.allreduce_bytes = 0.0
@@ -90,7 +106,17 @@ class PlanEvaluator:
 
     def _apply(self, table: int, cand: int, ranks: Sequence[int], sign: float) -> None:
         vec = self.owner[cand] * sign
-        np.add.at(self.loads, np.asarray(ranks, dtype=np.int64), vec)
+        idx = np.asarray(ranks, dtype=np.int64)
+        np.add.at(self.loads, idx, vec)
+        g = self.group_of[cand]
+        if sign > 0:
+            first = idx[self.gcount[idx, g] == 0]
+            self.gcount[idx, g] += 1
+            self.loads[first] += self.overhead
+        else:
+            self.gcount[idx, g] -= 1
+            last = idx[self.gcount[idx, g] == 0]
+            self.loads[last] -= self.overhead
         n = len(ranks)
         self.uniform += self.peers[cand] * (n * sign)
         self.allreduce_bytes += self.allreduce[cand] * n * sign / max(self.W, 1)
@@ -158,6 +184,15 @@ class PlanEvaluator:
         if oranks:
             np.subtract.at(new_rows, np.searchsorted(touched, np.asarray(oranks, dtype=np.int64)), old_vec)
         np.add.at(new_rows, np.searchsorted(touched, np.asarray(ranks, dtype=np.int64)), new_vec)
+        # TBE group fixed costs on the touched ranks
+        counts = self.gcount[touched].copy()
+        before = counts > 0
+        if oranks:
+            np.subtract.at(counts, (np.searchsorted(touched, np.asarray(oranks, dtype=np.int64)), self.group_of[oc]), 1)
+        np.add.at(counts, (np.searchsorted(touched, np.asarray(ranks, dtype=np.int64)), self.group_of[cand]), 1)
+        change = (counts > 0).sum(axis=1) - before.sum(axis=1)
+        if np.any(change):
+            new_rows += change[:, None] * self.overhead[None, :]
         if np.any(new_rows[:, DEV_MEM] > self.device_cap[touched] + 1e-6) or np.any(
             new_rows[:, HOST_MEM] > self.host_cap[touched] + 1e-6
         ):
@@ -196,13 +231,16 @@ class PlanEvaluator:
         uniform = np.zeros(K)
         allreduce = 0.0
         groups = set()
+        present = np.zeros(self.gcount.shape, dtype=bool)
         for table, (cand, ranks) in self.assignment.items():
             for r in ranks:
                 loads[r] += self.owner[cand]
+                present[r, self.group_of[cand]] = True
             uniform += self.peers[cand] * len(ranks)
             allreduce += self.allreduce[cand] * len(ranks) / self.W
             if self.types[cand] != "data_parallel":
                 groups.add(self.types[cand])
+        loads += present.sum(axis=1)[:, None] * self.overhead[None, :]
         return loads, uniform, allreduce, len(groups)
 
     def full_objective(self) -> float:

@@ -3,7 +3,9 @@
 Everything here is a pure function of immutable inputs. The equations (also in docs/cost_model.md):
 
 * a lookup of ``n`` rows of ``w`` bytes on resource ``m``:
-  ``t = overhead + n * (ceil(w / g) * g + id_overhead) / bw(m)`` (``g`` the memory transaction
+  ``t = n * (ceil(w / g) * g + id_overhead) / bw(m)``, plus ``lookup_overhead_s`` once per
+  rank and TBE group (TorchRec fuses all tables of one sharding type and kernel on a rank into
+  one kernel call; the evaluator charges it when a rank's first table of a group arrives) (``g`` the memory transaction
   size, ``id_overhead`` the width-independent per-id cost);
   UVM-caching kernels split rows into hits (``bw = hbm_bw``) and misses (``bw = uvm_bw``);
   the miss part is what a prefetch pipeline can hide.
@@ -141,8 +143,6 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
         vec = owner if node.scope == "owner" else peers
         if node.kind in ("lookup", "backward_update"):
             t = node_time(node, p)
-            if node.unit == "rows":
-                t += p.lookup_overhead_s
             col = BWD if node.backward else FWD
             vec[col] += t
             if node.resource == "uvm_cached" and node.kind == "lookup":

@@ -60,7 +60,8 @@ def best_placement(
     c = prob.cands[cand]
     vec = ev.owner[cand]
     W = ev.W
-    loads = ev.loads
+    # a rank without this TBE group yet also pays the group's fixed cost
+    loads = ev.loads + (ev.gcount[:, ev.group_of[cand]] == 0)[:, None] * ev.overhead[None, :]
     if c.placement == "all":
         ranks = tuple(range(c.num_shards))
         new = loads[: c.num_shards] + vec

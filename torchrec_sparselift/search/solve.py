@@ -58,7 +58,7 @@ class SearchResult:
 def new_evaluator(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str = "fp32") -> PlanEvaluator:
     return PlanEvaluator(
         prob.ctx, prob.costs, [c.sharding_type for c in prob.cands], prob.device_cap,
-        prob.host_cap, pipeline, fwd, bwd,
+        prob.host_cap, pipeline, fwd, bwd, kernels=[c.compute_kernel for c in prob.cands],
     )
 
 
