@@ -128,9 +128,11 @@ def solve_lp(
             if m > 0:
                 best_piece.append((m, t))
         best_piece.sort(reverse=True)
+        # the rank holding the piece also pays at least one TBE group's fixed cost
+        fixed = ms * p.lookup_overhead_s if c in (FWD, BWD) else 0.0
         for _, t in best_piece[: MAX_PIECE_ROWS // len(_TIME_COLS)]:
             ids = prob.candidates[t]
-            add_row([(i, own[i, c]) for i in ids] + [(iz[c], -1.0)], 0.0)
+            add_row([(i, own[i, c]) for i in ids] + [(iz[c], -1.0)], -fixed)
     # link phases (z already in ms): y >= z_intra, y >= z_inter
     for iy, ci, ce in ((iy_in, IN_INTRA, IN_INTER), (iy_out, OUT_INTRA, OUT_INTER)):
         add_row([(iz[ci], 1.0), (iy, -1.0)], 0.0)
@@ -209,6 +211,9 @@ def analytic_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "f
     for ids in prob.candidates:
         own = np.stack([prob.costs[i].owner for i in ids])
         piece = np.maximum(piece, own.min(axis=0))
+    if prob.candidates:  # the rank holding a piece pays at least one TBE group's fixed cost
+        piece[FWD] += prob.ctx.profile.lookup_overhead_s
+        piece[BWD] += prob.ctx.profile.lookup_overhead_s
     colmax = np.maximum(lb, piece)
     return float(step_total_batch(colmax[None, :], allreduce, 0, prob.ctx, pipeline,
                                   fwd_precision, bwd_precision)[0])
