@@ -44,8 +44,6 @@ import attrs
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXAMPLE = os.path.join(os.path.dirname(_HERE), "examples", "dlrm")
-if _EXAMPLE not in sys.path:
-    sys.path.insert(0, _EXAMPLE)
 
 __all__ = [
     "PLAN_KINDS",
@@ -202,6 +200,9 @@ def fidelity_summary(measured: Sequence[float], predicted: Sequence[float]) -> D
 
 
 def _example():
+    """The DLRM example's ``train`` and ``dlrm_tables`` modules (its directory joins sys.path)."""
+    if _EXAMPLE not in sys.path:
+        sys.path.insert(0, _EXAMPLE)
     import train  # noqa: F401  (examples/dlrm/train.py)
     import dlrm_tables
 
