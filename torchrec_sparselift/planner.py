@@ -162,7 +162,8 @@ def _ranks_repr(ranks: Sequence[int]) -> str:
 
 def dense_work(module: nn.Module, handles: Sequence[TableHandle]) -> DenseWork:
     """Dense parameters (bytes) and forward FLOPs per sample, from the module's non-embedding
-    parameters (2 FLOPs per weight per sample: a multiply and an add)."""
+    parameters (2 FLOPs per weight per sample: a multiply and an add) plus known parameter-free
+    work (DLRM's dot interaction)."""
     sparse_ids = {id(h.tensor) for h in handles}
     sharded_modules = {id(h.module[1]) for h in handles}
     skip = set()
@@ -176,7 +177,22 @@ def dense_work(module: nn.Module, handles: Sequence[TableHandle]) -> DenseWork:
             continue
         numel += p.numel()
         nbytes += p.numel() * p.element_size()
-    return DenseWork(param_bytes=float(nbytes), fwd_flops_per_sample=2.0 * numel)
+    flops = 2.0 * numel + _interaction_flops(module, handles)
+    return DenseWork(param_bytes=float(nbytes), fwd_flops_per_sample=flops)
+
+
+def _interaction_flops(module: nn.Module, handles: Sequence[TableHandle]) -> float:
+    """FLOPs per sample of parameter-free dense work TorchRec models do: DLRM's pairwise dot
+    interaction (``InteractionArch``: a batched ``(F+1) x D`` by ``D x (F+1)`` product)."""
+    dims = [h.spec.embedding_dim for h in handles]
+    if not dims:
+        return 0.0
+    dim = max(dims)
+    total = 0.0
+    for m in module.modules():
+        if type(m).__name__ == "InteractionArch" and isinstance(getattr(m, "F", None), int):
+            total += 2.0 * (m.F + 1) ** 2 * dim
+    return total
 
 
 class SparseLiftPlanner(ShardingPlanner):
