@@ -216,16 +216,19 @@ def shard_nodes(
     if st == "row_wise":
         ids_here = ids_global / W
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
-        a2a("input_dist", in_bytes, fi, fe, 0.0, False, False, ())
+        # every rank both receives its bucket (owner side) and sends its own ids to all buckets
+        # (the peers side: W shards x in_bytes / W = in_bytes per rank)
+        a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False, False, ())
         nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width,
                           deps=("input_dist",)))
         if spec.is_pooled:  # reduce-scatter of partial sums over all ranks
             out_bytes = B * W * cand.shard_cols * 4 * (W - 1) / W
         else:
             out_bytes = ids_here * cand.shard_cols * 4 * (W - 1) / W
-        a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), 0.0,
+        # a reduce-scatter sends (W-1)/W of the partials and receives as much: both count
+        a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), out_bytes / W,
             True, False, ("lookup",))
-        a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), 0.0,
+        a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), out_bytes / W,
             True, True, ("output_dist",))
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
                           deps=("grad_dist",), backward=True))
