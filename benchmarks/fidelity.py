@@ -320,7 +320,6 @@ def timed_steps(dmp, optimizer, batches: Sequence[Any], device, steps: int
     """Run ``steps`` steps of TorchRec's ``TrainPipelineSparseDist`` (the example's pipeline) over
     ``batches``; returns each step's wall-clock seconds, its process CPU seconds (all threads of
     this rank) and the last loss."""
-    import torch
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     pipeline = TrainPipelineSparseDist(dmp, optimizer, device, execute_all_batches=True)

@@ -318,7 +318,6 @@ def test_step_timeline_ends_at_the_modelled_step_time_for_every_pipeline():
 
 def test_no_alternative_beats_a_converged_sparselift_choice():
     import attrs
-    from torchrec.distributed.planner.types import Topology
 
     from torchrec_sparselift.explain import explain_tables
     from torchrec_sparselift.planner import SparseLiftPlanner, evaluate_sharding_plan

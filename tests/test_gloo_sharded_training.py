@@ -3,7 +3,7 @@ DistributedModelParallel computes what the unsharded module computes, and trains
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 

@@ -3,7 +3,6 @@
 import warnings
 
 import pytest
-import torch
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ShardingOption
 from torchrec.distributed.sharding_plan import get_default_sharders

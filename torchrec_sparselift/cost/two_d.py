@@ -14,7 +14,7 @@ replicas of a rank live on different hosts once a group spans a host).
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence
+from typing import List, Sequence
 
 from torchrec_sparselift.cost.hardware import HardwareProfile
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 from torch import nn
 from torchrec.distributed.planner.types import Enumerator, ParameterConstraints, ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder

@@ -12,7 +12,7 @@ place shards.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import attrs
 import numpy as np

@@ -87,7 +87,6 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     nv += len(types)
     ilat = nv
     nv += 1
-    n_int = None  # set below
 
     rows, cols, vals, lo, hi = [], [], [], [], []
     r_i = 0

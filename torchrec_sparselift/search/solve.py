@@ -100,7 +100,6 @@ def solve(
     if solver not in ("auto", "heuristic", "milp"):
         raise ValueError(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
     t0 = time.monotonic()
-    deadline = t0 + time_budget_s
     pipelines = (pipeline,) if pipeline else prob.pipelines
     precisions = (precision,) if precision else prob.precisions
     search_pl = "sparse_dist" if "sparse_dist" in pipelines else pipelines[0]
