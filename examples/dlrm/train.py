@@ -747,6 +747,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops the other ranks as soon as one exits: give rank 0 time to say why
+            time.sleep(3.0)
         return EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - one clear line instead of a traceback
         if debug:
