@@ -274,7 +274,7 @@ def build_cases(cfg: FidelityConfig, kinds: Sequence[str], profile) -> List[Case
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     from torchrec_sparselift import SparseLiftPlanner
-    from torchrec_sparselift.bench.torchrec_score import torchrec_score
+    from torchrec_sparselift.cost.torchrec_score import torchrec_score
 
     tables = resolve_tables(cfg)
     topo = topology_for(cfg)

@@ -17,7 +17,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ShardingPlan, ShardingPlanner
 
 from torchrec_sparselift import SparseLiftPlanner, SparseLiftPlannerError
-from torchrec_sparselift.bench.workloads import dcnv2, production
+from torchrec_sparselift.semantics.reference_workloads import dcnv2, production
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 GiB = 1024**3

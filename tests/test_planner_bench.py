@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 pytest.importorskip("torchrec")
 
 from torchrec.distributed.planner.perf_models import NoopPerfModel  # noqa: E402
 
-from torchrec_sparselift.bench import planner_bench as pb  # noqa: E402
-from torchrec_sparselift.bench.torchrec_score import torchrec_score  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import planners as pb  # noqa: E402
+from torchrec_sparselift.cost.torchrec_score import torchrec_score  # noqa: E402
 
 TINY = pb.Scenario("production-6", 8)
 _RUN_TORCHREC_IN_CHILD = pb.run_torchrec
@@ -55,7 +59,7 @@ def test_side_by_side_row_has_both_plans_scored_both_ways(tiny_row):
 def test_torchrec_score_leaves_the_plan_untouched_and_matches_noop_rating():
     from torchrec.distributed.planner import EmbeddingShardingPlanner
 
-    from torchrec_sparselift.bench.torchrec_score import BestPlanCapture
+    from torchrec_sparselift.cost.torchrec_score import BestPlanCapture
 
     wl, module, topo, batch, cons, sharders = pb._inputs(TINY, 80.0)
     cap = BestPlanCapture()

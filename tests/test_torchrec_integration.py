@@ -7,7 +7,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ShardingOption
 from torchrec.distributed.sharding_plan import get_default_sharders
 
-from torchrec_sparselift.bench.workloads import dcnv2
+from torchrec_sparselift.semantics.reference_workloads import dcnv2
 from torchrec_sparselift.search.enumerator import SparseLiftEnumerator
 from torchrec_sparselift.search.proposer import SparseLiftProposer, problem_from_options
 

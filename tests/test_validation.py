@@ -15,7 +15,7 @@ from torchrec.distributed.planner.types import ParameterConstraints, PlannerErro
 from torchrec.distributed.sharding_plan import get_default_sharders
 
 from torchrec_sparselift import SparseLiftPlanner, SparseLiftPlannerError
-from torchrec_sparselift.bench.workloads import dcnv2, production
+from torchrec_sparselift.semantics.reference_workloads import dcnv2, production
 from torchrec_sparselift.semantics.tables import TableSpec, extract_tables
 from torchrec_sparselift.semantics.workload import declare
 from torchrec_sparselift.validation import validate_inputs

@@ -418,7 +418,7 @@ class PlanInputs:
 
 
 def _workload(name: str) -> Any:
-    from torchrec_sparselift.bench.workloads import by_name
+    from torchrec_sparselift.semantics.reference_workloads import by_name
 
     try:
         return by_name(name)

@@ -1,7 +1,7 @@
 """How long pricing one shard move takes with the incremental evaluator, against a full
 recomputation, on a large plan (default: 2000 production-like tables on 1024 ranks).
 
-    python -m torchrec_sparselift.bench.evaluator_bench [--tables 2000] [--world-size 1024]
+    python benchmarks/evaluator.py [--tables 2000] [--world-size 1024]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
 
-    from torchrec_sparselift.bench.workloads import production
+    from torchrec_sparselift.semantics.reference_workloads import production
     from torchrec_sparselift.cost.hardware import PRESETS
     from torchrec_sparselift.cost.model import CostContext
     from torchrec_sparselift.search.place import greedy_place

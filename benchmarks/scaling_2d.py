@@ -1,7 +1,7 @@
 """Predicted DLRM-DCNv2 throughput from 8 to 4096 GPUs: full sharding (1D) vs the planner's 2D
 choice, under SparseLift's cost model (weak scaling: fixed per-rank batch).
 
-    python -m torchrec_sparselift.bench.scaling_2d --out docs/scaling_2d.json --png docs/scaling_2d.png
+    python benchmarks/scaling_2d.py --out docs/scaling_2d.json --png docs/scaling_2d.png
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def run(world_sizes: List[int], batch: int, hardware: str, budget: float) -> Lis
     from torchrec.distributed.planner import Topology
 
     from torchrec_sparselift import SparseLiftPlanner
-    from torchrec_sparselift.bench.workloads import dcnv2
+    from torchrec_sparselift.semantics.reference_workloads import dcnv2
 
     wl = dcnv2()
     rows = []

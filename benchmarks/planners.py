@@ -2,13 +2,13 @@
 
 Run::
 
-    python -m torchrec_sparselift.bench planners --scenarios small --out results.json
+    python benchmarks/planners.py --scenarios small --out results.json
 
 Per scenario (workload x world size), one run plans the same meta-device module, topology,
 per-rank batch and constraints with both planners and records:
 
 1. the plan score under TorchRec's own estimator (``EmbeddingPerfEstimator`` +
-   ``NoopPerfModel``, see :mod:`.torchrec_score`) for both plans, and the ratio TorchRec/ours;
+   ``NoopPerfModel``, see :mod:`torchrec_sparselift.cost.torchrec_score`) for both plans, and the ratio TorchRec/ours;
 2. the predicted step time under SparseLift's model for both plans (TorchRec's plan priced with
    :func:`~torchrec_sparselift.planner.evaluate_sharding_plan` under the pipeline SparseLift chose,
    and under ``sparse_dist``, TorchRec's default pipeline), and the ratio;
@@ -149,7 +149,7 @@ def _quiet() -> None:
 def _inputs(sc: Scenario, hbm_gib: float) -> Tuple[Any, Any, Any, int, Dict[str, Any], List[Any]]:
     from torchrec.distributed.sharding_plan import get_default_sharders
 
-    from torchrec_sparselift.bench.workloads import by_name
+    from torchrec_sparselift.semantics.reference_workloads import by_name
 
     wl = by_name(sc.workload)
     return (wl, wl.module(), bench_topology(sc.world_size, hbm_gib), wl.per_rank_batch(sc.world_size),
@@ -165,7 +165,7 @@ def run_torchrec_in_process(sc: Scenario, hbm_gib: float = 80.0) -> Dict[str, An
     its own best rating, its score under :func:`torchrec_score` and the plan as JSON data."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner
 
-    from torchrec_sparselift.bench.torchrec_score import BestPlanCapture, torchrec_score
+    from torchrec_sparselift.cost.torchrec_score import BestPlanCapture, torchrec_score
     from torchrec_sparselift.plan.serialization import sharding_plan_to_dict
 
     wl, module, topo, batch, cons, sharders = _inputs(sc, hbm_gib)
@@ -216,7 +216,7 @@ def run_torchrec(sc: Scenario, timeout_s: float, mem_gib: float, hbm_gib: float 
     ``{"status": "timeout"|"oom"|"error", ...}`` saying what happened."""
     with tempfile.TemporaryDirectory(prefix="planner_bench_") as d:
         out = os.path.join(d, "torchrec.json")
-        cmd = [sys.executable, "-m", "torchrec_sparselift.bench", "planners", "--torchrec-child", sc.name,
+        cmd = [sys.executable, os.path.abspath(__file__), "--torchrec-child", sc.name,
                "--child-out", out, "--hbm-gib", str(hbm_gib)]
         t0 = time.perf_counter()
         with open(os.path.join(d, "stderr.txt"), "w+") as err:
@@ -278,7 +278,7 @@ def cached_run_torchrec(sc: Scenario, timeout_s: float, mem_gib: float, hbm_gib:
 def run_sparselift(sc: Scenario, hardware: str = "h100", budget_s: Optional[float] = None,
                    hbm_gib: float = 80.0) -> Tuple[Dict[str, Any], Any]:
     """Plan ``sc`` with ``SparseLiftPlanner``; return (record, PlanResult)."""
-    from torchrec_sparselift.bench.torchrec_score import torchrec_score
+    from torchrec_sparselift.cost.torchrec_score import torchrec_score
     from torchrec_sparselift.cost.model import DEV_MEM
     from torchrec_sparselift.planner import SparseLiftPlanner
 
@@ -337,7 +337,7 @@ def compare(sc: Scenario, hardware: str = "h100", budget_s: Optional[float] = No
     """Plan ``sc`` with both planners and compare them (one result row; see module docstring)."""
     from torchrec_sparselift.plan.serialization import sharding_plan_from_dict
 
-    from torchrec_sparselift.bench.workloads import by_name
+    from torchrec_sparselift.semantics.reference_workloads import by_name
 
     row: Dict[str, Any] = {"scenario": sc.name, "workload": sc.workload, "world_size": sc.world_size,
                            "tables": len(by_name(sc.workload).tables),
@@ -528,7 +528,7 @@ def _git_commit() -> Optional[str]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m torchrec_sparselift.bench planners",
+        prog="python benchmarks/planners.py",
         description="SparseLift vs TorchRec EmbeddingShardingPlanner on the same inputs.",
     )
     p.add_argument("--scenarios", default="small",
@@ -574,7 +574,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(res, f, default=float)
         return 0
     scenarios = parse_scenarios(args.scenarios)
-    meta = {"command": "python -m torchrec_sparselift.bench planners " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"command": "python benchmarks/planners.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "hardware": args.hardware, "hbm_gib": args.hbm_gib, "torchrec_timeout_s": args.torchrec_timeout,
             "cpus": os.cpu_count(), "git_commit": _git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows: List[Dict[str, Any]] = []
