@@ -68,6 +68,21 @@ class HardwareProfile:
             the row width (sorting ids, de-duplication, per-row optimizer bookkeeping). These two
             make splitting a hot table into narrow column shards cost what it costs: every
             column shard processes every id.
+        step_overhead_s: fixed work of every training step outside the sparse path's nodes
+            (pipeline bookkeeping, loss, optimizer calls, Python), fitted from real steps.
+        feature_overhead_s: per feature and step, on every rank, for each sharded (not
+            data-parallel) shard the feature feeds: KJT permute, split and length handling of
+            the input distribution and the per-feature pooled-output bookkeeping.
+        table_overhead_s: per sharded table shard and step on the rank that holds it (its slice
+            in the output distribution, per-table splits in the backward).
+        dp_table_overhead_s: per data-parallel table and step on every rank (the replica's dense
+            gradient, its slot in the gradient all-reduce and the dense optimizer step).
+        dense_update_bw: bandwidth of the dense optimizer pass over a data-parallel table
+            (weight, gradient and state); None: the device memory bandwidth (``hbm_bw``).
+        bucketize_id_s: per id and step on every rank for row-wise tables (bucketize the ids
+            by row range and permute them into per-rank buckets).
+        The last six are 0 (or None) in the presets; :mod:`torchrec_sparselift.cost.step_fit`
+        fits them from measured steps.
     """
 
     name: str
@@ -90,6 +105,12 @@ class HardwareProfile:
     supports_overlap: bool = attrs.field(default=True)
     id_overhead_bytes: float = attrs.field(default=64.0, validator=_non_negative)
     bwd_id_overhead_bytes: float = attrs.field(default=256.0, validator=_non_negative)
+    step_overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
+    feature_overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
+    table_overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
+    dp_table_overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
+    dense_update_bw: Optional[float] = attrs.field(default=None)
+    bucketize_id_s: float = attrs.field(default=0.0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):
@@ -104,6 +125,10 @@ class HardwareProfile:
             raise ValueError("HardwareProfile.cache_hit_rate must be within [0, 1]")
         if self.row_granularity_bytes < 1:
             raise ValueError("HardwareProfile.row_granularity_bytes must be >= 1")
+        if self.dense_update_bw is not None and not (self.dense_update_bw > 0 and math.isfinite(self.dense_update_bw)):
+            raise ValueError(
+                f"HardwareProfile.dense_update_bw must be None or a positive finite number, got {self.dense_update_bw!r}"
+            )
 
     # -- derived rates -------------------------------------------------------------------
     def row_bytes(self, dim: int, elem_bytes: int) -> int:

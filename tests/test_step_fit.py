@@ -1,0 +1,135 @@
+"""The step-level profile fit recovers known coefficients; profiles are keyed by machine."""
+
+import attrs
+import numpy as np
+import pytest
+
+from torchrec_sparselift.cost.hardware import PRESETS
+from torchrec_sparselift.cost.machine import MachineFingerprint, ProfileStore
+from torchrec_sparselift.cost.step_fit import (
+    CPU_STEP_TERMS,
+    FitRecord,
+    fit_profile,
+    fit_terms,
+    linearize,
+    term_value,
+    with_terms,
+)
+
+TRUE = {
+    "1/lookup_bw": 1 / 20e9,
+    "lookup_overhead_s": 300e-6,
+    "1/a2a_bw": 1 / 2e9,
+    "collective_latency_s": 250e-6,
+    "1/allreduce_bw": 1 / 1e9,
+    "1/dense_flops": 1 / 25e9,
+    "step_overhead_s": 4e-3,
+    "feature_overhead_s": 120e-6,
+    "table_overhead_s": 80e-6,
+    "dp_table_overhead_s": 1.5e-3,
+    "1/dense_update_bw": 1 / 5e9,
+    "bucketize_id_s": 20e-9,
+}
+# plausible magnitudes of each term's quantity in one step (bytes, calls, features, ...)
+MAGNITUDE = {
+    "1/lookup_bw": 2e7, "lookup_overhead_s": 4, "1/a2a_bw": 2e6, "collective_latency_s": 6,
+    "1/allreduce_bw": 1e6, "1/dense_flops": 2e8, "step_overhead_s": 1, "feature_overhead_s": 20,
+    "table_overhead_s": 10, "dp_table_overhead_s": 10, "1/dense_update_bw": 1e7, "bucketize_id_s": 5e4,
+}
+
+
+def _records(n, rng, noise=0.0):
+    recs = []
+    for i in range(n):
+        q = {k: float(MAGNITUDE[k] * rng.uniform(0, 2)) for k in TRUE}
+        q["step_overhead_s"] = 1.0
+        fixed = float(rng.uniform(0, 2e-3))
+        m = fixed + sum(q[k] * TRUE[k] for k in TRUE)
+        recs.append(FitRecord(label=f"plan{i}", quantities=q, fixed_s=fixed, measured_s=m * (1 + noise * rng.normal())))
+    return recs
+
+
+def test_fit_terms_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    recs = _records(40, rng)
+    prior = {k: 0.0 for k in TRUE}  # no prior: the data alone decide
+    fit = fit_terms(recs, prior)
+    for k, v in TRUE.items():
+        assert fit.values[k] == pytest.approx(v, rel=1e-6), k
+    assert fit.mape < 1e-9
+    assert set(fit.determined) == set(TRUE)
+
+
+def test_fit_terms_with_noise_and_prior_stays_close():
+    rng = np.random.default_rng(1)
+    recs = _records(60, rng, noise=0.01)
+    prior = {k: v * 3 for k, v in TRUE.items()}  # a wrong prior is overruled by the data
+    fit = fit_terms(recs, prior)
+    big = ["1/lookup_bw", "step_overhead_s", "dp_table_overhead_s", "1/dense_flops"]
+    for k in big:
+        assert fit.values[k] == pytest.approx(TRUE[k], rel=0.15), k
+    assert fit.mape < 0.03
+
+
+def test_term_no_record_depends_on_keeps_its_prior():
+    rng = np.random.default_rng(2)
+    recs = [attrs.evolve(r, quantities={**r.quantities, "bucketize_id_s": 0.0}) for r in _records(30, rng)]
+    prior = {k: 0.0 for k in TRUE}
+    prior["bucketize_id_s"] = 7e-9
+    fit = fit_terms(recs, prior)
+    assert fit.values["bucketize_id_s"] == 7e-9
+    assert "bucketize_id_s" not in fit.determined
+
+
+def test_fit_profile_recovers_a_piecewise_linear_model():
+    """A max-over-ranks model (the shape of the real one): linearize + refit finds the truth."""
+    base = PRESETS["cpu-gloo"]
+    truth = with_terms(base, TRUE, CPU_STEP_TERMS)
+    rng = np.random.default_rng(3)
+    cases = []
+    for i in range(30):
+        ranks = [{k: float(MAGNITUDE[k] * rng.uniform(0, 2)) for k in TRUE} for _ in range(2)]
+
+        def predict(p, ranks=ranks):
+            v = [sum(q[t.name] * term_value(p, t) for t in CPU_STEP_TERMS) for q in ranks]
+            return max(v) + 1e-3
+
+        cases.append((f"plan{i}", predict(truth), predict))
+    fitted, fit = fit_profile(cases, base, CPU_STEP_TERMS, iterations=6, prior_weight=1e-6)
+    assert fit.mape < 0.01
+    for k in ("1/lookup_bw", "step_overhead_s", "dp_table_overhead_s"):
+        t = next(t for t in CPU_STEP_TERMS if t.name == k)
+        assert term_value(fitted, t) == pytest.approx(TRUE[k], rel=0.1), k
+
+
+def test_linearize_is_exact_for_a_linear_prediction():
+    p = PRESETS["cpu-gloo"]
+
+    def predict(prof):
+        return 2e-3 + 5.0 * prof.step_overhead_s + 1e7 / prof.hbm_bw
+
+    base, q, fixed = linearize(predict, p, CPU_STEP_TERMS)
+    assert q["step_overhead_s"] == pytest.approx(5.0)
+    assert q["1/lookup_bw"] == pytest.approx(1e7, rel=1e-6)
+    assert fixed == pytest.approx(2e-3, abs=1e-9)
+    assert base == pytest.approx(predict(p))
+
+
+def _fp(**kw):
+    d = dict(device="cpu", processor="Test CPU", cores=2, devices=0, backend="gloo", ranks=2,
+             torch="2.0", fbgemm_gpu="1.0", torchrec="1.0")
+    d.update(kw)
+    return MachineFingerprint(**d)
+
+
+def test_profile_store_matches_by_fingerprint_and_names_differences(tmp_path):
+    store = ProfileStore(str(tmp_path))
+    assert store.lookup(_fp()) == (None, [])
+    prof = attrs.evolve(PRESETS["cpu-gloo"], name="fitted", step_overhead_s=3e-3)
+    store.save(prof, _fp(), info={"mape": 0.05})
+    s, diff = store.lookup(_fp())
+    assert diff == [] and s.profile == prof and s.info["mape"] == 0.05
+    s, diff = store.lookup(_fp(cores=8, torch="2.1"))
+    assert s.profile == prof
+    assert diff == ["cores: 8 vs 2", "torch: 2.1 vs 2.0"]
+    assert store.lookup(_fp(device="cuda")) == (None, [])
