@@ -380,6 +380,7 @@ def _golden_fingerprint() -> Fingerprint:
         [("ebc", "t1", 1000, 64, ["a", "b"], True), ("ec", "t2", 50, 16, ["c"], False, "FP16")], topology, 256,
         constraints={"t1": _Constraint(sharding_types=["row_wise"], min_partition=8)},
         stats=declare(a=2.5, b=1.0), versions=Versions(torch="x", torchrec="y", torchrec_sparselift="z"),
+        options={"pipelines": ["sparse_dist"], "allow_staleness": False, "sharding_group_size": None},
     )
 
 
@@ -387,9 +388,10 @@ def test_fingerprint_digests_are_pinned_canonical_json_hashes():
     # Computed once in another process; Python's per-process hash randomization cannot move them.
     # If you change the canonical form on purpose, bump EXECUTION_PLAN_SCHEMA and update these.
     fp = _golden_fingerprint()
-    assert fp.cache_key() == "6b3a1541e18f9d999b2c3959f1e50b408e21cb96d4262f525f38e44d00290232"
+    # Schema 2 (planner options keyed: options_digest) moved them once from 6b3a1541.../8381e1c8...
+    assert fp.cache_key() == "dddfdb6e4dd84dc3d0b3bcda61b49af916b86cf843ec3345062caef3f1f40cb0"
     assert fp.stats_digest == "8a2218a4345def6f8240bb23656169e88613fe095917c5b3422e6ac18a0cbd94"
-    assert fp.digest() == "8381e1c83746a69b2163e40706f83504ea751936d67dd96d13a77b2c67a0d27e"
+    assert fp.digest() == "0cd590f79d5304e949bebd7e651f4869d24c8e3b23fd4c3cacc61d9008bd3cf4"
 
 
 @pytest.mark.slow

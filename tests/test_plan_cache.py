@@ -156,14 +156,18 @@ def _valid_text(fp) -> str:
         (lambda t: b"\x00\xff\xfe garbage \x81", "not UTF-8"),
         (lambda t: b"{this is not json", "not valid JSON"),
         (lambda t: b"[1, 2, 3]", "must be a JSON object"),
-        (lambda t: t.replace("sparselift.execution_plan/1", "sparselift.execution_plan/0").encode(),
+        (lambda t: t.replace("sparselift.execution_plan/2", "sparselift.execution_plan/0").encode(),
          "schema 'sparselift.execution_plan/0'"),
-        (lambda t: t.replace("sparselift.execution_plan/1", "sparselift.execution_plan/2").encode(),
-         "schema 'sparselift.execution_plan/2'"),
+        (lambda t: t.replace("sparselift.execution_plan/2", "sparselift.execution_plan/3").encode(),
+         "schema 'sparselift.execution_plan/3'"),
+        (lambda t: t.replace("sparselift.execution_plan/2", "sparselift.execution_plan/1").encode(),
+         "schema 'sparselift.execution_plan/1' is older than 'sparselift.execution_plan/2': it was "
+         "keyed without the planner's options"),
         (lambda t: t.replace('"sharding_type": "row_wise"', '"sharding_type": 5, "x": 1', 1).encode(),
          "malformed execution plan"),
     ],
-    ids=["truncated", "empty", "binary", "not-json", "not-object", "older-schema", "newer-schema", "malformed"],
+    ids=["truncated", "empty", "binary", "not-json", "not-object", "older-schema", "newer-schema",
+         "schema-1", "malformed"],
 )
 def test_unusable_file_replans_with_one_log_line_naming_the_reason(tmp_path, caplog, content, reason):
     cache = PlanCache(tmp_path)

@@ -28,6 +28,7 @@ _EXPORTS = {
     "ExecutionPlan": "torchrec_sparselift.plan",
     "PlanCache": "torchrec_sparselift.plan",
     "Optimizations": "torchrec_sparselift.plan",
+    "PlanRequest": "torchrec_sparselift.plan",
     "WorkloadStats": "torchrec_sparselift.semantics.workload",
     "observe": "torchrec_sparselift.semantics.workload",
     "declare": "torchrec_sparselift.semantics.workload",

@@ -37,6 +37,16 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlan
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
 from torchrec_sparselift.cost.model import PIPELINES, CostContext, DenseWork
 from torchrec_sparselift.cost.two_d import choose_sync_interval, group_sizes, replica_sync_s
+from torchrec_sparselift.plan import (
+    ExecutionPlan,
+    Fingerprint,
+    Optimizations,
+    PlanCache,
+    PlanRequest,
+    Prediction,
+    RankPrediction,
+)
+from torchrec_sparselift.plan.request import describe_sharders
 from torchrec_sparselift.search.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import PlanningProblem, build_problem, device_caps
@@ -78,18 +88,14 @@ class PlanResult:
         """Per rank: compute, communication (exposed / overlapped) seconds and memory bytes."""
         return rank_breakdown(self.problem.ctx, self.search)
 
-    def optimizations(self) -> Any:
-        from torchrec_sparselift.plan import Optimizations
-
+    def optimizations(self) -> Optimizations:
         s = self.search
         return Optimizations(pipeline=s.pipeline, fwd_comm_precision=s.fwd_precision,
                              bwd_comm_precision=s.bwd_precision,
                              sharding_group_size=self.sharding_group_size,
                              sync_interval=self.sync_interval)
 
-    def prediction(self) -> Any:
-        from torchrec_sparselift.plan import Prediction, RankPrediction
-
+    def prediction(self) -> Prediction:
         s = self.search
         per_rank = [
             RankPrediction(rank=r, compute_s=b["compute_s"], exposed_comm_s=b["exposed_comm_s"],
@@ -226,6 +232,14 @@ class SparseLiftPlanner(ShardingPlanner):
             with ``torchrec_sparselift.runtime.lift`` (which builds ``DMPCollection``).
         sync_interval: pin the 2D replica sync interval (steps); default: the smallest interval
             whose amortised sync costs at most 5% of the step.
+        cost_model: "sparselift" (default: SparseLift's cost model, pipelines and precisions) or
+            "torchrec": optimize TorchRec's own rating instead (every shard's ``Perf``/``Storage``
+            from TorchRec's estimators, objective = the slowest rank's summed ``Perf.total`` as
+            ``NoopPerfModel`` rates it, memory = the storage estimates under the reservation);
+            same search, same outputs (see :mod:`torchrec_sparselift.search.torchrec_objective`).
+        estimator: with ``cost_model="torchrec"``, the ``ShardEstimator`` (or list) to use instead
+            of TorchRec's defaults, as ``EmbeddingEnumerator(estimator=...)`` takes it (it
+            replaces both defaults: include a storage estimator).
     """
 
     def __init__(
@@ -257,6 +271,8 @@ class SparseLiftPlanner(ShardingPlanner):
         solver: str = "auto",
         sharding_group_size: Any = None,
         sync_interval: Optional[int] = None,
+        cost_model: str = "sparselift",
+        estimator: Any = None,
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
         whose inputs match a stored plan's fingerprint loads it instead of planning);
@@ -312,9 +328,18 @@ class SparseLiftPlanner(ShardingPlanner):
             if allow_fp8:
                 precs += [("fp8", "bf16")]
         self._precisions = tuple(precs)
+        self._allow_lossy_comm = bool(allow_lossy_comm)
+        self._allow_fp8 = bool(allow_fp8)
+        self._allow_staleness = bool(allow_staleness)
         if solver not in ("auto", "heuristic", "milp"):
             raise ValueError(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
         self._solver = solver
+        if cost_model not in ("sparselift", "torchrec"):
+            raise ValueError(f"cost_model must be 'sparselift' or 'torchrec', got {cost_model!r}")
+        if estimator is not None and cost_model != "torchrec":
+            raise ValueError("estimator= is TorchRec's ShardEstimator: pass cost_model='torchrec' with it")
+        self._cost_model = cost_model
+        self._estimator = estimator
         if sharding_group_size not in (None, "auto") and (
             not isinstance(sharding_group_size, int) or sharding_group_size < 1
             or topology.world_size % sharding_group_size
@@ -360,10 +385,9 @@ class SparseLiftPlanner(ShardingPlanner):
         module: nn.Module,
         sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
         pg: Optional[dist.ProcessGroup] = None,
-    ) -> Any:
+    ) -> ExecutionPlan:
         """:meth:`plan_execution` on rank 0, broadcast to all ranks (an ``ExecutionPlan``)."""
-        from torchrec_sparselift.plan import ExecutionPlan
-
+        t0 = time.monotonic()
         if pg is None:
             if not dist.is_initialized():
                 raise RuntimeError(
@@ -372,12 +396,12 @@ class SparseLiftPlanner(ShardingPlanner):
                 )
             pg = dist.GroupMember.WORLD
         sharders = list(sharders) if sharders is not None else get_default_sharders()
-        self._check_ranks_agree(module, sharders, pg)
+        request = self._check_ranks_agree(module, sharders, pg)
         local_error: List[Any] = [None]
 
         def plan_on_rank_0() -> Tuple[Any, ...]:
             try:
-                return ("ok", self.plan_execution(module, sharders).to_json())
+                return ("ok", self._plan_execution(request, module, sharders, t0).to_json())
             except Exception as e:  # noqa: BLE001 - shared with every rank, re-raised below
                 local_error[0] = e
                 return ("error", type(e).__name__, getattr(e, "kind", None), str(e))
@@ -389,12 +413,16 @@ class SparseLiftPlanner(ShardingPlanner):
         self.last_execution_plan = ep
         return ep
 
-    def _check_ranks_agree(self, module: nn.Module, sharders: Sequence[Any], pg: Any) -> None:
-        """All ranks must plan the same input; an error on one rank is raised on every rank
-        (instead of leaving the others waiting in a collective)."""
+    def _check_ranks_agree(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]],
+                           pg: Any) -> PlanRequest:
+        """All ranks must plan the same request (:meth:`PlanRequest.digest`); an error on one
+        rank is raised on every rank (instead of leaving the others waiting in a collective).
+        Returns this rank's request."""
         local_error = None
+        request: Optional[PlanRequest] = None
         try:
-            mine: Any = ("ok", self.fingerprint(module).digest())
+            request = self.request(module, sharders)
+            mine: Any = ("ok", request.digest())
         except Exception as e:  # noqa: BLE001 - every rank learns of it through the all_gather
             local_error = e
             mine = ("error", type(e).__name__, getattr(e, "kind", None), str(e))
@@ -412,10 +440,12 @@ class SparseLiftPlanner(ShardingPlanner):
             differ = sorted(r for rs in groups.values() if rs is not majority for r in rs)
             raise SparseLiftPlannerError(
                 f"ranks planned different inputs: ranks {differ} differ from ranks {majority} "
-                "(tables, topology, batch size, constraints or workload statistics). Build the "
-                "model and the planner identically on every rank.",
+                "(tables, topology, batch size, constraints, workload statistics or planner "
+                "options). Build the model and the planner identically on every rank.",
                 kind="other",
             )
+        assert request is not None
+        return request
 
     def plan(
         self,
@@ -426,47 +456,80 @@ class SparseLiftPlanner(ShardingPlanner):
             return self.plan_execution(module, sharders).sharding_plan
         return self.plan_with_result(module, sharders).sharding_plan
 
-    def fingerprint(self, module: nn.Module) -> Any:
-        """What a stored plan must match to be reused (see :mod:`torchrec_sparselift.plan`)."""
-        from torchrec_sparselift.plan import fingerprint_inputs, table_specs
-
-        return fingerprint_inputs(
-            table_specs(module), self._topology, self._batch_size, self._constraints,
-            self._workload, hardware=self._profile(),
+    def request(
+        self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None
+    ) -> PlanRequest:
+        """The :class:`~torchrec_sparselift.plan.PlanRequest` for ``module``: its tables (after
+        validating every input, all problems listed at once) and every option of this planner.
+        One ``plan()`` builds exactly one; the cache, the fingerprint, the rank-agreement check
+        and the ``ExecutionPlan`` read it."""
+        sharders = list(sharders) if sharders is not None else get_default_sharders()
+        topo = self._topology
+        handles = extract_tables(
+            module, sharders, topo.compute_device, self._batch_size, self._constraints,
+            self._workload,
         )
+        validate_inputs(handles, topo, self._batch_size, self._constraints, self._workload)
+        return self._request(handles, dense_work(module, handles), sharders)
+
+    def _request(self, handles: Sequence[TableHandle], dense: DenseWork,
+                 sharders: Sequence[Any]) -> PlanRequest:
+        """The request for validated tables (none: this planner's context alone)."""
+        return PlanRequest(
+            tables=tuple(h.spec for h in handles), handles=tuple(handles), topology=self._topology,
+            batch_size=self._batch_size, constraints=self._constraints, stats=self._workload,
+            hardware=self._profile(), dense=dense,
+            sharders=describe_sharders(sharders), storage_reservation=self._storage_reservation,
+            callbacks=tuple(self._callbacks), pipelines=self._pipelines, precisions=self._precisions,
+            allow_lossy_comm=self._allow_lossy_comm, allow_fp8=self._allow_fp8,
+            allow_staleness=self._allow_staleness, solver=self._solver,
+            time_budget_s=self._budget, sharding_group_size=self._group,
+            sync_interval=self._sync_interval, cost_model=self._cost_model_id(),
+        )
+
+    def fingerprint(
+        self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None
+    ) -> Fingerprint:
+        """What a stored plan must match to be reused: :meth:`request`'s fingerprint."""
+        return self.request(module, sharders).fingerprint()
 
     def plan_execution(
         self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None
-    ) -> Any:
+    ) -> ExecutionPlan:
         """Plan and return an ``ExecutionPlan`` (sharding plan + optimizations + prediction +
         fingerprint). With ``cache_dir`` set, a stored plan with the same fingerprint is loaded
-        instead of planning; a missing, corrupt, stale or drifted one is re-planned (one log
-        line says why) and stored."""
-        from torchrec_sparselift.plan import PlanCache
+        instead of planning; a missing, corrupt, stale or drifted one, or one this request's
+        guards or shape refuse (:meth:`PlanRequest.refuses`), is re-planned (one log line says
+        why) and stored."""
+        t0 = time.monotonic()
+        sharders = list(sharders) if sharders is not None else get_default_sharders()
+        return self._plan_execution(self.request(module, sharders), module, sharders, t0)
 
-        fp = self.fingerprint(module)
+    def _plan_execution(self, request: PlanRequest, module: nn.Module,
+                        sharders: List[ModuleSharder[nn.Module]], t0: float) -> ExecutionPlan:
+        fp = request.fingerprint()
         if not self._cache_dir:
-            ep = self._execution_plan(module, sharders, fp)
+            ep = self._execution_plan(request, module, sharders, fp, t0)
             self.last_cache_hit = None
         else:
             ep, hit = PlanCache(self._cache_dir).get_or_plan(
-                fp, lambda: self._execution_plan(module, sharders, fp), self._workload,
-                self._drift_tolerance,
+                fp, lambda: self._execution_plan(request, module, sharders, fp, t0), request.stats,
+                self._drift_tolerance, request=request,
             )
             self.last_cache_hit = hit
         self.last_execution_plan = ep
         return ep
 
-    def _execution_plan(self, module: nn.Module, sharders: Any, fp: Any) -> Any:
-        from torchrec_sparselift.plan import ExecutionPlan
-
-        res = self.plan_with_result(module, sharders)
+    def _execution_plan(self, request: PlanRequest, module: nn.Module,
+                        sharders: List[ModuleSharder[nn.Module]], fp: Fingerprint,
+                        t0: float) -> ExecutionPlan:
+        res = self._plan_request(request, module, sharders, t0)
         return ExecutionPlan(
             sharding_plan=res.sharding_plan,
             optimizations=res.optimizations(),
             prediction=res.prediction(),
             fingerprint=fp,
-            stats=self._workload,
+            stats=request.stats,
             planner_info={
                 "planner": "SparseLiftPlanner",
                 "solver": res.search.solver if res.search else "none",
@@ -481,14 +544,15 @@ class SparseLiftPlanner(ShardingPlanner):
     def plan_with_result(
         self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None
     ) -> PlanResult:
+        """Plan ``module`` and return the details (:class:`PlanResult`); no cache involved."""
         t0 = time.monotonic()
         sharders = list(sharders) if sharders is not None else get_default_sharders()
+        return self._plan_request(self.request(module, sharders), module, sharders, t0)
+
+    def _plan_request(self, request: PlanRequest, module: nn.Module,
+                      sharders: List[ModuleSharder[nn.Module]], t0: float) -> PlanResult:
         topo = self._topology
-        handles = extract_tables(
-            module, sharders, topo.compute_device, self._batch_size, self._constraints,
-            self._workload,
-        )
-        validate_inputs(handles, topo, self._batch_size, self._constraints, self._workload)
+        handles = list(request.handles)
         if not handles:
             raise SparseLiftPlannerError(
                 "the module has no embedding tables that the given sharders can shard; pass the "
@@ -538,6 +602,9 @@ class SparseLiftPlanner(ShardingPlanner):
             gtopo, self._batch_size, module, list(sharders), self._constraints
         )
         profile = self._profile()
+        if self._cost_model == "torchrec":
+            return self._solve_group_torchrec(module, sharders, handles, gtopo, reserved, profile,
+                                              budget, t0)
         ctx = CostContext(
             profile=profile,
             world_size=group,
@@ -581,6 +648,41 @@ class SparseLiftPlanner(ShardingPlanner):
 
     def _profile(self) -> HardwareProfile:
         return profile_for_topology(self._topology, self._hardware)
+
+    def _cost_model_id(self) -> str:
+        """``cost_model`` as the plan request records it: with TorchRec's objective, the
+        estimators' identity too, so cached plans of different estimators do not mix."""
+        if self._cost_model != "torchrec":
+            return self._cost_model
+        from torchrec_sparselift.search.torchrec_objective import estimator_identity
+
+        return f"torchrec:{estimator_identity(self._estimator)}"
+
+    def _solve_group_torchrec(self, module: nn.Module, sharders: Sequence[Any],
+                              handles: Sequence[TableHandle], gtopo: Topology, reserved: Topology,
+                              profile: HardwareProfile, budget: float, t0: float) -> "PlanResult":
+        """``cost_model="torchrec"``: plan ``gtopo`` under TorchRec's estimators (1D only)."""
+        from torchrec_sparselift.search.torchrec_objective import (
+            build_torchrec_problem, placed_options, solve_torchrec,
+        )
+
+        if self._group is not None:
+            raise ValueError("cost_model='torchrec' plans 1D only (TorchRec's rating has no 2D "
+                             "replica sync); use sharding_group_size=None")
+        trp = build_torchrec_problem(module, list(sharders), [h.spec for h in handles], gtopo,
+                                     reserved, self._batch_size, profile, self._constraints,
+                                     self._estimator)
+        result = solve_torchrec(trp, max(0.5, budget - (time.monotonic() - t0)), self._solver)
+        options = placed_options(trp, result.assignment)
+        for cb in self._callbacks:
+            options = cb(options)
+        _check_complete(handles, options)
+        self.last_torchrec_problem = trp
+        return PlanResult(
+            sharding_plan=to_sharding_plan(options, gtopo), sharding_options=tuple(options),
+            search=result, problem=trp.problem, handles=tuple(handles), topology=self._topology,
+            profile=trp.problem.ctx.profile,
+        )
 
 
 def _check_complete(handles: Sequence[TableHandle], options: Sequence[ShardingOption]) -> None:

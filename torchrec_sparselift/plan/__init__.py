@@ -1,5 +1,6 @@
-"""plan: the execution plan (sharding plan + optimizations + prediction + fingerprint), its JSON
-form, and the on-disk cache that reuses it across runs."""
+"""plan: the plan request (everything a plan is asked for), the execution plan (sharding plan +
+optimizations + prediction + fingerprint), its JSON form, and the on-disk cache that reuses it
+across runs."""
 
 from torchrec_sparselift.plan.cache import PlanCache
 from torchrec_sparselift.plan.execution_plan import (
@@ -16,6 +17,7 @@ from torchrec_sparselift.plan.execution_plan import (
     fingerprint_inputs,
     table_specs,
 )
+from torchrec_sparselift.plan.request import PlanRequest
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "Optimizations",
     "PlanCache",
     "PlanFormatError",
+    "PlanRequest",
     "Prediction",
     "RankPrediction",
     "Versions",

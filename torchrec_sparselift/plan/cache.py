@@ -9,9 +9,11 @@ Guarantees:
   fsynced, then ``os.replace``-d over the target. Readers see the old file or the new one, never
   a partial one, whatever other processes do.
 - **Never a crash, never a wrong plan**: :meth:`PlanCache.load` returns ``None`` for a missing,
-  unreadable, corrupt, truncated, other-schema or mismatching file, or for statistics that
-  drifted beyond tolerance, and logs exactly one line saying why (``re-planning: ...``). A hit logs
-  one line too (``reusing cached execution plan ...``).
+  unreadable, corrupt, truncated, other-schema or mismatching file, for statistics that
+  drifted beyond tolerance, or (given the asking :class:`~torchrec_sparselift.plan.PlanRequest`)
+  for a plan the request refuses: a pipeline, precision or 2D layout it does not allow, another
+  world size, a missing table. It logs exactly one line saying why (``re-planning: ...``). A hit
+  logs one line too (``reusing cached execution plan ...``).
 - **One planner at a time** (POSIX): :meth:`PlanCache.get_or_plan` holds an exclusive ``fcntl``
   lock per cache key while it plans, so concurrent processes wait and then reuse the winner's
   plan. After ``lock_timeout_s`` a waiter plans on its own (and logs a warning): never a hang.
@@ -29,6 +31,7 @@ import time
 from typing import Callable, Iterator, Optional, Tuple
 
 from torchrec_sparselift.plan.execution_plan import ExecutionPlan, Fingerprint, PlanFormatError
+from torchrec_sparselift.plan.request import PlanRequest
 from torchrec_sparselift.semantics.workload import WorkloadStats
 
 try:  # POSIX only; without it get_or_plan still works, just without cross-process exclusion.
@@ -70,7 +73,8 @@ class PlanCache:
     # ------------------------------------------------------------------------------------------
 
     def _lookup(
-        self, fingerprint: Fingerprint, stats: Optional[WorkloadStats], drift_tolerance: float
+        self, fingerprint: Fingerprint, stats: Optional[WorkloadStats], drift_tolerance: float,
+        request: Optional[PlanRequest] = None,
     ) -> Tuple[Optional[ExecutionPlan], str, int]:
         """(plan or None, reason / hit description, log level). Never raises for file problems."""
         path = self.path_for(fingerprint)
@@ -97,6 +101,9 @@ class PlanCache:
         why = stored.mismatch(fingerprint)
         if why is not None:
             return None, f"re-planning: cached plan {name} does not match: {why}", logging.INFO
+        refused = None if request is None else request.refuses(plan)
+        if refused is not None:
+            return None, f"re-planning: cached plan {name} does not fit this request: {refused}", logging.WARNING
         if stored.stats_digest == fingerprint.stats_digest:
             return plan, f"reusing cached execution plan {path}: {plan.summary()}", logging.INFO
         if plan.stats is None:
@@ -128,9 +135,12 @@ class PlanCache:
         ), logging.INFO
 
     @staticmethod
-    def _check_args(fingerprint: Fingerprint, stats: Optional[WorkloadStats], drift_tolerance: float) -> None:
+    def _check_args(fingerprint: Fingerprint, stats: Optional[WorkloadStats], drift_tolerance: float,
+                    request: Optional[PlanRequest] = None) -> None:
         if not isinstance(fingerprint, Fingerprint):
             raise TypeError(f"fingerprint must be a Fingerprint, got {type(fingerprint).__name__}")
+        if request is not None and not isinstance(request, PlanRequest):
+            raise TypeError(f"request must be a PlanRequest, got {type(request).__name__}")
         if not (isinstance(drift_tolerance, (int, float)) and drift_tolerance >= 0):
             raise ValueError(f"drift_tolerance must be a number >= 0, got {drift_tolerance!r}")
         if stats is not None and stats.digest() != fingerprint.stats_digest:
@@ -144,15 +154,17 @@ class PlanCache:
         fingerprint: Fingerprint,
         stats: Optional[WorkloadStats] = None,
         drift_tolerance: float = 0.2,
+        request: Optional[PlanRequest] = None,
     ) -> Optional[ExecutionPlan]:
         """The cached plan for ``fingerprint``, or ``None`` (after one log line saying why).
 
         A plan is reused when its fingerprint equals ``fingerprint`` in everything but the
-        statistics, and its statistics are identical or (given ``stats``) drifted by at most
-        ``drift_tolerance`` (see :meth:`WorkloadStats.drift`). Never raises for file problems.
+        statistics, its statistics are identical or (given ``stats``) drifted by at most
+        ``drift_tolerance`` (see :meth:`WorkloadStats.drift`), and ``request`` (if given) does not
+        refuse it (:meth:`PlanRequest.refuses`). Never raises for file problems.
         """
-        self._check_args(fingerprint, stats, drift_tolerance)
-        plan, message, level = self._lookup(fingerprint, stats, drift_tolerance)
+        self._check_args(fingerprint, stats, drift_tolerance, request)
+        plan, message, level = self._lookup(fingerprint, stats, drift_tolerance, request)
         logger.log(level, message)
         return plan
 
@@ -238,6 +250,7 @@ class PlanCache:
         plan_fn: Callable[[], ExecutionPlan],
         stats: Optional[WorkloadStats] = None,
         drift_tolerance: float = 0.2,
+        request: Optional[PlanRequest] = None,
     ) -> Tuple[ExecutionPlan, bool]:
         """Return ``(plan, hit)``: the cached plan (``hit=True``, ``plan_fn`` not called) or a
         fresh one from ``plan_fn()`` stored for next time (``hit=False``).
@@ -245,17 +258,18 @@ class PlanCache:
         Logs exactly one line for the decision (``reusing ...`` or ``re-planning: ...``). While one
         process plans, others asking for the same key wait on a lock and then reuse its plan.
         ``plan_fn`` must return a plan whose fingerprint equals ``fingerprint``. A failure to write
-        the cache is logged as a warning and the fresh plan is still returned.
+        the cache is logged as a warning and the fresh plan is still returned. With ``request``, a
+        stored plan the request refuses (:meth:`PlanRequest.refuses`) is re-planned too.
         """
-        self._check_args(fingerprint, stats, drift_tolerance)
-        plan, message, level = self._lookup(fingerprint, stats, drift_tolerance)
+        self._check_args(fingerprint, stats, drift_tolerance, request)
+        plan, message, level = self._lookup(fingerprint, stats, drift_tolerance, request)
         if plan is not None:
             logger.log(level, message)
             return plan, True
         # Miss: decide again under the lock and log only that decision.
         with self._exclusive(fingerprint):
             # Someone else may have planned while we waited for the lock.
-            again, message2, level2 = self._lookup(fingerprint, stats, drift_tolerance)
+            again, message2, level2 = self._lookup(fingerprint, stats, drift_tolerance, request)
             if again is not None:
                 logger.log(level2, message2 + " (planned by another process)")
                 return again, True

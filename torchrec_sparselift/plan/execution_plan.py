@@ -43,11 +43,15 @@ __all__ = [
     "fingerprint_inputs",
     "table_specs",
     "canonical_digest",
+    "topology_description",
     "ExecutionPlan",
 ]
 
 #: Schema tag of :meth:`ExecutionPlan.to_json`; bump the number on any incompatible change.
-EXECUTION_PLAN_SCHEMA = "sparselift.execution_plan/1"
+EXECUTION_PLAN_SCHEMA = "sparselift.execution_plan/2"
+#: Schema 1 keyed plans without the planner's options (guards, pipelines, 2D settings), so a plan
+#: stored under them is never reused: it is re-planned with this reason.
+_OLDER_SCHEMAS = {"sparselift.execution_plan/1": "it was keyed without the planner's options"}
 #: Train-pipeline kinds, in TorchRec terms: TrainPipelineBase, TrainPipelineSparseDist,
 #: TrainPipelineSemiSync, TrainPipelineFusedSparseDist, PrefetchTrainPipelineSparseDist.
 PIPELINES = ("base", "sparse_dist", "semi_sync", "fused", "prefetch")
@@ -275,9 +279,11 @@ class Fingerprint:
     """What a plan was made for, as digests of canonical JSON (stable across processes).
 
     ``cache_key()`` covers the planning inputs that make a stored plan *a candidate* (tables,
-    topology, batch size, constraints, hardware profile); ``versions`` and ``stats_digest`` are
-    compared after loading so that a mismatch can be reported with a reason.
-    Build with :func:`fingerprint_inputs`.
+    topology, batch size, constraints, hardware profile, and ``options_digest``: the planner's
+    options, i.e. guards, pipelines, precisions, solver, time budget, 2D settings, ...);
+    ``versions`` and ``stats_digest`` are compared after loading so that a mismatch can be
+    reported with a reason. Build with :meth:`~torchrec_sparselift.plan.PlanRequest.fingerprint`
+    (what the planner does) or :func:`fingerprint_inputs`.
     """
 
     tables_digest: str = attrs.field(validator=_hex_digest)
@@ -286,6 +292,7 @@ class Fingerprint:
     constraints_digest: str = attrs.field(validator=_hex_digest)
     stats_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)
     hardware_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)
+    options_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)
     versions: Versions = attrs.field(factory=Versions.current, converter=_versions)
 
     def __attrs_post_init__(self) -> None:
@@ -293,10 +300,10 @@ class Fingerprint:
             raise ValueError(f"Fingerprint.batch_size must be an int >= 1, got {self.batch_size!r}")
 
     def cache_key(self) -> str:
-        """sha256 hex over tables, topology, batch size, constraints and hardware digests."""
+        """sha256 hex over tables, topology, batch size, constraints, hardware and options digests."""
         return canonical_digest(
             [self.tables_digest, self.topology_digest, self.batch_size, self.constraints_digest,
-             self.hardware_digest]
+             self.hardware_digest, self.options_digest]
         )
 
     def digest(self) -> str:
@@ -305,10 +312,11 @@ class Fingerprint:
 
     def mismatch(self, other: "Fingerprint") -> Optional[str]:
         """A short reason why ``other`` differs from ``self`` outside the statistics, or ``None``."""
-        for name in ("tables_digest", "topology_digest", "batch_size", "constraints_digest", "hardware_digest"):
+        for name in ("tables_digest", "topology_digest", "batch_size", "constraints_digest",
+                     "hardware_digest", "options_digest"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
-                label = name.replace("_digest", "")
+                label = name.replace("_digest", "").replace("options", "planner options")
                 if name == "batch_size":
                     return f"batch size changed ({a} -> {b})"
                 return f"{label} changed ({str(a)[:12]} -> {str(b)[:12]})"
@@ -341,7 +349,8 @@ def _check_table_spec(spec: Sequence[Any]) -> Tuple[Any, ...]:
     return out
 
 
-def _topology_description(topology: Any) -> Dict[str, Any]:
+def topology_description(topology: Any) -> Dict[str, Any]:
+    """What of a TorchRec ``Topology`` can change a plan: devices' capacities, sizes, bandwidths."""
     devices = [
         [d.storage.hbm, d.storage.ddr, getattr(d.storage, "ssd", 0)] for d in getattr(topology, "devices", [])
     ]
@@ -365,6 +374,7 @@ def fingerprint_inputs(
     stats: Optional[WorkloadStats] = None,
     hardware: Any = None,
     versions: Optional[Versions] = None,
+    options: Optional[Mapping[str, Any]] = None,
 ) -> Fingerprint:
     """Fingerprint of the planning inputs.
 
@@ -378,6 +388,8 @@ def fingerprint_inputs(
         stats: the workload statistics planned with (or ``None``).
         hardware: the :class:`~torchrec_sparselift.cost.hardware.HardwareProfile` planned with.
         versions: defaults to :meth:`Versions.current`.
+        options: the planner options the plan was made under (``None``: not recorded);
+            :meth:`~torchrec_sparselift.plan.PlanRequest.options` is what the planner records.
 
     Raises ``ValueError`` naming the table with zero/negative rows or dims, a table listed twice,
     or a non-positive batch size. The same inputs give the same fingerprint in any process.
@@ -397,11 +409,12 @@ def fingerprint_inputs(
         hardware_digest = canonical_digest(to_dict() if callable(to_dict) else hardware)
     return Fingerprint(
         tables_digest=canonical_digest(specs),
-        topology_digest=canonical_digest(_topology_description(topology)),
+        topology_digest=canonical_digest(topology_description(topology)),
         batch_size=batch_size,
         constraints_digest=canonical_digest(dict(constraints or {})),
         stats_digest=None if stats is None else stats.digest(),
         hardware_digest=hardware_digest,
+        options_digest=None if options is None else canonical_digest(dict(options)),
         versions=versions if versions is not None else Versions.current(),
     )
 
@@ -536,6 +549,10 @@ class ExecutionPlan:
         if not isinstance(data, Mapping):
             raise PlanFormatError(f"execution plan must be a JSON object, got {type(data).__name__}")
         schema = data.get("schema")
+        if schema in _OLDER_SCHEMAS:
+            raise PlanFormatError(
+                f"schema {schema!r} is older than {EXECUTION_PLAN_SCHEMA!r}: {_OLDER_SCHEMAS[schema]}"
+            )
         if schema != EXECUTION_PLAN_SCHEMA:
             raise PlanFormatError(f"schema {schema!r} is not {EXECUTION_PLAN_SCHEMA!r}")
         try:
