@@ -1,0 +1,227 @@
+"""Plan with a measured guard: the model proposes, a few real steps decide.
+
+::
+
+    ep, result, reused = guarded_execution_plan(
+        lambda: build_model(...), pg, device, batches, topology=topo, batch_size=256,
+        constraints=cons, hardware=profile, guard=MeasuredGuard(candidates=3, steps=8),
+        cache_dir=".sparselift_cache")
+    print(result.format())
+
+Candidates: SparseLift's plan, then SparseLift's best plans under alternative restrictions (no
+data-parallel tables; table-wise only; no row-wise), de-duplicated and ordered by predicted step
+time, ``guard.candidates`` of them in all; plus TorchRec's ``EmbeddingShardingPlanner`` plan
+(``guard.torchrec``). Each is trained for ``guard.warmup + guard.steps`` steps on the real model
+and the given pre-built batches (:func:`torchrec_sparselift.runtime.probe.measure_plan`, the slowest
+rank's median step) and the fastest is kept (:func:`torchrec_sparselift.runtime.guard.choose_measured`).
+
+The returned :class:`~torchrec_sparselift.plan.ExecutionPlan` is SparseLift's, with the kept plan's
+sharding and prediction and the trials in ``planner_info["measured_guard"]``. With ``cache_dir`` it is
+stored under the planner's fingerprint plus the guard settings (``guarded-<digest>.json``) and a
+later call with the same inputs reuses it without planning or measuring (guarded and unguarded plans
+never share a cache entry). With ``guard.feedback`` the trials, linearized in the profile's terms,
+join this machine's stored step-fit records (:mod:`torchrec_sparselift.step_calibration`) and its
+profile is refitted.
+
+Cost: one DMP build plus ``warmup + steps`` steps per candidate (measured on the 2-core machine:
+about 2-4 s per candidate for the default DLRM example), and one planner run per alternative.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import attrs
+
+from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
+from torchrec_sparselift.runtime.guard import Candidate, GuardResult, MeasuredGuard, choose_measured
+
+__all__ = ["guarded_execution_plan", "guard_cache_path", "ALTERNATIVES", "feedback_records"]
+
+logger = logging.getLogger(__name__)
+
+#: Alternative restrictions SparseLift plans under to propose more candidates: name -> sharding
+#: types removed (``None``: only table-wise allowed).
+ALTERNATIVES: Tuple[Tuple[str, Optional[Tuple[str, ...]]], ...] = (
+    ("no_data_parallel", ("data_parallel",)),
+    ("table_wise_only", None),
+    ("no_row_wise", ("row_wise",)),
+)
+_ALL_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
+
+
+def _restricted(constraints: Optional[Dict[str, Any]], table_names: Sequence[str],
+                removed: Optional[Tuple[str, ...]]) -> Dict[str, Any]:
+    """The user's constraints with sharding types restricted (per table; a table whose user
+    constraint would become empty keeps it)."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    out: Dict[str, Any] = {}
+    for name in table_names:
+        base = (constraints or {}).get(name)
+        c = copy.deepcopy(base) if base is not None else ParameterConstraints()
+        allowed = list(c.sharding_types) if c.sharding_types else list(_ALL_TYPES)
+        keep = ["table_wise"] if removed is None else [t for t in allowed if t not in removed]
+        keep = [t for t in keep if t in allowed] or allowed
+        c.sharding_types = keep
+        if c.compute_kernels and "data_parallel" not in keep:
+            c.compute_kernels = [k for k in c.compute_kernels if k != "dense"] or c.compute_kernels
+        out[name] = c
+    return out
+
+
+def _plan_key(plan: Any) -> Tuple[Any, ...]:
+    rows = []
+    for path, mp in sorted(plan.plan.items()):
+        for table, ps in sorted(mp.items()):
+            rows.append((path, table, ps.sharding_type, ps.compute_kernel, tuple(ps.ranks or ())))
+    return tuple(rows)
+
+
+def guard_cache_path(cache_dir: str, fingerprint: Any, guard: MeasuredGuard) -> str:
+    text = json.dumps({"plan": fingerprint.digest(), "guard": guard.to_dict()}, sort_keys=True)
+    return os.path.join(cache_dir, f"guarded-{hashlib.sha256(text.encode()).hexdigest()[:20]}.json")
+
+
+def _table_names(model: Any) -> List[str]:
+    from torchrec_sparselift.plan import table_specs
+
+    return [s.name for s in table_specs(model)]
+
+
+def feedback_records(pricers: Sequence[Tuple[str, float, Callable[[HardwareProfile], float]]],
+                     profile: HardwareProfile) -> List[Any]:
+    """FitRecords of measured plans, linearized at ``profile`` (what the step-fit store keeps)."""
+    from torchrec_sparselift.cost.step_fit import CPU_STEP_TERMS, FitRecord, linearize
+
+    out = []
+    for label, measured, pricer in pricers:
+        _b, q, fixed = linearize(pricer, profile, CPU_STEP_TERMS)
+        out.append(FitRecord(label=label, quantities=q, fixed_s=fixed, measured_s=measured))
+    return out
+
+
+def guarded_execution_plan(
+    model_factory: Callable[[], Any],
+    pg: Any,
+    device: Any,
+    batches: Sequence[Any],
+    *,
+    topology: Any,
+    batch_size: int,
+    constraints: Optional[Dict[str, Any]] = None,
+    hardware: Any = None,
+    guard: MeasuredGuard = MeasuredGuard(),
+    cache_dir: Optional[str] = None,
+    allow_lossy_comm: bool = False,
+    sharders: Optional[Sequence[Any]] = None,
+    log: Callable[[str], None] = lambda m: None,
+) -> Tuple[Any, GuardResult, bool]:
+    """``(execution plan, guard result, reused)``; see the module docstring. Every rank of ``pg``
+    must call it with the same arguments (plans are made collectively, trials run on all ranks)."""
+    import torch.distributed as dist
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.plan import ExecutionPlan
+    from torchrec_sparselift.planner import SparseLiftPlanner, evaluate_sharding_plan
+    from torchrec_sparselift.runtime.probe import measure_plan
+    from torchrec_sparselift.step_calibration import PlanPricer
+
+    sharders = list(sharders) if sharders is not None else get_default_sharders()
+    rank = dist.get_rank(pg)
+
+    def planner_for(cons: Optional[Dict[str, Any]]) -> SparseLiftPlanner:
+        return SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons, hardware=hardware,
+                                 allow_lossy_comm=allow_lossy_comm)
+
+    main = planner_for(constraints)
+    model = model_factory()
+    fp = main.fingerprint(model)
+    path = guard_cache_path(cache_dir, fp, guard) if cache_dir else None
+    # rank 0 decides whether the cache holds the guarded plan; everyone follows
+    box: List[Any] = [None]
+    if rank == 0 and path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                box[0] = f.read()
+            ExecutionPlan.from_json(box[0])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("measured guard: ignoring unreadable cached plan %s (%s)", path, e)
+            box[0] = None
+    dist.broadcast_object_list(box, src=0, group=pg)
+    if box[0] is not None:
+        ep = ExecutionPlan.from_json(box[0])
+        return ep, GuardResult.from_dict(ep.planner_info["measured_guard"]), True
+
+    profile = profile_for_topology(topology, main._profile())
+    ep = main.collective_plan_execution(model, sharders, pg)
+    cands: List[Tuple[Candidate, Any]] = [(Candidate("sparselift", "sparselift", ep.sharding_plan,
+                                                     ep.prediction.step_time_s), ep)]
+    seen = {_plan_key(ep.sharding_plan)}
+    names = _table_names(model)
+    alts: List[Tuple[Candidate, Any]] = []
+    for alt, removed in (ALTERNATIVES if guard.candidates > 1 else ()):
+        try:
+            aep = planner_for(_restricted(constraints, names, removed)).collective_plan_execution(
+                model_factory(), sharders, pg)
+        except Exception as e:  # noqa: BLE001 - an alternative that cannot be planned is skipped
+            log(f"[guard] alternative {alt} not planned: {str(e).splitlines()[0]}")
+            continue
+        key = _plan_key(aep.sharding_plan)
+        if key in seen:
+            continue
+        seen.add(key)
+        alts.append((Candidate(f"sparselift:{alt}", "sparselift", aep.sharding_plan, aep.prediction.step_time_s), aep))
+    alts.sort(key=lambda c: c[0].predicted_s)
+    cands += alts[: max(0, guard.candidates - 1)]
+    if guard.torchrec:
+        tplan = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size,
+                                         constraints=constraints).collective_plan(model_factory(), sharders, pg)
+        pred = PlanPricer(model, tplan, topology, batch_size, constraints, sharders)(profile)
+        cands.append((Candidate("torchrec", "torchrec", tplan, pred), None))
+
+    pricers = []
+
+    def trial(label: str, plan: Any) -> float:
+        m = measure_plan(label, model_factory, plan, batches, guard.steps, guard.warmup, pg=pg, device=device)
+        pricers.append((label, m.median_s, PlanPricer(model, plan, topology, batch_size, constraints, sharders)))
+        log(f"[guard] {label}: {m.median_s * 1e3:.2f} ms/step ({m.wall_s:.1f} s)")
+        return m.median_s
+
+    chosen, result = choose_measured([c for c, _ in cands], trial, settings=guard.to_dict())
+    chosen_ep = dict((c.label, e) for c, e in cands)[chosen.label]
+    info = dict(ep.planner_info)
+    info["measured_guard"] = result.to_dict()
+    if chosen_ep is ep:
+        final = attrs.evolve(ep, planner_info=info)
+    elif chosen_ep is not None:
+        final = attrs.evolve(ep, sharding_plan=chosen_ep.sharding_plan, prediction=chosen_ep.prediction,
+                             optimizations=chosen_ep.optimizations, planner_info=info)
+    else:
+        res = evaluate_sharding_plan(model, chosen.plan, topology, batch_size, constraints, hardware=profile,
+                                     pipeline=ep.optimizations.pipeline)
+        final = attrs.evolve(ep, sharding_plan=chosen.plan, prediction=res.prediction(), planner_info=info)
+    if rank == 0:
+        if path:
+            os.makedirs(cache_dir, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".guarded-", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(final.to_json(indent=1))
+            os.replace(tmp, path)
+        if guard.feedback:
+            try:
+                from torchrec_sparselift.step_calibration import add_feedback
+
+                where = add_feedback(feedback_records(pricers, profile), profile, topology)
+                if where:
+                    log(f"[guard] trials added to the step-fit records of {where}")
+            except Exception as e:  # noqa: BLE001 - feedback must never fail the run
+                logger.warning("measured guard: feedback to calibration failed: %s", e)
+    return final, result, False

@@ -1,0 +1,131 @@
+"""Measured guard: measure a few candidate plans on the real model and keep the fastest.
+
+The cost model ranks plans; a few real steps decide between the top ones. :func:`choose_measured`
+is the rule, independent of how plans are made or run: it calls ``trial(label, plan)`` (seconds per
+steady-state step, measured) for each candidate, in the given order, and keeps the candidate with the
+lowest measured time (ties: the earlier candidate, i.e. the one the model ranked first).
+:class:`GuardResult` records every trial (label, source, predicted and measured seconds) as plain
+JSON, which the execution plan stores so a cached plan is reused without measuring again.
+
+:class:`MeasuredGuard` holds the settings (how many SparseLift candidates, TorchRec's plan or not,
+steps per trial); :func:`torchrec_sparselift.measured_guard.guarded_execution_plan` makes the
+candidates and runs the trials with :func:`torchrec_sparselift.runtime.probe.measure_plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import attrs
+
+__all__ = ["MeasuredGuard", "GuardTrial", "GuardResult", "Candidate", "choose_measured"]
+
+
+def _at_least(n: int) -> Callable[[Any, Any, int], None]:
+    def check(instance: Any, attribute: "attrs.Attribute[int]", value: int) -> None:
+        if not isinstance(value, int) or value < n:
+            raise ValueError(f"MeasuredGuard.{attribute.name} must be an integer >= {n}, got {value!r}")
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class MeasuredGuard:
+    """Guard settings. ``candidates``: SparseLift plans measured (its plan and the next-best
+    alternatives the model ranks); ``torchrec``: also measure ``EmbeddingShardingPlanner``'s plan;
+    ``steps`` / ``warmup``: timed and untimed steps per trial; ``feedback``: add the trials to
+    this machine's stored step-fit records and refit its profile."""
+
+    candidates: int = attrs.field(default=3, validator=_at_least(1))
+    torchrec: bool = True
+    steps: int = attrs.field(default=8, validator=_at_least(1))
+    warmup: int = attrs.field(default=3, validator=_at_least(0))
+    feedback: bool = True
+
+    def to_dict(self) -> Dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class Candidate:
+    """A plan to try: ``label`` (unique), ``source`` ("sparselift" or "torchrec"), the plan and
+    the model's prediction (seconds; None when not priced)."""
+
+    label: str
+    source: str
+    plan: Any = attrs.field(eq=False, repr=False)
+    predicted_s: Optional[float] = None
+
+
+@attrs.frozen
+class GuardTrial:
+    label: str
+    source: str
+    predicted_s: Optional[float]
+    measured_s: float
+
+
+@attrs.frozen
+class GuardResult:
+    """Every trial and the chosen label."""
+
+    chosen: str
+    trials: Tuple[GuardTrial, ...]
+    settings: Dict[str, Any] = attrs.field(factory=dict)
+
+    def trial(self, label: str) -> GuardTrial:
+        return next(t for t in self.trials if t.label == label)
+
+    @property
+    def chosen_trial(self) -> GuardTrial:
+        return self.trial(self.chosen)
+
+    def torchrec_over_chosen(self) -> Optional[float]:
+        """TorchRec's measured step time / the chosen plan's (None without a TorchRec trial)."""
+        tr = [t for t in self.trials if t.source == "torchrec"]
+        if not tr:
+            return None
+        return tr[0].measured_s / self.chosen_trial.measured_s
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(chosen=self.chosen, settings=dict(self.settings),
+                    trials=[attrs.asdict(t) for t in self.trials])
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "GuardResult":
+        return cls(chosen=data["chosen"], trials=tuple(GuardTrial(**t) for t in data["trials"]),
+                   settings=dict(data.get("settings") or {}))
+
+    def format(self) -> str:
+        """One line per trial: measured and predicted ms, the chosen one marked."""
+        lines = []
+        for t in self.trials:
+            pred = "" if t.predicted_s is None else f", predicted {t.predicted_s * 1e3:.2f} ms"
+            mark = "  <- kept" if t.label == self.chosen else ""
+            lines.append(f"  {t.label:<28} measured {t.measured_s * 1e3:8.2f} ms/step{pred}{mark}")
+        ratio = self.torchrec_over_chosen()
+        if ratio is not None:
+            lines.append(f"  TorchRec / kept plan: {ratio:.3f}x")
+        return "\n".join(lines)
+
+
+def choose_measured(candidates: Sequence[Candidate], trial: Callable[[str, Any], float],
+                    settings: Optional[Dict[str, Any]] = None) -> Tuple[Candidate, GuardResult]:
+    """Measure every candidate with ``trial(label, plan) -> seconds`` and keep the fastest
+    (ties: the earlier one). Labels must be unique; a trial must return a positive finite time."""
+    if not candidates:
+        raise ValueError("the measured guard needs at least one candidate plan")
+    labels = [c.label for c in candidates]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"candidate labels must be unique, got {labels}")
+    trials: List[GuardTrial] = []
+    best: Optional[Tuple[float, Candidate]] = None
+    for c in candidates:
+        s = float(trial(c.label, c.plan))
+        if not (s > 0 and math.isfinite(s)):
+            raise ValueError(f"trial of {c.label!r} returned {s!r}: expected a positive step time in seconds")
+        trials.append(GuardTrial(label=c.label, source=c.source, predicted_s=c.predicted_s, measured_s=s))
+        if best is None or s < best[0]:
+            best = (s, c)
+    assert best is not None
+    return best[1], GuardResult(chosen=best[1].label, trials=tuple(trials), settings=dict(settings or {}))

@@ -1,0 +1,255 @@
+"""Measure real training steps of given sharding plans (the probing half of step calibration).
+
+:func:`probe_model` builds a small TorchRec DLRM / DLRM-DCN (``DLRMTrain``) on the meta device;
+:func:`prebuilt_batches` makes each run's distinct synthetic batches *before* timing (power-law ids,
+random bag lengths around the pooling factor), so the data source is not in the timed step, as
+with a DataLoader that prefetches; :func:`measure_plan` shards the model under a plan the way the
+DLRM example does (fused row-wise AdaGrad in backward for sharded tables, dense AdaGrad for the rest
+and for data-parallel tables, ``TrainPipelineSparseDist``), runs ``warmup + steps`` steps and returns
+the slowest rank's median steady-state step. Every rank of ``pg`` must call it with the same plan.
+
+:data:`PROBE_WORKLOADS` are the probe models of :func:`torchrec_sparselift.step_calibration` (they
+differ in table count, features per table, widths and dense part, so per-table, per-feature and
+bandwidth terms separate); :func:`probe_constraints` forces one sharding type per table for the
+probe plans.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import attrs
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ProbeTable",
+    "ProbeWorkload",
+    "PROBE_WORKLOADS",
+    "PLAN_KINDS",
+    "probe_model",
+    "prebuilt_batches",
+    "probe_constraints",
+    "shard_for_training",
+    "measure_plan",
+    "Measurement",
+]
+
+NUM_DENSE = 13
+
+
+@attrs.frozen
+class ProbeTable:
+    name: str
+    rows: int
+    dim: int
+    features: Tuple[str, ...]
+    pooling_factor: float = 1.0
+
+
+@attrs.frozen
+class ProbeWorkload:
+    """Tables, model kind ("dlrm" or "dcn"), dense layer sizes and per-rank batch size."""
+
+    name: str
+    tables: Tuple[ProbeTable, ...]
+    model: str = "dlrm"
+    dense: Tuple[int, ...] = (64,)
+    over: Tuple[int, ...] = (128, 64, 1)
+    dcn_layers: int = 2
+    dcn_rank: int = 32
+    batch_size: int = 256
+
+    @property
+    def dim(self) -> int:
+        return self.tables[0].dim
+
+
+def _tables(prefix: str, spec: Sequence[Tuple[int, int, int, float]]) -> Tuple[ProbeTable, ...]:
+    """``(rows, dim, features, pooling)`` rows -> tables ``prefix_i`` with features ``prefix_i_f``."""
+    out = []
+    for i, (rows, dim, nf, pf) in enumerate(spec):
+        out.append(ProbeTable(f"{prefix}{i}", rows, dim,
+                              tuple(f"{prefix}{i}_f{j}" for j in range(nf)), pf))
+    return tuple(out)
+
+
+#: The probe models: few wide tables (DCN), many small tables, shared multi-feature tables.
+PROBE_WORKLOADS: Tuple[ProbeWorkload, ...] = (
+    ProbeWorkload("probe_wide", _tables("w", [(40000, 128, 1, 4.0), (8000, 128, 1, 1.0), (2000, 128, 1, 2.0),
+                                              (500, 128, 1, 1.0)]),
+                  model="dcn", dense=(64, 128), batch_size=256),
+    ProbeWorkload("probe_many", _tables("m", [(300 + 97 * i, 64, 1, 1.0) for i in range(16)]),
+                  model="dlrm", dense=(64,), batch_size=256),
+    ProbeWorkload("probe_shared", _tables("s", [(20000, 64, 3, 2.0), (5000, 64, 2, 4.0), (1000, 64, 2, 1.0)]),
+                  model="dcn", dense=(64,), batch_size=512),
+)
+
+#: Probe plan kinds: one sharding type for every table, or by size (mixed).
+PLAN_KINDS = ("table_wise", "row_wise", "data_parallel", "column_wise", "mixed")
+
+
+def probe_model(w: ProbeWorkload):
+    """``DLRMTrain`` of ``w`` (DLRM or DLRM_DCN) with its EmbeddingBagCollection on meta."""
+    from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    configs = [EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows,
+                                  feature_names=list(t.features)) for t in w.tables]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    common = dict(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                  dense_arch_layer_sizes=list(w.dense) + [w.dim], over_arch_layer_sizes=list(w.over))
+    if w.model == "dcn":
+        return DLRMTrain(DLRM_DCN(**common, dcn_num_layers=w.dcn_layers, dcn_low_rank_dim=w.dcn_rank))
+    return DLRMTrain(DLRM(**common))
+
+
+def prebuilt_batches(w: ProbeWorkload, n: int, seed: int, rank: int, alpha: float = 1.05) -> List[Any]:
+    """``n`` distinct batches for ``rank`` (built now, outside any timed step): per feature, bag
+    lengths uniform in ``[1, 2 pf - 1]`` (mean ``pf``) and power-law ids."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    rng = np.random.default_rng([seed, rank, 0x5EED])
+    B = w.batch_size
+    keys = [f for t in w.tables for f in t.features]
+    out = []
+    for _ in range(n):
+        lengths, values = [], []
+        for t in w.tables:
+            hi = max(1, int(round(2 * t.pooling_factor - 1)))
+            for _f in t.features:
+                ln = rng.integers(1, hi + 1, size=B) if hi > 1 else np.ones(B, dtype=np.int64)
+                u = rng.random(int(ln.sum()))
+                k = np.floor(np.power(t.rows + 1.0, u)).astype(np.int64) - 1  # ~ power law 1/k
+                if alpha != 1.0:
+                    e = 1.0 - alpha
+                    k = np.floor(((np.power(t.rows + 1.0, e) - 1.0) * u + 1.0) ** (1.0 / e)).astype(np.int64) - 1
+                ids = (np.clip(k, 0, t.rows - 1) * 2147483647 + 12345) % t.rows
+                lengths.append(ln)
+                values.append(ids)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.from_numpy(np.concatenate(values).astype(np.int64)),
+            lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32)))
+        out.append(Batch(dense_features=torch.from_numpy(rng.standard_normal((B, NUM_DENSE)).astype(np.float32)),
+                         sparse_features=kjt,
+                         labels=torch.from_numpy((rng.random(B) < 0.3).astype(np.float32))))
+    return out
+
+
+def probe_constraints(tables: Sequence[Any], kind: str, big_rows: Optional[int] = None,
+                      column_dim: Optional[int] = None) -> Dict[str, Any]:
+    """TorchRec ``ParameterConstraints`` forcing plan ``kind`` on ``tables`` (objects with
+    ``name``, ``rows``, ``dim``, ``features``, ``pooling_factor``): one sharding type for all,
+    or ``mixed`` (the largest table row-wise, tables below 1000 rows data-parallel, the rest
+    table-wise). Column-wise splits into shards of ``column_dim`` (default: half the width)."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    if kind not in PLAN_KINDS + ("column_wise_big",):
+        raise ValueError(f"unknown probe plan kind {kind!r}; use one of {PLAN_KINDS}")
+    largest = max(tables, key=lambda t: t.rows).rows
+    big = big_rows if big_rows is not None else largest
+    out = {}
+    for t in tables:
+        if kind == "mixed":
+            st = "row_wise" if t.rows >= largest else ("data_parallel" if t.rows < 1000 else "table_wise")
+        elif kind == "column_wise_big":
+            st = "column_wise" if t.rows >= big else "table_wise"
+        else:
+            st = kind
+        kw: Dict[str, Any] = dict(sharding_types=[st], compute_kernels=["dense" if st == "data_parallel" else "fused"],
+                                  pooling_factors=[float(t.pooling_factor)] * len(t.features))
+        if st == "column_wise":
+            kw["min_partition"] = column_dim or max(4, t.dim // 2)
+        out[t.name] = ParameterConstraints(**kw)
+    return out
+
+
+def shard_for_training(model, plan, device, lr: float = 0.05, dense_lr: float = 0.005):
+    """``(DistributedModelParallel, optimizer)`` as the DLRM example builds them."""
+    from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": lr})
+    dmp = DistributedModelParallel(module=model, device=device, plan=plan, sharders=get_default_sharders())
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dense_opt = KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adagrad(params, lr=dense_lr))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+
+
+@attrs.frozen
+class Measurement:
+    """One timed run: the slowest rank's median and mean steady-state step (seconds)."""
+
+    label: str
+    median_s: float
+    mean_s: float
+    steps: int
+    wall_s: float
+
+
+def measure_plan(
+    label: str,
+    model_factory: Callable[[], Any],
+    plan: Any,
+    batches: Sequence[Any],
+    steps: int,
+    warmup: int,
+    pg: Any = None,
+    device: Optional[torch.device] = None,
+    pipeline_factory: Optional[Callable[[Any, Any, torch.device], Any]] = None,
+) -> Measurement:
+    """Shard a fresh ``model_factory()`` under ``plan``, run ``warmup + steps`` steps over
+    ``batches`` (cycled if shorter) and return the slowest rank's steady-state step time.
+    ``pipeline_factory(dmp, optimizer, device)`` replaces TorchRec's ``TrainPipelineSparseDist``."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    t_start = time.perf_counter()
+    device = device or torch.device("cpu")
+    dmp, opt = shard_for_training(model_factory(), plan, device)
+    if pipeline_factory is not None:
+        pipeline = pipeline_factory(dmp, opt, device)
+    else:
+        pipeline = TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
+    total = warmup + steps
+    # the pipeline prefetches up to two batches ahead: give it two spare ones
+    feed = [batches[i % len(batches)] for i in range(total + 2)]
+    it = iter(feed)
+    if pg is not None:
+        dist.barrier(group=pg)
+    durations = []
+    for _ in range(total):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        pipeline.progress(it)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        durations.append(time.perf_counter() - t0)
+    steady = durations[warmup:]
+    med, mean = statistics.median(steady), statistics.fmean(steady)
+    if pg is not None:
+        t = torch.tensor([med, mean], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+        med, mean = (float(x) for x in t)
+    del pipeline, dmp, opt
+    gc.collect()
+    return Measurement(label=label, median_s=med, mean_s=mean, steps=len(steady),
+                       wall_s=time.perf_counter() - t_start)
+
+
+def summarize(measurements: Sequence[Measurement]) -> Mapping[str, float]:
+    """label -> median over repeated measurements of that label (seconds)."""
+    by: Dict[str, List[float]] = {}
+    for m in measurements:
+        by.setdefault(m.label, []).append(m.median_s)
+    return {k: statistics.median(v) for k, v in by.items()}

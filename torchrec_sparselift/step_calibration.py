@@ -1,0 +1,327 @@
+"""Profile-guided calibration: fit the hardware profile from real training steps.
+
+    torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift.step_calibration [--quick]
+
+runs the probe plans (:data:`torchrec_sparselift.runtime.probe.PLAN_KINDS`: all table-wise, all
+row-wise, all data-parallel, all column-wise, mixed) on the probe models
+(:data:`~torchrec_sparselift.runtime.probe.PROBE_WORKLOADS`) for a few steps each, prices every
+plan with the cost model (:class:`PlanPricer`, the same evaluator the planner optimizes), fits the
+profile's terms (:func:`torchrec_sparselift.cost.step_fit.fit_profile`) and stores the profile in
+the :class:`~torchrec_sparselift.cost.machine.ProfileStore` under this machine's fingerprint (rank 0
+writes; the path is printed). The base profile is the committed microbenchmark profile on CPU
+(``profiles/cpu-2core-gloo.json`` when present) or the topology's preset.
+
+:func:`auto_profile` is what ``hardware="auto"`` resolves to: the stored profile of this machine,
+else the closest stored one with a warning naming the differences, else the base with a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import attrs
+import numpy as np
+
+from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
+from torchrec_sparselift.cost.machine import MachineFingerprint, ProfileStore, current_fingerprint
+from torchrec_sparselift.cost.step_fit import (
+    CPU_STEP_TERMS,
+    FitRecord,
+    StepFit,
+    fit_profile,
+    fit_terms,
+    linearize,
+    term_value,
+    with_terms,
+)
+
+__all__ = ["PlanPricer", "auto_profile", "calibrate_steps", "add_feedback", "base_profile", "forced_plan", "main",
+           "COMMITTED_CPU_PROFILE"]
+
+logger = logging.getLogger(__name__)
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The microbenchmark profile committed with the repository (the base of a CPU step fit).
+COMMITTED_CPU_PROFILE = os.path.join(_ROOT, "profiles", "cpu-2core-gloo.json")
+
+
+class PlanPricer:
+    """``profile -> predicted step seconds`` of one fixed ``ShardingPlan`` (tables, topology,
+    batch size and dense part extracted once; each call re-prices the shards with the profile
+    and sums them in the planner's evaluator). Column-wise shards are priced as equal splits."""
+
+    def __init__(self, module: Any, plan: Any, topology: Any, batch_size: int,
+                 constraints: Optional[Dict[str, Any]] = None, sharders: Optional[Sequence[Any]] = None,
+                 pipeline: str = "sparse_dist") -> None:
+        from torchrec.distributed.sharding_plan import get_default_sharders
+
+        from torchrec_sparselift.planner import dense_work
+        from torchrec_sparselift.semantics.graph import candidate_for
+        from torchrec_sparselift.semantics.tables import extract_tables
+
+        sharders = list(sharders) if sharders is not None else get_default_sharders()
+        self.topology = topology
+        self.batch_size = batch_size
+        self.pipeline = pipeline
+        handles = extract_tables(module, sharders, topology.compute_device, batch_size, constraints)
+        self.specs = [h.spec for h in handles]
+        self.dense = dense_work(module, handles)
+        W, L = topology.world_size, min(topology.local_world_size, topology.world_size)
+        self.cands, self.ranks = [], []
+        for t, h in enumerate(handles):
+            mp = plan.plan.get(h.spec.module_path)
+            ps = mp.get(h.spec.name) if mp is not None else None
+            if ps is None:
+                raise ValueError(f"the plan has no sharding for table {h.spec.fqn!r}")
+            splits = len(ps.ranks) if ps.sharding_type in ("column_wise", "table_column_wise") else 1
+            self.cands.append(candidate_for(t, h.spec, ps.sharding_type, ps.compute_kernel, W, L, splits))
+            self.ranks.append(tuple(int(r) for r in ps.ranks))
+
+    def step_time(self, profile: HardwareProfile) -> Any:
+        from torchrec_sparselift.cost.evaluator import PlanEvaluator
+        from torchrec_sparselift.cost.model import CostContext, shard_cost
+
+        topo = self.topology
+        prof = profile_for_topology(topo, profile)
+        ctx = CostContext(profile=prof, world_size=topo.world_size,
+                          local_world_size=min(topo.local_world_size, topo.world_size),
+                          batch_size=self.batch_size, dense=self.dense)
+        costs = [shard_cost(s, c, ctx) for s, c in zip(self.specs, self.cands)]
+        inf = np.full(topo.world_size, np.inf)
+        ev = PlanEvaluator(ctx, costs, [c.sharding_type for c in self.cands], inf, inf, self.pipeline,
+                           kernels=[c.compute_kernel for c in self.cands])
+        for t, ranks in enumerate(self.ranks):
+            ev.assign(t, t, ranks)
+        return ev.step_time()
+
+    def __call__(self, profile: HardwareProfile) -> float:
+        return float(self.step_time(profile).total_s)
+
+
+def base_profile(device: str) -> HardwareProfile:
+    """The profile a step fit starts from: the committed CPU microbenchmark profile on CPU."""
+    if device == "cpu" and os.path.isfile(COMMITTED_CPU_PROFILE):
+        return get_profile(COMMITTED_CPU_PROFILE)
+    return get_profile("cpu-gloo" if device == "cpu" else "h100")
+
+
+def auto_profile(device: str, ranks: int, store: Optional[ProfileStore] = None,
+                 warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3)
+                 ) -> Tuple[HardwareProfile, str]:
+    """``(profile, where)`` for ``hardware="auto"``: this machine's stored profile; else the
+    closest stored one (``warn`` names the differing fingerprint fields); else the base profile
+    (``warn`` says how to calibrate)."""
+    store = store or ProfileStore()
+    fp = current_fingerprint(device, ranks)
+    found, diff = store.lookup(fp)
+    if found is not None and not diff:
+        return found.profile, found.path
+    how = ("calibrate this machine with `torchrun --standalone --nproc_per_node "
+           f"{ranks} -m torchrec_sparselift.step_calibration`")
+    if found is not None:
+        warn(f"sparselift: no calibrated profile for this machine; using {found.path} from another machine "
+             f"(differs in {'; '.join(diff)}): predictions may be off; {how}")
+        return found.profile, found.path
+    base = base_profile(device)
+    warn(f"sparselift: no calibrated profile for this machine in {store.root}; using {base.name}: "
+         f"predictions may be off; {how}")
+    return base, base.name
+
+
+def _topology(world_size: int, device: str):
+    from torchrec.distributed.planner import Topology
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Topology(world_size=world_size, local_world_size=world_size, compute_device=device)
+
+
+def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, batch_size: int, pg: Any = None,
+                profile: Optional[HardwareProfile] = None):
+    """A plan with ``kind`` forced (probe constraints), placed by ``SparseLiftPlanner`` (TorchRec's
+    planner offers no row-wise sharding on CPU; SparseLift's does and DMP runs it); collective over
+    ``pg`` when given. Returns ``(plan, constraints)``."""
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.planner import SparseLiftPlanner
+    from torchrec_sparselift.runtime.probe import probe_constraints
+
+    cons = probe_constraints(tables, kind)
+    planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons,
+                                hardware=profile or base_profile(topology.compute_device),
+                                pipelines=["sparse_dist"], debug=False)
+    sharders = get_default_sharders()
+    plan = planner.collective_plan(model, sharders, pg) if pg is not None else planner.plan(model, sharders)
+    return plan, cons
+
+
+@attrs.frozen
+class ProbeRecord:
+    workload: str
+    plan: str
+    measured_s: float
+    predicted_before_s: float
+    predicted_after_s: float
+
+
+def calibrate_steps(
+    pg: Any,
+    device_type: str = "cpu",
+    base: Optional[HardwareProfile] = None,
+    workloads: Optional[Sequence[Any]] = None,
+    kinds: Optional[Sequence[str]] = None,
+    steps: int = 10,
+    warmup: int = 4,
+    progress: bool = True,
+    name: str = "step-fit",
+) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord]]:
+    """Measure the probe plans on every rank of ``pg`` and fit the profile (every rank returns
+    the same values: measurements are the slowest rank's)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchrec_sparselift.runtime import probe
+
+    workloads = list(workloads or probe.PROBE_WORKLOADS)
+    kinds = list(kinds or probe.PLAN_KINDS)
+    base = base or base_profile(device_type)
+    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
+    device = torch.device(device_type)
+    topo = _topology(W, device_type)
+    total = len(workloads) * len(kinds)
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="calibrate", unit="plan", file=sys.stdout, ascii=True, mininterval=0.5)
+    cases, meta = [], []
+    for w in workloads:
+        batches = probe.prebuilt_batches(w, 6, seed=0, rank=rank)
+        for kind in kinds:
+            model = probe.probe_model(w)
+            plan, cons = forced_plan(model, w.tables, kind, topo, w.batch_size, pg)
+            torch.manual_seed(0)
+            m = probe.measure_plan(f"{w.name}/{kind}", lambda: probe.probe_model(w), plan, batches, steps, warmup,
+                                   pg=pg, device=device)
+            pricer = PlanPricer(model, plan, topo, w.batch_size, cons)
+            cases.append((m.label, m.median_s, pricer))
+            meta.append((w.name, kind))
+            if bar is not None:
+                bar.set_postfix_str(f"{m.label} {m.median_s * 1e3:.1f} ms", refresh=False)
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    fitted, fit = fit_profile(cases, base, CPU_STEP_TERMS, name=name)
+    fit_records = []
+    for label, measured, pricer in cases:
+        _b, q, fixed = linearize(pricer, fitted, CPU_STEP_TERMS)
+        fit_records.append(FitRecord(label=label, quantities=q, fixed_s=fixed, measured_s=measured))
+    recs = [ProbeRecord(workload=wn, plan=k, measured_s=meas, predicted_before_s=pr(base),
+                        predicted_after_s=pr(fitted))
+            for (wn, k), (_l, meas, pr) in zip(meta, cases)]
+    return fitted, fit, recs, fit_records
+
+
+def add_feedback(records: Sequence[FitRecord], profile: HardwareProfile, topology: Any,
+                 store: Optional[ProfileStore] = None, prior_weight: float = 1e-2) -> Optional[str]:
+    """Add measured-guard trials (FitRecords) to this machine's stored step-fit records and refit
+    its profile; returns the store path, or None when this machine has no stored profile of its
+    own (feedback never edits another machine's profile)."""
+    store = store or ProfileStore()
+    fp = current_fingerprint(topology.compute_device, int(topology.local_world_size))
+    found, diff = store.lookup(fp)
+    if found is None or diff:
+        return None
+    old = [FitRecord(**r) for r in found.info.get("fit_records", [])]
+    allrecs = old + list(records)
+    prior = {t.name: term_value(found.profile, t) for t in CPU_STEP_TERMS}
+    fit = fit_terms(allrecs, prior, prior_weight)
+    refit = with_terms(found.profile, fit.values, CPU_STEP_TERMS)
+    info = dict(found.info)
+    info["fit_records"] = [_record_dict(r) for r in allrecs]
+    info["feedback_records"] = int(info.get("feedback_records", 0)) + len(records)
+    info["feedback_fit_mape"] = fit.mape
+    return store.save(refit, fp, info)
+
+
+def _record_dict(r: FitRecord) -> Dict[str, Any]:
+    return dict(label=r.label, quantities=dict(r.quantities), fixed_s=r.fixed_s, measured_s=r.measured_s,
+                kind=r.kind, weight=r.weight)
+
+
+def _mape(recs: Sequence[ProbeRecord], attr: str) -> float:
+    return float(np.mean([abs(getattr(r, attr) - r.measured_s) / r.measured_s for r in recs]))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="fit the hardware profile from real training steps (run under torchrun)")
+    p.add_argument("--quick", action="store_true", help="two probe models, fewer steps (smoke test)")
+    p.add_argument("--steps", type=int, help="timed steps per probe plan (default 10, quick 5)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--store", help="profile store directory (default: $TORCHREC_SPARSELIFT_PROFILE_DIR or "
+                   "~/.cache/torchrec_sparselift/profiles)")
+    p.add_argument("--out", help="also write the profile JSON here")
+    p.add_argument("--base", help="profile to start from (default: the committed CPU profile / preset)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--check", action="store_true", help="exit 0 if this machine has a stored profile, else 1 "
+                   "(no torch, no measuring)")
+    args = p.parse_args(argv)
+    store = ProfileStore(args.store)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("NPROC", "1")))
+    if args.check:
+        found, diff = store.lookup(current_fingerprint("cpu", ranks))
+        return 0 if found is not None and not diff else 1
+    import torch
+    import torch.distributed as dist
+
+    logging.getLogger().setLevel(logging.ERROR)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    if "RANK" not in os.environ:
+        raise SystemExit("run under torchrun (2 ranks: torchrun --standalone --nproc_per_node 2 -m "
+                         "torchrec_sparselift.step_calibration)")
+    dist.init_process_group(backend="gloo")
+    try:
+        from torchrec_sparselift.runtime import probe
+
+        rank, W = dist.get_rank(), dist.get_world_size()
+        device = "cpu"
+        fp = current_fingerprint(device, int(os.environ.get("LOCAL_WORLD_SIZE", W)))
+        workloads = probe.PROBE_WORKLOADS[:2] if args.quick else probe.PROBE_WORKLOADS
+        steps = args.steps or (5 if args.quick else 10)
+        base = get_profile(args.base) if args.base else base_profile(device)
+        t0 = time.perf_counter()
+        fitted, fit, recs, fit_records = calibrate_steps(dist.group.WORLD, device, base, workloads, steps=steps,
+                                            warmup=args.warmup, progress=not args.no_progress,
+                                            name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}")
+        wall = time.perf_counter() - t0
+        if rank == 0:
+            info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), wall_s=round(wall, 1),
+                        base=base.name, fit=fit.to_dict(), mape_before=_mape(recs, "predicted_before_s"),
+                        mape_after=_mape(recs, "predicted_after_s"), steps=steps, warmup=args.warmup,
+                        records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
+                        fit_records=[_record_dict(r) for r in fit_records])
+            path = store.save(fitted, fp, info)
+            if args.out:
+                fitted.save(args.out)
+            print(f"[calibrate] {len(recs)} probe plans in {wall:.0f} s: fit error (MAPE) "
+                  f"{info['mape_after'] * 100:.1f}% (base profile {info['mape_before'] * 100:.0f}%); "
+                  f"profile for {fp.describe()} stored in {path}", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)
