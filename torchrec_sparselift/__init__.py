@@ -22,7 +22,7 @@ _EXPORTS = {
     "SparseLiftPlanner": "torchrec_sparselift.planner",
     "PlanResult": "torchrec_sparselift.planner",
     "evaluate_sharding_plan": "torchrec_sparselift.planner",
-    "SparseLiftPlannerError": "torchrec_sparselift.search.errors",
+    "SparseLiftPlannerError": "torchrec_sparselift.errors",
     "SparseLiftEnumerator": "torchrec_sparselift.search.enumerator",
     "SparseLiftProposer": "torchrec_sparselift.search.proposer",
     "ExecutionPlan": "torchrec_sparselift.plan",

@@ -35,6 +35,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.errors import CliError
+
 __all__ = [
     "main",
     "CliError",
@@ -55,11 +57,6 @@ CONSTRAINT_KEYS = ("name", "pooling_factor", "sharding_types", "compute_kernels"
 DEFAULT_BATCH_SIZE = 512
 INPUTS_SCHEMA = "sparselift.cli_inputs/1"
 
-
-class CliError(Exception):
-    """A problem with the user's input; the message says what to change. Exit code 2."""
-
-    exit_code = 2
 
 
 # ----------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import attrs
 import torch
 
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
+from torchrec_sparselift.errors import CalibrationError
 from torchrec_sparselift.cost.microbench import (
     CollectiveRecord,
     CopyRecord,
@@ -74,9 +75,6 @@ __all__ = [
 
 GRANULARITY_CANDIDATES = (4, 16, 32, 64, 128)
 
-
-class CalibrationError(ValueError):
-    """The records cannot determine a parameter; the message says what to measure instead."""
 
 
 # -- generic fit --------------------------------------------------------------------------------
