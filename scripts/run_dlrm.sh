@@ -11,8 +11,20 @@ bash scripts/setup.sh
 NPROC=${NPROC:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 DEFAULTS=(--planner sparselift --tables dcnv2 --scale 0.001 --batch-size 256 --steps 200 --warmup-steps 20
-          --out runs/dlrm_result.json)
+          --measured-guard 2 --out runs/dlrm_result.json)
 # Validate flags and table file in one cheap process first (no torch): a clear error, no launcher noise.
 .venv/bin/python examples/dlrm/train.py "${DEFAULTS[@]}" "$@" --check
 mkdir -p runs
+# First run on this machine: fit the hardware profile from real steps of a few probe plans (about a
+# minute on 2 cores), stored per machine fingerprint in ~/.cache/torchrec_sparselift/profiles
+# (TORCHREC_SPARSELIFT_PROFILE_DIR overrides); later runs reuse it. Skipped for --planner torchrec
+# or an explicit --hardware.
+CALIBRATE=1
+for a in "$@"; do
+    case "$a" in --hardware|--hardware=*|torchrec|--check) CALIBRATE=0 ;; esac
+done
+if [ "$CALIBRATE" = 1 ] && ! NPROC="$NPROC" .venv/bin/python -m torchrec_sparselift.step_calibration --check; then
+    echo "[dlrm] no calibrated profile for this machine yet: calibrating from real steps first (bounded, ~1 min)"
+    .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m torchrec_sparselift.step_calibration
+fi
 exec .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" examples/dlrm/train.py "${DEFAULTS[@]}" "$@"

@@ -92,7 +92,7 @@ def guard_cache_path(cache_dir: str, fingerprint: Any, guard: MeasuredGuard) -> 
 def _table_names(model: Any) -> List[str]:
     from torchrec_sparselift.plan import table_specs
 
-    return [s.name for s in table_specs(model)]
+    return [s[1] for s in table_specs(model)]  # (module_path, table_name, ...)
 
 
 def feedback_records(pricers: Sequence[Tuple[str, float, Callable[[HardwareProfile], float]]],

@@ -145,6 +145,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="sparselift: train with this pipeline instead of the planned one (the prediction then no longer applies)",
     )
     p.add_argument("--allow-lossy-comm", action="store_true", help="sparselift may plan fp16/bf16 communication")
+    p.add_argument(
+        "--measured-guard",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sparselift: before training, measure SparseLift's best N candidate plans and TorchRec's plan for a "
+        "few steps each and keep the fastest (0: off); the result is cached with the plan",
+    )
+    p.add_argument("--guard-steps", type=int, default=8, metavar="S", help="timed steps per measured-guard trial")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save sharded model + optimizer state here; resume from it")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="N", help="checkpoint after every N steps")
     p.add_argument(
@@ -177,6 +186,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise UsageError("--pipeline applies to --planner sparselift (--planner torchrec trains with sparse_dist)")
     if args.zipf_alpha <= 0:
         raise UsageError(f"--zipf-alpha must be > 0, got {args.zipf_alpha}")
+    if args.measured_guard < 0 or args.guard_steps < 1:
+        raise UsageError("--measured-guard must be >= 0 and --guard-steps >= 1")
+    if args.measured_guard and args.planner != "sparselift":
+        raise UsageError("--measured-guard applies to --planner sparselift (it measures TorchRec's plan too)")
     return args
 
 
@@ -310,15 +323,27 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 CPU_PROFILE = os.path.join(REPO_ROOT, "profiles", "cpu-2core-gloo.json")
 
 
-def hardware_choice(flag: str, device_type: str) -> Optional[str]:
-    """What ``--hardware`` hands the planner: a preset name or profile path; for ``auto``, the
-    committed calibrated CPU profile on CPU when it exists, else None (the planner picks a preset
-    from the topology)."""
+def hardware_choice(flag: str, device_type: str, ranks: int = 1, say: Callable[[str], None] = print):
+    """What ``--hardware`` hands the planner: a preset name or profile path; for ``auto``, this
+    machine's profile fitted from real steps (``sparselift`` step calibration, stored per machine
+    fingerprint in ~/.cache/torchrec_sparselift/profiles) as a HardwareProfile; without one, the
+    closest stored profile or the committed CPU profile, with a line naming what differs; on GPU
+    None (the planner picks a preset from the topology)."""
     if flag != "auto":
         return flag
-    if device_type == "cpu" and os.path.isfile(CPU_PROFILE):
-        return CPU_PROFILE
+    if device_type == "cpu":
+        try:
+            from torchrec_sparselift.step_calibration import auto_profile
+        except ImportError:
+            return CPU_PROFILE if os.path.isfile(CPU_PROFILE) else None
+        profile, _where = auto_profile("cpu", ranks, warn=lambda m: say(f"[dlrm] warning: {m}"))
+        return profile
     return None
+
+
+def hardware_name(hardware: Any) -> Optional[str]:
+    """A JSON-able name for what :func:`hardware_choice` returned."""
+    return hardware if hardware is None or isinstance(hardware, str) else getattr(hardware, "name", str(hardware))
 
 
 def check_hardware(name: str):
@@ -363,7 +388,7 @@ def make_planner(
             f"--planner sparselift: SparseLiftPlanner is not importable ({e}); install the package "
             "(bash scripts/setup.sh) or use --planner torchrec"
         ) from e
-    profile = check_hardware(hardware) if hardware is not None else None
+    profile = check_hardware(hardware) if isinstance(hardware, str) else hardware
     return SparseLiftPlanner(
         topology=topology,
         batch_size=batch_size,
@@ -534,7 +559,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     specs = load_constraints_file(args.constraints, tables) if args.constraints else []
     constraints = planner_constraints(tables, specs, one_hot=bool(args.criteo_dir))
     cache_dir = None if (args.no_plan_cache or args.planner != "sparselift") else args.plan_cache
-    hardware = hardware_choice(args.hardware, device.type)
+    hardware = hardware_choice(args.hardware, device.type, local_world_size, say)
     planner = make_planner(
         args.planner, world_size, local_world_size, device.type, args.batch_size, constraints,
         hardware=hardware, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm,
@@ -547,7 +572,34 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
         from torchrec_sparselift.runtime import lift
 
-        ep = planner.collective_plan_execution(model, sharders, pg)
+        guard_result = None
+        if args.measured_guard:
+            import itertools
+
+            from torchrec_sparselift.measured_guard import guarded_execution_plan
+            from torchrec_sparselift.runtime.guard import MeasuredGuard
+
+            guard = MeasuredGuard(candidates=args.measured_guard, steps=args.guard_steps)
+            # the trials train on pre-built batches of the run's own data (not timed: built here)
+            if args.criteo_dir:
+                trial_batches = list(itertools.islice(
+                    criteo_batches(args.criteo_dir, tables, args.batch_size, rank, world_size, 8, 0), 8))
+            else:
+                trial_batches = list(itertools.islice(synthetic_batches(
+                    tables, args.batch_size, args.seed + 7919, rank, 8, args.zipf_alpha, args.signal), 8))
+            say(f"[dlrm] measured guard: SparseLift's best {guard.candidates} plan(s) and TorchRec's, "
+                f"{guard.warmup}+{guard.steps} steps each")
+            ep, guard_result, guard_reused = guarded_execution_plan(
+                lambda: build_model(tables, model_kind, arch), pg, device, trial_batches,
+                topology=planner._topology, batch_size=args.batch_size, constraints=constraints,
+                hardware=hardware if not isinstance(hardware, str) else check_hardware(hardware),
+                guard=guard, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm, sharders=sharders,
+                log=say)
+            say(f"[dlrm] measured guard ({'cached, not re-measured' if guard_reused else 'measured now'}):")
+            say(guard_result.format())
+            cache_dir, reused = None, guard_reused  # the guarded plan has its own cache entry
+        else:
+            ep = planner.collective_plan_execution(model, sharders, pg)
         planning_s = time.perf_counter() - t0
         if cache_dir:
             flag = [planner.last_cache_hit]  # known on rank 0, which planned
@@ -574,7 +626,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         prediction, pipeline_kind, comm, predicted_s, timer_label = None, "sparse_dist", "fp32/fp32", None, "torchrec"
     summary = plan_summary(plan)
     if reused:
-        say(f"[dlrm] plan: reused cached execution plan from {cache_dir} (solver not run; {planning_s:.2f} s)")
+        say(f"[dlrm] plan: reused cached execution plan from {args.plan_cache} (solver not run; {planning_s:.2f} s)")
     else:
         where = f"; stored in {cache_dir}" if cache_dir else ""
         say(f"[dlrm] plan: planned in {planning_s:.2f} s ({args.planner}{where})")
@@ -671,12 +723,13 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         tables=[attrs.asdict(t) for t in tables],
         batch_size_per_rank=args.batch_size,
         global_batch_size=args.batch_size * world_size,
-        hardware=hardware,
+        hardware=hardware_name(hardware),
         plan_cache=cache_dir,
         plan_reused=reused,
         planning_time_s=planning_s,
         plan=summary,
         prediction=prediction,
+        measured_guard=guard_result.to_dict() if args.planner == "sparselift" and guard_result is not None else None,
         pipeline=pipeline_kind,
         comm_precision=comm,
         predicted_step_time_ms=None if predicted_s is None else predicted_s * 1e3,
