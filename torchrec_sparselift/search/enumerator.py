@@ -18,15 +18,17 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+import attrs
 from torch import nn
 from torchrec.distributed.planner.types import Enumerator, ParameterConstraints, ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder
 
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
-from torchrec_sparselift.cost.model import CostContext, shard_cost
+from torchrec_sparselift.cost.model import CostContext, ShardCost, shard_cost
 from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import PlanningProblem, build_problem, device_caps
-from torchrec_sparselift.semantics.graph import candidate_for
+from torchrec_sparselift.semantics.dense import dense_work
+from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
 
 __all__ = ["SparseLiftEnumerator"]
@@ -71,8 +73,6 @@ class SparseLiftEnumerator(Enumerator):
         topo = self._topology
         handles = extract_tables(module, sharders, topo.compute_device, self._batch_size,
                                  self._constraints, self._workload)
-        from torchrec_sparselift.planner import dense_work
-
         ctx = CostContext(profile=self._profile, world_size=topo.world_size,
                           local_world_size=min(topo.local_world_size, topo.world_size),
                           batch_size=self._batch_size, dense=dense_work(module, handles))
@@ -108,7 +108,5 @@ class SparseLiftEnumerator(Enumerator):
                 s.perf, s.storage = f.perf, f.storage
 
 
-def _one_candidate_problem(prob: PlanningProblem, cand: Any, cost: Any) -> PlanningProblem:
-    import attrs
-
+def _one_candidate_problem(prob: PlanningProblem, cand: Candidate, cost: ShardCost) -> PlanningProblem:
     return attrs.evolve(prob, cands=(cand,), costs=(cost,), candidates=((0,),))
