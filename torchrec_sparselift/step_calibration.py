@@ -61,7 +61,7 @@ class PlanPricer:
                  pipeline: str = "sparse_dist") -> None:
         from torchrec.distributed.sharding_plan import get_default_sharders
 
-        from torchrec_sparselift.planner import dense_work
+        from torchrec_sparselift.semantics.dense import dense_work
         from torchrec_sparselift.semantics.graph import candidate_for
         from torchrec_sparselift.semantics.tables import extract_tables
 

@@ -1,0 +1,364 @@
+"""Real runs decide: SparseLift's plan vs TorchRec's plan and forced plans, measured step time.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/real_runs.py --out runs/real_runs.json [--quick]
+
+For each workload shape (:data:`WORKLOADS`: DLRM-DCNv2 and Criteo Kaggle scaled, many small tables,
+a few hot skewed tables, a few large tables, tables shared by several features) it makes these plans:
+all table-wise, all row-wise, all data-parallel (only where the replicas fit, see
+:data:`DP_MAX_BYTES`), column-wise for the big tables (the rest table-wise), mixed (largest table
+row-wise, small ones data-parallel), SparseLift's plan (``SparseLiftPlanner``) and TorchRec's plan
+(``EmbeddingShardingPlanner``), both given the workload's pooling factors. Every plan's sharded model
+is built once (DMP + fused row-wise AdaGrad + dense AdaGrad + ``TrainPipelineSparseDist``, as the DLRM
+example trains) and reused; then ``--reps`` rounds run every plan in turn for ``--warmup`` untimed and
+``--steps`` timed steps (interleaved, so machine noise hits all plans alike). A run's time is the
+slowest rank's median step; a plan's time is the median over rounds.
+
+Data: each rank's distinct batches (``--batches`` of them, cycled) are built before any timing
+(:func:`torchrec_sparselift.runtime.probe.prebuilt_batches`), like a DataLoader that prefetches, so
+batch generation is not in the timed step.
+
+Predictions: every plan is priced by SparseLift's cost model with this machine's profile fitted from
+real steps of the *probe* workloads (:mod:`torchrec_sparselift.step_calibration`; none of the
+workloads here). Without a stored profile for this machine the benchmark calibrates first
+(``--calibrate`` forces it). The guard's choice is what the measured guard would keep among
+SparseLift's plan, its table-wise alternative and TorchRec's plan, judged on round 0 only.
+
+Per workload it prints measured ms/step and predicted ms of each plan, TorchRec/SparseLift, SparseLift
+vs the best measured plan, MAPE and Spearman across the plans; then the geomean and the held-out
+fidelity over all workloads, and writes everything to ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from torchrec_sparselift.runtime.probe import ProbeTable, ProbeWorkload  # noqa: E402
+
+__all__ = ["WORKLOADS", "QUICK_WORKLOADS", "plan_kinds_for", "mape", "spearman", "geomean", "main"]
+
+#: Data-parallel plans only where every table's replica (weights + grad + state) fits this.
+DP_MAX_BYTES = 96 * 2**20
+
+
+def _example_tables(preset: str, scale: float, dim: Optional[int] = None) -> Tuple[ProbeTable, ...]:
+    ex = os.path.join(_ROOT, "examples", "dlrm")
+    if ex not in sys.path:
+        sys.path.insert(0, ex)
+    import dlrm_tables
+
+    ts = dlrm_tables.scale_tables(dlrm_tables.preset_tables(preset, dim), scale)
+    return tuple(ProbeTable(t.name, t.rows, t.dim, tuple(t.features), float(t.pooling_factor)) for t in ts)
+
+
+def _tables(prefix: str, spec: Sequence[Tuple[int, int, int, float]]) -> Tuple[ProbeTable, ...]:
+    return tuple(ProbeTable(f"{prefix}{i}", rows, dim, tuple(f"{prefix}{i}_f{j}" for j in range(nf)), pf)
+                 for i, (rows, dim, nf, pf) in enumerate(spec))
+
+
+def _workloads() -> Dict[str, Tuple[ProbeWorkload, float]]:
+    """name -> (workload, zipf alpha of its ids)."""
+    return {
+        "dcnv2": (ProbeWorkload("dcnv2", _example_tables("dcnv2", 0.001), model="dcn", dense=(64,),
+                                batch_size=256), 1.05),
+        "kaggle": (ProbeWorkload("kaggle", _example_tables("kaggle", 0.002), model="dlrm", dense=(64,),
+                                 batch_size=512), 1.05),
+        "many_small": (ProbeWorkload("many_small", _tables("ms", [(100 + 53 * i, 32, 1, 1.0) for i in range(60)]),
+                                     model="dlrm", dense=(64,), batch_size=256), 1.05),
+        "hot_skewed": (ProbeWorkload("hot_skewed", _tables("hs", [(20000 + 5000 * i, 64, 1, 16.0 if i < 4 else 6.0)
+                                                                   for i in range(12)]),
+                                     model="dlrm", dense=(64,), batch_size=512), 1.3),
+        "few_large": (ProbeWorkload("few_large", _tables("fl", [(300000, 64, 1, 2.0), (200000, 64, 1, 1.0),
+                                                                 (150000, 64, 1, 4.0), (100000, 64, 1, 1.0)]),
+                                    model="dlrm", dense=(64,), batch_size=512), 1.05),
+        "shared": (ProbeWorkload("shared", _tables("sh", [(30000, 64, 4, 2.0), (10000, 64, 3, 1.0), (5000, 64, 3, 3.0),
+                                                          (2000, 64, 2, 1.0), (800, 64, 2, 1.0), (200, 64, 2, 1.0)]),
+                                 model="dcn", dense=(64,), batch_size=512), 1.05),
+    }
+
+
+WORKLOADS = tuple(_workloads())
+QUICK_WORKLOADS = ("many_small", "shared")
+
+
+def plan_kinds_for(w: ProbeWorkload) -> List[str]:
+    """The forced plans of ``w`` (data-parallel only where the replicas fit)."""
+    kinds = ["table_wise", "row_wise"]
+    replica = sum(t.rows * t.dim * 4 * 3 for t in w.tables)
+    if replica <= DP_MAX_BYTES:
+        kinds.append("data_parallel")
+    kinds += ["column_wise_big", "mixed"]
+    return kinds
+
+
+def mape(pred: Sequence[float], meas: Sequence[float]) -> float:
+    return sum(abs(p - m) / m for p, m in zip(pred, meas)) / len(meas)
+
+
+def _ranks(xs: Sequence[float]) -> List[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return r
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    return cov / math.sqrt(va * vb) if va and vb else float("nan")
+
+
+def geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def _plans(w: ProbeWorkload, topo, profile, pg, say) -> List[Tuple[str, Any, Dict[str, Any]]]:
+    """``(name, plan, constraints)`` of every plan of ``w``."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.planner import SparseLiftPlanner
+    from torchrec_sparselift.runtime.probe import probe_constraints, probe_model
+    from torchrec_sparselift.step_calibration import forced_plan
+
+    big = sorted(t.rows for t in w.tables)[-max(1, len(w.tables) // 4)]
+    pooling = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
+               for t in w.tables}
+    out = []
+    for kind in plan_kinds_for(w):
+        if kind == "column_wise_big":
+            cons = probe_constraints(w.tables, kind, big_rows=big)
+            from torchrec_sparselift.planner import SparseLiftPlanner as _P
+
+            plan = _P(topology=topo, batch_size=w.batch_size, constraints=cons, hardware=profile,
+                      pipelines=["sparse_dist"], debug=False).collective_plan(probe_model(w), get_default_sharders(), pg)
+        else:
+            plan, cons = forced_plan(probe_model(w), w.tables, kind, topo, w.batch_size, pg, profile)
+        out.append((kind, plan, cons))
+    t0 = time.perf_counter()
+    sl = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling, hardware=profile)
+    out.append(("sparselift", sl.collective_plan(probe_model(w), get_default_sharders(), pg), pooling))
+    say(f"[real_runs] {w.name}: SparseLift planned in {time.perf_counter() - t0:.1f} s")
+    tr = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling)
+    out.append(("torchrec", tr.collective_plan(probe_model(w), get_default_sharders(), pg), pooling))
+    return out
+
+
+def _types(plan) -> str:
+    c: Dict[str, int] = {}
+    for mp in plan.plan.values():
+        for ps in mp.values():
+            c[ps.sharding_type] = c.get(ps.sharding_type, 0) + 1
+    return ",".join(f"{k[:2]}{'' if v == 1 else 'x' + str(v)}" for k, v in sorted(c.items()))
+
+
+def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from torchrec_sparselift.runtime.probe import prebuilt_batches, probe_model, shard_for_training
+    from torchrec_sparselift.step_calibration import PlanPricer, _topology
+
+    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
+    topo = _topology(W, "cpu")
+    device = torch.device("cpu")
+    plans = _plans(w, topo, profile, pg, say)
+    batches = prebuilt_batches(w, args.batches, seed=1, rank=rank, alpha=alpha)
+    runners = []
+    for name, plan, cons in plans:
+        torch.manual_seed(0)
+        pred = PlanPricer(probe_model(w), plan, topo, w.batch_size, cons)(profile)
+        dmp, opt = shard_for_training(probe_model(w), plan, device)
+        pipe = TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
+
+        def feed(batches=batches):
+            i = 0
+            while True:
+                yield batches[i % len(batches)]
+                i += 1
+
+        runners.append(dict(name=name, plan=plan, predicted_s=pred, pipe=pipe, it=feed(), dmp=dmp, opt=opt,
+                            runs=[], types=_types(plan)))
+    # one untimed pass first: a plan's first steps pay one-off costs (allocator, lazy init)
+    for r in runners:
+        for _ in range(args.warmup):
+            r["pipe"].progress(r["it"])
+    dist.barrier(group=pg)
+    for rep in range(args.reps):
+        for r in runners:
+            dist.barrier(group=pg)
+            durs = []
+            for s in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                r["pipe"].progress(r["it"])
+                durs.append(time.perf_counter() - t0)
+            med = torch.tensor([statistics.median(durs[args.warmup:])], dtype=torch.float64)
+            dist.all_reduce(med, op=dist.ReduceOp.MAX, group=pg)
+            r["runs"].append(float(med))
+        say(f"[real_runs] {w.name} round {rep + 1}/{args.reps}: "
+            + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms")
+    rows = []
+    for r in runners:
+        rows.append(dict(plan=r["name"], types=r["types"], measured_ms=statistics.median(r["runs"]) * 1e3,
+                         runs_ms=[x * 1e3 for x in r["runs"]], predicted_ms=r["predicted_s"] * 1e3))
+    del runners
+    gc.collect()
+    by = {row["plan"]: row for row in rows}
+    best = min(rows, key=lambda x: x["measured_ms"])
+    ours, theirs = by["sparselift"]["measured_ms"], by["torchrec"]["measured_ms"]
+    guard_pool = [p for p in ("sparselift", "table_wise", "torchrec") if p in by]
+    guard_pick = min(guard_pool, key=lambda p: by[p]["runs_ms"][0])
+    meas = [row["measured_ms"] for row in rows]
+    pred = [row["predicted_ms"] for row in rows]
+    return dict(workload=w.name, tables=len(w.tables), features=sum(len(t.features) for t in w.tables),
+                batch_size=w.batch_size, alpha=alpha, rows=rows, best=best["plan"],
+                torchrec_over_ours=theirs / ours, ours_over_best=ours / best["measured_ms"],
+                best_over_torchrec=theirs / best["measured_ms"],
+                guard_pick=guard_pick, guard_torchrec_over=theirs / by[guard_pick]["measured_ms"],
+                mape=mape(pred, meas), spearman=spearman(pred, meas))
+
+
+def format_workload(res: Dict[str, Any]) -> str:
+    lines = [f"\n## {res['workload']} ({res['tables']} tables, {res['features']} features, batch "
+             f"{res['batch_size']}/rank, zipf {res['alpha']})",
+             f"{'plan':<16}{'types':<18}{'measured ms':>12}{'predicted ms':>14}{'pred/meas':>10}{'vs best':>9}"]
+    best = min(r["measured_ms"] for r in res["rows"])
+    for r in res["rows"]:
+        lines.append(f"{r['plan']:<16}{r['types'][:17]:<18}{r['measured_ms']:>12.2f}{r['predicted_ms']:>14.2f}"
+                     f"{r['predicted_ms'] / r['measured_ms']:>10.2f}{r['measured_ms'] / best:>9.3f}")
+    lines.append(f"TorchRec/SparseLift {res['torchrec_over_ours']:.3f}x; SparseLift/best {res['ours_over_best']:.3f}; "
+                 f"best plan {res['best']} ({res['best_over_torchrec']:.3f}x over TorchRec); guard keeps "
+                 f"{res['guard_pick']} ({res['guard_torchrec_over']:.3f}x over TorchRec); MAPE "
+                 f"{res['mape'] * 100:.1f}%, Spearman {res['spearman']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/real_runs.json")
+    p.add_argument("--quick", action="store_true", help=f"smoke test: {', '.join(QUICK_WORKLOADS)}, 1 round, 4 steps")
+    p.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    p.add_argument("--reps", type=int, default=3, help="interleaved rounds (each plan once per round)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per plan per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before each timed run")
+    p.add_argument("--batches", type=int, default=8, help="distinct pre-built batches per rank (cycled)")
+    p.add_argument("--profile", help="price with this profile JSON instead of the machine's step-fitted one")
+    p.add_argument("--calibrate", action="store_true", help="fit this machine's profile first even if one is stored")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.reps, args.steps, args.warmup = 1, 4, 2
+    names = args.workloads.split(",") if args.workloads else list(QUICK_WORKLOADS if args.quick else WORKLOADS)
+    table = _workloads()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        p.error(f"unknown workloads {unknown}; choose from {list(table)}")
+
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    logging.getLogger().setLevel(logging.ERROR)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="gloo")
+    rank = dist.get_rank()
+    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+    try:
+        from torchrec_sparselift.cost.hardware import get_profile
+        from torchrec_sparselift.cost.machine import ProfileStore, current_fingerprint
+        from torchrec_sparselift.step_calibration import calibrate_steps
+
+        t_start = time.time()
+        fp = current_fingerprint("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+        store = ProfileStore()
+        if args.profile:
+            profile, source = get_profile(args.profile), args.profile
+        else:
+            found, diff = store.lookup(fp)
+            if found is None or diff or args.calibrate:
+                say("[real_runs] calibrating this machine from the probe workloads first")
+                profile, fit, _recs, fit_records = calibrate_steps(dist.group.WORLD, "cpu", steps=8, warmup=3,
+                                                                   progress=rank == 0)
+                if rank == 0:
+                    from torchrec_sparselift.step_calibration import _record_dict
+
+                    store.save(profile, fp, dict(fit=fit.to_dict(), fit_records=[_record_dict(r) for r in fit_records],
+                                                 created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+                source = "calibrated now (probe workloads)"
+            else:
+                profile, source = found.profile, found.path
+        say(f"[real_runs] profile {profile.name} from {source}; {len(names)} workloads, {args.reps} rounds x "
+            f"({args.warmup}+{args.steps}) steps, {args.batches} pre-built batches per rank; load {os.getloadavg()[0]:.1f}")
+        results = []
+        for n in names:
+            w, alpha = table[n]
+            res = run_workload(w, alpha, profile, dist.group.WORLD, args, say)
+            results.append(res)
+            say(format_workload(res))
+        ratios = [r["torchrec_over_ours"] for r in results]
+        all_pred = [row["predicted_ms"] for r in results for row in r["rows"]]
+        all_meas = [row["measured_ms"] for r in results for row in r["rows"]]
+        summary = dict(
+            geomean_torchrec_over_ours=geomean(ratios),
+            geomean_torchrec_over_guard=geomean([r["guard_torchrec_over"] for r in results]),
+            geomean_best_over_torchrec=geomean([r["best_over_torchrec"] for r in results]),
+            min_torchrec_over_ours=min(ratios),
+            max_ours_over_best=max(r["ours_over_best"] for r in results),
+            mape_all=mape(all_pred, all_meas),
+            mean_workload_spearman=statistics.fmean([r["spearman"] for r in results if not math.isnan(r["spearman"])])
+            if results else float("nan"),
+        )
+        say(f"\n[real_runs] geomean TorchRec/SparseLift {summary['geomean_torchrec_over_ours']:.3f}x "
+            f"(worst {summary['min_torchrec_over_ours']:.3f}x); with the guard's pick "
+            f"{summary['geomean_torchrec_over_guard']:.3f}x; best measured plan over TorchRec (headroom) "
+            f"{summary['geomean_best_over_torchrec']:.3f}x; SparseLift/best worst {summary['max_ours_over_best']:.3f}; "
+            f"prediction MAPE {summary['mape_all'] * 100:.1f}% over {len(all_meas)} plans, mean Spearman "
+            f"{summary['mean_workload_spearman']:.2f} (held out: profile fitted on the probe workloads)")
+        if rank == 0:
+            out = dict(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), wall_s=time.time() - t_start,
+                       profile=profile.to_dict(), profile_source=source, fingerprint=fp.to_dict(),
+                       settings=dict(reps=args.reps, steps=args.steps, warmup=args.warmup, batches=args.batches,
+                                     quick=args.quick), load_end=os.getloadavg()[0], workloads=results,
+                       summary=summary)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(out, f, indent=1)
+            os.replace(args.out + ".tmp", args.out)
+            say(f"[real_runs] wrote {args.out} ({out['wall_s']:.0f} s)")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)
