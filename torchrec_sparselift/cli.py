@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import attrs
 
@@ -331,6 +331,10 @@ class PlanInputs:
     allow_staleness: bool = False
     time_budget_s: float = 10.0
     source: str = ""
+    #: 2D sparse parallelism: None (1D), "auto" or a group size; the sync-interval bound; layout
+    sharding_group_size: Union[None, int, str] = None
+    max_sync_interval: Optional[int] = None
+    layout_2d: str = "auto"
 
     def __attrs_post_init__(self) -> None:
         given = [x for x in (self.tables, self.workload, self.model) if x]
@@ -390,6 +394,9 @@ class PlanInputs:
             "allow_staleness": self.allow_staleness,
             "time_budget_s": self.time_budget_s,
             "source": self.source,
+            "sharding_group_size": self.sharding_group_size,
+            "max_sync_interval": self.max_sync_interval,
+            "layout_2d": self.layout_2d,
         }
 
     @classmethod
@@ -407,6 +414,9 @@ class PlanInputs:
                 batch_size=int(data["batch_size"]),
                 allow_lossy_comm=bool(data.get("allow_lossy_comm", False)),
                 allow_staleness=bool(data.get("allow_staleness", False)),
+                sharding_group_size=data.get("sharding_group_size"),
+                max_sync_interval=data.get("max_sync_interval"),
+                layout_2d=data.get("layout_2d", "auto"),
                 time_budget_s=float(data.get("time_budget_s", 10.0)),
                 source=str(data.get("source", "")),
             )
@@ -552,6 +562,31 @@ def _add_planner_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-lossy-comm", action="store_true", help="allow fp16/bf16 embedding communication")
     g.add_argument("--allow-staleness", action="store_true", help="allow the semi-sync pipeline (one-step-stale "
                    "embeddings)")
+    _add_2d_args(g)
+
+
+def _add_2d_args(g: Any) -> None:
+    g.add_argument("--sharding-group-size", type=_group_size_arg, default=None, metavar="auto|N",
+                   help="2D sparse parallelism (DMPCollection): shard tables over groups of N ranks and "
+                   "replicate the groups, or 'auto' to let the planner pick N (the whole world = 1D)")
+    g.add_argument("--max-sync-interval", type=int, default=None, metavar="N",
+                   help="2D: largest replica-sync interval the planner may choose (default: the largest "
+                   "interval measured at quality parity with 1D; more is an explicit allowance)")
+    g.add_argument("--layout-2d", choices=("auto", "contiguous", "strided"), default="auto",
+                   help="2D rank layout: strided groups (TorchRec's default), contiguous groups "
+                   "(use_inter_host_allreduce), or auto: price both on several hosts")
+
+
+def _group_size_arg(value: str) -> Union[str, int]:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of ranks, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of ranks >= 1, got {n}")
+    return n
 
 
 def _add_common(p: argparse.ArgumentParser, top: bool = False) -> None:
@@ -604,6 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--png", default=None, metavar="FILE", help="also draw per-rank bars and a step timeline "
                    "(needs matplotlib)")
     _add_input_args(e, required=False)
+    _add_2d_args(e.add_argument_group("2D (with an input: the planning inputs to compare against)"))
     _add_common(e)
 
     sub.add_parser("calibrate", help="measure this machine and fit a hardware profile", add_help=False)
@@ -634,6 +670,9 @@ def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] 
         allow_staleness=getattr(args, "allow_staleness", False),
         time_budget_s=float(getattr(args, "time_budget", 10.0)),
         source=os.path.abspath(args.tables) if args.tables else "",
+        sharding_group_size=getattr(args, "sharding_group_size", None),
+        max_sync_interval=getattr(args, "max_sync_interval", None),
+        layout_2d=getattr(args, "layout_2d", "auto"),
     )
 
 
@@ -651,6 +690,8 @@ def _planner(inputs: PlanInputs, constraints: Dict[str, Any], cache_dir: Optiona
         constraints=constraints or None, hardware=inputs.topology.profile(), debug=False,
         time_budget_s=inputs.time_budget_s, allow_lossy_comm=inputs.allow_lossy_comm,
         allow_staleness=inputs.allow_staleness, cache_dir=cache_dir,
+        sharding_group_size=inputs.sharding_group_size, max_sync_interval=inputs.max_sync_interval,
+        layout_2d=inputs.layout_2d,
     )
 
 
@@ -896,6 +937,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     p = ep.prediction
     o = ep.optimizations
     print(f"{args.plan}: {ep.summary()}")
+    if o.is_2d:
+        from torchrec_sparselift.explain import format_2d
+
+        print("\n".join(format_2d(o)))
     lb_txt = f"{p.lower_bound_s * 1e3:.3f} ms" if p.lower_bound_s > 0 else "n/a"
     print(f"step {p.step_time_s * 1e3:.3f} ms, lower bound {lb_txt}, gap {p.gap:.1%}"
           + ("  (the plan is within this of the best possible under the model)" if p.lower_bound_s > 0 else ""))
@@ -918,6 +963,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
         profile = inputs.topology.profile()
         from torchrec_sparselift.planner import evaluate_sharding_plan
 
+        if o.is_2d:  # a 2D plan's ranks are group-local: price it on one sharding group
+            from torchrec_sparselift.planner import _sub_topology
+
+            local = o.layout_2d.group_ranks_per_host if o.layout_2d is not None else None
+            topo = _sub_topology(topo, o.sharding_group_size, local)
+
         with Progress("re-pricing the plan", args.quiet):
             planner = _planner(inputs, constraints)
             why = planner.fingerprint(module).mismatch(ep.fingerprint)
@@ -932,6 +983,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise CliError(f"the plan does not match its inputs: {e}") from None
             dev_cap, host_cap = _device_caps(inputs, module, constraints)
+            if o.is_2d:
+                dev_cap, host_cap = dev_cap[: o.sharding_group_size], host_cap[: o.sharding_group_size]
             expl = explain_tables(evaluated, dev_cap, host_cap, top=args.top)
         step = evaluated.search.step
         supports = getattr(evaluated.profile, "supports_overlap", True)

@@ -6,9 +6,10 @@ from :func:`~torchrec_sparselift.planner.evaluate_sharding_plan`) and returns va
 :func:`render_png` is the only function with a side effect (it writes a file, and needs
 matplotlib: ``pip install matplotlib``).
 
-* :func:`step_timeline` lays one steady-state step out as segments on lanes, following the overlap
-  rules of :func:`~torchrec_sparselift.cost.model.step_time`; the critical segments end exactly at
-  the modelled step time, so the picture and the number agree.
+* :func:`step_timeline` lays one steady-state step out as segments on lanes, from the same
+  pipeline description :func:`~torchrec_sparselift.cost.model.step_time` evaluates
+  (:mod:`torchrec_sparselift.cost.pipelines`); the critical segments end exactly at the modelled
+  step time, so the picture and the number agree.
 * :func:`explain_tables` re-prices each large table's other candidate shardings with the same
   incremental evaluator the search used (the rest of the plan fixed, best placement for each
   candidate, per-rank memory limits enforced): the alternatives the chosen sharding beat, and by
@@ -22,6 +23,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift.cost.pipelines import PHASE_NAMES, Placed, effective_pipeline, schedule
+
 __all__ = [
     "Segment",
     "Alternative",
@@ -34,148 +37,27 @@ __all__ = [
     "format_timeline",
     "format_tables",
     "render_png",
+    "format_2d",
 ]
 
-PHASE_ORDER = (
-    "input_dist", "uvm_fetch", "lookup", "output_dist", "dense_fwd", "dense_bwd", "grad_dist",
-    "backward_update", "allreduce",
-)
-COMM_PHASES = ("input_dist", "uvm_fetch", "output_dist", "grad_dist", "allreduce")
+PHASE_ORDER = PHASE_NAMES
 
-
-@attrs.frozen
-class Segment:
-    """One phase of a step on a lane, in seconds from the start of the step.
-
-    ``critical`` segments form the chain that sets the step time; the others run hidden behind
-    them (``hidden_by`` names what they overlap). ``next_batch`` marks work done for the next
-    batch (pipelined ahead).
-    """
-
-    phase: str
-    lane: str
-    start_s: float
-    duration_s: float
-    critical: bool
-    hidden_by: str = ""
-    next_batch: bool = False
-
-    @property
-    def end_s(self) -> float:
-        return self.start_s + self.duration_s
-
-
-def _seq(names: Sequence[Tuple[str, float]], lane: str, start: float, **kw: Any) -> Tuple[List[Segment], float]:
-    out = []
-    t = start
-    for name, dur in names:
-        if dur > 0:
-            out.append(Segment(name, lane, t, dur, **kw))
-            t += dur
-    return out, t
+#: One phase of a step on a lane (seconds from the start of the step). ``critical`` segments form
+#: the chain that sets the step time; the others run hidden behind them (``hidden_by`` names what
+#: they overlap). ``next_batch`` marks work done for the next batch (pipelined ahead).
+Segment = Placed
 
 
 def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: bool = True) -> Tuple[Segment, ...]:
     """Segments of one steady-state step under ``pipeline``'s overlap rules.
 
-    Mirrors :func:`torchrec_sparselift.cost.model.step_time`: the end of the last critical segment
-    equals its ``total_s`` for the same phases (tested). The gradient all-reduce overlaps the
-    dense backward; only the part longer than the dense backward is exposed (``allreduce``
-    critical tail). Hardware without overlap runs every pipeline as ``base``.
+    Laid out from the pipeline's description (:func:`torchrec_sparselift.cost.pipelines.schedule`),
+    the one :func:`torchrec_sparselift.cost.model.step_time` evaluates: the end of the last
+    critical segment equals its ``total_s`` for the same phases (tested). The gradient all-reduce
+    overlaps the dense backward; only the part longer than the dense backward is exposed
+    (``allreduce`` critical tail). Hardware without overlap runs every pipeline as ``base``.
     """
-    ph = {k: float(phases.get(k, 0.0)) for k in PHASE_ORDER}
-    ar_hidden = min(ph["allreduce"], ph["dense_bwd"])
-    ar_exposed = max(0.0, ph["allreduce"] - ph["dense_bwd"])
-    kind = pipeline if supports_overlap else "base"
-    segs: List[Segment] = []
-
-    emb_fwd = [("uvm_fetch", ph["uvm_fetch"]), ("lookup", ph["lookup"]), ("output_dist", ph["output_dist"])]
-    emb_bwd = [("grad_dist", ph["grad_dist"]), ("backward_update", ph["backward_update"])]
-
-    if kind == "base":
-        s, t = _seq([("input_dist", ph["input_dist"])] + emb_fwd, "main", 0.0, critical=True)
-        segs.extend(s)
-        t = _dense_into(segs, t, ph, ar_hidden)
-        s, t = _seq(emb_bwd + [("allreduce", ar_exposed)], "main", t, critical=True)
-        segs.extend(s)
-    elif kind in ("sparse_dist", "prefetch"):
-        ahead = [("input_dist", ph["input_dist"])]
-        body = emb_fwd
-        if kind == "prefetch":
-            ahead.append(("uvm_fetch", ph["uvm_fetch"]))
-            body = emb_fwd[1:]
-        s, t = _seq(body, "main", 0.0, critical=True)
-        main = list(s)
-        t = _dense_into(main, t, ph, ar_hidden)
-        s, t = _seq(emb_bwd + [("allreduce", ar_exposed)], "main", t, critical=True)
-        main.extend(s)
-        ahead_total = sum(d for _, d in ahead)
-        ahead_critical = ahead_total > t
-        pre, _ = _seq(ahead, "next batch", 0.0, critical=ahead_critical,
-                      hidden_by="" if ahead_critical else "the step's lookup/dense/backward",
-                      next_batch=True)
-        if ahead_critical:
-            main = [attrs.evolve(m, critical=False, hidden_by="the next batch's " + "+".join(n for n, _ in ahead))
-                    if m.lane == "main" else m for m in main]
-        segs.extend(pre + main)
-    elif kind == "fused":
-        s, t = _seq(emb_fwd, "main", 0.0, critical=True)
-        main = list(s)
-        t = _dense_into(main, t, ph, ar_hidden)
-        bwd_len = sum(d for _, d in emb_bwd)
-        emb_critical = bwd_len >= ar_exposed
-        s1, t1 = _seq(emb_bwd, "main", t, critical=emb_critical,
-                      hidden_by="" if emb_critical else "allreduce")
-        s2, t2 = _seq([("allreduce", ar_exposed)], "comm", t, critical=not emb_critical,
-                      hidden_by="" if not emb_critical else "embedding backward")
-        main.extend(s1 + s2)
-        end = max(t1, t2)
-        pre, _ = _seq([("input_dist", ph["input_dist"])], "next batch", 0.0,
-                      critical=ph["input_dist"] > end, next_batch=True,
-                      hidden_by="" if ph["input_dist"] > end else "the step")
-        if ph["input_dist"] > end:
-            main = [attrs.evolve(m, critical=False, hidden_by="the next batch's input_dist") for m in main]
-        segs.extend(pre + main)
-    elif kind == "semi_sync":
-        fwd_len = sum(d for _, d in emb_fwd)
-        dense_len = ph["dense_fwd"] + ph["dense_bwd"]
-        dense_critical = dense_len >= fwd_len
-        main = []
-        t_dense = _dense_into(main, 0.0, ph, ar_hidden, critical=dense_critical)
-        pre, t_fwd = _seq(emb_fwd, "next batch", 0.0, critical=not dense_critical, next_batch=True,
-                          hidden_by="" if not dense_critical else "dense fwd/bwd")
-        if not dense_critical:
-            main = [attrs.evolve(m, hidden_by="next batch's embedding forward") if m.lane == "main" else m
-                    for m in main]
-        t = max(t_dense, t_fwd)
-        s, t = _seq(emb_bwd + [("allreduce", ar_exposed)], "main", t, critical=True)
-        main.extend(s)
-        end = t
-        inp, _ = _seq([("input_dist", ph["input_dist"])], "next batch input", 0.0,
-                      critical=ph["input_dist"] > end, next_batch=True,
-                      hidden_by="" if ph["input_dist"] > end else "the step")
-        if ph["input_dist"] > end:
-            main = [attrs.evolve(m, critical=False, hidden_by="input_dist") for m in main]
-            pre = [attrs.evolve(m, critical=False, hidden_by="input_dist") for m in pre]
-        segs.extend(inp + pre + main)
-    else:
-        raise ValueError(f"unknown pipeline {pipeline!r}")
-    return tuple(segs)
-
-
-def _dense_into(out: List[Segment], start: float, ph: Mapping[str, float],
-                              ar_hidden: float, critical: bool = True) -> float:
-    """Append dense forward, dense backward (and the all-reduce hidden under it) from ``start``;
-    return the end of the dense backward."""
-    t = start
-    if ph["dense_fwd"] > 0:
-        out.append(Segment("dense_fwd", "main", t, ph["dense_fwd"], critical))
-        t += ph["dense_fwd"]
-    if ph["dense_bwd"] > 0:
-        out.append(Segment("dense_bwd", "main", t, ph["dense_bwd"], critical))
-    if ar_hidden > 0:
-        out.append(Segment("allreduce", "comm", t, ar_hidden, False, hidden_by="dense_bwd"))
-    return t + ph["dense_bwd"]
+    return schedule(effective_pipeline(pipeline, supports_overlap), phases)
 
 
 def critical_path(segments: Sequence[Segment]) -> Tuple[Segment, ...]:
@@ -466,3 +348,21 @@ def render_png(prediction: Any, segments: Sequence[Segment], path: str, title: s
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def format_2d(optimizations: Any) -> List[str]:
+    """Lines on a 2D plan: the sharding and replica groups, where their collectives run, the sync
+    interval, its bound and the quality evidence for it."""
+    from torchrec_sparselift.cost.two_d import DEFAULT_MAX_SYNC_INTERVAL, sync_evidence
+
+    o = optimizations
+    lines = ["2D sparse parallelism:"]
+    if o.layout_2d is not None:
+        lines += ["  " + line for line in o.layout_2d.describe()]
+    else:
+        lines.append(f"  sharding groups of {o.sharding_group_size} ranks (no layout stored: "
+                     "an older plan; lift() builds TorchRec's default strided groups)")
+    bound = o.max_sync_interval if o.max_sync_interval is not None else DEFAULT_MAX_SYNC_INTERVAL
+    lines.append(f"  replica sync every {o.sync_interval} steps (bound {bound}): "
+                 f"{sync_evidence(o.sync_interval)}")
+    return lines

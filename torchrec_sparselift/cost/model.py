@@ -16,7 +16,8 @@ Everything here is a pure function of immutable inputs. The equations (also in d
 * data-parallel tables and the dense model all-reduce their gradients:
   ``t = latency + 2 (W-1)/W * bytes / allreduce_bw``.
 * dense compute: ``flops / dense_flops`` (forward 1/3, backward 2/3 of ``6 * params * B``).
-* the pipeline kind decides what overlaps (see :func:`step_time`).
+* the pipeline kind decides what overlaps (:mod:`torchrec_sparselift.cost.pipelines`, the one
+  description the step total, the LP rows, the explain timeline and the report derive from).
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost.pipelines import (
+    COMPUTE_PHASES,
+    LINK_PHASES,
+    PHASE_NAMES,
+    PIPELINES,
+    step_totals,
+)
+from torchrec_sparselift.semantics.dense import DenseWork  # re-exported: the cost layer prices it
 from torchrec_sparselift.semantics.graph import Candidate, Node, shard_memory, shard_nodes
 from torchrec_sparselift.semantics.tables import TableSpec
 
@@ -44,6 +53,8 @@ __all__ = [
     "step_time",
     "step_total_batch",
     "phase_times",
+    "phase_table",
+    "rank_times",
     "node_time",
 ]
 
@@ -57,16 +68,9 @@ FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER, DEV_MEM, HOST_MEM = ran
 K = len(COMPONENTS)
 TIME_COLUMNS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 
-PIPELINES = ("base", "sparse_dist", "fused", "semi_sync", "prefetch")
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
-
-
-@attrs.frozen
-class DenseWork:
-    """The dense part of the model, per rank: parameters and FLOPs per sample (forward)."""
-
-    param_bytes: float = 0.0
-    fwd_flops_per_sample: float = 0.0
+_COMPUTE_COLS = [PHASE_NAMES.index(p) for p in COMPUTE_PHASES]
+_LINK_COLS = [PHASE_NAMES.index(p) for p in LINK_PHASES]
 
 
 @attrs.frozen
@@ -186,6 +190,82 @@ def _allreduce_s(bytes_: float, ctx: CostContext) -> float:
     return ctx.profile.collective_latency_s + 2 * (W - 1) / W * bytes_ / ctx.profile.allreduce_bw
 
 
+def phase_table(
+    colmax: np.ndarray,
+    allreduce_bytes: float,
+    comm_groups: int,
+    ctx: CostContext,
+    fwd_precision: str = "fp32",
+    bwd_precision: str = "fp32",
+) -> Dict[str, np.ndarray]:
+    """Seconds per phase (:data:`~torchrec_sparselift.cost.pipelines.PHASES`) for each row of
+    ``colmax`` (per-column maxima over ranks, or one rank's loads), as arrays over the rows."""
+    p = ctx.profile
+    cm = np.atleast_2d(colmax)
+    fscale = PRECISION_BYTES[fwd_precision] / 4
+    bscale = PRECISION_BYTES[bwd_precision] / 4
+    lat = p.collective_latency_s * comm_groups if ctx.world_size > 1 else 0.0
+    link_in = np.maximum(cm[:, IN_INTRA] / p.intra_host_bw, cm[:, IN_INTER] / p.inter_host_bw)
+    link_out = np.maximum(cm[:, OUT_INTRA] / p.intra_host_bw, cm[:, OUT_INTER] / p.inter_host_bw)
+    dense_fwd = ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    ones = np.ones(cm.shape[0])
+    return {
+        "input_dist": lat + link_in,
+        "uvm_fetch": cm[:, UVM],
+        "lookup": cm[:, FWD],
+        "output_dist": lat + fscale * link_out,
+        "dense_fwd": dense_fwd * ones,
+        "dense_bwd": 2 * dense_fwd * ones,
+        "grad_dist": lat + bscale * link_out,
+        "backward_update": cm[:, BWD],
+        "allreduce": _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx) * ones,
+    }
+
+
+def rank_times(loads: np.ndarray, ctx: CostContext, fwd_precision: str = "fp32",
+               bwd_precision: str = "fp32") -> Tuple[np.ndarray, np.ndarray]:
+    """Each rank's compute seconds and communication seconds (the compute and link phases of
+    :data:`~torchrec_sparselift.cost.pipelines.PHASES` on that rank's own loads, rows of
+    ``loads``; no collective latency). The per-rank report's numbers."""
+    table = phase_table(loads, 0.0, 0, ctx, fwd_precision, bwd_precision)
+    return table[:, _COMPUTE_COLS].sum(axis=1), table[:, _LINK_COLS].sum(axis=1)
+
+
+def phase_table(
+    colmax: np.ndarray,
+    allreduce_bytes: float,
+    comm_groups: int,
+    ctx: CostContext,
+    fwd_precision: str = "fp32",
+    bwd_precision: str = "fp32",
+) -> np.ndarray:
+    """Seconds per phase for each row of ``colmax`` (per-column maxima over ranks, or one rank's
+    loads): rows x :data:`~torchrec_sparselift.cost.pipelines.PHASE_NAMES` columns."""
+    p = ctx.profile
+    cm = np.atleast_2d(colmax)
+    fscale = PRECISION_BYTES[fwd_precision] / 4
+    bscale = PRECISION_BYTES[bwd_precision] / 4
+    lat = p.collective_latency_s * comm_groups if ctx.world_size > 1 else 0.0
+    link_in = np.maximum(cm[:, IN_INTRA] / p.intra_host_bw, cm[:, IN_INTER] / p.inter_host_bw)
+    link_out = np.maximum(cm[:, OUT_INTRA] / p.intra_host_bw, cm[:, OUT_INTER] / p.inter_host_bw)
+    dense_fwd = ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    seconds = {
+        "input_dist": lat + link_in,
+        "uvm_fetch": cm[:, UVM],
+        "lookup": cm[:, FWD],
+        "output_dist": lat + fscale * link_out,
+        "dense_fwd": dense_fwd,
+        "dense_bwd": 2 * dense_fwd,
+        "grad_dist": lat + bscale * link_out,
+        "backward_update": cm[:, BWD],
+        "allreduce": _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx),
+    }
+    table = np.empty((cm.shape[0], len(PHASE_NAMES)))
+    for i, name in enumerate(PHASE_NAMES):
+        table[:, i] = seconds[name]
+    return table
+
+
 def phase_times(
     colmax: np.ndarray,
     allreduce_bytes: float,
@@ -194,27 +274,10 @@ def phase_times(
     fwd_precision: str = "fp32",
     bwd_precision: str = "fp32",
 ) -> Dict[str, float]:
-    """Seconds per phase from the per-column maxima over ranks."""
-    p = ctx.profile
-    fscale = PRECISION_BYTES[fwd_precision] / 4
-    bscale = PRECISION_BYTES[bwd_precision] / 4
-    lat = p.collective_latency_s * comm_groups if ctx.world_size > 1 else 0.0
-
-    def link(intra: float, inter: float) -> float:
-        return max(intra / p.intra_host_bw, inter / p.inter_host_bw)
-
-    dense_fwd = ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
-    return {
-        "input_dist": lat + link(colmax[IN_INTRA], colmax[IN_INTER]),
-        "uvm_fetch": float(colmax[UVM]),
-        "lookup": float(colmax[FWD]),
-        "output_dist": lat + fscale * link(colmax[OUT_INTRA], colmax[OUT_INTER]),
-        "dense_fwd": dense_fwd,
-        "dense_bwd": 2 * dense_fwd,
-        "grad_dist": lat + bscale * link(colmax[OUT_INTRA], colmax[OUT_INTER]),
-        "backward_update": float(colmax[BWD]),
-        "allreduce": _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx),
-    }
+    """Seconds per phase from the per-column maxima over ranks (one vector)."""
+    row = phase_table(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes, comm_groups, ctx,
+                      fwd_precision, bwd_precision)[0]
+    return {name: float(v) for name, v in zip(PHASE_NAMES, row)}
 
 
 def step_time(
@@ -226,28 +289,20 @@ def step_time(
     fwd_precision: str = "fp32",
     bwd_precision: str = "fp32",
 ) -> StepTime:
-    """Steady-state step time under a pipeline kind's overlap rules.
+    """Steady-state step time under a pipeline kind's overlap rules
+    (:data:`~torchrec_sparselift.cost.pipelines.PIPELINE_KINDS` says what overlaps with what).
 
-    * ``base``: everything in sequence.
-    * ``sparse_dist``: the next batch's ``input_dist`` runs during this batch's work.
-    * ``fused``: as sparse_dist, and the embedding backward/optimizer overlaps the dense all-reduce.
-    * ``semi_sync``: as sparse_dist, and the next batch's lookup + output_dist overlap this
-      batch's dense forward/backward (one step of embedding staleness).
-    * ``prefetch``: as sparse_dist, and UVM-cache misses are fetched with the input_dist.
-
-    On hardware without compute/communication overlap (``profile.supports_overlap`` False,
-    e.g. CPU gloo) every pipeline degrades to ``base``.
+    ``compute_s`` sums the compute phases, ``overlapped_s`` is what the pipeline hides relative
+    to running everything in sequence (``base``), ``exposed_comm_s`` the communication left on
+    the critical path. On hardware without compute/communication overlap
+    (``profile.supports_overlap`` False, e.g. CPU gloo) every pipeline runs as ``base``.
     """
-    if pipeline not in PIPELINES:
-        raise ValueError(f"unknown pipeline {pipeline!r}; choose one of {PIPELINES}")
-    ph = phase_times(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision)
-    dense = ph["dense_fwd"] + ph["dense_bwd"]
-    ar_exposed = max(0.0, ph["allreduce"] - ph["dense_bwd"])
-    serial = (ph["input_dist"] + ph["uvm_fetch"] + ph["lookup"] + ph["output_dist"] + dense
-              + ph["grad_dist"] + ph["backward_update"] + ar_exposed)
-    compute = ph["lookup"] + ph["backward_update"] + dense + ph["uvm_fetch"]
-    total = float(step_total_batch(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes,
-                                   comm_groups, ctx, pipeline, fwd_precision, bwd_precision)[0])
+    table = phase_table(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes, comm_groups, ctx,
+                        fwd_precision, bwd_precision)
+    ph = {name: float(v) for name, v in zip(PHASE_NAMES, table[0])}
+    serial = float(step_totals(table, "base")[0])
+    compute = float(table[0, _COMPUTE_COLS].sum())
+    total = float(step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True))[0])
     comm = serial - compute
     exposed = max(0.0, total - compute)
     return StepTime(
@@ -276,38 +331,12 @@ def step_total_batch(
     fwd_precision: str = "fp32",
     bwd_precision: str = "fp32",
 ) -> np.ndarray:
-    """:func:`step_time`'s total for many column-maximum vectors at once (rows of ``colmax``).
+    """:func:`step_time`'s total for many column-maximum vectors at once (rows of ``colmax``):
+    the pipeline's composition (:mod:`~torchrec_sparselift.cost.pipelines`) evaluated on
+    :func:`phase_table`.
 
     Used by the search to price every target rank of a move in one numpy pass; equal to
     ``step_time(row, ...).total_s`` for each row (tested).
     """
-    p = ctx.profile
-    cm = np.atleast_2d(colmax)
-    fscale = PRECISION_BYTES[fwd_precision] / 4
-    bscale = PRECISION_BYTES[bwd_precision] / 4
-    lat = p.collective_latency_s * comm_groups if ctx.world_size > 1 else 0.0
-    link_in = np.maximum(cm[:, IN_INTRA] / p.intra_host_bw, cm[:, IN_INTER] / p.inter_host_bw)
-    link_out = np.maximum(cm[:, OUT_INTRA] / p.intra_host_bw, cm[:, OUT_INTER] / p.inter_host_bw)
-    t_in = lat + link_in
-    t_out = lat + fscale * link_out
-    t_grad = lat + bscale * link_out
-    dense_fwd = ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
-    dense_bwd = 2 * dense_fwd
-    dense = dense_fwd + dense_bwd
-    ar_exposed = max(0.0, _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx) - dense_bwd)
-    emb_fwd = cm[:, UVM] + cm[:, FWD] + t_out
-    emb_bwd = t_grad + cm[:, BWD]
-    serial = t_in + emb_fwd + dense + emb_bwd + ar_exposed
-    overlap = getattr(p, "supports_overlap", True)
-    if not overlap or pipeline == "base":
-        return serial
-    if pipeline == "sparse_dist":
-        return np.maximum(t_in, serial - t_in)
-    if pipeline == "fused":
-        rest = emb_fwd + dense_fwd + np.maximum(dense_bwd + ar_exposed, dense_bwd + emb_bwd)
-        return np.maximum(t_in, rest)
-    if pipeline == "semi_sync":
-        return np.maximum(t_in, np.maximum(emb_fwd, dense) + emb_bwd + ar_exposed)
-    if pipeline == "prefetch":
-        return np.maximum(t_in + cm[:, UVM], serial - t_in - cm[:, UVM])
-    raise ValueError(f"unknown pipeline {pipeline!r}; choose one of {PIPELINES}")
+    table = phase_table(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision)
+    return step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True))

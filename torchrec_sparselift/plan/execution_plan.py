@@ -26,8 +26,10 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.cost.pipelines import PIPELINES as _PIPELINES
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
 from torchrec_sparselift.semantics.workload import WorkloadStats
+from torchrec_sparselift.semantics.layout import Layout2D
 
 __all__ = [
     "EXECUTION_PLAN_SCHEMA",
@@ -52,9 +54,8 @@ EXECUTION_PLAN_SCHEMA = "sparselift.execution_plan/2"
 #: Schema 1 keyed plans without the planner's options (guards, pipelines, 2D settings), so a plan
 #: stored under them is never reused: it is re-planned with this reason.
 _OLDER_SCHEMAS = {"sparselift.execution_plan/1": "it was keyed without the planner's options"}
-#: Train-pipeline kinds, in TorchRec terms: TrainPipelineBase, TrainPipelineSparseDist,
-#: TrainPipelineSemiSync, TrainPipelineFusedSparseDist, PrefetchTrainPipelineSparseDist.
-PIPELINES = ("base", "sparse_dist", "semi_sync", "fused", "prefetch")
+#: Train-pipeline kinds (:data:`torchrec_sparselift.cost.pipelines.PIPELINES`, one order everywhere).
+PIPELINES = _PIPELINES
 #: Element types of the forward (pooled embeddings) / backward (their gradients) all-to-alls.
 COMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 
@@ -158,6 +159,9 @@ class Optimizations:
         fwd_comm_precision / bwd_comm_precision: element type of the pooled-embedding all-to-all
             and of its gradient, one of :data:`COMM_PRECISIONS` (TorchRec qcomm codecs).
         sharding_group_size: ranks per sharding group for 2D sparse parallelism (``DMPCollection``);
+        layout_2d: which ranks form the sharding and replica groups (:class:`Layout2D`, 2D only);
+            the runtime builds ``DMPCollection`` from it.
+        max_sync_interval: the sync-interval bound the plan was made under (2D only).
             ``None`` means 1D (tables sharded over all ranks).
         sync_interval: steps between replica weight/optimizer averaging (2D only; 1 otherwise).
         table_grouping: whether tables with equal kernel/dim are fused into one TBE group.
@@ -167,6 +171,10 @@ class Optimizations:
     fwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
     bwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
     sharding_group_size: Optional[int] = attrs.field(default=None)
+    layout_2d: Optional[Layout2D] = attrs.field(
+        default=None, converter=lambda v: Layout2D.from_dict(v) if isinstance(v, Mapping) else v,
+        validator=attrs.validators.optional(attrs.validators.instance_of(Layout2D)))
+    max_sync_interval: Optional[int] = attrs.field(default=None)
     sync_interval: int = attrs.field(default=1)
     table_grouping: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
@@ -177,6 +185,12 @@ class Optimizations:
                 f"Optimizations.sharding_group_size must be None (1D) or an int >= 1, got {g!r}"
             )
         s = self.sync_interval
+        lay = self.layout_2d
+        if lay is not None and (g is None or lay.group_size != g):
+            raise ValueError(
+                f"Optimizations.layout_2d has groups of {lay.group_size} ranks but sharding_group_size "
+                f"is {g!r}; build both from the same Layout2D (or drop layout_2d for 1D)"
+            )
         if isinstance(s, bool) or not isinstance(s, int) or s < 1:
             raise ValueError(f"Optimizations.sync_interval must be an int >= 1 (steps), got {s!r}")
 
@@ -513,6 +527,8 @@ class ExecutionPlan:
 
     def summary(self) -> str:
         """One line for logs: pipeline, precision, 2D, predicted step, gap, solver."""
+        if o.layout_2d is not None:
+            two_d += f" ({o.layout_2d.kind})"
         o, p = self.optimizations, self.prediction
         two_d = f"2D group {o.sharding_group_size}/sync {o.sync_interval}" if o.is_2d else "1D"
         tables = sum(len(m) for m in self.sharding_plan.plan.values() if isinstance(m, dict))

@@ -102,6 +102,8 @@ class RuntimeSettings:
     bwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
     sharding_group_size: Optional[int] = attrs.field(default=None, validator=_optional_positive_int)
     sync_interval: Optional[int] = attrs.field(default=None, validator=_optional_positive_int)
+    #: the plan's 2D rank layout (a ``Layout2D``; None for 1D or a bare ShardingPlan)
+    layout_2d: Any = attrs.field(default=None)
     predicted_step_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
     description: str = attrs.field(default="")
 
@@ -169,6 +171,7 @@ def resolve_settings(
         **chosen,
         sharding_group_size=group,
         sync_interval=getattr(opt, "sync_interval", None) if group is not None else None,
+        layout_2d=getattr(opt, "layout_2d", None) if group is not None else None,
         predicted_step_s=None if changed else getattr(prediction, "step_time_s", None),
         description="" if changed or not callable(summary) else summary(),
     )
@@ -513,6 +516,20 @@ def _lift_2d(
     _apply_embedding_optimizer(module, embedding_optimizer)
     registry = comm_codecs_registry(settings.fwd_comm_precision, settings.bwd_comm_precision, device)
     sync_interval = settings.sync_interval or 1
+    layout = settings.layout_2d
+    if layout is not None:
+        world = dist.get_world_size(global_pg)
+        if layout.world_size != world or layout.group_size != settings.sharding_group_size:
+            raise ValueError(
+                f"the plan's 2D layout is for {layout.world_size} ranks in groups of {layout.group_size}, "
+                f"but this job has {world} ranks; re-plan for this world size"
+            )
+        given = two_d_kwargs.setdefault("use_inter_host_allreduce", layout.use_inter_host_allreduce)
+        if given != layout.use_inter_host_allreduce:
+            logger.warning(
+                "sparselift: use_inter_host_allreduce=%s overrides the plan's %s layout; the "
+                "prediction assumed the other groups", given, layout.kind,
+            )
     model = build(
         module,
         sharding_plan,

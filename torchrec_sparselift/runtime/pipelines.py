@@ -35,6 +35,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSemiSync,
 )
 
+from torchrec_sparselift.cost.pipelines import PIPELINES, SYNC_PIPELINES
 from torchrec_sparselift.runtime.cpu_compat import cpu_pipeline_class
 
 __all__ = [
@@ -52,10 +53,11 @@ _CLASSES: Dict[str, Type[TrainPipeline]] = {
     "prefetch": PrefetchTrainPipelineSparseDist,
 }
 
-#: Every pipeline kind, in the order of increasing overlap.
-PIPELINE_KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync")
-#: Kinds whose per-step results equal a plain forward/backward/optimizer-step loop.
-EXACT_PIPELINE_KINDS = ("base", "sparse_dist", "fused", "prefetch")
+#: Every pipeline kind (:data:`torchrec_sparselift.cost.pipelines.PIPELINES`, one order everywhere).
+PIPELINE_KINDS = PIPELINES
+#: Kinds whose per-step results equal a plain forward/backward/optimizer-step loop (the ones that
+#: do not train on stale embeddings).
+EXACT_PIPELINE_KINDS = SYNC_PIPELINES
 
 # Kinds whose constructor takes ``dmp_collection_sync_interval_batches`` (2D replica sync).
 _SYNC_INTERVAL_KINDS = ("sparse_dist", "semi_sync")

@@ -4,7 +4,8 @@ Any integral plan's per-rank maximum of each load column is at least (a) the ave
 and (b) the largest single shard. Writing the step-time composition of the chosen pipeline with
 those two facts as linear constraints, over fractional option choices ``x[t, o]`` (one option per
 table, ``sum_o x[t, o] = 1``), gives a linear program whose optimum is a **lower bound** on the
-step time of every plan under the same cost model. Its (rounded) solution is also an excellent
+step time of every plan under the same cost model (the composition's rows come from the
+pipeline's description in :mod:`torchrec_sparselift.cost.pipelines`). Its (rounded) solution is also an excellent
 option choice: it trades compute balance against communication volume globally instead of one
 table at a time. This is the DESIGN's decomposition: choose options on aggregated loads, then
 place shards.
@@ -31,9 +32,10 @@ from torchrec_sparselift.cost.model import (
     PRECISION_BYTES,
     UVM,
 )
+from torchrec_sparselift.cost.pipelines import effective_pipeline, paths
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["LPResult", "solve_lp", "composition_rows", "analytic_bound"]
+__all__ = ["LPResult", "solve_lp", "term_entries", "composition_rows", "analytic_bound"]
 
 _TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 MAX_PIECE_ROWS = 4000
@@ -47,29 +49,40 @@ class LPResult:
     status: str = "optimal"
 
 
-def composition_rows(pl, z, iy_in, iy_out, ia, ie, itot, fs, bs, dense, ilat=None):
-    """``A_ub`` rows (entries, rhs) that make ``total`` >= the step time of pipeline ``pl``
-    given phase variables in ms (mirrors :func:`torchrec_sparselift.cost.model.step_time`).
-    ``ilat``: optional variable holding one collective phase's latency (added to each phase)."""
+def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None):
+    """Each phase of :data:`~torchrec_sparselift.cost.pipelines.PHASES` as a linear form in the
+    LP's variables (milliseconds): ``{phase: (entries, constant)}``. ``z``: column-maximum
+    variables, ``iy_in`` / ``iy_out``: link-time variables, ``ia``: the exposed all-reduce,
+    ``fs`` / ``bs``: forward / backward comm precision scale, ``ilat``: optional variable
+    holding one collective phase's latency (added to each link phase)."""
     lat = [(ilat, 1.0)] if ilat is not None else []
-    emb_fwd = [(z[UVM], 1.0), (z[FWD], 1.0), (iy_out, fs)] + lat
-    emb_bwd = [(iy_out, bs), (z[BWD], 1.0)] + lat
-    tot = [(itot, -1.0)]
-    iy_in_l = [(iy_in, 1.0)] + lat
-    if pl == "base":
-        return [([(iy_in, 1.0)] + emb_fwd + emb_bwd + [(ia, 1.0)] + tot, -dense)]
-    if pl == "sparse_dist":
-        return [(iy_in_l + tot, 0.0), (emb_fwd + emb_bwd + [(ia, 1.0)] + tot, -dense)]
-    if pl == "fused":
-        return [(iy_in_l + tot, 0.0), (emb_fwd + [(ia, 1.0)] + tot, -dense),
-                (emb_fwd + emb_bwd + tot, -dense)]
-    if pl == "semi_sync":
-        return [(iy_in_l + tot, 0.0), (emb_fwd + [(ie, -1.0)], 0.0), ([(ie, -1.0)], -dense),
-                ([(ie, 1.0)] + emb_bwd + [(ia, 1.0)] + tot, 0.0)]
-    if pl == "prefetch":
-        return [(iy_in_l + [(z[UVM], 1.0)] + tot, 0.0),
-                ([(z[FWD], 1.0), (iy_out, fs)] + emb_bwd + [(ia, 1.0)] + tot, -dense)]
-    raise ValueError(f"unknown pipeline {pl!r}")
+    return {
+        "input_dist": ([(iy_in, 1.0)] + lat, 0.0),
+        "uvm_fetch": ([(z[UVM], 1.0)], 0.0),
+        "lookup": ([(z[FWD], 1.0)], 0.0),
+        "output_dist": ([(iy_out, fs)] + lat, 0.0),
+        "dense_fwd": ([], dense_fwd),
+        "dense_bwd": ([], dense_bwd),
+        "grad_dist": ([(iy_out, bs)] + lat, 0.0),
+        "backward_update": ([(z[BWD], 1.0)], 0.0),
+        "allreduce": ([(ia, 1.0)], 0.0),
+    }
+
+
+def composition_rows(pl, forms, itot, supports_overlap=True):
+    """``A_ub`` rows ``(entries, rhs)`` that make variable ``itot`` >= the step time of pipeline
+    ``pl``: one row ``sum(path) - total <= -constants`` per path of its composition
+    (:func:`torchrec_sparselift.cost.pipelines.paths`), ``forms`` from :func:`term_entries`."""
+    kind = effective_pipeline(pl, supports_overlap)
+    out = []
+    for path in paths(kind.step):
+        entries, const = [], 0.0
+        for t in path:
+            e, c = forms[t]
+            entries.extend(e)
+            const += c
+        out.append((entries + [(itot, -1.0)], -const))
+    return out
 
 
 def solve_lp(
@@ -87,10 +100,10 @@ def solve_lp(
     owner = np.stack([c.owner for c in prob.costs]) if nx else np.zeros((0, 9))
     peers = np.stack([c.peers for c in prob.costs]) if nx else np.zeros((0, 9))
     allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * nshards / W
-    # variable layout: x[0:nx], z[7], y_in, y_out, a (exposed all-reduce), e (aux), total
+    # variable layout: x[0:nx], z[7], y_in, y_out, a (exposed all-reduce), total
     iz = {c: nx + i for i, c in enumerate(_TIME_COLS)}
-    iy_in, iy_out, ia, ie, itot = nx + 7, nx + 8, nx + 9, nx + 10, nx + 11
-    nv = nx + 12
+    iy_in, iy_out, ia, itot = nx + 7, nx + 8, nx + 9, nx + 10
+    nv = nx + 11
     rows: List[int] = []
     cols: List[int] = []
     vals: List[float] = []
@@ -140,7 +153,6 @@ def solve_lp(
     # exposed all-reduce: a >= lat + 2(W-1)/W * (bytes + dense) / bw - dense_bwd
     dense_fwd = ms * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
     dense_bwd = 2 * dense_fwd
-    dense = dense_fwd + dense_bwd
     if W > 1:
         k = ms * 2 * (W - 1) / W / p.allreduce_bw
         const = ms * p.collective_latency_s + k * ctx.dense.param_bytes - dense_bwd
@@ -153,12 +165,10 @@ def solve_lp(
         nz = np.nonzero(coef)[0]
         if len(nz) and np.all(np.isfinite(cap)):
             add_row(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
-    # step composition (mirrors cost.model.step_time)
-    overlap = getattr(p, "supports_overlap", True)
-    for entries, rhs in composition_rows(
-        pipeline if overlap else "base", iz, iy_in, iy_out, ia, ie, itot,
-        PRECISION_BYTES[fwd_precision] / 4, PRECISION_BYTES[bwd_precision] / 4, dense,
-    ):
+    # step composition (the pipeline's description, as cost.model.step_time uses it)
+    forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd_precision] / 4,
+                         PRECISION_BYTES[bwd_precision] / 4, dense_fwd, dense_bwd)
+    for entries, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
         add_row(entries, rhs)
     A_ub = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
     # one option per table
@@ -170,7 +180,7 @@ def solve_lp(
     b_eq = np.ones(len(prob.candidates))
     cvec = np.zeros(nv)
     cvec[itot] = 1.0
-    bounds = [(0.0, 1.0)] * nx + [(0.0, None)] * 12
+    bounds = [(0.0, 1.0)] * nx + [(0.0, None)] * (nv - nx)
     res = linprog(
         cvec, A_ub=A_ub, b_ub=np.array(b_ub), A_eq=A_eq, b_eq=b_eq, bounds=bounds,
         method="highs", options={"time_limit": max(1.0, time_limit_s), "presolve": True},

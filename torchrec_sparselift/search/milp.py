@@ -22,7 +22,7 @@ from scipy.sparse import coo_matrix
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
-from torchrec_sparselift.search.lp import composition_rows
+from torchrec_sparselift.search.lp import composition_rows, term_entries
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["MILPResult", "solve_milp", "milp_size"]
@@ -79,8 +79,8 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
                 nv += 1
     iz = {j: nv + i for i, j in enumerate(_TIME_COLS)}
     nv += len(_TIME_COLS)
-    iy_in, iy_out, ia, ie, itot = nv, nv + 1, nv + 2, nv + 3, nv + 4
-    nv += 5
+    iy_in, iy_out, ia, itot = nv, nv + 1, nv + 2, nv + 3
+    nv += 4
     # one binary per sharding type used (collective groups) and the per-phase latency
     types = sorted({c.sharding_type for c in prob.cands if c.sharding_type != "data_parallel"})
     ig = {st: nv + i for i, st in enumerate(types)}
@@ -150,10 +150,9 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
             add([(c, 1.0), (ig[cand.sharding_type], -1.0)], -np.inf, 0.0)
     lat_ms = ms * p.collective_latency_s if W > 1 else 0.0
     add([(ig[st], lat_ms) for st in types] + [(ilat, -1.0)], -np.inf, 0.0)
-    overlap = getattr(p, "supports_overlap", True)
-    for ent, rhs in composition_rows(pipeline if overlap else "base", iz, iy_in, iy_out, ia, ie, itot,
-                                     PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
-                                     dense_fwd + dense_bwd, ilat=ilat):
+    forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
+                         dense_fwd, dense_bwd, ilat=ilat)
+    for ent, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
         add(ent, -np.inf, rhs)
 
     A = coo_matrix((vals, (rows, cols)), shape=(r_i, nv)).tocsr()

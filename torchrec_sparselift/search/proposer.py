@@ -11,6 +11,12 @@ choice and proposes it, then reacts to TorchRec's feedback:
 TorchRec's partitioner places the shards of each proposal; ``SparseLiftPlanner`` places them
 itself (with the evaluator) and is usually better, but this proposer makes SparseLift's option
 choice available inside ``EmbeddingShardingPlanner``.
+
+With ``cost_model="torchrec"`` it optimizes what TorchRec's loop rates instead: the options'
+own ``Perf``/``Storage`` (filled by the enumerator's estimators) as a per-rank makespan
+(:mod:`.torchrec_objective`), solved with the full search (LP, greedy, local search, MILP where
+small); it proposes that plan's option choice, then the LP's and the least-work choice, and
+re-solves under the exact storage limits the loop reports when a proposal does not fit.
 """
 
 from __future__ import annotations
@@ -101,7 +107,15 @@ class SparseLiftProposer(Proposer):
     """Proposes SparseLift's option choice for TorchRec's planning loop (see module docs)."""
 
     def __init__(self, topology: Optional[Topology] = None, hardware: Any = None,
-                 pipeline: str = "sparse_dist", max_proposals: int = 6) -> None:
+                 pipeline: str = "sparse_dist", max_proposals: int = 6,
+                 cost_model: str = "sparselift", time_budget_s: float = 4.0,
+                 storage_reservation_percentage: float = 0.15) -> None:
+        if cost_model not in ("sparselift", "torchrec"):
+            raise ValueError(f"cost_model must be 'sparselift' or 'torchrec', got {cost_model!r}")
+        self._cost_model = cost_model
+        self._budget = float(time_budget_s)
+        self._reserve = float(storage_reservation_percentage)
+        self._caps: Optional[Tuple[np.ndarray, np.ndarray]] = None
         self._topology = topology
         self._hardware = hardware
         self._pipeline = pipeline
@@ -121,6 +135,9 @@ class SparseLiftProposer(Proposer):
         self._proposed = 0
         self._mem_scale = 1.0
         self.best_perf_rating, self.best_plan = None, None
+        if self._cost_model == "torchrec":
+            self._queue = self._torchrec_proposals(None)
+            return
         self._prob, self._index = problem_from_options(self._search_space, self._topology, self._hardware)
         self._cand_to_option = {}
         for ids, opt_ids in zip(self._prob.candidates, self._index):
@@ -150,8 +167,62 @@ class SparseLiftProposer(Proposer):
         self._proposed += 1
         return self._queue.pop(0)
 
+    def _torchrec_proposals(self, storage: Optional[Topology]) -> List[List[ShardingOption]]:
+        """Option choices under TorchRec's own estimates (see the module docs)."""
+        from torchrec_sparselift.search.torchrec_objective import (
+            makespan_problem, solve_torchrec, specs_from_options,
+        )
+
+        opts = self._search_space
+        if self._topology is not None:
+            W, L = self._topology.world_size, min(self._topology.local_world_size, self._topology.world_size)
+        else:
+            W, L = _infer_world(opts)
+        topo = storage or self._topology
+        if topo is not None:
+            hbm = np.array([d.storage.hbm for d in topo.devices], dtype=float)
+            ddr = np.array([d.storage.ddr for d in topo.devices], dtype=float)
+            if storage is None:  # before the loop says: TorchRec's default reservation
+                hbm, ddr = hbm * (1 - self._reserve), ddr * (1 - self._reserve)
+        else:
+            hbm, ddr = np.full(W, np.inf), np.full(W, np.inf)
+        specs, _ = specs_from_options(opts)
+        profile = get_profile(self._hardware) if isinstance(self._hardware, str) else (self._hardware or PRESETS["h100"])
+        batch = max(s.batch_size for s in specs) if specs else 1
+        trp = makespan_problem(opts, specs, profile, W, L, batch, hbm, ddr)
+        res = solve_torchrec(trp, self._budget)
+        self._trp = trp
+        prob = trp.problem
+        choices = [[c for c, _ in res.assignment]]
+        lp_choice = None
+        from torchrec_sparselift.search.lp import solve_lp
+
+        lp = solve_lp(prob, "base")
+        if lp.choice:
+            lp_choice = list(lp.choice)
+            choices.append(lp_choice)
+        choices.append([min(ids, key=lambda i: (prob.shard_time(i) * prob.cands[i].num_shards, i))
+                        for ids in prob.candidates])
+        out, seen = [], set()
+        for ch in choices:
+            key = tuple(ch)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append([trp.option_of[c] for c in ch])
+        return out
+
     def feedback(self, partitionable: bool, plan: Optional[List[ShardingOption]] = None,
                  perf_rating: Optional[float] = None, storage_constraint: Optional[Topology] = None) -> None:
+        if self._cost_model == "torchrec":
+            if partitionable and perf_rating is not None:
+                if self.best_perf_rating is None or perf_rating < self.best_perf_rating:
+                    self.best_perf_rating, self.best_plan = perf_rating, plan
+            elif storage_constraint is not None and self._caps is None:
+                # re-plan once under the exact per-rank storage the loop partitions against
+                self._caps = (np.zeros(0), np.zeros(0))
+                self._queue = self._torchrec_proposals(storage_constraint) + self._queue
+            return
         if partitionable and perf_rating is not None:
             if self.best_perf_rating is None or perf_rating < self.best_perf_rating:
                 self.best_perf_rating, self.best_plan = perf_rating, plan

@@ -79,8 +79,6 @@ class Node:
     unit: str = "bytes"
     width_bytes: int = 0
     scope: str = "owner"
-    deps: Tuple[str, ...] = ()
-    precision_scaled: bool = False  # comm bytes that a lower comm precision shrinks
     backward: bool = False  # happens in the backward pass
 
 
@@ -162,21 +160,18 @@ def shard_nodes(
     nodes: List[Node] = []
 
     def a2a(kind: str, owner_bytes: float, intra: float, inter: float, peer_bytes: float,
-            scaled: bool, backward: bool, deps: Tuple[str, ...]) -> None:
+            backward: bool) -> None:
         if intra > 0:
-            nodes.append(Node(kind, "intra_host", owner_bytes * intra, deps=deps,
-                              precision_scaled=scaled, backward=backward))
+            nodes.append(Node(kind, "intra_host", owner_bytes * intra, backward=backward))
         if inter > 0:
-            nodes.append(Node(kind, "inter_host", owner_bytes * inter, deps=deps,
-                              precision_scaled=scaled, backward=backward))
+            nodes.append(Node(kind, "inter_host", owner_bytes * inter, backward=backward))
         if peer_bytes > 0 and W > 1:
             pi = (L - 1) / (W - 1)
             if pi > 0:
-                nodes.append(Node(kind, "intra_host", peer_bytes * pi, scope="peers", deps=deps,
-                                  precision_scaled=scaled, backward=backward))
+                nodes.append(Node(kind, "intra_host", peer_bytes * pi, scope="peers", backward=backward))
             if pi < 1:
                 nodes.append(Node(kind, "inter_host", peer_bytes * (1 - pi), scope="peers",
-                                  deps=deps, precision_scaled=scaled, backward=backward))
+                                  backward=backward))
 
     kernel = cand.compute_kernel
     lookup_res = {"fused_uvm": "uvm", "fused_uvm_caching": "uvm_cached"}.get(kernel, "hbm")
@@ -185,32 +180,29 @@ def shard_nodes(
         rows_local = B * pf
         nodes.append(Node("lookup", lookup_res, rows_local, unit="rows", width_bytes=width))
         nodes.append(Node("backward_update", lookup_res, rows_local, unit="rows",
-                          width_bytes=width, deps=("lookup",), backward=True))
+                          width_bytes=width, backward=True))
         grad_bytes = spec.num_embeddings * spec.embedding_dim * 4
-        nodes.append(Node("grad_allreduce", "allreduce", grad_bytes, scope="global",
-                          deps=("backward_update",), backward=True))
+        nodes.append(Node("grad_allreduce", "allreduce", grad_bytes, scope="global", backward=True))
         # dense optimizer step over the whole replica: read weight + grad + state, write both
-        nodes.append(Node("backward_update", "hbm", 3.0 * grad_bytes, deps=("grad_allreduce",),
+        nodes.append(Node("backward_update", "hbm", 3.0 * grad_bytes,
                           backward=True))
         return nodes
 
     if st in ("table_wise", "column_wise", "table_column_wise"):
         ids_here = ids_global
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
-        a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False, False, ())
-        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width,
-                          deps=("input_dist",)))
+        a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False)
+        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width))
         if spec.is_pooled:
             out_bytes = B * (W - 1) * cand.shard_cols * 4
         else:
             out_bytes = ids_global * (W - 1) / W * cand.shard_cols * 4
         frac_i = (L - 1) / (W - 1) if W > 1 else 0.0
         a2a("output_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, out_bytes / W,
-            True, False, ("lookup",))
+            False)
         a2a("grad_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, out_bytes / W,
-            True, True, ("output_dist",))
-        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
-                          deps=("grad_dist",), backward=True))
+            True)
+        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
         return nodes
 
     if st == "row_wise":
@@ -218,29 +210,26 @@ def shard_nodes(
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
         # every rank both receives its bucket (owner side) and sends its own ids to all buckets
         # (the peers side: W shards x in_bytes / W = in_bytes per rank)
-        a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False, False, ())
-        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width,
-                          deps=("input_dist",)))
+        a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False)
+        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width))
         if spec.is_pooled:  # reduce-scatter of partial sums over all ranks
             out_bytes = B * W * cand.shard_cols * 4 * (W - 1) / W
         else:
             out_bytes = ids_here * cand.shard_cols * 4 * (W - 1) / W
         # a reduce-scatter sends (W-1)/W of the partials and receives as much: both count
         a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), out_bytes / W,
-            True, False, ("lookup",))
+            False)
         a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), out_bytes / W,
-            True, True, ("output_dist",))
-        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
-                          deps=("grad_dist",), backward=True))
+            True)
+        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
         return nodes
 
     if st in ("table_row_wise", "grid_shard"):
         rows_split = L
         ids_here = ids_global / rows_split
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
-        a2a("input_dist", in_bytes, fi, fe, in_bytes * rows_split / W, False, False, ())
-        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width,
-                          deps=("input_dist",)))
+        a2a("input_dist", in_bytes, fi, fe, in_bytes * rows_split / W, False)
+        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width))
         if spec.is_pooled:
             partial = B * W * cand.shard_cols * 4
             rs_intra = partial * (L - 1) / L  # intra-host reduce-scatter
@@ -250,13 +239,11 @@ def shard_nodes(
             slice_bytes = ids_here * cand.shard_cols * 4
         for kind, bwd in (("output_dist", False), ("grad_dist", True)):
             if rs_intra > 0:
-                nodes.append(Node(kind, "intra_host", rs_intra, deps=("lookup",),
-                                  precision_scaled=True, backward=bwd))
+                nodes.append(Node(kind, "intra_host", rs_intra, backward=bwd))
             a2a(kind, slice_bytes * (W - 1) / W if W > 1 else 0.0,
                 (L - 1) / max(W - 1, 1), (W - L) / max(W - 1, 1), slice_bytes * L / W,
-                True, bwd, ("lookup",))
-        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
-                          deps=("grad_dist",), backward=True))
+                bwd)
+        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
         return nodes
 
     raise ValueError(f"table {spec.fqn!r}: no sparse-path model for sharding type {st!r}")

@@ -1,0 +1,356 @@
+"""What overlaps with what in one training step, per train-pipeline kind: the one description.
+
+A step is made of **phases** (:data:`PHASES`, seconds from :func:`~.model.phase_times`). Each
+pipeline kind (:data:`PIPELINE_KINDS`, names in :data:`PIPELINES`) arranges them as a
+series-parallel composition:
+
+* :class:`Seq` runs its parts one after the other;
+* :class:`Par` runs its :class:`Lane` s side by side from the same start; it ends when the longest
+  lane ends. ``lanes[0]`` is the step's own flow and wins ties; the other lanes hold work that
+  runs alongside it (the next batch's ``input_dist``, the gradient all-reduce, ...).
+
+A phase with ``hidden_under`` (the gradient ``allreduce`` under ``dense_bwd``) always runs
+alongside that phase; only the part longer than it is a term of the composition (its *exposed*
+part, see :func:`terms`).
+
+Everything else is derived from these values, so the overlap rules live only here:
+
+* the step total (:func:`evaluate`; used by ``cost.model.step_time`` / ``step_total_batch``);
+* the LP / MILP composition rows (:func:`paths`: the composition as a maximum of sums, one row
+  ``total >= sum(path)`` each, in ``search.lp.composition_rows``);
+* the explain timeline (:func:`schedule`; ``explain.step_timeline``);
+* the split into compute and communication (``Phase.kind``; ``StepTime.compute_s`` and the
+  per-rank report).
+
+Adding a phase: a :class:`Phase` in :data:`PHASES` (in step order), its seconds in
+``cost.model.phase_times`` and its linear form in ``search.lp.term_entries``; put its name in
+the right stage tuple below (:data:`EMB_FWD`, ...) and every pipeline kind built from that stage
+gets it. Adding a pipeline kind: one :class:`PipelineKind` in :data:`PIPELINE_KINDS` (the runtime
+maps the name to a TorchRec train pipeline in ``runtime.pipelines``). See docs/cost_model.md.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Dict, List, Mapping, Tuple, Union
+
+import attrs
+import numpy as np
+
+__all__ = [
+    "Phase",
+    "PHASES",
+    "PHASE_NAMES",
+    "COMPUTE_PHASES",
+    "LINK_PHASES",
+    "Seq",
+    "Par",
+    "Lane",
+    "PipelineKind",
+    "PIPELINE_KINDS",
+    "PIPELINES",
+    "SYNC_PIPELINES",
+    "STALE_PIPELINES",
+    "pipeline_kind",
+    "effective_pipeline",
+    "terms",
+    "exposed",
+    "evaluate",
+    "paths",
+    "path_matrix",
+    "step_totals",
+    "Placed",
+    "schedule",
+]
+
+PHASE_KINDS = ("compute", "link", "collective")
+
+
+@attrs.frozen
+class Phase:
+    """One phase of a step.
+
+    ``kind``: ``compute`` (counted in ``StepTime.compute_s`` and a rank's compute), ``link``
+    (an all-to-all style phase over the host links, a rank's communication) or ``collective``
+    (the gradient all-reduce: one number for the whole world). ``hidden_under``: a phase this
+    one always runs alongside (only the excess is exposed).
+    """
+
+    name: str
+    kind: str = attrs.field(validator=attrs.validators.in_(PHASE_KINDS))
+    doc: str = ""
+    hidden_under: str = ""
+
+
+#: Every phase, in the order a step without overlap runs them (the ``base`` pipeline).
+PHASES: Tuple[Phase, ...] = (
+    Phase("input_dist", "link", "ids (KJT) all-to-all to the ranks holding the shards"),
+    Phase("uvm_fetch", "compute", "UVM-cache misses fetched from host memory"),
+    Phase("lookup", "compute", "embedding lookups (TBE forward)"),
+    Phase("output_dist", "link", "pooled embeddings back to the ranks owning the samples"),
+    Phase("dense_fwd", "compute", "dense model forward"),
+    Phase("dense_bwd", "compute", "dense model backward"),
+    Phase("grad_dist", "link", "embedding gradients to the shards (mirror of output_dist)"),
+    Phase("backward_update", "compute", "TBE backward with the fused optimizer update"),
+    Phase("allreduce", "collective", "dense and data-parallel gradient all-reduce",
+          hidden_under="dense_bwd"),
+)
+PHASE_NAMES: Tuple[str, ...] = tuple(p.name for p in PHASES)
+COMPUTE_PHASES: Tuple[str, ...] = tuple(p.name for p in PHASES if p.kind == "compute")
+LINK_PHASES: Tuple[str, ...] = tuple(p.name for p in PHASES if p.kind == "link")
+
+# stages: the phases of each part of a step, in order (pipelines below are built from these)
+INPUT: Tuple[str, ...] = ("input_dist",)
+EMB_FWD: Tuple[str, ...] = ("uvm_fetch", "lookup", "output_dist")
+DENSE: Tuple[str, ...] = ("dense_fwd", "dense_bwd")
+EMB_BWD: Tuple[str, ...] = ("grad_dist", "backward_update")
+SYNC: Tuple[str, ...] = ("allreduce",)
+
+
+@attrs.frozen
+class Seq:
+    """Parts run one after the other (phase names or :class:`Par` blocks)."""
+
+    parts: Tuple[Union[str, "Par"], ...] = attrs.field(converter=tuple)
+
+
+@attrs.frozen
+class Lane:
+    """One lane of a :class:`Par`: its name in the timeline, its work, and how the timeline
+    names it when it hides another lane (``label``). ``next_batch``: work done for the next
+    batch (pipelined ahead)."""
+
+    name: str
+    body: Seq
+    label: str
+    next_batch: bool = False
+
+
+@attrs.frozen
+class Par:
+    """Lanes that run side by side from the same start; ``lanes[0]`` is the step's own flow."""
+
+    lanes: Tuple[Lane, ...] = attrs.field(converter=tuple)
+
+    @lanes.validator
+    def _two_or_more(self, _: Any, value: Tuple[Lane, ...]) -> None:
+        if len(value) < 2:
+            raise ValueError("Par needs at least two lanes")
+
+
+@attrs.frozen
+class PipelineKind:
+    """A train-pipeline kind: its step composition and whether it trains on stale embeddings
+    (``stale``: only offered with ``allow_staleness``)."""
+
+    name: str
+    step: Seq
+    doc: str
+    stale: bool = False
+
+
+def _next_batch(phases: Tuple[str, ...], label: str, lane: str = "next batch") -> Lane:
+    return Lane(lane, Seq(phases), label, next_batch=True)
+
+
+_PREFETCH_AHEAD = INPUT + ("uvm_fetch",)
+
+#: Every pipeline kind, in the planner's order of preference on equal step times.
+PIPELINE_KINDS: Tuple[PipelineKind, ...] = (
+    PipelineKind("base", Seq(INPUT + EMB_FWD + DENSE + EMB_BWD + SYNC),
+                 "everything in sequence (TrainPipelineBase)"),
+    PipelineKind("sparse_dist", Seq([Par([
+        Lane("main", Seq(EMB_FWD + DENSE + EMB_BWD + SYNC), "the step's lookup/dense/backward"),
+        _next_batch(INPUT, "the next batch's input_dist"),
+    ])]), "the next batch's input_dist runs during this batch's work (TrainPipelineSparseDist)"),
+    PipelineKind("fused", Seq([Par([
+        Lane("main", Seq(EMB_FWD + DENSE + (Par([
+            Lane("main", Seq(EMB_BWD), "embedding backward"),
+            Lane("comm", Seq(SYNC), "allreduce"),
+        ]),)), "the step"),
+        _next_batch(INPUT, "the next batch's input_dist"),
+    ])]), "as sparse_dist, and the embedding backward/optimizer overlaps the dense all-reduce "
+          "(TrainPipelineFusedSparseDist)"),
+    PipelineKind("prefetch", Seq([Par([
+        Lane("main", Seq(tuple(p for p in EMB_FWD if p not in _PREFETCH_AHEAD) + DENSE + EMB_BWD + SYNC),
+             "the step's lookup/dense/backward"),
+        _next_batch(_PREFETCH_AHEAD, "the next batch's " + "+".join(_PREFETCH_AHEAD)),
+    ])]), "as sparse_dist, and UVM-cache misses are fetched with the input_dist "
+          "(PrefetchTrainPipelineSparseDist)"),
+    PipelineKind("semi_sync", Seq([Par([
+        Lane("main", Seq((Par([
+            Lane("main", Seq(DENSE), "dense fwd/bwd"),
+            _next_batch(EMB_FWD, "next batch's embedding forward"),
+        ]),) + EMB_BWD + SYNC), "the step"),
+        _next_batch(INPUT, "input_dist", lane="next batch input"),
+    ])]), "as sparse_dist, and the next batch's lookup + output_dist overlap this batch's dense "
+          "forward/backward (one step of embedding staleness; TrainPipelineSemiSync)", stale=True),
+)
+_BY_NAME: Dict[str, PipelineKind] = {k.name: k for k in PIPELINE_KINDS}
+#: Pipeline names, one order used everywhere.
+PIPELINES: Tuple[str, ...] = tuple(k.name for k in PIPELINE_KINDS)
+#: Pipelines that train on up-to-date embeddings (the planner's default set).
+SYNC_PIPELINES: Tuple[str, ...] = tuple(k.name for k in PIPELINE_KINDS if not k.stale)
+STALE_PIPELINES: Tuple[str, ...] = tuple(k.name for k in PIPELINE_KINDS if k.stale)
+
+
+def pipeline_kind(name: str) -> PipelineKind:
+    """The :class:`PipelineKind` called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline {name!r}; choose one of {PIPELINES}") from None
+
+
+def effective_pipeline(name: str, supports_overlap: bool = True) -> PipelineKind:
+    """The kind a step really runs: on hardware without compute/communication overlap
+    (``HardwareProfile.supports_overlap`` False, e.g. CPU gloo) every pipeline runs as ``base``."""
+    kind = pipeline_kind(name)
+    return kind if supports_overlap else _BY_NAME["base"]
+
+
+def terms(phases: Mapping[str, Any]) -> Dict[str, Any]:
+    """The composition's terms from the phase durations (floats or numpy arrays): each phase's
+    duration, except that a ``hidden_under`` phase counts only its exposed part
+    ``max(0, phase - hidden_under)``. Missing phases count 0."""
+    out: Dict[str, Any] = {}
+    for p in PHASES:
+        v = phases.get(p.name, 0.0)
+        if p.hidden_under:
+            v = np.maximum(0.0, v - phases.get(p.hidden_under, 0.0))
+        out[p.name] = v
+    return out
+
+
+def evaluate(node: Union[str, Seq, Par], values: Mapping[str, Any]) -> Any:
+    """The duration of ``node`` given each term's value (floats or numpy arrays, elementwise):
+    a :class:`Seq` sums, a :class:`Par` takes the maximum of its lanes."""
+    if isinstance(node, str):
+        return values[node]
+    if isinstance(node, Seq):
+        total: Any = 0.0
+        for part in node.parts:
+            total = total + evaluate(part, values)
+        return total
+    out = evaluate(node.lanes[0].body, values)
+    for lane in node.lanes[1:]:
+        out = np.maximum(out, evaluate(lane.body, values))
+    return out
+
+
+def paths(node: Union[str, Seq, Par]) -> Tuple[Tuple[str, ...], ...]:
+    """The composition as a maximum of sums: every way through it, as the terms it adds up.
+    ``evaluate(node, v) == max(sum(v[t] for t in path) for path in paths(node))`` for terms
+    ``>= 0``. Side lanes of a :class:`Par` come before its main lane."""
+    if isinstance(node, str):
+        return ((node,),)
+    if isinstance(node, Par):
+        out: List[Tuple[str, ...]] = []
+        for lane in node.lanes[1:] + node.lanes[:1]:
+            out.extend(paths(lane.body))
+        return tuple(out)
+    acc: List[Tuple[str, ...]] = [()]
+    for part in node.parts:
+        acc = [a + b for a in acc for b in paths(part)]
+    return tuple(acc)
+
+
+@lru_cache(maxsize=None)
+def path_matrix(name: str, supports_overlap: bool = True) -> np.ndarray:
+    """0/1 matrix (paths x :data:`PHASE_NAMES`) of the effective kind's :func:`paths`."""
+    kind = effective_pipeline(name, supports_overlap)
+    index = {p: i for i, p in enumerate(PHASE_NAMES)}
+    ps = paths(kind.step)
+    m = np.zeros((len(ps), len(PHASE_NAMES)))
+    for r, path in enumerate(ps):
+        for t in path:
+            m[r, index[t]] += 1.0
+    m.setflags(write=False)
+    return m
+
+
+_HIDDEN = tuple((PHASE_NAMES.index(p.name), PHASE_NAMES.index(p.hidden_under)) for p in PHASES if p.hidden_under)
+
+
+def exposed(table: np.ndarray) -> np.ndarray:
+    """:func:`terms` for a phase table (rows x :data:`PHASE_NAMES` columns)."""
+    if not _HIDDEN:
+        return table
+    out = table.copy()
+    for i, j in _HIDDEN:
+        out[:, i] = np.maximum(0.0, table[:, i] - table[:, j])
+    return out
+
+
+def step_totals(table: np.ndarray, name: str, supports_overlap: bool = True) -> np.ndarray:
+    """Step time per row of a phase table (rows x :data:`PHASE_NAMES` seconds) under pipeline
+    ``name``: the largest path sum, ``evaluate(kind.step, terms(row))`` for every row, in one
+    matrix product (the search's hot path)."""
+    return (exposed(table) @ path_matrix(name, supports_overlap).T).max(axis=1)
+
+
+@attrs.frozen
+class Placed:
+    """One phase placed on a lane by :func:`schedule` (seconds from the start of the step)."""
+
+    phase: str
+    lane: str
+    start_s: float
+    duration_s: float
+    critical: bool = True
+    hidden_by: str = ""
+    next_batch: bool = False
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.duration_s
+
+
+def schedule(kind: PipelineKind, phases: Mapping[str, float]) -> Tuple[Placed, ...]:
+    """Lay one steady-state step of ``kind`` out on lanes.
+
+    Each :class:`Par` starts its lanes together; the lane that ends last (``lanes[0]`` on ties)
+    stays critical, the others' critical work becomes hidden by its ``label``. A
+    ``hidden_under`` phase's hidden part runs on lane ``comm`` alongside the phase it hides
+    under; its exposed part sits where the composition puts it. Zero-length phases are left
+    out. The critical segments end at ``evaluate(kind.step, terms(phases))``.
+    """
+    ph = {p: float(phases.get(p, 0.0)) for p in PHASE_NAMES}
+    vals = terms(ph)
+    riders = {p.hidden_under: p.name for p in PHASES if p.hidden_under}
+
+    def place(node: Union[str, Seq, Par], lane: str, start: float, next_batch: bool) -> Tuple[List[Placed], float]:
+        if isinstance(node, str):
+            out: List[Placed] = []
+            dur = float(vals[node])
+            if dur > 0:
+                out.append(Placed(node, lane, start, dur, next_batch=next_batch))
+            rider = riders.get(node)  # a phase that runs hidden under this one
+            if rider is not None:
+                part = min(ph[rider], ph[node])
+                if part > 0:
+                    out.append(Placed(rider, "comm", start, part, critical=False, hidden_by=node,
+                                      next_batch=next_batch))
+            return out, start + dur
+        if isinstance(node, Seq):
+            out, t = [], start
+            for part in node.parts:
+                segs, t = place(part, lane, t, next_batch)
+                out.extend(segs)
+            return out, t
+        placed = []
+        for ln in node.lanes:
+            segs, end = place(ln.body, ln.name, start, next_batch or ln.next_batch)
+            placed.append((ln, segs, end))
+        win = max(range(len(placed)), key=lambda i: (placed[i][2], -i))
+        out = []
+        for i in list(range(1, len(placed))) + [0]:  # side lanes first (timeline lane order)
+            ln, segs, _ = placed[i]
+            if i != win:
+                segs = [attrs.evolve(s, critical=False, hidden_by=placed[win][0].label) if s.critical else s
+                        for s in segs]
+            out.extend(segs)
+        return out, placed[win][2]
+
+    segs, _ = place(kind.step, "main", 0.0, False)
+    return tuple(segs)

@@ -1,0 +1,597 @@
+"""TorchRec's own estimators as the objective: ``SparseLiftPlanner(cost_model="torchrec")``.
+
+TorchRec rates a plan with ``NoopPerfModel``: the slowest rank's sum of ``shard.perf.total``
+(milliseconds), where every shard's ``Perf`` and ``Storage`` come from the enumerator's
+estimators (by default ``EmbeddingPerfEstimator`` and ``EmbeddingStorageEstimator``; a user may
+pass their own, as ``EmbeddingEnumerator(estimator=...)`` takes them). This module turns that
+objective into a :class:`~torchrec_sparselift.search.problem.PlanningProblem`, so the same search
+(LP bound, greedy, local search, MILP) optimizes it:
+
+1. :func:`estimate_options` runs TorchRec's ``EmbeddingEnumerator`` over the module (its sharding
+   types, kernels, shard shapes and constraints) and fills every shard's ``Perf``/``Storage``.
+   The estimators price each shard independently, so with ``share_estimates`` (on for TorchRec's
+   default estimators) each option is estimated once per *distinct* shard size and the result is
+   copied to its identical shards: a row-wise option over 128 ranks costs 2 estimates, not 128.
+2. :func:`makespan_problem` makes one candidate per option: its shard's ``Perf.total`` (seconds)
+   is the only time column (``FWD``), its ``Storage.hbm``/``Storage.ddr`` the memory columns, and
+   the cost context has no fixed, latency or dense terms, so the step time of a plan under the
+   ``base`` pipeline *is* the slowest rank's summed ``Perf.total``: ``NoopPerfModel``'s rating.
+   Memory limits are the reserved topology's per-rank HBM and DDR, as TorchRec's partitioner
+   checks them.
+
+Placement rules follow TorchRec's: row-wise and data-parallel shard ``i`` on rank ``i``,
+table-row-wise on one host's ranks, table-wise and column-wise shards anywhere (distinct ranks).
+Table-column-wise options are kept only when they have one shard per rank of a host (then they
+are a host placement); TorchRec's partitioner keeps a table-column-wise table on one host, which
+a free placement cannot promise.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import attrs
+import numpy as np
+
+__all__ = [
+    "TorchRecProblem",
+    "default_estimators",
+    "estimator_identity",
+    "estimate_options",
+    "makespan_context",
+    "makespan_problem",
+    "placed_options",
+    "noop_rating_ms",
+]
+
+_MS = 1e3
+
+
+def default_estimators(topology: Any, constraints: Optional[Dict[str, Any]] = None) -> List[Any]:
+    """TorchRec's default pair: ``EmbeddingPerfEstimator`` + ``EmbeddingStorageEstimator``."""
+    from torchrec.distributed.planner.shard_estimators import (
+        EmbeddingPerfEstimator,
+        EmbeddingStorageEstimator,
+    )
+
+    return [EmbeddingPerfEstimator(topology=topology, constraints=constraints),
+            EmbeddingStorageEstimator(topology=topology, constraints=constraints)]
+
+
+def _as_list(estimator: Any) -> List[Any]:
+    if estimator is None:
+        return []
+    return list(estimator) if isinstance(estimator, (list, tuple)) else [estimator]
+
+
+def estimator_identity(estimator: Any = None) -> str:
+    """A stable name of the estimators in use, for cache keys (``PlanRequest``): the classes'
+    qualified names, plus a user estimator's ``identity()``/``version`` if it has one. Default:
+    TorchRec's pair, with the torchrec version."""
+    ests = _as_list(estimator)
+    if not ests:
+        import torchrec
+
+        return f"torchrec-default/{torchrec.__version__}"
+    parts = []
+    for e in ests:
+        name = f"{type(e).__module__}.{type(e).__qualname__}"
+        ident = getattr(e, "identity", None)
+        tag = ident() if callable(ident) else getattr(e, "version", None)
+        parts.append(name + (f"[{tag}]" if tag is not None else ""))
+    return "+".join(parts)
+
+
+def _is_default(estimators: Sequence[Any]) -> bool:
+    from torchrec.distributed.planner.shard_estimators import (
+        EmbeddingPerfEstimator,
+        EmbeddingStorageEstimator,
+    )
+
+    return all(type(e) in (EmbeddingPerfEstimator, EmbeddingStorageEstimator) for e in estimators)
+
+
+class _Captured(Exception):
+    pass
+
+
+class _CaptureOptions:
+    """A ``ShardEstimator`` that takes the enumerator's options and stops it there: the
+    enumerator's own deep copy of the whole search space (the slowest part of its
+    ``enumerate`` at scale) is skipped; estimation happens afterwards, shared across shards."""
+
+    def __init__(self) -> None:
+        self.options: List[Any] = []
+
+    def estimate(self, sharding_options: Any, sharder_data_map: Any = None) -> None:
+        self.options = list(sharding_options)
+        raise _Captured()
+
+
+UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
+
+
+def placeable(option: Any, world_size: int, local_world_size: int) -> bool:
+    """Whether the makespan problem can place ``option`` (see :func:`makespan_problem`)."""
+    st, n = option.sharding_type, len(option.shards)
+    L = min(local_world_size, world_size)
+    if st in ("table_wise", "column_wise"):
+        return True
+    if st == "table_column_wise":
+        return n in (1, L)
+    if st in ("row_wise", "data_parallel"):
+        return n == world_size
+    if st == "table_row_wise":
+        return n == L
+    return False
+
+
+def _representatives(options: Sequence[Any]) -> List[Tuple[Any, Any, List[List[int]]]]:
+    """(option, a copy with one shard per distinct shard size, shard indices per size)."""
+    out = []
+    for o in options:
+        by_size: Dict[Tuple[int, ...], List[int]] = {}
+        for i, s in enumerate(o.shards):
+            by_size.setdefault(tuple(s.size), []).append(i)
+        rep = copy.copy(o)  # shares tensor/module; own shard list
+        rep.shards = [copy.copy(o.shards[idx[0]]) for idx in by_size.values()]
+        out.append((o, rep, list(by_size.values())))
+    return out
+
+
+def _copy_back(reps: Sequence[Tuple[Any, Any, List[List[int]]]]) -> None:
+    for o, rep, idxs in reps:
+        for rs, idx in zip(rep.shards, idxs):
+            for i in idx:
+                o.shards[i].perf = rs.perf
+                o.shards[i].storage = rs.storage
+
+
+def _uvm_needed(reps: Sequence[Tuple[Any, Any, List[List[int]]]], rank_hbm: float, total_hbm: float) -> set:
+    """Tables whose UVM options are worth estimating: memory is tight for them (their smallest
+    non-UVM shard takes over 1/16 of a rank's HBM) or for the whole plan (the smallest non-UVM
+    total storage of all tables is over half the cluster's HBM). Elsewhere a UVM option only
+    trades speed for memory that is not short."""
+    smallest_shard: Dict[Tuple[str, str], float] = {}
+    smallest_total: Dict[Tuple[str, str], float] = {}
+    for o, rep, idxs in reps:
+        if o.compute_kernel in UVM_KERNELS:
+            continue
+        key = (o.path, o.name)
+        hbm = [float(s.storage.hbm) for s in rep.shards]
+        tot = sum(h * len(ix) for h, ix in zip(hbm, idxs))
+        smallest_shard[key] = min(smallest_shard.get(key, np.inf), max(hbm))
+        smallest_total[key] = min(smallest_total.get(key, np.inf), tot)
+    if sum(smallest_total.values()) > 0.5 * total_hbm:
+        return {(o.path, o.name) for o, _, _ in reps}
+    need = {k for k, v in smallest_shard.items() if v > rank_hbm / 16}
+    keys = {(o.path, o.name) for o, _, _ in reps}
+    return need | (keys - set(smallest_shard))  # tables with only UVM options keep them
+
+
+def estimate_options(
+    module: Any,
+    sharders: Sequence[Any],
+    topology: Any,
+    batch_size: int,
+    constraints: Optional[Dict[str, Any]] = None,
+    estimator: Any = None,
+    share_estimates: Optional[bool] = None,
+    prune_uvm: Optional[bool] = None,
+) -> Tuple[List[Any], Dict[str, float]]:
+    """TorchRec's ``EmbeddingEnumerator`` options for ``module`` that the makespan problem can
+    place (:func:`placeable`), every shard estimated.
+
+    ``estimator``: a ``ShardEstimator`` or a list of them (as ``EmbeddingEnumerator`` takes it;
+    like there, it replaces *both* defaults, so include a storage estimator); None: TorchRec's
+    defaults. ``share_estimates``: estimate one shard per distinct shard size and copy it to its
+    identical shards (default: on for TorchRec's default estimators, off for others, whose
+    per-shard independence is not known). ``prune_uvm`` (default: with TorchRec's default
+    estimators): storage first, then perf only for the UVM options of tables where memory is
+    tight (:func:`_uvm_needed`); other UVM options are left out. Returns (options, timings).
+    """
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
+    from torchrec.distributed.planner.utils import build_sharder_data_map, sharder_name
+
+    ests = _as_list(estimator) or default_estimators(topology, constraints)
+    default = _is_default(ests)
+    share = default if share_estimates is None else bool(share_estimates)
+    prune = (default and share) if prune_uvm is None else bool(prune_uvm and default and share)
+    t0 = time.perf_counter()
+    cap = _CaptureOptions()
+    enum = EmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints,
+                               estimator=[cap])
+    try:
+        enum.enumerate(module, list(sharders))
+    except _Captured:
+        pass
+    data_map = build_sharder_data_map({sharder_name(s.module_type): s for s in sharders})
+    W, L = topology.world_size, topology.local_world_size
+    options = [o for o in cap.options if placeable(o, W, L)]
+    t1 = time.perf_counter()
+    timings: Dict[str, float] = {"enumerate_s": t1 - t0, "options_enumerated": float(len(cap.options))}
+    if share:
+        reps = _representatives(options)
+        if prune:
+            storage = [e for e in ests if isinstance(e, EmbeddingStorageEstimator)]
+            perf = [e for e in ests if not isinstance(e, EmbeddingStorageEstimator)]
+            for e in storage:
+                e.estimate([r for _, r, _ in reps], sharder_data_map=data_map)
+            hbm = [d.storage.hbm for d in topology.devices]
+            need = _uvm_needed(reps, float(min(hbm)), float(sum(hbm)))
+            reps = [x for x in reps if x[0].compute_kernel not in UVM_KERNELS
+                    or (x[0].path, x[0].name) in need]
+            timings["uvm_options_left_out"] = float(len(options) - len(reps))
+            for e in perf:
+                e.estimate([r for _, r, _ in reps], sharder_data_map=data_map)
+        else:
+            for e in ests:
+                e.estimate([r for _, r, _ in reps], sharder_data_map=data_map)
+        _copy_back(reps)
+        options = [o for o, _, _ in reps]
+        timings["shard_estimates"] = float(sum(len(r.shards) for _, r, _ in reps))
+    else:
+        for e in ests:
+            e.estimate(options, sharder_data_map=data_map)
+        timings["shard_estimates"] = float(sum(len(o.shards) for o in options))
+    t2 = time.perf_counter()
+    timings["estimate_s"] = t2 - t1
+    timings["shared"] = float(share)
+    for o in options:
+        for s in o.shards:
+            if s.perf is None or s.storage is None:
+                raise ValueError(
+                    f"table {o.name!r} ({o.sharding_type}/{o.compute_kernel}): the estimators left a "
+                    "shard without perf or storage; pass both a perf and a storage estimator "
+                    "(estimator=[MyPerfEstimator(...), EmbeddingStorageEstimator(...)])"
+                )
+    return options, timings
+
+
+def makespan_context(profile: Any, world_size: int, local_world_size: int, batch_size: int) -> Any:
+    """A cost context whose ``base``-pipeline step time is the maximum over ranks of the ``FWD``
+    column: every fixed, latency, overlap and dense term of the profile is zero."""
+    from torchrec_sparselift.cost.model import CostContext, DenseWork
+
+    zero = {}
+    for f in attrs.fields(type(profile)):
+        if (f.name.endswith("overhead_s") or f.name.endswith("latency_s") or f.name.endswith("_id_s")) \
+                and isinstance(getattr(profile, f.name), (int, float)):
+            zero[f.name] = 0.0
+    prof = attrs.evolve(profile, name="torchrec-estimator", supports_overlap=False, **zero)
+    return CostContext(profile=prof, world_size=world_size, local_world_size=local_world_size,
+                       batch_size=batch_size, dense=DenseWork())
+
+
+@attrs.frozen
+class TorchRecProblem:
+    """A :class:`PlanningProblem` over TorchRec's estimated options.
+
+    ``option_of[c]``: the ``ShardingOption`` of candidate ``c``; ``bound_problem``: the same
+    problem with each candidate's *smallest* shard perf when an option's shards differ (its
+    bounds are valid for the real rating; None when every option's shards are alike);
+    ``skipped``: options left out and why; ``timings``: enumeration/estimation seconds.
+    """
+
+    problem: Any = attrs.field(eq=False)
+    option_of: Tuple[Any, ...] = attrs.field(eq=False, repr=False)
+    bound_problem: Any = attrs.field(eq=False, default=None)
+    skipped: Tuple[str, ...] = ()
+    timings: Dict[str, float] = attrs.field(factory=dict, eq=False)
+    identity: str = ""
+
+
+def makespan_problem(
+    options: Sequence[Any],
+    specs: Sequence[Any],
+    profile: Any,
+    world_size: int,
+    local_world_size: int,
+    batch_size: int,
+    device_cap: np.ndarray,
+    host_cap: np.ndarray,
+    identity: str = "",
+    timings: Optional[Dict[str, float]] = None,
+) -> TorchRecProblem:
+    """Candidates from estimated ``options`` (see module docs), tables in ``specs`` order.
+
+    Options whose largest shard cannot fit one rank are dropped (TorchRec's partitioner would
+    reject them); a table left without options raises the planner's insufficient-storage error
+    naming it."""
+    from torchrec_sparselift.cost.model import DEV_MEM, FWD, HOST_MEM, K, ShardCost
+    from torchrec_sparselift.search.problem import PlanningProblem, _no_fit_error
+    from torchrec_sparselift.semantics.graph import Candidate
+
+    W, L = world_size, min(local_world_size, world_size)
+    ctx = makespan_context(profile, W, L, batch_size)
+    index = {(s.module_path, s.name): t for t, s in enumerate(specs)}
+    max_dev = float(np.max(device_cap)) if len(device_cap) else 0.0
+    max_host = float(np.max(host_cap)) if len(host_cap) else 0.0
+    cands: List[Any] = []
+    costs: List[Any] = []
+    low: List[Any] = []
+    opt_of: List[Any] = []
+    per_table: List[List[int]] = [[] for _ in specs]
+    skipped: List[str] = []
+    smallest: Dict[int, Tuple[float, str]] = {}
+    uneven = False
+    for o in options:
+        t = index.get((o.path, o.name))
+        if t is None:
+            skipped.append(f"{o.path}.{o.name}: not a table of the module's specs")
+            continue
+        st, n = o.sharding_type, len(o.shards)
+        if st in ("table_wise", "column_wise") or (st == "table_column_wise" and n == 1):
+            placement = "free"
+        elif st in ("row_wise", "data_parallel"):
+            placement = "all"
+            if n != W:
+                skipped.append(f"{o.name} {st}/{o.compute_kernel}: {n} shards on {W} ranks")
+                continue
+        elif st == "table_row_wise" or (st == "table_column_wise" and n == L):
+            placement = "host"
+            if n != L:
+                skipped.append(f"{o.name} {st}/{o.compute_kernel}: {n} shards, {L} ranks per host")
+                continue
+        else:
+            skipped.append(f"{o.name} {st}/{o.compute_kernel} ({n} shards): placement not modelled")
+            continue
+        perf = np.array([s.perf.total for s in o.shards], dtype=float) / _MS
+        hbm = max(float(s.storage.hbm) for s in o.shards)
+        ddr = max(float(s.storage.ddr) for s in o.shards)
+        key = f"{st}/{o.compute_kernel}"
+        over = max(hbm - max_dev, ddr - max_host)
+        if t not in smallest or over < smallest[t][0]:
+            smallest[t] = (over, key, hbm, ddr)
+        if hbm > max_dev + 1e-6 or ddr > max_host + 1e-6:
+            continue
+        owner = np.zeros(K)
+        owner[FWD] = float(perf.max())
+        owner[DEV_MEM], owner[HOST_MEM] = hbm, ddr
+        lo = owner.copy()
+        lo[FWD] = float(perf.min())
+        uneven = uneven or bool(perf.max() > perf.min() * (1 + 1e-12))
+        size0 = o.shards[0].size
+        per_table[t].append(len(cands))
+        cands.append(Candidate(table=t, sharding_type=st, compute_kernel=o.compute_kernel, num_shards=n,
+                               shard_rows=int(size0[0]), shard_cols=int(size0[1]), placement=placement))
+        costs.append(ShardCost(owner=owner, peers=np.zeros(K)))
+        low.append(ShardCost(owner=lo, peers=np.zeros(K)))
+        opt_of.append(o)
+    misfits = []
+    for t, ids in enumerate(per_table):
+        if ids:
+            continue
+        sp = specs[t]
+        if t not in smallest:
+            misfits.append(f"{sp.fqn}: TorchRec's enumerator offers no option this planner can place")
+        else:
+            _, key, hbm, ddr = smallest[t]
+            misfits.append(f"{sp.fqn} ({sp.num_embeddings} x {sp.embedding_dim}): its best-fitting shard "
+                           f"({key}) needs {hbm / 2**30:.2f} GiB HBM and {ddr / 2**30:.2f} GiB DDR under "
+                           f"TorchRec's storage estimate; a rank has {max_dev / 2**30:.2f} GiB HBM and "
+                           f"{max_host / 2**30:.2f} GiB DDR after the storage reservation")
+    if misfits:
+        raise _no_fit_error(misfits)
+    prob = PlanningProblem(
+        specs=tuple(specs), ctx=ctx, cands=tuple(cands), costs=tuple(costs),
+        candidates=tuple(tuple(ids) for ids in per_table),
+        device_cap=np.asarray(device_cap, dtype=float), host_cap=np.asarray(host_cap, dtype=float),
+        pipelines=("base",), precisions=(("fp32", "fp32"),),
+    )
+    bound = attrs.evolve(prob, costs=tuple(low)) if uneven else None
+    return TorchRecProblem(problem=prob, option_of=tuple(opt_of), bound_problem=bound,
+                           skipped=tuple(skipped), timings=dict(timings or {}), identity=identity)
+
+
+def placed_options(trp: TorchRecProblem, assignment: Sequence[Tuple[int, Sequence[int]]]) -> List[Any]:
+    """The chosen ``ShardingOption`` per table, copied, with ``shard.rank`` set (shard ``i`` of a
+    candidate on ``ranks[i]``)."""
+    out = []
+    for cid, ranks in assignment:
+        o = trp.option_of[cid]
+        so = copy.copy(o)
+        so.shards = [copy.copy(s) for s in o.shards]
+        for s, r in zip(so.shards, ranks):
+            s.rank = int(r)
+        out.append(so)
+    return out
+
+
+def noop_rating_ms(options: Sequence[Any], world_size: int) -> float:
+    """``NoopPerfModel``'s rating of placed options: max over ranks of summed ``Perf.total``."""
+    per = np.zeros(world_size)
+    for o in options:
+        for s in o.shards:
+            per[s.rank] += s.perf.total
+    return float(per.max()) if world_size else 0.0
+
+
+def build_torchrec_problem(
+    module: Any,
+    sharders: Sequence[Any],
+    specs: Sequence[Any],
+    topology: Any,
+    reserved: Any,
+    batch_size: int,
+    profile: Any,
+    constraints: Optional[Dict[str, Any]] = None,
+    estimator: Any = None,
+    share_estimates: Optional[bool] = None,
+) -> TorchRecProblem:
+    """:func:`estimate_options` on ``topology`` then :func:`makespan_problem` under the
+    per-rank memory of ``reserved`` (the topology after the storage reservation)."""
+    from torchrec_sparselift.search.problem import device_caps
+
+    options, timings = estimate_options(module, sharders, topology, batch_size, constraints,
+                                        estimator, share_estimates)
+    dev, host = device_caps(reserved)
+    if topology.compute_device == "cpu":  # TorchRec's CPU storage is DDR only
+        dev = np.full(len(dev), np.inf)
+    return makespan_problem(options, specs, profile, topology.world_size, topology.local_world_size,
+                            batch_size, dev, host, identity=estimator_identity(estimator),
+                            timings=timings)
+
+
+TORCHREC_MILP_MAX_VARS = 40000
+
+
+def perf_core(prob: Any) -> Tuple[Any, List[int]]:
+    """The candidates no other candidate of the same table beats on shard time with the same
+    placement and shard count, with memory limits lifted: every plan of ``prob`` maps to a plan
+    of the core with no larger makespan (swap each option for its dominating one), so the core's
+    optimum (or MILP dual bound) is a lower bound for ``prob``. Returns (core, core id -> id)."""
+    from torchrec_sparselift.cost.model import FWD
+
+    keep: List[int] = []
+    per_table: List[Tuple[int, ...]] = []
+    for ids in prob.candidates:
+        mine = []
+        for c in ids:
+            a = prob.cands[c]
+            pc = prob.costs[c].owner[FWD]
+            dominated = any(
+                d != c and prob.cands[d].placement == a.placement and prob.cands[d].num_shards == a.num_shards
+                and (prob.costs[d].owner[FWD] < pc or (prob.costs[d].owner[FWD] == pc and d < c))
+                for d in ids)
+            if not dominated:
+                mine.append(len(keep))
+                keep.append(c)
+        per_table.append(tuple(mine))
+    inf = np.full(prob.ctx.world_size, np.inf)
+    core = attrs.evolve(prob, cands=tuple(prob.cands[c] for c in keep),
+                        costs=tuple(prob.costs[c] for c in keep), candidates=tuple(per_table),
+                        device_cap=inf, host_cap=inf.copy())
+    return core, keep
+
+
+def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "auto") -> Any:
+    """:func:`~torchrec_sparselift.search.solve.solve` on the makespan problem, then, where it
+    is small enough, the exact MILP over choice and placement on :func:`perf_core` (its plan is
+    taken when it fits memory and is better; its dual bound is a bound for the full problem);
+    the lower bound is also tightened by :mod:`.makespan_bound` (integrality: largest pieces,
+    bin packing), over the smallest shard estimates when an option's shards differ."""
+    from torchrec_sparselift.search.makespan_bound import makespan_bound
+    from torchrec_sparselift.search.milp import milp_size, solve_milp
+    from torchrec_sparselift.search.solve import new_evaluator, solve
+
+    t0 = time.monotonic()
+    prob = trp.problem
+    heur_solver = "heuristic" if solver == "auto" else solver
+    res = solve(prob, time_budget_s=0.25 * time_budget_s, pipeline="base", solver=heur_solver)
+    alt = _rigid_first(prob, 0.25 * time_budget_s)
+    if alt is not None and alt[0].objective() < res.step.total_s * (1 - 1e-9):
+        ev, seed = alt
+        res = attrs.evolve(res, assignment=tuple(ev.assignment[t] for t in range(prob.num_tables)),
+                           step=ev.step_time(), rank_loads=ev.rank_loads(),
+                           solver=f"lp+rigid-first greedy({seed})+local_search")
+    bprob = trp.bound_problem if trp.bound_problem is not None else prob
+    left = max(0.2, time_budget_s - (time.monotonic() - t0))
+    lb = makespan_bound(bprob, time_limit_s=min(left, max(1.0, 0.25 * time_budget_s)),
+                        upper=res.step.total_s)
+    bounds = [lb.bound_s]
+    methods = [lb.method]
+    if trp.bound_problem is None and np.isfinite(res.lower_bound_s):
+        bounds.append(res.lower_bound_s)
+    ev_best = None
+    name = res.solver
+    core, keep = perf_core(bprob)
+    if solver in ("auto", "milp") and milp_size(core) <= TORCHREC_MILP_MAX_VARS \
+            and res.step.total_s > max(bounds) * (1 + 1e-4):
+        left = max(0.5, time_budget_s - (time.monotonic() - t0))
+        m = solve_milp(core, "base", time_limit_s=left)
+        if np.isfinite(m.bound_s):
+            bounds.append(m.bound_s * (1 - 1e-7))
+            methods.append(f"placement-milp({m.status})")
+        if m.assignment:
+            ev = new_evaluator(prob, "base")
+            for t, (c, rk) in enumerate(m.assignment):
+                ev.assign(t, keep[c], rk)
+            if ev.memory_ok() and ev.objective() < res.step.total_s * (1 - 1e-9):
+                ev_best = ev
+                name = f"milp({m.status}) over {len(keep)} undominated options"
+    if ev_best is not None:
+        res = attrs.evolve(res, assignment=tuple(ev_best.assignment[t] for t in range(prob.num_tables)),
+                           step=ev_best.step_time(), rank_loads=ev_best.rank_loads(), status="converged")
+    bound = float(np.nanmax(bounds))
+    return attrs.evolve(res, lower_bound_s=float(min(bound, res.step.total_s)),
+                        solver=name + "; bound: " + ", ".join(methods),
+                        planning_time_s=time.monotonic() - t0)
+
+
+def specs_from_options(options: Sequence[Any]) -> Tuple[List[Any], List[Tuple[str, str]]]:
+    """One :class:`TableSpec` per table of ``options`` (sorted by (path, name)), from what the
+    options carry: shape, features, pooling, batch, the sharding types and kernels offered."""
+    from torchrec_sparselift.semantics.tables import TableSpec
+
+    tables: Dict[Tuple[str, str], List[Any]] = {}
+    for o in options:
+        tables.setdefault((o.path, o.name), []).append(o)
+    keys = sorted(tables)
+    specs = []
+    for key in keys:
+        opts = tables[key]
+        o = opts[0]
+        types = tuple(sorted({x.sharding_type for x in opts}))
+        kernels = tuple((st, tuple(sorted({x.compute_kernel for x in opts if x.sharding_type == st})))
+                        for st in types)
+        specs.append(TableSpec(
+            module_path=o.path, name=o.name, num_embeddings=int(o.tensor.shape[0]),
+            embedding_dim=int(o.tensor.shape[1]), feature_names=tuple(o.feature_names or [o.name]),
+            pooling_factor=float(sum(o.input_lengths)), is_pooled=bool(o.is_pooled),
+            elem_bytes=int(o.tensor.element_size()), sharding_types=types, compute_kernels=kernels,
+            batch_size=int(o.batch_size),
+        ))
+    return specs, keys
+
+
+def _rigid_first(prob: Any, budget_s: float) -> Optional[Tuple[Any, str]]:
+    """A makespan seed: place the rigid options first (row-wise/data-parallel on every rank,
+    then table-row-wise on a host), then the free pieces biggest first on the least loaded rank
+    that fits (LPT); a table whose option does not fit takes its best-fitting alternative. Then
+    the shared local search. Rigid options placed last would find every rank already full and
+    fall back to slow UVM kernels. Returns (evaluator, seed name) of the better seed."""
+    from torchrec_sparselift.cost.model import DEV_MEM
+    from torchrec_sparselift.search.lp import solve_lp
+    from torchrec_sparselift.search.place import WorkBudget, best_placement, local_search
+    from torchrec_sparselift.search.solve import WORK_UNITS_PER_SECOND, new_evaluator
+
+    t0 = time.monotonic()
+    lp = solve_lp(prob, "base", time_limit_s=max(5.0, budget_s))
+    seeds = []
+    if lp.choice:
+        seeds.append(("lp", list(lp.choice)))
+    seeds.append(("least_work", [min(ids, key=lambda i: (prob.shard_time(i) * prob.cands[i].num_shards, i))
+                                 for ids in prob.candidates]))
+    rank = {"all": 0, "host": 1, "free": 2}
+    best = None
+    for name, choice in seeds:
+        ev = new_evaluator(prob, "base")
+        order = sorted(range(prob.num_tables), key=lambda t: (
+            rank[prob.cands[choice[t]].placement], -prob.shard_time(choice[t]),
+            -ev.owner[choice[t]][DEV_MEM], t))
+        ok = True
+        for t in order:
+            got = best_placement(ev, prob, t, choice[t])
+            if got is not None:
+                ev.assign(t, choice[t], got[0])
+                continue
+            fit = None
+            for alt in prob.candidates[t]:
+                g = best_placement(ev, prob, t, alt)
+                if g is not None and (fit is None or g[1] < fit[2]):
+                    fit = (alt, g[0], g[1])
+            if fit is None:
+                ok = False
+                break
+            ev.assign(t, fit[0], fit[1])
+        if not ok:
+            continue
+        work = WorkBudget(int(WORK_UNITS_PER_SECOND * budget_s / len(seeds)), t0 + 3.0 * budget_s)
+        local_search(ev, prob, deadline=work.deadline, budget=work)
+        if best is None or ev.objective() < best[0].objective():
+            best = (ev, name)
+    return best
