@@ -204,6 +204,7 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
 
         runners.append(dict(name=name, plan=plan, predicted_s=pred, pipe=pipe, it=feed(), dmp=dmp, opt=opt,
                             runs=[], types=_types(plan)))
+    saved_plans = [(name, plan, cons) for name, plan, cons in plans]
     # one untimed pass first: a plan's first steps pay one-off costs (allocator, lazy init)
     for r in runners:
         for _ in range(args.warmup):
@@ -235,7 +236,7 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
     guard_pick = min(guard_pool, key=lambda p: by[p]["runs_ms"][0])
     meas = [row["measured_ms"] for row in rows]
     pred = [row["predicted_ms"] for row in rows]
-    return dict(workload=w.name, tables=len(w.tables), features=sum(len(t.features) for t in w.tables),
+    return dict(_plans=saved_plans, workload=w.name, tables=len(w.tables), features=sum(len(t.features) for t in w.tables),
                 batch_size=w.batch_size, alpha=alpha, rows=rows, best=best["plan"],
                 torchrec_over_ours=theirs / ours, ours_over_best=ours / best["measured_ms"],
                 best_over_torchrec=theirs / best["measured_ms"],
@@ -258,7 +259,46 @@ def format_workload(res: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def report(measured_path: str, profile_path: Optional[str]) -> int:
+    """Re-price a finished run's plans with another profile (no torchrun): per-workload MAPE and
+    Spearman, and over all plans."""
+    import pickle
+
+    from torchrec_sparselift.cost.hardware import get_profile
+    from torchrec_sparselift.runtime.probe import probe_model
+    from torchrec_sparselift.step_calibration import PlanPricer, _topology, auto_profile
+
+    with open(measured_path, encoding="utf-8") as f:
+        data = json.load(f)
+    with open(measured_path + ".plans.pkl", "rb") as f:
+        plans = pickle.load(f)
+    profile = get_profile(profile_path) if profile_path else auto_profile("cpu", 2)[0]
+    table = _workloads()
+    topo = _topology(2, "cpu")
+    allp, allm = [], []
+    for res in data["workloads"]:
+        w = table[res["workload"]][0]
+        meas = {r["plan"]: r["measured_ms"] for r in res["rows"]}
+        pred, mm = [], []
+        for name, plan, cons in plans[res["workload"]]:
+            pred.append(PlanPricer(probe_model(w), plan, topo, w.batch_size, cons)(profile) * 1e3)
+            mm.append(meas[name])
+        allp += pred
+        allm += mm
+        print(f"{res['workload']:<12} MAPE {mape(pred, mm) * 100:5.1f}%  Spearman {spearman(pred, mm):5.2f}  "
+              + " ".join(f"{n}:{p:.0f}/{m:.0f}" for (n, _p, _c), p, m in zip(plans[res['workload']], pred, mm)))
+    print(f"all {len(allm)} plans: MAPE {mape(allp, allm) * 100:.1f}%  Spearman {spearman(allp, allm):.2f}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "report":
+        rp = argparse.ArgumentParser(description="re-price a finished run's plans with another profile")
+        rp.add_argument("--measured", required=True, help="the JSON a run wrote (its .plans.pkl next to it)")
+        rp.add_argument("--profile", help="profile JSON (default: this machine's stored step-fitted profile)")
+        ra = rp.parse_args(argv[1:])
+        return report(ra.measured, ra.profile)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/real_runs.json")
     p.add_argument("--quick", action="store_true", help=f"smoke test: {', '.join(QUICK_WORKLOADS)}, 1 round, 4 steps")
@@ -304,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             found, diff = store.lookup(fp)
             if found is None or diff or args.calibrate:
                 say("[real_runs] calibrating this machine from the probe workloads first")
-                profile, fit, _recs, fit_records = calibrate_steps(dist.group.WORLD, "cpu", steps=8, warmup=3,
+                profile, fit, _recs, fit_records = calibrate_steps(dist.group.WORLD, "cpu", steps=10, warmup=3,
                                                                    progress=rank == 0)
                 if rank == 0:
                     from torchrec_sparselift.step_calibration import _record_dict
@@ -317,9 +357,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         say(f"[real_runs] profile {profile.name} from {source}; {len(names)} workloads, {args.reps} rounds x "
             f"({args.warmup}+{args.steps}) steps, {args.batches} pre-built batches per rank; load {os.getloadavg()[0]:.1f}")
         results = []
+        all_plans: Dict[str, Any] = {}
         for n in names:
             w, alpha = table[n]
             res = run_workload(w, alpha, profile, dist.group.WORLD, args, say)
+            all_plans[n] = res.pop("_plans")
             results.append(res)
             say(format_workload(res))
         ratios = [r["torchrec_over_ours"] for r in results]
@@ -351,6 +393,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(args.out + ".tmp", "w", encoding="utf-8") as f:
                 json.dump(out, f, indent=1)
             os.replace(args.out + ".tmp", args.out)
+            import pickle
+
+            with open(args.out + ".plans.pkl", "wb") as f:  # for `real_runs.py report` (re-pricing)
+                pickle.dump(all_plans, f)
             say(f"[real_runs] wrote {args.out} ({out['wall_s']:.0f} s)")
         dist.barrier()
     finally:

@@ -41,7 +41,7 @@ from torchrec_sparselift.cost.step_fit import (
     with_terms,
 )
 
-__all__ = ["PlanPricer", "auto_profile", "calibrate_steps", "add_feedback", "base_profile", "forced_plan", "main",
+__all__ = ["PlanPricer", "auto_profile", "calibrate_steps", "measure_probes", "fit_measurements", "add_feedback", "base_profile", "forced_plan", "main",
            "COMMITTED_CPU_PROFILE"]
 
 logger = logging.getLogger(__name__)
@@ -170,19 +170,18 @@ class ProbeRecord:
     predicted_after_s: float
 
 
-def calibrate_steps(
+def measure_probes(
     pg: Any,
     device_type: str = "cpu",
-    base: Optional[HardwareProfile] = None,
     workloads: Optional[Sequence[Any]] = None,
     kinds: Optional[Sequence[str]] = None,
     steps: int = 10,
-    warmup: int = 4,
+    warmup: int = 3,
     progress: bool = True,
-    name: str = "step-fit",
-) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord]]:
-    """Measure the probe plans on every rank of ``pg`` and fit the profile (every rank returns
-    the same values: measurements are the slowest rank's)."""
+    base: Optional[HardwareProfile] = None,
+) -> List[Tuple[str, str, Any, Dict[str, Any], float]]:
+    """Train every probe plan on every rank of ``pg``; ``(workload, kind, plan, constraints,
+    measured seconds)`` per plan (the slowest rank's median step; the same on every rank)."""
     import torch
     import torch.distributed as dist
 
@@ -190,34 +189,52 @@ def calibrate_steps(
 
     workloads = list(workloads or probe.PROBE_WORKLOADS)
     kinds = list(kinds or probe.PLAN_KINDS)
-    base = base or base_profile(device_type)
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
     device = torch.device(device_type)
     topo = _topology(W, device_type)
-    total = len(workloads) * len(kinds)
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc="calibrate", unit="plan", file=sys.stdout, ascii=True, mininterval=0.5)
-    cases, meta = [], []
+        bar = tqdm(total=len(workloads) * len(kinds), desc="calibrate", unit="plan", file=sys.stdout, ascii=True,
+                   mininterval=0.5)
+    out = []
     for w in workloads:
         batches = probe.prebuilt_batches(w, 6, seed=0, rank=rank)
         for kind in kinds:
-            model = probe.probe_model(w)
-            plan, cons = forced_plan(model, w.tables, kind, topo, w.batch_size, pg)
+            plan, cons = forced_plan(probe.probe_model(w), w.tables, kind, topo, w.batch_size, pg, base)
             torch.manual_seed(0)
             m = probe.measure_plan(f"{w.name}/{kind}", lambda: probe.probe_model(w), plan, batches, steps, warmup,
                                    pg=pg, device=device)
-            pricer = PlanPricer(model, plan, topo, w.batch_size, cons)
-            cases.append((m.label, m.median_s, pricer))
-            meta.append((w.name, kind))
+            out.append((w.name, kind, plan, cons, m.median_s))
             if bar is not None:
                 bar.set_postfix_str(f"{m.label} {m.median_s * 1e3:.1f} ms", refresh=False)
                 bar.update(1)
     if bar is not None:
         bar.close()
-    fitted, fit = fit_profile(cases, base, CPU_STEP_TERMS, name=name)
+    return out
+
+
+def fit_measurements(
+    measurements: Sequence[Tuple[str, str, Any, Dict[str, Any], float]],
+    base: HardwareProfile,
+    world_size: int = 2,
+    device_type: str = "cpu",
+    name: str = "step-fit",
+    prior_weight: float = 1e-2,
+) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
+    """Fit ``base``'s step terms to :func:`measure_probes` output (pure given the plans): the
+    fitted profile, the fit, per-plan before/after predictions, and the linearized records."""
+    from torchrec_sparselift.runtime import probe
+
+    by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
+    topo = _topology(world_size, device_type)
+    cases, meta = [], []
+    for wn, kind, plan, cons, measured in measurements:
+        w = by_name[wn]
+        cases.append((f"{wn}/{kind}", measured, PlanPricer(probe.probe_model(w), plan, topo, w.batch_size, cons)))
+        meta.append((wn, kind))
+    fitted, fit = fit_profile(cases, base, CPU_STEP_TERMS, name=name, prior_weight=prior_weight)
     fit_records = []
     for label, measured, pricer in cases:
         _b, q, fixed = linearize(pricer, fitted, CPU_STEP_TERMS)
@@ -226,6 +243,25 @@ def calibrate_steps(
                         predicted_after_s=pr(fitted))
             for (wn, k), (_l, meas, pr) in zip(meta, cases)]
     return fitted, fit, recs, fit_records
+
+
+def calibrate_steps(
+    pg: Any,
+    device_type: str = "cpu",
+    base: Optional[HardwareProfile] = None,
+    workloads: Optional[Sequence[Any]] = None,
+    kinds: Optional[Sequence[str]] = None,
+    steps: int = 10,
+    warmup: int = 3,
+    progress: bool = True,
+    name: str = "step-fit",
+) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
+    """:func:`measure_probes` then :func:`fit_measurements` (every rank returns the same)."""
+    import torch.distributed as dist
+
+    base = base or base_profile(device_type)
+    ms = measure_probes(pg, device_type, workloads, kinds, steps, warmup, progress, base)
+    return fit_measurements(ms, base, dist.get_world_size(pg), device_type, name)
 
 
 def add_feedback(records: Sequence[FitRecord], profile: HardwareProfile, topology: Any,
@@ -269,6 +305,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", help="also write the profile JSON here")
     p.add_argument("--base", help="profile to start from (default: the committed CPU profile / preset)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--save-measurements", metavar="PATH", help="also pickle the probe plans and their measured "
+                   "times here (refit later with --from-measurements)")
+    p.add_argument("--from-measurements", metavar="PATH", help="refit from saved measurements (no torchrun, no "
+                   "measuring) and store the profile")
     p.add_argument("--check", action="store_true", help="exit 0 if this machine has a stored profile, else 1 "
                    "(no torch, no measuring)")
     args = p.parse_args(argv)
@@ -277,6 +317,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.check:
         found, diff = store.lookup(current_fingerprint("cpu", ranks))
         return 0 if found is not None and not diff else 1
+    if args.from_measurements:
+        import pickle
+
+        warnings.filterwarnings("ignore")
+        with open(args.from_measurements, "rb") as f:
+            ms = pickle.load(f)
+        fp = current_fingerprint("cpu", ranks if ranks > 1 else 2)
+        base = get_profile(args.base) if args.base else base_profile("cpu")
+        fitted, fit, recs, fit_records = fit_measurements(
+            ms, base, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}")
+        info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), base=base.name, fit=fit.to_dict(),
+                    mape_before=_mape(recs, "predicted_before_s"), mape_after=_mape(recs, "predicted_after_s"),
+                    records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
+                    fit_records=[_record_dict(r) for r in fit_records], refit_from=args.from_measurements)
+        path = store.save(fitted, fp, info)
+        if args.out:
+            fitted.save(args.out)
+        print(f"[calibrate] refit {len(recs)} probe plans: fit error (MAPE) {info['mape_after'] * 100:.1f}% "
+              f"(base profile {info['mape_before'] * 100:.0f}%); stored in {path}")
+        return 0
     import torch
     import torch.distributed as dist
 
@@ -299,9 +359,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         steps = args.steps or (5 if args.quick else 10)
         base = get_profile(args.base) if args.base else base_profile(device)
         t0 = time.perf_counter()
-        fitted, fit, recs, fit_records = calibrate_steps(dist.group.WORLD, device, base, workloads, steps=steps,
-                                            warmup=args.warmup, progress=not args.no_progress,
-                                            name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}")
+        ms = measure_probes(dist.group.WORLD, device, workloads, steps=steps, warmup=args.warmup,
+                            progress=not args.no_progress, base=base)
+        if rank == 0 and args.save_measurements:
+            import pickle
+
+            with open(args.save_measurements, "wb") as f:
+                pickle.dump(ms, f)
+        fitted, fit, recs, fit_records = fit_measurements(
+            ms, base, W, device, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}")
         wall = time.perf_counter() - t0
         if rank == 0:
             info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), wall_s=round(wall, 1),
