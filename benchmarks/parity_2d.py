@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-WORLD, GROUP = 4, 2  # ranks; default 2D sharding group size L (R = WORLD / L replicas)
+WORLD, GROUP = 4, 2  # default ranks and 2D sharding group size L (R = world / L replicas)
 TABLE_ROWS = [20000, 8000, 2000, 500]
 DIM, DENSE = 8, 4
 
@@ -196,6 +196,7 @@ def to_kjt(ids: List[np.ndarray]):
 
 
 def run_config(name: str, seed: int, args, rank: int) -> Dict[str, float]:
+    WORLD = args.world
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -207,6 +208,7 @@ def run_config(name: str, seed: int, args, rank: int) -> Dict[str, float]:
 
     kind, group, interval, momentum = name.split("|")
     group, interval, momentum = int(group), int(interval), float(momentum)
+    rule = kind.split(":")[1] if ":" in kind else "interval"
     data = PowerLawCTR(seed, args.alpha)
     sharder = EmbeddingBagCollectionSharder(
         fused_params={
@@ -222,7 +224,8 @@ def run_config(name: str, seed: int, args, rank: int) -> Dict[str, float]:
             net, env=env, device=torch.device("cpu"), plan=make_plan(net, sharder, WORLD), sharders=[sharder]
         )
     else:
-        replica_sync = MomentumScaledRowWiseAdagrad(momentum=momentum) if kind == "2d_ms" else None
+        replica_sync = (MomentumScaledRowWiseAdagrad(momentum=momentum, preconditioner=rule)
+                        if kind.startswith("2d_ms") else None)
         model = build_2d_model_parallel(
             net,
             make_plan(net, sharder, group),
@@ -232,6 +235,7 @@ def run_config(name: str, seed: int, args, rank: int) -> Dict[str, float]:
             sharders=[sharder],
             sync_interval=interval,
             replica_sync=None,
+            use_inter_host_allreduce=args.contiguous,
         )
     load_state(model, init_state(seed))
     if kind != "1d":  # bind the replica sync to the shared initial state
@@ -264,13 +268,23 @@ def run_config(name: str, seed: int, args, rank: int) -> Dict[str, float]:
     parts = [torch.empty_like(pred) for _ in range(WORLD)]
     dist.all_gather(parts, pred)
     scores = torch.cat(parts).double().numpy()
-    label, true_logit = label[: per * WORLD], true_logit[: per * WORLD]
+    if kind == "1d":
+        group = WORLD
+    result = score_result(kind, group, interval, momentum, seed, scores, label, true_logit, ids, data, train_s)
+    del model
+    return result
+
+
+def score_result(kind, group, interval, momentum, seed, scores, label, true_logit, ids, data, train_s):
+    """Held-out loss and AUROC, overall and on tail samples, with the Bayes-optimal reference."""
+    n = len(scores)
+    label, true_logit = label[:n], true_logit[:n]
     # tail: held-out samples whose table-0 id is outside the 1000 hottest ids
     hot = set(data.perms[0][:1000].tolist())
-    tail = np.array([i not in hot for i in ids[0][: per * WORLD]])
-    result = {
+    tail = np.array([i not in hot for i in ids[0][:n]])
+    return {
         "config": kind,
-        "sharding_group_size": group if kind != "1d" else WORLD,
+        "sharding_group_size": group,
         "sync_interval": interval,
         "momentum": momentum,
         "seed": seed,
@@ -282,11 +296,118 @@ def run_config(name: str, seed: int, args, rank: int) -> Dict[str, float]:
         "bayes_auroc": auroc(true_logit, label),
         "train_s": train_s,
     }
-    del model
-    return result
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+def replica_of_rank(world: int, group: int, contiguous: bool) -> List[int]:
+    """Replica (sharding group) index of every rank, as DMPCollection lays them out."""
+    R = world // group
+    return [j // group if contiguous else j % R for j in range(world)]
+
+
+def simulate_config(name: str, seed: int, args) -> Dict[str, float]:
+    """The same training as :func:`run_config`, in one process, without torchrec or gloo.
+
+    Every replica's tables are a ``[R, rows, dim]`` tensor; the dense MLP is shared (DDP over
+    all ranks averages its gradient, so every replica holds the same MLP). Each rank's share of
+    the global batch looks up its replica's tables; the loss summed over ranks (each rank's
+    local mean) gives every table row the sum of its ranks' gradients, as TorchRec's sharded
+    backward does, and the MLP gets that sum divided by the world size (DDP's average). Tables
+    step with exact row-wise AdaGrad (the reference rule of fbgemm's fused kernel); syncs run
+    plain averaging or :func:`~torchrec_sparselift.optim.local_payload` summed over replicas
+    then :func:`~torchrec_sparselift.optim.finish_merge`: the same functions the distributed
+    sync calls, with the replica SUM done by a tensor sum instead of an all-reduce.
+    """
+    from torchrec_sparselift.optim import finish_merge, local_payload
+
+    kind, group, interval, momentum = name.split("|")
+    group, interval, momentum = int(group), int(interval), float(momentum)
+    W = args.world
+    if kind == "1d":
+        group = W
+    R = W // group
+    rule = kind.split(":")[1] if ":" in kind else "interval"
+    data = PowerLawCTR(seed, args.alpha)
+    state = init_state(seed)
+    tables = [
+        state[f"ebc.embedding_bags.t{i}.weight"].unsqueeze(0).repeat(R, 1, 1).clone()
+        for i in range(len(TABLE_ROWS))
+    ]
+    accs = [torch.zeros(R, n) for n in TABLE_ROWS]
+    mlp = make_model().mlp
+    with torch.no_grad():
+        for pname, p in mlp.named_parameters():
+            p.copy_(state[f"mlp.{pname}"])
+    opt = torch.optim.Adagrad(list(mlp.parameters()), lr=args.dense_lr)
+    lr, eps = args.lr, 1e-8
+    local = args.batch
+    rep = torch.tensor(replica_of_rank(W, group, args.contiguous)).repeat_interleave(local)
+    anchors = [(t.clone(), a.clone()) for t, a in zip(tables, accs)]
+    mbufs = [torch.zeros((), dtype=torch.float64) for _ in tables]
+    t0 = time.perf_counter()
+
+    def sync() -> None:
+        for i in range(len(tables)):
+            if kind == "2d_avg":
+                tables[i][:] = tables[i].mean(0, keepdim=True)
+                accs[i][:] = accs[i].mean(0, keepdim=True)
+                continue
+            aw, aa = anchors[i]
+            summed = sum(local_payload(aw[r], aa[r], tables[i][r], accs[i][r], lr, eps, interval, rule)
+                         for r in range(R))
+            w, a, m, _ = finish_merge(aw[0], aa[0], mbufs[i], summed, lr, eps, interval, momentum, rule)
+            if momentum > 0:
+                mbufs[i] = m
+            tables[i][:] = w.to(tables[i].dtype)
+            accs[i][:] = a.to(accs[i].dtype)
+            anchors[i] = (tables[i].clone(), accs[i].clone())
+
+    for step in range(args.steps):
+        ids, dense, label, _ = data.batch(step, local * W)
+        flat = [rep * n + torch.from_numpy(i.astype(np.int64)) for n, i in zip(TABLE_ROWS, ids)]
+        emb = [t.view(-1, DIM)[f].requires_grad_(True) for t, f in zip(tables, flat)]
+        logits = mlp(torch.cat(emb + [torch.from_numpy(dense)], dim=1)).squeeze(1)
+        per_sample = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, torch.from_numpy(label), reduction="none")
+        total = per_sample.view(W, local).mean(1).sum()
+        total.backward()
+        with torch.no_grad():
+            for p in mlp.parameters():
+                p.grad /= W
+            opt.step()
+            opt.zero_grad()
+            for i, (e, f) in enumerate(zip(emb, flat)):
+                rows, inverse = torch.unique(f, return_inverse=True)
+                g = torch.zeros(len(rows), DIM).index_add_(0, inverse, e.grad)
+                w, a = tables[i].view(-1, DIM), accs[i].view(-1)
+                a[rows] += g.pow(2).mean(dim=1)
+                w[rows] -= lr * g / (a[rows].sqrt() + eps).unsqueeze(1)
+        if kind != "1d" and (step + 1) % interval == 0:
+            sync()
+    if kind != "1d" and args.steps % interval != 0:
+        sync()
+    train_s = time.perf_counter() - t0
+    ids, dense, label, true_logit = data.heldout(args.eval)
+    with torch.no_grad():
+        emb = [t[0][torch.from_numpy(i.astype(np.int64))] for t, i in zip(tables, ids)]
+        scores = mlp(torch.cat(emb + [torch.from_numpy(dense)], dim=1)).squeeze(1).double().numpy()
+    return score_result(kind, group, interval, momentum, seed, scores, label, true_logit, ids, data, train_s)
+
+
+def config_names(args) -> List[str]:
+    configs = [f"1d|{args.world}|1|0"]
+    for group in args.group_size:
+        for n in args.sync_interval:
+            configs += [f"2d_avg|{group}|{n}|0"] if "avg" in args.rules else []
+            configs += [f"2d_ms:{r}|{group}|{n}|0" for r in ("end", "interval") if r in args.rules]
+            configs += [f"2d_ms:interval|{group}|{n}|{m}" for m in args.momentum]
+    return configs
 
 
 def worker(rank: int, port: int, args, queue) -> None:
+    WORLD = args.world
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
         import logging
@@ -296,11 +417,7 @@ def worker(rank: int, port: int, args, queue) -> None:
         warnings.filterwarnings("ignore")
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        configs = [f"1d|{WORLD}|1|0"]
-        for group in args.group_size:
-            for n in args.sync_interval:
-                configs += [f"2d_avg|{group}|{n}|0", f"2d_ms|{group}|{n}|0"]
-                configs += [f"2d_ms|{group}|{n}|{m}" for m in args.momentum]
+        configs = config_names(args)
         for seed in args.seeds:
             for name in configs:
                 res = run_config(name, seed, args, rank)
@@ -352,14 +469,34 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.05, help="row-wise AdaGrad learning rate")
     p.add_argument("--dense-lr", type=float, default=0.05)
     p.add_argument("--eval", type=int, default=32768, help="held-out samples")
+    p.add_argument("--world", type=int, default=WORLD, help="ranks (gloo processes, or simulated)")
+    p.add_argument("--engine", choices=["gloo", "sim"], default="gloo",
+                   help="gloo: TorchRec on gloo ranks; sim: the same training in one process (simulate_config)")
+    p.add_argument("--rules", nargs="+", default=["avg", "interval"], choices=["avg", "end", "interval"],
+                   help="2D merges: TorchRec plain averaging, momentum-scaled with the 'end' or 'interval' preconditioner")
+    p.add_argument("--contiguous", action="store_true",
+                   help="contiguous sharding groups (DMPCollection use_inter_host_allreduce=True)")
     p.add_argument("--out", default=None, help="write the per-run results as JSON here")
     args = p.parse_args(argv)
+    if args.engine == "sim":
+        torch.set_num_threads(1)
+        results = []
+        for seed in args.seeds:
+            for name in config_names(args):
+                res = simulate_config(name, seed, args)
+                results.append(res)
+                print(json.dumps(res), flush=True)
+        print(summarize(results))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args), "results": results}, f, indent=2)
+        return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in range(args.world)]
     for proc in procs:
         proc.start()
     for proc in procs:

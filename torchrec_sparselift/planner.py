@@ -13,6 +13,7 @@ limits, reporting a lower bound on the step time. ``planner.last_result`` keeps 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,6 +29,7 @@ from torchrec.distributed.planner.types import (
     ParameterConstraints,
     PlannerError,
     ShardingOption,
+    Stats,
     StorageReservation,
     Topology,
 )
@@ -35,170 +37,63 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlanner
 
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
-from torchrec_sparselift.cost.model import PIPELINES, CostContext, DenseWork
-from torchrec_sparselift.cost.two_d import choose_sync_interval, group_sizes, replica_sync_s
-from torchrec_sparselift.plan import (
-    ExecutionPlan,
-    Fingerprint,
-    Optimizations,
-    PlanCache,
-    PlanRequest,
-    Prediction,
-    RankPrediction,
+from torchrec_sparselift.cost.model import CostContext, DenseWork
+from torchrec_sparselift.cost.report import rank_breakdown
+from torchrec_sparselift.cost.pipelines import PIPELINES, STALE_PIPELINES, SYNC_PIPELINES
+from torchrec_sparselift.cost.two_d import (
+    check_sync_interval,
+    choose_sync_interval,
+    group_sizes,
+    replica_sync_s,
 )
+from torchrec_sparselift.semantics.layout import Layout2D, layouts_to_price
+from torchrec_sparselift.plan import ExecutionPlan, Fingerprint, PlanCache, PlanRequest
+from torchrec_sparselift.plan.contract import (
+    has_shardable_tables, last_reserved, reservation_note, with_reservation,
+)
+from torchrec_sparselift.plan.loader import check_context, context_digest, context_hash_int, loaded_options
 from torchrec_sparselift.plan.request import describe_sharders
-from torchrec_sparselift.search.errors import SparseLiftPlannerError
+from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
+from torchrec_sparselift.plan.result import PlanResult
+from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.options import to_sharding_option
-from torchrec_sparselift.search.problem import PlanningProblem, build_problem, device_caps
-from torchrec_sparselift.search.solve import SearchResult, solve
+from torchrec_sparselift.search.problem import build_problem, device_caps
+from torchrec_sparselift.search.solve import solve
+from torchrec_sparselift.semantics.dense import dense_work
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
-from torchrec_sparselift.validation import validate_inputs
+from torchrec_sparselift.validation import (
+    Problems,
+    planner_option_problems,
+    raise_problems,
+    validate_inputs,
+)
 
 __all__ = ["SparseLiftPlanner", "PlanResult", "dense_work", "evaluate_sharding_plan", "rank_breakdown"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 512  # TorchRec's planner default
-SYNC_PIPELINES = ("base", "sparse_dist", "fused", "prefetch")
 LOSSY_PRECISIONS = ("fp16", "bf16", "fp8")
 
 
-@attrs.frozen
-class PlanResult:
-    """What the last ``plan()`` decided and predicted (for logs, ExecutionPlan and explain)."""
+def _names_reservation(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Storage errors raised by ``method`` name the storage reservation planned under: what it
+    keeps per device and what it left for the tables."""
 
-    sharding_plan: ShardingPlan = attrs.field(eq=False)
-    sharding_options: Tuple[ShardingOption, ...] = attrs.field(eq=False, repr=False)
-    search: SearchResult
-    problem: PlanningProblem = attrs.field(eq=False, repr=False)
-    handles: Tuple[TableHandle, ...] = attrs.field(eq=False, repr=False)
-    topology: Topology = attrs.field(eq=False, repr=False)
-    profile: HardwareProfile
-    sharding_group_size: Optional[int] = None  # None: 1D (tables sharded over all ranks)
-    sync_interval: int = 1
-    sync_s: float = 0.0  # replica sync per step (amortised), 2D only
-    alternatives_2d: Tuple[Tuple[int, float], ...] = ()  # (group size, predicted step s)
+    @functools.wraps(method)
+    def wrapper(self: "SparseLiftPlanner", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except PlannerError as e:
+            reserved = last_reserved(self._storage_reservation) or (
+                self._last_context[1] if self._last_context is not None else None)
+            note = reservation_note(self._storage_reservation, self._topology, reserved)
+            new = with_reservation(e, note)
+            if new is e:
+                raise
+            raise new from None
 
-    @property
-    def step_time_s(self) -> float:
-        """Predicted steady-state step time including 2D replica sync."""
-        return self.search.step.total_s + self.sync_s
-
-    def rank_breakdown(self) -> List[Dict[str, float]]:
-        """Per rank: compute, communication (exposed / overlapped) seconds and memory bytes."""
-        return rank_breakdown(self.problem.ctx, self.search)
-
-    def optimizations(self) -> Optimizations:
-        s = self.search
-        return Optimizations(pipeline=s.pipeline, fwd_comm_precision=s.fwd_precision,
-                             bwd_comm_precision=s.bwd_precision,
-                             sharding_group_size=self.sharding_group_size,
-                             sync_interval=self.sync_interval)
-
-    def prediction(self) -> Prediction:
-        s = self.search
-        per_rank = [
-            RankPrediction(rank=r, compute_s=b["compute_s"], exposed_comm_s=b["exposed_comm_s"],
-                           overlapped_comm_s=b["overlapped_comm_s"], hbm_bytes=int(b["device_bytes"]),
-                           ddr_bytes=int(b["host_bytes"]))
-            for r, b in enumerate(self.rank_breakdown())
-        ]
-        lb = s.lower_bound_s if np.isfinite(s.lower_bound_s) else 0.0
-        return Prediction(step_time_s=self.step_time_s, lower_bound_s=min(lb, self.step_time_s),
-                          per_rank=per_rank, cost_model=f"sparselift/{self.profile.name}")
-
-    def summary(self) -> str:
-        s = self.search
-        lines = [
-            f"SparseLift plan: {len(self.handles)} tables on {self.topology.world_size} ranks "
-            f"({self.profile.name}), pipeline={s.pipeline}, comm={s.fwd_precision}/{s.bwd_precision}"
-            + (f", 2D: groups of {self.sharding_group_size} ranks, replica sync every "
-               f"{self.sync_interval} steps ({self.sync_s * 1e3:.3f} ms/step)"
-               if self.sharding_group_size else ", 1D"),
-            f"  predicted step {self.step_time_s * 1e3:.3f} ms, lower bound "
-            f"{s.lower_bound_s * 1e3:.3f} ms (gap {s.gap * 100:.1f}%), planned in "
-            f"{s.planning_time_s:.2f} s by {s.solver}",
-        ]
-        for h, (cid, ranks) in zip(self.handles, s.assignment):
-            c = self.problem.cands[cid]
-            rk = _ranks_repr(ranks)
-            lines.append(
-                f"  {h.spec.fqn:<32} {c.sharding_type:<15} {c.compute_kernel:<18} "
-                f"{c.num_shards:>4} shard(s) on ranks {rk}"
-            )
-        return "\n".join(lines)
-
-
-def rank_breakdown(ctx: CostContext, search: SearchResult) -> List[Dict[str, float]]:
-    """Each rank's compute and communication seconds, and memory, under the plan's pipeline."""
-    from torchrec_sparselift.cost.model import (
-        BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
-    )
-
-    p = ctx.profile
-    L = search.rank_loads
-    dense = 3 * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
-    fs = PRECISION_BYTES[search.fwd_precision] / 4
-    bs = PRECISION_BYTES[search.bwd_precision] / 4
-    out = []
-    step = search.step.total_s
-    for r in range(L.shape[0]):
-        compute = float(L[r, FWD] + L[r, BWD] + L[r, UVM] + dense)
-        comm_in = max(L[r, IN_INTRA] / p.intra_host_bw, L[r, IN_INTER] / p.inter_host_bw)
-        comm_out = max(L[r, OUT_INTRA] / p.intra_host_bw, L[r, OUT_INTER] / p.inter_host_bw)
-        comm = float(comm_in + (fs + bs) * comm_out)
-        exposed = float(min(comm, max(0.0, step - compute)))
-        out.append({
-            "compute_s": compute,
-            "comm_s": comm,
-            "exposed_comm_s": exposed,
-            "overlapped_comm_s": float(comm - exposed),
-            "device_bytes": float(L[r, DEV_MEM]),
-            "host_bytes": float(L[r, HOST_MEM]),
-        })
-    return out
-
-
-def _ranks_repr(ranks: Sequence[int]) -> str:
-    r = list(ranks)
-    if len(r) > 4 and r == list(range(r[0], r[0] + len(r))):
-        return f"{r[0]}..{r[-1]}"
-    return ",".join(map(str, r))
-
-
-def dense_work(module: nn.Module, handles: Sequence[TableHandle]) -> DenseWork:
-    """Dense parameters (bytes) and forward FLOPs per sample, from the module's non-embedding
-    parameters (2 FLOPs per weight per sample: a multiply and an add) plus known parameter-free
-    work (DLRM's dot interaction)."""
-    sparse_ids = {id(h.tensor) for h in handles}
-    sharded_modules = {id(h.module[1]) for h in handles}
-    skip = set()
-    for m in module.modules():
-        if id(m) in sharded_modules:
-            skip.update(id(p) for p in m.parameters())
-    numel = 0
-    nbytes = 0
-    for p in module.parameters():
-        if id(p) in skip or id(p) in sparse_ids:
-            continue
-        numel += p.numel()
-        nbytes += p.numel() * p.element_size()
-    flops = 2.0 * numel + _interaction_flops(module, handles)
-    return DenseWork(param_bytes=float(nbytes), fwd_flops_per_sample=flops)
-
-
-def _interaction_flops(module: nn.Module, handles: Sequence[TableHandle]) -> float:
-    """FLOPs per sample of parameter-free dense work TorchRec models do: DLRM's pairwise dot
-    interaction (``InteractionArch``: a batched ``(F+1) x D`` by ``D x (F+1)`` product)."""
-    dims = [h.spec.embedding_dim for h in handles]
-    if not dims:
-        return 0.0
-    dim = max(dims)
-    total = 0.0
-    for m in module.modules():
-        if type(m).__name__ == "InteractionArch" and isinstance(getattr(m, "F", None), int):
-            total += 2.0 * (m.F + 1) ** 2 * dim
-    return total
+    return wrapper
 
 
 class SparseLiftPlanner(ShardingPlanner):
@@ -207,10 +102,14 @@ class SparseLiftPlanner(ShardingPlanner):
 
     Accepts ``EmbeddingShardingPlanner``'s arguments. ``topology``, ``batch_size``
     (per rank), ``constraints``, ``storage_reservation``, ``callbacks`` (applied to the final
-    sharding options), ``stats``, ``debug`` and ``timeout_seconds`` (the search budget) are
-    honoured. ``enumerator``, ``proposer``, ``partitioner``, ``performance_model`` and
-    ``plan_loader`` are TorchRec search components that SparseLift replaces: passing one logs a
-    warning saying it is not used.
+    sharding options), ``debug`` and ``timeout_seconds`` (the search budget) are honoured;
+    ``stats`` (TorchRec ``Stats``, one or a list, e.g. ``EmbeddingStats()``) get ``log()`` of
+    every plan SparseLift searches, as ``EmbeddingShardingPlanner`` calls them (default: none;
+    a plan reused from ``cache_dir`` is not logged again); and so is ``plan_loader`` (TorchRec's ``PlanLoader``: a stored plan whose context
+    hash matches :meth:`hash_planner_context_inputs_str` is validated against the model and
+    used instead of searching; see :mod:`torchrec_sparselift.plan.loader`). ``enumerator``,
+    ``proposer``, ``partitioner`` and ``performance_model`` are TorchRec search components that
+    SparseLift replaces: passing one logs a warning saying it is not used.
 
     SparseLift's own keyword arguments:
         hardware: a :class:`HardwareProfile`, a preset name ("h100", "h200", "a100",
@@ -231,7 +130,15 @@ class SparseLiftPlanner(ShardingPlanner):
             world) or a divisor of the world size. A 2D plan's ranks are group-local: apply it
             with ``torchrec_sparselift.runtime.lift`` (which builds ``DMPCollection``).
         sync_interval: pin the 2D replica sync interval (steps); default: the smallest interval
-            whose amortised sync costs at most 5% of the step.
+            whose amortised sync costs at most 5% of the step, never above ``max_sync_interval``.
+        max_sync_interval: the largest 2D sync interval the planner may choose or be pinned to.
+            The interval changes model quality; default: the largest interval at which parity
+            with 1D was measured (``cost.two_d.DEFAULT_MAX_SYNC_INTERVAL``). A larger value is the
+            explicit allowance to go beyond the evidence (like ``allow_lossy_comm``).
+        layout_2d: "auto" (default: on several hosts price TorchRec's strided sharding groups and
+            contiguous ones, keep the faster), "strided" or "contiguous" (see
+            :class:`~torchrec_sparselift.semantics.layout.Layout2D`); ``lift`` builds
+            ``DMPCollection`` with the matching ``use_inter_host_allreduce``.
         cost_model: "sparselift" (default: SparseLift's cost model, pipelines and precisions) or
             "torchrec": optimize TorchRec's own rating instead (every shard's ``Perf``/``Storage``
             from TorchRec's estimators, objective = the slowest rank's summed ``Perf.total`` as
@@ -273,6 +180,8 @@ class SparseLiftPlanner(ShardingPlanner):
         sync_interval: Optional[int] = None,
         cost_model: str = "sparselift",
         estimator: Any = None,
+        max_sync_interval: Optional[int] = None,
+        layout_2d: str = "auto",
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
         whose inputs match a stored plan's fingerprint loads it instead of planning);
@@ -280,7 +189,7 @@ class SparseLiftPlanner(ShardingPlanner):
         re-planned."""
         for name, value in (
             ("enumerator", enumerator), ("proposer", proposer), ("partitioner", partitioner),
-            ("performance_model", performance_model), ("plan_loader", plan_loader),
+            ("performance_model", performance_model),
         ):
             if value is not None:
                 logger.warning(
@@ -288,24 +197,26 @@ class SparseLiftPlanner(ShardingPlanner):
                     "replaces; it is not used (use SparseLiftEnumerator/SparseLiftProposer inside "
                     "EmbeddingShardingPlanner to combine them)", name, type(value).__name__,
                 )
-        if batch_size is not None and batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive per-rank batch size, got {batch_size}")
-        if timeout_seconds is not None and timeout_seconds <= 0:
-            raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
         if topology is None:
             topology = _default_topology()
-        if topology.world_size % max(1, min(topology.local_world_size, topology.world_size)):
-            raise ValueError(
-                f"topology world_size {topology.world_size} is not a multiple of local_world_size "
-                f"{topology.local_world_size}; set local_world_size to the ranks per host"
-            )
+        raise_problems(planner_option_problems(
+            topology=topology, batch_size=batch_size, timeout_seconds=timeout_seconds,
+            time_budget_s=time_budget_s, pipelines=pipelines, known_pipelines=PIPELINES,
+            stale_pipelines=STALE_PIPELINES, allow_staleness=allow_staleness, solver=solver,
+            sharding_group_size=sharding_group_size, sync_interval=sync_interval,
+            drift_tolerance=drift_tolerance,
+            reservation_percentage=(heuristical_storage_reservation_percentage
+                                    if storage_reservation is None else None),
+        ), "SparseLiftPlanner's arguments")
         self._topology = topology
         self._batch_size = int(batch_size) if batch_size else DEFAULT_BATCH_SIZE
         self._constraints = dict(constraints) if constraints else None
         self._storage_reservation = storage_reservation or HeuristicalStorageReservation(
             percentage=heuristical_storage_reservation_percentage
         )
-        self._stats = stats
+        self._stats: List[Stats] = [] if stats is None else list(stats) if isinstance(stats, list) else [stats]
+        self._plan_loader = plan_loader
+        self._last_context: Optional[Tuple[PlanRequest, Any]] = None  # (request, reserved topology)
         self._debug = debug
         self._callbacks = list(callbacks or [])
         self._budget = float(time_budget_s or timeout_seconds or 8.0)
@@ -314,13 +225,7 @@ class SparseLiftPlanner(ShardingPlanner):
         self._hardware: Optional[HardwareProfile] = hardware
         self._workload = workload
         if pipelines is None:
-            pipelines = SYNC_PIPELINES + (("semi_sync",) if allow_staleness else ())
-        for p in pipelines:
-            if p not in PIPELINES:
-                raise ValueError(f"unknown pipeline {p!r}; choose from {PIPELINES}")
-            if p == "semi_sync" and not allow_staleness:
-                raise ValueError("pipeline 'semi_sync' trains on one-step-stale embeddings; "
-                                 "pass allow_staleness=True to allow it")
+            pipelines = SYNC_PIPELINES + (STALE_PIPELINES if allow_staleness else ())
         self._pipelines = tuple(pipelines)
         precs = [("fp32", "fp32")]
         if allow_lossy_comm:
@@ -331,8 +236,6 @@ class SparseLiftPlanner(ShardingPlanner):
         self._allow_lossy_comm = bool(allow_lossy_comm)
         self._allow_fp8 = bool(allow_fp8)
         self._allow_staleness = bool(allow_staleness)
-        if solver not in ("auto", "heuristic", "milp"):
-            raise ValueError(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
         self._solver = solver
         if cost_model not in ("sparselift", "torchrec"):
             raise ValueError(f"cost_model must be 'sparselift' or 'torchrec', got {cost_model!r}")
@@ -340,23 +243,10 @@ class SparseLiftPlanner(ShardingPlanner):
             raise ValueError("estimator= is TorchRec's ShardEstimator: pass cost_model='torchrec' with it")
         self._cost_model = cost_model
         self._estimator = estimator
-        if sharding_group_size not in (None, "auto") and (
-            not isinstance(sharding_group_size, int) or sharding_group_size < 1
-            or topology.world_size % sharding_group_size
-        ):
-            raise ValueError(
-                f"sharding_group_size must be None (1D), 'auto' or a divisor of the world size "
-                f"{topology.world_size}, got {sharding_group_size!r}"
-            )
-        if isinstance(sharding_group_size, int) and sharding_group_size < topology.world_size:
-            L = min(topology.local_world_size, topology.world_size)
-            if sharding_group_size % L and L % sharding_group_size:
-                raise ValueError(
-                    f"sharding_group_size {sharding_group_size} must be a multiple or a divisor of "
-                    f"the ranks per host ({L}), so every group has whole hosts or fits in one"
-                )
-        if sync_interval is not None and (not isinstance(sync_interval, int) or sync_interval < 1):
-            raise ValueError(f"sync_interval must be a positive number of steps, got {sync_interval!r}")
+        self._max_sync_interval = check_sync_interval(sync_interval, max_sync_interval)
+        if layout_2d not in ("auto", "contiguous", "strided"):
+            raise ValueError(f"layout_2d must be 'auto', 'contiguous' or 'strided', got {layout_2d!r}")
+        self._layout_2d = layout_2d
         self._group = sharding_group_size
         self._sync_interval = sync_interval
         self._cache_dir = cache_dir
@@ -452,10 +342,16 @@ class SparseLiftPlanner(ShardingPlanner):
         module: nn.Module,
         sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
     ) -> ShardingPlan:
+        """A ``ShardingPlan`` for ``module``; ``ShardingPlan({})`` when no sharder shards any
+        of its tables (``sharders=[]`` included), as TorchRec's planner returns."""
+        if not has_shardable_tables(module, get_default_sharders() if sharders is None else sharders,
+                                    self._topology.compute_device, self._batch_size):
+            return ShardingPlan({})
         if self._cache_dir:
             return self.plan_execution(module, sharders).sharding_plan
         return self.plan_with_result(module, sharders).sharding_plan
 
+    @_names_reservation
     def request(
         self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None
     ) -> PlanRequest:
@@ -465,11 +361,13 @@ class SparseLiftPlanner(ShardingPlanner):
         and the ``ExecutionPlan`` read it."""
         sharders = list(sharders) if sharders is not None else get_default_sharders()
         topo = self._topology
+        problems = Problems()
         handles = extract_tables(
             module, sharders, topo.compute_device, self._batch_size, self._constraints,
-            self._workload,
+            self._workload, problems=problems,
         )
-        validate_inputs(handles, topo, self._batch_size, self._constraints, self._workload)
+        validate_inputs(handles, topo, self._batch_size, self._constraints, self._workload,
+                        problems=problems)
         return self._request(handles, dense_work(module, handles), sharders)
 
     def _request(self, handles: Sequence[TableHandle], dense: DenseWork,
@@ -485,6 +383,7 @@ class SparseLiftPlanner(ShardingPlanner):
             allow_staleness=self._allow_staleness, solver=self._solver,
             time_budget_s=self._budget, sharding_group_size=self._group,
             sync_interval=self._sync_interval, cost_model=self._cost_model_id(),
+            max_sync_interval=self._max_sync_interval, layout_2d=self._layout_2d,
         )
 
     def fingerprint(
@@ -549,6 +448,7 @@ class SparseLiftPlanner(ShardingPlanner):
         sharders = list(sharders) if sharders is not None else get_default_sharders()
         return self._plan_request(self.request(module, sharders), module, sharders, t0)
 
+    @_names_reservation
     def _plan_request(self, request: PlanRequest, module: nn.Module,
                       sharders: List[ModuleSharder[nn.Module]], t0: float) -> PlanResult:
         topo = self._topology
@@ -559,18 +459,35 @@ class SparseLiftPlanner(ShardingPlanner):
                 "model that holds the EmbeddingBagCollection/EmbeddingCollection and matching sharders",
                 kind="other",
             )
+        reserved = self._storage_reservation.reserve(
+            topo, self._batch_size, module, list(sharders), self._constraints)
+        self._last_context = (request, reserved)
+        if self._plan_loader is not None:
+            loaded = self._loaded_result(request, module, sharders)
+            if loaded is not None:
+                return loaded
         if self._group is None:
             res = self._solve_group(module, sharders, handles, topo.world_size, self._budget, t0)
         else:
             sizes = [self._group] if isinstance(self._group, int) else group_sizes(
                 topo.world_size, topo.local_world_size)
-            budget = self._budget / (len(sizes) + 1)
-            results: List[PlanResult] = []
+            W, H = topo.world_size, topo.local_world_size
+            tries: List[Tuple[int, Optional[Layout2D]]] = []
             failures: List[str] = []
             for g in sizes:
+                if g >= W:
+                    tries.append((g, None))
+                    continue
+                try:
+                    tries += [(g, lay) for lay in layouts_to_price(W, H, g, self._layout_2d)]
+                except ValueError as e:
+                    failures.append(f"group size {g}: {e}")
+            budget = self._budget / (len(tries) + 1)
+            results: List[PlanResult] = []
+            for g, lay in tries:
                 try:
                     results.append(self._solve_group(module, sharders, handles, g, budget,
-                                                     time.monotonic()))
+                                                     time.monotonic(), lay))
                 except PlannerError as e:  # tables do not fit in g ranks
                     failures.append(f"group size {g}: {str(e).splitlines()[0]}")
             if not results:
@@ -579,25 +496,51 @@ class SparseLiftPlanner(ShardingPlanner):
                     kind="insufficient_storage",
                 )
             best = min(results, key=lambda r: (r.step_time_s, -(r.sharding_group_size or topo.world_size)))
-            alts = tuple((r.sharding_group_size or topo.world_size, r.step_time_s) for r in results)
+            per_group: Dict[int, float] = {}
+            for r in results:
+                g = r.sharding_group_size or topo.world_size
+                per_group[g] = min(per_group.get(g, np.inf), r.step_time_s)
+            alts = tuple(per_group.items())
+            alts_layout = tuple((r.sharding_group_size or topo.world_size,
+                                 r.layout_2d.kind if r.layout_2d else "1d", r.step_time_s)
+                                for r in results)
             # polish the winner with the full budget left
             left = max(0.5, self._budget - (time.monotonic() - t0))
             g = best.sharding_group_size or topo.world_size
-            res = self._solve_group(module, sharders, handles, g, left, time.monotonic())
+            res = self._solve_group(module, sharders, handles, g, left, time.monotonic(),
+                                    best.layout_2d)
             if res.step_time_s > best.step_time_s:
                 res = best
-            res = attrs.evolve(res, alternatives_2d=alts)
+            res = attrs.evolve(res, alternatives_2d=alts, alternatives_layout=alts_layout)
         self.last_result = res
         if self._debug:
             logger.info("%s", res.summary())
+        self._log_stats(res, sharders, t0)
         return res
 
+    def _log_stats(self, res: PlanResult, sharders: List[ModuleSharder[nn.Module]], t0: float) -> None:
+        """Hand the plan to the user's TorchRec ``Stats``, as ``EmbeddingShardingPlanner`` does."""
+        for s in self._stats:
+            s.log(
+                sharding_plan=res.sharding_plan, topology=self._topology, batch_size=self._batch_size,
+                storage_reservation=self._storage_reservation, num_proposals=1, num_plans=1,
+                run_time=time.monotonic() - t0, best_plan=list(res.sharding_options),
+                constraints=self._constraints, sharders=list(sharders), debug=self._debug,
+            )
+
     def _solve_group(self, module: nn.Module, sharders: Sequence[Any], handles: Sequence[TableHandle],
-                     group: int, budget: float, t0: float) -> PlanResult:
-        """Plan the tables over ``group`` ranks (the whole world for 1D)."""
+                     group: int, budget: float, t0: float,
+                     layout: Optional[Layout2D] = None) -> PlanResult:
+        """Plan the tables over ``group`` ranks (the whole world for 1D) laid out as ``layout``
+        (2D: the group-local topology has ``layout.group_ranks_per_host`` ranks per host, which
+        is what the sharding group's all-to-all really crosses)."""
         topo = self._topology
         W = topo.world_size
-        gtopo = topo if group == W else _sub_topology(topo, group)
+        if group < W and layout is None:
+            layout = Layout2D(W, topo.local_world_size, group,
+                              "strided" if self._layout_2d == "auto" else self._layout_2d)
+        local = layout.group_ranks_per_host if layout is not None else min(topo.local_world_size, group)
+        gtopo = topo if group == W else _sub_topology(topo, group, local)
         reserved = self._storage_reservation.reserve(
             gtopo, self._batch_size, module, list(sharders), self._constraints
         )
@@ -608,7 +551,7 @@ class SparseLiftPlanner(ShardingPlanner):
         ctx = CostContext(
             profile=profile,
             world_size=group,
-            local_world_size=min(topo.local_world_size, group),
+            local_world_size=local,
             batch_size=self._batch_size,
             dense=dense_work(module, handles),
         )
@@ -636,18 +579,55 @@ class SparseLiftPlanner(ShardingPlanner):
                 b = c.shard_rows * c.shard_cols * spec.elem_bytes + c.shard_rows * 4
                 for r in ranks:
                     per_rank[r] += b
-            one = replica_sync_s(float(per_rank.max()), W, group, profile)
-            interval = self._sync_interval or choose_sync_interval(result.step.total_s, one)
+            one = replica_sync_s(float(per_rank.max()), layout, profile)
+            interval = self._sync_interval or choose_sync_interval(
+                result.step.total_s, one, max_sync_interval=self._max_sync_interval)
             sync_s = one / interval
         return PlanResult(
             sharding_plan=plan, sharding_options=tuple(options), search=result, problem=prob,
             handles=tuple(handles), topology=topo, profile=profile,
             sharding_group_size=(group if self._group is not None and group < W else None),
             sync_interval=interval, sync_s=sync_s,
+            layout_2d=layout if self._group is not None and group < W else None,
+            max_sync_interval=self._max_sync_interval,
         )
 
     def _profile(self) -> HardwareProfile:
         return profile_for_topology(self._topology, self._hardware)
+
+    # -- TorchRec's plan-loading contract ------------------------------------------------
+    def hash_planner_context_inputs_str(self) -> str:
+        """A stable hash (sha256 hex) of the planning context: tables of the module last
+        planned, topology, batch size, constraints, statistics, hardware, planner options, the
+        storage reservation and the topology it reserved. Before any ``plan()`` it covers the
+        planner's context without tables. What a ``PlanLoader``'s ``plan_context_hash()`` must
+        return for its plan to be used."""
+        if self._last_context is not None:
+            return context_digest(*self._last_context)
+        return context_digest(self._request((), DenseWork(), ()), last_reserved(self._storage_reservation))
+
+    def hash_planner_context_inputs(self) -> int:
+        """:meth:`hash_planner_context_inputs_str` as a non-negative int."""
+        return context_hash_int(self.hash_planner_context_inputs_str())
+
+    def _loaded_result(self, request: PlanRequest, module: nn.Module,
+                       sharders: List[ModuleSharder[nn.Module]]) -> Optional[PlanResult]:
+        """The plan loader's plan for this request, validated and priced; ``None`` when the
+        loader has none. Raises ``PLANNER_INPUT_CONTEXT_MISMATCH`` or ``PLAN_LOADING_FAILED``."""
+        check_context(self._plan_loader, self.hash_planner_context_inputs_str())
+        options = loaded_options(self._plan_loader.load(), request.handles, self._topology.world_size)
+        if options is None:
+            return None
+        for cb in self._callbacks:
+            options = cb(options)
+        plan = to_sharding_plan(options, self._topology)
+        res = evaluate_sharding_plan(module, plan, self._topology, self._batch_size,
+                                     self._constraints, self._profile(), self._workload, sharders)
+        res = attrs.evolve(res, sharding_options=tuple(options))
+        logger.info("SparseLiftPlanner: using the loaded plan %r (predicted step %.3f ms)",
+                    getattr(self._plan_loader, "get_plan_id", lambda: None)(), res.step_time_s * 1e3)
+        self.last_result = res
+        return res
 
     def _cost_model_id(self) -> str:
         """``cost_model`` as the plan request records it: with TorchRec's objective, the
@@ -711,10 +691,12 @@ def _reraise_shared(out: Any, local_error: Any, who: str) -> None:
     raise SparseLiftPlannerError(f"{who}: {msg}" if kind else f"{who}: {name}: {msg}", kind=kind or "other")
 
 
-def _sub_topology(topo: Topology, group: int) -> Topology:
-    """The topology one sharding group sees: ``group`` ranks with the same devices."""
+def _sub_topology(topo: Topology, group: int, local: Optional[int] = None) -> Topology:
+    """The topology one sharding group sees: ``group`` ranks with the same devices, ``local``
+    of them per host (default: a contiguous group, ``min(ranks per host, group)``)."""
     dev = topo.devices[0].storage
-    kw = dict(world_size=group, local_world_size=min(topo.local_world_size, group),
+    local = min(topo.local_world_size, group) if local is None else local
+    kw = dict(world_size=group, local_world_size=local,
               compute_device=topo.compute_device, ddr_cap=dev.ddr)
     if topo.compute_device != "cpu":
         kw["hbm_cap"] = dev.hbm
@@ -736,66 +718,3 @@ def _default_topology() -> Topology:
         world_size=dist.get_world_size(), local_world_size=get_local_size(), compute_device=device
     )
 
-
-def evaluate_sharding_plan(
-    module: nn.Module,
-    plan: ShardingPlan,
-    topology: Topology,
-    batch_size: int,
-    constraints: Optional[Dict[str, ParameterConstraints]] = None,
-    hardware: Any = None,
-    workload: Any = None,
-    sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
-    pipeline: str = "sparse_dist",
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
-) -> PlanResult:
-    """Price any ``ShardingPlan`` (e.g. TorchRec's) under SparseLift's cost model.
-
-    Returns a :class:`PlanResult` whose ``search.step`` is the predicted step time under
-    ``pipeline``; its lower bound is the LP bound of the same tables and topology. Column-wise
-    shards are priced as equal splits of the table's width.
-    """
-    from torchrec_sparselift.cost.model import shard_cost
-    from torchrec_sparselift.search.lp import solve_lp
-    from torchrec_sparselift.search.solve import new_evaluator
-    from torchrec_sparselift.semantics.graph import candidate_for
-
-    sharders = list(sharders) if sharders is not None else get_default_sharders()
-    profile = profile_for_topology(topology, get_profile(hardware) if isinstance(hardware, str) else hardware)
-    handles = extract_tables(module, sharders, topology.compute_device, batch_size, constraints, workload)
-    ctx = CostContext(profile=profile, world_size=topology.world_size,
-                      local_world_size=min(topology.local_world_size, topology.world_size),
-                      batch_size=batch_size, dense=dense_work(module, handles))
-    inf = np.full(topology.world_size, np.inf)
-    prob = build_problem([h.spec for h in handles], ctx, inf, inf, pipelines=(pipeline,),
-                         precisions=((fwd_precision, bwd_precision),))
-    cands = list(prob.cands)
-    costs = list(prob.costs)
-    assignment = []
-    for t, h in enumerate(handles):
-        module_plan = plan.plan.get(h.spec.module_path)
-        ps = module_plan.get(h.spec.name) if module_plan is not None else None
-        if ps is None:
-            raise ValueError(f"the plan has no sharding for table {h.spec.fqn!r}")
-        splits = len(ps.ranks) if ps.sharding_type in ("column_wise", "table_column_wise") else 1
-        cand = candidate_for(t, h.spec, ps.sharding_type, ps.compute_kernel, ctx.world_size,
-                             ctx.local_world_size, splits)
-        cands.append(cand)
-        costs.append(shard_cost(h.spec, cand, ctx))
-        assignment.append((len(cands) - 1, tuple(int(r) for r in ps.ranks)))
-    full = attrs.evolve(prob, cands=tuple(cands), costs=tuple(costs))
-    ev = new_evaluator(full, pipeline, fwd_precision, bwd_precision)
-    for t, (cid, ranks) in enumerate(assignment):
-        ev.assign(t, cid, ranks)
-    lp = solve_lp(prob, pipeline, fwd_precision, bwd_precision)
-    step = ev.step_time()
-    search = SearchResult(
-        assignment=tuple(assignment), step=step,
-        lower_bound_s=min(lp.lower_bound_s, step.total_s) if lp.status == "optimal" else float("nan"),
-        pipeline=pipeline, fwd_precision=fwd_precision, bwd_precision=bwd_precision,
-        solver="given", status="evaluated", planning_time_s=0.0, moves=0,
-        rank_loads=ev.rank_loads(),
-    )
-    return PlanResult(sharding_plan=plan, sharding_options=(), search=search, problem=full,
-                      handles=tuple(handles), topology=topology, profile=profile)

@@ -7,30 +7,56 @@ and optimizer state with an all-reduce over the ranks holding shard ``g``:
     t_sync = latency + 2 (R - 1) / R * max_g bytes_g / bw_replica
     per step: t_sync / N
 
-``bw_replica`` is the intra-host bandwidth when all ``R`` copies sit on one host (``G * R <=
-local_world_size``), else the inter-host bandwidth (groups are laid out contiguously, so
-replicas of a rank live on different hosts once a group spans a host).
+``bw_replica`` is the intra-host bandwidth when the replica group (the ranks holding shard ``g``
+in every replica) sits on one host, else the inter-host bandwidth: which one is read from the
+:class:`~torchrec_sparselift.semantics.layout.Layout2D` (TorchRec's strided default keeps replica
+groups inside a host when ``R <= ranks per host``; contiguous groups put them across hosts).
+The all-to-all inside a sharding group is priced by the ordinary cost model on a group-local
+topology with ``Layout2D.group_ranks_per_host`` ranks per host.
+
+The sync interval changes model quality, so it is bounded: the planner never chooses an interval
+above ``max_sync_interval`` (default :data:`DEFAULT_MAX_SYNC_INTERVAL`, the largest interval at
+which quality parity with 1D was measured, :data:`PARITY_EVIDENCE`); a larger bound is the
+user's explicit allowance, like lossy comms and staleness.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.semantics.layout import Layout2D
 
-__all__ = ["replica_sync_s", "group_sizes", "choose_sync_interval", "SYNC_INTERVALS"]
+__all__ = [
+    "replica_sync_s",
+    "group_sizes",
+    "choose_sync_interval",
+    "check_sync_interval",
+    "sync_evidence",
+    "SYNC_INTERVALS",
+    "DEFAULT_MAX_SYNC_INTERVAL",
+    "PARITY_EVIDENCE",
+]
 
 SYNC_INTERVALS = (1, 2, 4, 8, 16, 32, 64, 100)
 
+#: Largest sync interval at which the momentum-scaled merge was measured at parity with 1D
+#: (docs/benchmarks.md, "2D quality parity"): the planner's default bound.
+DEFAULT_MAX_SYNC_INTERVAL = 16
 
-def replica_sync_s(max_rank_bytes: float, world_size: int, group_size: int,
-                   profile: HardwareProfile) -> float:
-    """Seconds of one replica synchronisation (not amortised)."""
-    if group_size >= world_size or max_rank_bytes <= 0:
+#: What was measured, per interval (benchmarks/parity_2d.py; docs/benchmarks.md has the commands).
+PARITY_EVIDENCE = {
+    1: "exact: the merge reproduces 1D row-wise AdaGrad (property test)",
+    16: "measured at parity with 1D (benchmarks/parity_2d.py)",
+}
+
+
+def replica_sync_s(max_rank_bytes: float, layout: Layout2D, profile: HardwareProfile) -> float:
+    """Seconds of one replica synchronisation (not amortised) under ``layout``."""
+    R = layout.num_replicas
+    if R <= 1 or max_rank_bytes <= 0:
         return 0.0
-    R = world_size // group_size
-    same_host = world_size <= profile.local_world_size
-    bw = profile.intra_host_bw if same_host else profile.inter_host_bw
+    bw = profile.intra_host_bw if layout.replica_sync_intra_host else profile.inter_host_bw
     return profile.collective_latency_s + 2 * (R - 1) / R * max_rank_bytes / bw
 
 
@@ -43,9 +69,42 @@ def group_sizes(world_size: int, local_world_size: int) -> List[int]:
 
 
 def choose_sync_interval(step_s: float, sync_s: float, max_overhead: float = 0.05,
-                         intervals: Sequence[int] = SYNC_INTERVALS) -> int:
-    """Smallest interval whose amortised sync costs at most ``max_overhead`` of the step."""
-    for n in intervals:
+                         intervals: Sequence[int] = SYNC_INTERVALS,
+                         max_sync_interval: Optional[int] = None) -> int:
+    """Smallest interval whose amortised sync costs at most ``max_overhead`` of the step, never
+    above ``max_sync_interval`` (None: :data:`DEFAULT_MAX_SYNC_INTERVAL`); if none is cheap
+    enough, the bound itself (the sync then costs more than ``max_overhead``, and is priced so)."""
+    bound = DEFAULT_MAX_SYNC_INTERVAL if max_sync_interval is None else max_sync_interval
+    allowed = [n for n in intervals if n <= bound]
+    if bound not in allowed:
+        allowed.append(bound)
+    for n in allowed:
         if sync_s / n <= max_overhead * step_s:
             return n
-    return intervals[-1]
+    return allowed[-1]
+
+
+def check_sync_interval(sync_interval: Optional[int], max_sync_interval: Optional[int]) -> int:
+    """The bound in force; refuses a pinned ``sync_interval`` above it with the fix."""
+    bound = DEFAULT_MAX_SYNC_INTERVAL if max_sync_interval is None else max_sync_interval
+    if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
+        raise ValueError(f"max_sync_interval must be a positive number of steps, got {max_sync_interval!r}")
+    if sync_interval is not None and sync_interval > bound:
+        raise ValueError(
+            f"sync_interval {sync_interval} exceeds max_sync_interval {bound}: quality parity with 1D "
+            f"is measured up to {DEFAULT_MAX_SYNC_INTERVAL} steps (docs/benchmarks.md); pass "
+            f"max_sync_interval={sync_interval} to allow it, or a sync_interval <= {bound}"
+        )
+    return bound
+
+
+def sync_evidence(sync_interval: int) -> str:
+    """One line on the quality evidence for ``sync_interval`` (for summaries and explain)."""
+    if sync_interval in PARITY_EVIDENCE:
+        return PARITY_EVIDENCE[sync_interval]
+    measured = [n for n in PARITY_EVIDENCE if n >= sync_interval]
+    if measured:
+        return (f"between measured intervals: parity measured at {min(measured)} "
+                f"and below (benchmarks/parity_2d.py)")
+    return (f"NOT covered by the parity measurements (measured up to {max(PARITY_EVIDENCE)} steps): "
+            "allowed by an explicit max_sync_interval")

@@ -28,9 +28,16 @@ __all__ = [
     "MergeStats",
     "local_payload",
     "finish_merge",
+    "interval_denominator",
+    "PRECONDITIONERS",
 ]
 
 _DTYPE = torch.float64
+
+#: How a replica's displacement is turned back into a gradient and the merged gradient into a
+#: step: "end" divides by the AdaGrad denominator at the end of the interval, sqrt(a) + eps (exact
+#: for one step); "interval" by its harmonic mean along the interval (docs/optimizer.md).
+PRECONDITIONERS = ("end", "interval")
 
 
 def _unit_interval(instance: Any, attribute: attrs.Attribute, value: float) -> None:
@@ -40,6 +47,37 @@ def _unit_interval(instance: Any, attribute: attrs.Attribute, value: float) -> N
         )
 
 
+def _check_preconditioner(preconditioner: str) -> None:
+    if preconditioner not in PRECONDITIONERS:
+        raise ValueError(f"preconditioner must be one of {PRECONDITIONERS}, got {preconditioner!r}")
+
+
+def interval_denominator(
+    a0: torch.Tensor, a1: torch.Tensor, steps: int, eps: float, preconditioner: str = "interval"
+) -> torch.Tensor:
+    """AdaGrad's denominator for an interval of ``steps`` steps that took the accumulator from
+    ``a0`` to ``a1`` (per row, float64).
+
+    ``"end"``: ``sqrt(a1) + eps``. ``"interval"``: the harmonic mean of ``sqrt(a_t) + eps`` along a
+    path growing the accumulator by equal increments, ``a_t = a0 + t (a1 - a0) / steps``::
+
+        h = steps / sum_{t=1..steps} 1 / (sqrt(a_t) + eps)
+
+    the one denominator with which a constant gradient moves a row as far in one step as in
+    ``steps`` AdaGrad steps. Both agree for ``steps == 1`` and when ``a0`` dominates ``a1 - a0``.
+    """
+    _check_preconditioner(preconditioner)
+    a0 = a0.to(_DTYPE)
+    a1 = a1.to(_DTYPE)
+    if preconditioner == "end" or steps == 1:
+        return a1.sqrt() + eps
+    inc = (a1 - a0) / steps
+    inv = torch.zeros_like(a1)
+    for t in range(1, steps + 1):
+        inv += 1.0 / ((a0 + t * inc).clamp_min(0).sqrt() + eps)
+    return steps / inv
+
+
 def local_payload(
     anchor_w: torch.Tensor,
     anchor_a: torch.Tensor,
@@ -47,17 +85,20 @@ def local_payload(
     a: torch.Tensor,
     lr: float,
     eps: float,
+    sync_interval: int = 1,
+    preconditioner: str = "end",
 ) -> torch.Tensor:
     """This replica's contribution to the merge, ``[rows, dim + 3]``: ``[G, mean(G^2), dA, touched]``.
 
-    ``G = -(w - w0) (sqrt(a) + eps) / lr`` is the pseudo-gradient (exactly the gradient when one
-    step passed since the anchor), ``dA = a - a0`` the accumulator growth, ``touched`` 1.0 for
-    rows whose weight or accumulator changed. Summing payloads over replicas gives the inputs of
-    :func:`finish_merge`.
+    ``G = -(w - w0) h / lr`` is the pseudo-gradient, with ``h`` the interval's AdaGrad denominator
+    (:func:`interval_denominator`; exactly the gradient when one step passed since the anchor),
+    ``dA = a - a0`` the accumulator growth, ``touched`` 1.0 for rows whose weight or accumulator
+    changed. Summing payloads over replicas gives the inputs of :func:`finish_merge`.
     """
     dw = w.to(_DTYPE) - anchor_w.to(_DTYPE)
     da = a.to(_DTYPE) - anchor_a.to(_DTYPE)
-    G = -dw * ((a.to(_DTYPE).sqrt() + eps) / lr).unsqueeze(1)
+    h = interval_denominator(anchor_a, a, sync_interval, eps, preconditioner)
+    G = -dw * (h / lr).unsqueeze(1)
     touched = ((da > 0) | (dw != 0).any(dim=1)).to(_DTYPE)
     return torch.cat(
         [G, G.pow(2).mean(dim=1, keepdim=True), da.unsqueeze(1), touched.unsqueeze(1)], dim=1
@@ -73,12 +114,14 @@ def finish_merge(
     eps: float,
     sync_interval: int,
     momentum: float,
+    preconditioner: str = "end",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merged ``(w, a, momentum_buf, k)`` from the anchor and the replica-summed payload.
 
     Untouched rows (``k == 0``) keep the anchor and their momentum buffer. Results are float64;
     ``k`` is the number of replicas that touched each row. ``momentum_buf`` may be a scalar
-    zero tensor when ``momentum == 0``.
+    zero tensor when ``momentum == 0``. ``preconditioner`` must match the payloads'
+    (:func:`interval_denominator`).
     """
     dim = anchor_w.shape[1]
     S = summed_payload[:, :dim]
@@ -92,7 +135,7 @@ def finish_merge(
     # the floor mean(S^2)/N bounds the merged step's rms by lr*sqrt(N) (docs/optimizer.md)
     dA = torch.maximum(U + (S2 - Q) / sync_interval, S2 / sync_interval)
     a_new = a0 + dA
-    D = -lr * S / (a_new.sqrt() + eps).unsqueeze(1)
+    D = -lr * S / interval_denominator(a0, a_new, sync_interval, eps, preconditioner).unsqueeze(1)
     m_new = momentum * m0 + D
     touched = (k > 0).unsqueeze(1)
     w_out = torch.where(touched, w0 + m_new, w0)
@@ -113,7 +156,9 @@ class MomentumScaledRowWiseAdagrad:
     """Replica sync rule for 2D sparse parallelism (see module docstring and docs/optimizer.md).
 
     ``momentum``: per-row heavy-ball coefficient on the merged step (0 disables it; then a sync
-    after every step reproduces 1D row-wise AdaGrad exactly). Requires the sharded tables to use
+    after every step reproduces 1D row-wise AdaGrad exactly). ``preconditioner``: "interval"
+    (default) or "end", the AdaGrad denominator used to invert and re-apply the interval's steps
+    (:func:`interval_denominator`; identical for ``sync_interval == 1``). Requires the sharded tables to use
     the fused ``EXACT_ROWWISE_ADAGRAD`` without weight decay. Keeps, per local table row, an
     anchor copy of weights and accumulator and (if ``momentum > 0``) a float64 momentum buffer.
     This state is not part of the model's ``state_dict``: after loading a checkpoint, call the
@@ -121,6 +166,11 @@ class MomentumScaledRowWiseAdagrad:
     """
 
     momentum: float = attrs.field(default=0.0, validator=_unit_interval)
+    preconditioner: str = attrs.field(default="interval")
+
+    @preconditioner.validator
+    def _check(self, attribute: attrs.Attribute, value: str) -> None:
+        _check_preconditioner(value)
 
     def bind(self, slots: Sequence[Any], replica_pg: dist.ProcessGroup, sync_interval: int):
         """Bind to one rank's ``RowWiseAdagradSlot`` s; the current state becomes the anchor."""
@@ -162,7 +212,8 @@ class _MomentumScaledSession:
             return
         hyper = [(s.learning_rate(), s.eps()) for s in self.slots]
         payloads = [
-            local_payload(aw, aa, s.weight, s.accumulator, lr, eps)
+            local_payload(aw, aa, s.weight, s.accumulator, lr, eps, self.sync_interval,
+                          self.rule.preconditioner)
             for s, aw, aa, (lr, eps) in zip(self.slots, self.anchor_w, self.anchor_a, hyper)
         ]
         sizes = [p.numel() for p in payloads]
@@ -182,6 +233,7 @@ class _MomentumScaledSession:
                 eps,
                 self.sync_interval,
                 self.rule.momentum,
+                self.rule.preconditioner,
             )
             slot.weight.copy_(w)
             slot.accumulator.copy_(a)

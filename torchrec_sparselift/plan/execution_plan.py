@@ -27,9 +27,10 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift.cost.pipelines import PIPELINES as _PIPELINES
+from torchrec_sparselift.errors import PlanFormatError
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
-from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.semantics.layout import Layout2D
+from torchrec_sparselift.semantics.workload import WorkloadStats
 
 __all__ = [
     "EXECUTION_PLAN_SCHEMA",
@@ -62,9 +63,6 @@ COMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 #: (module_path, table_name, rows, dim, feature_names, pooled[, data_type])
 TableSpec = Tuple[Any, ...]
 
-
-class PlanFormatError(ValueError):
-    """A serialized execution plan cannot be read (malformed, truncated, or another schema)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,11 +157,11 @@ class Optimizations:
         fwd_comm_precision / bwd_comm_precision: element type of the pooled-embedding all-to-all
             and of its gradient, one of :data:`COMM_PRECISIONS` (TorchRec qcomm codecs).
         sharding_group_size: ranks per sharding group for 2D sparse parallelism (``DMPCollection``);
+            ``None`` means 1D (tables sharded over all ranks).
+        sync_interval: steps between replica weight/optimizer averaging (2D only; 1 otherwise).
         layout_2d: which ranks form the sharding and replica groups (:class:`Layout2D`, 2D only);
             the runtime builds ``DMPCollection`` from it.
         max_sync_interval: the sync-interval bound the plan was made under (2D only).
-            ``None`` means 1D (tables sharded over all ranks).
-        sync_interval: steps between replica weight/optimizer averaging (2D only; 1 otherwise).
         table_grouping: whether tables with equal kernel/dim are fused into one TBE group.
     """
 
@@ -171,12 +169,12 @@ class Optimizations:
     fwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
     bwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
     sharding_group_size: Optional[int] = attrs.field(default=None)
+    sync_interval: int = attrs.field(default=1)
+    table_grouping: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     layout_2d: Optional[Layout2D] = attrs.field(
         default=None, converter=lambda v: Layout2D.from_dict(v) if isinstance(v, Mapping) else v,
         validator=attrs.validators.optional(attrs.validators.instance_of(Layout2D)))
     max_sync_interval: Optional[int] = attrs.field(default=None)
-    sync_interval: int = attrs.field(default=1)
-    table_grouping: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         g = self.sharding_group_size
@@ -185,14 +183,14 @@ class Optimizations:
                 f"Optimizations.sharding_group_size must be None (1D) or an int >= 1, got {g!r}"
             )
         s = self.sync_interval
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"Optimizations.sync_interval must be an int >= 1 (steps), got {s!r}")
         lay = self.layout_2d
         if lay is not None and (g is None or lay.group_size != g):
             raise ValueError(
                 f"Optimizations.layout_2d has groups of {lay.group_size} ranks but sharding_group_size "
                 f"is {g!r}; build both from the same Layout2D (or drop layout_2d for 1D)"
             )
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-            raise ValueError(f"Optimizations.sync_interval must be an int >= 1 (steps), got {s!r}")
 
     @property
     def is_2d(self) -> bool:
@@ -527,10 +525,10 @@ class ExecutionPlan:
 
     def summary(self) -> str:
         """One line for logs: pipeline, precision, 2D, predicted step, gap, solver."""
-        if o.layout_2d is not None:
-            two_d += f" ({o.layout_2d.kind})"
         o, p = self.optimizations, self.prediction
         two_d = f"2D group {o.sharding_group_size}/sync {o.sync_interval}" if o.is_2d else "1D"
+        if o.layout_2d is not None:
+            two_d += f" ({o.layout_2d.kind})"
         tables = sum(len(m) for m in self.sharding_plan.plan.values() if isinstance(m, dict))
         return (
             f"{tables} tables, pipeline={o.pipeline}, comm={o.fwd_comm_precision}/{o.bwd_comm_precision}, "
