@@ -156,10 +156,14 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
                 vec[UVM] += miss / p.uvm_bw
         elif node.kind == "grad_allreduce":
             allreduce += node.quantity
-        elif node.kind == "input_dist":
-            vec[IN_INTRA if node.resource == "intra_host" else IN_INTER] += node.quantity
-        elif node.kind == "output_dist":
-            vec[OUT_INTRA if node.resource == "intra_host" else OUT_INTER] += node.quantity
+        elif node.kind in ("input_dist", "output_dist"):
+            if node.kind == "input_dist":
+                col = IN_INTRA if node.resource == "intra_host" else IN_INTER
+            else:
+                col = OUT_INTRA if node.resource == "intra_host" else OUT_INTER
+            vec[col] += node.quantity
+            if node.scope == "others":  # every rank but the owner: all ranks, less the owner's share
+                owner[col] -= node.quantity
         # grad_dist mirrors output_dist byte for byte; step_time scales it by bwd precision
     dev, host = shard_memory(spec, cand, ctx.world_size)
     owner[DEV_MEM] += dev

@@ -69,8 +69,12 @@ class Node:
 
     ``quantity`` is bytes for links and memory traffic, rows for lookups (a row moves
     ``width_bytes``; the cost model rounds to the memory transaction size). ``scope`` says who
-    pays: ``"owner"`` the rank holding the shard, ``"peers"`` every rank equally (the other end
-    of an all-to-all), ``"global"`` a collective over all ranks (data-parallel all-reduce).
+    pays: ``"owner"`` the rank holding the shard, ``"others"`` every rank except the owner,
+    equally (the other end of an all-to-all: what each peer sends to or receives from the owner),
+    ``"peers"`` every rank equally, ``"global"`` a collective over all ranks (data-parallel
+    all-reduce). Link bytes on a rank are what it sends to plus what it receives from *other*
+    ranks (its own chunk of an all-to-all never leaves it); ``runtime.comm_counter`` counts the
+    same on a real run and the tests check them equal.
     """
 
     kind: str
@@ -165,12 +169,14 @@ def shard_nodes(
             nodes.append(Node(kind, "intra_host", owner_bytes * intra, backward=backward))
         if inter > 0:
             nodes.append(Node(kind, "inter_host", owner_bytes * inter, backward=backward))
+        # peer_bytes: what each *other* rank sends to (receives from) this shard's owner
         if peer_bytes > 0 and W > 1:
             pi = (L - 1) / (W - 1)
             if pi > 0:
-                nodes.append(Node(kind, "intra_host", peer_bytes * pi, scope="peers", backward=backward))
+                nodes.append(Node(kind, "intra_host", peer_bytes * pi, scope="others",
+                                  backward=backward))
             if pi < 1:
-                nodes.append(Node(kind, "inter_host", peer_bytes * (1 - pi), scope="peers",
+                nodes.append(Node(kind, "inter_host", peer_bytes * (1 - pi), scope="others",
                                   backward=backward))
 
     kernel = cand.compute_kernel
@@ -193,34 +199,34 @@ def shard_nodes(
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
         a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False)
         nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width))
+        # pooled: one pooled row per sample *and feature* (EmbeddingBagCollection pools each
+        # feature's bag separately) to each of the W-1 other ranks
         if spec.is_pooled:
-            out_bytes = B * (W - 1) * cand.shard_cols * 4
+            out_bytes = B * (W - 1) * nf * cand.shard_cols * 4
         else:
             out_bytes = ids_global * (W - 1) / W * cand.shard_cols * 4
         frac_i = (L - 1) / (W - 1) if W > 1 else 0.0
-        a2a("output_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, out_bytes / W,
-            False)
-        a2a("grad_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, out_bytes / W,
-            True)
+        peer = out_bytes / (W - 1) if W > 1 else 0.0
+        a2a("output_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, peer, False)
+        a2a("grad_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, peer, True)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
         return nodes
 
     if st == "row_wise":
         ids_here = ids_global / W
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
-        # every rank both receives its bucket (owner side) and sends its own ids to all buckets
-        # (the peers side: W shards x in_bytes / W = in_bytes per rank)
+        # every rank receives its bucket from the W-1 others (owner side) and sends its own ids
+        # to the W-1 other buckets (the others side: in_bytes / W to each other shard)
         a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False)
         nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width))
-        if spec.is_pooled:  # reduce-scatter of partial sums over all ranks
-            out_bytes = B * W * cand.shard_cols * 4 * (W - 1) / W
+        if spec.is_pooled:  # reduce-scatter of partial sums (per sample and feature) over all ranks
+            out_bytes = B * W * nf * cand.shard_cols * 4 * (W - 1) / W
         else:
             out_bytes = ids_here * cand.shard_cols * 4 * (W - 1) / W
-        # a reduce-scatter sends (W-1)/W of the partials and receives as much: both count
-        a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), out_bytes / W,
-            False)
-        a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), out_bytes / W,
-            True)
+        # the owner receives the W-1 others' partials of its slice; each other rank sends it one
+        peer = out_bytes / (W - 1) if W > 1 else 0.0
+        a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, False)
+        a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, True)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
         return nodes
 
@@ -228,21 +234,31 @@ def shard_nodes(
         rows_split = L
         ids_here = ids_global / rows_split
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
-        a2a("input_dist", in_bytes, fi, fe, in_bytes * rows_split / W, False)
+        # as row-wise within the host's L buckets: the owner receives (W-1)/W of its bucket, each
+        # other rank sends it in_bytes / W
+        a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False)
         nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width))
-        if spec.is_pooled:
-            partial = B * W * cand.shard_cols * 4
-            rs_intra = partial * (L - 1) / L  # intra-host reduce-scatter
-            slice_bytes = partial / L  # then the slice goes to every rank
-        else:
-            rs_intra = 0.0
-            slice_bytes = ids_here * cand.shard_cols * 4
+        H = max(1, W // L)
         for kind, bwd in (("output_dist", False), ("grad_dist", True)):
-            if rs_intra > 0:
-                nodes.append(Node(kind, "intra_host", rs_intra, backward=bwd))
-            a2a(kind, slice_bytes * (W - 1) / W if W > 1 else 0.0,
-                (L - 1) / max(W - 1, 1), (W - L) / max(W - 1, 1), slice_bytes * L / W,
-                bwd)
+            if spec.is_pooled:
+                # intra-host reduce-scatter of the partials (per sample and feature) among the
+                # host's L shards: each sends (L-1)/L of them and receives as much
+                partial = B * W * nf * cand.shard_cols * 4
+                rs = 2 * partial * (L - 1) / L
+                if rs > 0:
+                    nodes.append(Node(kind, "intra_host", rs, backward=bwd))
+                # then each shard's reduced slice (the samples of the ranks with its local index)
+                # goes to those ranks on the H-1 other hosts; the W-L receivers are spread over
+                # all other ranks (exact in total; per rank only on one host, where it is 0)
+                cross = B * (H - 1) * nf * cand.shard_cols * 4
+                if cross > 0:
+                    nodes.append(Node(kind, "inter_host", cross, backward=bwd))
+                    nodes.append(Node(kind, "inter_host", cross / (W - 1), scope="others",
+                                      backward=bwd))
+            else:
+                out_bytes = ids_here * cand.shard_cols * 4 * (W - 1) / W if W > 1 else 0.0
+                a2a(kind, out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1),
+                    out_bytes / (W - 1) if W > 1 else 0.0, bwd)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
         return nodes
 
