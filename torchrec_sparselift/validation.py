@@ -206,11 +206,12 @@ def _cluster_bytes(topology: Any) -> float:
 def _check_total_memory(specs: Sequence[Any], topology: Any) -> None:
     from torchrec_sparselift.search.errors import SparseLiftPlannerError
 
-    need = float(sum(s.weight_bytes for s in specs))
+    # key-value (virtual) tables pin only their caches, never all rows of their id space
+    need = float(sum(s.pinned_weight_bytes for s in specs))
     have = _cluster_bytes(topology)
     if need > have:
-        biggest = sorted(specs, key=lambda s: (-s.weight_bytes, s.fqn))[:5]
-        names = ", ".join(f"{s.fqn} ({_fmt_bytes(s.weight_bytes)})" for s in biggest)
+        biggest = sorted(specs, key=lambda s: (-s.pinned_weight_bytes, s.fqn))[:5]
+        names = ", ".join(f"{s.fqn} ({_fmt_bytes(s.pinned_weight_bytes)})" for s in biggest)
         kind = "DDR" if topology.compute_device == "cpu" else "HBM + DDR"
         raise SparseLiftPlannerError(
             f"the tables' weights alone need {_fmt_bytes(need)} but the whole cluster has "

@@ -50,7 +50,10 @@ class HardwareProfile:
         hbm_cap_bytes / ddr_cap_bytes: device memory and host memory per rank.
         hbm_bw: effective bandwidth of embedding row reads from device memory (TBE forward).
         ddr_bw: effective bandwidth of row reads from host memory (UVM kernels, CPU training).
-        uvm_bw: device-to-host-memory bandwidth for UVM rows (PCIe / C2C).
+        uvm_bw: device-to-host-memory bandwidth for UVM rows (PCIe / C2C); also what a
+            key-value (virtual-table) lookup that misses its HBM cache pays for a DRAM row.
+        ssd_bw: effective random-read bandwidth of an ``ssd_virtual_table`` row that misses
+            both caches (an assumption, 1 GB/s NVMe-class; calibrate it on the machine).
         row_granularity_bytes: memory transaction size; a row read costs at least this much.
         bwd_factor: backward + fused optimizer update cost relative to the forward lookup
             (gradient read, weight read-modify-write, optimizer-state read-modify-write).
@@ -93,6 +96,7 @@ class HardwareProfile:
     hbm_bw: float = attrs.field(default=1.6e12, validator=_positive)
     ddr_bw: float = attrs.field(default=50e9, validator=_positive)
     uvm_bw: float = attrs.field(default=25e9, validator=_positive)
+    ssd_bw: float = attrs.field(default=1e9, validator=_positive)
     row_granularity_bytes: int = attrs.field(default=32)
     bwd_factor: float = attrs.field(default=2.5, validator=_positive)
     lookup_overhead_s: float = attrs.field(default=20e-6, validator=_non_negative)

@@ -36,7 +36,7 @@ from torchrec_sparselift.cost.pipelines import (
     step_totals,
 )
 from torchrec_sparselift.semantics.dense import DenseWork  # re-exported: the cost layer prices it
-from torchrec_sparselift.semantics.graph import Candidate, Node, shard_memory, shard_nodes
+from torchrec_sparselift.semantics.graph import HOST_WORK_KINDS, Candidate, Node, shard_memory, shard_nodes
 from torchrec_sparselift.semantics.tables import TableSpec
 
 __all__ = [
@@ -134,6 +134,16 @@ def node_time(node: Node, profile: HardwareProfile) -> float:
         return node.quantity / profile.hbm_bw
     if node.resource == "ddr":
         return node.quantity / profile.ddr_bw
+    if node.resource == "host":  # host work per feature, table or id (fitted from real steps)
+        if node.unit == "features":
+            return node.quantity * profile.feature_overhead_s
+        if node.unit == "ids":
+            return node.quantity * profile.bucketize_id_s
+        if node.unit == "tables":
+            per = profile.dp_table_overhead_s if node.kind == "dp_table_work" else profile.table_overhead_s
+            return node.quantity * per
+    if node.resource == "dense_update":  # dense optimizer pass over a data-parallel replica
+        return node.quantity / (profile.dense_update_bw or profile.hbm_bw)
     raise ValueError(f"node {node.kind} on {node.resource} has no compute time")
 
 
@@ -154,6 +164,8 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
                 miss = node.quantity * p.row_bytes(node.width_bytes, 1) * (1 - p.cache_hit_rate)
                 vec[FWD] -= miss / p.uvm_bw
                 vec[UVM] += miss / p.uvm_bw
+        elif node.kind in HOST_WORK_KINDS:
+            vec[BWD if node.backward else FWD] += node_time(node, p)
         elif node.kind == "grad_allreduce":
             allreduce += node.quantity
         elif node.kind in ("input_dist", "output_dist"):
@@ -263,6 +275,7 @@ def phase_table(
         "grad_dist": lat + bscale * link_out,
         "backward_update": cm[:, BWD],
         "allreduce": _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx),
+        "step_overhead": p.step_overhead_s,
     }
     table = np.empty((cm.shape[0], len(PHASE_NAMES)))
     for i, name in enumerate(PHASE_NAMES):

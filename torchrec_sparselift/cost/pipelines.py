@@ -94,6 +94,8 @@ PHASES: Tuple[Phase, ...] = (
     Phase("backward_update", "compute", "TBE backward with the fused optimizer update"),
     Phase("allreduce", "collective", "dense and data-parallel gradient all-reduce",
           hidden_under="dense_bwd"),
+    Phase("step_overhead", "compute", "fixed per-step work outside the sparse-path nodes (pipeline "
+          "bookkeeping, loss, optimizer calls; HardwareProfile.step_overhead_s, fitted from real steps)"),
 )
 PHASE_NAMES: Tuple[str, ...] = tuple(p.name for p in PHASES)
 COMPUTE_PHASES: Tuple[str, ...] = tuple(p.name for p in PHASES if p.kind == "compute")
@@ -105,6 +107,7 @@ EMB_FWD: Tuple[str, ...] = ("uvm_fetch", "lookup", "output_dist")
 DENSE: Tuple[str, ...] = ("dense_fwd", "dense_bwd")
 EMB_BWD: Tuple[str, ...] = ("grad_dist", "backward_update")
 SYNC: Tuple[str, ...] = ("allreduce",)
+STEP: Tuple[str, ...] = ("step_overhead",)  # on the step's own flow in every pipeline
 
 
 @attrs.frozen
@@ -157,22 +160,22 @@ _PREFETCH_AHEAD = INPUT + ("uvm_fetch",)
 
 #: Every pipeline kind, in the planner's order of preference on equal step times.
 PIPELINE_KINDS: Tuple[PipelineKind, ...] = (
-    PipelineKind("base", Seq(INPUT + EMB_FWD + DENSE + EMB_BWD + SYNC),
+    PipelineKind("base", Seq(INPUT + EMB_FWD + DENSE + EMB_BWD + SYNC + STEP),
                  "everything in sequence (TrainPipelineBase)"),
     PipelineKind("sparse_dist", Seq([Par([
-        Lane("main", Seq(EMB_FWD + DENSE + EMB_BWD + SYNC), "the step's lookup/dense/backward"),
+        Lane("main", Seq(EMB_FWD + DENSE + EMB_BWD + SYNC + STEP), "the step's lookup/dense/backward"),
         _next_batch(INPUT, "the next batch's input_dist"),
     ])]), "the next batch's input_dist runs during this batch's work (TrainPipelineSparseDist)"),
     PipelineKind("fused", Seq([Par([
         Lane("main", Seq(EMB_FWD + DENSE + (Par([
             Lane("main", Seq(EMB_BWD), "embedding backward"),
             Lane("comm", Seq(SYNC), "allreduce"),
-        ]),)), "the step"),
+        ]),) + STEP), "the step"),
         _next_batch(INPUT, "the next batch's input_dist"),
     ])]), "as sparse_dist, and the embedding backward/optimizer overlaps the dense all-reduce "
           "(TrainPipelineFusedSparseDist)"),
     PipelineKind("prefetch", Seq([Par([
-        Lane("main", Seq(tuple(p for p in EMB_FWD if p not in _PREFETCH_AHEAD) + DENSE + EMB_BWD + SYNC),
+        Lane("main", Seq(tuple(p for p in EMB_FWD if p not in _PREFETCH_AHEAD) + DENSE + EMB_BWD + SYNC + STEP),
              "the step's lookup/dense/backward"),
         _next_batch(_PREFETCH_AHEAD, "the next batch's " + "+".join(_PREFETCH_AHEAD)),
     ])]), "as sparse_dist, and UVM-cache misses are fetched with the input_dist "
@@ -181,7 +184,7 @@ PIPELINE_KINDS: Tuple[PipelineKind, ...] = (
         Lane("main", Seq((Par([
             Lane("main", Seq(DENSE), "dense fwd/bwd"),
             _next_batch(EMB_FWD, "next batch's embedding forward"),
-        ]),) + EMB_BWD + SYNC), "the step"),
+        ]),) + EMB_BWD + SYNC + STEP), "the step"),
         _next_batch(INPUT, "input_dist", lane="next batch input"),
     ])]), "as sparse_dist, and the next batch's lookup + output_dist overlap this batch's dense "
           "forward/backward (one step of embedding staleness; TrainPipelineSemiSync)", stale=True),

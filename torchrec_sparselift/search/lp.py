@@ -49,7 +49,7 @@ class LPResult:
     status: str = "optimal"
 
 
-def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None):
+def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None, step_overhead=0.0):
     """Each phase of :data:`~torchrec_sparselift.cost.pipelines.PHASES` as a linear form in the
     LP's variables (milliseconds): ``{phase: (entries, constant)}``. ``z``: column-maximum
     variables, ``iy_in`` / ``iy_out``: link-time variables, ``ia``: the exposed all-reduce,
@@ -66,6 +66,7 @@ def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None):
         "grad_dist": ([(iy_out, bs)] + lat, 0.0),
         "backward_update": ([(z[BWD], 1.0)], 0.0),
         "allreduce": ([(ia, 1.0)], 0.0),
+        "step_overhead": ([], step_overhead),
     }
 
 
@@ -167,7 +168,8 @@ def solve_lp(
             add_row(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
     # step composition (the pipeline's description, as cost.model.step_time uses it)
     forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd_precision] / 4,
-                         PRECISION_BYTES[bwd_precision] / 4, dense_fwd, dense_bwd)
+                         PRECISION_BYTES[bwd_precision] / 4, dense_fwd, dense_bwd,
+                         step_overhead=ms * p.step_overhead_s)
     for entries, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
         add_row(entries, rhs)
     A_ub = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()

@@ -151,7 +151,7 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     lat_ms = ms * p.collective_latency_s if W > 1 else 0.0
     add([(ig[st], lat_ms) for st in types] + [(ilat, -1.0)], -np.inf, 0.0)
     forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
-                         dense_fwd, dense_bwd, ilat=ilat)
+                         dense_fwd, dense_bwd, ilat=ilat, step_overhead=ms * p.step_overhead_s)
     for ent, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
         add(ent, -np.inf, rhs)
 

@@ -47,8 +47,9 @@ def shard_layout(handle: TableHandle, prob: PlanningProblem, cand_id: int) -> Tu
         )
     if c.sharding_type == "table_wise":
         return [[spec.num_embeddings, spec.embedding_dim]], [[0, 0]]
+    kw = {"num_buckets": spec.num_buckets} if spec.num_buckets else {}  # virtual: whole buckets
     sizes, offsets = calculate_shard_sizes_and_offsets(
-        tensor=handle.tensor, world_size=W, local_world_size=L, sharding_type=c.sharding_type
+        tensor=handle.tensor, world_size=W, local_world_size=L, sharding_type=c.sharding_type, **kw
     )
     return [list(s) for s in sizes], [list(o) for o in offsets]
 

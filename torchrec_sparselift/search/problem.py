@@ -21,11 +21,14 @@ from torchrec_sparselift.cost.model import (
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
 
-__all__ = ["PlanningProblem", "build_problem", "column_splits", "device_caps", "SUPPORTED_KERNELS"]
+__all__ = ["PlanningProblem", "build_problem", "column_splits", "device_caps", "no_plan_kind",
+           "storage_summary", "SUPPORTED_KERNELS"]
 
-# Kernels whose sparse path the cost model describes. Others (key-value/SSD tables) are only
-# planned when a user constrains a table to them, and then rejected with a clear message.
-SUPPORTED_KERNELS = ("fused", "dense", "fused_uvm", "fused_uvm_caching")
+# Kernels whose sparse path the cost model describes (the key-value ones are offered only when a
+# constraint names them, as in TorchRec). Others (key_value, dram_ssd_virtual_table) are rejected
+# with a clear message.
+SUPPORTED_KERNELS = ("fused", "dense", "fused_uvm", "fused_uvm_caching", "dram_virtual_table",
+                     "ssd_virtual_table")
 
 
 def device_caps(topology) -> Tuple[np.ndarray, np.ndarray]:
@@ -36,6 +39,22 @@ def device_caps(topology) -> Tuple[np.ndarray, np.ndarray]:
         return dev, dev.copy()
     return (np.array([d.storage.hbm for d in topology.devices], dtype=float),
             np.array([d.storage.ddr for d in topology.devices], dtype=float))
+
+
+def no_plan_kind(lowest: Tuple[float, float], device_cap: np.ndarray, host_cap: np.ndarray,
+                 compute_device: str) -> str:
+    """TorchRec's classification of a failed plan: ``insufficient_storage`` when even the least
+    memory any plan needs (``lowest``: device and host bytes summed over all shards of every
+    table's smallest option) exceeds the cluster's capacity after the reservation, in some tier;
+    ``strict_constraints`` when the cluster holds that much in total but the allowed sharding
+    types, kernels and placements cannot use it (e.g. a table-wise-only table larger than any
+    one rank). On CPU device and host memory are the same DDR."""
+    dev, host = lowest
+    if compute_device == "cpu":
+        fits = dev + host <= float(np.sum(device_cap))
+    else:
+        fits = dev <= float(np.sum(device_cap)) and host <= float(np.sum(host_cap))
+    return "strict_constraints" if fits else "insufficient_storage"
 
 
 def column_splits(spec: TableSpec, world_size: int, compute_device: str) -> List[int]:
@@ -67,6 +86,9 @@ class PlanningProblem:
     host_cap: np.ndarray = attrs.field(eq=False)
     pipelines: Tuple[str, ...] = ("sparse_dist",)
     precisions: Tuple[Tuple[str, str], ...] = (("fp32", "fp32"),)
+    #: (device, host) bytes that every plan needs at least: per table, its smallest option's
+    #: total over all shards, summed (what :func:`no_plan_kind` compares with the cluster).
+    lowest_storage: Tuple[float, float] = (0.0, 0.0)
 
     @property
     def num_tables(self) -> int:
@@ -100,6 +122,7 @@ def build_problem(
     max_dev = float(np.max(device_cap)) if len(device_cap) else 0.0
     max_host = float(np.max(host_cap)) if len(host_cap) else 0.0
     misfits: List[str] = []
+    lowest = [0.0, 0.0]
     min_dev = float(np.min(device_cap)) if len(device_cap) else 0.0
     for t, spec in enumerate(specs):
         ids: List[int] = []
@@ -107,6 +130,7 @@ def build_problem(
         # relative to a rank's memory (its whole fused table would take over 1/8 of a rank).
         uvm_useful = spec.weight_bytes > min_dev / 8
         smallest: Optional[Tuple[float, str]] = None
+        least_dev = least_host = float("inf")
         for st in spec.sharding_types:
             for kernel in spec.kernels_for(st):
                 if kernel not in SUPPORTED_KERNELS:
@@ -130,6 +154,8 @@ def build_problem(
                     cand = candidate_for(t, spec, st, kernel, W, L, k)
                     cost = shard_cost(spec, cand, ctx)
                     dev, host = cost.owner[DEV_MEM], cost.owner[HOST_MEM]
+                    least_dev = min(least_dev, dev * cand.num_shards)
+                    least_host = min(least_host, host * cand.num_shards)
                     # how far over the limits this option is, in the resource that is short
                     over = max(dev - max_dev, host - max_host)
                     if smallest is None or over < smallest[0]:
@@ -157,8 +183,12 @@ def build_problem(
                     f"{have / 2**30:.2f} GiB (short by {(need - have) / 2**30:.2f} GiB)"
                 )
         per_table.append(tuple(ids))
+        if np.isfinite(least_dev):
+            lowest[0] += least_dev
+            lowest[1] += least_host
     if misfits:
-        raise _no_fit_error(misfits)
+        raise _no_fit_error(misfits, no_plan_kind(tuple(lowest), device_cap, host_cap, device),
+                            tuple(lowest), device_cap, host_cap, device)
     return PlanningProblem(
         specs=tuple(specs),
         ctx=ctx,
@@ -169,17 +199,34 @@ def build_problem(
         host_cap=np.asarray(host_cap, dtype=float),
         pipelines=tuple(pipelines),
         precisions=tuple(precisions),
+        lowest_storage=(lowest[0], lowest[1]),
     )
 
 
-def _no_fit_error(lines: List[str]) -> Exception:
-    from torchrec_sparselift.search.errors import SparseLiftPlannerError
+def storage_summary(lowest: Tuple[float, float], device_cap: np.ndarray, host_cap: np.ndarray,
+                    compute_device: str) -> str:
+    """One sentence: the least memory any plan needs against the cluster's, per tier."""
+    if compute_device == "cpu":
+        return (f"every plan needs at least {(lowest[0] + lowest[1]) / 2**30:.3f} GiB of memory; the "
+                f"ranks have {float(np.sum(device_cap)) / 2**30:.3f} GiB in all after the reservation")
+    return (f"every plan needs at least {lowest[0] / 2**30:.3f} GiB of device and "
+            f"{lowest[1] / 2**30:.3f} GiB of host memory; the ranks have "
+            f"{float(np.sum(device_cap)) / 2**30:.3f} GiB and {float(np.sum(host_cap)) / 2**30:.3f} GiB "
+            "in all after the reservation")
 
+
+def _no_fit_error(lines: List[str], kind: str, lowest: Tuple[float, float], device_cap: np.ndarray,
+                  host_cap: np.ndarray, compute_device: str) -> Exception:
+    from torchrec_sparselift.errors import SparseLiftPlannerError
+
+    why = ("insufficient storage" if kind == "insufficient_storage"
+           else "the strict constraints (the cluster has the memory, the allowed shardings cannot use it)")
     return SparseLiftPlannerError(
-        "no sharding of these tables fits in one rank's memory:\n  "
+        f"no plan because of {why}: {storage_summary(lowest, device_cap, host_cap, compute_device)}."
+        "\nNo sharding of these tables fits in one rank's memory:\n  "
         + "\n  ".join(lines)
         + "\nTo fix: allow row-wise/table-row-wise or column-wise sharding for them "
         "(ParameterConstraints.sharding_types), allow a UVM kernel (fused_uvm_caching) on GPUs, "
         "use more ranks or ranks with more memory, or shrink the tables.",
-        kind="insufficient_storage",
+        kind=kind,
     )

@@ -26,7 +26,7 @@ from torchrec_sparselift.search.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.lp import analytic_bound, solve_lp
 from torchrec_sparselift.search.milp import milp_size, solve_milp
 from torchrec_sparselift.search.place import WorkBudget, greedy_place, local_search
-from torchrec_sparselift.search.problem import PlanningProblem
+from torchrec_sparselift.search.problem import PlanningProblem, no_plan_kind, storage_summary
 
 __all__ = ["SearchResult", "solve", "new_evaluator"]
 
@@ -126,15 +126,19 @@ def solve(
         names = ", ".join(prob.specs[t].fqn for t in bad[:20])
         need_dev = sum(float(np.min([prob.costs[i].owner[7] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
         need_host = sum(float(np.min([prob.costs[i].owner[8] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
+        dev_kind = prob.ctx.profile.compute_device
+        kind = no_plan_kind(prob.lowest_storage, prob.device_cap, prob.host_cap, dev_kind)
         raise SparseLiftPlannerError(
-            f"could not place {len(bad)} table(s) within per-rank memory: {names}"
+            f"no plan because of {kind.replace('_', ' ')}: "
+            f"{storage_summary(prob.lowest_storage, prob.device_cap, prob.host_cap, dev_kind)}.\n"
+            f"Could not place {len(bad)} table(s) within per-rank memory: {names}"
             f"{' ...' if len(bad) > 20 else ''}. Their smallest options take {need_dev / 2**30:.2f} GiB "
             f"of device memory and {need_host / 2**30:.2f} GiB of host memory, more than is free "
             f"after the other tables (device {float(np.sum(prob.device_cap)) / 2**30:.2f} GiB, host "
             f"{float(np.sum(prob.host_cap)) / 2**30:.2f} GiB over {prob.ctx.world_size} ranks). "
             "To fix: add ranks or memory, allow row-wise/column-wise sharding or UVM caching for "
             "large tables, or reduce batch size (comm buffers scale with it).",
-            kind="partition",
+            kind=kind,
         )
     ev = best_ev
     # deterministic work budget (priced placements), proportional to the time budget; the wall

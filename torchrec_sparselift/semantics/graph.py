@@ -27,6 +27,7 @@ import attrs
 from torchrec_sparselift.semantics.tables import TableSpec
 
 __all__ = [
+    "HOST_WORK_KINDS",
     "Node",
     "Candidate",
     "shard_nodes",
@@ -59,7 +60,16 @@ NODE_KINDS = (
     "grad_dist",
     "backward_update",
     "grad_allreduce",
+    # host work per step that the kernels and collectives above do not include (fitted from
+    # real steps, cost.step_fit): KJT permutes/splits/lengths per feature and shard, per-shard
+    # bookkeeping, row-wise bucketize per id, per data-parallel table dense-gradient/optimizer
+    "kjt_work",
+    "table_work",
+    "bucketize",
+    "dp_table_work",
 )
+#: Node kinds priced per unit of host work (features, tables, ids), not bytes or rows.
+HOST_WORK_KINDS = ("kjt_work", "table_work", "bucketize", "dp_table_work")
 RESOURCES = ("hbm", "ddr", "uvm", "intra_host", "inter_host")
 
 
@@ -190,8 +200,10 @@ def shard_nodes(
         grad_bytes = spec.num_embeddings * spec.embedding_dim * 4
         nodes.append(Node("grad_allreduce", "allreduce", grad_bytes, scope="global", backward=True))
         # dense optimizer step over the whole replica: read weight + grad + state, write both
-        nodes.append(Node("backward_update", "hbm", 3.0 * grad_bytes,
+        nodes.append(Node("backward_update", "dense_update", 3.0 * grad_bytes,
                           backward=True))
+        # per replica and step: its dense gradient, its slot in DDP's buckets, its optimizer call
+        nodes.append(Node("dp_table_work", "host", 1.0, unit="tables", backward=True))
         return nodes
 
     if st in ("table_wise", "column_wise", "table_column_wise"):
@@ -210,6 +222,7 @@ def shard_nodes(
         a2a("output_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, peer, False)
         a2a("grad_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, peer, True)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
+        _host_work(nodes, nf, 1.0, 0.0)
         return nodes
 
     if st == "row_wise":
@@ -228,6 +241,8 @@ def shard_nodes(
         a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, False)
         a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, True)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
+        # each rank bucketizes its own ids once per feature, split over the W shards
+        _host_work(nodes, nf / W, 1.0, B * pf / W)
         return nodes
 
     if st in ("table_row_wise", "grid_shard"):
@@ -260,9 +275,22 @@ def shard_nodes(
                 a2a(kind, out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1),
                     out_bytes / (W - 1) if W > 1 else 0.0, bwd)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
+        _host_work(nodes, nf / rows_split, 1.0, B * pf / rows_split)
         return nodes
 
     raise ValueError(f"table {spec.fqn!r}: no sparse-path model for sharding type {st!r}")
+
+
+def _host_work(nodes: List[Node], features_per_rank: float, tables: float, ids_per_rank: float) -> None:
+    """The host work one sharded (not data-parallel) shard adds: ``features_per_rank`` KJT
+    features every rank permutes/splits for it (scope ``peers``), ``tables`` of per-shard
+    bookkeeping on its owner, ``ids_per_rank`` ids every rank bucketizes for it (row-wise)."""
+    if features_per_rank > 0:
+        nodes.append(Node("kjt_work", "host", features_per_rank, unit="features", scope="peers"))
+    if tables > 0:
+        nodes.append(Node("table_work", "host", tables, unit="tables"))
+    if ids_per_rank > 0:
+        nodes.append(Node("bucketize", "host", ids_per_rank, unit="ids", scope="peers"))
 
 
 def shard_memory(spec: TableSpec, cand: Candidate, world_size: int,

@@ -23,6 +23,7 @@ __all__ = [
     "ELEMENT_BYTES",
 ]
 
+    "KEY_VALUE_KERNELS",
 # Sharding types the CPU/gloo runtime executes correctly (measured, TORCHREC_NOTES.md), although
 # TorchRec's sharders only *offer* row-wise and table-row-wise for CUDA.
 CPU_RUNTIME_SHARDING_TYPES: Tuple[str, ...] = (
@@ -35,6 +36,16 @@ CPU_RUNTIME_SHARDING_TYPES: Tuple[str, ...] = (
 
 ELEMENT_BYTES: Dict[str, int] = {
     "FP32": 4,
+# Key-value (virtual-table) kernels: rows live in a DRAM or SSD key-value store that holds only
+# the ids a job inserts, in front of an HBM (L1) cache and, for SSD, a DRAM (L2) cache. TorchRec's
+# enumerator offers them only when a table's ParameterConstraints.compute_kernels names them.
+KEY_VALUE_KERNELS: Tuple[str, ...] = (
+    "key_value",
+    "ssd_virtual_table",
+    "dram_virtual_table",
+    "dram_ssd_virtual_table",
+)
+
     "FP16": 2,
     "BF16": 2,
     "INT8": 1,
@@ -63,6 +74,12 @@ class TableSpec:
         batch_size: per-rank batch size for this table's features.
     """
 
+        num_buckets: ``total_num_buckets`` of a virtual table (``use_virtual_table=True``): its
+            id space is split into buckets, and row-wise shards hold whole buckets.
+        kv_l1_bytes: per-shard HBM (L1) cache of a key-value kernel
+            (``KeyValueParams.max_l1_cache_size``, MiB); 0 when not set.
+        kv_l2_bytes: per-shard DRAM (L2) cache of a key-value kernel
+            (``KeyValueParams.l2_cache_size``, GiB); 0 when not set.
     module_path: str
     name: str
     num_embeddings: int
@@ -77,6 +94,9 @@ class TableSpec:
     batch_size: int = 512
 
     def __attrs_post_init__(self) -> None:
+    num_buckets: Optional[int] = None
+    kv_l1_bytes: int = 0
+    kv_l2_bytes: int = 0
         where = f"table {self.fqn!r}"
         if self.num_embeddings <= 0:
             raise ValueError(f"{where}: num_embeddings must be positive, got {self.num_embeddings}")
@@ -92,6 +112,14 @@ class TableSpec:
         return f"{self.module_path}.{self.name}" if self.module_path else self.name
 
     @property
+    @property
+    def pinned_weight_bytes(self) -> int:
+        """The least weight memory any allowed kernel pins: 0 when a key-value kernel is
+        allowed (its store holds only inserted ids), else all rows."""
+        if any(k in KEY_VALUE_KERNELS for _, ks in self.compute_kernels for k in ks):
+            return 0
+        return self.weight_bytes
+
     def weight_bytes(self) -> int:
         return self.num_embeddings * self.embedding_dim * self.elem_bytes
 
@@ -238,6 +266,8 @@ def extract_tables(
                     "must include one the sharder supports"
                 )
             rows, dim = int(param.shape[0]), int(param.shape[1])
+                else:  # as TorchRec: key-value kernels only when a constraint asks for them
+                    ks = [k for k in ks if k not in KEY_VALUE_KERNELS]
             dtype_name = getattr(getattr(cfg, "data_type", None), "name", "FP32")
             tbs = batch_size
             if c is not None and c.batch_sizes:
@@ -278,6 +308,7 @@ def extract_tables(
             )
     handles.sort(key=lambda h: (h.spec.module_path, h.spec.name))
     return handles
+                **_key_value_fields(cfg, c),
 
 
 def _module_pooled(m: nn.Module) -> bool:
@@ -287,3 +318,15 @@ def _module_pooled(m: nn.Module) -> bool:
         return bool(ShardingOption.module_pooled(m, ""))
     except Exception:
         return "Bag" in type(m).__name__
+def _key_value_fields(cfg: Any, constraint: Any) -> Dict[str, Any]:
+    """Bucket count of a virtual table and the cache sizes its key-value kernel pins."""
+    out: Dict[str, Any] = {}
+    if cfg is not None and getattr(cfg, "use_virtual_table", False) and getattr(cfg, "total_num_buckets", None):
+        out["num_buckets"] = int(cfg.total_num_buckets)
+    kv = getattr(constraint, "key_value_params", None)
+    if kv is not None:
+        out["kv_l1_bytes"] = int((getattr(kv, "max_l1_cache_size", None) or 0) * 2**20)
+        out["kv_l2_bytes"] = int((getattr(kv, "l2_cache_size", None) or 0) * 2**30)
+    return out
+
+
