@@ -42,6 +42,7 @@ INDEX_BYTES = 8  # int64 ids on the wire
 LENGTH_BYTES = 4  # int32 lengths, one per (sample, feature)
 OPTIMIZER_STATE_BYTES_PER_ROW = 4  # row-wise AdaGrad: one fp32 accumulator per row
 DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default for UVM caching kernels
+KV_CACHE_LOAD_FACTOR = 0.2  # TorchRec's KV_CACHING_RATIO: the largest L1 cache, as a table fraction
 
 PLACEMENT_OF = {
     "table_wise": "free",
@@ -94,6 +95,8 @@ class Node:
     width_bytes: int = 0
     scope: str = "owner"
     backward: bool = False  # happens in the backward pass
+    l1_cached: bool = False  # key-value lookups ("kv_dram"/"kv_ssd"): an HBM (L1) cache in front
+    l2_cached: bool = False  # "kv_ssd": a DRAM (L2) cache between L1 and the SSD store
 
 
 @attrs.frozen
@@ -190,13 +193,16 @@ def shard_nodes(
                                   backward=backward))
 
     kernel = cand.compute_kernel
-    lookup_res = {"fused_uvm": "uvm", "fused_uvm_caching": "uvm_cached"}.get(kernel, "hbm")
+    lookup_res = {"fused_uvm": "uvm", "fused_uvm_caching": "uvm_cached",
+                  "dram_virtual_table": "kv_dram", "ssd_virtual_table": "kv_ssd"}.get(kernel, "hbm")
+    kv = ({"l1_cached": spec.kv_l1_bytes > 0, "l2_cached": spec.kv_l2_bytes > 0}
+          if lookup_res.startswith("kv_") else {})
 
     if st == "data_parallel":
         rows_local = B * pf
-        nodes.append(Node("lookup", lookup_res, rows_local, unit="rows", width_bytes=width))
+        nodes.append(Node("lookup", lookup_res, rows_local, unit="rows", width_bytes=width, **kv))
         nodes.append(Node("backward_update", lookup_res, rows_local, unit="rows",
-                          width_bytes=width, backward=True))
+                          width_bytes=width, backward=True, **kv))
         grad_bytes = spec.num_embeddings * spec.embedding_dim * 4
         nodes.append(Node("grad_allreduce", "allreduce", grad_bytes, scope="global", backward=True))
         # dense optimizer step over the whole replica: read weight + grad + state, write both
@@ -210,7 +216,7 @@ def shard_nodes(
         ids_here = ids_global
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
         a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False)
-        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width))
+        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width, **kv))
         # pooled: one pooled row per sample *and feature* (EmbeddingBagCollection pools each
         # feature's bag separately) to each of the W-1 other ranks
         if spec.is_pooled:
@@ -221,7 +227,8 @@ def shard_nodes(
         peer = out_bytes / (W - 1) if W > 1 else 0.0
         a2a("output_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, peer, False)
         a2a("grad_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, peer, True)
-        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
+        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
+                          backward=True, **kv))
         _host_work(nodes, nf, 1.0, 0.0)
         return nodes
 
@@ -231,7 +238,7 @@ def shard_nodes(
         # every rank receives its bucket from the W-1 others (owner side) and sends its own ids
         # to the W-1 other buckets (the others side: in_bytes / W to each other shard)
         a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False)
-        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width))
+        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width, **kv))
         if spec.is_pooled:  # reduce-scatter of partial sums (per sample and feature) over all ranks
             out_bytes = B * W * nf * cand.shard_cols * 4 * (W - 1) / W
         else:
@@ -240,7 +247,8 @@ def shard_nodes(
         peer = out_bytes / (W - 1) if W > 1 else 0.0
         a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, False)
         a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, True)
-        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
+        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
+                          backward=True, **kv))
         # each rank bucketizes its own ids once per feature, split over the W shards
         _host_work(nodes, nf / W, 1.0, B * pf / W)
         return nodes
@@ -252,7 +260,7 @@ def shard_nodes(
         # as row-wise within the host's L buckets: the owner receives (W-1)/W of its bucket, each
         # other rank sends it in_bytes / W
         a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False)
-        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width))
+        nodes.append(Node("lookup", lookup_res, ids_here, unit="rows", width_bytes=width, **kv))
         H = max(1, W // L)
         for kind, bwd in (("output_dist", False), ("grad_dist", True)):
             if spec.is_pooled:
@@ -274,7 +282,8 @@ def shard_nodes(
                 out_bytes = ids_here * cand.shard_cols * 4 * (W - 1) / W if W > 1 else 0.0
                 a2a(kind, out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1),
                     out_bytes / (W - 1) if W > 1 else 0.0, bwd)
-        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width, backward=True))
+        nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
+                          backward=True, **kv))
         _host_work(nodes, nf / rows_split, 1.0, B * pf / rows_split)
         return nodes
 
@@ -295,12 +304,25 @@ def _host_work(nodes: List[Node], features_per_rank: float, tables: float, ids_p
 
 def shard_memory(spec: TableSpec, cand: Candidate, world_size: int,
                  cache_load_factor: float = DEFAULT_CACHE_LOAD_FACTOR) -> Tuple[float, float]:
-    """(device bytes, host bytes) one shard pins: weights, optimizer state, comm buffers."""
+    """(device bytes, host bytes) one shard pins: weights, optimizer state, and the buffers of
+    one training step on the rank that holds it. Checked against what ranks really pin after
+    ``DistributedModelParallel`` on CPU (``benchmarks/memory_safety.py``, docs/memory.md):
+
+    * sharded types: ids received (``ids_here`` int64), the lookup's output and its gradient
+      (``out_rows x cols`` fp32 each), and for table-row-wise and grid an intra-host partial-sum
+      copy;
+    * data-parallel: the replica, its gradient, the optimizer state and one more full-size
+      buffer (the DDP gradient bucket, or the optimizer's temporary).
+
+    Not here, as in TorchRec: what every rank pays for its own batch whatever the placement
+    (its input KJT, the pooled output the dense part consumes and its gradient); that is the
+    storage reservation's share (``HeuristicalStorageReservation`` keeps 20 input copies plus a
+    percentage), measured in docs/memory.md.
+    """
     rows, cols = cand.shard_rows, cand.shard_cols
     weights = rows * cols * spec.elem_bytes
     if cand.sharding_type == "data_parallel":
-        # dense replica: weight + gradient + (Adagrad) state, all full size
-        return float(weights + 2 * rows * cols * 4), 0.0
+        return float(weights + 3 * rows * cols * 4), 0.0
     state = rows * OPTIMIZER_STATE_BYTES_PER_ROW
     B, W = spec.batch_size, world_size
     if cand.sharding_type == "row_wise":
@@ -310,7 +332,15 @@ def shard_memory(spec: TableSpec, cand: Candidate, world_size: int,
     else:
         ids_here = B * W * spec.pooling_factor
     out_rows = B * W if spec.is_pooled else ids_here
-    buffers = ids_here * INDEX_BYTES + out_rows * cols * 4 * 2  # ids in; output + its grad
+    partial_copy = out_rows * cols * 4 if cand.sharding_type in ("table_row_wise", "grid_shard") else 0
+    buffers = ids_here * INDEX_BYTES + out_rows * cols * 4 * 2 + partial_copy  # ids; output + grad
+    if cand.compute_kernel in ("dram_virtual_table", "ssd_virtual_table"):
+        # A key-value store holds only the ids a job inserts, never the whole id space: what a
+        # shard pins up front is its HBM (L1) cache, capped at KV_CACHE_LOAD_FACTOR of the table
+        # as TorchRec's estimator does, and its DRAM (L2) cache; the store itself grows with the
+        # inserted ids (bounded by the job's eviction policy, not known when planning).
+        l1 = min(spec.kv_l1_bytes, KV_CACHE_LOAD_FACTOR * spec.weight_bytes)
+        return float(l1 + buffers), float(spec.kv_l2_bytes)
     if cand.compute_kernel == "fused_uvm":
         return float(buffers), float(weights + state)
     if cand.compute_kernel == "fused_uvm_caching":

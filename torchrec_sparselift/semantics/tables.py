@@ -21,9 +21,9 @@ __all__ = [
     "extract_tables",
     "CPU_RUNTIME_SHARDING_TYPES",
     "ELEMENT_BYTES",
+    "KEY_VALUE_KERNELS",
 ]
 
-    "KEY_VALUE_KERNELS",
 # Sharding types the CPU/gloo runtime executes correctly (measured, TORCHREC_NOTES.md), although
 # TorchRec's sharders only *offer* row-wise and table-row-wise for CUDA.
 CPU_RUNTIME_SHARDING_TYPES: Tuple[str, ...] = (
@@ -256,6 +256,8 @@ def extract_tables(
                 ks = list(sharder.compute_kernels(st, compute_device))
                 if c is not None and c.compute_kernels:
                     ks = [k for k in ks if k in set(c.compute_kernels)]
+                else:  # as TorchRec: key-value kernels only when a constraint asks for them
+                    ks = [k for k in ks if k not in KEY_VALUE_KERNELS]
                 if ks:
                     kernels.append((st, tuple(ks)))
             if not kernels:
@@ -266,8 +268,6 @@ def extract_tables(
                     "must include one the sharder supports"
                 )
             rows, dim = int(param.shape[0]), int(param.shape[1])
-                else:  # as TorchRec: key-value kernels only when a constraint asks for them
-                    ks = [k for k in ks if k not in KEY_VALUE_KERNELS]
             dtype_name = getattr(getattr(cfg, "data_type", None), "name", "FP32")
             tbs = batch_size
             if c is not None and c.batch_sizes:
@@ -285,6 +285,7 @@ def extract_tables(
                 compute_kernels=tuple(kernels),
                 min_partition=(c.min_partition if c is not None else None),
                 batch_size=tbs,
+                **_key_value_fields(cfg, c),
             )
             handles.append(
                 TableHandle(
@@ -308,7 +309,6 @@ def extract_tables(
             )
     handles.sort(key=lambda h: (h.spec.module_path, h.spec.name))
     return handles
-                **_key_value_fields(cfg, c),
 
 
 def _module_pooled(m: nn.Module) -> bool:
