@@ -292,3 +292,51 @@ def test_sharding_group_that_splits_a_host_unevenly_is_refused_naming_the_field(
     # "world_size 12 must be a multiple of local_world_size 8" (a world size the user never gave).
     with pytest.raises(ValueError, match="sharding_group_size"):
         SparseLiftPlanner(topology=_topo(24, local=8), batch_size=64, sharding_group_size=12, debug=False)
+
+
+# -- every problem at once, before any value is built ---------------------------------------------
+def test_problems_a_table_spec_would_raise_on_are_listed_with_the_rest():
+    # A zero-row table and a negative pooling factor used to raise from TableSpec before
+    # validate_inputs ran, hiding every other problem.
+    m = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="empty", embedding_dim=8, num_embeddings=0, feature_names=["e"],
+                                   weight_init_min=-0.1, weight_init_max=0.1)]
+        + [EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=100, feature_names=[f])
+           for n, f in (("a", "shared"), ("b", "shared"), ("c", "c"))],
+        device=META,
+    )
+    cons = {"c": ParameterConstraints(pooling_factors=[-2.0], sharding_types=["table_wise", "diagonal"])}
+    with pytest.raises(ValueError) as e:
+        _plan(m, constraints=cons, workload=declare(ghost=1.0))
+    msg = str(e.value)
+    assert msg.startswith("5 problems with the planning input")
+    for says in ("'empty': num_embeddings must be positive, got 0", "'shared' is looked up by tables",
+                 "pooling_factors must be finite numbers >= 0", "unknown sharding type 'diagonal'",
+                 "features no table looks up: ['ghost']"):
+        assert says in msg, says
+    assert "constraints name tables" not in msg  # 'c' is a table, though it could not be built
+
+
+def test_table_spec_refuses_what_validation_refuses_with_the_same_words():
+    kw = dict(module_path="m", name="t", num_embeddings=10, embedding_dim=8, feature_names=("f",),
+              pooling_factor=-1.0, is_pooled=True, elem_bytes=4, sharding_types=("table_wise",),
+              compute_kernels=(("table_wise", ("fused",)),))
+    with pytest.raises(ValueError, match=r"'m.t': pooling factor must be >= 0"):
+        TableSpec(**kw)
+
+
+def test_planner_arguments_are_checked_all_at_once():
+    with pytest.raises(ValueError) as e:
+        SparseLiftPlanner(topology=_topo(), batch_size=0, time_budget_s=-1, solver="fast",
+                          sync_interval=0, drift_tolerance=-0.5, pipelines=["warp"])
+    msg = str(e.value)
+    assert msg.startswith("6 problems with SparseLiftPlanner's arguments")
+    for says in ("batch_size must be a whole number >= 1, got 0", "time_budget_s must be a number > 0",
+                 "solver must be", "sync_interval must be", "drift_tolerance must be", "unknown pipeline 'warp'"):
+        assert says in msg, says
+
+
+@pytest.mark.parametrize("kw", [dict(batch_size="512"), dict(time_budget_s="8"), dict(timeout_seconds=-3)])
+def test_non_numeric_and_negative_planner_sizes_are_refused(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SparseLiftPlanner(topology=_topo(), **kw)

@@ -11,7 +11,7 @@ problem it found, each line naming the offending table, feature or field and the
   name unknown tables, unknown sharding types or kernels, a ``min_partition`` wider than a table
   that may only be split by columns, negative pooling factors or non-positive batch sizes;
   statistics for features no table looks up.
-* :class:`~torchrec_sparselift.search.errors.SparseLiftPlannerError` (a TorchRec
+* :class:`~torchrec_sparselift.errors.SparseLiftPlannerError` (a TorchRec
   ``PlannerError``, kind ``insufficient_storage``) when the tables' weights alone exceed the
   memory of the whole cluster, so no plan can exist. (A single table too big for any one rank is
   reported by the planner's search, which knows each option's footprint.)
@@ -24,11 +24,20 @@ repeating the cheap checks here keeps this function a complete statement of what
 
 from __future__ import annotations
 
+import importlib
 import math
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+from torchrec_sparselift.errors import SparseLiftPlannerError
 
 __all__ = [
     "validate_inputs",
+    "validate_settings",
+    "setting_problems",
+    "planner_option_problems",
+    "table_value_problems",
+    "raise_problems",
+    "Problems",
     "FUSED_DIM_MULTIPLE",
     "FUSED_KERNELS",
     "KNOWN_SHARDING_TYPES",
@@ -46,8 +55,6 @@ _COLUMN_TYPES = ("column_wise", "table_column_wise")
 
 
 def _enum_values(path: str, name: str) -> Tuple[str, ...]:
-    import importlib
-
     return tuple(m.value for m in getattr(importlib.import_module(path), name))
 
 
@@ -127,14 +134,15 @@ def _check_tables(specs: Sequence[Any], compute_device: str, problems: List[str]
 
 
 def _check_constraints(
-    specs: Sequence[Any], constraints: Mapping[str, Any], problems: List[str]
+    specs: Sequence[Any], constraints: Mapping[str, Any], problems: List[str],
+    other_tables: Iterable[str] = (),
 ) -> None:
     by_name: Dict[str, List[Any]] = {}
     for s in specs:
         by_name.setdefault(s.name, []).append(s)
-    unknown = sorted(set(constraints) - set(by_name))
+    unknown = sorted(set(constraints) - set(by_name) - set(other_tables))
     if unknown:
-        known = sorted(by_name)
+        known = sorted(set(by_name) | set(other_tables))
         problems.append(
             f"constraints name tables the model does not have: {unknown}; known tables: "
             f"{known[:20]}{' ...' if len(known) > 20 else ''} (constraints are keyed by table name)"
@@ -175,8 +183,9 @@ def _check_constraints(
                 problems.append(f"{where}: batch_sizes must be positive ints, got {b!r}")
 
 
-def _check_stats(specs: Sequence[Any], stats: Any, problems: List[str]) -> None:
-    known = {f for s in specs for f in s.feature_names}
+def _check_stats(specs: Sequence[Any], stats: Any, problems: List[str],
+                 other_features: Iterable[str] = ()) -> None:
+    known = {f for s in specs for f in s.feature_names} | set(other_features)
     unknown = sorted(f for f in stats if f not in known)
     if unknown:
         shown = sorted(known)[:20]
@@ -204,8 +213,6 @@ def _cluster_bytes(topology: Any) -> float:
 
 
 def _check_total_memory(specs: Sequence[Any], topology: Any) -> None:
-    from torchrec_sparselift.search.errors import SparseLiftPlannerError
-
     # key-value (virtual) tables pin only their caches, never all rows of their id space
     need = float(sum(s.pinned_weight_bytes for s in specs))
     have = _cluster_bytes(topology)
@@ -228,6 +235,7 @@ def validate_inputs(
     batch_size: int,
     constraints: Optional[Mapping[str, Any]] = None,
     stats: Any = None,
+    problems: Optional[List[str]] = None,
 ) -> None:
     """Raise if the planning inputs are malformed or contradictory; return ``None`` if valid.
 
@@ -239,6 +247,9 @@ def validate_inputs(
         constraints: TorchRec ``ParameterConstraints`` by table name, or ``None``.
         stats: :class:`~torchrec_sparselift.semantics.workload.WorkloadStats` (any mapping keyed
             by feature name), or ``None``.
+        problems: problems found earlier, listed first: what
+            :func:`~torchrec_sparselift.semantics.tables.extract_tables` collected (given a
+            :class:`Problems`) about tables whose values it could not build.
 
     Raises ``ValueError`` listing every input problem (one line each, naming the table, feature
     or field and what to change); if there is none but the tables' weights exceed the whole
@@ -246,19 +257,153 @@ def validate_inputs(
     Pure: reads its arguments, changes nothing.
     """
     specs = [_spec(t) for t in module_tables]
-    problems: List[str] = []
+    earlier = problems
+    problems = list(earlier or [])
     if not _is_int(batch_size) or batch_size <= 0:
         problems.append(f"batch_size must be a positive per-rank batch size (int), got {batch_size!r}")
     _check_topology(topology, problems)
     _check_tables(specs, topology.compute_device, problems)
     if constraints:
-        _check_constraints(specs, constraints, problems)
+        _check_constraints(specs, constraints, problems, getattr(earlier, "tables", set()))
     if stats is not None:
-        _check_stats(specs, stats, problems)
-    if problems:
-        if len(problems) == 1:
-            raise ValueError(f"invalid planning input: {problems[0]}")
-        raise ValueError(
-            f"{len(problems)} problems with the planning input:\n  - " + "\n  - ".join(problems)
-        )
+        _check_stats(specs, stats, problems, getattr(earlier, "features", set()))
+    raise_problems(problems)
     _check_total_memory(specs, topology)
+
+
+# ----------------------------------------------------------------------------------------------
+# problems, listed at once
+# ----------------------------------------------------------------------------------------------
+
+
+class Problems(List[str]):
+    """Problems collected before they are raised together (:func:`raise_problems`).
+
+    ``tables`` and ``features`` name what the model has, also the tables whose values could not
+    be built, so later checks do not call them unknown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: Set[str] = set()
+        self.features: Set[str] = set()
+
+
+def raise_problems(problems: Sequence[str], what: str = "the planning input",
+                   error: Callable[[str], Exception] = ValueError) -> None:
+    """Raise one ``error`` (``ValueError``) listing every problem (nothing if there is none)."""
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise error(f"invalid {what.replace('the ', '', 1)}: {problems[0]}")
+    raise error(f"{len(problems)} problems with {what}:\n  - " + "\n  - ".join(problems))
+
+
+def table_value_problems(where: str, num_embeddings: Any, embedding_dim: Any,
+                         pooling_factor: Any = 0.0, batch_size: Any = 1) -> List[str]:
+    """What keeps a table's values from being a ``TableSpec`` (the checks ``TableSpec`` runs)."""
+    out = []
+    if not _is_int(num_embeddings) or num_embeddings <= 0:
+        out.append(f"{where}: num_embeddings must be positive, got {num_embeddings!r}")
+    if not _is_int(embedding_dim) or embedding_dim <= 0:
+        out.append(f"{where}: embedding_dim must be positive, got {embedding_dim!r}")
+    if not _is_number(pooling_factor) or not pooling_factor >= 0:
+        out.append(f"{where}: pooling factor must be >= 0 (ids per sample), got {pooling_factor!r}")
+    if not _is_int(batch_size) or batch_size <= 0:
+        out.append(f"{where}: batch size must be positive, got {batch_size!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# settings: sizes, budgets, choices (the planner's arguments and the CLI's flags)
+# ----------------------------------------------------------------------------------------------
+
+#: rule -> (test, what the value must be)
+_RULES = {
+    "int>=1": (lambda v: _is_int(v) and v >= 1, "a whole number >= 1"),
+    "int>=0": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
+    ">0": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, "a number > 0"),
+    ">=0": (lambda v: _is_number(v) and math.isfinite(v) and v >= 0, "a number >= 0"),
+    "fraction": (lambda v: _is_number(v) and 0 <= v < 1, "a fraction in [0, 1)"),
+}
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def setting_problems(settings: Iterable[Tuple[str, Any, str, str]]) -> List[str]:
+    """One line per setting that breaks its rule; ``None`` values (not given) are skipped.
+
+    ``settings``: ``(name, value, rule, fix)`` with rule one of ``int>=1``, ``int>=0``, ``>0``,
+    ``>=0``, ``fraction`` and ``fix`` an example of a valid setting (e.g. ``--world-size 8``).
+    """
+    out = []
+    for name, value, rule, fix in settings:
+        if value is None:
+            continue
+        ok, must = _RULES[rule]
+        if not ok(value):
+            out.append(f"{name} must be {must}, got {value!r}; e.g. {fix}")
+    return out
+
+
+def validate_settings(settings: Iterable[Tuple[str, Any, str, str]], what: str = "the settings") -> None:
+    """:func:`setting_problems`, raised as one ``ValueError`` listing them all."""
+    raise_problems(setting_problems(settings), what)
+
+
+def planner_option_problems(
+    *,
+    topology: Any,
+    batch_size: Any,
+    timeout_seconds: Any,
+    time_budget_s: Any,
+    pipelines: Optional[Sequence[str]],
+    known_pipelines: Sequence[str],
+    stale_pipelines: Sequence[str],
+    allow_staleness: bool,
+    solver: Any,
+    sharding_group_size: Any,
+    sync_interval: Any,
+    drift_tolerance: Any,
+    reservation_percentage: Any,
+) -> List[str]:
+    """Every problem with ``SparseLiftPlanner``'s own arguments (not the model's tables)."""
+    problems = setting_problems([
+        ("batch_size", batch_size, "int>=1", "batch_size=512 (per rank)"),
+        ("timeout_seconds", timeout_seconds, ">0", "timeout_seconds=30"),
+        ("time_budget_s", time_budget_s, ">0", "time_budget_s=8.0"),
+        ("sync_interval", sync_interval, "int>=1", "sync_interval=4 (steps)"),
+        ("drift_tolerance", drift_tolerance, ">=0", "drift_tolerance=0.2"),
+        ("heuristical_storage_reservation_percentage", reservation_percentage, "fraction",
+         "heuristical_storage_reservation_percentage=0.15"),
+    ])
+    ws, lws = getattr(topology, "world_size", None), getattr(topology, "local_world_size", None)
+    if _is_int(ws) and ws >= 1 and _is_int(lws) and lws >= 1 and ws % min(lws, ws):
+        problems.append(
+            f"topology world_size {ws} is not a multiple of local_world_size {lws}; set "
+            "local_world_size to the ranks per host"
+        )
+    for p in pipelines or ():
+        if p not in known_pipelines:
+            problems.append(f"unknown pipeline {p!r}; choose from {tuple(known_pipelines)}")
+        elif p in stale_pipelines and not allow_staleness:
+            problems.append(f"pipeline {p!r} trains on one-step-stale embeddings; pass "
+                            "allow_staleness=True to allow it")
+    if solver not in ("auto", "heuristic", "milp"):
+        problems.append(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
+    g = sharding_group_size
+    if g not in (None, "auto") and _is_int(ws) and ws >= 1:
+        if not _is_int(g) or g < 1 or ws % g:
+            problems.append(
+                f"sharding_group_size must be None (1D), 'auto' or a divisor of the world size "
+                f"{ws}, got {g!r}"
+            )
+        elif g < ws and _is_int(lws) and lws >= 1:
+            L = min(lws, ws)
+            if g % L and L % g:
+                problems.append(
+                    f"sharding_group_size {g} must be a multiple or a divisor of the ranks per "
+                    f"host ({L}), so every group has whole hosts or fits in one"
+                )
+    return problems

@@ -73,13 +73,14 @@ def describe_callbacks(callbacks: Sequence[Callable[..., Any]]) -> Tuple[str, ..
 
 
 def describe_reservation(reservation: Any) -> Dict[str, Any]:
-    """A storage reservation by type and configuration: its plain-valued attributes (the
-    percentage, multipliers, estimates), not the state ``reserve()`` leaves behind."""
+    """A storage reservation by type and configuration: its plain-valued attributes that are
+    set (the percentage, multipliers, estimates), not the state ``reserve()`` leaves behind
+    (storages and topologies, ``None`` before the first call)."""
     if reservation is None:
         return {"__type__": None}
     config = {
         k: v for k, v in sorted(vars(reservation).items())
-        if isinstance(v, _PRIMITIVES) or (
+        if v is not None and isinstance(v, _PRIMITIVES) or (
             isinstance(v, (list, tuple)) and all(isinstance(x, _PRIMITIVES) for x in v))
     }
     return {"__type__": _type_name(reservation), **config}

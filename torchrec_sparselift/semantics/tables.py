@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import attrs
 from torch import nn
 
+from torchrec_sparselift.validation import table_value_problems
+
 __all__ = [
     "TableSpec",
     "TableHandle",
@@ -34,8 +36,6 @@ CPU_RUNTIME_SHARDING_TYPES: Tuple[str, ...] = (
     "table_row_wise",
 )
 
-ELEMENT_BYTES: Dict[str, int] = {
-    "FP32": 4,
 # Key-value (virtual-table) kernels: rows live in a DRAM or SSD key-value store that holds only
 # the ids a job inserts, in front of an HBM (L1) cache and, for SSD, a DRAM (L2) cache. TorchRec's
 # enumerator offers them only when a table's ParameterConstraints.compute_kernels names them.
@@ -46,6 +46,8 @@ KEY_VALUE_KERNELS: Tuple[str, ...] = (
     "dram_ssd_virtual_table",
 )
 
+ELEMENT_BYTES: Dict[str, int] = {
+    "FP32": 4,
     "FP16": 2,
     "BF16": 2,
     "INT8": 1,
@@ -72,14 +74,14 @@ class TableSpec:
         compute_kernels: per sharding type, the allowed compute kernels.
         min_partition: smallest column-wise shard width the user allows (None: no preference).
         batch_size: per-rank batch size for this table's features.
-    """
-
         num_buckets: ``total_num_buckets`` of a virtual table (``use_virtual_table=True``): its
             id space is split into buckets, and row-wise shards hold whole buckets.
         kv_l1_bytes: per-shard HBM (L1) cache of a key-value kernel
             (``KeyValueParams.max_l1_cache_size``, MiB); 0 when not set.
         kv_l2_bytes: per-shard DRAM (L2) cache of a key-value kernel
             (``KeyValueParams.l2_cache_size``, GiB); 0 when not set.
+    """
+
     module_path: str
     name: str
     num_embeddings: int
@@ -92,26 +94,24 @@ class TableSpec:
     compute_kernels: Tuple[Tuple[str, Tuple[str, ...]], ...]
     min_partition: Optional[int] = None
     batch_size: int = 512
-
-    def __attrs_post_init__(self) -> None:
     num_buckets: Optional[int] = None
     kv_l1_bytes: int = 0
     kv_l2_bytes: int = 0
-        where = f"table {self.fqn!r}"
-        if self.num_embeddings <= 0:
-            raise ValueError(f"{where}: num_embeddings must be positive, got {self.num_embeddings}")
-        if self.embedding_dim <= 0:
-            raise ValueError(f"{where}: embedding_dim must be positive, got {self.embedding_dim}")
-        if not (self.pooling_factor >= 0):
-            raise ValueError(f"{where}: pooling factor must be >= 0, got {self.pooling_factor}")
-        if self.batch_size <= 0:
-            raise ValueError(f"{where}: batch size must be positive, got {self.batch_size}")
+
+    def __attrs_post_init__(self) -> None:
+        problems = table_value_problems(f"table {self.fqn!r}", self.num_embeddings,
+                                        self.embedding_dim, self.pooling_factor, self.batch_size)
+        if problems:
+            raise ValueError(problems[0])
 
     @property
     def fqn(self) -> str:
         return f"{self.module_path}.{self.name}" if self.module_path else self.name
 
     @property
+    def weight_bytes(self) -> int:
+        return self.num_embeddings * self.embedding_dim * self.elem_bytes
+
     @property
     def pinned_weight_bytes(self) -> int:
         """The least weight memory any allowed kernel pins: 0 when a key-value kernel is
@@ -119,9 +119,6 @@ class TableSpec:
         if any(k in KEY_VALUE_KERNELS for _, ks in self.compute_kernels for k in ks):
             return 0
         return self.weight_bytes
-
-    def weight_bytes(self) -> int:
-        return self.num_embeddings * self.embedding_dim * self.elem_bytes
 
     def kernels_for(self, sharding_type: str) -> Tuple[str, ...]:
         for st, kernels in self.compute_kernels:
@@ -207,16 +204,26 @@ def extract_tables(
     constraints: Optional[Mapping[str, Any]] = None,
     stats: Any = None,
     default_pooling_factor: float = 1.0,
+    problems: Optional[List[str]] = None,
 ) -> List[TableHandle]:
     """Every shardable table of ``module``, in a deterministic order (module FQN, then table).
 
     Raises ``ValueError`` naming the table when the device, the sharder and the user's
-    constraints leave no sharding type or kernel, or when a constraint names a table the module
-    does not have.
+    constraints leave no sharding type or kernel, when its values cannot make a
+    :class:`TableSpec` (:func:`~torchrec_sparselift.validation.table_value_problems`), or when a
+    constraint names a table the module does not have. Given ``problems`` (a
+    :class:`~torchrec_sparselift.validation.Problems`), it raises nothing for those: it appends
+    them, skips the table (recording its name and features there) and returns the rest, so
+    :func:`~torchrec_sparselift.validation.validate_inputs` can list every problem at once.
     """
     constraints = dict(constraints or {})
     sharder_map = {_sharder_key(s.module_type): s for s in sharders}
     handles: List[TableHandle] = []
+
+    def report(messages: Sequence[str]) -> None:
+        if problems is None:
+            raise ValueError(messages[0])
+        problems.extend(messages)
 
     def visit(path: str, m: nn.Module) -> None:
         key = _sharder_key(type(m))
@@ -241,16 +248,19 @@ def extract_tables(
                 or (cfg.feature_names if cfg is not None else None)
                 or [name]
             )
+            getattr(problems, "tables", set()).add(name)
+            getattr(problems, "features", set()).update(feature_names)
             types = [t for t in device_types if t != "grid_shard"]
             if c is not None and c.sharding_types:
                 allowed = set(c.sharding_types)
                 types = [t for t in device_types if t in allowed]
                 if not types:
-                    raise ValueError(
+                    report([
                         f"table {name!r}: ParameterConstraints.sharding_types={list(c.sharding_types)} "
                         f"leaves nothing the {compute_device} runtime and {type(sharder).__name__} "
                         f"support ({device_types}); allow one of those"
-                    )
+                    ])
+                    continue
             kernels: List[Tuple[str, Tuple[str, ...]]] = []
             for st in types:
                 ks = list(sharder.compute_kernels(st, compute_device))
@@ -261,24 +271,37 @@ def extract_tables(
                 if ks:
                     kernels.append((st, tuple(ks)))
             if not kernels:
-                raise ValueError(
+                report([
                     f"table {name!r}: no compute kernel is left for sharding types {types} on "
                     f"{compute_device}; ParameterConstraints.compute_kernels="
                     f"{list(c.compute_kernels) if c is not None and c.compute_kernels else None} "
                     "must include one the sharder supports"
-                )
+                ])
+                continue
             rows, dim = int(param.shape[0]), int(param.shape[1])
             dtype_name = getattr(getattr(cfg, "data_type", None), "name", "FP32")
-            tbs = batch_size
-            if c is not None and c.batch_sizes:
-                tbs = int(max(c.batch_sizes))
+            where = f"table {(path + '.' + name) if path else name!r}"
+            try:
+                pooling = _pooling_factor(feature_names, c, stats, default_pooling_factor)
+                tbs = int(max(c.batch_sizes)) if c is not None and c.batch_sizes else batch_size
+                bad = table_value_problems(where, rows, dim, pooling, tbs)
+            except (TypeError, ValueError) as e:
+                pooling, tbs = 0.0, 1
+                bad = [f"{where}: its ParameterConstraints cannot be read ({e})"]
+            if bad:
+                if problems is not None and c is not None:
+                    # validate_inputs names the constraint's malformed fields; add only the shape
+                    bad = table_value_problems(where, rows, dim)
+                if bad or problems is None:
+                    report(bad)
+                continue
             spec = TableSpec(
                 module_path=path,
                 name=name,
                 num_embeddings=rows,
                 embedding_dim=dim,
                 feature_names=feature_names,
-                pooling_factor=_pooling_factor(feature_names, c, stats, default_pooling_factor),
+                pooling_factor=pooling,
                 is_pooled=is_pooled,
                 elem_bytes=ELEMENT_BYTES.get(dtype_name, 4),
                 sharding_types=tuple(st for st, _ in kernels),
@@ -299,7 +322,7 @@ def extract_tables(
             )
 
     visit("", module)
-    if constraints:
+    if constraints and problems is None:  # with ``problems``, validate_inputs names them
         known = {h.spec.name for h in handles}
         unknown = sorted(set(constraints) - known)
         if unknown:
@@ -311,13 +334,6 @@ def extract_tables(
     return handles
 
 
-def _module_pooled(m: nn.Module) -> bool:
-    from torchrec.distributed.planner.types import ShardingOption
-
-    try:
-        return bool(ShardingOption.module_pooled(m, ""))
-    except Exception:
-        return "Bag" in type(m).__name__
 def _key_value_fields(cfg: Any, constraint: Any) -> Dict[str, Any]:
     """Bucket count of a virtual table and the cache sizes its key-value kernel pins."""
     out: Dict[str, Any] = {}
@@ -330,3 +346,10 @@ def _key_value_fields(cfg: Any, constraint: Any) -> Dict[str, Any]:
     return out
 
 
+def _module_pooled(m: nn.Module) -> bool:
+    from torchrec.distributed.planner.types import ShardingOption
+
+    try:
+        return bool(ShardingOption.module_pooled(m, ""))
+    except Exception:
+        return "Bag" in type(m).__name__

@@ -1,0 +1,71 @@
+"""The planner facade: TorchRec's ``stats`` argument is honoured, and the names that moved out of
+planner.py (issue 11) are still importable from it and from the package."""
+
+import warnings
+
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.planner.stats import EmbeddingStats
+from torchrec.distributed.planner.types import Stats
+from torchrec.distributed.sharding_plan import get_default_sharders
+
+import torchrec_sparselift
+from torchrec_sparselift import SparseLiftPlanner
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _ebc():
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=10_000,
+                                   feature_names=[f"f{i}"]) for i in range(3)],
+        device=torch.device("meta"),
+    )
+
+
+class Recorder(Stats):
+    def __init__(self):
+        self.calls = []
+
+    def log(self, **kw):
+        self.calls.append(kw)
+
+
+def _planner(**kw):
+    return SparseLiftPlanner(topology=Topology(world_size=4, local_world_size=4, compute_device="cuda"),
+                             batch_size=64, debug=False, time_budget_s=1, **kw)
+
+
+def test_stats_get_the_final_plan_as_embedding_sharding_planner_gives_it():
+    one, two = Recorder(), Recorder()
+    planner = _planner(stats=[one, two])
+    plan = planner.plan(_ebc(), get_default_sharders())
+    for rec in (one, two):
+        assert len(rec.calls) == 1
+        call = rec.calls[0]
+        assert call["sharding_plan"] is plan
+        assert {o.name for o in call["best_plan"]} == {"t0", "t1", "t2"}
+        assert call["batch_size"] == 64 and call["topology"].world_size == 4
+    # a single Stats object and TorchRec's own EmbeddingStats work too
+    single = Recorder()
+    _planner(stats=single).plan(_ebc(), get_default_sharders())
+    assert len(single.calls) == 1
+    _planner(stats=EmbeddingStats()).plan(_ebc(), get_default_sharders())
+
+
+def test_moved_names_are_importable_from_the_facade_and_the_package():
+    from torchrec_sparselift import planner
+    from torchrec_sparselift.cost.report import rank_breakdown
+    from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
+    from torchrec_sparselift.plan.result import PlanResult
+    from torchrec_sparselift.semantics.dense import dense_work
+
+    assert planner.rank_breakdown is rank_breakdown
+    assert planner.evaluate_sharding_plan is evaluate_sharding_plan is torchrec_sparselift.evaluate_sharding_plan
+    assert planner.PlanResult is PlanResult is torchrec_sparselift.PlanResult
+    assert planner.dense_work is dense_work
+    from torchrec_sparselift.errors import SparseLiftPlannerError
+    from torchrec_sparselift.search.errors import SparseLiftPlannerError as old_home
+
+    assert old_home is SparseLiftPlannerError is torchrec_sparselift.SparseLiftPlannerError
