@@ -129,6 +129,16 @@ def node_time(node: Node, profile: HardwareProfile) -> float:
         if node.resource == "uvm_cached":
             h = profile.cache_hit_rate
             return moved * (h / profile.hbm_bw + (1 - h) / profile.uvm_bw)
+        if node.resource in ("kv_dram", "kv_ssd"):
+            # key-value lookup: L1 (HBM) hits, then DRAM (the store, or the SSD table's L2
+            # cache), then the SSD store
+            h1 = profile.cache_hit_rate if node.l1_cached else 0.0
+            if node.resource == "kv_dram":
+                miss = 1.0 / profile.uvm_bw
+            else:
+                h2 = profile.cache_hit_rate if node.l2_cached else 0.0
+                miss = h2 / profile.uvm_bw + (1 - h2) / profile.ssd_bw
+            return moved * (h1 / profile.hbm_bw + (1 - h1) * miss)
         return moved / profile.ddr_bw
     if node.resource == "hbm":
         return node.quantity / profile.hbm_bw
