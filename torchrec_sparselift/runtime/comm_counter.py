@@ -43,6 +43,7 @@ from torch import nn
 
 __all__ = ["CollectiveCall", "CommCounter", "expected_rank_quantities"]
 
+LINK_KINDS = ("input_dist", "output_dist", "grad_dist")
 _WRAPPED = ("all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "reduce_scatter",
             "all_gather", "all_to_all")
 _active: List["CommCounter"] = []
@@ -280,9 +281,9 @@ def _hook_ddp(ddp: nn.Module, kind: str) -> None:
 def expected_rank_quantities(
     specs: Any, candidates: Any, shard_ranks: Any, world_size: int, local_world_size: int
 ) -> List[Dict[str, float]]:
-    """Per rank, the graph's quantity of each node kind: link bytes (``input_dist``,
+    """Per rank, the graph's quantity of each counted node kind: link bytes (``input_dist``,
     ``output_dist``, ``grad_dist``: what the rank sends plus receives), ``lookup`` ids per table
-    (key ``lookup:<table name>``) and ``grad_allreduce`` bytes.
+    (key ``lookup:<table name>``) and ``grad_allreduce`` bytes. Compute-only nodes are left out.
 
     ``specs[t]``/``candidates[t]`` are table ``t``'s TableSpec and Candidate; ``shard_ranks[t]`` the
     rank of each of its shards (in shard order). ``owner`` nodes land on the shard's rank,
@@ -300,10 +301,10 @@ def expected_rank_quantities(
             for node in shard_nodes(spec, cand, world_size, local_world_size):
                 if node.kind == "lookup":
                     key = f"lookup:{spec.name}"
-                elif node.kind == "backward_update" or (node.kind == "grad_allreduce" and owner != ranks[0]):
-                    continue  # backward_update is compute; the all-reduce is one per table, counted once
+                elif node.kind in LINK_KINDS or (node.kind == "grad_allreduce" and owner == ranks[0]):
+                    key = node.kind  # the all-reduce is one per table: counted once
                 else:
-                    key = node.kind
+                    continue  # compute nodes (backward_update, per-id CPU work, ...): time, not counted here
                 if node.scope in ("peers", "global"):
                     targets = list(range(world_size))
                 elif node.scope == "others":
