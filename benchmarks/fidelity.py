@@ -134,7 +134,7 @@ def table_constraints(
     out = {}
     for t in tables:
         st = forced.get(t.name)
-        kw: Dict[str, Any] = dict(pooling_factors=[float(t.pooling_factor)])
+        kw: Dict[str, Any] = dict(pooling_factors=[float(b) for b in t.bag_sizes()])
         if st is not None:
             kw.update(sharding_types=[st], compute_kernels=[KERNEL_FOR.get(st, "fused")])
             if st in ("column_wise", "table_column_wise"):

@@ -61,7 +61,7 @@ def _example_tables(preset: str, scale: float, dim: Optional[int] = None) -> Tup
     import dlrm_tables
 
     ts = dlrm_tables.scale_tables(dlrm_tables.preset_tables(preset, dim), scale)
-    return tuple(ProbeTable(t.name, t.rows, t.dim, tuple(t.features), float(t.pooling_factor)) for t in ts)
+    return tuple(ProbeTable(t.name, t.rows, t.dim, tuple(t.features), float(t.bag_sizes()[0])) for t in ts)
 
 
 def _tables(prefix: str, spec: Sequence[Tuple[int, int, int, float]]) -> Tuple[ProbeTable, ...]:

@@ -118,7 +118,7 @@ def test_unknown_flag_exits_nonzero_with_one_line_under_torchrun():
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("[{\"name\": \"a\", \"rows\": 10}]", "is missing ['dim']"),
+        ("[{\"name\": \"a\", \"rows\": 10}]", "missing dim"),
         ("[{\"name\": \"a\", \"rows\": 0, \"dim\": 8}]", "rows must be a positive integer"),
         ("[{\"name\": \"a\", \"rows\": 10, \"dim\": 8, \"colour\": 1}]", "unknown key(s) ['colour']"),
         ("[{\"name\": \"a\", \"rows\": 10, \"dim\": 8}, {\"name\": \"b\", \"rows\": 10, \"dim\": 16}]", "one embedding dim"),
@@ -155,8 +155,8 @@ def test_table_file_lists_tables_features_and_pooling(tmp_path):
         {"name": "item", "rows": 50, "dim": 32},
     ]}))  # fmt: skip
     user, item = load_table_file(str(path))
-    assert user == TableSpec("user", 1000, 32, ("user_id", "friend_ids"), 4)
-    assert item.features == ("item",) and item.pooling_factor == 1
+    assert user == TableSpec("user", 1000, 32, ("user_id", "friend_ids"), (4.0, 4.0))
+    assert item.features == ("item",) and item.pooling_factor is None and item.bag_sizes() == (1,)
 
 
 def test_table_file_rejects_a_feature_shared_by_two_tables(tmp_path):
@@ -172,7 +172,7 @@ def test_table_file_rejects_a_feature_shared_by_two_tables(tmp_path):
 def test_dcnv2_preset_has_the_mlperf_shapes():
     tables = preset_tables("dcnv2")
     assert [t.rows for t in tables] == list(DCNV2_ROWS)
-    assert [t.pooling_factor for t in tables] == list(DCNV2_MULTI_HOT)
+    assert [t.bag_sizes() for t in tables] == [(b,) for b in DCNV2_MULTI_HOT]
     assert {t.dim for t in tables} == {128}
     assert [t.features for t in tables] == [(f"cat_{i}",) for i in range(26)]
     assert {t.dim for t in preset_tables("kaggle", embedding_dim=16)} == {16}
@@ -203,7 +203,7 @@ def test_synthetic_bags_follow_each_tables_pooling_factor():
     assert kjt.keys() == [f"cat_{i}" for i in range(26)]
     for t in tables:
         lengths = kjt[t.features[0]].lengths()
-        assert lengths.tolist() == [t.pooling_factor] * 16
+        assert lengths.tolist() == [t.bag_sizes()[0]] * 16
         vals = kjt[t.features[0]].values()
         assert int(vals.min()) >= 0 and int(vals.max()) < t.rows
 

@@ -10,10 +10,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import fidelity as F  # noqa: E402
 
+from torchrec_sparselift.semantics.table_file import TableEntry  # noqa: E402
 
-class _T:
-    def __init__(self, name, rows, pooling_factor=1):
-        self.name, self.rows, self.pooling_factor = name, rows, pooling_factor
+
+def _T(name, rows, pooling_factor=1):
+    return TableEntry(name=name, rows=rows, dim=8, features=(name,), pooling_factor=(float(pooling_factor),))
 
 
 TABLES = [_T("big", 40_000, 3), _T("mid", 3_000, 8), _T("tiny", 10, 1)]

@@ -36,6 +36,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift.errors import CliError
+from torchrec_sparselift.semantics import table_file as _table_file
+from torchrec_sparselift.semantics.table_file import TableEntry
 
 __all__ = [
     "main",
@@ -47,16 +49,8 @@ __all__ = [
     "parse_table_entries",
 ]
 
-SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise",
-                  "table_column_wise", "grid_shard")
-COMPUTE_KERNELS = ("dense", "fused", "fused_uvm", "fused_uvm_caching", "quant", "quant_uvm",
-                   "quant_uvm_caching", "key_value")
-TABLE_KEYS = ("name", "rows", "dim", "features", "pooling_factor", "sharding_types",
-              "compute_kernels", "min_partition")
-CONSTRAINT_KEYS = ("name", "pooling_factor", "sharding_types", "compute_kernels", "min_partition")
 DEFAULT_BATCH_SIZE = 512
 INPUTS_SCHEMA = "sparselift.cli_inputs/1"
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,175 +58,21 @@ INPUTS_SCHEMA = "sparselift.cli_inputs/1"
 # ----------------------------------------------------------------------------------------------
 
 
-def _str_tuple(value: Any) -> Tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    return tuple(value)
-
-
-@attrs.frozen
-class TableEntry:
-    """One table of a table file: shape, features, pooling and optional constraints.
-
-    ``pooling_factor`` holds one value per feature (ids per sample looked up by that feature).
-    ``sharding_types``/``compute_kernels``/``min_partition`` become TorchRec
-    ``ParameterConstraints`` when given. For constraint-only entries (``--constraints``) rows and
-    dim are 0.
-    """
-
-    name: str
-    rows: int
-    dim: int
-    features: Tuple[str, ...] = attrs.field(converter=_str_tuple)
-    pooling_factor: Optional[Tuple[float, ...]] = None
-    sharding_types: Optional[Tuple[str, ...]] = None
-    compute_kernels: Optional[Tuple[str, ...]] = None
-    min_partition: Optional[int] = None
-
-    def constraints(self, pooling: Optional[Sequence[float]] = None) -> Any:
-        from torchrec.distributed.planner.types import ParameterConstraints
-
-        kw: Dict[str, Any] = {}
-        pf = self.pooling_factor or (tuple(pooling) if pooling else None)
-        if pf:
-            kw["pooling_factors"] = [float(x) for x in pf]
-        if self.sharding_types:
-            kw["sharding_types"] = list(self.sharding_types)
-        if self.compute_kernels:
-            kw["compute_kernels"] = list(self.compute_kernels)
-        if self.min_partition:
-            kw["min_partition"] = int(self.min_partition)
-        return ParameterConstraints(**kw)
-
-    def to_dict(self) -> Dict[str, Any]:
-        d: Dict[str, Any] = {"name": self.name}
-        if self.rows:
-            d.update(rows=self.rows, dim=self.dim, features=list(self.features))
-        for k in ("pooling_factor", "sharding_types", "compute_kernels"):
-            v = getattr(self, k)
-            if v is not None:
-                d[k] = list(v)
-        if self.min_partition is not None:
-            d["min_partition"] = self.min_partition
-        return d
-
-
-def _positive_int(where: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CliError(f"{where}: {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _choice_list(where: str, key: str, value: Any, choices: Sequence[str]) -> Tuple[str, ...]:
-    vals = [value] if isinstance(value, str) else value
-    if not isinstance(vals, list) or not vals or not all(isinstance(v, str) for v in vals):
-        raise CliError(f"{where}: {key} must be a non-empty list of names from {list(choices)}, got {value!r}")
-    bad = [v for v in vals if v not in choices]
-    if bad:
-        raise CliError(f"{where}: unknown {key} {bad}; choose from {list(choices)}")
-    return tuple(vals)
-
-
-def _entry(i: int, raw: Any, where: str, constraint_only: bool) -> TableEntry:
-    allowed = CONSTRAINT_KEYS if constraint_only else TABLE_KEYS
-    if not isinstance(raw, dict):
-        raise CliError(f"{where}: entry {i} must be an object with keys {list(allowed)}, got {raw!r}")
-    name = raw.get("name")
-    at = f"{where}: entry {i}" + (f" ({name!r})" if isinstance(name, str) else "")
-    unknown = sorted(set(raw) - set(allowed))
-    if unknown:
-        raise CliError(f"{at}: unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
-    required = ("name",) if constraint_only else ("name", "rows", "dim")
-    missing = [k for k in required if k not in raw]
-    if missing:
-        raise CliError(f"{at}: missing {', '.join(missing)}")
-    if not isinstance(name, str) or not name:
-        raise CliError(f"{at}: name must be a non-empty string, got {name!r}")
-    rows = 0 if constraint_only else _positive_int(at, "rows", raw["rows"])
-    dim = 0 if constraint_only else _positive_int(at, "dim", raw["dim"])
-    features = raw.get("features", [name])
-    features = [features] if isinstance(features, str) else features
-    if not isinstance(features, list) or not features or not all(isinstance(f, str) and f for f in features):
-        raise CliError(f"{at}: features must be a non-empty list of names, got {raw.get('features')!r}")
-    pf = raw.get("pooling_factor")
-    pooling: Optional[Tuple[float, ...]] = None
-    if pf is not None:
-        vals = pf if isinstance(pf, list) else [pf] * len(features)
-        if len(vals) != len(features) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in vals
-        ):
-            raise CliError(
-                f"{at}: pooling_factor must be a positive number (ids per sample, for each feature) or a "
-                f"list with one per feature ({len(features)}), got {pf!r}"
-            )
-        pooling = tuple(float(v) for v in vals)
-    st = raw.get("sharding_types")
-    ck = raw.get("compute_kernels")
-    mp = raw.get("min_partition")
-    return TableEntry(
-        name=name, rows=rows, dim=dim, features=tuple(features), pooling_factor=pooling,
-        sharding_types=None if st is None else _choice_list(at, "sharding_types", st, SHARDING_TYPES),
-        compute_kernels=None if ck is None else _choice_list(at, "compute_kernels", ck, COMPUTE_KERNELS),
-        min_partition=None if mp is None else _positive_int(at, "min_partition", mp),
-    )
-
-
 def parse_table_entries(data: Any, where: str, constraint_only: bool = False) -> Tuple[TableEntry, ...]:
-    """Validate parsed table-file data: a list of table objects, or ``{"tables": [...]}``.
-
-    Raises :class:`CliError` naming the file, the entry and the key that is wrong, and on
-    duplicate table names or a feature used by two tables.
-    """
-    if isinstance(data, dict) and "tables" in data:
-        extra = sorted(set(data) - {"tables"})
-        if extra:
-            raise CliError(f"{where}: unknown top-level key(s) {extra}; the file holds {{\"tables\": [...]}}")
-        data = data["tables"]
-    if not isinstance(data, list) or not data:
-        raise CliError(f"{where}: expected a non-empty list of tables (or {{\"tables\": [...]}}), "
-                       f"got {type(data).__name__}")
-    entries = tuple(_entry(i, e, where, constraint_only) for i, e in enumerate(data))
-    names: Dict[str, int] = {}
-    features: Dict[str, str] = {}
-    for i, e in enumerate(entries):
-        if e.name in names:
-            raise CliError(f"{where}: table {e.name!r} appears twice (entries {names[e.name]} and {i})")
-        names[e.name] = i
-        if not constraint_only:
-            for f in e.features:
-                if f in features:
-                    raise CliError(f"{where}: feature {f!r} is used by tables {features[f]!r} and "
-                                   f"{e.name!r}; each feature looks up one table")
-                features[f] = e.name
-    return entries
-
-
-def _read_structured(path: str) -> Any:
-    if not os.path.isfile(path):
-        raise CliError(f"file {path!r} does not exist")
+    """:func:`torchrec_sparselift.semantics.table_file.parse_table_entries`, problems as :class:`CliError`."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CliError(f"cannot read {path}: {e}") from None
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml  # type: ignore[import-untyped]
-        except ImportError:
-            raise CliError(f"{path}: reading YAML needs PyYAML (pip install pyyaml); or use a .json file") from None
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise CliError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CliError(f"{path}: not valid JSON: {e}") from None
+        return _table_file.parse_table_entries(data, where, constraint_only)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 def load_table_file(path: str, constraint_only: bool = False) -> Tuple[TableEntry, ...]:
-    """Tables (or, with ``constraint_only``, per-table constraints) from a JSON or YAML file."""
-    return parse_table_entries(_read_structured(path), path, constraint_only)
+    """Tables (or, with ``constraint_only``, per-table constraints) from a JSON or YAML file, read
+    by the one table-file loader (:mod:`torchrec_sparselift.semantics.table_file`)."""
+    try:
+        return _table_file.load_table_file(path, constraint_only)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Synthetic data (the default) is a fresh batch every step, drawn from a generator seeded by
 ``(seed, rank, step)``: no cycle of batches for the model to memorize, and any run is reproducible.
-Each feature's bag holds ``pooling_factor`` ids drawn from a power law over the table's rows
+Each feature's bag holds its ``pooling_factor`` (``TableSpec.bag_sizes()``) ids drawn from a power law over the table's rows
 (rank ``k`` has probability ~ ``k**-alpha``; ranks are scattered over the id space by a fixed
 bijection so hot rows are not all at the start of the table). Labels carry a planted signal:
 ``P(label=1) = sigmoid(strength * (0.8 * sparse_signal + 0.6 * dense_signal))`` where
@@ -97,16 +97,16 @@ def synthetic_batch(
     sparse_signal = np.zeros(batch_size)
     num_features = 0
     for t in tables:
-        for f in t.features:
+        for f, bag in zip(t.features, t.bag_sizes()):
             fi = num_features
             num_features += 1
-            ids = power_law_ids(rng, t.rows, batch_size * t.pooling_factor, alpha, salt=seed + 7919 * fi)
-            w = hidden_id_weight(ids, fi, seed).reshape(batch_size, t.pooling_factor)
+            ids = power_law_ids(rng, t.rows, batch_size * bag, alpha, salt=seed + 7919 * fi)
+            w = hidden_id_weight(ids, fi, seed).reshape(batch_size, bag)
             # a bag mean of pf weights uniform in [-1, 1) has variance 1/(3 pf): rescale to 1
-            sparse_signal += w.mean(axis=1) * np.sqrt(3.0 * t.pooling_factor)
+            sparse_signal += w.mean(axis=1) * np.sqrt(3.0 * bag)
             keys.append(f)
             values.append(ids)
-            lengths.append(np.full(batch_size, t.pooling_factor, dtype=np.int32))
+            lengths.append(np.full(batch_size, bag, dtype=np.int32))
     sparse_signal /= np.sqrt(num_features)
     dense_signal = dense.astype(np.float64) @ _dense_direction(seed)
     logit = strength * (0.8 * sparse_signal + 0.6 * dense_signal)

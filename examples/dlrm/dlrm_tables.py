@@ -1,6 +1,7 @@
 """Embedding table sets for the DLRM example: MLPerf DLRM-DCNv2 and Criteo Kaggle presets, or a file.
 
-Importing this module needs only ``attrs`` (no torch), so a launcher can validate arguments cheaply.
+Importing this module needs only ``attrs`` and the repository's table-file loader (no torch), so a
+launcher can validate arguments cheaply.
 
 Vocabulary: a *table* holds ``rows`` x ``dim`` weights; each of its *features* (a KJT key) looks up
 a bag of ``pooling_factor`` ids per sample in it. The presets give one feature per table, named
@@ -13,9 +14,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import attrs
+
+from torchrec_sparselift.semantics.table_file import TableEntry
+from torchrec_sparselift.semantics.table_file import load_table_file as _load_table_file
 
 __all__ = [
     "TableSpec",
@@ -57,38 +61,11 @@ class TableSetError(ValueError):
     """A table set (preset, scale or file) that cannot be used; the message says what to change."""
 
 
-def _positive_int(name: str):
-    def check(instance: Any, attribute: attrs.Attribute, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise TableSetError(
-                f"table {getattr(instance, 'name', '?')!r}: {name} must be a positive integer, got {value!r}"
-            )
-
-    return check
-
-
-def _features_valid(instance: "TableSpec", attribute: attrs.Attribute, value: Tuple[str, ...]) -> None:
-    if not value or not all(isinstance(f, str) and f for f in value):
-        raise TableSetError(
-            f"table {instance.name!r}: features must be a non-empty list of non-empty names, got {list(value)!r}"
-        )
-
-
-def _name_valid(instance: "TableSpec", attribute: attrs.Attribute, value: str) -> None:
-    if not isinstance(value, str) or not value:
-        raise TableSetError(f"every table needs a non-empty string name, got {value!r}")
-
-
-@attrs.frozen
-class TableSpec:
-    """One embedding table: ``rows`` x ``dim`` weights, looked up by ``features`` with bags of
-    ``pooling_factor`` ids per sample (a fixed, MLPerf-style multi-hot size)."""
-
-    name: str = attrs.field(validator=_name_valid)
-    rows: int = attrs.field(validator=_positive_int("rows"))
-    dim: int = attrs.field(validator=_positive_int("dim"))
-    features: Tuple[str, ...] = attrs.field(converter=tuple, validator=_features_valid)
-    pooling_factor: int = attrs.field(default=1, validator=_positive_int("pooling_factor"))
+#: One embedding table: ``rows`` x ``dim`` weights, looked up by ``features``, each with a bag of
+#: ``pooling_factor`` ids per sample (``bag_sizes()``: those as fixed whole bag sizes). The value
+#: the repository's table-file loader returns (:mod:`torchrec_sparselift.semantics.table_file`),
+#: so a table file means the same here as in ``sparselift plan --tables``.
+TableSpec = TableEntry
 
 
 def preset_tables(preset: str, embedding_dim: Optional[int] = None) -> List[TableSpec]:
@@ -103,7 +80,7 @@ def preset_tables(preset: str, embedding_dim: Optional[int] = None) -> List[Tabl
         raise TableSetError(f"unknown table preset {preset!r}: use 'dcnv2', 'kaggle' or a --table-file")
     dim = embedding_dim if embedding_dim is not None else dim
     return [
-        TableSpec(name=f"t_cat_{i}", rows=r, dim=dim, features=(f"cat_{i}",), pooling_factor=b)
+        TableSpec(name=f"t_cat_{i}", rows=r, dim=dim, features=(f"cat_{i}",), pooling_factor=(float(b),))
         for i, (r, b) in enumerate(zip(rows, bags))
     ]
 
@@ -130,76 +107,17 @@ def check_uniform_dim(tables: Sequence[TableSpec]) -> int:
     return dims[0]
 
 
-def _table_from_entry(i: int, entry: Any, path: str) -> TableSpec:
-    if not isinstance(entry, dict):
-        raise TableSetError(f"{path}: entry {i} must be an object with name, rows, dim, got {entry!r}")
-    unknown = set(entry) - {"name", "rows", "dim", "features", "pooling_factor"}
-    if unknown:
-        raise TableSetError(
-            f"{path}: entry {i} has unknown key(s) {sorted(unknown)}; allowed: name, rows, dim, features, pooling_factor"
-        )
-    missing = [k for k in ("name", "rows", "dim") if k not in entry]
-    if missing:
-        raise TableSetError(f"{path}: entry {i} ({entry.get('name', '?')!r}) is missing {missing}")
-    features = entry.get("features", [entry["name"]])
-    if isinstance(features, str):
-        features = [features]
-    return TableSpec(
-        name=entry["name"],
-        rows=entry["rows"],
-        dim=entry["dim"],
-        features=features,
-        pooling_factor=entry.get("pooling_factor", 1),
-    )
-
-
 def load_table_file(path: str) -> List[TableSpec]:
-    """Tables from a JSON (or, with PyYAML installed, YAML) file holding a list of
-    ``{name, rows, dim, features?, pooling_factor?}`` (or ``{"tables": [...]}``).
+    """Tables from a table file (JSON, or YAML with PyYAML), read by the repository's one
+    table-file loader (:func:`torchrec_sparselift.semantics.table_file.load_table_file`): the
+    same keys as ``sparselift plan --tables`` (``name, rows, dim, features?, pooling_factor?``
+    (one number, or one per feature), ``sharding_types?, compute_kernels?, min_partition?``).
 
-    Raises TableSetError naming the file and entry when something is wrong: missing file,
-    bad syntax, missing/unknown keys, non-positive sizes, duplicate table or feature names."""
-    if not os.path.isfile(path):
-        raise TableSetError(f"table file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml  # type: ignore[import-untyped]
-        except ImportError as e:
-            raise TableSetError(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use a .json file") from e
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise TableSetError(f"{path}: not valid YAML: {e}") from e
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TableSetError(f"{path}: not valid JSON: {e}") from e
-    if isinstance(data, dict) and "tables" in data:
-        data = data["tables"]
-    if not isinstance(data, list) or not data:
-        raise TableSetError(f"{path}: expected a non-empty list of tables (or {{\"tables\": [...]}})")
-    tables = [_table_from_entry(i, e, path) for i, e in enumerate(data)]
-    _check_unique(tables, path)
-    return tables
-
-
-def _check_unique(tables: Sequence[TableSpec], where: str) -> None:
-    seen_tables: Dict[str, int] = {}
-    seen_features: Dict[str, str] = {}
-    for t in tables:
-        if t.name in seen_tables:
-            raise TableSetError(f"{where}: table name {t.name!r} appears twice; table names must be unique")
-        seen_tables[t.name] = 1
-        for f in t.features:
-            if f in seen_features:
-                raise TableSetError(
-                    f"{where}: feature {f!r} is used by tables {seen_features[f]!r} and {t.name!r}; "
-                    "each feature must belong to one table"
-                )
-            seen_features[f] = t.name
+    Raises TableSetError naming the file, entry and key when something is wrong."""
+    try:
+        return list(_load_table_file(path))
+    except ValueError as e:
+        raise TableSetError(str(e)) from None
 
 
 def feature_names(tables: Sequence[TableSpec]) -> List[str]:

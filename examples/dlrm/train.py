@@ -103,7 +103,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--planner", choices=["sparselift", "torchrec"], default="sparselift")
     p.add_argument("--tables", choices=["dcnv2", "kaggle"], default="dcnv2", help="table preset")
     p.add_argument(
-        "--table-file", help="JSON/YAML list of {name, rows, dim, features?, pooling_factor?}; overrides --tables"
+        "--table-file", help="table file as for `sparselift plan --tables` (JSON/YAML list of {name, rows, dim, "
+        "features?, pooling_factor?, sharding_types?, compute_kernels?, min_partition?}); overrides --tables"
     )
     p.add_argument(
         "--constraints",
@@ -302,7 +303,10 @@ def planner_constraints(
     by_table = {s.table: s for s in specs}
     out = {}
     for t in tables:
-        spec = by_table.get(t.name, ConstraintSpec(table=t.name))
+        # --constraints overrides what the table file says about the table
+        spec = by_table.get(t.name) or ConstraintSpec(
+            table=t.name, sharding_types=t.sharding_types, compute_kernels=t.compute_kernels,
+            min_partition=t.min_partition)
         for value in spec.sharding_types or ():
             if value not in known_types:
                 raise UsageError(f"--constraints: table {t.name!r}: unknown sharding type {value!r}; use one of {known_types}")
@@ -313,7 +317,7 @@ def planner_constraints(
             sharding_types=list(spec.sharding_types) if spec.sharding_types else None,
             compute_kernels=list(spec.compute_kernels) if spec.compute_kernels else None,
             min_partition=spec.min_partition,
-            pooling_factors=[1.0 if one_hot else float(t.pooling_factor)] * len(t.features),
+            pooling_factors=[1.0 if one_hot else float(b) for b in t.bag_sizes()],
         )
     return out
 
@@ -529,7 +533,7 @@ def checkpoint_config(args: argparse.Namespace, tables: Sequence[TableSpec], wor
     return dict(
         {k: getattr(args, k) for k in keys},
         world_size=world_size,
-        tables=[[t.name, t.rows, t.dim, list(t.features), t.pooling_factor] for t in tables],
+        tables=[[t.name, t.rows, t.dim, list(t.features), list(t.bag_sizes())] for t in tables],
     )
 
 
