@@ -353,3 +353,46 @@ def test_main_in_process_leaves_logging_and_warning_filters_as_they_were(tmp_pat
     assert {n: logging.getLogger(n or None).level for n in levels} == levels
     assert cache_log.handlers == handlers and cache_log.propagate
     assert warnings.filters == filters
+
+
+def test_plan_and_explain_a_2d_plan_show_groups_sync_and_evidence(tmp_path, capsys):
+    out = str(tmp_path / "plan2d.json")
+    rc, _, err = run_cli(capsys, "plan", "--tables", TINY, "--topology", "h100", "--world-size", "16",
+                         "--sharding-group-size", "8", "--time-budget", "2", "--out", out, "--quiet")
+    assert rc == 0, err
+    with open(out) as f:
+        opt = json.load(f)["optimizations"]
+    assert opt["sharding_group_size"] == 8 and opt["layout_2d"]["group_size"] == 8
+    assert opt["sync_interval"] <= opt["max_sync_interval"] == 16
+    rc, text, err = run_cli(capsys, "explain", out, "--quiet")
+    assert rc == 0, err
+    assert "sharding groups [" in text and "replica groups [" in text and "replica sync every" in text
+    assert "use_inter_host_allreduce=" in text and "critical path (" in text
+    # an interval above the bound needs the bound raised
+    rc, _, err = run_cli(capsys, "plan", "--tables", TINY, "--topology", "h100", "--world-size", "16",
+                         "--sharding-group-size", "auto", "--max-sync-interval", "0", "--out", out, "--quiet")
+    assert rc != 0 and "max_sync_interval" in err
+    with pytest.raises(SystemExit):
+        main(["plan", "--tables", TINY, "--sharding-group-size", "many"])
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--world-size", "0"], "--world-size must be a whole number >= 1, got 0; e.g. --world-size 8"),
+    (["--time-budget", "-1"], "--time-budget must be a number > 0, got -1.0; e.g. --time-budget 10"),
+    (["--time-budget", "nan"], "--time-budget must be a number > 0, got nan"),
+    (["--hbm-gib", "0"], "--hbm-gib must be a number > 0, got 0.0"),
+    (["--local-world-size", "-2"], "--local-world-size must be a whole number >= 1, got -2"),
+], ids=["world-0", "budget-negative", "budget-nan", "hbm-0", "local-negative"])
+def test_zero_and_negative_sizes_and_budgets_are_refused_with_the_fix(capsys, flags, says):
+    # --world-size 0 used to become an 8-rank plan without a word; --time-budget -1 was accepted.
+    rc, out, err = run_cli(capsys, "plan", "--tables", TINY, "--topology", "cpu-gloo", *flags, "--quiet")
+    assert rc == 2 and not out
+    assert says in err
+
+
+def test_every_bad_flag_is_listed_at_once(capsys):
+    rc, _, err = run_cli(capsys, "plan", "--workload", "dcnv2", "--world-size", "0", "--batch-size", "-3",
+                         "--time-budget", "-1", "--quiet")
+    assert rc == 2
+    assert "3 problems with the command line" in err
+    assert "--world-size" in err and "--batch-size" in err and "--time-budget" in err

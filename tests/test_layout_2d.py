@@ -140,3 +140,57 @@ def test_sync_interval_is_bounded_and_going_beyond_needs_the_bound_raised():
                    sync_interval=64, max_sync_interval=64).plan_with_result(wl.module(), get_default_sharders())
     assert res.sync_interval == 64 and res.layout_2d.kind == "contiguous"
     assert "NOT covered" in res.summary() or "measured" in res.summary()
+
+
+# -- lift builds DMPCollection from the plan's layout (4 gloo ranks, 2 simulated hosts) --------
+
+
+def _lift_worker(rank, world, kind):
+    import attrs
+    import torch.distributed as dist
+    from test_two_d_runtime import _model_and_plan
+
+    from torchrec_sparselift.plan import Optimizations
+    from torchrec_sparselift.runtime.model_parallel import lift
+
+    layout = Layout2D(world, 2, 2, kind)
+
+    @attrs.frozen
+    class Plan:  # duck-typed execution plan: what lift reads
+        sharding_plan: object
+        optimizations: object
+
+    net, plan, sharder = _model_and_plan()
+    opt = Optimizations(sharding_group_size=2, sync_interval=2, layout_2d=layout)
+    lifted = lift(net, Plan(plan, opt), pg=dist.group.WORLD, device=torch.device("cpu"),
+                  sharders=[sharder], pipeline="sparse_dist",
+                  dense_optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1))
+    ctx = lifted.model._default_ctx
+    return (ctx.use_inter_host_allreduce, dist.get_process_group_ranks(ctx.sharding_pg),
+            dist.get_process_group_ranks(ctx.replica_pg))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["contiguous", pytest.param("strided", marks=pytest.mark.slow)])
+def test_lift_builds_dmpcollection_with_the_plans_layout(kind):
+    from conftest import spawn
+
+    layout = Layout2D(4, 2, 2, kind)
+    for rank, (inter, sharding, replica) in enumerate(spawn(_lift_worker, 4, kind, timeout_s=240)):
+        assert inter == layout.use_inter_host_allreduce
+        assert tuple(sharding) in layout.sharding_groups and rank in sharding
+        assert tuple(replica) in layout.replica_groups and rank in replica
+
+
+def test_2d_plans_use_a_pipeline_that_runs_the_replica_sync():
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.cost.two_d import SYNC_PIPELINES_2D
+    from torchrec_sparselift.runtime.pipelines import _SYNC_INTERVAL_KINDS
+    from torchrec_sparselift.semantics.reference_workloads import production
+
+    assert set(SYNC_PIPELINES_2D) == set(_SYNC_INTERVAL_KINDS)
+    wl = production(8, seed=1)
+    res = _planner(16, constraints=wl.constraints(), sharding_group_size=8).plan_with_result(
+        wl.module(), get_default_sharders())
+    assert res.optimizations().pipeline in SYNC_PIPELINES_2D

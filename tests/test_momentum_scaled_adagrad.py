@@ -185,3 +185,37 @@ def test_fresh_row_with_opposing_replicas_moves_at_most_lr_sqrt_n():
     step_rms = np.sqrt(np.mean((w - w0) ** 2))
     assert 0.0 < step_rms <= LR * np.sqrt(interval) + 1e-12
     assert a[0] > 0.0
+
+
+@pytest.mark.parametrize("num_replicas", [2, 4])
+def test_interval_preconditioner_recovers_1d_for_a_fresh_row_every_replica_touches(num_replicas):
+    """A fresh row pushed by a constant gradient on every step by every replica: 1D moves it
+    ~2 lr sqrt(N); inverting the replicas' N local steps as one step ("end") halves that and
+    inflates the accumulator, the interval's harmonic-mean denominator recovers both."""
+    from torchrec_sparselift.optim import interval_denominator
+
+    N, dim, lr, eps = 32, 4, 0.05, 1e-8
+    g = np.array([[0.3, -0.2, 0.5, 0.1]])
+    w1, a1 = np.zeros((1, dim)), np.zeros(1)
+    for _ in range(N):  # 1D: the summed gradient every step
+        w1, a1 = rowwise_adagrad_step(w1, a1, g, lr, eps)
+    rw, ra = [], []
+    for _ in range(num_replicas):  # each replica: its 1/R share, N local steps
+        w, a = np.zeros((1, dim)), np.zeros(1)
+        for _ in range(N):
+            w, a = rowwise_adagrad_step(w, a, g / num_replicas, lr, eps)
+        rw.append(w)
+        ra.append(a)
+    zero_w, zero_a = torch.zeros(1, dim, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    out = {}
+    for pre in ("end", "interval"):
+        summed = sum(local_payload(zero_w, zero_a, torch.from_numpy(w), torch.from_numpy(a), lr, eps, N, pre)
+                     for w, a in zip(rw, ra))
+        w, a, _, _ = finish_merge(zero_w, zero_a, torch.zeros((), dtype=torch.float64), summed, lr, eps,
+                                  N, 0.0, pre)
+        out[pre] = (np.linalg.norm(w.numpy()) / np.linalg.norm(w1), float(a[0]) / a1[0])
+    assert 0.97 < out["interval"][0] < 1.03 and 0.9 < out["interval"][1] < 1.1
+    assert out["end"][0] < 0.7 and out["end"][1] > 2.0
+    # one step: both denominators are AdaGrad's own
+    a0, a_end = torch.tensor([0.0, 2.0]), torch.tensor([1.0, 3.0])
+    assert torch.allclose(interval_denominator(a0, a_end, 1, eps), a_end.double().sqrt() + eps)

@@ -38,6 +38,7 @@ import attrs
 from torchrec_sparselift.errors import CliError
 from torchrec_sparselift.semantics import table_file as _table_file
 from torchrec_sparselift.semantics.table_file import TableEntry
+from torchrec_sparselift.validation import raise_problems, setting_problems
 
 __all__ = [
     "main",
@@ -486,7 +487,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Every numeric flag that is zero, negative or out of range, listed at once (exit 2)."""
+    raise_problems(setting_problems([
+        ("--world-size", getattr(args, "world_size", None), "int>=1", "--world-size 8"),
+        ("--local-world-size", getattr(args, "local_world_size", None), "int>=1", "--local-world-size 8"),
+        ("--hbm-gib", getattr(args, "hbm_gib", None), ">0", "--hbm-gib 80"),
+        ("--ddr-gib", getattr(args, "ddr_gib", None), ">0", "--ddr-gib 512"),
+        ("--batch-size", getattr(args, "batch_size", None), "int>=1", "--batch-size 512"),
+        ("--global-batch-size", getattr(args, "global_batch_size", None), "int>=1", "--global-batch-size 65536"),
+        ("--time-budget", getattr(args, "time_budget", None), ">0", "--time-budget 10"),
+        ("--torchrec-timeout", getattr(args, "torchrec_timeout", None), ">0", "--torchrec-timeout 60"),
+        ("--top", getattr(args, "top", None), "int>=0", "--top 8"),
+    ]), "the command line", CliError)
+
+
 def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] = "h100") -> PlanInputs:
+    _check_flags(args)
     given = [n for n in ("tables", "workload", "model") if getattr(args, n, None)]
     if len(given) != 1:
         raise CliError("give exactly one input: --tables FILE, --workload NAME or --model MODULE:FACTORY"
@@ -498,7 +515,7 @@ def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] 
     hardware = args.topology or topology_default
     spec = TopologySpec(hardware=hardware, world_size=1, local_world_size=args.local_world_size,
                         hbm_gib=args.hbm_gib, ddr_gib=args.ddr_gib)
-    world = args.world_size or spec.profile().local_world_size
+    world = args.world_size if args.world_size is not None else spec.profile().local_world_size
     spec = attrs.evolve(spec, world_size=world)
     spec.resolved()  # validate before importing torchrec
     if args.workload:
@@ -566,6 +583,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     peak_dev = _peak([r.hbm_bytes for r in p.per_rank])
     peak_host = _peak([r.ddr_bytes for r in p.per_rank])
     print(f"  peak per-rank memory: device {peak_dev / 2**30:.2f} GiB, host {peak_host / 2**30:.2f} GiB")
+    if ep.optimizations.is_2d:
+        from torchrec_sparselift.explain import format_2d
+
+        print("\n".join("  " + line for line in format_2d(ep.optimizations)))
     print()
     print(format_plan_table(ep))
     print()
@@ -762,8 +783,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         explain_tables, format_rank_breakdown, format_tables, format_timeline, render_png, step_timeline,
     )
 
-    if args.top < 0:
-        raise CliError(f"--top must be >= 0, got {args.top}")
+    _check_flags(args)
     if not os.path.isfile(args.plan):
         raise CliError(f"plan file {args.plan!r} does not exist")
     _import_torchrec(args.quiet)

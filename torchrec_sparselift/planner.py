@@ -41,6 +41,7 @@ from torchrec_sparselift.cost.model import CostContext, DenseWork
 from torchrec_sparselift.cost.report import rank_breakdown
 from torchrec_sparselift.cost.pipelines import PIPELINES, STALE_PIPELINES, SYNC_PIPELINES
 from torchrec_sparselift.cost.two_d import (
+    SYNC_PIPELINES_2D,
     check_sync_interval,
     choose_sync_interval,
     group_sizes,
@@ -59,6 +60,12 @@ from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import build_problem, device_caps
 from torchrec_sparselift.search.solve import solve
+from torchrec_sparselift.search.torchrec_objective import (
+    build_torchrec_problem,
+    estimator_identity,
+    placed_options,
+    solve_torchrec,
+)
 from torchrec_sparselift.semantics.dense import dense_work
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
 from torchrec_sparselift.validation import (
@@ -556,9 +563,17 @@ class SparseLiftPlanner(ShardingPlanner):
             dense=dense_work(module, handles),
         )
         device_cap, host_cap = device_caps(reserved)
+        pipelines = self._pipelines
+        if layout is not None and group < W:  # only these pipelines run DMPCollection's sync
+            pipelines = tuple(p for p in pipelines if p in SYNC_PIPELINES_2D)
+            if not pipelines:
+                raise ValueError(
+                    f"2D plans need a pipeline that runs the replica sync ({', '.join(SYNC_PIPELINES_2D)}); "
+                    f"the allowed pipelines are {list(self._pipelines)}: allow sparse_dist"
+                )
         prob = build_problem(
             [h.spec for h in handles], ctx, device_cap, host_cap,
-            pipelines=self._pipelines, precisions=self._precisions,
+            pipelines=pipelines, precisions=self._precisions,
         )
         result = solve(prob, time_budget_s=max(0.5, budget - (time.monotonic() - t0)),
                        solver=self._solver)
@@ -634,18 +649,12 @@ class SparseLiftPlanner(ShardingPlanner):
         estimators' identity too, so cached plans of different estimators do not mix."""
         if self._cost_model != "torchrec":
             return self._cost_model
-        from torchrec_sparselift.search.torchrec_objective import estimator_identity
-
         return f"torchrec:{estimator_identity(self._estimator)}"
 
     def _solve_group_torchrec(self, module: nn.Module, sharders: Sequence[Any],
                               handles: Sequence[TableHandle], gtopo: Topology, reserved: Topology,
                               profile: HardwareProfile, budget: float, t0: float) -> "PlanResult":
         """``cost_model="torchrec"``: plan ``gtopo`` under TorchRec's estimators (1D only)."""
-        from torchrec_sparselift.search.torchrec_objective import (
-            build_torchrec_problem, placed_options, solve_torchrec,
-        )
-
         if self._group is not None:
             raise ValueError("cost_model='torchrec' plans 1D only (TorchRec's rating has no 2D "
                              "replica sync); use sharding_group_size=None")

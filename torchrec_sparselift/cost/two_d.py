@@ -34,11 +34,16 @@ __all__ = [
     "check_sync_interval",
     "sync_evidence",
     "SYNC_INTERVALS",
+    "SYNC_PIPELINES_2D",
     "DEFAULT_MAX_SYNC_INTERVAL",
     "PARITY_EVIDENCE",
 ]
 
 SYNC_INTERVALS = (1, 2, 4, 8, 16, 32, 64, 100)
+
+#: Train pipelines through which TorchRec runs ``DMPCollection``'s replica sync
+#: (``dmp_collection_sync_interval_batches``); a 2D plan uses one of them.
+SYNC_PIPELINES_2D = ("sparse_dist", "semi_sync")
 
 #: Largest sync interval at which the momentum-scaled merge was measured at parity with 1D
 #: (docs/benchmarks.md, "2D quality parity"): the planner's default bound.

@@ -2,8 +2,10 @@
 
 from torchrec_sparselift.optim.momentum_scaled import (
     MergeStats,
+    PRECONDITIONERS,
     MomentumScaledRowWiseAdagrad,
     finish_merge,
+    interval_denominator,
     local_payload,
 )
 
@@ -12,4 +14,6 @@ __all__ = [
     "MergeStats",
     "local_payload",
     "finish_merge",
+    "interval_denominator",
+    "PRECONDITIONERS",
 ]
