@@ -24,6 +24,9 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift.cost.pipelines import PHASE_NAMES, Placed, effective_pipeline, schedule
+from torchrec_sparselift.cost.two_d import DEFAULT_MAX_SYNC_INTERVAL, sync_evidence
+from torchrec_sparselift.search.place import best_placement
+from torchrec_sparselift.search.solve import new_evaluator
 
 __all__ = [
     "Segment",
@@ -126,9 +129,6 @@ def explain_tables(
     table at a time the table is lifted out and each candidate is placed on its best ranks
     (:func:`~torchrec_sparselift.search.place.best_placement`) and priced. Nothing is re-planned.
     """
-    from torchrec_sparselift.search.place import best_placement
-    from torchrec_sparselift.search.solve import new_evaluator
-
     prob = attrs.evolve(evaluated.problem, device_cap=np.asarray(device_cap, dtype=float),
                         host_cap=np.asarray(host_cap, dtype=float))
     s = evaluated.search
@@ -353,8 +353,6 @@ def render_png(prediction: Any, segments: Sequence[Segment], path: str, title: s
 def format_2d(optimizations: Any) -> List[str]:
     """Lines on a 2D plan: the sharding and replica groups, where their collectives run, the sync
     interval, its bound and the quality evidence for it."""
-    from torchrec_sparselift.cost.two_d import DEFAULT_MAX_SYNC_INTERVAL, sync_evidence
-
     o = optimizations
     lines = ["2D sparse parallelism:"]
     if o.layout_2d is not None:

@@ -31,6 +31,7 @@ from torchrec_sparselift.cost.model import (
     OUT_INTRA,
     PRECISION_BYTES,
     UVM,
+    step_total_batch,
 )
 from torchrec_sparselift.cost.pipelines import effective_pipeline, paths
 from torchrec_sparselift.search.problem import PlanningProblem
@@ -207,8 +208,6 @@ def analytic_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "f
     possible average load and at least the biggest unavoidable single shard; the step time is
     non-decreasing in every column maximum, so composing those gives a bound (looser than the
     LP's, used when the LP cannot finish)."""
-    from torchrec_sparselift.cost.model import step_total_batch
-
     W = prob.ctx.world_size
     lb = np.zeros(9)
     allreduce = 0.0

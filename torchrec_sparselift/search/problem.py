@@ -18,6 +18,7 @@ from torchrec_sparselift.cost.model import (
     ShardCost,
     shard_cost,
 )
+from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
 
@@ -217,8 +218,6 @@ def storage_summary(lowest: Tuple[float, float], device_cap: np.ndarray, host_ca
 
 def _no_fit_error(lines: List[str], kind: str, lowest: Tuple[float, float], device_cap: np.ndarray,
                   host_cap: np.ndarray, compute_device: str) -> Exception:
-    from torchrec_sparselift.errors import SparseLiftPlannerError
-
     why = ("insufficient storage" if kind == "insufficient_storage"
            else "the strict constraints (the cluster has the memory, the allowed shardings cannot use it)")
     return SparseLiftPlannerError(
