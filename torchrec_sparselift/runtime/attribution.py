@@ -95,8 +95,8 @@ KINDS = (
     "rest",
 )
 
-#: For each measured kind, the model phases (cost.model.phase_times keys) that predict it. Kinds
-#: absent here have no term in the model (predicted 0).
+#: For each measured kind, the model phases (cost.pipelines.PHASES names) that predict it. Kinds
+#: absent here have no term in the model (predicted 0); a phase not named here counts as ``rest``.
 PREDICTED_KINDS: Mapping[str, Tuple[str, ...]] = {
     "input_dist": ("input_dist",),
     "lookup": ("lookup", "uvm_fetch"),
@@ -106,6 +106,7 @@ PREDICTED_KINDS: Mapping[str, Tuple[str, ...]] = {
     "grad_allreduce": ("allreduce",),
     "dense_fwd": ("dense_fwd",),
     "dense_bwd": ("dense_bwd",),
+    "pipeline": ("step_overhead",),
 }
 
 # ------------------------------------------------------------------------------------------------
@@ -553,8 +554,13 @@ def dp_optimizer_seconds(evaluated: Any) -> float:
         if cand.sharding_type != "data_parallel":
             continue
         for node in shard_nodes(prob.specs[t], cand, ctx.world_size, ctx.local_world_size):
-            if node.kind == "backward_update" and node.unit == "bytes":
-                total += node_time(node, ctx.profile)
+            # every backward compute node but the embedding-rows backward: the dense optimizer
+            # pass over the replica and the per-table dense-gradient work
+            if node.backward and node.kind not in ("grad_allreduce", "grad_dist") and node.unit != "rows":
+                try:
+                    total += node_time(node, ctx.profile)
+                except ValueError:  # a node with no compute time
+                    continue
     return total
 
 
@@ -569,8 +575,10 @@ def predicted_by_kind(step: Any, *, dp_optimizer_s: float = 0.0) -> Dict[str, fl
     """
     ph = dict(step.phases)
     out = {k: 0.0 for k in KINDS}
+    named = {p for phases in PREDICTED_KINDS.values() for p in phases}
     for kind, phases in PREDICTED_KINDS.items():
         out[kind] = sum(float(ph.get(p, 0.0)) for p in phases)
+    out["rest"] += sum(float(v) for p, v in ph.items() if p not in named)
     out["grad_allreduce"] = max(0.0, float(ph.get("allreduce", 0.0)) - float(ph.get("dense_bwd", 0.0)))
     dp = min(max(0.0, dp_optimizer_s), out["backward_update"])
     out["backward_update"] -= dp
