@@ -98,3 +98,36 @@ def test_dlrm_example_trains_two_ranks_on_the_tiny_table_file(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     assert {r["table"] for r in res["plan"]} == {"t0", "t1", "t2", "t3"}
+
+
+def test_planner_and_fingerprint_walk_the_same_tables():
+    """One walker (semantics.tables.embedding_modules): the planner's tables and the fingerprint's
+    table_specs name the same tables at the same module paths, wrappers at the wrapper's path."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    from torchrec_sparselift.plan.execution_plan import table_specs
+    from torchrec_sparselift.semantics.tables import extract_tables
+
+    meta = torch.device("meta")
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+                name="x", embedding_dim=8, num_embeddings=100, feature_names=["fx"])], device=meta)
+            self.inner = torch.nn.Sequential(torch.nn.Linear(3, 3), EmbeddingCollection(tables=[EmbeddingConfig(
+                name="s", embedding_dim=8, num_embeddings=50, feature_names=["fs"])], device=meta))
+            ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+                name="p", embedding_dim=8, num_embeddings=30, feature_names=["fp"])], device=meta, is_weighted=True)
+            self.fp = FeatureProcessedEmbeddingBagCollection(ebc, PositionWeightedModuleCollection({"fp": 10}, device=meta))
+            self.shared = self.a  # one module registered twice is one unit
+
+    model = Model()
+    specs = table_specs(model)
+    assert [(s[0], s[1], s[5]) for s in specs] == [("a", "x", True), ("inner.1", "s", False), ("fp", "p", True)]
+    handles = extract_tables(model, get_default_sharders(), "cuda", 64)
+    assert sorted((h.spec.module_path, h.spec.name) for h in handles) == sorted((s[0], s[1]) for s in specs)

@@ -30,6 +30,7 @@ from torchrec_sparselift.cost.pipelines import PIPELINES as _PIPELINES
 from torchrec_sparselift.errors import PlanFormatError
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
 from torchrec_sparselift.semantics.layout import Layout2D
+from torchrec_sparselift.semantics.tables import embedding_configs, embedding_modules
 from torchrec_sparselift.semantics.workload import WorkloadStats
 
 __all__ = [
@@ -434,40 +435,18 @@ def fingerprint_inputs(
 def table_specs(module: Any) -> List[TableSpec]:
     """``(module_path, table_name, rows, dim, feature_names, pooled, data_type)`` for every
     embedding module in ``module`` that a TorchRec sharder plans as a unit (EBC, EC, and wrappers
-    such as FP-EBC or managed-collision modules, reported at the wrapper's path)."""
+    such as FP-EBC or managed-collision modules, reported at the wrapper's path), found by the
+    planner's table walker (:func:`~torchrec_sparselift.semantics.tables.embedding_modules`)."""
     out: List[TableSpec] = []
-    claimed: List[str] = []
-    for path, sub in module.named_modules():
-        if any(c == "" or path.startswith(c + ".") for c in claimed):
-            continue  # inside a module already reported (e.g. the EBC inside an FP-EBC)
-        configs, pooled = _embedding_configs(sub)
-        if configs is None:
-            continue
-        claimed.append(path)
-        for cfg in configs:
+    for path, sub in embedding_modules(module):
+        configs, pooled = embedding_configs(sub)
+        for cfg in configs or ():
             data_type = getattr(getattr(cfg, "data_type", None), "value", None) or "FP32"
             out.append(
                 (path, cfg.name, int(cfg.num_embeddings), int(cfg.embedding_dim),
                  list(cfg.feature_names), pooled, str(data_type))
             )
     return out
-
-
-def _embedding_configs(sub: Any) -> Tuple[Optional[List[Any]], bool]:
-    for attr, pooled in (("embedding_bag_configs", True), ("embedding_configs", False)):
-        fn = getattr(sub, attr, None)
-        if callable(fn):
-            try:
-                return list(fn()), pooled
-            except (AttributeError, NotImplementedError, TypeError):
-                continue
-    for inner_name in ("_embedding_bag_collection", "_embedding_collection", "_embedding_module"):
-        inner = getattr(sub, inner_name, None)
-        if inner is not None:
-            configs, pooled = _embedding_configs(inner)
-            if configs is not None:
-                return configs, pooled
-    return None, False
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ device and the sharder really support. The live objects TorchRec needs to build
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 from torch import nn
@@ -21,6 +21,8 @@ __all__ = [
     "TableSpec",
     "TableHandle",
     "extract_tables",
+    "embedding_configs",
+    "embedding_modules",
     "CPU_RUNTIME_SHARDING_TYPES",
     "ELEMENT_BYTES",
     "KEY_VALUE_KERNELS",
@@ -146,23 +148,63 @@ def _sharder_key(module_type: type) -> str:
     return sharder_name(module_type)
 
 
-def _configs_by_table(module: nn.Module) -> Dict[str, Any]:
-    """Table name -> EmbeddingConfig/EmbeddingBagConfig for the module or the module it wraps."""
-    found: Dict[str, Any] = {}
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        for getter in ("embedding_bag_configs", "embedding_configs"):
-            fn = getattr(m, getter, None)
-            if callable(fn):
-                try:
-                    for cfg in fn():
-                        found.setdefault(cfg.name, cfg)
-                except Exception:  # a module whose configs need runtime state: skip
-                    pass
-        if not found:
-            stack.extend(m.children())
-    return found
+_WRAPPED = ("_embedding_bag_collection", "_embedding_collection", "_embedding_module")
+
+
+def embedding_configs(module: nn.Module, search_children: bool = False) -> Tuple[Optional[List[Any]], bool]:
+    """The table configs of an embedding module and whether its lookups pool: an EBC's
+    ``embedding_bag_configs()`` (pooled), an EC's ``embedding_configs()``, or those of the
+    collection a wrapper holds (FP-EBC, managed-collision modules: ``_embedding_bag_collection``,
+    ``_embedding_collection``, ``_embedding_module``). ``search_children``: also look through
+    the module's children, first found per table name. ``(None, False)`` when there are none."""
+    for getter, pooled in (("embedding_bag_configs", True), ("embedding_configs", False)):
+        fn = getattr(module, getter, None)
+        if callable(fn):
+            try:
+                return list(fn()), pooled
+            except Exception:  # a module whose configs need runtime state: look further
+                continue
+    for inner_name in _WRAPPED:
+        inner = getattr(module, inner_name, None)
+        if isinstance(inner, nn.Module):
+            configs, pooled = embedding_configs(inner)
+            if configs is not None:
+                return configs, pooled
+    if search_children:
+        found: Dict[str, Any] = {}
+        pooled_any = False
+        for child in module.children():
+            configs, pooled = embedding_configs(child, search_children=True)
+            for cfg in configs or ():
+                found.setdefault(cfg.name, cfg)
+            pooled_any = pooled_any or (pooled and bool(configs))
+        if found:
+            return list(found.values()), pooled_any
+    return None, False
+
+
+def embedding_modules(
+    module: nn.Module, is_unit: Optional[Callable[[nn.Module], bool]] = None
+) -> Iterator[Tuple[str, nn.Module]]:
+    """The one table walker: ``(path, submodule)`` for every submodule planned as a unit, depth
+    first in registration order (as ``named_modules``, each module object once), not looking
+    inside a unit. ``is_unit`` decides (the planner: "a sharder handles this module type");
+    default: the module has table configs (:func:`embedding_configs`), which reports a wrapper
+    such as an FP-EBC at the wrapper's path."""
+    unit = is_unit or (lambda m: embedding_configs(m)[0] is not None)
+    seen: set = set()
+
+    def visit(path: str, m: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        if unit(m):
+            yield path, m
+            return
+        for name, child in m.named_children():
+            yield from visit(f"{path}.{name}" if path else name, child)
+
+    yield from visit("", module)
 
 
 def _device_sharding_types(sharder: Any, compute_device: str) -> List[str]:
@@ -227,12 +269,8 @@ def extract_tables(
 
     def visit(path: str, m: nn.Module) -> None:
         key = _sharder_key(type(m))
-        sharder = sharder_map.get(key)
-        if sharder is None:
-            for child_name, child in m.named_children():
-                visit(f"{path}.{child_name}" if path else child_name, child)
-            return
-        configs = _configs_by_table(m)
+        sharder = sharder_map[key]
+        configs = {cfg.name: cfg for cfg in reversed(embedding_configs(m, search_children=True)[0] or [])}
         is_pooled = _module_pooled(m)
         device_types = _device_sharding_types(sharder, compute_device)
         if "FeatureProcessed" in key:
@@ -321,7 +359,8 @@ def extract_tables(
                 )
             )
 
-    visit("", module)
+    for path, m in embedding_modules(module, lambda m: _sharder_key(type(m)) in sharder_map):
+        visit(path, m)
     if constraints and problems is None:  # with ``problems``, validate_inputs names them
         known = {h.spec.name for h in handles}
         unknown = sorted(set(constraints) - known)
