@@ -61,8 +61,8 @@ class PlanPricer:
                  pipeline: str = "sparse_dist") -> None:
         from torchrec.distributed.sharding_plan import get_default_sharders
 
+        from torchrec_sparselift.plan.evaluate import given_candidates
         from torchrec_sparselift.semantics.dense import dense_work
-        from torchrec_sparselift.semantics.graph import candidate_for
         from torchrec_sparselift.semantics.tables import extract_tables
 
         sharders = list(sharders) if sharders is not None else get_default_sharders()
@@ -72,16 +72,10 @@ class PlanPricer:
         handles = extract_tables(module, sharders, topology.compute_device, batch_size, constraints)
         self.specs = [h.spec for h in handles]
         self.dense = dense_work(module, handles)
-        W, L = topology.world_size, min(topology.local_world_size, topology.world_size)
-        self.cands, self.ranks = [], []
-        for t, h in enumerate(handles):
-            mp = plan.plan.get(h.spec.module_path)
-            ps = mp.get(h.spec.name) if mp is not None else None
-            if ps is None:
-                raise ValueError(f"the plan has no sharding for table {h.spec.fqn!r}")
-            splits = len(ps.ranks) if ps.sharding_type in ("column_wise", "table_column_wise") else 1
-            self.cands.append(candidate_for(t, h.spec, ps.sharding_type, ps.compute_kernel, W, L, splits))
-            self.ranks.append(tuple(int(r) for r in ps.ranks))
+        placed = given_candidates(handles, plan, topology.world_size,
+                                  min(topology.local_world_size, topology.world_size))
+        self.cands = [c for c, _ in placed]
+        self.ranks = [r for _, r in placed]
 
     def step_time(self, profile: HardwareProfile) -> Any:
         from torchrec_sparselift.cost.evaluator import PlanEvaluator

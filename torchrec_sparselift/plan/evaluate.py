@@ -4,7 +4,7 @@ and the measured guard."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 import numpy as np
@@ -20,10 +20,28 @@ from torchrec_sparselift.search.lp import solve_lp
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import SearchResult, new_evaluator
 from torchrec_sparselift.semantics.dense import dense_work
-from torchrec_sparselift.semantics.graph import candidate_for
-from torchrec_sparselift.semantics.tables import extract_tables
+from torchrec_sparselift.semantics.graph import Candidate, candidate_for
+from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
 
-__all__ = ["evaluate_sharding_plan"]
+__all__ = ["evaluate_sharding_plan", "given_candidates"]
+
+
+def given_candidates(handles: Sequence[TableHandle], plan: ShardingPlan, world_size: int,
+                     local_world_size: int) -> List[Tuple[Candidate, Tuple[int, ...]]]:
+    """Each table's candidate and ranks as ``plan`` places it, in ``handles`` order (column-wise
+    shards as equal splits of the table's width). Raises ``ValueError`` naming a table the plan
+    does not place."""
+    out = []
+    for t, h in enumerate(handles):
+        module_plan = plan.plan.get(h.spec.module_path)
+        ps = module_plan.get(h.spec.name) if module_plan is not None else None
+        if ps is None:
+            raise ValueError(f"the plan has no sharding for table {h.spec.fqn!r}")
+        splits = len(ps.ranks) if ps.sharding_type in ("column_wise", "table_column_wise") else 1
+        cand = candidate_for(t, h.spec, ps.sharding_type, ps.compute_kernel, world_size,
+                             local_world_size, splits)
+        out.append((cand, tuple(int(r) for r in ps.ranks)))
+    return out
 
 
 def evaluate_sharding_plan(
@@ -57,17 +75,11 @@ def evaluate_sharding_plan(
     cands = list(prob.cands)
     costs = list(prob.costs)
     assignment = []
-    for t, h in enumerate(handles):
-        module_plan = plan.plan.get(h.spec.module_path)
-        ps = module_plan.get(h.spec.name) if module_plan is not None else None
-        if ps is None:
-            raise ValueError(f"the plan has no sharding for table {h.spec.fqn!r}")
-        splits = len(ps.ranks) if ps.sharding_type in ("column_wise", "table_column_wise") else 1
-        cand = candidate_for(t, h.spec, ps.sharding_type, ps.compute_kernel, ctx.world_size,
-                             ctx.local_world_size, splits)
+    for h, (cand, ranks) in zip(handles, given_candidates(handles, plan, ctx.world_size,
+                                                          ctx.local_world_size)):
         cands.append(cand)
         costs.append(shard_cost(h.spec, cand, ctx))
-        assignment.append((len(cands) - 1, tuple(int(r) for r in ps.ranks)))
+        assignment.append((len(cands) - 1, ranks))
     full = attrs.evolve(prob, cands=tuple(cands), costs=tuple(costs))
     ev = new_evaluator(full, pipeline, fwd_precision, bwd_precision)
     for t, (cid, ranks) in enumerate(assignment):
