@@ -47,3 +47,37 @@ def test_guard_keeps_the_first_on_a_tie_and_checks_trials():
         choose_measured([cands[0], cands[0]], lambda label, plan: 1.0)
     with pytest.raises(ValueError, match="candidates must be an integer >= 1"):
         MeasuredGuard(candidates=0)
+
+
+def test_guarded_plans_have_their_own_cache_key_stable_under_profile_refits():
+    import warnings
+
+    import attrs
+    import torch
+    from torchrec.distributed.planner import Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_sparselift import SparseLiftPlanner
+    from torchrec_sparselift.cost.hardware import PRESETS
+    from torchrec_sparselift.measured_guard import guard_fingerprint
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100,
+                                                            feature_names=["f0"])], device=torch.device("meta"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        topo = Topology(world_size=2, local_world_size=2, compute_device="cpu")
+
+    def planner(profile):
+        return SparseLiftPlanner(topology=topo, batch_size=64, hardware=profile)
+
+    base = PRESETS["cpu-gloo"]
+    refit = attrs.evolve(base, step_overhead_s=0.01, feature_overhead_s=1e-3)
+    g3, g2 = MeasuredGuard(candidates=3), MeasuredGuard(candidates=2)
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    sh = get_default_sharders()
+    a = guard_fingerprint(planner(base), ebc, sh, g3).digest()
+    assert a == guard_fingerprint(planner(refit), ebc, sh, g3).digest()  # feedback refits keep the key
+    assert a != guard_fingerprint(planner(base), ebc, sh, g2).digest()  # guard settings change it
+    assert a != planner(base).fingerprint(ebc, sh).digest()  # never the unguarded plan's key

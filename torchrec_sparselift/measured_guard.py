@@ -17,7 +17,8 @@ rank's median step) and the fastest is kept (:func:`torchrec_sparselift.runtime.
 
 The returned :class:`~torchrec_sparselift.plan.ExecutionPlan` is SparseLift's, with the kept plan's
 sharding and prediction and the trials in ``planner_info["measured_guard"]``. With ``cache_dir`` it is
-stored under the planner's fingerprint plus the guard settings (``guarded-<digest>.json``) and a
+stored under the fingerprint of the planner's ``PlanRequest`` with its ``measured_guard`` field set to
+the guard settings (``guarded-<digest>.json``) and a
 later call with the same inputs reuses it without planning or measuring (guarded and unguarded plans
 never share a cache entry). With ``guard.feedback`` the trials, linearized in the profile's terms,
 join this machine's stored step-fit records (:mod:`torchrec_sparselift.step_calibration`) and its
@@ -42,7 +43,7 @@ import attrs
 from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
 from torchrec_sparselift.runtime.guard import Candidate, GuardResult, MeasuredGuard, choose_measured
 
-__all__ = ["guarded_execution_plan", "guard_cache_path", "ALTERNATIVES", "feedback_records"]
+__all__ = ["guarded_execution_plan", "guard_cache_path", "guard_fingerprint", "ALTERNATIVES", "feedback_records"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,26 @@ def _plan_key(plan: Any) -> Tuple[Any, ...]:
     return tuple(rows)
 
 
+def guard_fingerprint(planner: Any, model: Any, sharders: Sequence[Any], guard: MeasuredGuard) -> Any:
+    """The fingerprint of the planner's ``PlanRequest`` with its ``measured_guard`` field set to
+    the guard's settings (guarded and unguarded plans, or two guard settings, never share a key)
+    and its hardware replaced by this machine's fingerprint."""
+    from torchrec_sparselift.cost.machine import current_fingerprint
+
+    req = planner.request(model, list(sharders))
+    # A guarded plan is a measured decision on this machine: key it by the machine's fingerprint,
+    # not by the profile's rates (the guard's own feedback refits those, which must not turn the
+    # next run into a cache miss).
+    topo = req.topology
+    machine = current_fingerprint(topo.compute_device, int(topo.local_world_size))
+    hw = HardwareProfile(name=f"machine:{machine.digest()}", compute_device=req.hardware.compute_device,
+                         local_world_size=req.hardware.local_world_size,
+                         hbm_cap_bytes=req.hardware.hbm_cap_bytes, ddr_cap_bytes=req.hardware.ddr_cap_bytes)
+    return attrs.evolve(req, hardware=hw, measured_guard=guard.to_dict()).fingerprint()
+
+
 def guard_cache_path(cache_dir: str, fingerprint: Any, guard: MeasuredGuard) -> str:
+    """``cache_dir/guarded-<digest>.json``; ``fingerprint`` is :func:`guard_fingerprint`'s."""
     text = json.dumps({"plan": fingerprint.digest(), "guard": guard.to_dict()}, sort_keys=True)
     return os.path.join(cache_dir, f"guarded-{hashlib.sha256(text.encode()).hexdigest()[:20]}.json")
 
@@ -143,8 +163,7 @@ def guarded_execution_plan(
 
     main = planner_for(constraints)
     model = model_factory()
-    fp = main.fingerprint(model)
-    path = guard_cache_path(cache_dir, fp, guard) if cache_dir else None
+    path = guard_cache_path(cache_dir, guard_fingerprint(main, model, sharders, guard), guard) if cache_dir else None
     # rank 0 decides whether the cache holds the guarded plan; everyone follows
     box: List[Any] = [None]
     if rank == 0 and path and os.path.isfile(path):
