@@ -724,6 +724,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print(f"TorchRec estimator could not price the {name} plan: {d['torchrec_estimate_error']}")
     print("TorchRec's planner chooses no pipeline or comm precision: its plan is priced with "
           "TrainPipelineSparseDist and fp32 comms, TorchRec's default runtime. Ratios above 1.00x favour SparseLift.")
+    if ours.sharding_group_size:
+        from torchrec_sparselift.explain import format_2d
+
+        print("SparseLift's plan is 2D: 'with optimizations' is its step with the replica sync; the other "
+              "SparseLift rows price its group-local sharding as if it were 1D on the first ranks")
+        print("\n".join(format_2d(ours.optimizations())))
     if args.json:
         _write_text(args.json, json.dumps({"inputs": inputs.to_dict(), **cols}, indent=1, default=str))
     if args.save_plans:
