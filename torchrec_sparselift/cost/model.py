@@ -216,38 +216,6 @@ def _allreduce_s(bytes_: float, ctx: CostContext) -> float:
     return ctx.profile.collective_latency_s + 2 * (W - 1) / W * bytes_ / ctx.profile.allreduce_bw
 
 
-def phase_table(
-    colmax: np.ndarray,
-    allreduce_bytes: float,
-    comm_groups: int,
-    ctx: CostContext,
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
-) -> Dict[str, np.ndarray]:
-    """Seconds per phase (:data:`~torchrec_sparselift.cost.pipelines.PHASES`) for each row of
-    ``colmax`` (per-column maxima over ranks, or one rank's loads), as arrays over the rows."""
-    p = ctx.profile
-    cm = np.atleast_2d(colmax)
-    fscale = PRECISION_BYTES[fwd_precision] / 4
-    bscale = PRECISION_BYTES[bwd_precision] / 4
-    lat = p.collective_latency_s * comm_groups if ctx.world_size > 1 else 0.0
-    link_in = np.maximum(cm[:, IN_INTRA] / p.intra_host_bw, cm[:, IN_INTER] / p.inter_host_bw)
-    link_out = np.maximum(cm[:, OUT_INTRA] / p.intra_host_bw, cm[:, OUT_INTER] / p.inter_host_bw)
-    dense_fwd = ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
-    ones = np.ones(cm.shape[0])
-    return {
-        "input_dist": lat + link_in,
-        "uvm_fetch": cm[:, UVM],
-        "lookup": cm[:, FWD],
-        "output_dist": lat + fscale * link_out,
-        "dense_fwd": dense_fwd * ones,
-        "dense_bwd": 2 * dense_fwd * ones,
-        "grad_dist": lat + bscale * link_out,
-        "backward_update": cm[:, BWD],
-        "allreduce": _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx) * ones,
-    }
-
-
 def rank_times(loads: np.ndarray, ctx: CostContext, fwd_precision: str = "fp32",
                bwd_precision: str = "fp32") -> Tuple[np.ndarray, np.ndarray]:
     """Each rank's compute seconds and communication seconds (the compute and link phases of
