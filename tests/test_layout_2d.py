@@ -194,3 +194,17 @@ def test_2d_plans_use_a_pipeline_that_runs_the_replica_sync():
     res = _planner(16, constraints=wl.constraints(), sharding_group_size=8).plan_with_result(
         wl.module(), get_default_sharders())
     assert res.optimizations().pipeline in SYNC_PIPELINES_2D
+
+
+def test_a_cached_2d_plan_must_match_the_asked_layout_and_bound(tmp_path):
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.semantics.reference_workloads import production
+
+    wl = production(6, seed=4)
+    kw = dict(constraints=wl.constraints(), sharding_group_size=8, cache_dir=str(tmp_path))
+    ep = _planner(16, layout_2d="contiguous", **kw).plan_execution(wl.module(), get_default_sharders())
+    assert ep.optimizations.layout_2d.kind == "contiguous"
+    req = _planner(16, layout_2d="strided", **kw).request(wl.module(), get_default_sharders())
+    assert "layout" in req.refuses(ep)
+    assert req.max_sync_interval == 16

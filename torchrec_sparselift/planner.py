@@ -273,8 +273,12 @@ class SparseLiftPlanner(ShardingPlanner):
 
         First every rank checks that all ranks are planning the same input (tables, topology,
         batch size, constraints, statistics); if not, every rank raises an error naming the
-        ranks that differ, instead of hanging or sharding inconsistently.
+        ranks that differ, instead of hanging or sharding inconsistently. Nothing to shard
+        gives ``ShardingPlan({})`` on every rank, as in :meth:`plan`.
         """
+        if not has_shardable_tables(module, get_default_sharders() if sharders is None else sharders,
+                                    self._topology.compute_device, self._batch_size):
+            return ShardingPlan({})
         return self.collective_plan_execution(module, sharders, pg).sharding_plan
 
     def collective_plan_execution(
@@ -390,7 +394,8 @@ class SparseLiftPlanner(ShardingPlanner):
             allow_staleness=self._allow_staleness, solver=self._solver,
             time_budget_s=self._budget, sharding_group_size=self._group,
             sync_interval=self._sync_interval, cost_model=self._cost_model_id(),
-            max_sync_interval=self._max_sync_interval, layout_2d=self._layout_2d,
+            max_sync_interval=self._max_sync_interval if self._group is not None else None,
+            layout_2d=self._layout_2d if self._group is not None else "auto",
         )
 
     def fingerprint(

@@ -252,6 +252,11 @@ class PlanRequest:
             return f"its sync interval {o.sync_interval} is not the pinned {self.sync_interval}"
         if g is not None and self.max_sync_interval is not None and o.sync_interval > self.max_sync_interval:
             return f"its sync interval {o.sync_interval} exceeds max_sync_interval {self.max_sync_interval}"
+        lay = getattr(o, "layout_2d", None)
+        if g is not None and self.layout_2d != "auto" and (lay is None or lay.kind != self.layout_2d):
+            return f"its rank layout is {lay.kind if lay else 'not stored'}, not the {self.layout_2d} asked for"
+        if lay is not None and lay.world_size != W:
+            return f"its 2D layout is for {lay.world_size} ranks, not {W}"
         ranks = g or W
         placed: List[Tuple[str, str]] = []
         for path, module_plan in plan.sharding_plan.plan.items():
