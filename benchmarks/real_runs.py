@@ -168,6 +168,11 @@ def _plans(w: ProbeWorkload, topo, profile, pg, say) -> List[Tuple[str, Any, Dic
     return out
 
 
+def _plan_key(plan) -> Tuple[Any, ...]:
+    return tuple(sorted((t, ps.sharding_type, ps.compute_kernel, tuple(ps.ranks or ()))
+                        for mp in plan.plan.values() for t, ps in mp.items()))
+
+
 def _types(plan) -> str:
     c: Dict[str, int] = {}
     for mp in plan.plan.values():
@@ -224,9 +229,12 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
         say(f"[real_runs] {w.name} round {rep + 1}/{args.reps}: "
             + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms")
     rows = []
+    stat = min if args.stat == "min" else statistics.median
     for r in runners:
-        rows.append(dict(plan=r["name"], types=r["types"], measured_ms=statistics.median(r["runs"]) * 1e3,
+        rows.append(dict(plan=r["name"], types=r["types"], measured_ms=stat(r["runs"]) * 1e3,
+                         median_ms=statistics.median(r["runs"]) * 1e3, min_ms=min(r["runs"]) * 1e3,
                          runs_ms=[x * 1e3 for x in r["runs"]], predicted_ms=r["predicted_s"] * 1e3))
+    keys = {r["name"]: _plan_key(r["plan"]) for r in runners}
     del runners
     gc.collect()
     by = {row["plan"]: row for row in rows}
@@ -236,7 +244,8 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
     guard_pick = min(guard_pool, key=lambda p: by[p]["runs_ms"][0])
     meas = [row["measured_ms"] for row in rows]
     pred = [row["predicted_ms"] for row in rows]
-    return dict(_plans=saved_plans, workload=w.name, tables=len(w.tables), features=sum(len(t.features) for t in w.tables),
+    return dict(_plans=saved_plans, workload=w.name, tables=len(w.tables),
+                same_plan_as_torchrec=keys["sparselift"] == keys["torchrec"], features=sum(len(t.features) for t in w.tables),
                 batch_size=w.batch_size, alpha=alpha, rows=rows, best=best["plan"],
                 torchrec_over_ours=theirs / ours, ours_over_best=ours / best["measured_ms"],
                 best_over_torchrec=theirs / best["measured_ms"],
@@ -252,7 +261,8 @@ def format_workload(res: Dict[str, Any]) -> str:
     for r in res["rows"]:
         lines.append(f"{r['plan']:<16}{r['types'][:17]:<18}{r['measured_ms']:>12.2f}{r['predicted_ms']:>14.2f}"
                      f"{r['predicted_ms'] / r['measured_ms']:>10.2f}{r['measured_ms'] / best:>9.3f}")
-    lines.append(f"TorchRec/SparseLift {res['torchrec_over_ours']:.3f}x; SparseLift/best {res['ours_over_best']:.3f}; "
+    same = " (the same plan: the difference is noise)" if res.get("same_plan_as_torchrec") else ""
+    lines.append(f"TorchRec/SparseLift {res['torchrec_over_ours']:.3f}x{same}; SparseLift/best {res['ours_over_best']:.3f}; "
                  f"best plan {res['best']} ({res['best_over_torchrec']:.3f}x over TorchRec); guard keeps "
                  f"{res['guard_pick']} ({res['guard_torchrec_over']:.3f}x over TorchRec); MAPE "
                  f"{res['mape'] * 100:.1f}%, Spearman {res['spearman']:.2f}")
@@ -307,6 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="timed steps per plan per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before each timed run")
     p.add_argument("--batches", type=int, default=8, help="distinct pre-built batches per rank (cycled)")
+    p.add_argument("--stat", choices=["median", "min"], default="median",
+                   help="a plan's time over its rounds (min: the least-disturbed round, for a shared machine)")
     p.add_argument("--profile", help="price with this profile JSON instead of the machine's step-fitted one")
     p.add_argument("--calibrate", action="store_true", help="fit this machine's profile first even if one is stored")
     args = p.parse_args(argv)
@@ -372,6 +384,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             geomean_torchrec_over_guard=geomean([r["guard_torchrec_over"] for r in results]),
             geomean_best_over_torchrec=geomean([r["best_over_torchrec"] for r in results]),
             min_torchrec_over_ours=min(ratios),
+            workloads_ours_ge_098_torchrec=sum(1 for r in results if r["torchrec_over_ours"] >= 0.98),
+            workloads_ours_within_2pct_of_best=sum(1 for r in results if r["ours_over_best"] <= 1.02),
+            workloads_same_plan_as_torchrec=sum(1 for r in results if r["same_plan_as_torchrec"]),
             max_ours_over_best=max(r["ours_over_best"] for r in results),
             mape_all=mape(all_pred, all_meas),
             mean_workload_spearman=statistics.fmean([r["spearman"] for r in results if not math.isnan(r["spearman"])])
@@ -381,13 +396,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"(worst {summary['min_torchrec_over_ours']:.3f}x); with the guard's pick "
             f"{summary['geomean_torchrec_over_guard']:.3f}x; best measured plan over TorchRec (headroom) "
             f"{summary['geomean_best_over_torchrec']:.3f}x; SparseLift/best worst {summary['max_ours_over_best']:.3f}; "
+            f"SparseLift >= 0.98x TorchRec on {summary['workloads_ours_ge_098_torchrec']}/{len(results)} workloads, "
+            f"within 2% of the best on {summary['workloads_ours_within_2pct_of_best']}/{len(results)} (same plan as "
+            f"TorchRec on {summary['workloads_same_plan_as_torchrec']}); "
             f"prediction MAPE {summary['mape_all'] * 100:.1f}% over {len(all_meas)} plans, mean Spearman "
             f"{summary['mean_workload_spearman']:.2f} (held out: profile fitted on the probe workloads)")
         if rank == 0:
             out = dict(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), wall_s=time.time() - t_start,
                        profile=profile.to_dict(), profile_source=source, fingerprint=fp.to_dict(),
                        settings=dict(reps=args.reps, steps=args.steps, warmup=args.warmup, batches=args.batches,
-                                     quick=args.quick), load_end=os.getloadavg()[0], workloads=results,
+                                     quick=args.quick, stat=args.stat), load_end=os.getloadavg()[0], workloads=results,
                        summary=summary)
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out + ".tmp", "w", encoding="utf-8") as f:
