@@ -60,6 +60,8 @@ def _both(**kw):
 def test_no_sharders_gives_an_empty_plan_in_both_planners():
     for planner in _both(topology=_topo()):
         assert planner.plan(_ebc(2, 100, 64), sharders=[]) == ShardingPlan({})
+    # every rank knows it without a collective (no process group needed)
+    assert SparseLiftPlanner(topology=_topo()).collective_plan(_ebc(2, 100, 64), sharders=[]) == ShardingPlan({})
 
 
 @pytest.mark.parametrize("types,rows,dim,expected", [
