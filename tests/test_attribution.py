@@ -190,3 +190,44 @@ def test_attribute_steps_on_a_real_sharded_model_finds_every_sparse_path_kind() 
             assert k[kind] > 0, f"rank {r.rank}: no {kind} time measured ({dict(k)})"
         # the unlabelled remainder is a minority of the step
         assert k["rest"] < 0.5 * r.step_ms, dict(k)
+
+
+# ---------------------------------------------------------------------------------------------
+# sparselift explain --attribution
+# ---------------------------------------------------------------------------------------------
+
+def test_explain_shows_measured_next_to_predicted_per_kind_and_draws_it(tmp_path: Any, capsys: Any) -> None:
+    import os
+
+    from torchrec_sparselift.cli import main
+
+    tiny = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "tables", "cpu_tiny.json")
+    cpu = ["--topology", "cpu-gloo", "--world-size", "2", "--quiet"]
+    plan = str(tmp_path / "plan.json")
+    assert main(["plan", "--tables", tiny, *cpu, "--out", plan, "--time-budget", "2"]) == 0
+    att = StepAttribution(ranks=(attribute_events(_tree(), rank=0), attribute_events(_tree(), rank=1)),
+                          label="tiny", pipeline="base")
+    path = str(tmp_path / "att.json")
+    save_attribution(path, att)
+    capsys.readouterr()
+    args = ["explain", plan, "--attribution", path, "--top", "1", "--quiet"]
+    png = tmp_path / "plan.png"
+    try:
+        import matplotlib  # noqa: F401
+
+        args += ["--png", str(png)]
+    except ImportError:
+        png = None
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Measured vs predicted per sparse-path node kind" in out
+    block = out[out.index("Measured vs predicted"):]
+    for kind in ("input_dist", "lookup", "grad_dist", "dense_bwd", "step"):
+        assert f"\n{kind}" in block
+    assert "predicted ms" in block
+    if png is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["explain", plan, "--attribution", str(bad), "--quiet"]) != 0
+    assert "not a SparseLift attribution file" in capsys.readouterr().err

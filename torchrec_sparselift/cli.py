@@ -479,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--top", type=int, default=8, metavar="N", help="explain this many of the largest tables (default 8)")
     e.add_argument("--png", default=None, metavar="FILE", help="also draw per-rank bars and a step timeline "
                    "(needs matplotlib)")
+    e.add_argument("--attribution", default=None, metavar="FILE.json",
+                   help="a measured attribution (examples/dlrm/train.py --attribute N, or "
+                   "runtime.attribution.save_attribution): show each sparse-path node kind's measured ms "
+                   "next to the model's prediction (also in the PNG)")
     _add_input_args(e, required=False)
     _add_2d_args(e.add_argument_group("2D (with an input: the planning inputs to compare against)"))
     _add_common(e)
@@ -792,6 +796,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
     _check_flags(args)
     if not os.path.isfile(args.plan):
         raise CliError(f"plan file {args.plan!r} does not exist")
+    attribution = None
+    if args.attribution:
+        from torchrec_sparselift.runtime.attribution import load_attribution
+
+        try:
+            attribution = load_attribution(args.attribution)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CliError(f"--attribution {args.attribution}: not a SparseLift attribution file ({e}); write one "
+                           "with examples/dlrm/train.py --attribute N --attribution-out FILE") from None
     _import_torchrec(args.quiet)
     from torchrec_sparselift.plan import ExecutionPlan, PlanFormatError
 
@@ -869,11 +882,24 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"\nWhy the {len(expl)} tables with the most modelled work got their sharding (each "
                   "alternative priced on its best ranks with the rest of the plan fixed):")
             print(format_tables(expl))
+    comparison = None
+    if attribution is not None:
+        from torchrec_sparselift.runtime.attribution import compare, format_comparison, predicted_for_plan
+
+        predicted = predicted_for_plan(evaluated) if inputs is not None else None
+        comparison = compare(attribution, predicted)
+        label = f" ({attribution.label})" if attribution.label else ""
+        print(f"\nMeasured vs predicted per sparse-path node kind, ms per step ({args.attribution}{label}, "
+              f"{attribution.world_size} ranks, pipeline {attribution.pipeline or '?'}):")
+        print(format_comparison(comparison, attribution))
+        if predicted is None:
+            print("(no prediction per kind: give the plan's inputs to re-price it, see the note above)")
     if args.png:
         if segments is None:
             raise CliError("--png needs the step timeline: give the plan's inputs (see the note above)")
         try:
-            render_png(p, segments, args.png, title=f"{os.path.basename(args.plan)}: {ep.summary()}")
+            render_png(p, segments, args.png, title=f"{os.path.basename(args.plan)}: {ep.summary()}",
+                       comparison=comparison)
         except ImportError as e:
             raise CliError(str(e)) from None
         except OSError as e:

@@ -278,9 +278,14 @@ _COLORS = {
 }
 
 
-def render_png(prediction: Any, segments: Sequence[Segment], path: str, title: str = "") -> str:
+def render_png(prediction: Any, segments: Sequence[Segment], path: str, title: str = "",
+               comparison: Optional[Sequence[Any]] = None) -> str:
     """Write a PNG with per-rank stacked bars (compute / exposed comm / overlapped comm, with the
     step time and lower bound as lines) above a timeline of one step. Returns ``path``.
+
+    ``comparison`` (rows of :func:`torchrec_sparselift.runtime.attribution.compare`: ``kind``,
+    ``measured_ms``, ``predicted_ms``) adds a third panel: measured vs predicted ms per
+    sparse-path node kind.
 
     Raises ``ImportError`` with the install command when matplotlib is missing.
     """
@@ -297,8 +302,11 @@ def render_png(prediction: Any, segments: Sequence[Segment], path: str, title: s
     comp = np.array([r.compute_s for r in per]) * 1e3
     exp_ = np.array([r.exposed_comm_s for r in per]) * 1e3
     ovl = np.array([r.overlapped_comm_s for r in per]) * 1e3
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8.0, min(20.0, 0.25 * len(per) + 6)), 8.5),
-                                   gridspec_kw={"height_ratios": [3, 2]})
+    rows3 = [r for r in (comparison or ()) if r.kind != "step"]
+    n_ax = 3 if rows3 else 2
+    fig, axes = plt.subplots(n_ax, 1, figsize=(max(8.0, min(20.0, 0.25 * len(per) + 6)), 8.5 + 4.5 * (n_ax - 2)),
+                             gridspec_kw={"height_ratios": [3, 2, 3][:n_ax]})
+    ax1, ax2 = axes[0], axes[1]
     if len(title) > 80:  # wrap long titles at a comma
         cut = title.rfind(",", 0, 80)
         title = title[: cut + 1] + "\n" + title[cut + 1:].strip() if cut > 0 else title
@@ -344,6 +352,21 @@ def render_png(prediction: Any, segments: Sequence[Segment], path: str, title: s
     handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[p]) for p in present]
     ax2.legend(handles, present, fontsize=7, ncol=min(5, max(1, len(present))), loc="upper center",
                bbox_to_anchor=(0.5, -0.28))
+    if rows3:
+        ax3 = axes[2]
+        y = np.arange(len(rows3))
+        meas = [r.measured_ms for r in rows3]
+        pred = [r.predicted_ms or 0.0 for r in rows3]
+        ax3.barh(y - 0.2, meas, height=0.4, color="#C44E52", label="measured (profiler, slowest rank)")
+        if any(r.predicted_ms is not None for r in rows3):
+            ax3.barh(y + 0.2, pred, height=0.4, color="#4C72B0", label="predicted (cost model)")
+        ax3.set_yticks(y)
+        ax3.set_yticklabels([r.kind for r in rows3], fontsize=8)
+        ax3.invert_yaxis()
+        ax3.axvline(0, color="black", lw=0.6)
+        ax3.set_xlabel("ms per step")
+        ax3.set_title("measured vs predicted per sparse-path node kind")
+        ax3.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

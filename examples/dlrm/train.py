@@ -165,6 +165,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "only on torchrun's first attempt, so --max-restarts resumes",
     )
     p.add_argument("--out", help="write the JSON result here (rank 0)")
+    p.add_argument(
+        "--attribute",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after training, profile N more steps (torch.profiler) and print where the step time goes per "
+        "sparse-path node kind next to the model's prediction; costs 2 + 2N extra steps (they train too)",
+    )
+    p.add_argument(
+        "--attribution-out",
+        metavar="FILE.json",
+        help="with --attribute: write the attribution here (rank 0; default: next to --out) for "
+        "`sparselift explain PLAN --attribution FILE`",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on failure")
     p.add_argument("--check", action="store_true", help="only validate the flags and tables, then exit (no torch)")
@@ -187,6 +201,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise UsageError("--pipeline applies to --planner sparselift (--planner torchrec trains with sparse_dist)")
     if args.zipf_alpha <= 0:
         raise UsageError(f"--zipf-alpha must be > 0, got {args.zipf_alpha}")
+    if args.attribute < 0:
+        raise UsageError(f"--attribute must be >= 0 steps, got {args.attribute}")
     if args.measured_guard < 0 or args.guard_steps < 1:
         raise UsageError("--measured-guard must be >= 0 and --guard-steps >= 1")
     if args.measured_guard and args.planner != "sparselift":
@@ -474,6 +490,41 @@ def shard_model(model, plan, device, lr: float, dense_optimizer: str, dense_lr: 
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt])
 
 
+# ---------------------------------------------------------------- runtime attribution
+
+#: steps --attribute runs before it times and profiles (pipeline refill after the training loop)
+ATTRIBUTION_WARMUP = 2
+
+
+def attribute_run(
+    pipeline, batches, steps: int, pg, device, plan, model_factory: Callable, world_size: int,
+    local_world_size: int, batch_size: int, constraints, hardware, pipeline_kind: str, fwd: str, bwd: str,
+    label: str,
+):
+    """Profile ``steps`` more steps of ``pipeline`` (after ATTRIBUTION_WARMUP, and as many timed without
+    the profiler) and set each sparse-path node kind's measured ms (slowest rank) next to what the
+    cost model predicts for ``plan`` (re-priced on a fresh meta model). Returns (StepAttribution,
+    predicted seconds per kind, the printed table)."""
+    from torchrec.distributed.planner import Topology
+
+    from torchrec_sparselift import evaluate_sharding_plan
+    from torchrec_sparselift.runtime.attribution import (
+        attribute_steps, compare, format_comparison, predicted_for_plan,
+    )  # fmt: skip
+
+    att = attribute_steps(pipeline, batches, steps=steps, warmup_steps=ATTRIBUTION_WARMUP, pg=pg, label=label,
+                          pipeline=pipeline_kind, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=device.type)
+        evaluated = evaluate_sharding_plan(model_factory(), plan, topology, batch_size, constraints, hardware=hardware,
+                                           pipeline=pipeline_kind, fwd_precision=fwd, bwd_precision=bwd)
+    predicted = predicted_for_plan(evaluated)
+    text = ("[dlrm] where the step time goes, measured (torch.profiler, exclusive time per sparse-path node "
+            "kind) vs predicted:\n" + format_comparison(compare(att, predicted), att))
+    return att, predicted, text
+
+
 # ---------------------------------------------------------------- the training loop
 
 
@@ -663,11 +714,13 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
             first_step = resumed_from = info.step
             say(f"[dlrm] resumed from the checkpoint after step {info.step} in {args.checkpoint_dir}")
     # The pipeline prefetches from this iterator, so it starts at the first step to run.
+    # --attribute profiles more steps after training: the iterator holds their batches too
+    last_batch = args.steps + (ATTRIBUTION_WARMUP + 2 * args.attribute + 2 if args.attribute else 0)
     if args.criteo_dir:
-        batches = criteo_batches(args.criteo_dir, tables, args.batch_size, rank, world_size, args.steps, first_step)
+        batches = criteo_batches(args.criteo_dir, tables, args.batch_size, rank, world_size, last_batch, first_step)
     else:
         batches = synthetic_batches(
-            tables, args.batch_size, args.seed, rank, args.steps, args.zipf_alpha, args.signal, start=first_step
+            tables, args.batch_size, args.seed, rank, last_batch, args.zipf_alpha, args.signal, start=first_step
         )
     to_run = args.steps - first_step
     warmup = min(args.warmup_steps, to_run - 1)
@@ -769,6 +822,24 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         say(f"[dlrm] step time: measured {record.measured_s * 1e3:.2f} ms (median, slowest rank); no prediction applies")
     if saved:
         say(f"[dlrm] checkpoints after step(s) {saved} in {args.checkpoint_dir}")
+    if args.attribute:
+        fwd_p, bwd_p = comm.split("/")
+        att, predicted, att_text = attribute_run(
+            pipeline, batches, args.attribute, pg, device, plan, lambda: build_model(tables, model_kind, arch),
+            world_size, local_world_size, args.batch_size, constraints,
+            hardware if not isinstance(hardware, str) else check_hardware(hardware),
+            pipeline_kind, fwd_p, bwd_p, timer_label,
+        )  # fmt: skip
+        out["attribution"] = att.to_dict()
+        out["attribution_predicted_ms"] = {k: v * 1e3 for k, v in predicted.items()}
+        say(att_text)
+        att_path = args.attribution_out or (os.path.splitext(args.out)[0] + ".attribution.json" if args.out else None)
+        if rank == 0 and att_path:
+            from torchrec_sparselift.runtime.attribution import save_attribution
+
+            os.makedirs(os.path.dirname(os.path.abspath(att_path)), exist_ok=True)
+            save_attribution(att_path, att)
+            say(f"[dlrm] wrote the attribution to {att_path} (sparselift explain PLAN --attribution {att_path})")
     if not all(math.isfinite(x) for x in loss_list):
         raise RuntimeError("training diverged: a loss is not finite (lower --lr)")
     if rank == 0 and args.out:

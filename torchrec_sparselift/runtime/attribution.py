@@ -68,6 +68,8 @@ __all__ = [
     "attribute_steps",
     "profile_events",
     "predicted_by_kind",
+    "predicted_for_plan",
+    "model_splits",
     "dp_optimizer_seconds",
     "compare",
     "format_attribution",
@@ -564,13 +566,63 @@ def dp_optimizer_seconds(evaluated: Any) -> float:
     return total
 
 
-def predicted_by_kind(step: Any, *, dp_optimizer_s: float = 0.0) -> Dict[str, float]:
+_KJT_NODE_KINDS = ("kjt_work", "bucketize")  # host work per feature / per id: the KJT kind
+
+
+def model_splits(evaluated: Any) -> Dict[str, float]:
+    """The parts of the model's compute phases that the attribution measures as other kinds, on
+    the rank that sets each phase (seconds): ``kjt_fwd_s`` / ``kjt_bwd_s`` (host KJT work nodes
+    inside ``lookup`` / ``backward_update``), ``dp_optimizer_s`` (:func:`dp_optimizer_seconds`).
+    Keyword arguments for :func:`predicted_by_kind`; ``evaluated`` is a PlanResult.
+    """
+    import numpy as np
+
+    from torchrec_sparselift.cost.model import BWD, FWD, node_time
+    from torchrec_sparselift.semantics.graph import shard_nodes
+
+    prob, s = evaluated.problem, evaluated.search
+    ctx = prob.ctx
+    W = ctx.world_size
+    kjt = np.zeros((W, 2))  # forward, backward
+    for t, (cid, ranks) in enumerate(s.assignment):
+        cand = prob.cands[cid]
+        for owner in ranks:
+            for node in shard_nodes(prob.specs[t], cand, W, ctx.local_world_size):
+                if node.kind not in _KJT_NODE_KINDS:
+                    continue
+                v = node_time(node, ctx.profile)
+                col = 1 if node.backward else 0
+                if node.scope == "owner":
+                    kjt[owner, col] += v
+                elif node.scope == "others":
+                    kjt[:, col] += v
+                    kjt[owner, col] -= v
+                else:
+                    kjt[:, col] += v
+    loads = getattr(s, "rank_loads", None)
+    if loads is not None and len(loads) == W:
+        r_fwd, r_bwd = int(np.argmax(loads[:, FWD])), int(np.argmax(loads[:, BWD]))
+    else:
+        r_fwd = r_bwd = int(np.argmax(kjt.sum(axis=1)))
+    return {"kjt_fwd_s": float(kjt[r_fwd, 0]), "kjt_bwd_s": float(kjt[r_bwd, 1]),
+            "dp_optimizer_s": dp_optimizer_seconds(evaluated)}
+
+
+def predicted_for_plan(evaluated: Any) -> Dict[str, float]:
+    """:func:`predicted_by_kind` for a PlanResult (e.g. from ``evaluate_sharding_plan``)."""
+    return predicted_by_kind(evaluated.search.step, **model_splits(evaluated))
+
+
+def predicted_by_kind(step: Any, *, dp_optimizer_s: float = 0.0, kjt_fwd_s: float = 0.0,
+                      kjt_bwd_s: float = 0.0) -> Dict[str, float]:
     """The model's seconds per step for each of :data:`KINDS` (plus ``overlap``, <= 0).
 
     ``step`` is a :class:`~torchrec_sparselift.cost.model.StepTime` (its ``phases``, ``total_s``).
     Each kind gets the phases of :data:`PREDICTED_KINDS`; the all-reduce only its part longer than
     the dense backward (the model hides the rest under it); ``dense_optimizer`` the data-parallel
-    tables' optimizer pass (``dp_optimizer_s``, taken out of ``backward_update``). ``overlap`` is
+    tables' optimizer pass (``dp_optimizer_s``, taken out of ``backward_update``); ``kjt`` the host
+    KJT work the model puts inside ``lookup`` (``kjt_fwd_s``) and ``backward_update``
+    (``kjt_bwd_s``) (see :func:`model_splits`). ``overlap`` is
     ``total_s`` minus the sum, what the pipeline hides; the values sum to ``total_s``.
     """
     ph = dict(step.phases)
@@ -580,6 +632,11 @@ def predicted_by_kind(step: Any, *, dp_optimizer_s: float = 0.0) -> Dict[str, fl
         out[kind] = sum(float(ph.get(p, 0.0)) for p in phases)
     out["rest"] += sum(float(v) for p, v in ph.items() if p not in named)
     out["grad_allreduce"] = max(0.0, float(ph.get("allreduce", 0.0)) - float(ph.get("dense_bwd", 0.0)))
+    kf = min(max(0.0, kjt_fwd_s), out["lookup"])
+    out["lookup"] -= kf
+    kb = min(max(0.0, kjt_bwd_s), out["backward_update"])
+    out["backward_update"] -= kb
+    out["kjt"] = kf + kb
     dp = min(max(0.0, dp_optimizer_s), out["backward_update"])
     out["backward_update"] -= dp
     out["dense_optimizer"] = dp
@@ -636,7 +693,7 @@ def format_comparison(rows: Sequence[KindComparison], att: Optional[StepAttribut
             if r.predicted_ms is None:
                 cells += ["-", "-"]
             else:
-                modelled = r.kind in PREDICTED_KINDS or r.kind in ("dense_optimizer", "overlap", "step")
+                modelled = r.kind in PREDICTED_KINDS or r.kind in ("overlap", "step") or r.predicted_ms != 0
                 note = "" if modelled or r.measured_ms == 0 else " (not modelled)"
                 cells += [f"{r.predicted_ms:.3f}", f"{r.delta_ms:+.3f}{note}"]
         lines.append(cells)
