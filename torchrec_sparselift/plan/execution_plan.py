@@ -119,9 +119,22 @@ def _non_negative(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) 
         )
 
 
-def _non_negative_int(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be an int >= 0, got {value!r}")
+def _int_at_least(least: int, note: str = "", optional: bool = False) -> Any:
+    """Validator: an int (not a bool) >= ``least``; ``None`` too when ``optional``."""
+
+    def check(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(
+                f"{type(instance).__name__}.{attribute.name} must be {'None (1D) or ' if optional else ''}"
+                f"an int >= {least}{note}, got {value!r}"
+            )
+
+    return check
+
+
+_non_negative_int = _int_at_least(0)
 
 
 def _one_of(choices: Sequence[str]) -> Any:
@@ -169,8 +182,8 @@ class Optimizations:
     pipeline: str = attrs.field(default="sparse_dist", validator=_one_of(PIPELINES))
     fwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
     bwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
-    sharding_group_size: Optional[int] = attrs.field(default=None)
-    sync_interval: int = attrs.field(default=1)
+    sharding_group_size: Optional[int] = attrs.field(default=None, validator=_int_at_least(1, optional=True))
+    sync_interval: int = attrs.field(default=1, validator=_int_at_least(1, " (steps)"))
     table_grouping: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     layout_2d: Optional[Layout2D] = attrs.field(
         default=None, converter=lambda v: Layout2D.from_dict(v) if isinstance(v, Mapping) else v,
@@ -179,13 +192,6 @@ class Optimizations:
 
     def __attrs_post_init__(self) -> None:
         g = self.sharding_group_size
-        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
-            raise ValueError(
-                f"Optimizations.sharding_group_size must be None (1D) or an int >= 1, got {g!r}"
-            )
-        s = self.sync_interval
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-            raise ValueError(f"Optimizations.sync_interval must be an int >= 1 (steps), got {s!r}")
         lay = self.layout_2d
         if lay is not None and (g is None or lay.group_size != g):
             raise ValueError(
@@ -301,16 +307,12 @@ class Fingerprint:
 
     tables_digest: str = attrs.field(validator=_hex_digest)
     topology_digest: str = attrs.field(validator=_hex_digest)
-    batch_size: int = attrs.field()
+    batch_size: int = attrs.field(validator=_int_at_least(1))
     constraints_digest: str = attrs.field(validator=_hex_digest)
     stats_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)
     hardware_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)
     options_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)
     versions: Versions = attrs.field(factory=Versions.current, converter=_versions)
-
-    def __attrs_post_init__(self) -> None:
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"Fingerprint.batch_size must be an int >= 1, got {self.batch_size!r}")
 
     def cache_key(self) -> str:
         """sha256 hex over tables, topology, batch size, constraints, hardware and options digests."""
