@@ -1,9 +1,18 @@
 """runtime: apply a plan. ``lift`` / ``SparseLiftModelParallel`` build DistributedModelParallel with
 the plan's comm codecs and the planned train pipeline; ``StepTimer`` measures steady-state step time
-against the prediction. CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in
+against the prediction; ``attribute_steps`` splits real steps by sparse-path node kind and
+``CommCounter`` counts the bytes and ids a step moves. CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in
 ``runtime.two_d``.
 """
 
+from torchrec_sparselift.runtime.attribution import (
+    RankAttribution,
+    StepAttribution,
+    attribute_steps,
+    load_attribution,
+    save_attribution,
+)
+from torchrec_sparselift.runtime.comm_counter import CommCounter
 from torchrec_sparselift.runtime.model_parallel import (
     COMM_PRECISIONS,
     Lifted,
@@ -34,6 +43,12 @@ from torchrec_sparselift.runtime.timing import (
 
 __all__ = [
     "COMM_PRECISIONS",
+    "CommCounter",
+    "RankAttribution",
+    "StepAttribution",
+    "attribute_steps",
+    "load_attribution",
+    "save_attribution",
     "EXACT_PIPELINE_KINDS",
     "PIPELINE_KINDS",
     "Lifted",
