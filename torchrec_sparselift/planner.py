@@ -516,13 +516,23 @@ class SparseLiftPlanner(ShardingPlanner):
             alts_layout = tuple((r.sharding_group_size or topo.world_size,
                                  r.layout_2d.kind if r.layout_2d else "1d", r.step_time_s)
                                 for r in results)
-            # polish the winner with the full budget left
+            # polish the winner with the budget left; a 2D winner shares it with 1D (the whole
+            # world), whose split-budget solve may have been weak, so 2D never wins by budget alone
             left = max(0.5, self._budget - (time.monotonic() - t0))
             g = best.sharding_group_size or topo.world_size
-            res = self._solve_group(module, sharders, handles, g, left, time.monotonic(),
+            one_d = [r for r in results if r.sharding_group_size is None]
+            share = left / 2 if g < topo.world_size and one_d else left
+            res = self._solve_group(module, sharders, handles, g, share, time.monotonic(),
                                     best.layout_2d)
             if res.step_time_s > best.step_time_s:
                 res = best
+            if g < topo.world_size and one_d:
+                flat = self._solve_group(module, sharders, handles, topo.world_size,
+                                         max(0.5, self._budget - (time.monotonic() - t0)),
+                                         time.monotonic())
+                flat = min([flat] + one_d, key=lambda r: r.step_time_s)
+                if flat.step_time_s < res.step_time_s:
+                    res = flat
             res = attrs.evolve(res, alternatives_2d=alts, alternatives_layout=alts_layout)
         self.last_result = res
         if self._debug:
