@@ -1,6 +1,7 @@
 """The planner facade: TorchRec's ``stats`` argument is honoured, and the names that moved out of
 planner.py (issue 11) are still importable from it and from the package."""
 
+import os
 import warnings
 
 import torch
@@ -12,6 +13,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 
 import torchrec_sparselift
 from torchrec_sparselift import SparseLiftPlanner
+from torchrec_sparselift.plan import PlanCache, PlanRequest
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -69,3 +71,24 @@ def test_moved_names_are_importable_from_the_facade_and_the_package():
     from torchrec_sparselift.search.errors import SparseLiftPlannerError as old_home
 
     assert old_home is SparseLiftPlannerError is torchrec_sparselift.SparseLiftPlannerError
+
+
+def test_one_plan_builds_exactly_one_request_and_every_consumer_reads_it(tmp_path, monkeypatch):
+    built = []
+    real_init = PlanRequest.__init__
+
+    def counting_init(self, **kw):
+        real_init(self, **kw)
+        built.append(self)
+
+    monkeypatch.setattr(PlanRequest, "__init__", counting_init)
+    _planner().plan(_ebc(), get_default_sharders())
+    assert len(built) == 1
+    for hit in (False, True):  # with a cache: planned and stored, then loaded
+        built.clear()
+        planner = _planner(cache_dir=str(tmp_path))
+        planner.plan(_ebc(), get_default_sharders())
+        assert len(built) == 1 and planner.last_cache_hit is hit
+        ep = planner.last_execution_plan  # keyed by, and carrying, the request's fingerprint
+        assert ep.fingerprint == built[0].fingerprint(versions=ep.fingerprint.versions)
+        assert os.path.exists(PlanCache(tmp_path).path_for(built[0].fingerprint()))
