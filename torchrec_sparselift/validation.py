@@ -16,10 +16,19 @@ problem it found, each line naming the offending table, feature or field and the
   memory of the whole cluster, so no plan can exist. (A single table too big for any one rank is
   reported by the planner's search, which knows each option's footprint.)
 
-Some of these are also refused elsewhere (``SparseLiftPlanner.__init__`` rejects a batch size of 0,
-:func:`~torchrec_sparselift.semantics.tables.extract_tables` rejects constraints for unknown tables
-and constraints that leave no sharding type or kernel, ``TableSpec`` rejects non-positive shapes);
-repeating the cheap checks here keeps this function a complete statement of what valid input is.
+Every check lives here, and runs before any value is built. The planner passes a
+:class:`Problems` list to :func:`~torchrec_sparselift.semantics.tables.extract_tables`, which
+applies :func:`table_value_problems` (the checks ``TableSpec`` itself runs) and records what
+leaves a table no sharding type or kernel instead of raising; :func:`validate_inputs` adds the
+rest and raises them all in one error. Without a list, ``extract_tables`` and ``TableSpec`` raise
+the first problem with the same words.
+
+The planner's own arguments and the CLI's flags go through :func:`setting_problems` (sizes and
+budgets: zero, negative, non-numeric, non-finite) and :func:`planner_option_problems` (pipelines,
+solver, 2D group size against the topology), also listed at once.
+
+This module is the base of the package with :mod:`torchrec_sparselift.errors`: it imports no
+other layer, so every layer may use it.
 """
 
 from __future__ import annotations
