@@ -67,7 +67,9 @@ def describe_sharders(sharders: Sequence[Any]) -> Tuple[str, ...]:
 
 
 def describe_callbacks(callbacks: Sequence[Callable[..., Any]]) -> Tuple[str, ...]:
-    """Callbacks by qualified name, in order (they run in order on the final options)."""
+    """Callbacks by qualified name, in order (they run in order on the final options). Their
+    code is not hashed: two lambdas of one scope, or an edited function, look alike; give
+    callbacks distinct names and clear ``cache_dir`` after changing one."""
     return tuple(f"{getattr(c, '__module__', '?')}.{getattr(c, '__qualname__', type(c).__qualname__)}"
                  for c in callbacks)
 
