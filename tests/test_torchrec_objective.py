@@ -27,6 +27,7 @@ from torchrec_sparselift.search.proposer import SparseLiftProposer  # noqa: E402
 from torchrec_sparselift.search.torchrec_objective import (  # noqa: E402
     estimate_options,
     estimator_identity,
+    rate_placed,
 )
 from torchrec_sparselift.semantics.reference_workloads import kaggle, production  # noqa: E402
 
@@ -50,6 +51,9 @@ def test_objective_is_torchrecs_rating_and_bound_is_below(kaggle8):
                            cost_model="torchrec", time_budget_s=4)
     res = pl.plan_with_result(module, sharders)
     judged = torchrec_score(res.sharding_options, topo, sharders, cons)
+    fast = rate_placed(res.sharding_options, topo, sharders, cons)
+    assert fast["perf_ms"] == pytest.approx(judged.perf_ms, rel=1e-12)
+    assert fast["peak_hbm_bytes"] == judged.peak_hbm_bytes
     assert res.search.step.total_s * 1e3 == pytest.approx(judged.perf_ms, rel=1e-9)
     assert res.search.step.total_s * 1e3 == pytest.approx(NoopPerfModel(topology=topo).rate(
         list(res.sharding_options)), rel=1e-9)
@@ -132,6 +136,7 @@ def test_makespan_bound_is_a_bound_and_closes_small_instances():
     assert piece_bounds(np.array([4.0, 1.0, 1.0]), 2, uniform=1.0) == pytest.approx(5.0)
 
 
+@pytest.mark.slow  # two EmbeddingShardingPlanner runs: ~12 s quiet, ~50 s on the loaded 2-core VM
 def test_proposer_inside_embedding_sharding_planner_beats_torchrecs_proposers(kaggle8):
     module, topo, batch, cons, sharders = kaggle8
     theirs = BestPlanCapture()

@@ -151,9 +151,9 @@ def _copy_back(reps: Sequence[Tuple[Any, Any, List[List[int]]]]) -> None:
 
 def _uvm_needed(reps: Sequence[Tuple[Any, Any, List[List[int]]]], rank_hbm: float, total_hbm: float) -> set:
     """Tables whose UVM options are worth estimating: memory is tight for them (their smallest
-    non-UVM shard takes over 1/16 of a rank's HBM) or for the whole plan (the smallest non-UVM
-    total storage of all tables is over half the cluster's HBM). Elsewhere a UVM option only
-    trades speed for memory that is not short."""
+    non-UVM shard takes over 1/16 of a rank's HBM), and, when the smallest non-UVM storage of all
+    tables is over half the cluster's HBM, the biggest tables until the rest is under half.
+    Elsewhere a UVM option only trades speed for memory that is not short."""
     smallest_shard: Dict[Tuple[str, str], float] = {}
     smallest_total: Dict[Tuple[str, str], float] = {}
     for o, rep, idxs in reps:
@@ -164,9 +164,15 @@ def _uvm_needed(reps: Sequence[Tuple[Any, Any, List[List[int]]]], rank_hbm: floa
         tot = sum(h * len(ix) for h, ix in zip(hbm, idxs))
         smallest_shard[key] = min(smallest_shard.get(key, np.inf), max(hbm))
         smallest_total[key] = min(smallest_total.get(key, np.inf), tot)
-    if sum(smallest_total.values()) > 0.5 * total_hbm:
-        return {(o.path, o.name) for o, _, _ in reps}
     need = {k for k, v in smallest_shard.items() if v > rank_hbm / 16}
+    # tight overall: the biggest tables too, until the others' smallest storage is at most half
+    rest = sum(v for k, v in smallest_total.items() if k not in need)
+    for k in sorted(smallest_total, key=lambda k: (-smallest_total[k], k)):
+        if rest <= 0.5 * total_hbm:
+            break
+        if k not in need:
+            need.add(k)
+            rest -= smallest_total[k]
     keys = {(o.path, o.name) for o, _, _ in reps}
     return need | (keys - set(smallest_shard))  # tables with only UVM options keep them
 
@@ -481,26 +487,37 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
     t0 = time.monotonic()
     prob = trp.problem
     heur_solver = "heuristic" if solver == "auto" else solver
-    res = solve(prob, time_budget_s=0.25 * time_budget_s, pipeline="base", solver=heur_solver)
+    from torchrec_sparselift.search.errors import SparseLiftPlannerError
+
+    try:
+        res = solve(prob, time_budget_s=0.25 * time_budget_s, pipeline="base", solver=heur_solver)
+        failed = None
+    except SparseLiftPlannerError as e:  # the generic greedy could not fit: try rigid-first
+        res, failed = None, e
     alt = _rigid_first(prob, 0.25 * time_budget_s)
-    if alt is not None and alt[0].objective() < res.step.total_s * (1 - 1e-9):
+    if res is None:
+        if alt is None:
+            raise failed
+        res = _result_from(prob, alt[0], f"lp+rigid-first greedy({alt[1]})+local_search", t0)
+    elif alt is not None and alt[0].objective() < res.step.total_s * (1 - 1e-9):
         ev, seed = alt
         res = attrs.evolve(res, assignment=tuple(ev.assignment[t] for t in range(prob.num_tables)),
                            step=ev.step_time(), rank_loads=ev.rank_loads(),
                            solver=f"lp+rigid-first greedy({seed})+local_search")
     bprob = trp.bound_problem if trp.bound_problem is not None else prob
+    core, keep = perf_core(bprob)
+    exact = solver in ("auto", "milp") and milp_size(core) <= TORCHREC_MILP_MAX_VARS
     left = max(0.2, time_budget_s - (time.monotonic() - t0))
-    lb = makespan_bound(bprob, time_limit_s=min(left, max(1.0, 0.25 * time_budget_s)),
-                        upper=res.step.total_s)
+    # without the placement MILP, the bound MILP gets the rest of the budget (at least 1 s)
+    lb = makespan_bound(bprob, time_limit_s=min(left, max(1.0, 0.25 * time_budget_s)) if exact
+                        else max(1.0, left), upper=res.step.total_s)
     bounds = [lb.bound_s]
     methods = [lb.method]
     if trp.bound_problem is None and np.isfinite(res.lower_bound_s):
         bounds.append(res.lower_bound_s)
     ev_best = None
     name = res.solver
-    core, keep = perf_core(bprob)
-    if solver in ("auto", "milp") and milp_size(core) <= TORCHREC_MILP_MAX_VARS \
-            and res.step.total_s > max(bounds) * (1 + 1e-4):
+    if exact and res.step.total_s > max(bounds) * (1 + 1e-4):
         left = max(0.5, time_budget_s - (time.monotonic() - t0))
         m = solve_milp(core, "base", time_limit_s=left)
         if np.isfinite(m.bound_s):
@@ -595,3 +612,44 @@ def _rigid_first(prob: Any, budget_s: float) -> Optional[Tuple[Any, str]]:
         if best is None or ev.objective() < best[0].objective():
             best = (ev, name)
     return best
+
+
+def _result_from(prob: Any, ev: Any, solver: str, t0: float) -> Any:
+    """A :class:`SearchResult` for a plan held by an evaluator (bound filled in later)."""
+    from torchrec_sparselift.search.solve import SearchResult
+
+    return SearchResult(
+        assignment=tuple(ev.assignment[t] for t in range(prob.num_tables)), step=ev.step_time(),
+        lower_bound_s=float("nan"), pipeline="base", fwd_precision="fp32", bwd_precision="fp32",
+        solver=solver, status="converged" if ev.memory_ok() else "memory_violation",
+        planning_time_s=time.monotonic() - t0, moves=0, rank_loads=ev.rank_loads())
+
+
+def rate_placed(options: Sequence[Any], topology: Any, sharders: Sequence[Any],
+                constraints: Optional[Dict[str, Any]] = None, estimator: Any = None) -> Dict[str, float]:
+    """Re-estimate placed ``options`` (copies; the inputs are not modified) with TorchRec's
+    default estimators (or ``estimator``), one estimate per distinct shard size, and rate them as
+    ``NoopPerfModel`` does. Returns ``perf_ms`` and the peak per-rank ``hbm``/``ddr`` bytes: the
+    same numbers as :func:`torchrec_sparselift.cost.torchrec_score.torchrec_score`, faster on
+    row-wise/data-parallel shards over many ranks."""
+    from torchrec.distributed.planner.utils import build_sharder_data_map, sharder_name
+
+    opts = []
+    for o in options:
+        so = copy.copy(o)
+        so.shards = [copy.copy(s) for s in o.shards]
+        opts.append(so)
+    ests = _as_list(estimator) or default_estimators(topology, constraints)
+    reps = _representatives(opts)
+    data_map = build_sharder_data_map({sharder_name(s.module_type): s for s in sharders})
+    for e in ests:
+        e.estimate([r for _, r, _ in reps], sharder_data_map=data_map)
+    _copy_back(reps)
+    W = topology.world_size
+    hbm, ddr = np.zeros(W), np.zeros(W)
+    for o in opts:
+        for s in o.shards:
+            hbm[s.rank] += s.storage.hbm
+            ddr[s.rank] += s.storage.ddr
+    return {"perf_ms": noop_rating_ms(opts, W), "peak_hbm_bytes": float(hbm.max()),
+            "peak_ddr_bytes": float(ddr.max())}
