@@ -37,8 +37,9 @@ permutes, bucketize, recat), ``lookup`` (TBE forward; the data-parallel tables' 
 ``data`` (the pipeline's ``next(dataloader)``: the example builds its synthetic batch there),
 ``rest``.
 
-The profiler costs time per operator (measured ~5-10% of a 26-table DLRM step on CPU), so
-:func:`attribute_steps` also times the same number of steps without it (``unprofiled_step_ms``);
+The profiler costs time per operator (on a 26-table DLRM step on CPU within the noise of a
+loaded machine: docs/benchmarks.md section 10), so :func:`attribute_steps` also times the same
+number of steps without it (``unprofiled_step_ms``);
 the per-kind numbers are from the profiled steps. On CUDA only host (CPU) time is attributed: kernels
 queued asynchronously are charged where the host waits for them.
 """
