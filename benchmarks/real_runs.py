@@ -7,11 +7,12 @@ a few hot skewed tables, a few large tables, tables shared by several features) 
 all table-wise, all row-wise, all data-parallel (only where the replicas fit, see
 :data:`DP_MAX_BYTES`), column-wise for the big tables (the rest table-wise), mixed (largest table
 row-wise, small ones data-parallel), SparseLift's plan (``SparseLiftPlanner``) and TorchRec's plan
-(``EmbeddingShardingPlanner``), both given the workload's pooling factors. Every plan's sharded model
-is built once (DMP + fused row-wise AdaGrad + dense AdaGrad + ``TrainPipelineSparseDist``, as the DLRM
-example trains) and reused; then ``--reps`` rounds run every plan in turn for ``--warmup`` untimed and
-``--steps`` timed steps (interleaved, so machine noise hits all plans alike). A run's time is the
-slowest rank's median step; a plan's time is the median over rounds.
+(``EmbeddingShardingPlanner``), both given the workload's pooling factors. ``--reps`` rounds run every
+plan in turn (interleaved, so machine noise hits all plans alike); each run shards a fresh model (DMP +
+fused row-wise AdaGrad + dense AdaGrad + ``TrainPipelineSparseDist``, as the DLRM example trains and as
+the step calibration measures its probes) and trains ``--warmup`` untimed and ``--steps`` timed steps
+(``--keep-models`` builds each plan's model once and reuses it across rounds instead). A run's time is
+the slowest rank's median step; a plan's time is the median (``--stat min``: minimum) over rounds.
 
 Data: each rank's distinct batches (``--batches`` of them, cycled) are built before any timing
 (:func:`torchrec_sparselift.runtime.probe.prebuilt_batches`), like a DataLoader that prefetches, so
@@ -181,12 +182,49 @@ def _types(plan) -> str:
     return ",".join(f"{k[:2]}{'' if v == 1 else 'x' + str(v)}" for k, v in sorted(c.items()))
 
 
-def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict[str, Any]:
+def _run_kept(w, runners, batches, pg, device, args, say) -> None:
+    """``--keep-models``: every plan's sharded model built once and kept; rounds reuse them."""
     import torch
     import torch.distributed as dist
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from torchrec_sparselift.runtime.probe import prebuilt_batches, probe_model, shard_for_training
+    from torchrec_sparselift.runtime.probe import probe_model, shard_for_training
+
+    def feed():
+        i = 0
+        while True:
+            yield batches[i % len(batches)]
+            i += 1
+
+    for r in runners:
+        torch.manual_seed(0)
+        dmp, opt = shard_for_training(probe_model(w), r["plan"], device)
+        r["pipe"], r["it"] = TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True), feed()
+        for _ in range(args.warmup):
+            r["pipe"].progress(r["it"])
+    for rep in range(args.reps):
+        for r in runners:
+            dist.barrier(group=pg)
+            durs = []
+            for _ in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                r["pipe"].progress(r["it"])
+                durs.append(time.perf_counter() - t0)
+            med = torch.tensor([statistics.median(durs[args.warmup:])], dtype=torch.float64)
+            dist.all_reduce(med, op=dist.ReduceOp.MAX, group=pg)
+            r["runs"].append(float(med))
+        say(f"[real_runs] {w.name} round {rep + 1}/{args.reps}: "
+            + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms")
+    for r in runners:
+        r.pop("pipe"), r.pop("it")
+    gc.collect()
+
+
+def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from torchrec_sparselift.runtime.probe import measure_plan, prebuilt_batches, probe_model
     from torchrec_sparselift.step_calibration import PlanPricer, _topology
 
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
@@ -196,38 +234,24 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
     batches = prebuilt_batches(w, args.batches, seed=1, rank=rank, alpha=alpha)
     runners = []
     for name, plan, cons in plans:
-        torch.manual_seed(0)
         pred = PlanPricer(probe_model(w), plan, topo, w.batch_size, cons)(profile)
-        dmp, opt = shard_for_training(probe_model(w), plan, device)
-        pipe = TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
-
-        def feed(batches=batches):
-            i = 0
-            while True:
-                yield batches[i % len(batches)]
-                i += 1
-
-        runners.append(dict(name=name, plan=plan, predicted_s=pred, pipe=pipe, it=feed(), dmp=dmp, opt=opt,
-                            runs=[], types=_types(plan)))
+        runners.append(dict(name=name, plan=plan, predicted_s=pred, runs=[], types=_types(plan)))
     saved_plans = [(name, plan, cons) for name, plan, cons in plans]
-    # one untimed pass first: a plan's first steps pay one-off costs (allocator, lazy init)
-    for r in runners:
-        for _ in range(args.warmup):
-            r["pipe"].progress(r["it"])
-    dist.barrier(group=pg)
-    for rep in range(args.reps):
-        for r in runners:
-            dist.barrier(group=pg)
-            durs = []
-            for s in range(args.warmup + args.steps):
-                t0 = time.perf_counter()
-                r["pipe"].progress(r["it"])
-                durs.append(time.perf_counter() - t0)
-            med = torch.tensor([statistics.median(durs[args.warmup:])], dtype=torch.float64)
-            dist.all_reduce(med, op=dist.ReduceOp.MAX, group=pg)
-            r["runs"].append(float(med))
-        say(f"[real_runs] {w.name} round {rep + 1}/{args.reps}: "
-            + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms")
+    if args.keep_models:
+        _run_kept(w, runners, batches, pg, device, args, say)
+    else:
+        # each run shards a fresh model (as the step calibration's probes and a real job do), so no
+        # plan's state or cache warmth carries over; one untimed run first pays the process's one-offs
+        measure_plan("warm-up", lambda: probe_model(w), runners[0]["plan"], batches, 2, args.warmup, pg=pg,
+                     device=device)
+        for rep in range(args.reps):
+            for r in runners:
+                torch.manual_seed(0)
+                m = measure_plan(r["name"], lambda: probe_model(w), r["plan"], batches, args.steps, args.warmup,
+                                 pg=pg, device=device)
+                r["runs"].append(m.median_s)
+            say(f"[real_runs] {w.name} round {rep + 1}/{args.reps}: "
+                + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms")
     rows = []
     stat = min if args.stat == "min" else statistics.median
     for r in runners:
@@ -235,7 +259,6 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
                          median_ms=statistics.median(r["runs"]) * 1e3, min_ms=min(r["runs"]) * 1e3,
                          runs_ms=[x * 1e3 for x in r["runs"]], predicted_ms=r["predicted_s"] * 1e3))
     keys = {r["name"]: _plan_key(r["plan"]) for r in runners}
-    del runners
     gc.collect()
     by = {row["plan"]: row for row in rows}
     best = min(rows, key=lambda x: x["measured_ms"])
@@ -317,6 +340,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="timed steps per plan per round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before each timed run")
     p.add_argument("--batches", type=int, default=8, help="distinct pre-built batches per rank (cycled)")
+    p.add_argument("--keep-models", action="store_true",
+                   help="build every plan's sharded model once and reuse it across rounds (faster; the default "
+                   "shards a fresh model per run, as the step calibration measures)")
     p.add_argument("--stat", choices=["median", "min"], default="median",
                    help="a plan's time over its rounds (min: the least-disturbed round, for a shared machine)")
     p.add_argument("--profile", help="price with this profile JSON instead of the machine's step-fitted one")
