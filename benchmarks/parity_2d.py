@@ -6,19 +6,25 @@ a hidden per-id effect for every table plus a linear dense term. Tail ids are se
 is where plain replica averaging slows learning (docs/optimizer.md).
 
 Every configuration trains the same model from the same initial weights on the same global
-batches for the same number of steps on 4 gloo ranks (CPU), then is scored on the same held-out
-set (BCE loss and AUROC; the Bayes-optimal values from the true logits are printed alongside):
+batches for the same number of steps on ``--world`` gloo ranks (CPU; default 4), then is scored
+on the same held-out set (BCE loss and AUROC, overall and on tail ids; the Bayes-optimal values
+from the true logits are printed alongside):
 
-    1d          DistributedModelParallel, tables sharded over all 4 ranks
-    2d_avg      build_2d_model_parallel, sharding groups of 2 (2 replicas), TorchRec plain averaging
-    2d_ms       same, MomentumScaledRowWiseAdagrad(momentum=0)
-    2d_ms β     same, with momentum β (with --momentum β)
+    1d              DistributedModelParallel, tables sharded over all ranks
+    2d_avg          build_2d_model_parallel, sharding groups of L (--group-size), plain averaging
+    2d_ms:interval  same, MomentumScaledRowWiseAdagrad() (the default "interval" denominator)
+    2d_ms:end       same, preconditioner="end" (the one-step inversion, the rule before issue 15)
 
-``--group-size 1 2`` adds L=1 (4 replicas of the whole model) to show how the gap grows with R.
+(``--rules`` picks the 2D merges, ``--momentum β`` adds scaled runs with momentum β,
+``--contiguous`` uses contiguous sharding groups.) ``--engine sim`` runs the same training in one
+process without torchrec or gloo (:func:`simulate_config`; equivalence with the gloo run is
+recorded in docs/benchmarks.md section 5b), which makes wide sweeps at 8 ranks affordable.
 
 Usage (a few minutes on 2 cores)::
 
     python benchmarks/parity_2d.py --seeds 0 1 2 --steps 300 --sync-interval 1 4 --out parity.json
+    python benchmarks/parity_2d.py --engine sim --world 8 --group-size 4 2 --seeds 0 1 2 \
+        --sync-interval 1 4 16 64 100 --rules avg end interval --out parity_w8.json
 """
 
 from __future__ import annotations
