@@ -150,3 +150,20 @@ def test_proposer_inside_embedding_sharding_planner_beats_torchrecs_proposers(ka
     assert prop.best_perf_rating is not None
     assert rate(ours.best_plan) == pytest.approx(prop.best_perf_rating)
     assert rate(ours.best_plan) < rate(theirs.best_plan) * 0.99
+
+
+def test_choice_bound_under_our_model_is_between_the_lp_and_the_optimum():
+    from torchrec_sparselift.search.choice_bound import choice_bound
+    from torchrec_sparselift.search.lp import solve_lp
+
+    wl = production(6)
+    module, topo, batch, cons, sharders = _inputs(wl, 4)
+    res = SparseLiftPlanner(topology=topo, batch_size=batch, constraints=cons, debug=False,
+                            pipelines=("sparse_dist",), time_budget_s=2).plan_with_result(module, sharders)
+    prob = res.problem
+    exact = solve_milp(prob, "sparse_dist", time_limit_s=60)
+    assert exact.status == "optimal"
+    cb = choice_bound(prob, "sparse_dist", time_limit_s=20)
+    lp = solve_lp(prob, "sparse_dist")
+    assert lp.lower_bound_s * (1 - 1e-5) <= cb <= exact.objective_s * (1 + 1e-5)
+    assert res.search.lower_bound_s <= res.search.step.total_s

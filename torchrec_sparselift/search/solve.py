@@ -22,7 +22,8 @@ import numpy as np
 
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import StepTime
-from torchrec_sparselift.search.errors import SparseLiftPlannerError
+from torchrec_sparselift.errors import SparseLiftPlannerError
+from torchrec_sparselift.search.choice_bound import choice_bound
 from torchrec_sparselift.search.lp import analytic_bound, solve_lp
 from torchrec_sparselift.search.milp import milp_size, solve_milp
 from torchrec_sparselift.search.place import WorkBudget, greedy_place, local_search
@@ -81,6 +82,8 @@ AUTO_MILP_MAX_VARS = 400
 # finishes in roughly the budget there and faster on bigger machines.
 WORK_UNITS_PER_SECOND = 1500
 AUTO_MILP_NODES = 300
+# the integral-choice bound (choice_bound) runs up to min(1 s, 10% of the budget) below this size
+CHOICE_BOUND_MAX_TABLES = 1000
 
 
 def solve(
@@ -171,6 +174,11 @@ def solve(
         bound = lp2.lower_bound_s if lp2.status == "optimal" else float("nan")
     if not np.isfinite(bound):
         bound = analytic_bound(prob, pl, f, b)
+    if prob.num_tables <= CHOICE_BOUND_MAX_TABLES and ev.objective() > bound * (1 + 1e-4):
+        # integral choice + packing rows (search/choice_bound.py): never below the LP's bound
+        cb = choice_bound(prob, pl, f, b, time_limit_s=min(1.0, 0.1 * time_budget_s))
+        if np.isfinite(cb) and (not np.isfinite(bound) or cb > bound):
+            bound = cb
     solver_name = f"lp+greedy({best_name})+local_search"
     if solver == "milp" or (solver == "auto" and milp_size(prob) <= AUTO_MILP_MAX_VARS):
         if solver == "milp":

@@ -1,0 +1,161 @@
+"""A tighter lower bound under SparseLift's own model: integral option choice with packing rows.
+
+The LP bound of :mod:`.lp` relaxes each column's per-rank maximum to (a) the average and (b) the
+largest single shard. With few shards per rank both are loose. This module keeps the LP's rows
+and adds what integrality and placement rules imply, per time column ``c``:
+
+* the rank holding a piece also carries every row-wise/data-parallel shard (they sit on every
+  rank) and every rank's share of peer traffic: ``z_c >= piece + U_c``, where ``U_c`` is that
+  uniform load;
+* bin packing: if at least ``k W + 1`` chosen pieces have ``own_c >= theta``, some rank holds
+  ``k + 1`` of them: ``z_c >= U_c + (k + 1) theta`` (one binary per ``(c, theta, k)``);
+* the option choice is binary.
+
+The step-time composition rows are the pipeline's (:func:`.lp.composition_rows`, called, not
+changed), so the MILP's optimum, or HiGHS's dual bound when the time limit stops it, is a lower
+bound on every plan's step time under the model, and never below the LP's (same rows, more).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from torchrec_sparselift.cost.model import (
+    BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
+)
+from torchrec_sparselift.search.lp import composition_rows, term_entries
+from torchrec_sparselift.search.problem import PlanningProblem
+
+__all__ = ["choice_bound"]
+
+_TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
+MAX_PIECE_TABLES = 400
+THRESHOLDS = 8
+MAX_K = 4
+
+
+def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp32",
+                 bwd_precision: str = "fp32", time_limit_s: float = 2.0) -> float:
+    """Lower bound (seconds) on the step time of every plan of ``prob`` under ``pipeline``
+    (see module docs); NaN if HiGHS gives none within ``time_limit_s``."""
+    ctx = prob.ctx
+    p = ctx.profile
+    W = ctx.world_size
+    C = len(prob.cands)
+    if C == 0:
+        return float("nan")
+    ms = 1e3
+    scale = np.ones(9) * ms
+    scale[[IN_INTRA, OUT_INTRA]] = ms / p.intra_host_bw
+    scale[[IN_INTER, OUT_INTER]] = ms / p.inter_host_bw
+    own = np.stack([c.owner for c in prob.costs]) * scale[None, :]
+    per = np.stack([c.peers for c in prob.costs]) * scale[None, :]
+    n = np.array([c.num_shards for c in prob.cands], dtype=float)
+    allp = np.array([c.placement == "all" and c.num_shards == W for c in prob.cands])
+    fixed = {c: (ms * p.lookup_overhead_s if c in (FWD, BWD) else 0.0) for c in _TIME_COLS}
+    # variables: x[C], z[7], u[7], y_in, y_out, a, tot, packing binaries
+    iz = {c: C + i for i, c in enumerate(_TIME_COLS)}
+    iu = {c: C + 7 + i for i, c in enumerate(_TIME_COLS)}
+    iy_in, iy_out, ia, itot = C + 14, C + 15, C + 16, C + 17
+    nv = C + 18
+    packing = []  # (col, theta, k, var)
+    for c in _TIME_COLS:
+        sizes = np.unique(own[~allp, c][own[~allp, c] > 0])[::-1]
+        if not len(sizes):
+            continue
+        sel = sizes[np.unique(np.geomspace(1, len(sizes), min(THRESHOLDS, len(sizes))).astype(int) - 1)]
+        for th in sel:
+            cnt_max = sum(max((n[i] for i in ids if not allp[i] and own[i, c] >= th), default=0.0)
+                          for ids in prob.candidates)
+            for k in range(1, MAX_K + 1):
+                if k * W + 1 > cnt_max:
+                    break
+                packing.append((c, float(th), k, nv))
+                nv += 1
+    rows: List[int] = []
+    cols: List[int] = []
+    vals: List[float] = []
+    lo: List[float] = []
+    hi: List[float] = []
+    r = 0
+
+    def add(entries, ub, lb=-np.inf):
+        nonlocal r
+        for j, v in entries:
+            if v != 0.0:
+                rows.append(r)
+                cols.append(int(j))
+                vals.append(float(v))
+        lo.append(lb)
+        hi.append(float(ub))
+        r += 1
+
+    for ids in prob.candidates:
+        add([(i, 1.0) for i in ids], 1.0, 1.0)
+    for c in _TIME_COLS:
+        coef = n * (own[:, c] / W + per[:, c])
+        nz = np.nonzero(coef)[0]
+        add(list(zip(nz.tolist(), coef[nz].tolist())) + [(iz[c], -1.0)], 0.0)
+        ucoef = np.where(allp, own[:, c], 0.0) + n * per[:, c]
+        nz = np.nonzero(ucoef)[0]
+        add(list(zip(nz.tolist(), ucoef[nz].tolist())) + [(iu[c], -1.0)], 0.0)
+        best = []  # tables with a piece option, biggest smallest piece first
+        for t, ids in enumerate(prob.candidates):
+            pieces = [own[i, c] for i in ids if not allp[i]]
+            if pieces and max(pieces) > 0:
+                best.append((min(pieces), t))
+        best.sort(reverse=True)
+        for _, t in best[:MAX_PIECE_TABLES]:
+            ids = prob.candidates[t]
+            ent = [(i, own[i, c]) for i in ids if not allp[i]] + [(i, -own[i, c]) for i in ids if allp[i]]
+            add(ent + [(iu[c], 1.0), (iz[c], -1.0)], -fixed[c])
+    for c, th, k, v in packing:
+        cnt = [(i, n[i]) for i in range(C) if not allp[i] and own[i, c] >= th]
+        big = float(sum(n[i] for i, _ in cnt))
+        add(cnt + [(v, -big)], float(k * W))
+        add([(iu[c], 1.0), (v, (k + 1) * th + fixed[c]), (iz[c], -1.0)], 0.0)
+    for iy, ci, ce in ((iy_in, IN_INTRA, IN_INTER), (iy_out, OUT_INTRA, OUT_INTER)):
+        add([(iz[ci], 1.0), (iy, -1.0)], 0.0)
+        add([(iz[ce], 1.0), (iy, -1.0)], 0.0)
+    dense_fwd = ms * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    dense_bwd = 2 * dense_fwd
+    if W > 1:
+        allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * n / W
+        kk = ms * 2 * (W - 1) / W / p.allreduce_bw
+        const = ms * p.collective_latency_s + kk * ctx.dense.param_bytes - dense_bwd
+        nz = np.nonzero(allreduce)[0]
+        add([(int(i), kk * allreduce[i]) for i in nz] + [(ia, -1.0)], -const)
+    gib = 2.0**30
+    for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
+        coef = n * np.array([c.owner[col] for c in prob.costs]) / gib
+        nz = np.nonzero(coef)[0]
+        if len(nz) and np.all(np.isfinite(cap)):
+            add(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
+    forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd_precision] / 4,
+                         PRECISION_BYTES[bwd_precision] / 4, dense_fwd, dense_bwd,
+                         step_overhead=ms * getattr(p, "step_overhead_s", 0.0))
+    for entries, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
+        add(entries, rhs)
+    A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
+    cvec = np.zeros(nv)
+    cvec[itot] = 1.0
+    integrality = np.zeros(nv)
+    integrality[:C] = 1
+    ub = np.full(nv, np.inf)
+    ub[:C] = 1.0
+    for _, _, _, v in packing:
+        integrality[v] = 1
+        ub[v] = 1.0
+    res = milp(cvec, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+               bounds=Bounds(np.zeros(nv), ub),
+               options={"time_limit": max(0.2, float(time_limit_s)), "disp": False, "mip_rel_gap": 1e-4})
+    b = getattr(res, "mip_dual_bound", None)
+    if (b is None or not np.isfinite(b)) and res.status == 0:
+        b = res.fun
+    if b is None or not np.isfinite(b):
+        return float("nan")
+    return float(b) / ms * (1 - 1e-6)
