@@ -32,7 +32,7 @@ from scipy.sparse import coo_matrix
 from torchrec_sparselift.cost.model import DEV_MEM, FWD, HOST_MEM
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["MakespanBound", "makespan_bound", "piece_bounds"]
+__all__ = ["MakespanBound", "makespan_bound", "piece_bounds", "analytic_makespan_bound"]
 
 MAX_THRESHOLDS = 24
 MAX_K = 6
@@ -136,6 +136,7 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
         opts["mip_rel_gap"] = 1e-4
     res = milp(cvec, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
                bounds=Bounds(np.zeros(nv), ub), options=opts)
+    floor = analytic_makespan_bound(prob) * ms
     if integral:
         b = getattr(res, "mip_dual_bound", None)
         if b is None or not np.isfinite(b):
@@ -143,8 +144,18 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
         if b is None or not np.isfinite(b):
             return makespan_bound(prob, time_limit_s, upper, integral=False)
         status = "optimal" if res.status == 0 else "time_limit"
-        return MakespanBound(bound_s=float(b) / ms * (1 - 1e-7),
+        return MakespanBound(bound_s=max(float(b), floor) / ms * (1 - 1e-7),
                              method=f"makespan-milp({status}, {len(ys)} packing rows)")
     if res.status != 0 or res.fun is None:
-        return MakespanBound(bound_s=float("nan"), method=f"makespan-lp failed ({res.message})")
-    return MakespanBound(bound_s=float(res.fun) / ms * (1 - 1e-7), method="makespan-lp")
+        return MakespanBound(bound_s=floor / ms, method="makespan-analytic (the LP did not finish)")
+    return MakespanBound(bound_s=max(float(res.fun), floor) / ms * (1 - 1e-7), method="makespan-lp")
+
+
+def analytic_makespan_bound(prob: PlanningProblem) -> float:
+    """Seconds: ``max(sum_t min_o n_o p_o / W, max_t min_o p_o)``: no solver, always finite."""
+    W = prob.ctx.world_size
+    avg, piece = 0.0, 0.0
+    for ids in prob.candidates:
+        avg += min(prob.costs[i].owner[FWD] * prob.cands[i].num_shards for i in ids) / W
+        piece = max(piece, min(prob.costs[i].owner[FWD] for i in ids))
+    return max(avg, piece)
