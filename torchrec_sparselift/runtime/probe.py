@@ -78,7 +78,8 @@ def _tables(prefix: str, spec: Sequence[Tuple[int, int, int, float]]) -> Tuple[P
     return tuple(out)
 
 
-#: The probe models: few wide tables (DCN), many small tables, shared multi-feature tables.
+#: The probe models: few wide tables (DCN), many small tables, shared multi-feature tables, many
+#: wide tables (DCN).
 PROBE_WORKLOADS: Tuple[ProbeWorkload, ...] = (
     ProbeWorkload("probe_wide", _tables("w", [(40000, 128, 1, 4.0), (8000, 128, 1, 1.0), (2000, 128, 1, 2.0),
                                               (500, 128, 1, 1.0)]),
@@ -87,6 +88,9 @@ PROBE_WORKLOADS: Tuple[ProbeWorkload, ...] = (
                   model="dlrm", dense=(64,), batch_size=256),
     ProbeWorkload("probe_shared", _tables("s", [(20000, 64, 3, 2.0), (5000, 64, 2, 4.0), (1000, 64, 2, 1.0)]),
                   model="dcn", dense=(64,), batch_size=512),
+    # many wide tables: the dense part and the per-table / per-feature work at DLRM-like counts
+    ProbeWorkload("probe_deep", _tables("d", [(100 + 400 * i, 128, 1, 1.0 + (i % 3)) for i in range(20)]),
+                  model="dcn", dense=(64,), batch_size=256),
 )
 
 #: Probe plan kinds: one sharding type for every table, or by size (mixed).
