@@ -99,7 +99,7 @@ def _implementation_merge(anchor_w, anchor_a, replica_w, replica_a, m, interval,
         local_payload(
             torch.tensor(anchor_w, dtype=torch.float32), torch.tensor(anchor_a, dtype=torch.float32),
             torch.tensor(replica_w[r], dtype=torch.float32), torch.tensor(replica_a[r], dtype=torch.float32),
-            LR, EPS,
+            LR, EPS, interval,
         )
         for r in range(replica_w.shape[0])
     ]

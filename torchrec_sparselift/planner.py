@@ -501,11 +501,16 @@ class SparseLiftPlanner(ShardingPlanner):
                     tries += [(g, lay) for lay in layouts_to_price(W, H, g, self._layout_2d)]
                 except ValueError as e:
                     failures.append(f"group size {g}: {e}")
-            budget = self._budget / (len(tries) + 1)
+            # 1D (the whole world) gets a third of the budget, as it would planned alone; the 2D
+            # tries share another third; the winner is polished with the rest
+            n2d = sum(1 for g, _ in tries if g < W)
+            budget_2d = self._budget / (3 * n2d) if n2d else self._budget
+            budget_1d = self._budget / 3 if n2d else self._budget
             results: List[PlanResult] = []
             for g, lay in tries:
                 try:
-                    results.append(self._solve_group(module, sharders, handles, g, budget,
+                    results.append(self._solve_group(module, sharders, handles, g,
+                                                     budget_1d if g >= W else budget_2d,
                                                      time.monotonic(), lay))
                 except PlannerError as e:  # tables do not fit in g ranks
                     failures.append(f"group size {g}: {str(e).splitlines()[0]}")
@@ -523,23 +528,13 @@ class SparseLiftPlanner(ShardingPlanner):
             alts_layout = tuple((r.sharding_group_size or topo.world_size,
                                  r.layout_2d.kind if r.layout_2d else "1d", r.step_time_s)
                                 for r in results)
-            # polish the winner with the budget left; a 2D winner shares it with 1D (the whole
-            # world), whose split-budget solve may have been weak, so 2D never wins by budget alone
+            # polish the winner with the budget left
             left = max(0.5, self._budget - (time.monotonic() - t0))
             g = best.sharding_group_size or topo.world_size
-            one_d = [r for r in results if r.sharding_group_size is None]
-            share = left / 2 if g < topo.world_size and one_d else left
-            res = self._solve_group(module, sharders, handles, g, share, time.monotonic(),
+            res = self._solve_group(module, sharders, handles, g, left, time.monotonic(),
                                     best.layout_2d)
             if res.step_time_s > best.step_time_s:
                 res = best
-            if g < topo.world_size and one_d:
-                flat = self._solve_group(module, sharders, handles, topo.world_size,
-                                         max(0.5, self._budget - (time.monotonic() - t0)),
-                                         time.monotonic())
-                flat = min([flat] + one_d, key=lambda r: r.step_time_s)
-                if flat.step_time_s < res.step_time_s:
-                    res = flat
             res = attrs.evolve(res, alternatives_2d=alts, alternatives_layout=alts_layout)
         self.last_result = res
         if self._debug:

@@ -86,7 +86,7 @@ def local_payload(
     lr: float,
     eps: float,
     sync_interval: int = 1,
-    preconditioner: str = "end",
+    preconditioner: str = "interval",
 ) -> torch.Tensor:
     """This replica's contribution to the merge, ``[rows, dim + 3]``: ``[G, mean(G^2), dA, touched]``.
 
@@ -114,7 +114,7 @@ def finish_merge(
     eps: float,
     sync_interval: int,
     momentum: float,
-    preconditioner: str = "end",
+    preconditioner: str = "interval",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merged ``(w, a, momentum_buf, k)`` from the anchor and the replica-summed payload.
 

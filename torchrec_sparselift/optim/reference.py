@@ -17,6 +17,7 @@ __all__ = [
     "rowwise_adagrad_step",
     "plain_average_merge",
     "momentum_scaled_merge",
+    "interval_denominator",
 ]
 
 
@@ -49,6 +50,16 @@ def plain_average_merge(
     )
 
 
+def interval_denominator(a0: float, a1: float, steps: int, eps: float, preconditioner: str) -> float:
+    """One row's AdaGrad denominator over an interval (docs/optimizer.md): ``sqrt(a1) + eps``
+    ("end"), or the harmonic mean of ``sqrt(a_t) + eps`` along equal accumulator increments
+    from ``a0`` to ``a1`` over ``steps`` steps ("interval")."""
+    if preconditioner == "end" or steps == 1:
+        return float(np.sqrt(a1) + eps)
+    inc = (a1 - a0) / steps
+    return steps / sum(1.0 / (np.sqrt(max(a0 + t * inc, 0.0)) + eps) for t in range(1, steps + 1))
+
+
 def momentum_scaled_merge(
     anchor_w: np.ndarray,
     anchor_a: np.ndarray,
@@ -59,6 +70,7 @@ def momentum_scaled_merge(
     eps: float,
     sync_interval: int,
     momentum: float,
+    preconditioner: str = "interval",
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The momentum-scaled row-wise AdaGrad merge (docs/optimizer.md), row by row.
 
@@ -66,17 +78,18 @@ def momentum_scaled_merge(
     ``replica_*`` each replica's local state now. Returns ``(w, a, momentum_buf)`` merged.
     For each row touched by at least one replica (k > 0)::
 
-        G_r  = -(w_r - w0) * (sqrt(a_r) + eps) / lr        pseudo-gradient of replica r
+        G_r  = -(w_r - w0) * h(a0, a_r) / lr               pseudo-gradient of replica r
         S    = sum_r G_r
         Q    = sum_r mean(G_r^2)
         U    = sum_r (a_r - a0)
         dA   = max(U + (mean(S^2) - Q) / N,  mean(S^2) / N)
         a    = a0 + dA
-        D    = -lr * S / (sqrt(a) + eps)
+        D    = -lr * S / h(a0, a)
         m    = momentum * m + D
         w    = w0 + m
 
-    Untouched rows (k = 0) keep anchor weights, accumulator and momentum buffer.
+    with ``h`` = :func:`interval_denominator` (``preconditioner``). Untouched rows (k = 0) keep
+    anchor weights, accumulator and momentum buffer.
     """
     anchor_w = np.asarray(anchor_w, dtype=np.float64)
     anchor_a = np.asarray(anchor_a, dtype=np.float64)
@@ -96,7 +109,8 @@ def momentum_scaled_merge(
             da = replica_a[r, i] - anchor_a[i]
             if da > 0.0 or np.any(dw != 0.0):
                 k += 1
-            G = -dw * (np.sqrt(replica_a[r, i]) + eps) / lr
+            h = interval_denominator(anchor_a[i], replica_a[r, i], sync_interval, eps, preconditioner)
+            G = -dw * h / lr
             S += G
             Q += np.mean(G**2)
             U += da
@@ -104,7 +118,7 @@ def momentum_scaled_merge(
             continue
         dA = max(U + (np.mean(S**2) - Q) / sync_interval, np.mean(S**2) / sync_interval)
         a[i] = anchor_a[i] + dA
-        D = -lr * S / (np.sqrt(a[i]) + eps)
+        D = -lr * S / interval_denominator(anchor_a[i], a[i], sync_interval, eps, preconditioner)
         m[i] = momentum * m[i] + D
         w[i] = anchor_w[i] + m[i]
     return w, a, m
