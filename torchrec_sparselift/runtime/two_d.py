@@ -279,6 +279,9 @@ class CpuDMPCollection(SparseLiftDMPCollection):
         self._pg = global_pg
         self._global_rank = dist.get_rank(global_pg)
         self._custom_all_reduce = None
+        # TorchRec 1.9: DMPCollection.sync() also consults a process-group-aware hook
+        # (set_all_reduce_hook); none here, as DMPCollection.__init__ leaves it
+        self._all_reduce_hook = None
         self._use_sharded_relay = False
         self._sharded_relay_state = None
         sharders = sharders if sharders is not None else get_default_sharders()
