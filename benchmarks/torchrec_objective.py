@@ -87,8 +87,13 @@ def compare(sc: Any, args: argparse.Namespace) -> Dict[str, Any]:
             row[key] = run_ours(sc, cm, args.budget)
         except Exception as e:  # noqa: BLE001 - a row records the failure and goes on
             row[key] = {"status": "error", "note": f"{type(e).__name__}: {e}"}
+    import torchrec
+
+    cached = os.path.join(args.torchrec_cache or "", f"{sc.workload}@{sc.world_size}_hbm80_torchrec-{torchrec.__version__}.json")
     if sc.name in args.skip_torchrec:
         row["torchrec"] = {"status": "skipped", "note": "--skip-torchrec"}
+    elif args.torchrec_cached_only and not os.path.exists(cached):
+        row["torchrec"] = {"status": "skipped", "note": "--torchrec-cached-only and no stored plan"}
     else:
         tr = dict(P.cached_run_torchrec(sc, args.torchrec_timeout, args.torchrec_mem_gib, 80.0,
                                         args.torchrec_cache or None))
@@ -175,6 +180,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--skip-torchrec", default=",".join(DEFAULT_SKIP),
                     help="comma-separated scenarios where TorchRec's planner is not run "
                          f"(default {','.join(DEFAULT_SKIP)}; '' for none)")
+    ap.add_argument("--torchrec-cached-only", action="store_true",
+                    help="use stored TorchRec plans only; never run TorchRec's planner")
     ap.add_argument("--report", default=None, help="print the table/targets of a stored --out JSON")
     args = ap.parse_args(argv)
     P._quiet()

@@ -566,10 +566,11 @@ def specs_from_options(options: Sequence[Any]) -> Tuple[List[Any], List[Tuple[st
 
 
 def _rigid_first(prob: Any, budget_s: float) -> Optional[Tuple[Any, str]]:
-    """A makespan seed: place the rigid options first (row-wise/data-parallel on every rank,
-    then table-row-wise on a host), then the free pieces biggest first on the least loaded rank
-    that fits (LPT); a table whose option does not fit takes its best-fitting alternative. Then
-    the shared local search. Rigid options placed last would find every rank already full and
+    """Makespan seeds (the LP's choice, the least-work choice, and TorchRec's uniform proposals:
+    one sharding type for every table), each placed rigid options first (row-wise/data-parallel
+    on every rank, then table-row-wise on a host), then the free pieces biggest first on the
+    least loaded rank that fits (LPT); a table whose option does not fit takes its best-fitting
+    alternative. The shared local search then polishes the two best. Rigid options placed last would find every rank already full and
     fall back to slow UVM kernels. Returns (evaluator, seed name) of the better seed."""
     from torchrec_sparselift.cost.model import DEV_MEM
     from torchrec_sparselift.search.lp import solve_lp
@@ -581,10 +582,19 @@ def _rigid_first(prob: Any, budget_s: float) -> Optional[Tuple[Any, str]]:
     seeds = []
     if lp.choice:
         seeds.append(("lp", list(lp.choice)))
-    seeds.append(("least_work", [min(ids, key=lambda i: (prob.shard_time(i) * prob.cands[i].num_shards, i))
-                                 for ids in prob.candidates]))
+    least = [min(ids, key=lambda i: (prob.shard_time(i) * prob.cands[i].num_shards, i))
+             for ids in prob.candidates]
+    seeds.append(("least_work", least))
+    # TorchRec's uniform proposals: one sharding type for every table that offers it (its
+    # fastest kernel), the least-work option elsewhere
+    for st in sorted({c.sharding_type for c in prob.cands}):
+        ch = []
+        for t, ids in enumerate(prob.candidates):
+            mine = [i for i in ids if prob.cands[i].sharding_type == st]
+            ch.append(min(mine, key=lambda i: (prob.shard_time(i), i)) if mine else least[t])
+        seeds.append((f"all {st}", ch))
     rank = {"all": 0, "host": 1, "free": 2}
-    best = None
+    placed = []
     for name, choice in seeds:
         ev = new_evaluator(prob, "base")
         order = sorted(range(prob.num_tables), key=lambda t: (
@@ -605,9 +615,16 @@ def _rigid_first(prob: Any, budget_s: float) -> Optional[Tuple[Any, str]]:
                 ok = False
                 break
             ev.assign(t, fit[0], fit[1])
-        if not ok:
-            continue
-        work = WorkBudget(int(WORK_UNITS_PER_SECOND * budget_s / len(seeds)), t0 + 3.0 * budget_s)
+        if ok:
+            placed.append((ev.objective(), len(placed), name, ev))
+    if not placed:
+        return None
+    placed.sort(key=lambda x: (x[0], x[1]))
+    best = None
+    top = placed[:2]
+    for _, _, name, ev in top:  # local search on the two best seeds
+        # deterministic work units; the wall clock (10x the budget) only as a safety net
+        work = WorkBudget(int(WORK_UNITS_PER_SECOND * budget_s / len(top)), t0 + 10.0 * budget_s)
         local_search(ev, prob, deadline=work.deadline, budget=work)
         if best is None or ev.objective() < best[0].objective():
             best = (ev, name)
