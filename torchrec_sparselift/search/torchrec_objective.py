@@ -427,13 +427,24 @@ def build_torchrec_problem(
     constraints: Optional[Dict[str, Any]] = None,
     estimator: Any = None,
     share_estimates: Optional[bool] = None,
+    column_splits: bool = True,
 ) -> TorchRecProblem:
     """:func:`estimate_options` on ``topology`` then :func:`makespan_problem` under the
-    per-rank memory of ``reserved`` (the topology after the storage reservation)."""
+    per-rank memory of ``reserved`` (the topology after the storage reservation).
+    ``column_splits``: also offer SparseLift's column-wise splits (2, 4, 8, ... equal shards,
+    :func:`column_split_options`) that TorchRec's enumerator does not, priced by the same
+    estimators."""
     from torchrec_sparselift.search.problem import device_caps
 
     options, timings = estimate_options(module, sharders, topology, batch_size, constraints,
                                         estimator, share_estimates)
+    if column_splits:
+        t0 = time.perf_counter()
+        extra = column_split_options(module, sharders, topology, batch_size, constraints, options,
+                                     estimator)
+        options = options + extra
+        timings["column_split_options"] = float(len(extra))
+        timings["column_split_s"] = time.perf_counter() - t0
     dev, host = device_caps(reserved)
     if topology.compute_device == "cpu":  # TorchRec's CPU storage is DDR only
         dev = np.full(len(dev), np.inf)
@@ -506,7 +517,18 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
                            solver=f"lp+rigid-first greedy({seed})+local_search")
     bprob = trp.bound_problem if trp.bound_problem is not None else prob
     core, keep = perf_core(bprob)
-    exact = solver in ("auto", "milp") and milp_size(core) <= TORCHREC_MILP_MAX_VARS
+    # the exact MILP runs over TorchRec's own options (small, and it closes those instances);
+    # its bound then only counts when there are no extra column splits
+    own = [j for j, c in enumerate(keep) if not getattr(trp.option_of[c], "sparselift_column_split", False)]
+    milp_bound_valid = len(own) == len(keep)
+    if not milp_bound_valid:
+        core = attrs.evolve(core, cands=tuple(core.cands[j] for j in own),
+                            costs=tuple(core.costs[j] for j in own),
+                            candidates=tuple(tuple(own.index(j) for j in ids if j in own) for ids in core.candidates))
+        keep = [keep[j] for j in own]
+        if any(not ids for ids in core.candidates):
+            core = None
+    exact = solver in ("auto", "milp") and core is not None and milp_size(core) <= TORCHREC_MILP_MAX_VARS
     left = max(0.2, time_budget_s - (time.monotonic() - t0))
     # without the placement MILP, the bound MILP gets the rest of the budget (at least 1 s)
     lb = makespan_bound(bprob, time_limit_s=min(left, max(1.0, 0.25 * time_budget_s)) if exact
@@ -520,7 +542,7 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
     if exact and res.step.total_s > max(bounds) * (1 + 1e-4):
         left = max(0.5, time_budget_s - (time.monotonic() - t0))
         m = solve_milp(core, "base", time_limit_s=left)
-        if np.isfinite(m.bound_s):
+        if np.isfinite(m.bound_s) and milp_bound_valid:
             bounds.append(m.bound_s * (1 - 1e-7))
             methods.append(f"placement-milp({m.status})")
         if m.assignment:
@@ -670,3 +692,48 @@ def rate_placed(options: Sequence[Any], topology: Any, sharders: Sequence[Any],
             ddr[s.rank] += s.storage.ddr
     return {"perf_ms": noop_rating_ms(opts, W), "peak_hbm_bytes": float(hbm.max()),
             "peak_ddr_bytes": float(ddr.max())}
+
+
+def column_split_options(module: Any, sharders: Sequence[Any], topology: Any, batch_size: int,
+                         constraints: Optional[Dict[str, Any]], existing: Sequence[Any],
+                         estimator: Any = None) -> List[Any]:
+    """SparseLift's column-wise options (equal splits into 2, 4, 8, ... shards, width a
+    multiple of 4 and at least ``min_partition``; see ``search.problem.column_splits``) whose
+    shard count TorchRec's enumerator did not offer for the table, as TorchRec
+    ``ShardingOption`` s estimated by ``estimator`` (default: TorchRec's). TorchRec's runtime
+    shards a table column-wise into any equal widths; its enumerator only tries one width."""
+    from torchrec_sparselift.search.enumerator import SparseLiftEnumerator
+    from torchrec_sparselift.search.errors import SparseLiftPlannerError
+
+    have = {(o.path, o.name, o.compute_kernel, len(o.shards)) for o in existing
+            if o.sharding_type == "column_wise"}
+    kernels = {(o.path, o.name, o.compute_kernel) for o in existing if o.sharding_type == "column_wise"}
+    try:
+        ours = SparseLiftEnumerator(topology=topology, batch_size=batch_size,
+                                    constraints=constraints).enumerate(module, list(sharders))
+    except (SparseLiftPlannerError, ValueError):
+        return []
+    out = []
+    for o in ours:
+        if o.sharding_type != "column_wise" or (o.path, o.name, o.compute_kernel) not in kernels \
+                or (o.path, o.name, o.compute_kernel, len(o.shards)) in have:
+            continue
+        for sh in o.shards:
+            sh.perf, sh.storage, sh.rank = None, None, None
+        o.sparselift_column_split = True  # not one of TorchRec's enumerated options
+        out.append(o)
+    if not out:
+        return out
+    from torchrec.distributed.planner.utils import build_sharder_data_map, sharder_name
+
+    ests = _as_list(estimator) or default_estimators(topology, constraints)
+    data_map = build_sharder_data_map({sharder_name(s.module_type): s for s in sharders})
+    if _is_default(ests):
+        reps = _representatives(out)
+        for e in ests:
+            e.estimate([r for _, r, _ in reps], sharder_data_map=data_map)
+        _copy_back(reps)
+    else:
+        for e in ests:
+            e.estimate(out, sharder_data_map=data_map)
+    return out
