@@ -75,3 +75,18 @@ def test_step_overhead_is_on_every_pipelines_critical_path(pipeline):
         t1 = step_time(colmax, 0.0, 1, ctx, pipeline).total_s
         t2 = step_time(colmax, 0.0, 1, ctx2, pipeline).total_s
         assert t2 - t1 == pytest.approx(5e-3)
+
+
+def test_without_overlap_the_gradient_all_reduce_is_not_hidden_under_the_dense_backward():
+    from torchrec_sparselift.cost.model import DenseWork
+
+    colmax = np.zeros(9)
+    dense = DenseWork(param_bytes=0.0, fwd_flops_per_sample=1e6)  # a dense backward that could hide it
+    for overlap in (True, False):
+        p = attrs.evolve(PRESETS["cpu-gloo"], supports_overlap=overlap)
+        ctx = CostContext(profile=p, world_size=2, local_world_size=2, batch_size=256, dense=dense)
+        st = step_time(colmax, 1e5, 1, ctx, "base")
+        ar = st.phases["allreduce"]
+        assert 0 < ar < st.phases["dense_bwd"]
+        rest = sum(v for k, v in st.phases.items() if k != "allreduce")
+        assert st.total_s == pytest.approx(rest + (0.0 if overlap else ar))

@@ -60,7 +60,7 @@ def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: 
     overlaps the dense backward; only the part longer than the dense backward is exposed
     (``allreduce`` critical tail). Hardware without overlap runs every pipeline as ``base``.
     """
-    return schedule(effective_pipeline(pipeline, supports_overlap), phases)
+    return schedule(effective_pipeline(pipeline, supports_overlap), phases, supports_overlap)
 
 
 def critical_path(segments: Sequence[Segment]) -> Tuple[Segment, ...]:

@@ -295,7 +295,7 @@ def step_time(
     table = phase_table(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes, comm_groups, ctx,
                         fwd_precision, bwd_precision)
     ph = {name: float(v) for name, v in zip(PHASE_NAMES, table[0])}
-    serial = float(step_totals(table, "base")[0])
+    serial = float(step_totals(table, "base", getattr(ctx.profile, "supports_overlap", True))[0])
     compute = float(table[0, _COMPUTE_COLS].sum())
     total = float(step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True))[0])
     comm = serial - compute

@@ -212,14 +212,16 @@ def effective_pipeline(name: str, supports_overlap: bool = True) -> PipelineKind
     return kind if supports_overlap else _BY_NAME["base"]
 
 
-def terms(phases: Mapping[str, Any]) -> Dict[str, Any]:
+def terms(phases: Mapping[str, Any], supports_overlap: bool = True) -> Dict[str, Any]:
     """The composition's terms from the phase durations (floats or numpy arrays): each phase's
     duration, except that a ``hidden_under`` phase counts only its exposed part
-    ``max(0, phase - hidden_under)``. Missing phases count 0."""
+    ``max(0, phase - hidden_under)``; on hardware without overlap (``supports_overlap`` False:
+    CPU gloo on few cores, where the measured data-parallel plans pay their gradient all-reduce in
+    full) nothing hides and every phase counts in full. Missing phases count 0."""
     out: Dict[str, Any] = {}
     for p in PHASES:
         v = phases.get(p.name, 0.0)
-        if p.hidden_under:
+        if p.hidden_under and supports_overlap:
             v = np.maximum(0.0, v - phases.get(p.hidden_under, 0.0))
         out[p.name] = v
     return out
@@ -275,9 +277,9 @@ def path_matrix(name: str, supports_overlap: bool = True) -> np.ndarray:
 _HIDDEN = tuple((PHASE_NAMES.index(p.name), PHASE_NAMES.index(p.hidden_under)) for p in PHASES if p.hidden_under)
 
 
-def exposed(table: np.ndarray) -> np.ndarray:
+def exposed(table: np.ndarray, supports_overlap: bool = True) -> np.ndarray:
     """:func:`terms` for a phase table (rows x :data:`PHASE_NAMES` columns)."""
-    if not _HIDDEN:
+    if not _HIDDEN or not supports_overlap:
         return table
     out = table.copy()
     for i, j in _HIDDEN:
@@ -289,7 +291,7 @@ def step_totals(table: np.ndarray, name: str, supports_overlap: bool = True) -> 
     """Step time per row of a phase table (rows x :data:`PHASE_NAMES` seconds) under pipeline
     ``name``: the largest path sum, ``evaluate(kind.step, terms(row))`` for every row, in one
     matrix product (the search's hot path)."""
-    return (exposed(table) @ path_matrix(name, supports_overlap).T).max(axis=1)
+    return (exposed(table, supports_overlap) @ path_matrix(name, supports_overlap).T).max(axis=1)
 
 
 @attrs.frozen
@@ -309,7 +311,7 @@ class Placed:
         return self.start_s + self.duration_s
 
 
-def schedule(kind: PipelineKind, phases: Mapping[str, float]) -> Tuple[Placed, ...]:
+def schedule(kind: PipelineKind, phases: Mapping[str, float], supports_overlap: bool = True) -> Tuple[Placed, ...]:
     """Lay one steady-state step of ``kind`` out on lanes.
 
     Each :class:`Par` starts its lanes together; the lane that ends last (``lanes[0]`` on ties)
@@ -319,8 +321,8 @@ def schedule(kind: PipelineKind, phases: Mapping[str, float]) -> Tuple[Placed, .
     out. The critical segments end at ``evaluate(kind.step, terms(phases))``.
     """
     ph = {p: float(phases.get(p, 0.0)) for p in PHASE_NAMES}
-    vals = terms(ph)
-    riders = {p.hidden_under: p.name for p in PHASES if p.hidden_under}
+    vals = terms(ph, supports_overlap)
+    riders = {p.hidden_under: p.name for p in PHASES if p.hidden_under and supports_overlap}
 
     def place(node: Union[str, Seq, Par], lane: str, start: float, next_batch: bool) -> Tuple[List[Placed], float]:
         if isinstance(node, str):

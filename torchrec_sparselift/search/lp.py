@@ -157,7 +157,9 @@ def solve_lp(
     dense_bwd = 2 * dense_fwd
     if W > 1:
         k = ms * 2 * (W - 1) / W / p.allreduce_bw
-        const = ms * p.collective_latency_s + k * ctx.dense.param_bytes - dense_bwd
+        const = ms * p.collective_latency_s + k * ctx.dense.param_bytes
+        if getattr(p, "supports_overlap", True):  # without overlap nothing hides it (pipelines.terms)
+            const -= dense_bwd
         nz = np.nonzero(allreduce)[0]
         add_row([(int(i), k * allreduce[i]) for i in nz] + [(ia, -1.0)], -const)
     # memory, aggregated over ranks (GiB)

@@ -143,7 +143,9 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * nshards / W
     if W > 1:
         k = ms * 2 * (W - 1) / W / p.allreduce_bw
-        const = ms * p.collective_latency_s + k * ctx.dense.param_bytes - dense_bwd
+        const = ms * p.collective_latency_s + k * ctx.dense.param_bytes
+        if getattr(p, "supports_overlap", True):  # without overlap nothing hides it (pipelines.terms)
+            const -= dense_bwd
         add([(c, k * allreduce[c]) for c in range(C) if allreduce[c]] + [(ia, -1.0)], -np.inf, -const)
     for c, cand in enumerate(prob.cands):  # g_type >= x[c]
         if cand.sharding_type in ig:
