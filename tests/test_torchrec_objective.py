@@ -136,7 +136,6 @@ def test_makespan_bound_is_a_bound_and_closes_small_instances():
     assert piece_bounds(np.array([4.0, 1.0, 1.0]), 2, uniform=1.0) == pytest.approx(5.0)
 
 
-@pytest.mark.slow  # two EmbeddingShardingPlanner runs: ~12 s quiet, ~50 s on the loaded 2-core VM
 def test_proposer_inside_embedding_sharding_planner_beats_torchrecs_proposers(kaggle8):
     module, topo, batch, cons, sharders = kaggle8
     theirs = BestPlanCapture()
