@@ -128,6 +128,23 @@ def test_embedding_collection_and_bags_in_one_model_are_planned():
     assert "seq0" in res.sharding_plan.plan["seq"]
 
 
+def test_sequence_tables_never_get_the_dense_kernel_on_cpu():
+    # TorchRec 1.8's dense kernel for EmbeddingCollection tables does not train on CPU
+    # (tests/test_comm_semantics.py): small sequence tables, where data-parallel would be cheap,
+    # must still come back with a fused model-parallel sharding.
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name=f"seq{i}", embedding_dim=16, num_embeddings=20, feature_names=[f"s{i}"])
+                for i in range(4)],
+        device=torch.device("meta"),
+    )
+    _, res = _plan(ec, Topology(world_size=2, local_world_size=2, compute_device="cpu"), 64)
+    for ps in res.sharding_plan.plan[""].values():
+        assert ps.compute_kernel != "dense" and ps.sharding_type != "data_parallel"
+    with pytest.raises(ValueError, match="dense kernel of sequence tables"):
+        _plan(ec, Topology(world_size=2, local_world_size=2, compute_device="cpu"), 64,
+              {"seq0": ParameterConstraints(compute_kernels=["dense"])})
+
+
 def test_table_too_big_names_the_table():
     model = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name="huge", embedding_dim=128, num_embeddings=10**9, feature_names=["f"]),

@@ -306,6 +306,11 @@ def extract_tables(
                     ks = [k for k in ks if k in set(c.compute_kernels)]
                 else:  # as TorchRec: key-value kernels only when a constraint asks for them
                     ks = [k for k in ks if k not in KEY_VALUE_KERNELS]
+                if compute_device == "cpu" and not is_pooled:
+                    # TorchRec 1.8's dense kernel for sequence tables does not train on CPU
+                    # (heap corruption table-/column-wise, split-size errors row-wise and
+                    # data-parallel; seen in tests/test_comm_semantics.py): never plan it there.
+                    ks = [k for k in ks if k != "dense"]
                 if ks:
                     kernels.append((st, tuple(ks)))
             if not kernels:
@@ -314,6 +319,9 @@ def extract_tables(
                     f"{compute_device}; ParameterConstraints.compute_kernels="
                     f"{list(c.compute_kernels) if c is not None and c.compute_kernels else None} "
                     "must include one the sharder supports"
+                    + (" (the dense kernel of sequence tables does not run on CPU: allow fused "
+                       "and a model-parallel sharding type)"
+                       if compute_device == "cpu" and not is_pooled else "")
                 ])
                 continue
             rows, dim = int(param.shape[0]), int(param.shape[1])
