@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
-if ! "$VPY" -c "import torchrec, fbgemm_gpu, scipy, attrs, hypothesis, torchrec_sparselift" >/dev/null 2>&1; then
+if ! "$VPY" -c "import torchrec, fbgemm_gpu, scipy, attrs, hypothesis, yaml, torchrec_sparselift" >/dev/null 2>&1; then
   echo "[setup] installing the CPU working set into .venv (torch 2.13.0, fbgemm-gpu-cpu 1.8.0, torchrec 1.8.0)"
   "$VPY" -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
   "$VPY" -m pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
