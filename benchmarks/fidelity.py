@@ -42,6 +42,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.cost.report import mape, spearman  # noqa: F401 (F.mape/F.spearman in tests)
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXAMPLE = os.path.join(os.path.dirname(_HERE), "examples", "dlrm")
 
@@ -150,44 +152,6 @@ def imbalance_ranks(names: Sequence[str], rows: Sequence[int]) -> Dict[str, int]
         return {}
     smallest = min(range(len(names)), key=lambda i: (rows[i], names[i]))
     return {n: (1 if i == smallest else 0) for i, n in enumerate(names)}
-
-
-def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
-    """Mean absolute percentage error of ``predicted`` against ``measured`` (a fraction: 0.1 = 10%)."""
-    if len(predicted) != len(measured) or not measured:
-        raise ValueError(f"need equally many predictions and measurements, got {len(predicted)} and {len(measured)}")
-    if any(m <= 0 for m in measured):
-        raise ValueError("measured times must be > 0")
-    return sum(abs(p - m) / m for p, m in zip(predicted, measured)) / len(measured)
-
-
-def _ranks(xs: Sequence[float]) -> List[float]:
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    r = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            r[order[k]] = (i + j) / 2.0 + 1.0  # ties share the mean rank
-        i = j + 1
-    return r
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman rank correlation of ``a`` and ``b`` (Pearson correlation of their ranks, ties
-    averaged); nan when either is constant."""
-    if len(a) != len(b) or len(a) < 2:
-        raise ValueError(f"need two equally long sequences of >= 2 values, got {len(a)} and {len(b)}")
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va = sum((x - ma) ** 2 for x in ra)
-    vb = sum((y - mb) ** 2 for y in rb)
-    if va == 0 or vb == 0:
-        return float("nan")
-    return cov / math.sqrt(va * vb)
 
 
 def fidelity_summary(measured: Sequence[float], predicted: Sequence[float]) -> Dict[str, float]:

@@ -47,6 +47,7 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from torchrec_sparselift.cost.report import mape, spearman  # noqa: E402
 from torchrec_sparselift.runtime.probe import ProbeTable, ProbeWorkload  # noqa: E402
 
 __all__ = ["WORKLOADS", "QUICK_WORKLOADS", "plan_kinds_for", "mape", "spearman", "geomean", "main"]
@@ -103,33 +104,6 @@ def plan_kinds_for(w: ProbeWorkload) -> List[str]:
         kinds.append("data_parallel")
     kinds += ["column_wise_big", "mixed"]
     return kinds
-
-
-def mape(pred: Sequence[float], meas: Sequence[float]) -> float:
-    return sum(abs(p - m) / m for p, m in zip(pred, meas)) / len(meas)
-
-
-def _ranks(xs: Sequence[float]) -> List[float]:
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    r = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            r[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return r
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    va = sum((x - ma) ** 2 for x in ra)
-    vb = sum((y - mb) ** 2 for y in rb)
-    return cov / math.sqrt(va * vb) if va and vb else float("nan")
 
 
 def geomean(xs: Sequence[float]) -> float:
