@@ -35,11 +35,11 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
 from torchrec_sparselift.runtime.guard import Candidate, GuardResult, MeasuredGuard, choose_measured
 
@@ -229,11 +229,7 @@ def guarded_execution_plan(
         final = attrs.evolve(ep, sharding_plan=chosen.plan, prediction=res.prediction(), planner_info=info)
     if rank == 0:
         if path:
-            os.makedirs(cache_dir, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".guarded-", suffix=".json")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(final.to_json(indent=1))
-            os.replace(tmp, path)
+            write_text(path, final.to_json(indent=1), prefix=".guarded-")
         if guard.feedback:
             try:
                 from torchrec_sparselift.step_calibration import add_feedback

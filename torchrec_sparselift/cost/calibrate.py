@@ -33,13 +33,13 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 import torch
 
+from torchrec_sparselift.atomic import write_json
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import CalibrationError
 from torchrec_sparselift.cost.microbench import (
@@ -630,17 +630,7 @@ def calibrate(
 
 
 def _write_json(path: str, data: Mapping[str, Any]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".calib-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_json(path, data, prefix=".calib-")
 
 
 def _parser() -> argparse.ArgumentParser:

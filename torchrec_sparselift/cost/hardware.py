@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from typing import Any, Dict, Mapping, Optional
 
 import attrs
 
+from torchrec_sparselift.atomic import write_json
 __all__ = ["HardwareProfile", "PRESETS", "get_profile", "profile_for_topology"]
 
 GiB = 1024**3
@@ -173,17 +173,8 @@ class HardwareProfile:
 
     def save(self, path: str) -> None:
         """Write the profile as JSON, atomically (write to a temp file, then rename)."""
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"schema": "sparselift.hardware_profile/1", **self.to_dict()}, f, indent=2)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_json(path, {"schema": "sparselift.hardware_profile/1", **self.to_dict()}, prefix=".profile-",
+                   indent=2)
 
     @classmethod
     def load(cls, path: str) -> "HardwareProfile":

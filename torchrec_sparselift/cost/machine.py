@@ -19,11 +19,11 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import attrs
 
+from torchrec_sparselift.atomic import write_json
 from torchrec_sparselift.cost.hardware import HardwareProfile
 
 __all__ = [
@@ -175,15 +175,7 @@ class ProfileStore:
         path = self.path_for(fp)
         payload = {"schema": STORED_SCHEMA, "fingerprint": fp.to_dict(), "profile": profile.to_dict(),
                    "info": dict(info or {})}
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".profile-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(payload, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_json(path, payload, prefix=".profile-", sort_keys=True)
         return path
 
     def load(self, path: str) -> StoredProfile:

@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.atomic import write_json
 __all__ = [
     "KINDS",
     "PREDICTED_KINDS",
@@ -321,16 +320,7 @@ class StepAttribution:
 
 def save_attribution(path: str, att: StepAttribution) -> None:
     """Write ``att`` as JSON, atomically."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".attribution-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(att.to_dict(), f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_json(path, att.to_dict(), prefix=".attribution-", sort_keys=True)
 
 
 def load_attribution(path: str) -> StepAttribution:

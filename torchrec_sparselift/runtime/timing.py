@@ -27,9 +27,7 @@ import contextlib
 import json
 import logging
 import math
-import os
 import statistics
-import tempfile
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -37,6 +35,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from torchrec_sparselift.atomic import write_json
 __all__ = [
     "StepRecord",
     "StepStats",
@@ -268,16 +267,7 @@ class StepTimer:
 def save_records(path: str, records: Sequence[StepRecord]) -> None:
     """Write ``records`` as versioned JSON, atomically (a reader never sees a partial file)."""
     payload = {"schema": RECORD_SCHEMA, "records": [r.to_dict() for r in records]}
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".steps-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_json(path, payload, prefix=".steps-", sort_keys=True)
 
 
 def load_records(path: str) -> List[StepRecord]:
