@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -35,6 +34,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.errors import CliError
 from torchrec_sparselift.semantics import table_file as _table_file
 from torchrec_sparselift.semantics.table_file import TableEntry
@@ -357,13 +357,8 @@ class Progress:
 
 
 def _write_text(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".sparselift-", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        write_text(path, text, prefix=".sparselift-", suffix=".tmp")
     except OSError as e:
         raise CliError(f"cannot write {path}: {e}") from None
 
