@@ -18,16 +18,13 @@ bound on every plan's step time under the model, and never below the LP's (same 
 
 from __future__ import annotations
 
-from typing import List
-
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
-from torchrec_sparselift.search.lp import composition_rows, term_entries
+from torchrec_sparselift.search.lp import RangeRows, composition_rows, term_entries
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["choice_bound"]
@@ -76,23 +73,10 @@ def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp3
                     break
                 packing.append((c, float(th), k, nv))
                 nv += 1
-    rows: List[int] = []
-    cols: List[int] = []
-    vals: List[float] = []
-    lo: List[float] = []
-    hi: List[float] = []
-    r = 0
+    rr = RangeRows()
 
     def add(entries, ub, lb=-np.inf):
-        nonlocal r
-        for j, v in entries:
-            if v != 0.0:
-                rows.append(r)
-                cols.append(int(j))
-                vals.append(float(v))
-        lo.append(lb)
-        hi.append(float(ub))
-        r += 1
+        rr.add(entries, lb, float(ub))
 
     for ids in prob.candidates:
         add([(i, 1.0) for i in ids], 1.0, 1.0)
@@ -140,7 +124,7 @@ def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp3
                          step_overhead=ms * getattr(p, "step_overhead_s", 0.0))
     for entries, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
         add(entries, rhs)
-    A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
+    A = rr.matrix(nv)
     cvec = np.zeros(nv)
     cvec[itot] = 1.0
     integrality = np.zeros(nv)
@@ -150,7 +134,7 @@ def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp3
     for _, _, _, v in packing:
         integrality[v] = 1
         ub[v] = 1.0
-    res = milp(cvec, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+    res = milp(cvec, constraints=LinearConstraint(A, rr.lo, rr.hi), integrality=integrality,
                bounds=Bounds(np.zeros(nv), ub),
                options={"time_limit": max(0.2, float(time_limit_s)), "disp": False, "mip_rel_gap": 1e-4})
     b = getattr(res, "mip_dual_bound", None)

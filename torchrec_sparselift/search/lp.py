@@ -36,7 +36,7 @@ from torchrec_sparselift.cost.model import (
 from torchrec_sparselift.cost.pipelines import effective_pipeline, paths
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["LPResult", "solve_lp", "term_entries", "composition_rows", "analytic_bound"]
+__all__ = ["LPResult", "solve_lp", "term_entries", "composition_rows", "analytic_bound", "RangeRows"]
 
 _TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 MAX_PIECE_ROWS = 4000
@@ -48,6 +48,32 @@ class LPResult:
     choice: Tuple[int, ...]  # chosen candidate id per table (argmax of x)
     x: np.ndarray = attrs.field(eq=False)
     status: str = "optimal"
+
+
+class RangeRows:
+    """Sparse constraint rows ``lb <= sum_j v x_j <= ub`` for ``scipy.optimize.milp``: ``add``
+    one row (zero coefficients dropped), then ``matrix(nv)`` with ``lo``/``hi`` for
+    ``LinearConstraint``."""
+
+    def __init__(self) -> None:
+        self.rows: List[int] = []
+        self.cols: List[int] = []
+        self.vals: List[float] = []
+        self.lo: List[float] = []
+        self.hi: List[float] = []
+
+    def add(self, entries, lb, ub) -> None:
+        r = len(self.lo)
+        for j, v in entries:
+            if v != 0.0:
+                self.rows.append(r)
+                self.cols.append(int(j))
+                self.vals.append(float(v))
+        self.lo.append(lb)
+        self.hi.append(ub)
+
+    def matrix(self, nv: int):
+        return coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), nv)).tocsr()
 
 
 def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None, step_overhead=0.0):

@@ -22,14 +22,14 @@ are what the aggregated LP of :mod:`.lp` cannot see.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import attrs
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from torchrec_sparselift.cost.model import DEV_MEM, FWD, HOST_MEM
+from torchrec_sparselift.search.lp import RangeRows
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["MakespanBound", "makespan_bound", "piece_bounds", "analytic_makespan_bound"]
@@ -88,23 +88,8 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
     iz = C
     iy0 = C + 1
     nv = C + 1 + len(ys)
-    rows: List[int] = []
-    cols: List[int] = []
-    vals: List[float] = []
-    lo: List[float] = []
-    hi: List[float] = []
-    r = 0
-
-    def add(entries, lb, ub):
-        nonlocal r
-        for j, v in entries:
-            if v != 0.0:
-                rows.append(r)
-                cols.append(int(j))
-                vals.append(float(v))
-        lo.append(lb)
-        hi.append(ub)
-        r += 1
+    rr = RangeRows()
+    add = rr.add
 
     U = [(i, p[i]) for i in range(C) if allp[i] and p[i] > 0]
     negU = [(i, -v) for i, v in U]
@@ -124,7 +109,7 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
         if len(cap) and np.all(np.isfinite(cap)):
             m = np.array([c.owner[col] for c in prob.costs]) * n / 2.0**30
             add([(i, m[i]) for i in range(C) if m[i]], -np.inf, float(np.sum(cap)) / 2.0**30)
-    A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
+    A = rr.matrix(nv)
     cvec = np.zeros(nv)
     cvec[iz] = 1.0
     integrality = np.ones(nv) if integral else np.zeros(nv)
@@ -134,7 +119,7 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
     opts = {"time_limit": max(0.2, float(time_limit_s)), "disp": False, "mip_rel_gap": 1e-4}
     if upper is not None and np.isfinite(upper):
         opts["mip_rel_gap"] = 1e-4
-    res = milp(cvec, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+    res = milp(cvec, constraints=LinearConstraint(A, rr.lo, rr.hi), integrality=integrality,
                bounds=Bounds(np.zeros(nv), ub), options=opts)
     floor = analytic_makespan_bound(prob) * ms
     if integral:

@@ -17,12 +17,11 @@ from typing import List, Optional, Tuple
 import attrs
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
-from torchrec_sparselift.search.lp import composition_rows, term_entries
+from torchrec_sparselift.search.lp import RangeRows, composition_rows, term_entries
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["MILPResult", "solve_milp", "milp_size"]
@@ -88,19 +87,8 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     ilat = nv
     nv += 1
 
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r_i = 0
-
-    def add(entries, lb, ub):
-        nonlocal r_i
-        for j, v in entries:
-            if v != 0.0:
-                rows.append(r_i)
-                cols.append(j)
-                vals.append(float(v))
-        lo.append(lb)
-        hi.append(ub)
-        r_i += 1
+    rr = RangeRows()
+    add = rr.add
 
     # one candidate per table
     for ids in prob.candidates:
@@ -157,7 +145,7 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     for ent, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
         add(ent, -np.inf, rhs)
 
-    A = coo_matrix((vals, (rows, cols)), shape=(r_i, nv)).tocsr()
+    A = rr.matrix(nv)
     cvec = np.zeros(nv)
     cvec[itot] = 1.0
     integrality = np.zeros(nv)
@@ -168,7 +156,7 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     for st in types:
         integrality[ig[st]] = 1
         ub[ig[st]] = 1.0
-    res = milp(cvec, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+    res = milp(cvec, constraints=LinearConstraint(A, rr.lo, rr.hi), integrality=integrality,
                bounds=Bounds(lb, ub),
                options={"time_limit": max(0.5, time_limit_s), "disp": False, "mip_rel_gap": 1e-4,
                         **({"node_limit": int(node_limit)} if node_limit is not None else {})})
