@@ -295,15 +295,16 @@ def step_time(
     table = phase_table(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes, comm_groups, ctx,
                         fwd_precision, bwd_precision)
     ph = {name: float(v) for name, v in zip(PHASE_NAMES, table[0])}
-    serial = float(step_totals(table, "base", getattr(ctx.profile, "supports_overlap", True))[0])
+    overlap = getattr(ctx.profile, "supports_overlap", True)
+    serial = float(step_totals(table, "base", overlap)[0])
     compute = float(table[0, _COMPUTE_COLS].sum())
-    total = float(step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True))[0])
+    total = float(step_totals(table, pipeline, overlap)[0])
     comm = serial - compute
     exposed = max(0.0, total - compute)
     return StepTime(
-        total_s=float(total),
-        phases={k: float(v) for k, v in ph.items()},
-        compute_s=float(compute),
+        total_s=total,
+        phases=ph,
+        compute_s=compute,
         exposed_comm_s=float(min(exposed, comm)),
         overlapped_s=float(max(0.0, serial - total)),
         pipeline=pipeline,
