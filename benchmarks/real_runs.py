@@ -106,6 +106,11 @@ def plan_kinds_for(w: ProbeWorkload) -> List[str]:
     return kinds
 
 
+def _spread(runs: Sequence[float]) -> float:
+    """How far a plan's rounds disagree: slowest / fastest - 1 (0 for one round)."""
+    return max(runs) / min(runs) - 1.0 if runs else 0.0
+
+
 def geomean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
@@ -218,18 +223,26 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
         # plan's state or cache warmth carries over; one untimed run first pays the process's one-offs
         measure_plan("warm-up", lambda: probe_model(w), runners[0]["plan"], batches, 2, args.warmup, pg=pg,
                      device=device)
-        for rep in range(args.reps):
-            for r in runners:
+        rep = 0
+        todo = list(runners)
+        while todo:
+            for r in todo:
                 torch.manual_seed(0)
                 m = measure_plan(r["name"], lambda: probe_model(w), r["plan"], batches, args.steps, args.warmup,
                                  pg=pg, device=device)
                 r["runs"].append(m.median_s)
-            say(f"[real_runs] {w.name} round {rep + 1}/{args.reps}: "
-                + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms")
+            rep += 1
+            say(f"[real_runs] {w.name} round {rep}/{args.reps}{'+' if rep > args.reps else ''}: "
+                + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in todo) + " ms")
+            # after the --reps rounds: more rounds (interleaved) only for the plans whose rounds still
+            # spread more than --tolerance, up to --max-reps (a disturbance only slows a run down)
+            todo = list(runners) if rep < args.reps else [
+                r for r in runners if rep < args.max_reps and _spread(r["runs"]) > args.tolerance]
     rows = []
     stat = min if args.stat == "min" else statistics.median
     for r in runners:
         rows.append(dict(plan=r["name"], types=r["types"], measured_ms=stat(r["runs"]) * 1e3,
+                         spread=_spread(r["runs"]),
                          median_ms=statistics.median(r["runs"]) * 1e3, min_ms=min(r["runs"]) * 1e3,
                          runs_ms=[x * 1e3 for x in r["runs"]], predicted_ms=r["predicted_s"] * 1e3))
     keys = {r["name"]: _plan_key(r["plan"]) for r in runners}
@@ -253,11 +266,13 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
 def format_workload(res: Dict[str, Any]) -> str:
     lines = [f"\n## {res['workload']} ({res['tables']} tables, {res['features']} features, batch "
              f"{res['batch_size']}/rank, zipf {res['alpha']})",
-             f"{'plan':<16}{'types':<18}{'measured ms':>12}{'predicted ms':>14}{'pred/meas':>10}{'vs best':>9}"]
+             f"{'plan':<16}{'types':<18}{'measured ms':>12}{'predicted ms':>14}{'pred/meas':>10}{'vs best':>9}"
+             f"{'rounds':>7}{'spread':>8}"]
     best = min(r["measured_ms"] for r in res["rows"])
     for r in res["rows"]:
         lines.append(f"{r['plan']:<16}{r['types'][:17]:<18}{r['measured_ms']:>12.2f}{r['predicted_ms']:>14.2f}"
-                     f"{r['predicted_ms'] / r['measured_ms']:>10.2f}{r['measured_ms'] / best:>9.3f}")
+                     f"{r['predicted_ms'] / r['measured_ms']:>10.2f}{r['measured_ms'] / best:>9.3f}"
+                     f"{len(r['runs_ms']):>7}{r.get('spread', 0.0) * 100:>7.1f}%")
     same = " (the same plan: the difference is noise)" if res.get("same_plan_as_torchrec") else ""
     lines.append(f"TorchRec/SparseLift {res['torchrec_over_ours']:.3f}x{same}; SparseLift/best {res['ours_over_best']:.3f}; "
                  f"best plan {res['best']} ({res['best_over_torchrec']:.3f}x over TorchRec); guard keeps "
@@ -311,8 +326,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--quick", action="store_true", help=f"smoke test: {', '.join(QUICK_WORKLOADS)}, 1 round, 4 steps")
     p.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--reps", type=int, default=3, help="interleaved rounds (each plan once per round)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per plan per round")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps before each timed run")
+    p.add_argument("--max-reps", type=int, default=6, help="at most this many rounds for a plan whose rounds "
+                   "spread more than --tolerance after --reps (extra rounds interleaved among those plans)")
+    p.add_argument("--tolerance", type=float, default=0.03, help="round-to-round spread (slowest/fastest - 1) "
+                   "above which a plan gets extra rounds")
+    p.add_argument("--steps", type=int, help="timed steps per plan per round (default: the harness's, "
+                   "runtime.probe.DEFAULT_TIMING)")
+    p.add_argument("--warmup", type=int, help="untimed steps before each timed run (default: the harness's)")
     p.add_argument("--batches", type=int, default=8, help="distinct pre-built batches per rank (cycled)")
     p.add_argument("--keep-models", action="store_true",
                    help="build every plan's sharded model once and reuse it across rounds (faster; the default "
@@ -322,8 +342,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--profile", help="price with this profile JSON instead of the machine's step-fitted one")
     p.add_argument("--calibrate", action="store_true", help="fit this machine's profile first even if one is stored")
     args = p.parse_args(argv)
+    from torchrec_sparselift.runtime.probe import DEFAULT_TIMING
+
+    args.steps = DEFAULT_TIMING["steps"] if args.steps is None else args.steps
+    args.warmup = DEFAULT_TIMING["warmup"] if args.warmup is None else args.warmup
     if args.quick:
-        args.reps, args.steps, args.warmup = 1, 4, 2
+        args.reps, args.max_reps, args.steps, args.warmup = 1, 1, 4, 2
     names = args.workloads.split(",") if args.workloads else list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     table = _workloads()
     unknown = [n for n in names if n not in table]
@@ -356,8 +380,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             found, diff = store.lookup(fp)
             if found is None or diff or args.calibrate:
                 say("[real_runs] calibrating this machine from the probe workloads first")
-                profile, fit, _recs, fit_records = calibrate_steps(dist.group.WORLD, "cpu", steps=10, warmup=3,
-                                                                   progress=rank == 0)
+                profile, fit, _recs, fit_records = calibrate_steps(dist.group.WORLD, "cpu", progress=rank == 0)
                 if rank == 0:
                     from torchrec_sparselift.step_calibration import _record_dict
 
@@ -404,7 +427,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if rank == 0:
             out = dict(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), wall_s=time.time() - t_start,
                        profile=profile.to_dict(), profile_source=source, fingerprint=fp.to_dict(),
-                       settings=dict(reps=args.reps, steps=args.steps, warmup=args.warmup, batches=args.batches,
+                       settings=dict(reps=args.reps, max_reps=args.max_reps, tolerance=args.tolerance, steps=args.steps,
+                                     warmup=args.warmup, batches=args.batches,
                                      quick=args.quick, stat=args.stat), load_end=os.getloadavg()[0], workloads=results,
                        summary=summary)
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -318,3 +318,24 @@ def test_prefetched_batches_build_between_steps_and_keep_the_order():
     assert list(it) == [5, 6]
     with pytest.raises(ValueError, match="depth"):
         PrefetchedBatches(iter([]), depth=0)
+
+
+def test_prefetched_batches_refill_in_chunks_between_steps():
+    built = []
+
+    def source():
+        for i in range(10):
+            built.append(i)
+            yield i
+
+    it = PrefetchedBatches(source(), depth=4, refill_below=2)
+    assert built == [0, 1, 2, 3]
+    assert [next(it) for _ in range(2)] == [0, 1]
+    it.top_up()  # 2 still ready: nothing built
+    assert built == [0, 1, 2, 3]
+    next(it)
+    it.top_up()  # 1 ready: a whole chunk up to depth
+    assert built == [0, 1, 2, 3, 4, 5, 6]
+    assert list(it) == [3, 4, 5, 6, 7, 8, 9]
+    with pytest.raises(ValueError, match="refill_below"):
+        PrefetchedBatches(iter([]), depth=2, refill_below=3)

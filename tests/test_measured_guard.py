@@ -1,5 +1,6 @@
 """The measured guard keeps the plan that measures fastest."""
 
+import json
 import time
 
 import pytest
@@ -45,7 +46,7 @@ def test_guard_keeps_the_first_on_a_tie_and_checks_trials():
         choose_measured(cands, lambda label, plan: float("nan"))
     with pytest.raises(ValueError, match="unique"):
         choose_measured([cands[0], cands[0]], lambda label, plan: 1.0)
-    with pytest.raises(ValueError, match="candidates must be an integer >= 1"):
+    with pytest.raises(ValueError, match="MeasuredGuard.candidates must be an int >= 1"):
         MeasuredGuard(candidates=0)
 
 
@@ -81,3 +82,38 @@ def test_guarded_plans_have_their_own_cache_key_stable_under_profile_refits():
     assert a == guard_fingerprint(planner(refit), ebc, sh, g3).digest()  # feedback refits keep the key
     assert a != guard_fingerprint(planner(base), ebc, sh, g2).digest()  # guard settings change it
     assert a != planner(base).fingerprint(ebc, sh).digest()  # never the unguarded plan's key
+
+
+def test_guard_rounds_are_interleaved_and_keep_each_candidates_fastest_round():
+    # round 0 disturbs "b" (a slow trial), round 1 shows it is the faster plan
+    times = {("a", 0): 0.010, ("b", 0): 0.030, ("a", 1): 0.011, ("b", 1): 0.008}
+    calls = []
+
+    def trial(label, plan):
+        r = sum(1 for c in calls if c == label)
+        calls.append(label)
+        return times[(label, r)]
+
+    cands = [Candidate("a", "sparselift", 1), Candidate("b", "torchrec", 2)]
+    chosen, res = choose_measured(cands, trial, rounds=2)
+    assert calls == ["a", "b", "a", "b"]
+    assert chosen.label == "b"
+    assert res.trial("b").measured_s == 0.008 and res.trial("b").runs_s == (0.030, 0.008)
+    assert GuardResult.from_dict(res.to_dict()) == res
+    assert json.loads(json.dumps(res.to_dict())) == res.to_dict()  # plain JSON (the ExecutionPlan stores it)
+    # one round would have kept "a"
+    calls.clear()
+    assert choose_measured(cands, trial, rounds=1)[0].label == "a"
+
+
+def test_guard_alternatives_remove_only_the_named_sharding_types():
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    from torchrec_sparselift.measured_guard import _restricted
+    from torchrec_sparselift.semantics.table_file import SHARDING_TYPES
+
+    out = _restricted({"u": ParameterConstraints(sharding_types=["row_wise", "data_parallel"])}, ["t", "u"],
+                      ("data_parallel",))
+    assert set(out["t"].sharding_types) == set(SHARDING_TYPES) - {"data_parallel", "grid_shard"}
+    assert out["u"].sharding_types == ["row_wise"]  # the user's own restriction, minus the removed type
+    assert _restricted(None, ["t"], None)["t"].sharding_types == ["table_wise"]

@@ -12,8 +12,10 @@ Candidates: SparseLift's plan, then SparseLift's best plans under alternative re
 data-parallel tables; table-wise only; no row-wise), de-duplicated and ordered by predicted step
 time, ``guard.candidates`` of them in all; plus TorchRec's ``EmbeddingShardingPlanner`` plan
 (``guard.torchrec``). Each is trained for ``guard.warmup + guard.steps`` steps on the real model
-and the given pre-built batches (:func:`torchrec_sparselift.runtime.probe.measure_plan`, the slowest
-rank's median step) and the fastest is kept (:func:`torchrec_sparselift.runtime.guard.choose_measured`).
+and the given pre-built batches, with the train pipeline its plan runs
+(:func:`torchrec_sparselift.runtime.probe.measure_plan`, the median step of the per-step slowest
+rank), ``guard.rounds`` times interleaved, and the fastest is kept
+(:func:`torchrec_sparselift.runtime.guard.choose_measured`).
 
 The returned :class:`~torchrec_sparselift.plan.ExecutionPlan` is SparseLift's, with the kept plan's
 sharding and prediction and the trials in ``planner_info["measured_guard"]``. With ``cache_dir`` it is
@@ -42,6 +44,7 @@ import attrs
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
 from torchrec_sparselift.runtime.guard import Candidate, GuardResult, MeasuredGuard, choose_measured
+from torchrec_sparselift.semantics.table_file import SHARDING_TYPES
 
 __all__ = ["guarded_execution_plan", "guard_cache_path", "guard_fingerprint", "ALTERNATIVES", "feedback_records"]
 
@@ -54,7 +57,9 @@ ALTERNATIVES: Tuple[Tuple[str, Optional[Tuple[str, ...]]], ...] = (
     ("table_wise_only", None),
     ("no_row_wise", ("row_wise",)),
 )
-_ALL_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
+#: What a table without a user restriction may use in an alternative: every sharding type the
+#: planner offers by default (semantics.tables leaves grid_shard out unless a constraint names it).
+_ALL_TYPES = tuple(t for t in SHARDING_TYPES if t != "grid_shard")
 
 
 def _restricted(constraints: Optional[Dict[str, Any]], table_names: Sequence[str],
@@ -151,6 +156,7 @@ def guarded_execution_plan(
 
     from torchrec_sparselift.plan import ExecutionPlan
     from torchrec_sparselift.planner import SparseLiftPlanner, evaluate_sharding_plan
+    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
     from torchrec_sparselift.runtime.probe import measure_plan
     from torchrec_sparselift.step_calibration import PlanPricer
 
@@ -206,15 +212,20 @@ def guarded_execution_plan(
         pred = PlanPricer(model, tplan, topology, batch_size, constraints, sharders)(profile)
         cands.append((Candidate("torchrec", "torchrec", tplan, pred), None))
 
-    pricers = []
+    # each trial runs the train pipeline its plan will run (the SparseLift plan's; TorchRec's plan
+    # would be lifted with the SparseLift plan's pipeline)
+    kinds = {c.label: (e.optimizations.pipeline if e is not None else ep.optimizations.pipeline) for c, e in cands}
 
     def trial(label: str, plan: Any) -> float:
-        m = measure_plan(label, model_factory, plan, batches, guard.steps, guard.warmup, pg=pg, device=device)
-        pricers.append((label, m.median_s, PlanPricer(model, plan, topology, batch_size, constraints, sharders)))
-        log(f"[guard] {label}: {m.median_s * 1e3:.2f} ms/step ({m.wall_s:.1f} s)")
+        kind = kinds[label]
+        m = measure_plan(label, model_factory, plan, batches, guard.steps, guard.warmup, pg=pg, device=device,
+                         pipeline_factory=lambda d, o, dev: make_train_pipeline(kind, d, o, dev))
+        log(f"[guard] {label}: {m.median_s * 1e3:.2f} ms/step ({m.wall_s:.1f} s, pipeline {kind})")
         return m.median_s
 
-    chosen, result = choose_measured([c for c, _ in cands], trial, settings=guard.to_dict())
+    chosen, result = choose_measured([c for c, _ in cands], trial, settings=guard.to_dict(), rounds=guard.rounds)
+    pricers = [(t.label, t.measured_s, PlanPricer(model, c.plan, topology, batch_size, constraints, sharders))
+               for t, (c, _e) in zip(result.trials, cands)]
     chosen_ep = dict((c.label, e) for c, e in cands)[chosen.label]
     info = dict(ep.planner_info)
     info["measured_guard"] = result.to_dict()

@@ -30,6 +30,7 @@ import numpy as np
 
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
 from torchrec_sparselift.cost.machine import MachineFingerprint, ProfileStore, current_fingerprint
+from torchrec_sparselift.cost.report import mape
 from torchrec_sparselift.cost.step_fit import (
     CPU_STEP_TERMS,
     FitRecord,
@@ -169,13 +170,14 @@ def measure_probes(
     device_type: str = "cpu",
     workloads: Optional[Sequence[Any]] = None,
     kinds: Optional[Sequence[str]] = None,
-    steps: int = 10,
-    warmup: int = 3,
+    steps: Optional[int] = None,
+    warmup: Optional[int] = None,
     progress: bool = True,
     base: Optional[HardwareProfile] = None,
 ) -> List[Tuple[str, str, Any, Dict[str, Any], float]]:
     """Train every probe plan on every rank of ``pg``; ``(workload, kind, plan, constraints,
-    measured seconds)`` per plan (the slowest rank's median step; the same on every rank)."""
+    measured seconds)`` per plan (the median step of the per-step slowest rank; the same on every
+    rank). ``steps`` / ``warmup`` default to the harness's (``runtime.probe.DEFAULT_TIMING``)."""
     import torch
     import torch.distributed as dist
 
@@ -245,8 +247,8 @@ def calibrate_steps(
     base: Optional[HardwareProfile] = None,
     workloads: Optional[Sequence[Any]] = None,
     kinds: Optional[Sequence[str]] = None,
-    steps: int = 10,
-    warmup: int = 3,
+    steps: Optional[int] = None,
+    warmup: Optional[int] = None,
     progress: bool = True,
     name: str = "step-fit",
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
@@ -286,14 +288,17 @@ def _record_dict(r: FitRecord) -> Dict[str, Any]:
 
 
 def _mape(recs: Sequence[ProbeRecord], attr: str) -> float:
-    return float(np.mean([abs(getattr(r, attr) - r.measured_s) / r.measured_s for r in recs]))
+    """MAPE of the records' ``attr`` prediction (cost/report.mape)."""
+    return mape([getattr(r, attr) for r in recs], [r.measured_s for r in recs])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description="fit the hardware profile from real training steps (run under torchrun)")
     p.add_argument("--quick", action="store_true", help="two probe models, fewer steps (smoke test)")
-    p.add_argument("--steps", type=int, help="timed steps per probe plan (default 10, quick 5)")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, help="timed steps per probe plan (default: the harness's, "
+                   "runtime.probe.DEFAULT_TIMING; quick 5)")
+    p.add_argument("--warmup", type=int, help="untimed steps per probe plan (default: the harness's, "
+                   "runtime.probe.DEFAULT_TIMING)")
     p.add_argument("--store", help="profile store directory (default: $TORCHREC_SPARSELIFT_PROFILE_DIR or "
                    "~/.cache/torchrec_sparselift/profiles)")
     p.add_argument("--out", help="also write the profile JSON here")
@@ -350,10 +355,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         device = "cpu"
         fp = current_fingerprint(device, int(os.environ.get("LOCAL_WORLD_SIZE", W)))
         workloads = probe.PROBE_WORKLOADS[:2] if args.quick else probe.PROBE_WORKLOADS
-        steps = args.steps or (5 if args.quick else 10)
+        steps = args.steps or (5 if args.quick else probe.DEFAULT_TIMING["steps"])
+        warmup = probe.DEFAULT_TIMING["warmup"] if args.warmup is None else args.warmup
         base = get_profile(args.base) if args.base else base_profile(device)
         t0 = time.perf_counter()
-        ms = measure_probes(dist.group.WORLD, device, workloads, steps=steps, warmup=args.warmup,
+        ms = measure_probes(dist.group.WORLD, device, workloads, steps=steps, warmup=warmup,
                             progress=not args.no_progress, base=base)
         if rank == 0 and args.save_measurements:
             import pickle
@@ -366,7 +372,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if rank == 0:
             info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), wall_s=round(wall, 1),
                         base=base.name, fit=fit.to_dict(), mape_before=_mape(recs, "predicted_before_s"),
-                        mape_after=_mape(recs, "predicted_after_s"), steps=steps, warmup=args.warmup,
+                        mape_after=_mape(recs, "predicted_after_s"), steps=steps, warmup=warmup,
                         records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
                         fit_records=[_record_dict(r) for r in fit_records])
             path = store.save(fitted, fp, info)

@@ -140,24 +140,31 @@ def synthetic_batches(
 
 
 class PrefetchedBatches:
-    """An iterator over ``source`` that keeps ``depth`` batches built ahead of the training step,
-    the way a ``DataLoader`` with workers hands a training loop ready batches.
+    """An iterator over ``source`` that keeps up to ``depth`` batches built ahead of the training
+    step, the way a ``DataLoader`` with workers hands a training loop ready batches.
 
     ``next()`` only pops a batch that is already built; :meth:`top_up` builds the next ones and
     is called between steps, outside the timed region (``train_loop``'s ``after_step``), so the
-    measured step time is the model's, not the data generator's. The batches and their order are
-    exactly ``source``'s (losses and checkpoint resume are unchanged). When the buffer runs dry
-    (a pipeline that pulls more than ``depth`` ahead), ``next()`` builds inline rather than fail.
+    measured step time is the model's, not the data generator's. ``refill_below`` (default
+    ``depth``): :meth:`top_up` builds only once fewer than that many are ready, then a whole
+    ``depth`` at once; the example pre-builds its run's batches in chunks this way (building one
+    batch between every two steps still slows the next step down by evicting its working set from
+    the caches: docs/calibration.md). The batches and their order are exactly ``source``'s (losses
+    and checkpoint resume are unchanged). When the buffer runs dry (a pipeline that pulls more than
+    ``depth`` ahead), ``next()`` builds inline rather than fail.
     """
 
-    def __init__(self, source: Iterator[Batch], depth: int = 4) -> None:
+    def __init__(self, source: Iterator[Batch], depth: int = 4, refill_below: Optional[int] = None) -> None:
         if depth < 1:
             raise ValueError(f"PrefetchedBatches(depth=...) must be >= 1, got {depth}")
+        self._refill_below = depth if refill_below is None else refill_below
+        if not 1 <= self._refill_below <= depth:
+            raise ValueError(f"PrefetchedBatches(refill_below=...) must be in 1..depth ({depth}), got {refill_below}")
         self._source = iter(source)
         self._depth = depth
         self._ready: "collections.deque[Batch]" = collections.deque()
         self._done = False
-        self.top_up()
+        self.top_up(depth)
 
     def __iter__(self) -> "PrefetchedBatches":
         return self
@@ -170,9 +177,13 @@ class PrefetchedBatches:
         return self._ready.popleft()
 
     def top_up(self, n: Optional[int] = None) -> None:
-        """Build batches until ``n`` (default ``depth``) are ready or the source ends."""
-        want = self._depth if n is None else n
-        while not self._done and len(self._ready) < want:
+        """Build batches until ``n`` are ready or the source ends; without ``n``: nothing while
+        ``refill_below`` or more are ready, else up to ``depth``."""
+        if n is None:
+            if len(self._ready) >= self._refill_below:
+                return
+            n = self._depth
+        while not self._done and len(self._ready) < n:
             try:
                 self._ready.append(next(self._source))
             except StopIteration:

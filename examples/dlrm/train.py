@@ -154,7 +154,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="sparselift: before training, measure SparseLift's best N candidate plans and TorchRec's plan for a "
         "few steps each and keep the fastest (0: off); the result is cached with the plan",
     )
-    p.add_argument("--guard-steps", type=int, default=8, metavar="S", help="timed steps per measured-guard trial")
+    p.add_argument("--guard-steps", type=int, default=16, metavar="S", help="timed steps per measured-guard trial")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save sharded model + optimizer state here; resume from it")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="N", help="checkpoint after every N steps")
     p.add_argument(
@@ -527,6 +527,9 @@ def attribute_run(
 
 # ---------------------------------------------------------------- the training loop
 
+#: Batches the example builds ahead of the timed steps (then refills in one go between two steps).
+PREBUILT_BATCHES = 256
+
 
 class SimulatedFailure(RuntimeError):
     """``--fail-at-step`` was reached: the run stops as if it had crashed."""
@@ -643,7 +646,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
                 trial_batches = list(itertools.islice(synthetic_batches(
                     tables, args.batch_size, args.seed + 7919, rank, 8, args.zipf_alpha, args.signal), 8))
             say(f"[dlrm] measured guard: SparseLift's best {guard.candidates} plan(s) and TorchRec's, "
-                f"{guard.warmup}+{guard.steps} steps each")
+                f"{guard.warmup}+{guard.steps} steps each, {guard.rounds} interleaved rounds")
             ep, guard_result, guard_reused = guarded_execution_plan(
                 lambda: build_model(tables, model_kind, arch), pg, device, trial_batches,
                 topology=planner._topology, batch_size=args.batch_size, constraints=constraints,
@@ -722,9 +725,11 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         batches = synthetic_batches(
             tables, args.batch_size, args.seed, rank, last_batch, args.zipf_alpha, args.signal, start=first_step
         )
-    # Batches are built between steps, outside the timed region, as a DataLoader's workers would
-    # hand them over: the measured step is the model's (in-step generation cost 1.6-8.8 ms).
-    batches = PrefetchedBatches(batches)
+    # Batches are built outside the timed steps, as a DataLoader's workers would hand them over:
+    # up to PREBUILT_BATCHES ahead, refilled in one go between two steps when nearly used up (a
+    # 200-step run builds all of its batches before the first step; building one batch between
+    # every two steps slowed the steps down by ~5%: docs/calibration.md).
+    batches = PrefetchedBatches(batches, depth=PREBUILT_BATCHES, refill_below=3)
     to_run = args.steps - first_step
     warmup = min(args.warmup_steps, to_run - 1)
 

@@ -19,27 +19,25 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.plan.execution_plan import _int_at_least
+
 __all__ = ["MeasuredGuard", "GuardTrial", "GuardResult", "Candidate", "choose_measured"]
-
-
-def _at_least(n: int) -> Callable[[Any, Any, int], None]:
-    def check(instance: Any, attribute: "attrs.Attribute[int]", value: int) -> None:
-        if not isinstance(value, int) or value < n:
-            raise ValueError(f"MeasuredGuard.{attribute.name} must be an integer >= {n}, got {value!r}")
-    return check
 
 
 @attrs.frozen(kw_only=True)
 class MeasuredGuard:
     """Guard settings. ``candidates``: SparseLift plans measured (its plan and the next-best
     alternatives the model ranks); ``torchrec``: also measure ``EmbeddingShardingPlanner``'s plan;
-    ``steps`` / ``warmup``: timed and untimed steps per trial; ``feedback``: add the trials to
-    this machine's stored step-fit records and refit its profile."""
+    ``steps`` / ``warmup``: timed and untimed steps per trial; ``rounds``: trials per candidate,
+    interleaved (every candidate once per round), a candidate's time being its fastest round (a
+    disturbance only ever slows a trial down); ``feedback``: add the trials to this machine's
+    stored step-fit records and refit its profile."""
 
-    candidates: int = attrs.field(default=3, validator=_at_least(1))
+    candidates: int = attrs.field(default=3, validator=_int_at_least(1))
     torchrec: bool = True
-    steps: int = attrs.field(default=8, validator=_at_least(1))
-    warmup: int = attrs.field(default=3, validator=_at_least(0))
+    steps: int = attrs.field(default=16, validator=_int_at_least(1))
+    warmup: int = attrs.field(default=5, validator=_int_at_least(0))
+    rounds: int = attrs.field(default=2, validator=_int_at_least(1))
     feedback: bool = True
 
     def to_dict(self) -> Dict[str, Any]:
@@ -59,10 +57,13 @@ class Candidate:
 
 @attrs.frozen
 class GuardTrial:
+    """A candidate's measured step time (its fastest round) and every round's (``runs_s``)."""
+
     label: str
     source: str
     predicted_s: Optional[float]
     measured_s: float
+    runs_s: Tuple[float, ...] = attrs.field(default=(), converter=tuple)
 
 
 @attrs.frozen
@@ -89,7 +90,7 @@ class GuardResult:
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(chosen=self.chosen, settings=dict(self.settings),
-                    trials=[attrs.asdict(t) for t in self.trials])
+                    trials=[dict(attrs.asdict(t), runs_s=list(t.runs_s)) for t in self.trials])
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "GuardResult":
@@ -110,22 +111,26 @@ class GuardResult:
 
 
 def choose_measured(candidates: Sequence[Candidate], trial: Callable[[str, Any], float],
-                    settings: Optional[Dict[str, Any]] = None) -> Tuple[Candidate, GuardResult]:
-    """Measure every candidate with ``trial(label, plan) -> seconds`` and keep the fastest
-    (ties: the earlier one). Labels must be unique; a trial must return a positive finite time."""
+                    settings: Optional[Dict[str, Any]] = None, rounds: int = 1) -> Tuple[Candidate, GuardResult]:
+    """Measure every candidate ``rounds`` times, interleaved (round r trials every candidate in the
+    given order), with ``trial(label, plan) -> seconds``; a candidate's time is its fastest round;
+    keep the fastest candidate (ties: the earlier one). Labels must be unique; a trial must return
+    a positive finite time."""
     if not candidates:
         raise ValueError("the measured guard needs at least one candidate plan")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds!r}")
     labels = [c.label for c in candidates]
     if len(set(labels)) != len(labels):
         raise ValueError(f"candidate labels must be unique, got {labels}")
-    trials: List[GuardTrial] = []
-    best: Optional[Tuple[float, Candidate]] = None
-    for c in candidates:
-        s = float(trial(c.label, c.plan))
-        if not (s > 0 and math.isfinite(s)):
-            raise ValueError(f"trial of {c.label!r} returned {s!r}: expected a positive step time in seconds")
-        trials.append(GuardTrial(label=c.label, source=c.source, predicted_s=c.predicted_s, measured_s=s))
-        if best is None or s < best[0]:
-            best = (s, c)
-    assert best is not None
-    return best[1], GuardResult(chosen=best[1].label, trials=tuple(trials), settings=dict(settings or {}))
+    runs: List[List[float]] = [[] for _ in candidates]
+    for _ in range(rounds):
+        for c, r in zip(candidates, runs):
+            s = float(trial(c.label, c.plan))
+            if not (s > 0 and math.isfinite(s)):
+                raise ValueError(f"trial of {c.label!r} returned {s!r}: expected a positive step time in seconds")
+            r.append(s)
+    trials = tuple(GuardTrial(label=c.label, source=c.source, predicted_s=c.predicted_s, measured_s=min(r),
+                              runs_s=tuple(r)) for c, r in zip(candidates, runs))
+    i = min(range(len(candidates)), key=lambda k: (trials[k].measured_s, k))
+    return candidates[i], GuardResult(chosen=candidates[i].label, trials=trials, settings=dict(settings or {}))

@@ -192,13 +192,53 @@ def shard_for_training(model, plan, device, lr: float = 0.05, dense_lr: float = 
 
 @attrs.frozen
 class Measurement:
-    """One timed run: the slowest rank's median and mean steady-state step (seconds)."""
+    """One timed run: the median and mean steady-state step (seconds) of the per-step slowest
+    rank, and every step's slowest-rank duration including the warm-up (``durations_s``)."""
 
     label: str
     median_s: float
     mean_s: float
     steps: int
     wall_s: float
+    durations_s: Tuple[float, ...] = ()
+    cpu_durations_s: Tuple[float, ...] = ()
+
+
+#: The harness's defaults (see docs/calibration.md, "Measurement repeatability").
+DEFAULT_TIMING: Dict[str, Any] = dict(warmup=5, steps=20, pin=False, gc_off=False)
+
+
+def _set_affinity(cpus: Any) -> Any:
+    """Set the CPU affinity of every thread of this process (Linux ``sched_setaffinity`` applies
+    to one thread; gloo's threads exist already); returns the previous affinity."""
+    import os
+
+    old = os.sched_getaffinity(0)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return old
+
+
+def _rank_core(pg: Any) -> Optional[int]:
+    """The core this rank is pinned to (local rank modulo the usable cores), or None when the
+    process may not run on that many cores or the platform cannot pin."""
+    import os
+
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank(pg) if pg is not None else 0))
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(pg) if pg is not None else 1))
+    if local_ws > len(cpus):
+        return None
+    return cpus[local % len(cpus)]
 
 
 def measure_plan(
@@ -206,49 +246,74 @@ def measure_plan(
     model_factory: Callable[[], Any],
     plan: Any,
     batches: Sequence[Any],
-    steps: int,
-    warmup: int,
+    steps: Optional[int] = None,
+    warmup: Optional[int] = None,
     pg: Any = None,
     device: Optional[torch.device] = None,
     pipeline_factory: Optional[Callable[[Any, Any, torch.device], Any]] = None,
+    pin: Optional[bool] = None,
+    gc_off: Optional[bool] = None,
 ) -> Measurement:
     """Shard a fresh ``model_factory()`` under ``plan``, run ``warmup + steps`` steps over
-    ``batches`` (cycled if shorter) and return the slowest rank's steady-state step time.
-    ``pipeline_factory(dmp, optimizer, device)`` replaces TorchRec's ``TrainPipelineSparseDist``."""
+    ``batches`` (cycled if shorter) and return the steady-state step time of the per-step slowest
+    rank. ``pipeline_factory(dmp, optimizer, device)`` replaces TorchRec's ``TrainPipelineSparseDist``.
+    ``pin``: each rank runs on its own core during the run (CPU); ``gc_off``: Python's garbage
+    collector is paused during the timed steps (a collection runs before them). ``None`` takes
+    :data:`DEFAULT_TIMING`."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+    steps = DEFAULT_TIMING["steps"] if steps is None else steps
+    warmup = DEFAULT_TIMING["warmup"] if warmup is None else warmup
+    pin = DEFAULT_TIMING["pin"] if pin is None else pin
+    gc_off = DEFAULT_TIMING["gc_off"] if gc_off is None else gc_off
     t_start = time.perf_counter()
     device = device or torch.device("cpu")
-    dmp, opt = shard_for_training(model_factory(), plan, device)
-    if pipeline_factory is not None:
-        pipeline = pipeline_factory(dmp, opt, device)
-    else:
-        pipeline = TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
-    total = warmup + steps
-    # the pipeline prefetches up to two batches ahead: give it two spare ones
-    feed = [batches[i % len(batches)] for i in range(total + 2)]
-    it = iter(feed)
-    if pg is not None:
-        dist.barrier(group=pg)
-    durations = []
-    for _ in range(total):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        pipeline.progress(it)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        durations.append(time.perf_counter() - t0)
-    steady = durations[warmup:]
-    med, mean = statistics.median(steady), statistics.fmean(steady)
-    if pg is not None:
-        t = torch.tensor([med, mean], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-        med, mean = (float(x) for x in t)
-    del pipeline, dmp, opt
-    gc.collect()
+    core = _rank_core(pg) if pin and device.type == "cpu" else None
+    old_aff = _set_affinity({core}) if core is not None else None
+    try:
+        dmp, opt = shard_for_training(model_factory(), plan, device)
+        if pipeline_factory is not None:
+            pipeline = pipeline_factory(dmp, opt, device)
+        else:
+            pipeline = TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
+        total = warmup + steps
+        # the pipeline prefetches up to two batches ahead: give it two spare ones
+        feed = [batches[i % len(batches)] for i in range(total + 2)]
+        it = iter(feed)
+        gc.collect()
+        if pg is not None:
+            dist.barrier(group=pg)
+        durations, cpu = [], []
+        gc_was = gc.isenabled()
+        try:
+            for i in range(total):
+                if i == warmup and gc_off:
+                    gc.disable()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0, c0 = time.perf_counter(), time.process_time()
+                pipeline.progress(it)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                durations.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+        finally:
+            if gc_was:
+                gc.enable()
+        if pg is not None:
+            t = torch.tensor([durations, cpu], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+            durations, cpu = [float(x) for x in t[0]], [float(x) for x in t[1]]
+        steady = durations[warmup:]
+        med, mean = statistics.median(steady), statistics.fmean(steady)
+        del pipeline, dmp, opt, it, feed
+        gc.collect()
+    finally:
+        if old_aff is not None:
+            _set_affinity(old_aff)
     return Measurement(label=label, median_s=med, mean_s=mean, steps=len(steady),
-                       wall_s=time.perf_counter() - t_start)
+                       wall_s=time.perf_counter() - t_start, durations_s=tuple(durations),
+                       cpu_durations_s=tuple(cpu))
 
 
 def summarize(measurements: Sequence[Measurement]) -> Mapping[str, float]:
