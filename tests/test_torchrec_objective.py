@@ -131,6 +131,13 @@ def test_makespan_bound_is_a_bound_and_closes_small_instances():
     lb = makespan_bound(trp.problem, time_limit_s=10)
     assert lb.bound_s <= exact.objective_s * (1 + 1e-6)
     assert lb.bound_s >= 0.5 * exact.objective_s
+    # the whole search on it: the exact makespan MILP proves its plan optimal (gap ~0)
+    from torchrec_sparselift.search.torchrec_objective import solve_torchrec
+
+    res = solve_torchrec(trp, 20.0)
+    assert res.step.total_s == pytest.approx(exact.objective_s, rel=1e-3)
+    assert res.lower_bound_s <= exact.objective_s * (1 + 1e-6)
+    assert res.gap <= 2e-3, res.solver
     # classic P||Cmax bounds: 3 pieces of 5 on 2 ranks -> some rank holds two
     assert piece_bounds(np.array([5.0, 5.0, 5.0]), 2) == pytest.approx(10.0)
     assert piece_bounds(np.array([4.0, 1.0, 1.0]), 2, uniform=1.0) == pytest.approx(5.0)

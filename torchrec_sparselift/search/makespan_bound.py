@@ -10,8 +10,10 @@ makespan ``z`` satisfies, for its choice ``x``:
 * average: ``z >= sum_c x_c n_c p_c / W``;
 * largest piece: ``z >= U(x) + p_c`` for every chosen piece (it sits on a rank that also
   carries ``U``);
-* bin packing: if at least ``k W + 1`` chosen pieces are ``>= theta``, some rank holds ``k + 1``
-  of them, so ``z >= U(x) + (k + 1) theta`` (one binary per ``(theta, k)``);
+* bin packing: some rank holds ``k + 1`` of the ``k W + 1`` largest chosen pieces, whose sum is
+  at least ``p_{kW+1} + k p_{kW}`` (sorted descending, the classic ``P||Cmax`` bound); with
+  thresholds ``theta_a >= theta_b`` and binaries ``A(theta, m) = [at least m chosen pieces are
+  >= theta]``: ``z >= U(x) + (k theta_a + theta_b)(A(theta_a, kW) + A(theta_b, kW + 1) - 1)``;
 * memory: the chosen options' total storage fits the ranks' total.
 
 The minimum of ``z`` over binary ``x`` under those rows is a lower bound on every plan; HiGHS's
@@ -22,7 +24,7 @@ are what the aggregated LP of :mod:`.lp` cannot see.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import attrs
 import numpy as np
@@ -34,14 +36,33 @@ from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["MakespanBound", "makespan_bound", "piece_bounds", "analytic_makespan_bound"]
 
-MAX_THRESHOLDS = 24
+THRESHOLDS_PER_K = 16
+MAX_PAIR_K = 2
+LP_MIN_TIME_S = 5.0
 MAX_K = 6
+
+
+class _Rows(RangeRows):
+    def add_arrays(self, cols, vals, lb, ub) -> None:
+        """``add`` for one long row given as arrays (no Python loop per entry)."""
+        cols, vals = np.asarray(cols, dtype=int), np.asarray(vals, dtype=float)
+        keep = vals != 0.0
+        r = len(self.lo)
+        self.rows.extend([r] * int(keep.sum()))
+        self.cols.extend(cols[keep].tolist())
+        self.vals.extend(vals[keep].tolist())
+        self.lo.append(lb)
+        self.hi.append(ub)
 
 
 @attrs.frozen
 class MakespanBound:
+    """``bound_s``: seconds; ``choice``: the relaxation's option per table (candidate ids), a
+    search seed, () when no integral solution was found."""
+
     bound_s: float
     method: str
+    choice: Tuple[int, ...] = ()
 
 
 def piece_bounds(sizes: np.ndarray, world_size: int, uniform: float = 0.0) -> float:
@@ -63,7 +84,9 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
 
     ``prob``'s candidates carry their shard time in the ``FWD`` column only (as
     :func:`~.torchrec_objective.makespan_problem` builds them). ``upper``: a known plan's
-    makespan, to stop the MILP once the bound reaches it."""
+    makespan: ``z <= upper`` caps the MILP, so HiGHS prunes every branch that cannot go below
+    it and stops once none is left; the bound is then ``upper`` itself (the known plan is optimal
+    to the tolerance) and the method says ``reached upper``."""
     W = prob.ctx.world_size
     C = len(prob.cands)
     ms = 1e3
@@ -71,69 +94,109 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
     n = np.array([c.num_shards for c in prob.cands], dtype=float)
     allp = np.array([c.placement == "all" for c in prob.cands])
     piece = ~allp
-    # thresholds: distinct piece sizes among the largest
-    cand_sizes = np.unique(p[piece & (p > 0)])[::-1]
-    if len(cand_sizes) > MAX_THRESHOLDS:
-        idx = np.unique(np.geomspace(1, len(cand_sizes), MAX_THRESHOLDS).astype(int) - 1)
-        cand_sizes = cand_sizes[idx]
+    # thresholds: a row (theta, k) can only matter when (k + 1) theta is near the floor, so per
+    # k the distinct piece sizes above half of floor / (k + 1), spread evenly in value
+    floor = analytic_makespan_bound(prob) * ms
+    sizes = np.unique(p[piece & (p > 0)])
+    tab = np.empty(C, dtype=int)
+    for t, ids in enumerate(prob.candidates):
+        tab[list(ids)] = t
+    pc = np.nonzero(piece & (p > 0))[0]
     max_pieces = sum(max((n[i] for i in ids if piece[i]), default=0.0) for ids in prob.candidates)
-    ys = []  # (theta, k)
-    for th in cand_sizes:
-        cnt_max = sum(max((n[i] for i in ids if piece[i] and p[i] >= th), default=0.0)
-                      for ids in prob.candidates)
-        for k in range(1, MAX_K + 1):
-            if k * W + 1 > cnt_max or k * W + 1 > max_pieces:
-                break
-            ys.append((float(th), k))
-    iz = C
-    iy0 = C + 1
-    nv = C + 1 + len(ys)
-    rr = RangeRows()
+
+    def cnt_max(th: float) -> float:  # the most pieces >= th any choice can bring
+        sel = pc[p[pc] >= th]
+        most = np.zeros(len(prob.candidates))
+        np.maximum.at(most, tab[sel], n[sel])
+        return float(most.sum())
+
+    # per k, thresholds theta_a >= theta_b: with A(theta, m) = [at least m chosen pieces are
+    # >= theta], A(theta_a, kW) and A(theta_b, kW + 1) give z >= U + k theta_a + theta_b
+    levels = {}  # k -> thresholds (descending)
+    for k in range(1, MAX_K + 1):
+        if k * W + 1 > max_pieces:
+            break
+        cand = sizes[(sizes >= 0.5 * floor / (k + 1)) & (sizes <= 1.5 * floor / k)]
+        if not len(cand):
+            continue
+        per_k = THRESHOLDS_PER_K if C <= 2000 else THRESHOLDS_PER_K // 2
+        grid = np.geomspace(cand[0], cand[-1], per_k) if cand[-1] > cand[0] else cand[:1]
+        idx = np.unique(np.minimum(np.searchsorted(cand, grid * (1 - 1e-12)), len(cand) - 1))
+        ths = [float(th) for th in cand[idx][::-1] if cnt_max(float(th)) >= k * W]
+        if ths:
+            levels[k] = ths
+    iz, iu = C, C + 1
+    nv = C + 2
+    ind = {}  # (theta, m) -> binary variable
+    for k, ths in levels.items():
+        for th in ths:
+            for m_ in (k * W, k * W + 1):
+                if (th, m_) not in ind and cnt_max(th) >= m_:
+                    ind[th, m_] = nv
+                    nv += 1
+    # pairs of thresholds for k <= MAX_PAIR_K, theta_a = theta_b beyond
+    pairs = [(k, ta, tb) for k, ths in levels.items() for ia, ta in enumerate(ths)
+             for tb in (ths[ia:] if k <= MAX_PAIR_K else [ta])
+             if (ta, k * W) in ind and (tb, k * W + 1) in ind]
+    rr = _Rows()
     add = rr.add
 
-    U = [(i, p[i]) for i in range(C) if allp[i] and p[i] > 0]
-    negU = [(i, -v) for i, v in U]
+    uc = np.nonzero(allp & (p > 0))[0]
     for ids in prob.candidates:
         add([(i, 1.0) for i in ids], 1.0, 1.0)
-    add([(i, n[i] * p[i] / W) for i in range(C)] + [(iz, -1.0)], -np.inf, 0.0)
+    rr.add_arrays(np.append(uc, iu), np.append(p[uc], -1.0), 0.0, 0.0)  # u = U(x), the uniform load
+    rr.add_arrays(np.append(np.arange(C), iz), np.append(n * p / W, -1.0), -np.inf, 0.0)
     for ids in prob.candidates:
         ent = [(i, p[i]) for i in ids if piece[i] and p[i] > 0]
-        if ent:  # z >= U + piece (a table's own all-placement options are exclusive with it)
-            add(ent + [e for e in U if e[0] not in ids] + [(iz, -1.0)], -np.inf, 0.0)
-    for j, (th, k) in enumerate(ys):
-        cnt = [(i, n[i]) for i in range(C) if piece[i] and p[i] >= th]
-        big = max_pieces
-        add(cnt + [(iy0 + j, -big)], -np.inf, float(k * W))
-        add([(iz, 1.0)] + negU + [(iy0 + j, -(k + 1) * th)], 0.0, np.inf)
+        if ent:  # z >= U + piece; the table's own all-rank options are exclusive with the piece
+            own = [(i, -p[i]) for i in ids if allp[i] and p[i] > 0]
+            add(ent + own + [(iu, 1.0), (iz, -1.0)], -np.inf, 0.0)
+    for (th, m_), v in ind.items():  # count(theta) <= m - 1 unless A(theta, m)
+        sel = pc[p[pc] >= th]
+        rr.add_arrays(np.append(sel, v), np.append(n[sel], -max_pieces), -np.inf, float(m_ - 1))
+    for k, ta, tb in pairs:  # z - u >= c (A_a + A_b - 1), c = k theta_a + theta_b
+        c = k * ta + tb
+        add([(iz, 1.0), (iu, -1.0), (ind[ta, k * W], -c), (ind[tb, k * W + 1], -c)], -c, np.inf)
+    ys = pairs
     for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
         if len(cap) and np.all(np.isfinite(cap)):
             m = np.array([c.owner[col] for c in prob.costs]) * n / 2.0**30
-            add([(i, m[i]) for i in range(C) if m[i]], -np.inf, float(np.sum(cap)) / 2.0**30)
+            rr.add_arrays(np.arange(C), m, -np.inf, float(np.sum(cap)) / 2.0**30)
     A = rr.matrix(nv)
     cvec = np.zeros(nv)
     cvec[iz] = 1.0
     integrality = np.ones(nv) if integral else np.zeros(nv)
-    integrality[iz] = 0
+    integrality[[iz, iu]] = 0
     ub = np.ones(nv)
-    ub[iz] = np.inf
+    ub[[iz, iu]] = np.inf
     opts = {"time_limit": max(0.2, float(time_limit_s)), "disp": False, "mip_rel_gap": 1e-4}
-    if upper is not None and np.isfinite(upper):
-        opts["mip_rel_gap"] = 1e-4
+    capped = upper is not None and np.isfinite(upper)
+    if capped:  # every plan's makespan is >= the bound; only z < upper is worth exploring
+        ub[iz] = max(float(upper) * ms, floor)
     res = milp(cvec, constraints=LinearConstraint(A, rr.lo, rr.hi), integrality=integrality,
                bounds=Bounds(np.zeros(nv), ub), options=opts)
-    floor = analytic_makespan_bound(prob) * ms
+    kind = "milp" if integral else "lp"
+    if capped and res.status == 2:  # infeasible under the cap: the relaxation cannot beat upper
+        return MakespanBound(bound_s=float(upper), method=f"makespan-{kind}(reached upper)")
+    choice: Tuple[int, ...] = ()
+    if res.x is not None:  # the (relaxed) choice, rounded to each table's largest x
+        choice = tuple(int(max(ids, key=lambda i: res.x[i])) for ids in prob.candidates)
     if integral:
         b = getattr(res, "mip_dual_bound", None)
         if b is None or not np.isfinite(b):
             b = res.fun if res.status == 0 else None
         if b is None or not np.isfinite(b):
-            return makespan_bound(prob, time_limit_s, upper, integral=False)
+            # the LP is cheap (a fraction of the MILP's time); its wall limit is generous so
+            # that a loaded machine does not leave only the analytic floor
+            return makespan_bound(prob, max(LP_MIN_TIME_S, time_limit_s), upper, integral=False)
         status = "optimal" if res.status == 0 else "time_limit"
-        return MakespanBound(bound_s=max(float(b), floor) / ms * (1 - 1e-7),
-                             method=f"makespan-milp({status}, {len(ys)} packing rows)")
+        bound = max(float(b), floor) / ms * (1 - 1e-7)
+        return MakespanBound(bound_s=min(bound, float(upper)) if capped else bound,
+                             method=f"makespan-milp({status}, {len(ys)} packing rows)", choice=choice)
     if res.status != 0 or res.fun is None:
         return MakespanBound(bound_s=floor / ms, method="makespan-analytic (the LP did not finish)")
-    return MakespanBound(bound_s=max(float(res.fun), floor) / ms * (1 - 1e-7), method="makespan-lp")
+    return MakespanBound(bound_s=max(float(res.fun), floor) / ms * (1 - 1e-7), method="makespan-lp",
+                         choice=choice)
 
 
 def analytic_makespan_bound(prob: PlanningProblem) -> float:

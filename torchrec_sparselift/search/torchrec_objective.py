@@ -224,10 +224,16 @@ def estimate_options(
         if prune:
             storage = [e for e in ests if isinstance(e, EmbeddingStorageEstimator)]
             perf = [e for e in ests if not isinstance(e, EmbeddingStorageEstimator)]
+            # storage of the non-UVM options first: it decides which UVM options are needed,
+            # and only those are estimated at all
             for e in storage:
-                e.estimate([r for _, r, _ in reps], sharder_data_map=data_map)
+                e.estimate([r for o, r, _ in reps if o.compute_kernel not in UVM_KERNELS],
+                           sharder_data_map=data_map)
             hbm = [d.storage.hbm for d in topology.devices]
-            need = _uvm_needed(reps, float(min(hbm)), float(sum(hbm)))
+            need = _uvm_needed(reps, float(min(hbm)), float(sum(hbm)))  # reads non-UVM storage only
+            uvm = [x for x in reps if x[0].compute_kernel in UVM_KERNELS and (x[0].path, x[0].name) in need]
+            for e in storage:
+                e.estimate([r for _, r, _ in uvm], sharder_data_map=data_map)
             reps = [x for x in reps if x[0].compute_kernel not in UVM_KERNELS
                     or (x[0].path, x[0].name) in need]
             timings["uvm_options_left_out"] = float(len(options) - len(reps))
@@ -441,7 +447,7 @@ def build_torchrec_problem(
     if column_splits:
         t0 = time.perf_counter()
         extra = column_split_options(module, sharders, topology, batch_size, constraints, options,
-                                     estimator)
+                                     estimator, specs=specs)
         options = options + extra
         timings["column_split_options"] = float(len(extra))
         timings["column_split_s"] = time.perf_counter() - t0
@@ -453,15 +459,20 @@ def build_torchrec_problem(
                             timings=timings)
 
 
-TORCHREC_MILP_MAX_VARS = 40000
 
-
-def perf_core(prob: Any) -> Tuple[Any, List[int]]:
+def perf_core(prob: Any, memory: bool = False) -> Tuple[Any, List[int]]:
     """The candidates no other candidate of the same table beats on shard time with the same
-    placement and shard count, with memory limits lifted: every plan of ``prob`` maps to a plan
-    of the core with no larger makespan (swap each option for its dominating one), so the core's
-    optimum (or MILP dual bound) is a lower bound for ``prob``. Returns (core, core id -> id)."""
-    from torchrec_sparselift.cost.model import FWD
+    placement and shard count. ``memory=False``: memory limits lifted; every plan of ``prob``
+    maps to a plan of the core with no larger makespan (swap each option for its dominating
+    one), so the core's optimum (or MILP dual bound) is a lower bound for ``prob``.
+    ``memory=True``: a candidate dominates only if it also needs no more device and host memory
+    per shard, and the limits stay: the core has the same optimum as ``prob`` and its plans are
+    plans of ``prob``. Returns (core, core id -> id)."""
+    from torchrec_sparselift.cost.model import DEV_MEM, FWD, HOST_MEM
+
+    def key(c):
+        o = prob.costs[c].owner
+        return (o[FWD], o[DEV_MEM], o[HOST_MEM]) if memory else (o[FWD],)
 
     keep: List[int] = []
     per_table: List[Tuple[int, ...]] = []
@@ -469,43 +480,63 @@ def perf_core(prob: Any) -> Tuple[Any, List[int]]:
         mine = []
         for c in ids:
             a = prob.cands[c]
-            pc = prob.costs[c].owner[FWD]
-            dominated = any(
-                d != c and prob.cands[d].placement == a.placement and prob.cands[d].num_shards == a.num_shards
-                and (prob.costs[d].owner[FWD] < pc or (prob.costs[d].owner[FWD] == pc and d < c))
-                for d in ids)
+            kc = key(c)
+            dominated = False
+            for d in ids:
+                if d == c or prob.cands[d].placement != a.placement or prob.cands[d].num_shards != a.num_shards:
+                    continue
+                kd = key(d)
+                if all(x <= y for x, y in zip(kd, kc)) and (kd != kc or d < c):
+                    dominated = True
+                    break
             if not dominated:
                 mine.append(len(keep))
                 keep.append(c)
         per_table.append(tuple(mine))
-    inf = np.full(prob.ctx.world_size, np.inf)
+    caps = {}
+    if not memory:
+        inf = np.full(prob.ctx.world_size, np.inf)
+        caps = {"device_cap": inf, "host_cap": inf.copy()}
     core = attrs.evolve(prob, cands=tuple(prob.cands[c] for c in keep),
-                        costs=tuple(prob.costs[c] for c in keep), candidates=tuple(per_table),
-                        device_cap=inf, host_cap=inf.copy())
+                        costs=tuple(prob.costs[c] for c in keep), candidates=tuple(per_table), **caps)
     return core, keep
 
 
+TORCHREC_EXACT_MAX_BINARIES = 6000
+
+
 def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "auto") -> Any:
-    """:func:`~torchrec_sparselift.search.solve.solve` on the makespan problem, then, where it
-    is small enough, the exact MILP over choice and placement on :func:`perf_core` (its plan is
-    taken when it fits memory and is better; its dual bound is a bound for the full problem);
-    the lower bound is also tightened by :mod:`.makespan_bound` (integrality: largest pieces,
-    bin packing), over the smallest shard estimates when an option's shards differ."""
+    """The makespan problem of ``trp`` (TorchRec's rating), in four steps:
+
+    1. the makespan bound (:mod:`.makespan_bound`: averages, largest piece plus the uniform
+       load, bin packing; over the smallest shard estimates when an option's shards differ);
+       its relaxed choice is also a seed;
+    2. :func:`~torchrec_sparselift.search.solve.solve` (LP, greedy, local search) and
+       :func:`_rigid_first` (LP / least-work / bound / TorchRec-style uniform seeds, rigid
+       options first, local search);
+    3. where it is small enough (:data:`TORCHREC_EXACT_MAX_BINARIES`), the exact makespan MILP
+       (:mod:`.makespan_milp`) over choice and placement on the memory-aware :func:`perf_core`,
+       capped at the best plan so far: its plan is taken when better, its dual bound (proven
+       gap) is a bound when every option's shards are alike;
+    4. the bound is the largest valid one found, never above the plan."""
+    from torchrec_sparselift.search.errors import SparseLiftPlannerError
     from torchrec_sparselift.search.makespan_bound import makespan_bound
-    from torchrec_sparselift.search.milp import milp_size, solve_milp
+    from torchrec_sparselift.search.makespan_milp import makespan_milp_size, solve_makespan_milp
     from torchrec_sparselift.search.solve import new_evaluator, solve
 
     t0 = time.monotonic()
     prob = trp.problem
+    bprob = trp.bound_problem if trp.bound_problem is not None else prob
+    lb = makespan_bound(bprob, time_limit_s=max(0.5, 0.15 * time_budget_s))
+    bounds, methods = [lb.bound_s], [lb.method]
     heur_solver = "heuristic" if solver == "auto" else solver
-    from torchrec_sparselift.search.errors import SparseLiftPlannerError
-
     try:
-        res = solve(prob, time_budget_s=0.25 * time_budget_s, pipeline="base", solver=heur_solver)
+        res = solve(prob, time_budget_s=0.2 * time_budget_s, pipeline="base", solver=heur_solver)
         failed = None
     except SparseLiftPlannerError as e:  # the generic greedy could not fit: try rigid-first
         res, failed = None, e
-    alt = _rigid_first(prob, 0.25 * time_budget_s)
+    extra = [("bound", list(lb.choice))] if lb.choice else []
+    alt = _rigid_first(prob, 0.2 * time_budget_s, extra_seeds=extra)
     if res is None:
         if alt is None:
             raise failed
@@ -515,46 +546,26 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
         res = attrs.evolve(res, assignment=tuple(ev.assignment[t] for t in range(prob.num_tables)),
                            step=ev.step_time(), rank_loads=ev.rank_loads(),
                            solver=f"lp+rigid-first greedy({seed})+local_search")
-    bprob = trp.bound_problem if trp.bound_problem is not None else prob
-    core, keep = perf_core(bprob)
-    # the exact MILP runs over TorchRec's own options (small, and it closes those instances);
-    # its bound then only counts when there are no extra column splits
-    own = [j for j, c in enumerate(keep) if not getattr(trp.option_of[c], "sparselift_column_split", False)]
-    milp_bound_valid = len(own) == len(keep)
-    if not milp_bound_valid:
-        core = attrs.evolve(core, cands=tuple(core.cands[j] for j in own),
-                            costs=tuple(core.costs[j] for j in own),
-                            candidates=tuple(tuple(own.index(j) for j in ids if j in own) for ids in core.candidates))
-        keep = [keep[j] for j in own]
-        if any(not ids for ids in core.candidates):
-            core = None
-    exact = solver in ("auto", "milp") and core is not None and milp_size(core) <= TORCHREC_MILP_MAX_VARS
-    left = max(0.2, time_budget_s - (time.monotonic() - t0))
-    # without the placement MILP, the bound MILP gets the rest of the budget (at least 1 s)
-    lb = makespan_bound(bprob, time_limit_s=min(left, max(1.0, 0.25 * time_budget_s)) if exact
-                        else max(1.0, left), upper=res.step.total_s)
-    bounds = [lb.bound_s]
-    methods = [lb.method]
     if trp.bound_problem is None and np.isfinite(res.lower_bound_s):
         bounds.append(res.lower_bound_s)
-    ev_best = None
     name = res.solver
+    core, keep = perf_core(prob, memory=True)
+    exact = solver in ("auto", "milp") and makespan_milp_size(core) <= TORCHREC_EXACT_MAX_BINARIES
     if exact and res.step.total_s > max(bounds) * (1 + 1e-4):
         left = max(0.5, time_budget_s - (time.monotonic() - t0))
-        m = solve_milp(core, "base", time_limit_s=left)
-        if np.isfinite(m.bound_s) and milp_bound_valid:
+        m = solve_makespan_milp(core, time_limit_s=left, upper=res.step.total_s,
+                                lower=max(bounds) if trp.bound_problem is None else 0.0, rel_gap=1e-3)
+        if trp.bound_problem is None:
             bounds.append(m.bound_s * (1 - 1e-7))
-            methods.append(f"placement-milp({m.status})")
+            methods.append(f"makespan-milp over choice and placement({m.status})")
         if m.assignment:
             ev = new_evaluator(prob, "base")
             for t, (c, rk) in enumerate(m.assignment):
                 ev.assign(t, keep[c], rk)
             if ev.memory_ok() and ev.objective() < res.step.total_s * (1 - 1e-9):
-                ev_best = ev
-                name = f"milp({m.status}) over {len(keep)} undominated options"
-    if ev_best is not None:
-        res = attrs.evolve(res, assignment=tuple(ev_best.assignment[t] for t in range(prob.num_tables)),
-                           step=ev_best.step_time(), rank_loads=ev_best.rank_loads(), status="converged")
+                res = attrs.evolve(res, assignment=tuple(ev.assignment[t] for t in range(prob.num_tables)),
+                                   step=ev.step_time(), rank_loads=ev.rank_loads(), status="converged")
+                name = f"makespan-milp({m.status}) over {len(keep)} undominated options"
     bound = float(np.nanmax(bounds))
     return attrs.evolve(res, lower_bound_s=float(min(bound, res.step.total_s)),
                         solver=name + "; bound: " + ", ".join(methods),
@@ -587,7 +598,8 @@ def specs_from_options(options: Sequence[Any]) -> Tuple[List[Any], List[Tuple[st
     return specs, keys
 
 
-def _rigid_first(prob: Any, budget_s: float) -> Optional[Tuple[Any, str]]:
+def _rigid_first(prob: Any, budget_s: float,
+                 extra_seeds: Sequence[Tuple[str, List[int]]] = ()) -> Optional[Tuple[Any, str]]:
     """Makespan seeds (the LP's choice, the least-work choice, and TorchRec's uniform proposals:
     one sharding type for every table), each placed rigid options first (row-wise/data-parallel
     on every rank, then table-row-wise on a host), then the free pieces biggest first on the
@@ -607,6 +619,7 @@ def _rigid_first(prob: Any, budget_s: float) -> Optional[Tuple[Any, str]]:
     least = [min(ids, key=lambda i: (prob.shard_time(i) * prob.cands[i].num_shards, i))
              for ids in prob.candidates]
     seeds.append(("least_work", least))
+    seeds.extend((name, list(ch)) for name, ch in extra_seeds if len(ch) == prob.num_tables)
     # TorchRec's uniform proposals: one sharding type for every table that offers it (its
     # fastest kernel), the least-work option elsewhere
     for st in sorted({c.sharding_type for c in prob.cands}):
@@ -696,32 +709,44 @@ def rate_placed(options: Sequence[Any], topology: Any, sharders: Sequence[Any],
 
 def column_split_options(module: Any, sharders: Sequence[Any], topology: Any, batch_size: int,
                          constraints: Optional[Dict[str, Any]], existing: Sequence[Any],
-                         estimator: Any = None) -> List[Any]:
+                         estimator: Any = None, specs: Optional[Sequence[Any]] = None) -> List[Any]:
     """SparseLift's column-wise options (equal splits into 2, 4, 8, ... shards, width a
     multiple of 4 and at least ``min_partition``; see ``search.problem.column_splits``) whose
     shard count TorchRec's enumerator did not offer for the table, as TorchRec
     ``ShardingOption`` s estimated by ``estimator`` (default: TorchRec's). TorchRec's runtime
-    shards a table column-wise into any equal widths; its enumerator only tries one width."""
-    from torchrec_sparselift.search.enumerator import SparseLiftEnumerator
-    from torchrec_sparselift.search.errors import SparseLiftPlannerError
+    shards a table column-wise into any equal widths; its enumerator only tries one width.
+    Each is a copy of TorchRec's own column-wise option of the table and kernel with the shards
+    re-cut (``specs``: the tables' :class:`TableSpec` s, for ``min_partition``)."""
+    from torchrec.distributed.planner.types import Shard
 
+    from torchrec_sparselift.search.problem import column_splits
+
+    spec_of = {(sp.module_path, sp.name): sp for sp in (specs or ())}
+    if specs is None:
+        from torchrec_sparselift.semantics.tables import extract_tables
+
+        spec_of = {(h.spec.module_path, h.spec.name): h.spec for h in extract_tables(
+            module, list(sharders), topology.compute_device, batch_size, constraints)}
     have = {(o.path, o.name, o.compute_kernel, len(o.shards)) for o in existing
             if o.sharding_type == "column_wise"}
-    kernels = {(o.path, o.name, o.compute_kernel) for o in existing if o.sharding_type == "column_wise"}
-    try:
-        ours = SparseLiftEnumerator(topology=topology, batch_size=batch_size,
-                                    constraints=constraints).enumerate(module, list(sharders))
-    except (SparseLiftPlannerError, ValueError):
-        return []
+    first = {}
+    for o in existing:
+        if o.sharding_type == "column_wise":
+            first.setdefault((o.path, o.name, o.compute_kernel), o)
     out = []
-    for o in ours:
-        if o.sharding_type != "column_wise" or (o.path, o.name, o.compute_kernel) not in kernels \
-                or (o.path, o.name, o.compute_kernel, len(o.shards)) in have:
+    for (path, name, kernel), o in first.items():
+        sp = spec_of.get((path, name))
+        if sp is None:
             continue
-        for sh in o.shards:
-            sh.perf, sh.storage, sh.rank = None, None, None
-        o.sparselift_column_split = True  # not one of TorchRec's enumerated options
-        out.append(o)
+        rows, dim = int(o.tensor.shape[0]), int(o.tensor.shape[1])
+        for k in column_splits(sp, topology.world_size, topology.compute_device):
+            if (path, name, kernel, k) in have:
+                continue
+            w = dim // k
+            so = copy.copy(o)
+            so.shards = [Shard(size=[rows, w], offset=[0, i * w]) for i in range(k)]
+            so.sparselift_column_split = True  # not one of TorchRec's enumerated options
+            out.append(so)
     if not out:
         return out
     from torchrec.distributed.planner.utils import build_sharder_data_map, sharder_name
