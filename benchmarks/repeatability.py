@@ -37,7 +37,7 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "legacy": dict(warmup=3, steps=8, pin=False, gc_off=False),
     "base": dict(),
     "no_pin": dict(pin=False),
-    "gc_on": dict(gc_off=False),
+    "gc_off": dict(gc_off=True),
     "warmup3": dict(warmup=3),
     "steps8": dict(steps=8),
     "shared_cpu": dict(autogroup=0),

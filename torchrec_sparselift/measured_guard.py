@@ -26,8 +26,9 @@ never share a cache entry). With ``guard.feedback`` the trials, linearized in th
 join this machine's stored step-fit records (:mod:`torchrec_sparselift.step_calibration`) and its
 profile is refitted.
 
-Cost: one DMP build plus ``warmup + steps`` steps per candidate (measured on the 2-core machine:
-about 2-4 s per candidate for the default DLRM example), and one planner run per alternative.
+Cost: ``guard.rounds`` x (one DMP build plus ``warmup + steps`` steps) per candidate (measured on
+the 2-core machine, defaults 2 x (5 + 16): 2.6-3.0 s per trial for the default DLRM example, 17 s for
+3 candidates under load), and one planner run per alternative.
 """
 
 from __future__ import annotations

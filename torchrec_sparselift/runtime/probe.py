@@ -205,7 +205,7 @@ class Measurement:
 
 
 #: The harness's defaults (see docs/calibration.md, "Measurement repeatability").
-DEFAULT_TIMING: Dict[str, Any] = dict(warmup=5, steps=20, pin=False, gc_off=False)
+DEFAULT_TIMING: Dict[str, Any] = dict(warmup=5, steps=20, pin=True, gc_off=False)
 
 
 def _set_affinity(cpus: Any) -> Any:
