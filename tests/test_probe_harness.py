@@ -1,0 +1,43 @@
+"""The one measurement routine (runtime.probe.measure_plan): per-step slowest rank, pinning restored."""
+
+import os
+import statistics
+
+from conftest import spawn
+
+
+def _measure(rank, world_size):
+    import torch.distributed as dist
+
+    from torchrec_sparselift.runtime import probe
+    from torchrec_sparselift.step_calibration import _topology, forced_plan
+
+    w = probe.ProbeWorkload("t", probe._tables("t", [(200, 8, 1, 1.0), (100, 8, 2, 2.0)]), dense=(16,),
+                            over=(16, 1), batch_size=32)
+    plan, _ = forced_plan(probe.probe_model(w), w.tables, "table_wise", _topology(world_size, "cpu"), w.batch_size,
+                          dist.group.WORLD)
+    batches = probe.prebuilt_batches(w, 3, seed=0, rank=rank)
+    before = os.sched_getaffinity(0)
+    during = []
+
+    def pipeline(dmp, opt, device):
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        during.append(os.sched_getaffinity(0))
+        return TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
+
+    m = probe.measure_plan("t", lambda: probe.probe_model(w), plan, batches, steps=4, warmup=2, pg=dist.group.WORLD,
+                           pipeline_factory=pipeline, pin=True)
+    return dict(before=before, during=during[0], after=os.sched_getaffinity(0), m=m)
+
+
+def test_measure_plan_times_the_slowest_rank_per_step_and_restores_the_affinity():
+    a, b = spawn(_measure, 2, timeout_s=240)
+    for r, res in enumerate((a, b)):
+        m = res["m"]
+        assert len(m.durations_s) == 6 and len(m.cpu_durations_s) == 6 and m.steps == 4
+        assert m.median_s == statistics.median(m.durations_s[2:])
+        assert res["after"] == res["before"]  # pinned only during the run
+        if len(res["before"]) >= 2:
+            assert res["during"] == {sorted(res["before"])[r]}  # local rank -> its own core
+    assert a["m"].durations_s == b["m"].durations_s  # every rank reports the per-step maximum
