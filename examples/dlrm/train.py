@@ -180,6 +180,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "`sparselift explain PLAN --attribution FILE`",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-pin", action="store_true", help="CPU: do not pin each rank to its own core (the step "
+                   "calibration and the measured guard measure pinned ranks)")
     p.add_argument("--debug", action="store_true", help="show full tracebacks on failure")
     p.add_argument("--check", action="store_true", help="only validate the flags and tables, then exit (no torch)")
     args = p.parse_args(argv)
@@ -603,6 +605,10 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
 
     rank, world_size, local_world_size, device, backend = init_distributed(args.device)
     pg = dist.GroupMember.WORLD
+    if device.type == "cpu" and not args.no_pin:
+        from torchrec_sparselift.runtime.probe import pin_rank_to_core
+
+        pin_rank_to_core(pg)  # as the calibration's probes and the guard's trials run
     torch.manual_seed(args.seed)
     say = print if rank == 0 else (lambda *a, **k: None)
     model_kind = args.model if args.model != "auto" else ("dcn" if args.tables == "dcnv2" and not args.table_file else "dlrm")

@@ -37,6 +37,9 @@ __all__ = [
     "shard_for_training",
     "measure_plan",
     "Measurement",
+    "DEFAULT_TIMING",
+    "pin_rank_to_core",
+    "restore_affinity",
 ]
 
 NUM_DENSE = 13
@@ -226,9 +229,10 @@ def _set_affinity(cpus: Any) -> Any:
     return old
 
 
-def _rank_core(pg: Any) -> Optional[int]:
-    """The core this rank is pinned to (local rank modulo the usable cores), or None when the
-    process may not run on that many cores or the platform cannot pin."""
+def _rank_cores(pg: Any) -> Optional[Any]:
+    """This rank's share of the usable cores: the ``local rank``-th of ``local world size`` equal
+    slices (one core each for 2 ranks on 2 cores); None when there are fewer cores than local
+    ranks, a single rank (nothing to separate) or no way to pin."""
     import os
 
     if not hasattr(os, "sched_getaffinity"):
@@ -236,9 +240,25 @@ def _rank_core(pg: Any) -> Optional[int]:
     cpus = sorted(os.sched_getaffinity(0))
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank(pg) if pg is not None else 0))
     local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(pg) if pg is not None else 1))
-    if local_ws > len(cpus):
+    if local_ws < 2 or local_ws > len(cpus):
         return None
-    return cpus[local % len(cpus)]
+    k = len(cpus) // local_ws
+    return set(cpus[local * k:(local + 1) * k])
+
+
+def pin_rank_to_core(pg: Any = None) -> Optional[Any]:
+    """Pin every thread of this rank to its own slice of the usable cores (:func:`_rank_cores`;
+    as :func:`measure_plan` does by default); returns the previous affinity (for
+    :func:`restore_affinity`), or None when nothing was changed (one local rank, fewer usable
+    cores than local ranks, or no way to pin)."""
+    cores = _rank_cores(pg)
+    return _set_affinity(cores) if cores is not None else None
+
+
+def restore_affinity(previous: Optional[Any]) -> None:
+    """Undo :func:`pin_rank_to_core` (None: nothing to undo)."""
+    if previous is not None:
+        _set_affinity(previous)
 
 
 def measure_plan(
@@ -257,7 +277,7 @@ def measure_plan(
     """Shard a fresh ``model_factory()`` under ``plan``, run ``warmup + steps`` steps over
     ``batches`` (cycled if shorter) and return the steady-state step time of the per-step slowest
     rank. ``pipeline_factory(dmp, optimizer, device)`` replaces TorchRec's ``TrainPipelineSparseDist``.
-    ``pin``: each rank runs on its own core during the run (CPU); ``gc_off``: Python's garbage
+    ``pin``: each rank runs on its own core(s) during the run (CPU, several local ranks); ``gc_off``: Python's garbage
     collector is paused during the timed steps (a collection runs before them). ``None`` takes
     :data:`DEFAULT_TIMING`."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
@@ -268,8 +288,7 @@ def measure_plan(
     gc_off = DEFAULT_TIMING["gc_off"] if gc_off is None else gc_off
     t_start = time.perf_counter()
     device = device or torch.device("cpu")
-    core = _rank_core(pg) if pin and device.type == "cpu" else None
-    old_aff = _set_affinity({core}) if core is not None else None
+    old_aff = pin_rank_to_core(pg) if pin and device.type == "cpu" else None
     try:
         dmp, opt = shard_for_training(model_factory(), plan, device)
         if pipeline_factory is not None:
@@ -309,8 +328,7 @@ def measure_plan(
         del pipeline, dmp, opt, it, feed
         gc.collect()
     finally:
-        if old_aff is not None:
-            _set_affinity(old_aff)
+        restore_affinity(old_aff)
     return Measurement(label=label, median_s=med, mean_s=mean, steps=len(steady),
                        wall_s=time.perf_counter() - t_start, durations_s=tuple(durations),
                        cpu_durations_s=tuple(cpu))
