@@ -94,8 +94,9 @@ def test_bounds_are_below_and_the_exact_milp_finds_the_brute_force_optimum(seed)
     core, _ = perf_core(prob)
     assert makespan_bound(core, time_limit_s=10).bound_s <= opt * (1 + 1e-9)
     # the exact MILP (rank symmetry broken) reaches the optimum; on the memory-aware core too
-    for sub, keep in ((prob, list(range(len(prob.cands)))), perf_core(prob, memory=True)):
-        m = solve_makespan_milp(sub, time_limit_s=20, lower=lb.bound_s, rel_gap=1e-9)
+    for (sub, keep), sym in itertools.product(((prob, list(range(len(prob.cands)))),
+                                                perf_core(prob, memory=True)), (False, True)):
+        m = solve_makespan_milp(sub, time_limit_s=20, lower=lb.bound_s, rel_gap=1e-9, symmetry=sym)
         assert m.status == "optimal"
         assert m.objective_s == pytest.approx(opt, rel=1e-6)
         assert m.bound_s <= opt * (1 + 1e-6)

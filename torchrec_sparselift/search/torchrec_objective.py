@@ -505,6 +505,16 @@ def perf_core(prob: Any, memory: bool = False) -> Tuple[Any, List[int]]:
 TORCHREC_EXACT_MAX_BINARIES = 6000
 
 
+def _restrict(prob: Any, ids: Sequence[int]) -> Optional[Any]:
+    """``prob`` with only candidates ``ids`` (renumbered); None if a table would have none."""
+    pos = {c: j for j, c in enumerate(ids)}
+    per = tuple(tuple(pos[c] for c in cs if c in pos) for cs in prob.candidates)
+    if any(not cs for cs in per):
+        return None
+    return attrs.evolve(prob, cands=tuple(prob.cands[c] for c in ids),
+                        costs=tuple(prob.costs[c] for c in ids), candidates=per)
+
+
 def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "auto") -> Any:
     """The makespan problem of ``trp`` (TorchRec's rating), in four steps:
 
@@ -519,6 +529,7 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
        capped at the best plan so far: its plan is taken when better, its dual bound (proven
        gap) is a bound when every option's shards are alike;
     4. the bound is the largest valid one found, never above the plan."""
+    from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM
     from torchrec_sparselift.search.errors import SparseLiftPlannerError
     from torchrec_sparselift.search.makespan_bound import makespan_bound
     from torchrec_sparselift.search.makespan_milp import makespan_milp_size, solve_makespan_milp
@@ -527,16 +538,33 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
     t0 = time.monotonic()
     prob = trp.problem
     bprob = trp.bound_problem if trp.bound_problem is not None else prob
-    lb = makespan_bound(bprob, time_limit_s=max(0.5, 0.15 * time_budget_s))
+    lb = makespan_bound(bprob, time_limit_s=max(0.5, 0.3 * time_budget_s))
     bounds, methods = [lb.bound_s], [lb.method]
     heur_solver = "heuristic" if solver == "auto" else solver
+    def exact_stages(memory: bool) -> List[Tuple[str, Any, List[int], bool]]:
+        # TorchRec's own options first (smaller: it often closes them), then every option, each
+        # capped at the best plan so far; only the full one's dual bound is a bound
+        core, keep = perf_core(prob, memory=memory)
+        out = [("every", core, keep, True)]
+        if trp.option_of:
+            own = [j for j, c in enumerate(keep)
+                   if not getattr(trp.option_of[c], "sparselift_column_split", False)]
+            sub = _restrict(core, own)
+            if 0 < len(own) < len(keep) and sub is not None:
+                out.insert(0, ("TorchRec's", sub, [keep[j] for j in own], False))
+        return [st for st in out if makespan_milp_size(st[1]) <= TORCHREC_EXACT_MAX_BINARIES
+                and solver in ("auto", "milp")]
+
+    stages = exact_stages(memory=False)
+    # with an exact stage to run, the heuristics only need to give it a good cap
+    heur = (0.1 if stages else 0.2) * time_budget_s
     try:
-        res = solve(prob, time_budget_s=0.2 * time_budget_s, pipeline="base", solver=heur_solver)
+        res = solve(prob, time_budget_s=heur, pipeline="base", solver=heur_solver)
         failed = None
     except SparseLiftPlannerError as e:  # the generic greedy could not fit: try rigid-first
         res, failed = None, e
     extra = [("bound", list(lb.choice))] if lb.choice else []
-    alt = _rigid_first(prob, 0.2 * time_budget_s, extra_seeds=extra)
+    alt = _rigid_first(prob, heur, extra_seeds=extra)
     if res is None:
         if alt is None:
             raise failed
@@ -549,23 +577,32 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
     if trp.bound_problem is None and np.isfinite(res.lower_bound_s):
         bounds.append(res.lower_bound_s)
     name = res.solver
-    core, keep = perf_core(prob, memory=True)
-    exact = solver in ("auto", "milp") and makespan_milp_size(core) <= TORCHREC_EXACT_MAX_BINARIES
-    if exact and res.step.total_s > max(bounds) * (1 + 1e-4):
+    # memory rows only where the best plan so far uses over half of some rank's memory: elsewhere
+    # the memory-free core (a relaxation, so its dual bound stays a bound) is faster, and its
+    # plan is checked against the limits before it is taken
+    loads = res.rank_loads
+    tight = bool(stages) and bool(np.any(loads[:, DEV_MEM] > 0.5 * prob.device_cap)
+                                  or np.any(loads[:, HOST_MEM] > 0.5 * prob.host_cap))
+    if tight:
+        stages = exact_stages(memory=True)
+    for i, (label, sub, ids, full) in enumerate(stages):
+        if res.step.total_s <= max(bounds) * (1 + 1e-4):
+            break
         left = max(0.5, time_budget_s - (time.monotonic() - t0))
-        m = solve_makespan_milp(core, time_limit_s=left, upper=res.step.total_s,
+        share = 0.6 if i + 1 < len(stages) else 1.0
+        m = solve_makespan_milp(sub, time_limit_s=share * left, upper=res.step.total_s, memory=tight,
                                 lower=max(bounds) if trp.bound_problem is None else 0.0, rel_gap=1e-3)
-        if trp.bound_problem is None:
+        if full and trp.bound_problem is None:
             bounds.append(m.bound_s * (1 - 1e-7))
             methods.append(f"makespan-milp over choice and placement({m.status})")
         if m.assignment:
             ev = new_evaluator(prob, "base")
             for t, (c, rk) in enumerate(m.assignment):
-                ev.assign(t, keep[c], rk)
+                ev.assign(t, ids[c], rk)
             if ev.memory_ok() and ev.objective() < res.step.total_s * (1 - 1e-9):
                 res = attrs.evolve(res, assignment=tuple(ev.assignment[t] for t in range(prob.num_tables)),
                                    step=ev.step_time(), rank_loads=ev.rank_loads(), status="converged")
-                name = f"makespan-milp({m.status}) over {len(keep)} undominated options"
+                name = f"makespan-milp({m.status}) over {len(ids)} undominated options ({label})"
     bound = float(np.nanmax(bounds))
     return attrs.evolve(res, lower_bound_s=float(min(bound, res.step.total_s)),
                         solver=name + "; bound: " + ", ".join(methods),
@@ -657,7 +694,9 @@ def _rigid_first(prob: Any, budget_s: float,
     placed.sort(key=lambda x: (x[0], x[1]))
     best = None
     top = placed[:2]
-    for _, _, name, ev in top:  # local search on the two best seeds
+    # the bound's choice is the best-informed seed: polished even when its greedy start is not
+    top += [x for x in placed[2:] if x[2] == "bound"][:1]
+    for _, _, name, ev in top:  # local search on the two best seeds (and the bound's)
         # deterministic work units; the wall clock (10x the budget) only as a safety net
         work = WorkBudget(int(WORK_UNITS_PER_SECOND * budget_s / len(top)), t0 + 10.0 * budget_s)
         local_search(ev, prob, deadline=work.deadline, budget=work)
