@@ -11,7 +11,7 @@ price a move *without* applying it in O(K) using the top-3 ranks per column. The
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -90,6 +90,7 @@ class PlanEvaluator:
         self.allreduce_bytes = 0.0
         self.groups: Counter = Counter()
         self.assignment: Dict[int, Assignment] = {}
+        self._tables_at: Dict[int, set] = {}  # rank -> tables with a shard there (tables_on)
         self._top = np.zeros((min(_TOP, self.W), K), dtype=np.int64)
         self._colmax = np.zeros(K)
 
@@ -134,10 +135,24 @@ class PlanEvaluator:
         ranks = tuple(int(r) for r in ranks)
         self._apply(table, cand, ranks, 1.0)
         self.assignment[table] = (cand, ranks)
+        self._index(table, ranks, True)
+        self._refresh_top()
+
+    def assign_many(self, assignment: Mapping[int, Assignment]) -> None:
+        """:meth:`assign` for many tables, with one refresh of the column maxima at the end
+        (what the search at scale loads a whole plan with)."""
+        for table, (cand, ranks) in assignment.items():
+            if table in self.assignment:
+                self.unassign(table, refresh=False)
+            ranks = tuple(int(r) for r in ranks)
+            self._apply(table, cand, ranks, 1.0)
+            self.assignment[table] = (cand, ranks)
+            self._index(table, ranks, True)
         self._refresh_top()
 
     def unassign(self, table: int, refresh: bool = True) -> None:
         cand, ranks = self.assignment.pop(table)
+        self._index(table, ranks, False)
         self._apply(table, cand, ranks, -1.0)
         if refresh:
             self._refresh_top()
@@ -261,5 +276,15 @@ class PlanEvaluator:
         return phase_times(self.colmax(), self.allreduce_bytes, self.comm_groups, self.ctx,
                            self.fwd_precision, self.bwd_precision)
 
+    def _index(self, table: int, ranks: Sequence[int], add: bool) -> None:
+        for r in ranks:
+            at = self._tables_at.setdefault(r, set())
+            if add:
+                at.add(table)
+            else:
+                at.discard(table)
+
     def tables_on(self, rank: int) -> List[int]:
-        return [t for t, (_, ranks) in self.assignment.items() if rank in ranks]
+        """Tables with a shard on ``rank``, in table order (kept per rank: the local search asks
+        for the hot ranks' tables every round)."""
+        return sorted(self._tables_at.get(int(rank), ()))

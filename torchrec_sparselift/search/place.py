@@ -172,7 +172,7 @@ def _spread_delta(ev: PlanEvaluator, t: int, cand: int, ranks: Sequence[int], w:
 
 
 def _try_table(ev: PlanEvaluator, prob: PlanningProblem, t: int, current: float,
-               switch_options: bool, w: np.ndarray):
+               switch_options: bool, w: np.ndarray, placer=None):
     """Best improving re-placement (same or other candidate) of table ``t``: lower step time,
     or equal step time and better balance. Returns (cand, ranks, objective, spread delta)."""
     cand, ranks = ev.assignment[t]
@@ -180,7 +180,7 @@ def _try_table(ev: PlanEvaluator, prob: PlanningProblem, t: int, current: float,
     found = []
     options = prob.candidates[t] if switch_options else (cand,)
     for alt in options:
-        g = best_placement(ev, prob, t, alt)
+        g = (placer or best_placement)(ev, prob, t, alt)
         if g is not None and g[1] <= current * (1 + 1e-12):
             found.append((alt, g[0], g[1]))
     ev.assign(t, cand, ranks)
@@ -236,7 +236,7 @@ class WorkBudget:
 
 def local_search(
     ev: PlanEvaluator, prob: PlanningProblem, deadline: float, max_rounds: Optional[int] = None,
-    tables_per_rank: int = 12, budget: Optional[WorkBudget] = None,
+    tables_per_rank: int = 12, budget: Optional[WorkBudget] = None, placer=None,
 ) -> Tuple[int, bool]:
     """Improve the plan move by move until no move helps (or ``deadline``, time.monotonic()).
 
@@ -247,7 +247,9 @@ def local_search(
     only on the problem, unless the deadline cuts the search short.
 
     ``budget`` bounds the work deterministically (priced candidate placements); ``deadline``
-    is a wall-clock safety net. Returns (moves applied, whether a budget stopped it).
+    is a wall-clock safety net. ``placer`` replaces :func:`best_placement` (same signature;
+    the search at scale prices a shortlist of ranks). Returns (moves applied, whether a budget
+    stopped it).
     """
     w = _time_weights(ev)
     moves = 0
@@ -265,7 +267,7 @@ def local_search(
             for t in tabs[:tables_per_rank]:
                 if not budget.spend(len(prob.candidates[t])):
                     return moves, True
-                got = _try_table(ev, prob, t, current, switch_options=True, w=w)
+                got = _try_table(ev, prob, t, current, switch_options=True, w=w, placer=placer)
                 if got is not None and (best is None or got[4] < best[1][4]):
                     best = (t, got)
             if best is None:

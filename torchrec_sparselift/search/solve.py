@@ -28,6 +28,9 @@ from torchrec_sparselift.search.lp import analytic_bound, solve_lp
 from torchrec_sparselift.search.milp import milp_size, solve_milp
 from torchrec_sparselift.search.place import WorkBudget, greedy_place, local_search
 from torchrec_sparselift.search.problem import PlanningProblem, no_plan_kind, storage_summary
+from torchrec_sparselift.search.scale import (
+    SCALE_LP_LIMIT_S, SCALE_SEARCH_S, fast_place, shortlist_placement, use_scale_path,
+)
 
 __all__ = ["SearchResult", "solve", "new_evaluator"]
 
@@ -72,7 +75,8 @@ def _least_work_choice(prob: PlanningProblem) -> List[int]:
 
 def _place(prob: PlanningProblem, choice: Sequence[int], pipeline: str, fwd: str, bwd: str):
     ev = new_evaluator(prob, pipeline, fwd, bwd)
-    unplaced = greedy_place(ev, prob, choice)
+    # at scale (thousands of tables x ranks) the shortlist placement of search/scale.py
+    unplaced = (fast_place if use_scale_path(prob) else greedy_place)(ev, prob, choice)
     return ev, unplaced
 
 
@@ -106,19 +110,25 @@ def solve(
     pipelines = (pipeline,) if pipeline else prob.pipelines
     precisions = (precision,) if precision else prob.precisions
     search_pl = "sparse_dist" if "sparse_dist" in pipelines else pipelines[0]
+    # the pipeline the placement and local search price under: at scale the one that hides the
+    # most (prefetch), as there is no budget for a second full search under it (scale.py)
+    place_pl = "prefetch" if use_scale_path(prob) and "prefetch" in pipelines else search_pl
     fwd, bwd = precisions[0]
 
-    # the LP is deterministic when it finishes: give it room (its limit is a safety net)
-    lp = solve_lp(prob, search_pl, fwd, bwd, time_limit_s=max(20.0, 2.0 * time_budget_s))
+    # the LP is deterministic when it finishes: give it room (its limit is a safety net; at
+    # scale its choice is the seed and its bound the only one, so more room: scale.py)
+    lp_limit = max(SCALE_LP_LIMIT_S if use_scale_path(prob) else 20.0, 2.0 * time_budget_s)
+    lp = solve_lp(prob, search_pl, fwd, bwd, time_limit_s=lp_limit)
     seeds: List[Tuple[str, Sequence[int]]] = []
     if lp.choice:
         seeds.append(("lp", lp.choice))
-    seeds.append(("least_work", _least_work_choice(prob)))
+    if not (seeds and use_scale_path(prob)):  # at scale the LP's choice is far better (docs/concepts.md)
+        seeds.append(("least_work", _least_work_choice(prob)))
     best_ev: Optional[PlanEvaluator] = None
     best_name = ""
     failures: Dict[str, List[int]] = {}
     for name, choice in seeds:
-        ev, unplaced = _place(prob, choice, search_pl, fwd, bwd)
+        ev, unplaced = _place(prob, choice, place_pl, fwd, bwd)
         if unplaced:
             failures[name] = unplaced
             continue
@@ -146,8 +156,13 @@ def solve(
     ev = best_ev
     # deterministic work budget (priced placements), proportional to the time budget; the wall
     # clock (3x the budget) is only a safety net on very slow or loaded machines
-    work = WorkBudget(int(WORK_UNITS_PER_SECOND * time_budget_s), t0 + 3.0 * time_budget_s)
-    moves, cut = local_search(ev, prob, deadline=work.deadline, budget=work)
+    search_s = max(time_budget_s, SCALE_SEARCH_S) if use_scale_path(prob) else time_budget_s
+    # (at scale the safety net counts from here: the LP and the placement may have taken long)
+    work = WorkBudget(int(WORK_UNITS_PER_SECOND * search_s),
+                      (time.monotonic() if use_scale_path(prob) else t0) + 3.0 * search_s)
+    # at scale: the hottest table of each hot rank, priced on a shortlist of ranks (scale.py)
+    ls_kw = {"tables_per_rank": 1, "placer": shortlist_placement} if use_scale_path(prob) else {}
+    moves, cut = local_search(ev, prob, deadline=work.deadline, budget=work, **ls_kw)
 
     # choose the optimizations on the final loads
     alts: List[Tuple[str, float]] = []
@@ -162,15 +177,15 @@ def solve(
             if best_combo is None or st.total_s < best_combo[3] * (1 - 1e-12):
                 best_combo = (pl, f, b, st.total_s)
     pl, f, b, _ = best_combo
-    if (pl, f, b) != (search_pl, fwd, bwd):
+    if (pl, f, b) != (place_pl, fwd, bwd):
         ev.pipeline, ev.fwd_precision, ev.bwd_precision = pl, f, b
-        polish = WorkBudget(max(200, work.units // 4), t0 + 3.5 * time_budget_s)
-        more, cut2 = local_search(ev, prob, deadline=polish.deadline, budget=polish)
+        polish = WorkBudget(max(200, work.units // 4), max(t0 + 3.5 * search_s, work.deadline))
+        more, cut2 = local_search(ev, prob, deadline=polish.deadline, budget=polish, **ls_kw)
         moves += more
         cut = cut or cut2
     bound = lp.lower_bound_s
     if (pl, f, b) != (search_pl, fwd, bwd) or lp.status != "optimal":
-        lp2 = solve_lp(prob, pl, f, b, time_limit_s=max(20.0, 2.0 * time_budget_s))
+        lp2 = solve_lp(prob, pl, f, b, time_limit_s=lp_limit)
         bound = lp2.lower_bound_s if lp2.status == "optimal" else float("nan")
     if not np.isfinite(bound):
         bound = analytic_bound(prob, pl, f, b)

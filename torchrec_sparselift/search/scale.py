@@ -1,0 +1,268 @@
+"""The search at scale (thousands of tables on thousands of ranks), under SparseLift's own model.
+
+:func:`.solve.solve` takes this path when ``num_tables * world_size`` is at least
+:data:`SCALE_MIN_WORK`, where pricing every shard on every rank (the greedy of
+:mod:`.place`, about 1 ms a shard at 4,096 ranks, plus one refresh of the evaluator's column
+maxima per table) no longer fits the budget. The stages and what changes at scale:
+
+1. **Choice and bound**: the LP of :mod:`.lp`, unchanged. It has no per-rank variables (every
+   rank is alike: loads enter as their average over ranks and as the largest single piece), so
+   its size grows with the candidates, not with the world size; its optimum is the bound.
+   Its wall-clock safety limit is :data:`SCALE_LP_LIMIT_S` (its choice is the only seed).
+2. **Placement** (:func:`fast_place`): LPT over the LP's rounded choice, biggest shards first,
+   on numpy arrays of the per-rank loads the cost model composes (no evaluator refresh per
+   shard). Each shard is priced with the model's own step-time composition
+   (:func:`~torchrec_sparselift.cost.model.step_total_batch`) on a shortlist only: the
+   :data:`PRICE_RANKS` least-loaded ranks (or hosts, for host-wide shardings) that can take it
+   in memory, ties going to the least-loaded. Per-rank memory is a hard limit; a table whose
+   choice fits nowhere falls back to its other options, smallest memory first; no table is
+   dropped. The plan enters a :class:`~torchrec_sparselift.cost.evaluator.PlanEvaluator` in
+   one bulk assignment, so the step time reported is the evaluator's.
+3. **Local search** (:func:`.place.local_search`, through its ``placer`` hook) with
+   :func:`shortlist_placement` as its placer and one table per hot rank (its hottest): it
+   re-places or re-shards the table that sets each column's maximum. At 10,000 tables this
+   is what turns the LP's rounded choice (whose hottest tables keep big pieces) into a plan
+   near the bound. It prices under ``prefetch`` when allowed (the pipeline that hides the
+   most; the plan is then priced under every allowed pipeline as on the small path), and
+   gets at least :data:`SCALE_SEARCH_S` seconds' worth of work units.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from torchrec_sparselift.cost.model import (
+    BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, K, OUT_INTER, OUT_INTRA, UVM,
+    step_total_batch,
+)
+from torchrec_sparselift.search.place import _objectives, best_placement, rank_time
+from torchrec_sparselift.search.place import _pick as _place_pick
+from torchrec_sparselift.search.problem import PlanningProblem
+
+__all__ = ["fast_place", "shortlist_placement", "use_scale_path", "SCALE_MIN_WORK", "SCALE_SEARCH_S",
+           "SCALE_LP_LIMIT_S", "PRICE_RANKS"]
+
+#: ``num_tables * world_size`` from which solve() takes this path (production-2000 on 512
+#: ranks is about 1e6; the per-shard greedy there takes a few seconds)
+SCALE_MIN_WORK = 2_000_000
+#: ranks (or hosts) each shard is priced on in the placement
+PRICE_RANKS = 48
+#: at scale the local search gets at least this many seconds' worth of work units
+#: (solve.WORK_UNITS_PER_SECOND), even when building the model and the problem took the
+#: caller's budget (the CLI's default is 10 s): without it the LP seed is left as placed
+SCALE_SEARCH_S = 10.0
+#: the LP's wall-clock safety limit at scale (it needs about 4 s of CPU at 10,000 tables x
+#: 4,096 ranks; on a shared machine its wall time can be several times that, and without it
+#: the plan falls back to the "least work" seed and the analytic bound)
+SCALE_LP_LIMIT_S = 90.0
+
+
+def use_scale_path(prob: PlanningProblem) -> bool:
+    return prob.num_tables * prob.ctx.world_size >= SCALE_MIN_WORK
+
+
+def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
+               price_ranks: int = PRICE_RANKS) -> List[int]:
+    """Place every table of ``prob`` with ``choice`` (see module docs) and load the plan into
+    the empty evaluator ``ev`` in one bulk assignment. Returns the tables no option of which
+    fits (empty when the plan is complete)."""
+    W = ev.W
+    owner = ev.owner
+    loads = np.zeros((W, K))
+    colmax = np.zeros(K)
+    gpresent = np.zeros((W, ev.gcount.shape[1]), dtype=bool)
+    uniform = np.zeros(K)
+    state = {"allreduce": 0.0}
+    groups = set()
+    devcap = ev.device_cap + 1e-6
+    hostcap = ev.host_cap + 1e-6
+    w = _time_weights(prob)
+    key = np.zeros(W)  # scalar load per rank (seconds), the tie-break and the shortlist
+    ovh = ev.overhead
+    assignment: dict = {}
+
+    def price(rows_new: np.ndarray, cand: int, nsh: int) -> np.ndarray:
+        cm = np.maximum(colmax[None, :], rows_new)
+        g = set(groups)
+        if ev.types[cand] != "data_parallel":
+            g.add(ev.types[cand])
+        return step_total_batch(cm + (uniform + ev.peers[cand] * nsh)[None, :],
+                                state["allreduce"] + ev.allreduce[cand] * nsh / W, len(g), ev.ctx,
+                                ev.pipeline, ev.fwd_precision, ev.bwd_precision)
+
+    def commit(t: int, cand: int, ranks: Sequence[int]) -> None:
+        idx = np.asarray(ranks, dtype=np.int64)
+        g = ev.group_of[cand]
+        new = idx[~gpresent[idx, g]]
+        np.add.at(loads, idx, owner[cand])
+        loads[new] += ovh
+        gpresent[idx, g] = True
+        np.maximum(colmax, loads[idx].max(axis=0), out=colmax)
+        key[idx] = loads[idx] @ w
+        uniform[:] += ev.peers[cand] * len(idx)
+        state["allreduce"] += ev.allreduce[cand] * len(idx) / W
+        if ev.types[cand] != "data_parallel":
+            groups.add(ev.types[cand])
+        assignment[t] = (cand, tuple(int(r) for r in idx))
+
+    def rows_for(idx: np.ndarray, cand: int) -> np.ndarray:
+        return loads[idx] + owner[cand] + (~gpresent[idx, ev.group_of[cand]])[:, None] * ovh[None, :]
+
+    def try_place(cand: int):
+        c = prob.cands[cand]
+        vec = owner[cand]
+        dev_ok = loads[:, DEV_MEM] + vec[DEV_MEM] <= devcap
+        host_ok = loads[:, HOST_MEM] + vec[HOST_MEM] <= hostcap
+        fits = dev_ok & host_ok
+        if c.placement == "all":
+            k = c.num_shards
+            return tuple(range(k)) if bool(np.all(fits[:k])) else None
+        if c.placement == "host":
+            Lc = c.num_shards
+            Hc = W // Lc
+            ok = np.nonzero(fits.reshape(Hc, Lc).all(axis=1))[0]
+            if not len(ok):
+                return None
+            hkey = key.reshape(Hc, Lc).max(axis=1)[ok]
+            if len(ok) > price_ranks:
+                sel = np.argpartition(hkey, price_ranks - 1)[:price_ranks]
+                ok, hkey = ok[sel], hkey[sel]
+            idx = (ok[:, None] * Lc + np.arange(Lc)[None, :]).ravel()
+            r3 = rows_for(idx, cand).reshape(len(ok), Lc, K)
+            obj = price(r3.max(axis=1), cand, Lc)
+            h = int(ok[_pick(obj, hkey)])
+            return tuple(range(h * Lc, (h + 1) * Lc))
+        # free shards on distinct ranks: the shortlist priced once per shard
+        ok = np.nonzero(fits)[0]
+        need = c.num_shards
+        if len(ok) < need:
+            return None
+        m = min(len(ok), price_ranks + need)
+        sel = np.argpartition(key[ok], m - 1)[:m] if len(ok) > m else np.arange(len(ok))
+        idx = ok[sel]
+        rows = rows_for(idx, cand)
+        tie = key[idx].copy()
+        chosen: List[int] = []
+        cm_local = colmax.copy()
+        for _ in range(need):
+            cm = np.maximum(cm_local[None, :], rows)
+            g = set(groups)
+            if ev.types[cand] != "data_parallel":
+                g.add(ev.types[cand])
+            obj = step_total_batch(cm + (uniform + ev.peers[cand] * need)[None, :],
+                                   state["allreduce"] + ev.allreduce[cand] * need / W, len(g),
+                                   ev.ctx, ev.pipeline, ev.fwd_precision, ev.bwd_precision)
+            obj[[i for i in range(len(idx)) if int(idx[i]) in chosen]] = np.inf
+            j = _pick(obj, tie)
+            chosen.append(int(idx[j]))
+            cm_local = np.maximum(cm_local, rows[j])
+        return tuple(chosen)
+
+    def size(cand: int) -> float:
+        c = prob.cands[cand]
+        return 0.0 if c.placement == "all" else float(owner[cand] @ w)
+
+    order = sorted(range(prob.num_tables),
+                   key=lambda t: (prob.cands[choice[t]].placement != "all", -size(choice[t]),
+                                  -owner[choice[t]][DEV_MEM], t))
+    unplaced: List[int] = []
+    for t in order:
+        got = try_place(choice[t])
+        if got is not None:
+            commit(t, choice[t], got)
+            continue
+        alts = sorted((i for i in prob.candidates[t] if i != choice[t]),
+                      key=lambda i: (owner[i][DEV_MEM] * prob.cands[i].num_shards, i))
+        for alt in alts:
+            got = try_place(alt)
+            if got is not None:
+                commit(t, alt, got)
+                break
+        else:
+            unplaced.append(t)
+    ev.assign_many(assignment)
+    return unplaced
+
+
+def _time_weights(prob: PlanningProblem) -> np.ndarray:
+    """Seconds per unit of each load column (output bytes count twice: output and grad)."""
+    pr = prob.ctx.profile
+    w = np.zeros(K)
+    w[[FWD, BWD, UVM]] = 1.0
+    w[IN_INTRA], w[IN_INTER] = 1.0 / pr.intra_host_bw, 1.0 / pr.inter_host_bw
+    w[OUT_INTRA], w[OUT_INTER] = 2.0 / pr.intra_host_bw, 2.0 / pr.inter_host_bw
+    return w
+
+
+def _pick(obj: np.ndarray, tie: np.ndarray) -> int:
+    best = np.min(obj)
+    ok = np.nonzero(obj <= best * (1 + 1e-9) + 1e-15)[0]
+    return int(ok[np.argmin(tie[ok])])
+
+
+def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
+                        price_ranks: int = PRICE_RANKS) -> Optional[Tuple[Tuple[int, ...], float]]:
+    """:func:`.place.best_placement` priced on a shortlist: the ``price_ranks`` least-loaded
+    ranks (or hosts) that fit the shard in memory, by the scalar load that also breaks the
+    ties (the local search's placer at scale). Same contract: the best ranks for ``table`` as
+    ``cand`` given the rest of the plan and the objective, None if it fits nowhere."""
+    c = prob.cands[cand]
+    if c.placement == "all":
+        return best_placement(ev, prob, table, cand)
+    W = ev.W
+    vec = ev.owner[cand]
+    need_ovh = ev.gcount[:, ev.group_of[cand]] == 0
+    fits = ((ev.loads[:, DEV_MEM] + vec[DEV_MEM] <= ev.device_cap + 1e-6)
+            & (ev.loads[:, HOST_MEM] + vec[HOST_MEM] <= ev.host_cap + 1e-6))
+    loads = ev.loads + need_ovh[:, None] * ev.overhead[None, :]
+    tie_all = rank_time(ev, loads)  # as best_placement breaks ties
+
+    def rows_for(idx: np.ndarray) -> np.ndarray:
+        return loads[idx]
+
+    if c.placement == "host":
+        Lc = c.num_shards
+        Hc = W // Lc
+        ok = np.nonzero(fits.reshape(Hc, Lc).all(axis=1))[0]
+        if not len(ok):
+            return None
+        hkey = tie_all.reshape(Hc, Lc).sum(axis=1)[ok]
+        if len(ok) > price_ranks:
+            sel = np.sort(np.argpartition(hkey, price_ranks - 1)[:price_ranks])
+            ok, hkey = ok[sel], hkey[sel]
+        idx = (ok[:, None] * Lc + np.arange(Lc)[None, :]).ravel()
+        r3 = (rows_for(idx) + vec).reshape(len(ok), Lc, K)
+        cm = np.maximum(ev._colmax[None, :], r3.max(axis=1))
+        obj = _objectives(ev, cm, cand, Lc)
+        j = _place_pick(obj, hkey)
+        if j < 0:
+            return None
+        h = int(ok[j])
+        return tuple(range(h * Lc, (h + 1) * Lc)), float(obj[j])
+    ok = np.nonzero(fits)[0]
+    need = c.num_shards
+    if len(ok) < need:
+        return None
+    m = min(len(ok), price_ranks + need)
+    if len(ok) > m:
+        ok = np.sort(ok[np.argpartition(tie_all[ok], m - 1)[:m]])
+    base = rows_for(ok)
+    tie = tie_all[ok].copy()
+    colmax = ev._colmax.copy()
+    taken = np.zeros(len(ok), dtype=bool)
+    chosen: List[int] = []
+    obj_last = float("inf")
+    for _ in range(need):
+        rows = base + vec
+        obj = _objectives(ev, np.maximum(colmax[None, :], rows), cand, need)
+        obj[taken] = np.inf
+        j = _place_pick(obj, tie)
+        if j < 0:
+            return None
+        taken[j] = True
+        chosen.append(int(ok[j]))
+        colmax = np.maximum(colmax, rows[j])
+        obj_last = float(obj[j])
+    return tuple(chosen), obj_last
