@@ -538,7 +538,8 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
     t0 = time.monotonic()
     prob = trp.problem
     bprob = trp.bound_problem if trp.bound_problem is not None else prob
-    lb = makespan_bound(bprob, time_limit_s=max(0.5, 0.3 * time_budget_s))
+    # (at scale the bound MILP needs ~1.5 s of CPU: at least 2.5 s when the budget allows)
+    lb = makespan_bound(bprob, time_limit_s=max(0.5, 0.3 * time_budget_s, min(0.5 * time_budget_s, 2.5)))
     bounds, methods = [lb.bound_s], [lb.method]
     heur_solver = "heuristic" if solver == "auto" else solver
     def exact_stages(memory: bool) -> List[Tuple[str, Any, List[int], bool]]:
