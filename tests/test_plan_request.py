@@ -204,12 +204,15 @@ def _admissible(request: PlanRequest, opt: Optimizations) -> bool:
     if (opt.fwd_comm_precision, opt.bwd_comm_precision) not in request.precisions:
         return False
     g, want = opt.sharding_group_size, request.sharding_group_size
+    if g is not None and request.sync_interval is not None and opt.sync_interval != request.sync_interval:
+        return False  # a pinned sync interval binds whatever the group size setting
+    if g is not None and request.max_sync_interval is not None and opt.sync_interval > request.max_sync_interval:
+        return False
     if want is None:
         return g is None
     if want == "auto":
         return g is None or (g < request.world_size and request.world_size % g == 0)
-    return g == (None if want >= request.world_size else want) and (
-        g is None or request.sync_interval is None or opt.sync_interval == request.sync_interval)
+    return g == (None if want >= request.world_size else want)
 
 
 _optimizations = st.builds(
