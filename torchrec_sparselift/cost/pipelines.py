@@ -52,6 +52,7 @@ __all__ = [
     "SYNC_PIPELINES",
     "STALE_PIPELINES",
     "pipeline_kind",
+    "trainable_pipelines",
     "effective_pipeline",
     "terms",
     "exposed",
@@ -143,13 +144,15 @@ class Par:
 
 @attrs.frozen
 class PipelineKind:
-    """A train-pipeline kind: its step composition and whether it trains on stale embeddings
-    (``stale``: only offered with ``allow_staleness``)."""
+    """A train-pipeline kind: its step composition, whether it trains on stale embeddings
+    (``stale``: only offered with ``allow_staleness``) and whether it can train tables on the
+    ``dense`` compute kernel (``dense_kernel``; every data-parallel table uses it)."""
 
     name: str
     step: Seq
     doc: str
     stale: bool = False
+    dense_kernel: bool = True
 
 
 def _next_batch(phases: Tuple[str, ...], label: str, lane: str = "next batch") -> Lane:
@@ -187,7 +190,9 @@ PIPELINE_KINDS: Tuple[PipelineKind, ...] = (
         ]),) + EMB_BWD + SYNC + STEP), "the step"),
         _next_batch(INPUT, "input_dist", lane="next batch input"),
     ])]), "as sparse_dist, and the next batch's lookup + output_dist overlap this batch's dense "
-          "forward/backward (one step of embedding staleness; TrainPipelineSemiSync)", stale=True),
+          "forward/backward (one step of embedding staleness; TrainPipelineSemiSync). It looks up "
+          "batch i+1 before step i's update, so a dense-kernel table (updated in place after that "
+          "lookup) cannot train under it", stale=True, dense_kernel=False),
 )
 _BY_NAME: Dict[str, PipelineKind] = {k.name: k for k in PIPELINE_KINDS}
 #: Pipeline names, one order used everywhere.
@@ -203,6 +208,16 @@ def pipeline_kind(name: str) -> PipelineKind:
         return _BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown pipeline {name!r}; choose one of {PIPELINES}") from None
+
+
+def trainable_pipelines(names: Tuple[str, ...], dense_kernel: bool) -> Tuple[str, ...]:
+    """The pipelines among ``names`` that can train a plan (``dense_kernel``: the plan has a
+    table on the ``dense`` compute kernel, e.g. a data-parallel one). A single allowed pipeline
+    is kept as asked (the runtime then refuses the pair, naming the tables)."""
+    names = tuple(names)
+    if not dense_kernel or len(names) <= 1:
+        return names
+    return tuple(n for n in names if pipeline_kind(n).dense_kernel) or names
 
 
 def effective_pipeline(name: str, supports_overlap: bool = True) -> PipelineKind:

@@ -45,6 +45,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from torchrec_sparselift.cost.pipelines import pipeline_kind
 from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
 
@@ -186,7 +187,7 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan) -> None
     lookup saved the weights for its backward, and autograd aborts the next backward ("modified
     by an inplace operation"); measured with TorchRec 1.8 on CPU/gloo.
     """
-    if kind != "semi_sync":
+    if kind not in PIPELINE_KINDS or pipeline_kind(kind).dense_kernel:  # the rule: cost/pipelines.py
         return
     dense = sorted(
         f"{path}.{name} ({ps.sharding_type})"

@@ -9,7 +9,16 @@ and adds what integrality and placement rules imply, per time column ``c``:
   uniform load;
 * bin packing: if at least ``k W + 1`` chosen pieces have ``own_c >= theta``, some rank holds
   ``k + 1`` of them: ``z_c >= U_c + (k + 1) theta`` (one binary per ``(c, theta, k)``);
-* the option choice is binary.
+* the evaluator's fixed costs: one TBE fixed cost (``lookup_overhead_s``, forward and backward)
+  per rank and (sharding type, kernel) group, so every rank pays it for each group that sits on
+  every rank, and a rank holding a piece pays its group's too; one collective latency per
+  sharding type used in every link phase; the all-reduce latency only when there are dense
+  parameters or a chosen option joins the all-reduce;
+* the option choice is binary. Its choice at the best solution (:func:`choice_bound_solution`) is
+  a seed for the placement (``search.solve``).
+
+``tests/test_choice_bound.py`` checks bound <= the exhaustive optimum of the evaluator on random
+small instances. See docs/cost_model.md ("How the integral-choice bound is built").
 
 The step-time composition rows are the pipeline's (:func:`.lp.composition_rows`, called, not
 changed), so the MILP's optimum, or HiGHS's dual bound when the time limit stops it, is a lower
@@ -18,6 +27,9 @@ bound on every plan's step time under the model, and never below the LP's (same 
 
 from __future__ import annotations
 
+from typing import Tuple
+
+import attrs
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -27,7 +39,7 @@ from torchrec_sparselift.cost.model import (
 from torchrec_sparselift.search.lp import RangeRows, composition_rows, term_entries
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["choice_bound"]
+__all__ = ["ChoiceBound", "choice_bound", "choice_bound_solution"]
 
 _TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 MAX_PIECE_TABLES = 400
@@ -35,16 +47,31 @@ THRESHOLDS = 8
 MAX_K = 4
 
 
+@attrs.frozen
+class ChoiceBound:
+    """The integral-choice bound and the option choice at its best solution (``()`` if HiGHS
+    found none): a seed for the placement, often the optimal plan's choice."""
+
+    bound_s: float
+    choice: Tuple[int, ...] = ()
+
+
 def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp32",
                  bwd_precision: str = "fp32", time_limit_s: float = 2.0) -> float:
     """Lower bound (seconds) on the step time of every plan of ``prob`` under ``pipeline``
     (see module docs); NaN if HiGHS gives none within ``time_limit_s``."""
+    return choice_bound_solution(prob, pipeline, fwd_precision, bwd_precision, time_limit_s).bound_s
+
+
+def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp32",
+                          bwd_precision: str = "fp32", time_limit_s: float = 2.0) -> ChoiceBound:
+    """:func:`choice_bound` with the option choice of the MILP's best solution."""
     ctx = prob.ctx
     p = ctx.profile
     W = ctx.world_size
     C = len(prob.cands)
     if C == 0:
-        return float("nan")
+        return ChoiceBound(float("nan"))
     ms = 1e3
     scale = np.ones(9) * ms
     scale[[IN_INTRA, OUT_INTRA]] = ms / p.intra_host_bw
@@ -54,11 +81,25 @@ def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp3
     n = np.array([c.num_shards for c in prob.cands], dtype=float)
     allp = np.array([c.placement == "all" and c.num_shards == W for c in prob.cands])
     fixed = {c: (ms * p.lookup_overhead_s if c in (FWD, BWD) else 0.0) for c in _TIME_COLS}
-    # variables: x[C], z[7], u[7], y_in, y_out, a, tot, packing binaries
+    # TBE groups (sharding type, kernel) as the evaluator counts them, and the collective types
+    kern = [c.compute_kernel for c in prob.cands]
+    types = [c.sharding_type for c in prob.cands]
+    gkeys = sorted(set(zip(types, kern)))
+    gid = {k: i for i, k in enumerate(gkeys)}
+    grp = np.array([gid[k] for k in zip(types, kern)], dtype=int)
+    all_group = np.array([bool(np.all(allp[grp == g])) for g in range(len(gkeys))])
+    ctypes = sorted({t for t in types if t != "data_parallel"})
+    # variables: x[C], z[7], u[7], y_in, y_out, a, tot, group used[G], free group used, type
+    # used[T], latency, packing binaries
     iz = {c: C + i for i, c in enumerate(_TIME_COLS)}
     iu = {c: C + 7 + i for i, c in enumerate(_TIME_COLS)}
     iy_in, iy_out, ia, itot = C + 14, C + 15, C + 16, C + 17
-    nv = C + 18
+    ig = C + 18
+    ifree = ig + len(gkeys)
+    ity = ifree + 1
+    ilat = ity + len(ctypes)
+    idp = ilat + 1  # any option that joins the gradient all-reduce chosen
+    nv = idp + 1
     packing = []  # (col, theta, k, var)
     for c in _TIME_COLS:
         sizes = np.unique(own[~allp, c][own[~allp, c] > 0])[::-1]
@@ -73,6 +114,7 @@ def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp3
                     break
                 packing.append((c, float(th), k, nv))
                 nv += 1
+    gib = 2.0**30
     rr = RangeRows()
 
     def add(entries, ub, lb=-np.inf):
@@ -80,13 +122,28 @@ def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp3
 
     for ids in prob.candidates:
         add([(i, 1.0) for i in ids], 1.0, 1.0)
+    # group g used >= x[i] for its options; any free (not on every rank) group used; type used
+    for i in range(C):
+        add([(i, 1.0), (ig + grp[i], -1.0)], 0.0)
+        if types[i] != "data_parallel":
+            add([(i, 1.0), (ity + ctypes.index(types[i]), -1.0)], 0.0)
+    for g in range(len(gkeys)):
+        if not all_group[g]:
+            add([(ig + g, 1.0), (ifree, -1.0)], 0.0)
+    # one collective latency per sharding type used, in every link phase (the evaluator's groups)
+    lat = ms * p.collective_latency_s if W > 1 else 0.0
+    add([(ity + j, lat) for j in range(len(ctypes))] + [(ilat, -1.0)], 0.0)
     for c in _TIME_COLS:
-        coef = n * (own[:, c] / W + per[:, c])
-        nz = np.nonzero(coef)[0]
-        add(list(zip(nz.tolist(), coef[nz].tolist())) + [(iz[c], -1.0)], 0.0)
+        # u_c: what every rank carries (shards on every rank, peers' share, and in FWD/BWD the fixed
+        # cost of each TBE group that sits on every rank); z_c >= u_c + the average of the rest,
+        # and the ranks holding the rest pay at least one more group's fixed cost
         ucoef = np.where(allp, own[:, c], 0.0) + n * per[:, c]
         nz = np.nonzero(ucoef)[0]
-        add(list(zip(nz.tolist(), ucoef[nz].tolist())) + [(iu[c], -1.0)], 0.0)
+        gent = [(ig + g, -fixed[c]) for g in range(len(gkeys)) if all_group[g] and fixed[c]]
+        add(list(zip(nz.tolist(), (-ucoef[nz]).tolist())) + gent + [(iu[c], 1.0)], np.inf, 0.0)
+        coef = np.where(allp, 0.0, n * own[:, c] / W)
+        nz = np.nonzero(coef)[0]
+        add(list(zip(nz.tolist(), coef[nz].tolist())) + [(iu[c], 1.0), (ifree, fixed[c]), (iz[c], -1.0)], 0.0)
         best = []  # tables with a piece option, biggest smallest piece first
         for t, ids in enumerate(prob.candidates):
             pieces = [own[i, c] for i in ids if not allp[i]]
@@ -95,8 +152,9 @@ def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp3
         best.sort(reverse=True)
         for _, t in best[:MAX_PIECE_TABLES]:
             ids = prob.candidates[t]
-            ent = [(i, own[i, c]) for i in ids if not allp[i]] + [(i, -own[i, c]) for i in ids if allp[i]]
-            add(ent + [(iu[c], 1.0), (iz[c], -1.0)], -fixed[c])
+            # the piece's rank also pays its group's fixed cost (only when a piece is chosen)
+            ent = [(i, own[i, c] + fixed[c]) for i in ids if not allp[i]] + [(i, -own[i, c]) for i in ids if allp[i]]
+            add(ent + [(iu[c], 1.0), (iz[c], -1.0)], 0.0)
     for c, th, k, v in packing:
         cnt = [(i, n[i]) for i in range(C) if not allp[i] and own[i, c] >= th]
         big = float(sum(n[i] for i, _ in cnt))
@@ -110,17 +168,28 @@ def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp3
     if W > 1:
         allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * n / W
         kk = ms * 2 * (W - 1) / W / p.allreduce_bw
-        const = ms * p.collective_latency_s + kk * ctx.dense.param_bytes - dense_bwd
+        # the all-reduce runs (and pays its latency) when there are dense parameters or a
+        # chosen option joins it; without overlap nothing hides it (pipelines.terms)
+        const = kk * ctx.dense.param_bytes
+        if getattr(p, "supports_overlap", True):
+            const -= dense_bwd
         nz = np.nonzero(allreduce)[0]
-        add([(int(i), kk * allreduce[i]) for i in nz] + [(ia, -1.0)], -const)
-    gib = 2.0**30
+        lat_ar = ms * p.collective_latency_s
+        if ctx.dense.param_bytes > 0:
+            const += lat_ar
+            lat_ent = []
+        else:
+            lat_ent = [(idp, lat_ar)]
+            for i in nz:
+                add([(int(i), 1.0), (idp, -1.0)], 0.0)
+        add([(int(i), kk * allreduce[i]) for i in nz] + lat_ent + [(ia, -1.0)], -const)
     for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
         coef = n * np.array([c.owner[col] for c in prob.costs]) / gib
         nz = np.nonzero(coef)[0]
         if len(nz) and np.all(np.isfinite(cap)):
             add(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
     forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd_precision] / 4,
-                         PRECISION_BYTES[bwd_precision] / 4, dense_fwd, dense_bwd,
+                         PRECISION_BYTES[bwd_precision] / 4, dense_fwd, dense_bwd, ilat=ilat,
                          step_overhead=ms * getattr(p, "step_overhead_s", 0.0))
     for entries, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
         add(entries, rhs)
@@ -137,9 +206,12 @@ def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp3
     res = milp(cvec, constraints=LinearConstraint(A, rr.lo, rr.hi), integrality=integrality,
                bounds=Bounds(np.zeros(nv), ub),
                options={"time_limit": max(0.2, float(time_limit_s)), "disp": False, "mip_rel_gap": 1e-4})
+    choice: Tuple[int, ...] = ()
+    if res.x is not None:
+        choice = tuple(int(max(ids, key=lambda i: res.x[i])) for ids in prob.candidates)
     b = getattr(res, "mip_dual_bound", None)
     if (b is None or not np.isfinite(b)) and res.status == 0:
         b = res.fun
     if b is None or not np.isfinite(b):
-        return float("nan")
-    return float(b) / ms * (1 - 1e-6)
+        return ChoiceBound(float("nan"), choice)
+    return ChoiceBound(float(b) / ms * (1 - 1e-6), choice)

@@ -224,8 +224,12 @@ def solve_lp(
     for ids in prob.candidates:
         vals_t = x[list(ids)]
         choice.append(int(ids[int(np.argmax(vals_t))]))
-    # linprog's optimum is feasible-primal; its objective is the bound (small tolerance)
-    bound = float(res.fun) / 1e3 * (1 - 1e-6)
+    # linprog's optimum is feasible-primal; its objective is the bound (small tolerance). The
+    # all-reduce row charges its latency always; a plan without dense parameters or
+    # data-parallel tables has no all-reduce, so that latency is taken off the bound (the
+    # composition adds the all-reduce once per path, so the optimum moves by at most that much)
+    spare = ms * p.collective_latency_s if W > 1 and ctx.dense.param_bytes <= 0 else 0.0
+    bound = max(0.0, float(res.fun) - spare) / 1e3 * (1 - 1e-6)
     return LPResult(lower_bound_s=bound, choice=tuple(choice), x=x,
                     status="optimal" if res.status == 0 else "time_limit")
 

@@ -79,7 +79,8 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     iz = {j: nv + i for i, j in enumerate(_TIME_COLS)}
     nv += len(_TIME_COLS)
     iy_in, iy_out, ia, itot = nv, nv + 1, nv + 2, nv + 3
-    nv += 4
+    idp = nv + 4  # an option that joins the gradient all-reduce is chosen
+    nv += 5
     # one binary per sharding type used (collective groups) and the per-phase latency
     types = sorted({c.sharding_type for c in prob.cands if c.sharding_type != "data_parallel"})
     ig = {st: nv + i for i, st in enumerate(types)}
@@ -131,10 +132,19 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * nshards / W
     if W > 1:
         k = ms * 2 * (W - 1) / W / p.allreduce_bw
-        const = ms * p.collective_latency_s + k * ctx.dense.param_bytes
+        const = k * ctx.dense.param_bytes
         if getattr(p, "supports_overlap", True):  # without overlap nothing hides it (pipelines.terms)
             const -= dense_bwd
-        add([(c, k * allreduce[c]) for c in range(C) if allreduce[c]] + [(ia, -1.0)], -np.inf, -const)
+        # the all-reduce (and its latency) runs only with dense parameters or a chosen option in it
+        lat_ent = []
+        if ctx.dense.param_bytes > 0:
+            const += ms * p.collective_latency_s
+        else:
+            lat_ent = [(idp, ms * p.collective_latency_s)]
+            for c in range(C):
+                if allreduce[c]:
+                    add([(c, 1.0), (idp, -1.0)], -np.inf, 0.0)
+        add([(c, k * allreduce[c]) for c in range(C) if allreduce[c]] + lat_ent + [(ia, -1.0)], -np.inf, -const)
     for c, cand in enumerate(prob.cands):  # g_type >= x[c]
         if cand.sharding_type in ig:
             add([(c, 1.0), (ig[cand.sharding_type], -1.0)], -np.inf, 0.0)
