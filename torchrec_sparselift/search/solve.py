@@ -23,7 +23,8 @@ import numpy as np
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import StepTime
 from torchrec_sparselift.errors import SparseLiftPlannerError
-from torchrec_sparselift.search.choice_bound import choice_bound
+from torchrec_sparselift.cost.pipelines import trainable_pipelines
+from torchrec_sparselift.search.choice_bound import choice_bound_solution
 from torchrec_sparselift.search.lp import analytic_bound, solve_lp
 from torchrec_sparselift.search.milp import milp_size, solve_milp
 from torchrec_sparselift.search.place import WorkBudget, greedy_place, local_search
@@ -73,6 +74,22 @@ def _least_work_choice(prob: PlanningProblem) -> List[int]:
     return out
 
 
+def _optimizations(ev: PlanEvaluator, prob: PlanningProblem, pipelines: Sequence[str],
+                   precisions: Sequence[Tuple[str, str]]):
+    """Every (pipeline, precision) that can train the plan priced on its loads, and the best:
+    (alternatives, (pipeline, fwd, bwd, seconds)); ties go to the earlier pipeline."""
+    alts: List[Tuple[str, float]] = []
+    best_combo = None
+    has_dense_kernel = any(prob.cands[c].compute_kernel == "dense" for c, _ in ev.assignment.values())
+    for pl in trainable_pipelines(tuple(pipelines), has_dense_kernel):
+        for f, b in precisions:
+            st = ev.step_time(pl, f, b)
+            alts.append((f"{pl}/{f}/{b}", st.total_s))
+            if best_combo is None or st.total_s < best_combo[3] * (1 - 1e-12):
+                best_combo = (pl, f, b, st.total_s)
+    return alts, best_combo
+
+
 def _place(prob: PlanningProblem, choice: Sequence[int], pipeline: str, fwd: str, bwd: str):
     ev = new_evaluator(prob, pipeline, fwd, bwd)
     # at scale (thousands of tables x ranks) the shortlist placement of search/scale.py
@@ -86,7 +103,9 @@ AUTO_MILP_MAX_VARS = 400
 # finishes in roughly the budget there and faster on bigger machines.
 WORK_UNITS_PER_SECOND = 1500
 AUTO_MILP_NODES = 300
-# the integral-choice bound (choice_bound) runs up to min(1 s, 10% of the budget) below this size
+# the integral-choice bound (choice_bound) runs below this size (HiGHS solves it at the root in 0.1-1.2 s
+# CPU on the planner benchmark; its wall limit, max(2 s, half the budget), is a safety net);
+# its choice is also placed as a seed (docs/cost_model.md, "How the integral-choice bound is built")
 CHOICE_BOUND_MAX_TABLES = 1000
 
 
@@ -165,17 +184,7 @@ def solve(
     moves, cut = local_search(ev, prob, deadline=work.deadline, budget=work, **ls_kw)
 
     # choose the optimizations on the final loads
-    alts: List[Tuple[str, float]] = []
-    best_combo = None
-    has_dense_kernel = any(prob.cands[c].compute_kernel == "dense" for c, _ in ev.assignment.values())
-    for pl in pipelines:
-        if pl == "semi_sync" and has_dense_kernel and len(pipelines) > 1:
-            continue  # TrainPipelineSemiSync cannot train dense-kernel (data-parallel) tables
-        for f, b in precisions:
-            st = ev.step_time(pl, f, b)
-            alts.append((f"{pl}/{f}/{b}", st.total_s))
-            if best_combo is None or st.total_s < best_combo[3] * (1 - 1e-12):
-                best_combo = (pl, f, b, st.total_s)
+    alts, best_combo = _optimizations(ev, prob, pipelines, precisions)
     pl, f, b, _ = best_combo
     if (pl, f, b) != (place_pl, fwd, bwd):
         ev.pipeline, ev.fwd_precision, ev.bwd_precision = pl, f, b
@@ -191,9 +200,18 @@ def solve(
         bound = analytic_bound(prob, pl, f, b)
     if prob.num_tables <= CHOICE_BOUND_MAX_TABLES and ev.objective() > bound * (1 + 1e-4):
         # integral choice + packing rows (search/choice_bound.py): never below the LP's bound
-        cb = choice_bound(prob, pl, f, b, time_limit_s=min(1.0, 0.1 * time_budget_s))
-        if np.isfinite(cb) and (not np.isfinite(bound) or cb > bound):
-            bound = cb
+        cb = choice_bound_solution(prob, pl, f, b, time_limit_s=max(2.0, 0.5 * time_budget_s))
+        if np.isfinite(cb.bound_s) and (not np.isfinite(bound) or cb.bound_s > bound):
+            bound = cb.bound_s
+        if cb.choice and ev.objective() > bound * (1 + 1e-4):
+            # its choice is often the optimum's (docs/cost_model.md): place it, polish, keep if better
+            alt, unplaced = _place(prob, cb.choice, pl, f, b)
+            if not unplaced:
+                polish = WorkBudget(max(200, work.units // 4), t0 + 3.5 * time_budget_s)
+                more, cut3 = local_search(alt, prob, deadline=polish.deadline, budget=polish, **ls_kw)
+                if alt.memory_ok() and alt.objective() < ev.objective() * (1 - 1e-9):
+                    ev, best_name, moves, cut = alt, "choice_bound", moves + more, cut or cut3
+                    alts, _ = _optimizations(ev, prob, pipelines, precisions)
     solver_name = f"lp+greedy({best_name})+local_search"
     if solver == "milp" or (solver == "auto" and milp_size(prob) <= AUTO_MILP_MAX_VARS):
         if solver == "milp":
