@@ -103,10 +103,12 @@ AUTO_MILP_MAX_VARS = 400
 # finishes in roughly the budget there and faster on bigger machines.
 WORK_UNITS_PER_SECOND = 1500
 AUTO_MILP_NODES = 300
-# the integral-choice bound (choice_bound) runs below this size (HiGHS solves it at the root in 0.1-1.2 s
-# CPU on the planner benchmark; its wall limit, max(2 s, half the budget), is a safety net);
-# its choice is also placed as a seed (docs/cost_model.md, "How the integral-choice bound is built")
+# the integral-choice bound (choice_bound) runs below this size; its choice is also placed as a
+# seed (docs/cost_model.md, "How the integral-choice bound is built"). Up to ROOM tables HiGHS
+# solves it at the root in 0.1-1.2 s CPU on the planner benchmark and its wall limit, max(2 s,
+# half the budget), is a safety net; above, it gets min(1 s, 10% of the budget)
 CHOICE_BOUND_MAX_TABLES = 1000
+CHOICE_BOUND_ROOM_TABLES = 300
 
 
 def solve(
@@ -200,7 +202,9 @@ def solve(
         bound = analytic_bound(prob, pl, f, b)
     if prob.num_tables <= CHOICE_BOUND_MAX_TABLES and ev.objective() > bound * (1 + 1e-4):
         # integral choice + packing rows (search/choice_bound.py): never below the LP's bound
-        cb = choice_bound_solution(prob, pl, f, b, time_limit_s=max(2.0, 0.5 * time_budget_s))
+        room = prob.num_tables <= CHOICE_BOUND_ROOM_TABLES
+        cb = choice_bound_solution(prob, pl, f, b, time_limit_s=(
+            max(2.0, 0.5 * time_budget_s) if room else min(1.0, 0.1 * time_budget_s)))
         if np.isfinite(cb.bound_s) and (not np.isfinite(bound) or cb.bound_s > bound):
             bound = cb.bound_s
         if cb.choice and ev.objective() > bound * (1 + 1e-4):
