@@ -130,7 +130,10 @@ class SparseLiftPlanner(ShardingPlanner):
             ones, plus ``semi_sync`` when ``allow_staleness``).
         allow_lossy_comm: allow fp16/bf16 communication (and fp8 if also ``allow_fp8``).
         allow_staleness: allow ``semi_sync`` (one step of embedding staleness).
-        time_budget_s: search time budget in seconds (default 8; ``timeout_seconds`` too).
+        time_budget_s: search time budget in seconds (default 8; ``timeout_seconds`` too). With
+            ``cost_model="torchrec"`` the search keeps at least half of it after TorchRec's own
+            enumeration and estimation; at scale the local search keeps a minimum amount of work
+            (docs/concepts.md).
         cache_dir: directory of reusable execution plans (see :meth:`plan_execution`).
         solver: "auto" (default: LP + greedy + local search; the exact MILP too on tiny
             instances), "heuristic", or "milp" (exact MILP over choice and placement with half
