@@ -182,7 +182,8 @@ def _run_kept(w, runners, batches, pg, device, args, say) -> None:
         for _ in range(args.warmup):
             r["pipe"].progress(r["it"])
     for rep in range(args.reps):
-        for r in runners:
+        k = rep % len(runners)
+        for r in runners[k:] + runners[:k]:  # rotated each round, as the default harness
             dist.barrier(group=pg)
             durs = []
             for _ in range(args.warmup + args.steps):
@@ -226,7 +227,10 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
         rep = 0
         todo = list(runners)
         while todo:
-            for r in todo:
+            # rotate the order each round: no plan always runs first or last (a position in the round
+            # measured up to ~5% apart for identical plans on this machine)
+            k = rep % len(todo)
+            for r in todo[k:] + todo[:k]:
                 torch.manual_seed(0)
                 m = measure_plan(r["name"], lambda: probe_model(w), r["plan"], batches, args.steps, args.warmup,
                                  pg=pg, device=device)

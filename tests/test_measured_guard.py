@@ -117,3 +117,59 @@ def test_guard_alternatives_remove_only_the_named_sharding_types():
     assert set(out["t"].sharding_types) == set(SHARDING_TYPES) - {"data_parallel", "grid_shard"}
     assert out["u"].sharding_types == ["row_wise"]  # the user's own restriction, minus the removed type
     assert _restricted(None, ["t"], None)["t"].sharding_types == ["table_wise"]
+
+
+def _reuse_worker(rank, world_size, cache_dir):
+    import warnings
+
+    import attrs
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_sparselift import SparseLiftPlanner
+    from torchrec_sparselift.atomic import write_text
+    from torchrec_sparselift.cost.hardware import PRESETS
+    from torchrec_sparselift.measured_guard import guard_cache_path, guard_fingerprint, guarded_execution_plan
+    from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
+    from torchrec_sparselift.runtime.guard import GuardTrial
+
+    def model():
+        return EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100,
+                                                                 feature_names=[f"f{i}"]) for i in range(3)],
+                                      device=torch.device("meta"))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        topo = Topology(world_size=world_size, local_world_size=world_size, compute_device="cpu")
+    old, new = PRESETS["cpu-gloo"], attrs.evolve(PRESETS["cpu-gloo"], step_overhead_s=0.02)
+    guard, sh = MeasuredGuard(candidates=1, torchrec=False), get_default_sharders()
+    # what an earlier run stored: a guarded plan priced under the old profile, with its trials
+    ep = SparseLiftPlanner(topology=topo, batch_size=32, hardware=old).plan_execution(model(), sh)
+    trial = GuardTrial("sparselift", "sparselift", ep.prediction.step_time_s, 0.005, (0.005,))
+    info = dict(ep.planner_info, measured_guard=GuardResult("sparselift", (trial,), guard.to_dict()).to_dict())
+    planner = SparseLiftPlanner(topology=topo, batch_size=32, hardware=new)
+    path = guard_cache_path(cache_dir, guard_fingerprint(planner, model(), sh, guard), guard)
+    write_text(path, attrs.evolve(ep, planner_info=info).to_json(indent=1))
+
+    got, res, reused = guarded_execution_plan(model, dist.group.WORLD, torch.device("cpu"), [], topology=topo,
+                                              batch_size=32, hardware=new, guard=guard, cache_dir=cache_dir,
+                                              sharders=sh)
+    want = evaluate_sharding_plan(model(), got.sharding_plan, topo, 32, hardware=new, sharders=sh,
+                                  pipeline=got.optimizations.pipeline).step_time_s
+    return dict(reused=reused, old=ep.prediction.step_time_s, got=got.prediction.step_time_s, want=want,
+                measured=res.chosen_trial.measured_s)
+
+
+def test_a_cached_guarded_plan_is_repriced_under_the_current_profile(tmp_path):
+    """The trials are reused, not re-measured; the printed prediction is the current profile's
+    (regression: a recalibrated machine printed measured/predicted against the old profile)."""
+    from conftest import spawn
+
+    (r,) = spawn(_reuse_worker, 1, str(tmp_path), timeout_s=120)
+    assert r["reused"] and r["measured"] == 0.005
+    assert r["got"] == pytest.approx(r["want"], rel=1e-9)
+    assert r["got"] > r["old"] + 0.019  # the new profile's 20 ms step overhead is in it

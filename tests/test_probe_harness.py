@@ -18,17 +18,20 @@ def _measure(rank, world_size):
                           dist.group.WORLD)
     batches = probe.prebuilt_batches(w, 3, seed=0, rank=rank)
     before = os.sched_getaffinity(0)
-    during = []
+    during, cores = [], []
 
     def pipeline(dmp, opt, device):
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+        from torchrec_sparselift.cost.machine import current_fingerprint
+
         during.append(os.sched_getaffinity(0))
+        cores.append(current_fingerprint("cpu", world_size).cores)
         return TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
 
     m = probe.measure_plan("t", lambda: probe.probe_model(w), plan, batches, steps=4, warmup=2, pg=dist.group.WORLD,
                            pipeline_factory=pipeline, pin=True)
-    return dict(before=before, during=during[0], after=os.sched_getaffinity(0), m=m)
+    return dict(before=before, during=during[0], after=os.sched_getaffinity(0), m=m, cores=cores[0])
 
 
 def test_measure_plan_times_the_slowest_rank_per_step_and_restores_the_affinity():
@@ -38,6 +41,9 @@ def test_measure_plan_times_the_slowest_rank_per_step_and_restores_the_affinity(
         assert len(m.durations_s) == 6 and len(m.cpu_durations_s) == 6 and m.steps == 4
         assert m.median_s == statistics.median(m.durations_s[2:])
         assert res["after"] == res["before"]  # pinned only during the run
+        # a pinned rank still fingerprints the cores it could use (else the example, which pins its
+        # ranks, would not find the profile its calibration stored: "differs in cores: 1 vs 2")
+        assert res["cores"] == len(res["before"])
         cpus, k = sorted(res["before"]), len(res["before"]) // 2
         if k >= 1:
             assert res["during"] == set(cpus[r * k:(r + 1) * k])  # local rank -> its own slice of the cores

@@ -184,6 +184,15 @@ def guarded_execution_plan(
     dist.broadcast_object_list(box, src=0, group=pg)
     if box[0] is not None:
         ep = ExecutionPlan.from_json(box[0])
+        opt = ep.optimizations
+        if opt.sharding_group_size is None:
+            # the trials are this machine's measurements and stay; the prediction is the current
+            # profile's (a recalibrated profile must not print the old profile's step time)
+            res = evaluate_sharding_plan(model, ep.sharding_plan, topology, batch_size, constraints,
+                                         hardware=profile_for_topology(topology, main._profile()),
+                                         sharders=sharders, pipeline=opt.pipeline,
+                                         fwd_precision=opt.fwd_comm_precision, bwd_precision=opt.bwd_comm_precision)
+            ep = attrs.evolve(ep, prediction=res.prediction())
         return ep, GuardResult.from_dict(ep.planner_info["measured_guard"]), True
 
     profile = profile_for_topology(topology, main._profile())

@@ -112,7 +112,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+_CORES_BEFORE_PINNING: Optional[int] = None
+
+
+def note_affinity_before_pinning(cpus: Any) -> None:
+    """Called by the runtime right before it pins this process to a slice of the cores (one core
+    per rank while measuring, or for a whole training run): the fingerprint keeps describing the
+    cores the process could use, not the slice it was pinned to. Only the first call counts."""
+    global _CORES_BEFORE_PINNING
+    if _CORES_BEFORE_PINNING is None:
+        _CORES_BEFORE_PINNING = max(1, len(cpus))
+
+
 def _cores() -> int:
+    if _CORES_BEFORE_PINNING is not None:
+        return _CORES_BEFORE_PINNING
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

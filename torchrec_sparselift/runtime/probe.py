@@ -235,7 +235,10 @@ def _set_affinity(cpus: Any) -> Any:
     to one thread; gloo's threads exist already); returns the previous affinity."""
     import os
 
+    from torchrec_sparselift.cost.machine import note_affinity_before_pinning
+
     old = os.sched_getaffinity(0)
+    note_affinity_before_pinning(old)
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
