@@ -18,21 +18,11 @@ from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.lp import solve_lp
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import new_evaluator, solve
-from torchrec_sparselift.semantics.tables import TableSpec
+from table_specs import table_spec
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
-
-
-def _spec(i, rows, dim, pf, types=TYPES):
-    return TableSpec(
-        module_path="m", name=f"t{i}", num_embeddings=rows, embedding_dim=dim,
-        feature_names=(f"f{i}",), pooling_factor=pf, is_pooled=True, elem_bytes=4,
-        sharding_types=types,
-        compute_kernels=tuple((t, ("dense",) if t == "data_parallel" else ("fused",)) for t in types),
-        batch_size=512,
-    )
+_spec = table_spec
 
 
 def _placements(prob, cand):

@@ -12,21 +12,12 @@ from torchrec_sparselift.cost.model import PIPELINES, CostContext, DenseWork, st
 from torchrec_sparselift.search.lp import analytic_bound
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import new_evaluator, solve
-from torchrec_sparselift.semantics.tables import TableSpec
+from table_specs import table_spec
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
-
-
 def _spec(i, rows, dim, pf, pooled=True):
-    return TableSpec(
-        module_path="m", name=f"t{i}", num_embeddings=rows, embedding_dim=dim,
-        feature_names=(f"f{i}",), pooling_factor=pf, is_pooled=pooled, elem_bytes=4,
-        sharding_types=TYPES,
-        compute_kernels=tuple((t, ("dense",) if t == "data_parallel" else ("fused",)) for t in TYPES),
-        batch_size=256,
-    )
+    return table_spec(i, rows, dim, pf, pooled=pooled, batch_size=256)
 
 
 tables = st.lists(

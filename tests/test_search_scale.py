@@ -19,21 +19,11 @@ from torchrec_sparselift.search import scale
 from torchrec_sparselift.search.place import best_placement, greedy_place
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import new_evaluator, solve
-from torchrec_sparselift.semantics.tables import TableSpec
+from table_specs import table_spec
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
-
-
-def _spec(i, rows, dim, pf, types=TYPES):
-    return TableSpec(
-        module_path="m", name=f"t{i}", num_embeddings=rows, embedding_dim=dim,
-        feature_names=(f"f{i}",), pooling_factor=pf, is_pooled=True, elem_bytes=4,
-        sharding_types=types,
-        compute_kernels=tuple((t, ("dense",) if t == "data_parallel" else ("fused",)) for t in types),
-        batch_size=512,
-    )
+_spec = table_spec
 
 
 def _problem(tabs, W, L, cap_frac=None, pipelines=("sparse_dist",), overhead=20e-6):

@@ -130,13 +130,7 @@ class PlanEvaluator:
     def assign(self, table: int, cand: int, ranks: Sequence[int]) -> None:
         """Place ``table`` with candidate ``cand``, shard ``i`` on ``ranks[i]`` (replacing any
         previous placement of the table)."""
-        if table in self.assignment:
-            self.unassign(table, refresh=False)
-        ranks = tuple(int(r) for r in ranks)
-        self._apply(table, cand, ranks, 1.0)
-        self.assignment[table] = (cand, ranks)
-        self._index(table, ranks, True)
-        self._refresh_top()
+        self.assign_many({table: (cand, ranks)})
 
     def assign_many(self, assignment: Mapping[int, Assignment]) -> None:
         """:meth:`assign` for many tables, with one refresh of the column maxima at the end
