@@ -1,7 +1,6 @@
 """The integral-choice bound under SparseLift's own model (search/choice_bound.py): never above
 the exhaustive optimum of the same cost model (the evaluator), and its choice as a seed."""
 
-import itertools
 import warnings
 
 import attrs
@@ -17,37 +16,12 @@ from torchrec_sparselift.search.choice_bound import choice_bound, choice_bound_s
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.lp import solve_lp
 from torchrec_sparselift.search.problem import build_problem
-from torchrec_sparselift.search.solve import new_evaluator, solve
-from table_specs import table_spec
+from torchrec_sparselift.search.solve import solve
+from search_helpers import exhaustive_optimum, table_spec
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 _spec = table_spec
-
-
-def _placements(prob, cand):
-    c = prob.cands[cand]
-    W = prob.ctx.world_size
-    if c.placement == "all":
-        return [tuple(range(c.num_shards))]
-    if c.placement == "host":
-        L = c.num_shards
-        return [tuple(range(h * L, (h + 1) * L)) for h in range(W // L)]
-    return list(itertools.combinations(range(W), c.num_shards))
-
-
-def exhaustive_optimum(prob, pipeline):
-    """The best step time over every option choice and placement (the evaluator's objective,
-    per-rank memory enforced); inf when nothing fits."""
-    per_table = [[(c, rk) for c in ids for rk in _placements(prob, c)] for ids in prob.candidates]
-    ev = new_evaluator(prob, pipeline)
-    best = float("inf")
-    for combo in itertools.product(*per_table):
-        for t, (c, rk) in enumerate(combo):
-            ev.assign(t, c, rk)
-        if ev.memory_ok():
-            best = min(best, ev.objective())
-    return best
 
 
 tables = st.lists(

@@ -12,7 +12,7 @@ from torchrec_sparselift.cost.model import PIPELINES, CostContext, DenseWork, st
 from torchrec_sparselift.search.lp import analytic_bound
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import new_evaluator, solve
-from table_specs import table_spec
+from search_helpers import table_spec
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -3,7 +3,6 @@ a bound never above the exhaustive optimum, and the shortlist placer equal to th
 the shortlist holds every rank. The scale path is forced on small instances by lowering
 ``scale.SCALE_MIN_WORK``."""
 
-import itertools
 import warnings
 
 import attrs
@@ -19,7 +18,7 @@ from torchrec_sparselift.search import scale
 from torchrec_sparselift.search.place import best_placement, greedy_place
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import new_evaluator, solve
-from table_specs import table_spec
+from search_helpers import exhaustive_optimum, table_spec
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -34,28 +33,6 @@ def _problem(tabs, W, L, cap_frac=None, pipelines=("sparse_dist",), overhead=20e
     total = sum(s.num_embeddings * s.embedding_dim * 4 for s in specs)
     cap = np.full(W, 80.0 * 2**30 if cap_frac is None else max(1e6, cap_frac * 2.5 * total))
     return build_problem(specs, ctx, cap, cap * 2, pipelines=pipelines)
-
-
-def _exhaustive(prob, pipeline):
-    def placements(c):
-        cand = prob.cands[c]
-        W = prob.ctx.world_size
-        if cand.placement == "all":
-            return [tuple(range(cand.num_shards))]
-        if cand.placement == "host":
-            L = cand.num_shards
-            return [tuple(range(h * L, (h + 1) * L)) for h in range(W // L)]
-        return list(itertools.combinations(range(W), cand.num_shards))
-
-    per_table = [[(c, rk) for c in ids for rk in placements(c)] for ids in prob.candidates]
-    ev = new_evaluator(prob, pipeline)
-    best = float("inf")
-    for combo in itertools.product(*per_table):
-        for t, (c, rk) in enumerate(combo):
-            ev.assign(t, c, rk)
-        if ev.memory_ok():
-            best = min(best, ev.objective())
-    return best
 
 
 @pytest.fixture
@@ -80,7 +57,7 @@ def test_scale_path_plan_is_complete_priced_by_the_evaluator_and_bounded(scale_p
         prob = _problem(tabs, W, L, cap_frac)
     except SparseLiftPlannerError:
         return  # some table fits no rank: the planner's error, tested elsewhere
-    opt = _exhaustive(prob, pipeline)
+    opt = exhaustive_optimum(prob, pipeline)
     if not np.isfinite(opt):
         return  # nothing fits: covered by the planner's error tests
     try:

@@ -1,0 +1,46 @@
+"""What the search tests share: the ``TableSpec`` their small problems are built from and the
+exhaustive optimum their bounds are checked against (one copy, not one per test file)."""
+
+import itertools
+
+from torchrec_sparselift.search.solve import new_evaluator
+from torchrec_sparselift.semantics.tables import TableSpec
+
+TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+
+
+def table_spec(i, rows, dim, pf, types=TYPES, *, pooled=True, batch_size=512):
+    """Table ``t{i}`` read by feature ``f{i}``: ``rows`` x ``dim`` fp32, pooling factor ``pf``,
+    offered ``types`` (data-parallel with the dense kernel, the others fused)."""
+    return TableSpec(
+        module_path="m", name=f"t{i}", num_embeddings=rows, embedding_dim=dim,
+        feature_names=(f"f{i}",), pooling_factor=pf, is_pooled=pooled, elem_bytes=4,
+        sharding_types=types,
+        compute_kernels=tuple((t, ("dense",) if t == "data_parallel" else ("fused",)) for t in types),
+        batch_size=batch_size,
+    )
+
+
+def _placements(prob, cand):
+    c = prob.cands[cand]
+    W = prob.ctx.world_size
+    if c.placement == "all":
+        return [tuple(range(c.num_shards))]
+    if c.placement == "host":
+        L = c.num_shards
+        return [tuple(range(h * L, (h + 1) * L)) for h in range(W // L)]
+    return list(itertools.combinations(range(W), c.num_shards))
+
+
+def exhaustive_optimum(prob, pipeline):
+    """The best step time over every option choice and placement (the evaluator's objective,
+    per-rank memory enforced); inf when nothing fits."""
+    per_table = [[(c, rk) for c in ids for rk in _placements(prob, c)] for ids in prob.candidates]
+    ev = new_evaluator(prob, pipeline)
+    best = float("inf")
+    for combo in itertools.product(*per_table):
+        for t, (c, rk) in enumerate(combo):
+            ev.assign(t, c, rk)
+        if ev.memory_ok():
+            best = min(best, ev.objective())
+    return best
