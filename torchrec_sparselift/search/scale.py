@@ -219,9 +219,6 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
     loads = ev.loads + need_ovh[:, None] * ev.overhead[None, :]
     tie_all = rank_time(ev, loads)  # as best_placement breaks ties
 
-    def rows_for(idx: np.ndarray) -> np.ndarray:
-        return loads[idx]
-
     if c.placement == "host":
         Lc = c.num_shards
         Hc = W // Lc
@@ -233,7 +230,7 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
             sel = np.sort(np.argpartition(hkey, price_ranks - 1)[:price_ranks])
             ok, hkey = ok[sel], hkey[sel]
         idx = (ok[:, None] * Lc + np.arange(Lc)[None, :]).ravel()
-        r3 = (rows_for(idx) + vec).reshape(len(ok), Lc, K)
+        r3 = (loads[idx] + vec).reshape(len(ok), Lc, K)
         cm = np.maximum(ev._colmax[None, :], r3.max(axis=1))
         obj = _objectives(ev, cm, cand, Lc)
         j = _place_pick(obj, hkey)
@@ -248,7 +245,7 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
     m = min(len(ok), price_ranks + need)
     if len(ok) > m:
         ok = np.sort(ok[np.argpartition(tie_all[ok], m - 1)[:m]])
-    base = rows_for(ok)
+    base = loads[ok]
     tie = tie_all[ok].copy()
     colmax = ev._colmax.copy()
     taken = np.zeros(len(ok), dtype=bool)
