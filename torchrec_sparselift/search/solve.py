@@ -131,19 +131,20 @@ def solve(
     pipelines = (pipeline,) if pipeline else prob.pipelines
     precisions = (precision,) if precision else prob.precisions
     search_pl = "sparse_dist" if "sparse_dist" in pipelines else pipelines[0]
+    at_scale = use_scale_path(prob)  # thousands of tables x ranks: search/scale.py
     # the pipeline the placement and local search price under: at scale the one that hides the
     # most (prefetch), as there is no budget for a second full search under it (scale.py)
-    place_pl = "prefetch" if use_scale_path(prob) and "prefetch" in pipelines else search_pl
+    place_pl = "prefetch" if at_scale and "prefetch" in pipelines else search_pl
     fwd, bwd = precisions[0]
 
     # the LP is deterministic when it finishes: give it room (its limit is a safety net; at
     # scale its choice is the seed and its bound the only one, so more room: scale.py)
-    lp_limit = max(SCALE_LP_LIMIT_S if use_scale_path(prob) else 20.0, 2.0 * time_budget_s)
+    lp_limit = max(SCALE_LP_LIMIT_S if at_scale else 20.0, 2.0 * time_budget_s)
     lp = solve_lp(prob, search_pl, fwd, bwd, time_limit_s=lp_limit)
     seeds: List[Tuple[str, Sequence[int]]] = []
     if lp.choice:
         seeds.append(("lp", lp.choice))
-    if not (seeds and use_scale_path(prob)):  # at scale the LP's choice is far better (docs/concepts.md)
+    if not (seeds and at_scale):  # at scale the LP's choice is far better (docs/concepts.md)
         seeds.append(("least_work", _least_work_choice(prob)))
     best_ev: Optional[PlanEvaluator] = None
     best_name = ""
@@ -177,12 +178,12 @@ def solve(
     ev = best_ev
     # deterministic work budget (priced placements), proportional to the time budget; the wall
     # clock (3x the budget) is only a safety net on very slow or loaded machines
-    search_s = max(time_budget_s, SCALE_SEARCH_S) if use_scale_path(prob) else time_budget_s
+    search_s = max(time_budget_s, SCALE_SEARCH_S) if at_scale else time_budget_s
     # (at scale the safety net counts from here: the LP and the placement may have taken long)
     work = WorkBudget(int(WORK_UNITS_PER_SECOND * search_s),
-                      (time.monotonic() if use_scale_path(prob) else t0) + 3.0 * search_s)
+                      (time.monotonic() if at_scale else t0) + 3.0 * search_s)
     # at scale: the hottest table of each hot rank, priced on a shortlist of ranks (scale.py)
-    ls_kw = {"tables_per_rank": 1, "placer": shortlist_placement} if use_scale_path(prob) else {}
+    ls_kw = {"tables_per_rank": 1, "placer": shortlist_placement} if at_scale else {}
     moves, cut = local_search(ev, prob, deadline=work.deadline, budget=work, **ls_kw)
 
     # choose the optimizations on the final loads
