@@ -51,6 +51,7 @@ __all__ = [
     "FUSED_KERNELS",
     "KNOWN_SHARDING_TYPES",
     "KNOWN_COMPUTE_KERNELS",
+    "int_at_least",
 ]
 
 #: FBGEMM's training TBE (``SplitTableBatchedEmbeddingBagsCodegen``) asserts that every embedding
@@ -416,3 +417,19 @@ def planner_option_problems(
                     f"host ({L}), so every group has whole hosts or fits in one"
                 )
     return problems
+
+
+def int_at_least(least: int, note: str = "", optional: bool = False) -> Any:
+    """attrs validator: an int (not a bool) >= ``least``; ``None`` too when ``optional``; the error
+    names the class and field (used by the plan values and the guard settings)."""
+
+    def check(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(
+                f"{type(instance).__name__}.{attribute.name} must be {'None (1D) or ' if optional else ''}"
+                f"an int >= {least}{note}, got {value!r}"
+            )
+
+    return check

@@ -29,6 +29,7 @@ import attrs
 from torchrec_sparselift.cost.pipelines import PIPELINES as _PIPELINES
 from torchrec_sparselift.errors import PlanFormatError
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
+from torchrec_sparselift.validation import int_at_least
 from torchrec_sparselift.semantics.layout import Layout2D
 from torchrec_sparselift.semantics.tables import embedding_configs, embedding_modules
 from torchrec_sparselift.semantics.workload import WorkloadStats
@@ -119,22 +120,7 @@ def _non_negative(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) 
         )
 
 
-def _int_at_least(least: int, note: str = "", optional: bool = False) -> Any:
-    """Validator: an int (not a bool) >= ``least``; ``None`` too when ``optional``."""
-
-    def check(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-        if optional and value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(
-                f"{type(instance).__name__}.{attribute.name} must be {'None (1D) or ' if optional else ''}"
-                f"an int >= {least}{note}, got {value!r}"
-            )
-
-    return check
-
-
-_non_negative_int = _int_at_least(0)
+_non_negative_int = int_at_least(0)
 
 
 def _one_of(choices: Sequence[str]) -> Any:
@@ -182,8 +168,8 @@ class Optimizations:
     pipeline: str = attrs.field(default="sparse_dist", validator=_one_of(PIPELINES))
     fwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
     bwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
-    sharding_group_size: Optional[int] = attrs.field(default=None, validator=_int_at_least(1, optional=True))
-    sync_interval: int = attrs.field(default=1, validator=_int_at_least(1, " (steps)"))
+    sharding_group_size: Optional[int] = attrs.field(default=None, validator=int_at_least(1, optional=True))
+    sync_interval: int = attrs.field(default=1, validator=int_at_least(1, " (steps)"))
     table_grouping: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     layout_2d: Optional[Layout2D] = attrs.field(
         default=None, converter=lambda v: Layout2D.from_dict(v) if isinstance(v, Mapping) else v,
@@ -307,7 +293,7 @@ class Fingerprint:
 
     tables_digest: str = attrs.field(validator=_hex_digest)
     topology_digest: str = attrs.field(validator=_hex_digest)
-    batch_size: int = attrs.field(validator=_int_at_least(1))
+    batch_size: int = attrs.field(validator=int_at_least(1))
     constraints_digest: str = attrs.field(validator=_hex_digest)
     stats_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)
     hardware_digest: Optional[str] = attrs.field(default=None, validator=_hex_digest)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 
-from torchrec_sparselift.plan.execution_plan import _int_at_least
+from torchrec_sparselift.validation import int_at_least
 
 __all__ = ["MeasuredGuard", "GuardTrial", "GuardResult", "Candidate", "choose_measured"]
 
@@ -33,11 +33,11 @@ class MeasuredGuard:
     disturbance only ever slows a trial down); ``feedback``: add the trials to this machine's
     stored step-fit records and refit its profile."""
 
-    candidates: int = attrs.field(default=3, validator=_int_at_least(1))
+    candidates: int = attrs.field(default=3, validator=int_at_least(1))
     torchrec: bool = True
-    steps: int = attrs.field(default=16, validator=_int_at_least(1))
-    warmup: int = attrs.field(default=5, validator=_int_at_least(0))
-    rounds: int = attrs.field(default=2, validator=_int_at_least(1))
+    steps: int = attrs.field(default=16, validator=int_at_least(1))
+    warmup: int = attrs.field(default=5, validator=int_at_least(0))
+    rounds: int = attrs.field(default=2, validator=int_at_least(1))
     feedback: bool = True
 
     def to_dict(self) -> Dict[str, Any]:
