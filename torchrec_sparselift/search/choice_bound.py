@@ -36,7 +36,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
-from torchrec_sparselift.search.lp import RangeRows, composition_rows, term_entries
+from torchrec_sparselift.search.lp import RangeRows, column_scale, composition_rows, term_entries
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["ChoiceBound", "choice_bound", "choice_bound_solution"]
@@ -73,9 +73,7 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     if C == 0:
         return ChoiceBound(float("nan"))
     ms = 1e3
-    scale = np.ones(9) * ms
-    scale[[IN_INTRA, OUT_INTRA]] = ms / p.intra_host_bw
-    scale[[IN_INTER, OUT_INTER]] = ms / p.inter_host_bw
+    scale = column_scale(p, 9)
     own = np.stack([c.owner for c in prob.costs]) * scale[None, :]
     per = np.stack([c.peers for c in prob.costs]) * scale[None, :]
     n = np.array([c.num_shards for c in prob.cands], dtype=float)

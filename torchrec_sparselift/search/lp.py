@@ -36,10 +36,22 @@ from torchrec_sparselift.cost.model import (
 from torchrec_sparselift.cost.pipelines import effective_pipeline, paths
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["LPResult", "solve_lp", "term_entries", "composition_rows", "analytic_bound", "RangeRows"]
+__all__ = ["LPResult", "solve_lp", "term_entries", "composition_rows", "analytic_bound", "RangeRows", "column_scale"]
 
 _TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 MAX_PIECE_ROWS = 4000
+
+
+def column_scale(profile, ncols: int) -> np.ndarray:
+    """Per cost column, the factor from the cost vectors to the LP/MILP units: milliseconds for
+    time, the link columns pre-divided by their bandwidth (HiGHS drops matrix coefficients below
+    ~1e-9, so raw bytes / bandwidth would vanish). One definition for the LP, the MILP and the
+    integral-choice bound."""
+    ms = 1e3
+    scale = np.ones(ncols) * ms
+    scale[[IN_INTRA, OUT_INTRA]] = ms / profile.intra_host_bw
+    scale[[IN_INTER, OUT_INTER]] = ms / profile.inter_host_bw
+    return scale
 
 
 @attrs.frozen
@@ -151,9 +163,7 @@ def solve_lp(
     # Units: milliseconds for time, link columns pre-divided by their bandwidth, GiB for memory
     # (HiGHS drops matrix coefficients below ~1e-9, so raw bytes/bandwidth would vanish).
     ms = 1e3
-    scale = np.ones(owner.shape[1]) * ms
-    scale[[IN_INTRA, OUT_INTRA]] = ms / p.intra_host_bw
-    scale[[IN_INTER, OUT_INTER]] = ms / p.inter_host_bw
+    scale = column_scale(p, owner.shape[1])
     own = owner * scale[None, :]
     per = peers * scale[None, :]
     # averages: sum_x x * n * (owner/W + peers) - z_c <= 0

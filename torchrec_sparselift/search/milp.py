@@ -21,7 +21,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
-from torchrec_sparselift.search.lp import RangeRows, composition_rows, term_entries
+from torchrec_sparselift.search.lp import RangeRows, column_scale, composition_rows, term_entries
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["MILPResult", "solve_milp", "milp_size"]
@@ -55,9 +55,7 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     W = ctx.world_size
     C = len(prob.cands)
     ms = 1e3
-    scale = np.ones(9) * ms
-    scale[[IN_INTRA, OUT_INTRA]] = ms / p.intra_host_bw
-    scale[[IN_INTER, OUT_INTER]] = ms / p.inter_host_bw
+    scale = column_scale(p, 9)
     owner = np.stack([c.owner for c in prob.costs]) * scale[None, :]
     peers = np.stack([c.peers for c in prob.costs]) * scale[None, :]
     mem = np.stack([c.owner for c in prob.costs])[:, [DEV_MEM, HOST_MEM]] / 2.0**30
