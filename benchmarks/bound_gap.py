@@ -41,7 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torchrec_sparselift.cost.model import (  # noqa: E402
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
-from torchrec_sparselift.search.lp import RangeRows, composition_rows, term_entries  # noqa: E402
+from torchrec_sparselift.search.lp import (  # noqa: E402
+    RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
+)
 from torchrec_sparselift.search.solve import new_evaluator  # noqa: E402
 
 _T7 = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
@@ -52,10 +54,9 @@ def exact(prob, pipeline, fwd="fp32", bwd="fp32", time_limit=60.0, sym=True):
     ``obj_ms`` (HiGHS's incumbent), ``eval_ms`` (that plan priced by the evaluator: equal when
     the model is exact), ``bound_ms`` (dual bound), ``status`` (0: optimal)."""
     ctx = prob.ctx; p = ctx.profile; W = ctx.world_size; L = min(ctx.local_world_size, W); H = W // L
-    C = len(prob.cands); ms = 1e3
-    scale = np.ones(9) * ms
-    scale[[IN_INTRA, OUT_INTRA]] = ms / p.intra_host_bw
-    scale[[IN_INTER, OUT_INTER]] = ms / p.inter_host_bw
+    C = len(prob.cands)
+    ft = fixed_terms(ctx)
+    scale = column_scale(p, 9)
     own = np.stack([c.owner for c in prob.costs]) * scale
     per = np.stack([c.peers for c in prob.costs]) * scale
     mem = np.stack([c.owner for c in prob.costs])[:, [DEV_MEM, HOST_MEM]] / 2.0**30
@@ -63,7 +64,7 @@ def exact(prob, pipeline, fwd="fp32", bwd="fp32", time_limit=60.0, sym=True):
     kern = [c.compute_kernel for c in prob.cands]; types = [c.sharding_type for c in prob.cands]
     keys = sorted(set(zip(types, kern))); gid = {k: i for i, k in enumerate(keys)}; G = len(keys)
     grp = [gid[k] for k in zip(types, kern)]
-    ovh = ms * p.lookup_overhead_s
+    ovh = ft.lookup
     nv = C
     place = []
     for c, cand in enumerate(prob.cands):
@@ -131,28 +132,16 @@ def exact(prob, pipeline, fwd="fp32", bwd="fp32", time_limit=60.0, sym=True):
             add(diff(h * L, (h + 1) * L), 0.0, np.inf)
     for iy, ci, ce in ((iy_in, IN_INTRA, IN_INTER), (iy_out, OUT_INTRA, OUT_INTER)):
         add([(iz[ci], 1.0), (iy, -1.0)], -np.inf, 0.0); add([(iz[ce], 1.0), (iy, -1.0)], -np.inf, 0.0)
-    dense_fwd = ms * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
-    dense_bwd = 2 * dense_fwd
+    # no all-reduce (nor its latency) without dense parameters or an option in it
     allr = np.array([c.allreduce_bytes for c in prob.costs]) * n / W
-    if W > 1:
-        k = ms * 2 * (W - 1) / W / p.allreduce_bw
-        const = k * ctx.dense.param_bytes
-        if getattr(p, "supports_overlap", True): const -= dense_bwd
-        lat_ent = []
-        if ctx.dense.param_bytes > 0:
-            const += ms * p.collective_latency_s
-        else:  # no all-reduce (nor its latency) without dense parameters or such an option
-            lat_ent = [(idp, ms * p.collective_latency_s)]
-            for c in range(C):
-                if allr[c]: add([(c, 1.0), (idp, -1.0)], -np.inf, 0.0)
-        add([(c, k * allr[c]) for c in range(C) if allr[c]] + lat_ent + [(ia, -1.0)], -np.inf, -const)
+    for ent, rhs in allreduce_rows(ft, allr, ia, idp=idp):
+        add(ent, -np.inf, rhs)
     for c in range(C):
         if types[c] in ig: add([(c, 1.0), (ig[types[c]], -1.0)], -np.inf, 0.0)
-    lat = ms * p.collective_latency_s if W > 1 else 0.0
-    add([(ig[s], lat) for s in st_types] + [(ilat, -1.0)], -np.inf, 0.0)
+    add([(ig[s], ft.latency) for s in st_types] + [(ilat, -1.0)], -np.inf, 0.0)
     forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
-                         dense_fwd, dense_bwd, ilat=ilat, step_overhead=ms * p.step_overhead_s)
-    for ent, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
+                         ft.dense_fwd, ft.dense_bwd, ilat=ilat, step_overhead=ft.step_overhead)
+    for ent, rhs in composition_rows(pipeline, forms, itot, ft.overlap):
         add(ent, -np.inf, rhs)
     A = rr.matrix(nv)
     cv = np.zeros(nv); cv[itot] = 1

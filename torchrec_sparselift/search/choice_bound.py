@@ -36,7 +36,9 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
-from torchrec_sparselift.search.lp import RangeRows, column_scale, composition_rows, term_entries
+from torchrec_sparselift.search.lp import (
+    RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
+)
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["ChoiceBound", "choice_bound", "choice_bound_solution"]
@@ -78,7 +80,8 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     per = np.stack([c.peers for c in prob.costs]) * scale[None, :]
     n = np.array([c.num_shards for c in prob.cands], dtype=float)
     allp = np.array([c.placement == "all" and c.num_shards == W for c in prob.cands])
-    fixed = {c: (ms * p.lookup_overhead_s if c in (FWD, BWD) else 0.0) for c in _TIME_COLS}
+    ft = fixed_terms(ctx)
+    fixed = {c: (ft.lookup if c in (FWD, BWD) else 0.0) for c in _TIME_COLS}
     # TBE groups (sharding type, kernel) as the evaluator counts them, and the collective types
     kern = [c.compute_kernel for c in prob.cands]
     types = [c.sharding_type for c in prob.cands]
@@ -129,8 +132,7 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
         if not all_group[g]:
             add([(ig + g, 1.0), (ifree, -1.0)], 0.0)
     # one collective latency per sharding type used, in every link phase (the evaluator's groups)
-    lat = ms * p.collective_latency_s if W > 1 else 0.0
-    add([(ity + j, lat) for j in range(len(ctypes))] + [(ilat, -1.0)], 0.0)
+    add([(ity + j, ft.latency) for j in range(len(ctypes))] + [(ilat, -1.0)], 0.0)
     for c in _TIME_COLS:
         # u_c: what every rank carries (shards on every rank, peers' share, and in FWD/BWD the fixed
         # cost of each TBE group that sits on every rank); z_c >= u_c + the average of the rest,
@@ -161,35 +163,20 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     for iy, ci, ce in ((iy_in, IN_INTRA, IN_INTER), (iy_out, OUT_INTRA, OUT_INTER)):
         add([(iz[ci], 1.0), (iy, -1.0)], 0.0)
         add([(iz[ce], 1.0), (iy, -1.0)], 0.0)
-    dense_fwd = ms * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
-    dense_bwd = 2 * dense_fwd
-    if W > 1:
-        allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * n / W
-        kk = ms * 2 * (W - 1) / W / p.allreduce_bw
-        # the all-reduce runs (and pays its latency) when there are dense parameters or a
-        # chosen option joins it; without overlap nothing hides it (pipelines.terms)
-        const = kk * ctx.dense.param_bytes
-        if getattr(p, "supports_overlap", True):
-            const -= dense_bwd
-        nz = np.nonzero(allreduce)[0]
-        lat_ar = ms * p.collective_latency_s
-        if ctx.dense.param_bytes > 0:
-            const += lat_ar
-            lat_ent = []
-        else:
-            lat_ent = [(idp, lat_ar)]
-            for i in nz:
-                add([(int(i), 1.0), (idp, -1.0)], 0.0)
-        add([(int(i), kk * allreduce[i]) for i in nz] + lat_ent + [(ia, -1.0)], -const)
+    # the all-reduce runs (and pays its latency) when there are dense parameters or a chosen
+    # option joins it
+    allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * n / W
+    for entries, rhs in allreduce_rows(ft, allreduce, ia, idp=idp):
+        add(entries, rhs)
     for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
         coef = n * np.array([c.owner[col] for c in prob.costs]) / gib
         nz = np.nonzero(coef)[0]
         if len(nz) and np.all(np.isfinite(cap)):
             add(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
     forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd_precision] / 4,
-                         PRECISION_BYTES[bwd_precision] / 4, dense_fwd, dense_bwd, ilat=ilat,
-                         step_overhead=ms * getattr(p, "step_overhead_s", 0.0))
-    for entries, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
+                         PRECISION_BYTES[bwd_precision] / 4, ft.dense_fwd, ft.dense_bwd, ilat=ilat,
+                         step_overhead=ft.step_overhead)
+    for entries, rhs in composition_rows(pipeline, forms, itot, ft.overlap):
         add(entries, rhs)
     A = rr.matrix(nv)
     cvec = np.zeros(nv)

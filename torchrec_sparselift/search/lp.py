@@ -36,7 +36,8 @@ from torchrec_sparselift.cost.model import (
 from torchrec_sparselift.cost.pipelines import effective_pipeline, paths
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["LPResult", "solve_lp", "term_entries", "composition_rows", "analytic_bound", "RangeRows", "column_scale"]
+__all__ = ["LPResult", "solve_lp", "term_entries", "composition_rows", "analytic_bound", "RangeRows", "column_scale",
+           "FixedTerms", "fixed_terms", "allreduce_rows"]
 
 _TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 MAX_PIECE_ROWS = 4000
@@ -52,6 +53,78 @@ def column_scale(profile, ncols: int) -> np.ndarray:
     scale[[IN_INTRA, OUT_INTRA]] = ms / profile.intra_host_bw
     scale[[IN_INTER, OUT_INTER]] = ms / profile.inter_host_bw
     return scale
+
+
+@attrs.frozen
+class FixedTerms:
+    """The step time's constants in the LP/MILP units (milliseconds), one definition for the LP,
+    the MILP and the integral-choice bound (the evaluator's are :func:`cost.model.phase_table`'s):
+    ``dense_fwd`` / ``dense_bwd`` (twice the forward), ``step_overhead``, ``lookup`` (one TBE
+    group's fixed cost, forward and backward columns), ``latency`` (one collective call; 0 on one
+    rank), ``allreduce_per_byte`` (ring all-reduce, ``2 (W-1)/W / allreduce_bw``),
+    ``dense_param_bytes``, ``hidden`` (what the dense backward hides of the all-reduce: 0 without
+    overlap, pipelines.terms) and ``overlap``. Build it with :func:`fixed_terms`."""
+
+    world_size: int
+    dense_fwd: float
+    dense_bwd: float
+    step_overhead: float
+    lookup: float
+    latency: float
+    allreduce_per_byte: float
+    dense_param_bytes: float
+    hidden: float
+    overlap: bool
+
+    @property
+    def dense_allreduce(self) -> bool:
+        """Dense parameters exist, so the all-reduce (and its latency) runs in every plan."""
+        return self.dense_param_bytes > 0
+
+    def allreduce_const(self, with_latency: bool) -> float:
+        """The all-reduce row's constant: the dense parameters' ring time less ``hidden``, plus one
+        latency when ``with_latency``."""
+        return ((self.latency if with_latency else 0.0)
+                + self.allreduce_per_byte * self.dense_param_bytes) - self.hidden
+
+
+def fixed_terms(ctx) -> FixedTerms:
+    """:class:`FixedTerms` of a :class:`~torchrec_sparselift.cost.model.CostContext`."""
+    ms = 1e3
+    p = ctx.profile
+    W = ctx.world_size
+    dense_fwd = ms * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    dense_bwd = 2 * dense_fwd
+    overlap = bool(getattr(p, "supports_overlap", True))
+    return FixedTerms(
+        world_size=W, dense_fwd=dense_fwd, dense_bwd=dense_bwd,
+        step_overhead=ms * p.step_overhead_s, lookup=ms * p.lookup_overhead_s,
+        latency=ms * p.collective_latency_s if W > 1 else 0.0,
+        allreduce_per_byte=ms * 2 * (W - 1) / W / p.allreduce_bw,
+        dense_param_bytes=float(ctx.dense.param_bytes),
+        hidden=dense_bwd if overlap else 0.0, overlap=overlap,
+    )
+
+
+def allreduce_rows(fixed: FixedTerms, allreduce: np.ndarray, ia: int, idp=None):
+    """Rows ``(entries, ub)``, each ``sum(entries) <= ub``, that make variable ``ia`` >= the
+    exposed all-reduce (ms): ``sum_c allreduce_per_byte * allreduce[c] x_c + allreduce_const``,
+    ``allreduce[c]`` the bytes option ``c`` (variable ``c``) adds per rank. Its latency is in the
+    constant when there are dense parameters; otherwise, with ``idp`` (a binary every option in
+    the all-reduce forces to 1) it is charged through ``idp``, and without (the LP) always, which
+    the LP takes off its bound. No rows on one rank."""
+    if fixed.world_size <= 1:
+        return []
+    k = fixed.allreduce_per_byte
+    nz = np.nonzero(allreduce)[0]
+    rows = []
+    lat_ent = []
+    if idp is not None and not fixed.dense_allreduce:
+        lat_ent = [(idp, fixed.latency)]
+        rows.extend(([(int(i), 1.0), (idp, -1.0)], 0.0) for i in nz)
+    const = fixed.allreduce_const(with_latency=idp is None or fixed.dense_allreduce)
+    rows.append(([(int(i), k * allreduce[i]) for i in nz] + lat_ent + [(ia, -1.0)], -const))
+    return rows
 
 
 @attrs.frozen
@@ -162,7 +235,7 @@ def solve_lp(
 
     # Units: milliseconds for time, link columns pre-divided by their bandwidth, GiB for memory
     # (HiGHS drops matrix coefficients below ~1e-9, so raw bytes/bandwidth would vanish).
-    ms = 1e3
+    ft = fixed_terms(ctx)
     scale = column_scale(p, owner.shape[1])
     own = owner * scale[None, :]
     per = peers * scale[None, :]
@@ -180,7 +253,7 @@ def solve_lp(
                 best_piece.append((m, t))
         best_piece.sort(reverse=True)
         # the rank holding the piece also pays at least one TBE group's fixed cost
-        fixed = ms * p.lookup_overhead_s if c in (FWD, BWD) else 0.0
+        fixed = ft.lookup if c in (FWD, BWD) else 0.0
         for _, t in best_piece[: MAX_PIECE_ROWS // len(_TIME_COLS)]:
             ids = prob.candidates[t]
             add_row([(i, own[i, c]) for i in ids] + [(iz[c], -1.0)], -fixed)
@@ -189,15 +262,8 @@ def solve_lp(
         add_row([(iz[ci], 1.0), (iy, -1.0)], 0.0)
         add_row([(iz[ce], 1.0), (iy, -1.0)], 0.0)
     # exposed all-reduce: a >= lat + 2(W-1)/W * (bytes + dense) / bw - dense_bwd
-    dense_fwd = ms * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
-    dense_bwd = 2 * dense_fwd
-    if W > 1:
-        k = ms * 2 * (W - 1) / W / p.allreduce_bw
-        const = ms * p.collective_latency_s + k * ctx.dense.param_bytes
-        if getattr(p, "supports_overlap", True):  # without overlap nothing hides it (pipelines.terms)
-            const -= dense_bwd
-        nz = np.nonzero(allreduce)[0]
-        add_row([(int(i), k * allreduce[i]) for i in nz] + [(ia, -1.0)], -const)
+    for entries, rhs in allreduce_rows(ft, allreduce, ia):
+        add_row(entries, rhs)
     # memory, aggregated over ranks (GiB)
     gib = 2.0**30
     for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
@@ -207,9 +273,9 @@ def solve_lp(
             add_row(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
     # step composition (the pipeline's description, as cost.model.step_time uses it)
     forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd_precision] / 4,
-                         PRECISION_BYTES[bwd_precision] / 4, dense_fwd, dense_bwd,
-                         step_overhead=ms * p.step_overhead_s)
-    for entries, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
+                         PRECISION_BYTES[bwd_precision] / 4, ft.dense_fwd, ft.dense_bwd,
+                         step_overhead=ft.step_overhead)
+    for entries, rhs in composition_rows(pipeline, forms, itot, ft.overlap):
         add_row(entries, rhs)
     A_ub = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
     # one option per table
@@ -238,7 +304,7 @@ def solve_lp(
     # all-reduce row charges its latency always; a plan without dense parameters or
     # data-parallel tables has no all-reduce, so that latency is taken off the bound (the
     # composition adds the all-reduce once per path, so the optimum moves by at most that much)
-    spare = ms * p.collective_latency_s if W > 1 and ctx.dense.param_bytes <= 0 else 0.0
+    spare = 0.0 if ft.dense_allreduce else ft.latency
     bound = max(0.0, float(res.fun) - spare) / 1e3 * (1 - 1e-6)
     return LPResult(lower_bound_s=bound, choice=tuple(choice), x=x,
                     status="optimal" if res.status == 0 else "time_limit")

@@ -21,7 +21,9 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
-from torchrec_sparselift.search.lp import RangeRows, column_scale, composition_rows, term_entries
+from torchrec_sparselift.search.lp import (
+    RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
+)
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["MILPResult", "solve_milp", "milp_size"]
@@ -55,6 +57,7 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     W = ctx.world_size
     C = len(prob.cands)
     ms = 1e3
+    ft = fixed_terms(ctx)
     scale = column_scale(p, 9)
     owner = np.stack([c.owner for c in prob.costs]) * scale[None, :]
     peers = np.stack([c.peers for c in prob.costs]) * scale[None, :]
@@ -125,32 +128,17 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     for iy, ci, ce in ((iy_in, IN_INTRA, IN_INTER), (iy_out, OUT_INTRA, OUT_INTER)):
         add([(iz[ci], 1.0), (iy, -1.0)], -np.inf, 0.0)
         add([(iz[ce], 1.0), (iy, -1.0)], -np.inf, 0.0)
-    dense_fwd = ms * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
-    dense_bwd = 2 * dense_fwd
+    # the all-reduce (and its latency) runs only with dense parameters or a chosen option in it
     allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * nshards / W
-    if W > 1:
-        k = ms * 2 * (W - 1) / W / p.allreduce_bw
-        const = k * ctx.dense.param_bytes
-        if getattr(p, "supports_overlap", True):  # without overlap nothing hides it (pipelines.terms)
-            const -= dense_bwd
-        # the all-reduce (and its latency) runs only with dense parameters or a chosen option in it
-        lat_ent = []
-        if ctx.dense.param_bytes > 0:
-            const += ms * p.collective_latency_s
-        else:
-            lat_ent = [(idp, ms * p.collective_latency_s)]
-            for c in range(C):
-                if allreduce[c]:
-                    add([(c, 1.0), (idp, -1.0)], -np.inf, 0.0)
-        add([(c, k * allreduce[c]) for c in range(C) if allreduce[c]] + lat_ent + [(ia, -1.0)], -np.inf, -const)
+    for ent, rhs in allreduce_rows(ft, allreduce, ia, idp=idp):
+        add(ent, -np.inf, rhs)
     for c, cand in enumerate(prob.cands):  # g_type >= x[c]
         if cand.sharding_type in ig:
             add([(c, 1.0), (ig[cand.sharding_type], -1.0)], -np.inf, 0.0)
-    lat_ms = ms * p.collective_latency_s if W > 1 else 0.0
-    add([(ig[st], lat_ms) for st in types] + [(ilat, -1.0)], -np.inf, 0.0)
+    add([(ig[st], ft.latency) for st in types] + [(ilat, -1.0)], -np.inf, 0.0)
     forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
-                         dense_fwd, dense_bwd, ilat=ilat, step_overhead=ms * p.step_overhead_s)
-    for ent, rhs in composition_rows(pipeline, forms, itot, getattr(p, "supports_overlap", True)):
+                         ft.dense_fwd, ft.dense_bwd, ilat=ilat, step_overhead=ft.step_overhead)
+    for ent, rhs in composition_rows(pipeline, forms, itot, ft.overlap):
         add(ent, -np.inf, rhs)
 
     A = rr.matrix(nv)
