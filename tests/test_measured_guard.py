@@ -173,3 +173,39 @@ def test_a_cached_guarded_plan_is_repriced_under_the_current_profile(tmp_path):
     assert r["reused"] and r["measured"] == 0.005
     assert r["got"] == pytest.approx(r["want"], rel=1e-9)
     assert r["got"] > r["old"] + 0.019  # the new profile's 20 ms step overhead is in it
+
+
+def test_a_kept_plan_is_priced_as_it_runs_with_the_plans_optimizations():
+    """The guard prices a cached plan and TorchRec's kept plan the same way: under the run's
+    sharders, pipeline and comm precisions (regression: TorchRec's kept plan was priced with fp32
+    comm while it ran with the SparseLift plan's fp16)."""
+    import warnings
+
+    import torch
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_sparselift.cost.hardware import PRESETS
+    from torchrec_sparselift.measured_guard import _prediction
+    from torchrec_sparselift.plan import Optimizations
+    from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=1000,
+                                                            feature_names=[f"f{i}"]) for i in range(4)],
+                                 device=torch.device("meta"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        topo = Topology(world_size=2, local_world_size=2, compute_device="cpu")
+        sh = get_default_sharders()
+        tplan = EmbeddingShardingPlanner(topology=topo, batch_size=512).plan(ebc, sh)
+    profile = PRESETS["cpu-gloo"]
+    opt = Optimizations(pipeline="sparse_dist", fwd_comm_precision="fp16", bwd_comm_precision="fp16")
+    got = _prediction(ebc, tplan, opt, topo, 512, None, profile, sh)
+    want = evaluate_sharding_plan(ebc, tplan, topo, 512, hardware=profile, sharders=sh, pipeline="sparse_dist",
+                                  fwd_precision="fp16", bwd_precision="fp16").prediction()
+    fp32 = evaluate_sharding_plan(ebc, tplan, topo, 512, hardware=profile, sharders=sh,
+                                  pipeline="sparse_dist").prediction()
+    assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
+    assert got.step_time_s < fp32.step_time_s  # the comm precision is in the price

@@ -121,6 +121,20 @@ def _table_names(model: Any) -> List[str]:
     return [s[1] for s in table_specs(model)]  # (module_path, table_name, ...)
 
 
+def _prediction(model: Any, plan: Any, opt: Any, topology: Any, batch_size: int,
+                constraints: Optional[Dict[str, Any]], profile: HardwareProfile, sharders: Sequence[Any]) -> Any:
+    """The prediction of ``plan`` run as an execution plan with optimizations ``opt`` does: under
+    ``profile``, with the run's ``sharders`` (the tables they shard), ``opt``'s pipeline and comm
+    precisions. One pricing for a cached guarded plan and for TorchRec's plan when it is kept
+    (it runs with the SparseLift plan's optimizations, so its comm precisions too)."""
+    from torchrec_sparselift.planner import evaluate_sharding_plan
+
+    return evaluate_sharding_plan(model, plan, topology, batch_size, constraints, hardware=profile,
+                                  sharders=list(sharders), pipeline=opt.pipeline,
+                                  fwd_precision=opt.fwd_comm_precision,
+                                  bwd_precision=opt.bwd_comm_precision).prediction()
+
+
 def feedback_records(pricers: Sequence[Tuple[str, float, Callable[[HardwareProfile], float]]],
                      profile: HardwareProfile) -> List[Any]:
     """FitRecords of measured plans, linearized at ``profile`` (what the step-fit store keeps)."""
@@ -156,7 +170,7 @@ def guarded_execution_plan(
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     from torchrec_sparselift.plan import ExecutionPlan
-    from torchrec_sparselift.planner import SparseLiftPlanner, evaluate_sharding_plan
+    from torchrec_sparselift.planner import SparseLiftPlanner
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
     from torchrec_sparselift.runtime.probe import measure_plan
     from torchrec_sparselift.step_calibration import PlanPricer
@@ -169,6 +183,7 @@ def guarded_execution_plan(
                                  allow_lossy_comm=allow_lossy_comm)
 
     main = planner_for(constraints)
+    profile = profile_for_topology(topology, main._profile())
     model = model_factory()
     path = guard_cache_path(cache_dir, guard_fingerprint(main, model, sharders, guard), guard) if cache_dir else None
     # rank 0 decides whether the cache holds the guarded plan; everyone follows
@@ -188,14 +203,10 @@ def guarded_execution_plan(
         if opt.sharding_group_size is None:
             # the trials are this machine's measurements and stay; the prediction is the current
             # profile's (a recalibrated profile must not print the old profile's step time)
-            res = evaluate_sharding_plan(model, ep.sharding_plan, topology, batch_size, constraints,
-                                         hardware=profile_for_topology(topology, main._profile()),
-                                         sharders=sharders, pipeline=opt.pipeline,
-                                         fwd_precision=opt.fwd_comm_precision, bwd_precision=opt.bwd_comm_precision)
-            ep = attrs.evolve(ep, prediction=res.prediction())
+            ep = attrs.evolve(ep, prediction=_prediction(model, ep.sharding_plan, opt, topology, batch_size,
+                                                         constraints, profile, sharders))
         return ep, GuardResult.from_dict(ep.planner_info["measured_guard"]), True
 
-    profile = profile_for_topology(topology, main._profile())
     ep = main.collective_plan_execution(model, sharders, pg)
     cands: List[Tuple[Candidate, Any]] = [(Candidate("sparselift", "sparselift", ep.sharding_plan,
                                                      ep.prediction.step_time_s), ep)]
@@ -245,9 +256,10 @@ def guarded_execution_plan(
         final = attrs.evolve(ep, sharding_plan=chosen_ep.sharding_plan, prediction=chosen_ep.prediction,
                              optimizations=chosen_ep.optimizations, planner_info=info)
     else:
-        res = evaluate_sharding_plan(model, chosen.plan, topology, batch_size, constraints, hardware=profile,
-                                     pipeline=ep.optimizations.pipeline)
-        final = attrs.evolve(ep, sharding_plan=chosen.plan, prediction=res.prediction(), planner_info=info)
+        # TorchRec's plan, run with the SparseLift plan's optimizations (comm precisions included)
+        final = attrs.evolve(ep, sharding_plan=chosen.plan, planner_info=info,
+                             prediction=_prediction(model, chosen.plan, ep.optimizations, topology, batch_size,
+                                                    constraints, profile, sharders))
     if rank == 0:
         if path:
             write_text(path, final.to_json(indent=1), prefix=".guarded-")
