@@ -108,11 +108,18 @@ def test_predicted_kinds_sum_to_the_modelled_step() -> None:
     phases = {"input_dist": 1e-3, "lookup": 2e-3, "output_dist": 1e-3, "dense_fwd": 4e-3, "dense_bwd": 8e-3,
               "grad_dist": 1e-3, "backward_update": 3e-3, "allreduce": 10e-3, "uvm_fetch": 0.0}
     total = sum(v for k, v in phases.items() if k != "allreduce") + (10e-3 - 8e-3)
-    step = StepTime(total_s=total, phases=phases, compute_s=0.0, exposed_comm_s=0.0, overlapped_s=0.0,
+    step = StepTime(total_s=total, phases=phases, compute_s=0.0, exposed_comm_s=0.0, overlapped_s=8e-3,
                     pipeline="base")
     pred = predicted_by_kind(step, dp_optimizer_s=1e-3)
     assert sum(pred.values()) == pytest.approx(total)
     assert pred["grad_allreduce"] == pytest.approx(2e-3)  # the part longer than the dense backward
+    # where nothing overlaps (CPU gloo: the step is the sum of its phases) all of it is exposed
+    serial = sum(phases.values())
+    flat = StepTime(total_s=serial, phases=phases, compute_s=0.0, exposed_comm_s=0.0, overlapped_s=0.0,
+                    pipeline="base")
+    pf = predicted_by_kind(flat)
+    assert pf["grad_allreduce"] == pytest.approx(10e-3) and pf["rest"] == pytest.approx(0.0)
+    assert sum(pf.values()) == pytest.approx(serial)
     assert pred["dense_optimizer"] == pytest.approx(1e-3)
     assert pred["backward_update"] == pytest.approx(2e-3)
     att = StepAttribution(ranks=(attribute_events(_tree()),))
@@ -231,3 +238,21 @@ def test_explain_shows_measured_next_to_predicted_per_kind_and_draws_it(tmp_path
     bad.write_text("{}")
     assert main(["explain", plan, "--attribution", str(bad), "--quiet"]) != 0
     assert "not a SparseLift attribution file" in capsys.readouterr().err
+
+
+def test_fit_groups_partition_the_kinds_and_scale_to_the_unprofiled_step() -> None:
+    from torchrec_sparselift.runtime.attribution import FIT_GROUPS, group_kinds, measured_groups
+
+    listed = [k for kinds in FIT_GROUPS.values() for k in kinds]
+    assert sorted(listed) == sorted(list(KINDS) + ["overlap"]) and len(listed) == len(set(listed))
+    busy = {k: 0.0 for k in KINDS}
+    busy.update(lookup=4.0, backward_update=6.0, dense_fwd=5.0, dense_bwd=5.0, output_dist=2.0)
+    idle = dict(busy, lookup=1.0, backward_update=2.0, output_dist=9.0)  # waits for the busy rank
+    att = StepAttribution(ranks=(RankAttribution(rank=0, steps=2, step_ms=22.0, kinds_ms=busy),
+                                 RankAttribution(rank=1, steps=2, step_ms=22.0, kinds_ms=idle)))
+    g = measured_groups(att, 0.011)  # the unprofiled step was half the profiled one
+    assert g == pytest.approx({"sparse": 0.005, "dense": 0.005, "comm": 0.001})  # rank 0's kinds, halved
+    assert group_kinds({"lookup": 1.0, "overlap": -0.5, "grad_allreduce": 2.0}) == {
+        "dense": 0.0, "comm": 1.5, "sparse": 1.0}
+    with pytest.raises(ValueError, match="positive"):
+        measured_groups(att, 0.0)

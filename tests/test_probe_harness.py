@@ -3,6 +3,8 @@
 import os
 import statistics
 
+import pytest
+
 from conftest import spawn
 
 
@@ -30,8 +32,12 @@ def _measure(rank, world_size):
         return TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
 
     m = probe.measure_plan("t", lambda: probe.probe_model(w), plan, batches, steps=4, warmup=2, pg=dist.group.WORLD,
-                           pipeline_factory=pipeline, pin=True)
-    return dict(before=before, during=during[0], after=os.sched_getaffinity(0), m=m, cores=cores[0])
+                           pipeline_factory=pipeline, pin=True, attribute=2)
+    from torchrec_sparselift.runtime.attribution import measured_groups
+
+    groups = measured_groups(m.attribution, m.median_s)
+    return dict(before=before, during=during[0], after=os.sched_getaffinity(0), m=m, cores=cores[0],
+                att=m.attribution.to_dict(), groups=groups)
 
 
 def test_measure_plan_times_the_slowest_rank_per_step_and_restores_the_affinity():
@@ -48,3 +54,11 @@ def test_measure_plan_times_the_slowest_rank_per_step_and_restores_the_affinity(
         if k >= 1:
             assert res["during"] == set(cpus[r * k:(r + 1) * k])  # local rank -> its own slice of the cores
     assert a["m"].durations_s == b["m"].durations_s  # every rank reports the per-step maximum
+    # attribute=2: two more steps under the profiler after the timed ones, every rank's kinds
+    for res in (a, b):
+        att = res["att"]
+        assert [r["rank"] for r in att["ranks"]] == [0, 1] and all(r["steps"] == 2 for r in att["ranks"])
+        assert all(r["kinds_ms"]["lookup"] > 0 and r["kinds_ms"]["dense_fwd"] > 0 for r in att["ranks"])
+        # the fit groups of the attribution partition the (unprofiled) timed step
+        assert sum(res["groups"].values()) == pytest.approx(res["m"].median_s)
+        assert res["groups"]["sparse"] > 0 and res["groups"]["comm"] > 0 and res["groups"]["dense"] > 0

@@ -204,7 +204,9 @@ def test_new_probe_kinds_span_the_per_collective_direction(probe_pricers):
     old = [p for p in pricers if p[0] not in ("two_groups", "dp_small")]
     s_old = _min_singular(old, base, _SEPARATED)
     s_new = _min_singular(pricers, base, _SEPARATED)
-    assert s_new > 1.3 * s_old, (s_old, s_new)  # 0.158 -> 0.249 when written
+    # 0.158 -> 0.249 when written; 0.181 -> 0.196 once data-parallel tables also pay the per-table
+    # TBE work (graph): that node alone makes the old kinds better conditioned
+    assert s_new > 1.05 * s_old, (s_old, s_new)
     # two_groups differs from table-wise in the collectives only: priced with no collective
     # latency the two plans of a workload cost the same (placement aside, within 1%)
     free = attrs.evolve(base, collective_latency_s=0.0)
@@ -214,3 +216,43 @@ def test_new_probe_kinds_span_the_per_collective_direction(probe_pricers):
             tw = by[label.replace("/two_groups", "/table_wise")]
             assert pr(free) == pytest.approx(tw(free), rel=0.01)
             assert pr(base) > tw(base) + base.collective_latency_s
+
+
+def test_floors_bound_a_term_from_below_and_keep_an_identified_value():
+    rng = np.random.default_rng(3)
+    recs = _records(40, rng)
+    prior = {k: 0.0 for k in TRUE}
+    # a floor below the true value changes nothing; one above it is where the fit stops
+    low = fit_terms(recs, prior, floors={"dp_table_overhead_s": 0.5e-3})
+    assert low.values["dp_table_overhead_s"] == pytest.approx(TRUE["dp_table_overhead_s"], rel=1e-6)
+    assert low.mape < 1e-9
+    high = fit_terms(recs, prior, floors={"dp_table_overhead_s": 3e-3})
+    assert high.values["dp_table_overhead_s"] >= 3e-3 - 1e-15
+    assert high.mape > 1e-6  # the data disagree with the floor: the error shows it
+    # predictions in the residuals are those of the returned values (the shift is undone)
+    for (label, _k, pred, meas), r in zip(high.residuals, recs):
+        assert pred == pytest.approx(r.fixed_s + sum(r.quantities[n] * high.values[n] for n in TRUE), rel=1e-9)
+
+
+def test_fit_profile_takes_group_cases_and_judges_on_the_steps():
+    """Cases with a kind and a weight (attributed parts of a step) join the fit; the reported
+    error is over the whole-step cases only."""
+    base = PRESETS["cpu-gloo"]
+    terms = [t for t in CPU_STEP_TERMS if t.name in ("1/lookup_bw", "step_overhead_s")]
+    true = with_terms(base, {"1/lookup_bw": 1 / 10e9, "step_overhead_s": 2e-3}, terms)
+
+    def lookup(p):
+        return 3e7 / p.hbm_bw
+
+    def rest(p):
+        return p.step_overhead_s + 1e-3
+
+    cases = []
+    for i, k in enumerate((1.0, 2.0, 3.0)):
+        step = (lambda p, k=k: k * lookup(p) + rest(p))
+        cases.append((f"p{i}", step(true), step))
+        cases.append((f"p{i}:sparse", k * lookup(true), (lambda p, k=k: k * lookup(p)), "sparse", 0.5))
+    fitted, fit = fit_profile(cases, base, terms, prior_weight=1e-9)
+    assert fitted.hbm_bw == pytest.approx(10e9, rel=1e-4)
+    assert fitted.step_overhead_s == pytest.approx(2e-3, rel=1e-3)
+    assert [r[1] for r in fit.residuals] == ["step"] * 3

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 import numpy as np
@@ -79,15 +79,20 @@ class PlanPricer:
         self.cands = [c for c, _ in placed]
         self.ranks = [r for _, r in placed]
 
-    def step_time(self, profile: HardwareProfile) -> Any:
-        from torchrec_sparselift.cost.evaluator import PlanEvaluator
-        from torchrec_sparselift.cost.model import CostContext, shard_cost
+    def _ctx(self, profile: HardwareProfile) -> Any:
+        from torchrec_sparselift.cost.model import CostContext
 
         topo = self.topology
-        prof = profile_for_topology(topo, profile)
-        ctx = CostContext(profile=prof, world_size=topo.world_size,
-                          local_world_size=min(topo.local_world_size, topo.world_size),
-                          batch_size=self.batch_size, dense=self.dense)
+        return CostContext(profile=profile_for_topology(topo, profile), world_size=topo.world_size,
+                           local_world_size=min(topo.local_world_size, topo.world_size),
+                           batch_size=self.batch_size, dense=self.dense)
+
+    def step_time(self, profile: HardwareProfile) -> Any:
+        from torchrec_sparselift.cost.evaluator import PlanEvaluator
+        from torchrec_sparselift.cost.model import shard_cost
+
+        topo = self.topology
+        ctx = self._ctx(profile)
         costs = [shard_cost(s, c, ctx) for s, c in zip(self.specs, self.cands)]
         inf = np.full(topo.world_size, np.inf)
         ev = PlanEvaluator(ctx, costs, [c.sharding_type for c in self.cands], inf, inf, self.pipeline,
@@ -98,6 +103,19 @@ class PlanPricer:
 
     def __call__(self, profile: HardwareProfile) -> float:
         return float(self.step_time(profile).total_s)
+
+    def groups(self, profile: HardwareProfile) -> Dict[str, float]:
+        """Predicted seconds per attribution fit group
+        (:data:`~torchrec_sparselift.runtime.attribution.FIT_GROUPS`; they sum to the step)."""
+        from torchrec_sparselift.cost.model import dp_optimizer_s
+        from torchrec_sparselift.runtime.attribution import group_kinds, predicted_by_kind
+
+        dp = dp_optimizer_s(self.specs, self.cands, self._ctx(profile))
+        return group_kinds(predicted_by_kind(self.step_time(profile), dp_optimizer_s=dp))
+
+    def group(self, name: str) -> Callable[[HardwareProfile], float]:
+        """``profile -> seconds`` of one fit group (a case for ``fit_profile``)."""
+        return lambda profile: self.groups(profile)[name]
 
 
 def base_profile(device: str) -> HardwareProfile:
@@ -157,6 +175,14 @@ def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, bat
     return plan, cons
 
 
+#: Profiled steps after each probe plan's timed steps: the attribution the fit splits into groups.
+ATTRIBUTED_STEPS = 5
+#: A group measured below this share of its step is left out of the fit (its relative error is noise).
+MIN_GROUP_SHARE = 0.02
+#: Weight of a fit group's case relative to a step case of the same plan (residuals relative to the step).
+GROUP_WEIGHT = 1.0
+
+
 @attrs.frozen
 class ProbeRecord:
     workload: str
@@ -175,10 +201,13 @@ def measure_probes(
     warmup: Optional[int] = None,
     progress: bool = True,
     base: Optional[HardwareProfile] = None,
-) -> List[Tuple[str, str, Any, Dict[str, Any], float]]:
+    attribute: int = ATTRIBUTED_STEPS,
+) -> List[Tuple[Any, ...]]:
     """Train every probe plan on every rank of ``pg``; ``(workload, kind, plan, constraints,
-    measured seconds)`` per plan (the median step of the per-step slowest rank; the same on every
-    rank). ``steps`` / ``warmup`` default to the harness's (``runtime.probe.DEFAULT_TIMING``)."""
+    measured seconds, attribution)`` per plan (the median step of the per-step slowest rank; the
+    same on every rank; ``attribution``: the dict of ``attribute`` more steps run under the profiler
+    after the timed ones, :mod:`torchrec_sparselift.runtime.attribution`, or None when 0).
+    ``steps`` / ``warmup`` default to the harness's (``runtime.probe.DEFAULT_TIMING``)."""
     import torch
     import torch.distributed as dist
 
@@ -202,8 +231,9 @@ def measure_probes(
             plan, cons = forced_plan(probe.probe_model(w), w.tables, kind, topo, w.batch_size, pg, base)
             torch.manual_seed(0)
             m = probe.measure_plan(f"{w.name}/{kind}", lambda: probe.probe_model(w), plan, batches, steps, warmup,
-                                   pg=pg, device=device)
-            out.append((w.name, kind, plan, cons, m.median_s))
+                                   pg=pg, device=device, attribute=attribute)
+            att = m.attribution.to_dict() if m.attribution is not None else None
+            out.append((w.name, kind, plan, cons, m.median_s, att))
             if bar is not None:
                 bar.set_postfix_str(f"{m.label} {m.median_s * 1e3:.1f} ms", refresh=False)
                 bar.update(1)
@@ -212,30 +242,111 @@ def measure_probes(
     return out
 
 
+def group_cases(label: str, measured_s: float, attribution: Any, pricer: "PlanPricer") -> List[Tuple[Any, ...]]:
+    """``fit_profile`` cases of one attributed plan: per fit group
+    (:data:`~torchrec_sparselift.runtime.attribution.FIT_GROUPS`) its measured seconds (the
+    attribution scaled to the unprofiled ``measured_s``) against the model's, weighted so that its
+    residual counts relative to the whole step, as a step case's does."""
+    from torchrec_sparselift.runtime.attribution import StepAttribution, measured_groups
+
+    att = attribution if isinstance(attribution, StepAttribution) else StepAttribution.from_dict(attribution)
+    out = []
+    for g, sec in measured_groups(att, measured_s).items():
+        if sec >= MIN_GROUP_SHARE * measured_s:
+            out.append((f"{label}:{g}", sec, pricer.group(g), g, GROUP_WEIGHT * (sec / measured_s) ** 2))
+    return out
+
+
+def host_terms(pg: Any = None) -> Any:
+    """:func:`~torchrec_sparselift.cost.microbench.bench_host_terms` on every rank of ``pg`` at once,
+    each pinned to its core as in the probes; the ranks' mean (every rank returns the same)."""
+    import torch
+
+    from torchrec_sparselift.cost.microbench import HostTermRecord, bench_host_terms
+    from torchrec_sparselift.runtime import probe
+
+    old = probe.pin_rank_to_core(pg)
+    try:
+        rec = bench_host_terms()
+    finally:
+        probe.restore_affinity(old)
+    if pg is None:
+        return rec
+    import torch.distributed as dist
+
+    t = torch.tensor([rec.optimizer_tensor_s, rec.optimizer_byte_s, rec.bucketize_id_s], dtype=torch.float64)
+    dist.all_reduce(t, group=pg)
+    t /= dist.get_world_size(pg)
+    return HostTermRecord(optimizer_tensor_s=float(t[0]), optimizer_byte_s=float(t[1]), bucketize_id_s=float(t[2]))
+
+
+def host_fit_setup(base: HardwareProfile, host: Optional[Any]
+                   ) -> Tuple[HardwareProfile, Tuple[Any, ...], Dict[str, float]]:
+    """``(base, terms, floors)`` of a step fit given host microbenchmarks (None: the base, all of
+    ``CPU_STEP_TERMS``, no floors). With them, ``bucketize_id_s`` is the measured value and not
+    fitted (whole steps cannot tell it from per-feature row-wise work: fitted, it came out 20-40x
+    the measured kernel cost and over-priced row-wise plans with many ids), and the data-parallel
+    optimizer's per-table (``dp_table_overhead_s``) and per-byte (``1/dense_update_bw``, the model's
+    dense update moves 3x the replica's bytes) terms are fitted above what ``Adagrad.step`` alone
+    costs (DDP's per-parameter work and cold caches come on top)."""
+    if host is None:
+        return base, tuple(CPU_STEP_TERMS), {}
+    if isinstance(host, Mapping):
+        from torchrec_sparselift.cost.microbench import HostTermRecord
+
+        host = HostTermRecord(**host)
+    base = attrs.evolve(base, bucketize_id_s=float(host.bucketize_id_s))
+    terms = tuple(t for t in CPU_STEP_TERMS if t.name != "bucketize_id_s")
+    floors = {"dp_table_overhead_s": float(host.optimizer_tensor_s),
+              "1/dense_update_bw": float(host.optimizer_byte_s) / 3.0}
+    return base, terms, floors
+
+
 def fit_measurements(
-    measurements: Sequence[Tuple[str, str, Any, Dict[str, Any], float]],
+    measurements: Sequence[Tuple[Any, ...]],
     base: HardwareProfile,
     world_size: int = 2,
     device_type: str = "cpu",
     name: str = "step-fit",
     prior_weight: float = 1e-2,
+    attributed: bool = True,
+    host: Optional[Any] = None,
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """Fit ``base``'s step terms to :func:`measure_probes` output (pure given the plans): the
-    fitted profile, the fit, per-plan before/after predictions, and the linearized records."""
+    fitted profile, the fit, per-plan before/after predictions, and the linearized records.
+
+    Each plan is a step case; a plan measured with an attribution also gives one case per fit
+    group (:func:`group_cases`), so each term is fitted to the work it prices. ``attributed=False``
+    fits the step times alone.
+
+    ``host``: a :class:`~torchrec_sparselift.cost.microbench.HostTermRecord` measured on this
+    machine (:func:`host_terms`): the row-wise bucketize cost per id is taken from it (not fitted),
+    and the data-parallel tables' optimizer terms are fitted above its per-tensor and per-byte
+    costs (:func:`host_fit_setup`)."""
     from torchrec_sparselift.runtime import probe
+
+    base, terms, floors = host_fit_setup(base, host)
 
     by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
     topo = _topology(world_size, device_type)
-    cases, meta = [], []
-    for wn, kind, plan, cons, measured in measurements:
+    cases, extra, meta = [], [], []
+    for m in measurements:
+        wn, kind, plan, cons, measured = m[:5]
         w = by_name[wn]
-        cases.append((f"{wn}/{kind}", measured, PlanPricer(probe.probe_model(w), plan, topo, w.batch_size, cons)))
+        pricer = PlanPricer(probe.probe_model(w), plan, topo, w.batch_size, cons)
+        cases.append((f"{wn}/{kind}", measured, pricer))
+        if attributed and len(m) > 5 and m[5] is not None:
+            extra += group_cases(f"{wn}/{kind}", measured, m[5], pricer)
         meta.append((wn, kind))
-    fitted, fit = fit_profile(cases, base, CPU_STEP_TERMS, name=name, prior_weight=prior_weight)
+    fitted, fit = fit_profile(cases + extra, base, terms, name=name, prior_weight=prior_weight, floors=floors)
     fit_records = []
     for label, measured, pricer in cases:
-        _b, q, fixed = linearize(pricer, fitted, CPU_STEP_TERMS)
+        _b, q, fixed = linearize(pricer, fitted, terms)
         fit_records.append(FitRecord(label=label, quantities=q, fixed_s=fixed, measured_s=measured))
+    for label, measured, predict, kind, weight in extra:
+        _b, q, fixed = linearize(predict, fitted, terms)
+        fit_records.append(FitRecord(label=label, quantities=q, fixed_s=fixed, measured_s=measured, kind=kind,
+                                     weight=weight))
     recs = [ProbeRecord(workload=wn, plan=k, measured_s=meas, predicted_before_s=pr(base),
                         predicted_after_s=pr(fitted))
             for (wn, k), (_l, meas, pr) in zip(meta, cases)]
@@ -253,12 +364,14 @@ def calibrate_steps(
     progress: bool = True,
     name: str = "step-fit",
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
-    """:func:`measure_probes` then :func:`fit_measurements` (every rank returns the same)."""
+    """:func:`host_terms`, :func:`measure_probes`, then :func:`fit_measurements` (every rank returns
+    the same)."""
     import torch.distributed as dist
 
     base = base or base_profile(device_type)
+    host = host_terms(pg)
     ms = measure_probes(pg, device_type, workloads, kinds, steps, warmup, progress, base)
-    return fit_measurements(ms, base, dist.get_world_size(pg), device_type, name)
+    return fit_measurements(ms, base, dist.get_world_size(pg), device_type, name, host=host)
 
 
 def add_feedback(records: Sequence[FitRecord], profile: HardwareProfile, topology: Any,
@@ -272,10 +385,16 @@ def add_feedback(records: Sequence[FitRecord], profile: HardwareProfile, topolog
     if found is None or diff:
         return None
     old = [FitRecord(**r) for r in found.info.get("fit_records", [])]
-    allrecs = old + list(records)
-    prior = {t.name: term_value(found.profile, t) for t in CPU_STEP_TERMS}
-    fit = fit_terms(allrecs, prior, prior_weight)
-    refit = with_terms(found.profile, fit.values, CPU_STEP_TERMS)
+    _base, terms, floors = host_fit_setup(found.profile, found.info.get("host_terms"))
+    fitted_names = {t.name for t in terms}
+    kept = {t.name: term_value(found.profile, t) for t in CPU_STEP_TERMS if t.name not in fitted_names}
+    # a term the calibration measured instead of fitting (host terms) is part of the fixed time
+    allrecs = [attrs.evolve(r, fixed_s=r.fixed_s + sum(r.quantities.get(n, 0.0) * v for n, v in kept.items()),
+                            quantities={n: q for n, q in r.quantities.items() if n not in kept})
+               for r in old + list(records)]
+    prior = {t.name: term_value(found.profile, t) for t in terms}
+    fit = fit_terms(allrecs, prior, prior_weight, floors)
+    refit = with_terms(found.profile, fit.values, terms)
     info = dict(found.info)
     info["fit_records"] = [_record_dict(r) for r in allrecs]
     info["feedback_records"] = int(info.get("feedback_records", 0)) + len(records)
@@ -322,11 +441,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         warnings.filterwarnings("ignore")
         with open(args.from_measurements, "rb") as f:
-            ms = pickle.load(f)
+            saved = pickle.load(f)
+        # {"measurements": [...], "host_terms": {...}}; a bare list from before host terms
+        ms, host = (saved["measurements"], saved.get("host_terms")) if isinstance(saved, dict) else (saved, None)
         fp = current_fingerprint("cpu", ranks if ranks > 1 else 2)
         base = get_profile(args.base) if args.base else base_profile("cpu")
         fitted, fit, recs, fit_records = fit_measurements(
-            ms, base, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}")
+            ms, base, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", host=host)
         info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), base=base.name, fit=fit.to_dict(),
                     mape_before=_mape(recs, "predicted_before_s"), mape_after=_mape(recs, "predicted_after_s"),
                     records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
@@ -360,22 +481,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warmup = probe.DEFAULT_TIMING["warmup"] if args.warmup is None else args.warmup
         base = get_profile(args.base) if args.base else base_profile(device)
         t0 = time.perf_counter()
+        host = host_terms(dist.group.WORLD)
         ms = measure_probes(dist.group.WORLD, device, workloads, steps=steps, warmup=warmup,
                             progress=not args.no_progress, base=base)
         if rank == 0 and args.save_measurements:
             import pickle
 
             with open(args.save_measurements, "wb") as f:
-                pickle.dump(ms, f)
+                pickle.dump({"measurements": ms, "host_terms": host.to_dict()}, f)
         fitted, fit, recs, fit_records = fit_measurements(
-            ms, base, W, device, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}")
+            ms, base, W, device, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", host=host)
         wall = time.perf_counter() - t0
         if rank == 0:
             info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), wall_s=round(wall, 1),
                         base=base.name, fit=fit.to_dict(), mape_before=_mape(recs, "predicted_before_s"),
                         mape_after=_mape(recs, "predicted_after_s"), steps=steps, warmup=warmup,
                         records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
-                        fit_records=[_record_dict(r) for r in fit_records])
+                        fit_records=[_record_dict(r) for r in fit_records], host_terms=host.to_dict())
             path = store.save(fitted, fp, info)
             if args.out:
                 fitted.save(args.out)

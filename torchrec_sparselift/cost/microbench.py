@@ -37,6 +37,8 @@ __all__ = [
     "bench_collectives",
     "bench_dense",
     "bench_host_to_device",
+    "HostTermRecord",
+    "bench_host_terms",
 ]
 
 RECORDS_SCHEMA = "sparselift.calibration_records/1"
@@ -553,3 +555,67 @@ def bench_host_to_device(
         )
         records.append(CopyRecord(direction="h2d", bytes=size, seconds=seconds))
     return records
+
+
+# -- host work the step fit cannot separate -----------------------------------------------------
+
+
+@attrs.frozen
+class HostTermRecord:
+    """Per-call costs of host work a training step does outside the embedding kernels, each
+    measured alone (so the step fit need not guess them from whole steps, where they are
+    collinear with table and feature counts):
+
+    * ``optimizer_tensor_s`` / ``optimizer_byte_s``: ``torch.optim.Adagrad.step`` (what the DLRM
+      example and the probes run for the dense part and every data-parallel table, one parameter
+      per table) per parameter tensor and per fp32 parameter byte;
+    * ``bucketize_id_s``: fbgemm's ``block_bucketize_sparse_features`` (row-wise input dist) per id
+      into 2 buckets.
+    """
+
+    optimizer_tensor_s: float
+    optimizer_byte_s: float
+    bucketize_id_s: float
+
+    def to_dict(self) -> Dict[str, float]:
+        return attrs.asdict(self)
+
+
+def _adagrad_step_s(shapes: List[Tuple[int, int]], device: torch.device, trials: int) -> float:
+    params = [torch.nn.Parameter(torch.randn(*sh, device=device)) for sh in shapes]
+    for q in params:
+        q.grad = torch.randn_like(q)
+    opt = torch.optim.Adagrad(params, lr=0.01)
+    return time_per_call(opt.step, device, warmup=2, trials=trials, target_trial_s=0.01, max_inner=50)
+
+
+def _bucketize_s(ids: int, device: torch.device, trials: int) -> float:
+    features, batch = 4, max(1, ids // 4)
+    lengths = torch.ones(features * batch, dtype=torch.int32, device=device)
+    indices = torch.randint(0, 100_000, (features * batch,), dtype=torch.int64, device=device)
+    block_sizes = torch.full((features,), 50_000, dtype=torch.int64, device=device)
+    op = torch.ops.fbgemm.block_bucketize_sparse_features
+    return time_per_call(lambda: op(lengths, indices, False, False, block_sizes, 2), device, warmup=2,
+                         trials=trials, target_trial_s=0.01, max_inner=200)
+
+
+def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5) -> HostTermRecord:
+    """Measure :class:`HostTermRecord` on ``device`` (CPU by default; about a second). Each cost is
+    the slope between a small and a large case, so fixed per-call costs (the Python call,
+    kernel dispatch) do not leak into it."""
+    device = device or torch.device("cpu")
+    small_n, small = 64, (16, 64)          # many tiny tensors: the per-tensor cost
+    big = (16384, 64)                      # one 4 MiB tensor: the per-byte cost
+    t_small = _adagrad_step_s([small] * small_n, device, trials)
+    t_one_small = _adagrad_step_s([small], device, trials)
+    t_big = _adagrad_step_s([big], device, trials)
+    per_tensor = max(0.0, (t_small - t_one_small) / (small_n - 1))
+    big_bytes = big[0] * big[1] * 4
+    small_bytes = small[0] * small[1] * 4
+    per_byte = max(0.0, (t_big - t_one_small) / max(big_bytes - small_bytes, 1))
+    if fbgemm_available() and hasattr(torch.ops.fbgemm, "block_bucketize_sparse_features"):
+        lo, hi = 4096, 65536
+        per_id = max(0.0, (_bucketize_s(hi, device, trials) - _bucketize_s(lo, device, trials)) / (hi - lo))
+    else:
+        per_id = 0.0
+    return HostTermRecord(optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id)

@@ -56,6 +56,7 @@ __all__ = [
     "phase_table",
     "rank_times",
     "node_time",
+    "dp_optimizer_s",
 ]
 
 COMPONENTS = (
@@ -155,6 +156,22 @@ def node_time(node: Node, profile: HardwareProfile) -> float:
     if node.resource == "dense_update":  # dense optimizer pass over a data-parallel replica
         return node.quantity / (profile.dense_update_bw or profile.hbm_bw)
     raise ValueError(f"node {node.kind} on {node.resource} has no compute time")
+
+
+def dp_optimizer_s(specs, cands, ctx: CostContext) -> float:
+    """Seconds per step of the data-parallel tables' dense optimizer work (the same on every rank):
+    every backward compute node of a data-parallel shard but its embedding-rows backward, i.e. the
+    dense optimizer pass over the replica and the per-table dense-gradient work. The step time has
+    it inside ``backward_update``; the runtime measures it in ``optimizer.step``
+    (:mod:`torchrec_sparselift.runtime.attribution`'s ``dense_optimizer``)."""
+    total = 0.0
+    for spec, cand in zip(specs, cands):
+        if cand.sharding_type != "data_parallel":
+            continue
+        for node in shard_nodes(spec, cand, ctx.world_size, ctx.local_world_size):
+            if node.backward and node.kind not in ("grad_allreduce", "grad_dist") and node.unit != "rows":
+                total += node_time(node, ctx.profile)
+    return total
 
 
 def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:

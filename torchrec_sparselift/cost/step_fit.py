@@ -25,7 +25,7 @@ cost model itself) by finite differences, so the fit can never disagree with the
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 import numpy as np
@@ -143,13 +143,25 @@ def with_terms(profile: HardwareProfile, values: Mapping[str, float], terms: Seq
     return attrs.evolve(profile, **changes)
 
 
-def fit_terms(records: Sequence[FitRecord], prior: Mapping[str, float], prior_weight: float = 1e-3
-              ) -> StepFit:
+def fit_terms(records: Sequence[FitRecord], prior: Mapping[str, float], prior_weight: float = 1e-3,
+              floors: Optional[Mapping[str, float]] = None) -> StepFit:
     """Non-negative least squares of the relative residuals of ``records`` over the terms in
     ``prior`` (their starting values). Each term with a positive prior also gets a row pulling it
     towards that value with weight ``prior_weight`` (relative to one record), so a term the
     records cannot separate from another stays near its prior instead of taking an arbitrary
-    share; terms no record depends on keep the prior exactly."""
+    share; terms no record depends on keep the prior exactly. ``floors``: a lower bound per term
+    (what a microbenchmark measured of it alone); the fit solves for the part above it."""
+    if floors:
+        floors = {n: float(f) for n, f in floors.items() if n in prior and f > 0}
+    if floors:
+        shifted = [attrs.evolve(r, fixed_s=r.fixed_s + sum(r.quantities.get(n, 0.0) * f for n, f in floors.items()))
+                   for r in records]
+        above = {n: max(0.0, float(v) - floors.get(n, 0.0)) for n, v in prior.items()}
+        fit = fit_terms(shifted, above, prior_weight)
+        values = {n: v + floors.get(n, 0.0) for n, v in fit.values.items()}
+        res = tuple((a, k, p, m) for a, k, p, m in fit.residuals)  # predictions are unchanged by the shift
+        return StepFit(values=values, residuals=res, mape=fit.mape, max_error=fit.max_error,
+                       determined=fit.determined)
     from scipy.optimize import nnls
 
     if not records:
@@ -205,37 +217,43 @@ def linearize(predict: Callable[[HardwareProfile], float], profile: HardwareProf
 
 
 def fit_profile(
-    cases: Sequence[Tuple[str, float, Callable[[HardwareProfile], float]]],
+    cases: Sequence[Tuple[Any, ...]],
     profile: HardwareProfile,
     terms: Sequence[FitTerm] = CPU_STEP_TERMS,
     iterations: int = 4,
     name: Optional[str] = None,
     prior_weight: float = 1e-3,
+    floors: Optional[Mapping[str, float]] = None,
 ) -> Tuple[HardwareProfile, StepFit]:
-    """Fit ``terms`` of ``profile`` to ``cases`` = ``(label, measured_s, predict)``: linearize
-    every case's prediction at the current profile, solve :func:`fit_terms`, and repeat from the
-    fitted profile (the slowest rank or the exposed phase can change) ``iterations`` times; the
-    iteration with the lowest error is returned, with residuals of the real (not linearized)
-    predictions."""
+    """Fit ``terms`` of ``profile`` to ``cases`` = ``(label, measured_s, predict)`` or
+    ``(label, measured_s, predict, kind, weight)`` (``kind`` "step" for a whole step, else the
+    attributed part of a step it predicts; default "step" and 1): linearize every case's
+    prediction at the current profile, solve :func:`fit_terms`, and repeat from the fitted profile
+    (the slowest rank or the exposed phase can change) ``iterations`` times; the iteration with the
+    lowest error over the "step" cases (all cases when there are none) is returned, with residuals
+    of the real (not linearized) predictions. ``floors``: see :func:`fit_terms`."""
     if not cases:
         raise ValueError("no measured plans to fit")
+    full = [tuple(c) + ("step", 1.0)[len(c) - 3:] if len(c) < 5 else tuple(c) for c in cases]
+    judged = [c for c in full if c[3] == "step"] or full
     prior = {t.name: term_value(profile, t) for t in terms}
     current = profile
     best: Optional[Tuple[float, HardwareProfile, StepFit]] = None
     for _ in range(max(1, iterations)):
         recs: List[FitRecord] = []
-        for label, measured, predict in cases:
+        for label, measured, predict, kind, weight in full:
             _base, q, fixed = linearize(predict, current, terms)
-            recs.append(FitRecord(label=label, quantities=q, fixed_s=fixed, measured_s=measured))
+            recs.append(FitRecord(label=label, quantities=q, fixed_s=fixed, measured_s=measured, kind=kind,
+                                  weight=weight))
         start = {t.name: term_value(current, t) for t in terms}
-        fit = fit_terms(recs, {n: prior[n] if prior[n] > 0 else start[n] for n in prior}, prior_weight)
+        fit = fit_terms(recs, {n: prior[n] if prior[n] > 0 else start[n] for n in prior}, prior_weight, floors)
         current = with_terms(profile, fit.values, terms, name=name or profile.name)
         # residuals of the true model at the fitted profile
         res = []
         errs = []
-        for label, measured, predict in cases:
+        for label, measured, predict, kind, _w in judged:
             p = float(predict(current))
-            res.append((label, "step", p, float(measured)))
+            res.append((label, kind, p, float(measured)))
             errs.append(abs(p - measured) / measured)
         real = StepFit(values=fit.values, residuals=tuple(res), mape=float(np.mean(errs)),
                        max_error=float(np.max(errs)), determined=fit.determined)

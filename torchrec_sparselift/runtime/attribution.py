@@ -69,6 +69,9 @@ __all__ = [
     "profile_events",
     "predicted_by_kind",
     "predicted_for_plan",
+    "FIT_GROUPS",
+    "group_kinds",
+    "measured_groups",
     "model_splits",
     "dp_optimizer_seconds",
     "compare",
@@ -110,6 +113,43 @@ PREDICTED_KINDS: Mapping[str, Tuple[str, ...]] = {
     "dense_bwd": ("dense_bwd",),
     "pipeline": ("step_overhead",),
 }
+
+#: Kinds fitted together in profile-guided calibration (:mod:`torchrec_sparselift.step_calibration`):
+#: each group's measured time is fitted to the model's, so a term is judged on the work it prices
+#: (the dense part cannot hide in per-table costs). A group joins kinds whose split the model and
+#: the profiler draw differently: collectives share one process group, so an all-to-all's wait
+#: holds the peer's lag and the gradient all-reduce queued before it (``comm``); the host KJT work
+#: sits inside the lookup / backward in the model (``sparse``); a data-parallel replica's per-step
+#: work (DDP's gradient hooks during the dense backward, ``optimizer.step``, ``zero_grad``) is
+#: priced as dense-update and per-table nodes by the model (``dense``, with the dense part and the
+#: pipeline's per-step work). Every kind is in exactly one group (tested).
+FIT_GROUPS: Mapping[str, Tuple[str, ...]] = {
+    "dense": ("dense_fwd", "dense_bwd", "dense_optimizer", "pipeline", "data", "rest"),
+    "comm": ("input_dist", "output_dist", "grad_dist", "grad_allreduce", "overlap"),
+    "sparse": ("lookup", "kjt", "backward_update"),
+}
+
+
+def group_kinds(by_kind: Mapping[str, float]) -> Dict[str, float]:
+    """Sum ``by_kind`` (measured or :func:`predicted_by_kind`'s) into :data:`FIT_GROUPS`."""
+    return {g: float(sum(by_kind.get(k, 0.0) for k in kinds)) for g, kinds in FIT_GROUPS.items()}
+
+
+def measured_groups(att: StepAttribution, step_s: float) -> Dict[str, float]:
+    """Seconds per :data:`FIT_GROUPS` group of one measured step of ``step_s`` (the unprofiled
+    steady-state step): the kinds of the rank with the most work outside collectives (the one
+    the others wait for, whose waits are shortest), scaled so they sum to ``step_s`` (the
+    profiler's per-operator cost spread in proportion)."""
+    if not step_s > 0:
+        raise ValueError(f"step_s must be a positive time, got {step_s!r}")
+    comm = FIT_GROUPS["comm"]
+    busiest = max(att.ranks, key=lambda r: (sum(v for k, v in r.kinds_ms.items() if k not in comm), -r.rank))
+    total_ms = sum(busiest.kinds_ms.values())
+    if not total_ms > 0:
+        raise ValueError(f"rank {busiest.rank}'s attribution holds no time")
+    scale = step_s / (total_ms * 1e-3)
+    return {g: v * 1e-3 * scale for g, v in group_kinds(busiest.kinds_ms).items()}
+
 
 # ------------------------------------------------------------------------------------------------
 # classification of profiler ranges
@@ -534,27 +574,13 @@ def dp_optimizer_seconds(evaluated: Any) -> float:
 
     The graph puts it inside ``backward_update`` (a pass over the whole replica, the same on every
     rank); :func:`predicted_by_kind` moves it to ``dense_optimizer``, where it is measured.
-    ``evaluated`` is a :class:`~torchrec_sparselift.planner.PlanResult`.
+    ``evaluated`` is a :class:`~torchrec_sparselift.planner.PlanResult`
+    (:func:`torchrec_sparselift.cost.model.dp_optimizer_s` of its tables).
     """
-    from torchrec_sparselift.cost.model import node_time
-    from torchrec_sparselift.semantics.graph import shard_nodes
+    from torchrec_sparselift.cost.model import dp_optimizer_s
 
     prob, s = evaluated.problem, evaluated.search
-    ctx = prob.ctx
-    total = 0.0
-    for t, (cid, _ranks) in enumerate(s.assignment):
-        cand = prob.cands[cid]
-        if cand.sharding_type != "data_parallel":
-            continue
-        for node in shard_nodes(prob.specs[t], cand, ctx.world_size, ctx.local_world_size):
-            # every backward compute node but the embedding-rows backward: the dense optimizer
-            # pass over the replica and the per-table dense-gradient work
-            if node.backward and node.kind not in ("grad_allreduce", "grad_dist") and node.unit != "rows":
-                try:
-                    total += node_time(node, ctx.profile)
-                except ValueError:  # a node with no compute time
-                    continue
-    return total
+    return dp_optimizer_s(prob.specs, [prob.cands[cid] for cid, _r in s.assignment], prob.ctx)
 
 
 _KJT_NODE_KINDS = ("kjt_work", "bucketize")  # host work per feature / per id: the KJT kind
@@ -610,7 +636,8 @@ def predicted_by_kind(step: Any, *, dp_optimizer_s: float = 0.0, kjt_fwd_s: floa
 
     ``step`` is a :class:`~torchrec_sparselift.cost.model.StepTime` (its ``phases``, ``total_s``).
     Each kind gets the phases of :data:`PREDICTED_KINDS`; the all-reduce only its part longer than
-    the dense backward (the model hides the rest under it); ``dense_optimizer`` the data-parallel
+    the dense backward where the pipeline overlaps (the model hides the rest under it), all of it
+    where nothing overlaps (``step.overlapped_s == 0``, e.g. CPU gloo); ``dense_optimizer`` the data-parallel
     tables' optimizer pass (``dp_optimizer_s``, taken out of ``backward_update``); ``kjt`` the host
     KJT work the model puts inside ``lookup`` (``kjt_fwd_s``) and ``backward_update``
     (``kjt_bwd_s``) (see :func:`model_splits`). ``overlap`` is
@@ -622,7 +649,10 @@ def predicted_by_kind(step: Any, *, dp_optimizer_s: float = 0.0, kjt_fwd_s: floa
     for kind, phases in PREDICTED_KINDS.items():
         out[kind] = sum(float(ph.get(p, 0.0)) for p in phases)
     out["rest"] += sum(float(v) for p, v in ph.items() if p not in named)
-    out["grad_allreduce"] = max(0.0, float(ph.get("allreduce", 0.0)) - float(ph.get("dense_bwd", 0.0)))
+    allreduce = float(ph.get("allreduce", 0.0))
+    if float(getattr(step, "overlapped_s", 1.0)) > 0:
+        allreduce = max(0.0, allreduce - float(ph.get("dense_bwd", 0.0)))
+    out["grad_allreduce"] = allreduce  # where nothing overlaps (CPU gloo) all of it is exposed
     kf = min(max(0.0, kjt_fwd_s), out["lookup"])
     out["lookup"] -= kf
     kb = min(max(0.0, kjt_bwd_s), out["backward_update"])

@@ -224,6 +224,9 @@ class Measurement:
     wall_s: float
     durations_s: Tuple[float, ...] = ()
     cpu_durations_s: Tuple[float, ...] = ()
+    #: :class:`~torchrec_sparselift.runtime.attribution.StepAttribution` of the profiled steps run
+    #: after the timed ones (``measure_plan(..., attribute=N)``), else None
+    attribution: Any = attrs.field(default=None, eq=False)
 
 
 #: The harness's defaults (see docs/calibration.md, "Measurement repeatability").
@@ -295,13 +298,17 @@ def measure_plan(
     pipeline_factory: Optional[Callable[[Any, Any, torch.device], Any]] = None,
     pin: Optional[bool] = None,
     gc_off: Optional[bool] = None,
+    attribute: int = 0,
 ) -> Measurement:
     """Shard a fresh ``model_factory()`` under ``plan``, run ``warmup + steps`` steps over
     ``batches`` (cycled if shorter) and return the steady-state step time of the per-step slowest
     rank. ``pipeline_factory(dmp, optimizer, device)`` replaces TorchRec's ``TrainPipelineSparseDist``.
     ``pin``: each rank runs on its own core(s) during the run (CPU, several local ranks); ``gc_off``: Python's garbage
     collector is paused during the timed steps (a collection runs before them). ``None`` takes
-    :data:`DEFAULT_TIMING`."""
+    :data:`DEFAULT_TIMING`. ``attribute``: after the timed steps, run that many more steps under
+    ``torch.profiler`` and attribute them by sparse-path node kind
+    (:func:`~torchrec_sparselift.runtime.attribution.attribute_steps`, every rank's); the timed steps
+    are never profiled, so ``median_s`` is the same measurement with or without it."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     steps = DEFAULT_TIMING["steps"] if steps is None else steps
@@ -319,7 +326,7 @@ def measure_plan(
             pipeline = TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
         total = warmup + steps
         # the pipeline prefetches up to two batches ahead: give it two spare ones
-        feed = [batches[i % len(batches)] for i in range(total + 2)]
+        feed = [batches[i % len(batches)] for i in range(total + max(0, attribute) + 2)]
         it = iter(feed)
         gc.collect()
         if pg is not None:
@@ -347,13 +354,19 @@ def measure_plan(
             durations, cpu = [float(x) for x in t[0]], [float(x) for x in t[1]]
         steady = durations[warmup:]
         med, mean = statistics.median(steady), statistics.fmean(steady)
+        att = None
+        if attribute > 0:
+            from torchrec_sparselift.runtime.attribution import attribute_steps
+
+            att = attribute_steps(pipeline, it, steps=attribute, warmup_steps=0, pg=pg, label=label,
+                                  device=device, measure_unprofiled=False)
         del pipeline, dmp, opt, it, feed
         gc.collect()
     finally:
         restore_affinity(old_aff)
     return Measurement(label=label, median_s=med, mean_s=mean, steps=len(steady),
                        wall_s=time.perf_counter() - t_start, durations_s=tuple(durations),
-                       cpu_durations_s=tuple(cpu))
+                       cpu_durations_s=tuple(cpu), attribution=att)
 
 
 def summarize(measurements: Sequence[Measurement]) -> Mapping[str, float]:

@@ -1,0 +1,62 @@
+"""Host-work microbenchmarks that the step fit takes instead of guessing (cost.microbench.bench_host_terms)."""
+
+import math
+
+import pytest
+
+from torchrec_sparselift.cost.microbench import HostTermRecord, bench_host_terms
+from torchrec_sparselift.cost.step_fit import CPU_STEP_TERMS, FitRecord, term_value
+from torchrec_sparselift.step_calibration import base_profile, host_fit_setup
+
+
+def test_bench_host_terms_measures_plausible_positive_costs():
+    rec = bench_host_terms(trials=3)
+    # Adagrad.step per tensor: microseconds (Python loop + a few kernels); per fp32 byte: a memory
+    # pass of 0.05-10 ns; bucketize per id: nanoseconds. Orders of magnitude, not this machine's.
+    assert 1e-7 < rec.optimizer_tensor_s < 1e-3
+    assert 5e-12 < rec.optimizer_byte_s < 1e-8
+    assert 0 < rec.bucketize_id_s < 1e-6
+    assert all(math.isfinite(v) for v in rec.to_dict().values())
+
+
+def test_host_fit_setup_fixes_bucketize_and_floors_the_data_parallel_optimizer():
+    base = base_profile("cpu")
+    same, terms, floors = host_fit_setup(base, None)
+    assert same is base and tuple(terms) == tuple(CPU_STEP_TERMS) and floors == {}
+    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9)
+    fixed, terms, floors = host_fit_setup(base, host.to_dict())  # the stored dict form too
+    assert fixed.bucketize_id_s == 15e-9
+    assert "bucketize_id_s" not in {t.name for t in terms}
+    assert floors == {"dp_table_overhead_s": 30e-6, "1/dense_update_bw": pytest.approx(0.2e-9)}
+
+
+def test_add_feedback_refits_above_the_floors_with_the_measured_terms_fixed(tmp_path, monkeypatch):
+    """A profile calibrated with host terms refits guard feedback with the same terms and floors:
+    the measured bucketize cost stays, the per-table optimizer term never drops below its floor."""
+    import attrs
+
+    from torchrec_sparselift.cost.machine import ProfileStore, current_fingerprint
+    from torchrec_sparselift.step_calibration import add_feedback
+
+    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9)
+    base, terms, floors = host_fit_setup(base_profile("cpu"), host)
+    prof = attrs.evolve(base, dp_table_overhead_s=40e-6)
+    store = ProfileStore(str(tmp_path))
+    fp = current_fingerprint("cpu", 2)
+    store.save(prof, fp, dict(fit_records=[], host_terms=host.to_dict()))
+
+    class Topo:
+        compute_device = "cpu"
+        local_world_size = 2
+
+    # the record says data-parallel tables cost nothing per table (below the floor) and carries a
+    # bucketize quantity: the refit keeps the floor and prices bucketize at the measured value
+    rec = FitRecord(label="guard/p", quantities={"dp_table_overhead_s": 10.0, "bucketize_id_s": 1e5,
+                                                  "step_overhead_s": 1.0},
+                    fixed_s=1e-3, measured_s=1e-3 + 1e5 * 15e-9 + term_value(prof, CPU_STEP_TERMS[6]))
+    path = add_feedback([rec], prof, Topo(), store=store)
+    assert path is not None
+    found, diff = store.lookup(fp)
+    assert not diff
+    assert found.profile.bucketize_id_s == 15e-9
+    assert found.profile.dp_table_overhead_s >= 30e-6 - 1e-15
