@@ -24,6 +24,10 @@ workloads here). Without a stored profile for this machine the benchmark calibra
 (``--calibrate`` forces it). The guard's choice is what the measured guard would keep among
 SparseLift's plan, its table-wise alternative and TorchRec's plan, judged on round 0 only.
 
+Machine drift: the calibration's reference probe plan (:data:`REFERENCE`) is measured again before
+and after each workload; the ratio to its calibration time is printed per workload, with the MAPE of
+the predictions scaled by it (``drift-corrected``; the plain MAPE stays the headline number).
+
 Per workload it prints measured ms/step and predicted ms of each plan, TorchRec/SparseLift, SparseLift
 vs the best measured plan, MAPE and Spearman across the plans; then the geomean and the held-out
 fidelity over all workloads, and writes everything to ``--out`` (JSON).
@@ -200,7 +204,49 @@ def _run_kept(w, runners, batches, pg, device, args, say) -> None:
     gc.collect()
 
 
-def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict[str, Any]:
+#: The machine-speed reference: a probe plan whose step the calibration measured. Measured again
+#: before and after each workload, it says how much slower or faster the machine runs now than when
+#: the profile was fitted (this VM drifts 10-20% within minutes; docs/benchmarks.md section 10).
+REFERENCE = ("probe_many", "table_wise")
+
+
+def reference_seconds(info: Optional[Dict[str, Any]]) -> Optional[float]:
+    """The reference plan's step as the calibration measured it (a stored profile's ``info``)."""
+    label = "/".join(REFERENCE)
+    for r in ((info or {}).get("fit") or {}).get("residuals", []):
+        if r.get("label") == label and r.get("kind", "step") == "step":
+            return float(r["measured_s"])
+    return None
+
+
+class _Reference:
+    """Measures :data:`REFERENCE` on demand (its plan made once)."""
+
+    def __init__(self, profile, pg, args) -> None:
+        from torchrec_sparselift.runtime import probe
+        from torchrec_sparselift.step_calibration import _topology, forced_plan
+
+        self.w = next(x for x in probe.PROBE_WORKLOADS if x.name == REFERENCE[0])
+        self.plan, _c = forced_plan(probe.probe_model(self.w), self.w.tables, REFERENCE[1],
+                                    _topology(2, "cpu"), self.w.batch_size, pg, profile)
+        import torch.distributed as dist
+
+        self.batches = probe.prebuilt_batches(self.w, 6, seed=0, rank=dist.get_rank(pg))
+        self.pg, self.args, self.runs = pg, args, []
+
+    def measure(self) -> float:
+        import torch
+
+        from torchrec_sparselift.runtime.probe import measure_plan, probe_model
+
+        torch.manual_seed(0)
+        m = measure_plan("reference", lambda: probe_model(self.w), self.plan, self.batches, pg=self.pg)
+        self.runs.append(m.median_s)
+        return m.median_s
+
+
+def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: Optional["_Reference"] = None,
+                 ref_cal_s: Optional[float] = None) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -224,6 +270,7 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
         # plan's state or cache warmth carries over; one untimed run first pays the process's one-offs
         measure_plan("warm-up", lambda: probe_model(w), runners[0]["plan"], batches, 2, args.warmup, pg=pg,
                      device=device)
+        ref_before = ref.measure() if ref is not None else None
         rep = 0
         todo = list(runners)
         while todo:
@@ -242,6 +289,10 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
             # spread more than --tolerance, up to --max-reps (a disturbance only slows a run down)
             todo = list(runners) if rep < args.reps else [
                 r for r in runners if rep < args.max_reps and _spread(r["runs"]) > args.tolerance]
+    drift = None
+    if ref is not None and ref_cal_s and not args.keep_models:
+        drift = (ref_before + ref.measure()) / 2 / ref_cal_s
+        say(f"[real_runs] {w.name}: the reference plan ({'/'.join(REFERENCE)}) ran {drift:.3f}x its calibration time")
     rows = []
     stat = min if args.stat == "min" else statistics.median
     for r in runners:
@@ -264,7 +315,8 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say) -> Dict
                 torchrec_over_ours=theirs / ours, ours_over_best=ours / best["measured_ms"],
                 best_over_torchrec=theirs / best["measured_ms"],
                 guard_pick=guard_pick, guard_torchrec_over=theirs / by[guard_pick]["measured_ms"],
-                mape=mape(pred, meas), spearman=spearman(pred, meas))
+                mape=mape(pred, meas), spearman=spearman(pred, meas), drift=drift,
+                mape_drift_corrected=mape([p * drift for p in pred], meas) if drift else None)
 
 
 def format_workload(res: Dict[str, Any]) -> str:
@@ -281,7 +333,9 @@ def format_workload(res: Dict[str, Any]) -> str:
     lines.append(f"TorchRec/SparseLift {res['torchrec_over_ours']:.3f}x{same}; SparseLift/best {res['ours_over_best']:.3f}; "
                  f"best plan {res['best']} ({res['best_over_torchrec']:.3f}x over TorchRec); guard keeps "
                  f"{res['guard_pick']} ({res['guard_torchrec_over']:.3f}x over TorchRec); MAPE "
-                 f"{res['mape'] * 100:.1f}%, Spearman {res['spearman']:.2f}")
+                 f"{res['mape'] * 100:.1f}%, Spearman {res['spearman']:.2f}"
+                 + (f"; machine drift since calibration {res['drift']:.2f}x, drift-corrected MAPE "
+                    f"{res['mape_drift_corrected'] * 100:.1f}%" if res.get("drift") else ""))
     return "\n".join(lines)
 
 
@@ -378,6 +432,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         t_start = time.time()
         fp = current_fingerprint("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
         store = ProfileStore()
+        ref_cal_s = None
         if args.profile:
             profile, source = get_profile(args.profile), args.profile
         else:
@@ -391,15 +446,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     store.save(profile, fp, dict(fit=fit.to_dict(), fit_records=[_record_dict(r) for r in fit_records],
                                                  created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
                 source = "calibrated now (probe workloads)"
+                ref_cal_s = reference_seconds(dict(fit=fit.to_dict()))
             else:
                 profile, source = found.profile, found.path
+                ref_cal_s = reference_seconds(found.info)
         say(f"[real_runs] profile {profile.name} from {source}; {len(names)} workloads, {args.reps} rounds x "
             f"({args.warmup}+{args.steps}) steps, {args.batches} pre-built batches per rank; load {os.getloadavg()[0]:.1f}")
         results = []
         all_plans: Dict[str, Any] = {}
+        ref = _Reference(profile, dist.group.WORLD, args) if ref_cal_s else None
         for n in names:
             w, alpha = table[n]
-            res = run_workload(w, alpha, profile, dist.group.WORLD, args, say)
+            res = run_workload(w, alpha, profile, dist.group.WORLD, args, say, ref, ref_cal_s)
             all_plans[n] = res.pop("_plans")
             results.append(res)
             say(format_workload(res))
@@ -416,6 +474,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             workloads_same_plan_as_torchrec=sum(1 for r in results if r["same_plan_as_torchrec"]),
             max_ours_over_best=max(r["ours_over_best"] for r in results),
             mape_all=mape(all_pred, all_meas),
+            mape_all_drift_corrected=mape([row["predicted_ms"] * r["drift"] for r in results for row in r["rows"]],
+                                          all_meas) if results and all(r.get("drift") for r in results) else None,
+            drift_by_workload={r["workload"]: r.get("drift") for r in results},
             mean_workload_spearman=statistics.fmean([r["spearman"] for r in results if not math.isnan(r["spearman"])])
             if results else float("nan"),
         )
@@ -427,7 +488,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"within 2% of the best on {summary['workloads_ours_within_2pct_of_best']}/{len(results)} (same plan as "
             f"TorchRec on {summary['workloads_same_plan_as_torchrec']}); "
             f"prediction MAPE {summary['mape_all'] * 100:.1f}% over {len(all_meas)} plans, mean Spearman "
-            f"{summary['mean_workload_spearman']:.2f} (held out: profile fitted on the probe workloads)")
+            f"{summary['mean_workload_spearman']:.2f} (held out: profile fitted on the probe workloads)"
+            + (f"; with the predictions scaled by the machine's drift since calibration (reference plan "
+               f"{'/'.join(REFERENCE)} measured before and after each workload: "
+               + ", ".join(f"{k} {v:.2f}x" for k, v in summary["drift_by_workload"].items())
+               + f") MAPE {summary['mape_all_drift_corrected'] * 100:.1f}%"
+               if summary["mape_all_drift_corrected"] is not None else ""))
         if rank == 0:
             out = dict(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), wall_s=time.time() - t_start,
                        profile=profile.to_dict(), profile_source=source, fingerprint=fp.to_dict(),

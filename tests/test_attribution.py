@@ -256,3 +256,16 @@ def test_fit_groups_partition_the_kinds_and_scale_to_the_unprofiled_step() -> No
         "dense": 0.0, "comm": 1.5, "sparse": 1.0}
     with pytest.raises(ValueError, match="positive"):
         measured_groups(att, 0.0)
+
+
+def test_profiler_notices_are_dropped_and_other_stderr_passed_on(capfd) -> None:
+    import os
+
+    from torchrec_sparselift.runtime.attribution import _without_profiler_notices
+
+    with _without_profiler_notices():
+        os.write(2, b"USDT:2026-12-01 14:56:07 11350:11350 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a real warning\n")
+        os.write(2, b"STAGE:2026-12-01 14:56:00 11342:11342 SyncActivityProfilerHandler.cpp:51] Completed Stage\n")
+    err = capfd.readouterr().err
+    assert err == "a real warning\n"

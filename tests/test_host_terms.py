@@ -52,8 +52,9 @@ def test_row_wise_pays_bucketize_per_own_id_split_over_shards():
 def test_data_parallel_pays_a_replica_cost_in_the_backward_and_its_dense_update_rate():
     own, peers, _ = _delta("data_parallel")
     assert own[BWD] == pytest.approx(3e-3)
-    # and its TBE's per-table work, as a sharded table's (a replica's owner vector lands on every rank)
-    assert own[FWD] == pytest.approx(2e-4) and not peers.any()
+    # and its TBE's per-table work and its 3 features' KJT work, as a sharded table's (a replica's
+    # owner vector lands on every rank)
+    assert own[FWD] == pytest.approx(2e-4 + 3 * 1e-4) and not peers.any()
     spec = _spec()
     cand = candidate_for(0, spec, "data_parallel", "dense", 2, 2)
     upd = [n for n in shard_nodes(spec, cand, 2, 2) if n.kind == "backward_update" and n.unit == "bytes"]

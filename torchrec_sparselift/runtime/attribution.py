@@ -46,6 +46,7 @@ queued asynchronously are charged where the host waits for them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -503,6 +504,44 @@ def _step_fn(step: Any, batches: Optional[Iterator[Any]]) -> Callable[[], Any]:
     raise TypeError(f"attribute_steps needs a train pipeline (with .progress) or a callable step, got {type(step).__name__}")
 
 
+#: What libkineto writes to stderr on every profiler start and stop (two lines per profiled run;
+#: 56 per calibration): dropped, everything else on stderr in that window is passed on.
+_KINETO_NOTICE = re.compile(r"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\]")
+
+
+@contextlib.contextmanager
+def _without_profiler_notices() -> Iterator[None]:
+    """Run the block with the process's stderr (fd 2) captured; on exit write back every line but
+    libkineto's start/stop notices (:data:`_KINETO_NOTICE`)."""
+    import os
+    import sys
+    import tempfile
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 (embedded interpreters): leave stderr alone
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode("utf-8", "replace").splitlines(keepends=True)
+                    if not _KINETO_NOTICE.match(ln)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def attribute_steps(
     step: Any,
     batches: Optional[Iterator[Any]] = None,
@@ -543,11 +582,12 @@ def attribute_steps(
             sync()
             durations.append(time.perf_counter() - t0)
         unprofiled = sorted(durations)[len(durations) // 2] * 1e3
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False) as prof:
-        for _ in range(steps):
-            with record_function(STEP_LABEL):
-                run()
-                sync()
+    with _without_profiler_notices():
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False) as prof:
+            for _ in range(steps):
+                with record_function(STEP_LABEL):
+                    run()
+                    sync()
     rank = 0
     if pg is not None:
         import torch.distributed as dist
