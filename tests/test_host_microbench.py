@@ -60,3 +60,23 @@ def test_add_feedback_refits_above_the_floors_with_the_measured_terms_fixed(tmp_
     assert not diff
     assert found.profile.bucketize_id_s == 15e-9
     assert found.profile.dp_table_overhead_s >= 30e-6 - 1e-15
+
+
+def _host_terms_on_two_ranks(rank, world_size):
+    import torch.distributed as dist
+
+    from torchrec_sparselift.step_calibration import host_terms
+
+    return host_terms(dist.group.WORLD).to_dict()
+
+
+def test_host_terms_across_two_ranks_measure_the_all_to_all_byte_and_agree():
+    from conftest import spawn
+
+    a, b = spawn(_host_terms_on_two_ranks, 2, timeout_s=120)
+    assert a == b  # one record on every rank (the ranks' mean; the all-to-all's slowest rank)
+    # per byte a rank sends or receives over loopback gloo: 0.01-10 ns
+    assert 1e-11 < a["a2a_byte_s"] < 1e-8
+    fixed, terms, _floors = host_fit_setup(base_profile("cpu"), a)
+    assert "1/a2a_bw" not in {t.name for t in terms}
+    assert fixed.intra_host_bw == fixed.inter_host_bw == pytest.approx(1 / a["a2a_byte_s"])

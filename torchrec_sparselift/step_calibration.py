@@ -262,12 +262,13 @@ def host_terms(pg: Any = None) -> Any:
     each pinned to its core as in the probes; the ranks' mean (every rank returns the same)."""
     import torch
 
-    from torchrec_sparselift.cost.microbench import HostTermRecord, bench_host_terms
+    from torchrec_sparselift.cost.microbench import HostTermRecord, bench_a2a_byte_s, bench_host_terms
     from torchrec_sparselift.runtime import probe
 
     old = probe.pin_rank_to_core(pg)
     try:
         rec = bench_host_terms()
+        a2a = bench_a2a_byte_s(pg) if pg is not None else 0.0
     finally:
         probe.restore_affinity(old)
     if pg is None:
@@ -277,14 +278,15 @@ def host_terms(pg: Any = None) -> Any:
     t = torch.tensor([rec.optimizer_tensor_s, rec.optimizer_byte_s, rec.bucketize_id_s], dtype=torch.float64)
     dist.all_reduce(t, group=pg)
     t /= dist.get_world_size(pg)
-    return HostTermRecord(optimizer_tensor_s=float(t[0]), optimizer_byte_s=float(t[1]), bucketize_id_s=float(t[2]))
+    return HostTermRecord(optimizer_tensor_s=float(t[0]), optimizer_byte_s=float(t[1]), bucketize_id_s=float(t[2]),
+                          a2a_byte_s=a2a)
 
 
 def host_fit_setup(base: HardwareProfile, host: Optional[Any]
                    ) -> Tuple[HardwareProfile, Tuple[Any, ...], Dict[str, float]]:
     """``(base, terms, floors)`` of a step fit given host microbenchmarks (None: the base, all of
-    ``CPU_STEP_TERMS``, no floors). With them, ``bucketize_id_s`` is the measured value and not
-    fitted (whole steps cannot tell it from per-feature row-wise work: fitted, it came out 20-40x
+    ``CPU_STEP_TERMS``, no floors). With them, ``bucketize_id_s`` and (measured across ranks)
+    the all-to-all's per-byte cost ``1/a2a_bw`` are the measured values and not fitted (whole steps cannot tell it from per-feature row-wise work: fitted, it came out 20-40x
     the measured kernel cost and over-priced row-wise plans with many ids), and the data-parallel
     optimizer's per-table (``dp_table_overhead_s``) and per-byte (``1/dense_update_bw``, the model's
     dense update moves 3x the replica's bytes) terms are fitted above what ``Adagrad.step`` alone
@@ -296,7 +298,13 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
 
         host = HostTermRecord(**host)
     base = attrs.evolve(base, bucketize_id_s=float(host.bucketize_id_s))
-    terms = tuple(t for t in CPU_STEP_TERMS if t.name != "bucketize_id_s")
+    measured = {"bucketize_id_s"}
+    if getattr(host, "a2a_byte_s", 0.0) > 0:
+        # the bare all-to-all's per-byte cost; fitted from whole steps it came out ~3x that, holding
+        # byte-correlated work elsewhere, and over-priced the bytes a data-parallel table saves
+        base = attrs.evolve(base, intra_host_bw=1.0 / host.a2a_byte_s, inter_host_bw=1.0 / host.a2a_byte_s)
+        measured.add("1/a2a_bw")
+    terms = tuple(t for t in CPU_STEP_TERMS if t.name not in measured)
     floors = {"dp_table_overhead_s": float(host.optimizer_tensor_s),
               "1/dense_update_bw": float(host.optimizer_byte_s) / 3.0}
     return base, terms, floors

@@ -39,6 +39,7 @@ __all__ = [
     "bench_host_to_device",
     "HostTermRecord",
     "bench_host_terms",
+    "bench_a2a_byte_s",
 ]
 
 RECORDS_SCHEMA = "sparselift.calibration_records/1"
@@ -570,12 +571,16 @@ class HostTermRecord:
       example and the probes run for the dense part and every data-parallel table, one parameter
       per table) per parameter tensor and per fp32 parameter byte;
     * ``bucketize_id_s``: fbgemm's ``block_bucketize_sparse_features`` (row-wise input dist) per id
-      into 2 buckets.
+      into 2 buckets;
+    * ``a2a_byte_s``: ``all_to_all_single`` per byte sent or received by a rank.
     """
 
     optimizer_tensor_s: float
     optimizer_byte_s: float
     bucketize_id_s: float
+    #: an all-to-all's cost per byte a rank sends or receives (the graph's link bytes), measured
+    #: across the ranks of a process group (:func:`bench_a2a_byte_s`); 0: not measured (one rank)
+    a2a_byte_s: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         return attrs.asdict(self)
@@ -619,3 +624,39 @@ def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5) -> 
     else:
         per_id = 0.0
     return HostTermRecord(optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id)
+
+
+def bench_a2a_byte_s(pg: Any, device: Optional[torch.device] = None, trials: int = 15) -> float:
+    """``all_to_all_single``'s cost per byte a rank sends or receives on ``pg`` (the quantity the
+    sparse-path graph counts on a rank's link): the least-squares slope over per-rank buffers of
+    0.25-8 MiB, each timed as the fastest of ``trials`` barrier-separated calls of the slowest rank
+    (a loaded 2-core machine only ever adds to a call; the median wandered 3x between runs).
+    Every rank of ``pg`` must call it; 0.0 on one rank."""
+    import torch.distributed as dist
+
+    device = device or torch.device("cpu")
+    world = dist.get_world_size(pg)
+    if world < 2:
+        return 0.0
+    xs, ys = [], []
+    for nbytes in (256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 8 * 1024 * 1024):
+        numel = max(world, (nbytes // 4) // world * world)
+        x = torch.ones(numel, dtype=torch.float32, device=device)
+        y = torch.empty_like(x)
+        for _ in range(2):
+            dist.all_to_all_single(y, x, group=pg)
+        samples = []
+        for _ in range(trials):
+            dist.barrier(group=pg)
+            _sync(device)
+            t0 = time.perf_counter()
+            dist.all_to_all_single(y, x, group=pg)
+            _sync(device)
+            samples.append(time.perf_counter() - t0)
+        worst = torch.tensor(samples, dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pg)
+        xs.append(2.0 * numel * 4 * (world - 1) / world)  # sent to the others + received from them
+        ys.append(float(min(worst.tolist())))
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
+    return max(0.0, slope)
