@@ -427,7 +427,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         from torchrec_sparselift.cost.hardware import get_profile
         from torchrec_sparselift.cost.machine import ProfileStore, current_fingerprint
-        from torchrec_sparselift.step_calibration import calibrate_steps
+        from torchrec_sparselift.step_calibration import fit_measurements, host_terms, measure_probes
 
         t_start = time.time()
         fp = current_fingerprint("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
@@ -439,11 +439,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             found, diff = store.lookup(fp)
             if found is None or diff or args.calibrate:
                 say("[real_runs] calibrating this machine from the probe workloads first")
-                profile, fit, _recs, fit_records = calibrate_steps(dist.group.WORLD, "cpu", progress=rank == 0)
+                from torchrec_sparselift.step_calibration import base_profile
+
+                host = host_terms(dist.group.WORLD)
+                base = base_profile("cpu")
+                ms = measure_probes(dist.group.WORLD, "cpu", progress=rank == 0, base=base)
+                profile, fit, _recs, fit_records = fit_measurements(ms, base, dist.get_world_size(), "cpu",
+                                                                    host=host)
                 if rank == 0:
                     from torchrec_sparselift.step_calibration import _record_dict
 
                     store.save(profile, fp, dict(fit=fit.to_dict(), fit_records=[_record_dict(r) for r in fit_records],
+                                                 host_terms=host.to_dict(),
                                                  created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
                 source = "calibrated now (probe workloads)"
                 ref_cal_s = reference_seconds(dict(fit=fit.to_dict()))
