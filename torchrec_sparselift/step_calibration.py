@@ -7,7 +7,10 @@ row-wise, all data-parallel, all column-wise, mixed, the smaller half data-paral
 the table-wise shards in two sharding groups (``two_groups``)) on the probe models
 (:data:`~torchrec_sparselift.runtime.probe.PROBE_WORKLOADS`) for a few steps each, prices every
 plan with the cost model (:class:`PlanPricer`, the same evaluator the planner optimizes), fits the
-profile's terms (:func:`torchrec_sparselift.cost.step_fit.fit_profile`) and stores the profile in
+profile's terms (:func:`torchrec_sparselift.cost.step_fit.fit_profile`) to the whole steps and to
+their attribution by node kind (:func:`group_cases`), with the host work measured alone
+(:func:`host_terms`: optimizer per tensor and byte, bucketize per id, all-to-all per byte) as fixed
+values and floors (:func:`host_fit_setup`), and stores the profile in
 the :class:`~torchrec_sparselift.cost.machine.ProfileStore` under this machine's fingerprint (rank 0
 writes; the path is printed). The base profile is the committed microbenchmark profile on CPU
 (``profiles/cpu-2core-gloo.json`` when present) or the topology's preset.
