@@ -44,6 +44,7 @@ from torchrec_sparselift.cost.model import (  # noqa: E402
 from torchrec_sparselift.search.lp import (  # noqa: E402
     RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
 )
+from torchrec_sparselift.search.milp import choice_and_placement_rows, placement_vars  # noqa: E402
 from torchrec_sparselift.search.solve import new_evaluator  # noqa: E402
 
 _T7 = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
@@ -65,15 +66,7 @@ def exact(prob, pipeline, fwd="fp32", bwd="fp32", time_limit=60.0, sym=True):
     keys = sorted(set(zip(types, kern))); gid = {k: i for i, k in enumerate(keys)}; G = len(keys)
     grp = [gid[k] for k in zip(types, kern)]
     ovh = ft.lookup
-    nv = C
-    place = []
-    for c, cand in enumerate(prob.cands):
-        if cand.placement == "free":
-            for r in range(W):
-                place.append((nv, c, [r])); nv += 1
-        elif cand.placement == "host":
-            for h in range(W // cand.num_shards):
-                place.append((nv, c, list(range(h * cand.num_shards, (h + 1) * cand.num_shards)))); nv += 1
+    place, nv = placement_vars(prob, C)
     io = nv; nv += W * G   # o[r,g]
     iz = {j: nv + i for i, j in enumerate(_T7)}; nv += 7
     iy_in, iy_out, ia, itot = nv, nv + 1, nv + 2, nv + 3; nv += 4
@@ -82,22 +75,7 @@ def exact(prob, pipeline, fwd="fp32", bwd="fp32", time_limit=60.0, sym=True):
     ilat = nv; nv += 1
     idp = nv; nv += 1  # an option in the gradient all-reduce is chosen
     rr = RangeRows(); add = rr.add
-    for ids in prob.candidates:
-        add([(c, 1.0) for c in ids], 1.0, 1.0)
-    byc = {}
-    for v, c, rk in place:
-        byc.setdefault(c, []).append(v)
-    for c, vs in byc.items():
-        k = n[c] if prob.cands[c].placement == "free" else 1
-        add([(v, 1.0) for v in vs] + [(c, -float(k))], 0.0, 0.0)
-    rt = [[] for _ in range(W)]
-    for v, c, rk in place:
-        for r in rk:
-            rt[r].append((v, c))
-    for c, cand in enumerate(prob.cands):
-        if cand.placement == "all":
-            for r in range(cand.num_shards):
-                rt[r].append((c, c))
+    rt = choice_and_placement_rows(prob, place, add)
     for r in range(W):
         for v, c in rt[r]:
             add([(io + r * G + grp[c], 1.0), (v, -1.0)], 0.0, np.inf)

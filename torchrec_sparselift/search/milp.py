@@ -26,7 +26,7 @@ from torchrec_sparselift.search.lp import (
 )
 from torchrec_sparselift.search.problem import PlanningProblem
 
-__all__ = ["MILPResult", "solve_milp", "milp_size"]
+__all__ = ["MILPResult", "solve_milp", "milp_size", "placement_vars", "choice_and_placement_rows"]
 
 _TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 
@@ -48,6 +48,49 @@ def milp_size(prob: PlanningProblem) -> int:
     return n + len(prob.cands)
 
 
+def placement_vars(prob: PlanningProblem, first: int) -> Tuple[List[Tuple[int, int, List[int]]], int]:
+    """The placement binaries after the ``first`` variables: ``(var, cand, ranks it loads)`` for
+    every rank of a free candidate and every host of a host candidate; and the next free index."""
+    W = prob.ctx.world_size
+    nv = first
+    place: List[Tuple[int, int, List[int]]] = []
+    for c, cand in enumerate(prob.cands):
+        if cand.placement == "free":
+            for r in range(W):
+                place.append((nv, c, [r]))
+                nv += 1
+        elif cand.placement == "host":
+            L = cand.num_shards
+            for h in range(W // L):
+                place.append((nv, c, list(range(h * L, (h + 1) * L))))
+                nv += 1
+    return place, nv
+
+
+def choice_and_placement_rows(prob: PlanningProblem, place: List[Tuple[int, int, List[int]]],
+                              add) -> List[List[Tuple[int, int]]]:
+    """Add the rows every placement MILP shares (one candidate per table, ``x[c] = 1`` on
+    ``prob.candidates``; free: ``sum_r n[c,r] = k x[c]``; host: ``sum_h h[c,h] = x[c]``) and return
+    each rank's ``(var, cand)`` load terms (replicated candidates load ranks ``0..k-1`` by ``x``)."""
+    for ids in prob.candidates:
+        add([(c, 1.0) for c in ids], 1.0, 1.0)
+    by_cand: dict = {}
+    for v, c, _rk in place:
+        by_cand.setdefault(c, []).append(v)
+    for c, vs in by_cand.items():
+        k = prob.cands[c].num_shards if prob.cands[c].placement == "free" else 1
+        add([(v, 1.0) for v in vs] + [(c, -float(k))], 0.0, 0.0)
+    rank_terms: List[List[Tuple[int, int]]] = [[] for _ in range(prob.ctx.world_size)]
+    for v, c, rk in place:
+        for r in rk:
+            rank_terms[r].append((v, c))
+    for c, cand in enumerate(prob.cands):
+        if cand.placement == "all":
+            for r in range(cand.num_shards):
+                rank_terms[r].append((c, c))
+    return rank_terms
+
+
 def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str = "fp32",
                time_limit_s: float = 10.0, node_limit: Optional[int] = None) -> MILPResult:
     """Solve the MILP. ``node_limit`` (branch-and-bound nodes) makes a limited search
@@ -65,18 +108,7 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     nshards = np.array([c.num_shards for c in prob.cands], dtype=float)
 
     # variable layout
-    nv = C
-    place: List[Tuple[int, int, List[int]]] = []  # (var index, cand, ranks it loads)
-    for c, cand in enumerate(prob.cands):
-        if cand.placement == "free":
-            for r in range(W):
-                place.append((nv, c, [r]))
-                nv += 1
-        elif cand.placement == "host":
-            L = cand.num_shards
-            for h in range(W // L):
-                place.append((nv, c, list(range(h * L, (h + 1) * L))))
-                nv += 1
+    place, nv = placement_vars(prob, C)
     iz = {j: nv + i for i, j in enumerate(_TIME_COLS)}
     nv += len(_TIME_COLS)
     iy_in, iy_out, ia, itot = nv, nv + 1, nv + 2, nv + 3
@@ -92,25 +124,8 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     rr = RangeRows()
     add = rr.add
 
-    # one candidate per table
-    for ids in prob.candidates:
-        add([(c, 1.0) for c in ids], 1.0, 1.0)
-    # placement sums: free: sum_r n[c,r] = k x[c]; host: sum_h h = x
-    by_cand: dict = {}
-    for v, c, rk in place:
-        by_cand.setdefault(c, []).append(v)
-    for c, vs in by_cand.items():
-        k = prob.cands[c].num_shards if prob.cands[c].placement == "free" else 1
-        add([(v, 1.0) for v in vs] + [(c, -float(k))], 0.0, 0.0)
+    rank_terms = choice_and_placement_rows(prob, place, add)
     # per-rank loads
-    rank_terms: List[List[Tuple[int, int]]] = [[] for _ in range(W)]  # (var, cand)
-    for v, c, rk in place:
-        for r in rk:
-            rank_terms[r].append((v, c))
-    for c, cand in enumerate(prob.cands):
-        if cand.placement == "all":
-            for r in range(cand.num_shards):
-                rank_terms[r].append((c, c))
     uniform = {j: [(c, nshards[c] * peers[c, j]) for c in range(C) if peers[c, j] != 0] for j in _TIME_COLS}
     for r in range(W):
         for j in _TIME_COLS:

@@ -121,15 +121,10 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
             return tuple(range(k)) if bool(np.all(fits[:k])) else None
         if c.placement == "host":
             Lc = c.num_shards
-            Hc = W // Lc
-            ok = np.nonzero(fits.reshape(Hc, Lc).all(axis=1))[0]
-            if not len(ok):
+            short = host_shortlist(fits, key, Lc, price_ranks, np.max, in_host_order=False)
+            if short is None:
                 return None
-            hkey = key.reshape(Hc, Lc).max(axis=1)[ok]
-            if len(ok) > price_ranks:
-                sel = np.argpartition(hkey, price_ranks - 1)[:price_ranks]
-                ok, hkey = ok[sel], hkey[sel]
-            idx = (ok[:, None] * Lc + np.arange(Lc)[None, :]).ravel()
+            ok, hkey, idx = short
             r3 = rows_for(idx, cand).reshape(len(ok), Lc, K)
             obj = price(r3.max(axis=1), cand, Lc)
             h = int(ok[_pick(obj, hkey)])
@@ -202,6 +197,27 @@ def _pick(obj: np.ndarray, tie: np.ndarray) -> int:
     return int(ok[np.argmin(tie[ok])])
 
 
+def host_shortlist(fits: np.ndarray, key: np.ndarray, hosts_of: int, price_ranks: int, reduce,
+                   in_host_order: bool) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The hosts (groups of ``hosts_of`` consecutive ranks) a host-placed shard fits on in
+    memory (every rank of the host ``fits``), cut to the ``price_ranks`` with the smallest
+    ``reduce(key)`` over their ranks: ``(hosts, their keys, their ranks flattened)``, None if it
+    fits on no host. ``in_host_order``: the shortlist in host index order (the local search's
+    placer breaks ties by it, as ``best_placement``), else in ``argpartition``'s order (the
+    greedy's). The two callers keep their own tie keys (max / sum): merging them moved plans."""
+    n_hosts = len(fits) // hosts_of
+    ok = np.nonzero(fits.reshape(n_hosts, hosts_of).all(axis=1))[0]
+    if not len(ok):
+        return None
+    hkey = reduce(key.reshape(n_hosts, hosts_of), axis=1)[ok]
+    if len(ok) > price_ranks:
+        sel = np.argpartition(hkey, price_ranks - 1)[:price_ranks]
+        if in_host_order:
+            sel = np.sort(sel)
+        ok, hkey = ok[sel], hkey[sel]
+    return ok, hkey, (ok[:, None] * hosts_of + np.arange(hosts_of)[None, :]).ravel()
+
+
 def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
                         price_ranks: int = PRICE_RANKS) -> Optional[Tuple[Tuple[int, ...], float]]:
     """:func:`.place.best_placement` priced on a shortlist: the ``price_ranks`` least-loaded
@@ -211,7 +227,6 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
     c = prob.cands[cand]
     if c.placement == "all":
         return best_placement(ev, prob, table, cand)
-    W = ev.W
     vec = ev.owner[cand]
     need_ovh = ev.gcount[:, ev.group_of[cand]] == 0
     fits = ((ev.loads[:, DEV_MEM] + vec[DEV_MEM] <= ev.device_cap + 1e-6)
@@ -221,15 +236,10 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
 
     if c.placement == "host":
         Lc = c.num_shards
-        Hc = W // Lc
-        ok = np.nonzero(fits.reshape(Hc, Lc).all(axis=1))[0]
-        if not len(ok):
+        short = host_shortlist(fits, tie_all, Lc, price_ranks, np.sum, in_host_order=True)
+        if short is None:
             return None
-        hkey = tie_all.reshape(Hc, Lc).sum(axis=1)[ok]
-        if len(ok) > price_ranks:
-            sel = np.sort(np.argpartition(hkey, price_ranks - 1)[:price_ranks])
-            ok, hkey = ok[sel], hkey[sel]
-        idx = (ok[:, None] * Lc + np.arange(Lc)[None, :]).ravel()
+        ok, hkey, idx = short
         r3 = (loads[idx] + vec).reshape(len(ok), Lc, K)
         cm = np.maximum(ev._colmax[None, :], r3.max(axis=1))
         obj = _objectives(ev, cm, cand, Lc)
