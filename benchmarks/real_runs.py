@@ -222,17 +222,18 @@ def reference_seconds(info: Optional[Dict[str, Any]]) -> Optional[float]:
 class _Reference:
     """Measures :data:`REFERENCE` on demand (its plan made once)."""
 
-    def __init__(self, profile, pg, args) -> None:
+    def __init__(self, profile, pg) -> None:
+        import torch.distributed as dist
+
         from torchrec_sparselift.runtime import probe
         from torchrec_sparselift.step_calibration import _topology, forced_plan
 
         self.w = next(x for x in probe.PROBE_WORKLOADS if x.name == REFERENCE[0])
         self.plan, _c = forced_plan(probe.probe_model(self.w), self.w.tables, REFERENCE[1],
-                                    _topology(2, "cpu"), self.w.batch_size, pg, profile)
-        import torch.distributed as dist
-
+                                    _topology(dist.get_world_size(pg), "cpu"), self.w.batch_size, pg, profile)
+        # the calibration's own batches of this probe (measure_probes: 6, seed 0)
         self.batches = probe.prebuilt_batches(self.w, 6, seed=0, rank=dist.get_rank(pg))
-        self.pg, self.args, self.runs = pg, args, []
+        self.pg, self.runs = pg, []
 
     def measure(self) -> float:
         import torch
@@ -461,7 +462,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"({args.warmup}+{args.steps}) steps, {args.batches} pre-built batches per rank; load {os.getloadavg()[0]:.1f}")
         results = []
         all_plans: Dict[str, Any] = {}
-        ref = _Reference(profile, dist.group.WORLD, args) if ref_cal_s else None
+        ref = _Reference(profile, dist.group.WORLD) if ref_cal_s else None
         for n in names:
             w, alpha = table[n]
             res = run_workload(w, alpha, profile, dist.group.WORLD, args, say, ref, ref_cal_s)

@@ -113,8 +113,15 @@ class PlanPricer:
         from torchrec_sparselift.cost.model import dp_optimizer_s
         from torchrec_sparselift.runtime.attribution import group_kinds, predicted_by_kind
 
-        dp = dp_optimizer_s(self.specs, self.cands, self._ctx(profile))
-        return group_kinds(predicted_by_kind(self.step_time(profile), dp_optimizer_s=dp))
+        # every group's case of a plan prices the same profiles (the fit's finite differences):
+        # price each profile once
+        cache = self.__dict__.setdefault("_groups_by_profile", {})
+        if profile not in cache:
+            if len(cache) >= 64:
+                cache.clear()
+            dp = dp_optimizer_s(self.specs, self.cands, self._ctx(profile))
+            cache[profile] = group_kinds(predicted_by_kind(self.step_time(profile), dp_optimizer_s=dp))
+        return dict(cache[profile])
 
     def group(self, name: str) -> Callable[[HardwareProfile], float]:
         """``profile -> seconds`` of one fit group (a case for ``fit_profile``)."""
