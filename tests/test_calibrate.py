@@ -147,9 +147,9 @@ def _one_thread() -> Iterator[None]:
 
 
 TINY = SweepConfig(
-    dims=(16, 64), rows=(1000,), poolings=(1, 32), batch_sizes=(256,), max_table_bytes=1 << 20,
+    dims=(16, 64), rows=(1000,), poolings=(1, 64), batch_sizes=(256,), max_table_bytes=1 << 20,
     message_bytes=(1 << 10, 1 << 16), matmul_shapes=((64, 64, 64), (128, 128, 64)),
-    dense_dtypes=("fp32",), warmup=1, trials=3, target_trial_s=0.001,
+    dense_dtypes=("fp32",), warmup=1, trials=5, target_trial_s=0.003,
 )
 
 
