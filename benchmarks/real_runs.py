@@ -445,6 +445,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 host = host_terms(dist.group.WORLD)
                 base = base_profile("cpu")
                 ms = measure_probes(dist.group.WORLD, "cpu", progress=rank == 0, base=base)
+                if rank == 0 and args.out:  # the probe measurements, for refitting offline
+                    import pickle
+
+                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                    with open(args.out + ".calibration.pkl", "wb") as f:
+                        pickle.dump({"measurements": ms, "host_terms": host.to_dict()}, f)
                 profile, fit, _recs, fit_records = fit_measurements(ms, base, dist.get_world_size(), "cpu",
                                                                     host=host)
                 if rank == 0:
