@@ -53,6 +53,7 @@ if _ROOT not in sys.path:
 
 from torchrec_sparselift.cost.report import mape, spearman  # noqa: E402
 from torchrec_sparselift.runtime.probe import ProbeTable, ProbeWorkload  # noqa: E402
+from torchrec_sparselift.step_calibration import REFERENCE_PLAN  # noqa: E402
 
 __all__ = ["WORKLOADS", "QUICK_WORKLOADS", "plan_kinds_for", "mape", "spearman", "geomean", "main"]
 
@@ -207,7 +208,8 @@ def _run_kept(w, runners, batches, pg, device, args, say) -> None:
 #: The machine-speed reference: a probe plan whose step the calibration measured. Measured again
 #: before and after each workload, it says how much slower or faster the machine runs now than when
 #: the profile was fitted (this VM drifts 10-20% within minutes; docs/benchmarks.md section 10).
-REFERENCE = ("probe_many", "table_wise")
+#: the calibration's reference plan (it normalizes the probe measurements by it, too)
+REFERENCE = REFERENCE_PLAN
 
 
 def reference_seconds(info: Optional[Dict[str, Any]]) -> Optional[float]:

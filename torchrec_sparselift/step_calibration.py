@@ -46,7 +46,7 @@ from torchrec_sparselift.cost.step_fit import (
     with_terms,
 )
 
-__all__ = ["PlanPricer", "auto_profile", "calibrate_steps", "measure_probes", "fit_measurements", "add_feedback", "base_profile", "forced_plan", "main",
+__all__ = ["PlanPricer", "REFERENCE_PLAN", "reference_drifts", "auto_profile", "calibrate_steps", "measure_probes", "fit_measurements", "add_feedback", "base_profile", "forced_plan", "main",
            "COMMITTED_CPU_PROFILE"]
 
 logger = logging.getLogger(__name__)
@@ -212,12 +212,21 @@ def measure_probes(
     progress: bool = True,
     base: Optional[HardwareProfile] = None,
     attribute: int = ATTRIBUTED_STEPS,
+    normalize: bool = True,
 ) -> List[Tuple[Any, ...]]:
     """Train every probe plan on every rank of ``pg``; ``(workload, kind, plan, constraints,
-    measured seconds, attribution)`` per plan (the median step of the per-step slowest rank; the
-    same on every rank; ``attribution``: the dict of ``attribute`` more steps run under the profiler
-    after the timed ones, :mod:`torchrec_sparselift.runtime.attribution`, or None when 0).
-    ``steps`` / ``warmup`` default to the harness's (``runtime.probe.DEFAULT_TIMING``)."""
+    measured seconds, attribution, drift)`` per plan (the median step of the per-step slowest
+    rank; the same on every rank; ``attribution``: the dict of ``attribute`` more steps run under the
+    profiler after the timed ones, :mod:`torchrec_sparselift.runtime.attribution`, or None when 0).
+    ``steps`` / ``warmup`` default to the harness's (``runtime.probe.DEFAULT_TIMING``).
+
+    ``normalize``: a shared machine's speed drifts within one calibration (measured: 1.8x between
+    two workloads a minute apart), which no profile can fit. The reference plan
+    (:data:`REFERENCE_PLAN`: its workload's table-wise plan) is measured before the first workload and
+    after each one; every plan's seconds are scaled by ``median(reference) / reference around its
+    workload`` (the geometric mean of the measurements before and after it), so all plans are priced
+    at the calibration's median machine speed. ``drift`` is that factor's inverse (1.0 when not
+    normalized)."""
     import torch
     import torch.distributed as dist
 
@@ -228,13 +237,32 @@ def measure_probes(
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
     device = torch.device(device_type)
     topo = _topology(W, device_type)
+    ref_w = next((w for w in workloads if w.name == REFERENCE_PLAN[0]), workloads[0])
+    ref_plan = None
+    ref_batches = None
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(workloads) * len(kinds), desc="calibrate", unit="plan", file=sys.stdout, ascii=True,
-                   mininterval=0.5)
-    out = []
+        bar = tqdm(total=len(workloads) * len(kinds) + (len(workloads) + 1 if normalize else 0), desc="calibrate",
+                   unit="plan", file=sys.stdout, ascii=True, mininterval=0.5)
+
+    def reference() -> float:
+        nonlocal ref_plan, ref_batches
+        if ref_plan is None:
+            ref_plan, _ = forced_plan(probe.probe_model(ref_w), ref_w.tables, REFERENCE_PLAN[1], topo,
+                                      ref_w.batch_size, pg, base)
+            ref_batches = probe.prebuilt_batches(ref_w, 6, seed=0, rank=rank)
+        torch.manual_seed(0)
+        m = probe.measure_plan(f"reference {ref_w.name}/{REFERENCE_PLAN[1]}", lambda: probe.probe_model(ref_w),
+                               ref_plan, ref_batches, steps, warmup, pg=pg, device=device)
+        if bar is not None:
+            bar.set_postfix_str(f"reference {m.median_s * 1e3:.1f} ms", refresh=False)
+            bar.update(1)
+        return m.median_s
+
+    refs = [reference()] if normalize else []
+    raw = []
     for w in workloads:
         batches = probe.prebuilt_batches(w, 6, seed=0, rank=rank)
         for kind in kinds:
@@ -243,13 +271,40 @@ def measure_probes(
             m = probe.measure_plan(f"{w.name}/{kind}", lambda: probe.probe_model(w), plan, batches, steps, warmup,
                                    pg=pg, device=device, attribute=attribute)
             att = m.attribution.to_dict() if m.attribution is not None else None
-            out.append((w.name, kind, plan, cons, m.median_s, att))
+            raw.append((len(refs) - 1, (w.name, kind, plan, cons, m.median_s, att)))
             if bar is not None:
                 bar.set_postfix_str(f"{m.label} {m.median_s * 1e3:.1f} ms", refresh=False)
                 bar.update(1)
+        if normalize:
+            refs.append(reference())
     if bar is not None:
         bar.close()
+    drifts = reference_drifts(refs) if normalize else []
+    out = []
+    for i, (wn, kind, plan, cons, sec, att) in raw:
+        d = drifts[i] if normalize else 1.0
+        out.append((wn, kind, plan, cons, sec / d, att, d))
+    if normalize and rank == 0 and progress:
+        print("[calibrate] machine speed drift per workload (reference plan "
+              f"{ref_w.name}/{REFERENCE_PLAN[1]}, 1.00 = the calibration's median): "
+              + ", ".join(f"{w.name} {d:.2f}x" for w, d in zip(workloads, drifts)), flush=True)
     return out
+
+
+#: The plan measured before and after each probe workload to normalize the machine's drift
+#: (:func:`measure_probes`): ``(workload, kind)``.
+REFERENCE_PLAN = ("probe_many", "table_wise")
+
+
+def reference_drifts(refs: Sequence[float]) -> List[float]:
+    """Per workload ``i`` (measured between reference runs ``i`` and ``i + 1``), the machine's
+    slowdown relative to the median reference: ``sqrt(refs[i] * refs[i+1]) / median(refs)``."""
+    import statistics
+
+    if len(refs) < 2 or any(not (r > 0) for r in refs):
+        raise ValueError(f"reference_drifts needs at least two positive reference times, got {list(refs)!r}")
+    mid = statistics.median(refs)
+    return [float(np.sqrt(a * b)) / mid for a, b in zip(refs[:-1], refs[1:])]
 
 
 def group_cases(label: str, measured_s: float, attribution: Any, pricer: "PlanPricer") -> List[Tuple[Any, ...]]:

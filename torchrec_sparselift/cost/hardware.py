@@ -19,7 +19,7 @@ from typing import Any, Dict, Mapping, Optional
 import attrs
 
 from torchrec_sparselift.atomic import write_json
-__all__ = ["HardwareProfile", "PRESETS", "get_profile", "profile_for_topology"]
+__all__ = ["HardwareProfile", "RATE_FALLBACK", "PRESETS", "get_profile", "profile_for_topology"]
 
 GiB = 1024**3
 GB = 1e9
@@ -37,6 +37,10 @@ def _non_negative(instance: Any, attribute: "attrs.Attribute[Any]", value: float
         raise ValueError(
             f"HardwareProfile.{attribute.name} must be a non-negative finite number, got {value!r}"
         )
+
+
+#: Optional rates and the field each falls back to when it is None.
+RATE_FALLBACK = {"dense_update_bw": "hbm_bw", "interaction_flops": "dense_flops", "dense_mem_bw": "hbm_bw"}
 
 
 @attrs.frozen(kw_only=True)
@@ -84,7 +88,12 @@ class HardwareProfile:
             (weight, gradient and state); None: the device memory bandwidth (``hbm_bw``).
         bucketize_id_s: per id and step on every rank for row-wise tables (bucketize the ids
             by row range and permute them into per-rank buckets).
-        The last six are 0 (or None) in the presets; :mod:`torchrec_sparselift.cost.step_fit`
+        interaction_flops: FLOP/s of the dense part's parameter-free batched products (DLRM's
+            pairwise dot interaction: many small matrices); None: ``dense_flops``.
+        dense_mem_bw: bytes/s at which the dense forward writes its activations (and the
+            backward reads them and writes their gradients: priced twice);
+            None: the device memory bandwidth (``hbm_bw``).
+        The last eight are 0 (or None) in the presets; :mod:`torchrec_sparselift.cost.step_fit`
         fits them from measured steps.
     """
 
@@ -115,6 +124,8 @@ class HardwareProfile:
     dp_table_overhead_s: float = attrs.field(default=0.0, validator=_non_negative)
     dense_update_bw: Optional[float] = attrs.field(default=None)
     bucketize_id_s: float = attrs.field(default=0.0, validator=_non_negative)
+    interaction_flops: Optional[float] = attrs.field(default=None)
+    dense_mem_bw: Optional[float] = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):
@@ -129,10 +140,16 @@ class HardwareProfile:
             raise ValueError("HardwareProfile.cache_hit_rate must be within [0, 1]")
         if self.row_granularity_bytes < 1:
             raise ValueError("HardwareProfile.row_granularity_bytes must be >= 1")
-        if self.dense_update_bw is not None and not (self.dense_update_bw > 0 and math.isfinite(self.dense_update_bw)):
-            raise ValueError(
-                f"HardwareProfile.dense_update_bw must be None or a positive finite number, got {self.dense_update_bw!r}"
-            )
+        for name in RATE_FALLBACK:
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"HardwareProfile.{name} must be None or a positive finite number, got {v!r}")
+
+    def rate(self, name: str) -> float:
+        """The value of rate field ``name``, or of the field it falls back to when it is None
+        (:data:`RATE_FALLBACK`)."""
+        v = getattr(self, name)
+        return float(v if v is not None else getattr(self, RATE_FALLBACK[name]))
 
     # -- derived rates -------------------------------------------------------------------
     def row_bytes(self, dim: int, elem_bytes: int) -> int:

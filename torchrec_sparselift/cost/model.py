@@ -15,7 +15,8 @@ Everything here is a pure function of immutable inputs. The equations (also in d
   where each rank's bytes are what its shards send/receive plus its share of its peers' traffic.
 * data-parallel tables and the dense model all-reduce their gradients:
   ``t = latency + 2 (W-1)/W * bytes / allreduce_bw``.
-* dense compute: ``flops / dense_flops`` (forward 1/3, backward 2/3 of ``6 * params * B``).
+* dense compute, forward (the backward is twice it): ``B * (flops / dense_flops + interaction_flops /
+  interaction_flops_rate + activation_bytes / dense_mem_bw)`` per rank (:func:`dense_fwd_s`).
 * the pipeline kind decides what overlaps (:mod:`torchrec_sparselift.cost.pipelines`, the one
   description the step total, the LP rows, the explain timeline and the report derive from).
 """
@@ -57,6 +58,7 @@ __all__ = [
     "rank_times",
     "node_time",
     "dp_optimizer_s",
+    "dense_fwd_s",
 ]
 
 COMPONENTS = (
@@ -154,7 +156,7 @@ def node_time(node: Node, profile: HardwareProfile) -> float:
             per = profile.dp_table_overhead_s if node.kind == "dp_table_work" else profile.table_overhead_s
             return node.quantity * per
     if node.resource == "dense_update":  # dense optimizer pass over a data-parallel replica
-        return node.quantity / (profile.dense_update_bw or profile.hbm_bw)
+        return node.quantity / profile.rate("dense_update_bw")
     raise ValueError(f"node {node.kind} on {node.resource} has no compute time")
 
 
@@ -242,6 +244,16 @@ def rank_times(loads: np.ndarray, ctx: CostContext, fwd_precision: str = "fp32",
     return table[:, _COMPUTE_COLS].sum(axis=1), table[:, _LINK_COLS].sum(axis=1)
 
 
+def dense_fwd_s(ctx: CostContext) -> float:
+    """Seconds of the dense forward on one rank (the backward costs twice this): the weights'
+    products at ``dense_flops``, the parameter-free interaction products at ``interaction_flops``,
+    the activations written at ``dense_mem_bw``."""
+    p, d = ctx.profile, ctx.dense
+    return ctx.batch_size * (d.fwd_flops_per_sample / p.dense_flops
+                             + d.interaction_flops_per_sample / p.rate("interaction_flops")
+                             + d.activation_bytes_per_sample / p.rate("dense_mem_bw"))
+
+
 def phase_table(
     colmax: np.ndarray,
     allreduce_bytes: float,
@@ -259,7 +271,7 @@ def phase_table(
     lat = p.collective_latency_s * comm_groups if ctx.world_size > 1 else 0.0
     link_in = np.maximum(cm[:, IN_INTRA] / p.intra_host_bw, cm[:, IN_INTER] / p.inter_host_bw)
     link_out = np.maximum(cm[:, OUT_INTRA] / p.intra_host_bw, cm[:, OUT_INTER] / p.inter_host_bw)
-    dense_fwd = ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    dense_fwd = dense_fwd_s(ctx)
     seconds = {
         "input_dist": lat + link_in,
         "uvm_fetch": cm[:, UVM],

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
-from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost.hardware import RATE_FALLBACK, HardwareProfile
 
 __all__ = [
     "FitTerm",
@@ -71,6 +71,8 @@ CPU_STEP_TERMS: Tuple[FitTerm, ...] = (
     FitTerm("dp_table_overhead_s", ("dp_table_overhead_s",), step=1e-5),
     FitTerm("1/dense_update_bw", ("dense_update_bw",), reciprocal=True, step=1e-11),
     FitTerm("bucketize_id_s", ("bucketize_id_s",), step=1e-8),
+    FitTerm("1/interaction_flops", ("interaction_flops",), reciprocal=True, step=1e-12),
+    FitTerm("1/dense_mem_bw", ("dense_mem_bw",), reciprocal=True, step=1e-11),
 )
 
 
@@ -118,10 +120,7 @@ class StepFit:
 
 def term_value(profile: HardwareProfile, term: FitTerm) -> float:
     """The term's current value in ``profile`` (its first field; reciprocal for rates)."""
-    v = getattr(profile, term.fields[0])
-    if v is None:  # an optional rate that falls back to another field
-        v = getattr(profile, "hbm_bw")
-    v = float(v)
+    v = profile.rate(term.fields[0]) if term.fields[0] in RATE_FALLBACK else float(getattr(profile, term.fields[0]))
     return 1.0 / v if term.reciprocal else v
 
 

@@ -31,6 +31,7 @@ from torchrec_sparselift.cost.model import (
     OUT_INTRA,
     PRECISION_BYTES,
     UVM,
+    dense_fwd_s,
     step_total_batch,
 )
 from torchrec_sparselift.cost.pipelines import effective_pipeline, paths
@@ -93,7 +94,7 @@ def fixed_terms(ctx) -> FixedTerms:
     ms = 1e3
     p = ctx.profile
     W = ctx.world_size
-    dense_fwd = ms * ctx.dense.fwd_flops_per_sample * ctx.batch_size / p.dense_flops
+    dense_fwd = ms * dense_fwd_s(ctx)
     dense_bwd = 2 * dense_fwd
     overlap = bool(getattr(p, "supports_overlap", True))
     return FixedTerms(

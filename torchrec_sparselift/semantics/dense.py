@@ -1,8 +1,21 @@
-"""The dense part of a model as the planner sees it: parameter bytes and forward FLOPs per sample.
+"""The dense part of a model as the planner sees it: parameter bytes, FLOPs and activation bytes
+per sample.
 
 What is *not* an embedding table is dense work: every rank holds it (data parallel), runs it each
 step and all-reduces its gradients. :func:`dense_work` reads it off the module; the cost layer
-prices it (:mod:`torchrec_sparselift.cost.model`).
+prices it (:mod:`torchrec_sparselift.cost.model`):
+
+- ``fwd_flops_per_sample``: 2 FLOPs per dense weight per sample (the MLPs' and cross layers'
+  matrix products).
+- ``interaction_flops_per_sample``: parameter-free batched products (DLRM's pairwise dot
+  interaction ``InteractionArch``: a ``(F+1) x D`` by ``D x (F+1)`` product per sample). Small
+  batched matrices run at a fraction of a large matmul's rate on CPU, so they are priced apart.
+- ``activation_bytes_per_sample``: the tensors the dense forward writes that its FLOPs do not
+  account for, each read again by the backward: the pooled embeddings gathered into the dense
+  input (``F * D``), every linear layer's output and its activation, the interaction's concatenation,
+  pairwise products and their upper triangle (DLRM), the cross layers' per-layer intermediates
+  (DCN). Attribution of real CPU steps found these the larger part of the dense step
+  (docs/cost_model.md, "Dense part").
 """
 
 from __future__ import annotations
@@ -16,25 +29,34 @@ from torchrec_sparselift.semantics.tables import TableHandle
 
 __all__ = ["DenseWork", "dense_work"]
 
+#: bytes of one activation element (fp32 training)
+_ACT_BYTES = 4
+
 
 @attrs.frozen
 class DenseWork:
-    """The dense part of the model, per rank: parameters and FLOPs per sample (forward)."""
+    """The dense part of the model, per rank and sample (forward): parameter bytes, FLOPs of
+    the weights' products, FLOPs of parameter-free batched products, activation bytes written."""
 
     param_bytes: float = 0.0
     fwd_flops_per_sample: float = 0.0
+    interaction_flops_per_sample: float = 0.0
+    activation_bytes_per_sample: float = 0.0
 
 
 def dense_work(module: nn.Module, handles: Sequence[TableHandle]) -> DenseWork:
-    """Dense parameters (bytes) and forward FLOPs per sample, from the module's non-embedding
-    parameters (2 FLOPs per weight per sample: a multiply and an add) plus known parameter-free
-    work (DLRM's dot interaction)."""
+    """Dense parameters (bytes), FLOPs and activation bytes per sample, from the module's
+    non-embedding parameters (2 FLOPs per weight per sample: a multiply and an add), the layers
+    TorchRec's models are built of (``nn.Linear``, DLRM's ``InteractionArch``, DCN's cross nets)
+    and the pooled embeddings the sharded modules hand to the dense part."""
     sparse_ids = {id(h.tensor) for h in handles}
     sharded_modules = {id(h.module[1]) for h in handles}
     skip = set()
+    skip_modules = set()
     for m in module.modules():
         if id(m) in sharded_modules:
             skip.update(id(p) for p in m.parameters())
+            skip_modules.update(id(s) for s in m.modules())
     numel = 0
     nbytes = 0
     for p in module.parameters():
@@ -42,19 +64,40 @@ def dense_work(module: nn.Module, handles: Sequence[TableHandle]) -> DenseWork:
             continue
         numel += p.numel()
         nbytes += p.numel() * p.element_size()
-    flops = 2.0 * numel + _interaction_flops(module, handles)
-    return DenseWork(param_bytes=float(nbytes), fwd_flops_per_sample=flops)
+    inter_flops, inter_elems = _interaction(module, handles)
+    layer_elems = sum(2 * m.out_features for m in module.modules()
+                      if isinstance(m, nn.Linear) and id(m) not in skip_modules)  # output + activation
+    pooled_elems = sum(h.spec.embedding_dim * len(h.spec.feature_names) for h in handles if h.spec.is_pooled)
+    return DenseWork(param_bytes=float(nbytes), fwd_flops_per_sample=2.0 * numel,
+                     interaction_flops_per_sample=inter_flops,
+                     activation_bytes_per_sample=float(_ACT_BYTES * (pooled_elems + layer_elems + inter_elems)))
 
 
-def _interaction_flops(module: nn.Module, handles: Sequence[TableHandle]) -> float:
-    """FLOPs per sample of parameter-free dense work TorchRec models do: DLRM's pairwise dot
-    interaction (``InteractionArch``: a batched ``(F+1) x D`` by ``D x (F+1)`` product)."""
+def _interaction(module: nn.Module, handles: Sequence[TableHandle]) -> tuple:
+    """``(FLOPs, activation elements)`` per sample of the parameter-free feature interactions
+    TorchRec's models do: DLRM's ``InteractionArch`` (concatenate the dense and ``F`` sparse
+    vectors, ``(F+1) x (F+1)`` dot products, gather their upper triangle ``P = F (F+1) / 2``,
+    concatenate with the dense vector) and DCN's cross nets (``InteractionDCNArch``: concatenate
+    to ``N = (F+1) D``; per layer a rank-``r`` projection, its ``N`` back-projection, the product
+    with ``x0`` and the residual sum)."""
     dims = [h.spec.embedding_dim for h in handles]
     if not dims:
-        return 0.0
+        return 0.0, 0.0
     dim = max(dims)
-    total = 0.0
+    flops = 0.0
+    elems = 0.0
     for m in module.modules():
-        if type(m).__name__ == "InteractionArch" and isinstance(getattr(m, "F", None), int):
-            total += 2.0 * (m.F + 1) ** 2 * dim
-    return total
+        name = type(m).__name__
+        F = getattr(m, "F", None)
+        if name == "InteractionArch" and isinstance(F, int):
+            pairs = F * (F + 1) // 2
+            flops += 2.0 * (F + 1) ** 2 * dim
+            elems += (F + 1) * dim + (F + 1) ** 2 + pairs + (dim + pairs)
+        elif name == "InteractionDCNArch" and isinstance(F, int):
+            n = (F + 1) * dim
+            elems += n
+            cross = getattr(m, "crossnet", None)
+            layers = int(getattr(cross, "_num_layers", 0) or 0)
+            rank = int(getattr(cross, "_low_rank", 0) or 0)
+            elems += layers * (3 * n + rank)
+    return flops, elems
