@@ -116,6 +116,15 @@ def _spread(runs: Sequence[float]) -> float:
     return max(runs) / min(runs) - 1.0 if runs else 0.0
 
 
+def paired_ratio(a_runs: Sequence[float], b_runs: Sequence[float]) -> float:
+    """Median over rounds of ``a / b`` measured in the same round (interleaved A/B: a slow stretch
+    of the machine slows both runs of its round, so it cancels in their ratio)."""
+    pairs = [a / b for a, b in zip(a_runs, b_runs) if b > 0]
+    if not pairs:
+        raise ValueError("paired_ratio needs rounds where both plans ran")
+    return statistics.median(pairs)
+
+
 def geomean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
@@ -288,10 +297,13 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: Op
             rep += 1
             say(f"[real_runs] {w.name} round {rep}/{args.reps}{'+' if rep > args.reps else ''}: "
                 + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in todo) + " ms")
-            # after the --reps rounds: more rounds (interleaved) only for the plans whose rounds still
-            # spread more than --tolerance, up to --max-reps (a disturbance only slows a run down)
-            todo = list(runners) if rep < args.reps else [
-                r for r in runners if rep < args.max_reps and _spread(r["runs"]) > args.tolerance]
+            # after the --reps rounds: more rounds, up to --max-reps, while any plan's rounds still
+            # spread more than --tolerance; every plan runs in every round, so all medians and the
+            # paired ratios cover the same stretch of the machine's drift (extra rounds for the noisy
+            # plans only had a plan measured once in a slow stretch compared with one that was not)
+            more = rep < args.reps or (rep < args.max_reps and any(_spread(r["runs"]) > args.tolerance
+                                                                    for r in runners))
+            todo = list(runners) if more else []
     drift = None
     if ref is not None and ref_cal_s and not args.keep_models:
         drift = (ref_before + ref.measure()) / 2 / ref_cal_s
@@ -312,10 +324,12 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: Op
     guard_pick = min(guard_pool, key=lambda p: by[p]["runs_ms"][0])
     meas = [row["measured_ms"] for row in rows]
     pred = [row["predicted_ms"] for row in rows]
+    paired = paired_ratio(by["torchrec"]["runs_ms"], by["sparselift"]["runs_ms"])
     return dict(_plans=saved_plans, workload=w.name, tables=len(w.tables),
                 same_plan_as_torchrec=keys["sparselift"] == keys["torchrec"], features=sum(len(t.features) for t in w.tables),
                 batch_size=w.batch_size, alpha=alpha, rows=rows, best=best["plan"],
-                torchrec_over_ours=theirs / ours, ours_over_best=ours / best["measured_ms"],
+                torchrec_over_ours=theirs / ours, torchrec_over_ours_paired=paired,
+                ours_over_best=ours / best["measured_ms"],
                 best_over_torchrec=theirs / best["measured_ms"],
                 guard_pick=guard_pick, guard_torchrec_over=theirs / by[guard_pick]["measured_ms"],
                 mape=mape(pred, meas), spearman=spearman(pred, meas), drift=drift,
@@ -333,7 +347,10 @@ def format_workload(res: Dict[str, Any]) -> str:
                      f"{r['predicted_ms'] / r['measured_ms']:>10.2f}{r['measured_ms'] / best:>9.3f}"
                      f"{len(r['runs_ms']):>7}{r.get('spread', 0.0) * 100:>7.1f}%")
     same = " (the same plan: the difference is noise)" if res.get("same_plan_as_torchrec") else ""
-    lines.append(f"TorchRec/SparseLift {res['torchrec_over_ours']:.3f}x{same}; SparseLift/best {res['ours_over_best']:.3f}; "
+    paired = res.get("torchrec_over_ours_paired")
+    lines.append(f"TorchRec/SparseLift {res['torchrec_over_ours']:.3f}x{same}"
+                 + (f" (paired by round {paired:.3f}x)" if paired else "") + "; "
+                 f"SparseLift/best {res['ours_over_best']:.3f}; "
                  f"best plan {res['best']} ({res['best_over_torchrec']:.3f}x over TorchRec); guard keeps "
                  f"{res['guard_pick']} ({res['guard_torchrec_over']:.3f}x over TorchRec); MAPE "
                  f"{res['mape'] * 100:.1f}%, Spearman {res['spearman']:.2f}"
@@ -482,6 +499,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         all_meas = [row["measured_ms"] for r in results for row in r["rows"]]
         summary = dict(
             geomean_torchrec_over_ours=geomean(ratios),
+            geomean_torchrec_over_ours_paired=geomean([r["torchrec_over_ours_paired"] for r in results]),
             geomean_torchrec_over_guard=geomean([r["guard_torchrec_over"] for r in results]),
             geomean_best_over_torchrec=geomean([r["best_over_torchrec"] for r in results]),
             min_torchrec_over_ours=min(ratios),
@@ -497,7 +515,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if results else float("nan"),
         )
         say(f"\n[real_runs] geomean TorchRec/SparseLift {summary['geomean_torchrec_over_ours']:.3f}x "
-            f"(worst {summary['min_torchrec_over_ours']:.3f}x); with the guard's pick "
+            f"(worst {summary['min_torchrec_over_ours']:.3f}x; paired by round "
+            f"{summary['geomean_torchrec_over_ours_paired']:.3f}x); with the guard's pick "
             f"{summary['geomean_torchrec_over_guard']:.3f}x; best measured plan over TorchRec (headroom) "
             f"{summary['geomean_best_over_torchrec']:.3f}x; SparseLift/best worst {summary['max_ours_over_best']:.3f}; "
             f"SparseLift >= 0.98x TorchRec on {summary['workloads_ours_ge_098_torchrec']}/{len(results)} workloads, "

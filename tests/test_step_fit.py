@@ -259,3 +259,28 @@ def test_fit_profile_takes_group_cases_and_judges_on_the_steps():
     assert fitted.hbm_bw == pytest.approx(10e9, rel=1e-4)
     assert fitted.step_overhead_s == pytest.approx(2e-3, rel=1e-3)
     assert [r[1] for r in fit.residuals] == ["step"] * 3
+
+
+def test_a_profile_fitted_before_the_current_terms_is_stale(tmp_path, monkeypatch):
+    """A stored step fit that lacks a current term (an older cost model's) makes ``--check`` fail
+    (run_dlrm.sh recalibrates) and ``auto_profile`` warn, naming the term."""
+    from torchrec_sparselift import step_calibration as sc
+
+    store = ProfileStore(str(tmp_path))
+    monkeypatch.setattr(sc, "current_fingerprint", lambda device, ranks: _fp())
+    monkeypatch.setenv("NPROC", "2")
+    prof = attrs.evolve(PRESETS["cpu-gloo"], name="fitted")
+    old_terms = {t.name: 1e-6 for t in CPU_STEP_TERMS if t.name not in ("1/dense_mem_bw", "bucketize_id_s")}
+    store.save(prof, _fp(), info={"fit": {"values": old_terms}, "host_terms": {"bucketize_id_s": 1e-8}})
+    assert sc.missing_terms(store.lookup(_fp())[0].info) == ["1/dense_mem_bw"]
+    assert sc.main(["--check", "--store", str(tmp_path)]) == 1
+    warned = []
+    got, _where = sc.auto_profile("cpu", 2, store=store, warn=warned.append)
+    assert got == prof and len(warned) == 1 and "1/dense_mem_bw" in warned[0]
+    store.save(prof, _fp(), info={"fit": {"values": {**old_terms, "1/dense_mem_bw": 1e-9}},
+                                  "host_terms": {"bucketize_id_s": 1e-8}})
+    assert sc.missing_terms(store.lookup(_fp())[0].info) == []
+    assert sc.main(["--check", "--store", str(tmp_path)]) == 0
+    warned.clear()
+    sc.auto_profile("cpu", 2, store=store, warn=warned.append)
+    assert warned == []

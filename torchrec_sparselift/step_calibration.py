@@ -46,7 +46,7 @@ from torchrec_sparselift.cost.step_fit import (
     with_terms,
 )
 
-__all__ = ["PlanPricer", "REFERENCE_PLAN", "reference_drifts", "auto_profile", "calibrate_steps", "measure_probes", "fit_measurements", "add_feedback", "base_profile", "forced_plan", "main",
+__all__ = ["PlanPricer", "REFERENCE_PLAN", "reference_drifts", "missing_terms", "auto_profile", "calibrate_steps", "measure_probes", "fit_measurements", "add_feedback", "base_profile", "forced_plan", "main",
            "COMMITTED_CPU_PROFILE"]
 
 logger = logging.getLogger(__name__)
@@ -144,10 +144,14 @@ def auto_profile(device: str, ranks: int, store: Optional[ProfileStore] = None,
     store = store or ProfileStore()
     fp = current_fingerprint(device, ranks)
     found, diff = store.lookup(fp)
-    if found is not None and not diff:
-        return found.profile, found.path
     how = ("calibrate this machine with `torchrun --standalone --nproc_per_node "
            f"{ranks} -m torchrec_sparselift.step_calibration`")
+    if found is not None and not diff:
+        missing = missing_terms(found.info)
+        if missing:
+            warn(f"sparselift: this machine's profile {found.path} was fitted before the cost model had "
+                 f"{', '.join(missing)} (they take their fallback values): predictions may be off; {how}")
+        return found.profile, found.path
     if found is not None:
         warn(f"sparselift: no calibrated profile for this machine; using {found.path} from another machine "
              f"(differs in {'; '.join(diff)}): predictions may be off; {how}")
@@ -156,6 +160,17 @@ def auto_profile(device: str, ranks: int, store: Optional[ProfileStore] = None,
     warn(f"sparselift: no calibrated profile for this machine in {store.root}; using {base.name}: "
          f"predictions may be off; {how}")
     return base, base.name
+
+
+def missing_terms(info: Optional[Mapping[str, Any]]) -> List[str]:
+    """The step-fit terms (:data:`~torchrec_sparselift.cost.step_fit.CPU_STEP_TERMS`) a stored
+    profile's fit (its ``info``) neither fitted nor fixed from host measurements: it was calibrated by
+    an older cost model. Empty for a profile with no step fit (a microbenchmark profile)."""
+    fit = (info or {}).get("fit") or {}
+    if not fit.get("values"):
+        return []
+    fixed = {"bucketize_id_s"} if (info or {}).get("host_terms") else set()
+    return [t.name for t in CPU_STEP_TERMS if t.name not in fit["values"] and t.name not in fixed]
 
 
 def _topology(world_size: int, device: str):
@@ -254,12 +269,17 @@ def measure_probes(
                                       ref_w.batch_size, pg, base)
             ref_batches = probe.prebuilt_batches(ref_w, 6, seed=0, rank=rank)
         torch.manual_seed(0)
+        n_warm = probe.DEFAULT_TIMING["warmup"] if warmup is None else warmup
+        n_steps = max(REFERENCE_STEPS, probe.DEFAULT_TIMING["steps"] if steps is None else steps)
         m = probe.measure_plan(f"reference {ref_w.name}/{REFERENCE_PLAN[1]}", lambda: probe.probe_model(ref_w),
-                               ref_plan, ref_batches, steps, warmup, pg=pg, device=device)
+                               ref_plan, ref_batches, n_steps, n_warm, pg=pg, device=device)
+        # the lower quartile of its steps: a slow stretch of the machine slows them all, a transient
+        # (a neighbour's burst of a few hundred ms) only some (a single reading's median was once 1.6x)
+        sec = float(np.quantile(np.asarray(m.durations_s[n_warm:]), 0.25))
         if bar is not None:
-            bar.set_postfix_str(f"reference {m.median_s * 1e3:.1f} ms", refresh=False)
+            bar.set_postfix_str(f"reference {sec * 1e3:.1f} ms", refresh=False)
             bar.update(1)
-        return m.median_s
+        return sec
 
     refs = [reference()] if normalize else []
     raw = []
@@ -294,6 +314,8 @@ def measure_probes(
 #: The plan measured before and after each probe workload to normalize the machine's drift
 #: (:func:`measure_probes`): ``(workload, kind)``.
 REFERENCE_PLAN = ("probe_many", "table_wise")
+#: Timed steps of each reference measurement (at least; its lower quartile is the reading).
+REFERENCE_STEPS = 30
 
 
 def reference_drifts(refs: Sequence[float]) -> List[float]:
@@ -502,14 +524,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "times here (refit later with --from-measurements)")
     p.add_argument("--from-measurements", metavar="PATH", help="refit from saved measurements (no torchrun, no "
                    "measuring) and store the profile")
-    p.add_argument("--check", action="store_true", help="exit 0 if this machine has a stored profile, else 1 "
-                   "(no torch, no measuring)")
+    p.add_argument("--check", action="store_true", help="exit 0 if this machine has a stored profile fitted "
+                   "with the current cost model's terms, else 1 (no torch, no measuring)")
     args = p.parse_args(argv)
     store = ProfileStore(args.store)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("NPROC", "1")))
     if args.check:
         found, diff = store.lookup(current_fingerprint("cpu", ranks))
-        return 0 if found is not None and not diff else 1
+        return 0 if found is not None and not diff and not missing_terms(found.info) else 1
     if args.from_measurements:
         import pickle
 
