@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from torchrec_sparselift.cost.microbench import HostTermRecord, bench_host_terms
+from torchrec_sparselift.cost.microbench import HostTermRecord, bench_dense_terms, bench_host_terms
 from torchrec_sparselift.cost.step_fit import CPU_STEP_TERMS, FitRecord, term_value
 from torchrec_sparselift.step_calibration import base_profile, host_fit_setup
 
@@ -80,3 +80,39 @@ def test_host_terms_across_two_ranks_measure_the_all_to_all_byte_and_agree():
     _base, terms, floors = host_fit_setup(base_profile("cpu"), a)
     assert "1/a2a_bw" in {t.name for t in terms}  # fitted, above the bare collective's cost
     assert floors["1/a2a_bw"] == a["a2a_byte_s"]
+
+
+def test_bench_dense_terms_recovers_a_known_byte_and_flop_cost(monkeypatch):
+    """The least squares separates bytes from FLOPs across the shapes: a synthetic timing of
+    known per-byte and per-FLOP cost (plus a constant) comes back."""
+    from torchrec_sparselift.cost import microbench
+    from torchrec_sparselift.semantics.dense import ACTIVATION_BYTES, dlrm_interaction
+
+    per_byte, per_flop = 1.2e-9, 3e-11
+
+    def fake(b, f, d, device, trials):
+        flops, elems = dlrm_interaction(f, d)
+        return 2e-4 + per_byte * b * ACTIVATION_BYTES * (elems + f * d) + per_flop * b * flops
+
+    monkeypatch.setattr(microbench, "_dlrm_dense_s", fake)
+    got_byte, got_flop = microbench.bench_dense_terms()
+    assert got_byte == pytest.approx(per_byte, rel=1e-6)
+    assert got_flop == pytest.approx(per_flop, rel=1e-6)
+
+
+def test_bench_dense_terms_measures_a_plausible_byte_cost():
+    byte_s, flop_s = bench_dense_terms(trials=3)
+    # forward + backward of cat/split/interaction per activation byte: a memory pass or a few (0.01-50 ns)
+    assert 1e-11 < byte_s < 5e-8
+    assert 0 <= flop_s < 1e-9
+
+
+def test_host_fit_setup_floors_the_dense_rates_at_a_third_of_their_measured_cost():
+    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9,
+                          dense_act_byte_s=1.2e-9, interaction_flop_s=3e-11)
+    _fixed, _terms, floors = host_fit_setup(base_profile("cpu"), host)
+    # the model prices the forward at the rate and the backward at twice it
+    assert floors["1/dense_mem_bw"] == pytest.approx(0.4e-9)
+    assert floors["1/interaction_flops"] == pytest.approx(1e-11)
+    no_dense = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9)
+    assert "1/dense_mem_bw" not in host_fit_setup(base_profile("cpu"), no_dense)[2]

@@ -362,11 +362,12 @@ def host_terms(pg: Any = None) -> Any:
         return rec
     import torch.distributed as dist
 
-    t = torch.tensor([rec.optimizer_tensor_s, rec.optimizer_byte_s, rec.bucketize_id_s], dtype=torch.float64)
+    t = torch.tensor([rec.optimizer_tensor_s, rec.optimizer_byte_s, rec.bucketize_id_s, rec.dense_act_byte_s,
+                      rec.interaction_flop_s], dtype=torch.float64)
     dist.all_reduce(t, group=pg)
     t /= dist.get_world_size(pg)
     return HostTermRecord(optimizer_tensor_s=float(t[0]), optimizer_byte_s=float(t[1]), bucketize_id_s=float(t[2]),
-                          a2a_byte_s=a2a)
+                          a2a_byte_s=a2a, dense_act_byte_s=float(t[3]), interaction_flop_s=float(t[4]))
 
 
 def host_fit_setup(base: HardwareProfile, host: Optional[Any]
@@ -377,8 +378,9 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
     the measured kernel cost and over-priced row-wise plans with many ids), and the data-parallel
     optimizer's per-table (``dp_table_overhead_s``) and per-byte (``1/dense_update_bw``, the model's
     dense update moves 3x the replica's bytes) terms are fitted above what ``Adagrad.step`` alone
-    costs (DDP's per-parameter work and cold caches come on top), and ``1/a2a_bw`` above the bare
-    all-to-all's per-byte cost (measured across ranks; 0 when not)."""
+    costs (DDP's per-parameter work and cold caches come on top), ``1/a2a_bw`` above the bare
+    all-to-all's per-byte cost (measured across ranks; 0 when not), and the dense activation and
+    interaction rates above their cost measured alone (``microbench.bench_dense_terms``)."""
     if host is None:
         return base, tuple(CPU_STEP_TERMS), {}
     if isinstance(host, Mapping):
@@ -395,6 +397,13 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
         # Fixing it at the bare cost made the planner keep kaggle/dcnv2 table-wise but priced every
         # plan 6-18% low (docs/calibration.md), so it is a floor, not the value.
         floors["1/a2a_bw"] = float(host.a2a_byte_s)
+    # the dense part's parameter-free work measured alone (forward + backward = 3x the forward the
+    # rates price): the probes cannot tell activation bytes from FLOPs (their ratio is within
+    # 0.06-0.12 B/FLOP on all four probe models), fitted freely the byte rate went to 0 or infinity
+    for term, value in (("1/dense_mem_bw", getattr(host, "dense_act_byte_s", 0.0)),
+                        ("1/interaction_flops", getattr(host, "interaction_flop_s", 0.0))):
+        if value > 0:
+            floors[term] = float(value) / 3.0
     return base, terms, floors
 
 

@@ -581,6 +581,10 @@ class HostTermRecord:
     #: an all-to-all's cost per byte a rank sends or receives (the graph's link bytes), measured
     #: across the ranks of a process group (:func:`bench_a2a_byte_s`); 0: not measured (one rank)
     a2a_byte_s: float = 0.0
+    #: the dense part's parameter-free work, forward + backward (:func:`bench_dense_terms`): seconds
+    #: per activation byte the forward writes and per interaction FLOP (0: not measured)
+    dense_act_byte_s: float = 0.0
+    interaction_flop_s: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         return attrs.asdict(self)
@@ -604,6 +608,59 @@ def _bucketize_s(ids: int, device: torch.device, trials: int) -> float:
                          trials=trials, target_trial_s=0.01, max_inner=200)
 
 
+#: ``(batch, features, dim)`` of :func:`bench_dense_terms`: activation bytes per interaction FLOP
+#: spread about 2x across them, so the two rates separate.
+DENSE_SHAPES: Tuple[Tuple[int, int, int], ...] = ((256, 4, 128), (256, 8, 64), (256, 32, 16), (256, 48, 8),
+                                                  (512, 16, 64))
+
+
+def _dlrm_dense_s(batch: int, features: int, dim: int, device: torch.device, trials: int) -> float:
+    """Seconds per forward + backward of what a DLRM step does between the pooled embeddings and
+    its MLPs: split the pooled ``(B, F D)`` values per feature and concatenate them (TorchRec's
+    ``SparseArch`` after ``KeyedTensor.to_dict``), then ``InteractionArch``."""
+    from torchrec.models.dlrm import InteractionArch
+
+    inter = InteractionArch(num_sparse_features=features).to(device)
+    pooled = torch.randn(batch, features * dim, device=device, requires_grad=True)
+    dense = torch.randn(batch, dim, device=device, requires_grad=True)
+
+    def step() -> None:
+        parts = torch.split(pooled, dim, dim=1)
+        sparse = torch.cat(parts, dim=1).reshape(batch, features, dim)
+        inter(dense, sparse).sum().backward()
+
+    return time_per_call(step, device, warmup=2, trials=trials, target_trial_s=0.02, max_inner=50)
+
+
+def bench_dense_terms(device: Optional[torch.device] = None, trials: int = 5,
+                      shapes: Tuple[Tuple[int, int, int], ...] = DENSE_SHAPES) -> Tuple[float, float]:
+    """``(seconds per activation byte, seconds per interaction FLOP)`` of the dense part's
+    parameter-free work, forward + backward, on ``device``: :func:`_dlrm_dense_s` at ``shapes``,
+    non-negative least squares against the quantities the model counts for it
+    (:func:`~torchrec_sparselift.semantics.dense.dlrm_interaction` plus the pooled ``F D``), with a
+    constant per call. ``(0, 0)`` without torchrec."""
+    from scipy.optimize import nnls
+
+    from torchrec_sparselift.semantics.dense import ACTIVATION_BYTES, dlrm_interaction
+
+    try:
+        import torchrec.models.dlrm  # noqa: F401
+    except ImportError:
+        return 0.0, 0.0
+    device = device or torch.device("cpu")
+    rows, secs = [], []
+    for b, f, d in shapes:
+        flops, elems = dlrm_interaction(f, d)
+        rows.append([b * ACTIVATION_BYTES * (elems + f * d), b * flops, 1.0])
+        secs.append(_dlrm_dense_s(b, f, d, device, trials))
+    a = torch.tensor(rows, dtype=torch.float64).numpy()
+    y = torch.tensor(secs, dtype=torch.float64).numpy()
+    scale = a.max(axis=0)
+    x, _res = nnls(a / scale, y)
+    x = x / scale
+    return float(x[0]), float(x[1])
+
+
 def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5) -> HostTermRecord:
     """Measure :class:`HostTermRecord` on ``device`` (CPU by default; about a second). Each cost is
     the slope between a small and a large case, so fixed per-call costs (the Python call,
@@ -623,7 +680,9 @@ def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5) -> 
         per_id = max(0.0, (_bucketize_s(hi, device, trials) - _bucketize_s(lo, device, trials)) / (hi - lo))
     else:
         per_id = 0.0
-    return HostTermRecord(optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id)
+    act_byte_s, inter_flop_s = bench_dense_terms(device, trials)
+    return HostTermRecord(optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id,
+                          dense_act_byte_s=act_byte_s, interaction_flop_s=inter_flop_s)
 
 
 def bench_a2a_byte_s(pg: Any, device: Optional[torch.device] = None, trials: int = 15) -> float:

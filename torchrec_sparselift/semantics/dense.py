@@ -20,17 +20,17 @@ prices it (:mod:`torchrec_sparselift.cost.model`):
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import attrs
 from torch import nn
 
 from torchrec_sparselift.semantics.tables import TableHandle
 
-__all__ = ["DenseWork", "dense_work"]
+__all__ = ["DenseWork", "dense_work", "dlrm_interaction", "ACTIVATION_BYTES"]
 
-#: bytes of one activation element (fp32 training)
-_ACT_BYTES = 4
+#: Bytes of one activation element (fp32 training).
+ACTIVATION_BYTES = 4
 
 
 @attrs.frozen
@@ -70,7 +70,17 @@ def dense_work(module: nn.Module, handles: Sequence[TableHandle]) -> DenseWork:
     pooled_elems = sum(h.spec.embedding_dim * len(h.spec.feature_names) for h in handles if h.spec.is_pooled)
     return DenseWork(param_bytes=float(nbytes), fwd_flops_per_sample=2.0 * numel,
                      interaction_flops_per_sample=inter_flops,
-                     activation_bytes_per_sample=float(_ACT_BYTES * (pooled_elems + layer_elems + inter_elems)))
+                     activation_bytes_per_sample=float(ACTIVATION_BYTES * (pooled_elems + layer_elems + inter_elems)))
+
+
+def dlrm_interaction(num_features: int, dim: int) -> Tuple[float, float]:
+    """``(FLOPs, activation elements)`` per sample of DLRM's ``InteractionArch`` over ``F`` sparse
+    features of width ``D``: the ``(F+1) x (F+1)`` dot products, and the concatenation
+    ``(F+1) D``, the products ``(F+1)^2``, their upper triangle ``P = F (F+1) / 2`` and the output
+    ``D + P`` written."""
+    F, D = int(num_features), int(dim)
+    pairs = F * (F + 1) // 2
+    return 2.0 * (F + 1) ** 2 * D, float((F + 1) * D + (F + 1) ** 2 + pairs + (D + pairs))
 
 
 def _interaction(module: nn.Module, handles: Sequence[TableHandle]) -> tuple:
@@ -90,9 +100,9 @@ def _interaction(module: nn.Module, handles: Sequence[TableHandle]) -> tuple:
         name = type(m).__name__
         F = getattr(m, "F", None)
         if name == "InteractionArch" and isinstance(F, int):
-            pairs = F * (F + 1) // 2
-            flops += 2.0 * (F + 1) ** 2 * dim
-            elems += (F + 1) * dim + (F + 1) ** 2 + pairs + (dim + pairs)
+            f, e = dlrm_interaction(F, dim)
+            flops += f
+            elems += e
         elif name == "InteractionDCNArch" and isinstance(F, int):
             n = (F + 1) * dim
             elems += n
