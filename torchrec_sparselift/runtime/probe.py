@@ -84,11 +84,9 @@ def _tables(prefix: str, spec: Sequence[Tuple[int, int, int, float]]) -> Tuple[P
 #: The probe models: few wide tables (DCN), many small tables, shared multi-feature tables, many
 #: wide tables (DCN).
 PROBE_WORKLOADS: Tuple[ProbeWorkload, ...] = (
-    # a wide over-arch: its FLOPs, not its activation bytes, dominate the dense step (0.01 activation
-    # bytes per FLOP; the others 0.06-0.12), so the fit can tell the two dense rates apart
     ProbeWorkload("probe_wide", _tables("w", [(40000, 128, 1, 4.0), (8000, 128, 1, 1.0), (2000, 128, 1, 2.0),
                                               (500, 128, 1, 1.0)]),
-                  model="dcn", dense=(64, 128), over=(512, 256, 1), batch_size=256),
+                  model="dcn", dense=(64, 128), batch_size=256),
     ProbeWorkload("probe_many", _tables("m", [(300 + 97 * i, 64, 1, 1.0) for i in range(16)]),
                   model="dlrm", dense=(64,), batch_size=256),
     ProbeWorkload("probe_shared", _tables("s", [(20000, 64, 3, 2.0), (5000, 64, 2, 4.0), (1000, 64, 2, 1.0)]),
