@@ -214,10 +214,10 @@ def _run_kept(w, runners, batches, pg, device, args, say) -> None:
     gc.collect()
 
 
-#: The machine-speed reference: a probe plan whose step the calibration measured. Measured again
-#: before and after each workload, it says how much slower or faster the machine runs now than when
-#: the profile was fitted (this VM drifts 10-20% within minutes; docs/benchmarks.md section 10).
-#: the calibration's reference plan (it normalizes the probe measurements by it, too)
+#: The machine-speed reference: the calibration's reference plan (it normalizes the probe
+#: measurements by it, too). Measured again before and after each workload, it says how much slower
+#: or faster the machine runs now than when the profile was fitted (this VM drifts 10-20% within
+#: minutes; docs/benchmarks.md section 10).
 REFERENCE = REFERENCE_PLAN
 
 
@@ -230,34 +230,7 @@ def reference_seconds(info: Optional[Dict[str, Any]]) -> Optional[float]:
     return None
 
 
-class _Reference:
-    """Measures :data:`REFERENCE` on demand (its plan made once)."""
-
-    def __init__(self, profile, pg) -> None:
-        import torch.distributed as dist
-
-        from torchrec_sparselift.runtime import probe
-        from torchrec_sparselift.step_calibration import _topology, forced_plan
-
-        self.w = next(x for x in probe.PROBE_WORKLOADS if x.name == REFERENCE[0])
-        self.plan, _c = forced_plan(probe.probe_model(self.w), self.w.tables, REFERENCE[1],
-                                    _topology(dist.get_world_size(pg), "cpu"), self.w.batch_size, pg, profile)
-        # the calibration's own batches of this probe (measure_probes: 6, seed 0)
-        self.batches = probe.prebuilt_batches(self.w, 6, seed=0, rank=dist.get_rank(pg))
-        self.pg, self.runs = pg, []
-
-    def measure(self) -> float:
-        import torch
-
-        from torchrec_sparselift.runtime.probe import measure_plan, probe_model
-
-        torch.manual_seed(0)
-        m = measure_plan("reference", lambda: probe_model(self.w), self.plan, self.batches, pg=self.pg)
-        self.runs.append(m.median_s)
-        return m.median_s
-
-
-def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: Optional["_Reference"] = None,
+def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: Any = None,
                  ref_cal_s: Optional[float] = None) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -282,7 +255,7 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: Op
         # plan's state or cache warmth carries over; one untimed run first pays the process's one-offs
         measure_plan("warm-up", lambda: probe_model(w), runners[0]["plan"], batches, 2, args.warmup, pg=pg,
                      device=device)
-        ref_before = ref.measure() if ref is not None else None
+        ref_before = ref.measure().median_s if ref is not None else None
         rep = 0
         todo = list(runners)
         while todo:
@@ -306,7 +279,7 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: Op
             todo = list(runners) if more else []
     drift = None
     if ref is not None and ref_cal_s and not args.keep_models:
-        drift = (ref_before + ref.measure()) / 2 / ref_cal_s
+        drift = (ref_before + ref.measure().median_s) / 2 / ref_cal_s
         say(f"[real_runs] {w.name}: the reference plan ({'/'.join(REFERENCE)}) ran {drift:.3f}x its calibration time")
     rows = []
     stat = min if args.stat == "min" else statistics.median
@@ -447,7 +420,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         from torchrec_sparselift.cost.hardware import get_profile
         from torchrec_sparselift.cost.machine import ProfileStore, current_fingerprint
-        from torchrec_sparselift.step_calibration import fit_measurements, host_terms, measure_probes
+        from torchrec_sparselift.step_calibration import ReferencePlan, calibrate_steps
 
         t_start = time.time()
         fp = current_fingerprint("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
@@ -459,25 +432,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             found, diff = store.lookup(fp)
             if found is None or diff or args.calibrate:
                 say("[real_runs] calibrating this machine from the probe workloads first")
-                from torchrec_sparselift.step_calibration import base_profile
-
-                host = host_terms(dist.group.WORLD)
-                base = base_profile("cpu")
-                ms = measure_probes(dist.group.WORLD, "cpu", progress=rank == 0, base=base)
-                if rank == 0 and args.out:  # the probe measurements, for refitting offline
-                    import pickle
-
-                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                    with open(args.out + ".calibration.pkl", "wb") as f:
-                        pickle.dump({"measurements": ms, "host_terms": host.to_dict()}, f)
-                profile, fit, _recs, fit_records = fit_measurements(ms, base, dist.get_world_size(), "cpu",
-                                                                    host=host)
-                if rank == 0:
-                    from torchrec_sparselift.step_calibration import _record_dict
-
-                    store.save(profile, fp, dict(fit=fit.to_dict(), fit_records=[_record_dict(r) for r in fit_records],
-                                                 host_terms=host.to_dict(),
-                                                 created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+                # the probe measurements are kept next to the JSON, for refitting offline
+                profile, fit, _recs, _fit_records = calibrate_steps(
+                    dist.group.WORLD, "cpu", progress=rank == 0, store=store,
+                    save_measurements=args.out + ".calibration.pkl" if args.out else None)
                 source = "calibrated now (probe workloads)"
                 ref_cal_s = reference_seconds(dict(fit=fit.to_dict()))
             else:
@@ -487,7 +445,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"({args.warmup}+{args.steps}) steps, {args.batches} pre-built batches per rank; load {os.getloadavg()[0]:.1f}")
         results = []
         all_plans: Dict[str, Any] = {}
-        ref = _Reference(profile, dist.group.WORLD) if ref_cal_s else None
+        ref = ReferencePlan(dist.group.WORLD, profile) if ref_cal_s else None
         for n in names:
             w, alpha = table[n]
             res = run_workload(w, alpha, profile, dist.group.WORLD, args, say, ref, ref_cal_s)

@@ -46,7 +46,8 @@ from torchrec_sparselift.cost.step_fit import (
     with_terms,
 )
 
-__all__ = ["PlanPricer", "REFERENCE_PLAN", "reference_drifts", "missing_terms", "auto_profile", "calibrate_steps", "measure_probes", "fit_measurements", "add_feedback", "base_profile", "forced_plan", "main",
+__all__ = ["PlanPricer", "REFERENCE_PLAN", "ReferencePlan", "reference_drifts", "missing_terms", "stored_info",
+           "HOST_FIXED_TERMS", "auto_profile", "calibrate_steps", "measure_probes", "fit_measurements", "add_feedback", "base_profile", "forced_plan", "main",
            "COMMITTED_CPU_PROFILE"]
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ def missing_terms(info: Optional[Mapping[str, Any]]) -> List[str]:
     fit = (info or {}).get("fit") or {}
     if not fit.get("values"):
         return []
-    fixed = {"bucketize_id_s"} if (info or {}).get("host_terms") else set()
+    fixed = set(HOST_FIXED_TERMS) if (info or {}).get("host_terms") else set()
     return [t.name for t in CPU_STEP_TERMS if t.name not in fit["values"] and t.name not in fixed]
 
 
@@ -252,9 +253,8 @@ def measure_probes(
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
     device = torch.device(device_type)
     topo = _topology(W, device_type)
-    ref_w = next((w for w in workloads if w.name == REFERENCE_PLAN[0]), workloads[0])
-    ref_plan = None
-    ref_batches = None
+    ref = ReferencePlan(pg, base, next((w for w in workloads if w.name == REFERENCE_PLAN[0]), workloads[0]),
+                        device_type)
     bar = None
     if progress and rank == 0:
         from tqdm import tqdm
@@ -263,16 +263,9 @@ def measure_probes(
                    unit="plan", file=sys.stdout, ascii=True, mininterval=0.5)
 
     def reference() -> float:
-        nonlocal ref_plan, ref_batches
-        if ref_plan is None:
-            ref_plan, _ = forced_plan(probe.probe_model(ref_w), ref_w.tables, REFERENCE_PLAN[1], topo,
-                                      ref_w.batch_size, pg, base)
-            ref_batches = probe.prebuilt_batches(ref_w, 6, seed=0, rank=rank)
-        torch.manual_seed(0)
         n_warm = probe.DEFAULT_TIMING["warmup"] if warmup is None else warmup
         n_steps = max(REFERENCE_STEPS, probe.DEFAULT_TIMING["steps"] if steps is None else steps)
-        m = probe.measure_plan(f"reference {ref_w.name}/{REFERENCE_PLAN[1]}", lambda: probe.probe_model(ref_w),
-                               ref_plan, ref_batches, n_steps, n_warm, pg=pg, device=device)
+        m = ref.measure(n_steps, n_warm)
         # the lower quartile of its steps: a slow stretch of the machine slows them all, a transient
         # (a neighbour's burst of a few hundred ms) only some (a single reading's median was once 1.6x)
         sec = float(np.quantile(np.asarray(m.durations_s[n_warm:]), 0.25))
@@ -306,7 +299,7 @@ def measure_probes(
         out.append((wn, kind, plan, cons, sec / d, att, d))
     if normalize and rank == 0 and progress:
         print("[calibrate] machine speed drift per workload (reference plan "
-              f"{ref_w.name}/{REFERENCE_PLAN[1]}, 1.00 = the calibration's median): "
+              f"{ref.workload.name}/{REFERENCE_PLAN[1]}, 1.00 = the calibration's median): "
               + ", ".join(f"{w.name} {d:.2f}x" for w, d in zip(workloads, drifts)), flush=True)
     return out
 
@@ -316,6 +309,39 @@ def measure_probes(
 REFERENCE_PLAN = ("probe_many", "table_wise")
 #: Timed steps of each reference measurement (at least; its lower quartile is the reading).
 REFERENCE_STEPS = 30
+
+
+class ReferencePlan:
+    """:data:`REFERENCE_PLAN` of ``workload`` (default: that probe model), placed once on ``pg``
+    with ``profile`` (None: the base profile), measured on demand over the calibration's own batches
+    of it (6 per rank, seed 0): the calibration reads it around each probe model, the real-run
+    benchmark around each workload."""
+
+    def __init__(self, pg: Any, profile: Optional[HardwareProfile] = None, workload: Any = None,
+                 device_type: str = "cpu") -> None:
+        import torch.distributed as dist
+
+        from torchrec_sparselift.runtime import probe
+
+        self.workload = workload or next(w for w in probe.PROBE_WORKLOADS if w.name == REFERENCE_PLAN[0])
+        w = self.workload
+        self.pg, self.device_type = pg, device_type
+        self.plan, _cons = forced_plan(probe.probe_model(w), w.tables, REFERENCE_PLAN[1],
+                                       _topology(dist.get_world_size(pg), device_type), w.batch_size, pg, profile)
+        self.batches = probe.prebuilt_batches(w, 6, seed=0, rank=dist.get_rank(pg))
+
+    def measure(self, steps: Optional[int] = None, warmup: Optional[int] = None) -> Any:
+        """One :func:`~torchrec_sparselift.runtime.probe.measure_plan` run of the plan
+        (``steps`` / ``warmup``: the harness's defaults when None)."""
+        import torch
+
+        from torchrec_sparselift.runtime import probe
+
+        torch.manual_seed(0)
+        w = self.workload
+        return probe.measure_plan(f"reference {w.name}/{REFERENCE_PLAN[1]}", lambda: probe.probe_model(w),
+                                  self.plan, self.batches, steps, warmup, pg=self.pg,
+                                  device=torch.device(self.device_type))
 
 
 def reference_drifts(refs: Sequence[float]) -> List[float]:
@@ -362,12 +388,16 @@ def host_terms(pg: Any = None) -> Any:
         return rec
     import torch.distributed as dist
 
-    t = torch.tensor([rec.optimizer_tensor_s, rec.optimizer_byte_s, rec.bucketize_id_s, rec.dense_act_byte_s,
-                      rec.interaction_flop_s], dtype=torch.float64)
+    # every per-rank term averaged over the ranks; the all-to-all's is already the ranks' (slowest)
+    names = [n for n in rec.to_dict() if n != "a2a_byte_s"]
+    t = torch.tensor([getattr(rec, n) for n in names], dtype=torch.float64)
     dist.all_reduce(t, group=pg)
     t /= dist.get_world_size(pg)
-    return HostTermRecord(optimizer_tensor_s=float(t[0]), optimizer_byte_s=float(t[1]), bucketize_id_s=float(t[2]),
-                          a2a_byte_s=a2a, dense_act_byte_s=float(t[3]), interaction_flop_s=float(t[4]))
+    return HostTermRecord(a2a_byte_s=a2a, **{n: float(v) for n, v in zip(names, t)})
+
+
+#: Step-fit terms a calibration with host microbenchmarks takes as measured instead of fitting.
+HOST_FIXED_TERMS = ("bucketize_id_s",)
 
 
 def host_fit_setup(base: HardwareProfile, host: Optional[Any]
@@ -388,7 +418,7 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
 
         host = HostTermRecord(**host)
     base = attrs.evolve(base, bucketize_id_s=float(host.bucketize_id_s))
-    terms = tuple(t for t in CPU_STEP_TERMS if t.name != "bucketize_id_s")
+    terms = tuple(t for t in CPU_STEP_TERMS if t.name not in HOST_FIXED_TERMS)
     floors = {"dp_table_overhead_s": float(host.optimizer_tensor_s),
               "1/dense_update_bw": float(host.optimizer_byte_s) / 3.0}
     if getattr(host, "a2a_byte_s", 0.0) > 0:
@@ -468,15 +498,47 @@ def calibrate_steps(
     warmup: Optional[int] = None,
     progress: bool = True,
     name: str = "step-fit",
+    store: Optional[ProfileStore] = None,
+    save_measurements: Optional[str] = None,
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """:func:`host_terms`, :func:`measure_probes`, then :func:`fit_measurements` (every rank returns
-    the same)."""
+    the same). ``save_measurements``: rank 0 also pickles the probe measurements and host terms
+    there (``--from-measurements`` reads them). ``store``: rank 0 stores the fitted profile under
+    this machine's fingerprint with the fit's records (:func:`stored_info`)."""
+    import pickle
+
     import torch.distributed as dist
 
     base = base or base_profile(device_type)
+    t0 = time.perf_counter()
     host = host_terms(pg)
     ms = measure_probes(pg, device_type, workloads, kinds, steps, warmup, progress, base)
-    return fit_measurements(ms, base, dist.get_world_size(pg), device_type, name, host=host)
+    rank = dist.get_rank(pg)
+    if rank == 0 and save_measurements:
+        os.makedirs(os.path.dirname(os.path.abspath(save_measurements)), exist_ok=True)
+        with open(save_measurements, "wb") as f:
+            pickle.dump({"measurements": ms, "host_terms": host.to_dict()}, f)
+    fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
+                                                      host=host)
+    if rank == 0 and store is not None:
+        fp = current_fingerprint(device_type, int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(pg))))
+        info = stored_info(base, fit, recs, fit_records, fp, host=host.to_dict(),
+                           wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup)
+        store.save(fitted, fp, info)
+    return fitted, fit, recs, fit_records
+
+
+def stored_info(base: HardwareProfile, fit: StepFit, recs: Sequence[ProbeRecord], fit_records: Sequence[FitRecord],
+                fp: MachineFingerprint, host: Optional[Mapping[str, float]] = None, **extra: Any) -> Dict[str, Any]:
+    """The ``info`` a step-fitted profile is stored with: the fit, its records (what guard feedback
+    refits), the host terms, the errors before and after, when and for which machine."""
+    info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), base=base.name, fit=fit.to_dict(),
+                mape_before=_mape(recs, "predicted_before_s"), mape_after=_mape(recs, "predicted_after_s"),
+                records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
+                fit_records=[_record_dict(r) for r in fit_records], **extra)
+    if host is not None:
+        info["host_terms"] = dict(host)
+    return info
 
 
 def add_feedback(records: Sequence[FitRecord], profile: HardwareProfile, topology: Any,
@@ -553,10 +615,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         base = get_profile(args.base) if args.base else base_profile("cpu")
         fitted, fit, recs, fit_records = fit_measurements(
             ms, base, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", host=host)
-        info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), base=base.name, fit=fit.to_dict(),
-                    mape_before=_mape(recs, "predicted_before_s"), mape_after=_mape(recs, "predicted_after_s"),
-                    records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
-                    fit_records=[_record_dict(r) for r in fit_records], refit_from=args.from_measurements)
+        info = stored_info(base, fit, recs, fit_records, fp, host=host, refit_from=args.from_measurements)
         path = store.save(fitted, fp, info)
         if args.out:
             fitted.save(args.out)
@@ -586,29 +645,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warmup = probe.DEFAULT_TIMING["warmup"] if args.warmup is None else args.warmup
         base = get_profile(args.base) if args.base else base_profile(device)
         t0 = time.perf_counter()
-        host = host_terms(dist.group.WORLD)
-        ms = measure_probes(dist.group.WORLD, device, workloads, steps=steps, warmup=warmup,
-                            progress=not args.no_progress, base=base)
-        if rank == 0 and args.save_measurements:
-            import pickle
-
-            with open(args.save_measurements, "wb") as f:
-                pickle.dump({"measurements": ms, "host_terms": host.to_dict()}, f)
-        fitted, fit, recs, fit_records = fit_measurements(
-            ms, base, W, device, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", host=host)
+        fitted, fit, recs, _fit_records = calibrate_steps(
+            dist.group.WORLD, device, base, workloads, steps=steps, warmup=warmup, progress=not args.no_progress,
+            name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", store=store,
+            save_measurements=args.save_measurements)
         wall = time.perf_counter() - t0
         if rank == 0:
-            info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), wall_s=round(wall, 1),
-                        base=base.name, fit=fit.to_dict(), mape_before=_mape(recs, "predicted_before_s"),
-                        mape_after=_mape(recs, "predicted_after_s"), steps=steps, warmup=warmup,
-                        records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
-                        fit_records=[_record_dict(r) for r in fit_records], host_terms=host.to_dict())
-            path = store.save(fitted, fp, info)
+            path = store.path_for(fp)
             if args.out:
                 fitted.save(args.out)
             print(f"[calibrate] {len(recs)} probe plans in {wall:.0f} s: fit error (MAPE) "
-                  f"{info['mape_after'] * 100:.1f}% (base profile {info['mape_before'] * 100:.0f}%); "
-                  f"profile for {fp.describe()} stored in {path}", flush=True)
+                  f"{_mape(recs, 'predicted_after_s') * 100:.1f}% (base profile "
+                  f"{_mape(recs, 'predicted_before_s') * 100:.0f}%); profile for {fp.describe()} stored in {path}",
+                  flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -146,8 +146,8 @@ class HardwareProfile:
                 raise ValueError(f"HardwareProfile.{name} must be None or a positive finite number, got {v!r}")
 
     def rate(self, name: str) -> float:
-        """The value of rate field ``name``, or of the field it falls back to when it is None
-        (:data:`RATE_FALLBACK`)."""
+        """The value of field ``name``; an optional rate that is None gives the field it falls
+        back to (:data:`RATE_FALLBACK`)."""
         v = getattr(self, name)
         return float(v if v is not None else getattr(self, RATE_FALLBACK[name]))
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
-from torchrec_sparselift.cost.hardware import RATE_FALLBACK, HardwareProfile
+from torchrec_sparselift.cost.hardware import HardwareProfile
 
 __all__ = [
     "FitTerm",
@@ -120,7 +120,7 @@ class StepFit:
 
 def term_value(profile: HardwareProfile, term: FitTerm) -> float:
     """The term's current value in ``profile`` (its first field; reciprocal for rates)."""
-    v = profile.rate(term.fields[0]) if term.fields[0] in RATE_FALLBACK else float(getattr(profile, term.fields[0]))
+    v = profile.rate(term.fields[0])  # an optional rate falls back to its field (RATE_FALLBACK)
     return 1.0 / v if term.reciprocal else v
 
 
