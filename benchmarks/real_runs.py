@@ -129,8 +129,9 @@ def geomean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def _plans(w: ProbeWorkload, topo, profile, pg, say) -> List[Tuple[str, Any, Dict[str, Any]]]:
-    """``(name, plan, constraints)`` of every plan of ``w``."""
+def _plans(w: ProbeWorkload, topo, profile, pg, say, stats=None) -> List[Tuple[str, Any, Dict[str, Any]]]:
+    """``(name, plan, constraints)`` of every plan of ``w``; SparseLift plans (and places the forced
+    plans) with ``stats`` as its ``workload=``."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.sharding_plan import get_default_sharders
@@ -149,12 +150,14 @@ def _plans(w: ProbeWorkload, topo, profile, pg, say) -> List[Tuple[str, Any, Dic
             from torchrec_sparselift.planner import SparseLiftPlanner as _P
 
             plan = _P(topology=topo, batch_size=w.batch_size, constraints=cons, hardware=profile,
-                      pipelines=["sparse_dist"], debug=False).collective_plan(probe_model(w), get_default_sharders(), pg)
+                      pipelines=["sparse_dist"], debug=False,
+                      workload=stats).collective_plan(probe_model(w), get_default_sharders(), pg)
         else:
-            plan, cons = forced_plan(probe_model(w), w.tables, kind, topo, w.batch_size, pg, profile)
+            plan, cons = forced_plan(probe_model(w), w.tables, kind, topo, w.batch_size, pg, profile, stats=stats)
         out.append((kind, plan, cons))
     t0 = time.perf_counter()
-    sl = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling, hardware=profile)
+    sl = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling, hardware=profile,
+                           workload=stats)
     out.append(("sparselift", sl.collective_plan(probe_model(w), get_default_sharders(), pg), pooling))
     say(f"[real_runs] {w.name}: SparseLift planned in {time.perf_counter() - t0:.1f} s")
     tr = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling)
@@ -235,17 +238,19 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
     import torch
     import torch.distributed as dist
 
-    from torchrec_sparselift.runtime.probe import measure_plan, prebuilt_batches, probe_model
+    from torchrec_sparselift.runtime.probe import measure_plan, prebuilt_batches, probe_model, probe_stats
     from torchrec_sparselift.step_calibration import PlanPricer, _topology
 
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
     topo = _topology(W, "cpu")
     device = torch.device("cpu")
-    plans = _plans(w, topo, profile, pg, say)
+    # the ids' statistics as a user observes them (observe() of rank 0's batches: the same on every rank)
+    stats = probe_stats(w, alpha, n=args.batches, seed=1)
+    plans = _plans(w, topo, profile, pg, say, stats)
     batches = prebuilt_batches(w, args.batches, seed=1, rank=rank, alpha=alpha)
     runners = []
     for name, plan, cons in plans:
-        pred = PlanPricer(probe_model(w), plan, topo, w.batch_size, cons)(profile)
+        pred = PlanPricer(probe_model(w), plan, topo, w.batch_size, cons, stats=stats)(profile)
         runners.append(dict(name=name, plan=plan, predicted_s=pred, runs=[], types=_types(plan)))
     saved_plans = [(name, plan, cons) for name, plan, cons in plans]
     if args.keep_models:
@@ -338,7 +343,7 @@ def report(measured_path: str, profile_path: Optional[str]) -> int:
     import pickle
 
     from torchrec_sparselift.cost.hardware import get_profile
-    from torchrec_sparselift.runtime.probe import probe_model
+    from torchrec_sparselift.runtime.probe import probe_model, probe_stats
     from torchrec_sparselift.step_calibration import PlanPricer, _topology, auto_profile
 
     with open(measured_path, encoding="utf-8") as f:
@@ -350,11 +355,12 @@ def report(measured_path: str, profile_path: Optional[str]) -> int:
     topo = _topology(2, "cpu")
     allp, allm = [], []
     for res in data["workloads"]:
-        w = table[res["workload"]][0]
+        w, alpha = table[res["workload"]]
+        stats = probe_stats(w, alpha, n=data.get("settings", {}).get("batches", 8), seed=1)
         meas = {r["plan"]: r["measured_ms"] for r in res["rows"]}
         pred, mm = [], []
         for name, plan, cons in plans[res["workload"]]:
-            pred.append(PlanPricer(probe_model(w), plan, topo, w.batch_size, cons)(profile) * 1e3)
+            pred.append(PlanPricer(probe_model(w), plan, topo, w.batch_size, cons, stats=stats)(profile) * 1e3)
             mm.append(meas[name])
         allp += pred
         allm += mm

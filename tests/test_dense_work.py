@@ -98,9 +98,10 @@ def _drifting_probes(rank, world_size):
         phase["now"] = tables[0].name[0]
         return object(), {}
 
-    orig = (probe.measure_plan, sc.forced_plan, probe.prebuilt_batches, probe.probe_model)
+    orig = (probe.measure_plan, sc.forced_plan, probe.prebuilt_batches, probe.probe_model, probe.probe_stats)
     probe.measure_plan, sc.forced_plan = fake_measure, fake_forced
     probe.prebuilt_batches, probe.probe_model = (lambda *a, **k: []), (lambda w: None)
+    probe.probe_stats = lambda *a, **k: None
     try:
         # the reference is the first workload's table-wise plan ("probe_many" is not among them); it is
         # measured in the phase of the workload that ran last
@@ -109,7 +110,7 @@ def _drifting_probes(rank, world_size):
         raw = sc.measure_probes(None, "cpu", workloads, ["table_wise", "column_wise"], progress=False, attribute=0,
                                 normalize=False)
     finally:
-        probe.measure_plan, sc.forced_plan, probe.prebuilt_batches, probe.probe_model = orig
+        probe.measure_plan, sc.forced_plan, probe.prebuilt_batches, probe.probe_model, probe.probe_stats = orig
     return [(o[0], o[1], o[4], o[6]) for o in out], [(o[0], o[1], o[4]) for o in raw]
 
 

@@ -388,10 +388,11 @@ def test_fingerprint_digests_are_pinned_canonical_json_hashes():
     # Computed once in another process; Python's per-process hash randomization cannot move them.
     # If you change the canonical form on purpose, bump EXECUTION_PLAN_SCHEMA and update these.
     fp = _golden_fingerprint()
-    # Schema 2 (planner options keyed: options_digest) moved them once from 6b3a1541.../8381e1c8...
+    # Schema 2 (planner options keyed: options_digest) moved them once from 6b3a1541.../8381e1c8...;
+    # FeatureStats.unique_growth moved the stats digest (and so the digest) from 8a2218a4.../0cd590f7...
     assert fp.cache_key() == "dddfdb6e4dd84dc3d0b3bcda61b49af916b86cf843ec3345062caef3f1f40cb0"
-    assert fp.stats_digest == "8a2218a4345def6f8240bb23656169e88613fe095917c5b3422e6ac18a0cbd94"
-    assert fp.digest() == "0cd590f79d5304e949bebd7e651f4869d24c8e3b23fd4c3cacc61d9008bd3cf4"
+    assert fp.stats_digest == "e9a7ebf1d65f537bc08ba1b6e6e4bc815343436646c03cf2531155d164728202"
+    assert fp.digest() == "9a0963e99871f604232bba878b12872e138146f6f2765b22b69ae754e23e3d27"
 
 
 @pytest.mark.slow

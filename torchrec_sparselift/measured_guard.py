@@ -162,9 +162,12 @@ def guarded_execution_plan(
     allow_lossy_comm: bool = False,
     sharders: Optional[Sequence[Any]] = None,
     log: Callable[[str], None] = lambda m: None,
+    workload: Any = None,
 ) -> Tuple[Any, GuardResult, bool]:
     """``(execution plan, guard result, reused)``; see the module docstring. Every rank of ``pg``
-    must call it with the same arguments (plans are made collectively, trials run on all ranks)."""
+    must call it with the same arguments (plans are made collectively, trials run on all ranks).
+    ``workload``: the planners' ``workload=`` (:class:`~torchrec_sparselift.semantics.workload.WorkloadStats`
+    of the run's ids, e.g. ``observe(batches)``); it also prices every trial."""
     import torch.distributed as dist
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.sharding_plan import get_default_sharders
@@ -180,7 +183,7 @@ def guarded_execution_plan(
 
     def planner_for(cons: Optional[Dict[str, Any]]) -> SparseLiftPlanner:
         return SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons, hardware=hardware,
-                                 allow_lossy_comm=allow_lossy_comm)
+                                 allow_lossy_comm=allow_lossy_comm, workload=workload)
 
     main = planner_for(constraints)
     profile = profile_for_topology(topology, main._profile())
@@ -230,7 +233,7 @@ def guarded_execution_plan(
     if guard.torchrec:
         tplan = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size,
                                          constraints=constraints).collective_plan(model_factory(), sharders, pg)
-        pred = PlanPricer(model, tplan, topology, batch_size, constraints, sharders)(profile)
+        pred = PlanPricer(model, tplan, topology, batch_size, constraints, sharders, stats=workload)(profile)
         cands.append((Candidate("torchrec", "torchrec", tplan, pred), None))
 
     # each trial runs the train pipeline its plan will run (the SparseLift plan's; TorchRec's plan
@@ -245,7 +248,8 @@ def guarded_execution_plan(
         return m.median_s
 
     chosen, result = choose_measured([c for c, _ in cands], trial, settings=guard.to_dict(), rounds=guard.rounds)
-    pricers = [(t.label, t.measured_s, PlanPricer(model, c.plan, topology, batch_size, constraints, sharders))
+    pricers = [(t.label, t.measured_s, PlanPricer(model, c.plan, topology, batch_size, constraints, sharders,
+                                                  stats=workload))
                for t, (c, _e) in zip(result.trials, cands)]
     chosen_ep = dict((c.label, e) for c, e in cands)[chosen.label]
     info = dict(ep.planner_info)

@@ -60,11 +60,13 @@ COMMITTED_CPU_PROFILE = os.path.join(_ROOT, "profiles", "cpu-2core-gloo.json")
 class PlanPricer:
     """``profile -> predicted step seconds`` of one fixed ``ShardingPlan`` (tables, topology,
     batch size and dense part extracted once; each call re-prices the shards with the profile
-    and sums them in the planner's evaluator). Column-wise shards are priced as equal splits."""
+    and sums them in the planner's evaluator). Column-wise shards are priced as equal splits.
+    ``stats``: the run's :class:`~torchrec_sparselift.semantics.workload.WorkloadStats` (the
+    planner's ``workload=``; its distinct ids price the fused backward)."""
 
     def __init__(self, module: Any, plan: Any, topology: Any, batch_size: int,
                  constraints: Optional[Dict[str, Any]] = None, sharders: Optional[Sequence[Any]] = None,
-                 pipeline: str = "sparse_dist") -> None:
+                 pipeline: str = "sparse_dist", stats: Any = None) -> None:
         from torchrec.distributed.sharding_plan import get_default_sharders
 
         from torchrec_sparselift.plan.evaluate import given_candidates
@@ -75,7 +77,7 @@ class PlanPricer:
         self.topology = topology
         self.batch_size = batch_size
         self.pipeline = pipeline
-        handles = extract_tables(module, sharders, topology.compute_device, batch_size, constraints)
+        handles = extract_tables(module, sharders, topology.compute_device, batch_size, constraints, stats)
         self.specs = [h.spec for h in handles]
         self.dense = dense_work(module, handles)
         placed = given_candidates(handles, plan, topology.world_size,
@@ -183,10 +185,10 @@ def _topology(world_size: int, device: str):
 
 
 def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, batch_size: int, pg: Any = None,
-                profile: Optional[HardwareProfile] = None):
+                profile: Optional[HardwareProfile] = None, stats: Any = None):
     """A plan with ``kind`` forced (probe constraints), placed by ``SparseLiftPlanner`` (TorchRec's
-    planner offers no row-wise sharding on CPU; SparseLift's does and DMP runs it); collective over
-    ``pg`` when given. Returns ``(plan, constraints)``."""
+    planner offers no row-wise sharding on CPU; SparseLift's does and DMP runs it; ``stats``: its
+    ``workload=``); collective over ``pg`` when given. Returns ``(plan, constraints)``."""
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     from torchrec_sparselift.planner import SparseLiftPlanner
@@ -195,12 +197,14 @@ def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, bat
     cons = probe_constraints(tables, kind)
     planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons,
                                 hardware=profile or base_profile(topology.compute_device),
-                                pipelines=["sparse_dist"], debug=False)
+                                pipelines=["sparse_dist"], debug=False, workload=stats)
     sharders = get_default_sharders()
     plan = planner.collective_plan(model, sharders, pg) if pg is not None else planner.plan(model, sharders)
     return plan, cons
 
 
+#: Distinct pre-built batches each probe plan trains on (cycled); their statistics price it.
+PROBE_BATCHES = 6
 #: Profiled steps after each probe plan's timed steps: the attribution the fit splits into groups.
 ATTRIBUTED_STEPS = 5
 #: A group measured below this share of its step is left out of the fit (its relative error is noise).
@@ -277,9 +281,10 @@ def measure_probes(
     refs = [reference()] if normalize else []
     raw = []
     for w in workloads:
-        batches = probe.prebuilt_batches(w, 6, seed=0, rank=rank)
+        batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
         for kind in kinds:
-            plan, cons = forced_plan(probe.probe_model(w), w.tables, kind, topo, w.batch_size, pg, base)
+            plan, cons = forced_plan(probe.probe_model(w), w.tables, kind, topo, w.batch_size, pg, base,
+                                     stats=probe.probe_stats(w, n=PROBE_BATCHES))
             torch.manual_seed(0)
             m = probe.measure_plan(f"{w.name}/{kind}", lambda: probe.probe_model(w), plan, batches, steps, warmup,
                                    pg=pg, device=device, attribute=attribute)
@@ -328,7 +333,7 @@ class ReferencePlan:
         self.pg, self.device_type = pg, device_type
         self.plan, _cons = forced_plan(probe.probe_model(w), w.tables, REFERENCE_PLAN[1],
                                        _topology(dist.get_world_size(pg), device_type), w.batch_size, pg, profile)
-        self.batches = probe.prebuilt_batches(w, 6, seed=0, rank=dist.get_rank(pg))
+        self.batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=dist.get_rank(pg))
 
     def measure(self, steps: Optional[int] = None, warmup: Optional[int] = None) -> Any:
         """One :func:`~torchrec_sparselift.runtime.probe.measure_plan` run of the plan
@@ -410,7 +415,8 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
     dense update moves 3x the replica's bytes) terms are fitted above what ``Adagrad.step`` alone
     costs (DDP's per-parameter work and cold caches come on top), ``1/a2a_bw`` above the bare
     all-to-all's per-byte cost (measured across ranks; 0 when not), and the dense activation and
-    interaction rates above their cost measured alone (``microbench.bench_dense_terms``)."""
+    interaction rates above their cost measured alone (``microbench.bench_dense_terms``), and the fused
+    backward's per-distinct-row cost above fbgemm's alone (``microbench.bench_tbe_backward``)."""
     if host is None:
         return base, tuple(CPU_STEP_TERMS), {}
     if isinstance(host, Mapping):
@@ -434,6 +440,10 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
                         ("1/interaction_flops", getattr(host, "interaction_flop_s", 0.0))):
         if value > 0:
             floors[term] = float(value) / 3.0
+    # a fused TBE backward updates each distinct row once (fbgemm's CPU kernel, measured alone:
+    # ~0.6 us per row, ~0 per id): a step cannot update a row faster
+    if getattr(host, "tbe_row_s", 0.0) > 0:
+        floors["bwd_row_s"] = float(host.tbe_row_s)
     return base, terms, floors
 
 
@@ -468,7 +478,7 @@ def fit_measurements(
     for m in measurements:
         wn, kind, plan, cons, measured = m[:5]
         w = by_name[wn]
-        pricer = PlanPricer(probe.probe_model(w), plan, topo, w.batch_size, cons)
+        pricer = PlanPricer(probe.probe_model(w), plan, topo, w.batch_size, cons, stats=probe.probe_stats(w, n=PROBE_BATCHES))
         cases.append((f"{wn}/{kind}", measured, pricer))
         if attributed and len(m) > 5 and m[5] is not None:
             extra += group_cases(f"{wn}/{kind}", measured, m[5], pricer)

@@ -392,10 +392,11 @@ def make_planner(
     hardware: Optional[str] = None,
     cache_dir: Optional[str] = None,
     allow_lossy_comm: bool = False,
+    workload: Any = None,
 ):
     """The planner ``name`` built with EmbeddingShardingPlanner's arguments (the one-word swap);
     SparseLift also gets ``hardware`` (preset name or profile JSON), ``cache_dir`` (execution
-    plan reuse) and ``allow_lossy_comm``."""
+    plan reuse), ``allow_lossy_comm`` and ``workload`` (the ids' ``WorkloadStats``)."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
     with warnings.catch_warnings():
@@ -418,7 +419,23 @@ def make_planner(
         hardware=profile,
         cache_dir=cache_dir,
         allow_lossy_comm=allow_lossy_comm,
+        workload=workload,
     )
+
+
+def observed_workload(args: argparse.Namespace, tables: Sequence[Any], world_size: int) -> Any:
+    """``observe()`` of rank 0's first ``OBSERVED_BATCHES`` batches (the same statistics on every
+    rank): pooling factors and how often ids repeat, which price the embedding backward."""
+    import itertools
+
+    from dlrm_data import criteo_batches, synthetic_batches
+    from torchrec_sparselift import observe
+
+    if args.criteo_dir:
+        src = criteo_batches(args.criteo_dir, tables, args.batch_size, 0, world_size, OBSERVED_BATCHES, 0)
+    else:
+        src = synthetic_batches(tables, args.batch_size, args.seed, 0, OBSERVED_BATCHES, args.zipf_alpha, args.signal)
+    return observe(itertools.islice(src, OBSERVED_BATCHES), max_batches=OBSERVED_BATCHES)
 
 
 def plan_summary(plan) -> List[Dict[str, Any]]:
@@ -531,6 +548,8 @@ def attribute_run(
 
 #: Batches the example builds ahead of the timed steps (then refills in one go between two steps).
 PREBUILT_BATCHES = 256
+#: Batches ``observed_workload`` reads to measure the ids' statistics (before training, not timed).
+OBSERVED_BATCHES = 8
 
 
 class SimulatedFailure(RuntimeError):
@@ -624,9 +643,15 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     constraints = planner_constraints(tables, specs, one_hot=bool(args.criteo_dir))
     cache_dir = None if (args.no_plan_cache or args.planner != "sparselift") else args.plan_cache
     hardware = hardware_choice(args.hardware, device.type, local_world_size, say)
+    workload = observed_workload(args, tables, world_size) if args.planner == "sparselift" else None
+    if workload is not None:
+        ratios = [fs.unique_ratio for fs in workload.values() if fs.unique_ratio is not None]
+        spread = f"; distinct ids per batch {min(ratios):.2f}-{max(ratios):.2f} of ids" if ratios else ""
+        say(f"[dlrm] workload: observed {OBSERVED_BATCHES} batches of {len(workload)} features{spread}; "
+            "SparseLiftPlanner(workload=...) prices with them")
     planner = make_planner(
         args.planner, world_size, local_world_size, device.type, args.batch_size, constraints,
-        hardware=hardware, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm,
+        hardware=hardware, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm, workload=workload,
     )  # fmt: skip
     sharders = get_default_sharders()
     opt_cls = torch.optim.Adagrad if args.dense_optimizer == "adagrad" else torch.optim.SGD
@@ -658,7 +683,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
                 topology=planner._topology, batch_size=args.batch_size, constraints=constraints,
                 hardware=hardware if not isinstance(hardware, str) else check_hardware(hardware),
                 guard=guard, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm, sharders=sharders,
-                log=say)
+                log=say, workload=workload)
             say(f"[dlrm] measured guard ({'cached, not re-measured' if guard_reused else 'measured now'}):")
             say(guard_result.format())
             cache_dir, reused = None, guard_reused  # the guarded plan has its own cache entry

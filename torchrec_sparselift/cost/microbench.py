@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import attrs
+import numpy as np
 import torch
 
 __all__ = [
@@ -585,6 +586,10 @@ class HostTermRecord:
     #: per activation byte the forward writes and per interaction FLOP (0: not measured)
     dense_act_byte_s: float = 0.0
     interaction_flop_s: float = 0.0
+    #: a fused TBE backward (EXACT_ROWWISE_ADAGRAD, :func:`bench_tbe_backward`): seconds per distinct
+    #: row it updates and per id it reads (0: not measured, fbgemm missing)
+    tbe_row_s: float = 0.0
+    tbe_bwd_id_s: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         return attrs.asdict(self)
@@ -661,6 +666,55 @@ def bench_dense_terms(device: Optional[torch.device] = None, trials: int = 5,
     return float(x[0]), float(x[1])
 
 
+#: ``(rows, ids)`` of :func:`bench_tbe_backward`, uniform ids over one dim-64 table: distinct rows
+#: from ~all ids (large tables) to ~none (ids >> rows), so per-id and per-row costs separate.
+TBE_BACKWARD_SHAPES: Tuple[Tuple[int, int], ...] = ((1000, 16384), (4000, 4096), (20000, 16384),
+                                                   (300000, 4096), (300000, 16384), (2000, 1024))
+
+
+def _tbe_backward_s(rows: int, ids: int, device: torch.device, trials: int, dim: int = 64) -> Tuple[float, int]:
+    """(seconds of the backward + fused update alone, distinct ids) for ``ids`` uniform ids in bags
+    of 4 over one ``rows x dim`` table: forward + backward minus forward."""
+    table = _TbeTable(rows, dim, device)
+    g = torch.Generator().manual_seed(rows * 7 + ids)
+    indices = torch.randint(0, rows, (ids,), generator=g, dtype=torch.int64).to(device)
+    offsets = torch.arange(0, ids + 1, 4, dtype=torch.int64, device=device)
+    grad = torch.ones(offsets.numel() - 1, dim, device=device)
+
+    def fwd() -> None:
+        with torch.no_grad():
+            table.forward(indices, offsets)
+
+    t_fb = time_per_call(lambda: table.forward_backward(indices, offsets, grad), device, warmup=2,
+                         trials=trials, target_trial_s=0.01, max_inner=20)
+    t_f = time_per_call(fwd, device, warmup=2, trials=trials, target_trial_s=0.01, max_inner=50)
+    return max(0.0, t_fb - t_f), int(torch.unique(indices).numel())
+
+
+def bench_tbe_backward(device: Optional[torch.device] = None, trials: int = 5,
+                       shapes: Tuple[Tuple[int, int], ...] = TBE_BACKWARD_SHAPES) -> Tuple[float, float]:
+    """``(seconds per distinct row, seconds per id)`` of fbgemm's TBE backward with the fused
+    row-wise AdaGrad update, as TorchRec's fused kernels run it: :func:`_tbe_backward_s` at
+    ``shapes``, non-negative least squares on ``[distinct rows, ids, 1]``. ``(0, 0)`` without
+    fbgemm."""
+    from scipy.optimize import nnls
+
+    if not fbgemm_available():
+        return 0.0, 0.0
+    device = device or torch.device("cpu")
+    rows, secs = [], []
+    for r, n in shapes:
+        t, d = _tbe_backward_s(r, n, device, trials)
+        rows.append([float(d), float(n), 1.0])
+        secs.append(t)
+    a = np.asarray(rows, dtype=np.float64)
+    y = np.asarray(secs, dtype=np.float64)
+    scale = a.max(axis=0)
+    x, _res = nnls(a / scale, y)
+    x = x / scale
+    return float(x[0]), float(x[1])
+
+
 def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5) -> HostTermRecord:
     """Measure :class:`HostTermRecord` on ``device`` (CPU by default; about a second). Each cost is
     the slope between a small and a large case, so fixed per-call costs (the Python call,
@@ -681,8 +735,10 @@ def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5) -> 
     else:
         per_id = 0.0
     act_byte_s, inter_flop_s = bench_dense_terms(device, trials)
+    row_s, bwd_id_s = bench_tbe_backward(device, trials)
     return HostTermRecord(optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id,
-                          dense_act_byte_s=act_byte_s, interaction_flop_s=inter_flop_s)
+                          dense_act_byte_s=act_byte_s, interaction_flop_s=inter_flop_s,
+                          tbe_row_s=row_s, tbe_bwd_id_s=bwd_id_s)
 
 
 def bench_a2a_byte_s(pg: Any, device: Optional[torch.device] = None, trials: int = 15) -> float:

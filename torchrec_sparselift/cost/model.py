@@ -9,7 +9,9 @@ Everything here is a pure function of immutable inputs. The equations (also in d
   size, ``id_overhead`` the width-independent per-id cost);
   UVM-caching kernels split rows into hits (``bw = hbm_bw``) and misses (``bw = uvm_bw``);
   the miss part is what a prefetch pipeline can hide.
-* backward + fused optimizer update: ``n * (bwd_factor * ceil(w/g) g + bwd_id_overhead) / bw``.
+* backward + fused optimizer update: ``n * (bwd_factor * ceil(w/g) g + bwd_id_overhead) / bw
+  + d * bwd_row_s``, with ``d`` the distinct rows the shard's fused optimizer updates in the step
+  (from the observed ids, :meth:`~torchrec_sparselift.semantics.tables.TableSpec.distinct_rows`).
 * a collective phase (input_dist, output_dist, grad_dist) is as slow as its slowest rank:
   ``t = latency * groups + max(max_r intra_r / intra_bw, max_r inter_r / inter_bw)``,
   where each rank's bytes are what its shards send/receive plus its share of its peers' traffic.
@@ -113,36 +115,45 @@ class ShardCost:
     dense_update_s: float = 0.0
 
 
+def _rows_time(node: Node, profile: HardwareProfile) -> float:
+    """Seconds of a lookup or backward node's row traffic on its memory resource."""
+    rb = profile.row_bytes(node.width_bytes, 1)
+    if node.kind == "backward_update":
+        moved = node.quantity * (profile.bwd_factor * rb + profile.bwd_id_overhead_bytes)
+    else:
+        moved = node.quantity * (rb + profile.id_overhead_bytes)
+    if node.resource == "hbm":
+        return moved / profile.hbm_bw
+    if node.resource == "uvm":
+        return moved / profile.uvm_bw
+    if node.resource == "uvm_cached":
+        h = profile.cache_hit_rate
+        return moved * (h / profile.hbm_bw + (1 - h) / profile.uvm_bw)
+    if node.resource in ("kv_dram", "kv_ssd"):
+        # key-value lookup: L1 (HBM) hits, then DRAM (the store, or the SSD table's L2
+        # cache), then the SSD store
+        h1 = profile.cache_hit_rate if node.l1_cached else 0.0
+        if node.resource == "kv_dram":
+            miss = 1.0 / profile.uvm_bw
+        else:
+            h2 = profile.cache_hit_rate if node.l2_cached else 0.0
+            miss = h2 / profile.uvm_bw + (1 - h2) / profile.ssd_bw
+        return moved * (h1 / profile.hbm_bw + (1 - h1) * miss)
+    return moved / profile.ddr_bw
+
+
 def node_time(node: Node, profile: HardwareProfile) -> float:
     """Seconds a compute node takes on its resource (links are handled per phase).
 
     A lookup of ``n`` rows moves ``n * (row_bytes(w) + id_overhead)``; a backward + update
-    moves ``n * (bwd_factor * row_bytes(w) + bwd_id_overhead)``.
+    moves ``n * (bwd_factor * row_bytes(w) + bwd_id_overhead)`` and pays ``bwd_row_s`` per
+    distinct row its fused optimizer updates (``node.distinct_rows``).
     """
     if node.unit == "rows":
-        rb = profile.row_bytes(node.width_bytes, 1)
-        if node.kind == "backward_update":
-            moved = node.quantity * (profile.bwd_factor * rb + profile.bwd_id_overhead_bytes)
-        else:
-            moved = node.quantity * (rb + profile.id_overhead_bytes)
-        if node.resource == "hbm":
-            return moved / profile.hbm_bw
-        if node.resource == "uvm":
-            return moved / profile.uvm_bw
-        if node.resource == "uvm_cached":
-            h = profile.cache_hit_rate
-            return moved * (h / profile.hbm_bw + (1 - h) / profile.uvm_bw)
-        if node.resource in ("kv_dram", "kv_ssd"):
-            # key-value lookup: L1 (HBM) hits, then DRAM (the store, or the SSD table's L2
-            # cache), then the SSD store
-            h1 = profile.cache_hit_rate if node.l1_cached else 0.0
-            if node.resource == "kv_dram":
-                miss = 1.0 / profile.uvm_bw
-            else:
-                h2 = profile.cache_hit_rate if node.l2_cached else 0.0
-                miss = h2 / profile.uvm_bw + (1 - h2) / profile.ssd_bw
-            return moved * (h1 / profile.hbm_bw + (1 - h1) * miss)
-        return moved / profile.ddr_bw
+        t = _rows_time(node, profile)
+        if node.kind == "backward_update" and node.distinct_rows:
+            t += node.distinct_rows * profile.bwd_row_s
+        return t
     if node.resource == "hbm":
         return node.quantity / profile.hbm_bw
     if node.resource == "ddr":

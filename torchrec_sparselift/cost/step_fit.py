@@ -73,6 +73,7 @@ CPU_STEP_TERMS: Tuple[FitTerm, ...] = (
     FitTerm("bucketize_id_s", ("bucketize_id_s",), step=1e-8),
     FitTerm("1/interaction_flops", ("interaction_flops",), reciprocal=True, step=1e-12),
     FitTerm("1/dense_mem_bw", ("dense_mem_bw",), reciprocal=True, step=1e-11),
+    FitTerm("bwd_row_s", ("bwd_row_s",), step=1e-8),
 )
 
 

@@ -16,6 +16,7 @@ probe plans.
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -123,6 +124,16 @@ def probe_model(w: ProbeWorkload):
     if w.model == "dcn":
         return DLRMTrain(DLRM_DCN(**common, dcn_num_layers=w.dcn_layers, dcn_low_rank_dim=w.dcn_rank))
     return DLRMTrain(DLRM(**common))
+
+
+@functools.lru_cache(maxsize=64)
+def probe_stats(w: ProbeWorkload, alpha: float = 1.05, n: int = 8, seed: int = 0) -> Any:
+    """The :class:`~torchrec_sparselift.semantics.workload.WorkloadStats` of ``w``'s ids
+    (:func:`~torchrec_sparselift.semantics.workload.observe` of rank 0's :func:`prebuilt_batches`:
+    the same value on every rank, so ranks plan and price alike)."""
+    from torchrec_sparselift.semantics.workload import observe
+
+    return observe(prebuilt_batches(w, n, seed=seed, rank=0, alpha=alpha), max_batches=n)
 
 
 def prebuilt_batches(w: ProbeWorkload, n: int, seed: int, rank: int, alpha: float = 1.05) -> List[Any]:

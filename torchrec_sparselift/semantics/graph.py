@@ -97,6 +97,9 @@ class Node:
     backward: bool = False  # happens in the backward pass
     l1_cached: bool = False  # key-value lookups ("kv_dram"/"kv_ssd"): an HBM (L1) cache in front
     l2_cached: bool = False  # "kv_ssd": a DRAM (L2) cache between L1 and the SSD store
+    #: ``backward_update`` of a fused kernel: the distinct rows its optimizer updates (fbgemm's
+    #: TBE backward deduplicates the ids and writes each row and its state once)
+    distinct_rows: float = 0.0
 
 
 @attrs.frozen
@@ -165,7 +168,10 @@ def shard_nodes(
     """Nodes one shard of ``cand`` puts on its rank (plus ``peers``/``global`` terms).
 
     Quantities per training step, for the per-rank batch ``spec.batch_size``:
-    ``I = B * W * pf`` ids per step over the whole job.
+    ``I = B * W * pf`` ids per step over the whole job; a fused kernel's backward also updates
+    the shard's distinct rows (:meth:`TableSpec.distinct_rows` of the batches it serves: ``W``
+    ranks' for a table-wise or column-wise shard, its ``1/W`` (row-wise) or ``1/L`` (table-row-wise)
+    share of them for a row bucket, the rank's own for a data-parallel replica).
     """
     B, W, L = spec.batch_size, world_size, min(local_world_size, world_size)
     pf = spec.pooling_factor
@@ -198,11 +204,16 @@ def shard_nodes(
     kv = ({"l1_cached": spec.kv_l1_bytes > 0, "l2_cached": spec.kv_l2_bytes > 0}
           if lookup_res.startswith("kv_") else {})
 
+    fused = kernel not in ("dense",) and not kernel.startswith("quant")
+
+    def distinct(batches: float, share: float) -> float:
+        return spec.distinct_rows(batches) * share if fused else 0.0
+
     if st == "data_parallel":
         rows_local = B * pf
         nodes.append(Node("lookup", lookup_res, rows_local, unit="rows", width_bytes=width, **kv))
         nodes.append(Node("backward_update", lookup_res, rows_local, unit="rows",
-                          width_bytes=width, backward=True, **kv))
+                          width_bytes=width, backward=True, distinct_rows=distinct(1, 1.0), **kv))
         grad_bytes = spec.num_embeddings * spec.embedding_dim * 4
         nodes.append(Node("grad_allreduce", "allreduce", grad_bytes, scope="global", backward=True))
         # dense optimizer step over the whole replica: read weight + grad + state, write both
@@ -236,7 +247,7 @@ def shard_nodes(
         a2a("output_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, peer, False)
         a2a("grad_dist", out_bytes, frac_i, 1 - frac_i if W > 1 else 0.0, peer, True)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
-                          backward=True, **kv))
+                          backward=True, distinct_rows=distinct(W, 1.0), **kv))
         _host_work(nodes, nf, 1.0, 0.0)
         return nodes
 
@@ -256,7 +267,7 @@ def shard_nodes(
         a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, False)
         a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, True)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
-                          backward=True, **kv))
+                          backward=True, distinct_rows=distinct(W, 1.0 / W), **kv))
         # each rank bucketizes its own ids once per feature, split over the W shards
         _host_work(nodes, nf / W, 1.0, B * pf / W)
         return nodes
@@ -291,7 +302,7 @@ def shard_nodes(
                 a2a(kind, out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1),
                     out_bytes / (W - 1) if W > 1 else 0.0, bwd)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
-                          backward=True, **kv))
+                          backward=True, distinct_rows=distinct(W, 1.0 / rows_split), **kv))
         _host_work(nodes, nf / rows_split, 1.0, B * pf / rows_split)
         return nodes
 

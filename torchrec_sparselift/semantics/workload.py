@@ -13,6 +13,12 @@ Definitions (all per feature; a *batch* is one rank's local batch, a *sample* on
   interpolation) and the maximum of ids per sample over all observed samples.
 - ``unique_ratio``: distinct ids / ids within one batch, mean over the batches that had ids.
   1.0 means no id repeats inside a batch; small values mean deduplication pays off.
+- ``unique_growth``: how the distinct ids grow when batches are pooled: the least-squares slope
+  of ``log distinct(k batches)`` over ``log k`` for ``k = 1, 2, 4, ...`` observed batches pooled
+  (Heaps' law, ``distinct(k) ~ distinct(1) k^g``). 1.0 when pooling repeats nothing (ids drawn from
+  a space far larger than the batches), near 0 when the batches keep hitting the same rows. A
+  table-wise shard serves the ids of all ``W`` ranks' batches in one step, so its distinct rows
+  are ``distinct(1) W^g`` (see :func:`distinct_ids`). Needs two observed batches with ids.
 - ``hot_row_skew``: the fraction of all observed lookups that hit the most frequent 1% of the
   distinct ids seen (at least one id), pooled over all observed batches. About 0.01 for uniform
   ids, approaching 1.0 when a few rows take almost all lookups (cacheable, and a load-balance risk
@@ -44,6 +50,7 @@ __all__ = [
     "observe",
     "declare",
     "from_constraints",
+    "distinct_ids",
     "HOT_ROW_FRACTION",
     "STATS_SCHEMA",
 ]
@@ -114,6 +121,9 @@ class FeatureStats:
         default=None, converter=_float_or_none, validator=_unit_interval_or_none
     )
     num_batches: int = attrs.field(default=0)
+    unique_growth: Optional[float] = attrs.field(
+        default=None, converter=_float_or_none, validator=_unit_interval_or_none
+    )
 
     def __attrs_post_init__(self) -> None:
         if not self.feature:
@@ -294,6 +304,41 @@ def _distinct(ids: torch.Tensor) -> int:
     return int((s[1:] != s[:-1]).sum()) + 1
 
 
+def _unique_growth(chunks: Sequence[torch.Tensor]) -> Optional[float]:
+    """Slope of ``log distinct`` over ``log k`` with the first ``k = 1, 2, 4, ...`` batches that
+    had ids pooled (clipped to [0, 1]); None with fewer than two such batches."""
+    chunks = [c for c in chunks if c.numel()]
+    if len(chunks) < 2:
+        return None
+    xs, ys = [], []
+    k = 1
+    while k <= len(chunks):
+        xs.append(math.log(k))
+        ys.append(math.log(_distinct(torch.cat(chunks[:k]))))
+        k *= 2
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return min(1.0, max(0.0, slope))
+
+
+def distinct_ids(ids_per_batch: float, batches: float, rows: int,
+                 unique_ratio: Optional[float] = None, unique_growth: Optional[float] = None) -> float:
+    """Expected distinct ids among ``batches`` batches of ``ids_per_batch`` ids each, from a table
+    of ``rows`` rows (what one shard's backward updates in a step).
+
+    With a measured ``unique_ratio`` (and ``unique_growth``, else 1.0): ``min(rows, u n b^g)``
+    (Heaps' law from the observed batches, :func:`observe`). Without: ids drawn uniformly from the
+    rows, ``rows (1 - exp(-n b / rows))`` (an upper bound for any skewed distribution).
+    """
+    n = float(ids_per_batch) * float(batches)
+    if n <= 0 or rows <= 0:
+        return 0.0
+    if unique_ratio is None:
+        return float(rows) * -math.expm1(-n / float(rows))
+    g = 1.0 if unique_growth is None else float(unique_growth)
+    return min(float(rows), float(unique_ratio) * float(ids_per_batch) * float(batches) ** g, n)
+
+
 def _hot_row_skew(ids: torch.Tensor) -> float:
     _, counts = torch.unique_consecutive(torch.sort(ids).values, return_counts=True)
     k = max(1, math.ceil(HOT_ROW_FRACTION * counts.numel()))
@@ -371,6 +416,7 @@ def observe(batches: Iterable[Any], max_batches: int = 8) -> WorkloadStats:
                 unique_ratio=(sum(ratios) / len(ratios)) if ratios else None,
                 hot_row_skew=_hot_row_skew(all_ids) if all_ids.numel() else None,
                 num_batches=len(chunks),
+                unique_growth=_unique_growth(ids_by_feature[key]),
             )
         )
     return WorkloadStats(tuple(out))
