@@ -28,7 +28,8 @@ def test_host_fit_setup_fixes_bucketize_and_floors_the_data_parallel_optimizer()
     fixed, terms, floors = host_fit_setup(base, host.to_dict())  # the stored dict form too
     assert fixed.bucketize_id_s == 15e-9
     assert "bucketize_id_s" not in {t.name for t in terms}
-    assert floors == {"dp_table_overhead_s": 30e-6, "1/dense_update_bw": pytest.approx(0.2e-9)}
+    assert floors == {"dp_table_overhead_s": 30e-6, "1/dense_update_bw": pytest.approx(0.2e-9),
+                      "reduce_scatter_factor": 1.0}
 
 
 def test_add_feedback_refits_above_the_floors_with_the_measured_terms_fixed(tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ TRUE = {
     "1/interaction_flops": 1 / 8e9,
     "1/dense_mem_bw": 1 / 3e9,
     "bwd_row_s": 0.6e-6,
+    "reduce_scatter_factor": 3.0,
 }
 # plausible magnitudes of each term's quantity in one step (bytes, calls, features, ...)
 MAGNITUDE = {
@@ -39,6 +40,7 @@ MAGNITUDE = {
     "1/allreduce_bw": 1e6, "1/dense_flops": 2e8, "step_overhead_s": 1, "feature_overhead_s": 20,
     "table_overhead_s": 10, "dp_table_overhead_s": 10, "1/dense_update_bw": 1e7, "bucketize_id_s": 5e4,
     "1/interaction_flops": 5e7, "1/dense_mem_bw": 1e7, "bwd_row_s": 5e3,
+    "reduce_scatter_factor": 2e-3,
 }
 
 
@@ -66,7 +68,7 @@ def test_fit_terms_recovers_known_coefficients():
 
 def test_fit_terms_with_noise_and_prior_stays_close():
     rng = np.random.default_rng(1)
-    recs = _records(200, rng, noise=0.01)  # 15 terms: 200 records recover the big four within 11% on 12 seeds
+    recs = _records(200, rng, noise=0.01)  # 16 terms: 200 records recover the big four within 15% on 11 of 12 seeds (17% on one)
     prior = {k: v * 3 for k, v in TRUE.items()}  # a wrong prior is overruled by the data
     fit = fit_terms(recs, prior)
     big = ["1/lookup_bw", "step_overhead_s", "dp_table_overhead_s", "1/dense_flops"]

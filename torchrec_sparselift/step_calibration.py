@@ -444,6 +444,8 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
     # ~0.6 us per row, ~0 per id): a step cannot update a row faster
     if getattr(host, "tbe_row_s", 0.0) > 0:
         floors["bwd_row_s"] = float(host.tbe_row_s)
+    # a reduce-scatter byte costs no less than an all-to-all byte (gloo alone: ~4.5x, its all-gather ~2x)
+    floors["reduce_scatter_factor"] = 1.0
     return base, terms, floors
 
 

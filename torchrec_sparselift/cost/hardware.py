@@ -96,6 +96,10 @@ class HardwareProfile:
         bwd_row_s: per distinct row a fused kernel's backward updates in a step, on the rank that
             holds the shard (fbgemm deduplicates the ids, then reads, updates and writes each
             row and its optimizer state once; on CPU ~0.6-0.9 us per row against ~40 ns per id).
+        reduce_scatter_factor: cost of a byte of a pooled row-wise output's reduce-scatter (and of
+            its backward all-gather) relative to an all-to-all byte on the same link (measured
+            alone on 2 gloo ranks: reduce-scatter ~4.5x, all-gather ~2x an all-to-all's per byte);
+            1.0 in the presets.
         The last nine are 0 (or None) in the presets; :mod:`torchrec_sparselift.cost.step_fit`
         fits them from measured steps.
     """
@@ -130,6 +134,7 @@ class HardwareProfile:
     interaction_flops: Optional[float] = attrs.field(default=None)
     dense_mem_bw: Optional[float] = attrs.field(default=None)
     bwd_row_s: float = attrs.field(default=0.0, validator=_non_negative)
+    reduce_scatter_factor: float = attrs.field(default=1.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):

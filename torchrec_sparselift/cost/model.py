@@ -12,7 +12,8 @@ Everything here is a pure function of immutable inputs. The equations (also in d
 * backward + fused optimizer update: ``n * (bwd_factor * ceil(w/g) g + bwd_id_overhead) / bw
   + d * bwd_row_s``, with ``d`` the distinct rows the shard's fused optimizer updates in the step
   (from the observed ids, :meth:`~torchrec_sparselift.semantics.tables.TableSpec.distinct_rows`).
-* a collective phase (input_dist, output_dist, grad_dist) is as slow as its slowest rank:
+* a collective phase (input_dist, output_dist, grad_dist) is as slow as its slowest rank
+  (a row-wise pooled output's reduce-scatter / all-gather bytes count ``reduce_scatter_factor`` times):
   ``t = latency * groups + max(max_r intra_r / intra_bw, max_r inter_r / inter_bw)``,
   where each rank's bytes are what its shards send/receive plus its share of its peers' traffic.
 * data-parallel tables and the dense model all-reduce their gradients:
@@ -213,10 +214,14 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
                 col = IN_INTRA if node.resource == "intra_host" else IN_INTER
             else:
                 col = OUT_INTRA if node.resource == "intra_host" else OUT_INTER
-            vec[col] += node.quantity
+            # a reduce-scatter's byte costs reduce_scatter_factor all-to-all bytes (the link column
+            # holds all-to-all-equivalent bytes; the graph's own quantities stay the bytes sent)
+            q = node.quantity * (p.reduce_scatter_factor if node.collective != "all_to_all" else 1.0)
+            vec[col] += q
             if node.scope == "others":  # every rank but the owner: all ranks, less the owner's share
-                owner[col] -= node.quantity
-        # grad_dist mirrors output_dist byte for byte; step_time scales it by bwd precision
+                owner[col] -= q
+        # grad_dist mirrors output_dist byte for byte (a reduce-scatter's all-gather at the same
+        # factor); step_time scales it by bwd precision
     dev, host = shard_memory(spec, cand, ctx.world_size)
     owner[DEV_MEM] += dev
     owner[HOST_MEM] += host

@@ -74,6 +74,7 @@ CPU_STEP_TERMS: Tuple[FitTerm, ...] = (
     FitTerm("1/interaction_flops", ("interaction_flops",), reciprocal=True, step=1e-12),
     FitTerm("1/dense_mem_bw", ("dense_mem_bw",), reciprocal=True, step=1e-11),
     FitTerm("bwd_row_s", ("bwd_row_s",), step=1e-8),
+    FitTerm("reduce_scatter_factor", ("reduce_scatter_factor",), step=1e-3),
 )
 
 

@@ -100,6 +100,10 @@ class Node:
     #: ``backward_update`` of a fused kernel: the distinct rows its optimizer updates (fbgemm's
     #: TBE backward deduplicates the ids and writes each row and its state once)
     distinct_rows: float = 0.0
+    #: a link node's collective: "all_to_all", or for row-wise pooled outputs "reduce_scatter"
+    #: (forward) and "all_gather" (its backward); the bytes are counted alike, the cost model
+    #: prices a reduce-scatter's at its own rate (gloo: ~4x an all-to-all's per byte)
+    collective: str = "all_to_all"
 
 
 @attrs.frozen
@@ -183,20 +187,21 @@ def shard_nodes(
     nodes: List[Node] = []
 
     def a2a(kind: str, owner_bytes: float, intra: float, inter: float, peer_bytes: float,
-            backward: bool) -> None:
+            backward: bool, collective: str = "all_to_all") -> None:
+        c = collective
         if intra > 0:
-            nodes.append(Node(kind, "intra_host", owner_bytes * intra, backward=backward))
+            nodes.append(Node(kind, "intra_host", owner_bytes * intra, backward=backward, collective=c))
         if inter > 0:
-            nodes.append(Node(kind, "inter_host", owner_bytes * inter, backward=backward))
+            nodes.append(Node(kind, "inter_host", owner_bytes * inter, backward=backward, collective=c))
         # peer_bytes: what each *other* rank sends to (receives from) this shard's owner
         if peer_bytes > 0 and W > 1:
             pi = (L - 1) / (W - 1)
             if pi > 0:
                 nodes.append(Node(kind, "intra_host", peer_bytes * pi, scope="others",
-                                  backward=backward))
+                                  backward=backward, collective=c))
             if pi < 1:
                 nodes.append(Node(kind, "inter_host", peer_bytes * (1 - pi), scope="others",
-                                  backward=backward))
+                                  backward=backward, collective=c))
 
     kernel = cand.compute_kernel
     lookup_res = {"fused_uvm": "uvm", "fused_uvm_caching": "uvm_cached",
@@ -264,8 +269,9 @@ def shard_nodes(
             out_bytes = ids_here * cand.shard_cols * 4 * (W - 1) / W
         # the owner receives the W-1 others' partials of its slice; each other rank sends it one
         peer = out_bytes / (W - 1) if W > 1 else 0.0
-        a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, False)
-        a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, True)
+        fwd_c, bwd_c = ("reduce_scatter", "all_gather") if spec.is_pooled else ("all_to_all", "all_to_all")
+        a2a("output_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, False, fwd_c)
+        a2a("grad_dist", out_bytes, fi * W / max(W - 1, 1), fe * W / max(W - 1, 1), peer, True, bwd_c)
         nodes.append(Node("backward_update", lookup_res, ids_here, unit="rows", width_bytes=width,
                           backward=True, distinct_rows=distinct(W, 1.0 / W), **kv))
         # each rank bucketizes its own ids once per feature, split over the W shards
@@ -288,7 +294,8 @@ def shard_nodes(
                 partial = B * W * nf * cand.shard_cols * 4
                 rs = 2 * partial * (L - 1) / L
                 if rs > 0:
-                    nodes.append(Node(kind, "intra_host", rs, backward=bwd))
+                    nodes.append(Node(kind, "intra_host", rs, backward=bwd,
+                                      collective="all_gather" if bwd else "reduce_scatter"))
                 # then each shard's reduced slice (the samples of the ranks with its local index)
                 # goes to those ranks on the H-1 other hosts; the W-L receivers are spread over
                 # all other ranks (exact in total; per rank only on one host, where it is 0)
