@@ -337,23 +337,35 @@ def format_workload(res: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def report(measured_path: str, profile_path: Optional[str]) -> int:
+def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
+           exclude: Sequence[str] = ()) -> int:
     """Re-price a finished run's plans with another profile (no torchrun): per-workload MAPE and
-    Spearman, and over all plans."""
+    Spearman, and over all plans. ``refit``: the profile is fitted again, by this code, from the
+    probe measurements the run calibrated on (``<measured>.calibration.pkl``), leaving the step
+    terms in ``exclude`` out (an ablation, :func:`~torchrec_sparselift.step_calibration.fit_measurements`):
+    two code versions or models compared on the same measurements."""
     import pickle
 
     from torchrec_sparselift.cost.hardware import get_profile
     from torchrec_sparselift.runtime.probe import probe_model, probe_stats
-    from torchrec_sparselift.step_calibration import PlanPricer, _topology, auto_profile
+    from torchrec_sparselift.step_calibration import PlanPricer, _topology, auto_profile, base_profile, fit_measurements
 
     with open(measured_path, encoding="utf-8") as f:
         data = json.load(f)
     with open(measured_path + ".plans.pkl", "rb") as f:
         plans = pickle.load(f)
-    profile = get_profile(profile_path) if profile_path else auto_profile("cpu", 2)[0]
+    if refit:
+        with open(measured_path + ".calibration.pkl", "rb") as f:
+            cal = pickle.load(f)
+        profile, fit, _recs, _fr = fit_measurements(cal["measurements"], base_profile("cpu"),
+                                                    host=cal.get("host_terms"), exclude=exclude)
+        print(f"refit from {len(cal['measurements'])} probe plans"
+              + (f" without {', '.join(exclude)}" if exclude else "") + f": probe fit MAPE {fit.mape * 100:.1f}%")
+    else:
+        profile = get_profile(profile_path) if profile_path else auto_profile("cpu", 2)[0]
     table = _workloads()
     topo = _topology(2, "cpu")
-    allp, allm = [], []
+    allp, allm, sps = [], [], []
     for res in data["workloads"]:
         w, alpha = table[res["workload"]]
         stats = probe_stats(w, alpha, n=data.get("settings", {}).get("batches", 8), seed=1)
@@ -364,9 +376,11 @@ def report(measured_path: str, profile_path: Optional[str]) -> int:
             mm.append(meas[name])
         allp += pred
         allm += mm
+        sps.append(spearman(pred, mm))
         print(f"{res['workload']:<12} MAPE {mape(pred, mm) * 100:5.1f}%  Spearman {spearman(pred, mm):5.2f}  "
               + " ".join(f"{n}:{p:.0f}/{m:.0f}" for (n, _p, _c), p, m in zip(plans[res['workload']], pred, mm)))
-    print(f"all {len(allm)} plans: MAPE {mape(allp, allm) * 100:.1f}%  Spearman {spearman(allp, allm):.2f}")
+    print(f"all {len(allm)} plans: MAPE {mape(allp, allm) * 100:.1f}%  Spearman {spearman(allp, allm):.2f}  "
+          f"mean per-workload Spearman {sum(sps) / len(sps):.2f}")
     return 0
 
 
@@ -376,8 +390,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rp = argparse.ArgumentParser(description="re-price a finished run's plans with another profile")
         rp.add_argument("--measured", required=True, help="the JSON a run wrote (its .plans.pkl next to it)")
         rp.add_argument("--profile", help="profile JSON (default: this machine's stored step-fitted profile)")
+        rp.add_argument("--refit", action="store_true", help="fit the profile again from the run's own probe "
+                        "measurements (<measured>.calibration.pkl) with this code")
+        rp.add_argument("--without", default="", help="with --refit: comma-separated step terms to leave out of "
+                        "the model (e.g. bwd_row_s,reduce_scatter_factor)")
         ra = rp.parse_args(argv[1:])
-        return report(ra.measured, ra.profile)
+        if ra.without and not ra.refit:
+            rp.error("--without needs --refit")
+        return report(ra.measured, ra.profile, ra.refit, [t for t in ra.without.split(",") if t])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/real_runs.json")
     p.add_argument("--quick", action="store_true", help=f"smoke test: {', '.join(QUICK_WORKLOADS)}, 1 round, 4 steps")

@@ -149,3 +149,49 @@ def test_host_fit_setup_floors_the_backward_row_cost_at_fbgemms():
     assert floors["bwd_row_s"] == 0.6e-6 and "bwd_row_s" in {t.name for t in terms}
     old = {k: v for k, v in host.to_dict().items() if not k.startswith("tbe_")}  # stored before it existed
     assert "bwd_row_s" not in host_fit_setup(base_profile("cpu"), old)[2]
+
+
+def test_row_wise_pooled_outputs_are_reduce_scatters_priced_at_their_own_factor():
+    from torchrec_sparselift.cost.model import OUT_INTER, OUT_INTRA, CostContext, shard_cost
+
+    W, L = 4, 2
+    links = lambda spec, st: [n for n in shard_nodes(spec, candidate_for(0, spec, st, "fused", W, L), W, L)
+                              if n.kind in ("output_dist", "grad_dist")]
+    pooled, seq = _spec(), _spec(is_pooled=False)
+    assert {(n.kind, n.collective) for n in links(pooled, "row_wise")} == {("output_dist", "reduce_scatter"),
+                                                                          ("grad_dist", "all_gather")}
+    assert {n.collective for n in links(seq, "row_wise")} == {"all_to_all"}  # sequence outputs: all-to-all
+    assert {n.collective for n in links(pooled, "table_wise")} == {"all_to_all"}
+    twrw = {(n.kind, n.resource, n.collective) for n in links(pooled, "table_row_wise")}
+    assert ("output_dist", "intra_host", "reduce_scatter") in twrw and ("output_dist", "inter_host", "all_to_all") in twrw
+
+    def out_bytes(spec, st, factor):
+        p = attrs.evolve(HardwareProfile(name="t", compute_device="cpu", local_world_size=L), reduce_scatter_factor=factor)
+        ctx = CostContext(profile=p, world_size=W, local_world_size=L, batch_size=spec.batch_size)
+        c = shard_cost(spec, candidate_for(0, spec, st, "fused", W, L), ctx)
+        return c.owner[[OUT_INTRA, OUT_INTER]].sum() + c.peers[[OUT_INTRA, OUT_INTER]].sum()
+
+    assert out_bytes(pooled, "row_wise", 3.0) == pytest.approx(3.0 * out_bytes(pooled, "row_wise", 1.0))
+    assert out_bytes(pooled, "table_wise", 3.0) == out_bytes(pooled, "table_wise", 1.0)
+    assert out_bytes(seq, "row_wise", 3.0) == out_bytes(seq, "row_wise", 1.0)
+
+
+def test_fit_measurements_can_leave_terms_out(monkeypatch):
+    from torchrec_sparselift import step_calibration as sc
+
+    seen = {}
+
+    def fake_fit_profile(cases, base, terms, **kw):
+        seen.update(base=base, terms=[t.name for t in terms], floors=kw.get("floors"))
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(sc, "fit_profile", fake_fit_profile)
+    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9, tbe_row_s=0.6e-6)
+    base = attrs.evolve(base_profile("cpu"), bwd_row_s=1e-6, reduce_scatter_factor=2.0)
+    with pytest.raises(RuntimeError, match="stop"):
+        sc.fit_measurements([], base, host=host, exclude=("bwd_row_s", "reduce_scatter_factor"))
+    assert "bwd_row_s" not in seen["terms"] and "reduce_scatter_factor" not in seen["terms"]
+    assert seen["base"].bwd_row_s == 0.0 and seen["base"].reduce_scatter_factor == 1.0  # the model without them
+    assert "bwd_row_s" not in seen["floors"] and "1/a2a_bw" in seen["terms"]
+    with pytest.raises(ValueError, match="not step-fit terms"):
+        sc.fit_measurements([], base, host=host, exclude=("no_such_term",))
