@@ -209,7 +209,7 @@ def shard_nodes(
     kv = ({"l1_cached": spec.kv_l1_bytes > 0, "l2_cached": spec.kv_l2_bytes > 0}
           if lookup_res.startswith("kv_") else {})
 
-    fused = kernel not in ("dense",) and not kernel.startswith("quant")
+    fused = kernel != "dense" and not kernel.startswith("quant")
 
     def distinct(batches: float, share: float) -> float:
         return spec.distinct_rows(batches) * share if fused else 0.0
