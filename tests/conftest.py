@@ -104,6 +104,23 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
         return results
 
 
+def spawn_retrying_native_aborts(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+                                 retries: int = 1) -> List[Any]:
+    """:func:`spawn`, run again (at most ``retries`` times) when a rank was killed by SIGABRT
+    without raising a Python error: TorchRec 1.8's data-parallel dense kernel sometimes aborts in
+    native code at 4 CPU ranks ("terminate called without an active exception" in its backward, seen
+    in 2 of 3 full-suite runs on a loaded 2-core machine, 0 of 5 alone). A rank that raises, and any
+    assertion on the results, fails as before."""
+    for attempt in range(retries + 1):
+        try:
+            return spawn(fn, world_size, *args, timeout_s=timeout_s)
+        except SpawnError as e:
+            if "signal SIGABRT" not in str(e) or attempt == retries:
+                raise
+            print(f"[spawn] a rank aborted in native code (attempt {attempt + 1}); running again: {e}")
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
-from conftest import spawn
+from conftest import spawn, spawn_retrying_native_aborts
 
 pytestmark = pytest.mark.multiprocess
 
@@ -186,7 +186,8 @@ def test_graph_quantities_equal_counted_bytes_at_4_ranks_one_table_per_sharding_
     mixed = ("ebc", (("t0", "row_wise", "fused"), ("t1", "table_wise", "fused")))
     mixed2 = ("ebc", (("t0", "column_wise", "fused"), ("t1", "data_parallel", "dense")))
     seq = ("ec", (("t0", "table_wise", "fused"), ("t1", "row_wise", "fused")))
-    _assert_exact(spawn(_count_cases, 4, [mixed, mixed2, seq], timeout_s=300))
+    # mixed2's data-parallel dense kernel sometimes aborts natively at 4 CPU ranks: one rerun then
+    _assert_exact(spawn_retrying_native_aborts(_count_cases, 4, [mixed, mixed2, seq], timeout_s=300))
 
 
 @pytest.mark.slow
