@@ -195,3 +195,15 @@ def test_fit_measurements_can_leave_terms_out(monkeypatch):
     assert "bwd_row_s" not in seen["floors"] and "1/a2a_bw" in seen["terms"]
     with pytest.raises(ValueError, match="not step-fit terms"):
         sc.fit_measurements([], base, host=host, exclude=("no_such_term",))
+
+
+def test_table_statistics_move_a_ratio_observed_at_another_batch_size_along_its_growth():
+    fs = FeatureStats(feature="a", pooling_factor=4.0, batch_size=128, unique_ratio=0.5, unique_growth=0.5)
+    stats = WorkloadStats((fs,))
+    assert _id_statistics(("a",), stats, 128)["unique_ratio"] == pytest.approx(0.5)
+    # 4x the samples per batch: 4^0.5 = 2x the distinct ids for 4x the ids
+    assert _id_statistics(("a",), stats, 512)["unique_ratio"] == pytest.approx(0.25)
+    assert _id_statistics(("a",), stats, 32)["unique_ratio"] == pytest.approx(1.0)  # capped: at most every id
+    # what the table-wise shard updates then equals Heaps' law from the observed batch
+    spec = _spec(batch_size=512, pooling_factor=4.0, **_id_statistics(("a",), stats, 512))
+    assert spec.distinct_rows(2) == pytest.approx(0.5 * 128 * 4 * (512 * 2 / 128) ** 0.5)

@@ -257,9 +257,12 @@ def _pooling_factor(
     return float(default) * max(1, len(feature_names))
 
 
-def _id_statistics(feature_names: Sequence[str], stats: Any) -> Dict[str, Optional[float]]:
-    """The table's ``unique_ratio`` / ``unique_growth`` from its features' observed statistics
-    (None unless every feature has a ``unique_ratio``). The growth is the features' weighted by
+def _id_statistics(feature_names: Sequence[str], stats: Any, batch_size: Optional[int] = None
+                   ) -> Dict[str, Optional[float]]:
+    """The table's ``unique_ratio`` / ``unique_growth`` at a per-rank batch of ``batch_size``
+    samples from its features' observed statistics (None unless every feature has a
+    ``unique_ratio``). A feature observed at another batch size ``b`` has its ratio moved along its
+    growth (``u (batch_size / b)^(g - 1)``, Heaps' law). The growth is the features' weighted by
     their distinct ids. ``f`` features sharing a table are taken to draw from the same rows, as
     ``f`` pooled batches: their union is ``(sum of their distinct ids) f^(g - 1)`` (observed statistics
     are per feature, so how far the features' hot rows overlap is not seen; measured on features that
@@ -272,10 +275,17 @@ def _id_statistics(feature_names: Sequence[str], stats: Any) -> Dict[str, Option
     if any(getattr(fs, "unique_ratio", None) is None for fs in per):
         return out
     ids = [float(fs.pooling_factor) for fs in per]
-    distinct = [float(fs.unique_ratio) * n for fs, n in zip(per, ids)]
+    growth = [getattr(fs, "unique_growth", None) for fs in per]
+
+    def at_batch(fs: Any, g: Optional[float]) -> float:
+        observed = getattr(fs, "batch_size", None)
+        if batch_size is None or not observed:
+            return float(fs.unique_ratio)
+        return min(1.0, float(fs.unique_ratio) * (float(batch_size) / float(observed)) ** ((1.0 if g is None else g) - 1.0))
+
+    distinct = [at_batch(fs, g) * n for fs, g, n in zip(per, growth, ids)]
     if sum(ids) <= 0:
         return out
-    growth = [getattr(fs, "unique_growth", None) for fs in per]
     g = None
     if all(x is not None for x in growth) and sum(distinct) > 0:
         g = min(1.0, sum(x * d for x, d in zip(growth, distinct)) / sum(distinct))
@@ -402,7 +412,7 @@ def extract_tables(
                 min_partition=(c.min_partition if c is not None else None),
                 batch_size=tbs,
                 **_key_value_fields(cfg, c),
-                **_id_statistics(feature_names, stats),
+                **_id_statistics(feature_names, stats, tbs),
             )
             handles.append(
                 TableHandle(
