@@ -102,6 +102,12 @@ def _drifting_probes(rank, world_size):
     probe.measure_plan, sc.forced_plan = fake_measure, fake_forced
     probe.prebuilt_batches, probe.probe_model = (lambda *a, **k: []), (lambda w: None)
     probe.probe_stats = lambda *a, **k: None
+    import logging
+
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    sc.logger.addHandler(handler)
     try:
         # the reference is the first workload's table-wise plan ("probe_many" is not among them); it is
         # measured in the phase of the workload that ran last
@@ -111,14 +117,25 @@ def _drifting_probes(rank, world_size):
                                 normalize=False)
     finally:
         probe.measure_plan, sc.forced_plan, probe.prebuilt_batches, probe.probe_model, probe.probe_stats = orig
-    return [(o[0], o[1], o[4], o[6]) for o in out], [(o[0], o[1], o[4]) for o in raw]
+        sc.logger.removeHandler(handler)
+    return [(o[0], o[1], o[4], o[6]) for o in out], [(o[0], o[1], o[4]) for o in raw], warned
 
 
 def test_calibration_normalizes_a_drifting_machine(gloo_spawn):
-    out, raw = gloo_spawn(_drifting_probes, 1)[0]
+    out, raw, warned = gloo_spawn(_drifting_probes, 1)[0]
     norm = {(w, k): s for w, k, s, _d in out}
     assert raw[0][2] * 2 == pytest.approx(raw[2][2])  # raw: the second workload ran 2x slower
     # references: before a (phase a) 1x, after a (still a) 1x, after b 2x: drifts a 1.0, b sqrt(2)
     assert [d for _w, _k, _s, d in out] == pytest.approx([1.0, 1.0, 2 ** 0.5, 2 ** 0.5])
     assert norm[("b", "table_wise")] == pytest.approx(raw[2][2] / 2 ** 0.5)
     assert norm[("b", "column_wise")] / norm[("b", "table_wise")] == pytest.approx(2.0)
+    # the drift spread sqrt(2) = 1.41x is more than MAX_DRIFT_SPREAD: the calibration says so, once
+    assert len(warned) == 1 and "moved 1.41x" in warned[0] and "calibrate again" in warned[0]
+
+
+def test_drift_spread():
+    from torchrec_sparselift.step_calibration import MAX_DRIFT_SPREAD, drift_spread
+
+    assert drift_spread([1.0]) == 1.0 and drift_spread([]) == 1.0
+    assert drift_spread([0.9, 1.0, 1.17]) == pytest.approx(1.3)
+    assert drift_spread([0.98, 1.02]) < MAX_DRIFT_SPREAD < drift_spread([0.9, 1.89])

@@ -306,7 +306,29 @@ def measure_probes(
         print("[calibrate] machine speed drift per workload (reference plan "
               f"{ref.workload.name}/{REFERENCE_PLAN[1]}, 1.00 = the calibration's median): "
               + ", ".join(f"{w.name} {d:.2f}x" for w, d in zip(workloads, drifts)), flush=True)
+    spread = drift_spread(drifts) if normalize else 1.0
+    if spread > MAX_DRIFT_SPREAD and rank == 0:
+        msg = (f"the machine's speed moved {spread:.2f}x between probe workloads during this calibration "
+               f"(reference plan; more than {MAX_DRIFT_SPREAD:.2f}x): the drift normalization assumes it is "
+               "steady within a workload, so this profile may price plans wrongly; calibrate again on a "
+               "quieter machine (python -m torchrec_sparselift.step_calibration)")
+        logger.warning(msg)
+        if progress:
+            print(f"[calibrate] warning: {msg}", flush=True)
     return out
+
+
+#: Largest spread (slowest / fastest) of the reference plan's drift across one calibration's probe
+#: workloads before it warns. Measured in session 5's seven calibrations: 1.02-1.26x with probe fits
+#: of 7.7-9.1%; 1.49x and 2.10x with probe fits of 14.3% and 22.8%, whose benchmark runs had held-out
+#: MAPEs of 18.0% and 24.9% (docs/benchmarks.md, "Session 5").
+MAX_DRIFT_SPREAD = 1.3
+
+
+def drift_spread(drifts: Sequence[float]) -> float:
+    """``max / min`` of per-workload drifts (:func:`reference_drifts`); 1.0 for fewer than two."""
+    ds = [float(d) for d in drifts if d > 0]
+    return max(ds) / min(ds) if len(ds) > 1 else 1.0
 
 
 #: The plan measured before and after each probe workload to normalize the machine's drift
