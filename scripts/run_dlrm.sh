@@ -26,7 +26,7 @@ for a in "$@"; do
     case "$a" in --hardware|--hardware=*|torchrec|--check) CALIBRATE=0 ;; esac
 done
 if [ "$CALIBRATE" = 1 ] && ! NPROC="$NPROC" .venv/bin/python -m torchrec_sparselift.step_calibration --check; then
-    echo "[dlrm] no calibrated profile for this machine yet: calibrating from real steps first (bounded, ~1-2 min)"
+    echo "[dlrm] calibrating this machine from real steps first (bounded, ~1-2 min)"
     .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m torchrec_sparselift.step_calibration
 fi
 exec .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" examples/dlrm/train.py "${DEFAULTS[@]}" "$@"

@@ -287,3 +287,11 @@ def test_a_profile_fitted_before_the_current_terms_is_stale(tmp_path, monkeypatc
     warned.clear()
     sc.auto_profile("cpu", 2, store=store, warn=warned.append)
     assert warned == []
+    # a calibration whose machine sped up or slowed down more than MAX_DRIFT_SPREAD is redone too
+    info = {"fit": {"values": {**old_terms, "1/dense_mem_bw": 1e-9}}, "host_terms": {"bucketize_id_s": 1e-8}}
+    store.save(prof, _fp(), info={**info, "drift_spread": 2.1})
+    assert sc.main(["--check", "--store", str(tmp_path)]) == 1
+    sc.auto_profile("cpu", 2, store=store, warn=warned.append)
+    assert len(warned) == 1 and "moved 2.10x" in warned[0]
+    store.save(prof, _fp(), info={**info, "drift_spread": 1.1})
+    assert sc.main(["--check", "--store", str(tmp_path)]) == 0

@@ -154,6 +154,10 @@ def auto_profile(device: str, ranks: int, store: Optional[ProfileStore] = None,
         if missing:
             warn(f"sparselift: this machine's profile {found.path} was fitted before the cost model had "
                  f"{', '.join(missing)} (they take their fallback values): predictions may be off; {how}")
+        spread = disturbed_spread(found.info)
+        if spread is not None:
+            warn(f"sparselift: this machine's profile {found.path} was calibrated while the machine's speed "
+                 f"moved {spread:.2f}x between probe workloads: predictions may be off; {how} on a quieter machine")
         return found.profile, found.path
     if found is not None:
         warn(f"sparselift: no calibrated profile for this machine; using {found.path} from another machine "
@@ -174,6 +178,13 @@ def missing_terms(info: Optional[Mapping[str, Any]]) -> List[str]:
         return []
     fixed = set(HOST_FIXED_TERMS) if (info or {}).get("host_terms") else set()
     return [t.name for t in CPU_STEP_TERMS if t.name not in fit["values"] and t.name not in fixed]
+
+
+def disturbed_spread(info: Optional[Mapping[str, Any]]) -> Optional[float]:
+    """The drift spread a stored profile's calibration recorded (``info["drift_spread"]``) when it
+    is above :data:`MAX_DRIFT_SPREAD`, else None."""
+    spread = (info or {}).get("drift_spread")
+    return float(spread) if spread is not None and float(spread) > MAX_DRIFT_SPREAD else None
 
 
 def _topology(world_size: int, device: str):
@@ -570,8 +581,10 @@ def calibrate_steps(
                                                       host=host)
     if rank == 0 and store is not None:
         fp = current_fingerprint(device_type, int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(pg))))
+        drifts = {m[0]: m[6] for m in ms if len(m) > 6}
         info = stored_info(base, fit, recs, fit_records, fp, host=host.to_dict(),
-                           wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup)
+                           wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup,
+                           drift_spread=round(drift_spread(list(drifts.values())), 3))
         store.save(fitted, fp, info)
     return fitted, fit, recs, fit_records
 
@@ -644,13 +657,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--from-measurements", metavar="PATH", help="refit from saved measurements (no torchrun, no "
                    "measuring) and store the profile")
     p.add_argument("--check", action="store_true", help="exit 0 if this machine has a stored profile fitted "
-                   "with the current cost model's terms, else 1 (no torch, no measuring)")
+                   "with the current cost model's terms on a steady machine, else 1 (no torch, no measuring)")
     args = p.parse_args(argv)
     store = ProfileStore(args.store)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("NPROC", "1")))
     if args.check:
         found, diff = store.lookup(current_fingerprint("cpu", ranks))
-        return 0 if found is not None and not diff and not missing_terms(found.info) else 1
+        why = None
+        if found is None or diff:
+            why = "no calibrated profile for this machine yet"
+        elif missing_terms(found.info):
+            why = (f"the stored profile {found.path} was fitted before the cost model had "
+                   f"{', '.join(missing_terms(found.info))}")
+        elif disturbed_spread(found.info) is not None:
+            why = (f"the stored profile {found.path} was calibrated while the machine's speed moved "
+                   f"{disturbed_spread(found.info):.2f}x")
+        if why:
+            print(f"[calibrate] {why}", flush=True)
+        return 1 if why else 0
     if args.from_measurements:
         import pickle
 
