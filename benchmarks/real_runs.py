@@ -98,6 +98,8 @@ def _workloads() -> Dict[str, Tuple[ProbeWorkload, float]]:
 
 
 WORKLOADS = tuple(_workloads())
+#: Seed of every run's pre-built batches (and of the statistics SparseLift plans and prices with).
+BATCH_SEED = 1
 QUICK_WORKLOADS = ("many_small", "shared")
 
 
@@ -245,9 +247,9 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
     topo = _topology(W, "cpu")
     device = torch.device("cpu")
     # the ids' statistics as a user observes them (observe() of rank 0's batches: the same on every rank)
-    stats = probe_stats(w, alpha, n=args.batches, seed=1)
+    stats = probe_stats(w, alpha, n=args.batches, seed=BATCH_SEED)
     plans = _plans(w, topo, profile, pg, say, stats)
-    batches = prebuilt_batches(w, args.batches, seed=1, rank=rank, alpha=alpha)
+    batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=rank, alpha=alpha)
     runners = []
     for name, plan, cons in plans:
         pred = PlanPricer(probe_model(w), plan, topo, w.batch_size, cons, stats=stats)(profile)
@@ -368,7 +370,7 @@ def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
     allp, allm, sps = [], [], []
     for res in data["workloads"]:
         w, alpha = table[res["workload"]]
-        stats = probe_stats(w, alpha, n=data.get("settings", {}).get("batches", 8), seed=1)
+        stats = probe_stats(w, alpha, n=data.get("settings", {}).get("batches", 8), seed=BATCH_SEED)
         meas = {r["plan"]: r["measured_ms"] for r in res["rows"]}
         pred, mm = [], []
         for name, plan, cons in plans[res["workload"]]:

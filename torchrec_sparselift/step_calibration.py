@@ -150,14 +150,8 @@ def auto_profile(device: str, ranks: int, store: Optional[ProfileStore] = None,
     how = ("calibrate this machine with `torchrun --standalone --nproc_per_node "
            f"{ranks} -m torchrec_sparselift.step_calibration`")
     if found is not None and not diff:
-        missing = missing_terms(found.info)
-        if missing:
-            warn(f"sparselift: this machine's profile {found.path} was fitted before the cost model had "
-                 f"{', '.join(missing)} (they take their fallback values): predictions may be off; {how}")
-        spread = disturbed_spread(found.info)
-        if spread is not None:
-            warn(f"sparselift: this machine's profile {found.path} was calibrated while the machine's speed "
-                 f"moved {spread:.2f}x between probe workloads: predictions may be off; {how} on a quieter machine")
+        for problem in stored_profile_problems(found.info):
+            warn(f"sparselift: this machine's profile {found.path} {problem}: predictions may be off; {how}")
         return found.profile, found.path
     if found is not None:
         warn(f"sparselift: no calibrated profile for this machine; using {found.path} from another machine "
@@ -178,6 +172,22 @@ def missing_terms(info: Optional[Mapping[str, Any]]) -> List[str]:
         return []
     fixed = set(HOST_FIXED_TERMS) if (info or {}).get("host_terms") else set()
     return [t.name for t in CPU_STEP_TERMS if t.name not in fit["values"] and t.name not in fixed]
+
+
+def stored_profile_problems(info: Optional[Mapping[str, Any]]) -> List[str]:
+    """Why a stored profile of this machine should be calibrated again (empty: it is fine), each as
+    a phrase after "the profile ...": fitted by an older cost model (:func:`missing_terms`), or
+    calibrated on a machine whose speed moved (:func:`disturbed_spread`). ``step_calibration --check``
+    fails on them and ``auto_profile`` warns with them."""
+    out = []
+    missing = missing_terms(info)
+    if missing:
+        out.append(f"was fitted before the cost model had {', '.join(missing)} (they take their fallback values)")
+    spread = disturbed_spread(info)
+    if spread is not None:
+        out.append(f"was calibrated while the machine's speed moved {spread:.2f}x between probe workloads "
+                   "(calibrate on a quieter machine)")
+    return out
 
 
 def disturbed_spread(info: Optional[Mapping[str, Any]]) -> Optional[float]:
@@ -663,17 +673,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("NPROC", "1")))
     if args.check:
         found, diff = store.lookup(current_fingerprint("cpu", ranks))
-        why = None
         if found is None or diff:
-            why = "no calibrated profile for this machine yet"
-        elif missing_terms(found.info):
-            why = (f"the stored profile {found.path} was fitted before the cost model had "
-                   f"{', '.join(missing_terms(found.info))}")
-        elif disturbed_spread(found.info) is not None:
-            why = (f"the stored profile {found.path} was calibrated while the machine's speed moved "
-                   f"{disturbed_spread(found.info):.2f}x")
-        if why:
-            print(f"[calibrate] {why}", flush=True)
+            why = ["no calibrated profile for this machine yet"]
+        else:
+            why = [f"the stored profile {found.path} {p}" for p in stored_profile_problems(found.info)]
+        for line in why:
+            print(f"[calibrate] {line}", flush=True)
         return 1 if why else 0
     if args.from_measurements:
         import pickle

@@ -644,8 +644,6 @@ def bench_dense_terms(device: Optional[torch.device] = None, trials: int = 5,
     non-negative least squares against the quantities the model counts for it
     (:func:`~torchrec_sparselift.semantics.dense.dlrm_interaction` plus the pooled ``F D``), with a
     constant per call. ``(0, 0)`` without torchrec."""
-    from scipy.optimize import nnls
-
     from torchrec_sparselift.semantics.dense import ACTIVATION_BYTES, dlrm_interaction
 
     try:
@@ -658,12 +656,19 @@ def bench_dense_terms(device: Optional[torch.device] = None, trials: int = 5,
         flops, elems = dlrm_interaction(f, d)
         rows.append([b * ACTIVATION_BYTES * (elems + f * d), b * flops, 1.0])
         secs.append(_dlrm_dense_s(b, f, d, device, trials))
-    a = torch.tensor(rows, dtype=torch.float64).numpy()
-    y = torch.tensor(secs, dtype=torch.float64).numpy()
-    scale = a.max(axis=0)
-    x, _res = nnls(a / scale, y)
-    x = x / scale
+    x = _nnls_columns(rows, secs)
     return float(x[0]), float(x[1])
+
+
+def _nnls_columns(rows: List[List[float]], secs: List[float]) -> np.ndarray:
+    """Non-negative least squares ``secs ~ rows @ x`` with each column scaled to its largest value
+    first (the quantities span many orders of magnitude)."""
+    from scipy.optimize import nnls
+
+    a = np.asarray(rows, dtype=np.float64)
+    scale = a.max(axis=0)
+    x, _res = nnls(a / scale, np.asarray(secs, dtype=np.float64))
+    return x / scale
 
 
 #: ``(rows, ids)`` of :func:`bench_tbe_backward`, uniform ids over one dim-64 table: distinct rows
@@ -697,8 +702,6 @@ def bench_tbe_backward(device: Optional[torch.device] = None, trials: int = 5,
     row-wise AdaGrad update, as TorchRec's fused kernels run it: :func:`_tbe_backward_s` at
     ``shapes``, non-negative least squares on ``[distinct rows, ids, 1]``. ``(0, 0)`` without
     fbgemm."""
-    from scipy.optimize import nnls
-
     if not fbgemm_available():
         return 0.0, 0.0
     device = device or torch.device("cpu")
@@ -707,11 +710,7 @@ def bench_tbe_backward(device: Optional[torch.device] = None, trials: int = 5,
         t, d = _tbe_backward_s(r, n, device, trials)
         rows.append([float(d), float(n), 1.0])
         secs.append(t)
-    a = np.asarray(rows, dtype=np.float64)
-    y = np.asarray(secs, dtype=np.float64)
-    scale = a.max(axis=0)
-    x, _res = nnls(a / scale, y)
-    x = x / scale
+    x = _nnls_columns(rows, secs)
     return float(x[0]), float(x[1])
 
 
