@@ -167,9 +167,15 @@ def _plans(w: ProbeWorkload, topo, profile, pg, say, stats=None) -> List[Tuple[s
     return out
 
 
-def _plan_key(plan) -> Tuple[Any, ...]:
-    return tuple(sorted((t, ps.sharding_type, ps.compute_kernel, tuple(ps.ranks or ()))
-                        for mp in plan.plan.values() for t, ps in mp.items()))
+def distinct_plans(plans: Sequence[Any]) -> List[int]:
+    """For each plan, the index of the first plan equal to it (``sharding_plan_digest``): a plan
+    that two names share (SparseLift's is often exactly the forced all-table-wise plan, or
+    TorchRec's) is one plan, measured once per round; timing it twice only measured the noise
+    between a plan and itself (up to ~5% on this machine, docs/benchmarks.md)."""
+    from torchrec_sparselift.plan import sharding_plan_digest
+
+    first: Dict[str, int] = {}
+    return [first.setdefault(sharding_plan_digest(p), i) for i, p in enumerate(plans)]
 
 
 def _types(plan) -> str:
@@ -255,8 +261,14 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
         pred = PlanPricer(probe_model(w), plan, topo, w.batch_size, cons, stats=stats)(profile)
         runners.append(dict(name=name, plan=plan, predicted_s=pred, runs=[], types=_types(plan)))
     saved_plans = [(name, plan, cons) for name, plan, cons in plans]
+    owner = distinct_plans([r["plan"] for r in runners])
+    measured = [r for i, r in enumerate(runners) if owner[i] == i]
+    for i, r in enumerate(runners):
+        if owner[i] != i:
+            r["same_as"] = runners[owner[i]]["name"]
+            say(f"[real_runs] {w.name}: {r['name']} is the same plan as {r['same_as']} (measured once)")
     if args.keep_models:
-        _run_kept(w, runners, batches, pg, device, args, say)
+        _run_kept(w, measured, batches, pg, device, args, say)
     else:
         # each run shards a fresh model (as the step calibration's probes and a real job do), so no
         # plan's state or cache warmth carries over; one untimed run first pays the process's one-offs
@@ -264,7 +276,7 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
                      device=device)
         ref_before = ref.measure().median_s if ref is not None else None
         rep = 0
-        todo = list(runners)
+        todo = list(measured)
         while todo:
             # rotate the order each round: no plan always runs first or last (a position in the round
             # measured up to ~5% apart for identical plans on this machine)
@@ -282,8 +294,10 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
             # paired ratios cover the same stretch of the machine's drift (extra rounds for the noisy
             # plans only had a plan measured once in a slow stretch compared with one that was not)
             more = rep < args.reps or (rep < args.max_reps and any(_spread(r["runs"]) > args.tolerance
-                                                                    for r in runners))
-            todo = list(runners) if more else []
+                                                                    for r in measured))
+            todo = list(measured) if more else []
+    for i, r in enumerate(runners):
+        r["runs"] = runners[owner[i]]["runs"]
     drift = None
     if ref is not None and ref_cal_s and not args.keep_models:
         drift = (ref_before + ref.measure().median_s) / 2 / ref_cal_s
@@ -294,19 +308,21 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
         rows.append(dict(plan=r["name"], types=r["types"], measured_ms=stat(r["runs"]) * 1e3,
                          spread=_spread(r["runs"]),
                          median_ms=statistics.median(r["runs"]) * 1e3, min_ms=min(r["runs"]) * 1e3,
-                         runs_ms=[x * 1e3 for x in r["runs"]], predicted_ms=r["predicted_s"] * 1e3))
-    keys = {r["name"]: _plan_key(r["plan"]) for r in runners}
+                         runs_ms=[x * 1e3 for x in r["runs"]], predicted_ms=r["predicted_s"] * 1e3,
+                         same_as=r.get("same_as")))
     gc.collect()
     by = {row["plan"]: row for row in rows}
+    plan_of = {r["name"]: owner[i] for i, r in enumerate(runners)}
     best = min(rows, key=lambda x: x["measured_ms"])
     ours, theirs = by["sparselift"]["measured_ms"], by["torchrec"]["measured_ms"]
     guard_pool = [p for p in ("sparselift", "table_wise", "torchrec") if p in by]
     guard_pick = min(guard_pool, key=lambda p: by[p]["runs_ms"][0])
-    meas = [row["measured_ms"] for row in rows]
-    pred = [row["predicted_ms"] for row in rows]
+    # the model's accuracy over the distinct plans (a plan two names share counts once)
+    meas = [row["measured_ms"] for row in rows if not row["same_as"]]
+    pred = [row["predicted_ms"] for row in rows if not row["same_as"]]
     paired = paired_ratio(by["torchrec"]["runs_ms"], by["sparselift"]["runs_ms"])
     return dict(_plans=saved_plans, workload=w.name, tables=len(w.tables),
-                same_plan_as_torchrec=keys["sparselift"] == keys["torchrec"], features=sum(len(t.features) for t in w.tables),
+                same_plan_as_torchrec=plan_of["sparselift"] == plan_of["torchrec"], features=sum(len(t.features) for t in w.tables),
                 batch_size=w.batch_size, alpha=alpha, rows=rows, best=best["plan"],
                 torchrec_over_ours=theirs / ours, torchrec_over_ours_paired=paired,
                 ours_over_best=ours / best["measured_ms"],
@@ -325,8 +341,9 @@ def format_workload(res: Dict[str, Any]) -> str:
     for r in res["rows"]:
         lines.append(f"{r['plan']:<16}{r['types'][:17]:<18}{r['measured_ms']:>12.2f}{r['predicted_ms']:>14.2f}"
                      f"{r['predicted_ms'] / r['measured_ms']:>10.2f}{r['measured_ms'] / best:>9.3f}"
-                     f"{len(r['runs_ms']):>7}{r.get('spread', 0.0) * 100:>7.1f}%")
-    same = " (the same plan: the difference is noise)" if res.get("same_plan_as_torchrec") else ""
+                     f"{len(r['runs_ms']):>7}{r.get('spread', 0.0) * 100:>7.1f}%"
+                     + (f"  = {r['same_as']} (same plan)" if r.get("same_as") else ""))
+    same = " (the same plan)" if res.get("same_plan_as_torchrec") else ""
     paired = res.get("torchrec_over_ours_paired")
     lines.append(f"TorchRec/SparseLift {res['torchrec_over_ours']:.3f}x{same}"
                  + (f" (paired by round {paired:.3f}x)" if paired else "") + "; "
@@ -372,16 +389,22 @@ def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
         w, alpha = table[res["workload"]]
         stats = probe_stats(w, alpha, n=data.get("settings", {}).get("batches", 8), seed=BATCH_SEED)
         meas = {r["plan"]: r["measured_ms"] for r in res["rows"]}
-        pred, mm = [], []
-        for name, plan, cons in plans[res["workload"]]:
+        entries = plans[res["workload"]]
+        owner = distinct_plans([p for _n, p, _c in entries])
+        pred, mm, shown = [], [], []
+        for i, (name, plan, cons) in enumerate(entries):
+            if owner[i] != i:
+                continue
+            # a plan two names share is one plan (runs before this rule timed it twice: their median)
+            mm.append(statistics.median([meas[entries[j][0]] for j in range(len(entries)) if owner[j] == i]))
             pred.append(PlanPricer(probe_model(w), plan, topo, w.batch_size, cons, stats=stats)(profile) * 1e3)
-            mm.append(meas[name])
+            shown.append("=".join(entries[j][0] for j in range(len(entries)) if owner[j] == i))
         allp += pred
         allm += mm
         sps.append(spearman(pred, mm))
         print(f"{res['workload']:<12} MAPE {mape(pred, mm) * 100:5.1f}%  Spearman {spearman(pred, mm):5.2f}  "
-              + " ".join(f"{n}:{p:.0f}/{m:.0f}" for (n, _p, _c), p, m in zip(plans[res['workload']], pred, mm)))
-    print(f"all {len(allm)} plans: MAPE {mape(allp, allm) * 100:.1f}%  Spearman {spearman(allp, allm):.2f}  "
+              + " ".join(f"{n}:{p:.0f}/{m:.0f}" for n, p, m in zip(shown, pred, mm)))
+    print(f"all {len(allm)} distinct plans: MAPE {mape(allp, allm) * 100:.1f}%  Spearman {spearman(allp, allm):.2f}  "
           f"mean per-workload Spearman {sum(sps) / len(sps):.2f}")
     return 0
 
@@ -481,8 +504,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results.append(res)
             say(format_workload(res))
         ratios = [r["torchrec_over_ours"] for r in results]
-        all_pred = [row["predicted_ms"] for r in results for row in r["rows"]]
-        all_meas = [row["measured_ms"] for r in results for row in r["rows"]]
+        distinct = [(r, row) for r in results for row in r["rows"] if not row.get("same_as")]
+        all_pred = [row["predicted_ms"] for _r, row in distinct]
+        all_meas = [row["measured_ms"] for _r, row in distinct]
         summary = dict(
             geomean_torchrec_over_ours=geomean(ratios),
             geomean_torchrec_over_ours_paired=geomean([r["torchrec_over_ours_paired"] for r in results]),
@@ -494,8 +518,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             workloads_same_plan_as_torchrec=sum(1 for r in results if r["same_plan_as_torchrec"]),
             max_ours_over_best=max(r["ours_over_best"] for r in results),
             mape_all=mape(all_pred, all_meas),
-            mape_all_drift_corrected=mape([row["predicted_ms"] * r["drift"] for r in results for row in r["rows"]],
-                                          all_meas) if results and all(r.get("drift") for r in results) else None,
+            mape_all_drift_corrected=mape([row["predicted_ms"] * r["drift"] for r, row in distinct], all_meas) if results and all(r.get("drift") for r in results) else None,
             drift_by_workload={r["workload"]: r.get("drift") for r in results},
             mean_workload_spearman=statistics.fmean([r["spearman"] for r in results if not math.isnan(r["spearman"])])
             if results else float("nan"),
@@ -508,7 +531,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"SparseLift >= 0.98x TorchRec on {summary['workloads_ours_ge_098_torchrec']}/{len(results)} workloads, "
             f"within 2% of the best on {summary['workloads_ours_within_2pct_of_best']}/{len(results)} (same plan as "
             f"TorchRec on {summary['workloads_same_plan_as_torchrec']}); "
-            f"prediction MAPE {summary['mape_all'] * 100:.1f}% over {len(all_meas)} plans, mean Spearman "
+            f"prediction MAPE {summary['mape_all'] * 100:.1f}% over {len(all_meas)} distinct plans, mean Spearman "
             f"{summary['mean_workload_spearman']:.2f} (held out: profile fitted on the probe workloads)"
             + (f"; with the predictions scaled by the machine's drift since calibration (reference plan "
                f"{'/'.join(REFERENCE)} measured before and after each workload: "

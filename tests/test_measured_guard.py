@@ -50,6 +50,48 @@ def test_guard_keeps_the_first_on_a_tie_and_checks_trials():
         MeasuredGuard(candidates=0)
 
 
+def test_a_candidate_with_the_same_plan_is_measured_once_and_shares_the_trials():
+    """TorchRec's plan equal to SparseLift's: one plan, one set of trials, the earlier kept."""
+    calls = []
+
+    def trial(label, plan):
+        calls.append(label)
+        return {"p": 0.004, "q": 0.003}[plan] * (1.0 if len(calls) < 3 else 1.5)
+
+    cands = [Candidate("sparselift", "sparselift", "p"), Candidate("sparselift:b", "sparselift", "q"),
+             Candidate("torchrec", "torchrec", "p")]
+    chosen, res = choose_measured(cands, trial, rounds=2, key=lambda plan: plan)
+    assert calls == ["sparselift", "sparselift:b", "sparselift", "sparselift:b"]
+    assert chosen.label == "sparselift:b"
+    tr = res.trial("torchrec")
+    assert tr.same_as == "sparselift" and tr.runs_s == res.trial("sparselift").runs_s
+    assert res.trial("sparselift").same_as is None
+    assert "the same plan as sparselift" in res.format()
+    assert GuardResult.from_dict(res.to_dict()) == res
+    # on a tie between a plan and itself the earlier candidate (SparseLift's) is kept
+    same, res2 = choose_measured([cands[0], cands[2]], lambda label, plan: 0.002, key=lambda plan: plan)
+    assert same.label == "sparselift" and res2.torchrec_over_chosen() == pytest.approx(1.0)
+    # an older stored result (no same_as) still reads
+    old = res.to_dict()
+    for t in old["trials"]:
+        t.pop("same_as")
+    assert GuardResult.from_dict(old).trial("torchrec").same_as is None
+
+
+def test_sharding_plan_digest_is_plan_identity_whatever_the_dict_order():
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+    from torchrec_sparselift.plan import sharding_plan_digest
+
+    def plan(order, rank_of_b=1):
+        ps = {"a": ParameterSharding(sharding_type="table_wise", compute_kernel="fused", ranks=[0]),
+              "b": ParameterSharding(sharding_type="table_wise", compute_kernel="fused", ranks=[rank_of_b])}
+        return ShardingPlan(plan={"ebc": EmbeddingModuleShardingPlan({k: ps[k] for k in order})})
+
+    assert sharding_plan_digest(plan("ab")) == sharding_plan_digest(plan("ba"))
+    assert sharding_plan_digest(plan("ab")) != sharding_plan_digest(plan("ab", rank_of_b=0))
+
+
 def test_guarded_plans_have_their_own_cache_key_stable_under_profile_refits():
     import warnings
 

@@ -83,14 +83,6 @@ def _restricted(constraints: Optional[Dict[str, Any]], table_names: Sequence[str
     return out
 
 
-def _plan_key(plan: Any) -> Tuple[Any, ...]:
-    rows = []
-    for path, mp in sorted(plan.plan.items()):
-        for table, ps in sorted(mp.items()):
-            rows.append((path, table, ps.sharding_type, ps.compute_kernel, tuple(ps.ranks or ())))
-    return tuple(rows)
-
-
 def guard_fingerprint(planner: Any, model: Any, sharders: Sequence[Any], guard: MeasuredGuard) -> Any:
     """The fingerprint of the planner's ``PlanRequest`` with its ``measured_guard`` field set to
     the guard's settings (guarded and unguarded plans, or two guard settings, never share a key)
@@ -172,7 +164,7 @@ def guarded_execution_plan(
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.sharding_plan import get_default_sharders
 
-    from torchrec_sparselift.plan import ExecutionPlan
+    from torchrec_sparselift.plan import ExecutionPlan, sharding_plan_digest
     from torchrec_sparselift.planner import SparseLiftPlanner
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
     from torchrec_sparselift.runtime.probe import measure_plan
@@ -213,7 +205,7 @@ def guarded_execution_plan(
     ep = main.collective_plan_execution(model, sharders, pg)
     cands: List[Tuple[Candidate, Any]] = [(Candidate("sparselift", "sparselift", ep.sharding_plan,
                                                      ep.prediction.step_time_s), ep)]
-    seen = {_plan_key(ep.sharding_plan)}
+    seen = {sharding_plan_digest(ep.sharding_plan)}
     names = _table_names(model)
     alts: List[Tuple[Candidate, Any]] = []
     for alt, removed in (ALTERNATIVES if guard.candidates > 1 else ()):
@@ -223,7 +215,7 @@ def guarded_execution_plan(
         except Exception as e:  # noqa: BLE001 - an alternative that cannot be planned is skipped
             log(f"[guard] alternative {alt} not planned: {str(e).splitlines()[0]}")
             continue
-        key = _plan_key(aep.sharding_plan)
+        key = sharding_plan_digest(aep.sharding_plan)
         if key in seen:
             continue
         seen.add(key)
@@ -247,10 +239,15 @@ def guarded_execution_plan(
         log(f"[guard] {label}: {m.median_s * 1e3:.2f} ms/step ({m.wall_s:.1f} s, pipeline {kind})")
         return m.median_s
 
-    chosen, result = choose_measured([c for c, _ in cands], trial, settings=guard.to_dict(), rounds=guard.rounds)
+    chosen, result = choose_measured([c for c, _ in cands], trial, settings=guard.to_dict(), rounds=guard.rounds,
+                                     key=sharding_plan_digest)
+    for t in result.trials:
+        if t.same_as:
+            log(f"[guard] {t.label}: the same plan as {t.same_as} (not measured again)")
+    # one feedback record per plan measured (a plan shared by two candidates counts once)
     pricers = [(t.label, t.measured_s, PlanPricer(model, c.plan, topology, batch_size, constraints, sharders,
                                                   stats=workload))
-               for t, (c, _e) in zip(result.trials, cands)]
+               for t, (c, _e) in zip(result.trials, cands) if not t.same_as]
     chosen_ep = dict((c.label, e) for c, e in cands)[chosen.label]
     info = dict(ep.planner_info)
     info["measured_guard"] = result.to_dict()

@@ -15,6 +15,7 @@ from torchrec_sparselift.plan.execution_plan import (
     RankPrediction,
     Versions,
     fingerprint_inputs,
+    sharding_plan_digest,
     table_specs,
 )
 from torchrec_sparselift.plan.request import PlanRequest
@@ -34,6 +35,7 @@ __all__ = [
     "RankPrediction",
     "Versions",
     "fingerprint_inputs",
+    "sharding_plan_digest",
     "sharding_plan_from_dict",
     "sharding_plan_to_dict",
     "table_specs",

@@ -46,6 +46,7 @@ __all__ = [
     "Fingerprint",
     "TableSpec",
     "fingerprint_inputs",
+    "sharding_plan_digest",
     "table_specs",
     "canonical_digest",
     "topology_description",
@@ -106,6 +107,15 @@ def canonical_digest(obj: Any) -> str:
     """sha256 hex of the canonical JSON of ``obj``: equal inputs give equal digests in any process."""
     text = json.dumps(_canonical(obj), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sharding_plan_digest(plan: Any) -> str:
+    """sha256 hex of a TorchRec ``ShardingPlan``'s lossless JSON (:func:`sharding_plan_to_dict`).
+    Two plans have equal digests exactly when they shard every table the same way (sharding type,
+    kernel, ranks, shard offsets and sizes, cache and kernel settings), whatever order their dicts
+    list the tables in: they run the same step, so one measurement of either is a measurement of
+    both."""
+    return canonical_digest(sharding_plan_to_dict(plan))
 
 
 # ----------------------------------------------------------------------------------------------
