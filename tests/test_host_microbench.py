@@ -118,3 +118,37 @@ def test_host_fit_setup_floors_the_dense_rates_at_a_third_of_their_measured_cost
     assert floors["1/interaction_flops"] == pytest.approx(1e-11)
     no_dense = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9)
     assert "1/dense_mem_bw" not in host_fit_setup(base_profile("cpu"), no_dense)[2]
+
+
+def test_bench_dense_flops_recovers_a_known_flop_cost(monkeypatch):
+    """The slope over the MLP shapes is the per-FLOP cost (the backward counted twice the forward):
+    a synthetic timing of known per-FLOP cost plus a constant per call comes back."""
+    from torchrec_sparselift.cost import microbench
+
+    per_flop = 8e-12
+
+    def fake(b, widths, device, trials):
+        weights = sum(a * c + c for a, c in zip(widths[:-1], widths[1:]))
+        return 3e-4 + per_flop * 3 * 2 * weights * b
+
+    monkeypatch.setattr(microbench, "_mlp_s", fake)
+    assert microbench.bench_dense_flops() == pytest.approx(per_flop, rel=1e-6)
+
+
+def test_bench_dense_flops_measures_a_plausible_rate():
+    from torchrec_sparselift.cost.microbench import bench_dense_flops
+
+    flop_s = bench_dense_flops(trials=3)
+    # an fp32 GEMM on one to a few CPU cores: 1-2000 GFLOP/s
+    assert 5e-13 < flop_s < 1e-9
+
+
+def test_host_fit_setup_floors_the_dense_flop_rate_at_its_measured_cost():
+    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9,
+                          dense_flop_s=7e-12)
+    _fixed, terms, floors = host_fit_setup(base_profile("cpu"), host)
+    assert floors["1/dense_flops"] == pytest.approx(7e-12)
+    assert "1/dense_flops" in {t.name for t in terms}  # fitted above the floor
+    # a stored record from before the measurement (no dense_flop_s) leaves the rate unfloored
+    old = {k: v for k, v in host.to_dict().items() if k != "dense_flop_s"}
+    assert "1/dense_flops" not in host_fit_setup(base_profile("cpu"), old)[2]

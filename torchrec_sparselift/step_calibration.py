@@ -483,6 +483,11 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
                         ("1/interaction_flops", getattr(host, "interaction_flop_s", 0.0))):
         if value > 0:
             floors[term] = float(value) / 3.0
+    # the dense layers' products cannot run faster than a near-square MLP's measured alone (fitted
+    # freely the FLOP rate went to 1e18, i.e. free, where the probes' FLOPs moved with their
+    # activation bytes; the DCN example's 1.4 GFLOP per step then cost nothing)
+    if getattr(host, "dense_flop_s", 0.0) > 0:
+        floors["1/dense_flops"] = float(host.dense_flop_s)
     # a fused TBE backward updates each distinct row once (fbgemm's CPU kernel, measured alone:
     # ~0.6 us per row, ~0 per id): a step cannot update a row faster
     if getattr(host, "tbe_row_s", 0.0) > 0:

@@ -590,6 +590,9 @@ class HostTermRecord:
     #: row it updates and per id it reads (0: not measured, fbgemm missing)
     tbe_row_s: float = 0.0
     tbe_bwd_id_s: float = 0.0
+    #: the dense layers' products (:func:`bench_dense_flops`): seconds per forward FLOP of a forward +
+    #: backward (the backward counted as twice the forward); 0: not measured
+    dense_flop_s: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         return attrs.asdict(self)
@@ -613,10 +616,12 @@ def _bucketize_s(ids: int, device: torch.device, trials: int) -> float:
                          trials=trials, target_trial_s=0.01, max_inner=200)
 
 
-#: ``(batch, features, dim)`` of :func:`bench_dense_terms`: activation bytes per interaction FLOP
-#: spread about 2x across them, so the two rates separate.
+#: ``(batch, features, dim)`` of :func:`bench_dense_terms`: interaction FLOPs per activation byte
+#: from 0.6 to 11 across them, so the two rates separate (with the first five alone, 1.2-3.4, the
+#: least squares gave every FLOP's cost to the bytes: 0 per FLOP on this VM, 4.3e-11 s with all).
 DENSE_SHAPES: Tuple[Tuple[int, int, int], ...] = ((256, 4, 128), (256, 8, 64), (256, 32, 16), (256, 48, 8),
-                                                  (512, 16, 64))
+                                                  (512, 16, 64), (256, 2, 8), (512, 2, 32), (256, 64, 128),
+                                                  (128, 128, 64))
 
 
 def _dlrm_dense_s(batch: int, features: int, dim: int, device: torch.device, trials: int) -> float:
@@ -658,6 +663,39 @@ def bench_dense_terms(device: Optional[torch.device] = None, trials: int = 5,
         secs.append(_dlrm_dense_s(b, f, d, device, trials))
     x = _nnls_columns(rows, secs)
     return float(x[0]), float(x[1])
+
+
+#: ``(batch, layer widths)`` of :func:`bench_dense_flops`: MLP stacks whose products dominate
+#: their activations, from 0.5 to ~20 ms per step on one core, so the slope is the FLOP rate.
+MLP_SHAPES: Tuple[Tuple[int, Tuple[int, ...]], ...] = ((256, (128, 128, 128, 128)), (512, (256, 256, 256)),
+                                                     (256, (512, 512, 512)), (512, (1024, 1024)))
+
+
+def _mlp_s(batch: int, widths: Tuple[int, ...], device: torch.device, trials: int) -> float:
+    """Seconds per forward + backward of an ``nn.Linear`` + ReLU stack over ``widths``."""
+    layers: List[torch.nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    mlp = torch.nn.Sequential(*layers).to(device)
+    x = torch.randn(batch, widths[0], device=device)
+    return time_per_call(lambda: mlp(x).sum().backward(), device, warmup=2, trials=trials,
+                         target_trial_s=0.02, max_inner=50)
+
+
+def bench_dense_flops(device: Optional[torch.device] = None, trials: int = 5,
+                      shapes: Tuple[Tuple[int, Tuple[int, ...]], ...] = MLP_SHAPES) -> float:
+    """Seconds per FLOP of the dense layers' products, forward + backward, on ``device``:
+    :func:`_mlp_s` at ``shapes``, non-negative least squares on ``[3 x forward FLOPs, 1]`` (the
+    model prices the forward's ``2 x weights x batch`` FLOPs and a backward of twice them,
+    :func:`~torchrec_sparselift.cost.model.dense_fwd_s`), so it is ``1 / dense_flops`` at the
+    rate these near-square products reach; a model's smaller or skinnier layers run slower."""
+    device = device or torch.device("cpu")
+    rows, secs = [], []
+    for b, widths in shapes:
+        weights = sum(a * c + c for a, c in zip(widths[:-1], widths[1:]))
+        rows.append([3.0 * 2.0 * weights * b, 1.0])
+        secs.append(_mlp_s(b, widths, device, trials))
+    return float(_nnls_columns(rows, secs)[0])
 
 
 def _nnls_columns(rows: List[List[float]], secs: List[float]) -> np.ndarray:
@@ -737,7 +775,7 @@ def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5) -> 
     row_s, bwd_id_s = bench_tbe_backward(device, trials)
     return HostTermRecord(optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id,
                           dense_act_byte_s=act_byte_s, interaction_flop_s=inter_flop_s,
-                          tbe_row_s=row_s, tbe_bwd_id_s=bwd_id_s)
+                          tbe_row_s=row_s, tbe_bwd_id_s=bwd_id_s, dense_flop_s=bench_dense_flops(device, trials))
 
 
 def bench_a2a_byte_s(pg: Any, device: Optional[torch.device] = None, trials: int = 15) -> float:
