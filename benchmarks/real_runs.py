@@ -357,12 +357,15 @@ def format_workload(res: Dict[str, Any]) -> str:
 
 
 def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
-           exclude: Sequence[str] = ()) -> int:
+           exclude: Sequence[str] = (), host_terms: Optional[Dict[str, float]] = None) -> int:
     """Re-price a finished run's plans with another profile (no torchrun): per-workload MAPE and
     Spearman, and over all plans. ``refit``: the profile is fitted again, by this code, from the
     probe measurements the run calibrated on (``<measured>.calibration.pkl``), leaving the step
     terms in ``exclude`` out (an ablation, :func:`~torchrec_sparselift.step_calibration.fit_measurements`):
-    two code versions or models compared on the same measurements."""
+    two code versions or models compared on the same measurements. ``host_terms``: host
+    microbenchmark values (:class:`~torchrec_sparselift.cost.microbench.HostTermRecord` fields) that
+    replace the run's own in that refit, e.g. a newer microbenchmark's (a field the run did not
+    measure, such as ``dense_flop_s`` before it existed, adds its floor)."""
     import pickle
 
     from torchrec_sparselift.cost.hardware import get_profile
@@ -376,10 +379,24 @@ def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
     if refit:
         with open(measured_path + ".calibration.pkl", "rb") as f:
             cal = pickle.load(f)
+        host = dict(cal.get("host_terms") or {})
+        if host_terms:
+            import attrs
+
+            from torchrec_sparselift.cost.microbench import HostTermRecord
+
+            known = {f.name for f in attrs.fields(HostTermRecord)}
+            unknown = sorted(set(host_terms) - known)
+            if unknown:
+                raise ValueError(f"--host-terms {unknown}: not HostTermRecord fields; choose from {sorted(known)}")
+            if not host:
+                raise ValueError(f"{measured_path}.calibration.pkl holds no host terms to replace")
+            host.update(host_terms)
         profile, fit, _recs, _fr = fit_measurements(cal["measurements"], base_profile("cpu"),
-                                                    host=cal.get("host_terms"), exclude=exclude)
+                                                    host=host or None, exclude=exclude)
         print(f"refit from {len(cal['measurements'])} probe plans"
-              + (f" without {', '.join(exclude)}" if exclude else "") + f": probe fit MAPE {fit.mape * 100:.1f}%")
+              + (f" without {', '.join(exclude)}" if exclude else "")
+              + (f" with host terms {host_terms}" if host_terms else "") + f": probe fit MAPE {fit.mape * 100:.1f}%")
     else:
         profile = get_profile(profile_path) if profile_path else auto_profile("cpu", 2)[0]
     table = _workloads()
@@ -419,10 +436,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "measurements (<measured>.calibration.pkl) with this code")
         rp.add_argument("--without", default="", help="with --refit: comma-separated step terms to leave out of "
                         "the model (e.g. bwd_row_s,reduce_scatter_factor)")
+        rp.add_argument("--host-terms", default="", help="with --refit: comma-separated NAME=SECONDS host "
+                        "microbenchmark values replacing the run's (e.g. interaction_flop_s=4.3e-11,dense_flop_s=7.4e-12)")
         ra = rp.parse_args(argv[1:])
-        if ra.without and not ra.refit:
-            rp.error("--without needs --refit")
-        return report(ra.measured, ra.profile, ra.refit, [t for t in ra.without.split(",") if t])
+        if (ra.without or ra.host_terms) and not ra.refit:
+            rp.error("--without and --host-terms need --refit")
+        host: Dict[str, float] = {}
+        for item in (t for t in ra.host_terms.split(",") if t):
+            name, _sep, value = item.partition("=")
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = -1.0
+            if not (seconds >= 0 and math.isfinite(seconds)):
+                rp.error(f"--host-terms: {item!r} is not NAME=SECONDS (a number >= 0)")
+            host[name.strip()] = seconds
+        return report(ra.measured, ra.profile, ra.refit, [t for t in ra.without.split(",") if t], host)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/real_runs.json")
     p.add_argument("--quick", action="store_true", help=f"smoke test: {', '.join(QUICK_WORKLOADS)}, 1 round, 4 steps")
