@@ -108,9 +108,9 @@ def spawn_retrying_native_aborts(fn: Callable[..., Any], world_size: int, *args:
                                  retries: int = 1) -> List[Any]:
     """:func:`spawn`, run again (at most ``retries`` times) when a rank was killed by SIGABRT
     without raising a Python error: TorchRec 1.8's data-parallel dense kernel sometimes aborts in
-    native code at 4 CPU ranks ("terminate called without an active exception" in its backward, seen
-    in 2 of 3 full-suite runs on a loaded 2-core machine, 0 of 5 alone). A rank that raises, and any
-    assertion on the results, fails as before."""
+    native code on CPU ranks ("terminate called without an active exception" in its backward; at 4
+    ranks in 2 of 3 full-suite runs on a loaded 2-core machine, 0 of 5 alone; at 2 ranks once in
+    session 6). A rank that raises, and any assertion on the results, fails as before."""
     for attempt in range(retries + 1):
         try:
             return spawn(fn, world_size, *args, timeout_s=timeout_s)

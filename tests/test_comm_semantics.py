@@ -174,7 +174,9 @@ def test_graph_quantities_equal_counted_bytes_and_ids_at_2_ranks_every_sharding_
     cases = (_cases_one_type("ebc", ALL_TYPES, ("fused", "dense"))
              + _cases_one_type("ec", ("table_wise", "row_wise", "column_wise"), ("fused",))
              + _cases_one_type("ec", ("row_wise",), ("dense",)))
-    per_rank = spawn(_count_cases, 2, cases, timeout_s=300)
+    # the data-parallel dense kernel's native abort was seen at 2 ranks too (1 of 4 full-suite runs
+    # in session 6, with the same "terminate called without an active exception"): one rerun then
+    per_rank = spawn_retrying_native_aborts(_count_cases, 2, cases, timeout_s=300)
     _assert_exact(per_rank)
     # the kernels asked for are the ones that ran
     for res in per_rank[0]:

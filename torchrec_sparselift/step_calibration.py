@@ -458,7 +458,8 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
     dense update moves 3x the replica's bytes) terms are fitted above what ``Adagrad.step`` alone
     costs (DDP's per-parameter work and cold caches come on top), ``1/a2a_bw`` above the bare
     all-to-all's per-byte cost (measured across ranks; 0 when not), and the dense activation and
-    interaction rates above their cost measured alone (``microbench.bench_dense_terms``), and the fused
+    interaction rates above their cost measured alone (``microbench.bench_dense_terms``), the dense
+    layers' FLOP rate above an MLP's alone (``microbench.bench_dense_flops``), and the fused
     backward's per-distinct-row cost above fbgemm's alone (``microbench.bench_tbe_backward``)."""
     if host is None:
         return base, tuple(CPU_STEP_TERMS), {}
@@ -485,7 +486,7 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
             floors[term] = float(value) / 3.0
     # the dense layers' products cannot run faster than a near-square MLP's measured alone (fitted
     # freely the FLOP rate went to 1e18, i.e. free, where the probes' FLOPs moved with their
-    # activation bytes; the DCN example's 1.4 GFLOP per step then cost nothing)
+    # activation bytes; the DCN example's 1.4 GFLOP per step, forward + backward, then cost nothing)
     if getattr(host, "dense_flop_s", 0.0) > 0:
         floors["1/dense_flops"] = float(host.dense_flop_s)
     # a fused TBE backward updates each distinct row once (fbgemm's CPU kernel, measured alone:
