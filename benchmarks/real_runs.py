@@ -407,15 +407,16 @@ def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
         stats = probe_stats(w, alpha, n=data.get("settings", {}).get("batches", 8), seed=BATCH_SEED)
         meas = {r["plan"]: r["measured_ms"] for r in res["rows"]}
         entries = plans[res["workload"]]
-        owner = distinct_plans([p for _n, p, _c in entries])
+        names: Dict[int, List[str]] = {}  # first index of each distinct plan -> every name it carries
+        for (name, _p, _c), first in zip(entries, distinct_plans([p for _n, p, _c in entries])):
+            names.setdefault(first, []).append(name)
         pred, mm, shown = [], [], []
-        for i, (name, plan, cons) in enumerate(entries):
-            if owner[i] != i:
-                continue
+        for i, group in names.items():
+            _name, plan, cons = entries[i]
             # a plan two names share is one plan (runs before this rule timed it twice: their median)
-            mm.append(statistics.median([meas[entries[j][0]] for j in range(len(entries)) if owner[j] == i]))
+            mm.append(statistics.median([meas[n] for n in group]))
             pred.append(PlanPricer(probe_model(w), plan, topo, w.batch_size, cons, stats=stats)(profile) * 1e3)
-            shown.append("=".join(entries[j][0] for j in range(len(entries)) if owner[j] == i))
+            shown.append("=".join(group))
         allp += pred
         allm += mm
         sps.append(spearman(pred, mm))
@@ -424,6 +425,21 @@ def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
     print(f"all {len(allm)} distinct plans: MAPE {mape(allp, allm) * 100:.1f}%  Spearman {spearman(allp, allm):.2f}  "
           f"mean per-workload Spearman {sum(sps) / len(sps):.2f}")
     return 0
+
+
+def _host_terms_arg(text: str) -> Dict[str, float]:
+    """``NAME=SECONDS,...`` -> ``{NAME: SECONDS}``; ValueError naming an item that is not one."""
+    out: Dict[str, float] = {}
+    for item in (t for t in text.split(",") if t):
+        name, _sep, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"{item!r} is not NAME=SECONDS (a number >= 0)")
+        out[name.strip()] = seconds
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -441,16 +457,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ra = rp.parse_args(argv[1:])
         if (ra.without or ra.host_terms) and not ra.refit:
             rp.error("--without and --host-terms need --refit")
-        host: Dict[str, float] = {}
-        for item in (t for t in ra.host_terms.split(",") if t):
-            name, _sep, value = item.partition("=")
-            try:
-                seconds = float(value)
-            except ValueError:
-                seconds = -1.0
-            if not (seconds >= 0 and math.isfinite(seconds)):
-                rp.error(f"--host-terms: {item!r} is not NAME=SECONDS (a number >= 0)")
-            host[name.strip()] = seconds
+        try:
+            host = _host_terms_arg(ra.host_terms)
+        except ValueError as e:
+            rp.error(f"--host-terms: {e}")
         return report(ra.measured, ra.profile, ra.refit, [t for t in ra.without.split(",") if t], host)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/real_runs.json")

@@ -519,7 +519,7 @@ def fit_measurements(
     ``host``: a :class:`~torchrec_sparselift.cost.microbench.HostTermRecord` measured on this
     machine (:func:`host_terms`): the row-wise bucketize cost per id is taken from it (not fitted),
     and the data-parallel tables' optimizer terms are fitted above its per-tensor and per-byte
-    costs (:func:`host_fit_setup).
+    costs (:func:`host_fit_setup`).
 
     ``exclude``: step terms left out of the model (an ablation: their profile fields at
     ``HardwareProfile``'s defaults, not fitted), e.g. ``("bwd_row_s",)`` prices the fused backward
@@ -527,15 +527,15 @@ def fit_measurements(
     from torchrec_sparselift.runtime import probe
 
     base, terms, floors = host_fit_setup(base, host)
-    if exclude:
-        unknown = sorted(set(exclude) - {t.name for t in CPU_STEP_TERMS})
+    excluded = set(exclude)
+    if excluded:
+        unknown = sorted(excluded - {t.name for t in CPU_STEP_TERMS})
         if unknown:
             raise ValueError(f"exclude={unknown}: not step-fit terms; choose from {[t.name for t in CPU_STEP_TERMS]}")
-        off = [t for t in terms if t.name in set(exclude)]
         defaults = {f.name: f.default for f in attrs.fields(HardwareProfile)}
-        base = attrs.evolve(base, **{fld: defaults[fld] for t in off for fld in t.fields})
-        terms = tuple(t for t in terms if t.name not in set(exclude))
-        floors = {k: v for k, v in floors.items() if k not in set(exclude)}
+        base = attrs.evolve(base, **{fld: defaults[fld] for t in terms if t.name in excluded for fld in t.fields})
+        terms = tuple(t for t in terms if t.name not in excluded)
+        floors = {k: v for k, v in floors.items() if k not in excluded}
 
     by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
     topo = _topology(world_size, device_type)
