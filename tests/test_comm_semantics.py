@@ -9,8 +9,13 @@ and the bytes DDP all-reduces for data-parallel tables. The graph
 same numbers. Inputs are deterministic with a fixed pooling (every bag has ``PF`` ids) and ids
 spread evenly over the row-wise buckets, the graph's assumptions, so equality is exact.
 
-Not checked, and why: KJTAllToAll's first exchange (per-destination counts, a few int64 per peer
-and module: ``input_dist_splits``) has no graph node, its cost is the per-collective latency; the
+The number of collectives each link phase issues equals the model's count too
+(``cost.model.collective_calls``: the latencies it charges): two per sharding group in the input
+(lengths, values) plus KJTAllToAll's first exchange (per-destination counts, a few int64 per peer:
+``input_dist_splits``, one per step, shared by the groups; its bytes have no graph node, only its
+latency), one per group in the output and gradient.
+
+Not checked, and why: the
 dense-kernel EmbeddingCollection with table-wise, column-wise or data-parallel sharding does not
 run on CPU with TorchRec 1.8 (glibc heap-corruption abort, or a split_with_sizes error for
 data-parallel), nor row-wise at 4 ranks ("Split sizes doesn't match total dim 0 size"), so those
@@ -91,6 +96,7 @@ def _count_cases(rank: int, world: int, cases: Sequence[Case]) -> List[Dict[str,
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+    from torchrec_sparselift.cost.model import collective_calls
     from torchrec_sparselift.runtime.comm_counter import CommCounter, expected_rank_quantities
     from torchrec_sparselift.semantics.graph import candidate_for
     from torchrec_sparselift.semantics.tables import TableSpec
@@ -143,11 +149,19 @@ def _count_cases(rank: int, world: int, cases: Sequence[Case]) -> List[Dict[str,
             cands.append(candidate_for(0, spec, st, ps.compute_kernel, world, world, column_splits=splits))
             specs.append(spec)
             ranks.append(list(ps.ranks))
-        expected = expected_rank_quantities(specs, cands, ranks, world, world)[rank]
+        expected = dict(expected_rank_quantities(specs, cands, ranks, world, world)[rank])
         got: Dict[str, float] = {k: float(v) for k, v in counter.link_bytes().items() if k != "input_dist_splits"}
         got.update({f"lookup:{k}": float(v) for k, v in counter.lookup_ids().items()})
         if counter.allreduce_bytes():
             got["grad_allreduce"] = float(counter.allreduce_bytes())
+        # the collectives each link phase issued: the latencies the model charges it
+        # (cost.model.collective_calls of the plan's sharding groups; the splits call is the input's)
+        groups = len({st for _n, st, _k in assignment if st != "data_parallel"})
+        for phase in ("input_dist", "output_dist", "grad_dist"):
+            kinds = (phase, "input_dist_splits") if phase == "input_dist" else (phase,)
+            got[f"calls:{phase}"] = float(sum(1 for c in counter.calls if c.kind in kinds))
+            # the module is called directly, as TrainPipelineBase does: no fused splits exchange
+            expected[f"calls:{phase}"] = float(collective_calls(phase, groups, fused_splits=False))
         results.append(dict(case=(module, assignment), got=got, expected=expected,
                             kernels={n: mp[n].compute_kernel for n, *_ in tables},
                             calls=[(c.op, c.kind, c.dtype, c.sent_bytes, c.recv_bytes) for c in counter.calls]))
@@ -213,3 +227,56 @@ def test_counter_restores_torch_distributed_functions() -> None:
         assert inner.calls == [] and outer.calls == []
         assert getattr(dist.all_to_all_single, "_sparselift_counting", False)  # the outer one is still active
     assert {op: getattr(dist, op) for op in before} == before
+
+
+def _pipeline_calls(rank: int, world: int, cases: Sequence[Tuple[str, str]]) -> List[Dict[str, Any]]:
+    """Collectives per link phase in one steady step of a probe model trained by each train pipeline."""
+    import torch
+    import torch.distributed as dist
+
+    from torchrec_sparselift.runtime import probe
+    from torchrec_sparselift.runtime.comm_counter import CommCounter
+    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
+    from torchrec_sparselift.step_calibration import _topology, forced_plan
+
+    w = probe.ProbeWorkload("c", probe._tables("c", [(300, 8, 1, 1.0), (200, 8, 2, 2.0), (100, 8, 1, 1.0),
+                                                     (50, 8, 1, 1.0)]), dense=(16,), over=(16, 1), batch_size=16)
+    batches = probe.prebuilt_batches(w, 3, seed=0, rank=rank)
+    out = []
+    for pipeline, kind in cases:
+        plan, _ = forced_plan(probe.probe_model(w), w.tables, kind, _topology(world, "cpu"), w.batch_size,
+                              dist.group.WORLD)
+        types = {ps.sharding_type for mp in plan.plan.values() for ps in mp.values()}
+        torch.manual_seed(0)
+        dmp, opt = probe.shard_for_training(probe.probe_model(w), plan, torch.device("cpu"))
+        pipe = make_train_pipeline(pipeline, dmp, opt, torch.device("cpu"))
+        it = iter(batches * 3)
+        for _ in range(3):
+            pipe.progress(it)
+        with CommCounter(dmp) as counter:
+            pipe.progress(it)
+        calls = {}
+        for phase in ("input_dist", "output_dist", "grad_dist"):
+            kinds = (phase, "input_dist_splits") if phase == "input_dist" else (phase,)
+            calls[phase] = sum(1 for c in counter.calls if c.kind in kinds)
+        out.append(dict(pipeline=pipeline, kind=kind, groups=len(types - {"data_parallel"}), calls=calls,
+                        raw=[(c.op, c.kind, c.dtype) for c in counter.calls]))
+    return out
+
+
+def test_collective_calls_per_phase_match_the_model_under_each_train_pipeline() -> None:
+    """TrainPipelineSparseDist fuses the sharding groups' splits exchanges into one call per step;
+    TrainPipelineBase runs one per group: the latencies ``cost.model.collective_calls`` charges."""
+    from torchrec_sparselift.cost.model import collective_calls
+    from torchrec_sparselift.cost.pipelines import pipeline_kind
+
+    cases = [(pl, kind) for pl in ("base", "sparse_dist") for kind in ("table_wise", "two_groups", "dp_small")]
+    per_rank = spawn(_pipeline_calls, 2, cases, timeout_s=300)
+    seen_groups = set()
+    for results in per_rank:
+        for res in results:
+            fused = pipeline_kind(res["pipeline"]).fused_input_splits
+            want = {ph: collective_calls(ph, res["groups"], fused) for ph in res["calls"]}
+            assert res["calls"] == want, (res["pipeline"], res["kind"], res["raw"])
+            seen_groups.add(res["groups"])
+    assert seen_groups == {1, 2}  # two_groups is column-wise + table-wise: two sharding groups

@@ -81,17 +81,20 @@ def _lp_total_ms(pipeline, colmax, allreduce_bytes, groups, ctx, fwd, bwd):
     p = ctx.profile
     ms = 1e3
     z = {c: i for i, c in enumerate((FWD, BWD, UVM))}
-    iy_in, iy_out, ia, ilat, itot = 3, 4, 5, 6, 7
-    val = np.zeros(8)
+    iy_in, iy_out, ia, ilat, itot, iany = 3, 4, 5, 6, 7, 8
+    val = np.zeros(9)
     val[z[FWD]], val[z[BWD]], val[z[UVM]] = ms * colmax[FWD], ms * colmax[BWD], ms * colmax[UVM]
     val[iy_in] = ms * max(colmax[IN_INTRA] / p.intra_host_bw, colmax[IN_INTER] / p.inter_host_bw)
     val[iy_out] = ms * max(colmax[OUT_INTRA] / p.intra_host_bw, colmax[OUT_INTER] / p.inter_host_bw)
     ph = step_time(colmax, allreduce_bytes, groups, ctx, pipeline, fwd, bwd).phases
     hidden = ph["dense_bwd"] if getattr(p, "supports_overlap", True) else 0.0
     val[ia] = ms * max(0.0, ph["allreduce"] - hidden)
-    val[ilat] = ms * p.collective_latency_s * groups if ctx.world_size > 1 else 0.0
+    latency = ms * p.collective_latency_s if ctx.world_size > 1 else 0.0
+    val[ilat] = latency * groups
+    val[iany] = 1.0 if groups else 0.0
     forms = term_entries(z, iy_in, iy_out, ia, PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
-                         ms * ph["dense_fwd"], ms * ph["dense_bwd"], ilat=ilat)
+                         ms * ph["dense_fwd"], ms * ph["dense_bwd"], ilat=ilat, iany=iany, latency=latency,
+                         fused_splits=pipeline_kind(pipeline).fused_input_splits)
     rows = composition_rows(pipeline, forms, itot, p.supports_overlap)
     # each row: sum(entries) - total <= rhs  <=>  total >= sum(entries without total) - rhs
     return max(sum(v * val[j] for j, v in ent if j != itot) - rhs for ent, rhs in rows)

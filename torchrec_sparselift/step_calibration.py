@@ -37,6 +37,7 @@ from torchrec_sparselift.cost.machine import MachineFingerprint, ProfileStore, c
 from torchrec_sparselift.cost.report import mape
 from torchrec_sparselift.cost.step_fit import (
     CPU_STEP_TERMS,
+    STEP_MODEL_VERSION,
     FitRecord,
     StepFit,
     fit_profile,
@@ -46,7 +47,7 @@ from torchrec_sparselift.cost.step_fit import (
     with_terms,
 )
 
-__all__ = ["PlanPricer", "REFERENCE_PLAN", "ReferencePlan", "reference_drifts", "missing_terms", "stored_info",
+__all__ = ["PlanPricer", "REFERENCE_PLAN", "ReferencePlan", "reference_drifts", "missing_terms", "fitted_model_version", "stored_info",
            "HOST_FIXED_TERMS", "auto_profile", "calibrate_steps", "measure_probes", "fit_measurements", "add_feedback", "base_profile", "forced_plan", "main",
            "COMMITTED_CPU_PROFILE"]
 
@@ -174,6 +175,14 @@ def missing_terms(info: Optional[Mapping[str, Any]]) -> List[str]:
     return [t.name for t in CPU_STEP_TERMS if t.name not in fit["values"] and t.name not in fixed]
 
 
+def fitted_model_version(info: Optional[Mapping[str, Any]]) -> Optional[int]:
+    """The :data:`~torchrec_sparselift.cost.step_fit.STEP_MODEL_VERSION` a stored profile's step fit
+    was made under (1 for a fit stored before versions were recorded); None without a step fit."""
+    if not ((info or {}).get("fit") or {}).get("values"):
+        return None
+    return int((info or {}).get("model_version", 1))
+
+
 def stored_profile_problems(info: Optional[Mapping[str, Any]]) -> List[str]:
     """Why a stored profile of this machine should be calibrated again (empty: it is fine), each as
     a phrase after "the profile ...": fitted by an older cost model (:func:`missing_terms`), or
@@ -183,6 +192,10 @@ def stored_profile_problems(info: Optional[Mapping[str, Any]]) -> List[str]:
     missing = missing_terms(info)
     if missing:
         out.append(f"was fitted before the cost model had {', '.join(missing)} (they take their fallback values)")
+    version = fitted_model_version(info)
+    if version is not None and version != STEP_MODEL_VERSION:
+        out.append(f"was fitted under cost-model structure {version} (this code prices structure "
+                   f"{STEP_MODEL_VERSION}: its terms multiply other quantities now)")
     spread = disturbed_spread(info)
     if spread is not None:
         out.append(f"was calibrated while the machine's speed moved {spread:.2f}x between probe workloads "
@@ -610,6 +623,7 @@ def stored_info(base: HardwareProfile, fit: StepFit, recs: Sequence[ProbeRecord]
     """The ``info`` a step-fitted profile is stored with: the fit, its records (what guard feedback
     refits), the host terms, the errors before and after, when and for which machine."""
     info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), base=base.name, fit=fit.to_dict(),
+                model_version=STEP_MODEL_VERSION,
                 mape_before=_mape(recs, "predicted_before_s"), mape_after=_mape(recs, "predicted_after_s"),
                 records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
                 fit_records=[_record_dict(r) for r in fit_records], **extra)
@@ -626,7 +640,9 @@ def add_feedback(records: Sequence[FitRecord], profile: HardwareProfile, topolog
     store = store or ProfileStore()
     fp = current_fingerprint(topology.compute_device, int(topology.local_world_size))
     found, diff = store.lookup(fp)
-    if found is None or diff:
+    version = fitted_model_version(found.info) if found is not None else None
+    if found is None or diff or (version is not None and version != STEP_MODEL_VERSION):
+        # another machine's profile, or records linearized under another model structure: never mixed
         return None
     old = [FitRecord(**r) for r in found.info.get("fit_records", [])]
     _base, terms, floors = host_fit_setup(found.profile, found.info.get("host_terms"))

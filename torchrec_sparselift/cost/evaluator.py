@@ -268,7 +268,7 @@ class PlanEvaluator:
 
     def phases(self) -> Dict[str, float]:
         return phase_times(self.colmax(), self.allreduce_bytes, self.comm_groups, self.ctx,
-                           self.fwd_precision, self.bwd_precision)
+                           self.fwd_precision, self.bwd_precision, self.pipeline)
 
     def _index(self, table: int, ranks: Sequence[int], add: bool) -> None:
         for r in ranks:

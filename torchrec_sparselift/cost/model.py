@@ -14,8 +14,11 @@ Everything here is a pure function of immutable inputs. The equations (also in d
   (from the observed ids, :meth:`~torchrec_sparselift.semantics.tables.TableSpec.distinct_rows`).
 * a collective phase (input_dist, output_dist, grad_dist) is as slow as its slowest rank
   (a row-wise pooled output's reduce-scatter / all-gather bytes count ``reduce_scatter_factor`` times):
-  ``t = latency * groups + max(max_r intra_r / intra_bw, max_r inter_r / inter_bw)``,
-  where each rank's bytes are what its shards send/receive plus its share of its peers' traffic.
+  ``t = latency * calls + max(max_r intra_r / intra_bw, max_r inter_r / inter_bw)``,
+  where each rank's bytes are what its shards send/receive plus its share of its peers' traffic,
+  and ``calls`` the collectives the phase issues (:func:`collective_calls`): one per sharding group
+  for the output and gradient, ``2 * groups + 1`` for the input (lengths and values per group, one
+  splits exchange shared by all groups).
 * data-parallel tables and the dense model all-reduce their gradients:
   ``t = latency + 2 (W-1)/W * bytes / allreduce_bw``.
 * dense compute, forward (the backward is twice it): ``B * (flops / dense_flops + interaction_flops /
@@ -37,6 +40,7 @@ from torchrec_sparselift.cost.pipelines import (
     LINK_PHASES,
     PHASE_NAMES,
     PIPELINES,
+    pipeline_kind,
     step_totals,
 )
 from torchrec_sparselift.semantics.dense import DenseWork  # re-exported: the cost layer prices it
@@ -62,6 +66,9 @@ __all__ = [
     "node_time",
     "dp_optimizer_s",
     "dense_fwd_s",
+    "collective_calls",
+    "INPUT_DIST_CALLS_PER_GROUP",
+    "INPUT_DIST_SHARED_CALLS",
 ]
 
 COMPONENTS = (
@@ -75,6 +82,31 @@ K = len(COMPONENTS)
 TIME_COLUMNS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+#: Collectives TorchRec's input distribution issues (``KJTAllToAll``, counted on real steps in
+#: tests/test_comm_semantics.py): one all-to-all per KJT tensor (lengths, values) per sharding group,
+#: after a splits all-to-all (per-destination counts). ``TrainPipelineSparseDist`` and its
+#: subclasses fuse the groups' splits exchanges into one call per step
+#: (``PipelineKind.fused_input_splits``); without it each group runs its own. A weighted KJT's
+#: weights would add a third tensor per group; the tables here carry none.
+INPUT_DIST_CALLS_PER_GROUP = 2
+INPUT_DIST_SHARED_CALLS = 1
+
+
+def collective_calls(phase: str, groups: int, fused_splits: bool = True) -> int:
+    """Collective calls link phase ``phase`` issues in one step of a plan with ``groups`` sharding
+    groups (non-data-parallel sharding types): the number of latencies the phase pays.
+    ``fused_splits``: the train pipeline fuses the input's splits exchanges (one per step);
+    otherwise there is one per group."""
+    if groups < 0:
+        raise ValueError(f"collective_calls: groups must be >= 0, got {groups}")
+    if phase == "input_dist":
+        splits = (INPUT_DIST_SHARED_CALLS if groups > 0 else 0) if fused_splits else groups
+        return INPUT_DIST_CALLS_PER_GROUP * groups + splits
+    if phase in ("output_dist", "grad_dist"):
+        return groups
+    raise ValueError(f"collective_calls: {phase!r} is not a link phase; choose input_dist, output_dist or grad_dist")
+
+
 _COMPUTE_COLS = [PHASE_NAMES.index(p) for p in COMPUTE_PHASES]
 _LINK_COLS = [PHASE_NAMES.index(p) for p in LINK_PHASES]
 
@@ -277,25 +309,29 @@ def phase_table(
     ctx: CostContext,
     fwd_precision: str = "fp32",
     bwd_precision: str = "fp32",
+    pipeline: str = "sparse_dist",
 ) -> np.ndarray:
     """Seconds per phase for each row of ``colmax`` (per-column maxima over ranks, or one rank's
-    loads): rows x :data:`~torchrec_sparselift.cost.pipelines.PHASE_NAMES` columns."""
+    loads): rows x :data:`~torchrec_sparselift.cost.pipelines.PHASE_NAMES` columns. ``pipeline``:
+    the train pipeline kind, which decides how many splits exchanges the input pays
+    (:func:`collective_calls`)."""
     p = ctx.profile
+    fused = pipeline_kind(pipeline).fused_input_splits
     cm = np.atleast_2d(colmax)
     fscale = PRECISION_BYTES[fwd_precision] / 4
     bscale = PRECISION_BYTES[bwd_precision] / 4
-    lat = p.collective_latency_s * comm_groups if ctx.world_size > 1 else 0.0
+    lat = p.collective_latency_s if ctx.world_size > 1 else 0.0
     link_in = np.maximum(cm[:, IN_INTRA] / p.intra_host_bw, cm[:, IN_INTER] / p.inter_host_bw)
     link_out = np.maximum(cm[:, OUT_INTRA] / p.intra_host_bw, cm[:, OUT_INTER] / p.inter_host_bw)
     dense_fwd = dense_fwd_s(ctx)
     seconds = {
-        "input_dist": lat + link_in,
+        "input_dist": lat * collective_calls("input_dist", comm_groups, fused) + link_in,
         "uvm_fetch": cm[:, UVM],
         "lookup": cm[:, FWD],
-        "output_dist": lat + fscale * link_out,
+        "output_dist": lat * collective_calls("output_dist", comm_groups) + fscale * link_out,
         "dense_fwd": dense_fwd,
         "dense_bwd": 2 * dense_fwd,
-        "grad_dist": lat + bscale * link_out,
+        "grad_dist": lat * collective_calls("grad_dist", comm_groups) + bscale * link_out,
         "backward_update": cm[:, BWD],
         "allreduce": _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx),
         "step_overhead": p.step_overhead_s,
@@ -313,10 +349,11 @@ def phase_times(
     ctx: CostContext,
     fwd_precision: str = "fp32",
     bwd_precision: str = "fp32",
+    pipeline: str = "sparse_dist",
 ) -> Dict[str, float]:
     """Seconds per phase from the per-column maxima over ranks (one vector)."""
     row = phase_table(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes, comm_groups, ctx,
-                      fwd_precision, bwd_precision)[0]
+                      fwd_precision, bwd_precision, pipeline)[0]
     return {name: float(v) for name, v in zip(PHASE_NAMES, row)}
 
 
@@ -338,7 +375,7 @@ def step_time(
     (``profile.supports_overlap`` False, e.g. CPU gloo) every pipeline runs as ``base``.
     """
     table = phase_table(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes, comm_groups, ctx,
-                        fwd_precision, bwd_precision)
+                        fwd_precision, bwd_precision, pipeline)
     ph = {name: float(v) for name, v in zip(PHASE_NAMES, table[0])}
     overlap = getattr(ctx.profile, "supports_overlap", True)
     serial = float(step_totals(table, "base", overlap)[0])
@@ -379,5 +416,5 @@ def step_total_batch(
     Used by the search to price every target rank of a move in one numpy pass; equal to
     ``step_time(row, ...).total_s`` for each row (tested).
     """
-    table = phase_table(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision)
+    table = phase_table(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision, pipeline)
     return step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True))

@@ -145,14 +145,18 @@ class Par:
 @attrs.frozen
 class PipelineKind:
     """A train-pipeline kind: its step composition, whether it trains on stale embeddings
-    (``stale``: only offered with ``allow_staleness``) and whether it can train tables on the
-    ``dense`` compute kernel (``dense_kernel``; every data-parallel table uses it)."""
+    (``stale``: only offered with ``allow_staleness``), whether it can train tables on the
+    ``dense`` compute kernel (``dense_kernel``; every data-parallel table uses it) and whether it
+    fuses the input distribution's splits exchanges of all sharding groups into one call per step
+    (``fused_input_splits``: TorchRec's ``TrainPipelineSparseDist`` and its subclasses do;
+    ``TrainPipelineBase`` runs each group's own; ``cost.model.collective_calls``)."""
 
     name: str
     step: Seq
     doc: str
     stale: bool = False
     dense_kernel: bool = True
+    fused_input_splits: bool = True
 
 
 def _next_batch(phases: Tuple[str, ...], label: str, lane: str = "next batch") -> Lane:
@@ -164,7 +168,7 @@ _PREFETCH_AHEAD = INPUT + ("uvm_fetch",)
 #: Every pipeline kind, in the planner's order of preference on equal step times.
 PIPELINE_KINDS: Tuple[PipelineKind, ...] = (
     PipelineKind("base", Seq(INPUT + EMB_FWD + DENSE + EMB_BWD + SYNC + STEP),
-                 "everything in sequence (TrainPipelineBase)"),
+                 "everything in sequence (TrainPipelineBase)", fused_input_splits=False),
     PipelineKind("sparse_dist", Seq([Par([
         Lane("main", Seq(EMB_FWD + DENSE + EMB_BWD + SYNC + STEP), "the step's lookup/dense/backward"),
         _next_batch(INPUT, "the next batch's input_dist"),

@@ -37,6 +37,7 @@ __all__ = [
     "FitRecord",
     "StepFit",
     "CPU_STEP_TERMS",
+    "STEP_MODEL_VERSION",
     "term_value",
     "with_terms",
     "fit_terms",
@@ -56,6 +57,12 @@ class FitTerm:
     reciprocal: bool = False
     step: float = 1e-5
 
+
+#: The cost model's structure a fit depends on: bumped when the quantity a term multiplies changes,
+#: so a profile fitted under an older structure is calibrated again (``step_calibration``).
+#: 2: the input distribution pays two latencies per sharding group plus its splits exchange
+#: (``cost.model.collective_calls``; it paid one per group before).
+STEP_MODEL_VERSION = 2
 
 #: The terms fitted from real CPU steps (the rest of the profile is kept).
 CPU_STEP_TERMS: Tuple[FitTerm, ...] = (

@@ -12,7 +12,8 @@ and adds what integrality and placement rules imply, per time column ``c``:
 * the evaluator's fixed costs: one TBE fixed cost (``lookup_overhead_s``, forward and backward)
   per rank and (sharding type, kernel) group, so every rank pays it for each group that sits on
   every rank, and a rank holding a piece pays its group's too; one collective latency per
-  sharding type used in every link phase; the all-reduce latency only when there are dense
+  sharding type used in the output and gradient phases, two in the input plus the shared splits
+  call when any type is used (``cost.model.collective_calls``); the all-reduce latency only when there are dense
   parameters or a chosen option joins the all-reduce;
 * the option choice is binary. Its choice at the best solution (:func:`choice_bound_solution`) is
   a seed for the placement (``search.solve``).
@@ -36,6 +37,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
+from torchrec_sparselift.cost.pipelines import pipeline_kind
 from torchrec_sparselift.search.lp import (
     RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
 )
@@ -100,7 +102,8 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     ity = ifree + 1
     ilat = ity + len(ctypes)
     idp = ilat + 1  # any option that joins the gradient all-reduce chosen
-    nv = idp + 1
+    iany = idp + 1  # any sharding type used (the input's shared splits all-to-all)
+    nv = iany + 1
     packing = []  # (col, theta, k, var)
     for c in _TIME_COLS:
         sizes = np.unique(own[~allp, c][own[~allp, c] > 0])[::-1]
@@ -131,8 +134,10 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     for g in range(len(gkeys)):
         if not all_group[g]:
             add([(ig + g, 1.0), (ifree, -1.0)], 0.0)
-    # one collective latency per sharding type used, in every link phase (the evaluator's groups)
+    # one latency per sharding type used (the evaluator's groups), times each link phase's calls
     add([(ity + j, ft.latency) for j in range(len(ctypes))] + [(ilat, -1.0)], 0.0)
+    for j in range(len(ctypes)):  # any >= type used
+        add([(ity + j, 1.0), (iany, -1.0)], 0.0)
     for c in _TIME_COLS:
         # u_c: what every rank carries (shards on every rank, peers' share, and in FWD/BWD the fixed
         # cost of each TBE group that sits on every rank); z_c >= u_c + the average of the rest,
@@ -175,7 +180,8 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
             add(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
     forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd_precision] / 4,
                          PRECISION_BYTES[bwd_precision] / 4, ft.dense_fwd, ft.dense_bwd, ilat=ilat,
-                         step_overhead=ft.step_overhead)
+                         step_overhead=ft.step_overhead, iany=iany, latency=ft.latency,
+                         fused_splits=pipeline_kind(pipeline).fused_input_splits)
     for entries, rhs in composition_rows(pipeline, forms, itot, ft.overlap):
         add(entries, rhs)
     A = rr.matrix(nv)

@@ -27,6 +27,8 @@ from torchrec_sparselift.cost.model import (
     HOST_MEM,
     IN_INTER,
     IN_INTRA,
+    INPUT_DIST_CALLS_PER_GROUP,
+    INPUT_DIST_SHARED_CALLS,
     OUT_INTER,
     OUT_INTRA,
     PRECISION_BYTES,
@@ -162,15 +164,25 @@ class RangeRows:
         return coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), nv)).tocsr()
 
 
-def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None, step_overhead=0.0):
+def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None, step_overhead=0.0,
+                 iany=None, latency=0.0, fused_splits=True):
     """Each phase of :data:`~torchrec_sparselift.cost.pipelines.PHASES` as a linear form in the
     LP's variables (milliseconds): ``{phase: (entries, constant)}``. ``z``: column-maximum
     variables, ``iy_in`` / ``iy_out``: link-time variables, ``ia``: the exposed all-reduce,
     ``fs`` / ``bs``: forward / backward comm precision scale, ``ilat``: optional variable
-    holding one collective phase's latency (added to each link phase)."""
+    holding one latency per sharding group (``latency * groups``), ``iany``: optional binary that
+    is 1 when any sharding group is used, with ``latency`` one collective's (ms);
+    ``fused_splits``: the pipeline's ``PipelineKind.fused_input_splits``. The link phases pay their
+    calls' latencies as :func:`torchrec_sparselift.cost.model.collective_calls` counts them:
+    ``INPUT_DIST_CALLS_PER_GROUP`` per group in the input plus its splits exchange (one shared
+    call with ``fused_splits``, else one per group), one per group in the output and gradient."""
     lat = [(ilat, 1.0)] if ilat is not None else []
+    per_group = INPUT_DIST_CALLS_PER_GROUP + (0 if fused_splits else 1)
+    lat_in = [(ilat, float(per_group))] if ilat is not None else []
+    if fused_splits and iany is not None and latency:
+        lat_in.append((iany, latency * INPUT_DIST_SHARED_CALLS))
     return {
-        "input_dist": ([(iy_in, 1.0)] + lat, 0.0),
+        "input_dist": ([(iy_in, 1.0)] + lat_in, 0.0),
         "uvm_fetch": ([(z[UVM], 1.0)], 0.0),
         "lookup": ([(z[FWD], 1.0)], 0.0),
         "output_dist": ([(iy_out, fs)] + lat, 0.0),

@@ -5,8 +5,9 @@ Variables (HiGHS via ``scipy.optimize.milp``): ``x[c]`` binary, one candidate pe
 ``h[c, host]`` binary, host of a host-placement candidate; ``z_j`` the maximum over ranks of
 column ``j``'s load (in ms, links divided by their bandwidth) plus the peers' uniform share;
 phase and composition variables as in :mod:`.lp`. Per-rank device/host memory is a hard
-constraint. Objective: the pipeline's step time, including one collective latency per sharding-type group
-and phase (binary ``g[type]``). The MILP's dual bound is a valid lower bound of the step time
+constraint. Objective: the pipeline's step time, including each link phase's collective latencies per
+sharding-type group (binary ``g[type]``; ``cost.model.collective_calls``: two in the input, one
+in the output and gradient, and the input's shared splits call when any group is used). The MILP's dual bound is a valid lower bound of the step time
 under the model.
 """
 
@@ -21,6 +22,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
+from torchrec_sparselift.cost.pipelines import pipeline_kind
 from torchrec_sparselift.search.lp import (
     RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
 )
@@ -119,7 +121,8 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     ig = {st: nv + i for i, st in enumerate(types)}
     nv += len(types)
     ilat = nv
-    nv += 1
+    iany = nv + 1  # any sharding group used (the input's shared splits all-to-all)
+    nv += 2
 
     rr = RangeRows()
     add = rr.add
@@ -151,8 +154,12 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
         if cand.sharding_type in ig:
             add([(c, 1.0), (ig[cand.sharding_type], -1.0)], -np.inf, 0.0)
     add([(ig[st], ft.latency) for st in types] + [(ilat, -1.0)], -np.inf, 0.0)
+    for st in types:  # any >= g_type
+        add([(ig[st], 1.0), (iany, -1.0)], -np.inf, 0.0)
     forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
-                         ft.dense_fwd, ft.dense_bwd, ilat=ilat, step_overhead=ft.step_overhead)
+                         ft.dense_fwd, ft.dense_bwd, ilat=ilat, step_overhead=ft.step_overhead,
+                         iany=iany, latency=ft.latency,
+                         fused_splits=pipeline_kind(pipeline).fused_input_splits)
     for ent, rhs in composition_rows(pipeline, forms, itot, ft.overlap):
         add(ent, -np.inf, rhs)
 
