@@ -152,3 +152,33 @@ def test_host_fit_setup_floors_the_dense_flop_rate_at_its_measured_cost():
     # a stored record from before the measurement (no dense_flop_s) leaves the rate unfloored
     old = {k: v for k, v in host.to_dict().items() if k != "dense_flop_s"}
     assert "1/dense_flops" not in host_fit_setup(base_profile("cpu"), old)[2]
+
+
+def test_host_floors_keep_each_terms_fastest_reading():
+    """The floors come from the fastest of repeated readings: a slow stretch only raises one."""
+    from torchrec_sparselift.cost.microbench import fastest_over_passes
+
+    slow = HostTermRecord(optimizer_tensor_s=40e-6, optimizer_byte_s=0.4e-9, bucketize_id_s=15e-9,
+                          dense_act_byte_s=1.2e-9, interaction_flop_s=2e-11)
+    fast = HostTermRecord(optimizer_tensor_s=20e-6, optimizer_byte_s=0.5e-9, bucketize_id_s=10e-9,
+                          dense_act_byte_s=0.5e-9, interaction_flop_s=4e-11)
+    got = HostTermRecord.fastest_of([slow, fast])
+    assert got == HostTermRecord(optimizer_tensor_s=20e-6, optimizer_byte_s=0.4e-9, bucketize_id_s=10e-9,
+                                 dense_act_byte_s=0.5e-9, interaction_flop_s=2e-11)
+    assert HostTermRecord.fastest_of([slow]) == slow
+    with pytest.raises(ValueError, match="at least one"):
+        HostTermRecord.fastest_of([])
+    # interleaved sweeps: case i's fastest reading over the passes, every case run once per pass
+    calls = []
+    readings = {0: iter([3.0, 1.0, 2.0]), 1: iter([5.0, 6.0, 4.0])}
+
+    def case(i):
+        def run():
+            calls.append(i)
+            return next(readings[i])
+        return run
+
+    assert fastest_over_passes([case(0), case(1)], 3) == [1.0, 4.0]
+    assert calls == [0, 1, 0, 1, 0, 1]
+    with pytest.raises(ValueError, match="passes"):
+        fastest_over_passes([case(0)], 0)

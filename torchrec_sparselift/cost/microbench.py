@@ -15,11 +15,12 @@ pays per call on a busy device stream, not an idle device's launch latency.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 import numpy as np
@@ -34,6 +35,7 @@ __all__ = [
     "SweepConfig",
     "fbgemm_available",
     "time_per_call",
+    "fastest_over_passes",
     "bench_lookups",
     "bench_collectives",
     "bench_dense",
@@ -272,11 +274,15 @@ def time_per_call(
     trials: int = 5,
     target_trial_s: float = 0.01,
     max_inner: int = 200,
+    stat: str = "median",
 ) -> float:
-    """Median seconds per call of ``fn`` over ``trials`` timed runs of back-to-back calls.
+    """Median (``stat="min"``: fastest) seconds per call of ``fn`` over ``trials`` timed runs of
+    back-to-back calls.
 
     Runs ``warmup`` untimed calls first; the device is synchronized around every timed run.
     """
+    if stat not in ("median", "min"):
+        raise ValueError(f"time_per_call: stat must be 'median' or 'min', got {stat!r}")
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -293,7 +299,24 @@ def time_per_call(
             fn()
         _sync(device)
         samples.append((time.perf_counter() - t0) / inner)
-    return float(statistics.median(samples))
+    return float(min(samples) if stat == "min" else statistics.median(samples))
+
+
+def fastest_over_passes(cases: Sequence[Callable[[], float]], passes: int) -> List[float]:
+    """Each case's fastest time over ``passes`` interleaved sweeps (every case once, then again).
+
+    The host microbenchmarks give the step fit *floors* (work measured alone, which a real step
+    cannot do faster). A disturbance of a shared machine only ever slows a measurement, so the
+    floor is the fastest observation; sweeping all cases once per pass spreads each case's
+    samples over the whole measurement, so one slow stretch of the machine cannot lift one case
+    (and a slope between cases) alone. Measured: docs/calibration.md, "Session 7"."""
+    if passes < 1:
+        raise ValueError(f"fastest_over_passes: passes must be >= 1, got {passes}")
+    best = [math.inf] * len(cases)
+    for _ in range(passes):
+        for i, case in enumerate(cases):
+            best[i] = min(best[i], float(case()))
+    return best
 
 
 # -- embedding lookups --------------------------------------------------------------------------
@@ -597,13 +620,23 @@ class HostTermRecord:
     def to_dict(self) -> Dict[str, float]:
         return attrs.asdict(self)
 
+    @classmethod
+    def fastest_of(cls, records: Sequence["HostTermRecord"]) -> "HostTermRecord":
+        """Every term's smallest value over ``records`` (the same work measured at different moments
+        of a calibration): these are floors of the step fit, and a shared machine's slow stretch
+        only ever raises a measurement, so the fastest moment is the one to keep (measured:
+        docs/calibration.md, "Session 7")."""
+        if not records:
+            raise ValueError("HostTermRecord.fastest_of needs at least one record")
+        return cls(**{f.name: min(getattr(r, f.name) for r in records) for f in attrs.fields(cls)})
+
 
 def _adagrad_step_s(shapes: List[Tuple[int, int]], device: torch.device, trials: int) -> float:
     params = [torch.nn.Parameter(torch.randn(*sh, device=device)) for sh in shapes]
     for q in params:
         q.grad = torch.randn_like(q)
     opt = torch.optim.Adagrad(params, lr=0.01)
-    return time_per_call(opt.step, device, warmup=2, trials=trials, target_trial_s=0.01, max_inner=50)
+    return time_per_call(opt.step, device, warmup=2, trials=trials, target_trial_s=0.01, max_inner=50, stat="min")
 
 
 def _bucketize_s(ids: int, device: torch.device, trials: int) -> float:
@@ -613,7 +646,7 @@ def _bucketize_s(ids: int, device: torch.device, trials: int) -> float:
     block_sizes = torch.full((features,), 50_000, dtype=torch.int64, device=device)
     op = torch.ops.fbgemm.block_bucketize_sparse_features
     return time_per_call(lambda: op(lengths, indices, False, False, block_sizes, 2), device, warmup=2,
-                         trials=trials, target_trial_s=0.01, max_inner=200)
+                         trials=trials, target_trial_s=0.01, max_inner=200, stat="min")
 
 
 #: ``(batch, features, dim)`` of :func:`bench_dense_terms`: interaction FLOPs per activation byte
@@ -639,16 +672,17 @@ def _dlrm_dense_s(batch: int, features: int, dim: int, device: torch.device, tri
         sparse = torch.cat(parts, dim=1).reshape(batch, features, dim)
         inter(dense, sparse).sum().backward()
 
-    return time_per_call(step, device, warmup=2, trials=trials, target_trial_s=0.02, max_inner=50)
+    return time_per_call(step, device, warmup=2, trials=trials, target_trial_s=0.02, max_inner=50, stat="min")
 
 
 def bench_dense_terms(device: Optional[torch.device] = None, trials: int = 5,
-                      shapes: Tuple[Tuple[int, int, int], ...] = DENSE_SHAPES) -> Tuple[float, float]:
+                      shapes: Tuple[Tuple[int, int, int], ...] = DENSE_SHAPES, passes: int = 1) -> Tuple[float, float]:
     """``(seconds per activation byte, seconds per interaction FLOP)`` of the dense part's
     parameter-free work, forward + backward, on ``device``: :func:`_dlrm_dense_s` at ``shapes``,
     non-negative least squares against the quantities the model counts for it
     (:func:`~torchrec_sparselift.semantics.dense.dlrm_interaction` plus the pooled ``F D``), with a
-    constant per call. ``(0, 0)`` without torchrec."""
+    constant per call, each shape's time the fastest over ``passes`` sweeps
+    (:func:`fastest_over_passes`). ``(0, 0)`` without torchrec."""
     from torchrec_sparselift.semantics.dense import ACTIVATION_BYTES, dlrm_interaction
 
     try:
@@ -656,11 +690,12 @@ def bench_dense_terms(device: Optional[torch.device] = None, trials: int = 5,
     except ImportError:
         return 0.0, 0.0
     device = device or torch.device("cpu")
-    rows, secs = [], []
+    rows = []
     for b, f, d in shapes:
         flops, elems = dlrm_interaction(f, d)
         rows.append([b * ACTIVATION_BYTES * (elems + f * d), b * flops, 1.0])
-        secs.append(_dlrm_dense_s(b, f, d, device, trials))
+    secs = fastest_over_passes([functools.partial(_dlrm_dense_s, b, f, d, device, trials) for b, f, d in shapes],
+                               passes)
     x = _nnls_columns(rows, secs)
     return float(x[0]), float(x[1])
 
@@ -679,22 +714,23 @@ def _mlp_s(batch: int, widths: Tuple[int, ...], device: torch.device, trials: in
     mlp = torch.nn.Sequential(*layers).to(device)
     x = torch.randn(batch, widths[0], device=device)
     return time_per_call(lambda: mlp(x).sum().backward(), device, warmup=2, trials=trials,
-                         target_trial_s=0.02, max_inner=50)
+                         target_trial_s=0.02, max_inner=50, stat="min")
 
 
 def bench_dense_flops(device: Optional[torch.device] = None, trials: int = 5,
-                      shapes: Tuple[Tuple[int, Tuple[int, ...]], ...] = MLP_SHAPES) -> float:
+                      shapes: Tuple[Tuple[int, Tuple[int, ...]], ...] = MLP_SHAPES, passes: int = 1) -> float:
     """Seconds per FLOP of the dense layers' products, forward + backward, on ``device``:
     :func:`_mlp_s` at ``shapes``, non-negative least squares on ``[3 x forward FLOPs, 1]`` (the
     model prices the forward's ``2 x weights x batch`` FLOPs and a backward of twice them,
     :func:`~torchrec_sparselift.cost.model.dense_fwd_s`), so it is ``1 / dense_flops`` at the
-    rate these near-square products reach; a model's smaller or skinnier layers run slower."""
+    rate these near-square products reach; a model's smaller or skinnier layers run slower. Each
+    shape's time is the fastest over ``passes`` sweeps (:func:`fastest_over_passes`)."""
     device = device or torch.device("cpu")
-    rows, secs = [], []
+    rows = []
     for b, widths in shapes:
         weights = sum(a * c + c for a, c in zip(widths[:-1], widths[1:]))
         rows.append([3.0 * 2.0 * weights * b, 1.0])
-        secs.append(_mlp_s(b, widths, device, trials))
+    secs = fastest_over_passes([functools.partial(_mlp_s, b, widths, device, trials) for b, widths in shapes], passes)
     return float(_nnls_columns(rows, secs)[0])
 
 
@@ -715,9 +751,11 @@ TBE_BACKWARD_SHAPES: Tuple[Tuple[int, int], ...] = ((1000, 16384), (4000, 4096),
                                                    (300000, 4096), (300000, 16384), (2000, 1024))
 
 
-def _tbe_backward_s(rows: int, ids: int, device: torch.device, trials: int, dim: int = 64) -> Tuple[float, int]:
+def _tbe_backward_s(rows: int, ids: int, device: torch.device, trials: int, dim: int = 64,
+                    passes: int = 1) -> Tuple[float, int]:
     """(seconds of the backward + fused update alone, distinct ids) for ``ids`` uniform ids in bags
-    of 4 over one ``rows x dim`` table: forward + backward minus forward."""
+    of 4 over one ``rows x dim`` table: forward + backward minus forward, each the fastest over
+    ``passes`` alternating measurements."""
     table = _TbeTable(rows, dim, device)
     g = torch.Generator().manual_seed(rows * 7 + ids)
     indices = torch.randint(0, rows, (ids,), generator=g, dtype=torch.int64).to(device)
@@ -728,14 +766,16 @@ def _tbe_backward_s(rows: int, ids: int, device: torch.device, trials: int, dim:
         with torch.no_grad():
             table.forward(indices, offsets)
 
-    t_fb = time_per_call(lambda: table.forward_backward(indices, offsets, grad), device, warmup=2,
-                         trials=trials, target_trial_s=0.01, max_inner=20)
-    t_f = time_per_call(fwd, device, warmup=2, trials=trials, target_trial_s=0.01, max_inner=50)
+    t_fb, t_f = fastest_over_passes([
+        lambda: time_per_call(lambda: table.forward_backward(indices, offsets, grad), device, warmup=2,
+                              trials=trials, target_trial_s=0.01, max_inner=20, stat="min"),
+        lambda: time_per_call(fwd, device, warmup=2, trials=trials, target_trial_s=0.01, max_inner=50, stat="min"),
+    ], passes)
     return max(0.0, t_fb - t_f), int(torch.unique(indices).numel())
 
 
 def bench_tbe_backward(device: Optional[torch.device] = None, trials: int = 5,
-                       shapes: Tuple[Tuple[int, int], ...] = TBE_BACKWARD_SHAPES) -> Tuple[float, float]:
+                       shapes: Tuple[Tuple[int, int], ...] = TBE_BACKWARD_SHAPES, passes: int = 1) -> Tuple[float, float]:
     """``(seconds per distinct row, seconds per id)`` of fbgemm's TBE backward with the fused
     row-wise AdaGrad update, as TorchRec's fused kernels run it: :func:`_tbe_backward_s` at
     ``shapes``, non-negative least squares on ``[distinct rows, ids, 1]``. ``(0, 0)`` without
@@ -745,37 +785,40 @@ def bench_tbe_backward(device: Optional[torch.device] = None, trials: int = 5,
     device = device or torch.device("cpu")
     rows, secs = [], []
     for r, n in shapes:
-        t, d = _tbe_backward_s(r, n, device, trials)
+        t, d = _tbe_backward_s(r, n, device, trials, passes=passes)
         rows.append([float(d), float(n), 1.0])
         secs.append(t)
     x = _nnls_columns(rows, secs)
     return float(x[0]), float(x[1])
 
 
-def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5) -> HostTermRecord:
-    """Measure :class:`HostTermRecord` on ``device`` (CPU by default; about a second). Each cost is
+def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5, passes: int = 2) -> HostTermRecord:
+    """Measure :class:`HostTermRecord` on ``device`` (CPU by default; a few seconds). Each cost is
     the slope between a small and a large case, so fixed per-call costs (the Python call,
-    kernel dispatch) do not leak into it."""
+    kernel dispatch) do not leak into it; every case's time is its fastest over ``passes``
+    interleaved sweeps (:func:`fastest_over_passes`: these are the step fit's floors)."""
     device = device or torch.device("cpu")
     small_n, small = 64, (16, 64)          # many tiny tensors: the per-tensor cost
     big = (16384, 64)                      # one 4 MiB tensor: the per-byte cost
-    t_small = _adagrad_step_s([small] * small_n, device, trials)
-    t_one_small = _adagrad_step_s([small], device, trials)
-    t_big = _adagrad_step_s([big], device, trials)
+    t_small, t_one_small, t_big = fastest_over_passes(
+        [functools.partial(_adagrad_step_s, shapes, device, trials) for shapes in ([small] * small_n, [small], [big])],
+        passes)
     per_tensor = max(0.0, (t_small - t_one_small) / (small_n - 1))
     big_bytes = big[0] * big[1] * 4
     small_bytes = small[0] * small[1] * 4
     per_byte = max(0.0, (t_big - t_one_small) / max(big_bytes - small_bytes, 1))
     if fbgemm_available() and hasattr(torch.ops.fbgemm, "block_bucketize_sparse_features"):
         lo, hi = 4096, 65536
-        per_id = max(0.0, (_bucketize_s(hi, device, trials) - _bucketize_s(lo, device, trials)) / (hi - lo))
+        t_hi, t_lo = fastest_over_passes([functools.partial(_bucketize_s, n, device, trials) for n in (hi, lo)], passes)
+        per_id = max(0.0, (t_hi - t_lo) / (hi - lo))
     else:
         per_id = 0.0
-    act_byte_s, inter_flop_s = bench_dense_terms(device, trials)
-    row_s, bwd_id_s = bench_tbe_backward(device, trials)
+    act_byte_s, inter_flop_s = bench_dense_terms(device, trials, passes=passes)
+    row_s, bwd_id_s = bench_tbe_backward(device, trials, passes=passes)
     return HostTermRecord(optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id,
                           dense_act_byte_s=act_byte_s, interaction_flop_s=inter_flop_s,
-                          tbe_row_s=row_s, tbe_bwd_id_s=bwd_id_s, dense_flop_s=bench_dense_flops(device, trials))
+                          tbe_row_s=row_s, tbe_bwd_id_s=bwd_id_s,
+                          dense_flop_s=bench_dense_flops(device, trials, passes=passes))
 
 
 def bench_a2a_byte_s(pg: Any, device: Optional[torch.device] = None, trials: int = 15) -> float:
