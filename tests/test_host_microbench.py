@@ -154,20 +154,23 @@ def test_host_fit_setup_floors_the_dense_flop_rate_at_its_measured_cost():
     assert "1/dense_flops" not in host_fit_setup(base_profile("cpu"), old)[2]
 
 
-def test_host_floors_keep_each_terms_fastest_reading():
-    """The floors come from the fastest of repeated readings: a slow stretch only raises one."""
+def test_host_floors_average_the_readings_and_each_reading_keeps_its_fastest_sweep():
+    """Two readings of the host terms (before and after the probes) are averaged; within one
+    reading each case is its fastest over interleaved sweeps (a transient only slows a sweep)."""
     from torchrec_sparselift.cost.microbench import fastest_over_passes
 
     slow = HostTermRecord(optimizer_tensor_s=40e-6, optimizer_byte_s=0.4e-9, bucketize_id_s=15e-9,
-                          dense_act_byte_s=1.2e-9, interaction_flop_s=2e-11)
-    fast = HostTermRecord(optimizer_tensor_s=20e-6, optimizer_byte_s=0.5e-9, bucketize_id_s=10e-9,
-                          dense_act_byte_s=0.5e-9, interaction_flop_s=4e-11)
-    got = HostTermRecord.fastest_of([slow, fast])
-    assert got == HostTermRecord(optimizer_tensor_s=20e-6, optimizer_byte_s=0.4e-9, bucketize_id_s=10e-9,
-                                 dense_act_byte_s=0.5e-9, interaction_flop_s=2e-11)
-    assert HostTermRecord.fastest_of([slow]) == slow
+                          dense_act_byte_s=1.2e-9, interaction_flop_s=0.0)
+    fast = HostTermRecord(optimizer_tensor_s=20e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=10e-9,
+                          dense_act_byte_s=0.6e-9, interaction_flop_s=4e-11)
+    got = HostTermRecord.mean_of([slow, fast])
+    want = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.5e-9, bucketize_id_s=12.5e-9,
+                          dense_act_byte_s=0.9e-9, interaction_flop_s=2e-11)
+    for name, value in want.to_dict().items():
+        assert getattr(got, name) == pytest.approx(value, rel=1e-12, abs=1e-30), name
+    assert HostTermRecord.mean_of([slow]) == slow
     with pytest.raises(ValueError, match="at least one"):
-        HostTermRecord.fastest_of([])
+        HostTermRecord.mean_of([])
     # interleaved sweeps: case i's fastest reading over the passes, every case run once per pass
     calls = []
     readings = {0: iter([3.0, 1.0, 2.0]), 1: iter([5.0, 6.0, 4.0])}

@@ -590,7 +590,7 @@ def calibrate_steps(
     save_measurements: Optional[str] = None,
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """:func:`host_terms`, :func:`measure_probes`, :func:`host_terms` again, then
-    :func:`fit_measurements` with each host term's fastest reading (every rank returns the same). ``save_measurements``: rank 0 also pickles the probe measurements and host terms
+    :func:`fit_measurements` with each host term's mean reading (every rank returns the same). ``save_measurements``: rank 0 also pickles the probe measurements and host terms
     there (``--from-measurements`` reads them). ``store``: rank 0 stores the fitted profile under
     this machine's fingerprint with the fit's records (:func:`stored_info`)."""
     import pickle
@@ -601,13 +601,13 @@ def calibrate_steps(
 
     base = base or base_profile(device_type)
     t0 = time.perf_counter()
-    # the host microbenchmarks run before and after the probes; their floors take each term's
-    # fastest moment (HostTermRecord.fastest_of: one reading of a slow stretch lifted a floor, and
-    # with it every prediction of the many-feature DLRM workloads, by ~20%; docs/calibration.md)
+    # the host microbenchmarks run before and after the probes, a minute apart, and their floors
+    # take the mean of the two readings (HostTermRecord.mean_of: one reading in a slow stretch
+    # lifted a floor, and with it every prediction of the many-feature DLRM workloads, by ~20%)
     host_runs = [host_terms(pg)]
     ms = measure_probes(pg, device_type, workloads, kinds, steps, warmup, progress, base)
     host_runs.append(host_terms(pg))
-    host = HostTermRecord.fastest_of(host_runs)
+    host = HostTermRecord.mean_of(host_runs)
     rank = dist.get_rank(pg)
     if rank == 0 and save_measurements:
         os.makedirs(os.path.dirname(os.path.abspath(save_measurements)), exist_ok=True)
