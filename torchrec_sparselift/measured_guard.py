@@ -114,15 +114,18 @@ def _table_names(model: Any) -> List[str]:
 
 
 def _prediction(model: Any, plan: Any, opt: Any, topology: Any, batch_size: int,
-                constraints: Optional[Dict[str, Any]], profile: HardwareProfile, sharders: Sequence[Any]) -> Any:
+                constraints: Optional[Dict[str, Any]], profile: HardwareProfile, sharders: Sequence[Any],
+                workload: Any = None) -> Any:
     """The prediction of ``plan`` run as an execution plan with optimizations ``opt`` does: under
     ``profile``, with the run's ``sharders`` (the tables they shard), ``opt``'s pipeline and comm
-    precisions. One pricing for a cached guarded plan and for TorchRec's plan when it is kept
-    (it runs with the SparseLift plan's optimizations, so its comm precisions too)."""
+    precisions, and the run's ``workload`` statistics (the planners' ``workload=``: the distinct ids
+    price the fused backward; without them a cached plan's step printed 14 ms above the planner's
+    price of the same plan). One pricing for a cached guarded plan and for TorchRec's plan when it
+    is kept (it runs with the SparseLift plan's optimizations, so its comm precisions too)."""
     from torchrec_sparselift.planner import evaluate_sharding_plan
 
     return evaluate_sharding_plan(model, plan, topology, batch_size, constraints, hardware=profile,
-                                  sharders=list(sharders), pipeline=opt.pipeline,
+                                  workload=workload, sharders=list(sharders), pipeline=opt.pipeline,
                                   fwd_precision=opt.fwd_comm_precision,
                                   bwd_precision=opt.bwd_comm_precision).prediction()
 
@@ -199,7 +202,7 @@ def guarded_execution_plan(
             # the trials are this machine's measurements and stay; the prediction is the current
             # profile's (a recalibrated profile must not print the old profile's step time)
             ep = attrs.evolve(ep, prediction=_prediction(model, ep.sharding_plan, opt, topology, batch_size,
-                                                         constraints, profile, sharders))
+                                                         constraints, profile, sharders, workload))
         return ep, GuardResult.from_dict(ep.planner_info["measured_guard"]), True
 
     ep = main.collective_plan_execution(model, sharders, pg)
@@ -260,7 +263,7 @@ def guarded_execution_plan(
         # TorchRec's plan, run with the SparseLift plan's optimizations (comm precisions included)
         final = attrs.evolve(ep, sharding_plan=chosen.plan, planner_info=info,
                              prediction=_prediction(model, chosen.plan, ep.optimizations, topology, batch_size,
-                                                    constraints, profile, sharders))
+                                                    constraints, profile, sharders, workload))
     if rank == 0:
         if path:
             write_text(path, final.to_json(indent=1), prefix=".guarded-")
