@@ -133,7 +133,7 @@ def test_graph_distinct_rows_match_the_ids_a_table_wise_shard_really_receives(al
 
 
 def test_bench_tbe_backward_recovers_known_per_row_and_per_id_costs(monkeypatch):
-    def fake(rows, ids, device, trials, dim=64):
+    def fake(rows, ids, device, trials, dim=64, passes=1):
         d = int(round(rows * -math.expm1(-ids / rows)))
         return 0.3e-3 + 0.6e-6 * d + 5e-9 * ids, d
 
