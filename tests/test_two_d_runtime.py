@@ -1,6 +1,7 @@
 """2D sparse parallelism at runtime on CPU: DMPCollection over 4 gloo ranks, sharding groups of 2."""
 
 import os
+import signal
 import socket
 import traceback
 
@@ -177,22 +178,31 @@ def _worker(rank, port, errors):
 
 @pytest.mark.multiprocess
 def test_dmpcollection_on_cpu_trains_and_sync_makes_replicas_equal():
+    # TorchRec 1.8's native "terminate called without an active exception" abort (SIGABRT, exit
+    # code -6, no Python error) hit one of the 4 ranks once in session 7's fresh-clone CI, as it does
+    # the comm-semantics tests (conftest.spawn_retrying_native_aborts): one rerun then. A rank that
+    # raises, or any other exit code, fails as before.
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, errors)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    messages = []
-    while not errors.empty():
-        messages.append(errors.get())
-    assert not messages, "\n".join(messages)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for attempt in range(2):
+        errors = ctx.SimpleQueue()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, port, errors)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=240)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        messages = []
+        while not errors.empty():
+            messages.append(errors.get())
+        assert not messages, "\n".join(messages)
+        codes = [p.exitcode for p in procs]
+        if attempt == 0 and set(codes) == {0, -signal.SIGABRT}:
+            continue
+        assert all(c == 0 for c in codes), codes
+        return
 
 
 def test_replica_groups_hold_one_rank_per_sharding_group():

@@ -306,10 +306,11 @@ def fastest_over_passes(cases: Sequence[Callable[[], float]], passes: int) -> Li
     """Each case's fastest time over ``passes`` interleaved sweeps (every case once, then again).
 
     The host microbenchmarks give the step fit *floors* (work measured alone, which a real step
-    cannot do faster). A disturbance of a shared machine only ever slows a measurement, so the
-    floor is the fastest observation; sweeping all cases once per pass spreads each case's
-    samples over the whole measurement, so one slow stretch of the machine cannot lift one case
-    (and a slope between cases) alone. Measured: docs/calibration.md, "Session 7"."""
+    cannot do faster). A transient disturbance of a shared machine only ever slows a measurement,
+    so within one reading each case keeps its fastest observation; sweeping all cases once per
+    pass spreads each case's samples over the whole reading, so a short slow stretch cannot lift
+    one case (and a slope between cases) alone. Readings a minute apart are averaged instead
+    (:meth:`HostTermRecord.mean_of`). Measured: docs/calibration.md, "Session 7"."""
     if passes < 1:
         raise ValueError(f"fastest_over_passes: passes must be >= 1, got {passes}")
     best = [math.inf] * len(cases)

@@ -18,7 +18,8 @@ Everything here is a pure function of immutable inputs. The equations (also in d
   where each rank's bytes are what its shards send/receive plus its share of its peers' traffic,
   and ``calls`` the collectives the phase issues (:func:`collective_calls`): one per sharding group
   for the output and gradient, ``2 * groups + 1`` for the input (lengths and values per group, one
-  splits exchange shared by all groups).
+  splits exchange shared by all groups; ``3 * groups`` under ``TrainPipelineBase``, which does not
+  fuse the splits exchanges).
 * data-parallel tables and the dense model all-reduce their gradients:
   ``t = latency + 2 (W-1)/W * bytes / allreduce_bw``.
 * dense compute, forward (the backward is twice it): ``B * (flops / dense_flops + interaction_flops /
