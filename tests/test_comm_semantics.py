@@ -157,9 +157,8 @@ def _count_cases(rank: int, world: int, cases: Sequence[Case]) -> List[Dict[str,
         # the collectives each link phase issued: the latencies the model charges it
         # (cost.model.collective_calls of the plan's sharding groups; the splits call is the input's)
         groups = len({st for _n, st, _k in assignment if st != "data_parallel"})
-        for phase in ("input_dist", "output_dist", "grad_dist"):
-            kinds = (phase, "input_dist_splits") if phase == "input_dist" else (phase,)
-            got[f"calls:{phase}"] = float(sum(1 for c in counter.calls if c.kind in kinds))
+        for phase, n in counter.collective_calls().items():
+            got[f"calls:{phase}"] = float(n)
             # the module is called directly, as TrainPipelineBase does: no fused splits exchange
             expected[f"calls:{phase}"] = float(collective_calls(phase, groups, fused_splits=False))
         results.append(dict(case=(module, assignment), got=got, expected=expected,
@@ -255,11 +254,8 @@ def _pipeline_calls(rank: int, world: int, cases: Sequence[Tuple[str, str]]) -> 
             pipe.progress(it)
         with CommCounter(dmp) as counter:
             pipe.progress(it)
-        calls = {}
-        for phase in ("input_dist", "output_dist", "grad_dist"):
-            kinds = (phase, "input_dist_splits") if phase == "input_dist" else (phase,)
-            calls[phase] = sum(1 for c in counter.calls if c.kind in kinds)
-        out.append(dict(pipeline=pipeline, kind=kind, groups=len(types - {"data_parallel"}), calls=calls,
+        out.append(dict(pipeline=pipeline, kind=kind, groups=len(types - {"data_parallel"}),
+                        calls=counter.collective_calls(),
                         raw=[(c.op, c.kind, c.dtype) for c in counter.calls]))
     return out
 

@@ -590,8 +590,9 @@ def calibrate_steps(
     save_measurements: Optional[str] = None,
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """:func:`host_terms`, :func:`measure_probes`, :func:`host_terms` again, then
-    :func:`fit_measurements` with each host term's mean reading (every rank returns the same). ``save_measurements``: rank 0 also pickles the probe measurements and host terms
-    there (``--from-measurements`` reads them). ``store``: rank 0 stores the fitted profile under
+    :func:`fit_measurements` with each host term's mean reading (every rank returns the same).
+    ``save_measurements``: rank 0 also pickles the probe measurements and host terms there
+    (``--from-measurements`` reads them). ``store``: rank 0 stores the fitted profile under
     this machine's fingerprint with the fit's records (:func:`stored_info`)."""
     import pickle
 

@@ -68,6 +68,7 @@ __all__ = [
     "dp_optimizer_s",
     "dense_fwd_s",
     "collective_calls",
+    "collective_call_form",
     "INPUT_DIST_CALLS_PER_GROUP",
     "INPUT_DIST_SHARED_CALLS",
 ]
@@ -93,19 +94,29 @@ INPUT_DIST_CALLS_PER_GROUP = 2
 INPUT_DIST_SHARED_CALLS = 1
 
 
+def collective_call_form(phase: str, fused_splits: bool = True) -> Tuple[int, int]:
+    """``(per_group, once)``: link phase ``phase`` issues ``per_group`` collective calls per
+    sharding group plus ``once`` more per step when any group exists (the form the LP/MILP rows
+    write, ``search.lp.term_entries``). ``fused_splits``: the train pipeline fuses the input's
+    splits exchanges into one per step (``PipelineKind.fused_input_splits``); otherwise each group
+    runs its own."""
+    if phase == "input_dist":
+        if fused_splits:
+            return INPUT_DIST_CALLS_PER_GROUP, INPUT_DIST_SHARED_CALLS
+        return INPUT_DIST_CALLS_PER_GROUP + INPUT_DIST_SHARED_CALLS, 0
+    if phase in ("output_dist", "grad_dist"):
+        return 1, 0
+    raise ValueError(f"collective_calls: {phase!r} is not a link phase; choose input_dist, output_dist or grad_dist")
+
+
 def collective_calls(phase: str, groups: int, fused_splits: bool = True) -> int:
     """Collective calls link phase ``phase`` issues in one step of a plan with ``groups`` sharding
-    groups (non-data-parallel sharding types): the number of latencies the phase pays.
-    ``fused_splits``: the train pipeline fuses the input's splits exchanges (one per step);
-    otherwise there is one per group."""
+    groups (non-data-parallel sharding types): the number of latencies the phase pays
+    (:func:`collective_call_form`)."""
     if groups < 0:
         raise ValueError(f"collective_calls: groups must be >= 0, got {groups}")
-    if phase == "input_dist":
-        splits = (INPUT_DIST_SHARED_CALLS if groups > 0 else 0) if fused_splits else groups
-        return INPUT_DIST_CALLS_PER_GROUP * groups + splits
-    if phase in ("output_dist", "grad_dist"):
-        return groups
-    raise ValueError(f"collective_calls: {phase!r} is not a link phase; choose input_dist, output_dist or grad_dist")
+    per_group, once = collective_call_form(phase, fused_splits)
+    return per_group * groups + (once if groups > 0 else 0)
 
 
 _COMPUTE_COLS = [PHASE_NAMES.index(p) for p in COMPUTE_PHASES]

@@ -7,6 +7,7 @@
     counter.link_bytes()                   # {"input_dist": 1234, "output_dist": ..., "grad_dist": ...}
     counter.lookup_ids()                   # {"table_0": 512, ...} ids this rank's TBEs served
     counter.allreduce_bytes()              # bytes DDP all-reduced (data-parallel tables' gradients)
+    counter.collective_calls()             # {"input_dist": 3, "output_dist": 1, "grad_dist": 1}
 
 While active, the counter wraps ``torch.distributed``'s collectives that TorchRec calls
 (``all_to_all_single``, ``reduce_scatter_tensor``, ``all_gather_into_tensor``, ``reduce_scatter``,
@@ -244,6 +245,17 @@ class CommCounter:
         for c in self.calls:
             v = {"sent": c.sent_bytes, "recv": c.recv_bytes, "both": c.sent_bytes + c.recv_bytes}[direction]
             out[c.kind] = out.get(c.kind, 0) + v
+        return out
+
+    def collective_calls(self) -> Dict[str, int]:
+        """Collective calls per link phase on this rank (``input_dist`` includes KJTAllToAll's splits
+        exchange, ``input_dist_splits``): the calls whose latencies ``cost.model.collective_calls``
+        charges."""
+        out = {kind: 0 for kind in LINK_KINDS}
+        for c in self.calls:
+            kind = "input_dist" if c.kind == "input_dist_splits" else c.kind
+            if kind in out:
+                out[kind] += 1
         return out
 
     def lookup_ids(self) -> Dict[str, int]:

@@ -27,12 +27,11 @@ from torchrec_sparselift.cost.model import (
     HOST_MEM,
     IN_INTER,
     IN_INTRA,
-    INPUT_DIST_CALLS_PER_GROUP,
-    INPUT_DIST_SHARED_CALLS,
     OUT_INTER,
     OUT_INTRA,
     PRECISION_BYTES,
     UVM,
+    collective_call_form,
     dense_fwd_s,
     step_total_batch,
 )
@@ -172,23 +171,27 @@ def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None, 
     ``fs`` / ``bs``: forward / backward comm precision scale, ``ilat``: optional variable
     holding one latency per sharding group (``latency * groups``), ``iany``: optional binary that
     is 1 when any sharding group is used, with ``latency`` one collective's (ms);
-    ``fused_splits``: the pipeline's ``PipelineKind.fused_input_splits``. The link phases pay their
-    calls' latencies as :func:`torchrec_sparselift.cost.model.collective_calls` counts them:
-    ``INPUT_DIST_CALLS_PER_GROUP`` per group in the input plus its splits exchange (one shared
-    call with ``fused_splits``, else one per group), one per group in the output and gradient."""
-    lat = [(ilat, 1.0)] if ilat is not None else []
-    per_group = INPUT_DIST_CALLS_PER_GROUP + (0 if fused_splits else 1)
-    lat_in = [(ilat, float(per_group))] if ilat is not None else []
-    if fused_splits and iany is not None and latency:
-        lat_in.append((iany, latency * INPUT_DIST_SHARED_CALLS))
+    ``fused_splits``: the pipeline's ``PipelineKind.fused_input_splits``. Each link phase pays its
+    calls' latencies in the form :func:`torchrec_sparselift.cost.model.collective_call_form` gives
+    (``per_group * ilat + once * latency * iany``)."""
+
+    def lat(phase):
+        if ilat is None:
+            return []
+        per_group, once = collective_call_form(phase, fused_splits)
+        out = [(ilat, float(per_group))]
+        if once and iany is not None and latency:
+            out.append((iany, latency * once))
+        return out
+
     return {
-        "input_dist": ([(iy_in, 1.0)] + lat_in, 0.0),
+        "input_dist": ([(iy_in, 1.0)] + lat("input_dist"), 0.0),
         "uvm_fetch": ([(z[UVM], 1.0)], 0.0),
         "lookup": ([(z[FWD], 1.0)], 0.0),
-        "output_dist": ([(iy_out, fs)] + lat, 0.0),
+        "output_dist": ([(iy_out, fs)] + lat("output_dist"), 0.0),
         "dense_fwd": ([], dense_fwd),
         "dense_bwd": ([], dense_bwd),
-        "grad_dist": ([(iy_out, bs)] + lat, 0.0),
+        "grad_dist": ([(iy_out, bs)] + lat("grad_dist"), 0.0),
         "backward_update": ([(z[BWD], 1.0)], 0.0),
         "allreduce": ([(ia, 1.0)], 0.0),
         "step_overhead": ([], step_overhead),
