@@ -175,6 +175,11 @@ class StepTimer:
         return len(self._durations)
 
     @property
+    def durations_s(self) -> List[float]:
+        """Durations of every step timed so far, warm-up included, in order."""
+        return list(self._durations)
+
+    @property
     def steady_durations_s(self) -> List[float]:
         """Durations of the steps after warm-up, in order."""
         return list(self._durations[self.warmup_steps :])
