@@ -64,7 +64,7 @@ def _check_result(path, planner):
     # every step's slowest rank: its steady median is at least the slowest rank's median step
     times = res["step_times_ms"]
     assert len(times) == len(res["losses"]) and all(t > 0 for t in times)
-    assert statistics.median(times[res["warmup_steps"]:]) >= res["measured_step_time_ms"] * (1 - 1e-9)
+    assert statistics.median(times[res["warmup_steps"]:]) >= res["measured_step_time_ms"] - 1e-3  # rounded to 1 us
     assert {r["table"] for r in res["plan"]} == {f"t_cat_{i}" for i in range(26)}
     assert all(r["sharding_type"] and r["compute_kernel"] for r in res["plan"])
     # the planted signal is learnable: the loss falls within a few dozen steps
