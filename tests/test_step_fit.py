@@ -329,3 +329,29 @@ def test_a_profile_fitted_under_an_older_model_structure_is_stale_and_takes_no_f
     assert sc.main(["--check", "--store", str(tmp_path)]) == 0
     assert sc.add_feedback([rec], prof, topo, store=store) is not None
     assert sc.fitted_model_version({"fit": {}}) is None  # a microbenchmark profile has no step fit
+
+
+def test_plan_pricer_prices_each_profile_once_for_its_step_and_group_cases(probe_pricers):
+    """The fit's finite differences ask one plan's step case and each of its group cases for the
+    same profiles: the plan is evaluated once per profile, and the answers are a fresh pricer's."""
+    import copy
+
+    base, pricers = probe_pricers
+    _k, _label, pr = pricers[0]
+    pr = copy.copy(pr)
+    pr.__dict__.pop("_step_by_profile", None)
+    pr.__dict__.pop("_groups_by_profile", None)
+    calls = []
+    evaluate = pr._evaluate
+    pr._evaluate = lambda profile: calls.append(profile) or evaluate(profile)
+    profiles = [base] + [with_terms(base, {t.name: term_value(base, t) * 1.05 + 1e-9}, CPU_STEP_TERMS)
+                         for t in CPU_STEP_TERMS]
+    for p in profiles:
+        total = pr(p)
+        groups = pr.groups(p)
+        assert sum(groups.values()) == pytest.approx(total, rel=1e-9)
+        assert pr(attrs.evolve(p)) == total  # an equal profile, another object: no new evaluation
+    assert len(calls) == len(set(profiles))
+    fresh = copy.copy(pricers[0][2])
+    fresh.__dict__.pop("_step_by_profile", None)
+    assert fresh(profiles[-1]) == pr(profiles[-1])

@@ -95,6 +95,17 @@ class PlanPricer:
                            batch_size=self.batch_size, dense=self.dense)
 
     def step_time(self, profile: HardwareProfile) -> Any:
+        """The plan's evaluated step under ``profile``. The fit's finite differences price the same
+        profiles for a plan's step case and each of its group cases: each is priced once (the last
+        64 profiles are kept)."""
+        cache = self.__dict__.setdefault("_step_by_profile", {})
+        if profile not in cache:
+            if len(cache) >= 64:
+                cache.clear()
+            cache[profile] = self._evaluate(profile)
+        return cache[profile]
+
+    def _evaluate(self, profile: HardwareProfile) -> Any:
         from torchrec_sparselift.cost.evaluator import PlanEvaluator
         from torchrec_sparselift.cost.model import shard_cost
 
@@ -117,8 +128,7 @@ class PlanPricer:
         from torchrec_sparselift.cost.model import dp_optimizer_s
         from torchrec_sparselift.runtime.attribution import group_kinds, predicted_by_kind
 
-        # every group's case of a plan prices the same profiles (the fit's finite differences):
-        # price each profile once
+        # every group's case of a plan prices the same profiles: split each one's step once
         cache = self.__dict__.setdefault("_groups_by_profile", {})
         if profile not in cache:
             if len(cache) >= 64:
