@@ -98,11 +98,15 @@ class PlanPricer:
         """The plan's evaluated step under ``profile``. The fit's finite differences price the same
         profiles for a plan's step case and each of its group cases: each is priced once (the last
         64 profiles are kept)."""
-        cache = self.__dict__.setdefault("_step_by_profile", {})
+        return self._memo("_step_by_profile", profile, self._evaluate)
+
+    def _memo(self, name: str, profile: HardwareProfile, compute: Callable[[HardwareProfile], Any]) -> Any:
+        """``compute(profile)``, remembered in the cache ``name`` (its last 64 profiles)."""
+        cache = self.__dict__.setdefault(name, {})
         if profile not in cache:
             if len(cache) >= 64:
                 cache.clear()
-            cache[profile] = self._evaluate(profile)
+            cache[profile] = compute(profile)
         return cache[profile]
 
     def _evaluate(self, profile: HardwareProfile) -> Any:
@@ -128,14 +132,12 @@ class PlanPricer:
         from torchrec_sparselift.cost.model import dp_optimizer_s
         from torchrec_sparselift.runtime.attribution import group_kinds, predicted_by_kind
 
+        def split(p: HardwareProfile) -> Dict[str, float]:
+            dp = dp_optimizer_s(self.specs, self.cands, self._ctx(p))
+            return group_kinds(predicted_by_kind(self.step_time(p), dp_optimizer_s=dp))
+
         # every group's case of a plan prices the same profiles: split each one's step once
-        cache = self.__dict__.setdefault("_groups_by_profile", {})
-        if profile not in cache:
-            if len(cache) >= 64:
-                cache.clear()
-            dp = dp_optimizer_s(self.specs, self.cands, self._ctx(profile))
-            cache[profile] = group_kinds(predicted_by_kind(self.step_time(profile), dp_optimizer_s=dp))
-        return dict(cache[profile])
+        return dict(self._memo("_groups_by_profile", profile, split))
 
     def group(self, name: str) -> Callable[[HardwareProfile], float]:
         """``profile -> seconds`` of one fit group (a case for ``fit_profile``)."""

@@ -804,10 +804,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     dist.all_reduce(losses)
     losses /= world_size
     record = timer.record(pg=pg)  # slowest rank's median step
-    # every step's time on its slowest rank, warm-up included (where a run's time goes over time)
-    durations = timer.durations_s
-    per_step = torch.tensor([durations[i] if i < len(durations) else 0.0 for i in range(to_run)], dtype=torch.float64)
-    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    per_step_s = timer.slowest_rank_durations_s(pg)  # warm-up included: how the run went over time
     elapsed = torch.tensor([sum(timer.steady_durations_s)], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     measured = to_run - warmup
@@ -837,7 +834,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         measured_step_time_ms=record.measured_s * 1e3,
         measured_over_predicted=record.ratio,
         step_record=record.to_dict(),
-        step_times_ms=[round(x * 1e3, 3) for x in per_step.tolist()],
+        step_times_ms=[round(x * 1e3, 3) for x in per_step_s],
         first_step=first_step + 1,
         resumed_from_step=resumed_from,
         checkpoints_saved=saved,

@@ -175,11 +175,6 @@ class StepTimer:
         return len(self._durations)
 
     @property
-    def durations_s(self) -> List[float]:
-        """Durations of every step timed so far, warm-up included, in order."""
-        return list(self._durations)
-
-    @property
     def steady_durations_s(self) -> List[float]:
         """Durations of the steps after warm-up, in order."""
         return list(self._durations[self.warmup_steps :])
@@ -237,6 +232,20 @@ class StepTimer:
             done += 1
         return done
 
+    def _max_over_ranks(self, values: Sequence[float], pg: dist.ProcessGroup) -> List[float]:
+        """Element-wise maximum of ``values`` over the ranks of ``pg`` (every rank calls it)."""
+        t = torch.tensor(list(values), dtype=torch.float64)
+        if dist.get_backend(pg) == "nccl":
+            t = t.to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+        return [float(x) for x in t.cpu()]
+
+    def slowest_rank_durations_s(self, pg: Optional[dist.ProcessGroup] = None) -> List[float]:
+        """Every step timed so far, warm-up included, in order, as long as its slowest rank of
+        ``pg`` took (this rank's own without ``pg``; every rank of ``pg`` must call this, having
+        timed as many steps)."""
+        return self._max_over_ranks(self._durations, pg) if pg is not None else list(self._durations)
+
     def record(self, pg: Optional[dist.ProcessGroup] = None) -> StepRecord:
         """The steady-state measurement, logged with its measured/predicted ratio.
 
@@ -246,11 +255,7 @@ class StepTimer:
         stats = step_stats(self.steady_durations_s)
         median, mean, world = stats.median_s, stats.mean_s, 1
         if pg is not None:
-            t = torch.tensor([median, mean], dtype=torch.float64)
-            if dist.get_backend(pg) == "nccl":
-                t = t.to(self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-            median, mean = (float(x) for x in t.cpu())
+            median, mean = self._max_over_ranks([median, mean], pg)
             world = dist.get_world_size(pg)
         stages = {k: v / stats.steps for k, v in sorted(self._stage_totals.items())}
         rec = StepRecord(
