@@ -83,6 +83,7 @@ _LOOP_GATEWAY = "198.19.255.2"
 _LOOP_MAC = "02:00:c6:13:ff:02"
 _SHARED_TABLE = "100"
 _MIN_BURST = 128 * 1024
+_ETC_NETNS = "/etc/netns"
 
 
 class TopologyError(ValueError):
@@ -319,8 +320,13 @@ def _namespaces() -> List[str]:
 
 
 def leftover_namespaces() -> List[str]:
-    """Every namespace of this module's naming that exists now (live runs' included)."""
-    return [ns for ns in _namespaces() if _NAME.match(ns)]
+    """Every namespace of this module's naming that exists now (live runs' included), and every
+    name with a leftover /etc/netns/NAME folder."""
+    try:
+        etc = os.listdir(_ETC_NETNS)
+    except OSError:
+        etc = []
+    return sorted({ns for ns in _namespaces() + etc if _NAME.match(ns)})
 
 
 def _pid_alive(pid: int) -> bool:
@@ -351,6 +357,7 @@ def _kill_namespace_processes(ns: str) -> None:
 def _delete_namespace(ns: str) -> None:
     _kill_namespace_processes(ns)
     _sh(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(os.path.join(_ETC_NETNS, ns), ignore_errors=True)
 
 
 def cleanup_stale() -> List[str]:
@@ -651,6 +658,22 @@ class Testbed:
         self._created.append(ns)
         _sh(["ip", "netns", "add", ns])
         _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        if self.topology.hosts > 1:
+            # `ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts: the hosts' addresses
+            # get names (gloo's and c10d's reverse lookups resolve without asking DNS)
+            os.makedirs(os.path.join(_ETC_NETNS, ns), exist_ok=True)
+            try:
+                with open("/etc/hosts") as f:
+                    base = f.read()
+            except OSError:
+                base = "127.0.0.1 localhost\n"
+            names = "".join(
+                f"{prefix}{self.address(h)} {self.name}-host{h} host{h}\n"
+                for h in range(self.topology.hosts)
+                for prefix in ("", "::ffff:")  # as an IPv6 socket sees an IPv4 peer
+            )
+            with open(os.path.join(_ETC_NETNS, ns, "hosts"), "w") as f:
+                f.write(base.rstrip("\n") + "\n# emulated hosts of torchrec_sparselift.measure.testbed\n" + names)
 
     def _tbf(self, ns: str, dev: str) -> None:
         t = self.topology
@@ -735,7 +758,7 @@ class Testbed:
             self._kill(proc)
         for ns in reversed(self._created):
             _delete_namespace(ns)
-        left = [ns for ns in self._created if ns in _namespaces()]
+        left = [ns for ns in self._created if ns in leftover_namespaces()]
         if left:
             raise TestbedError(f"could not delete namespaces {left}; remove them with `ip netns del NAME`")
 
