@@ -179,13 +179,14 @@ class Topology:
 
 @attrs.frozen
 class HostResult:
-    """How one host's command ended: its exit code (``None`` if it was killed at the timeout)
-    and its output (stdout and stderr together; empty when not captured)."""
+    """How one host's command ended: its exit code (``None`` when it was killed: at the timeout,
+    or still running ``grace_s`` after another host failed) and its output (stdout and stderr
+    together; empty when not captured)."""
 
     host: int
     returncode: Optional[int]
     output: str
-    timed_out: bool = False
+    killed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -550,7 +551,7 @@ class Testbed:
                 if out is not None:
                     out.seek(0)
                     text = out.read()
-                results.append(HostResult(host, code, text, timed_out=code is None))
+                results.append(HostResult(host, code, text, killed=code is None))
             return results
         finally:
             for out in outputs:
@@ -850,16 +851,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return 0
             results = bed.torchrun(script, timeout_s=args.timeout, capture=False, master_port=args.master_port)
         for r in results:
-            state = "timed out" if r.timed_out else f"exit {r.returncode}"
+            state = "killed" if r.killed else f"exit {r.returncode}"
             print(f"testbed: host {r.host}: {state}", file=sys.stderr)
         bad = [r for r in results if not r.ok]
-        return 0 if not bad else (bad[0].returncode or 1)
+        if not bad:
+            return 0
+        code = bad[0].returncode
+        return code if code is not None and 0 < code < 128 else 1
     except (TopologyError, TestbedUnavailable, TestbedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; the emulated hosts were removed", file=sys.stderr)
         return 130
+    except SystemExit as e:
+        if isinstance(e.code, int) and e.code > 128:
+            print(f"stopped by signal {e.code - 128}; the emulated hosts were removed", file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":
