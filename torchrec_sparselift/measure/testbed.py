@@ -847,6 +847,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(bed.measure_link(0), flush=True)
                 if topology.hosts > 1:
                     print(bed.measure_link(1, 0), flush=True)
+                    both = bed.measure_links([(0, 1), (1, 0)])
+                    total = sum(m.bulk_bytes for m in both) * 8 / max(m.bulk_s for m in both)
+                    print(f"both directions at once: {format_rate(total)} in total", flush=True)
+                    for m in both:
+                        print(f"  {m}", flush=True)
             if not script:
                 return 0
             results = bed.torchrun(script, timeout_s=args.timeout, capture=False, master_port=args.master_port)
