@@ -51,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
@@ -483,7 +483,9 @@ class Testbed:
 
     # -- running commands
 
-    def popen(self, host: int, argv: Sequence[str], env: Optional[Mapping[str, str]] = None, **kwargs) -> subprocess.Popen:
+    def popen(
+        self, host: int, argv: Sequence[str], env: Optional[Mapping[str, str]] = None, **kwargs
+    ) -> subprocess.Popen:
         """Start ``argv`` inside ``host`` (``env`` added to this process's environment and
         :meth:`host_env`). The process is killed when the testbed is torn down."""
         proc = subprocess.Popen(self._argv(host, argv), env=self._env(host, env), start_new_session=True, **kwargs)
@@ -529,7 +531,7 @@ class Testbed:
         output goes to this process's stdout/stderr). When a host fails, the others get
         ``grace_s`` to finish before they are killed; at ``timeout_s`` all are."""
         t = self.topology
-        outputs: List[Optional[tempfile._TemporaryFileWrapper]] = []
+        outputs: List[Optional[IO[str]]] = []
         procs = []
         try:
             for host in range(t.hosts):
@@ -618,7 +620,8 @@ class Testbed:
             for (src, dst), server in zip(pairs, servers):
                 line = server.stdout.readline().strip()  # type: ignore[union-attr]
                 if not line.isdigit():
-                    raise TestbedError(f"the measuring server in host {dst} did not start: {server.stderr.read()}")  # type: ignore[union-attr]
+                    err = server.stderr.read()  # type: ignore[union-attr]
+                    raise TestbedError(f"the measuring server in host {dst} did not start: {err}")
                 ports.append(line)
             for (src, dst), port in zip(pairs, ports):
                 argv = [sys.executable, "-I", "-c", _BULK_CLIENT, self.address(dst), port,
@@ -634,7 +637,9 @@ class Testbed:
                 if client.returncode != 0:
                     raise TestbedError(f"measuring host {src} -> host {dst} failed: {stderr.strip()}")
                 got = json.loads(stdout)
-                out.append(LinkMeasurement(src, dst, bulk_bytes, got["bulk_s"], message_bytes, round_trips, got["round_trip_s"]))
+                out.append(LinkMeasurement(
+                    src, dst, bulk_bytes, got["bulk_s"], message_bytes, round_trips, got["round_trip_s"]
+                ))  # fmt: skip
             return out
         finally:
             for proc in clients + servers:
@@ -776,21 +781,26 @@ def emulated_hosts(topology: Topology) -> Iterator[Testbed]:
     _require_available()
     cleanup_stale()
     bed = Testbed(topology, f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}")
+    main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
-    if threading.current_thread() is threading.main_thread():
+    if main_thread:
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         for sig in (signal.SIGTERM, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, _raise_exit)
+            signal.signal(sig, _raise_exit)
     atexit.register(bed.teardown)
     try:
         bed.build()
         yield bed
     finally:
+        if main_thread:  # a second Ctrl-C or SIGTERM must not cut the cleanup short
+            for sig in previous:
+                signal.signal(sig, signal.SIG_IGN)
         try:
             bed.teardown()
         finally:
             atexit.unregister(bed.teardown)
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 # ---------------------------------------------------------------- command line
