@@ -1,0 +1,169 @@
+"""The link measurement: the fit recovers latency and bandwidth, comparisons flag only differences
+beyond noise, records round-trip through JSON, every rank gets the same rates, and a shaped
+emulated link measures at its rate (that last one needs root and tc; it skips with the reason).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import attrs
+import numpy as np
+import pytest
+
+from conftest import spawn
+from torchrec_sparselift.measure import link
+from torchrec_sparselift.measure import testbed as tb
+from torchrec_sparselift.measure.link import LinkRates, LinkRatesError, links_differ
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _rates(**overrides) -> LinkRates:
+    base = dict(
+        intra_bw=700e6, intra_latency_s=300e-6, inter_bw=12.5e6, inter_latency_s=250e-6, spread=0.05,
+        allreduce_bw=12e6, allreduce_latency_s=150e-6, hosts=2, ranks_per_host=2,
+    )  # fmt: skip
+    base.update(overrides)
+    return LinkRates(**base)
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def test_fit_recovers_latency_and_bandwidth_from_synthetic_timings():
+    sizes = np.array([4096, 2 << 20, 8 << 20], dtype=float)
+    lat, bw = link.fit_latency_bandwidth(sizes, 250e-6 + sizes / 12.5e6)
+    assert lat == pytest.approx(250e-6, rel=1e-6)
+    assert bw == pytest.approx(12.5e6, rel=1e-9)
+    # five noisy repetitions: the medians still give both terms, the spread reflects the noise
+    rng = np.random.default_rng(0)
+    times = (300e-6 + sizes / 1e9) * rng.uniform(0.97, 1.03, size=(5, 3))
+    lat, bw, spread = link.fit_family(sizes, times)
+    assert lat == pytest.approx(300e-6, rel=0.1)
+    assert bw == pytest.approx(1e9, rel=0.05)
+    assert 0 < spread < 0.1
+    noisy = (300e-6 + sizes / 1e9) * rng.uniform(0.6, 1.4, size=(5, 3))
+    assert link.fit_family(sizes, noisy)[2] > spread
+
+
+def test_fit_refuses_one_size_and_times_that_do_not_grow():
+    with pytest.raises(LinkRatesError, match="two or more"):
+        link.fit_latency_bandwidth([4096, 4096], [1e-3, 1.1e-3])
+    with pytest.raises(LinkRatesError, match="do not grow with message size"):
+        link.fit_latency_bandwidth([4096, 1 << 20], [2e-3, 1e-3])
+    with pytest.raises(LinkRatesError, match="positive"):
+        link.fit_latency_bandwidth([4096, 1 << 20], [0.0, 1e-3])
+
+
+def test_equal_or_within_spread_rates_do_not_differ():
+    a = _rates()
+    assert links_differ(a, a) == []
+    # 20% slower links, 2x latency within its floor, under a 30% measured spread: noise
+    b = _rates(inter_bw=10.4e6, intra_bw=580e6, allreduce_bw=10e6, inter_latency_s=450e-6, spread=0.3)
+    assert links_differ(a, b) == []
+    # a latency 5x larger but only 60 us apart is below the absolute floor
+    assert links_differ(_rates(intra_latency_s=15e-6), _rates(intra_latency_s=75e-6)) == []
+
+
+def test_a_difference_beyond_spread_names_the_term_and_both_values():
+    stored = _rates(inter_bw=118e6)  # an unshaped box's profile
+    measured = _rates(inter_bw=36e6, inter_latency_s=2e-3)
+    diffs = links_differ(stored, measured)
+    assert len(diffs) == 2, diffs
+    bw_line = next(d for d in diffs if "inter_bw" in d)
+    assert "inter-host all-to-all bandwidth" in bw_line
+    assert "118 MB/s" in bw_line and "36 MB/s" in bw_line and "0.31x" in bw_line
+    lat_line = next(d for d in diffs if "inter_latency_s" in d)
+    assert "250 us" in lat_line and "2000 us" in lat_line
+    # the spread widens the allowance: 40% apart is noise under a 50% spread, not under 5%
+    assert links_differ(_rates(intra_bw=1e9), _rates(intra_bw=0.71e9, spread=0.5)) == []
+    assert [d.split(" (")[0] for d in links_differ(_rates(intra_bw=1e9), _rates(intra_bw=0.71e9))] == [
+        "intra-host all-to-all bandwidth"
+    ]
+
+
+def test_another_topology_or_an_unmeasured_term_is_a_difference():
+    one_host = _rates(hosts=1, ranks_per_host=2, inter_bw=None, inter_latency_s=None)
+    diffs = links_differ(one_host, _rates())
+    assert diffs[0] == "topology: stored was measured on 1 host x 2 ranks, this job runs 2 hosts x 2 ranks"
+    assert any("inter_bw" in d and "stored not measured" in d and "12.5 MB/s" in d for d in diffs)
+
+
+def test_json_round_trip_and_clear_errors():
+    for rates in (_rates(), _rates(hosts=1, ranks_per_host=4, inter_bw=None, inter_latency_s=None)):
+        assert LinkRates.from_json(rates.to_json()) == rates
+        assert LinkRates.from_dict(json.loads(json.dumps(rates.to_dict()))) == rates
+    data = _rates().to_dict()
+    with pytest.raises(LinkRatesError, match=r"unknown fields \['bogus'\].*missing fields \['spread'\]"):
+        LinkRates.from_dict({**{k: v for k, v in data.items() if k != "spread"}, "bogus": 1})
+    with pytest.raises(LinkRatesError, match="malformed"):
+        LinkRates.from_json("{not json")
+    with pytest.raises(LinkRatesError, match="JSON object"):
+        LinkRates.from_dict([1, 2])
+    with pytest.raises(LinkRatesError) as e:
+        LinkRates.from_dict({**data, "inter_bw": -1.0, "spread": "low", "hosts": 0})
+    for culprit in ("inter_bw=-1.0", "spread='low'", "hosts=0"):
+        assert culprit in str(e.value)
+    with pytest.raises(LinkRatesError, match="intra_bw and intra_latency_s must be None with ranks_per_host=1"):
+        attrs.evolve(_rates(), ranks_per_host=1)
+    with pytest.raises(LinkRatesError, match="inter_bw and inter_latency_s are needed with hosts=2"):
+        _rates(inter_bw=None, inter_latency_s=None)
+
+
+def test_ranks_group_into_hosts_by_key():
+    assert link.host_groups(["a/node0", "a/node0", "a/node1", "a/node1"]) == [[0, 1], [2, 3]]
+    assert link.host_groups(["x/node", "y/node", "x/node", "y/node"]) == [[0, 2], [1, 3]]
+    with pytest.raises(LinkRatesError, match="same --nproc_per_node"):
+        link.host_groups(["a", "a", "b"])
+
+
+def test_the_module_imports_without_torch():
+    code = "import sys, torchrec_sparselift.measure.link; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- real process groups
+
+
+def _measure(rank: int, world_size: int) -> dict:
+    return link.measure_link_rates(repetitions=3, target_call_s=0.02).to_dict()
+
+
+def test_two_gloo_ranks_on_loopback_agree_on_their_rates():
+    results = spawn(_measure, 2, timeout_s=120)
+    assert results[0] == results[1]
+    rates = LinkRates.from_dict(results[0])
+    assert (rates.hosts, rates.ranks_per_host) == (1, 2)
+    assert rates.inter_bw is None and rates.intra_bw > 10e6 and rates.allreduce_bw > 10e6
+
+
+REASON = tb.unavailable_reason()
+
+
+def _measure_on_testbed(tmp_path, rate_bps):
+    out = tmp_path / f"rates_{rate_bps}.json"
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    argv = ["-m", "torchrec_sparselift.measure.link", "--repetitions", "3", "--target-call-ms", "40", "--json", str(out)]
+    with tb.emulated_hosts(tb.Topology(hosts=2, ranks_per_host=1, rate_bps=rate_bps)) as bed:
+        results = bed.torchrun(argv, env=env, timeout_s=120)
+    for r in results:
+        assert r.ok, f"host {r.host}: exit {r.returncode}\n{r.output}"
+    return LinkRates.from_json(out.read_text())
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
+def test_a_100_mbit_link_between_two_emulated_hosts_measures_at_its_rate(tmp_path):
+    # both testbeds at once (their namespaces and ports are their own): half the wall time
+    with ThreadPoolExecutor(2) as pool:
+        shaped, unshaped = pool.map(lambda rate: _measure_on_testbed(tmp_path, rate), (100e6, None))
+    assert (shaped.hosts, shaped.ranks_per_host) == (2, 1) and shaped.intra_bw is None
+    assert 0.5 * 12.5e6 <= shaped.inter_bw <= 1.2 * 12.5e6, shaped.describe()
+    assert unshaped.inter_bw > 2 * shaped.inter_bw, (shaped.describe(), unshaped.describe())
+    assert any("inter_bw" in d for d in links_differ(unshaped, shaped))
