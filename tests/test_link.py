@@ -27,7 +27,7 @@ ROOT = os.path.dirname(HERE)
 def _rates(**overrides) -> LinkRates:
     base = dict(
         intra_bw=700e6, intra_latency_s=300e-6, inter_bw=12.5e6, inter_latency_s=250e-6, spread=0.05,
-        allreduce_bw=12e6, allreduce_latency_s=150e-6, hosts=2, ranks_per_host=2,
+        allreduce_bw=12e6, allreduce_latency_s=150e-6, latency_spread_s=20e-6, hosts=2, ranks_per_host=2,
     )  # fmt: skip
     base.update(overrides)
     return LinkRates(**base)
@@ -44,12 +44,18 @@ def test_fit_recovers_latency_and_bandwidth_from_synthetic_timings():
     # five noisy repetitions: the medians still give both terms, the spread reflects the noise
     rng = np.random.default_rng(0)
     times = (300e-6 + sizes / 1e9) * rng.uniform(0.97, 1.03, size=(5, 3))
-    lat, bw, spread = link.fit_family(sizes, times)
+    lat, bw, spread, latency_spread = link.fit_family(sizes, times)
     assert lat == pytest.approx(300e-6, rel=0.1)
     assert bw == pytest.approx(1e9, rel=0.05)
-    assert 0 < spread < 0.1
+    assert 0 < spread < 0.1 and 0 < latency_spread < 30e-6
     noisy = (300e-6 + sizes / 1e9) * rng.uniform(0.6, 1.4, size=(5, 3))
     assert link.fit_family(sizes, noisy)[2] > spread
+    # a scheduling hiccup of 10 ms in one repetition of the small size moves neither term far
+    sizes3 = np.array([4096, 4096, 4096, 2 << 20, 8 << 20], dtype=float)
+    clean = np.tile(300e-6 + sizes3 / 1e9, (5, 1))
+    clean[0, 0] = clean[3, 1] = 10e-3
+    lat, bw, _, _ = link.fit_family(sizes3, clean)
+    assert lat == pytest.approx(300e-6, rel=0.01) and bw == pytest.approx(1e9, rel=0.01)
 
 
 def test_fit_refuses_one_size_and_times_that_do_not_grow():
@@ -69,6 +75,9 @@ def test_equal_or_within_spread_rates_do_not_differ():
     assert links_differ(a, b) == []
     # a latency 5x larger but only 60 us apart is below the absolute floor
     assert links_differ(_rates(intra_latency_s=15e-6), _rates(intra_latency_s=75e-6)) == []
+    # 1.85 ms apart is noise when the latencies were measured to wander by 2 ms, not otherwise
+    assert links_differ(_rates(), _rates(allreduce_latency_s=2e-3, latency_spread_s=2e-3)) == []
+    assert "allreduce_latency_s" in links_differ(_rates(), _rates(allreduce_latency_s=2e-3))[0]
 
 
 def test_a_difference_beyond_spread_names_the_term_and_both_values():

@@ -96,6 +96,9 @@ class LinkRates:
             local indices at once); ``None`` on one host.
         spread: the measured relative spread of the repetitions: the largest, over the
             bandwidths, of the interquartile range of the per-repetition fits over their median.
+        latency_spread_s: the same for the latencies, in seconds (the largest interquartile
+            range of the per-repetition latency fits): per-call latencies on a busy CPU host
+            wander by scheduling hiccups that a relative spread would overstate.
         allreduce_bw / allreduce_latency_s: bus bandwidth and per-call latency of an
             ``all_reduce`` over the whole world.
         hosts / ranks_per_host: the grouping the measurement saw.
@@ -108,6 +111,7 @@ class LinkRates:
     spread: float
     allreduce_bw: float
     allreduce_latency_s: float
+    latency_spread_s: float
     hosts: int
     ranks_per_host: int
 
@@ -127,6 +131,7 @@ class LinkRates:
             ("intra_bw", True, True), ("intra_latency_s", False, True),
             ("inter_bw", True, True), ("inter_latency_s", False, True),
             ("spread", False, False), ("allreduce_bw", True, False), ("allreduce_latency_s", False, False),
+            ("latency_spread_s", False, False),
         ):  # fmt: skip
             p = _number_problem(name, getattr(self, name), positive=positive, optional=optional)
             if p:
@@ -149,7 +154,8 @@ class LinkRates:
 
     def describe(self) -> str:
         """A few lines for a log: each term in bytes/s and bit/s, latencies in microseconds."""
-        lines = [f"link rates on {self.topology} (spread {self.spread:.0%}):"]
+        lines = [f"link rates on {self.topology} (spread: bandwidths {self.spread:.0%}, "
+                 f"latencies {self.latency_spread_s * 1e6:.0f} us):"]
         for prefix, label in (("intra", "intra-host all-to-all"), ("inter", "inter-host all-to-all"),
                               ("allreduce", "all-reduce (world)")):
             bw = getattr(self, f"{prefix}_bw")
@@ -246,21 +252,25 @@ def relative_spread(values: Sequence[float]) -> float:
     return float((q3 - q1) / med) if med > 0 else float("inf")
 
 
-def fit_family(bytes_moved: Sequence[float], times: np.ndarray) -> Tuple[float, float, float]:
-    """``(latency_s, bytes_per_s, spread)`` from ``times[repetition, size]``: the fit of the
-    median time per size, and the relative spread of the bandwidths fitted per repetition."""
+def fit_family(bytes_moved: Sequence[float], times: np.ndarray) -> Tuple[float, float, float, float]:
+    """``(latency_s, bytes_per_s, spread, latency_spread_s)`` from ``times[repetition, call]``
+    (``bytes_moved[call]``; a size may repeat): the fit of the median time of each call, the
+    relative spread of the bandwidths fitted per repetition and the interquartile range of the
+    latencies fitted per repetition."""
     times = np.asarray(times, dtype=float)
     lat, bw = fit_latency_bandwidth(bytes_moved, np.median(times, axis=0))
     per_rep, failed = [], 0
     for row in times:
         try:
-            per_rep.append(fit_latency_bandwidth(bytes_moved, row)[1])
+            per_rep.append(fit_latency_bandwidth(bytes_moved, row))
         except LinkRatesError:
             failed += 1
-    spread = relative_spread(per_rep)
+    spread = relative_spread([b for _, b in per_rep])
     if failed:  # a repetition whose times did not grow with size: call the noise at least 100%
         spread = max(spread, 1.0)
-    return lat, bw, spread
+    lats = [la for la, _ in per_rep]
+    latency_spread = float(np.subtract(*np.percentile(lats, [75, 25]))) if len(lats) > 1 else 0.0
+    return lat, bw, spread, latency_spread
 
 
 def links_differ(
@@ -275,15 +285,16 @@ def links_differ(
     empty when they agree within noise.
 
     A bandwidth differs when the larger is more than ``1 + max(stored.spread, measured.spread,
-    floor)`` times the smaller. A latency differs when its ratio exceeds ``1 + max(spreads,
-    latency_floor)`` and the values are also more than ``latency_floor_s`` apart (per-call
-    latencies of gloo on a busy machine wander by tens of microseconds). A term measured in one
+    floor)`` times the smaller. A latency differs when the larger is more than ``1 +
+    latency_floor`` times the smaller and the two are also further apart than ``max(
+    latency_floor_s, stored.latency_spread_s + measured.latency_spread_s)`` (per-call latencies
+    of gloo on a busy machine wander by scheduling hiccups). A term measured in one
     and absent in the other (one host vs several, one rank per host vs several) is a difference,
     and so is another grouping of ranks into hosts."""
     out = []
     if (stored.hosts, stored.ranks_per_host) != (measured.hosts, measured.ranks_per_host):
         out.append(f"topology: stored was measured on {stored.topology}, this job runs {measured.topology}")
-    allowance = max(stored.spread, measured.spread)
+    allowance = max(stored.spread, measured.spread)  # bandwidths only
     for name, label, kind in _TERMS:
         a, b = getattr(stored, name), getattr(measured, name)
         if a is None and b is None:
@@ -294,17 +305,19 @@ def links_differ(
                 f"measured {'not measured' if b is None else _fmt_term(kind, b)}"
             )
             continue
-        tol = max(allowance, floor if kind == "bw" else latency_floor)
         lo, hi = min(a, b), max(a, b)
-        if hi == lo or (lo > 0 and hi / lo - 1 <= tol):
-            continue
-        if kind == "latency" and hi - lo <= latency_floor_s:
-            continue
         ratio = f"{b / a:.2f}x" if a > 0 else "from zero"
-        out.append(
-            f"{label} ({name}): stored {_fmt_term(kind, a)}, measured {_fmt_term(kind, b)} "
-            f"({ratio}; noise allowance {tol:.0%})"
-        )
+        if kind == "bw":
+            tol = max(allowance, floor)
+            if hi / lo - 1 <= tol:
+                continue
+            allowed = f"noise allowance {tol:.0%}"
+        else:
+            apart = max(latency_floor_s, stored.latency_spread_s + measured.latency_spread_s)
+            if hi - lo <= apart or (lo > 0 and hi / lo - 1 <= latency_floor):
+                continue
+            allowed = f"noise allowance {apart * 1e6:.0f} us and {latency_floor:.0%}"
+        out.append(f"{label} ({name}): stored {_fmt_term(kind, a)}, measured {_fmt_term(kind, b)} ({ratio}; {allowed})")
     return out
 
 
@@ -384,8 +397,8 @@ def _numel(nbytes: float, group_size: int) -> int:
 def _time_family(
     family: _Family, device: Any, repetitions: int, target_call_s: float, min_bytes: int, max_bytes: int
 ) -> Tuple[List[int], np.ndarray]:
-    """Sizes (bytes per rank buffer) and ``times[repetition, size]``, the slowest rank's time
-    of each call (all ranks agree: the values come from an all-reduce)."""
+    """Each call's size (bytes per rank buffer) and ``times[repetition, call]``, the slowest
+    rank's time of each call (all ranks agree: the values come from an all-reduce)."""
     buffers: Dict[int, Any] = {}
     # size the largest message: grow until one call takes target_call_s (this also warms up
     # connections and drains a token-bucket shaper's burst)
@@ -398,14 +411,16 @@ def _time_family(
         grow = min(8.0, max(2.0, target_call_s / max(t, 1e-6)))
         numel = min(cap, _numel(numel * 4 * grow, family.n))
         buffers.clear()
-    sizes = sorted({_numel(min_bytes, family.n), _numel(numel * 4 * 0.25, family.n), numel})
-    _timed_call(family, sizes[-1], device, buffers)
-    local = np.zeros((repetitions, len(sizes)))
+    small, mid = _numel(min_bytes, family.n), _numel(numel * 4 * 0.25, family.n)
+    # the latency-bound size three times per repetition (cheap; outvotes scheduling hiccups)
+    calls = [small] * 3 + sorted({mid, numel} - {small})
+    _timed_call(family, numel, device, buffers)
+    local = np.zeros((repetitions, len(calls)))
     for i in range(repetitions):
-        for j, s in enumerate(sizes):  # sizes interleaved: drift hits all alike
+        for j, s in enumerate(calls):  # sizes interleaved: drift hits all alike
             local[i, j] = _timed_call(family, s, device, buffers)
     times = _world_max(local.ravel().tolist(), device).reshape(local.shape)
-    return [s * 4 for s in sizes], times
+    return [s * 4 for s in calls], times
 
 
 def measure_link_rates(
@@ -476,20 +491,21 @@ def measure_link_rates(
         fields: Dict[str, Any] = {"hosts": len(hosts), "ranks_per_host": per_host,
                                   "intra_bw": None, "intra_latency_s": None,
                                   "inter_bw": None, "inter_latency_s": None}
-        spreads = []
+        spreads, latency_spreads = [], []
         for fam in families:
             sizes, times = _time_family(fam, device, repetitions, target_call_s, min_bytes, max_bytes)
             if rank == 0:
-                lat, bw, spread = fit_family([s * fam.factor for s in sizes], times)
+                lat, bw, spread, latency_spread = fit_family([s * fam.factor for s in sizes], times)
                 fields[f"{fam.name}_bw"], fields[f"{fam.name}_latency_s"] = bw, lat
                 spreads.append(spread)
+                latency_spreads.append(latency_spread)
     finally:
         for g in created:
             dist.destroy_process_group(g)
 
     payload: List[Any] = [None]
     if rank == 0:
-        payload[0] = LinkRates(spread=max(spreads), **fields).to_dict()
+        payload[0] = LinkRates(spread=max(spreads), latency_spread_s=max(latency_spreads), **fields).to_dict()
     dist.broadcast_object_list(payload, src=0)
     return LinkRates.from_dict(payload[0])
 
