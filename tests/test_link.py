@@ -141,14 +141,26 @@ def test_the_module_imports_without_torch():
 # ---------------------------------------------------------------- real process groups
 
 
-def _measure(rank: int, world_size: int) -> dict:
-    return link.measure_link_rates(repetitions=3, target_call_s=0.02).to_dict()
+def _measure(rank: int, world_size: int) -> tuple:
+    rates = link.measure_link_rates(repetitions=3, target_call_s=0.02).to_dict()
+
+    def fails(*args):
+        raise LinkRatesError("times do not grow")
+
+    link.fit_family = fails  # this process only: rank 0's fit fails, every rank must hear of it
+    try:
+        link.measure_link_rates(repetitions=1, target_call_s=0.005)
+        error = None
+    except LinkRatesError as e:
+        error = str(e)
+    return rates, error
 
 
-def test_two_gloo_ranks_on_loopback_agree_on_their_rates():
+def test_two_gloo_ranks_on_loopback_agree_on_their_rates_and_on_a_failed_fit():
     results = spawn(_measure, 2, timeout_s=120)
-    assert results[0] == results[1]
-    rates = LinkRates.from_dict(results[0])
+    assert results[0][0] == results[1][0]
+    assert results[0][1] == results[1][1] == "times do not grow (family intra)"
+    rates = LinkRates.from_dict(results[0][0])
     assert (rates.hosts, rates.ranks_per_host) == (1, 2)
     assert rates.inter_bw is None and rates.intra_bw > 10e6 and rates.allreduce_bw > 10e6
 
@@ -159,7 +171,8 @@ REASON = tb.unavailable_reason()
 def _measure_on_testbed(tmp_path, rate_bps):
     out = tmp_path / f"rates_{rate_bps}.json"
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    argv = ["-m", "torchrec_sparselift.measure.link", "--repetitions", "3", "--target-call-ms", "40", "--json", str(out)]
+    argv = ["-m", "torchrec_sparselift.measure.link", "--repetitions", "3", "--target-call-ms", "40",
+            "--json", str(out)]
     with tb.emulated_hosts(tb.Topology(hosts=2, ranks_per_host=1, rate_bps=rate_bps)) as bed:
         results = bed.torchrun(argv, env=env, timeout_s=120)
     for r in results:

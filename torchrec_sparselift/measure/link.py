@@ -150,7 +150,8 @@ class LinkRates:
 
     @property
     def topology(self) -> str:
-        return f"{self.hosts} host{'s' if self.hosts != 1 else ''} x {self.ranks_per_host} rank{'s' if self.ranks_per_host != 1 else ''}"
+        h, r = self.hosts, self.ranks_per_host
+        return f"{h} host{'s' if h != 1 else ''} x {r} rank{'s' if r != 1 else ''}"
 
     def describe(self) -> str:
         """A few lines for a log: each term in bytes/s and bit/s, latencies in microseconds."""
@@ -491,23 +492,31 @@ def measure_link_rates(
         fields: Dict[str, Any] = {"hosts": len(hosts), "ranks_per_host": per_host,
                                   "intra_bw": None, "intra_latency_s": None,
                                   "inter_bw": None, "inter_latency_s": None}
-        spreads, latency_spreads = [], []
-        for fam in families:
-            sizes, times = _time_family(fam, device, repetitions, target_call_s, min_bytes, max_bytes)
-            if rank == 0:
-                lat, bw, spread, latency_spread = fit_family([s * fam.factor for s in sizes], times)
-                fields[f"{fam.name}_bw"], fields[f"{fam.name}_latency_s"] = bw, lat
-                spreads.append(spread)
-                latency_spreads.append(latency_spread)
+        timed = [(fam, _time_family(fam, device, repetitions, target_call_s, min_bytes, max_bytes))
+                 for fam in families]
     finally:
         for g in created:
             dist.destroy_process_group(g)
 
     payload: List[Any] = [None]
-    if rank == 0:
-        payload[0] = LinkRates(spread=max(spreads), latency_spread_s=max(latency_spreads), **fields).to_dict()
+    if rank == 0:  # fit here, then broadcast the rates or the error: no rank waits for nothing
+        try:
+            spreads, latency_spreads, where = [], [], ""
+            for fam, (sizes, times) in timed:
+                where = f" (family {fam.name})"
+                lat, bw, spread, latency_spread = fit_family([s * fam.factor for s in sizes], times)
+                fields[f"{fam.name}_bw"], fields[f"{fam.name}_latency_s"] = bw, lat
+                spreads.append(spread)
+                latency_spreads.append(latency_spread)
+            where = ""
+            rates = LinkRates(spread=max(spreads), latency_spread_s=max(latency_spreads), **fields)
+            payload[0] = {"rates": rates.to_dict()}
+        except LinkRatesError as e:
+            payload[0] = {"error": f"{e}{where}"}
     dist.broadcast_object_list(payload, src=0)
-    return LinkRates.from_dict(payload[0])
+    if "error" in payload[0]:
+        raise LinkRatesError(payload[0]["error"])
+    return LinkRates.from_dict(payload[0]["rates"])
 
 
 # ---------------------------------------------------------------- command line
