@@ -340,82 +340,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _torchrec_estimates(col: Dict[str, Any], options: Sequence[Any], topology: Any,
-                        constraints: Dict[str, Any]) -> None:
-    """Put TorchRec's estimator's rating of ``options`` (slowest rank, ms) and its peak per-rank
-    storage (HBM; DDR on CPU) into ``col``, or the reason it cannot price them."""
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift.cost.torchrec_score import torchrec_score
-
-    try:
-        score = torchrec_score(options, topology, get_default_sharders(), constraints or None)
-    except Exception as e:  # TorchRec's estimator may not know an option; say so, keep going
-        col["torchrec_estimate_error"] = f"{type(e).__name__}: {e}"
-        return
-    col["torchrec_estimate_ms"] = score.perf_ms
-    col["torchrec_peak_bytes"] = float(score.peak_ddr_bytes if topology.compute_device == "cpu"
-                                       else score.peak_hbm_bytes)
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.stats import EmbeddingStats
-    from torchrec.distributed.planner.types import PlannerError
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift.cost.torchrec_score import BestPlanCapture
     from torchrec_sparselift.explain import format_table
-    from torchrec_sparselift.planner import evaluate_sharding_plan
+    from torchrec_sparselift.plan.compare import compare_planners
 
     inputs = _inputs_from_args(args)
     _import_torchrec(args.quiet)
     module, constraints = inputs.build()
-    topo = inputs.topology.topology()
-    profile = inputs.topology.profile()
     bs = inputs.per_rank_batch()
     planner = _planner(inputs, constraints)
-    with Progress(f"planning with SparseLift ({inputs.describe()})", args.quiet):
-        t0 = time.monotonic()
-        ours = planner.plan_with_result(module)
-        ours_time = time.monotonic() - t0
-    s = ours.search
-    cols: Dict[str, Dict[str, Any]] = {"sparselift": {}, "torchrec": {}}
-    sl = cols["sparselift"]
-    sl["planning_time_s"] = ours_time
-    sl["optimizations"] = f"{s.pipeline}/{s.fwd_precision}/{s.bwd_precision}"
-    sl["step_s"] = s.step.total_s
-    sl["lower_bound_s"] = s.lower_bound_s
-    sl["peak_device_bytes"] = _peak([b["device_bytes"] for b in ours.rank_breakdown()])
-    base = evaluate_sharding_plan(module, ours.sharding_plan, topo, bs, constraints or None, hardware=profile)
-    sl["step_sparse_dist_s"] = base.search.step.total_s
-    sl["lower_bound_sparse_dist_s"] = base.search.lower_bound_s
-    _torchrec_estimates(sl, ours.sharding_options, topo, constraints)
-
-    tr = cols["torchrec"]
-    sharders = get_default_sharders()
-    chosen = BestPlanCapture()  # TorchRec's chosen options, through its public Stats hook
-    tr_planner = EmbeddingShardingPlanner(topology=topo, batch_size=bs, constraints=constraints or None,
-                                          timeout_seconds=int(args.torchrec_timeout) if args.torchrec_timeout else None,
-                                          stats=[EmbeddingStats(), chosen])
-    with Progress("planning with TorchRec's EmbeddingShardingPlanner", args.quiet):
-        t0 = time.monotonic()
-        try:
-            tr_plan = tr_planner.plan(module, sharders)
-        except PlannerError as e:
-            tr_plan = None
-            tr["error"] = " ".join(str(e).split())[:300]
-        tr["planning_time_s"] = time.monotonic() - t0
-    if tr_plan is not None:
-        ev = evaluate_sharding_plan(module, tr_plan, topo, bs, constraints or None, hardware=profile)
-        tr["optimizations"] = "sparse_dist/fp32/fp32"
-        tr["step_s"] = ev.search.step.total_s
-        tr["step_sparse_dist_s"] = ev.search.step.total_s
-        tr["lower_bound_s"] = ev.search.lower_bound_s
-        tr["peak_device_bytes"] = _peak([b["device_bytes"] for b in ev.rank_breakdown()])
-        if chosen.best_plan:
-            _torchrec_estimates(tr, chosen.best_plan, topo, constraints)
-        tr["proposals"] = chosen.num_proposals
+    stages = {"sparselift": f"planning with SparseLift ({inputs.describe()})",
+              "torchrec": "planning with TorchRec's EmbeddingShardingPlanner"}
+    cmp = compare_planners(planner, module, inputs.topology.topology(), bs, constraints,
+                           inputs.topology.profile(), args.torchrec_timeout,
+                           stage=lambda name: Progress(stages[name], args.quiet))
+    ours, sl, tr = cmp.result, cmp.sparselift, cmp.torchrec
+    cols = {"sparselift": sl, "torchrec": tr}
 
     def ms(d: Dict[str, Any], k: str) -> str:
         return f"{d[k] * 1e3:.3f}" if k in d and d[k] == d[k] else "n/a"
@@ -469,10 +409,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         fp = planner.fingerprint(module)
         info = {"inputs": inputs.to_dict()}
         written = [_save_execution_plan(os.path.join(args.save_plans, "sparselift.json"), ours, fp,
-                                        {"planner": "SparseLiftPlanner", "solver": s.solver,
-                                         "planning_time_s": round(ours_time, 4), **info})]
-        if tr_plan is not None:
-            written.append(_save_execution_plan(os.path.join(args.save_plans, "torchrec.json"), ev, fp,
+                                        {"planner": "SparseLiftPlanner", "solver": ours.search.solver,
+                                         "planning_time_s": round(sl["planning_time_s"], 4), **info})]
+        if cmp.torchrec_result is not None:
+            written.append(_save_execution_plan(os.path.join(args.save_plans, "torchrec.json"),
+                                                cmp.torchrec_result, fp,
                                                 {"planner": "EmbeddingShardingPlanner", "solver": "torchrec",
                                                  "planning_time_s": round(tr["planning_time_s"], 4), **info}))
         print(f"wrote {' and '.join(written)}; explain with: sparselift explain {written[-1]}")
