@@ -396,3 +396,20 @@ def test_every_bad_flag_is_listed_at_once(capsys):
     assert rc == 2
     assert "3 problems with the command line" in err
     assert "--world-size" in err and "--batch-size" in err and "--time-budget" in err
+
+
+def test_stored_inputs_round_trip_and_a_malformed_record_is_named():
+    from torchrec_sparselift.plan import INPUTS_SCHEMA, PlanInputs, TopologySpec
+
+    inputs = PlanInputs(topology=TopologySpec("cpu-gloo", 2, hbm_gib=4.0), tables=load_table_file(TINY),
+                        constraints=parse_table_entries([{"name": "t1", "pooling_factor": 3}], "c", True),
+                        batch_size=64, allow_staleness=True, time_budget_s=3.0, source="x.json",
+                        sharding_group_size="auto", max_sync_interval=8, layout_2d="strided")
+    data = json.loads(json.dumps(inputs.to_dict()))
+    assert data["schema"] == INPUTS_SCHEMA and PlanInputs.from_dict(data) == inputs
+    with pytest.raises(CliError, match="is not a sparselift.cli_inputs/1 record"):
+        PlanInputs.from_dict({**data, "schema": "other"})
+    with pytest.raises(CliError, match="stored inputs are malformed: KeyError"):
+        PlanInputs.from_dict({k: v for k, v in data.items() if k != "batch_size"})
+    with pytest.raises(CliError, match="stored inputs"):  # an entry's problem names where it came from
+        PlanInputs.from_dict({**data, "tables": [{"name": "a", "rows": -1, "dim": 8}]})

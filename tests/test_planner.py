@@ -223,3 +223,16 @@ def test_auto_group_size_considers_1d_and_2d():
 def test_group_size_must_divide_world():
     with pytest.raises(ValueError, match="divisor"):
         SparseLiftPlanner(topology=_topo(16), batch_size=64, sharding_group_size=3)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_memory_caps_are_the_caps_the_search_planned_under(device):
+    import numpy as np
+
+    topo = _topo(4, device=device, hbm=2 * GiB)
+    planner, result = _plan(_ebc(), topo, time_budget_s=1)
+    dev, host = planner.memory_caps(_ebc())
+    assert np.array_equal(dev, result.problem.device_cap) and np.array_equal(host, result.problem.host_cap)
+    assert len(dev) == 4 and dev.max() < (2 * GiB if device == "cuda" else 256 * GiB)  # reservation applied
+    if device == "cpu":
+        assert np.array_equal(dev, host)

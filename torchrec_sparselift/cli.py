@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -30,13 +29,20 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import attrs
 
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.errors import CliError
-from torchrec_sparselift.semantics import table_file as _table_file
+from torchrec_sparselift.plan.stored_inputs import (
+    DEFAULT_BATCH_SIZE,
+    PlanInputs,
+    TopologySpec,
+    load_table_file,
+    parse_table_entries,
+    reference_workload,
+)
 from torchrec_sparselift.semantics.table_file import TableEntry
 from torchrec_sparselift.validation import raise_problems, setting_problems
 
@@ -49,265 +55,6 @@ __all__ = [
     "load_table_file",
     "parse_table_entries",
 ]
-
-DEFAULT_BATCH_SIZE = 512
-INPUTS_SCHEMA = "sparselift.cli_inputs/1"
-
-
-# ----------------------------------------------------------------------------------------------
-# table files
-# ----------------------------------------------------------------------------------------------
-
-
-def parse_table_entries(data: Any, where: str, constraint_only: bool = False) -> Tuple[TableEntry, ...]:
-    """:func:`torchrec_sparselift.semantics.table_file.parse_table_entries`, problems as :class:`CliError`."""
-    try:
-        return _table_file.parse_table_entries(data, where, constraint_only)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-
-
-def load_table_file(path: str, constraint_only: bool = False) -> Tuple[TableEntry, ...]:
-    """Tables (or, with ``constraint_only``, per-table constraints) from a JSON or YAML file, read
-    by the one table-file loader (:mod:`torchrec_sparselift.semantics.table_file`)."""
-    try:
-        return _table_file.load_table_file(path, constraint_only)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-
-
-# ----------------------------------------------------------------------------------------------
-# topology
-# ----------------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class TopologySpec:
-    """A topology as the user names it: hardware preset (or calibrated profile JSON) and sizes.
-
-    ``local_world_size``, ``hbm_gib`` and ``ddr_gib`` default to the profile's values. On CPU
-    the rank's memory is host memory: ``hbm_gib`` (if given) is used as it.
-    """
-
-    hardware: str
-    world_size: int
-    local_world_size: Optional[int] = None
-    hbm_gib: Optional[float] = None
-    ddr_gib: Optional[float] = None
-
-    def profile(self) -> Any:
-        from torchrec_sparselift.cost.hardware import PRESETS, get_profile
-
-        try:
-            return get_profile(self.hardware)
-        except (ValueError, OSError, KeyError, TypeError) as e:
-            if self.hardware.endswith(".json") or os.path.sep in self.hardware:
-                raise CliError(f"cannot load hardware profile {self.hardware!r}: {e}") from None
-            raise CliError(
-                f"unknown topology {self.hardware!r}; choose one of {', '.join(sorted(PRESETS))} "
-                "or pass a calibrated profile .json (from `sparselift calibrate`)"
-            ) from None
-
-    def resolved(self) -> Tuple[str, int, int, int, int]:
-        """(compute device, world size, ranks per host, device bytes, host bytes per rank)."""
-        p = self.profile()
-        if self.world_size < 1:
-            raise CliError(f"--world-size must be >= 1, got {self.world_size}")
-        local = self.local_world_size or min(p.local_world_size, self.world_size)
-        if local < 1 or self.world_size % local:
-            raise CliError(
-                f"--world-size {self.world_size} is not a multiple of --local-world-size {local}; "
-                "set --local-world-size to the ranks per host"
-            )
-        for flag, v in (("--hbm-gib", self.hbm_gib), ("--ddr-gib", self.ddr_gib)):
-            if v is not None and not v > 0:
-                raise CliError(f"{flag} must be positive, got {v}")
-        gib = 2**30
-        ddr = int(self.ddr_gib * gib) if self.ddr_gib else int(p.ddr_cap_bytes)
-        if p.compute_device == "cpu":
-            ddr = int(self.hbm_gib * gib) if self.hbm_gib else ddr
-            return "cpu", self.world_size, local, 0, ddr
-        hbm = int(self.hbm_gib * gib) if self.hbm_gib else int(p.hbm_cap_bytes)
-        return p.compute_device, self.world_size, local, hbm, ddr
-
-    def topology(self) -> Any:
-        """A TorchRec ``Topology`` (TorchRec's default bandwidth constants; our profile prices)."""
-        from torchrec.distributed.planner.types import Topology
-
-        device, world, local, hbm, ddr = self.resolved()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if device == "cpu":
-                return Topology(world_size=world, local_world_size=local, compute_device="cpu", ddr_cap=ddr)
-            return Topology(world_size=world, local_world_size=local, compute_device=device,
-                            hbm_cap=hbm, ddr_cap=ddr)
-
-    def describe(self) -> str:
-        device, world, local, hbm, ddr = self.resolved()
-        mem = f"{ddr / 2**30:.0f} GiB/rank" if device == "cpu" else f"{hbm / 2**30:.0f} GiB HBM/rank"
-        return f"{self.hardware}: {world} {device} rank(s), {local} per host, {mem}"
-
-
-# ----------------------------------------------------------------------------------------------
-# planning inputs (stored in the plan so explain can rebuild them)
-# ----------------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class PlanInputs:
-    """Everything ``plan``/``compare`` planned from, as JSON-able values.
-
-    Exactly one of ``tables`` (from a table file), ``workload`` (a reference workload name) or
-    ``model`` (``module:factory``) is set. ``constraints`` override per-table constraints.
-    """
-
-    topology: TopologySpec
-    tables: Optional[Tuple[TableEntry, ...]] = None
-    workload: Optional[str] = None
-    model: Optional[str] = None
-    constraints: Tuple[TableEntry, ...] = ()
-    batch_size: Optional[int] = None
-    global_batch_size: Optional[int] = None
-    allow_lossy_comm: bool = False
-    allow_staleness: bool = False
-    time_budget_s: float = 10.0
-    source: str = ""
-    #: 2D sparse parallelism: None (1D), "auto" or a group size; the sync-interval bound; layout
-    sharding_group_size: Union[None, int, str] = None
-    max_sync_interval: Optional[int] = None
-    layout_2d: str = "auto"
-
-    def __attrs_post_init__(self) -> None:
-        given = [x for x in (self.tables, self.workload, self.model) if x]
-        if len(given) != 1:
-            raise CliError("give exactly one input: --tables FILE, --workload NAME or --model MODULE:FACTORY")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise CliError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.global_batch_size is not None and self.global_batch_size < 1:
-            raise CliError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
-
-    def per_rank_batch(self) -> int:
-        if self.batch_size:
-            return self.batch_size
-        world = self.topology.world_size
-        if self.global_batch_size:
-            return max(1, self.global_batch_size // world)
-        if self.workload:
-            return _workload(self.workload).per_rank_batch(world)
-        return DEFAULT_BATCH_SIZE
-
-    def describe(self) -> str:
-        if self.tables:
-            return f"{len(self.tables)} tables from {self.source or 'a table file'}"
-        if self.workload:
-            return f"workload {self.workload}"
-        return f"model {self.model}"
-
-    def build(self) -> Tuple[Any, Dict[str, Any]]:
-        """(module on the meta device or as the factory made it, constraints by table name)."""
-        constraints: Dict[str, Any] = {}
-        if self.tables:
-            module = _tables_module(self.tables)
-            constraints = {e.name: e.constraints() for e in self.tables
-                           if e.pooling_factor or e.sharding_types or e.compute_kernels or e.min_partition}
-        elif self.workload:
-            wl = _workload(self.workload)
-            module = wl.module()
-            constraints = dict(wl.constraints())
-        else:
-            module = _load_model(self.model or "")
-        for c in self.constraints:
-            prev = constraints.get(c.name)
-            pooling = getattr(prev, "pooling_factors", None) if prev is not None else None
-            constraints[c.name] = c.constraints(pooling)
-        return module, constraints
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {
-            "schema": INPUTS_SCHEMA,
-            "topology": attrs.asdict(self.topology),
-            "tables": None if self.tables is None else [e.to_dict() for e in self.tables],
-            "workload": self.workload,
-            "model": self.model,
-            "constraints": [c.to_dict() for c in self.constraints],
-            "batch_size": self.per_rank_batch(),
-            "allow_lossy_comm": self.allow_lossy_comm,
-            "allow_staleness": self.allow_staleness,
-            "time_budget_s": self.time_budget_s,
-            "source": self.source,
-            "sharding_group_size": self.sharding_group_size,
-            "max_sync_interval": self.max_sync_interval,
-            "layout_2d": self.layout_2d,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PlanInputs":
-        if not isinstance(data, Mapping) or data.get("schema") != INPUTS_SCHEMA:
-            raise CliError(f"the plan's planner_info.inputs is not a {INPUTS_SCHEMA} record")
-        try:
-            return cls(
-                topology=TopologySpec(**data["topology"]),
-                tables=None if data.get("tables") is None else parse_table_entries(data["tables"], "stored inputs"),
-                workload=data.get("workload"),
-                model=data.get("model"),
-                constraints=parse_table_entries(data["constraints"], "stored constraints", True)
-                if data.get("constraints") else (),
-                batch_size=int(data["batch_size"]),
-                allow_lossy_comm=bool(data.get("allow_lossy_comm", False)),
-                allow_staleness=bool(data.get("allow_staleness", False)),
-                sharding_group_size=data.get("sharding_group_size"),
-                max_sync_interval=data.get("max_sync_interval"),
-                layout_2d=data.get("layout_2d", "auto"),
-                time_budget_s=float(data.get("time_budget_s", 10.0)),
-                source=str(data.get("source", "")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CliError(f"the plan's stored inputs are malformed: {type(e).__name__}: {e}") from None
-
-
-def _workload(name: str) -> Any:
-    from torchrec_sparselift.semantics.reference_workloads import by_name
-
-    try:
-        return by_name(name)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-
-
-def _tables_module(entries: Sequence[TableEntry]) -> Any:
-    import torch
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-
-    try:
-        return EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=e.name, embedding_dim=e.dim, num_embeddings=e.rows,
-                                       feature_names=list(e.features)) for e in entries],
-            device=torch.device("meta"),
-        )
-    except (ValueError, AssertionError) as e:
-        raise CliError(f"TorchRec rejected the tables: {e}") from None
-
-
-def _load_model(spec: str) -> Any:
-    from torch import nn
-
-    mod_name, sep, fn_name = spec.partition(":")
-    if not sep or not mod_name or not fn_name:
-        raise CliError(f"--model must look like package.module:factory, got {spec!r}")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise CliError(f"cannot import {mod_name!r} for --model: {e}") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise CliError(f"{mod_name!r} has no callable {fn_name!r} for --model")
-    model = fn()
-    if not isinstance(model, nn.Module):
-        raise CliError(f"--model {spec} returned {type(model).__name__}, not a torch nn.Module")
-    return model
-
 
 # ----------------------------------------------------------------------------------------------
 # progress and output helpers
@@ -518,7 +265,7 @@ def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] 
     spec = attrs.evolve(spec, world_size=world)
     spec.resolved()  # validate before importing torchrec
     if args.workload:
-        _workload(args.workload)
+        reference_workload(args.workload)
     return PlanInputs(
         topology=spec, tables=tables, workload=args.workload, model=args.model, constraints=constraints,
         batch_size=args.batch_size, global_batch_size=args.global_batch_size,
@@ -593,95 +340,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _torchrec_scores(options: Sequence[Any], topology: Any, constraints: Dict[str, Any]) -> Tuple[float, List[float]]:
-    """TorchRec's estimator on copies of ``options``: (max over ranks of summed Perf.total in ms,
-    per-rank HBM bytes (DDR on CPU) by TorchRec's storage estimator)."""
-    import copy
-
-    from torchrec.distributed.planner.perf_models import NoopPerfModel
-    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
-    from torchrec.distributed.planner.utils import build_sharder_data_map, sharder_name
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    opts = []
-    for o in options:
-        o2 = copy.copy(o)
-        o2.shards = [copy.copy(s) for s in o.shards]
-        opts.append(o2)
-    sdm = build_sharder_data_map({sharder_name(s.module_type): s for s in get_default_sharders()})
-    EmbeddingPerfEstimator(topology, constraints or None).estimate(opts, sdm)
-    EmbeddingStorageEstimator(topology, constraints or None).estimate(opts, sdm)
-    mem = [0.0] * topology.world_size
-    cpu = topology.compute_device == "cpu"
-    for o in opts:
-        for s in o.shards:
-            mem[s.rank] += float(s.storage.ddr if cpu else s.storage.hbm)
-    return float(NoopPerfModel(topology).rate(opts)), mem
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.types import PlannerError
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
     from torchrec_sparselift.explain import format_table
-    from torchrec_sparselift.planner import evaluate_sharding_plan
+    from torchrec_sparselift.plan.compare import compare_planners
 
     inputs = _inputs_from_args(args)
     _import_torchrec(args.quiet)
     module, constraints = inputs.build()
-    topo = inputs.topology.topology()
-    profile = inputs.topology.profile()
     bs = inputs.per_rank_batch()
     planner = _planner(inputs, constraints)
-    with Progress(f"planning with SparseLift ({inputs.describe()})", args.quiet):
-        t0 = time.monotonic()
-        ours = planner.plan_with_result(module)
-        ours_time = time.monotonic() - t0
-    s = ours.search
-    cols: Dict[str, Dict[str, Any]] = {"sparselift": {}, "torchrec": {}}
-    sl = cols["sparselift"]
-    sl["planning_time_s"] = ours_time
-    sl["optimizations"] = f"{s.pipeline}/{s.fwd_precision}/{s.bwd_precision}"
-    sl["step_s"] = s.step.total_s
-    sl["lower_bound_s"] = s.lower_bound_s
-    sl["peak_device_bytes"] = _peak([b["device_bytes"] for b in ours.rank_breakdown()])
-    base = evaluate_sharding_plan(module, ours.sharding_plan, topo, bs, constraints or None, hardware=profile)
-    sl["step_sparse_dist_s"] = base.search.step.total_s
-    sl["lower_bound_sparse_dist_s"] = base.search.lower_bound_s
-    try:
-        sl["torchrec_estimate_ms"], mem = _torchrec_scores(ours.sharding_options, topo, constraints)
-        sl["torchrec_peak_bytes"] = _peak(mem)
-    except Exception as e:  # TorchRec's estimator may not know an option; say so, keep going
-        sl["torchrec_estimate_error"] = f"{type(e).__name__}: {e}"
-
-    tr = cols["torchrec"]
-    sharders = get_default_sharders()
-    tr_planner = EmbeddingShardingPlanner(topology=topo, batch_size=bs, constraints=constraints or None,
-                                          timeout_seconds=int(args.torchrec_timeout) if args.torchrec_timeout else None)
-    with Progress("planning with TorchRec's EmbeddingShardingPlanner", args.quiet):
-        t0 = time.monotonic()
-        try:
-            tr_plan = tr_planner.plan(module, sharders)
-        except PlannerError as e:
-            tr_plan = None
-            tr["error"] = " ".join(str(e).split())[:300]
-        tr["planning_time_s"] = time.monotonic() - t0
-    if tr_plan is not None:
-        ev = evaluate_sharding_plan(module, tr_plan, topo, bs, constraints or None, hardware=profile)
-        tr["optimizations"] = "sparse_dist/fp32/fp32"
-        tr["step_s"] = ev.search.step.total_s
-        tr["step_sparse_dist_s"] = ev.search.step.total_s
-        tr["lower_bound_s"] = ev.search.lower_bound_s
-        tr["peak_device_bytes"] = _peak([b["device_bytes"] for b in ev.rank_breakdown()])
-        best = getattr(tr_planner, "_best_plan", None)
-        if best:
-            try:
-                tr["torchrec_estimate_ms"], mem = _torchrec_scores(best, topo, constraints)
-                tr["torchrec_peak_bytes"] = _peak(mem)
-            except Exception as e:
-                tr["torchrec_estimate_error"] = f"{type(e).__name__}: {e}"
-        tr["proposals"] = getattr(tr_planner, "_num_proposals", None)
+    stages = {"sparselift": f"planning with SparseLift ({inputs.describe()})",
+              "torchrec": "planning with TorchRec's EmbeddingShardingPlanner"}
+    cmp = compare_planners(planner, module, inputs.topology.topology(), bs, constraints,
+                           inputs.topology.profile(), args.torchrec_timeout,
+                           stage=lambda name: Progress(stages[name], args.quiet))
+    ours, sl, tr = cmp.result, cmp.sparselift, cmp.torchrec
+    cols = {"sparselift": sl, "torchrec": tr}
 
     def ms(d: Dict[str, Any], k: str) -> str:
         return f"{d[k] * 1e3:.3f}" if k in d and d[k] == d[k] else "n/a"
@@ -735,10 +409,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         fp = planner.fingerprint(module)
         info = {"inputs": inputs.to_dict()}
         written = [_save_execution_plan(os.path.join(args.save_plans, "sparselift.json"), ours, fp,
-                                        {"planner": "SparseLiftPlanner", "solver": s.solver,
-                                         "planning_time_s": round(ours_time, 4), **info})]
-        if tr_plan is not None:
-            written.append(_save_execution_plan(os.path.join(args.save_plans, "torchrec.json"), ev, fp,
+                                        {"planner": "SparseLiftPlanner", "solver": ours.search.solver,
+                                         "planning_time_s": round(sl["planning_time_s"], 4), **info})]
+        if cmp.torchrec_result is not None:
+            written.append(_save_execution_plan(os.path.join(args.save_plans, "torchrec.json"),
+                                                cmp.torchrec_result, fp,
                                                 {"planner": "EmbeddingShardingPlanner", "solver": "torchrec",
                                                  "planning_time_s": round(tr["planning_time_s"], 4), **info}))
         print(f"wrote {' and '.join(written)}; explain with: sparselift explain {written[-1]}")
@@ -765,22 +440,6 @@ def _explain_inputs(args: argparse.Namespace, ep: Any) -> Optional[PlanInputs]:
     if args.topology or args.world_size or args.batch_size:
         raise CliError("topology/batch flags for explain need an input too (--tables, --workload or --model)")
     return inputs
-
-
-def _device_caps(inputs: PlanInputs, module: Any, constraints: Dict[str, Any]) -> Tuple[Any, Any]:
-    """Per-rank memory limits as SparseLiftPlanner computes them (storage reservation applied)."""
-    import numpy as np
-    from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    topo = inputs.topology.topology()
-    reserved = HeuristicalStorageReservation(percentage=0.15).reserve(
-        topo, inputs.per_rank_batch(), module, get_default_sharders(), constraints or None)
-    if topo.compute_device == "cpu":
-        dev = np.array([d.storage.ddr for d in reserved.devices], dtype=float)
-        return dev, dev.copy()
-    return (np.array([d.storage.hbm for d in reserved.devices], dtype=float),
-            np.array([d.storage.ddr for d in reserved.devices], dtype=float))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -838,10 +497,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         from torchrec_sparselift.planner import evaluate_sharding_plan
 
         if o.is_2d:  # a 2D plan's ranks are group-local: price it on one sharding group
-            from torchrec_sparselift.planner import _sub_topology
+            from torchrec_sparselift.search.two_d import group_topology
 
             local = o.layout_2d.group_ranks_per_host if o.layout_2d is not None else None
-            topo = _sub_topology(topo, o.sharding_group_size, local)
+            topo = group_topology(topo, o.sharding_group_size, local)
 
         with Progress("re-pricing the plan", args.quiet):
             planner = _planner(inputs, constraints)
@@ -856,7 +515,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                     bwd_precision=o.bwd_comm_precision)
             except ValueError as e:
                 raise CliError(f"the plan does not match its inputs: {e}") from None
-            dev_cap, host_cap = _device_caps(inputs, module, constraints)
+            dev_cap, host_cap = planner.memory_caps(module)
             if o.is_2d:
                 dev_cap, host_cap = dev_cap[: o.sharding_group_size], host_cap[: o.sharding_group_size]
             expl = explain_tables(evaluated, dev_cap, host_cap, top=args.top)

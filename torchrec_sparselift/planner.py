@@ -40,14 +40,8 @@ from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, prof
 from torchrec_sparselift.cost.model import CostContext, DenseWork
 from torchrec_sparselift.cost.report import rank_breakdown
 from torchrec_sparselift.cost.pipelines import PIPELINES, STALE_PIPELINES, SYNC_PIPELINES
-from torchrec_sparselift.cost.two_d import (
-    SYNC_PIPELINES_2D,
-    check_sync_interval,
-    choose_sync_interval,
-    group_sizes,
-    replica_sync_s,
-)
-from torchrec_sparselift.semantics.layout import Layout2D, layouts_to_price
+from torchrec_sparselift.cost.two_d import check_sync_interval
+from torchrec_sparselift.semantics.layout import Layout2D
 from torchrec_sparselift.plan import ExecutionPlan, Fingerprint, PlanCache, PlanRequest
 from torchrec_sparselift.plan.contract import (
     has_shardable_tables, last_reserved, reservation_note, with_reservation,
@@ -60,6 +54,7 @@ from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import build_problem, device_caps
 from torchrec_sparselift.search.solve import solve
+from torchrec_sparselift.search.two_d import group_setting, replica_sync, search_groups, sync_pipelines
 from torchrec_sparselift.search.torchrec_objective import (
     build_torchrec_problem,
     estimator_identity,
@@ -414,6 +409,17 @@ class SparseLiftPlanner(ShardingPlanner):
         """What a stored plan must match to be reused: :meth:`request`'s fingerprint."""
         return self.request(module, sharders).fingerprint()
 
+    def memory_caps(
+        self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None
+    ) -> Tuple[np.ndarray, np.ndarray]:
+        """Per-rank (device, host) bytes a plan of ``module`` may fill on the whole topology:
+        what this planner's storage reservation leaves, as :meth:`plan` reserves it (on CPU both
+        are the rank's DDR). A 2D plan's group-local ranks are the first ``sharding_group_size``."""
+        sharders = list(sharders) if sharders is not None else get_default_sharders()
+        reserved = self._storage_reservation.reserve(
+            self._topology, self._batch_size, module, sharders, self._constraints)
+        return device_caps(reserved)
+
     def plan_execution(
         self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None
     ) -> ExecutionPlan:
@@ -491,54 +497,12 @@ class SparseLiftPlanner(ShardingPlanner):
         if self._group is None:
             res = self._solve_group(module, sharders, handles, topo.world_size, self._budget, t0)
         else:
-            sizes = [self._group] if isinstance(self._group, int) else group_sizes(
-                topo.world_size, topo.local_world_size)
-            W, H = topo.world_size, topo.local_world_size
-            tries: List[Tuple[int, Optional[Layout2D]]] = []
-            failures: List[str] = []
-            for g in sizes:
-                if g >= W:
-                    tries.append((g, None))
-                    continue
-                try:
-                    tries += [(g, lay) for lay in layouts_to_price(W, H, g, self._layout_2d)]
-                except ValueError as e:
-                    failures.append(f"group size {g}: {e}")
-            # 1D (the whole world) gets a third of the budget, as it would planned alone; the 2D
-            # tries share another third; the winner is polished with the rest
-            n2d = sum(1 for g, _ in tries if g < W)
-            budget_2d = self._budget / (3 * n2d) if n2d else self._budget
-            budget_1d = self._budget / 3 if n2d else self._budget
-            results: List[PlanResult] = []
-            for g, lay in tries:
-                try:
-                    results.append(self._solve_group(module, sharders, handles, g,
-                                                     budget_1d if g >= W else budget_2d,
-                                                     time.monotonic(), lay))
-                except PlannerError as e:  # tables do not fit in g ranks
-                    failures.append(f"group size {g}: {str(e).splitlines()[0]}")
-            if not results:
-                raise SparseLiftPlannerError(
-                    "no sharding-group size fits the tables:\n  " + "\n  ".join(failures),
-                    kind="insufficient_storage",
-                )
-            best = min(results, key=lambda r: (r.step_time_s, -(r.sharding_group_size or topo.world_size)))
-            per_group: Dict[int, float] = {}
-            for r in results:
-                g = r.sharding_group_size or topo.world_size
-                per_group[g] = min(per_group.get(g, np.inf), r.step_time_s)
-            alts = tuple(per_group.items())
-            alts_layout = tuple((r.sharding_group_size or topo.world_size,
-                                 r.layout_2d.kind if r.layout_2d else "1d", r.step_time_s)
-                                for r in results)
-            # polish the winner with the budget left
-            left = max(0.5, self._budget - (time.monotonic() - t0))
-            g = best.sharding_group_size or topo.world_size
-            res = self._solve_group(module, sharders, handles, g, left, time.monotonic(),
-                                    best.layout_2d)
-            if res.step_time_s > best.step_time_s:
-                res = best
-            res = attrs.evolve(res, alternatives_2d=alts, alternatives_layout=alts_layout)
+            choice = search_groups(
+                topo.world_size, topo.local_world_size, self._group, self._layout_2d, self._budget, t0,
+                lambda g, lay, budget: self._solve_group(module, sharders, handles, g, budget,
+                                                         time.monotonic(), lay))
+            res = attrs.evolve(choice.best, alternatives_2d=choice.alternatives_2d,
+                               alternatives_layout=choice.alternatives_layout)
         self.last_result = res
         if self._debug:
             logger.info("%s", res.summary())
@@ -563,11 +527,7 @@ class SparseLiftPlanner(ShardingPlanner):
         is what the sharding group's all-to-all really crosses)."""
         topo = self._topology
         W = topo.world_size
-        if group < W and layout is None:
-            layout = Layout2D(W, topo.local_world_size, group,
-                              "strided" if self._layout_2d == "auto" else self._layout_2d)
-        local = layout.group_ranks_per_host if layout is not None else min(topo.local_world_size, group)
-        gtopo = topo if group == W else _sub_topology(topo, group, local)
+        layout, local, gtopo = group_setting(topo, group, layout, self._layout_2d)
         reserved = self._storage_reservation.reserve(
             gtopo, self._batch_size, module, list(sharders), self._constraints
         )
@@ -585,12 +545,7 @@ class SparseLiftPlanner(ShardingPlanner):
         device_cap, host_cap = device_caps(reserved)
         pipelines = self._pipelines
         if layout is not None and group < W:  # only these pipelines run DMPCollection's sync
-            pipelines = tuple(p for p in pipelines if p in SYNC_PIPELINES_2D)
-            if not pipelines:
-                raise ValueError(
-                    f"2D plans need a pipeline that runs the replica sync ({', '.join(SYNC_PIPELINES_2D)}); "
-                    f"the allowed pipelines are {list(self._pipelines)}: allow sparse_dist"
-                )
+            pipelines = sync_pipelines(pipelines)
         prob = build_problem(
             [h.spec for h in handles], ctx, device_cap, host_cap,
             pipelines=pipelines, precisions=self._precisions,
@@ -607,17 +562,9 @@ class SparseLiftPlanner(ShardingPlanner):
         plan = to_sharding_plan(options, gtopo)
         sync_s, interval = 0.0, 1
         if self._group is not None and group < W:
-            per_rank = np.zeros(group)
-            for cid, ranks in result.assignment:
-                c = prob.cands[cid]
-                spec = prob.specs[c.table]
-                b = c.shard_rows * c.shard_cols * spec.elem_bytes + c.shard_rows * 4
-                for r in ranks:
-                    per_rank[r] += b
-            one = replica_sync_s(float(per_rank.max()), layout, profile)
-            interval = self._sync_interval or choose_sync_interval(
-                result.step.total_s, one, max_sync_interval=self._max_sync_interval)
-            sync_s = one / interval
+            sync_s, interval = replica_sync(prob, result.assignment, group, layout, profile,
+                                            result.step.total_s, self._sync_interval,
+                                            self._max_sync_interval)
         return PlanResult(
             sharding_plan=plan, sharding_options=tuple(options), search=result, problem=prob,
             handles=tuple(handles), topology=topo, profile=profile,
@@ -720,18 +667,6 @@ def _reraise_shared(out: Any, local_error: Any, who: str) -> None:
     if name == "ValueError":
         raise ValueError(f"{who}: {msg}")
     raise SparseLiftPlannerError(f"{who}: {msg}" if kind else f"{who}: {name}: {msg}", kind=kind or "other")
-
-
-def _sub_topology(topo: Topology, group: int, local: Optional[int] = None) -> Topology:
-    """The topology one sharding group sees: ``group`` ranks with the same devices, ``local``
-    of them per host (default: a contiguous group, ``min(ranks per host, group)``)."""
-    dev = topo.devices[0].storage
-    local = min(topo.local_world_size, group) if local is None else local
-    kw = dict(world_size=group, local_world_size=local,
-              compute_device=topo.compute_device, ddr_cap=dev.ddr)
-    if topo.compute_device != "cpu":
-        kw["hbm_cap"] = dev.hbm
-    return Topology(**kw)
 
 
 def _default_topology() -> Topology:

@@ -22,13 +22,17 @@ user's explicit allowance, like lossy comms and staleness.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.semantics.layout import Layout2D
 
 __all__ = [
     "replica_sync_s",
+    "replica_sync_bytes",
+    "amortised_sync",
     "group_sizes",
     "choose_sync_interval",
     "check_sync_interval",
@@ -69,6 +73,27 @@ def replica_sync_s(max_rank_bytes: float, layout: Layout2D, profile: HardwarePro
         return 0.0
     bw = profile.intra_host_bw if layout.replica_sync_intra_host else profile.inter_host_bw
     return profile.collective_latency_s + 2 * (R - 1) / R * max_rank_bytes / bw
+
+
+def replica_sync_bytes(shards: Iterable[Tuple[int, int, int, Sequence[int]]], group_size: int) -> float:
+    """The bytes one replica sync all-reduces: the most state any of the ``group_size`` ranks of
+    a sharding group holds. Per shard ``(rows, columns, element bytes, ranks)``: its weights,
+    ``rows * columns * element bytes``, and its row-wise optimizer state, one fp32 per row, on
+    each of its ranks."""
+    per_rank = np.zeros(group_size)
+    for rows, cols, elem_bytes, ranks in shards:
+        b = rows * cols * elem_bytes + rows * 4
+        for r in ranks:
+            per_rank[r] += b
+    return float(per_rank.max())
+
+
+def amortised_sync(step_s: float, sync_s: float, sync_interval: Optional[int] = None,
+                   max_sync_interval: Optional[int] = None) -> Tuple[int, float]:
+    """(sync interval, replica sync seconds per step): one sync of ``sync_s`` every pinned
+    ``sync_interval`` steps, else every :func:`choose_sync_interval` steps for ``step_s``."""
+    interval = sync_interval or choose_sync_interval(step_s, sync_s, max_sync_interval=max_sync_interval)
+    return interval, sync_s / interval
 
 
 def group_sizes(world_size: int, local_world_size: int) -> List[int]:

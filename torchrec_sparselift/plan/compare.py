@@ -1,0 +1,127 @@
+"""SparseLift's plan next to TorchRec's ``EmbeddingShardingPlanner``'s, for the same module.
+
+:func:`compare_planners` plans the module with both planners and prices both plans three ways:
+under SparseLift's cost model with TorchRec's default runtime (``TrainPipelineSparseDist``, fp32
+comms; the lower bound of that model is shared), under SparseLift's model with the optimizations
+SparseLift chose, and under TorchRec's own estimator (:mod:`torchrec_sparselift.cost.torchrec_score`);
+with per-rank peak memory and planning time. ``sparselift compare`` prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
+
+import attrs
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.stats import EmbeddingStats
+from torchrec.distributed.planner.types import PlannerError, Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+
+from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost.torchrec_score import BestPlanCapture, torchrec_score
+from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
+from torchrec_sparselift.plan.result import PlanResult
+
+__all__ = ["PlannerComparison", "compare_planners", "torchrec_estimates"]
+
+
+@attrs.frozen
+class PlannerComparison:
+    """Both planners' numbers (JSON-able; a key is absent where the number is unknown).
+
+    ``sparselift`` and ``torchrec`` hold, per planner: ``planning_time_s``, ``optimizations``
+    ("pipeline/fwd/bwd" precisions), ``step_s`` (SparseLift's model with those optimizations),
+    ``step_sparse_dist_s`` (with TorchRec's default runtime), the lower bounds
+    ``lower_bound_s`` and (SparseLift's) ``lower_bound_sparse_dist_s``, ``peak_device_bytes``,
+    TorchRec's estimator's ``torchrec_estimate_ms`` and ``torchrec_peak_bytes`` (or
+    ``torchrec_estimate_error``), TorchRec's ``proposals``, and ``error`` when TorchRec's planner
+    found no plan. ``result`` is SparseLift's plan, ``torchrec_result`` TorchRec's priced under
+    SparseLift's model (``None`` when it found none).
+    """
+
+    sparselift: Dict[str, Any]
+    torchrec: Dict[str, Any]
+    result: PlanResult
+    torchrec_result: Optional[PlanResult]
+
+
+def torchrec_estimates(col: Dict[str, Any], options: Sequence[Any], topology: Topology,
+                       constraints: Optional[Dict[str, Any]]) -> None:
+    """Put TorchRec's estimator's rating of the placed ``options`` (slowest rank, ms) and its
+    peak per-rank storage (HBM; DDR on CPU) into ``col``, or the reason it cannot price them."""
+    try:
+        score = torchrec_score(options, topology, get_default_sharders(), constraints or None)
+    except Exception as e:  # TorchRec's estimator may not know an option; say so, keep going
+        col["torchrec_estimate_error"] = f"{type(e).__name__}: {e}"
+        return
+    col["torchrec_estimate_ms"] = score.perf_ms
+    col["torchrec_peak_bytes"] = float(score.peak_ddr_bytes if topology.compute_device == "cpu"
+                                       else score.peak_hbm_bytes)
+
+
+def _peak(values: Sequence[float]) -> float:
+    return max(values) if values else 0.0
+
+
+def compare_planners(
+    planner: Any,
+    module: nn.Module,
+    topology: Topology,
+    batch_size: int,
+    constraints: Optional[Dict[str, Any]],
+    profile: HardwareProfile,
+    torchrec_timeout_s: Optional[float] = None,
+    stage: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext(),
+) -> PlannerComparison:
+    """Plan ``module`` with ``planner`` (a ``SparseLiftPlanner`` for ``topology``, ``batch_size``
+    and ``constraints``) and with TorchRec's ``EmbeddingShardingPlanner`` (``timeout_seconds`` =
+    ``torchrec_timeout_s``), and price both (see :class:`PlannerComparison`). Each planner runs
+    inside ``stage("sparselift")`` / ``stage("torchrec")`` (e.g. a progress message). A TorchRec
+    ``PlannerError`` is recorded, not raised."""
+    with stage("sparselift"):
+        t0 = time.monotonic()
+        ours = planner.plan_with_result(module)
+        ours_time = time.monotonic() - t0
+    s = ours.search
+    sl: Dict[str, Any] = {}
+    sl["planning_time_s"] = ours_time
+    sl["optimizations"] = f"{s.pipeline}/{s.fwd_precision}/{s.bwd_precision}"
+    sl["step_s"] = s.step.total_s
+    sl["lower_bound_s"] = s.lower_bound_s
+    sl["peak_device_bytes"] = _peak([b["device_bytes"] for b in ours.rank_breakdown()])
+    base = evaluate_sharding_plan(module, ours.sharding_plan, topology, batch_size, constraints or None,
+                                  hardware=profile)
+    sl["step_sparse_dist_s"] = base.search.step.total_s
+    sl["lower_bound_sparse_dist_s"] = base.search.lower_bound_s
+    torchrec_estimates(sl, ours.sharding_options, topology, constraints)
+
+    tr: Dict[str, Any] = {}
+    sharders = get_default_sharders()
+    chosen = BestPlanCapture()  # TorchRec's chosen options, through its public Stats hook
+    tr_planner = EmbeddingShardingPlanner(
+        topology=topology, batch_size=batch_size, constraints=constraints or None,
+        timeout_seconds=int(torchrec_timeout_s) if torchrec_timeout_s else None,
+        stats=[EmbeddingStats(), chosen])
+    with stage("torchrec"):
+        t0 = time.monotonic()
+        try:
+            tr_plan = tr_planner.plan(module, sharders)
+        except PlannerError as e:
+            tr_plan = None
+            tr["error"] = " ".join(str(e).split())[:300]
+        tr["planning_time_s"] = time.monotonic() - t0
+    ev = None
+    if tr_plan is not None:
+        ev = evaluate_sharding_plan(module, tr_plan, topology, batch_size, constraints or None, hardware=profile)
+        tr["optimizations"] = "sparse_dist/fp32/fp32"
+        tr["step_s"] = ev.search.step.total_s
+        tr["step_sparse_dist_s"] = ev.search.step.total_s
+        tr["lower_bound_s"] = ev.search.lower_bound_s
+        tr["peak_device_bytes"] = _peak([b["device_bytes"] for b in ev.rank_breakdown()])
+        if chosen.best_plan:
+            torchrec_estimates(tr, chosen.best_plan, topology, constraints)
+        tr["proposals"] = chosen.num_proposals
+    return PlannerComparison(sparselift=sl, torchrec=tr, result=ours, torchrec_result=ev)
