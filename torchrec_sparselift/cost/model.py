@@ -26,6 +26,10 @@ Everything here is a pure function of immutable inputs. The equations (also in d
   interaction_flops_rate + activation_bytes / dense_mem_bw)`` per rank (:func:`dense_fwd_s`).
 * the pipeline kind decides what overlaps (:mod:`torchrec_sparselift.cost.pipelines`, the one
   description the step total, the LP rows, the explain timeline and the report derive from).
+* the per-rank load columns (what a shard puts on its rank, which phase each feeds, the link
+  bandwidths, the memory limits) are declared once, in :mod:`torchrec_sparselift.cost.terms`;
+  :func:`phase_table` sums each phase from them, and every solver's rows come from the same
+  declaration (:mod:`torchrec_sparselift.search.equation`).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ INPUT_DIST_SHARED_CALLS = 1
 def collective_call_form(phase: str, fused_splits: bool = True) -> Tuple[int, int]:
     """``(per_group, once)``: link phase ``phase`` issues ``per_group`` collective calls per
     sharding group plus ``once`` more per step when any group exists (the form the LP/MILP rows
-    write, ``search.lp.term_entries``). ``fused_splits``: the train pipeline fuses the input's
+    write, ``search.equation.phase_forms``). ``fused_splits``: the train pipeline fuses the input's
     splits exchanges into one per step (``PipelineKind.fused_input_splits``); otherwise each group
     runs its own."""
     if phase == "input_dist":

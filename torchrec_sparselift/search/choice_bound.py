@@ -21,8 +21,8 @@ and adds what integrality and placement rules imply, per time column ``c``:
 ``tests/test_choice_bound.py`` checks bound <= the exhaustive optimum of the evaluator on random
 small instances. See docs/cost_model.md ("How the integral-choice bound is built").
 
-The step-time composition rows are the pipeline's (:func:`.lp.composition_rows`, called, not
-changed), so the MILP's optimum, or HiGHS's dual bound when the time limit stops it, is a lower
+The step-time rows are the step equation's (:mod:`.equation`: ``step_rows``, the same as the
+LP's), so the MILP's optimum, or HiGHS's dual bound when the time limit stops it, is a lower
 bound on every plan's step time under the model, and never below the LP's (same rows, more).
 """
 
