@@ -36,7 +36,7 @@ import numpy as np
 from torchrec_sparselift.cost.pipelines import pipeline_kind
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (
-    MS, Equation, StepVars, allreduce_rows, choice_rows, column_scale, fixed_terms, link_rows, load_maxima,
+    MS, Equation, allreduce_rows, choice_rows, column_scale, fixed_terms, link_rows, load_maxima,
     step_rows, step_vars, total_memory_rows,
 )
 from torchrec_sparselift.search.problem import PlanningProblem
@@ -102,7 +102,7 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     ilat = eq.var("latency")
     idp = eq.var("dp_used")  # any option that joins the gradient all-reduce chosen
     iany = eq.var("any_group")  # any sharding type used (the input's shared splits all-to-all)
-    sv = StepVars(z=sv.z, link=sv.link, allreduce=sv.allreduce, total=sv.total, latency=ilat, any_group=iany)
+    sv = attrs.evolve(sv, latency=ilat, any_group=iany)
     packing_keys = []  # (col, theta, k)
     for c in lay.time:
         sizes = np.unique(own[~allp, c][own[~allp, c] > 0])[::-1]

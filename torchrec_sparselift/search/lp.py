@@ -21,7 +21,6 @@ import numpy as np
 from torchrec_sparselift.cost.model import step_total_batch
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (  # noqa: F401  (re-exported: one definition)
-    GIB,
     Equation,
     FixedTerms,
     RangeRows,

@@ -21,7 +21,7 @@ import numpy as np
 from torchrec_sparselift.cost.pipelines import pipeline_kind
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (
-    GIB, MS, Equation, StepVars, allreduce_rows, column_scale, fixed_terms, link_rows, load_maxima, step_rows,
+    GIB, MS, Equation, allreduce_rows, column_scale, fixed_terms, link_rows, load_maxima, step_rows,
     step_vars,
 )
 from torchrec_sparselift.search.problem import PlanningProblem
@@ -115,9 +115,8 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     # one binary per sharding type used (collective groups) and the per-phase latency
     types = sorted({c.sharding_type for c in prob.cands if c.sharding_type != "data_parallel"})
     ig = eq.block("type_used", types, ub=1.0, integer=True)
-    sv = StepVars(z=sv.z, link=sv.link, allreduce=sv.allreduce, total=sv.total,
-                  latency=eq.var("latency"),
-                  any_group=eq.var("any_group"))  # any sharding group used (the input's shared splits all-to-all)
+    sv = attrs.evolve(sv, latency=eq.var("latency"),
+                      any_group=eq.var("any_group"))  # any sharding group used (the input's shared splits all-to-all)
     add = eq.add
 
     rank_terms = choice_and_placement_rows(prob, place, add)
