@@ -4,8 +4,8 @@ Variables (HiGHS via ``scipy.optimize.milp``): ``x[c]`` binary, one candidate pe
 ``n[c, r]`` binary, a shard of free-placement candidate ``c`` on rank ``r`` (``sum_r n = k x``);
 ``h[c, host]`` binary, host of a host-placement candidate; ``z_j`` the maximum over ranks of
 column ``j``'s load (in ms, links divided by their bandwidth) plus the peers' uniform share;
-the link, all-reduce and composition variables and rows of the step equation (:mod:`.equation`). Per-rank device/host memory is a hard
-constraint. Objective: the pipeline's step time, including each link phase's collective latencies per
+the link, all-reduce and composition variables and rows of the step equation (:mod:`.equation`).
+Per-rank device/host memory is a hard constraint. Objective: the pipeline's step time, including each link phase's collective latencies per
 sharding-type group (binary ``g[type]``; ``cost.model.collective_calls``: two in the input, one
 in the output and gradient, and the input's shared splits call when any group is used). The MILP's dual bound is a valid lower bound of the step time
 under the model.
