@@ -1,7 +1,7 @@
 """Incremental step-time evaluator.
 
 Holds a plan as per-rank load vectors (one row per rank, one column per resource, see
-:data:`torchrec_sparselift.cost.model.COMPONENTS`). Moving one shard changes the rows of the
+:data:`torchrec_sparselift.cost.terms.LOAD_COLUMNS`). Moving one shard changes the rows of the
 ranks it leaves and joins; the evaluator updates those rows and the per-column maxima, and can
 price a move *without* applying it in O(K) using the top-3 ranks per column. The property test
 ``tests/test_incremental_evaluator.py`` checks that incremental results equal
@@ -16,11 +16,6 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from torchrec_sparselift.cost.model import (
-    BWD,
-    DEV_MEM,
-    FWD,
-    HOST_MEM,
-    K,
     CostContext,
     ShardCost,
     StepTime,
@@ -28,6 +23,7 @@ from torchrec_sparselift.cost.model import (
     step_time,
     step_total_batch,
 )
+from torchrec_sparselift.cost.terms import layout
 
 __all__ = ["PlanEvaluator", "Assignment"]
 
@@ -67,6 +63,9 @@ class PlanEvaluator:
         self.W = ctx.world_size
         self.costs = list(costs)
         self.types = list(sharding_types)
+        lay = layout()  # the load columns (cost.terms.LOAD_COLUMNS)
+        K = self.K = lay.width
+        self.dev_col, self.host_col = lay.capacity_column("device"), lay.capacity_column("host")
         self.owner = np.stack([c.owner for c in self.costs]) if self.costs else np.zeros((0, K))
         self.peers = np.stack([c.peers for c in self.costs]) if self.costs else np.zeros((0, K))
         self.allreduce = np.array([c.allreduce_bytes for c in self.costs])
@@ -82,9 +81,7 @@ class PlanEvaluator:
         self._gidx = {k: i for i, k in enumerate(keys)}
         self.group_of = np.array([self._gidx[k] for k in zip(self.types, kern)], dtype=np.int64)
         self.gcount = np.zeros((self.W, max(1, len(keys))), dtype=np.int64)
-        self.overhead = np.zeros(K)
-        self.overhead[FWD] = ctx.profile.lookup_overhead_s
-        self.overhead[BWD] = ctx.profile.lookup_overhead_s
+        self.overhead = lay.group_costs(ctx.profile)  # a TBE group's fixed cost, per column
         self.loads = np.zeros((self.W, K))
         self.uniform = np.zeros(K)
         self.allreduce_bytes = 0.0
@@ -103,7 +100,7 @@ class PlanEvaluator:
             vals = np.take_along_axis(self.loads, part, axis=0)
             order = np.argsort(-vals, axis=0, kind="stable")
             self._top = np.take_along_axis(part, order, axis=0)
-        self._colmax = self.loads.max(axis=0) if self.W else np.zeros(K)
+        self._colmax = self.loads.max(axis=0) if self.W else np.zeros(self.K)
 
     def _apply(self, table: int, cand: int, ranks: Sequence[int], sign: float) -> None:
         vec = self.owner[cand] * sign
@@ -202,17 +199,17 @@ class PlanEvaluator:
         change = (counts > 0).sum(axis=1) - before.sum(axis=1)
         if np.any(change):
             new_rows += change[:, None] * self.overhead[None, :]
-        if np.any(new_rows[:, DEV_MEM] > self.device_cap[touched] + 1e-6) or np.any(
-            new_rows[:, HOST_MEM] > self.host_cap[touched] + 1e-6
+        if np.any(new_rows[:, self.dev_col] > self.device_cap[touched] + 1e-6) or np.any(
+            new_rows[:, self.host_col] > self.host_cap[touched] + 1e-6
         ):
             return float("inf")
         # max over untouched ranks from the top-3 cache; fall back to a masked max
         if len(touched) >= self.W:
-            rest = np.full(K, -np.inf)
+            rest = np.full(self.K, -np.inf)
         else:
             valid = ~np.isin(self._top, touched)
             first = np.argmax(valid, axis=0)
-            cols = np.arange(K)
+            cols = np.arange(self.K)
             rest = self.loads[self._top[first, cols], cols]
             missing = ~valid.any(axis=0)
             if missing.any():
@@ -236,8 +233,8 @@ class PlanEvaluator:
     # -- checks and reports --------------------------------------------------------------
     def full_recompute(self) -> Tuple[np.ndarray, np.ndarray, float, int]:
         """(loads, uniform, allreduce bytes, groups) rebuilt from scratch from the assignment."""
-        loads = np.zeros((self.W, K))
-        uniform = np.zeros(K)
+        loads = np.zeros((self.W, self.K))
+        uniform = np.zeros(self.K)
         allreduce = 0.0
         groups = set()
         present = np.zeros(self.gcount.shape, dtype=bool)
@@ -262,8 +259,8 @@ class PlanEvaluator:
 
     def memory_ok(self) -> bool:
         return bool(
-            np.all(self.loads[:, DEV_MEM] <= self.device_cap + 1e-6)
-            and np.all(self.loads[:, HOST_MEM] <= self.host_cap + 1e-6)
+            np.all(self.loads[:, self.dev_col] <= self.device_cap + 1e-6)
+            and np.all(self.loads[:, self.host_col] <= self.host_cap + 1e-6)
         )
 
     def phases(self) -> Dict[str, float]:

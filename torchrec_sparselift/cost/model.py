@@ -26,6 +26,10 @@ Everything here is a pure function of immutable inputs. The equations (also in d
   interaction_flops_rate + activation_bytes / dense_mem_bw)`` per rank (:func:`dense_fwd_s`).
 * the pipeline kind decides what overlaps (:mod:`torchrec_sparselift.cost.pipelines`, the one
   description the step total, the LP rows, the explain timeline and the report derive from).
+* the per-rank load columns (what a shard puts on its rank, which phase each feeds, the link
+  bandwidths, the memory limits) are declared once, in :mod:`torchrec_sparselift.cost.terms`;
+  :func:`phase_table` sums each phase from them, and every solver's rows come from the same
+  declaration (:mod:`torchrec_sparselift.search.equation`).
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost import terms as _terms
+from torchrec_sparselift.cost.terms import PHASE_PRECISION
 from torchrec_sparselift.cost.pipelines import (
     COMPUTE_PHASES,
     LINK_PHASES,
     PHASE_NAMES,
+    PHASES,
     PIPELINES,
     pipeline_kind,
     step_totals,
@@ -67,21 +74,23 @@ __all__ = [
     "node_time",
     "dp_optimizer_s",
     "dense_fwd_s",
+    "phase_constants",
     "collective_calls",
     "collective_call_form",
     "INPUT_DIST_CALLS_PER_GROUP",
     "INPUT_DIST_SHARED_CALLS",
 ]
 
-COMPONENTS = (
-    "fwd_s", "bwd_s", "uvm_s",
-    "in_intra_bytes", "in_inter_bytes",
-    "out_intra_bytes", "out_inter_bytes",
-    "device_mem_bytes", "host_mem_bytes",
-)
-FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER, DEV_MEM, HOST_MEM = range(len(COMPONENTS))
+# The load columns are declared once, in cost.terms.LOAD_COLUMNS; these names index the base ones
+# (a column added there is read through cost.terms.layout(), which every consumer uses).
+COMPONENTS = tuple(c.name for c in _terms.LOAD_COLUMNS)
+_IDX = _terms.layout().index
+FWD, BWD, UVM = _IDX["fwd_s"], _IDX["bwd_s"], _IDX["uvm_s"]
+IN_INTRA, IN_INTER = _IDX["in_intra_bytes"], _IDX["in_inter_bytes"]
+OUT_INTRA, OUT_INTER = _IDX["out_intra_bytes"], _IDX["out_inter_bytes"]
+DEV_MEM, HOST_MEM = _IDX["device_mem_bytes"], _IDX["host_mem_bytes"]
 K = len(COMPONENTS)
-TIME_COLUMNS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
+TIME_COLUMNS = _terms.layout().time
 
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 #: Collectives TorchRec's input distribution issues (``KJTAllToAll``, counted on real steps in
@@ -97,7 +106,7 @@ INPUT_DIST_SHARED_CALLS = 1
 def collective_call_form(phase: str, fused_splits: bool = True) -> Tuple[int, int]:
     """``(per_group, once)``: link phase ``phase`` issues ``per_group`` collective calls per
     sharding group plus ``once`` more per step when any group exists (the form the LP/MILP rows
-    write, ``search.lp.term_entries``). ``fused_splits``: the train pipeline fuses the input's
+    write, ``search.equation.phase_forms``). ``fused_splits``: the train pipeline fuses the input's
     splits exchanges into one per step (``PipelineKind.fused_input_splits``); otherwise each group
     runs its own."""
     if phase == "input_dist":
@@ -120,6 +129,7 @@ def collective_calls(phase: str, groups: int, fused_splits: bool = True) -> int:
 
 
 _COMPUTE_COLS = [PHASE_NAMES.index(p) for p in COMPUTE_PHASES]
+_COLLECTIVE = frozenset(p.name for p in PHASES if p.kind == "collective")
 _LINK_COLS = [PHASE_NAMES.index(p) for p in LINK_PHASES]
 
 
@@ -235,8 +245,9 @@ def dp_optimizer_s(specs, cands, ctx: CostContext) -> float:
 def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
     """Fold one shard's sparse-path nodes into per-rank load vectors (fp32 comm bytes)."""
     p = ctx.profile
-    owner = np.zeros(K)
-    peers = np.zeros(K)
+    lay = _terms.layout()
+    owner = lay.zeros()
+    peers = lay.zeros()
     allreduce = 0.0
     for node in shard_nodes(spec, cand, ctx.world_size, ctx.local_world_size):
         vec = owner if node.scope == "owner" else peers
@@ -267,8 +278,11 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
         # grad_dist mirrors output_dist byte for byte (a reduce-scatter's all-gather at the same
         # factor); step_time scales it by bwd precision
     dev, host = shard_memory(spec, cand, ctx.world_size)
-    owner[DEV_MEM] += dev
-    owner[HOST_MEM] += host
+    owner[lay.capacity_column("device")] += dev
+    owner[lay.capacity_column("host")] += host
+    for j, column in enumerate(lay.columns):  # terms priced per shard (cost.terms.LoadColumn.shard_load)
+        if column.shard_load is not None:
+            owner[j] += column.shard_load(spec, cand, ctx)
     return ShardCost(owner=owner, peers=peers, allreduce_bytes=allreduce)
 
 
@@ -304,6 +318,15 @@ def rank_times(loads: np.ndarray, ctx: CostContext, fwd_precision: str = "fp32",
     return table[:, _COMPUTE_COLS].sum(axis=1), table[:, _LINK_COLS].sum(axis=1)
 
 
+def phase_constants(ctx: CostContext) -> Dict[str, float]:
+    """The phases' seconds that no plan changes: the dense forward and backward (twice the
+    forward, :func:`dense_fwd_s`) and the fixed per-step overhead. The step equation adds them to
+    the phases' plan-dependent parts (:func:`phase_table`; ``search.equation.FixedTerms`` in
+    milliseconds)."""
+    dense_fwd = dense_fwd_s(ctx)
+    return {"dense_fwd": dense_fwd, "dense_bwd": 2 * dense_fwd, "step_overhead": ctx.profile.step_overhead_s}
+
+
 def dense_fwd_s(ctx: CostContext) -> float:
     """Seconds of the dense forward on one rank (the backward costs twice this): the weights'
     products at ``dense_flops``, the parameter-free interaction products at ``interaction_flops``,
@@ -330,24 +353,33 @@ def phase_table(
     p = ctx.profile
     fused = pipeline_kind(pipeline).fused_input_splits
     cm = np.atleast_2d(colmax)
-    fscale = PRECISION_BYTES[fwd_precision] / 4
-    bscale = PRECISION_BYTES[bwd_precision] / 4
+    lay = _terms.layout()
+    scale = {"fwd": PRECISION_BYTES[fwd_precision] / 4, "bwd": PRECISION_BYTES[bwd_precision] / 4}
     lat = p.collective_latency_s if ctx.world_size > 1 else 0.0
-    link_in = np.maximum(cm[:, IN_INTRA] / p.intra_host_bw, cm[:, IN_INTER] / p.inter_host_bw)
-    link_out = np.maximum(cm[:, OUT_INTRA] / p.intra_host_bw, cm[:, OUT_INTER] / p.inter_host_bw)
-    dense_fwd = dense_fwd_s(ctx)
-    seconds = {
-        "input_dist": lat * collective_calls("input_dist", comm_groups, fused) + link_in,
-        "uvm_fetch": cm[:, UVM],
-        "lookup": cm[:, FWD],
-        "output_dist": lat * collective_calls("output_dist", comm_groups) + fscale * link_out,
-        "dense_fwd": dense_fwd,
-        "dense_bwd": 2 * dense_fwd,
-        "grad_dist": lat * collective_calls("grad_dist", comm_groups) + bscale * link_out,
-        "backward_update": cm[:, BWD],
-        "allreduce": _allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx),
-        "step_overhead": p.step_overhead_s,
-    }
+    link = {}  # link group -> its slowest column's seconds
+    for phases, cols in lay.link_groups:
+        v = cm[:, cols[0]] / getattr(p, lay.columns[cols[0]].bandwidth)
+        for j in cols[1:]:
+            v = np.maximum(v, cm[:, j] / getattr(p, lay.columns[j].bandwidth))
+        link[phases] = v
+    constants = phase_constants(ctx)
+    seconds = {}
+    for name in PHASE_NAMES:  # each phase: constant + latencies + link seconds + compute columns
+        parts = []
+        if name in constants:
+            parts.append(constants[name])
+        if name in _COLLECTIVE:  # the gradient all-reduce (dense and data-parallel bytes)
+            parts.append(_allreduce_s(allreduce_bytes + ctx.dense.param_bytes, ctx))
+        group = lay.link_group(name)
+        if group is not None:
+            prec = PHASE_PRECISION.get(name)
+            parts.append(lat * collective_calls(name, comm_groups, fused))
+            parts.append(link[group] if prec is None else scale[prec] * link[group])
+        parts.extend(cm[:, j] for j in lay.phase_columns.get(name, ()))
+        total = parts[0] if parts else 0.0
+        for x in parts[1:]:
+            total = total + x
+        seconds[name] = total
     table = np.empty((cm.shape[0], len(PHASE_NAMES)))
     for i, name in enumerate(PHASE_NAMES):
         table[:, i] = seconds[name]

@@ -17,13 +17,14 @@ Everything else is derived from these values, so the overlap rules live only her
 
 * the step total (:func:`evaluate`; used by ``cost.model.step_time`` / ``step_total_batch``);
 * the LP / MILP composition rows (:func:`paths`: the composition as a maximum of sums, one row
-  ``total >= sum(path)`` each, in ``search.lp.composition_rows``);
+  ``total >= sum(path)`` each, in ``search.equation.composition_rows``);
 * the explain timeline (:func:`schedule`; ``explain.step_timeline``);
 * the split into compute and communication (``Phase.kind``; ``StepTime.compute_s`` and the
   per-rank report).
 
-Adding a phase: a :class:`Phase` in :data:`PHASES` (in step order), its seconds in
-``cost.model.phase_times`` and its linear form in ``search.lp.term_entries``; put its name in
+Adding a phase: a :class:`Phase` in :data:`PHASES` (in step order) and the load columns that feed
+it (``cost.terms.LOAD_COLUMNS``; a constant goes in ``cost.model.phase_constants``): the evaluator's
+seconds and every solver's linear form (``search.equation.phase_forms``) follow; put its name in
 the right stage tuple below (:data:`EMB_FWD`, ...) and every pipeline kind built from that stage
 gets it. Adding a pipeline kind: one :class:`PipelineKind` in :data:`PIPELINE_KINDS` (the runtime
 maps the name to a TorchRec train pipeline in ``runtime.pipelines``). See docs/cost_model.md.

@@ -21,8 +21,8 @@ and adds what integrality and placement rules imply, per time column ``c``:
 ``tests/test_choice_bound.py`` checks bound <= the exhaustive optimum of the evaluator on random
 small instances. See docs/cost_model.md ("How the integral-choice bound is built").
 
-The step-time composition rows are the pipeline's (:func:`.lp.composition_rows`, called, not
-changed), so the MILP's optimum, or HiGHS's dual bound when the time limit stops it, is a lower
+The step-time rows are the step equation's (:mod:`.equation`: ``step_rows``, the same as the
+LP's), so the MILP's optimum, or HiGHS's dual bound when the time limit stops it, is a lower
 bound on every plan's step time under the model, and never below the LP's (same rows, more).
 """
 
@@ -32,20 +32,17 @@ from typing import Tuple
 
 import attrs
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
-from torchrec_sparselift.cost.model import (
-    BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
-)
 from torchrec_sparselift.cost.pipelines import pipeline_kind
-from torchrec_sparselift.search.lp import (
-    RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
+from torchrec_sparselift.cost.terms import layout
+from torchrec_sparselift.search.equation import (
+    MS, Equation, allreduce_rows, choice_rows, column_scale, fixed_terms, link_rows, load_maxima,
+    step_rows, step_vars, total_memory_rows,
 )
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["ChoiceBound", "choice_bound", "choice_bound_solution"]
 
-_TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 MAX_PIECE_TABLES = 400
 THRESHOLDS = 8
 MAX_K = 4
@@ -76,14 +73,14 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     C = len(prob.cands)
     if C == 0:
         return ChoiceBound(float("nan"))
-    ms = 1e3
-    scale = column_scale(p, 9)
+    lay = layout()
+    scale = column_scale(p)
     own = np.stack([c.owner for c in prob.costs]) * scale[None, :]
     per = np.stack([c.peers for c in prob.costs]) * scale[None, :]
     n = np.array([c.num_shards for c in prob.cands], dtype=float)
     allp = np.array([c.placement == "all" and c.num_shards == W for c in prob.cands])
     ft = fixed_terms(ctx)
-    fixed = {c: (ft.lookup if c in (FWD, BWD) else 0.0) for c in _TIME_COLS}
+    fixed = {c: ft.group_cost[c] for c in lay.time}
     # TBE groups (sharding type, kernel) as the evaluator counts them, and the collective types
     kern = [c.compute_kernel for c in prob.cands]
     types = [c.sharding_type for c in prob.cands]
@@ -92,20 +89,22 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     grp = np.array([gid[k] for k in zip(types, kern)], dtype=int)
     all_group = np.array([bool(np.all(allp[grp == g])) for g in range(len(gkeys))])
     ctypes = sorted({t for t in types if t != "data_parallel"})
-    # variables: x[C], z[7], u[7], y_in, y_out, a, tot, group used[G], free group used, type
-    # used[T], latency, packing binaries
-    iz = {c: C + i for i, c in enumerate(_TIME_COLS)}
-    iu = {c: C + 7 + i for i, c in enumerate(_TIME_COLS)}
-    iy_in, iy_out, ia, itot = C + 14, C + 15, C + 16, C + 17
-    ig = C + 18
-    ifree = ig + len(gkeys)
-    ity = ifree + 1
-    ilat = ity + len(ctypes)
-    idp = ilat + 1  # any option that joins the gradient all-reduce chosen
-    iany = idp + 1  # any sharding type used (the input's shared splits all-to-all)
-    nv = iany + 1
-    packing = []  # (col, theta, k, var)
-    for c in _TIME_COLS:
+    # variables: x[c], z[col], u[col] (what every rank carries), the step equation's, group used,
+    # free group used, type used, latency, data-parallel used, any type used, packing binaries
+    eq = Equation()
+    eq.vector("x", C, ub=1.0, integer=True)
+    iz = load_maxima(eq)
+    iu = eq.block("u", lay.time, labels=[lay.columns[j].name for j in lay.time])
+    sv = step_vars(eq, iz)
+    ig = eq.vector("group_used", len(gkeys))
+    ifree = eq.var("free_group_used")
+    ity = eq.vector("type_used", len(ctypes))
+    ilat = eq.var("latency")
+    idp = eq.var("dp_used")  # any option that joins the gradient all-reduce chosen
+    iany = eq.var("any_group")  # any sharding type used (the input's shared splits all-to-all)
+    sv = attrs.evolve(sv, latency=ilat, any_group=iany)
+    packing_keys = []  # (col, theta, k)
+    for c in lay.time:
         sizes = np.unique(own[~allp, c][own[~allp, c] > 0])[::-1]
         if not len(sizes):
             continue
@@ -116,16 +115,14 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
             for k in range(1, MAX_K + 1):
                 if k * W + 1 > cnt_max:
                     break
-                packing.append((c, float(th), k, nv))
-                nv += 1
-    gib = 2.0**30
-    rr = RangeRows()
+                packing_keys.append((c, float(th), k))
+    pvar = eq.block("packing", packing_keys, ub=1.0, integer=True)
+    packing = [(c, th, k, pvar[c, th, k]) for c, th, k in packing_keys]
 
     def add(entries, ub, lb=-np.inf):
-        rr.add(entries, lb, float(ub))
+        eq.add(entries, lb, float(ub))
 
-    for ids in prob.candidates:
-        add([(i, 1.0) for i in ids], 1.0, 1.0)
+    choice_rows(eq, prob.candidates)
     # group g used >= x[i] for its options; any free (not on every rank) group used; type used
     for i in range(C):
         add([(i, 1.0), (ig + grp[i], -1.0)], 0.0)
@@ -138,7 +135,7 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     add([(ity + j, ft.latency) for j in range(len(ctypes))] + [(ilat, -1.0)], 0.0)
     for j in range(len(ctypes)):  # any >= type used
         add([(ity + j, 1.0), (iany, -1.0)], 0.0)
-    for c in _TIME_COLS:
+    for c in lay.time:
         # u_c: what every rank carries (shards on every rank, peers' share, and in FWD/BWD the fixed
         # cost of each TBE group that sits on every rank); z_c >= u_c + the average of the rest,
         # and the ranks holding the rest pay at least one more group's fixed cost
@@ -165,38 +162,17 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
         big = float(sum(n[i] for i, _ in cnt))
         add(cnt + [(v, -big)], float(k * W))
         add([(iu[c], 1.0), (v, (k + 1) * th + fixed[c]), (iz[c], -1.0)], 0.0)
-    for iy, ci, ce in ((iy_in, IN_INTRA, IN_INTER), (iy_out, OUT_INTRA, OUT_INTER)):
-        add([(iz[ci], 1.0), (iy, -1.0)], 0.0)
-        add([(iz[ce], 1.0), (iy, -1.0)], 0.0)
+    link_rows(eq, sv)
     # the all-reduce runs (and pays its latency) when there are dense parameters or a chosen
     # option joins it
     allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * n / W
-    for entries, rhs in allreduce_rows(ft, allreduce, ia, idp=idp):
+    for entries, rhs in allreduce_rows(ft, allreduce, sv.allreduce, idp=idp):
         add(entries, rhs)
-    for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
-        coef = n * np.array([c.owner[col] for c in prob.costs]) / gib
-        nz = np.nonzero(coef)[0]
-        if len(nz) and np.all(np.isfinite(cap)):
-            add(list(zip(nz.tolist(), coef[nz].tolist())), float(np.sum(cap)) / gib)
-    forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd_precision] / 4,
-                         PRECISION_BYTES[bwd_precision] / 4, ft.dense_fwd, ft.dense_bwd, ilat=ilat,
-                         step_overhead=ft.step_overhead, iany=iany, latency=ft.latency,
-                         fused_splits=pipeline_kind(pipeline).fused_input_splits)
-    for entries, rhs in composition_rows(pipeline, forms, itot, ft.overlap):
-        add(entries, rhs)
-    A = rr.matrix(nv)
-    cvec = np.zeros(nv)
-    cvec[itot] = 1.0
-    integrality = np.zeros(nv)
-    integrality[:C] = 1
-    ub = np.full(nv, np.inf)
-    ub[:C] = 1.0
-    for _, _, _, v in packing:
-        integrality[v] = 1
-        ub[v] = 1.0
-    res = milp(cvec, constraints=LinearConstraint(A, rr.lo, rr.hi), integrality=integrality,
-               bounds=Bounds(np.zeros(nv), ub),
-               options={"time_limit": max(0.2, float(time_limit_s)), "disp": False, "mip_rel_gap": 1e-4})
+    total_memory_rows(eq, prob, n)
+    step_rows(eq, sv, pipeline, ft, fwd_precision, bwd_precision,
+              fused_splits=pipeline_kind(pipeline).fused_input_splits)
+    res = eq.solve_milp(sv.total, {"time_limit": max(0.2, float(time_limit_s)), "disp": False,
+                                   "mip_rel_gap": 1e-4})
     choice: Tuple[int, ...] = ()
     if res.x is not None:
         choice = tuple(int(max(ids, key=lambda i: res.x[i])) for ids in prob.candidates)
@@ -205,4 +181,4 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
         b = res.fun
     if b is None or not np.isfinite(b):
         return ChoiceBound(float("nan"), choice)
-    return ChoiceBound(float(b) / ms * (1 - 1e-6), choice)
+    return ChoiceBound(float(b) / MS * (1 - 1e-6), choice)

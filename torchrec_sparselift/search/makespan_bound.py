@@ -28,10 +28,9 @@ from typing import Optional, Tuple
 
 import attrs
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
-from torchrec_sparselift.cost.model import DEV_MEM, FWD, HOST_MEM
-from torchrec_sparselift.search.lp import RangeRows
+from torchrec_sparselift.cost.model import FWD
+from torchrec_sparselift.search.equation import MS, Equation, choice_rows, total_memory_rows
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["MakespanBound", "makespan_bound", "piece_bounds", "analytic_makespan_bound"]
@@ -40,19 +39,6 @@ THRESHOLDS_PER_K = 16
 MAX_PAIR_K = 2
 LP_MIN_TIME_S = 5.0
 MAX_K = 6
-
-
-class _Rows(RangeRows):
-    def add_arrays(self, cols, vals, lb, ub) -> None:
-        """``add`` for one long row given as arrays (no Python loop per entry)."""
-        cols, vals = np.asarray(cols, dtype=int), np.asarray(vals, dtype=float)
-        keep = vals != 0.0
-        r = len(self.lo)
-        self.rows.extend([r] * int(keep.sum()))
-        self.cols.extend(cols[keep].tolist())
-        self.vals.extend(vals[keep].tolist())
-        self.lo.append(lb)
-        self.hi.append(ub)
 
 
 @attrs.frozen
@@ -89,7 +75,7 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
     to the tolerance) and the method says ``reached upper``."""
     W = prob.ctx.world_size
     C = len(prob.cands)
-    ms = 1e3
+    ms = MS
     p = np.array([c.owner[FWD] for c in prob.costs]) * ms
     n = np.array([c.num_shards for c in prob.cands], dtype=float)
     allp = np.array([c.placement == "all" for c in prob.cands])
@@ -125,27 +111,29 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
         ths = [float(th) for th in cand[idx][::-1] if cnt_max(float(th)) >= k * W]
         if ths:
             levels[k] = ths
-    iz, iu = C, C + 1
-    nv = C + 2
-    ind = {}  # (theta, m) -> binary variable
+    # variables: x[c] (one option per table), z (the makespan), u (the uniform load U(x)),
+    # A(theta, m) (at least m chosen pieces are >= theta)
+    eq = Equation()
+    eq.vector("x", C, ub=1.0, integer=integral)
+    iz = eq.var("z")
+    iu = eq.var("u")
+    keys = []
     for k, ths in levels.items():
         for th in ths:
             for m_ in (k * W, k * W + 1):
-                if (th, m_) not in ind and cnt_max(th) >= m_:
-                    ind[th, m_] = nv
-                    nv += 1
+                if (th, m_) not in keys and cnt_max(th) >= m_:
+                    keys.append((th, m_))
+    ind = eq.block("at_least", keys, ub=1.0, integer=integral)  # (theta, m) -> binary variable
     # pairs of thresholds for k <= MAX_PAIR_K, theta_a = theta_b beyond
     pairs = [(k, ta, tb) for k, ths in levels.items() for ia, ta in enumerate(ths)
              for tb in (ths[ia:] if k <= MAX_PAIR_K else [ta])
              if (ta, k * W) in ind and (tb, k * W + 1) in ind]
-    rr = _Rows()
-    add = rr.add
+    add = eq.add
 
     uc = np.nonzero(allp & (p > 0))[0]
-    for ids in prob.candidates:
-        add([(i, 1.0) for i in ids], 1.0, 1.0)
-    rr.add_arrays(np.append(uc, iu), np.append(p[uc], -1.0), 0.0, 0.0)  # u = U(x), the uniform load
-    rr.add_arrays(np.append(np.arange(C), iz), np.append(n * p / W, -1.0), -np.inf, 0.0)
+    choice_rows(eq, prob.candidates)
+    eq.add_arrays(np.append(uc, iu), np.append(p[uc], -1.0), 0.0, 0.0)  # u = U(x), the uniform load
+    eq.add_arrays(np.append(np.arange(C), iz), np.append(n * p / W, -1.0), -np.inf, 0.0)
     for ids in prob.candidates:
         ent = [(i, p[i]) for i in ids if piece[i] and p[i] > 0]
         if ent:  # z >= U + piece; the table's own all-rank options are exclusive with the piece
@@ -153,28 +141,17 @@ def makespan_bound(prob: PlanningProblem, time_limit_s: float = 5.0, upper: Opti
             add(ent + own + [(iu, 1.0), (iz, -1.0)], -np.inf, 0.0)
     for (th, m_), v in ind.items():  # count(theta) <= m - 1 unless A(theta, m)
         sel = pc[p[pc] >= th]
-        rr.add_arrays(np.append(sel, v), np.append(n[sel], -max_pieces), -np.inf, float(m_ - 1))
+        eq.add_arrays(np.append(sel, v), np.append(n[sel], -max_pieces), -np.inf, float(m_ - 1))
     for k, ta, tb in pairs:  # z - u >= c (A_a + A_b - 1), c = k theta_a + theta_b
         c = k * ta + tb
         add([(iz, 1.0), (iu, -1.0), (ind[ta, k * W], -c), (ind[tb, k * W + 1], -c)], -c, np.inf)
     ys = pairs
-    for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
-        if len(cap) and np.all(np.isfinite(cap)):
-            m = np.array([c.owner[col] for c in prob.costs]) * n / 2.0**30
-            rr.add_arrays(np.arange(C), m, -np.inf, float(np.sum(cap)) / 2.0**30)
-    A = rr.matrix(nv)
-    cvec = np.zeros(nv)
-    cvec[iz] = 1.0
-    integrality = np.ones(nv) if integral else np.zeros(nv)
-    integrality[[iz, iu]] = 0
-    ub = np.ones(nv)
-    ub[[iz, iu]] = np.inf
+    total_memory_rows(eq, prob, n)
     opts = {"time_limit": max(0.2, float(time_limit_s)), "disp": False, "mip_rel_gap": 1e-4}
     capped = upper is not None and np.isfinite(upper)
     if capped:  # every plan's makespan is >= the bound; only z < upper is worth exploring
-        ub[iz] = max(float(upper) * ms, floor)
-    res = milp(cvec, constraints=LinearConstraint(A, rr.lo, rr.hi), integrality=integrality,
-               bounds=Bounds(np.zeros(nv), ub), options=opts)
+        eq.set_bounds(iz, ub=max(float(upper) * ms, floor))
+    res = eq.solve_milp(iz, opts)
     kind = "milp" if integral else "lp"
     if capped and res.status == 2:  # infeasible under the cap: the relaxation cannot beat upper
         return MakespanBound(bound_s=float(upper), method=f"makespan-{kind}(reached upper)")

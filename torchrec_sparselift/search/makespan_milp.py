@@ -28,10 +28,10 @@ from typing import Optional, Sequence, Tuple
 
 import attrs
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
-from torchrec_sparselift.cost.model import DEV_MEM, FWD, HOST_MEM
-from torchrec_sparselift.search.lp import RangeRows
+from torchrec_sparselift.cost.model import FWD
+from torchrec_sparselift.cost.terms import layout
+from torchrec_sparselift.search.equation import GIB, MS, Equation, choice_rows
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["MakespanMILP", "solve_makespan_milp", "makespan_milp_size"]
@@ -74,7 +74,7 @@ def solve_makespan_milp(prob: PlanningProblem, time_limit_s: float = 10.0, upper
     rows (off: a relaxation, for bounds only); ``symmetry``: the rank-ordering rows."""
     W = prob.ctx.world_size
     C = len(prob.cands)
-    ms = 1e3
+    ms = MS
     p = np.array([c.owner[FWD] for c in prob.costs]) * ms
     n = np.array([c.num_shards for c in prob.cands], dtype=int)
     place = [c.placement for c in prob.cands]
@@ -85,30 +85,26 @@ def solve_makespan_milp(prob: PlanningProblem, time_limit_s: float = 10.0, upper
     hosts = [list(range(h * L, (h + 1) * L)) for h in range(W // L)]
     host_of = np.repeat(np.arange(W // L), L)
 
-    nv = C
-    a_var = {}  # (c, r) -> var
-    h_var = {}  # (c, H) -> var
+    # variables: x[c], a[c, r] / h[c, H] (placement binaries, in candidate order), the free load
+    # per rank, z (the makespan)
+    eq = Equation()
+    eq.vector("x", C, ub=1.0, integer=True)
+    keys = []
     for c in range(C):
         if place[c] == "free":
-            for r in range(W):
-                a_var[c, r] = nv
-                nv += 1
+            keys.extend(("a", c, r) for r in range(W))
         elif place[c] == "host":
             if n[c] != L:
                 raise ValueError(f"host candidate {c} has {n[c]} shards, a host has {L} ranks")
-            for H in range(len(hosts)):
-                h_var[c, H] = nv
-                nv += 1
-    nbin = nv
-    il = nv  # free load per rank
-    nv += W
-    iz = nv
-    nv += 1
+            keys.extend(("h", c, H) for H in range(len(hosts)))
+    pvar = eq.block("place", keys, ub=1.0, integer=True)
+    a_var = {(c, r): v for (kind, c, r), v in pvar.items() if kind == "a"}  # (c, r) -> var
+    h_var = {(c, H): v for (kind, c, H), v in pvar.items() if kind == "h"}  # (c, H) -> var
+    il = eq.vector("free_load", W)  # free load per rank
+    iz = eq.var("z")
 
-    rr = RangeRows()
-    add = rr.add
-    for ids in prob.candidates:
-        add([(c, 1.0) for c in ids], 1.0, 1.0)
+    add = eq.add
+    choice_rows(eq, prob.candidates)
     free_on = [[] for _ in range(W)]
     host_on = [[] for _ in range(len(hosts))]
     for c in range(C):
@@ -128,11 +124,12 @@ def solve_makespan_milp(prob: PlanningProblem, time_limit_s: float = 10.0, upper
             + U + [(iz, -1.0)], -np.inf, 0.0)
     caps = []
     if memory:
-        for col, cap in ((DEV_MEM, prob.device_cap), (HOST_MEM, prob.host_cap)):
-            cap = np.asarray(cap, dtype=float)
+        lay = layout()
+        for col in lay.memory:
+            cap = np.asarray(prob.device_cap if lay.columns[col].capacity == "device" else prob.host_cap, dtype=float)
             if len(cap) != W or not np.all(np.isfinite(cap)):
                 continue
-            m = np.array([c.owner[col] for c in prob.costs]) / 2.0**30
+            m = np.array([c.owner[col] for c in prob.costs]) / GIB
             if not np.any(m):
                 continue
             caps.append(cap)
@@ -140,7 +137,7 @@ def solve_makespan_milp(prob: PlanningProblem, time_limit_s: float = 10.0, upper
             for r in range(W):
                 ent = [(a_var[c, r], m[c]) for c in free_on[r] if m[c]]
                 ent += [(h_var[c, host_of[r]], m[c]) for c in host_on[host_of[r]] if m[c]]
-                add(ent + mall, -np.inf, float(cap[r]) / 2.0**30)
+                add(ent + mall, -np.inf, float(cap[r]) / GIB)
     if symmetry:
         within = all(_groups_equal(cap, hosts) for cap in caps)
         across = within and all(np.all(cap == cap[0]) for cap in caps)
@@ -158,22 +155,13 @@ def solve_makespan_milp(prob: PlanningProblem, time_limit_s: float = 10.0, upper
         ent = [(c, p[c]) for c in ids if place[c] != "all" and p[c] > 0]
         if ent:
             add(ent + [e for e in U if e[0] not in ids] + [(iz, -1.0)], -np.inf, 0.0)
-    A = rr.matrix(nv)
-    cvec = np.zeros(nv)
-    cvec[iz] = 1.0
-    integrality = np.zeros(nv)
-    integrality[:nbin] = 1
-    lb = np.zeros(nv)
-    ub = np.full(nv, np.inf)
-    ub[:nbin] = 1.0
-    lb[iz] = max(0.0, float(lower) * ms)
+    z_lb = max(0.0, float(lower) * ms)
+    eq.set_bounds(iz, lb=z_lb)
     cap_z = upper is not None and np.isfinite(upper)
     if cap_z:
-        ub[iz] = max(lb[iz], float(upper) * ms)
-    res = milp(cvec, constraints=LinearConstraint(A, rr.lo, rr.hi), integrality=integrality,
-               bounds=Bounds(lb, ub),
-               options={"time_limit": max(0.2, float(time_limit_s)), "disp": False,
-                        "mip_rel_gap": float(rel_gap)})
+        eq.set_bounds(iz, ub=max(z_lb, float(upper) * ms))
+    res = eq.solve_milp(iz, {"time_limit": max(0.2, float(time_limit_s)), "disp": False,
+                             "mip_rel_gap": float(rel_gap)})
     if res.x is None:
         if cap_z and res.status == 2:  # infeasible under the cap: nothing beats ``upper``
             return MakespanMILP((), float("inf"), float(upper), "upper_optimal")

@@ -4,8 +4,8 @@ Variables (HiGHS via ``scipy.optimize.milp``): ``x[c]`` binary, one candidate pe
 ``n[c, r]`` binary, a shard of free-placement candidate ``c`` on rank ``r`` (``sum_r n = k x``);
 ``h[c, host]`` binary, host of a host-placement candidate; ``z_j`` the maximum over ranks of
 column ``j``'s load (in ms, links divided by their bandwidth) plus the peers' uniform share;
-phase and composition variables as in :mod:`.lp`. Per-rank device/host memory is a hard
-constraint. Objective: the pipeline's step time, including each link phase's collective latencies per
+the link, all-reduce and composition variables and rows of the step equation (:mod:`.equation`).
+Per-rank device/host memory is a hard constraint. Objective: the pipeline's step time, including each link phase's collective latencies per
 sharding-type group (binary ``g[type]``; ``cost.model.collective_calls``: two in the input, one
 in the output and gradient, and the input's shared splits call when any group is used). The MILP's dual bound is a valid lower bound of the step time
 under the model.
@@ -17,20 +17,16 @@ from typing import List, Optional, Tuple
 
 import attrs
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
-from torchrec_sparselift.cost.model import (
-    BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
-)
 from torchrec_sparselift.cost.pipelines import pipeline_kind
-from torchrec_sparselift.search.lp import (
-    RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
+from torchrec_sparselift.cost.terms import layout
+from torchrec_sparselift.search.equation import (
+    GIB, MS, Equation, allreduce_rows, column_scale, fixed_terms, link_rows, load_maxima, step_rows,
+    step_vars,
 )
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["MILPResult", "solve_milp", "milp_size", "placement_vars", "choice_and_placement_rows"]
-
-_TIME_COLS = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 
 
 @attrs.frozen
@@ -50,23 +46,22 @@ def milp_size(prob: PlanningProblem) -> int:
     return n + len(prob.cands)
 
 
-def placement_vars(prob: PlanningProblem, first: int) -> Tuple[List[Tuple[int, int, List[int]]], int]:
-    """The placement binaries after the ``first`` variables: ``(var, cand, ranks it loads)`` for
-    every rank of a free candidate and every host of a host candidate; and the next free index."""
+def placement_vars(prob: PlanningProblem, first) -> Tuple[List[Tuple[int, int, List[int]]], int]:
+    """The placement binaries: ``(var, cand, ranks it loads)`` for every rank of a free candidate
+    and every host of a host candidate; and the next free index. ``first``: an :class:`Equation`
+    (they are declared on it as ``place[c, ranks]``) or the first free index."""
     W = prob.ctx.world_size
-    nv = first
-    place: List[Tuple[int, int, List[int]]] = []
+    keys: List[Tuple[int, Tuple[int, ...]]] = []
     for c, cand in enumerate(prob.cands):
         if cand.placement == "free":
-            for r in range(W):
-                place.append((nv, c, [r]))
-                nv += 1
+            keys.extend((c, (r,)) for r in range(W))
         elif cand.placement == "host":
             L = cand.num_shards
-            for h in range(W // L):
-                place.append((nv, c, list(range(h * L, (h + 1) * L))))
-                nv += 1
-    return place, nv
+            keys.extend((c, tuple(range(h * L, (h + 1) * L))) for h in range(W // L))
+    if isinstance(first, Equation):
+        idx = first.block("place", keys, ub=1.0, integer=True)
+        return [(idx[k], k[0], list(k[1])) for k in keys], first.nv
+    return [(first + i, c, list(rk)) for i, (c, rk) in enumerate(keys)], first + len(keys)
 
 
 def choice_and_placement_rows(prob: PlanningProblem, place: List[Tuple[int, int, List[int]]],
@@ -101,37 +96,34 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
     p = ctx.profile
     W = ctx.world_size
     C = len(prob.cands)
-    ms = 1e3
+    lay = layout()
     ft = fixed_terms(ctx)
-    scale = column_scale(p, 9)
+    scale = column_scale(p)
     owner = np.stack([c.owner for c in prob.costs]) * scale[None, :]
     peers = np.stack([c.peers for c in prob.costs]) * scale[None, :]
-    mem = np.stack([c.owner for c in prob.costs])[:, [DEV_MEM, HOST_MEM]] / 2.0**30
+    mem_cols = [lay.capacity_column("device"), lay.capacity_column("host")]
+    mem = np.stack([c.owner for c in prob.costs])[:, mem_cols] / GIB
     nshards = np.array([c.num_shards for c in prob.cands], dtype=float)
 
-    # variable layout
-    place, nv = placement_vars(prob, C)
-    iz = {j: nv + i for i, j in enumerate(_TIME_COLS)}
-    nv += len(_TIME_COLS)
-    iy_in, iy_out, ia, itot = nv, nv + 1, nv + 2, nv + 3
-    idp = nv + 4  # an option that joins the gradient all-reduce is chosen
-    nv += 5
+    # variables: x[c] (one candidate per table), placement, the step equation's, ...
+    eq = Equation()
+    eq.vector("x", C, ub=1.0, integer=True)
+    place, _ = placement_vars(prob, eq)
+    iz = load_maxima(eq)
+    sv = step_vars(eq, iz)
+    idp = eq.var("dp_used")  # an option that joins the gradient all-reduce is chosen
     # one binary per sharding type used (collective groups) and the per-phase latency
     types = sorted({c.sharding_type for c in prob.cands if c.sharding_type != "data_parallel"})
-    ig = {st: nv + i for i, st in enumerate(types)}
-    nv += len(types)
-    ilat = nv
-    iany = nv + 1  # any sharding group used (the input's shared splits all-to-all)
-    nv += 2
-
-    rr = RangeRows()
-    add = rr.add
+    ig = eq.block("type_used", types, ub=1.0, integer=True)
+    sv = attrs.evolve(sv, latency=eq.var("latency"),
+                      any_group=eq.var("any_group"))  # any sharding group used (the input's shared splits all-to-all)
+    add = eq.add
 
     rank_terms = choice_and_placement_rows(prob, place, add)
     # per-rank loads
-    uniform = {j: [(c, nshards[c] * peers[c, j]) for c in range(C) if peers[c, j] != 0] for j in _TIME_COLS}
+    uniform = {j: [(c, nshards[c] * peers[c, j]) for c in range(C) if peers[c, j] != 0] for j in lay.time}
     for r in range(W):
-        for j in _TIME_COLS:
+        for j in lay.time:
             ent = [(v, owner[c, j]) for v, c in rank_terms[r] if owner[c, j] != 0]
             if not ent:
                 continue
@@ -140,46 +132,26 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
             if np.isfinite(cap):
                 ent = [(v, mem[c, m]) for v, c in rank_terms[r] if mem[c, m] != 0]
                 if ent:
-                    add(ent, -np.inf, float(cap) / 2.0**30)
-    for j in _TIME_COLS:  # z_j >= uniform even on a rank with nothing
+                    add(ent, -np.inf, float(cap) / GIB)
+    for j in lay.time:  # z_j >= uniform even on a rank with nothing
         add(uniform[j] + [(iz[j], -1.0)], -np.inf, 0.0)
-    for iy, ci, ce in ((iy_in, IN_INTRA, IN_INTER), (iy_out, OUT_INTRA, OUT_INTER)):
-        add([(iz[ci], 1.0), (iy, -1.0)], -np.inf, 0.0)
-        add([(iz[ce], 1.0), (iy, -1.0)], -np.inf, 0.0)
+    link_rows(eq, sv)
     # the all-reduce (and its latency) runs only with dense parameters or a chosen option in it
     allreduce = np.array([c.allreduce_bytes for c in prob.costs]) * nshards / W
-    for ent, rhs in allreduce_rows(ft, allreduce, ia, idp=idp):
+    for ent, rhs in allreduce_rows(ft, allreduce, sv.allreduce, idp=idp):
         add(ent, -np.inf, rhs)
     for c, cand in enumerate(prob.cands):  # g_type >= x[c]
         if cand.sharding_type in ig:
             add([(c, 1.0), (ig[cand.sharding_type], -1.0)], -np.inf, 0.0)
-    add([(ig[st], ft.latency) for st in types] + [(ilat, -1.0)], -np.inf, 0.0)
+    add([(ig[st], ft.latency) for st in types] + [(sv.latency, -1.0)], -np.inf, 0.0)
     for st in types:  # any >= g_type
-        add([(ig[st], 1.0), (iany, -1.0)], -np.inf, 0.0)
-    forms = term_entries(iz, iy_in, iy_out, ia, PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
-                         ft.dense_fwd, ft.dense_bwd, ilat=ilat, step_overhead=ft.step_overhead,
-                         iany=iany, latency=ft.latency,
-                         fused_splits=pipeline_kind(pipeline).fused_input_splits)
-    for ent, rhs in composition_rows(pipeline, forms, itot, ft.overlap):
-        add(ent, -np.inf, rhs)
+        add([(ig[st], 1.0), (sv.any_group, -1.0)], -np.inf, 0.0)
+    step_rows(eq, sv, pipeline, ft, fwd, bwd, fused_splits=pipeline_kind(pipeline).fused_input_splits)
 
-    A = rr.matrix(nv)
-    cvec = np.zeros(nv)
-    cvec[itot] = 1.0
-    integrality = np.zeros(nv)
-    integrality[: iz[_TIME_COLS[0]]] = 1
-    lb = np.zeros(nv)
-    ub = np.full(nv, np.inf)
-    ub[: iz[_TIME_COLS[0]]] = 1.0
-    for st in types:
-        integrality[ig[st]] = 1
-        ub[ig[st]] = 1.0
-    res = milp(cvec, constraints=LinearConstraint(A, rr.lo, rr.hi), integrality=integrality,
-               bounds=Bounds(lb, ub),
-               options={"time_limit": max(0.5, time_limit_s), "disp": False, "mip_rel_gap": 1e-4,
-                        **({"node_limit": int(node_limit)} if node_limit is not None else {})})
+    res = eq.solve_milp(sv.total, {"time_limit": max(0.5, time_limit_s), "disp": False, "mip_rel_gap": 1e-4,
+                                   **({"node_limit": int(node_limit)} if node_limit is not None else {})})
     bound = getattr(res, "mip_dual_bound", None)
-    bound_s = float(bound) / ms if bound is not None and np.isfinite(bound) else float("nan")
+    bound_s = float(bound) / MS if bound is not None and np.isfinite(bound) else float("nan")
     if res.x is None:
         return MILPResult(assignment=(), objective_s=float("inf"), bound_s=bound_s,
                           status=f"no solution ({res.message})")
@@ -195,5 +167,5 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str
             ranks = tuple(r for rk in chosen for r in rk)
         assignment.append((c, ranks))
     status = "optimal" if res.status == 0 else "time_limit"
-    return MILPResult(assignment=tuple(assignment), objective_s=float(res.fun) / ms,
+    return MILPResult(assignment=tuple(assignment), objective_s=float(res.fun) / MS,
                       bound_s=bound_s, status=status)

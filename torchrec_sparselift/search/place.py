@@ -15,6 +15,7 @@ import numpy as np
 
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, step_total_batch
+from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.problem import PlanningProblem
 
 __all__ = ["best_placement", "greedy_place", "local_search", "rank_time", "WorkBudget"]
@@ -23,13 +24,9 @@ _REL_TIE = 1e-9
 
 
 def rank_time(ev: PlanEvaluator, rows: np.ndarray) -> np.ndarray:
-    """A per-rank scalar load (seconds) used to break ties between equally good ranks."""
-    p = ev.ctx.profile
-    return (
-        rows[:, 0] + rows[:, 1] + rows[:, 2]
-        + (rows[:, 3] + rows[:, 5]) / p.intra_host_bw
-        + (rows[:, 4] + rows[:, 6]) / p.inter_host_bw
-    )
+    """A per-rank scalar load (seconds) used to break ties between equally good ranks: the
+    compute columns plus each link column over its bandwidth (cost.terms.LoadLayout.rank_seconds)."""
+    return layout().rank_seconds(rows, ev.ctx.profile)
 
 
 def _objectives(ev: PlanEvaluator, colmax_rows: np.ndarray, cand: int, n: int) -> np.ndarray:
@@ -142,13 +139,9 @@ def greedy_place(
 
 
 def _time_weights(ev: PlanEvaluator) -> np.ndarray:
-    """Seconds per unit of each load column (0 for memory columns)."""
-    p = ev.ctx.profile
-    w = np.zeros(ev.loads.shape[1])
-    w[0] = w[1] = w[2] = 1.0
-    w[3], w[4] = 1.0 / p.intra_host_bw, 1.0 / p.inter_host_bw
-    w[5], w[6] = 2.0 / p.intra_host_bw, 2.0 / p.inter_host_bw  # output + grad
-    return w
+    """Seconds per unit of each load column, once per phase it feeds (output bytes count for the
+    output and the gradient); 0 for memory columns."""
+    return layout().balance_weights(ev.ctx.profile)
 
 
 def _spread(ev: PlanEvaluator, rows: np.ndarray, w: np.ndarray) -> float:

@@ -18,6 +18,7 @@ from torchrec_sparselift.cost.model import (
     ShardCost,
     shard_cost,
 )
+from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
@@ -97,9 +98,7 @@ class PlanningProblem:
 
     def shard_time(self, c: int) -> float:
         """A scalar size for one shard of candidate ``c`` (seconds of its own work)."""
-        p = self.ctx.profile
-        o = self.costs[c].owner
-        return float(o[0] + o[1] + o[2] + (o[3] + o[5]) / p.intra_host_bw + (o[4] + o[6]) / p.inter_host_bw)
+        return float(layout().rank_seconds(self.costs[c].owner, self.ctx.profile))
 
 
 def build_problem(

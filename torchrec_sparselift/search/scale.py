@@ -33,10 +33,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from torchrec_sparselift.cost.model import (
-    BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, K, OUT_INTER, OUT_INTRA, UVM,
-    step_total_batch,
-)
+from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, step_total_batch
+from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.place import _objectives, best_placement, rank_time
 from torchrec_sparselift.search.place import _pick as _place_pick
 from torchrec_sparselift.search.problem import PlanningProblem
@@ -69,6 +67,7 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
     the empty evaluator ``ev`` in one bulk assignment. Returns the tables no option of which
     fits (empty when the plan is complete)."""
     W = ev.W
+    K = ev.K
     owner = ev.owner
     loads = np.zeros((W, K))
     colmax = np.zeros(K)
@@ -183,12 +182,7 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
 
 def _time_weights(prob: PlanningProblem) -> np.ndarray:
     """Seconds per unit of each load column (output bytes count twice: output and grad)."""
-    pr = prob.ctx.profile
-    w = np.zeros(K)
-    w[[FWD, BWD, UVM]] = 1.0
-    w[IN_INTRA], w[IN_INTER] = 1.0 / pr.intra_host_bw, 1.0 / pr.inter_host_bw
-    w[OUT_INTRA], w[OUT_INTER] = 2.0 / pr.intra_host_bw, 2.0 / pr.inter_host_bw
-    return w
+    return layout().balance_weights(prob.ctx.profile)
 
 
 def _pick(obj: np.ndarray, tie: np.ndarray) -> int:
@@ -240,7 +234,7 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
         if short is None:
             return None
         ok, hkey, idx = short
-        r3 = (loads[idx] + vec).reshape(len(ok), Lc, K)
+        r3 = (loads[idx] + vec).reshape(len(ok), Lc, ev.K)
         cm = np.maximum(ev._colmax[None, :], r3.max(axis=1))
         obj = _objectives(ev, cm, cand, Lc)
         j = _place_pick(obj, hkey)

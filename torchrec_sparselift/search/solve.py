@@ -21,7 +21,7 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
-from torchrec_sparselift.cost.model import StepTime
+from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, StepTime
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.cost.pipelines import trainable_pipelines
 from torchrec_sparselift.search.choice_bound import choice_bound_solution
@@ -159,8 +159,8 @@ def solve(
     if best_ev is None:
         bad = sorted({t for v in failures.values() for t in v})
         names = ", ".join(prob.specs[t].fqn for t in bad[:20])
-        need_dev = sum(float(np.min([prob.costs[i].owner[7] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
-        need_host = sum(float(np.min([prob.costs[i].owner[8] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
+        need_dev = sum(float(np.min([prob.costs[i].owner[DEV_MEM] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
+        need_host = sum(float(np.min([prob.costs[i].owner[HOST_MEM] * prob.cands[i].num_shards for i in prob.candidates[t]])) for t in bad)
         dev_kind = prob.ctx.profile.compute_device
         kind = no_plan_kind(prob.lowest_storage, prob.device_cap, prob.host_cap, dev_kind)
         raise SparseLiftPlannerError(

@@ -1,0 +1,145 @@
+"""One step equation for every solver: a cost term added in one place (a load column in
+cost.terms.LOAD_COLUMNS) reaches the evaluator, the LP and integral-choice bounds and the MILP,
+and they keep agreeing: bound <= evaluated step, MILP optimum == the evaluator on its plan and ==
+the exhaustive optimum, and all of them move by the added term."""
+
+import itertools
+import warnings
+
+import attrs
+import numpy as np
+import pytest
+
+from torchrec_sparselift.cost import terms
+from torchrec_sparselift.cost.hardware import PRESETS
+from torchrec_sparselift.cost.model import CostContext, DenseWork, phase_table
+from torchrec_sparselift.cost.pipelines import PHASE_NAMES
+from torchrec_sparselift.search.choice_bound import choice_bound
+from torchrec_sparselift.search.equation import Equation, load_maxima, step_vars
+from torchrec_sparselift.search.lp import analytic_bound, solve_lp
+from torchrec_sparselift.search.milp import solve_milp
+from torchrec_sparselift.search.problem import build_problem
+from torchrec_sparselift.search.solve import new_evaluator, solve
+from search_helpers import _placements, exhaustive_optimum, table_spec
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+#: seconds the synthetic term puts on a rank per shard it holds
+PER_SHARD_S = 0.4e-3
+SYNTHETIC = terms.LoadColumn("synthetic_s", "time", ("lookup",),
+                             shard_load=lambda spec, cand, ctx: PER_SHARD_S,
+                             doc="a test term: a fixed cost per shard on its rank")
+
+
+def _problem(seed, W=4, L=2):
+    rng = np.random.default_rng(seed)
+    specs = [table_spec(i, int(rng.integers(10**3, 10**6)), int(rng.choice([32, 64])), float(rng.uniform(1, 20)))
+             for i in range(int(rng.integers(2, 4)))]
+    # no TBE group fixed cost: the placement MILP then prices exactly what the evaluator does
+    profile = attrs.evolve(PRESETS["h100"], lookup_overhead_s=0.0)
+    ctx = CostContext(profile=profile, world_size=W, local_world_size=L, batch_size=512,
+                      dense=DenseWork(1e9, 4e6))
+    cap = np.full(W, 1e12)
+    return build_problem(specs, ctx, cap, cap.copy(), pipelines=("base", "sparse_dist"))
+
+
+def _plans(prob, rng, n):
+    per_table = [[(c, rk) for c in ids for rk in _placements(prob, c)] for ids in prob.candidates]
+    allplans = list(itertools.product(*per_table))
+    return [allplans[i] for i in rng.choice(len(allplans), size=min(n, len(allplans)), replace=False)]
+
+
+def _numbers(prob, plans):
+    """Per pipeline: every solver's number on ``prob``, and each sampled plan's evaluated step
+    and its largest shard count on one rank."""
+    out = {}
+    for pl in ("base", "sparse_dist"):
+        ev = new_evaluator(prob, pl)
+        steps, most = [], []
+        for plan in plans:
+            for t, (c, rk) in enumerate(plan):
+                ev.assign(t, c, rk)
+            steps.append(ev.objective())
+            count = np.zeros(prob.ctx.world_size)
+            for c, rk in plan:
+                count[list(rk)] += 1
+            most.append(count.max())
+        m = solve_milp(prob, pl, time_limit_s=60)
+        mev = new_evaluator(prob, pl)
+        for t, (c, rk) in enumerate(m.assignment):
+            mev.assign(t, c, rk)
+        out[pl] = {
+            "steps": np.array(steps), "most": np.array(most), "opt": exhaustive_optimum(prob, pl),
+            "lp": solve_lp(prob, pl).lower_bound_s, "cb": choice_bound(prob, pl, time_limit_s=30),
+            "analytic": analytic_bound(prob, pl), "milp": m.objective_s, "milp_status": m.status,
+            "milp_plan": mev.objective(), "solve": solve(prob, time_budget_s=1.0, pipeline=pl).step.total_s,
+        }
+    return out
+
+
+def _agree(n):
+    """The solvers agree with the evaluator on one problem."""
+    for pl, v in n.items():
+        assert v["milp_status"] == "optimal", pl
+        assert v["milp"] == pytest.approx(v["milp_plan"], rel=1e-6), pl  # MILP == evaluator on its plan
+        assert v["milp"] == pytest.approx(v["opt"], rel=2e-4), pl  # and == the exhaustive optimum
+        for b in ("lp", "cb", "analytic"):
+            assert v[b] <= v["opt"] * (1 + 1e-6), (pl, b)  # bounds below every plan
+        assert v["solve"] >= v["opt"] * (1 - 1e-9), pl
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_term_registered_in_one_place_moves_evaluator_bounds_and_milp_alike(seed, monkeypatch):
+    prob0 = _problem(seed)
+    plans = _plans(prob0, np.random.default_rng(seed), 40)
+    before = _numbers(prob0, plans)
+    _agree(before)
+
+    monkeypatch.setattr(terms, "LOAD_COLUMNS", terms.LOAD_COLUMNS + (SYNTHETIC,))
+    prob1 = _problem(seed)  # the same tables and options, priced with the extra column
+    assert [c for c in prob1.cands] == [c for c in prob0.cands]
+    j = terms.layout().index["synthetic_s"]
+    assert all(c.owner[j] == PER_SHARD_S for c in prob1.costs)
+    after = _numbers(prob1, plans)
+    _agree(after)
+
+    b, a = before["base"], after["base"]
+    # base runs every phase in sequence: each plan's step grows by the term's maximum over ranks
+    np.testing.assert_allclose(a["steps"] - b["steps"], PER_SHARD_S * b["most"], rtol=1e-9, atol=1e-15)
+    for pl in ("base", "sparse_dist"):
+        b, a = before[pl], after[pl]
+        assert np.all(a["steps"] >= b["steps"] - 1e-15)
+        # every plan has a shard somewhere: optimum, MILP and bounds all rise by at least the term
+        # (on base, where the lookup is on every path)
+        if pl == "base":
+            assert a["opt"] >= b["opt"] + PER_SHARD_S * (1 - 1e-9)
+            assert a["milp"] >= b["milp"] + PER_SHARD_S * (1 - 1e-4)
+            assert a["lp"] >= b["lp"] + PER_SHARD_S * (1 - 1e-5)
+            assert a["cb"] >= (b["cb"] + PER_SHARD_S) * (1 - 2e-4)
+            assert a["analytic"] >= b["analytic"] + PER_SHARD_S * (1 - 1e-9)
+
+
+def test_the_term_is_a_named_column_of_every_solver(monkeypatch):
+    """The builder declares ``z[synthetic_s]`` and the evaluator's lookup phase adds its maximum."""
+    monkeypatch.setattr(terms, "LOAD_COLUMNS", terms.LOAD_COLUMNS + (SYNTHETIC,))
+    lay = terms.layout()
+    j = lay.index["synthetic_s"]
+    assert j in lay.time and lay.phase_columns["lookup"] == (lay.index["fwd_s"], j)
+    eq = Equation()
+    sv = step_vars(eq, load_maxima(eq))
+    assert eq.name_of(sv.z[j]) == "z[synthetic_s]"
+    assert eq.name_of(sv.total) == "total"
+    ctx = _problem(0).ctx
+    cm = np.zeros(lay.width)
+    cm[j] = 2e-3
+    base = phase_table(np.zeros(lay.width), 0.0, 0, ctx)[0]
+    with_term = phase_table(cm, 0.0, 0, ctx)[0]
+    assert with_term[PHASE_NAMES.index("lookup")] - base[PHASE_NAMES.index("lookup")] == pytest.approx(2e-3)
+    assert np.count_nonzero(with_term - base) == 1
+
+
+def test_a_malformed_column_is_refused_naming_it():
+    with pytest.raises(ValueError, match="needs the phase"):
+        terms.LoadColumn("orphan_s", "time")
+    with pytest.raises(ValueError, match="bandwidth"):
+        terms.LoadColumn("wire_bytes", "link", ("input_dist",))
