@@ -33,11 +33,11 @@ other layer, so every layer may use it.
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchrec_sparselift.errors import SparseLiftPlannerError
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COMPUTE_KERNELS, FUSED_KERNELS, SHARDING_TYPES
 
 __all__ = [
     "validate_inputs",
@@ -58,20 +58,14 @@ __all__ = [
 #: dim is a multiple of 4, on CUDA *and* on CPU (measured with fbgemm-gpu-cpu 1.8.0). The dense
 #: kernel (data-parallel tables) takes any dim.
 FUSED_DIM_MULTIPLE = 4
-#: Kernels backed by the TBE that needs ``embedding_dim % FUSED_DIM_MULTIPLE == 0``.
-FUSED_KERNELS: Tuple[str, ...] = ("fused", "fused_uvm", "fused_uvm_caching")
-
-_COLUMN_TYPES = ("column_wise", "table_column_wise")
+#: Kernels backed by the TBE that needs ``embedding_dim % FUSED_DIM_MULTIPLE == 0``
+#: (:data:`torchrec_sparselift.vocabulary.FUSED_KERNELS`, imported above).
 
 
-def _enum_values(path: str, name: str) -> Tuple[str, ...]:
-    return tuple(m.value for m in getattr(importlib.import_module(path), name))
 
-
-KNOWN_SHARDING_TYPES: Tuple[str, ...] = _enum_values("torchrec.distributed.types", "ShardingType")
-KNOWN_COMPUTE_KERNELS: Tuple[str, ...] = _enum_values(
-    "torchrec.distributed.embedding_types", "EmbeddingComputeKernel"
-)
+#: TorchRec's sharding types and compute kernels (:mod:`torchrec_sparselift.vocabulary`).
+KNOWN_SHARDING_TYPES: Tuple[str, ...] = SHARDING_TYPES
+KNOWN_COMPUTE_KERNELS: Tuple[str, ...] = COMPUTE_KERNELS
 
 
 def _spec(table: Any) -> Any:
@@ -175,7 +169,7 @@ def _check_constraints(
                 problems.append(f"{where}: min_partition must be a positive int, got {mp!r}")
             else:
                 for s in by_name.get(name, ()):
-                    if s.sharding_types and all(t in _COLUMN_TYPES for t in s.sharding_types) \
+                    if s.sharding_types and all(t in COLUMN_SPLIT_TYPES for t in s.sharding_types) \
                             and mp > s.embedding_dim:
                         problems.append(
                             f"{where}: min_partition {mp} is wider than the table "

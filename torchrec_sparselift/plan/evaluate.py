@@ -22,6 +22,7 @@ from torchrec_sparselift.search.solve import SearchResult, new_evaluator
 from torchrec_sparselift.semantics.dense import dense_work
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES
 
 __all__ = ["evaluate_sharding_plan", "given_candidates"]
 
@@ -37,7 +38,7 @@ def given_candidates(handles: Sequence[TableHandle], plan: ShardingPlan, world_s
         ps = module_plan.get(h.spec.name) if module_plan is not None else None
         if ps is None:
             raise ValueError(f"the plan has no sharding for table {h.spec.fqn!r}")
-        splits = len(ps.ranks) if ps.sharding_type in ("column_wise", "table_column_wise") else 1
+        splits = len(ps.ranks) if ps.sharding_type in COLUMN_SPLIT_TYPES else 1
         cand = candidate_for(t, h.spec, ps.sharding_type, ps.compute_kernel, world_size,
                              local_world_size, splits)
         out.append((cand, tuple(int(r) for r in ps.ranks)))

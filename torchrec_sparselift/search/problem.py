@@ -21,6 +21,7 @@ from torchrec_sparselift.cost.model import (
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, MODELED_KERNELS, UVM_KERNELS
 
 __all__ = ["PlanningProblem", "build_problem", "column_splits", "device_caps", "no_plan_kind",
            "storage_summary", "SUPPORTED_KERNELS"]
@@ -28,8 +29,7 @@ __all__ = ["PlanningProblem", "build_problem", "column_splits", "device_caps", "
 # Kernels whose sparse path the cost model describes (the key-value ones are offered only when a
 # constraint names them, as in TorchRec). Others (key_value, dram_ssd_virtual_table) are rejected
 # with a clear message.
-SUPPORTED_KERNELS = ("fused", "dense", "fused_uvm", "fused_uvm_caching", "dram_virtual_table",
-                     "ssd_virtual_table")
+SUPPORTED_KERNELS = MODELED_KERNELS
 
 
 def device_caps(topology) -> Tuple[np.ndarray, np.ndarray]:
@@ -136,7 +136,7 @@ def build_problem(
             for kernel in spec.kernels_for(st):
                 if kernel not in SUPPORTED_KERNELS:
                     continue
-                if kernel in ("fused_uvm", "fused_uvm_caching") and not uvm_useful and any(
+                if kernel in UVM_KERNELS and not uvm_useful and any(
                     k == "fused" for k in spec.kernels_for(st)
                 ):
                     continue  # dominated: same traffic, slower lookups, memory not needed
@@ -145,7 +145,7 @@ def build_problem(
                 if st in ("grid_shard", "table_column_wise"):
                     continue  # grid: not modelled yet; table-column-wise: column-wise covers it
                 splits = [1]
-                if st in ("column_wise", "table_column_wise"):
+                if st in COLUMN_SPLIT_TYPES:
                     splits = column_splits(spec, W, device)
                     if not splits:
                         if "table_wise" in spec.sharding_types:

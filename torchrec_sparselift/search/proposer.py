@@ -33,12 +33,13 @@ from torchrec_sparselift.search.lp import solve_lp
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.semantics.graph import candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, ON_EVERY_RANK_TYPES
 
 __all__ = ["SparseLiftProposer", "problem_from_options"]
 
 
 def _infer_world(options: Sequence[ShardingOption]) -> Tuple[int, int]:
-    world = max((len(o.shards) for o in options if o.sharding_type in ("row_wise", "data_parallel")), default=0)
+    world = max((len(o.shards) for o in options if o.sharding_type in ON_EVERY_RANK_TYPES), default=0)
     local = max((len(o.shards) for o in options if o.sharding_type == "table_row_wise"), default=0)
     world = world or max((len(o.shards) for o in options), default=1)
     return world, local or world
@@ -87,7 +88,7 @@ def problem_from_options(
         ids = []
         for i in tables[key]:
             o = options[i]
-            splits = len(o.shards) if o.sharding_type in ("column_wise", "table_column_wise") else 1
+            splits = len(o.shards) if o.sharding_type in COLUMN_SPLIT_TYPES else 1
             try:
                 cand = candidate_for(t, specs[t], o.sharding_type, o.compute_kernel, W, L, splits)
             except ValueError:
