@@ -37,7 +37,8 @@ import math
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchrec_sparselift.errors import SparseLiftPlannerError
-from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COMPUTE_KERNELS, FUSED_KERNELS, SHARDING_TYPES
+from torchrec_sparselift import defaults
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COMPUTE_KERNELS, FUSED_KERNELS, SHARDING_TYPES, SOLVERS
 
 __all__ = [
     "validate_inputs",
@@ -374,13 +375,13 @@ def planner_option_problems(
 ) -> List[str]:
     """Every problem with ``SparseLiftPlanner``'s own arguments (not the model's tables)."""
     problems = setting_problems([
-        ("batch_size", batch_size, "int>=1", "batch_size=512 (per rank)"),
+        ("batch_size", batch_size, "int>=1", f"batch_size={defaults.BATCH_SIZE} (per rank)"),
         ("timeout_seconds", timeout_seconds, ">0", "timeout_seconds=30"),
-        ("time_budget_s", time_budget_s, ">0", "time_budget_s=8.0"),
+        ("time_budget_s", time_budget_s, ">0", f"time_budget_s={defaults.TIME_BUDGET_S}"),
         ("sync_interval", sync_interval, "int>=1", "sync_interval=4 (steps)"),
-        ("drift_tolerance", drift_tolerance, ">=0", "drift_tolerance=0.2"),
+        ("drift_tolerance", drift_tolerance, ">=0", f"drift_tolerance={defaults.DRIFT_TOLERANCE}"),
         ("heuristical_storage_reservation_percentage", reservation_percentage, "fraction",
-         "heuristical_storage_reservation_percentage=0.15"),
+         f"heuristical_storage_reservation_percentage={defaults.STORAGE_RESERVATION_PERCENTAGE}"),
     ])
     ws, lws = getattr(topology, "world_size", None), getattr(topology, "local_world_size", None)
     if _is_int(ws) and ws >= 1 and _is_int(lws) and lws >= 1 and ws % min(lws, ws):
@@ -394,7 +395,7 @@ def planner_option_problems(
         elif p in stale_pipelines and not allow_staleness:
             problems.append(f"pipeline {p!r} trains on one-step-stale embeddings; pass "
                             "allow_staleness=True to allow it")
-    if solver not in ("auto", "heuristic", "milp"):
+    if solver not in SOLVERS:
         problems.append(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
     g = sharding_group_size
     if g not in (None, "auto") and _is_int(ws) and ws >= 1:

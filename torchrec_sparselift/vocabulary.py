@@ -69,6 +69,11 @@ __all__ = [
     "LOSSY_COMM_PRECISIONS",
     "comm_precision",
     "comm_precision_pairs",
+    # planner choices
+    "SOLVERS",
+    "COST_MODELS",
+    "LAYOUTS_2D",
+    "LAYOUT_2D_CHOICES",
 ]
 
 # -- sharding types ---------------------------------------------------------------------------
@@ -250,3 +255,15 @@ def comm_precision_pairs(allow_lossy_comm: bool = False, allow_fp8: bool = False
         if allow_fp8:
             pairs += _FP8_PAIRS
     return pairs
+
+
+# -- planner choices --------------------------------------------------------------------------
+
+#: Search strategies (``SparseLiftPlanner(solver=...)``).
+SOLVERS: Tuple[str, ...] = ("auto", "heuristic", "milp")
+#: Cost models the planner can rank plans by (``SparseLiftPlanner(cost_model=...)``).
+COST_MODELS: Tuple[str, ...] = ("sparselift", "torchrec")
+#: 2D rank layouts: contiguous sharding groups or TorchRec's strided default.
+LAYOUTS_2D: Tuple[str, ...] = ("contiguous", "strided")
+#: What ``layout_2d=`` / ``--layout-2d`` accept: a layout, or ``auto`` (price both on several hosts).
+LAYOUT_2D_CHOICES: Tuple[str, ...] = ("auto",) + LAYOUTS_2D

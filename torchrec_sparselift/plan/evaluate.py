@@ -13,6 +13,7 @@ from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import get_profile, profile_for_topology
 from torchrec_sparselift.cost.model import CostContext, shard_cost
 from torchrec_sparselift.plan.result import PlanResult
@@ -54,9 +55,9 @@ def evaluate_sharding_plan(
     hardware: Any = None,
     workload: Any = None,
     sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
-    pipeline: str = "sparse_dist",
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
+    pipeline: str = defaults.PIPELINE,
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
 ) -> PlanResult:
     """Price any ``ShardingPlan`` (e.g. TorchRec's) under SparseLift's cost model.
 

@@ -45,12 +45,13 @@ from torchrec_sparselift.plan.execution_plan import (
 )
 from torchrec_sparselift.semantics.tables import TableHandle, TableSpec
 from torchrec_sparselift.semantics.workload import WorkloadStats
+from torchrec_sparselift.vocabulary import SOLVERS as _SOLVERS
 from torchrec_sparselift.vocabulary import SYNC_PIPELINES, comm_precision_pairs
 
 __all__ = ["PlanRequest", "SOLVERS", "describe_callbacks", "describe_sharders", "describe_reservation"]
 
-#: Search strategies ``SparseLiftPlanner(solver=...)`` accepts.
-SOLVERS = ("auto", "heuristic", "milp")
+#: Search strategies ``SparseLiftPlanner(solver=...)`` accepts (:data:`torchrec_sparselift.vocabulary.SOLVERS`).
+SOLVERS = _SOLVERS
 #: Fields with their own digest in :class:`Fingerprint`; every other field is an "option".
 _CORE_FIELDS = ("tables", "topology", "batch_size", "constraints", "stats", "hardware", "handles")
 

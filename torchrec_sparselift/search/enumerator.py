@@ -23,6 +23,7 @@ from torch import nn
 from torchrec.distributed.planner.types import Enumerator, ParameterConstraints, ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
 from torchrec_sparselift.cost.model import CostContext, ShardCost, shard_cost
 from torchrec_sparselift.search.options import to_sharding_option
@@ -51,7 +52,7 @@ class SparseLiftEnumerator(Enumerator):
     def __init__(
         self,
         topology: Topology,
-        batch_size: int = 512,
+        batch_size: int = defaults.BATCH_SIZE,
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         estimator: Any = None,
         hardware: Any = None,

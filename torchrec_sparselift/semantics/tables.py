@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import attrs
 from torch import nn
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.validation import table_value_problems
 from torchrec_sparselift.vocabulary import (
     CPU_EXTRA_SHARDING_TYPES,
@@ -87,7 +88,7 @@ class TableSpec:
     sharding_types: Tuple[str, ...]
     compute_kernels: Tuple[Tuple[str, Tuple[str, ...]], ...]
     min_partition: Optional[int] = None
-    batch_size: int = 512
+    batch_size: int = defaults.BATCH_SIZE
     num_buckets: Optional[int] = None
     kv_l1_bytes: int = 0
     kv_l2_bytes: int = 0
