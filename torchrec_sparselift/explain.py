@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
-from torchrec_sparselift.cost.pipelines import PHASE_NAMES, Placed, effective_pipeline, schedule
 from torchrec_sparselift import defaults
+from torchrec_sparselift.cost.pipelines import PHASE_NAMES, Placed, effective_pipeline, schedule
 from torchrec_sparselift.cost.two_d import sync_evidence
 from torchrec_sparselift.search.place import best_placement
 from torchrec_sparselift.search.solve import new_evaluator

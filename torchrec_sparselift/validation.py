@@ -36,8 +36,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift import defaults
+from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COMPUTE_KERNELS, FUSED_KERNELS, SHARDING_TYPES, SOLVERS
 
 __all__ = [

@@ -47,6 +47,7 @@ from dlrm_tables import (  # noqa: E402
     preset_tables,
     scale_tables,
 )
+from torchrec_sparselift.vocabulary import COMPUTE_KERNELS, PIPELINES, SHARDING_TYPES  # noqa: E402
 
 __all__ = [
     "UsageError",
@@ -142,7 +143,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-plan-cache", action="store_true", help="always plan; store nothing")
     p.add_argument(
         "--pipeline",
-        choices=["base", "sparse_dist", "fused", "prefetch", "semi_sync"],
+        choices=PIPELINES,
         help="sparselift: train with this pipeline instead of the planned one (the prediction then no longer applies)",
     )
     p.add_argument("--allow-lossy-comm", action="store_true", help="sparselift may plan fp16/bf16 communication")
@@ -312,12 +313,10 @@ def planner_constraints(
     """TorchRec ``ParameterConstraints`` per table: every table's pooling factor (1 when
     ``one_hot``, e.g. Criteo files), plus what ``specs`` force. Raises UsageError for a sharding
     type or compute kernel TorchRec does not know."""
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ShardingType
 
-    known_types = [s.value for s in ShardingType]
-    known_kernels = [k.value for k in EmbeddingComputeKernel]
+    known_types = list(SHARDING_TYPES)
+    known_kernels = list(COMPUTE_KERNELS)
     by_table = {s.table: s for s in specs}
     out = {}
     for t in tables:

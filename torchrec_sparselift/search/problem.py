@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.model import (
     DEV_MEM,
     HOST_MEM,
@@ -21,7 +22,7 @@ from torchrec_sparselift.cost.model import (
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
-from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, MODELED_KERNELS, UVM_KERNELS
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, MODELED_KERNELS, UVM_KERNELS, comm_precision_pairs
 
 __all__ = ["PlanningProblem", "build_problem", "column_splits", "device_caps", "no_plan_kind",
            "storage_summary", "SUPPORTED_KERNELS"]
@@ -85,8 +86,8 @@ class PlanningProblem:
     candidates: Tuple[Tuple[int, ...], ...]
     device_cap: np.ndarray = attrs.field(eq=False)
     host_cap: np.ndarray = attrs.field(eq=False)
-    pipelines: Tuple[str, ...] = ("sparse_dist",)
-    precisions: Tuple[Tuple[str, str], ...] = (("fp32", "fp32"),)
+    pipelines: Tuple[str, ...] = (defaults.PIPELINE,)
+    precisions: Tuple[Tuple[str, str], ...] = comm_precision_pairs()
     #: (device, host) bytes that every plan needs at least: per table, its smallest option's
     #: total over all shards, summed (what :func:`no_plan_kind` compares with the cluster).
     lowest_storage: Tuple[float, float] = (0.0, 0.0)
@@ -107,8 +108,8 @@ def build_problem(
     ctx: CostContext,
     device_cap: np.ndarray,
     host_cap: np.ndarray,
-    pipelines: Sequence[str] = ("sparse_dist",),
-    precisions: Sequence[Tuple[str, str]] = (("fp32", "fp32"),),
+    pipelines: Sequence[str] = (defaults.PIPELINE,),
+    precisions: Sequence[Tuple[str, str]] = comm_precision_pairs(),
 ) -> PlanningProblem:
     """Enumerate candidates for every table, price one shard of each, drop what cannot fit.
 
