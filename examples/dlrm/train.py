@@ -47,6 +47,7 @@ from dlrm_tables import (  # noqa: E402
     preset_tables,
     scale_tables,
 )
+from torchrec_sparselift.defaults import ranks_per_host  # noqa: E402
 from torchrec_sparselift.vocabulary import COMPUTE_KERNELS, PIPELINES, SHARDING_TYPES  # noqa: E402
 
 __all__ = [
@@ -248,7 +249,7 @@ def init_distributed(device_flag: str):
         )  # fmt: skip
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    local_world_size = ranks_per_host(world_size=world_size)
     use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():

@@ -45,11 +45,9 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from torchrec_sparselift import defaults
+from torchrec_sparselift import defaults, vocabulary
 from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
-from torchrec_sparselift.vocabulary import COMM_PRECISIONS as _COMM_PRECISIONS
-from torchrec_sparselift.vocabulary import comm_precision, pipeline
 
 __all__ = [
     "COMM_PRECISIONS",
@@ -69,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 #: Comm precisions a plan may choose for the pooled-embedding all-to-all / reduce-scatter
 #: (:data:`torchrec_sparselift.vocabulary.COMM_PRECISIONS`).
-COMM_PRECISIONS = _COMM_PRECISIONS
+COMM_PRECISIONS = vocabulary.COMM_PRECISIONS
 
 EmbeddingOptimizerSpec = Tuple[Type[torch.optim.Optimizer], Mapping[str, Any]]
 DenseOptimizerFactory = Callable[[List[torch.Tensor]], torch.optim.Optimizer]
@@ -190,7 +188,7 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan) -> None
     lookup saved the weights for its backward, and autograd aborts the next backward ("modified
     by an inplace operation"); measured with TorchRec 1.8 on CPU/gloo.
     """
-    if kind not in PIPELINE_KINDS or pipeline(kind).dense_kernel:  # the rule: vocabulary.PIPELINE_REGISTRY
+    if kind not in PIPELINE_KINDS or vocabulary.pipeline(kind).dense_kernel:  # the rule: vocabulary.PIPELINE_REGISTRY
         return
     dense = sorted(
         f"{path}.{name} ({ps.sharding_type})"
@@ -226,7 +224,7 @@ def comm_codecs_registry(
     for name, value in (("fwd_comm_precision", fwd_comm_precision), ("bwd_comm_precision", bwd_comm_precision)):
         if value not in COMM_PRECISIONS:
             raise ValueError(f"{name}={value!r} is not supported: use one of {', '.join(COMM_PRECISIONS)}")
-        if device.type == "cpu" and not comm_precision(value).runs_on_cpu:
+        if device.type == "cpu" and not vocabulary.comm_precision(value).runs_on_cpu:
             raise ValueError(
                 f"{name}={value!r} does not run on CPU (TorchRec's {value} codec fails in the gloo all-to-all): "
                 "use fp16 or fp32 there"
