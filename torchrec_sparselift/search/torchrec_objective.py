@@ -112,8 +112,6 @@ class _CaptureOptions:
         raise _Captured()
 
 
-
-
 def placeable(option: Any, world_size: int, local_world_size: int) -> bool:
     """Whether the makespan problem can place ``option`` (see :func:`makespan_problem`)."""
     st, n = option.sharding_type, len(option.shards)
