@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional, Tuple
 PACKAGE = "torchrec_sparselift"
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, PACKAGE)
 
-BASE = {"errors": 0, "validation": 0, "atomic": 0}
+BASE = {"errors": 0, "validation": 0, "atomic": 0, "vocabulary": 0, "defaults": 0}
 LAYERS = {"semantics": 1, "cost": 2, "search": 3, "plan": 4, "runtime": 5}
 TOP = 10
 OPTIM = "optim"

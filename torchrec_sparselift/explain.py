@@ -23,8 +23,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.pipelines import PHASE_NAMES, Placed, effective_pipeline, schedule
-from torchrec_sparselift.cost.two_d import DEFAULT_MAX_SYNC_INTERVAL, sync_evidence
+from torchrec_sparselift.cost.two_d import sync_evidence
 from torchrec_sparselift.search.place import best_placement
 from torchrec_sparselift.search.solve import new_evaluator
 
@@ -383,7 +384,7 @@ def format_2d(optimizations: Any) -> List[str]:
     else:
         lines.append(f"  sharding groups of {o.sharding_group_size} ranks (no layout stored: "
                      "an older plan; lift() builds TorchRec's default strided groups)")
-    bound = o.max_sync_interval if o.max_sync_interval is not None else DEFAULT_MAX_SYNC_INTERVAL
+    bound = o.max_sync_interval if o.max_sync_interval is not None else defaults.MAX_SYNC_INTERVAL
     lines.append(f"  replica sync every {o.sync_interval} steps (bound {bound}): "
                  f"{sync_evidence(o.sync_interval)}")
     return lines

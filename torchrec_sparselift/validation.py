@@ -33,11 +33,13 @@ other layer, so every layer may use it.
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.errors import SparseLiftPlannerError
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COMPUTE_KERNELS, SHARDING_TYPES, SOLVERS
+from torchrec_sparselift.vocabulary import FUSED_KERNELS as _FUSED_KERNELS
 
 __all__ = [
     "validate_inputs",
@@ -59,19 +61,11 @@ __all__ = [
 #: kernel (data-parallel tables) takes any dim.
 FUSED_DIM_MULTIPLE = 4
 #: Kernels backed by the TBE that needs ``embedding_dim % FUSED_DIM_MULTIPLE == 0``.
-FUSED_KERNELS: Tuple[str, ...] = ("fused", "fused_uvm", "fused_uvm_caching")
+FUSED_KERNELS: Tuple[str, ...] = _FUSED_KERNELS
 
-_COLUMN_TYPES = ("column_wise", "table_column_wise")
-
-
-def _enum_values(path: str, name: str) -> Tuple[str, ...]:
-    return tuple(m.value for m in getattr(importlib.import_module(path), name))
-
-
-KNOWN_SHARDING_TYPES: Tuple[str, ...] = _enum_values("torchrec.distributed.types", "ShardingType")
-KNOWN_COMPUTE_KERNELS: Tuple[str, ...] = _enum_values(
-    "torchrec.distributed.embedding_types", "EmbeddingComputeKernel"
-)
+#: TorchRec's sharding types and compute kernels (:mod:`torchrec_sparselift.vocabulary`).
+KNOWN_SHARDING_TYPES: Tuple[str, ...] = SHARDING_TYPES
+KNOWN_COMPUTE_KERNELS: Tuple[str, ...] = COMPUTE_KERNELS
 
 
 def _spec(table: Any) -> Any:
@@ -175,7 +169,7 @@ def _check_constraints(
                 problems.append(f"{where}: min_partition must be a positive int, got {mp!r}")
             else:
                 for s in by_name.get(name, ()):
-                    if s.sharding_types and all(t in _COLUMN_TYPES for t in s.sharding_types) \
+                    if s.sharding_types and all(t in COLUMN_SPLIT_TYPES for t in s.sharding_types) \
                             and mp > s.embedding_dim:
                         problems.append(
                             f"{where}: min_partition {mp} is wider than the table "
@@ -380,13 +374,13 @@ def planner_option_problems(
 ) -> List[str]:
     """Every problem with ``SparseLiftPlanner``'s own arguments (not the model's tables)."""
     problems = setting_problems([
-        ("batch_size", batch_size, "int>=1", "batch_size=512 (per rank)"),
+        ("batch_size", batch_size, "int>=1", f"batch_size={defaults.BATCH_SIZE} (per rank)"),
         ("timeout_seconds", timeout_seconds, ">0", "timeout_seconds=30"),
-        ("time_budget_s", time_budget_s, ">0", "time_budget_s=8.0"),
+        ("time_budget_s", time_budget_s, ">0", f"time_budget_s={defaults.TIME_BUDGET_S}"),
         ("sync_interval", sync_interval, "int>=1", "sync_interval=4 (steps)"),
-        ("drift_tolerance", drift_tolerance, ">=0", "drift_tolerance=0.2"),
+        ("drift_tolerance", drift_tolerance, ">=0", f"drift_tolerance={defaults.DRIFT_TOLERANCE}"),
         ("heuristical_storage_reservation_percentage", reservation_percentage, "fraction",
-         "heuristical_storage_reservation_percentage=0.15"),
+         f"heuristical_storage_reservation_percentage={defaults.STORAGE_RESERVATION_PERCENTAGE}"),
     ])
     ws, lws = getattr(topology, "world_size", None), getattr(topology, "local_world_size", None)
     if _is_int(ws) and ws >= 1 and _is_int(lws) and lws >= 1 and ws % min(lws, ws):
@@ -400,7 +394,7 @@ def planner_option_problems(
         elif p in stale_pipelines and not allow_staleness:
             problems.append(f"pipeline {p!r} trains on one-step-stale embeddings; pass "
                             "allow_staleness=True to allow it")
-    if solver not in ("auto", "heuristic", "milp"):
+    if solver not in SOLVERS:
         problems.append(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
     g = sharding_group_size
     if g not in (None, "auto") and _is_int(ws) and ws >= 1:

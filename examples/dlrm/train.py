@@ -47,6 +47,8 @@ from dlrm_tables import (  # noqa: E402
     preset_tables,
     scale_tables,
 )
+from torchrec_sparselift.defaults import ranks_per_host  # noqa: E402
+from torchrec_sparselift.vocabulary import COMPUTE_KERNELS, PIPELINES, SHARDING_TYPES  # noqa: E402
 
 __all__ = [
     "UsageError",
@@ -142,7 +144,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-plan-cache", action="store_true", help="always plan; store nothing")
     p.add_argument(
         "--pipeline",
-        choices=["base", "sparse_dist", "fused", "prefetch", "semi_sync"],
+        choices=PIPELINES,
         help="sparselift: train with this pipeline instead of the planned one (the prediction then no longer applies)",
     )
     p.add_argument("--allow-lossy-comm", action="store_true", help="sparselift may plan fp16/bf16 communication")
@@ -247,7 +249,7 @@ def init_distributed(device_flag: str):
         )  # fmt: skip
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    local_world_size = ranks_per_host(world_size=world_size)
     use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():
@@ -312,12 +314,10 @@ def planner_constraints(
     """TorchRec ``ParameterConstraints`` per table: every table's pooling factor (1 when
     ``one_hot``, e.g. Criteo files), plus what ``specs`` force. Raises UsageError for a sharding
     type or compute kernel TorchRec does not know."""
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ShardingType
 
-    known_types = [s.value for s in ShardingType]
-    known_kernels = [k.value for k in EmbeddingComputeKernel]
+    known_types = list(SHARDING_TYPES)
+    known_kernels = list(COMPUTE_KERNELS)
     by_table = {s.table: s for s in specs}
     out = {}
     for t in tables:

@@ -1,7 +1,8 @@
 """What overlaps with what in one training step, per train-pipeline kind: the one description.
 
 A step is made of **phases** (:data:`PHASES`, seconds from :func:`~.model.phase_times`). Each
-pipeline kind (:data:`PIPELINE_KINDS`, names in :data:`PIPELINES`) arranges them as a
+pipeline kind (:data:`PIPELINE_KINDS`; names and properties in
+:data:`torchrec_sparselift.vocabulary.PIPELINE_REGISTRY`) arranges them as a
 series-parallel composition:
 
 * :class:`Seq` runs its parts one after the other;
@@ -26,8 +27,9 @@ Adding a phase: a :class:`Phase` in :data:`PHASES` (in step order) and the load 
 it (``cost.terms.LOAD_COLUMNS``; a constant goes in ``cost.model.phase_constants``): the evaluator's
 seconds and every solver's linear form (``search.equation.phase_forms``) follow; put its name in
 the right stage tuple below (:data:`EMB_FWD`, ...) and every pipeline kind built from that stage
-gets it. Adding a pipeline kind: one :class:`PipelineKind` in :data:`PIPELINE_KINDS` (the runtime
-maps the name to a TorchRec train pipeline in ``runtime.pipelines``). See docs/cost_model.md.
+gets it. Adding a pipeline kind: its :class:`~torchrec_sparselift.vocabulary.Pipeline` in
+``vocabulary.PIPELINE_REGISTRY`` (the runtime builds its TorchRec class from there) and its step
+composition in ``_STEPS`` below. See docs/cost_model.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from typing import Any, Dict, List, Mapping, Tuple, Union
 
 import attrs
 import numpy as np
+
+from torchrec_sparselift.vocabulary import PIPELINES, STALE_PIPELINES, SYNC_PIPELINES, Pipeline, pipeline
 
 __all__ = [
     "Phase",
@@ -145,19 +149,36 @@ class Par:
 
 @attrs.frozen
 class PipelineKind:
-    """A train-pipeline kind: its step composition, whether it trains on stale embeddings
-    (``stale``: only offered with ``allow_staleness``), whether it can train tables on the
-    ``dense`` compute kernel (``dense_kernel``; every data-parallel table uses it) and whether it
-    fuses the input distribution's splits exchanges of all sharding groups into one call per step
-    (``fused_input_splits``: TorchRec's ``TrainPipelineSparseDist`` and its subclasses do;
-    ``TrainPipelineBase`` runs each group's own; ``cost.model.collective_calls``)."""
+    """A train-pipeline kind as the cost model sees it: its step composition. What the kind is
+    (its TorchRec class, whether it trains on stale embeddings, which tables it can train, whether
+    it fuses the input distribution's splits exchanges) is its
+    :class:`~torchrec_sparselift.vocabulary.Pipeline` entry (:attr:`properties`); the attributes
+    below read it."""
 
     name: str
     step: Seq
     doc: str
-    stale: bool = False
-    dense_kernel: bool = True
-    fused_input_splits: bool = True
+
+    @property
+    def properties(self) -> Pipeline:
+        """The kind's entry in :data:`~torchrec_sparselift.vocabulary.PIPELINE_REGISTRY`."""
+        return pipeline(self.name)
+
+    @property
+    def stale(self) -> bool:
+        """Trains on one-step-stale embeddings (only offered with ``allow_staleness``)."""
+        return self.properties.stale
+
+    @property
+    def dense_kernel(self) -> bool:
+        """Can train tables on the ``dense`` compute kernel (every data-parallel table uses it)."""
+        return self.properties.dense_kernel
+
+    @property
+    def fused_input_splits(self) -> bool:
+        """Fuses the input distribution's splits exchanges of all sharding groups into one call
+        per step (``cost.model.collective_calls``)."""
+        return self.properties.fused_input_splits
 
 
 def _next_batch(phases: Tuple[str, ...], label: str, lane: str = "next batch") -> Lane:
@@ -166,15 +187,15 @@ def _next_batch(phases: Tuple[str, ...], label: str, lane: str = "next batch") -
 
 _PREFETCH_AHEAD = INPUT + ("uvm_fetch",)
 
-#: Every pipeline kind, in the planner's order of preference on equal step times.
-PIPELINE_KINDS: Tuple[PipelineKind, ...] = (
-    PipelineKind("base", Seq(INPUT + EMB_FWD + DENSE + EMB_BWD + SYNC + STEP),
-                 "everything in sequence (TrainPipelineBase)", fused_input_splits=False),
-    PipelineKind("sparse_dist", Seq([Par([
+#: Each pipeline kind's step composition and what it overlaps (one entry per registry pipeline).
+_STEPS: Dict[str, Tuple[Seq, str]] = {
+    "base": (Seq(INPUT + EMB_FWD + DENSE + EMB_BWD + SYNC + STEP),
+             "everything in sequence (TrainPipelineBase)"),
+    "sparse_dist": (Seq([Par([
         Lane("main", Seq(EMB_FWD + DENSE + EMB_BWD + SYNC + STEP), "the step's lookup/dense/backward"),
         _next_batch(INPUT, "the next batch's input_dist"),
     ])]), "the next batch's input_dist runs during this batch's work (TrainPipelineSparseDist)"),
-    PipelineKind("fused", Seq([Par([
+    "fused": (Seq([Par([
         Lane("main", Seq(EMB_FWD + DENSE + (Par([
             Lane("main", Seq(EMB_BWD), "embedding backward"),
             Lane("comm", Seq(SYNC), "allreduce"),
@@ -182,13 +203,13 @@ PIPELINE_KINDS: Tuple[PipelineKind, ...] = (
         _next_batch(INPUT, "the next batch's input_dist"),
     ])]), "as sparse_dist, and the embedding backward/optimizer overlaps the dense all-reduce "
           "(TrainPipelineFusedSparseDist)"),
-    PipelineKind("prefetch", Seq([Par([
+    "prefetch": (Seq([Par([
         Lane("main", Seq(tuple(p for p in EMB_FWD if p not in _PREFETCH_AHEAD) + DENSE + EMB_BWD + SYNC + STEP),
              "the step's lookup/dense/backward"),
         _next_batch(_PREFETCH_AHEAD, "the next batch's " + "+".join(_PREFETCH_AHEAD)),
     ])]), "as sparse_dist, and UVM-cache misses are fetched with the input_dist "
           "(PrefetchTrainPipelineSparseDist)"),
-    PipelineKind("semi_sync", Seq([Par([
+    "semi_sync": (Seq([Par([
         Lane("main", Seq((Par([
             Lane("main", Seq(DENSE), "dense fwd/bwd"),
             _next_batch(EMB_FWD, "next batch's embedding forward"),
@@ -197,14 +218,18 @@ PIPELINE_KINDS: Tuple[PipelineKind, ...] = (
     ])]), "as sparse_dist, and the next batch's lookup + output_dist overlap this batch's dense "
           "forward/backward (one step of embedding staleness; TrainPipelineSemiSync). It looks up "
           "batch i+1 before step i's update, so a dense-kernel table (updated in place after that "
-          "lookup) cannot train under it", stale=True, dense_kernel=False),
-)
+          "lookup) cannot train under it"),
+}
+if set(_STEPS) != set(PIPELINES):
+    raise RuntimeError(
+        f"cost.pipelines describes the steps of {sorted(_STEPS)} but vocabulary.PIPELINE_REGISTRY "
+        f"holds {sorted(PIPELINES)}: give every registry pipeline a step composition in _STEPS"
+    )
+
+#: Every pipeline kind, in the registry's order (the planner's order of preference on equal step
+#: times).
+PIPELINE_KINDS: Tuple[PipelineKind, ...] = tuple(PipelineKind(name, *_STEPS[name]) for name in PIPELINES)
 _BY_NAME: Dict[str, PipelineKind] = {k.name: k for k in PIPELINE_KINDS}
-#: Pipeline names, one order used everywhere.
-PIPELINES: Tuple[str, ...] = tuple(k.name for k in PIPELINE_KINDS)
-#: Pipelines that train on up-to-date embeddings (the planner's default set).
-SYNC_PIPELINES: Tuple[str, ...] = tuple(k.name for k in PIPELINE_KINDS if not k.stale)
-STALE_PIPELINES: Tuple[str, ...] = tuple(k.name for k in PIPELINE_KINDS if k.stale)
 
 
 def pipeline_kind(name: str) -> PipelineKind:

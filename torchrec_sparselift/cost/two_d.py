@@ -26,8 +26,10 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.semantics.layout import Layout2D
+from torchrec_sparselift.vocabulary import PIPELINES_2D
 
 __all__ = [
     "replica_sync_s",
@@ -47,11 +49,11 @@ SYNC_INTERVALS = (1, 2, 4, 8, 16, 32, 64, 100)
 
 #: Train pipelines through which TorchRec runs ``DMPCollection``'s replica sync
 #: (``dmp_collection_sync_interval_batches``); a 2D plan uses one of them.
-SYNC_PIPELINES_2D = ("sparse_dist", "semi_sync")
+SYNC_PIPELINES_2D = PIPELINES_2D
 
 #: Largest sync interval at which the momentum-scaled merge was measured at parity with 1D
 #: (docs/benchmarks.md, "2D quality parity"): the planner's default bound.
-DEFAULT_MAX_SYNC_INTERVAL = 16
+DEFAULT_MAX_SYNC_INTERVAL = defaults.MAX_SYNC_INTERVAL
 
 #: What was measured, per interval (benchmarks/parity_2d.py; docs/benchmarks.md has the commands).
 PARITY_EVIDENCE = {
@@ -104,7 +106,7 @@ def group_sizes(world_size: int, local_world_size: int) -> List[int]:
     return sizes + [world_size]
 
 
-def choose_sync_interval(step_s: float, sync_s: float, max_overhead: float = 0.05,
+def choose_sync_interval(step_s: float, sync_s: float, max_overhead: float = defaults.SYNC_OVERHEAD,
                          intervals: Sequence[int] = SYNC_INTERVALS,
                          max_sync_interval: Optional[int] = None) -> int:
     """Smallest interval whose amortised sync costs at most ``max_overhead`` of the step, never

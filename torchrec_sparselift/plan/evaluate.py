@@ -13,6 +13,7 @@ from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import get_profile, profile_for_topology
 from torchrec_sparselift.cost.model import CostContext, shard_cost
 from torchrec_sparselift.plan.result import PlanResult
@@ -22,6 +23,7 @@ from torchrec_sparselift.search.solve import SearchResult, new_evaluator
 from torchrec_sparselift.semantics.dense import dense_work
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES
 
 __all__ = ["evaluate_sharding_plan", "given_candidates"]
 
@@ -37,7 +39,7 @@ def given_candidates(handles: Sequence[TableHandle], plan: ShardingPlan, world_s
         ps = module_plan.get(h.spec.name) if module_plan is not None else None
         if ps is None:
             raise ValueError(f"the plan has no sharding for table {h.spec.fqn!r}")
-        splits = len(ps.ranks) if ps.sharding_type in ("column_wise", "table_column_wise") else 1
+        splits = len(ps.ranks) if ps.sharding_type in COLUMN_SPLIT_TYPES else 1
         cand = candidate_for(t, h.spec, ps.sharding_type, ps.compute_kernel, world_size,
                              local_world_size, splits)
         out.append((cand, tuple(int(r) for r in ps.ranks)))
@@ -53,9 +55,9 @@ def evaluate_sharding_plan(
     hardware: Any = None,
     workload: Any = None,
     sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
-    pipeline: str = "sparse_dist",
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
+    pipeline: str = defaults.PIPELINE,
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
 ) -> PlanResult:
     """Price any ``ShardingPlan`` (e.g. TorchRec's) under SparseLift's cost model.
 

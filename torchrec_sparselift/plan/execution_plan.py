@@ -26,13 +26,15 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
-from torchrec_sparselift.cost.pipelines import PIPELINES as _PIPELINES
+from torchrec_sparselift import defaults
 from torchrec_sparselift.errors import PlanFormatError
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
 from torchrec_sparselift.validation import int_at_least
 from torchrec_sparselift.semantics.layout import Layout2D
 from torchrec_sparselift.semantics.tables import embedding_configs, embedding_modules
 from torchrec_sparselift.semantics.workload import WorkloadStats
+from torchrec_sparselift.vocabulary import COMM_PRECISIONS as _COMM_PRECISIONS
+from torchrec_sparselift.vocabulary import PIPELINES as _PIPELINES
 
 __all__ = [
     "EXECUTION_PLAN_SCHEMA",
@@ -58,10 +60,11 @@ EXECUTION_PLAN_SCHEMA = "sparselift.execution_plan/2"
 #: Schema 1 keyed plans without the planner's options (guards, pipelines, 2D settings), so a plan
 #: stored under them is never reused: it is re-planned with this reason.
 _OLDER_SCHEMAS = {"sparselift.execution_plan/1": "it was keyed without the planner's options"}
-#: Train-pipeline kinds (:data:`torchrec_sparselift.cost.pipelines.PIPELINES`, one order everywhere).
+#: Train-pipeline kinds (:data:`torchrec_sparselift.vocabulary.PIPELINES`, one order everywhere).
 PIPELINES = _PIPELINES
-#: Element types of the forward (pooled embeddings) / backward (their gradients) all-to-alls.
-COMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+#: Element types of the forward (pooled embeddings) / backward (their gradients) all-to-alls
+#: (:data:`torchrec_sparselift.vocabulary.COMM_PRECISIONS`).
+COMM_PRECISIONS = _COMM_PRECISIONS
 
 #: (module_path, table_name, rows, dim, feature_names, pooled[, data_type])
 TableSpec = Tuple[Any, ...]
@@ -175,9 +178,9 @@ class Optimizations:
         table_grouping: whether tables with equal kernel/dim are fused into one TBE group.
     """
 
-    pipeline: str = attrs.field(default="sparse_dist", validator=_one_of(PIPELINES))
-    fwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
-    bwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
+    pipeline: str = attrs.field(default=defaults.PIPELINE, validator=_one_of(PIPELINES))
+    fwd_comm_precision: str = attrs.field(default=defaults.COMM_PRECISION, validator=_one_of(COMM_PRECISIONS))
+    bwd_comm_precision: str = attrs.field(default=defaults.COMM_PRECISION, validator=_one_of(COMM_PRECISIONS))
     sharding_group_size: Optional[int] = attrs.field(default=None, validator=int_at_least(1, optional=True))
     sync_interval: int = attrs.field(default=1, validator=int_at_least(1, " (steps)"))
     table_grouping: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))

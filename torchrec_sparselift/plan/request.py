@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import attrs
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost.model import DenseWork
 from torchrec_sparselift.plan.execution_plan import (
@@ -44,11 +45,13 @@ from torchrec_sparselift.plan.execution_plan import (
 )
 from torchrec_sparselift.semantics.tables import TableHandle, TableSpec
 from torchrec_sparselift.semantics.workload import WorkloadStats
+from torchrec_sparselift.vocabulary import SOLVERS as _SOLVERS
+from torchrec_sparselift.vocabulary import SYNC_PIPELINES, comm_precision_pairs
 
 __all__ = ["PlanRequest", "SOLVERS", "describe_callbacks", "describe_sharders", "describe_reservation"]
 
-#: Search strategies ``SparseLiftPlanner(solver=...)`` accepts.
-SOLVERS = ("auto", "heuristic", "milp")
+#: Search strategies ``SparseLiftPlanner(solver=...)`` accepts (:data:`torchrec_sparselift.vocabulary.SOLVERS`).
+SOLVERS = _SOLVERS
 #: Fields with their own digest in :class:`Fingerprint`; every other field is an "option".
 _CORE_FIELDS = ("tables", "topology", "batch_size", "constraints", "stats", "hardware", "handles")
 
@@ -164,21 +167,22 @@ class PlanRequest:
     callbacks: Tuple[Any, ...] = attrs.field(default=(), converter=tuple, eq=_key(describe_callbacks),
                                              repr=False, metadata={"describe": describe_callbacks})
     pipelines: Tuple[str, ...] = attrs.field(
-        default=("base", "sparse_dist", "fused", "prefetch"), converter=tuple,
+        default=SYNC_PIPELINES, converter=tuple,
         validator=_member(attrs.validators.in_(PIPELINES)))
     precisions: Tuple[Tuple[str, str], ...] = attrs.field(
-        default=(("fp32", "fp32"),), converter=_pairs, validator=_precision_pair)
+        default=comm_precision_pairs(), converter=_pairs, validator=_precision_pair)
     allow_lossy_comm: bool = attrs.field(default=False, validator=_bool)
     allow_fp8: bool = attrs.field(default=False, validator=_bool)
     allow_staleness: bool = attrs.field(default=False, validator=_bool)
-    solver: str = attrs.field(default="auto", validator=attrs.validators.in_(SOLVERS))
-    time_budget_s: float = attrs.field(default=8.0, converter=float, validator=attrs.validators.gt(0))
+    solver: str = attrs.field(default=defaults.SOLVER, validator=attrs.validators.in_(SOLVERS))
+    time_budget_s: float = attrs.field(default=defaults.TIME_BUDGET_S, converter=float,
+                                       validator=attrs.validators.gt(0))
     sharding_group_size: Union[None, int, str] = attrs.field(default=None, validator=_group_size)
     sync_interval: Optional[int] = attrs.field(default=None, validator=_opt_pos_int)
     # Options other issues add (defaults keep today's behaviour):
     cost_model: str = attrs.field(default="sparselift", validator=attrs.validators.instance_of(str))
     max_sync_interval: Optional[int] = attrs.field(default=None, validator=_opt_pos_int)
-    layout_2d: str = attrs.field(default="auto", validator=attrs.validators.instance_of(str))
+    layout_2d: str = attrs.field(default=defaults.LAYOUT_2D, validator=attrs.validators.instance_of(str))
     measured_guard: Any = attrs.field(default=None)
     #: The live objects behind ``tables`` (for building TorchRec ``ShardingOption`` s); not part
     #: of the request's identity.

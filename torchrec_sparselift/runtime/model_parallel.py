@@ -45,7 +45,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from torchrec_sparselift.cost.pipelines import pipeline_kind
+from torchrec_sparselift import defaults, vocabulary
 from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
 
@@ -65,8 +65,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Comm precisions a plan may choose for the pooled-embedding all-to-all / reduce-scatter.
-COMM_PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+#: Comm precisions a plan may choose for the pooled-embedding all-to-all / reduce-scatter
+#: (:data:`torchrec_sparselift.vocabulary.COMM_PRECISIONS`).
+COMM_PRECISIONS = vocabulary.COMM_PRECISIONS
 
 EmbeddingOptimizerSpec = Tuple[Type[torch.optim.Optimizer], Mapping[str, Any]]
 DenseOptimizerFactory = Callable[[List[torch.Tensor]], torch.optim.Optimizer]
@@ -98,9 +99,9 @@ class RuntimeSettings:
     ``ShardingPlan``); ``description`` is a one-line label for logs and measurement records.
     """
 
-    pipeline: str = attrs.field(default="sparse_dist", validator=_one_of(PIPELINE_KINDS))
-    fwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
-    bwd_comm_precision: str = attrs.field(default="fp32", validator=_one_of(COMM_PRECISIONS))
+    pipeline: str = attrs.field(default=defaults.PIPELINE, validator=_one_of(PIPELINE_KINDS))
+    fwd_comm_precision: str = attrs.field(default=defaults.COMM_PRECISION, validator=_one_of(COMM_PRECISIONS))
+    bwd_comm_precision: str = attrs.field(default=defaults.COMM_PRECISION, validator=_one_of(COMM_PRECISIONS))
     sharding_group_size: Optional[int] = attrs.field(default=None, validator=_optional_positive_int)
     sync_interval: Optional[int] = attrs.field(default=None, validator=_optional_positive_int)
     #: the plan's 2D rank layout (a ``Layout2D``; None for 1D or a bare ShardingPlan)
@@ -155,9 +156,9 @@ def resolve_settings(
     opt = plan.optimizations
     group = getattr(opt, "sharding_group_size", None)
     chosen = {
-        "pipeline": getattr(opt, "pipeline", "sparse_dist"),
-        "fwd_comm_precision": getattr(opt, "fwd_comm_precision", "fp32"),
-        "bwd_comm_precision": getattr(opt, "bwd_comm_precision", "fp32"),
+        "pipeline": getattr(opt, "pipeline", defaults.PIPELINE),
+        "fwd_comm_precision": getattr(opt, "fwd_comm_precision", defaults.COMM_PRECISION),
+        "bwd_comm_precision": getattr(opt, "bwd_comm_precision", defaults.COMM_PRECISION),
     }
     changed = {k: v for k, v in given.items() if v != chosen[k]}
     for key, value in changed.items():
@@ -187,7 +188,7 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan) -> None
     lookup saved the weights for its backward, and autograd aborts the next backward ("modified
     by an inplace operation"); measured with TorchRec 1.8 on CPU/gloo.
     """
-    if kind not in PIPELINE_KINDS or pipeline_kind(kind).dense_kernel:  # the rule: cost/pipelines.py
+    if kind not in PIPELINE_KINDS or vocabulary.pipeline(kind).dense_kernel:  # the rule: vocabulary.PIPELINE_REGISTRY
         return
     dense = sorted(
         f"{path}.{name} ({ps.sharding_type})"
@@ -223,9 +224,9 @@ def comm_codecs_registry(
     for name, value in (("fwd_comm_precision", fwd_comm_precision), ("bwd_comm_precision", bwd_comm_precision)):
         if value not in COMM_PRECISIONS:
             raise ValueError(f"{name}={value!r} is not supported: use one of {', '.join(COMM_PRECISIONS)}")
-        if value == "fp8" and device.type == "cpu":
+        if device.type == "cpu" and not vocabulary.comm_precision(value).runs_on_cpu:
             raise ValueError(
-                f"{name}='fp8' does not run on CPU (TorchRec's fp8 codec fails in the gloo all-to-all): "
+                f"{name}={value!r} does not run on CPU (TorchRec's {value} codec fails in the gloo all-to-all): "
                 "use fp16 or fp32 there"
             )
     return get_qcomm_codecs_registry(

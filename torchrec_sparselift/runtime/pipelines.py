@@ -1,6 +1,7 @@
 """Train-pipeline kinds: from the plan's pipeline name to a TorchRec train pipeline.
 
-Kinds (the names ``ExecutionPlan.optimizations.pipeline`` uses):
+Kinds (the names ``ExecutionPlan.optimizations.pipeline`` uses; each one's TorchRec class and
+properties are its entry in :data:`torchrec_sparselift.vocabulary.PIPELINE_REGISTRY`):
 
 ==============  ==================================  ===================================================
 kind            TorchRec class                      what it overlaps with step i's forward/backward
@@ -35,8 +36,8 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSemiSync,
 )
 
-from torchrec_sparselift.cost.pipelines import PIPELINES, SYNC_PIPELINES
 from torchrec_sparselift.runtime.cpu_compat import cpu_pipeline_class
+from torchrec_sparselift.vocabulary import PIPELINE_REGISTRY, PIPELINES, PIPELINES_2D, SYNC_PIPELINES
 
 __all__ = [
     "PIPELINE_KINDS",
@@ -45,22 +46,22 @@ __all__ = [
     "make_train_pipeline",
 ]
 
-_CLASSES: Dict[str, Type[TrainPipeline]] = {
-    "base": TrainPipelineBase,
-    "sparse_dist": TrainPipelineSparseDist,
-    "semi_sync": TrainPipelineSemiSync,
-    "fused": TrainPipelineFusedSparseDist,
-    "prefetch": PrefetchTrainPipelineSparseDist,
+_TORCHREC_CLASSES: Dict[str, Type[TrainPipeline]] = {
+    c.__name__: c
+    for c in (TrainPipelineBase, TrainPipelineSparseDist, TrainPipelineFusedSparseDist,
+              PrefetchTrainPipelineSparseDist, TrainPipelineSemiSync)
 }
+#: The TorchRec class of every pipeline kind (its registry entry's ``torchrec_class``).
+_CLASSES: Dict[str, Type[TrainPipeline]] = {p.name: _TORCHREC_CLASSES[p.torchrec_class] for p in PIPELINE_REGISTRY}
 
-#: Every pipeline kind (:data:`torchrec_sparselift.cost.pipelines.PIPELINES`, one order everywhere).
+#: Every pipeline kind (:data:`torchrec_sparselift.vocabulary.PIPELINES`, one order everywhere).
 PIPELINE_KINDS = PIPELINES
 #: Kinds whose per-step results equal a plain forward/backward/optimizer-step loop (the ones that
 #: do not train on stale embeddings).
 EXACT_PIPELINE_KINDS = SYNC_PIPELINES
 
 # Kinds whose constructor takes ``dmp_collection_sync_interval_batches`` (2D replica sync).
-_SYNC_INTERVAL_KINDS = ("sparse_dist", "semi_sync")
+_SYNC_INTERVAL_KINDS = PIPELINES_2D
 
 
 def _check_kind(kind: str) -> None:

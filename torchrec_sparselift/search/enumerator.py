@@ -23,6 +23,7 @@ from torch import nn
 from torchrec.distributed.planner.types import Enumerator, ParameterConstraints, ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
 from torchrec_sparselift.cost.model import CostContext, ShardCost, shard_cost
 from torchrec_sparselift.search.options import to_sharding_option
@@ -30,6 +31,7 @@ from torchrec_sparselift.search.problem import PlanningProblem, build_problem, d
 from torchrec_sparselift.semantics.dense import dense_work
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES
 
 __all__ = ["SparseLiftEnumerator"]
 
@@ -50,7 +52,7 @@ class SparseLiftEnumerator(Enumerator):
     def __init__(
         self,
         topology: Topology,
-        batch_size: int = 512,
+        batch_size: int = defaults.BATCH_SIZE,
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         estimator: Any = None,
         hardware: Any = None,
@@ -97,7 +99,7 @@ class SparseLiftEnumerator(Enumerator):
         by_name = {(h.spec.module_path, h.spec.name): (t, h) for t, h in enumerate(self.last_handles)}
         for so in sharding_options:
             t, h = by_name[(so.path, so.name)]
-            splits = len(so.shards) if so.sharding_type in ("column_wise", "table_column_wise") else 1
+            splits = len(so.shards) if so.sharding_type in COLUMN_SPLIT_TYPES else 1
             cand = candidate_for(t, h.spec, so.sharding_type, so.compute_kernel, prob.ctx.world_size,
                                  prob.ctx.local_world_size, splits)
             cost = shard_cost(h.spec, cand, prob.ctx)

@@ -28,6 +28,7 @@ from torchrec_sparselift.cost.model import (
 )
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.semantics.tables import TableHandle
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES
 
 __all__ = ["to_sharding_option", "shard_layout"]
 
@@ -39,7 +40,7 @@ def shard_layout(handle: TableHandle, prob: PlanningProblem, cand_id: int) -> Tu
     c = prob.cands[cand_id]
     spec = handle.spec
     W, L = prob.ctx.world_size, min(prob.ctx.local_world_size, prob.ctx.world_size)
-    if c.sharding_type in ("column_wise", "table_column_wise"):
+    if c.sharding_type in COLUMN_SPLIT_TYPES:
         w = c.shard_cols
         return (
             [[spec.num_embeddings, w] for _ in range(c.num_shards)],

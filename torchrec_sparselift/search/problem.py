@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.model import (
     DEV_MEM,
     HOST_MEM,
@@ -22,6 +23,7 @@ from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, MODELED_KERNELS, UVM_KERNELS, comm_precision_pairs
 
 __all__ = ["PlanningProblem", "build_problem", "column_splits", "device_caps", "no_plan_kind",
            "storage_summary", "SUPPORTED_KERNELS"]
@@ -29,8 +31,7 @@ __all__ = ["PlanningProblem", "build_problem", "column_splits", "device_caps", "
 # Kernels whose sparse path the cost model describes (the key-value ones are offered only when a
 # constraint names them, as in TorchRec). Others (key_value, dram_ssd_virtual_table) are rejected
 # with a clear message.
-SUPPORTED_KERNELS = ("fused", "dense", "fused_uvm", "fused_uvm_caching", "dram_virtual_table",
-                     "ssd_virtual_table")
+SUPPORTED_KERNELS = MODELED_KERNELS
 
 
 def device_caps(topology) -> Tuple[np.ndarray, np.ndarray]:
@@ -86,8 +87,8 @@ class PlanningProblem:
     candidates: Tuple[Tuple[int, ...], ...]
     device_cap: np.ndarray = attrs.field(eq=False)
     host_cap: np.ndarray = attrs.field(eq=False)
-    pipelines: Tuple[str, ...] = ("sparse_dist",)
-    precisions: Tuple[Tuple[str, str], ...] = (("fp32", "fp32"),)
+    pipelines: Tuple[str, ...] = (defaults.PIPELINE,)
+    precisions: Tuple[Tuple[str, str], ...] = comm_precision_pairs()
     #: (device, host) bytes that every plan needs at least: per table, its smallest option's
     #: total over all shards, summed (what :func:`no_plan_kind` compares with the cluster).
     lowest_storage: Tuple[float, float] = (0.0, 0.0)
@@ -106,8 +107,8 @@ def build_problem(
     ctx: CostContext,
     device_cap: np.ndarray,
     host_cap: np.ndarray,
-    pipelines: Sequence[str] = ("sparse_dist",),
-    precisions: Sequence[Tuple[str, str]] = (("fp32", "fp32"),),
+    pipelines: Sequence[str] = (defaults.PIPELINE,),
+    precisions: Sequence[Tuple[str, str]] = comm_precision_pairs(),
 ) -> PlanningProblem:
     """Enumerate candidates for every table, price one shard of each, drop what cannot fit.
 
@@ -135,7 +136,7 @@ def build_problem(
             for kernel in spec.kernels_for(st):
                 if kernel not in SUPPORTED_KERNELS:
                     continue
-                if kernel in ("fused_uvm", "fused_uvm_caching") and not uvm_useful and any(
+                if kernel in UVM_KERNELS and not uvm_useful and any(
                     k == "fused" for k in spec.kernels_for(st)
                 ):
                     continue  # dominated: same traffic, slower lookups, memory not needed
@@ -144,7 +145,7 @@ def build_problem(
                 if st in ("grid_shard", "table_column_wise"):
                     continue  # grid: not modelled yet; table-column-wise: column-wise covers it
                 splits = [1]
-                if st in ("column_wise", "table_column_wise"):
+                if st in COLUMN_SPLIT_TYPES:
                     splits = column_splits(spec, W, device)
                     if not splits:
                         if "table_wise" in spec.sharding_types:

@@ -27,18 +27,20 @@ import attrs
 import numpy as np
 from torchrec.distributed.planner.types import Enumerator, Proposer, ShardingOption, Topology
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import get_profile, profile_for_topology, PRESETS
 from torchrec_sparselift.cost.model import DEV_MEM, CostContext, shard_cost
 from torchrec_sparselift.search.lp import solve_lp
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.semantics.graph import candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COST_MODELS, ON_EVERY_RANK_TYPES
 
 __all__ = ["SparseLiftProposer", "problem_from_options"]
 
 
 def _infer_world(options: Sequence[ShardingOption]) -> Tuple[int, int]:
-    world = max((len(o.shards) for o in options if o.sharding_type in ("row_wise", "data_parallel")), default=0)
+    world = max((len(o.shards) for o in options if o.sharding_type in ON_EVERY_RANK_TYPES), default=0)
     local = max((len(o.shards) for o in options if o.sharding_type == "table_row_wise"), default=0)
     world = world or max((len(o.shards) for o in options), default=1)
     return world, local or world
@@ -87,7 +89,7 @@ def problem_from_options(
         ids = []
         for i in tables[key]:
             o = options[i]
-            splits = len(o.shards) if o.sharding_type in ("column_wise", "table_column_wise") else 1
+            splits = len(o.shards) if o.sharding_type in COLUMN_SPLIT_TYPES else 1
             try:
                 cand = candidate_for(t, specs[t], o.sharding_type, o.compute_kernel, W, L, splits)
             except ValueError:
@@ -107,10 +109,10 @@ class SparseLiftProposer(Proposer):
     """Proposes SparseLift's option choice for TorchRec's planning loop (see module docs)."""
 
     def __init__(self, topology: Optional[Topology] = None, hardware: Any = None,
-                 pipeline: str = "sparse_dist", max_proposals: int = 6,
+                 pipeline: str = defaults.PIPELINE, max_proposals: int = 6,
                  cost_model: str = "sparselift", time_budget_s: float = 4.0,
-                 storage_reservation_percentage: float = 0.15) -> None:
-        if cost_model not in ("sparselift", "torchrec"):
+                 storage_reservation_percentage: float = defaults.STORAGE_RESERVATION_PERCENTAGE) -> None:
+        if cost_model not in COST_MODELS:
             raise ValueError(f"cost_model must be 'sparselift' or 'torchrec', got {cost_model!r}")
         self._cost_model = cost_model
         self._budget = float(time_budget_s)

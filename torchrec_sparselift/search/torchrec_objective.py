@@ -35,6 +35,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift.vocabulary import ON_EVERY_RANK_TYPES, UVM_KERNELS
+
 __all__ = [
     "TorchRecProblem",
     "default_estimators",
@@ -110,9 +112,6 @@ class _CaptureOptions:
         raise _Captured()
 
 
-UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
-
-
 def placeable(option: Any, world_size: int, local_world_size: int) -> bool:
     """Whether the makespan problem can place ``option`` (see :func:`makespan_problem`)."""
     st, n = option.sharding_type, len(option.shards)
@@ -121,7 +120,7 @@ def placeable(option: Any, world_size: int, local_world_size: int) -> bool:
         return True
     if st == "table_column_wise":
         return n in (1, L)
-    if st in ("row_wise", "data_parallel"):
+    if st in ON_EVERY_RANK_TYPES:
         return n == world_size
     if st == "table_row_wise":
         return n == L
@@ -338,7 +337,7 @@ def makespan_problem(
         st, n = o.sharding_type, len(o.shards)
         if st in ("table_wise", "column_wise") or (st == "table_column_wise" and n == 1):
             placement = "free"
-        elif st in ("row_wise", "data_parallel"):
+        elif st in ON_EVERY_RANK_TYPES:
             placement = "all"
             if n != W:
                 skipped.append(f"{o.name} {st}/{o.compute_kernel}: {n} shards on {W} ranks")

@@ -25,6 +25,12 @@ from typing import List, Tuple
 import attrs
 
 from torchrec_sparselift.semantics.tables import TableSpec
+from torchrec_sparselift.vocabulary import (
+    COLUMN_SPLIT_TYPES,
+    HOST_ROW_SPLIT_TYPES,
+    ON_EVERY_RANK_TYPES,
+    PLACED_FREELY_TYPES,
+)
 
 __all__ = [
     "HOST_WORK_KINDS",
@@ -45,13 +51,9 @@ DEFAULT_CACHE_LOAD_FACTOR = 0.2  # TorchRec's default for UVM caching kernels
 KV_CACHE_LOAD_FACTOR = 0.2  # TorchRec's KV_CACHING_RATIO: the largest L1 cache, as a table fraction
 
 PLACEMENT_OF = {
-    "table_wise": "free",
-    "column_wise": "free",
-    "table_column_wise": "free",
-    "row_wise": "all",
-    "data_parallel": "all",
-    "table_row_wise": "host",
-    "grid_shard": "host",
+    **{t: "free" for t in PLACED_FREELY_TYPES},
+    **{t: "all" for t in ON_EVERY_RANK_TYPES},
+    **{t: "host" for t in HOST_ROW_SPLIT_TYPES},
 }
 
 NODE_KINDS = (
@@ -135,7 +137,7 @@ def candidate_for(
     rows, dim = spec.num_embeddings, spec.embedding_dim
     if sharding_type in ("table_wise",):
         n, r, c = 1, rows, dim
-    elif sharding_type in ("column_wise", "table_column_wise"):
+    elif sharding_type in COLUMN_SPLIT_TYPES:
         n, r, c = column_splits, rows, dim // column_splits
     elif sharding_type == "row_wise":
         n, r, c = world_size, -(-rows // world_size), dim
@@ -236,7 +238,7 @@ def shard_nodes(
         nodes.append(Node("kjt_work", "host", float(nf), unit="features"))
         return nodes
 
-    if st in ("table_wise", "column_wise", "table_column_wise"):
+    if st in PLACED_FREELY_TYPES:
         ids_here = ids_global
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
         a2a("input_dist", in_bytes, fi, fe, in_bytes / W, False)
@@ -278,7 +280,7 @@ def shard_nodes(
         _host_work(nodes, nf / W, 1.0, B * pf / W)
         return nodes
 
-    if st in ("table_row_wise", "grid_shard"):
+    if st in HOST_ROW_SPLIT_TYPES:
         rows_split = L
         ids_here = ids_global / rows_split
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
@@ -353,12 +355,12 @@ def shard_memory(spec: TableSpec, cand: Candidate, world_size: int,
     B, W = spec.batch_size, world_size
     if cand.sharding_type == "row_wise":
         ids_here = B * W * spec.pooling_factor / W
-    elif cand.sharding_type in ("table_row_wise", "grid_shard"):
+    elif cand.sharding_type in HOST_ROW_SPLIT_TYPES:
         ids_here = B * W * spec.pooling_factor / max(cand.num_shards, 1)
     else:
         ids_here = B * W * spec.pooling_factor
     out_rows = B * W if spec.is_pooled else ids_here
-    partial_copy = out_rows * cols * 4 if cand.sharding_type in ("table_row_wise", "grid_shard") else 0
+    partial_copy = out_rows * cols * 4 if cand.sharding_type in HOST_ROW_SPLIT_TYPES else 0
     buffers = ids_here * INDEX_BYTES + out_rows * cols * 4 * 2 + partial_copy  # ids; output + grad
     if cand.compute_kernel in ("dram_virtual_table", "ssd_virtual_table"):
         # A key-value store holds only the ids a job inserts, never the whole id space: what a

@@ -25,9 +25,12 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import attrs
 
+from torchrec_sparselift.vocabulary import LAYOUTS_2D
+
 __all__ = ["Layout2D", "LAYOUTS", "layouts_to_price"]
 
-LAYOUTS = ("contiguous", "strided")
+#: The 2D rank layouts (:data:`torchrec_sparselift.vocabulary.LAYOUTS_2D`).
+LAYOUTS = LAYOUTS_2D
 
 
 def _positive(_: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:

@@ -19,6 +19,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.vocabulary import COMPUTE_KERNELS, SHARDING_TYPES
+
 __all__ = [
     "SHARDING_TYPES",
     "COMPUTE_KERNELS",
@@ -30,10 +32,6 @@ __all__ = [
     "load_table_file",
 ]
 
-SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise",
-                  "table_column_wise", "grid_shard")
-COMPUTE_KERNELS = ("dense", "fused", "fused_uvm", "fused_uvm_caching", "quant", "quant_uvm",
-                   "quant_uvm_caching", "key_value")
 TABLE_KEYS = ("name", "rows", "dim", "features", "pooling_factor", "sharding_types",
               "compute_kernels", "min_partition")
 CONSTRAINT_KEYS = ("name", "pooling_factor", "sharding_types", "compute_kernels", "min_partition")

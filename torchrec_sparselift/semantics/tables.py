@@ -15,7 +15,15 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import attrs
 from torch import nn
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.validation import table_value_problems
+from torchrec_sparselift.vocabulary import (
+    CPU_EXTRA_SHARDING_TYPES,
+    CPU_RUNTIME_SHARDING_TYPES,
+    KEY_VALUE_KERNELS,
+    OPT_IN_SHARDING_TYPES,
+    ROW_SPLIT_TYPES,
+)
 
 __all__ = [
     "TableSpec",
@@ -27,26 +35,6 @@ __all__ = [
     "ELEMENT_BYTES",
     "KEY_VALUE_KERNELS",
 ]
-
-# Sharding types the CPU/gloo runtime executes correctly (measured, TORCHREC_NOTES.md), although
-# TorchRec's sharders only *offer* row-wise and table-row-wise for CUDA.
-CPU_RUNTIME_SHARDING_TYPES: Tuple[str, ...] = (
-    "data_parallel",
-    "table_wise",
-    "column_wise",
-    "row_wise",
-    "table_row_wise",
-)
-
-# Key-value (virtual-table) kernels: rows live in a DRAM or SSD key-value store that holds only
-# the ids a job inserts, in front of an HBM (L1) cache and, for SSD, a DRAM (L2) cache. TorchRec's
-# enumerator offers them only when a table's ParameterConstraints.compute_kernels names them.
-KEY_VALUE_KERNELS: Tuple[str, ...] = (
-    "key_value",
-    "ssd_virtual_table",
-    "dram_virtual_table",
-    "dram_ssd_virtual_table",
-)
 
 ELEMENT_BYTES: Dict[str, int] = {
     "FP32": 4,
@@ -100,7 +88,7 @@ class TableSpec:
     sharding_types: Tuple[str, ...]
     compute_kernels: Tuple[Tuple[str, Tuple[str, ...]], ...]
     min_partition: Optional[int] = None
-    batch_size: int = 512
+    batch_size: int = defaults.BATCH_SIZE
     num_buckets: Optional[int] = None
     kv_l1_bytes: int = 0
     kv_l2_bytes: int = 0
@@ -232,7 +220,7 @@ def _device_sharding_types(sharder: Any, compute_device: str) -> List[str]:
         # The CPU runtime also runs row-wise and table-row-wise; offer them when the sharder
         # supports them on CUDA (i.e. the module kind can be sharded that way at all).
         cuda_types = set(sharder.sharding_types("cuda"))
-        for st in ("row_wise", "table_row_wise"):
+        for st in CPU_EXTRA_SHARDING_TYPES:
             if st in cuda_types and st not in offered:
                 offered.append(st)
         offered = [t for t in offered if t in CPU_RUNTIME_SHARDING_TYPES]
@@ -332,9 +320,7 @@ def extract_tables(
         device_types = _device_sharding_types(sharder, compute_device)
         if "FeatureProcessed" in key:
             # TorchRec guards position-weighted modules against row-splitting types.
-            device_types = [
-                t for t in device_types if t not in ("row_wise", "table_row_wise", "grid_shard")
-            ]
+            device_types = [t for t in device_types if t not in ROW_SPLIT_TYPES]
         for name, param in sorted(sharder.shardable_parameters(m).items()):
             c = constraints.get(name)
             cfg = configs.get(name)
@@ -345,7 +331,7 @@ def extract_tables(
             )
             getattr(problems, "tables", set()).add(name)
             getattr(problems, "features", set()).update(feature_names)
-            types = [t for t in device_types if t != "grid_shard"]
+            types = [t for t in device_types if t not in OPT_IN_SHARDING_TYPES]
             if c is not None and c.sharding_types:
                 allowed = set(c.sharding_types)
                 types = [t for t in device_types if t in allowed]

@@ -1,0 +1,269 @@
+"""The package's vocabulary, declared once: sharding types, compute kernels, train pipelines,
+communication precisions.
+
+Every layer reads these names from here, so adding a pipeline kind or a precision is one entry in
+this file plus what its meaning needs elsewhere (the step composition of a pipeline in
+:mod:`torchrec_sparselift.cost.pipelines`, its cost terms in the cost model); the tests in
+``tests/test_vocabulary.py`` fail until every registry entry has its counterpart in each layer.
+
+- **Sharding types** are TorchRec's ``ShardingType`` values; the groups below say what the code
+  does with them (which split columns, which split rows, which the CPU runtime adds, which are
+  offered only when a constraint asks).
+- **Compute kernels** are TorchRec's ``EmbeddingComputeKernel`` values, with the groups the cost
+  model and the checks use.
+- **Pipelines**: :data:`PIPELINE_REGISTRY` holds one :class:`Pipeline` per train-pipeline kind
+  (its TorchRec class, whether it trains on stale embeddings, which tables it can train, what it
+  fuses, whether it runs the 2D replica sync), in the planner's order of preference on equal step
+  times.
+- **Communication precisions**: :data:`COMM_PRECISION_REGISTRY` holds one :class:`CommPrecision`
+  per TorchRec qcomm codec the planner may choose (bytes per element, lossy or not, opt-in).
+
+This module is a base module like :mod:`~torchrec_sparselift.errors`: it imports nothing of the
+package (and neither torch nor TorchRec), so every layer, the command line and the examples may
+use it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import attrs
+
+__all__ = [
+    # sharding types
+    "DATA_PARALLEL",
+    "TABLE_WISE",
+    "COLUMN_WISE",
+    "ROW_WISE",
+    "TABLE_ROW_WISE",
+    "TABLE_COLUMN_WISE",
+    "GRID_SHARD",
+    "SHARDING_TYPES",
+    "COLUMN_SPLIT_TYPES",
+    "ROW_SPLIT_TYPES",
+    "HOST_ROW_SPLIT_TYPES",
+    "PLACED_FREELY_TYPES",
+    "ON_EVERY_RANK_TYPES",
+    "OPT_IN_SHARDING_TYPES",
+    "CPU_EXTRA_SHARDING_TYPES",
+    "CPU_RUNTIME_SHARDING_TYPES",
+    # compute kernels
+    "COMPUTE_KERNELS",
+    "FUSED_KERNELS",
+    "UVM_KERNELS",
+    "KEY_VALUE_KERNELS",
+    "MODELED_KERNELS",
+    # pipelines
+    "Pipeline",
+    "PIPELINE_REGISTRY",
+    "PIPELINES",
+    "SYNC_PIPELINES",
+    "STALE_PIPELINES",
+    "PIPELINES_2D",
+    "pipeline",
+    # communication precisions
+    "CommPrecision",
+    "COMM_PRECISION_REGISTRY",
+    "COMM_PRECISIONS",
+    "COMM_PRECISION_BYTES",
+    "LOSSY_COMM_PRECISIONS",
+    "comm_precision",
+    "comm_precision_pairs",
+    # planner choices
+    "SOLVERS",
+    "COST_MODELS",
+    "LAYOUTS_2D",
+    "LAYOUT_2D_CHOICES",
+]
+
+# -- sharding types ---------------------------------------------------------------------------
+
+DATA_PARALLEL = "data_parallel"
+TABLE_WISE = "table_wise"
+COLUMN_WISE = "column_wise"
+ROW_WISE = "row_wise"
+TABLE_ROW_WISE = "table_row_wise"
+TABLE_COLUMN_WISE = "table_column_wise"
+GRID_SHARD = "grid_shard"
+
+#: Every sharding type (TorchRec's ``ShardingType`` values, in its order).
+SHARDING_TYPES: Tuple[str, ...] = (
+    DATA_PARALLEL, TABLE_WISE, COLUMN_WISE, ROW_WISE, TABLE_ROW_WISE, TABLE_COLUMN_WISE, GRID_SHARD,
+)
+#: Types that split a table by columns (``column_splits`` shards of ``dim / splits`` columns).
+COLUMN_SPLIT_TYPES: Tuple[str, ...] = (COLUMN_WISE, TABLE_COLUMN_WISE)
+#: Types that split a table by rows (TorchRec refuses them for position-weighted modules).
+ROW_SPLIT_TYPES: Tuple[str, ...] = (ROW_WISE, TABLE_ROW_WISE, GRID_SHARD)
+#: Row-splitting types whose shards cover the ranks of one host.
+HOST_ROW_SPLIT_TYPES: Tuple[str, ...] = (TABLE_ROW_WISE, GRID_SHARD)
+#: Types whose shards the search may put on any rank (one rank holds each whole shard's rows).
+PLACED_FREELY_TYPES: Tuple[str, ...] = (TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE)
+#: Types with one shard (or replica) on every rank.
+ON_EVERY_RANK_TYPES: Tuple[str, ...] = (ROW_WISE, DATA_PARALLEL)
+#: Types the planner offers only when a table's constraints name them (as TorchRec does).
+OPT_IN_SHARDING_TYPES: Tuple[str, ...] = (GRID_SHARD,)
+#: Types the CPU/gloo runtime executes correctly although TorchRec's sharders offer them only for
+#: CUDA (measured, TORCHREC_NOTES.md).
+CPU_EXTRA_SHARDING_TYPES: Tuple[str, ...] = (ROW_WISE, TABLE_ROW_WISE)
+#: Every type the CPU/gloo runtime executes.
+CPU_RUNTIME_SHARDING_TYPES: Tuple[str, ...] = (DATA_PARALLEL, TABLE_WISE, COLUMN_WISE) + CPU_EXTRA_SHARDING_TYPES
+
+# -- compute kernels --------------------------------------------------------------------------
+
+#: Every compute kernel (TorchRec's ``EmbeddingComputeKernel`` values, in its order).
+COMPUTE_KERNELS: Tuple[str, ...] = (
+    "dense", "fused", "fused_uvm", "fused_uvm_caching", "quant", "quant_uvm", "quant_uvm_caching",
+    "key_value", "customized_kernel", "ssd_virtual_table", "dram_virtual_table",
+    "dram_ssd_virtual_table", "fused_triton",
+)
+#: Kernels backed by FBGEMM's training TBE (embedding dims must be a multiple of 4).
+FUSED_KERNELS: Tuple[str, ...] = ("fused", "fused_uvm", "fused_uvm_caching")
+#: Kernels whose weights live in host memory reached through unified virtual memory.
+UVM_KERNELS: Tuple[str, ...] = ("fused_uvm", "fused_uvm_caching")
+#: Key-value (virtual-table) kernels: rows live in a DRAM or SSD key-value store that holds only
+#: the ids a job inserts, in front of an HBM (L1) cache and, for SSD, a DRAM (L2) cache. TorchRec's
+#: enumerator offers them only when a table's ``ParameterConstraints.compute_kernels`` names them.
+KEY_VALUE_KERNELS: Tuple[str, ...] = ("key_value", "ssd_virtual_table", "dram_virtual_table", "dram_ssd_virtual_table")
+#: Kernels whose sparse path the cost model describes (the search skips the others, saying so).
+MODELED_KERNELS: Tuple[str, ...] = ("fused", "dense", "fused_uvm", "fused_uvm_caching", "dram_virtual_table",
+                                    "ssd_virtual_table")
+
+# -- train pipelines --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Pipeline:
+    """One train-pipeline kind.
+
+    Attributes:
+        name: the name plans, requests and the command line use.
+        torchrec_class: the TorchRec train pipeline (``torchrec.distributed.train_pipeline``)
+            the runtime builds for it.
+        stale: it trains on one-step-stale embeddings (offered only with ``allow_staleness``);
+            the others compute exactly what a plain forward/backward/step loop computes.
+        dense_kernel: it can train tables on the ``dense`` compute kernel (every data-parallel
+            table uses it).
+        fused_input_splits: it fuses the input distribution's splits exchanges of all sharding
+            groups into one call per step (``TrainPipelineSparseDist`` and its subclasses do;
+            ``TrainPipelineBase`` runs each group's own).
+        syncs_2d_replicas: its constructor takes ``dmp_collection_sync_interval_batches``, so it
+            runs the 2D replica sync (a 2D plan needs one of these).
+        side_streams: it runs work on side device streams; on CPU the runtime uses its
+            adaptation in :mod:`torchrec_sparselift.runtime.cpu_compat`.
+        doc: one line on what it overlaps.
+    """
+
+    name: str
+    torchrec_class: str
+    stale: bool = False
+    dense_kernel: bool = True
+    fused_input_splits: bool = True
+    syncs_2d_replicas: bool = False
+    side_streams: bool = False
+    doc: str = ""
+
+    @property
+    def exact(self) -> bool:
+        """Per-step results equal a plain forward/backward/optimizer-step loop."""
+        return not self.stale
+
+
+#: Every pipeline kind, in the planner's order of preference on equal step times.
+PIPELINE_REGISTRY: Tuple[Pipeline, ...] = (
+    Pipeline("base", "TrainPipelineBase", fused_input_splits=False,
+             doc="host-to-device copy of batch i+1 overlaps step i"),
+    Pipeline("sparse_dist", "TrainPipelineSparseDist", syncs_2d_replicas=True,
+             doc="+ input_dist (ids/lengths all-to-all) of batch i+1"),
+    Pipeline("fused", "TrainPipelineFusedSparseDist", side_streams=True,
+             doc="+ embedding backward/optimizer overlapping the dense all-reduce"),
+    Pipeline("prefetch", "PrefetchTrainPipelineSparseDist", side_streams=True,
+             doc="+ cache prefetch (UVM caching kernels) of batch i+1"),
+    Pipeline("semi_sync", "TrainPipelineSemiSync", stale=True, dense_kernel=False, syncs_2d_replicas=True,
+             side_streams=True, doc="+ lookup of batch i+1 before step i's embedding update (one step stale)"),
+)
+_PIPELINE_BY_NAME: Dict[str, Pipeline] = {p.name: p for p in PIPELINE_REGISTRY}
+#: Pipeline names, one order used everywhere.
+PIPELINES: Tuple[str, ...] = tuple(p.name for p in PIPELINE_REGISTRY)
+#: Pipelines that train on up-to-date embeddings (the planner's default set).
+SYNC_PIPELINES: Tuple[str, ...] = tuple(p.name for p in PIPELINE_REGISTRY if not p.stale)
+#: Pipelines that train on stale embeddings (only with ``allow_staleness``).
+STALE_PIPELINES: Tuple[str, ...] = tuple(p.name for p in PIPELINE_REGISTRY if p.stale)
+#: Pipelines through which TorchRec runs ``DMPCollection``'s replica sync (a 2D plan uses one).
+PIPELINES_2D: Tuple[str, ...] = tuple(p.name for p in PIPELINE_REGISTRY if p.syncs_2d_replicas)
+
+
+def pipeline(name: str) -> Pipeline:
+    """The :class:`Pipeline` called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return _PIPELINE_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline {name!r}; choose one of {PIPELINES}") from None
+
+
+# -- communication precisions -----------------------------------------------------------------
+
+
+@attrs.frozen
+class CommPrecision:
+    """A precision of the pooled embeddings' all-to-all / reduce-scatter (a TorchRec qcomm
+    codec, ``CommType``): bytes per element on the wire, whether it loses accuracy (planned only
+    with ``allow_lossy_comm``), whether it needs its own opt-in (``allow_fp8``) and whether its
+    codec runs on CPU (gloo): TorchRec 1.8's fp8 codec fails inside the gloo all-to-all ("Tensor
+    'input' must have 2 dimension(s). Found 1"; measured with 2 ranks)."""
+
+    name: str
+    bytes: int
+    lossy: bool
+    opt_in: str = ""
+    runs_on_cpu: bool = True
+
+
+COMM_PRECISION_REGISTRY: Tuple[CommPrecision, ...] = (
+    CommPrecision("fp32", 4, lossy=False),
+    CommPrecision("fp16", 2, lossy=True),
+    CommPrecision("bf16", 2, lossy=True),
+    CommPrecision("fp8", 1, lossy=True, opt_in="allow_fp8", runs_on_cpu=False),
+)
+_PRECISION_BY_NAME: Dict[str, CommPrecision] = {p.name: p for p in COMM_PRECISION_REGISTRY}
+#: Comm precisions a plan may choose.
+COMM_PRECISIONS: Tuple[str, ...] = tuple(p.name for p in COMM_PRECISION_REGISTRY)
+#: Bytes per element on the wire, per precision.
+COMM_PRECISION_BYTES: Dict[str, int] = {p.name: p.bytes for p in COMM_PRECISION_REGISTRY}
+#: Precisions planned only with ``allow_lossy_comm``.
+LOSSY_COMM_PRECISIONS: Tuple[str, ...] = tuple(p.name for p in COMM_PRECISION_REGISTRY if p.lossy)
+
+_EXACT_PAIRS: Tuple[Tuple[str, str], ...] = (("fp32", "fp32"),)
+_LOSSY_PAIRS: Tuple[Tuple[str, str], ...] = (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "bf16"))
+_FP8_PAIRS: Tuple[Tuple[str, str], ...] = (("fp8", "bf16"),)
+
+
+def comm_precision(name: str) -> CommPrecision:
+    """The :class:`CommPrecision` called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return _PRECISION_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown comm precision {name!r}; choose one of {COMM_PRECISIONS}") from None
+
+
+def comm_precision_pairs(allow_lossy_comm: bool = False, allow_fp8: bool = False) -> Tuple[Tuple[str, str], ...]:
+    """The (forward, backward) precision pairs the planner tries, in its order: fp32 both ways;
+    with ``allow_lossy_comm`` also the fp16/bf16 ones; with ``allow_fp8`` too, fp8 forward with bf16
+    backward."""
+    pairs = _EXACT_PAIRS
+    if allow_lossy_comm:
+        pairs += _LOSSY_PAIRS
+        if allow_fp8:
+            pairs += _FP8_PAIRS
+    return pairs
+
+
+# -- planner choices --------------------------------------------------------------------------
+
+#: Search strategies (``SparseLiftPlanner(solver=...)``).
+SOLVERS: Tuple[str, ...] = ("auto", "heuristic", "milp")
+#: Cost models the planner can rank plans by (``SparseLiftPlanner(cost_model=...)``).
+COST_MODELS: Tuple[str, ...] = ("sparselift", "torchrec")
+#: 2D rank layouts: contiguous sharding groups or TorchRec's strided default.
+LAYOUTS_2D: Tuple[str, ...] = ("contiguous", "strided")
+#: What ``layout_2d=`` / ``--layout-2d`` accept: a layout, or ``auto`` (price both on several hosts).
+LAYOUT_2D_CHOICES: Tuple[str, ...] = ("auto",) + LAYOUTS_2D
