@@ -54,8 +54,6 @@ def _cli_plan_args():
     return build_parser().parse_args(["plan", "--workload", "dlrm-small"])
 
 
-@pytest.mark.xfail(strict=True, reason="cli.py still declares --time-budget 10 s; it switches to "
-                   "defaults.TIME_BUDGET_S with the command-line rewrite (then drop this mark)")
 def test_the_cli_time_budget_is_the_planners():
     assert _cli_plan_args().time_budget == defaults.TIME_BUDGET_S
 

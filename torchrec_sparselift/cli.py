@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import attrs
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.errors import CliError
 from torchrec_sparselift.plan.stored_inputs import (
@@ -43,6 +44,7 @@ from torchrec_sparselift.plan.stored_inputs import (
     parse_table_entries,
     reference_workload,
 )
+from torchrec_sparselift.vocabulary import LAYOUT_2D_CHOICES
 from torchrec_sparselift.semantics.table_file import TableEntry
 from torchrec_sparselift.validation import raise_problems, setting_problems
 
@@ -141,7 +143,8 @@ def _add_input_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 def _add_planner_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner")
-    g.add_argument("--time-budget", type=float, default=10.0, metavar="S", help="search time budget (default 10 s)")
+    g.add_argument("--time-budget", type=float, default=defaults.TIME_BUDGET_S, metavar="S",
+                   help=f"search time budget (default {defaults.TIME_BUDGET_S:g} s)")
     g.add_argument("--allow-lossy-comm", action="store_true", help="allow fp16/bf16 embedding communication")
     g.add_argument("--allow-staleness", action="store_true", help="allow the semi-sync pipeline (one-step-stale "
                    "embeddings)")
@@ -155,7 +158,7 @@ def _add_2d_args(g: Any) -> None:
     g.add_argument("--max-sync-interval", type=int, default=None, metavar="N",
                    help="2D: largest replica-sync interval the planner may choose (default: the largest "
                    "interval measured at quality parity with 1D; more is an explicit allowance)")
-    g.add_argument("--layout-2d", choices=("auto", "contiguous", "strided"), default="auto",
+    g.add_argument("--layout-2d", choices=LAYOUT_2D_CHOICES, default=defaults.LAYOUT_2D,
                    help="2D rank layout: strided groups (TorchRec's default), contiguous groups "
                    "(use_inter_host_allreduce), or auto: price both on several hosts")
 
@@ -271,11 +274,11 @@ def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] 
         batch_size=args.batch_size, global_batch_size=args.global_batch_size,
         allow_lossy_comm=getattr(args, "allow_lossy_comm", False),
         allow_staleness=getattr(args, "allow_staleness", False),
-        time_budget_s=float(getattr(args, "time_budget", 10.0)),
+        time_budget_s=float(getattr(args, "time_budget", defaults.TIME_BUDGET_S)),
         source=os.path.abspath(args.tables) if args.tables else "",
         sharding_group_size=getattr(args, "sharding_group_size", None),
         max_sync_interval=getattr(args, "max_sync_interval", None),
-        layout_2d=getattr(args, "layout_2d", "auto"),
+        layout_2d=getattr(args, "layout_2d", defaults.LAYOUT_2D),
     )
 
 

@@ -39,7 +39,11 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlan
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
 from torchrec_sparselift.cost.model import CostContext, DenseWork
 from torchrec_sparselift.cost.report import rank_breakdown
-from torchrec_sparselift.cost.pipelines import PIPELINES, STALE_PIPELINES, SYNC_PIPELINES
+from torchrec_sparselift import defaults
+from torchrec_sparselift.vocabulary import (
+    COST_MODELS, LAYOUT_2D_CHOICES, LOSSY_COMM_PRECISIONS, PIPELINES, STALE_PIPELINES, SYNC_PIPELINES,
+    comm_precision_pairs,
+)
 from torchrec_sparselift.cost.two_d import check_sync_interval
 from torchrec_sparselift.semantics.layout import Layout2D
 from torchrec_sparselift.plan import ExecutionPlan, Fingerprint, PlanCache, PlanRequest
@@ -74,8 +78,8 @@ __all__ = ["SparseLiftPlanner", "PlanResult", "dense_work", "evaluate_sharding_p
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZE = 512  # TorchRec's planner default
-LOSSY_PRECISIONS = ("fp16", "bf16", "fp8")
+DEFAULT_BATCH_SIZE = defaults.BATCH_SIZE  # TorchRec's planner default
+LOSSY_PRECISIONS = LOSSY_COMM_PRECISIONS
 
 
 def _names_reservation(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,16 +184,16 @@ class SparseLiftPlanner(ShardingPlanner):
         allow_fp8: bool = False,
         allow_staleness: bool = False,
         time_budget_s: Optional[float] = None,
-        heuristical_storage_reservation_percentage: float = 0.15,
+        heuristical_storage_reservation_percentage: float = defaults.STORAGE_RESERVATION_PERCENTAGE,
         cache_dir: Optional[str] = None,
-        drift_tolerance: float = 0.2,
-        solver: str = "auto",
+        drift_tolerance: float = defaults.DRIFT_TOLERANCE,
+        solver: str = defaults.SOLVER,
         sharding_group_size: Any = None,
         sync_interval: Optional[int] = None,
         cost_model: str = "sparselift",
         estimator: Any = None,
         max_sync_interval: Optional[int] = None,
-        layout_2d: str = "auto",
+        layout_2d: str = defaults.LAYOUT_2D,
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
         whose inputs match a stored plan's fingerprint loads it instead of planning);
@@ -239,25 +243,20 @@ class SparseLiftPlanner(ShardingPlanner):
         if pipelines is None:
             pipelines = SYNC_PIPELINES + (STALE_PIPELINES if allow_staleness else ())
         self._pipelines = tuple(pipelines)
-        precs = [("fp32", "fp32")]
-        if allow_lossy_comm:
-            precs += [("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "bf16")]
-            if allow_fp8:
-                precs += [("fp8", "bf16")]
-        self._precisions = tuple(precs)
+        self._precisions = comm_precision_pairs(bool(allow_lossy_comm), bool(allow_fp8))
         self._allow_lossy_comm = bool(allow_lossy_comm)
         self._allow_fp8 = bool(allow_fp8)
         self._allow_staleness = bool(allow_staleness)
         self._solver = solver
-        if cost_model not in ("sparselift", "torchrec"):
-            raise ValueError(f"cost_model must be 'sparselift' or 'torchrec', got {cost_model!r}")
+        if cost_model not in COST_MODELS:
+            raise ValueError(f"cost_model must be one of {', '.join(map(repr, COST_MODELS))}, got {cost_model!r}")
         if estimator is not None and cost_model != "torchrec":
             raise ValueError("estimator= is TorchRec's ShardEstimator: pass cost_model='torchrec' with it")
         self._cost_model = cost_model
         self._estimator = estimator
         self._max_sync_interval = check_sync_interval(sync_interval, max_sync_interval)
-        if layout_2d not in ("auto", "contiguous", "strided"):
-            raise ValueError(f"layout_2d must be 'auto', 'contiguous' or 'strided', got {layout_2d!r}")
+        if layout_2d not in LAYOUT_2D_CHOICES:
+            raise ValueError(f"layout_2d must be one of {', '.join(map(repr, LAYOUT_2D_CHOICES))}, got {layout_2d!r}")
         self._layout_2d = layout_2d
         self._group = sharding_group_size
         self._sync_interval = sync_interval

@@ -25,6 +25,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import attrs
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.errors import CliError
 from torchrec_sparselift.semantics import table_file
 from torchrec_sparselift.semantics.table_file import TableEntry
@@ -41,7 +42,7 @@ __all__ = [
     "load_model",
 ]
 
-DEFAULT_BATCH_SIZE = 512
+DEFAULT_BATCH_SIZE = defaults.BATCH_SIZE
 INPUTS_SCHEMA = "sparselift.cli_inputs/1"
 
 
@@ -146,12 +147,12 @@ class PlanInputs:
     global_batch_size: Optional[int] = None
     allow_lossy_comm: bool = False
     allow_staleness: bool = False
-    time_budget_s: float = 10.0
+    time_budget_s: float = defaults.TIME_BUDGET_S
     source: str = ""
     #: 2D sparse parallelism: None (1D), "auto" or a group size; the sync-interval bound; layout
     sharding_group_size: Union[None, int, str] = None
     max_sync_interval: Optional[int] = None
-    layout_2d: str = "auto"
+    layout_2d: str = defaults.LAYOUT_2D
 
     def __attrs_post_init__(self) -> None:
         given = [x for x in (self.tables, self.workload, self.model) if x]
@@ -233,8 +234,8 @@ class PlanInputs:
                 allow_staleness=bool(data.get("allow_staleness", False)),
                 sharding_group_size=data.get("sharding_group_size"),
                 max_sync_interval=data.get("max_sync_interval"),
-                layout_2d=data.get("layout_2d", "auto"),
-                time_budget_s=float(data.get("time_budget_s", 10.0)),
+                layout_2d=data.get("layout_2d", defaults.LAYOUT_2D),
+                time_budget_s=float(data.get("time_budget_s", defaults.TIME_BUDGET_S)),
                 source=str(data.get("source", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
