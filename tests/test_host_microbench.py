@@ -73,9 +73,9 @@ def _host_terms_on_two_ranks(rank, world_size):
 
 
 def test_host_terms_across_two_ranks_measure_the_all_to_all_byte_and_agree():
-    from conftest import spawn
+    from launcher import run_ranks
 
-    a, b = spawn(_host_terms_on_two_ranks, 2, timeout_s=120)
+    a, b = run_ranks(_host_terms_on_two_ranks, 2, timeout_s=120)
     assert a == b  # one record on every rank (the ranks' mean; the all-to-all's slowest rank)
     # per byte a rank sends or receives over loopback gloo: 0.01-10 ns
     assert 1e-11 < a["a2a_byte_s"] < 1e-8

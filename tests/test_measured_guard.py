@@ -209,9 +209,9 @@ def _reuse_worker(rank, world_size, cache_dir):
 def test_a_cached_guarded_plan_is_repriced_under_the_current_profile(tmp_path):
     """The trials are reused, not re-measured; the printed prediction is the current profile's
     (regression: a recalibrated machine printed measured/predicted against the old profile)."""
-    from conftest import spawn
+    from launcher import run_ranks
 
-    (r,) = spawn(_reuse_worker, 1, str(tmp_path), timeout_s=120)
+    (r,) = run_ranks(_reuse_worker, 1, str(tmp_path), timeout_s=120)
     assert r["reused"] and r["measured"] == 0.005
     assert r["got"] == pytest.approx(r["want"], rel=1e-9)
     assert r["got"] > r["old"] + 0.019  # the new profile's 20 ms step overhead is in it

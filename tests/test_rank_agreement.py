@@ -7,7 +7,7 @@ One spawn runs every scenario in sequence (about 10-20 s on 2 CPU cores, plus up
 
 import pytest
 
-from conftest import spawn
+from launcher import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -88,7 +88,7 @@ def _scenarios(rank: int, world_size: int):
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn(_scenarios, 2, timeout_s=120)
+    return run_ranks(_scenarios, 2, timeout_s=120)
 
 
 @pytest.mark.parametrize("scenario", ["tables", "batch_size", "topology", "constraints"])
