@@ -7,11 +7,13 @@
   torchrun's environment variables (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...), or under
   torchrun itself (``torchrun=True``), and return every rank's exit code and output.
 
-Both end with :class:`LaunchError` naming the rank and what it said: a Python error, a signal, or
-a timeout (:class:`LaunchTimeout`, which only guards against hangs). TorchRec's data-parallel
+A failed rank of :func:`run_ranks` raises :class:`LaunchError` naming the rank and what it said (a
+Python error, a signal); a script's ranks report their exit codes and output for the test to check
+(:meth:`ScriptResult.tail` for the assertion message). Both raise :class:`LaunchTimeout` past their
+timeout, which only guards against hangs. TorchRec's data-parallel
 dense kernel sometimes aborts in native code on CPU ranks ("terminate called without an active
-exception", SIGABRT, no Python error); ``run_ranks(..., retry_native_abort=True)`` runs once more
-then. A rank that raises, or any other exit, fails at once.
+exception", SIGABRT, no Python error: :class:`NativeAbort`); ``run_ranks(...,
+retry_native_abort=True)`` runs once more then. A rank that raises, or any other exit, fails at once.
 
 Import it from a test module (pytest puts ``tests/`` on the path)::
 
@@ -36,6 +38,7 @@ import attrs
 __all__ = [
     "LaunchError",
     "LaunchTimeout",
+    "NativeAbort",
     "ScriptRanks",
     "ScriptResult",
     "free_port",
@@ -55,6 +58,10 @@ class LaunchError(RuntimeError):
 
 class LaunchTimeout(LaunchError):
     """The ranks did not finish within the launch's timeout (they were killed)."""
+
+
+class NativeAbort(LaunchError):
+    """A rank was killed by SIGABRT without a Python error (native code aborted)."""
 
 
 def free_port() -> int:
@@ -152,7 +159,8 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: f
     if failed is not None:
         code = codes[failed]
         how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-        raise LaunchError(f"rank {failed} of {world_size} {how} without a Python error (running {name})")
+        kind = NativeAbort if code == -signal.SIGABRT else LaunchError
+        raise kind(f"rank {failed} of {world_size} {how} without a Python error (running {name})")
     if None not in codes:
         return [o[1] for o in outcomes]  # type: ignore[index]
     unfinished = [r for r, c in enumerate(codes) if c is None]
@@ -183,8 +191,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     for attempt in range(attempts):
         try:
             return _run_once(fn, world_size, args, timeout_s, backend, start_method)
-        except LaunchError as e:
-            if "killed by SIGABRT without a Python error" not in str(e) or attempt == attempts - 1:
+        except NativeAbort as e:
+            if attempt == attempts - 1:
                 raise
             print(f"[launcher] {e}; running again (TorchRec's native abort on CPU)", file=sys.stderr)
     raise AssertionError("unreachable")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from launcher import LaunchError, LaunchTimeout, run_ranks, run_script, start_script
+from launcher import LaunchError, LaunchTimeout, NativeAbort, run_ranks, run_script, start_script
 
 
 def _who(rank, world_size, tag):
@@ -70,13 +70,14 @@ def test_ranks_past_the_timeout_are_killed_with_a_message_naming_them():
 
 
 def test_a_rank_killed_without_a_python_error_is_named_with_its_exit():
-    with pytest.raises(LaunchError, match="rank 0 of 2 exited with code 3 without a Python error"):
-        run_ranks(_exits_quietly, 2, backend=None, timeout_s=60)
+    with pytest.raises(LaunchError, match="rank 0 of 2 exited with code 3 without a Python error") as info:
+        run_ranks(_exits_quietly, 2, backend=None, timeout_s=60, retry_native_abort=True)
+    assert not isinstance(info.value, NativeAbort)  # only SIGABRT is run again
 
 
 def test_native_abort_is_run_again_once_only_when_asked(tmp_path):
     marker = str(tmp_path / "aborted")
-    with pytest.raises(LaunchError, match="rank 1 of 2 was killed by SIGABRT"):
+    with pytest.raises(NativeAbort, match="rank 1 of 2 was killed by SIGABRT without a Python error"):
         run_ranks(_aborts_the_first_time, 2, marker, backend=None, timeout_s=60)
     os.remove(marker)
     assert run_ranks(_aborts_the_first_time, 2, marker, backend=None, timeout_s=60,
