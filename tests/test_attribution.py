@@ -182,9 +182,9 @@ def _attribute_real_steps(rank: int, world: int) -> Dict[str, Any]:
 
 @pytest.mark.multiprocess
 def test_attribute_steps_on_a_real_sharded_model_finds_every_sparse_path_kind() -> None:
-    from conftest import spawn
+    from launcher import run_ranks
 
-    results = spawn(_attribute_real_steps, 2, timeout_s=240)
+    results = run_ranks(_attribute_real_steps, 2, timeout_s=240)
     assert results[0] == results[1]  # every rank gets every rank's attribution
     att = StepAttribution.from_dict(results[0])
     assert [r.rank for r in att.ranks] == [0, 1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from contextlib import contextmanager
 from typing import Iterator, List
 
@@ -207,35 +206,18 @@ def test_bad_input_is_refused_with_a_message_that_says_what_to_do(tmp_path, caps
 # -- two gloo ranks: collectives are measured and fitted ---------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        cfg = attrs.evolve(TINY, dims=(16,), poolings=(1, 128), batch_sizes=(512,), trials=2,
-                           message_bytes=(1 << 10, 1 << 20, 1 << 22))
-        profile, report = calibrate(PRESETS["cpu-gloo"], device="cpu", kernel="torch", config=cfg, progress=None)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(report.to_dict(), f)
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int, world_size: int) -> dict:
+    cfg = attrs.evolve(TINY, dims=(16,), poolings=(1, 128), batch_sizes=(512,), trials=2,
+                       message_bytes=(1 << 10, 1 << 20, 1 << 22))
+    profile, report = calibrate(PRESETS["cpu-gloo"], device="cpu", kernel="torch", config=cfg, progress=None)
+    return report.to_dict()
 
 
 @pytest.mark.multiprocess
-def test_two_gloo_ranks_measure_and_fit_collectives(tmp_path) -> None:
-    import torch.multiprocessing as mp
+def test_two_gloo_ranks_measure_and_fit_collectives() -> None:
+    from launcher import run_ranks
 
-    out = str(tmp_path / "report.json")
-    mp.start_processes(_rank_main, args=(_free_port(), out), nprocs=2, start_method="spawn", join=True)
-    report = json.loads(open(out).read())
+    report = run_ranks(_rank_main, 2, timeout_s=300)[0]
     assert report["world_size"] == 2
     ops = {r["op"] for r in report["records"]["collectives"]}
     assert ops == {"all_to_all", "all_reduce"}

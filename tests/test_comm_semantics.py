@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 
-from conftest import spawn, spawn_retrying_native_aborts
+from launcher import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -189,7 +189,7 @@ def test_graph_quantities_equal_counted_bytes_and_ids_at_2_ranks_every_sharding_
              + _cases_one_type("ec", ("row_wise",), ("dense",)))
     # the data-parallel dense kernel's native abort was seen at 2 ranks too (1 of 4 full-suite runs
     # in session 6, with the same "terminate called without an active exception"): one rerun then
-    per_rank = spawn_retrying_native_aborts(_count_cases, 2, cases, timeout_s=300)
+    per_rank = run_ranks(_count_cases, 2, cases, timeout_s=300, retry_native_abort=True)
     _assert_exact(per_rank)
     # the kernels asked for are the ones that ran
     for res in per_rank[0]:
@@ -202,7 +202,7 @@ def test_graph_quantities_equal_counted_bytes_at_4_ranks_one_table_per_sharding_
     mixed2 = ("ebc", (("t0", "column_wise", "fused"), ("t1", "data_parallel", "dense")))
     seq = ("ec", (("t0", "table_wise", "fused"), ("t1", "row_wise", "fused")))
     # mixed2's data-parallel dense kernel sometimes aborts natively at 4 CPU ranks: one rerun then
-    _assert_exact(spawn_retrying_native_aborts(_count_cases, 4, [mixed, mixed2, seq], timeout_s=300))
+    _assert_exact(run_ranks(_count_cases, 4, [mixed, mixed2, seq], timeout_s=300, retry_native_abort=True))
 
 
 @pytest.mark.slow
@@ -211,7 +211,7 @@ def test_graph_quantities_equal_counted_bytes_at_4_ranks_every_sharding_type_and
     # doesn't match total dim 0 size" in TorchRec's output all-to-all wait)
     cases = (_cases_one_type("ebc", ALL_TYPES, ("fused", "dense"))
              + _cases_one_type("ec", ("table_wise", "row_wise", "column_wise"), ("fused",)))
-    _assert_exact(spawn(_count_cases, 4, cases, timeout_s=600))
+    _assert_exact(run_ranks(_count_cases, 4, cases, timeout_s=600))
 
 
 def test_counter_restores_torch_distributed_functions() -> None:
@@ -267,7 +267,7 @@ def test_collective_calls_per_phase_match_the_model_under_each_train_pipeline() 
     from torchrec_sparselift.cost.pipelines import pipeline_kind
 
     cases = [(pl, kind) for pl in ("base", "sparse_dist") for kind in ("table_wise", "two_groups", "dp_small")]
-    per_rank = spawn(_pipeline_calls, 2, cases, timeout_s=300)
+    per_rank = run_ranks(_pipeline_calls, 2, cases, timeout_s=300)
     seen_groups = set()
     for results in per_rank:
         for res in results:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
+
+from launcher import run_script, start_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
@@ -27,39 +27,10 @@ MIXED_SHARDING = {
 }
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Run:
+def _run(args):
     """train.py on 2 gloo ranks, started as 2 processes with torchrun's environment variables
     (no launcher process: it would cost a third torch import per run)."""
-
-    def __init__(self, args):
-        port = str(_free_port())
-        self.procs = []
-        for rank in range(2):
-            env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
-            self.procs.append(
-                subprocess.Popen([sys.executable, TRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, cwd=ROOT, env=env)  # fmt: skip
-            )
-
-    def finish(self, timeout=120):
-        """(return codes, rank 0's stdout, both ranks' stderr)."""
-        outs = []
-        try:
-            for p in self.procs:
-                outs.append(p.communicate(timeout=timeout))
-        finally:
-            for p in self.procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-        return [p.returncode for p in self.procs], outs[0][0], outs[0][1] + outs[1][1]
+    return start_script(TRAIN, args, 2, timeout_s=600)
 
 
 def test_run_killed_mid_training_resumes_with_the_losses_of_an_uninterrupted_run(tmp_path):
@@ -81,19 +52,19 @@ def test_run_killed_mid_training_resumes_with_the_losses_of_an_uninterrupted_run
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
 
     # The uninterrupted and the crashing run are independent: run them side by side (time).
-    whole_run = _Run([*common, "--out", str(tmp_path / "whole.json")])
-    codes, _, err = _Run([*common, *ck, "--fail-at-step", "7", "--out", str(tmp_path / "crashed.json")]).finish()
-    assert codes == [1, 1], err[-2000:]
-    assert "SimulatedFailure: --fail-at-step 7" in err
+    whole_run = _run([*common, "--out", str(tmp_path / "whole.json")])
+    crashed = _run([*common, *ck, "--fail-at-step", "7", "--out", str(tmp_path / "crashed.json")]).wait()
+    assert crashed.returncodes == (1, 1), crashed.tail()
+    assert "SimulatedFailure: --fail-at-step 7" in crashed.stderr
     assert not (tmp_path / "crashed.json").exists()
     marker = json.loads((tmp_path / "ck" / "latest.json").read_text())
     assert marker["step"] == 4
-    codes, _, err = whole_run.finish()
-    assert codes == [0, 0], err[-2000:]
+    whole = whole_run.wait()
+    assert whole.ok, whole.tail()
 
-    codes, out, err = _Run([*common, *ck, "--out", str(tmp_path / "resumed.json")]).finish()
-    assert codes == [0, 0], out[-2000:] + err[-2000:]
-    assert "resumed from the checkpoint after step 4" in out
+    resumed = _run([*common, *ck, "--out", str(tmp_path / "resumed.json")]).wait()
+    assert resumed.ok, resumed.tail()
+    assert "resumed from the checkpoint after step 4" in resumed.stdout
 
     full = json.loads((tmp_path / "whole.json").read_text())
     res = json.loads((tmp_path / "resumed.json").read_text())
@@ -132,17 +103,14 @@ def test_torchrun_restart_resumes_after_a_simulated_crash_with_the_same_losses(t
     key space, resume from step 4's checkpoint and finish with the uninterrupted run's losses."""
     common = [*TINY, "--steps", "12", "--warmup-steps", "1", "--no-progress", "--pipeline", "sparse_dist",
               "--plan-cache", str(tmp_path / "plans")]  # fmt: skip
-    whole_run = _Run([*common, "--out", str(tmp_path / "whole.json")])
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
-           "--nproc_per_node", "2", TRAIN, *common, "--checkpoint-dir", str(tmp_path / "ck"),
-           "--checkpoint-every", "4", "--fail-at-step", "7", "--out", str(tmp_path / "restarted.json")]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
-    codes, _, err = whole_run.finish()
-    assert codes == [0, 0], err[-2000:]
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "SimulatedFailure" in proc.stderr and "resumed from the checkpoint after step 4" in proc.stdout
+    whole_run = _run([*common, "--out", str(tmp_path / "whole.json")])
+    restarted = run_script(TRAIN, [*common, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4",
+                                   "--fail-at-step", "7", "--out", str(tmp_path / "restarted.json")],
+                           2, torchrun=True, torchrun_args=["--max-restarts", "1"], timeout_s=600)  # fmt: skip
+    whole = whole_run.wait()
+    assert whole.ok, whole.tail()
+    assert restarted.ok, restarted.tail()
+    assert "SimulatedFailure" in restarted.stderr and "resumed from the checkpoint after step 4" in restarted.stdout
     full = json.loads((tmp_path / "whole.json").read_text())
     res = json.loads((tmp_path / "restarted.json").read_text())
     assert res["first_step"] == 5 and res["losses"] == full["losses"][4:]

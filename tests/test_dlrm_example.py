@@ -42,9 +42,10 @@ def _env():
     return env
 
 
-def _torchrun(args, timeout=180):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", TRAIN, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env())
+def _torchrun(args):
+    from launcher import run_script
+
+    return run_script(TRAIN, args, 2, torchrun=True, env=_env(), timeout_s=600)
 
 
 def _python(args, timeout=60):
@@ -76,7 +77,7 @@ def _run_and_check(tmp_path, planner, *extra):
     out = tmp_path / f"{planner}.json"
     args = ["--planner", planner, *TINY, "--steps", "30", "--warmup-steps", "5", "--out", str(out), *extra]
     proc = _torchrun(args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.ok, proc.tail()
     assert "sharding types:" in proc.stdout and "steps/s" in proc.stdout
     return _check_result(out, planner), proc.stdout
 
@@ -103,7 +104,7 @@ def test_example_trains_with_the_runtime_wrapper_and_reuses_its_cached_plan(tmp_
     out2 = tmp_path / "again.json"
     args = ["--planner", "sparselift", *TINY, "--steps", "3", "--warmup-steps", "1", "--plan-cache", str(cache)]
     proc = _torchrun([*args, "--out", str(out2)])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.ok, proc.tail()
     assert "plan: reused cached execution plan" in proc.stdout and "plan: planned in" not in proc.stdout
     again = json.loads(out2.read_text())
     assert again["plan_reused"] is True
@@ -118,8 +119,8 @@ def test_example_trains_two_ranks_with_torchrec_planner(tmp_path):
 
 
 def test_unknown_flag_exits_nonzero_with_one_line_under_torchrun():
-    proc = _torchrun(["--planner", "sparselift", "--no-such-flag"], timeout=90)
-    assert proc.returncode != 0
+    proc = _torchrun(["--planner", "sparselift", "--no-such-flag"])
+    assert not proc.ok
     assert "error: unrecognized arguments: --no-such-flag" in proc.stderr
     assert proc.stderr.count("error: unrecognized") == 1  # rank 0 speaks, not every rank
 

@@ -7,7 +7,7 @@ from typing import Dict, List
 
 import pytest
 
-from conftest import spawn
+from launcher import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -148,7 +148,7 @@ def _both_variants(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> List[dict]:
-    return spawn(_both_variants, WORLD_SIZE, timeout_s=120)
+    return run_ranks(_both_variants, WORLD_SIZE, timeout_s=120)
 
 
 @pytest.fixture(scope="module")

@@ -173,10 +173,10 @@ def _lift_worker(rank, world, kind):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["contiguous", pytest.param("strided", marks=pytest.mark.slow)])
 def test_lift_builds_dmpcollection_with_the_plans_layout(kind):
-    from conftest import spawn
+    from launcher import run_ranks
 
     layout = Layout2D(4, 2, 2, kind)
-    for rank, (inter, sharding, replica) in enumerate(spawn(_lift_worker, 4, kind, timeout_s=240)):
+    for rank, (inter, sharding, replica) in enumerate(run_ranks(_lift_worker, 4, kind, timeout_s=240)):
         assert inter == layout.use_inter_host_allreduce
         assert tuple(sharding) in layout.sharding_groups and rank in sharding
         assert tuple(replica) in layout.replica_groups and rank in replica

@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import multiprocessing as mp
 import os
 import time
 
@@ -272,102 +271,91 @@ def _key_fingerprint(k: int):
     return _fingerprint(batch_size=64 * (k + 1), n_tables=BIG_TABLES)
 
 
-def _writer_reader(directory: str, writer: int, barrier, results) -> None:
-    try:
-        cache = PlanCache(directory)
-        logging.getLogger(LOGGER).setLevel(logging.ERROR)
-        fps = [_key_fingerprint(k) for k in range(N_KEYS)]
-        barrier.wait()
-        seen, bad = 0, []
-        ever_seen = [False] * N_KEYS
-        for i in range(N_ITERS):
-            k = (writer + i) % N_KEYS
-            cache.store(_plan(fps[k], writer=writer, iteration=i, n_tables=BIG_TABLES))
-            ever_seen[k] = True  # files are only ever replaced, so from now on a complete plan must load
-            for kk in range(N_KEYS):
-                got = cache.load(fps[kk])
-                if got is None:
-                    if ever_seen[kk]:
-                        bad.append((kk, "partial or missing file after a complete one existed"))
-                    continue
-                seen += 1
-                ever_seen[kk] = True
-                info = got.planner_info
-                expected = _plan(fps[kk], writer=info["writer"], iteration=info["iteration"], n_tables=BIG_TABLES)
-                if got != expected:
-                    bad.append((kk, info))
-        results.put((writer, seen, bad, None))
-    except BaseException as e:  # report, never hang the parent
-        results.put((writer, 0, [], repr(e)))
+def _writer_reader(writer: int, n_writers: int, directory: str):
+    """One writer: stores its plans and reads every key back; (plans read, bad reads)."""
+    import torch.distributed as dist
+
+    cache = PlanCache(directory)
+    logging.getLogger(LOGGER).setLevel(logging.ERROR)
+    fps = [_key_fingerprint(k) for k in range(N_KEYS)]
+    dist.barrier()  # every writer starts together
+    seen, bad = 0, []
+    ever_seen = [False] * N_KEYS
+    for i in range(N_ITERS):
+        k = (writer + i) % N_KEYS
+        cache.store(_plan(fps[k], writer=writer, iteration=i, n_tables=BIG_TABLES))
+        ever_seen[k] = True  # files are only ever replaced, so from now on a complete plan must load
+        for kk in range(N_KEYS):
+            got = cache.load(fps[kk])
+            if got is None:
+                if ever_seen[kk]:
+                    bad.append((kk, "partial or missing file after a complete one existed"))
+                continue
+            seen += 1
+            ever_seen[kk] = True
+            info = got.planner_info
+            expected = _plan(fps[kk], writer=info["writer"], iteration=info["iteration"], n_tables=BIG_TABLES)
+            if got != expected:
+                bad.append((kk, info))
+    return seen, bad
 
 
 @pytest.mark.multiprocess
 def test_concurrent_writers_and_readers_only_ever_see_complete_plans(tmp_path):
-    ctx = mp.get_context("fork")
-    barrier, results = ctx.Barrier(N_WRITERS), ctx.Queue()
-    procs = [ctx.Process(target=_writer_reader, args=(str(tmp_path), w, barrier, results)) for w in range(N_WRITERS)]
-    for p in procs:
-        p.start()
-    outcomes = [results.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    assert all(err is None for _, _, _, err in outcomes), outcomes
-    assert all(not bad for _, _, bad, _ in outcomes), outcomes
-    assert sum(seen for _, seen, _, _ in outcomes) >= N_WRITERS * N_ITERS  # each reads back its own key at least
+    from launcher import run_ranks
+
+    outcomes = run_ranks(_writer_reader, N_WRITERS, str(tmp_path), start_method="fork", timeout_s=300)
+    assert all(not bad for _, bad in outcomes), outcomes
+    assert sum(seen for seen, _ in outcomes) >= N_WRITERS * N_ITERS  # each reads back its own key at least
     names = sorted(os.listdir(tmp_path))
     assert not [n for n in names if n.startswith(".tmp-")], names
     assert len([n for n in names if n.endswith(".json")]) == N_KEYS
 
 
-def _racing_planner(directory: str, worker: int, barrier, results) -> None:
-    try:
-        logging.getLogger(LOGGER).setLevel(logging.ERROR)
-        cache = PlanCache(directory, lock_timeout_s=60)
-        fp = _key_fingerprint(0)
+def _racing_planner(worker: int, n_workers: int, directory: str):
+    """One of several processes asking for the same plan at once; (cache hit, plan's author)."""
+    import torch.distributed as dist
 
-        def plan_fn():
-            with open(os.path.join(directory, "calls.log"), "a") as f:
-                f.write(f"{worker}\n")
-            time.sleep(0.3)  # a slow planner: everyone else must wait, then reuse
-            return _plan(fp, writer=worker, n_tables=BIG_TABLES)
+    logging.getLogger(LOGGER).setLevel(logging.ERROR)
+    cache = PlanCache(directory, lock_timeout_s=60)
+    fp = _key_fingerprint(0)
 
-        barrier.wait()
-        plan, hit = cache.get_or_plan(fp, plan_fn)
-        results.put((worker, hit, plan.planner_info["writer"], None))
-    except BaseException as e:
-        results.put((worker, None, None, repr(e)))
+    def plan_fn():
+        with open(os.path.join(directory, "calls.log"), "a") as f:
+            f.write(f"{worker}\n")
+        time.sleep(0.3)  # a slow planner: everyone else must wait, then reuse
+        return _plan(fp, writer=worker, n_tables=BIG_TABLES)
+
+    dist.barrier()  # every process asks at once
+    plan, hit = cache.get_or_plan(fp, plan_fn)
+    return hit, plan.planner_info["writer"]
 
 
 @pytest.mark.multiprocess
 def test_concurrent_get_or_plan_plans_once_and_everyone_gets_that_plan(tmp_path):
-    ctx = mp.get_context("fork")
-    barrier, results = ctx.Barrier(N_WRITERS), ctx.Queue()
-    procs = [ctx.Process(target=_racing_planner, args=(str(tmp_path), w, barrier, results)) for w in range(N_WRITERS)]
-    for p in procs:
-        p.start()
-    outcomes = [results.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    assert all(err is None for *_, err in outcomes), outcomes
+    from launcher import run_ranks
+
+    outcomes = run_ranks(_racing_planner, N_WRITERS, str(tmp_path), start_method="fork", timeout_s=300)
     with open(tmp_path / "calls.log") as f:
         calls = f.read().split()
     assert len(calls) == 1
-    assert sorted(hit for _, hit, _, _ in outcomes) == [False] + [True] * (N_WRITERS - 1)
-    assert {author for _, _, author, _ in outcomes} == {int(calls[0])}
+    assert sorted(hit for hit, _ in outcomes) == [False] + [True] * (N_WRITERS - 1)
+    assert {author for _, author in outcomes} == {int(calls[0])}
 
 
-def test_lock_held_too_long_plans_anyway_with_a_warning(tmp_path, caplog):
-    cache = PlanCache(tmp_path, lock_timeout_s=0.2)
+def test_lock_held_too_long_plans_anyway_with_a_warning(tmp_path, caplog, fake_clock):
+    cache = PlanCache(tmp_path, lock_timeout_s=30)
     fp = _fingerprint()
     lock_path = cache.path_for(fp)[: -len(".json")] + ".lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a stuck planner elsewhere
         caplog.set_level(logging.INFO, logger=LOGGER)
-        start = time.monotonic()
+        start = fake_clock()
         plan, hit = cache.get_or_plan(fp, Counter(_plan(fp)))
         assert hit is False and plan == _plan(fp)
-        assert time.monotonic() - start < 5
+        # it waited out lock_timeout_s (on the fake clock: backing off up to 0.5 s a try), no longer
+        assert 30 <= fake_clock() - start <= 30.5 and max(fake_clock.slept) == 0.5
         assert any(r.levelno == logging.WARNING and "without waiting" in r.getMessage() for r in caplog.records)
     finally:
         os.close(fd)

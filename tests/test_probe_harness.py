@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from conftest import spawn
+from launcher import run_ranks
 
 
 def _measure(rank, world_size):
@@ -41,7 +41,7 @@ def _measure(rank, world_size):
 
 
 def test_measure_plan_times_the_slowest_rank_per_step_and_restores_the_affinity():
-    a, b = spawn(_measure, 2, timeout_s=240)
+    a, b = run_ranks(_measure, 2, timeout_s=240)
     for r, res in enumerate((a, b)):
         m = res["m"]
         assert len(m.durations_s) == 6 and len(m.cpu_durations_s) == 6 and m.steps == 4

@@ -1,22 +1,18 @@
 """lift(): DistributedModelParallel + comm codecs + the planned train pipeline, on 2 gloo ranks.
 
-One 2-rank job (module fixture) runs every scenario and writes per-rank results; the tests read
+One 2-rank job (module fixture) runs every scenario and returns each rank's results; the tests read
 them. Single-process tests at the bottom pin the settings/validation logic.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from launcher import run_ranks
 from torchrec_sparselift.runtime.pipelines import EXACT_PIPELINE_KINDS
 
 WORLD = 2
@@ -28,12 +24,6 @@ NUM_EMB = 64
 DIM = 8
 LOCAL_B = 8
 FEATURES = ("f0", "f1", "f2")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_model() -> torch.nn.Module:
@@ -130,7 +120,7 @@ def _pipeline_losses(lifted, batches):  # type: ignore[no-untyped-def]
         losses.append(float(loss))
 
 
-def _scenarios(rank: int) -> dict:
+def _scenarios(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from torchrec_sparselift.runtime import StepTimer
@@ -237,33 +227,9 @@ def _scenarios(rank: int) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        result = _scenarios(rank)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
-    outdir = str(tmp_path_factory.mktemp("lift"))
-    mp.spawn(_worker, args=(_free_port(), outdir), nprocs=WORLD, join=True)
-    results = []
-    for rank in range(WORLD):
-        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
-            res = json.load(f)
-        assert "error" not in res, f"rank {rank} failed:\n{res['error']}"
-        results.append(res)
-    return results
+def runs():  # type: ignore[no-untyped-def]
+    return run_ranks(_scenarios, WORLD, timeout_s=600)
 
 
 @pytest.mark.multiprocess

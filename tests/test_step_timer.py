@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -19,50 +18,51 @@ from torchrec_sparselift.runtime.timing import (
 CPU = torch.device("cpu")
 
 
-def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+# Steps "take" the time the test advances a fake clock by (conftest.fake_clock): the timer's
+# arithmetic is checked exactly, whatever the machine's load.
 
 
-def test_warmup_steps_are_left_out_of_the_measurement() -> None:
+def test_warmup_steps_are_left_out_of_the_measurement(fake_clock) -> None:  # type: ignore[no-untyped-def]
     timer = StepTimer(CPU, warmup_steps=2)
-    for seconds in (0.05, 0.05, 0.002, 0.002, 0.002):
+    for seconds in (0.05, 0.05, 0.002, 0.003, 0.004):
         with timer.step():
-            _busy(seconds)
+            fake_clock.advance(seconds)
     assert timer.steps_timed == 5
-    assert len(timer.steady_durations_s) == 3
+    assert timer.steady_durations_s == pytest.approx([0.002, 0.003, 0.004])
     rec = timer.record()
     assert rec.steps == 3 and rec.warmup_steps == 2
-    assert 0.002 <= rec.measured_s < 0.03  # the 50 ms warm-up steps are not in it
+    assert rec.measured_s == pytest.approx(0.003)  # the median; the 50 ms warm-up steps are not in it
+    assert rec.mean_s == pytest.approx(0.003)
 
 
-def test_ratio_is_measured_over_predicted_and_none_without_prediction() -> None:
+def test_ratio_is_measured_over_predicted_and_none_without_prediction(fake_clock) -> None:  # type: ignore[no-untyped-def]
     timer = StepTimer(CPU, warmup_steps=0, predicted_s=0.001, plan="p")
     for _ in range(3):
         with timer.step():
-            _busy(0.002)
+            fake_clock.advance(0.002)
     rec = timer.record()
-    assert rec.ratio == pytest.approx(rec.measured_s / 0.001)
-    assert rec.ratio > 1.5
+    assert rec.ratio == pytest.approx(2.0)
     assert "measured/predicted" in rec.summary()
     no_pred = StepRecord(plan="p", predicted_s=None, measured_s=0.01, mean_s=0.01, stdev_s=0.0,
                          steps=1, warmup_steps=0, device="cpu")
     assert no_pred.ratio is None
 
 
-def test_stage_means_are_per_steady_step_on_cpu() -> None:
+def test_stage_means_are_per_steady_step_on_cpu(fake_clock) -> None:  # type: ignore[no-untyped-def]
     timer = StepTimer(CPU, warmup_steps=1)
-    for _ in range(4):
+    for step in range(4):
         with timer.step():
             with timer.stage("forward"):
-                _busy(0.01)
+                fake_clock.advance(0.5 if step == 0 else 0.01)  # the warm-up step's stages are left out
             with timer.stage("backward"):
-                _busy(0.002)
-    stages = dict(timer.record().stages)
+                fake_clock.advance(0.002 * step)
+            fake_clock.advance(0.001)  # outside every stage
+    rec = timer.record()
+    stages = dict(rec.stages)
     assert set(stages) == {"forward", "backward"}
-    assert 0.01 <= stages["forward"] < 0.025  # a mean over 3 steady steps, not their 0.03 s sum
-    assert 0.002 <= stages["backward"] < stages["forward"]
+    assert stages["forward"] == pytest.approx(0.01)  # a mean over 3 steady steps, not their 0.03 s sum
+    assert stages["backward"] == pytest.approx(0.004)  # (0.002 + 0.004 + 0.006) / 3
+    assert rec.measured_s == pytest.approx(0.01 + 0.004 + 0.001)
 
 
 def test_failed_step_is_not_recorded_and_timer_stays_usable() -> None:

@@ -8,8 +8,6 @@ import copy
 import numpy as np
 import pytest
 
-pytest.importorskip("torchrec")
-
 from torchrec.distributed.planner import EmbeddingShardingPlanner  # noqa: E402
 from torchrec.distributed.planner.perf_models import NoopPerfModel  # noqa: E402
 from torchrec.distributed.planner.shard_estimators import (  # noqa: E402

@@ -1,26 +1,15 @@
 """2D sparse parallelism at runtime on CPU: DMPCollection over 4 gloo ranks, sharding groups of 2."""
 
-import os
-import signal
-import socket
-import traceback
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from launcher import run_ranks
 from torchrec_sparselift.runtime.two_d import TwoDConfig, replica_groups
 
 WORLD, GROUP = 4, 2
 LR, EPS, INTERVAL, MOMENTUM = 0.1, 1e-4, 2, 0.5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_and_plan():
@@ -100,109 +89,81 @@ def _train(model, opt, gen, steps):
         opt.zero_grad()
 
 
-def _worker(rank, port, errors):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        torch.manual_seed(rank)  # replicas start from different random tables on purpose
-        from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
-        from torchrec_sparselift.optim.reference import momentum_scaled_merge
-        from torchrec_sparselift.runtime.two_d import (
-            build_2d_model_parallel,
-            row_wise_adagrad_slots,
-        )
+def _worker(rank, world_size):
+    torch.manual_seed(rank)  # replicas start from different random tables on purpose
+    from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
+    from torchrec_sparselift.optim.reference import momentum_scaled_merge
+    from torchrec_sparselift.runtime.two_d import (
+        build_2d_model_parallel,
+        row_wise_adagrad_slots,
+    )
 
-        net, plan, sharder = _model_and_plan()
-        model = build_2d_model_parallel(
-            net,
-            plan,
-            sharding_group_size=GROUP,
-            global_pg=dist.group.WORLD,
-            device=torch.device("cpu"),
-            sharders=[sharder],
-            sync_interval=INTERVAL,
-            replica_sync=MomentumScaledRowWiseAdagrad(momentum=MOMENTUM),
-        )
-        replica_pg = model._default_ctx.replica_pg
-        slots = row_wise_adagrad_slots(model)
-        assert slots, "no fused row-wise AdaGrad tables found"
-        ws = [s.weight for s in slots]
-        accs = [s.accumulator for s in slots]
-        for stacked in _gather(ws + accs, replica_pg):
-            assert np.array_equal(stacked[0], stacked[1]), "replicas differ right after build"
+    net, plan, sharder = _model_and_plan()
+    model = build_2d_model_parallel(
+        net,
+        plan,
+        sharding_group_size=GROUP,
+        global_pg=dist.group.WORLD,
+        device=torch.device("cpu"),
+        sharders=[sharder],
+        sync_interval=INTERVAL,
+        replica_sync=MomentumScaledRowWiseAdagrad(momentum=MOMENTUM),
+    )
+    replica_pg = model._default_ctx.replica_pg
+    slots = row_wise_adagrad_slots(model)
+    assert slots, "no fused row-wise AdaGrad tables found"
+    ws = [s.weight for s in slots]
+    accs = [s.accumulator for s in slots]
+    for stacked in _gather(ws + accs, replica_pg):
+        assert np.array_equal(stacked[0], stacked[1]), "replicas differ right after build"
 
-        dense = [p for n, p in model.named_parameters() if "lin" in n]
-        opt = torch.optim.SGD(dense, lr=LR)
-        gen = torch.Generator().manual_seed(1000 + rank)
+    dense = [p for n, p in model.named_parameters() if "lin" in n]
+    opt = torch.optim.SGD(dense, lr=LR)
+    gen = torch.Generator().manual_seed(1000 + rank)
 
-        # momentum-scaled merge: distributed result == numpy reference on the gathered states
-        anchors = _gather(ws + accs, replica_pg)
-        m_ref = [np.zeros(w.shape) for w in ws]
-        for _ in range(2):  # two syncs so the momentum buffer matters
-            _train(model, opt, gen, INTERVAL)
-            local = _gather(ws + accs, replica_pg)
-            assert any(not np.array_equal(x[0], x[1]) for x in local), "replicas did not diverge"
-            model.sync()
-            merged = _gather(ws + accs, replica_pg)
-            for i, slot in enumerate(slots):
-                j = len(slots) + i
-                w_ref, a_ref, m_ref[i] = momentum_scaled_merge(
-                    anchors[i][0], anchors[j][0], local[i], local[j], m_ref[i],
-                    slot.learning_rate(), slot.eps(), INTERVAL, MOMENTUM,
-                )
-                for r in range(merged[i].shape[0]):
-                    np.testing.assert_allclose(merged[i][r], w_ref, atol=1e-6)
-                    np.testing.assert_allclose(merged[j][r], a_ref, atol=1e-6)
-            anchors = merged
-
-        # TorchRec's plain averaging through the same object: replicas equal, == mean of locals
+    # momentum-scaled merge: distributed result == numpy reference on the gathered states
+    anchors = _gather(ws + accs, replica_pg)
+    m_ref = [np.zeros(w.shape) for w in ws]
+    for _ in range(2):  # two syncs so the momentum buffer matters
         _train(model, opt, gen, INTERVAL)
         local = _gather(ws + accs, replica_pg)
-        from torchrec.distributed.model_parallel import DMPCollection
-
-        DMPCollection.sync(model)
+        assert any(not np.array_equal(x[0], x[1]) for x in local), "replicas did not diverge"
+        model.sync()
         merged = _gather(ws + accs, replica_pg)
-        for before, after in zip(local, merged):
-            np.testing.assert_allclose(after[0], before.mean(axis=0), atol=1e-6)
-            assert np.array_equal(after[0], after[1])
+        for i, slot in enumerate(slots):
+            j = len(slots) + i
+            w_ref, a_ref, m_ref[i] = momentum_scaled_merge(
+                anchors[i][0], anchors[j][0], local[i], local[j], m_ref[i],
+                slot.learning_rate(), slot.eps(), INTERVAL, MOMENTUM,
+            )
+            for r in range(merged[i].shape[0]):
+                np.testing.assert_allclose(merged[i][r], w_ref, atol=1e-6)
+                np.testing.assert_allclose(merged[j][r], a_ref, atol=1e-6)
+        anchors = merged
 
-        # dense parameters are data-parallel over all 4 ranks: identical everywhere
-        for stacked in _gather([p.detach() for p in dense], dist.group.WORLD):
-            assert all(np.array_equal(stacked[0], s) for s in stacked[1:])
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # report the failing rank's traceback to the parent
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
+    # TorchRec's plain averaging through the same object: replicas equal, == mean of locals
+    _train(model, opt, gen, INTERVAL)
+    local = _gather(ws + accs, replica_pg)
+    from torchrec.distributed.model_parallel import DMPCollection
+
+    DMPCollection.sync(model)
+    merged = _gather(ws + accs, replica_pg)
+    for before, after in zip(local, merged):
+        np.testing.assert_allclose(after[0], before.mean(axis=0), atol=1e-6)
+        assert np.array_equal(after[0], after[1])
+
+    # dense parameters are data-parallel over all 4 ranks: identical everywhere
+    for stacked in _gather([p.detach() for p in dense], dist.group.WORLD):
+        assert all(np.array_equal(stacked[0], s) for s in stacked[1:])
+    dist.barrier()
 
 
 @pytest.mark.multiprocess
 def test_dmpcollection_on_cpu_trains_and_sync_makes_replicas_equal():
-    # TorchRec 1.8's native "terminate called without an active exception" abort (SIGABRT, exit
-    # code -6, no Python error) hit one of the 4 ranks once in session 7's fresh-clone CI, as it does
-    # the comm-semantics tests (conftest.spawn_retrying_native_aborts): one rerun then. A rank that
-    # raises, or any other exit code, fails as before.
-    ctx = mp.get_context("spawn")
-    for attempt in range(2):
-        errors = ctx.SimpleQueue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, port, errors)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=240)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        messages = []
-        while not errors.empty():
-            messages.append(errors.get())
-        assert not messages, "\n".join(messages)
-        codes = [p.exitcode for p in procs]
-        if attempt == 0 and set(codes) == {0, -signal.SIGABRT}:
-            continue
-        assert all(c == 0 for c in codes), codes
-        return
+    # TorchRec 1.8's native "terminate called without an active exception" abort (SIGABRT, no
+    # Python error) hits one of the 4 ranks now and then, as in the comm-semantics tests: one rerun
+    # then. A rank that raises, or any other exit, fails at once.
+    run_ranks(_worker, WORLD, timeout_s=300, retry_native_abort=True)
 
 
 def test_replica_groups_hold_one_rank_per_sharding_group():

@@ -280,8 +280,12 @@ class SparseLiftPlanner(ShardingPlanner):
         ranks that differ, instead of hanging or sharding inconsistently. Nothing to shard
         gives ``ShardingPlan({})`` on every rank, as in :meth:`plan`.
         """
-        if not has_shardable_tables(module, get_default_sharders() if sharders is None else sharders,
-                                    self._topology.compute_device, self._batch_size):
+        try:
+            shardable = has_shardable_tables(module, get_default_sharders() if sharders is None else sharders,
+                                             self._topology.compute_device, self._batch_size)
+        except Exception:  # noqa: BLE001 - malformed input: the agreement check raises it on every rank
+            shardable = True
+        if not shardable:
             return ShardingPlan({})
         return self.collective_plan_execution(module, sharders, pg).sharding_plan
 
