@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import pytest
 
-from conftest import spawn
+from launcher import run_ranks
 from torchrec_sparselift.measure import link
 from torchrec_sparselift.measure import testbed as tb
 from torchrec_sparselift.measure.link import LinkRates, LinkRatesError, links_differ
@@ -157,7 +157,7 @@ def _measure(rank: int, world_size: int) -> tuple:
 
 
 def test_two_gloo_ranks_on_loopback_agree_on_their_rates_and_on_a_failed_fit():
-    results = spawn(_measure, 2, timeout_s=120)
+    results = run_ranks(_measure, 2, timeout_s=120)
     assert results[0][0] == results[1][0]
     assert results[0][1] == results[1][1] == "times do not grow (family intra)"
     rates = LinkRates.from_dict(results[0][0])
