@@ -209,6 +209,7 @@ class CommTimeline:
         self.events: List[tuple] = []
         self._restore: List[Any] = []
         self._next_id = 0
+        self._patched = False
 
     def mark(self, what: str, kind: str = "", cid: int = -1) -> None:
         import time
@@ -288,8 +289,15 @@ class CommTimeline:
                 return self._work(allreduce(*args, **kwargs), "allreduce")
             return allreduce(*args, **kwargs)
 
-        dist.all_to_all_single, dist.all_reduce = traced_a2a, traced_allreduce
-        self._restore.append(lambda: (setattr(dist, "all_to_all_single", a2a), setattr(dist, "all_reduce", allreduce)))
+        if not self._patched:  # once per timeline, however many models it traces
+            dist.all_to_all_single, dist.all_reduce = traced_a2a, traced_allreduce
+            self._patched = True
+
+            def restore() -> None:
+                dist.all_to_all_single, dist.all_reduce = a2a, allreduce
+                self._patched = False
+
+            self._restore.append(restore)
 
         wrapped = getattr(dmp, "_dmp_wrapped_module", dmp)
         if isinstance(wrapped, DistributedDataParallel) and not getattr(wrapped, "_sparselift_traced", False):
@@ -349,3 +357,65 @@ class CommTimeline:
     def uninstall(self) -> None:
         while self._restore:
             self._restore.pop()()
+
+
+def step_windows(events: List[tuple]) -> List[List[tuple]]:
+    """The events between each ``step_start`` and the next ``step_end`` mark."""
+    out: List[List[tuple]] = []
+    cur = None
+    for ev in events:
+        if ev[1] == "step_start":
+            cur = [ev]
+        elif ev[1] == "step_end" and cur is not None:
+            cur.append(ev)
+            out.append(cur)
+            cur = None
+        elif cur is not None:
+            cur.append(ev)
+    return out
+
+
+def step_attribution(window: List[tuple], done_at: Dict[int, float]) -> Dict[str, float]:
+    """Seconds of one step (events of :func:`step_windows`; ``done_at``: each collective id's
+    completion time, from the whole timeline): ``step``; per collective kind ``<kind>_inflight``
+    (issue to completion of those issued in this step), ``<kind>_exposed`` (the main thread's
+    waits on that kind in this step; for ``allreduce``, from the end of the autograd graph to the
+    end of backward, where DDP waits) and ``<kind>_hidden`` (in flight but not waited for);
+    ``dense_fwd``, ``dense_bwd`` (the bottom MLP), ``emb_bwd`` (from the gradient all-to-all's
+    wait to the next traced event: TBE backward with the fused update) and ``optimizer``."""
+    out: Dict[str, float] = {"step": window[-1][0] - window[0][0]}
+    for k in COMM_KINDS:
+        out[f"{k}_inflight"] = out[f"{k}_exposed"] = 0.0
+    waits: Dict[int, float] = {}
+    first: Dict[str, float] = {}
+    for t, what, kind, cid in window:
+        if what == "issue":
+            out[f"{kind}_inflight"] += max(0.0, done_at.get(cid, t) - t)
+        elif what == "wait_start":
+            waits[cid] = t
+        elif what == "wait_end" and cid in waits:
+            out[f"{kind}_exposed"] += t - waits.pop(cid)
+        elif what in ("dense_fwd_start", "dense_bwd_start", "graph_done", "opt_start"):
+            first.setdefault(what, t)
+        elif what in ("dense_fwd_end", "dense_bwd_end", "backward_end", "opt_end"):
+            first.setdefault(what, t)
+    if "graph_done" in first and "backward_end" in first:
+        out["allreduce_exposed"] += first["backward_end"] - first["graph_done"]
+    for k in COMM_KINDS:
+        out[f"{k}_hidden"] = max(0.0, out[f"{k}_inflight"] - out[f"{k}_exposed"])
+    out["dense_fwd"] = first.get("dense_fwd_end", 0.0) - first.get("dense_fwd_start", 0.0)
+    out["dense_bwd"] = first.get("dense_bwd_end", 0.0) - first.get("dense_bwd_start", 0.0)
+    out["optimizer"] = first.get("opt_end", 0.0) - first.get("opt_start", 0.0)
+    grad_wait_end = [t for t, what, kind, _c in window if what == "wait_end" and kind == "grad_dist"]
+    out["emb_bwd"] = 0.0
+    if grad_wait_end:
+        t0 = grad_wait_end[-1]
+        later = [t for t, what, _k, _c in window if t > t0 and what in ("dense_bwd_start", "graph_done", "wait_start")]
+        out["emb_bwd"] = (min(later) - t0) if later else 0.0
+    return out
+
+
+def timeline_attribution(events: List[tuple]) -> List[Dict[str, float]]:
+    """:func:`step_attribution` of every complete step in a :class:`CommTimeline`'s events."""
+    done_at = {cid: t for t, what, _k, cid in events if what == "done"}
+    return [step_attribution(w, done_at) for w in step_windows(events)]
