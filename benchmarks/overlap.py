@@ -66,6 +66,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1024, help="per rank")
     p.add_argument("--arch", default="small", choices=["small", "mlperf"])
     p.add_argument("--batches", type=int, default=8, help="distinct batches, cycled")
+    p.add_argument("--no-pin", action="store_true", help="do not pin each rank to its own core (the example's "
+                   "default pins, and so does this benchmark)")
     p.add_argument("--out", help="JSON results (all regimes; with --worker, this job's)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per regime")
     args = p.parse_args(argv)
@@ -124,7 +126,8 @@ def worker(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     pg = dist.group.WORLD
-    pin_rank_to_core(pg)
+    if not args.no_pin:
+        pin_rank_to_core(pg)
     device = torch.device("cpu")
     tables = scale_tables(preset_tables("dcnv2", args.embedding_dim), args.scale)
     arch = arch_spec(args.arch, args.embedding_dim)
@@ -183,7 +186,7 @@ def worker(args: argparse.Namespace) -> int:
             "world_size": world,
             "link": os.environ.get("SPARSELIFT_OVERLAP_REGIME", "?"),
             "config": {k: getattr(args, k) for k in ("scale", "embedding_dim", "batch_size", "arch", "rounds",
-                                                      "steps", "warmup", "batches")},
+                                                      "steps", "warmup", "batches", "no_pin")},
             "placement": placement,
             "step_s_per_round": per_round,
             "attribution_per_rank": gathered,
