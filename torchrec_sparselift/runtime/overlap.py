@@ -157,7 +157,8 @@ class TrainPipelineOverlap(TrainPipelineSparseDist):
         self.start_output_dist(self.contexts[0])
         if len(self.batches) >= 2:
             self.start_sparse_data_dist(self.batches[1], self.contexts[1])  # batch i+1's splits
-        self.enqueue_batch(dataloader_iter)  # batch i+2
+        if not self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)  # batch i+2
         try:
             with record_function(f"## forward {self.contexts[0].index} ##"):
                 losses, output = self._model_fwd(self.batches[0])
@@ -165,6 +166,8 @@ class TrainPipelineOverlap(TrainPipelineSparseDist):
             for forward in self._overlap_forwards():
                 forward.discard(self.contexts[0])
             raise
+        if self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)
         if len(self.batches) >= 2:
             self.wait_sparse_data_dist(self.contexts[1])  # batch i+1's ids all-to-all, in flight in backward
         if self._model.training:
