@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from conftest import spawn
+from launcher import run_ranks
 
 WORLD = 2
 STEPS = 50
@@ -145,7 +145,7 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> List[Dict[str, Any]]:
-    return spawn(_run, WORLD, timeout_s=300)
+    return run_ranks(_run, WORLD, timeout_s=300)
 
 
 def test_overlap_losses_equal_base_over_50_steps(results):
