@@ -151,9 +151,10 @@ def _valid_text(fp) -> str:
 @pytest.mark.parametrize(
     "content, reason",
     [
-        (lambda t: t[: len(t) // 2].encode(), "not valid JSON (truncated or corrupt?)"),
+        (lambda t: t[: len(t) // 2].encode(), "is not valid JSON: Expecting"),
+        (lambda t: t[:-3].encode(), "(the file ends early: truncated?)"),
         (lambda t: b"", "is empty"),
-        (lambda t: b"\x00\xff\xfe garbage \x81", "not UTF-8"),
+        (lambda t: b"\x00\xff\xfe garbage \x81", "is not UTF-8 text: byte 0xff at offset 1"),
         (lambda t: b"{this is not json", "not valid JSON"),
         (lambda t: b"[1, 2, 3]", "must be a JSON object"),
         (lambda t: t.replace("sparselift.execution_plan/2", "sparselift.execution_plan/0").encode(),
@@ -164,10 +165,14 @@ def _valid_text(fp) -> str:
          "schema 'sparselift.execution_plan/1' is older than 'sparselift.execution_plan/2': it was "
          "keyed without the planner's options"),
         (lambda t: t.replace('"sharding_type": "row_wise"', '"sharding_type": 5, "x": 1', 1).encode(),
-         "malformed execution plan"),
+         "is unusable: sharding_plan.modules[\"sparse.ebc\"].params.t0: unknown key(s) ['x']"),
+        (lambda t: t.replace('"sharding_type": "row_wise"', '"sharding_type": 5', 1).encode(),
+         "is unusable: sharding_plan.modules[\"sparse.ebc\"].params.t0.sharding_type: must be a string, got 5"),
+        (lambda t: t.replace('"sharding_type": "row_wise"', '"sharding_type": "row_wise", "sharding_type": "row_wise"',
+                             1).encode(), "is unusable: duplicate key 'sharding_type'"),
     ],
-    ids=["truncated", "empty", "binary", "not-json", "not-object", "older-schema", "newer-schema",
-         "schema-1", "malformed"],
+    ids=["truncated", "truncated-end", "empty", "binary", "not-json", "not-object", "older-schema", "newer-schema",
+         "schema-1", "unknown-field", "wrong-type", "duplicate-key"],
 )
 def test_unusable_file_replans_with_one_log_line_naming_the_reason(tmp_path, caplog, content, reason):
     cache = PlanCache(tmp_path)
