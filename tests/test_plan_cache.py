@@ -548,3 +548,63 @@ def test_stored_plans_follow_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+
+
+# ------------------------------------------------------------------------------------------------
+# property: any value anywhere in a stored plan gives a plan or a PlanFormatError, never more
+# ------------------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from torchrec_sparselift.errors import PlanFormatError  # noqa: E402
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats() | st.text(max_size=8)
+    | st.sampled_from(["row_wise", "fused", "enumerable", "rank:0/cuda:0", "LRU", "FP16", "embedding", "object_pool"]),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=8,
+)
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+_VALID = json.loads(_plan(_fingerprint(n_tables=2), n_tables=2).to_json())
+_PLAN_PATHS = list(_paths(_VALID))[1:]
+
+
+@settings(max_examples=600, deadline=None)
+@given(where=st.sampled_from(_PLAN_PATHS), value=_VALUES)
+def test_any_value_anywhere_in_a_stored_plan_gives_a_plan_or_a_plan_format_error(where, value):
+    data = json.loads(json.dumps(_VALID))
+    node = data
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    try:
+        ExecutionPlan.from_dict(data)
+    except PlanFormatError as e:
+        assert "\n" not in str(e)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(min_value=0, max_value=4000), flip=st.integers(min_value=0, max_value=255))
+def test_damaged_cache_file_never_raises_from_load(tmp_path, cut, flip):
+    cache = PlanCache(tmp_path)
+    fp = _fingerprint(n_tables=2)
+    text = bytearray(_plan(fp, n_tables=2).to_json(indent=1).encode())
+    if cut < len(text):
+        text[cut] = (text[cut] + flip) % 256
+    with open(cache.path_for(fp), "wb") as f:
+        f.write(bytes(text))
+    logging.getLogger(LOGGER).setLevel(logging.ERROR)
+    got = cache.load(fp)
+    assert got is None or got.fingerprint == fp
