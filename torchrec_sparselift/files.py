@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 from torchrec_sparselift.errors import FileFormatError
 
