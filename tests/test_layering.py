@@ -27,6 +27,7 @@ BASE = {"errors": 0, "validation": 0, "atomic": 0, "vocabulary": 0, "defaults": 
 LAYERS = {"semantics": 1, "cost": 2, "search": 3, "plan": 4, "runtime": 5}
 TOP = 10
 OPTIM = "optim"
+BASE["files"] = 0  # the strict file loader (imports only ``errors``)
 
 
 def _modules() -> Iterator[Tuple[str, str]]:

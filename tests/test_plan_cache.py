@@ -150,9 +150,10 @@ def _valid_text(fp) -> str:
 @pytest.mark.parametrize(
     "content, reason",
     [
-        (lambda t: t[: len(t) // 2].encode(), "not valid JSON (truncated or corrupt?)"),
+        (lambda t: t[: len(t) // 2].encode(), "is not valid JSON: Expecting"),
+        (lambda t: t[:-3].encode(), "(the file ends early: truncated?)"),
         (lambda t: b"", "is empty"),
-        (lambda t: b"\x00\xff\xfe garbage \x81", "not UTF-8"),
+        (lambda t: b"\x00\xff\xfe garbage \x81", "is not UTF-8 text: byte 0xff at offset 1"),
         (lambda t: b"{this is not json", "not valid JSON"),
         (lambda t: b"[1, 2, 3]", "must be a JSON object"),
         (lambda t: t.replace("sparselift.execution_plan/2", "sparselift.execution_plan/0").encode(),
@@ -163,10 +164,14 @@ def _valid_text(fp) -> str:
          "schema 'sparselift.execution_plan/1' is older than 'sparselift.execution_plan/2': it was "
          "keyed without the planner's options"),
         (lambda t: t.replace('"sharding_type": "row_wise"', '"sharding_type": 5, "x": 1', 1).encode(),
-         "malformed execution plan"),
+         "is unusable: sharding_plan.modules[\"sparse.ebc\"].params.t0: unknown key(s) ['x']"),
+        (lambda t: t.replace('"sharding_type": "row_wise"', '"sharding_type": 5', 1).encode(),
+         "is unusable: sharding_plan.modules[\"sparse.ebc\"].params.t0.sharding_type: must be a string, got 5"),
+        (lambda t: t.replace('"sharding_type": "row_wise"', '"sharding_type": "row_wise", "sharding_type": "row_wise"',
+                             1).encode(), "is unusable: duplicate key 'sharding_type'"),
     ],
-    ids=["truncated", "empty", "binary", "not-json", "not-object", "older-schema", "newer-schema",
-         "schema-1", "malformed"],
+    ids=["truncated", "truncated-end", "empty", "binary", "not-json", "not-object", "older-schema", "newer-schema",
+         "schema-1", "unknown-field", "wrong-type", "duplicate-key"],
 )
 def test_unusable_file_replans_with_one_log_line_naming_the_reason(tmp_path, caplog, content, reason):
     cache = PlanCache(tmp_path)
@@ -359,3 +364,235 @@ def test_lock_held_too_long_plans_anyway_with_a_warning(tmp_path, caplog, fake_c
         assert any(r.levelno == logging.WARNING and "without waiting" in r.getMessage() for r in caplog.records)
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------
+# a stored plan is verified against the request before reuse
+# ------------------------------------------------------------------------------------------------
+
+import torch  # noqa: E402
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig  # noqa: E402
+from torchrec.distributed.planner import Topology  # noqa: E402
+from torchrec.distributed.planner.types import ParameterConstraints  # noqa: E402
+from torchrec.distributed.sharding_plan import get_default_sharders  # noqa: E402
+
+from torchrec_sparselift import SparseLiftPlanner  # noqa: E402
+from torchrec_sparselift.plan.loader import stored_plan_problem, tiling_problem  # noqa: E402
+
+ROWS, DIM, RANKS = 40_000, 64, 4
+
+
+def _small_model() -> EmbeddingBagCollection:
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS * (i + 1),
+                                   feature_names=[f"f{i}"]) for i in range(4)],
+        device=torch.device("meta"),
+    )
+
+
+def _small_planner(cache_dir, **kw) -> SparseLiftPlanner:
+    topo = Topology(world_size=RANKS, local_world_size=2, compute_device="cuda", hbm_cap=16 * 1024**3)
+    return SparseLiftPlanner(
+        topology=topo, batch_size=512, debug=False, cache_dir=str(cache_dir), solver="heuristic",
+        time_budget_s=1.0, constraints={"t0": ParameterConstraints(sharding_types=["table_wise"])}, **kw)
+
+
+def _row_wise(rows: int, ranks=range(RANKS)):
+    ranks = list(ranks)
+    cut = rows // len(ranks)
+    return {"sharding_type": "row_wise", "compute_kernel": "fused", "ranks": ranks,
+            "sharding_spec": {"kind": "enumerable", "shards": [
+                {"offsets": [i * cut, 0], "sizes": [cut if i < len(ranks) - 1 else rows - i * cut, DIM],
+                 "placement": f"rank:{r}/cuda:{r % 2}"} for i, r in enumerate(ranks)]}}
+
+
+def _shrink_first_shard(ps):
+    ps["sharding_spec"]["shards"][0]["sizes"][0] -= 1
+
+
+def _move_shard_off_the_world(ps):
+    ps["sharding_spec"]["shards"][0]["placement"] = f"rank:{RANKS + 5}/cuda:0"
+
+
+def _overlap(ps):
+    ps.update(_row_wise(ROWS * 2))
+    shards = ps["sharding_spec"]["shards"]
+    shards[1]["offsets"][0] -= 10  # overlaps shard 0 ...
+    shards[-1]["sizes"][0] -= 10  # ... and the area still adds up
+
+
+EDITS = {
+    # the two examples: shards that no longer cover the rows, a table_wise table made row_wise
+    "shards-miss-rows": ("t1", lambda ps: ps.update(_row_wise(ROWS * 2)) or _shrink_first_shard(ps),
+                         "table 't1' (row_wise): shards cover"),
+    "constrained-table-wise-made-row-wise": ("t0", lambda ps: ps.update(_row_wise(ROWS)),
+                                             "table 't0' is sharded row_wise, which its sharders and constraints do not allow"),
+    "kernel-not-offered": ("t2", lambda ps: ps.update(compute_kernel="key_value"),
+                           "table 't2' uses compute kernel 'key_value'"),
+    "rank-outside-topology": ("t1", lambda ps: ps.update(_row_wise(ROWS * 2)) or _move_shard_off_the_world(ps),
+                              f"has rank {RANKS + 5}, outside 0..{RANKS - 1}"),
+    "overlapping-shards": ("t1", _overlap, "overlap"),  # torch's EnumerableShardingSpec refuses it on reading
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS), ids=list(EDITS))
+def test_edited_cache_entry_is_not_reused_and_the_new_plan_is_valid(tmp_path, caplog, edit):
+    table, damage, reason = EDITS[edit]
+    model = _small_model()
+    planner = _small_planner(tmp_path)
+    first = planner.plan_execution(model, get_default_sharders())
+    assert planner.last_cache_hit is False
+    request = planner.request(model, get_default_sharders())
+    assert stored_plan_problem(request, first) is None
+
+    path = PlanCache(tmp_path).path_for(first.fingerprint)
+    with open(path) as f:
+        data = json.load(f)
+    damage(data["sharding_plan"]["modules"][""]["params"][table])
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    again = _small_planner(tmp_path).plan_execution(model, get_default_sharders())
+    replans = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.getMessage().startswith("re-planning")]
+    assert len(replans) == 1 and reason in replans[0], replans
+    assert stored_plan_problem(request, again) is None and request.refuses(again) is None
+    assert again.sharding_plan == first.sharding_plan
+    third = _small_planner(tmp_path)
+    third.plan_execution(model, get_default_sharders())
+    assert third.last_cache_hit is True  # the fresh plan replaced the edited one
+
+
+def test_an_edited_entry_is_reported_by_the_planner_as_a_miss(tmp_path):
+    model = _small_model()
+    first = _small_planner(tmp_path).plan_execution(model, get_default_sharders())
+    path = PlanCache(tmp_path).path_for(first.fingerprint)
+    with open(path) as f:
+        data = json.load(f)
+    data["sharding_plan"]["modules"][""]["params"]["t0"].update(_row_wise(ROWS))
+    with open(path, "w") as f:
+        json.dump(data, f)
+    planner = _small_planner(tmp_path)
+    plan = planner.plan(model, get_default_sharders())
+    assert planner.last_cache_hit is False
+    assert plan.plan[""]["t0"].sharding_type == "table_wise"
+
+
+@pytest.mark.parametrize("shards, rows, cols, world, problem", [
+    ([([5, 4], [0, 0], 0), ([5, 4], [5, 0], 1)], 10, 4, 2, None),
+    ([([3, 4], [0, 0], 0), ([3, 4], [3, 0], 1), ([3, 4], [6, 0], 2), ([1, 4], [9, 0], 3), ([0, 4], [10, 0], 4)],
+     10, 4, 5, None),  # row-wise over more ranks than block rows: an empty last shard
+    ([([10, 2], [0, 0], 0), ([10, 2], [0, 2], 0)], 10, 4, 1, None),  # column-wise, both on rank 0
+    ([([5, 4], [0, 0], 0), ([4, 4], [5, 0], 1)], 10, 4, 2, "shards cover 36 of the table's 40 elements"),
+    ([([6, 4], [0, 0], 0), ([4, 4], [7, 0], 1)], 10, 4, 2, "shard [4, 4] at [7, 0] lies outside the 10 x 4 table"),
+    ([([4, 4], [0, 0], 0), ([4, 4], [6, 0], 1), ([0, 4], [10, 0], 1)], 10, 4, 2, "shards cover 32 of"),
+    ([([6, 4], [0, 0], 0), ([2, 4], [4, 0], 1), ([2, 4], [8, 0], 1)], 10, 4, 2, "shards overlap at row 4"),
+    ([([5, 4], [0, 0], 0), ([5, 4], [5, 0], 2)], 10, 4, 2, "rank 2, outside 0..1"),
+    ([([5, 4], [0, 0], None), ([5, 4], [5, 0], 0)], 10, 4, 2, "rank None"),
+    ([([10], [0], 0)], 10, 4, 1, "is not 2-D"),
+    ([], 10, 4, 1, "no shards"),
+])
+def test_tiling_problem_accepts_exact_tilings_only(shards, rows, cols, world, problem):
+    got = tiling_problem(shards, rows, cols, world)
+    assert (got is None) if problem is None else (problem in got), got
+
+
+# ------------------------------------------------------------------------------------------------
+# the lock wait is bounded by the planning budget
+# ------------------------------------------------------------------------------------------------
+
+
+def test_lock_wait_is_bounded_by_the_planning_budget_and_names_the_holder(tmp_path, caplog):
+    model = _small_model()
+    planner = _small_planner(tmp_path)  # time_budget_s=1.0; PlanCache's own limit is 900 s
+    fp = planner.fingerprint(model, get_default_sharders())
+    lock_path = PlanCache(tmp_path).path_for(fp)[: -len(".json")] + ".lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process planning the same inputs, stuck
+        os.write(fd, b"424242\n")
+        caplog.set_level(logging.INFO, logger=LOGGER)
+        start = time.monotonic()
+        plan = planner.plan(model, get_default_sharders())
+        took = time.monotonic() - start
+    finally:
+        os.close(fd)
+    assert planner.last_cache_hit is False and plan.plan
+    assert took < 30, took  # the wait (1 s) plus planning, never 900 s
+    msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    waiting = [m for m in msgs if "waiting up to 1.0 s" in m]
+    gave_up = [m for m in msgs if "planning without waiting further" in m]
+    assert len(waiting) == 1 and "pid 424242" in waiting[0], msgs
+    assert len(gave_up) == 1 and "pid 424242" in gave_up[0], msgs
+    assert PlanCache(tmp_path).load(fp) is not None  # the plan is stored for the next run
+
+
+def test_stored_plans_follow_the_umask(tmp_path):
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = PlanCache(tmp_path).store(_plan(_fingerprint()))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+
+
+# ------------------------------------------------------------------------------------------------
+# property: any value anywhere in a stored plan gives a plan or a PlanFormatError, never more
+# ------------------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from torchrec_sparselift.errors import PlanFormatError  # noqa: E402
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats() | st.text(max_size=8)
+    | st.sampled_from(["row_wise", "fused", "enumerable", "rank:0/cuda:0", "LRU", "FP16", "embedding", "object_pool"]),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=8,
+)
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+_VALID = json.loads(_plan(_fingerprint(n_tables=2), n_tables=2).to_json())
+_PLAN_PATHS = list(_paths(_VALID))[1:]
+
+
+@settings(max_examples=600, deadline=None)
+@given(where=st.sampled_from(_PLAN_PATHS), value=_VALUES)
+def test_any_value_anywhere_in_a_stored_plan_gives_a_plan_or_a_plan_format_error(where, value):
+    data = json.loads(json.dumps(_VALID))
+    node = data
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    try:
+        ExecutionPlan.from_dict(data)
+    except PlanFormatError as e:
+        assert "\n" not in str(e)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(min_value=0, max_value=4000), flip=st.integers(min_value=0, max_value=255))
+def test_damaged_cache_file_never_raises_from_load(tmp_path, cut, flip):
+    cache = PlanCache(tmp_path)
+    fp = _fingerprint(n_tables=2)
+    text = bytearray(_plan(fp, n_tables=2).to_json(indent=1).encode())
+    if cut < len(text):
+        text[cut] = (text[cut] + flip) % 256
+    with open(cache.path_for(fp), "wb") as f:
+        f.write(bytes(text))
+    logging.getLogger(LOGGER).setLevel(logging.ERROR)
+    got = cache.load(fp)
+    assert got is None or got.fingerprint == fp

@@ -23,6 +23,8 @@ from torchrec.distributed.planner import Topology
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.sharding_plan import get_default_sharders
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
 
 from torchrec_sparselift import SparseLiftPlanner
@@ -182,7 +184,10 @@ def test_request_validators_name_the_field():
 
 def _sharding_plan(request: PlanRequest, ranks: int) -> ShardingPlan:
     params = {
-        t.name: ParameterSharding(sharding_type="table_wise", compute_kernel="fused", ranks=[i % ranks])
+        t.name: ParameterSharding(
+            sharding_type="table_wise", compute_kernel="fused", ranks=[i % ranks],
+            sharding_spec=EnumerableShardingSpec([ShardMetadata(
+                [0, 0], [t.num_embeddings, t.embedding_dim], f"rank:{i % ranks}/cuda:{i % ranks}")]))
         for i, t in enumerate(request.tables)
     }
     return ShardingPlan(plan={"ebc": EmbeddingModuleShardingPlan(params)})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import math
 import os
 import sys
 
@@ -131,3 +132,112 @@ def test_planner_and_fingerprint_walk_the_same_tables():
     assert [(s[0], s[1], s[5]) for s in specs] == [("a", "x", True), ("inner.1", "s", False), ("fp", "p", True)]
     handles = extract_tables(model, get_default_sharders(), "cuda", 64)
     assert sorted((h.spec.module_path, h.spec.name) for h in handles) == sorted((s[0], s[1]) for s in specs)
+
+
+# -- broken table files: one FileFormatError naming the file, the field and the fix -------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from torchrec_sparselift.errors import FileFormatError  # noqa: E402
+from torchrec_sparselift.semantics.table_file import parse_table_entries  # noqa: E402
+
+
+@pytest.mark.parametrize("content, says", [
+    (b'[{"name": "t0", "rows": 1000, "dim": 8, "rows": 5000000}]', "duplicate key 'rows' in the object with name 't0'"),
+    (b'[{"name": "a.b", "rows": 10, "dim": 8}]', "[0].name: table name 'a.b' contains '.'"),
+    (b'{"tables": [{"name": "a", "rows": 10, "dim": 8}, {"name": "b", "rows": 9223372036854775808, "dim": 8}]}',
+     "tables[1].rows: rows must be a positive integer (1..9223372036854775807, the int64 range)"),
+    (b'[{"name": "a", "rows": 10.5, "dim": 8}]', "[0].rows: rows must be a positive integer"),
+    (b'[{"name": "a", "rows": 10, "dim": "8"}]', "[0].dim: dim must be a positive integer"),
+    (b'[{"name": "a", "rows": 10, "dim": 8, "pooling_factor": Infinity}]', "[0].pooling_factor: pooling_factor must be a finite"),
+    (b'[{"name": "a", "rows": 10, "dim": 8, "pooling_factor": NaN}]', "[0].pooling_factor"),
+    (b'[{"name": "a", "rows": 10, "dim": 8', "is not valid JSON"),
+    (b'[{"name": "\xff", "rows": 10, "dim": 8}]', "is not UTF-8 text: byte 0xff at offset 11"),
+    (b'{"name": "a", "rows": 10, "dim": 8}', "expected a non-empty list of tables"),
+    (b'[3]', "[0]: must be an object"),
+    (b'[{"name": "a", "rows": 10, "dim": 8, "sharding_types": "row_wize"}]', "unknown sharding_types ['row_wize']"),
+])
+def test_broken_table_file_gives_one_line_naming_file_and_field(tmp_path, content, says):
+    path = tmp_path / "t.json"
+    path.write_bytes(content)
+    with pytest.raises(FileFormatError) as e:
+        load_table_file(str(path))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"table file {path}: ") and says in msg, msg
+    assert "to fix:" in msg
+    assert e.value.path == str(path)
+
+
+def test_broken_constraints_file_is_named_as_such(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('[{"name": "a", "rows": 5}]')
+    with pytest.raises(FileFormatError, match=r"^constraints file .*c.json: \[0\]: unknown key\(s\) \['rows'\]"):
+        load_table_file(str(path), constraint_only=True)
+
+
+def test_duplicate_key_in_a_yaml_table_file_is_refused(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "t.yaml"
+    path.write_text("- name: t0\n  rows: 1000\n  dim: 8\n  rows: 5000000\n")
+    with pytest.raises(FileFormatError, match=r"t.yaml: duplicate key 'rows' at line 4"):
+        load_table_file(str(path))
+
+
+def test_the_dlrm_example_reports_a_dotted_table_name_as_a_table_set_error(tmp_path):
+    from dlrm_tables import TableSetError, load_table_file as example_load
+
+    path = tmp_path / "t.json"
+    path.write_text('[{"name": "user.id", "rows": 10, "dim": 8}]')
+    with pytest.raises(TableSetError, match=r"table name 'user.id' contains '.'.*rename the table, e.g. 'user_id'"):
+        example_load(str(path))
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6)
+    | st.sampled_from(["a", "b.c", "row_wise", "fused", "f"]),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(
+        ["name", "rows", "dim", "features", "pooling_factor", "sharding_types", "compute_kernels",
+         "min_partition", "tables", "x"]), c, max_size=5),
+    max_leaves=10,
+)
+_FIELD_VALUES = st.one_of(_JSON, st.integers(min_value=2**62, max_value=2**65))
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=_JSON, constraint_only=st.booleans())
+def test_any_parsed_content_gives_tables_or_a_file_format_error(data, constraint_only):
+    try:
+        entries = parse_table_entries(data, "t.json", constraint_only, "table file")
+    except FileFormatError as e:
+        assert "\n" not in str(e) and str(e).startswith("table file t.json: ")
+        return
+    assert entries and all(e.rows <= 2**63 - 1 and "." not in e.name for e in entries)
+
+
+@settings(max_examples=400, deadline=None)
+@given(key=st.sampled_from(["name", "rows", "dim", "features", "pooling_factor", "sharding_types",
+                            "compute_kernels", "min_partition"]), value=_FIELD_VALUES)
+def test_any_value_in_any_field_gives_a_table_or_a_file_format_error(key, value):
+    entry = {"name": "t0", "rows": 100, "dim": 8, "features": ["f0", "f1"]}
+    entry[key] = value
+    try:
+        (e,) = parse_table_entries([entry], "t.json", False, "table file")
+    except FileFormatError as err:
+        assert f"[0].{key}" in str(err) or "[0]: missing" in str(err), str(err)
+        return
+    assert 1 <= e.rows <= 2**63 - 1 and 1 <= e.dim <= 2**63 - 1
+    assert all(math.isfinite(p) and p > 0 for p in e.pooling())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.binary(max_size=120) | st.sampled_from([
+    b'[{"name": "t0", "rows": 10, "dim": 8}]', b'{"tables": [{"name": "t0", "rows": 10, "dim": 8}]}'])
+    .flatmap(lambda good: st.integers(0, len(good)).map(lambda n: good[:n])))
+def test_arbitrary_or_truncated_bytes_give_tables_or_a_file_format_error(tmp_path, raw):
+    path = tmp_path / "t.json"
+    path.write_bytes(raw)
+    try:
+        load_table_file(str(path))
+    except FileFormatError as e:
+        assert str(path) in str(e)

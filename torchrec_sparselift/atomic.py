@@ -1,36 +1,75 @@
 """Atomic file writes: a reader sees the old file or the new one, never a partial one.
 
-The one place that writes JSON results, profiles and records (``write_json`` / ``write_text``):
-the content goes to a temporary file in the target's directory, then ``os.replace``-s the target;
-on any failure the temporary file is removed and the error propagates. Like ``errors`` and
-``validation``, every layer may use it (it imports nothing of the package).
+The one place that writes JSON results, plans, profiles and records (``write_json`` /
+``write_text`` / ``write_bytes``): the content goes to a temporary file in the target's
+directory, then ``os.replace``-s the target; on any failure the temporary file is removed and the
+error propagates. The file gets the permissions any new file of this process gets
+(``0o666 & ~umask``, and the directory's default ACL where there is one), like ``open(path,
+"w")`` would give it: the temporary file is created with mode ``0o666`` and the kernel applies
+the umask, so the umask is never changed or read (``tempfile.mkstemp`` would create it ``0o600``
+whatever the umask). Like ``errors`` and ``validation``, every layer may use it (it imports
+nothing of the package).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import tempfile
-from typing import Any
+import secrets
+from typing import Any, Tuple
 
-__all__ = ["write_json", "write_text"]
+__all__ = ["write_json", "write_text", "write_bytes", "create_temp"]
+
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
 
-def write_text(path: str, text: str, prefix: str = ".tmp-", suffix: str = ".json") -> None:
-    """Write ``text`` to ``path`` atomically (creating its directory if needed)."""
+def create_temp(directory: str, prefix: str = ".tmp-", suffix: str = "") -> Tuple[int, str]:
+    """A new, empty file in ``directory`` opened for writing: ``(fd, path)``.
+
+    Created exclusively with mode ``0o666`` so the umask decides its permissions (unlike
+    ``tempfile.mkstemp``, which creates ``0o600`` files)."""
+    for _ in range(100):
+        path = os.path.join(directory, f"{prefix}{secrets.token_hex(6)}{suffix}")
+        try:
+            return os.open(path, _FLAGS, 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a unique temporary file in {directory!r}")
+
+
+def write_bytes(path: str, data: bytes, prefix: str = ".tmp-", suffix: str = ".json", fsync: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically (creating its directory if needed). With ``fsync``
+    the content and the directory entry are flushed to disk before returning."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    fd, tmp = create_temp(directory, prefix=prefix, suffix=suffix)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if fsync:
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
 
 
-def write_json(path: str, data: Any, prefix: str = ".tmp-", indent: int = 1, sort_keys: bool = False) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (see :func:`write_text`)."""
-    write_text(path, json.dumps(data, indent=indent, sort_keys=sort_keys), prefix=prefix)
+def write_text(path: str, text: str, prefix: str = ".tmp-", suffix: str = ".json", fsync: bool = False) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_bytes`)."""
+    write_bytes(path, text.encode("utf-8"), prefix=prefix, suffix=suffix, fsync=fsync)
+
+
+def write_json(path: str, data: Any, prefix: str = ".tmp-", indent: int = 1, sort_keys: bool = False,
+               fsync: bool = False) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (see :func:`write_bytes`)."""
+    write_text(path, json.dumps(data, indent=indent, sort_keys=sort_keys), prefix=prefix, fsync=fsync)

@@ -1,6 +1,8 @@
 """Every error SparseLift raises on purpose, in one place. Each message says what to change.
 
 - :class:`SparseLiftPlannerError`: no plan satisfies the constraints (a TorchRec ``PlannerError``).
+- :class:`FileFormatError`: a file the package reads is missing, unreadable or malformed (it
+  names the file and the field, :mod:`torchrec_sparselift.files`).
 - :class:`PlanFormatError`: a serialized execution plan cannot be read.
 - :class:`CalibrationError`: measurements cannot determine a hardware-profile parameter.
 - :class:`CliError`: a problem with the command line's input (exit code 2).
@@ -35,7 +37,7 @@ except ImportError:  # pragma: no cover - torch without torchrec
             super().__init__(message)
 
 
-__all__ = ["SparseLiftPlannerError", "PlanFormatError", "CalibrationError", "CliError"]
+__all__ = ["SparseLiftPlannerError", "FileFormatError", "PlanFormatError", "CalibrationError", "CliError"]
 
 
 class SparseLiftPlannerError(PlannerError):
@@ -48,7 +50,17 @@ class SparseLiftPlannerError(PlannerError):
         super().__init__(message=message, error_type=_KINDS.get(kind, _KINDS.get("other")))
 
 
-class PlanFormatError(ValueError):
+class FileFormatError(ValueError):
+    """A file cannot be used: missing, unreadable, not UTF-8, not valid JSON/YAML, a duplicate
+    key, or a field of the wrong type or range. One line naming the file, the field path
+    (``tables[3].rows``) and the fix. ``path`` is the file (``None`` for in-memory data)."""
+
+    def __init__(self, message: str, path: "str | None" = None) -> None:
+        self.path = path
+        super().__init__(message)
+
+
+class PlanFormatError(FileFormatError):
     """A serialized execution plan cannot be read (malformed, truncated, or another schema)."""
 
 

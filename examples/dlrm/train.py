@@ -619,7 +619,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     import torchrec
     from torchrec.distributed.sharding_plan import get_default_sharders
 
-    from dlrm_checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+    from dlrm_checkpoint import CheckpointError, claim_checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
     from dlrm_data import PrefetchedBatches, criteo_batches, synthetic_batches
 
     rank, world_size, local_world_size, device, backend = init_distributed(args.device)
@@ -639,6 +639,10 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         f"{len(tables)} tables, {sum(t.rows for t in tables):,} rows, dim {dim}; "
         f"batch {args.batch_size}/rank; planner {args.planner}"
     )
+    try:  # one run per checkpoint directory: a second one stops here, before planning
+        dir_lock = claim_checkpoint_dir(args.checkpoint_dir) if args.checkpoint_dir else None  # noqa: F841 - held
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
     specs = load_constraints_file(args.constraints, tables) if args.constraints else []
     constraints = planner_constraints(tables, specs, one_hot=bool(args.criteo_dir))
     cache_dir = None if (args.no_plan_cache or args.planner != "sparselift") else args.plan_cache
@@ -744,7 +748,10 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
                     f"the checkpoint in {args.checkpoint_dir} is at step {info.step}, not before --steps "
                     f"{args.steps}: raise --steps to train further"
                 )
-            load_checkpoint(args.checkpoint_dir, info, dmp, optimizer)
+            try:
+                load_checkpoint(args.checkpoint_dir, info, dmp, optimizer)
+            except CheckpointError as e:
+                raise UsageError(str(e)) from None
             first_step = resumed_from = info.step
             say(f"[dlrm] resumed from the checkpoint after step {info.step} in {args.checkpoint_dir}")
     # The pipeline prefetches from this iterator, so it starts at the first step to run.
@@ -921,11 +928,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # torchrun stops the other ranks as soon as one exits: give rank 0 time to say why
             time.sleep(3.0)
         return EXIT_USAGE
-    except Exception as e:  # noqa: BLE001 - one clear line instead of a traceback
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - one clear line instead of a traceback; torch's
+        # CheckpointException is a BaseException
         if debug:
             raise
+        checkpoint = sys.modules.get("dlrm_checkpoint")  # loaded whenever DCP ran; never import torch here
+        what = checkpoint.describe_checkpoint_exception(e) if checkpoint else f"{type(e).__name__}: {e}"
         print(
-            f"error [rank {rank}]: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+            f"error [rank {rank}]: {what} (rerun with --debug for the traceback)",
             file=sys.stderr,
             flush=True,
         )

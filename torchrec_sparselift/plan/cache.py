@@ -6,17 +6,26 @@ plus ``.lock`` files next to them for :meth:`PlanCache.get_or_plan`.
 Guarantees:
 
 - **Atomic writes**: a plan is written to a temporary file in the same directory, flushed and
-  fsynced, then ``os.replace``-d over the target. Readers see the old file or the new one, never
-  a partial one, whatever other processes do.
+  fsynced, then ``os.replace``-d over the target (:func:`torchrec_sparselift.atomic.write_bytes`).
+  Readers see the old file or the new one, never a partial one, whatever other processes do. Plan
+  files get the mode the umask gives new files (``0o666 & ~umask``).
 - **Never a crash, never a wrong plan**: :meth:`PlanCache.load` returns ``None`` for a missing,
   unreadable, corrupt, truncated, other-schema or mismatching file, for statistics that
   drifted beyond tolerance, or (given the asking :class:`~torchrec_sparselift.plan.PlanRequest`)
   for a plan the request refuses: a pipeline, precision or 2D layout it does not allow, another
-  world size, a missing table. It logs exactly one line saying why (``re-planning: ...``). A hit
-  logs one line too (``reusing cached execution plan ...``).
+  world size, a missing table (:meth:`PlanRequest.refuses`), or a table whose sharding type or
+  kernel its constraints and sharders forbid, whose shards do not tile its rows and columns, or
+  that sits on ranks outside the topology (:func:`~torchrec_sparselift.plan.loader.stored_plan_problem`).
+  The file is read strictly (:mod:`torchrec_sparselift.files`: not UTF-8, invalid JSON, duplicate
+  keys, a field of the wrong type, each named). It logs exactly one line saying why
+  (``re-planning: ...``). A hit logs one line too (``reusing cached execution plan ...``).
 - **One planner at a time** (POSIX): :meth:`PlanCache.get_or_plan` holds an exclusive ``fcntl``
   lock per cache key while it plans, so concurrent processes wait and then reuse the winner's
-  plan. After ``lock_timeout_s`` a waiter plans on its own (and logs a warning): never a hang.
+  plan. A waiter logs one line naming the holder's pid, and waits at most the request's planning
+  budget (``PlanRequest.time_budget_s``; ``lock_timeout_s`` without a request, or when smaller);
+  then it logs a warning and plans on its own, as if there were no cache: a TorchRec planner is
+  expected to return a plan within its budget, and another job sharing the cache directory is no
+  reason to fail. Its plan is stored too (atomically; either plan is valid). Never a hang.
 """
 
 from __future__ import annotations
@@ -26,11 +35,14 @@ import errno
 import logging
 import math
 import os
-import tempfile
 import time
 from typing import Callable, Iterator, Optional, Tuple
 
-from torchrec_sparselift.plan.execution_plan import ExecutionPlan, Fingerprint, PlanFormatError
+from torchrec_sparselift.atomic import write_bytes
+from torchrec_sparselift.errors import FileFormatError
+from torchrec_sparselift.files import decode_utf8, parse_json
+from torchrec_sparselift.plan.execution_plan import ExecutionPlan, Fingerprint
+from torchrec_sparselift.plan.loader import stored_plan_problem
 from torchrec_sparselift.plan.request import PlanRequest
 from torchrec_sparselift.semantics.workload import WorkloadStats
 
@@ -50,8 +62,9 @@ class PlanCache:
     Args:
         directory: created if missing. Share it between runs (and ranks/hosts on a shared
             filesystem that supports ``os.replace`` atomically, e.g. local disk or NFSv4).
-        lock_timeout_s: how long :meth:`get_or_plan` waits for another process planning the
-            same inputs before planning itself.
+        lock_timeout_s: the longest :meth:`get_or_plan` waits for another process planning the
+            same inputs before planning itself; with a ``request`` it waits at most the
+            request's ``time_budget_s``.
     """
 
     def __init__(self, directory: "os.PathLike[str] | str", lock_timeout_s: float = 900.0) -> None:
@@ -86,14 +99,12 @@ class PlanCache:
             return None, f"re-planning: no cached plan {name} in {self.directory}", logging.INFO
         except OSError as e:
             return None, f"re-planning: cannot read cached plan {path}: {e}", logging.WARNING
-        if not raw:
-            return None, f"re-planning: cached plan {path} is empty (truncated write?)", logging.WARNING
         try:
-            plan = ExecutionPlan.from_json(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            return None, f"re-planning: cached plan {path} is corrupt (not UTF-8: {e})", logging.WARNING
-        except PlanFormatError as e:
-            return None, f"re-planning: cached plan {path} is unusable: {e}", logging.WARNING
+            plan = ExecutionPlan.from_dict(parse_json(decode_utf8(raw, what=""), what=""))
+        except FileFormatError as e:  # PlanFormatError too; the cache re-plans, so no "to fix"
+            why = str(e).split("; to fix:")[0]
+            why = why if why.startswith("is ") else f"is unusable: {why}"
+            return None, f"re-planning: cached plan {path} {why}", logging.WARNING
         except Exception as e:  # noqa: BLE001 - anything in a file must not crash training
             return None, f"re-planning: cached plan {path} is unusable: {type(e).__name__}: {e}", logging.WARNING
 
@@ -101,7 +112,7 @@ class PlanCache:
         why = stored.mismatch(fingerprint)
         if why is not None:
             return None, f"re-planning: cached plan {name} does not match: {why}", logging.INFO
-        refused = None if request is None else request.refuses(plan)
+        refused = None if request is None else (request.refuses(plan) or stored_plan_problem(request, plan))
         if refused is not None:
             return None, f"re-planning: cached plan {name} does not fit this request: {refused}", logging.WARNING
         if stored.stats_digest == fingerprint.stats_digest:
@@ -181,44 +192,32 @@ class PlanCache:
             raise TypeError(f"PlanCache.store needs an ExecutionPlan, got {type(plan).__name__}")
         data = plan.to_json(indent=1).encode("utf-8")
         path = self.path_for(plan.fingerprint)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        self._fsync_directory()
+        write_bytes(path, data, prefix=".tmp-", suffix=".json", fsync=True)
         logger.debug("stored execution plan %s", path)
         return path
-
-    def _fsync_directory(self) -> None:
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
 
     # ------------------------------------------------------------------------------------------
     # load or plan, one planner at a time
     # ------------------------------------------------------------------------------------------
 
+    def _lock_path(self, fingerprint: Fingerprint) -> str:
+        return self.path_for(fingerprint)[: -len(".json")] + ".lock"
+
     @contextlib.contextmanager
-    def _exclusive(self, fingerprint: Fingerprint) -> Iterator[bool]:
-        """Hold the per-key lock; yields False (unlocked) after ``lock_timeout_s`` or without fcntl."""
+    def _exclusive(self, fingerprint: Fingerprint, wait_s: float) -> Iterator[bool]:
+        """Hold the per-key lock; yields False (unlocked) after waiting ``wait_s`` or without fcntl.
+
+        The holder writes its pid into the lock file so that a waiter can name it. Waiting logs
+        one line when it starts and one when it gives up."""
         if fcntl is None:
             yield False
             return
-        lock_path = self.path_for(fingerprint)[: -len(".json")] + ".lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        lock_path = self._lock_path(fingerprint)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            deadline = time.monotonic() + self.lock_timeout_s
+            deadline = time.monotonic() + wait_s
             delay = 0.01
+            waiting = False
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -228,15 +227,24 @@ class PlanCache:
                         logger.warning("plan cache lock %s unavailable (%s); planning without it", lock_path, e)
                         yield False
                         return
+                    if not waiting:
+                        waiting = True
+                        logger.info(
+                            "plan cache: another process (%s) is planning the same inputs into %s; waiting "
+                            "up to %.1f s for its plan", _holder(fd), lock_path, wait_s,
+                        )
                     if time.monotonic() >= deadline:
                         logger.warning(
-                            "another process has been planning into %s for over %.0f s; planning "
-                            "without waiting further", lock_path, self.lock_timeout_s,
+                            "plan cache: %s still holds %s after %.1f s; planning without waiting further "
+                            "(the plan is still stored)", _holder(fd), lock_path, wait_s,
                         )
                         yield False
                         return
-                    time.sleep(delay)
+                    time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                     delay = min(delay * 2, 0.5)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             try:
                 yield True
             finally:
@@ -259,7 +267,13 @@ class PlanCache:
         process plans, others asking for the same key wait on a lock and then reuse its plan.
         ``plan_fn`` must return a plan whose fingerprint equals ``fingerprint``. A failure to write
         the cache is logged as a warning and the fresh plan is still returned. With ``request``, a
-        stored plan the request refuses (:meth:`PlanRequest.refuses`) is re-planned too.
+        stored plan the request refuses (:meth:`PlanRequest.refuses`,
+        :func:`~torchrec_sparselift.plan.loader.stored_plan_problem`) is re-planned too.
+
+        Waiting for another process's lock is bounded by ``request.time_budget_s`` (and
+        ``lock_timeout_s``): one log line when the wait starts (naming the holder's pid), one
+        warning if it ends unanswered; then this process plans without the lock (never an error:
+        planning must not fail because another job shares the cache).
         """
         self._check_args(fingerprint, stats, drift_tolerance, request)
         plan, message, level = self._lookup(fingerprint, stats, drift_tolerance, request)
@@ -267,7 +281,8 @@ class PlanCache:
             logger.log(level, message)
             return plan, True
         # Miss: decide again under the lock and log only that decision.
-        with self._exclusive(fingerprint):
+        wait_s = self.lock_timeout_s if request is None else min(self.lock_timeout_s, request.time_budget_s)
+        with self._exclusive(fingerprint, wait_s):
             # Someone else may have planned while we waited for the lock.
             again, message2, level2 = self._lookup(fingerprint, stats, drift_tolerance, request)
             if again is not None:
@@ -288,3 +303,12 @@ class PlanCache:
             except OSError as e:
                 logger.warning("could not store execution plan in %s: %s", self.directory, e)
             return fresh, False
+
+
+def _holder(fd: int) -> str:
+    """Who holds a plan-cache lock, from the pid its holder wrote into it."""
+    try:
+        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        pid = ""
+    return f"pid {pid}" if pid.isdigit() else "pid unknown"

@@ -543,7 +543,7 @@ class ExecutionPlan:
         if not isinstance(data, Mapping):
             raise PlanFormatError(f"execution plan must be a JSON object, got {type(data).__name__}")
         schema = data.get("schema")
-        if schema in _OLDER_SCHEMAS:
+        if isinstance(schema, str) and schema in _OLDER_SCHEMAS:
             raise PlanFormatError(
                 f"schema {schema!r} is older than {EXECUTION_PLAN_SCHEMA!r}: {_OLDER_SCHEMAS[schema]}"
             )

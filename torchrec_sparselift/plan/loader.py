@@ -9,7 +9,8 @@ used instead of searching. :func:`check_context` and :func:`loaded_options` do t
 once, with a sharding type and kernel its sharder and constraints allow, shards that tile the
 table, ranks inside the world): a loaded plan that does not fit the model raises
 ``PlannerErrorType.PLAN_LOADING_FAILED`` naming the table, instead of reaching
-``DistributedModelParallel``.
+``DistributedModelParallel``. :func:`stored_plan_problem` applies the same checks to a cached
+``ExecutionPlan`` before the plan cache reuses it.
 
 The context digest covers the planning inputs a stored plan depends on: the
 :class:`~torchrec_sparselift.plan.request.PlanRequest` (tables, topology, batch size,
@@ -20,7 +21,7 @@ digests in any process.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec.distributed.planner.types import (
     PlannerError,
@@ -32,7 +33,8 @@ from torchrec.distributed.planner.types import (
 from torchrec_sparselift.plan.execution_plan import canonical_digest, topology_description
 from torchrec_sparselift.semantics.tables import TableHandle
 
-__all__ = ["context_digest", "context_hash_int", "check_context", "loaded_options"]
+__all__ = ["context_digest", "context_hash_int", "check_context", "loaded_options", "stored_plan_problem",
+           "tiling_problem"]
 
 
 def context_digest(request: Any, reserved_topology: Any = None) -> str:
@@ -86,29 +88,103 @@ def _failed(message: str) -> PlannerError:
     return PlannerError(error_type=PlannerErrorType.PLAN_LOADING_FAILED, message=message)
 
 
+def tiling_problem(shards: Sequence[Tuple[Sequence[int], Sequence[int], Any]], rows: int, cols: int,
+                   world_size: int, whole_each: bool = False) -> Optional[str]:
+    """Why ``shards`` (``(size, offset, rank)`` each) do not place a ``rows x cols`` table on
+    ranks ``0..world_size-1``, or ``None``. Without ``whole_each`` the shards must tile the table
+    exactly (inside it, no overlap, no gap; empty shards, which row-wise plans give ranks beyond
+    the rows, are allowed); with it (data parallel) each shard must be the whole table."""
+    if not shards:
+        return "no shards"
+    boxes: List[Tuple[int, int, int, int]] = []
+    for size, offset, rank in shards:
+        if len(size) != 2 or len(offset) != 2:
+            return f"shard size {list(size)} / offset {list(offset)} is not 2-D"
+        (r, c), (r0, c0) = size, offset
+        if r < 0 or c < 0 or r0 < 0 or c0 < 0 or r0 + r > rows or c0 + c > cols:
+            return f"shard {list(size)} at {list(offset)} lies outside the {rows} x {cols} table"
+        if rank is None or not 0 <= int(rank) < world_size:
+            return f"shard at {list(offset)} has rank {rank}, outside 0..{world_size - 1}"
+        if whole_each and [r, c] != [rows, cols]:
+            return "data-parallel shards must each hold the whole table"
+        if r and c:
+            boxes.append((r0, r0 + r, c0, c0 + c))
+    if whole_each:
+        return None
+    area = sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in boxes)
+    if area != rows * cols:
+        return f"shards cover {area} of the table's {rows * cols} elements"
+    # Equal area and no overlap is an exact tiling; find overlaps on the grid the shard edges cut.
+    row_cuts = sorted({b[0] for b in boxes} | {b[1] for b in boxes})
+    col_cuts = sorted({b[2] for b in boxes} | {b[3] for b in boxes})
+    ri = {v: i for i, v in enumerate(row_cuts)}
+    ci = {v: i for i, v in enumerate(col_cuts)}
+    taken = set()
+    for r0, r1, c0, c1 in boxes:
+        for i in range(ri[r0], ri[r1]):
+            for j in range(ci[c0], ci[c1]):
+                if (i, j) in taken:
+                    return f"shards overlap at row {row_cuts[i]}, column {col_cuts[j]}"
+                taken.add((i, j))
+    return None
+
+
 def _check_shards(handle: TableHandle, so: ShardingOption, world_size: int) -> List[Shard]:
     spec = handle.spec
-    rows, cols = spec.num_embeddings, spec.embedding_dim
     where = f"loaded plan, table {spec.fqn!r} ({so.sharding_type}/{so.compute_kernel})"
-    if not so.shards:
-        raise _failed(f"{where}: no shards")
-    area = 0
-    for s in so.shards:
-        if len(s.size) != 2 or len(s.offset) != 2:
-            raise _failed(f"{where}: shard size {s.size} / offset {s.offset} is not 2-D")
-        (r, c), (r0, c0) = s.size, s.offset
-        if r <= 0 or c <= 0 or r0 < 0 or c0 < 0 or r0 + r > rows or c0 + c > cols:
-            raise _failed(f"{where}: shard {s.size} at {s.offset} lies outside the {rows} x {cols} table")
-        if s.rank is None or not 0 <= int(s.rank) < world_size:
-            raise _failed(f"{where}: shard at {s.offset} has rank {s.rank}, outside 0..{world_size - 1}")
-        area += r * c
-    if so.sharding_type == "data_parallel":
-        if any(list(s.size) != [rows, cols] for s in so.shards):
-            raise _failed(f"{where}: data-parallel shards must each hold the whole table")
-    elif area != rows * cols:
-        raise _failed(f"{where}: shards cover {area} of the table's {rows * cols} elements")
+    problem = tiling_problem([(s.size, s.offset, s.rank) for s in so.shards or ()], spec.num_embeddings,
+                             spec.embedding_dim, world_size, whole_each=so.sharding_type == "data_parallel")
+    if problem is not None:
+        raise _failed(f"{where}: {problem}")
     return [Shard(size=list(s.size), offset=list(s.offset), storage=s.storage, perf=s.perf,
                   rank=int(s.rank)) for s in so.shards]
+
+
+def stored_plan_problem(request: Any, plan: Any) -> Optional[str]:
+    """Why the stored ``plan`` (an ``ExecutionPlan``) must not be reused for ``request`` (a
+    ``PlanRequest``) beyond what :meth:`PlanRequest.refuses` checks, or ``None``: for every table
+    of the request, a sharding type and compute kernel its sharders and constraints allow
+    (``TableSpec.sharding_types`` / ``kernels_for``), shards that tile its rows and columns
+    exactly, and ranks (in ``ranks`` and in the shard placements) inside the world, or inside the
+    sharding group of a 2D plan. A plan edited, corrupted or made under other constraints is
+    refused naming the table."""
+    world = plan.optimizations.sharding_group_size or request.world_size
+    specs = {(t.module_path, t.name): t for t in request.tables}
+    for path, module_plan in plan.sharding_plan.plan.items():
+        if not isinstance(module_plan, dict):
+            continue
+        for name, ps in module_plan.items():
+            spec = specs.get((path, name))
+            if spec is None:
+                continue  # refuses() names tables the request does not have
+            fqn = f"{path}.{name}" if path else name
+            st, kernel = ps.sharding_type, ps.compute_kernel
+            if st not in spec.sharding_types:
+                return (f"table {fqn!r} is sharded {st}, which its sharders and constraints do not allow "
+                        f"(allowed: {list(spec.sharding_types)})")
+            if kernel not in spec.kernels_for(st):
+                return (f"table {fqn!r} uses compute kernel {kernel!r} with {st}, which its sharders and "
+                        f"constraints do not allow (allowed: {list(spec.kernels_for(st))})")
+            ranks = list(ps.ranks or ())
+            if not ranks or any(not 0 <= r < world for r in ranks):
+                return f"table {fqn!r} is placed on ranks {ranks}, outside 0..{world - 1}"
+            shards = getattr(ps.sharding_spec, "shards", None)
+            if shards is None:
+                if st != "data_parallel":
+                    return f"table {fqn!r} ({st}) has no shards"
+                continue
+            placed = []
+            for s in shards:
+                placement = s.placement
+                placed.append((s.shard_sizes, s.shard_offsets, None if placement is None else placement.rank()))
+            problem = tiling_problem(placed, spec.num_embeddings, spec.embedding_dim, world,
+                                     whole_each=st == "data_parallel")
+            if problem is not None:
+                return f"table {fqn!r} ({st}): {problem}"
+            if sorted(set(ranks)) != sorted({p[2] for p in placed}):
+                return (f"table {fqn!r} lists ranks {ranks} but its shards are placed on "
+                        f"{sorted({p[2] for p in placed})}")
+    return None
 
 
 def loaded_options(

@@ -13,7 +13,8 @@ TorchRec's own ``ShardingPlan._serialize`` is one-way and drops fields. These fu
 
 Module plans may be ``EmbeddingModuleShardingPlan`` (EBC, EC, FP-EBC, MC-EBC/EC, ...) or
 ``ObjectPoolShardingPlan``. Anything these functions cannot write faithfully raises
-``ValueError`` naming the module, parameter and field, rather than silently dropping it. One
+``ValueError`` naming the module, parameter and field, rather than silently dropping it; reading
+refuses anything else with a ``PlanFormatError`` naming the field path. One
 deliberate exception: ``CacheParams.stats`` (a user ``CacheStatistics`` object that TorchRec's planner
 reads to size caches and the sharded modules never read) is not written; it reads back as ``None``.
 """
@@ -22,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
+
+from torchrec_sparselift.errors import PlanFormatError
+from torchrec_sparselift.files import Fields
 
 __all__ = ["sharding_plan_to_dict", "sharding_plan_from_dict"]
 
@@ -177,100 +181,125 @@ def sharding_plan_to_dict(plan: Any) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _opt(d: Mapping[str, Any], key: str) -> Any:
-    return d.get(key)
+def _built(f: Any, name: Optional[str], build: Any, *args: Any, **kwargs: Any) -> Any:
+    """``build(*args, **kwargs)``; a library's refusal of stored values becomes a field error."""
+    try:
+        return build(*args, **kwargs)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, ImportError, OverflowError,
+            RuntimeError) as e:
+        raise f.fail(name, f"cannot be rebuilt: {type(e).__name__}: {e}",
+                     "re-plan and store the plan again (it was edited or written by another version)") from None
 
 
-def _cache_params_from_dict(d: Mapping[str, Any]) -> Any:
+def _enum_member(f: Any, name: str, enum_cls: Any, by: str = "name") -> Any:
+    """Optional field ``name`` holding an enum member's name (or value, ``by="value"``)."""
+    members = list(enum_cls.__members__.values())
+    choices = [m.name for m in members] if by == "name" else [m.value for m in members]
+    value = f.opt(name, type(choices[0]) if choices else str, choices=choices)
+    if value is None:
+        return None
+    return enum_cls[value] if by == "name" else enum_cls(value)
+
+
+def _cache_params_from_dict(f: Any) -> Any:
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm, MultiPassPrefetchConfig
     from torchrec.distributed.types import CacheParams
     from torchrec.types import DataType
 
-    mp = d.get("multipass_prefetch_config")
+    f.only(("algorithm", "load_factor", "reserved_memory", "precision", "prefetch_pipeline",
+            "multipass_prefetch_config"))
+    mp = f.opt("multipass_prefetch_config", dict)
     return CacheParams(
-        algorithm=None if d.get("algorithm") is None else CacheAlgorithm[d["algorithm"]],
-        load_factor=_opt(d, "load_factor"),
-        reserved_memory=_opt(d, "reserved_memory"),
-        precision=None if d.get("precision") is None else DataType(d["precision"]),
-        prefetch_pipeline=_opt(d, "prefetch_pipeline"),
-        multipass_prefetch_config=None if mp is None else MultiPassPrefetchConfig(**mp),
+        algorithm=_enum_member(f, "algorithm", CacheAlgorithm),
+        load_factor=f.opt("load_factor", float, lo=0.0),
+        reserved_memory=f.opt("reserved_memory", float, lo=0.0),
+        precision=_enum_member(f, "precision", DataType, by="value"),
+        prefetch_pipeline=f.opt("prefetch_pipeline", bool),
+        multipass_prefetch_config=None if mp is None else _built(f, "multipass_prefetch_config",
+                                                                 MultiPassPrefetchConfig, **mp),
     )
 
 
-def _kv_params_from_dict(d: Mapping[str, Any]) -> Any:
+def _kv_params_from_dict(f: Any) -> Any:
     from torchrec.distributed.types import KeyValueParams
 
     kwargs: Dict[str, Any] = {}
-    for key, value in d.items():
+    for key, value in f.data.items():
         if key == "ps_hosts":
-            kwargs[key] = tuple((str(h), int(p)) for h, p in value)
+            hosts = f.values(key, list)
+            for i, h in enumerate(hosts):
+                if len(h) != 2 or not isinstance(h[0], str) or isinstance(h[1], bool) or not isinstance(h[1], int):
+                    raise f.fail(key, f"host {i} must be [host, port], got {h!r}"[:200], "re-plan and store the plan again")
+            kwargs[key] = tuple((h[0], h[1]) for h in hosts)
         elif key == "stats_reporter_config":
-            module_name, qualname = value["class"].split(":", 1)
-            if not module_name.startswith("fbgemm_gpu."):
-                raise ValueError(f"stats_reporter_config class {value['class']!r} is not an fbgemm config")
-            cls: Any = importlib.import_module(module_name)
+            cfg = f.obj(key)
+            cls_name = cfg.req("class", str)
+            module_name, _, qualname = cls_name.partition(":")
+            if not module_name.startswith("fbgemm_gpu.") or not qualname:
+                raise cfg.fail("class", f"{cls_name!r} is not an fbgemm config class",
+                               "store a plan written by sparselift_plan_to_dict")
+            cls: Any = _built(cfg, "class", importlib.import_module, module_name)
             for part in qualname.split("."):
-                cls = getattr(cls, part)
-            kwargs[key] = cls(**value["fields"])
+                cls = _built(cfg, "class", getattr, cls, part)
+            kwargs[key] = _built(cfg, "fields", cls, **cfg.req("fields", dict))
         elif key == "kvzch_tbe_config":
             from fbgemm_gpu.tbe.ssd import KVZCHTBEConfig
 
-            cfg = dict(value)
-            if cfg.get("optimizer_state_dtypes_for_st") is not None:
-                cfg["optimizer_state_dtypes_for_st"] = frozenset(
-                    (str(a), int(b)) for a, b in cfg["optimizer_state_dtypes_for_st"]
-                )
-            kwargs[key] = KVZCHTBEConfig(**cfg)
+            cfg_d = dict(f.req(key, dict))
+            if cfg_d.get("optimizer_state_dtypes_for_st") is not None:
+                cfg_d["optimizer_state_dtypes_for_st"] = _built(
+                    f, key, lambda v: frozenset((str(a), int(b)) for a, b in v), cfg_d["optimizer_state_dtypes_for_st"])
+            kwargs[key] = _built(f, key, KVZCHTBEConfig, **cfg_d)
         else:
             kwargs[key] = value
-    return KeyValueParams(**kwargs)
+    return _built(f, None, KeyValueParams, **kwargs)
 
 
-def _param_sharding_from_dict(d: Mapping[str, Any]) -> Any:
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+def _sharding_spec_from_dict(f: Any) -> Any:
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    f.req("kind", str, choices=["enumerable"])
+    shards = []
+    for s in f.objs("shards"):
+        s.only(("offsets", "sizes", "placement"))
+        offsets = s.values("offsets", int, lo=0)
+        sizes = s.values("sizes", int, lo=0, length=len(offsets))
+        placement = s.opt("placement", str)
+        shards.append(_built(s, None, ShardMetadata, shard_offsets=offsets, shard_sizes=sizes, placement=placement))
+    return _built(f, "shards", EnumerableShardingSpec, shards)
+
+
+def _param_sharding_from_dict(f: Any) -> Any:
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from torchrec.distributed.types import ParameterSharding
     from torchrec.types import DataType
 
-    unknown = set(d) - set(_PS_FIELDS)
-    if unknown:
-        raise ValueError(f"unknown ParameterSharding fields {sorted(unknown)}")
-    spec = d.get("sharding_spec")
-    sharding_spec = None
-    if spec is not None:
-        if spec.get("kind") != "enumerable":
-            raise ValueError(f"unknown sharding_spec kind {spec.get('kind')!r}")
-        sharding_spec = EnumerableShardingSpec(
-            [
-                ShardMetadata(
-                    shard_offsets=[int(x) for x in s["offsets"]],
-                    shard_sizes=[int(x) for x in s["sizes"]],
-                    placement=s["placement"],
-                )
-                for s in spec["shards"]
-            ]
-        )
-    ranks: Optional[List[int]] = d.get("ranks")
+    f.only(_PS_FIELDS)
+    spec = f.obj("sharding_spec", required=False)
+    cache = f.obj("cache_params", required=False)
+    kv = f.obj("key_value_params", required=False)
     return ParameterSharding(
-        sharding_type=d["sharding_type"],
-        compute_kernel=d["compute_kernel"],
-        ranks=None if ranks is None else [int(r) for r in ranks],
-        sharding_spec=sharding_spec,
-        cache_params=None if d.get("cache_params") is None else _cache_params_from_dict(d["cache_params"]),
-        enforce_hbm=d.get("enforce_hbm"),
-        stochastic_rounding=d.get("stochastic_rounding"),
-        bounds_check_mode=None if d.get("bounds_check_mode") is None else BoundsCheckMode[d["bounds_check_mode"]],
-        output_dtype=None if d.get("output_dtype") is None else DataType(d["output_dtype"]),
-        key_value_params=None if d.get("key_value_params") is None else _kv_params_from_dict(d["key_value_params"]),
+        sharding_type=f.req("sharding_type", str),
+        compute_kernel=f.req("compute_kernel", str),
+        ranks=f.values("ranks", int, required=False, lo=0),
+        sharding_spec=None if spec is None else _sharding_spec_from_dict(spec),
+        cache_params=None if cache is None else _cache_params_from_dict(cache),
+        enforce_hbm=f.opt("enforce_hbm", bool),
+        stochastic_rounding=f.opt("stochastic_rounding", bool),
+        bounds_check_mode=_enum_member(f, "bounds_check_mode", BoundsCheckMode),
+        output_dtype=_enum_member(f, "output_dtype", DataType, by="value"),
+        key_value_params=None if kv is None else _kv_params_from_dict(kv),
     )
 
 
-def sharding_plan_from_dict(data: Mapping[str, Any]) -> Any:
+def sharding_plan_from_dict(data: Mapping[str, Any], file: Optional[str] = None,
+                            path: str = "sharding_plan") -> Any:
     """Rebuild the ``ShardingPlan`` written by :func:`sharding_plan_to_dict` (equal to the original).
 
-    Raises ``ValueError``/``KeyError``/``TypeError`` on malformed input (callers that must not
-    crash, like the plan cache, catch them and re-plan).
+    Raises :class:`~torchrec_sparselift.errors.PlanFormatError` (a ``FileFormatError``) on
+    malformed input, naming the field path (``sharding_plan.modules["sparse.ebc"].params.t0.ranks[1]``)
+    and ``file`` when given; no other exception type escapes for any JSON-like ``data``.
     """
     from torchrec.distributed.types import (
         EmbeddingModuleShardingPlan,
@@ -279,19 +308,21 @@ def sharding_plan_from_dict(data: Mapping[str, Any]) -> Any:
         ShardingPlan,
     )
 
+    top = Fields(data, file=file, what="" if file is None else "execution plan", path=path, error=PlanFormatError)
     plan: Dict[str, Any] = {}
-    for module_path, m in data["modules"].items():
-        kind = m.get("kind")
+    for module_path, m in top.mapping("modules"):
+        kind = m.req("kind", str, choices=["embedding", "object_pool"])
         if kind == "embedding":
+            m.only(("kind", "params"))
             plan[module_path] = EmbeddingModuleShardingPlan(
-                {name: _param_sharding_from_dict(ps) for name, ps in m["params"].items()}
-            )
-        elif kind == "object_pool":
-            plan[module_path] = ObjectPoolShardingPlan(
-                sharding_type=ObjectPoolShardingType[m["sharding_type"]],
-                inference=bool(m["inference"]),
-                memory_capacity_per_rank=m.get("memory_capacity_per_rank"),
+                {name: _param_sharding_from_dict(ps) for name, ps in m.mapping("params")}
             )
         else:
-            raise ValueError(f"module {module_path!r}: unknown module plan kind {kind!r}")
+            m.only(("kind", "sharding_type", "inference", "memory_capacity_per_rank"))
+            plan[module_path] = ObjectPoolShardingPlan(
+                sharding_type=ObjectPoolShardingType[
+                    m.req("sharding_type", str, choices=list(ObjectPoolShardingType.__members__))],
+                inference=m.req("inference", bool),
+                memory_capacity_per_rank=m.values("memory_capacity_per_rank", int, required=False, lo=0),
+            )
     return ShardingPlan(plan=plan)

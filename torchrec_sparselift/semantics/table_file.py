@@ -4,8 +4,10 @@ compute_kernels?, min_partition?}`` lists (JSON, or YAML with PyYAML), as a list
 
 ``sparselift plan --tables FILE`` and the DLRM example's ``--table-file`` both read table files
 with :func:`load_table_file`, so every file one accepts the other accepts (``tests/test_table_files.py``
-runs every file under ``examples/tables/`` through both). Problems raise ``ValueError`` naming the
-file, the entry and the key to change; callers turn it into their own usage error.
+runs every file under ``examples/tables/`` through both). Files are read by the strict loader
+(:mod:`torchrec_sparselift.files`: not UTF-8, invalid JSON/YAML, duplicate keys); problems raise
+:class:`~torchrec_sparselift.errors.FileFormatError` (a ``ValueError``) on one line naming the
+file, the field path (``tables[3].rows``) and the fix; callers turn it into their own usage error.
 
 Importing this module needs only ``attrs`` (no torch): a launcher can validate a table file
 cheaply. :meth:`TableEntry.constraints` imports TorchRec when called.
@@ -13,8 +15,7 @@ cheaply. :meth:`TableEntry.constraints` imports TorchRec when called.
 
 from __future__ import annotations
 
-import json
-import os
+import math
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import attrs
@@ -35,6 +36,7 @@ __all__ = [
 TABLE_KEYS = ("name", "rows", "dim", "features", "pooling_factor", "sharding_types",
               "compute_kernels", "min_partition")
 CONSTRAINT_KEYS = ("name", "pooling_factor", "sharding_types", "compute_kernels", "min_partition")
+_INT64_MAX = 2**63 - 1
 
 
 def _str_tuple(value: Any) -> Tuple[str, ...]:
@@ -99,53 +101,60 @@ class TableEntry:
         return d
 
 
-def _positive_int(where: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
+def _count(f: Any, key: str, value: Any) -> int:
+    """A positive int64 (rows, dim, min_partition), refused with the key, the value and the fix."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _INT64_MAX:
+        got = f"{value!r}"[:40]
+        raise f.fail(key, f"{key} must be a positive integer (1..{_INT64_MAX}, the int64 range), got {got} "
+                          f"({type(value).__name__})", "write a whole number without quotes or a decimal point")
     return value
 
 
-def _choice_list(where: str, key: str, value: Any, choices: Sequence[str]) -> Tuple[str, ...]:
+def _choice_list(f: Any, key: str, value: Any, choices: Sequence[str]) -> Tuple[str, ...]:
     vals = [value] if isinstance(value, str) else value
     if not isinstance(vals, list) or not vals or not all(isinstance(v, str) for v in vals):
-        raise ValueError(f"{where}: {key} must be a non-empty list of names from {list(choices)}, got {value!r}")
+        raise f.fail(key, f"{key} must be a non-empty list of names from {list(choices)}, got {value!r}"[:300],
+                     f'write e.g. "{key}": ["{choices[0]}"]')
     bad = [v for v in vals if v not in choices]
     if bad:
-        raise ValueError(f"{where}: unknown {key} {bad}; choose from {list(choices)}")
+        raise f.fail(key, f"unknown {key} {bad}; choose from {list(choices)}", "correct the spelling")
     return tuple(vals)
 
 
-def _entry(i: int, raw: Any, where: str, constraint_only: bool) -> TableEntry:
+def _entry(f: Any, constraint_only: bool) -> TableEntry:
     allowed = CONSTRAINT_KEYS if constraint_only else TABLE_KEYS
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: entry {i} must be an object with keys {list(allowed)}, got {raw!r}")
-    name = raw.get("name")
-    at = f"{where}: entry {i}" + (f" ({name!r})" if isinstance(name, str) else "")
-    unknown = sorted(set(raw) - set(allowed))
-    if unknown:
-        raise ValueError(f"{at}: unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
+    f.only(allowed)
+    raw = f.data
     required = ("name",) if constraint_only else ("name", "rows", "dim")
     missing = [k for k in required if k not in raw]
     if missing:
-        raise ValueError(f"{at}: missing {', '.join(missing)}")
+        raise f.fail(None, f"missing {', '.join(missing)}", f"add {', '.join(repr(k) for k in missing)}")
+    name = raw["name"]
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{at}: name must be a non-empty string, got {name!r}")
-    rows = 0 if constraint_only else _positive_int(at, "rows", raw["rows"])
-    dim = 0 if constraint_only else _positive_int(at, "dim", raw["dim"])
+        raise f.fail("name", f"name must be a non-empty string, got {name!r}"[:200], 'write e.g. "name": "t0"')
+    if "." in name:
+        raise f.fail("name", f"table name {name!r} contains '.', which torch reserves for module paths "
+                             "(TorchRec fails with a KeyError on such a table)",
+                     f"rename the table, e.g. {name.replace('.', '_')!r}")
+    rows = 0 if constraint_only else _count(f, "rows", raw["rows"])
+    dim = 0 if constraint_only else _count(f, "dim", raw["dim"])
     features = raw.get("features", [name])
     features = [features] if isinstance(features, str) else features
-    if not isinstance(features, list) or not features or not all(isinstance(f, str) and f for f in features):
-        raise ValueError(f"{at}: features must be a non-empty list of names, got {raw.get('features')!r}")
+    if not isinstance(features, list) or not features or not all(isinstance(x, str) and x for x in features):
+        raise f.fail("features", f"features must be a non-empty list of names, got {raw.get('features')!r}"[:300],
+                     f'write e.g. "features": ["{name}"]')
     pf = raw.get("pooling_factor")
     pooling: Optional[Tuple[float, ...]] = None
     if pf is not None:
         vals = pf if isinstance(pf, list) else [pf] * len(features)
         if len(vals) != len(features) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in vals
+            isinstance(v, (int, float)) and not isinstance(v, bool) and _finite_positive(v) for v in vals
         ):
-            raise ValueError(
-                f"{at}: pooling_factor must be a positive number (ids per sample, for each feature) or a "
-                f"list with one per feature ({len(features)}), got {pf!r}"
+            raise f.fail(
+                "pooling_factor",
+                f"pooling_factor must be a finite positive number (ids per sample, for each feature) or a "
+                f"list with one per feature ({len(features)}), got {pf!r}"[:300],
+                "write e.g. 2.5, or one number per feature",
             )
         pooling = tuple(float(v) for v in vals)
     st = raw.get("sharding_types")
@@ -153,66 +162,71 @@ def _entry(i: int, raw: Any, where: str, constraint_only: bool) -> TableEntry:
     mp = raw.get("min_partition")
     return TableEntry(
         name=name, rows=rows, dim=dim, features=tuple(features), pooling_factor=pooling,
-        sharding_types=None if st is None else _choice_list(at, "sharding_types", st, SHARDING_TYPES),
-        compute_kernels=None if ck is None else _choice_list(at, "compute_kernels", ck, COMPUTE_KERNELS),
-        min_partition=None if mp is None else _positive_int(at, "min_partition", mp),
+        sharding_types=None if st is None else _choice_list(f, "sharding_types", st, SHARDING_TYPES),
+        compute_kernels=None if ck is None else _choice_list(f, "compute_kernels", ck, COMPUTE_KERNELS),
+        min_partition=None if mp is None else _count(f, "min_partition", mp),
     )
 
 
-def parse_table_entries(data: Any, where: str, constraint_only: bool = False) -> Tuple[TableEntry, ...]:
+def _finite_positive(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v)) and v > 0
+    except OverflowError:
+        return False
+
+
+def parse_table_entries(data: Any, where: str, constraint_only: bool = False,
+                        what: str = "") -> Tuple[TableEntry, ...]:
     """Validate parsed table-file data: a list of table objects, or ``{"tables": [...]}``.
 
-    Raises ``ValueError`` naming the file, the entry and the key that is wrong, and on
-    duplicate table names or a feature used by two tables.
+    Raises :class:`~torchrec_sparselift.errors.FileFormatError` (a ``ValueError``) naming
+    ``what where`` (the file), the field path (``tables[3].rows``) and the fix: for a wrong key
+    or value, a table name with a dot, rows or dims beyond int64, duplicate table names, or a
+    feature used by two tables.
     """
+    from torchrec_sparselift.files import Fields, field_path
+
+    top = Fields({}, file=where, what=what)  # reports problems of the file as a whole
+    base = ""
     if isinstance(data, dict) and "tables" in data:
-        extra = sorted(set(data) - {"tables"})
+        top = Fields(data, file=where, what=what)
+        extra = sorted(str(k) for k in data if k != "tables")
         if extra:
-            raise ValueError(f"{where}: unknown top-level key(s) {extra}; the file holds {{\"tables\": [...]}}")
+            raise top.fail(None, f"unknown top-level key(s) {extra}; the file holds {{\"tables\": [...]}}",
+                           "remove them")
         data = data["tables"]
+        base = "tables"
     if not isinstance(data, list) or not data:
-        raise ValueError(f"{where}: expected a non-empty list of tables (or {{\"tables\": [...]}}), "
-                       f"got {type(data).__name__}")
-    entries = tuple(_entry(i, e, where, constraint_only) for i, e in enumerate(data))
+        raise top.fail(None, f"expected a non-empty list of tables (or {{\"tables\": [...]}}), got "
+                             f"{type(data).__name__}", "list at least one table")
+    items = [Fields(e, file=where, what=what, path=field_path(base, i)) for i, e in enumerate(data)]
+    entries = tuple(_entry(f, constraint_only) for f in items)
     names: Dict[str, int] = {}
     features: Dict[str, str] = {}
     for i, e in enumerate(entries):
         if e.name in names:
-            raise ValueError(f"{where}: table {e.name!r} appears twice (entries {names[e.name]} and {i})")
+            raise items[i].fail("name", f"table {e.name!r} appears twice (entries {names[e.name]} and {i})",
+                                "give each table its own name")
         names[e.name] = i
         if not constraint_only:
-            for f in e.features:
-                if f in features:
-                    raise ValueError(f"{where}: feature {f!r} is used by tables {features[f]!r} and "
-                                   f"{e.name!r}; each feature looks up one table")
-                features[f] = e.name
+            for x in e.features:
+                if x in features:
+                    raise items[i].fail("features", f"feature {x!r} is used by tables {features[x]!r} and "
+                                                    f"{e.name!r}; each feature looks up one table",
+                                        "rename one of the features")
+                features[x] = e.name
     return entries
 
 
-def read_structured(path: str) -> Any:
-    """The parsed content of a JSON or (``.yaml``/``.yml``, with PyYAML) YAML file."""
-    if not os.path.isfile(path):
-        raise ValueError(f"file {path!r} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml  # type: ignore[import-untyped]
-        except ImportError:
-            raise ValueError(f"{path}: reading YAML needs PyYAML (pip install pyyaml); or use a .json file") from None
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
+def read_structured(path: str, what: str = "file") -> Any:
+    """The parsed content of a JSON or (``.yaml``/``.yml``, with PyYAML) YAML file, read by the
+    strict loader (:func:`torchrec_sparselift.files.load_structured`)."""
+    from torchrec_sparselift.files import load_structured
+
+    return load_structured(path, what=what)
 
 
 def load_table_file(path: str, constraint_only: bool = False) -> Tuple[TableEntry, ...]:
     """Tables (or, with ``constraint_only``, per-table constraints) from a JSON or YAML file."""
-    return parse_table_entries(read_structured(path), path, constraint_only)
+    what = "constraints file" if constraint_only else "table file"
+    return parse_table_entries(read_structured(path, what), path, constraint_only, what)
