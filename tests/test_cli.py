@@ -309,7 +309,7 @@ def test_step_timeline_ends_at_the_modelled_step_time_for_every_pipeline():
             colmax[2] = 0.0
         for pl in PIPELINES:
             st = step_time(colmax, float(rng.uniform(0, 1e8)), 3, ctx, pl)
-            segs = step_timeline(st.phases, pl, prof.supports_overlap)
+            segs = step_timeline(st.phases, pl, prof.supports_overlap, ctx.num_hosts > 1)
             crit = critical_path(segs)
             assert max(s.end_s for s in crit) == pytest.approx(st.total_s, rel=1e-9, abs=1e-15)
             assert sum(s.duration_s for s in crit) == pytest.approx(st.total_s, rel=1e-9, abs=1e-15)

@@ -116,11 +116,23 @@ def test_pipeline_name_lists_are_the_registry():
     assert all(v.pipeline(n).exact for n in v.SYNC_PIPELINES)
 
 
+def test_the_overlap_kind_is_exact_and_built_from_the_package():
+    from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
+
+    p = v.pipeline("overlap")
+    assert p.exact and p.dense_kernel and p.fused_input_splits and not p.syncs_2d_replicas
+    assert "overlap" in v.SYNC_PIPELINES and "overlap" not in v.STALE_PIPELINES
+    for device in ("cpu", "cuda"):
+        assert runtime_pipelines.pipeline_class("overlap", torch.device(device)) is TrainPipelineOverlap
+    # only the package's own pipeline overlaps on CPU gloo (TorchRec's measured no gain there)
+    assert [q.name for q in v.PIPELINE_REGISTRY if q.overlaps_between_hosts] == ["overlap"]
+
+
 def test_an_unknown_pipeline_names_the_choices():
     try:
-        v.pipeline("overlap")
+        v.pipeline("overlapped")
     except ValueError as e:
-        assert "'overlap'" in str(e) and "sparse_dist" in str(e)
+        assert "'overlapped'" in str(e) and "sparse_dist" in str(e) and "overlap" in str(e)
     else:
         raise AssertionError("vocabulary.pipeline accepted an unknown name")
 

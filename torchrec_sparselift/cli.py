@@ -524,7 +524,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             expl = explain_tables(evaluated, dev_cap, host_cap, top=args.top)
         step = evaluated.search.step
         supports = getattr(evaluated.profile, "supports_overlap", True)
-        segments = step_timeline(step.phases, step.pipeline, supports)
+        segments = step_timeline(step.phases, step.pipeline, supports, topo.world_size > topo.local_world_size)
         if abs(step.total_s - p.step_time_s) > 1e-6 * max(p.step_time_s, 1e-12):
             print(f"\nnote: re-priced step {step.total_s * 1e3:.3f} ms differs from the stored "
                   f"{p.step_time_s * 1e3:.3f} ms (cost model or inputs changed since planning)")

@@ -24,7 +24,7 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.pipelines import PHASE_NAMES, Placed, effective_pipeline, schedule
+from torchrec_sparselift.cost.pipelines import PHASE_NAMES, PHASES, Placed, effective_pipeline, schedule
 from torchrec_sparselift.cost.two_d import sync_evidence
 from torchrec_sparselift.search.place import best_placement
 from torchrec_sparselift.search.solve import new_evaluator
@@ -35,6 +35,7 @@ __all__ = [
     "TableExplanation",
     "step_timeline",
     "critical_path",
+    "comm_exposure",
     "explain_tables",
     "format_plan_table",
     "format_rank_breakdown",
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 PHASE_ORDER = PHASE_NAMES
+_PHASE_KIND = {p.name: p.kind for p in PHASES}
 
 #: One phase of a step on a lane (seconds from the start of the step). ``critical`` segments form
 #: the chain that sets the step time; the others run hidden behind them (``hidden_by`` names what
@@ -52,16 +54,42 @@ PHASE_ORDER = PHASE_NAMES
 Segment = Placed
 
 
-def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: bool = True) -> Tuple[Segment, ...]:
+def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: bool = True,
+                  spans_hosts: bool = False) -> Tuple[Segment, ...]:
     """Segments of one steady-state step under ``pipeline``'s overlap rules.
 
     Laid out from the pipeline's description (:func:`torchrec_sparselift.cost.pipelines.schedule`),
     the one :func:`torchrec_sparselift.cost.model.step_time` evaluates: the end of the last
     critical segment equals its ``total_s`` for the same phases (tested). The gradient all-reduce
     overlaps the dense backward; only the part longer than the dense backward is exposed
-    (``allreduce`` critical tail). Hardware without overlap runs every pipeline as ``base``.
+    (``allreduce`` critical tail). Hardware without overlap runs every pipeline as ``base``, except
+    ``overlap`` when the ranks span hosts (``spans_hosts``; ``cost.pipelines.effective_pipeline``).
     """
-    return schedule(effective_pipeline(pipeline, supports_overlap), phases, supports_overlap)
+    return schedule(effective_pipeline(pipeline, supports_overlap, spans_hosts), phases, supports_overlap)
+
+
+def comm_exposure(segments: Sequence[Segment]) -> Dict[str, Tuple[float, float]]:
+    """Per communication phase of the step (``link`` and ``collective`` phases, the next batch's
+    included), ``(hidden_s, exposed_s)``: hidden is the part of its segments during which the
+    rank computes (some compute phase's segment runs at the same time, on any lane), exposed the
+    rest. ``base`` exposes everything; ``overlap`` hides ``min(output_dist, dense_fwd_indep)``
+    of the output all-to-all, likewise the gradient all-to-all, and the all-reduce behind the
+    embedding backward."""
+    compute = sorted((s.start_s, s.end_s) for s in segments if _PHASE_KIND[s.phase] == "compute" and s.duration_s > 0)
+    merged: List[List[float]] = []
+    for a, b in compute:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out: Dict[str, Tuple[float, float]] = {}
+    for s in segments:
+        if _PHASE_KIND[s.phase] == "compute":
+            continue
+        hidden = sum(max(0.0, min(b, s.end_s) - max(a, s.start_s)) for a, b in merged)
+        h, e = out.get(s.phase, (0.0, 0.0))
+        out[s.phase] = (h + hidden, e + s.duration_s - hidden)
+    return out
 
 
 def critical_path(segments: Sequence[Segment]) -> Tuple[Segment, ...]:
@@ -239,8 +267,11 @@ def format_timeline(segments: Sequence[Segment], total_s: float) -> str:
         rows.append([s.phase, lane, _ms(s.start_s), _ms(s.duration_s), _ms(s.end_s), what])
     crit = critical_path(segments)
     chain = " -> ".join(f"{s.phase} {_ms(s.duration_s)}" for s in crit)
+    comm = comm_exposure(segments)
+    exposure = ", ".join(f"{k} {_ms(h)}/{_ms(e)}" for k, (h, e) in comm.items())
     return (format_table(["phase", "lane", "start ms", "ms", "end ms", ""], rows, "<<>>><")
-            + f"\ncritical path ({_ms(total_s)} ms): {chain}")
+            + f"\ncritical path ({_ms(total_s)} ms): {chain}"
+            + (f"\ncommunication hidden behind compute / exposed (ms): {exposure}" if comm else ""))
 
 
 def format_tables(expl: Sequence[TableExplanation]) -> str:
@@ -275,6 +306,8 @@ _COLORS = {
     "compute": "#4C72B0", "exposed": "#C44E52", "overlapped": "#F2B880",
     "input_dist": "#DD8452", "uvm_fetch": "#937860", "lookup": "#4C72B0", "output_dist": "#C44E52",
     "dense_fwd": "#55A868", "dense_bwd": "#2E7D32", "grad_dist": "#E377C2",
+    "dense_fwd_indep": "#8FD19E", "dense_fwd_rest": "#55A868", "dense_bwd_rest": "#2E7D32",
+    "dense_bwd_indep": "#66BB6A",
     "backward_update": "#8172B3", "allreduce": "#8C8C8C",
 }
 

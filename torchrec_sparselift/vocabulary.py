@@ -137,8 +137,9 @@ class Pipeline:
 
     Attributes:
         name: the name plans, requests and the command line use.
-        torchrec_class: the TorchRec train pipeline (``torchrec.distributed.train_pipeline``)
-            the runtime builds for it.
+        torchrec_class: the train pipeline class the runtime builds for it: TorchRec's
+            (``torchrec.distributed.train_pipeline``) or the package's own
+            (``TrainPipelineOverlap``, :mod:`torchrec_sparselift.runtime.overlap`).
         stale: it trains on one-step-stale embeddings (offered only with ``allow_staleness``);
             the others compute exactly what a plain forward/backward/step loop computes.
         dense_kernel: it can train tables on the ``dense`` compute kernel (every data-parallel
@@ -150,6 +151,12 @@ class Pipeline:
             runs the 2D replica sync (a 2D plan needs one of these).
         side_streams: it runs work on side device streams; on CPU the runtime uses its
             adaptation in :mod:`torchrec_sparselift.runtime.cpu_compat`.
+        overlaps_between_hosts: its overlap is real on hardware the cost model otherwise prices
+            without overlap (``HardwareProfile.supports_overlap`` False, CPU gloo) when the ranks
+            span hosts: it issues the collectives asynchronously (gloo's threads) and computes
+            beside them, and a transfer between hosts waits on the link rather than on the rank's
+            cores (measured, docs/overlap.md; TorchRec's pipelines wait for each collective right
+            after issuing it on CPU and gain nothing there).
         doc: one line on what it overlaps.
     """
 
@@ -160,6 +167,7 @@ class Pipeline:
     fused_input_splits: bool = True
     syncs_2d_replicas: bool = False
     side_streams: bool = False
+    overlaps_between_hosts: bool = False
     doc: str = ""
 
     @property
@@ -178,6 +186,9 @@ PIPELINE_REGISTRY: Tuple[Pipeline, ...] = (
              doc="+ embedding backward/optimizer overlapping the dense all-reduce"),
     Pipeline("prefetch", "PrefetchTrainPipelineSparseDist", side_streams=True,
              doc="+ cache prefetch (UVM caching kernels) of batch i+1"),
+    Pipeline("overlap", "TrainPipelineOverlap", overlaps_between_hosts=True,
+             doc="+ output/gradient all-to-alls beside the dense work independent of the embeddings, "
+                 "the dense all-reduce beside the embedding backward (the package's own pipeline)"),
     Pipeline("semi_sync", "TrainPipelineSemiSync", stale=True, dense_kernel=False, syncs_2d_replicas=True,
              side_streams=True, doc="+ lookup of batch i+1 before step i's embedding update (one step stale)"),
 )

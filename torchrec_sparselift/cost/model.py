@@ -23,7 +23,9 @@ Everything here is a pure function of immutable inputs. The equations (also in d
 * data-parallel tables and the dense model all-reduce their gradients:
   ``t = latency + 2 (W-1)/W * bytes / allreduce_bw``.
 * dense compute, forward (the backward is twice it): ``B * (flops / dense_flops + interaction_flops /
-  interaction_flops_rate + activation_bytes / dense_mem_bw)`` per rank (:func:`dense_fwd_s`).
+  interaction_flops_rate + activation_bytes / dense_mem_bw)`` per rank (:func:`dense_fwd_s`); its
+  part independent of the embeddings (:func:`dense_fwd_indep_s`) is a phase of its own for the
+  ``overlap`` pipeline.
 * the pipeline kind decides what overlaps (:mod:`torchrec_sparselift.cost.pipelines`, the one
   description the step total, the LP rows, the explain timeline and the report derive from).
 * the per-rank load columns (what a shard puts on its rank, which phase each feeds, the link
@@ -74,6 +76,7 @@ __all__ = [
     "node_time",
     "dp_optimizer_s",
     "dense_fwd_s",
+    "dense_fwd_indep_s",
     "phase_constants",
     "collective_calls",
     "collective_call_form",
@@ -324,7 +327,20 @@ def phase_constants(ctx: CostContext) -> Dict[str, float]:
     the phases' plan-dependent parts (:func:`phase_table`; ``search.equation.FixedTerms`` in
     milliseconds)."""
     dense_fwd = dense_fwd_s(ctx)
-    return {"dense_fwd": dense_fwd, "dense_bwd": 2 * dense_fwd, "step_overhead": ctx.profile.step_overhead_s}
+    indep = min(dense_fwd_indep_s(ctx), dense_fwd)
+    return {"dense_fwd": dense_fwd, "dense_bwd": 2 * dense_fwd, "step_overhead": ctx.profile.step_overhead_s,
+            "dense_fwd_indep": indep, "dense_fwd_rest": dense_fwd - indep,
+            "dense_bwd_rest": 2 * (dense_fwd - indep), "dense_bwd_indep": 2 * indep}
+
+
+def dense_fwd_indep_s(ctx: CostContext) -> float:
+    """Seconds of the part of the dense forward independent of the embeddings (DLRM's bottom
+    MLP; ``DenseWork.indep_*``), priced like :func:`dense_fwd_s`; its backward costs twice it.
+    The ``overlap`` pipeline runs it beside the output all-to-all (and its backward beside the
+    gradient all-to-all); every other kind uses only the whole ``dense_fwd``/``dense_bwd``."""
+    p, d = ctx.profile, ctx.dense
+    return ctx.batch_size * (d.indep_fwd_flops_per_sample / p.dense_flops
+                             + d.indep_activation_bytes_per_sample / p.rate("dense_mem_bw"))
 
 
 def dense_fwd_s(ctx: CostContext) -> float:
@@ -416,7 +432,8 @@ def step_time(
     ``compute_s`` sums the compute phases, ``overlapped_s`` is what the pipeline hides relative
     to running everything in sequence (``base``), ``exposed_comm_s`` the communication left on
     the critical path. On hardware without compute/communication overlap
-    (``profile.supports_overlap`` False, e.g. CPU gloo) every pipeline runs as ``base``.
+    (``profile.supports_overlap`` False, e.g. CPU gloo) every pipeline runs as ``base``, except
+    ``overlap`` when the ranks span hosts (``cost.pipelines.effective_pipeline``).
     """
     table = phase_table(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes, comm_groups, ctx,
                         fwd_precision, bwd_precision, pipeline)
@@ -424,7 +441,7 @@ def step_time(
     overlap = getattr(ctx.profile, "supports_overlap", True)
     serial = float(step_totals(table, "base", overlap)[0])
     compute = float(table[0, _COMPUTE_COLS].sum())
-    total = float(step_totals(table, pipeline, overlap)[0])
+    total = float(step_totals(table, pipeline, overlap, ctx.num_hosts > 1)[0])
     comm = serial - compute
     exposed = max(0.0, total - compute)
     return StepTime(
@@ -461,4 +478,4 @@ def step_total_batch(
     ``step_time(row, ...).total_s`` for each row (tested).
     """
     table = phase_table(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision, pipeline)
-    return step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True))
+    return step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True), ctx.num_hosts > 1)

@@ -65,6 +65,7 @@ __all__ = [
     "paths",
     "path_matrix",
     "step_totals",
+    "PHASE_PARTS",
     "Placed",
     "schedule",
 ]
@@ -79,13 +80,17 @@ class Phase:
     ``kind``: ``compute`` (counted in ``StepTime.compute_s`` and a rank's compute), ``link``
     (an all-to-all style phase over the host links, a rank's communication) or ``collective``
     (the gradient all-reduce: one number for the whole world). ``hidden_under``: a phase this
-    one always runs alongside (only the excess is exposed).
+    one always runs alongside (only the excess is exposed). ``part_of``: the phase this one is a
+    part of (the dense work split by whether it depends on the embeddings); a kind's composition
+    uses either the whole phase or its parts, and a part is not counted again in
+    :data:`COMPUTE_PHASES`.
     """
 
     name: str
     kind: str = attrs.field(validator=attrs.validators.in_(PHASE_KINDS))
     doc: str = ""
     hidden_under: str = ""
+    part_of: str = ""
 
 
 #: Every phase, in the order a step without overlap runs them (the ``base`` pipeline).
@@ -100,11 +105,22 @@ PHASES: Tuple[Phase, ...] = (
     Phase("backward_update", "compute", "TBE backward with the fused optimizer update"),
     Phase("allreduce", "collective", "dense and data-parallel gradient all-reduce",
           hidden_under="dense_bwd"),
+    Phase("dense_fwd_indep", "compute", "dense forward independent of the embeddings (DLRM's bottom MLP)",
+          part_of="dense_fwd"),
+    Phase("dense_fwd_rest", "compute", "dense forward that consumes the embeddings", part_of="dense_fwd"),
+    Phase("dense_bwd_rest", "compute", "dense backward down to the embeddings' gradient", part_of="dense_bwd"),
+    Phase("dense_bwd_indep", "compute", "dense backward independent of the embeddings (the bottom MLP's)",
+          part_of="dense_bwd"),
     Phase("step_overhead", "compute", "fixed per-step work outside the sparse-path nodes (pipeline "
           "bookkeeping, loss, optimizer calls; HardwareProfile.step_overhead_s, fitted from real steps)"),
 )
 PHASE_NAMES: Tuple[str, ...] = tuple(p.name for p in PHASES)
-COMPUTE_PHASES: Tuple[str, ...] = tuple(p.name for p in PHASES if p.kind == "compute")
+COMPUTE_PHASES: Tuple[str, ...] = tuple(p.name for p in PHASES if p.kind == "compute" and not p.part_of)
+#: The parts of a split phase: ``{whole: (part, ...)}`` (a composition uses the whole or its parts).
+PHASE_PARTS: Dict[str, Tuple[str, ...]] = {
+    w.name: tuple(p.name for p in PHASES if p.part_of == w.name) for w in PHASES
+    if any(p.part_of == w.name for p in PHASES)
+}
 LINK_PHASES: Tuple[str, ...] = tuple(p.name for p in PHASES if p.kind == "link")
 
 # stages: the phases of each part of a step, in order (pipelines below are built from these)
@@ -219,6 +235,20 @@ _STEPS: Dict[str, Tuple[Seq, str]] = {
           "forward/backward (one step of embedding staleness; TrainPipelineSemiSync). It looks up "
           "batch i+1 before step i's update, so a dense-kernel table (updated in place after that "
           "lookup) cannot train under it"),
+    "overlap": (Seq([Par([
+        Lane("main", Seq(("uvm_fetch", "lookup",
+                          Par([Lane("main", Seq(("output_dist",)), "output all-to-all"),
+                               Lane("dense", Seq(("dense_fwd_indep",)), "bottom MLP forward")]),
+                          "dense_fwd_rest", "dense_bwd_rest",
+                          Par([Lane("main", Seq(("grad_dist",)), "gradient all-to-all"),
+                               Lane("dense", Seq(("dense_bwd_indep",)), "bottom MLP backward")]),
+                          Par([Lane("main", Seq(("backward_update",)), "embedding backward"),
+                               Lane("comm", Seq(SYNC), "dense all-reduce")]))
+                         + STEP), "the step"),
+        _next_batch(INPUT, "the next batch's input_dist"),
+    ])]), "as sparse_dist, and the output and gradient all-to-alls overlap the dense work independent "
+          "of the embeddings, the dense all-reduce the embedding backward (exact; "
+          "runtime.overlap.TrainPipelineOverlap)"),
 }
 if set(_STEPS) != set(PIPELINES):
     raise RuntimeError(
@@ -250,11 +280,18 @@ def trainable_pipelines(names: Tuple[str, ...], dense_kernel: bool) -> Tuple[str
     return tuple(n for n in names if pipeline_kind(n).dense_kernel) or names
 
 
-def effective_pipeline(name: str, supports_overlap: bool = True) -> PipelineKind:
+def effective_pipeline(name: str, supports_overlap: bool = True, spans_hosts: bool = False) -> PipelineKind:
     """The kind a step really runs: on hardware without compute/communication overlap
-    (``HardwareProfile.supports_overlap`` False, e.g. CPU gloo) every pipeline runs as ``base``."""
+    (``HardwareProfile.supports_overlap`` False, e.g. CPU gloo) every pipeline runs as ``base``,
+    except a kind whose registry entry says ``overlaps_between_hosts`` when the ranks span hosts
+    (``spans_hosts``): its collectives run on gloo's threads while the rank computes, and a
+    transfer over a link between hosts waits on the wire, not on the rank's cores
+    (docs/overlap.md: measured on two emulated hosts; on one box the loopback transfer is CPU
+    work and the kind gains nothing)."""
     kind = pipeline_kind(name)
-    return kind if supports_overlap else _BY_NAME["base"]
+    if supports_overlap or (spans_hosts and kind.properties.overlaps_between_hosts):
+        return kind
+    return _BY_NAME["base"]
 
 
 def terms(phases: Mapping[str, Any], supports_overlap: bool = True) -> Dict[str, Any]:
@@ -306,9 +343,9 @@ def paths(node: Union[str, Seq, Par]) -> Tuple[Tuple[str, ...], ...]:
 
 
 @lru_cache(maxsize=None)
-def path_matrix(name: str, supports_overlap: bool = True) -> np.ndarray:
+def path_matrix(name: str, supports_overlap: bool = True, spans_hosts: bool = False) -> np.ndarray:
     """0/1 matrix (paths x :data:`PHASE_NAMES`) of the effective kind's :func:`paths`."""
-    kind = effective_pipeline(name, supports_overlap)
+    kind = effective_pipeline(name, supports_overlap, spans_hosts)
     index = {p: i for i, p in enumerate(PHASE_NAMES)}
     ps = paths(kind.step)
     m = np.zeros((len(ps), len(PHASE_NAMES)))
@@ -332,11 +369,11 @@ def exposed(table: np.ndarray, supports_overlap: bool = True) -> np.ndarray:
     return out
 
 
-def step_totals(table: np.ndarray, name: str, supports_overlap: bool = True) -> np.ndarray:
+def step_totals(table: np.ndarray, name: str, supports_overlap: bool = True, spans_hosts: bool = False) -> np.ndarray:
     """Step time per row of a phase table (rows x :data:`PHASE_NAMES` seconds) under pipeline
     ``name``: the largest path sum, ``evaluate(kind.step, terms(row))`` for every row, in one
-    matrix product (the search's hot path)."""
-    return (exposed(table, supports_overlap) @ path_matrix(name, supports_overlap).T).max(axis=1)
+    matrix product (the search's hot path). ``spans_hosts``: see :func:`effective_pipeline`."""
+    return (exposed(table, supports_overlap) @ path_matrix(name, supports_overlap, spans_hosts).T).max(axis=1)
 
 
 @attrs.frozen
@@ -367,7 +404,10 @@ def schedule(kind: PipelineKind, phases: Mapping[str, float], supports_overlap: 
     """
     ph = {p: float(phases.get(p, 0.0)) for p in PHASE_NAMES}
     vals = terms(ph, supports_overlap)
-    riders = {p.hidden_under: p.name for p in PHASES if p.hidden_under and supports_overlap}
+    riders = {p.hidden_under: (p.name, p.hidden_under) for p in PHASES if p.hidden_under and supports_overlap}
+    for whole, (rider, _) in list(riders.items()):  # a kind that splits the phase: under its first part
+        if PHASE_PARTS.get(whole):
+            riders[PHASE_PARTS[whole][0]] = (rider, whole)
 
     def place(node: Union[str, Seq, Par], lane: str, start: float, next_batch: bool) -> Tuple[List[Placed], float]:
         if isinstance(node, str):
@@ -375,9 +415,10 @@ def schedule(kind: PipelineKind, phases: Mapping[str, float], supports_overlap: 
             dur = float(vals[node])
             if dur > 0:
                 out.append(Placed(node, lane, start, dur, next_batch=next_batch))
-            rider = riders.get(node)  # a phase that runs hidden under this one
-            if rider is not None:
-                part = min(ph[rider], ph[node])
+            ride = riders.get(node)  # a phase that runs hidden under this one
+            if ride is not None:
+                rider, under = ride
+                part = min(ph[rider], ph[under])
                 if part > 0:
                     out.append(Placed(rider, "comm", start, part, critical=False, hidden_by=node,
                                       next_batch=next_batch))

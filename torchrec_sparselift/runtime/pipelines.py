@@ -11,6 +11,10 @@ kind            TorchRec class                      what it overlaps with step i
 ``fused``       ``TrainPipelineFusedSparseDist``    + lookup and output_dist of batch i run on a side
                                                     stream, overlapping step i-1's dense optimizer
 ``prefetch``    ``PrefetchTrainPipelineSparseDist`` + cache prefetch (UVM caching kernels) of batch i+1
+``overlap``     ``TrainPipelineOverlap`` (package)  as ``sparse_dist``, + the output/gradient all-to-alls
+                                                    beside the dense work independent of the
+                                                    embeddings, the dense all-reduce beside the
+                                                    embedding backward (:mod:`.overlap`)
 ``semi_sync``   ``TrainPipelineSemiSync``           + lookup of batch i+1 before step i's embedding
                                                     update: one step stale embeddings (not exact)
 ==============  ==================================  ===================================================
@@ -37,6 +41,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 )
 
 from torchrec_sparselift.runtime.cpu_compat import cpu_pipeline_class
+from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
 from torchrec_sparselift.vocabulary import PIPELINE_REGISTRY, PIPELINES, PIPELINES_2D, SYNC_PIPELINES
 
 __all__ = [
@@ -49,7 +54,7 @@ __all__ = [
 _TORCHREC_CLASSES: Dict[str, Type[TrainPipeline]] = {
     c.__name__: c
     for c in (TrainPipelineBase, TrainPipelineSparseDist, TrainPipelineFusedSparseDist,
-              PrefetchTrainPipelineSparseDist, TrainPipelineSemiSync)
+              PrefetchTrainPipelineSparseDist, TrainPipelineSemiSync, TrainPipelineOverlap)
 }
 #: The TorchRec class of every pipeline kind (its registry entry's ``torchrec_class``).
 _CLASSES: Dict[str, Type[TrainPipeline]] = {p.name: _TORCHREC_CLASSES[p.torchrec_class] for p in PIPELINE_REGISTRY}
@@ -72,8 +77,8 @@ def _check_kind(kind: str) -> None:
 def pipeline_class(kind: str, device: torch.device) -> Type[TrainPipeline]:
     """The class :func:`make_train_pipeline` instantiates for ``kind`` on ``device``.
 
-    The TorchRec class itself on any accelerator and, on CPU, for ``base``/``sparse_dist``; the
-    CPU-adapted subclass for the multi-stream kinds on CPU.
+    The class itself on any accelerator and, on CPU, for ``base``/``sparse_dist``/``overlap``; the
+    CPU-adapted subclass for TorchRec's multi-stream kinds on CPU.
     """
     _check_kind(kind)
     return cpu_pipeline_class(_CLASSES[kind], device)

@@ -32,7 +32,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
 from torchrec_sparselift.cost.model import PRECISION_BYTES, collective_call_form, phase_constants
-from torchrec_sparselift.cost.pipelines import PHASE_NAMES, PHASES, effective_pipeline, paths
+from torchrec_sparselift.cost.pipelines import PHASE_NAMES, PHASE_PARTS, PHASES, effective_pipeline, paths
 from torchrec_sparselift.cost.terms import PHASE_PRECISION, layout
 
 __all__ = [
@@ -220,6 +220,8 @@ class FixedTerms:
     hidden: float
     overlap: bool
     group_cost: np.ndarray = attrs.field(eq=False, factory=lambda: np.zeros(0))
+    parts: Mapping[str, float] = attrs.field(factory=dict)  # split phases' parts (ms), cost.pipelines.PHASE_PARTS
+    spans_hosts: bool = False  # ranks on several hosts (cost.pipelines.effective_pipeline)
 
     @property
     def dense_allreduce(self) -> bool:
@@ -228,7 +230,8 @@ class FixedTerms:
 
     def constants(self) -> Dict[str, float]:
         """Each phase's constant (ms): ``cost.model.phase_constants`` in the solvers' unit."""
-        return {"dense_fwd": self.dense_fwd, "dense_bwd": self.dense_bwd, "step_overhead": self.step_overhead}
+        return {"dense_fwd": self.dense_fwd, "dense_bwd": self.dense_bwd, "step_overhead": self.step_overhead,
+                **self.parts}
 
     def allreduce_const(self, with_latency: bool) -> float:
         """The all-reduce row's constant: the dense parameters' ring time less ``hidden``, plus one
@@ -252,6 +255,7 @@ def fixed_terms(ctx) -> FixedTerms:
         dense_param_bytes=float(ctx.dense.param_bytes),
         hidden=dense_bwd if overlap else 0.0, overlap=overlap,
         group_cost=MS * layout().group_costs(p),
+        parts={q: MS * const[q] for qs in PHASE_PARTS.values() for q in qs}, spans_hosts=ctx.num_hosts > 1,
     )
 
 
@@ -346,11 +350,11 @@ def phase_forms(sv: StepVars, constants: Mapping[str, float], scales: Mapping[st
     return forms
 
 
-def composition_rows(pl, forms, itot, supports_overlap=True):
+def composition_rows(pl, forms, itot, supports_overlap=True, spans_hosts=False):
     """Rows ``(entries, rhs)`` that make variable ``itot`` >= the step time of pipeline ``pl``:
     one row ``sum(path) - total <= -constants`` per path of its composition
     (:func:`torchrec_sparselift.cost.pipelines.paths`), ``forms`` from :func:`phase_forms`."""
-    kind = effective_pipeline(pl, supports_overlap)
+    kind = effective_pipeline(pl, supports_overlap, spans_hosts)
     out = []
     for path in paths(kind.step):
         entries, const = [], 0.0
@@ -367,7 +371,7 @@ def step_rows(eq: Equation, sv: StepVars, pipeline: str, fixed: FixedTerms, fwd:
     """Add the composition rows: ``total`` >= every path of ``pipeline``'s step."""
     forms = phase_forms(sv, fixed.constants(), precision_scales(fwd, bwd), latency=fixed.latency,
                         fused_splits=fused_splits)
-    for entries, rhs in composition_rows(pipeline, forms, sv.total, fixed.overlap):
+    for entries, rhs in composition_rows(pipeline, forms, sv.total, fixed.overlap, fixed.spans_hosts):
         eq.add(entries, -np.inf, rhs)
 
 

@@ -16,18 +16,26 @@ prices it (:mod:`torchrec_sparselift.cost.model`):
   pairwise products and their upper triangle (DLRM), the cross layers' per-layer intermediates
   (DCN). Attribution of real CPU steps found these the larger part of the dense step
   (docs/cost_model.md, "Dense part").
+- ``indep_fwd_flops_per_sample`` / ``indep_activation_bytes_per_sample``: the part of the two
+  above done by modules whose inputs do not depend on a sharded module's output (DLRM's bottom
+  MLP ``dense_arch``): work the ``overlap`` pipeline runs while the embeddings' all-to-alls are in
+  flight. Found by tracing the model (``torch.fx``, every module without a sharded module inside
+  it a leaf): a leaf call none of whose inputs is downstream of a sharded module's call is
+  independent. A model ``torch.fx`` cannot trace has no independent part (0: the ``overlap``
+  pipeline is then priced as hiding nothing behind dense work).
 """
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import List, Sequence, Set, Tuple
 
 import attrs
+import torch.fx
 from torch import nn
 
 from torchrec_sparselift.semantics.tables import TableHandle
 
-__all__ = ["DenseWork", "dense_work", "dlrm_interaction", "ACTIVATION_BYTES"]
+__all__ = ["DenseWork", "dense_work", "independent_modules", "dlrm_interaction", "ACTIVATION_BYTES"]
 
 #: Bytes of one activation element (fp32 training).
 ACTIVATION_BYTES = 4
@@ -36,12 +44,16 @@ ACTIVATION_BYTES = 4
 @attrs.frozen
 class DenseWork:
     """The dense part of the model, per rank and sample (forward): parameter bytes, FLOPs of
-    the weights' products, FLOPs of parameter-free batched products, activation bytes written."""
+    the weights' products, FLOPs of parameter-free batched products, activation bytes written;
+    and the part of the FLOPs and activation bytes independent of the embeddings (included in the
+    totals)."""
 
     param_bytes: float = 0.0
     fwd_flops_per_sample: float = 0.0
     interaction_flops_per_sample: float = 0.0
     activation_bytes_per_sample: float = 0.0
+    indep_fwd_flops_per_sample: float = 0.0
+    indep_activation_bytes_per_sample: float = 0.0
 
 
 def dense_work(module: nn.Module, handles: Sequence[TableHandle]) -> DenseWork:
@@ -68,9 +80,56 @@ def dense_work(module: nn.Module, handles: Sequence[TableHandle]) -> DenseWork:
     layer_elems = sum(2 * m.out_features for m in module.modules()
                       if isinstance(m, nn.Linear) and id(m) not in skip_modules)  # output + activation
     pooled_elems = sum(h.spec.embedding_dim * len(h.spec.feature_names) for h in handles if h.spec.is_pooled)
+    indep = independent_modules(module, [h.module[1] for h in handles])
+    seen: Set[int] = set()
+    indep_numel = 0
+    indep_elems = 0
+    for leaf in indep:
+        for p in leaf.parameters():
+            if id(p) not in skip and id(p) not in sparse_ids and id(p) not in seen:
+                seen.add(id(p))
+                indep_numel += p.numel()
+        indep_elems += sum(2 * m.out_features for m in leaf.modules() if isinstance(m, nn.Linear))
     return DenseWork(param_bytes=float(nbytes), fwd_flops_per_sample=2.0 * numel,
                      interaction_flops_per_sample=inter_flops,
-                     activation_bytes_per_sample=float(ACTIVATION_BYTES * (pooled_elems + layer_elems + inter_elems)))
+                     activation_bytes_per_sample=float(ACTIVATION_BYTES * (pooled_elems + layer_elems + inter_elems)),
+                     indep_fwd_flops_per_sample=2.0 * indep_numel,
+                     indep_activation_bytes_per_sample=float(ACTIVATION_BYTES * indep_elems))
+
+
+def independent_modules(module: nn.Module, sharded: Sequence[nn.Module]) -> List[nn.Module]:
+    """The modules ``module``'s forward calls whose inputs do not depend on any of the
+    ``sharded`` modules' outputs (DLRM's ``dense_arch``), in call order: ``torch.fx`` traces the
+    forward with every module that holds no sharded module as a leaf and follows each sharded
+    call's users. ``[]`` when there is no sharded module or the forward does not trace (data-
+    dependent control flow): nothing is then counted independent."""
+    ids = {id(m) for m in sharded}
+    if not ids:
+        return []
+    holds = {id(m) for m in module.modules() if any(id(s) in ids for s in m.modules())}
+
+    class _Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return id(m) in ids or id(m) not in holds
+
+    try:
+        graph = _Tracer().trace(module)
+    except Exception:  # noqa: BLE001 - any tracing failure means "not known to be independent"
+        return []
+    tainted: Set[torch.fx.Node] = set()
+    out: List[nn.Module] = []
+    for node in graph.nodes:
+        if any(a in tainted for a in node.all_input_nodes):
+            tainted.add(node)
+            continue
+        if node.op != "call_module":
+            continue
+        target = module.get_submodule(str(node.target))
+        if id(target) in ids:
+            tainted.add(node)
+        elif any(True for _ in target.parameters()):
+            out.append(target)
+    return out
 
 
 def dlrm_interaction(num_features: int, dim: int) -> Tuple[float, float]:
