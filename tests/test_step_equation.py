@@ -143,3 +143,30 @@ def test_a_malformed_column_is_refused_naming_it():
         terms.LoadColumn("orphan_s", "time")
     with pytest.raises(ValueError, match="bandwidth"):
         terms.LoadColumn("wire_bytes", "link", ("input_dist",))
+
+
+@pytest.mark.parametrize("profile,W,L", [("h100", 4, 2), ("cpu-gloo", 2, 1)])
+def test_the_overlap_kind_s_rows_equal_the_evaluator(profile, W, L):
+    """The ``overlap`` kind (split dense phases, three side-by-side blocks) through the one
+    builder: the MILP's optimum equals the evaluator on its plan and the exhaustive optimum, the
+    bounds stay below it; on CPU gloo across two hosts too, where only this kind overlaps."""
+    rng = np.random.default_rng(11)
+    specs = [table_spec(i, int(rng.integers(10**3, 10**6)), int(rng.choice([32, 64])), float(rng.uniform(1, 20)))
+             for i in range(3)]
+    prof = attrs.evolve(PRESETS[profile], lookup_overhead_s=0.0)
+    ctx = CostContext(profile=prof, world_size=W, local_world_size=L, batch_size=512,
+                      dense=DenseWork(1e7, 4e6, indep_fwd_flops_per_sample=1.5e6))
+    cap = np.full(W, 1e12)
+    prob = build_problem(specs, ctx, cap, cap.copy(), pipelines=("sparse_dist", "overlap"))
+    opt = {pl: exhaustive_optimum(prob, pl) for pl in ("sparse_dist", "overlap")}
+    assert opt["overlap"] < opt["sparse_dist"]  # the dense all-reduce and bottom MLP hide something
+    m = solve_milp(prob, "overlap", time_limit_s=60)
+    assert m.status == "optimal"
+    mev = new_evaluator(prob, "overlap")
+    for t, (c, rk) in enumerate(m.assignment):
+        mev.assign(t, c, rk)
+    assert m.objective_s == pytest.approx(mev.objective(), rel=1e-6)
+    assert m.objective_s == pytest.approx(opt["overlap"], rel=2e-4)
+    for bound in (solve_lp(prob, "overlap").lower_bound_s, choice_bound(prob, "overlap", time_limit_s=30),
+                  analytic_bound(prob, "overlap")):
+        assert bound <= opt["overlap"] * (1 + 1e-6)
