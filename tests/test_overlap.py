@@ -20,6 +20,7 @@ ROWS = 200
 TABLES = ("t0", "t1", "t2", "t3")
 DENSE_IN = 13
 TRACED_STEPS = 6
+MADE_STEPS = 12
 
 
 def _model() -> torch.nn.Module:
@@ -137,6 +138,19 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out["overlap"], out["overlap_trace"] = _train(ov_dmp, ov_opt, TrainPipelineOverlap, batches, STEPS, traced=True)
     for name, dmp in (("base", base_dmp), ("overlap", ov_dmp)):
         out[name + "_weights"] = {k: _local(v).clone() for k, v in dmp.state_dict().items()}
+    # the kind as the runtime builds it from a plan's pipeline name
+    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
+
+    made_dmp, made_opt = _sharded(copy.deepcopy(start))
+    built: List[str] = []
+
+    def made(dmp, opt, device):  # type: ignore[no-untyped-def]
+        pipe = make_train_pipeline("overlap", dmp, opt, device)
+        built.append(type(pipe).__name__)
+        return pipe
+
+    out["made"], _ = _train(made_dmp, made_opt, made, batches, MADE_STEPS, traced=False)
+    out["made_class"] = built
     # the order TorchRec's base pipeline runs in, for contrast (a third model, a few steps)
     traced_dmp, traced_opt = _sharded(copy.deepcopy(start))
     _, out["base_trace"] = _train(traced_dmp, traced_opt, TrainPipelineBase, batches, TRACED_STEPS + 1, traced=True)
@@ -154,6 +168,22 @@ def test_overlap_losses_equal_base_over_50_steps(results):
         torch.testing.assert_close(torch.tensor(r["overlap"]), torch.tensor(r["base"]), rtol=1e-6, atol=1e-7,
                                    msg=lambda m: f"rank {rank}: {m}")
         assert r["base"][0] != r["base"][-1]  # it trains
+
+
+def test_make_train_pipeline_overlap_trains_like_base(results):
+    for r in results:
+        assert r["made_class"] == ["TrainPipelineOverlap"]
+        assert r["made"] == pytest.approx(r["base"][:MADE_STEPS], rel=1e-6)
+        assert r["made"][-1] < r["made"][0]  # it trains
+
+
+def test_the_planner_finds_dlrm_s_bottom_mlp_independent_of_the_embeddings():
+    from torchrec_sparselift.semantics.dense import independent_modules
+
+    model = _model()
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    assert independent_modules(model, [ebc]) == [model.model.dense_arch]
+    assert independent_modules(model, []) == []
 
 
 def test_overlap_final_weights_equal_base(results):

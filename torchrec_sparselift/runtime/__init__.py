@@ -1,8 +1,9 @@
 """runtime: apply a plan. ``lift`` / ``SparseLiftModelParallel`` build DistributedModelParallel with
 the plan's comm codecs and the planned train pipeline; ``StepTimer`` measures steady-state step time
 against the prediction; ``attribute_steps`` splits real steps by sparse-path node kind and
-``CommCounter`` counts the bytes and ids a step moves. CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in
-``runtime.two_d``.
+``CommCounter`` counts the bytes and ids a step moves. ``TrainPipelineOverlap`` (pipeline kind
+``overlap``) is the package's own exact overlap of the sparse path's collectives with dense work.
+CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in ``runtime.two_d``.
 """
 
 from torchrec_sparselift.runtime.attribution import (
@@ -26,6 +27,7 @@ from torchrec_sparselift.runtime.model_parallel import (
     resolve_settings,
     sharders_with_comm_codecs,
 )
+from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
 from torchrec_sparselift.runtime.pipelines import (
     EXACT_PIPELINE_KINDS,
     PIPELINE_KINDS,
@@ -57,6 +59,7 @@ __all__ = [
     "StepRecord",
     "StepStats",
     "StepTimer",
+    "TrainPipelineOverlap",
     "build_optimizer",
     "check_pipeline_supports_plan",
     "comm_codecs_registry",
