@@ -27,6 +27,7 @@ prices it (:mod:`torchrec_sparselift.cost.model`):
 
 from __future__ import annotations
 
+import logging
 from typing import List, Sequence, Set, Tuple
 
 import attrs
@@ -112,10 +113,15 @@ def independent_modules(module: nn.Module, sharded: Sequence[nn.Module]) -> List
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
             return id(m) in ids or id(m) not in holds
 
+    log = logging.getLogger("torch.fx._symbolic_trace")  # its is_fx_tracing notice is not for our users
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
         graph = _Tracer().trace(module)
     except Exception:  # noqa: BLE001 - any tracing failure means "not known to be independent"
         return []
+    finally:
+        log.setLevel(level)
     tainted: Set[torch.fx.Node] = set()
     out: List[nn.Module] = []
     for node in graph.nodes:
