@@ -68,7 +68,9 @@ class HardwareProfile:
         dense_flops: sustained FLOP/s of the dense (MLP) part.
         cache_hit_rate: row hit rate assumed for UVM-caching kernels when no statistics say better.
         supports_overlap: whether communication really overlaps compute (separate streams and
-            copy engines). False makes every pipeline kind cost the same as a plain loop.
+            copy engines). False makes every pipeline kind cost the same as a plain loop, except
+            a kind that overlaps between hosts (``Pipeline.overlaps_between_hosts``: ``overlap``)
+            when the ranks span hosts (``cost.pipelines.effective_pipeline``; docs/overlap.md).
         id_overhead_bytes: per-id cost of a forward lookup that does not depend on the row
             width (index and offset reads, bag bookkeeping), as equivalent bytes.
         bwd_id_overhead_bytes: per-id cost of the backward + optimizer that does not depend on
@@ -283,7 +285,7 @@ PRESETS: Dict[str, HardwareProfile] = {
         collective_latency_s=1.3e-3,
         dense_flops=30e9,
         cache_hit_rate=1.0,
-        supports_overlap=False,  # measured: pipelines reorder work but gain nothing on 2 cores
+        supports_overlap=False,  # measured: TorchRec's pipelines gain nothing; see effective_pipeline
     ),
 }
 
