@@ -683,9 +683,11 @@ def predicted_by_kind(step: Any, *, dp_optimizer_s: float = 0.0, kjt_fwd_s: floa
     (``kjt_bwd_s``) (see :func:`model_splits`). ``overlap`` is
     ``total_s`` minus the sum, what the pipeline hides; the values sum to ``total_s``.
     """
+    from torchrec_sparselift.cost.pipelines import PHASES  # a split phase's parts are in its whole
+
     ph = dict(step.phases)
     out = {k: 0.0 for k in KINDS}
-    named = {p for phases in PREDICTED_KINDS.values() for p in phases}
+    named = {p for phases in PREDICTED_KINDS.values() for p in phases} | {p.name for p in PHASES if p.part_of}
     for kind, phases in PREDICTED_KINDS.items():
         out[kind] = sum(float(ph.get(p, 0.0)) for p in phases)
     out["rest"] += sum(float(v) for p, v in ph.items() if p not in named)
