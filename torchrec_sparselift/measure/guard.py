@@ -1,30 +1,64 @@
-"""Measured guard: measure a few candidate plans on the real model and keep the fastest.
+"""Measured guard: the model proposes, a few real steps decide.
 
-The cost model ranks plans; a few real steps decide between the top ones. :func:`choose_measured`
-is the rule, independent of how plans are made or run: it calls ``trial(label, plan)`` (seconds per
-steady-state step, measured) for each candidate, in the given order, and keeps the candidate with the
-lowest measured time (ties: the earlier candidate, i.e. the one the model ranked first). Candidates
-whose plans are the same (equal ``key``) are measured once: the later ones share the first one's
-trials (TorchRec's plan is often exactly SparseLift's; measuring it twice would only let noise pick
-between a plan and itself).
-:class:`GuardResult` records every trial (label, source, predicted and measured seconds) as plain
-JSON, which the execution plan stores so a cached plan is reused without measuring again.
+::
 
-:class:`MeasuredGuard` holds the settings (how many SparseLift candidates, TorchRec's plan or not,
-steps per trial); :func:`torchrec_sparselift.measured_guard.guarded_execution_plan` makes the
-candidates and runs the trials with :func:`torchrec_sparselift.runtime.probe.measure_plan`.
+    ep, result, reused = guarded_execution_plan(
+        lambda: build_model(...), pg, device, batches, topology=topo, batch_size=256,
+        constraints=cons, hardware=profile, guard=MeasuredGuard(candidates=3, steps=8),
+        cache_dir=".sparselift_cache")
+    print(result.format())
+
+:func:`choose_measured` is the rule, independent of how plans are made or run: it calls
+``trial(label, plan)`` (seconds per steady-state step, measured) for each candidate, in the given
+order, and keeps the candidate with the lowest measured time (ties: the earlier candidate, i.e. the
+one the model ranked first). Candidates whose plans are the same (equal ``key``) are measured once:
+the later ones share the first one's trials (TorchRec's plan is often exactly SparseLift's;
+measuring it twice would only let noise pick between a plan and itself). :class:`GuardResult`
+records every trial (label, source, predicted and measured seconds) as plain JSON, which the
+execution plan stores so a cached plan is reused without measuring again.
+
+:func:`guarded_execution_plan` makes the candidates: SparseLift's plan, then SparseLift's best plans
+under alternative restrictions (no data-parallel tables; table-wise only; no row-wise),
+de-duplicated and ordered by predicted step time, ``guard.candidates`` of them in all; plus
+TorchRec's ``EmbeddingShardingPlanner`` plan (``guard.torchrec``). Each is trained for
+``guard.warmup + guard.steps`` steps on the real model and the given pre-built batches, with the
+train pipeline its plan runs (:func:`torchrec_sparselift.measure.probe.measure_plan`, the median
+step of the per-step slowest rank), ``guard.rounds`` times interleaved, and the fastest is kept.
+
+The returned :class:`~torchrec_sparselift.plan.ExecutionPlan` is SparseLift's, with the kept plan's
+sharding and prediction and the trials in ``planner_info["measured_guard"]``. With ``cache_dir`` it is
+stored under the fingerprint of the planner's ``PlanRequest`` with its ``measured_guard`` field set to
+the guard settings (``guarded-<digest>.json``) and a later call with the same inputs reuses it
+without planning or measuring (guarded and unguarded plans never share a cache entry). With
+``guard.feedback`` the trials, linearized in the profile's terms, join this machine's stored
+step-fit records and its profile is refitted (:func:`torchrec_sparselift.calibration.feedback.add_feedback`).
+
+Cost: ``guard.rounds`` x (one DMP build plus ``warmup + steps`` steps) per candidate (measured on
+the 2-core machine, defaults 2 x (5 + 16): 2.6-3.0 s per trial for the default DLRM example, 17 s for
+3 candidates under load), and one planner run per alternative.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
+import logging
 import math
+import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.atomic import write_text
+from torchrec_sparselift.calibration.feedback import feedback_records
+from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
+from torchrec_sparselift.semantics.table_file import SHARDING_TYPES
 from torchrec_sparselift.validation import int_at_least
 
-__all__ = ["MeasuredGuard", "GuardTrial", "GuardResult", "Candidate", "choose_measured"]
+__all__ = ["MeasuredGuard", "GuardTrial", "GuardResult", "Candidate", "choose_measured", "guarded_execution_plan",
+           "guard_cache_path", "guard_fingerprint", "ALTERNATIVES", "feedback_records"]
+
 
 
 @attrs.frozen(kw_only=True)
@@ -150,3 +184,226 @@ def choose_measured(candidates: Sequence[Candidate], trial: Callable[[str, Any],
                    for i, (c, r, o) in enumerate(zip(candidates, runs, owner)))
     i = min(range(len(candidates)), key=lambda k: (trials[k].measured_s, k))
     return candidates[i], GuardResult(chosen=candidates[i].label, trials=trials, settings=dict(settings or {}))
+
+
+logger = logging.getLogger(__name__)
+
+#: Alternative restrictions SparseLift plans under to propose more candidates: name -> sharding
+#: types removed (``None``: only table-wise allowed).
+ALTERNATIVES: Tuple[Tuple[str, Optional[Tuple[str, ...]]], ...] = (
+    ("no_data_parallel", ("data_parallel",)),
+    ("table_wise_only", None),
+    ("no_row_wise", ("row_wise",)),
+)
+#: What a table without a user restriction may use in an alternative: every sharding type the
+#: planner offers by default (semantics.tables leaves grid_shard out unless a constraint names it).
+_ALL_TYPES = tuple(t for t in SHARDING_TYPES if t != "grid_shard")
+
+
+def _restricted(constraints: Optional[Dict[str, Any]], table_names: Sequence[str],
+                removed: Optional[Tuple[str, ...]]) -> Dict[str, Any]:
+    """The user's constraints with sharding types restricted (per table; a table whose user
+    constraint would become empty keeps it)."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    out: Dict[str, Any] = {}
+    for name in table_names:
+        base = (constraints or {}).get(name)
+        c = copy.deepcopy(base) if base is not None else ParameterConstraints()
+        allowed = list(c.sharding_types) if c.sharding_types else list(_ALL_TYPES)
+        keep = ["table_wise"] if removed is None else [t for t in allowed if t not in removed]
+        keep = [t for t in keep if t in allowed] or allowed
+        c.sharding_types = keep
+        if c.compute_kernels and "data_parallel" not in keep:
+            c.compute_kernels = [k for k in c.compute_kernels if k != "dense"] or c.compute_kernels
+        out[name] = c
+    return out
+
+
+def guard_fingerprint(planner: Any, model: Any, sharders: Sequence[Any], guard: MeasuredGuard,
+                      cores: Optional[int] = None) -> Any:
+    """The fingerprint of the planner's ``PlanRequest`` with its ``measured_guard`` field set to
+    the guard's settings (guarded and unguarded plans, or two guard settings, never share a key)
+    and its hardware replaced by this machine's fingerprint (``cores``: see
+    :func:`~torchrec_sparselift.calibration.store.current_fingerprint`)."""
+    from torchrec_sparselift.calibration.store import current_fingerprint
+
+    req = planner.request(model, list(sharders))
+    # A guarded plan is a measured decision on this machine: key it by the machine's fingerprint,
+    # not by the profile's rates (the guard's own feedback refits those, which must not turn the
+    # next run into a cache miss).
+    topo = req.topology
+    machine = current_fingerprint(topo.compute_device, int(topo.local_world_size), cores=cores)
+    hw = HardwareProfile(name=f"machine:{machine.digest()}", compute_device=req.hardware.compute_device,
+                         local_world_size=req.hardware.local_world_size,
+                         hbm_cap_bytes=req.hardware.hbm_cap_bytes, ddr_cap_bytes=req.hardware.ddr_cap_bytes)
+    return attrs.evolve(req, hardware=hw, measured_guard=guard.to_dict()).fingerprint()
+
+
+def guard_cache_path(cache_dir: str, fingerprint: Any, guard: MeasuredGuard) -> str:
+    """``cache_dir/guarded-<digest>.json``; ``fingerprint`` is :func:`guard_fingerprint`'s."""
+    text = json.dumps({"plan": fingerprint.digest(), "guard": guard.to_dict()}, sort_keys=True)
+    return os.path.join(cache_dir, f"guarded-{hashlib.sha256(text.encode()).hexdigest()[:20]}.json")
+
+
+def _table_names(model: Any) -> List[str]:
+    from torchrec_sparselift.plan import table_specs
+
+    return [s[1] for s in table_specs(model)]  # (module_path, table_name, ...)
+
+
+def _prediction(model: Any, plan: Any, opt: Any, topology: Any, batch_size: int,
+                constraints: Optional[Dict[str, Any]], profile: HardwareProfile, sharders: Sequence[Any],
+                workload: Any = None) -> Any:
+    """The prediction of ``plan`` run as an execution plan with optimizations ``opt`` does: under
+    ``profile``, with the run's ``sharders`` (the tables they shard), ``opt``'s pipeline and comm
+    precisions, and the run's ``workload`` statistics (the planners' ``workload=``: the distinct ids
+    price the fused backward; without them a cached plan's step printed 14 ms above the planner's
+    price of the same plan). One pricing for a cached guarded plan and for TorchRec's plan when it
+    is kept (it runs with the SparseLift plan's optimizations, so its comm precisions too)."""
+    from torchrec_sparselift.planner import evaluate_sharding_plan
+
+    return evaluate_sharding_plan(model, plan, topology, batch_size, constraints, hardware=profile,
+                                  workload=workload, sharders=list(sharders), pipeline=opt.pipeline,
+                                  fwd_precision=opt.fwd_comm_precision,
+                                  bwd_precision=opt.bwd_comm_precision).prediction()
+
+
+def guarded_execution_plan(
+    model_factory: Callable[[], Any],
+    pg: Any,
+    device: Any,
+    batches: Sequence[Any],
+    *,
+    topology: Any,
+    batch_size: int,
+    constraints: Optional[Dict[str, Any]] = None,
+    hardware: Any = None,
+    guard: MeasuredGuard = MeasuredGuard(),
+    cache_dir: Optional[str] = None,
+    allow_lossy_comm: bool = False,
+    sharders: Optional[Sequence[Any]] = None,
+    log: Callable[[str], None] = lambda m: None,
+    workload: Any = None,
+    cores: Optional[int] = None,
+) -> Tuple[Any, GuardResult, bool]:
+    """``(execution plan, guard result, reused)``; see the module docstring. Every rank of ``pg``
+    must call it with the same arguments (plans are made collectively, trials run on all ranks).
+    ``workload``: the planners' ``workload=`` (:class:`~torchrec_sparselift.semantics.workload.WorkloadStats`
+    of the run's ids, e.g. ``observe(batches)``); it also prices every trial. ``cores``: the cores
+    this process could use before it pinned itself (the machine's fingerprint, for the cache key
+    and the feedback; see :func:`~torchrec_sparselift.calibration.store.current_fingerprint`)."""
+    import torch.distributed as dist
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.plan import ExecutionPlan, sharding_plan_digest
+    from torchrec_sparselift.planner import SparseLiftPlanner
+    from torchrec_sparselift.calibration.pricer import PlanPricer
+    from torchrec_sparselift.measure.probe import measure_plan
+    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
+
+    sharders = list(sharders) if sharders is not None else get_default_sharders()
+    rank = dist.get_rank(pg)
+
+    def planner_for(cons: Optional[Dict[str, Any]]) -> SparseLiftPlanner:
+        return SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons, hardware=hardware,
+                                 allow_lossy_comm=allow_lossy_comm, workload=workload)
+
+    main = planner_for(constraints)
+    profile = profile_for_topology(topology, main._profile())
+    model = model_factory()
+    path = guard_cache_path(cache_dir, guard_fingerprint(main, model, sharders, guard, cores), guard) if cache_dir else None
+    # rank 0 decides whether the cache holds the guarded plan; everyone follows
+    box: List[Any] = [None]
+    if rank == 0 and path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                box[0] = f.read()
+            ExecutionPlan.from_json(box[0])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("measured guard: ignoring unreadable cached plan %s (%s)", path, e)
+            box[0] = None
+    dist.broadcast_object_list(box, src=0, group=pg)
+    if box[0] is not None:
+        ep = ExecutionPlan.from_json(box[0])
+        opt = ep.optimizations
+        if opt.sharding_group_size is None:
+            # the trials are this machine's measurements and stay; the prediction is the current
+            # profile's (a recalibrated profile must not print the old profile's step time)
+            ep = attrs.evolve(ep, prediction=_prediction(model, ep.sharding_plan, opt, topology, batch_size,
+                                                         constraints, profile, sharders, workload))
+        return ep, GuardResult.from_dict(ep.planner_info["measured_guard"]), True
+
+    ep = main.collective_plan_execution(model, sharders, pg)
+    cands: List[Tuple[Candidate, Any]] = [(Candidate("sparselift", "sparselift", ep.sharding_plan,
+                                                     ep.prediction.step_time_s), ep)]
+    seen = {sharding_plan_digest(ep.sharding_plan)}
+    names = _table_names(model)
+    alts: List[Tuple[Candidate, Any]] = []
+    for alt, removed in (ALTERNATIVES if guard.candidates > 1 else ()):
+        try:
+            aep = planner_for(_restricted(constraints, names, removed)).collective_plan_execution(
+                model_factory(), sharders, pg)
+        except Exception as e:  # noqa: BLE001 - an alternative that cannot be planned is skipped
+            log(f"[guard] alternative {alt} not planned: {str(e).splitlines()[0]}")
+            continue
+        key = sharding_plan_digest(aep.sharding_plan)
+        if key in seen:
+            continue
+        seen.add(key)
+        alts.append((Candidate(f"sparselift:{alt}", "sparselift", aep.sharding_plan, aep.prediction.step_time_s), aep))
+    alts.sort(key=lambda c: c[0].predicted_s)
+    cands += alts[: max(0, guard.candidates - 1)]
+    if guard.torchrec:
+        tplan = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size,
+                                         constraints=constraints).collective_plan(model_factory(), sharders, pg)
+        pred = PlanPricer(model, tplan, topology, batch_size, constraints, sharders, stats=workload)(profile)
+        cands.append((Candidate("torchrec", "torchrec", tplan, pred), None))
+
+    # each trial runs the train pipeline its plan will run (the SparseLift plan's; TorchRec's plan
+    # would be lifted with the SparseLift plan's pipeline)
+    kinds = {c.label: (e.optimizations.pipeline if e is not None else ep.optimizations.pipeline) for c, e in cands}
+
+    def trial(label: str, plan: Any) -> float:
+        kind = kinds[label]
+        m = measure_plan(label, model_factory, plan, batches, guard.steps, guard.warmup, pg=pg, device=device,
+                         pipeline_factory=lambda d, o, dev: make_train_pipeline(kind, d, o, dev))
+        log(f"[guard] {label}: {m.median_s * 1e3:.2f} ms/step ({m.wall_s:.1f} s, pipeline {kind})")
+        return m.median_s
+
+    chosen, result = choose_measured([c for c, _ in cands], trial, settings=guard.to_dict(), rounds=guard.rounds,
+                                     key=sharding_plan_digest)
+    for t in result.trials:
+        if t.same_as:
+            log(f"[guard] {t.label}: the same plan as {t.same_as} (not measured again)")
+    # one feedback record per plan measured (a plan shared by two candidates counts once)
+    pricers = [(t.label, t.measured_s, PlanPricer(model, c.plan, topology, batch_size, constraints, sharders,
+                                                  stats=workload))
+               for t, (c, _e) in zip(result.trials, cands) if not t.same_as]
+    chosen_ep = dict((c.label, e) for c, e in cands)[chosen.label]
+    info = dict(ep.planner_info)
+    info["measured_guard"] = result.to_dict()
+    if chosen_ep is ep:
+        final = attrs.evolve(ep, planner_info=info)
+    elif chosen_ep is not None:
+        final = attrs.evolve(ep, sharding_plan=chosen_ep.sharding_plan, prediction=chosen_ep.prediction,
+                             optimizations=chosen_ep.optimizations, planner_info=info)
+    else:
+        # TorchRec's plan, run with the SparseLift plan's optimizations (comm precisions included)
+        final = attrs.evolve(ep, sharding_plan=chosen.plan, planner_info=info,
+                             prediction=_prediction(model, chosen.plan, ep.optimizations, topology, batch_size,
+                                                    constraints, profile, sharders, workload))
+    if rank == 0:
+        if path:
+            write_text(path, final.to_json(indent=1), prefix=".guarded-")
+        if guard.feedback:
+            try:
+                from torchrec_sparselift.calibration.feedback import add_feedback
+
+                where = add_feedback(feedback_records(pricers, profile), profile, topology, cores=cores)
+                if where:
+                    log(f"[guard] trials added to the step-fit records of {where}")
+            except Exception as e:  # noqa: BLE001 - feedback must never fail the run
+                logger.warning("measured guard: feedback to calibration failed: %s", e)
+    return final, result, False

@@ -1,22 +1,21 @@
-"""Profile-guided calibration: fit the hardware profile from real training steps.
+"""Step calibration: train the probe plans on this machine and fit the profile to their steps.
 
-    torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift.step_calibration [--quick]
+    torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps [--quick]
 
-runs the probe plans (:data:`torchrec_sparselift.runtime.probe.PLAN_KINDS`: all table-wise, all
+runs the probe plans (:data:`torchrec_sparselift.measure.probe.PLAN_KINDS`: all table-wise, all
 row-wise, all data-parallel, all column-wise, mixed, the smaller half data-parallel (``dp_small``),
 the table-wise shards in two sharding groups (``two_groups``)) on the probe models
-(:data:`~torchrec_sparselift.runtime.probe.PROBE_WORKLOADS`) for a few steps each, prices every
-plan with the cost model (:class:`PlanPricer`, the same evaluator the planner optimizes), fits the
-profile's terms (:func:`torchrec_sparselift.cost.step_fit.fit_profile`) to the whole steps and to
-their attribution by node kind (:func:`group_cases`), with the host work measured alone
-(:func:`host_terms`: optimizer per tensor and byte, bucketize per id, all-to-all per byte) as fixed
-values and floors (:func:`host_fit_setup`), and stores the profile in
-the :class:`~torchrec_sparselift.cost.machine.ProfileStore` under this machine's fingerprint (rank 0
-writes; the path is printed). The base profile is the committed microbenchmark profile on CPU
-(``profiles/cpu-2core-gloo.json`` when present) or the topology's preset.
+(:data:`~torchrec_sparselift.measure.probe.PROBE_WORKLOADS`) for a few steps each
+(:func:`measure_probes`), with the host work measured alone before and after (:func:`host_terms`),
+prices every plan with the cost model (:class:`~torchrec_sparselift.calibration.pricer.PlanPricer`,
+the same evaluator the planner optimizes), fits the profile's terms
+(:func:`torchrec_sparselift.calibration.step_fit.fit_probe_plans`) and stores the profile in the
+:class:`~torchrec_sparselift.calibration.store.ProfileStore` under this machine's fingerprint (rank 0
+writes; the path is printed). The base profile is the shipped CPU microbenchmark profile
+(:func:`~torchrec_sparselift.calibration.store.base_profile`).
 
-:func:`auto_profile` is what ``hardware="auto"`` resolves to: the stored profile of this machine,
-else the closest stored one with a warning naming the differences, else the base with a warning.
+``sparselift calibrate steps --from-measurements PATH`` refits a saved set in one process;
+``sparselift calibrate check`` says whether this machine's stored profile is current.
 """
 
 from __future__ import annotations
@@ -24,205 +23,50 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pickle
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import attrs
 import numpy as np
 
-from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
-from torchrec_sparselift.cost.machine import MachineFingerprint, ProfileStore, current_fingerprint
-from torchrec_sparselift.cost.report import mape
-from torchrec_sparselift.cost.step_fit import (
-    CPU_STEP_TERMS,
-    STEP_MODEL_VERSION,
-    FitRecord,
-    StepFit,
-    fit_profile,
-    fit_terms,
-    linearize,
-    term_value,
-    with_terms,
+from torchrec_sparselift.calibration.pricer import PlanPricer
+from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
+from torchrec_sparselift.calibration.step_fit import FitRecord, StepFit, fit_probe_plans, records_mape, stored_info
+from torchrec_sparselift.calibration.store import (
+    MAX_DRIFT_SPREAD,
+    ProfileStore,
+    base_profile,
+    calibrate_command,
+    current_fingerprint,
+    drift_spread,
+    stored_profile_problems,
 )
+from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 
-__all__ = ["PlanPricer", "REFERENCE_PLAN", "ReferencePlan", "reference_drifts", "missing_terms", "fitted_model_version", "stored_info",
-           "HOST_FIXED_TERMS", "auto_profile", "calibrate_steps", "measure_probes", "fit_measurements", "add_feedback", "base_profile", "forced_plan", "main",
-           "COMMITTED_CPU_PROFILE"]
+__all__ = [
+    "forced_plan",
+    "probe_topology",
+    "measure_probes",
+    "REFERENCE_PLAN",
+    "ReferencePlan",
+    "reference_drifts",
+    "host_terms",
+    "probe_pricers",
+    "fit_measurements",
+    "calibrate_steps",
+    "save_measurements",
+    "load_measurements",
+    "add_steps_arguments",
+    "run_steps",
+    "run_check",
+]
 
 logger = logging.getLogger(__name__)
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: The microbenchmark profile committed with the repository (the base of a CPU step fit).
-COMMITTED_CPU_PROFILE = os.path.join(_ROOT, "profiles", "cpu-2core-gloo.json")
-
-
-class PlanPricer:
-    """``profile -> predicted step seconds`` of one fixed ``ShardingPlan`` (tables, topology,
-    batch size and dense part extracted once; each call re-prices the shards with the profile
-    and sums them in the planner's evaluator). Column-wise shards are priced as equal splits.
-    ``stats``: the run's :class:`~torchrec_sparselift.semantics.workload.WorkloadStats` (the
-    planner's ``workload=``; its distinct ids price the fused backward)."""
-
-    def __init__(self, module: Any, plan: Any, topology: Any, batch_size: int,
-                 constraints: Optional[Dict[str, Any]] = None, sharders: Optional[Sequence[Any]] = None,
-                 pipeline: str = "sparse_dist", stats: Any = None) -> None:
-        from torchrec.distributed.sharding_plan import get_default_sharders
-
-        from torchrec_sparselift.plan.evaluate import given_candidates
-        from torchrec_sparselift.semantics.dense import dense_work
-        from torchrec_sparselift.semantics.tables import extract_tables
-
-        sharders = list(sharders) if sharders is not None else get_default_sharders()
-        self.topology = topology
-        self.batch_size = batch_size
-        self.pipeline = pipeline
-        handles = extract_tables(module, sharders, topology.compute_device, batch_size, constraints, stats)
-        self.specs = [h.spec for h in handles]
-        self.dense = dense_work(module, handles)
-        placed = given_candidates(handles, plan, topology.world_size,
-                                  min(topology.local_world_size, topology.world_size))
-        self.cands = [c for c, _ in placed]
-        self.ranks = [r for _, r in placed]
-
-    def _ctx(self, profile: HardwareProfile) -> Any:
-        from torchrec_sparselift.cost.model import CostContext
-
-        topo = self.topology
-        return CostContext(profile=profile_for_topology(topo, profile), world_size=topo.world_size,
-                           local_world_size=min(topo.local_world_size, topo.world_size),
-                           batch_size=self.batch_size, dense=self.dense)
-
-    def step_time(self, profile: HardwareProfile) -> Any:
-        """The plan's evaluated step under ``profile``. The fit's finite differences price the same
-        profiles for a plan's step case and each of its group cases: each is priced once (the last
-        64 profiles are kept)."""
-        return self._memo("_step_by_profile", profile, self._evaluate)
-
-    def _memo(self, name: str, profile: HardwareProfile, compute: Callable[[HardwareProfile], Any]) -> Any:
-        """``compute(profile)``, remembered in the cache ``name`` (its last 64 profiles)."""
-        cache = self.__dict__.setdefault(name, {})
-        if profile not in cache:
-            if len(cache) >= 64:
-                cache.clear()
-            cache[profile] = compute(profile)
-        return cache[profile]
-
-    def _evaluate(self, profile: HardwareProfile) -> Any:
-        from torchrec_sparselift.cost.evaluator import PlanEvaluator
-        from torchrec_sparselift.cost.model import shard_cost
-
-        topo = self.topology
-        ctx = self._ctx(profile)
-        costs = [shard_cost(s, c, ctx) for s, c in zip(self.specs, self.cands)]
-        inf = np.full(topo.world_size, np.inf)
-        ev = PlanEvaluator(ctx, costs, [c.sharding_type for c in self.cands], inf, inf, self.pipeline,
-                           kernels=[c.compute_kernel for c in self.cands])
-        for t, ranks in enumerate(self.ranks):
-            ev.assign(t, t, ranks)
-        return ev.step_time()
-
-    def __call__(self, profile: HardwareProfile) -> float:
-        return float(self.step_time(profile).total_s)
-
-    def groups(self, profile: HardwareProfile) -> Dict[str, float]:
-        """Predicted seconds per attribution fit group
-        (:data:`~torchrec_sparselift.runtime.attribution.FIT_GROUPS`; they sum to the step)."""
-        from torchrec_sparselift.cost.model import dp_optimizer_s
-        from torchrec_sparselift.runtime.attribution import group_kinds, predicted_by_kind
-
-        def split(p: HardwareProfile) -> Dict[str, float]:
-            dp = dp_optimizer_s(self.specs, self.cands, self._ctx(p))
-            return group_kinds(predicted_by_kind(self.step_time(p), dp_optimizer_s=dp))
-
-        # every group's case of a plan prices the same profiles: split each one's step once
-        return dict(self._memo("_groups_by_profile", profile, split))
-
-    def group(self, name: str) -> Callable[[HardwareProfile], float]:
-        """``profile -> seconds`` of one fit group (a case for ``fit_profile``)."""
-        return lambda profile: self.groups(profile)[name]
-
-
-def base_profile(device: str) -> HardwareProfile:
-    """The profile a step fit starts from: the committed CPU microbenchmark profile on CPU."""
-    if device == "cpu" and os.path.isfile(COMMITTED_CPU_PROFILE):
-        return get_profile(COMMITTED_CPU_PROFILE)
-    return get_profile("cpu-gloo" if device == "cpu" else "h100")
-
-
-def auto_profile(device: str, ranks: int, store: Optional[ProfileStore] = None,
-                 warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3)
-                 ) -> Tuple[HardwareProfile, str]:
-    """``(profile, where)`` for ``hardware="auto"``: this machine's stored profile; else the
-    closest stored one (``warn`` names the differing fingerprint fields); else the base profile
-    (``warn`` says how to calibrate)."""
-    store = store or ProfileStore()
-    fp = current_fingerprint(device, ranks)
-    found, diff = store.lookup(fp)
-    how = ("calibrate this machine with `torchrun --standalone --nproc_per_node "
-           f"{ranks} -m torchrec_sparselift.step_calibration`")
-    if found is not None and not diff:
-        for problem in stored_profile_problems(found.info):
-            warn(f"sparselift: this machine's profile {found.path} {problem}: predictions may be off; {how}")
-        return found.profile, found.path
-    if found is not None:
-        warn(f"sparselift: no calibrated profile for this machine; using {found.path} from another machine "
-             f"(differs in {'; '.join(diff)}): predictions may be off; {how}")
-        return found.profile, found.path
-    base = base_profile(device)
-    warn(f"sparselift: no calibrated profile for this machine in {store.root}; using {base.name}: "
-         f"predictions may be off; {how}")
-    return base, base.name
-
-
-def missing_terms(info: Optional[Mapping[str, Any]]) -> List[str]:
-    """The step-fit terms (:data:`~torchrec_sparselift.cost.step_fit.CPU_STEP_TERMS`) a stored
-    profile's fit (its ``info``) neither fitted nor fixed from host measurements: it was calibrated by
-    an older cost model. Empty for a profile with no step fit (a microbenchmark profile)."""
-    fit = (info or {}).get("fit") or {}
-    if not fit.get("values"):
-        return []
-    fixed = set(HOST_FIXED_TERMS) if (info or {}).get("host_terms") else set()
-    return [t.name for t in CPU_STEP_TERMS if t.name not in fit["values"] and t.name not in fixed]
-
-
-def fitted_model_version(info: Optional[Mapping[str, Any]]) -> Optional[int]:
-    """The :data:`~torchrec_sparselift.cost.step_fit.STEP_MODEL_VERSION` a stored profile's step fit
-    was made under (1 for a fit stored before versions were recorded); None without a step fit."""
-    if not ((info or {}).get("fit") or {}).get("values"):
-        return None
-    return int((info or {}).get("model_version", 1))
-
-
-def stored_profile_problems(info: Optional[Mapping[str, Any]]) -> List[str]:
-    """Why a stored profile of this machine should be calibrated again (empty: it is fine), each as
-    a phrase after "the profile ...": fitted by an older cost model (:func:`missing_terms`), or
-    calibrated on a machine whose speed moved (:func:`disturbed_spread`). ``step_calibration --check``
-    fails on them and ``auto_profile`` warns with them."""
-    out = []
-    missing = missing_terms(info)
-    if missing:
-        out.append(f"was fitted before the cost model had {', '.join(missing)} (they take their fallback values)")
-    version = fitted_model_version(info)
-    if version is not None and version != STEP_MODEL_VERSION:
-        out.append(f"was fitted under cost-model structure {version} (this code prices structure "
-                   f"{STEP_MODEL_VERSION}: its terms multiply other quantities now)")
-    spread = disturbed_spread(info)
-    if spread is not None:
-        out.append(f"was calibrated while the machine's speed moved {spread:.2f}x between probe workloads "
-                   "(calibrate on a quieter machine)")
-    return out
-
-
-def disturbed_spread(info: Optional[Mapping[str, Any]]) -> Optional[float]:
-    """The drift spread a stored profile's calibration recorded (``info["drift_spread"]``) when it
-    is above :data:`MAX_DRIFT_SPREAD`, else None."""
-    spread = (info or {}).get("drift_spread")
-    return float(spread) if spread is not None and float(spread) > MAX_DRIFT_SPREAD else None
-
-
-def _topology(world_size: int, device: str):
+def probe_topology(world_size: int, device: str):
+    """A one-host TorchRec ``Topology`` of ``world_size`` ranks on ``device`` (the probes' topology)."""
     from torchrec.distributed.planner import Topology
 
     with warnings.catch_warnings():
@@ -238,7 +82,7 @@ def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, bat
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     from torchrec_sparselift.planner import SparseLiftPlanner
-    from torchrec_sparselift.runtime.probe import probe_constraints
+    from torchrec_sparselift.measure.probe import probe_constraints
 
     cons = probe_constraints(tables, kind)
     planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons,
@@ -253,19 +97,6 @@ def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, bat
 PROBE_BATCHES = 6
 #: Profiled steps after each probe plan's timed steps: the attribution the fit splits into groups.
 ATTRIBUTED_STEPS = 5
-#: A group measured below this share of its step is left out of the fit (its relative error is noise).
-MIN_GROUP_SHARE = 0.02
-#: Weight of a fit group's case relative to a step case of the same plan (residuals relative to the step).
-GROUP_WEIGHT = 1.0
-
-
-@attrs.frozen
-class ProbeRecord:
-    workload: str
-    plan: str
-    measured_s: float
-    predicted_before_s: float
-    predicted_after_s: float
 
 
 def measure_probes(
@@ -279,12 +110,13 @@ def measure_probes(
     base: Optional[HardwareProfile] = None,
     attribute: int = ATTRIBUTED_STEPS,
     normalize: bool = True,
-) -> List[Tuple[Any, ...]]:
-    """Train every probe plan on every rank of ``pg``; ``(workload, kind, plan, constraints,
-    measured seconds, attribution, drift)`` per plan (the median step of the per-step slowest
-    rank; the same on every rank; ``attribution``: the dict of ``attribute`` more steps run under the
-    profiler after the timed ones, :mod:`torchrec_sparselift.runtime.attribution`, or None when 0).
-    ``steps`` / ``warmup`` default to the harness's (``runtime.probe.DEFAULT_TIMING``).
+) -> List[ProbeMeasurement]:
+    """Train every probe plan on every rank of ``pg``; one
+    :class:`~torchrec_sparselift.calibration.records.ProbeMeasurement` per plan (the median step of
+    the per-step slowest rank; the same on every rank; its ``attribution``: the dict of ``attribute``
+    more steps run under the profiler after the timed ones,
+    :func:`torchrec_sparselift.measure.attribution.attribute_steps`, or None when 0).
+    ``steps`` / ``warmup`` default to the harness's (``measure.probe.DEFAULT_TIMING``).
 
     ``normalize``: a shared machine's speed drifts within one calibration (measured: 1.8x between
     two workloads a minute apart), which no profile can fit. The reference plan
@@ -296,13 +128,13 @@ def measure_probes(
     import torch
     import torch.distributed as dist
 
-    from torchrec_sparselift.runtime import probe
+    from torchrec_sparselift.measure import probe
 
     workloads = list(workloads or probe.PROBE_WORKLOADS)
     kinds = list(kinds or probe.PLAN_KINDS)
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
     device = torch.device(device_type)
-    topo = _topology(W, device_type)
+    topo = probe_topology(W, device_type)
     ref = ReferencePlan(pg, base, next((w for w in workloads if w.name == REFERENCE_PLAN[0]), workloads[0]),
                         device_type)
     bar = None
@@ -347,7 +179,8 @@ def measure_probes(
     out = []
     for i, (wn, kind, plan, cons, sec, att) in raw:
         d = drifts[i] if normalize else 1.0
-        out.append((wn, kind, plan, cons, sec / d, att, d))
+        out.append(ProbeMeasurement(workload=wn, kind=kind, plan=plan, constraints=cons, measured_s=sec / d,
+                                    attribution=att, drift=d))
     if normalize and rank == 0 and progress:
         print("[calibrate] machine speed drift per workload (reference plan "
               f"{ref.workload.name}/{REFERENCE_PLAN[1]}, 1.00 = the calibration's median): "
@@ -357,24 +190,11 @@ def measure_probes(
         msg = (f"the machine's speed moved {spread:.2f}x between probe workloads during this calibration "
                f"(reference plan; more than {MAX_DRIFT_SPREAD:.2f}x): the drift normalization assumes it is "
                "steady within a workload, so this profile may price plans wrongly; calibrate again on a "
-               "quieter machine (python -m torchrec_sparselift.step_calibration)")
+               "quieter machine (sparselift calibrate steps)")
         logger.warning(msg)
         if progress:
             print(f"[calibrate] warning: {msg}", flush=True)
     return out
-
-
-#: Largest spread (slowest / fastest) of the reference plan's drift across one calibration's probe
-#: workloads before it warns. Measured in session 5's seven calibrations: 1.02-1.26x with probe fits
-#: of 7.7-9.1%; 1.49x and 2.10x with probe fits of 14.3% and 22.8%, whose benchmark runs had held-out
-#: MAPEs of 18.0% and 24.9% (docs/benchmarks.md, "Session 5").
-MAX_DRIFT_SPREAD = 1.3
-
-
-def drift_spread(drifts: Sequence[float]) -> float:
-    """``max / min`` of per-workload drifts (:func:`reference_drifts`); 1.0 for fewer than two."""
-    ds = [float(d) for d in drifts if d > 0]
-    return max(ds) / min(ds) if len(ds) > 1 else 1.0
 
 
 #: The plan measured before and after each probe workload to normalize the machine's drift
@@ -394,21 +214,21 @@ class ReferencePlan:
                  device_type: str = "cpu") -> None:
         import torch.distributed as dist
 
-        from torchrec_sparselift.runtime import probe
+        from torchrec_sparselift.measure import probe
 
         self.workload = workload or next(w for w in probe.PROBE_WORKLOADS if w.name == REFERENCE_PLAN[0])
         w = self.workload
         self.pg, self.device_type = pg, device_type
         self.plan, _cons = forced_plan(probe.probe_model(w), w.tables, REFERENCE_PLAN[1],
-                                       _topology(dist.get_world_size(pg), device_type), w.batch_size, pg, profile)
+                                       probe_topology(dist.get_world_size(pg), device_type), w.batch_size, pg, profile)
         self.batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=dist.get_rank(pg))
 
     def measure(self, steps: Optional[int] = None, warmup: Optional[int] = None) -> Any:
-        """One :func:`~torchrec_sparselift.runtime.probe.measure_plan` run of the plan
+        """One :func:`~torchrec_sparselift.measure.probe.measure_plan` run of the plan
         (``steps`` / ``warmup``: the harness's defaults when None)."""
         import torch
 
-        from torchrec_sparselift.runtime import probe
+        from torchrec_sparselift.measure import probe
 
         torch.manual_seed(0)
         w = self.workload
@@ -428,28 +248,13 @@ def reference_drifts(refs: Sequence[float]) -> List[float]:
     return [float(np.sqrt(a * b)) / mid for a, b in zip(refs[:-1], refs[1:])]
 
 
-def group_cases(label: str, measured_s: float, attribution: Any, pricer: "PlanPricer") -> List[Tuple[Any, ...]]:
-    """``fit_profile`` cases of one attributed plan: per fit group
-    (:data:`~torchrec_sparselift.runtime.attribution.FIT_GROUPS`) its measured seconds (the
-    attribution scaled to the unprofiled ``measured_s``) against the model's, weighted so that its
-    residual counts relative to the whole step, as a step case's does."""
-    from torchrec_sparselift.runtime.attribution import StepAttribution, measured_groups
-
-    att = attribution if isinstance(attribution, StepAttribution) else StepAttribution.from_dict(attribution)
-    out = []
-    for g, sec in measured_groups(att, measured_s).items():
-        if sec >= MIN_GROUP_SHARE * measured_s:
-            out.append((f"{label}:{g}", sec, pricer.group(g), g, GROUP_WEIGHT * (sec / measured_s) ** 2))
-    return out
-
-
-def host_terms(pg: Any = None) -> Any:
-    """:func:`~torchrec_sparselift.cost.microbench.bench_host_terms` on every rank of ``pg`` at once,
+def host_terms(pg: Any = None) -> HostTermRecord:
+    """:func:`~torchrec_sparselift.measure.microbench.bench_host_terms` on every rank of ``pg`` at once,
     each pinned to its core as in the probes; the ranks' mean (every rank returns the same)."""
     import torch
 
-    from torchrec_sparselift.cost.microbench import HostTermRecord, bench_a2a_byte_s, bench_host_terms
-    from torchrec_sparselift.runtime import probe
+    from torchrec_sparselift.measure import probe
+    from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_terms
 
     old = probe.pin_rank_to_core(pg)
     try:
@@ -469,62 +274,24 @@ def host_terms(pg: Any = None) -> Any:
     return HostTermRecord(a2a_byte_s=a2a, **{n: float(v) for n, v in zip(names, t)})
 
 
-#: Step-fit terms a calibration with host microbenchmarks takes as measured instead of fitting.
-HOST_FIXED_TERMS = ("bucketize_id_s",)
+def probe_pricers(measurements: Sequence[ProbeMeasurement], world_size: int = 2,
+                  device_type: str = "cpu") -> List[PlanPricer]:
+    """A :class:`~torchrec_sparselift.calibration.pricer.PlanPricer` per measured probe plan: its
+    probe model and the statistics of the batches it trained on."""
+    from torchrec_sparselift.measure import probe
 
-
-def host_fit_setup(base: HardwareProfile, host: Optional[Any]
-                   ) -> Tuple[HardwareProfile, Tuple[Any, ...], Dict[str, float]]:
-    """``(base, terms, floors)`` of a step fit given host microbenchmarks (None: the base, all of
-    ``CPU_STEP_TERMS``, no floors). With them, ``bucketize_id_s`` is the measured value and not
-    fitted (whole steps cannot tell it from per-feature row-wise work: fitted, it came out 20-40x
-    the measured kernel cost and over-priced row-wise plans with many ids), and the data-parallel
-    optimizer's per-table (``dp_table_overhead_s``) and per-byte (``1/dense_update_bw``, the model's
-    dense update moves 3x the replica's bytes) terms are fitted above what ``Adagrad.step`` alone
-    costs (DDP's per-parameter work and cold caches come on top), ``1/a2a_bw`` above the bare
-    all-to-all's per-byte cost (measured across ranks; 0 when not), and the dense activation and
-    interaction rates above their cost measured alone (``microbench.bench_dense_terms``), the dense
-    layers' FLOP rate above an MLP's alone (``microbench.bench_dense_flops``), and the fused
-    backward's per-distinct-row cost above fbgemm's alone (``microbench.bench_tbe_backward``)."""
-    if host is None:
-        return base, tuple(CPU_STEP_TERMS), {}
-    if isinstance(host, Mapping):
-        from torchrec_sparselift.cost.microbench import HostTermRecord
-
-        host = HostTermRecord(**host)
-    base = attrs.evolve(base, bucketize_id_s=float(host.bucketize_id_s))
-    terms = tuple(t for t in CPU_STEP_TERMS if t.name not in HOST_FIXED_TERMS)
-    floors = {"dp_table_overhead_s": float(host.optimizer_tensor_s),
-              "1/dense_update_bw": float(host.optimizer_byte_s) / 3.0}
-    if getattr(host, "a2a_byte_s", 0.0) > 0:
-        # a step's all-to-all cannot move a byte faster than the bare collective. Fitted from whole
-        # steps it comes out ~3-5x that: it also holds byte-correlated work around the collective.
-        # Fixing it at the bare cost made the planner keep kaggle/dcnv2 table-wise but priced every
-        # plan 6-18% low (docs/calibration.md), so it is a floor, not the value.
-        floors["1/a2a_bw"] = float(host.a2a_byte_s)
-    # the dense part's parameter-free work measured alone (forward + backward = 3x the forward the
-    # rates price): the probes cannot tell activation bytes from FLOPs (their ratio is within
-    # 0.06-0.12 B/FLOP on all four probe models), fitted freely the byte rate went to 0 or infinity
-    for term, value in (("1/dense_mem_bw", getattr(host, "dense_act_byte_s", 0.0)),
-                        ("1/interaction_flops", getattr(host, "interaction_flop_s", 0.0))):
-        if value > 0:
-            floors[term] = float(value) / 3.0
-    # the dense layers' products cannot run faster than a near-square MLP's measured alone (fitted
-    # freely the FLOP rate went to 1e18, i.e. free, where the probes' FLOPs moved with their
-    # activation bytes; the DCN example's 1.4 GFLOP per step, forward + backward, then cost nothing)
-    if getattr(host, "dense_flop_s", 0.0) > 0:
-        floors["1/dense_flops"] = float(host.dense_flop_s)
-    # a fused TBE backward updates each distinct row once (fbgemm's CPU kernel, measured alone:
-    # ~0.6 us per row, ~0 per id): a step cannot update a row faster
-    if getattr(host, "tbe_row_s", 0.0) > 0:
-        floors["bwd_row_s"] = float(host.tbe_row_s)
-    # a reduce-scatter byte costs no less than an all-to-all byte (gloo alone: ~4.5x, its all-gather ~2x)
-    floors["reduce_scatter_factor"] = 1.0
-    return base, terms, floors
+    by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
+    topo = probe_topology(world_size, device_type)
+    out = []
+    for m in measurements:
+        w = by_name[m.workload]
+        out.append(PlanPricer(probe.probe_model(w), m.plan, topo, w.batch_size, m.constraints,
+                              stats=probe.probe_stats(w, n=PROBE_BATCHES)))
+    return out
 
 
 def fit_measurements(
-    measurements: Sequence[Tuple[Any, ...]],
+    measurements: Sequence[Any],
     base: HardwareProfile,
     world_size: int = 2,
     device_type: str = "cpu",
@@ -534,58 +301,31 @@ def fit_measurements(
     host: Optional[Any] = None,
     exclude: Sequence[str] = (),
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
-    """Fit ``base``'s step terms to :func:`measure_probes` output (pure given the plans): the
-    fitted profile, the fit, per-plan before/after predictions, and the linearized records.
+    """:func:`~torchrec_sparselift.calibration.step_fit.fit_probe_plans` of measured probe plans
+    (:class:`~torchrec_sparselift.calibration.records.ProbeMeasurement`, or a saved set's items),
+    each priced on its probe model (:func:`probe_pricers`)."""
+    ms = [m if isinstance(m, ProbeMeasurement) else ProbeMeasurement.from_saved(m) for m in measurements]
+    return fit_probe_plans(ms, probe_pricers(ms, world_size, device_type), base, name=name,
+                           prior_weight=prior_weight, attributed=attributed, host=host, exclude=exclude)
 
-    Each plan is a step case; a plan measured with an attribution also gives one case per fit
-    group (:func:`group_cases`), so each term is fitted to the work it prices. ``attributed=False``
-    fits the step times alone.
 
-    ``host``: a :class:`~torchrec_sparselift.cost.microbench.HostTermRecord` measured on this
-    machine (:func:`host_terms`): the row-wise bucketize cost per id is taken from it (not fitted),
-    and the data-parallel tables' optimizer terms are fitted above its per-tensor and per-byte
-    costs (:func:`host_fit_setup`).
+def save_measurements(path: str, measurements: Sequence[ProbeMeasurement], host: Optional[HostTermRecord],
+                      host_runs: Sequence[HostTermRecord] = ()) -> None:
+    """Pickle a measured set (plain dicts and the TorchRec plans) for ``--from-measurements``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        pickle.dump({"measurements": [m.to_dict() for m in measurements],
+                     "host_terms": host.to_dict() if host is not None else None,
+                     "host_term_runs": [h.to_dict() for h in host_runs]}, f)
 
-    ``exclude``: step terms left out of the model (an ablation: their profile fields at
-    ``HardwareProfile``'s defaults, not fitted), e.g. ``("bwd_row_s",)`` prices the fused backward
-    per id only, as the model did before it counted distinct rows."""
-    from torchrec_sparselift.runtime import probe
 
-    base, terms, floors = host_fit_setup(base, host)
-    excluded = set(exclude)
-    if excluded:
-        unknown = sorted(excluded - {t.name for t in CPU_STEP_TERMS})
-        if unknown:
-            raise ValueError(f"exclude={unknown}: not step-fit terms; choose from {[t.name for t in CPU_STEP_TERMS]}")
-        defaults = {f.name: f.default for f in attrs.fields(HardwareProfile)}
-        base = attrs.evolve(base, **{fld: defaults[fld] for t in terms if t.name in excluded for fld in t.fields})
-        terms = tuple(t for t in terms if t.name not in excluded)
-        floors = {k: v for k, v in floors.items() if k not in excluded}
-
-    by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
-    topo = _topology(world_size, device_type)
-    cases, extra, meta = [], [], []
-    for m in measurements:
-        wn, kind, plan, cons, measured = m[:5]
-        w = by_name[wn]
-        pricer = PlanPricer(probe.probe_model(w), plan, topo, w.batch_size, cons, stats=probe.probe_stats(w, n=PROBE_BATCHES))
-        cases.append((f"{wn}/{kind}", measured, pricer))
-        if attributed and len(m) > 5 and m[5] is not None:
-            extra += group_cases(f"{wn}/{kind}", measured, m[5], pricer)
-        meta.append((wn, kind))
-    fitted, fit = fit_profile(cases + extra, base, terms, name=name, prior_weight=prior_weight, floors=floors)
-    fit_records = []
-    for label, measured, pricer in cases:
-        _b, q, fixed = linearize(pricer, fitted, terms)
-        fit_records.append(FitRecord(label=label, quantities=q, fixed_s=fixed, measured_s=measured))
-    for label, measured, predict, kind, weight in extra:
-        _b, q, fixed = linearize(predict, fitted, terms)
-        fit_records.append(FitRecord(label=label, quantities=q, fixed_s=fixed, measured_s=measured, kind=kind,
-                                     weight=weight))
-    recs = [ProbeRecord(workload=wn, plan=k, measured_s=meas, predicted_before_s=pr(base),
-                        predicted_after_s=pr(fitted))
-            for (wn, k), (_l, meas, pr) in zip(meta, cases)]
-    return fitted, fit, recs, fit_records
+def load_measurements(path: str) -> Tuple[List[ProbeMeasurement], Optional[Dict[str, float]]]:
+    """``(measurements, host terms dict or None)`` of a set :func:`save_measurements` wrote (or an
+    older one: a bare list, or positional tuples)."""
+    with open(path, "rb") as f:
+        saved = pickle.load(f)
+    items, host = (saved["measurements"], saved.get("host_terms")) if isinstance(saved, dict) else (saved, None)
+    return [ProbeMeasurement.from_saved(m) for m in items], host
 
 
 def calibrate_steps(
@@ -599,18 +339,15 @@ def calibrate_steps(
     progress: bool = True,
     name: str = "step-fit",
     store: Optional[ProfileStore] = None,
-    save_measurements: Optional[str] = None,
+    save_to: Optional[str] = None,
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """:func:`host_terms`, :func:`measure_probes`, :func:`host_terms` again, then
     :func:`fit_measurements` with each host term's mean reading (every rank returns the same).
-    ``save_measurements``: rank 0 also pickles the probe measurements and host terms there
-    (``--from-measurements`` reads them). ``store``: rank 0 stores the fitted profile under
-    this machine's fingerprint with the fit's records (:func:`stored_info`)."""
-    import pickle
-
+    ``save_to``: rank 0 also saves the probe measurements and host terms there
+    (:func:`save_measurements`; ``--from-measurements`` reads them). ``store``: rank 0 stores the
+    fitted profile under this machine's fingerprint with the fit's records
+    (:func:`~torchrec_sparselift.calibration.step_fit.stored_info`)."""
     import torch.distributed as dist
-
-    from torchrec_sparselift.cost.microbench import HostTermRecord
 
     base = base or base_profile(device_type)
     t0 = time.perf_counter()
@@ -622,141 +359,103 @@ def calibrate_steps(
     host_runs.append(host_terms(pg))
     host = HostTermRecord.mean_of(host_runs)
     rank = dist.get_rank(pg)
-    if rank == 0 and save_measurements:
-        os.makedirs(os.path.dirname(os.path.abspath(save_measurements)), exist_ok=True)
-        with open(save_measurements, "wb") as f:
-            pickle.dump({"measurements": ms, "host_terms": host.to_dict(),
-                         "host_term_runs": [h.to_dict() for h in host_runs]}, f)
+    if rank == 0 and save_to:
+        save_measurements(save_to, ms, host, host_runs)
     fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
                                                       host=host)
     if rank == 0 and store is not None:
         fp = current_fingerprint(device_type, int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(pg))))
-        drifts = {m[0]: m[6] for m in ms if len(m) > 6}
-        info = stored_info(base, fit, recs, fit_records, fp, host=host.to_dict(),
+        drifts = {m.workload: m.drift for m in ms}
+        info = stored_info(base, fit, recs, fit_records, fp.describe(), host=host.to_dict(),
+                           drift_spread=round(drift_spread(list(drifts.values())), 3),
                            host_term_runs=[h.to_dict() for h in host_runs],
-                           wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup,
-                           drift_spread=round(drift_spread(list(drifts.values())), 3))
+                           wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup)
         store.save(fitted, fp, info)
     return fitted, fit, recs, fit_records
 
 
-def stored_info(base: HardwareProfile, fit: StepFit, recs: Sequence[ProbeRecord], fit_records: Sequence[FitRecord],
-                fp: MachineFingerprint, host: Optional[Mapping[str, float]] = None, **extra: Any) -> Dict[str, Any]:
-    """The ``info`` a step-fitted profile is stored with: the fit, its records (what guard feedback
-    refits), the host terms, the errors before and after, when and for which machine."""
-    info = dict(created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), base=base.name, fit=fit.to_dict(),
-                model_version=STEP_MODEL_VERSION,
-                mape_before=_mape(recs, "predicted_before_s"), mape_after=_mape(recs, "predicted_after_s"),
-                records=[attrs.asdict(r) for r in recs], fingerprint=fp.describe(),
-                fit_records=[_record_dict(r) for r in fit_records], **extra)
-    if host is not None:
-        info["host_terms"] = dict(host)
-    return info
+# -- the commands ---------------------------------------------------------------------------------
 
 
-def add_feedback(records: Sequence[FitRecord], profile: HardwareProfile, topology: Any,
-                 store: Optional[ProfileStore] = None, prior_weight: float = 1e-2) -> Optional[str]:
-    """Add measured-guard trials (FitRecords) to this machine's stored step-fit records and refit
-    its profile; returns the store path, or None when this machine has no stored profile of its
-    own (feedback never edits another machine's profile)."""
-    store = store or ProfileStore()
-    fp = current_fingerprint(topology.compute_device, int(topology.local_world_size))
-    found, diff = store.lookup(fp)
-    version = fitted_model_version(found.info) if found is not None else None
-    if found is None or diff or (version is not None and version != STEP_MODEL_VERSION):
-        # another machine's profile, or records linearized under another model structure: never mixed
-        return None
-    old = [FitRecord(**r) for r in found.info.get("fit_records", [])]
-    _base, terms, floors = host_fit_setup(found.profile, found.info.get("host_terms"))
-    fitted_names = {t.name for t in terms}
-    kept = {t.name: term_value(found.profile, t) for t in CPU_STEP_TERMS if t.name not in fitted_names}
-    # a term the calibration measured instead of fitting (host terms) is part of the fixed time
-    allrecs = [attrs.evolve(r, fixed_s=r.fixed_s + sum(r.quantities.get(n, 0.0) * v for n, v in kept.items()),
-                            quantities={n: q for n, q in r.quantities.items() if n not in kept})
-               for r in old + list(records)]
-    prior = {t.name: term_value(found.profile, t) for t in terms}
-    fit = fit_terms(allrecs, prior, prior_weight, floors)
-    refit = with_terms(found.profile, fit.values, terms)
-    info = dict(found.info)
-    info["fit_records"] = [_record_dict(r) for r in allrecs]
-    info["feedback_records"] = int(info.get("feedback_records", 0)) + len(records)
-    info["feedback_fit_mape"] = fit.mape
-    return store.save(refit, fp, info)
+def _local_ranks() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("NPROC", "1")))
 
 
-def _record_dict(r: FitRecord) -> Dict[str, Any]:
-    return dict(label=r.label, quantities=dict(r.quantities), fixed_s=r.fixed_s, measured_s=r.measured_s,
-                kind=r.kind, weight=r.weight)
-
-
-def _mape(recs: Sequence[ProbeRecord], attr: str) -> float:
-    """MAPE of the records' ``attr`` prediction (cost/report.mape)."""
-    return mape([getattr(r, attr) for r in recs], [r.measured_s for r in recs])
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="fit the hardware profile from real training steps (run under torchrun)")
+def add_steps_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``sparselift calibrate steps``."""
     p.add_argument("--quick", action="store_true", help="two probe models, fewer steps (smoke test)")
     p.add_argument("--steps", type=int, help="timed steps per probe plan (default: the harness's, "
-                   "runtime.probe.DEFAULT_TIMING; quick 5)")
+                   "measure.probe.DEFAULT_TIMING; quick 5)")
     p.add_argument("--warmup", type=int, help="untimed steps per probe plan (default: the harness's, "
-                   "runtime.probe.DEFAULT_TIMING)")
+                   "measure.probe.DEFAULT_TIMING)")
+    add_store_argument(p)
+    p.add_argument("--out", help="also write the profile JSON here")
+    p.add_argument("--base", help="profile to start from (default: the shipped CPU profile)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--save-measurements", metavar="PATH", help="also save the probe plans and their measured "
+                   "times here (refit later with --from-measurements)")
+    p.add_argument("--from-measurements", metavar="PATH", help="refit from saved measurements (one process, "
+                   "no torchrun, no measuring) and store the profile")
+
+
+def add_store_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", help="profile store directory (default: $TORCHREC_SPARSELIFT_PROFILE_DIR or "
                    "~/.cache/torchrec_sparselift/profiles)")
-    p.add_argument("--out", help="also write the profile JSON here")
-    p.add_argument("--base", help="profile to start from (default: the committed CPU profile / preset)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--save-measurements", metavar="PATH", help="also pickle the probe plans and their measured "
-                   "times here (refit later with --from-measurements)")
-    p.add_argument("--from-measurements", metavar="PATH", help="refit from saved measurements (no torchrun, no "
-                   "measuring) and store the profile")
-    p.add_argument("--check", action="store_true", help="exit 0 if this machine has a stored profile fitted "
-                   "with the current cost model's terms on a steady machine, else 1 (no torch, no measuring)")
-    args = p.parse_args(argv)
-    store = ProfileStore(args.store)
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("NPROC", "1")))
-    if args.check:
-        found, diff = store.lookup(current_fingerprint("cpu", ranks))
-        if found is None or diff:
-            why = ["no calibrated profile for this machine yet"]
-        else:
-            why = [f"the stored profile {found.path} {p}" for p in stored_profile_problems(found.info)]
-        for line in why:
-            print(f"[calibrate] {line}", flush=True)
-        return 1 if why else 0
-    if args.from_measurements:
-        import pickle
 
-        warnings.filterwarnings("ignore")
-        with open(args.from_measurements, "rb") as f:
-            saved = pickle.load(f)
-        # {"measurements": [...], "host_terms": {...}}; a bare list from before host terms
-        ms, host = (saved["measurements"], saved.get("host_terms")) if isinstance(saved, dict) else (saved, None)
-        fp = current_fingerprint("cpu", ranks if ranks > 1 else 2)
-        base = get_profile(args.base) if args.base else base_profile("cpu")
-        fitted, fit, recs, fit_records = fit_measurements(
-            ms, base, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", host=host)
-        info = stored_info(base, fit, recs, fit_records, fp, host=host, refit_from=args.from_measurements)
-        path = store.save(fitted, fp, info)
-        if args.out:
-            fitted.save(args.out)
-        print(f"[calibrate] refit {len(recs)} probe plans: fit error (MAPE) {info['mape_after'] * 100:.1f}% "
-              f"(base profile {info['mape_before'] * 100:.0f}%); stored in {path}")
-        return 0
+
+def run_check(args: argparse.Namespace) -> int:
+    """``sparselift calibrate check``: 0 if this machine has a stored profile fitted with the
+    current cost model's terms on a steady machine, else 1 with the reasons (no torch, no measuring)."""
+    store = ProfileStore(args.store)
+    found, diff = store.lookup(current_fingerprint("cpu", _local_ranks()))
+    if found is None or diff:
+        why = ["no calibrated profile for this machine yet"]
+    else:
+        why = [f"the stored profile {found.path} {p}" for p in stored_profile_problems(found.step_fit)]
+    for line in why:
+        print(f"[calibrate] {line}", flush=True)
+    return 1 if why else 0
+
+
+def _refit(args: argparse.Namespace, store: ProfileStore) -> int:
+    warnings.filterwarnings("ignore")
+    ms, host = load_measurements(args.from_measurements)
+    ranks = _local_ranks()
+    fp = current_fingerprint("cpu", ranks if ranks > 1 else 2)
+    base = get_profile(args.base) if args.base else base_profile("cpu")
+    fitted, fit, recs, fit_records = fit_measurements(
+        ms, base, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", host=host)
+    info = stored_info(base, fit, recs, fit_records, fp.describe(), host=host, refit_from=args.from_measurements)
+    path = store.save(fitted, fp, info)
+    if args.out:
+        fitted.save(args.out)
+    print(f"[calibrate] refit {len(recs)} probe plans: fit error (MAPE) {info.extra['mape_after'] * 100:.1f}% "
+          f"(base profile {info.extra['mape_before'] * 100:.0f}%); stored in {path}")
+    return 0
+
+
+def run_steps(args: argparse.Namespace) -> int:
+    """``sparselift calibrate steps``: measure the probe plans under torchrun and store the fitted
+    profile (or refit a saved set with ``--from-measurements``)."""
+    store = ProfileStore(args.store)
+    if args.from_measurements:
+        return _refit(args, store)
     import torch
     import torch.distributed as dist
 
+    if "RANK" not in os.environ:
+        print("sparselift calibrate steps: error: run under torchrun (2 ranks: "
+              f"{calibrate_command(2)}), or refit saved measurements with --from-measurements PATH",
+              file=sys.stderr)
+        return 2
     logging.getLogger().setLevel(logging.ERROR)
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    if "RANK" not in os.environ:
-        raise SystemExit("run under torchrun (2 ranks: torchrun --standalone --nproc_per_node 2 -m "
-                         "torchrec_sparselift.step_calibration)")
     dist.init_process_group(backend="gloo")
     try:
-        from torchrec_sparselift.runtime import probe
+        from torchrec_sparselift.measure import probe
 
         rank, W = dist.get_rank(), dist.get_world_size()
         device = "cpu"
@@ -769,23 +468,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fitted, fit, recs, _fit_records = calibrate_steps(
             dist.group.WORLD, device, base, workloads, steps=steps, warmup=warmup, progress=not args.no_progress,
             name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", store=store,
-            save_measurements=args.save_measurements)
+            save_to=args.save_measurements)
         wall = time.perf_counter() - t0
         if rank == 0:
             path = store.path_for(fp)
             if args.out:
                 fitted.save(args.out)
             print(f"[calibrate] {len(recs)} probe plans in {wall:.0f} s: fit error (MAPE) "
-                  f"{_mape(recs, 'predicted_after_s') * 100:.1f}% (base profile "
-                  f"{_mape(recs, 'predicted_before_s') * 100:.0f}%); profile for {fp.describe()} stored in {path}",
+                  f"{records_mape(recs, 'predicted_after_s') * 100:.1f}% (base profile "
+                  f"{records_mape(recs, 'predicted_before_s') * 100:.0f}%); profile for {fp.describe()} stored in {path}",
                   flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
