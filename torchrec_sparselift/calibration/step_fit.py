@@ -41,7 +41,6 @@ import numpy as np
 from torchrec_sparselift.calibration.nnls import nonnegative_least_squares
 from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
 from torchrec_sparselift.cost.hardware import HardwareProfile
-from torchrec_sparselift.cost.report import mape
 
 __all__ = [
     "FitTerm",
@@ -433,6 +432,8 @@ def record_dict(r: FitRecord) -> Dict[str, Any]:
 
 def records_mape(recs: Sequence[ProbeRecord], attr: str) -> float:
     """MAPE of the probe records' ``attr`` prediction (``predicted_before_s`` or ``predicted_after_s``)."""
+    from torchrec_sparselift.cost.report import mape  # the cost model's report (torchrec): only when asked
+
     return mape([getattr(r, attr) for r in recs], [r.measured_s for r in recs])
 
 

@@ -56,8 +56,8 @@ __all__ = [
     "probe_pricers",
     "fit_measurements",
     "calibrate_steps",
-    "save_measurements",
-    "load_measurements",
+    "save_measurement_set",
+    "load_measurement_set",
     "add_steps_arguments",
     "run_steps",
     "run_check",
@@ -309,7 +309,7 @@ def fit_measurements(
                            prior_weight=prior_weight, attributed=attributed, host=host, exclude=exclude)
 
 
-def save_measurements(path: str, measurements: Sequence[ProbeMeasurement], host: Optional[HostTermRecord],
+def save_measurement_set(path: str, measurements: Sequence[ProbeMeasurement], host: Optional[HostTermRecord],
                       host_runs: Sequence[HostTermRecord] = ()) -> None:
     """Pickle a measured set (plain dicts and the TorchRec plans) for ``--from-measurements``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -319,8 +319,8 @@ def save_measurements(path: str, measurements: Sequence[ProbeMeasurement], host:
                      "host_term_runs": [h.to_dict() for h in host_runs]}, f)
 
 
-def load_measurements(path: str) -> Tuple[List[ProbeMeasurement], Optional[Dict[str, float]]]:
-    """``(measurements, host terms dict or None)`` of a set :func:`save_measurements` wrote (or an
+def load_measurement_set(path: str) -> Tuple[List[ProbeMeasurement], Optional[Dict[str, float]]]:
+    """``(measurements, host terms dict or None)`` of a set :func:`save_measurement_set` wrote (or an
     older one: a bare list, or positional tuples)."""
     with open(path, "rb") as f:
         saved = pickle.load(f)
@@ -339,12 +339,12 @@ def calibrate_steps(
     progress: bool = True,
     name: str = "step-fit",
     store: Optional[ProfileStore] = None,
-    save_to: Optional[str] = None,
+    save_measurements: Optional[str] = None,
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """:func:`host_terms`, :func:`measure_probes`, :func:`host_terms` again, then
     :func:`fit_measurements` with each host term's mean reading (every rank returns the same).
-    ``save_to``: rank 0 also saves the probe measurements and host terms there
-    (:func:`save_measurements`; ``--from-measurements`` reads them). ``store``: rank 0 stores the
+    ``save_measurements``: rank 0 also saves the probe measurements and host terms there
+    (:func:`save_measurement_set`; ``--from-measurements`` reads them). ``store``: rank 0 stores the
     fitted profile under this machine's fingerprint with the fit's records
     (:func:`~torchrec_sparselift.calibration.step_fit.stored_info`)."""
     import torch.distributed as dist
@@ -359,8 +359,8 @@ def calibrate_steps(
     host_runs.append(host_terms(pg))
     host = HostTermRecord.mean_of(host_runs)
     rank = dist.get_rank(pg)
-    if rank == 0 and save_to:
-        save_measurements(save_to, ms, host, host_runs)
+    if rank == 0 and save_measurements:
+        save_measurement_set(save_measurements, ms, host, host_runs)
     fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
                                                       host=host)
     if rank == 0 and store is not None:
@@ -419,7 +419,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 def _refit(args: argparse.Namespace, store: ProfileStore) -> int:
     warnings.filterwarnings("ignore")
-    ms, host = load_measurements(args.from_measurements)
+    ms, host = load_measurement_set(args.from_measurements)
     ranks = _local_ranks()
     fp = current_fingerprint("cpu", ranks if ranks > 1 else 2)
     base = get_profile(args.base) if args.base else base_profile("cpu")
@@ -468,7 +468,7 @@ def run_steps(args: argparse.Namespace) -> int:
         fitted, fit, recs, _fit_records = calibrate_steps(
             dist.group.WORLD, device, base, workloads, steps=steps, warmup=warmup, progress=not args.no_progress,
             name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", store=store,
-            save_to=args.save_measurements)
+            save_measurements=args.save_measurements)
         wall = time.perf_counter() - t0
         if rank == 0:
             path = store.path_for(fp)
