@@ -12,23 +12,29 @@ import attrs
 import pytest
 import torch
 
-from torchrec_sparselift.cost.calibrate import (
+from torchrec_sparselift.calibration.kernel_fit import (
     CalibrationError,
-    calibrate,
+    fit_kernel_profile as fit_profile,
     fit_nonnegative,
-    fit_profile,
-    main,
     predict_collective,
     predict_lookup,
 )
-from torchrec_sparselift.cost.hardware import PRESETS, HardwareProfile
-from torchrec_sparselift.cost.microbench import (
+from torchrec_sparselift.calibration.nnls import nonnegative_least_squares
+from torchrec_sparselift.calibration.records import (
     CollectiveRecord,
     DenseRecord,
     LookupRecord,
     MicrobenchRecords,
-    SweepConfig,
 )
+from torchrec_sparselift.cost.hardware import PRESETS, HardwareProfile
+from torchrec_sparselift.measure.commands import main as calibrate_main
+from torchrec_sparselift.measure.kernels import calibrate
+from torchrec_sparselift.measure.microbench import SweepConfig
+
+
+def main(argv: List[str]) -> int:
+    """``sparselift calibrate kernels ARGV``."""
+    return calibrate_main(["kernels", *argv])
 
 TRUE = attrs.evolve(
     PRESETS["cpu-gloo"],
@@ -115,6 +121,35 @@ def test_nonnegative_fit_clamps_an_intercept_the_data_pushes_below_zero() -> Non
     xs = [1e3, 1e4, 1e5, 1e6]
     coef = fit_nonnegative([[1.0, x] for x in xs], [x * 1e-9 - 2e-7 + 1e-12 * x * x * 1e-3 for x in xs])
     assert coef[0] == 0.0 and coef[1] > 0
+
+
+def test_the_one_nonnegative_least_squares_weights_rows_and_scales_columns() -> None:
+    # columns twelve orders of magnitude apart: the scaled solve recovers both coefficients
+    a = [[1.0, 1e12 * x] for x in (1.0, 2.0, 3.0, 5.0)]
+    truth = (2e-3, 4e-15)
+    b = [truth[0] + truth[1] * row[1] for row in a]
+    x = nonnegative_least_squares(a, b)
+    assert x[0] == pytest.approx(truth[0], rel=1e-9) and x[1] == pytest.approx(truth[1], rel=1e-9)
+    # a row of weight 0 is ignored; a coefficient the data push below zero is 0
+    bad = b[:-1] + [1e3]
+    assert nonnegative_least_squares(a, bad, weights=[1, 1, 1, 0])[1] == pytest.approx(truth[1], rel=1e-9)
+    assert nonnegative_least_squares([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [3.0, 2.0, 1.0])[1] == 0.0
+    # a column of zeros gets 0, not a division by zero
+    assert list(nonnegative_least_squares([[0.0, 1.0], [0.0, 2.0]], [1.0, 2.0])) == [0.0, pytest.approx(1.0)]
+    with pytest.raises(ValueError, match="finite"):
+        nonnegative_least_squares([[float("nan")]], [1.0])
+
+
+def test_calibrate_has_one_command_with_a_subcommand_per_kind(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        calibrate_main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "steps" in out and "check" in out and "kernels" in out
+    assert calibrate_main([]) == 2
+    # outside torchrun the step calibration says how to run it instead of hanging on a rendezvous
+    assert calibrate_main(["steps", "--no-progress"]) == 2
+    assert "torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps" in capsys.readouterr().err
 
 
 def test_unmeasured_fields_keep_the_base_values_and_the_report_says_so() -> None:
