@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(needs matplotlib)")
     e.add_argument("--attribution", default=None, metavar="FILE.json",
                    help="a measured attribution (examples/dlrm/train.py --attribute N, or "
-                   "runtime.attribution.save_attribution): show each sparse-path node kind's measured ms "
+                   "calibration.attribution.save_attribution): show each sparse-path node kind's measured ms "
                    "next to the model's prediction (also in the PNG)")
     _add_input_args(e, required=False)
     _add_2d_args(e.add_argument_group("2D (with an input: the planning inputs to compare against)"))
