@@ -21,7 +21,7 @@ import math
 import random
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import attrs
 import torch
