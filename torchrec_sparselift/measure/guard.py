@@ -59,6 +59,8 @@ from torchrec_sparselift.validation import int_at_least
 __all__ = ["MeasuredGuard", "GuardTrial", "GuardResult", "Candidate", "choose_measured", "guarded_execution_plan",
            "guard_cache_path", "guard_fingerprint", "ALTERNATIVES", "feedback_records"]
 
+logger = logging.getLogger(__name__)
+
 
 
 @attrs.frozen(kw_only=True)
@@ -185,8 +187,6 @@ def choose_measured(candidates: Sequence[Candidate], trial: Callable[[str, Any],
     i = min(range(len(candidates)), key=lambda k: (trials[k].measured_s, k))
     return candidates[i], GuardResult(chosen=candidates[i].label, trials=trials, settings=dict(settings or {}))
 
-
-logger = logging.getLogger(__name__)
 
 #: Alternative restrictions SparseLift plans under to propose more candidates: name -> sharding
 #: types removed (``None``: only table-wise allowed).

@@ -65,6 +65,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 def probe_topology(world_size: int, device: str):
     """A one-host TorchRec ``Topology`` of ``world_size`` ranks on ``device`` (the probes' topology)."""
     from torchrec.distributed.planner import Topology
@@ -81,8 +82,8 @@ def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, bat
     ``workload=``); collective over ``pg`` when given. Returns ``(plan, constraints)``."""
     from torchrec.distributed.sharding_plan import get_default_sharders
 
-    from torchrec_sparselift.planner import SparseLiftPlanner
     from torchrec_sparselift.measure.probe import probe_constraints
+    from torchrec_sparselift.planner import SparseLiftPlanner
 
     cons = probe_constraints(tables, kind)
     planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons,
