@@ -44,3 +44,17 @@ def test_a_built_wheel_holds_the_base_profile(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         inside = z.read(f"torchrec_sparselift/calibration/data/{BASE_CPU_PROFILE}").decode("utf-8")
     assert inside == base_profile_text()
+
+
+def test_the_planner_with_auto_hardware_and_no_stored_profile_prices_with_the_base_and_says_how_to_calibrate(
+        tmp_path, monkeypatch):
+    pytest.importorskip("torchrec")
+    from torchrec.distributed.planner import Topology
+
+    from torchrec_sparselift import SparseLiftPlanner
+
+    monkeypatch.setenv("TORCHREC_SPARSELIFT_PROFILE_DIR", str(tmp_path / "empty"))
+    with pytest.warns(UserWarning, match="torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps"):
+        planner = SparseLiftPlanner(topology=Topology(world_size=2, local_world_size=2, compute_device="cpu"),
+                                    batch_size=64, hardware="auto")
+    assert planner._hardware == base_profile("cpu")
