@@ -183,11 +183,11 @@ def test_fit_measurements_can_leave_terms_out(monkeypatch):
 
     seen = {}
 
-    def fake_fit_profile(cases, base, terms, **kw):
+    def fake_fit_step_profile(cases, base, terms, **kw):
         seen.update(base=base, terms=[t.name for t in terms], floors=kw.get("floors"))
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(sf, "fit_step_profile", fake_fit_profile)
+    monkeypatch.setattr(sf, "fit_step_profile", fake_fit_step_profile)
     host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9, tbe_row_s=0.6e-6)
     base = attrs.evolve(base_profile("cpu"), bwd_row_s=1e-6, reduce_scatter_factor=2.0)
     with pytest.raises(RuntimeError, match="stop"):
