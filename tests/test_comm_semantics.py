@@ -233,10 +233,10 @@ def _pipeline_calls(rank: int, world: int, cases: Sequence[Tuple[str, str]]) -> 
     import torch
     import torch.distributed as dist
 
-    from torchrec_sparselift.runtime import probe
+    from torchrec_sparselift.measure import probe
     from torchrec_sparselift.runtime.comm_counter import CommCounter
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
-    from torchrec_sparselift.step_calibration import _topology, forced_plan
+    from torchrec_sparselift.measure.steps import forced_plan, probe_topology as _topology
 
     w = probe.ProbeWorkload("c", probe._tables("c", [(300, 8, 1, 1.0), (200, 8, 2, 2.0), (100, 8, 1, 1.0),
                                                      (50, 8, 1, 1.0)]), dense=(16,), over=(16, 1), batch_size=16)

@@ -231,7 +231,7 @@ def dp_optimizer_s(specs, cands, ctx: CostContext) -> float:
     every backward compute node of a data-parallel shard but its embedding-rows backward, i.e. the
     dense optimizer pass over the replica and the per-table dense-gradient work. The step time has
     it inside ``backward_update``; the runtime measures it in ``optimizer.step``
-    (:mod:`torchrec_sparselift.runtime.attribution`'s ``dense_optimizer``)."""
+    (:mod:`torchrec_sparselift.calibration.attribution`'s ``dense_optimizer``)."""
     total = 0.0
     for spec, cand in zip(specs, cands):
         if cand.sharding_type != "data_parallel":

@@ -1,14 +1,14 @@
 """runtime: apply a plan. ``lift`` / ``SparseLiftModelParallel`` build DistributedModelParallel with
 the plan's comm codecs and the planned train pipeline; ``StepTimer`` measures steady-state step time
-against the prediction; ``attribute_steps`` splits real steps by sparse-path node kind and
-``CommCounter`` counts the bytes and ids a step moves. CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in
+against the prediction; ``CommCounter`` counts the bytes and ids a step moves. A step's time by
+sparse-path node kind (``StepAttribution``, saved and loaded here) is profiled by
+``torchrec_sparselift.measure.attribution.attribute_steps``. CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in
 ``runtime.two_d``.
 """
 
-from torchrec_sparselift.runtime.attribution import (
+from torchrec_sparselift.calibration.attribution import (
     RankAttribution,
     StepAttribution,
-    attribute_steps,
     load_attribution,
     save_attribution,
 )
@@ -46,7 +46,6 @@ __all__ = [
     "CommCounter",
     "RankAttribution",
     "StepAttribution",
-    "attribute_steps",
     "load_attribution",
     "save_attribution",
     "EXACT_PIPELINE_KINDS",
