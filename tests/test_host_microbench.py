@@ -22,7 +22,7 @@ def test_bench_host_terms_runs_the_real_kernels_and_gives_finite_non_negative_co
 def test_bench_host_terms_recovers_known_per_tensor_byte_and_id_costs(monkeypatch):
     """The slopes between the small and large cases, on synthetic timings of known cost: the
     per-byte and per-id costs come back; the per-tensor cost includes a small tensor's bytes."""
-    from torchrec_sparselift.cost import microbench
+    from torchrec_sparselift.measure import microbench
 
     per_tensor, per_byte, per_id = 5e-6, 0.3e-9, 2e-9
 
