@@ -513,10 +513,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         from torchrec_sparselift.cost.hardware import get_profile
         from torchrec_sparselift.calibration.store import ProfileStore, current_fingerprint
+        from torchrec_sparselift.defaults import ranks_per_host
         from torchrec_sparselift.measure.steps import ReferencePlan, calibrate_steps
 
         t_start = time.time()
-        fp = current_fingerprint("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+        fp = current_fingerprint("cpu", ranks_per_host(world_size=dist.get_world_size()))
         store = ProfileStore()
         ref_cal_s = None
         if args.profile:

@@ -231,11 +231,11 @@ class SparseLiftPlanner(ShardingPlanner):
         self._last_context: Optional[Tuple[PlanRequest, Any]] = None  # (request, reserved topology)
         self._debug = debug
         self._callbacks = list(callbacks or [])
-        self._budget = float(time_budget_s or timeout_seconds or 8.0)
+        self._budget = float(time_budget_s or timeout_seconds or defaults.TIME_BUDGET_S)
         if hardware == "auto":  # this machine's step-fitted profile (warns when it has none)
             from torchrec_sparselift.calibration.store import auto_profile
 
-            hardware, _where = auto_profile(topology.compute_device, int(topology.local_world_size))
+            hardware, _where = auto_profile(topology.compute_device, defaults.ranks_per_host(topology))
         if isinstance(hardware, str):
             hardware = get_profile(hardware)
         self._hardware: Optional[HardwareProfile] = hardware

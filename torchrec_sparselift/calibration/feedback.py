@@ -6,6 +6,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.calibration.step_fit import (
     CPU_STEP_TERMS,
     STEP_MODEL_VERSION,
@@ -41,7 +42,7 @@ def add_feedback(records: Sequence[FitRecord], profile: HardwareProfile, topolog
     own (feedback never edits another machine's profile). ``cores``: see
     :func:`~torchrec_sparselift.calibration.store.current_fingerprint`."""
     store = store or ProfileStore()
-    fp = current_fingerprint(topology.compute_device, int(topology.local_world_size), cores=cores)
+    fp = current_fingerprint(topology.compute_device, ranks_per_host(topology), cores=cores)
     found, diff = store.lookup(fp)
     if found is None or diff:
         return None  # another machine's profile: never edited

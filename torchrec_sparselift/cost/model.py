@@ -54,6 +54,7 @@ from torchrec_sparselift.cost.pipelines import (
 from torchrec_sparselift.semantics.dense import DenseWork  # re-exported: the cost layer prices it
 from torchrec_sparselift.semantics.graph import HOST_WORK_KINDS, Candidate, Node, shard_memory, shard_nodes
 from torchrec_sparselift.semantics.tables import TableSpec
+from torchrec_sparselift.vocabulary import COMM_PRECISION_BYTES, comm_precision
 
 __all__ = [
     "COMPONENTS",
@@ -92,7 +93,7 @@ DEV_MEM, HOST_MEM = _IDX["device_mem_bytes"], _IDX["host_mem_bytes"]
 K = len(COMPONENTS)
 TIME_COLUMNS = _terms.layout().time
 
-PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+PRECISION_BYTES = COMM_PRECISION_BYTES  # bytes per element on the wire (the vocabulary's registry)
 #: Collectives TorchRec's input distribution issues (``KJTAllToAll``, counted on real steps in
 #: tests/test_comm_semantics.py): one all-to-all per KJT tensor (lengths, values) per sharding group,
 #: after a splits all-to-all (per-destination counts). ``TrainPipelineSparseDist`` and its
@@ -439,8 +440,7 @@ def step_time(
 
 def describe_precisions(fwd: str, bwd: str) -> Tuple[str, str]:
     for p in (fwd, bwd):
-        if p not in PRECISION_BYTES:
-            raise ValueError(f"unknown comm precision {p!r}; choose one of {sorted(PRECISION_BYTES)}")
+        comm_precision(p)  # ValueError naming the choices
     return fwd, bwd
 
 

@@ -50,10 +50,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.calibration.feedback import feedback_records
 from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
-from torchrec_sparselift.semantics.table_file import SHARDING_TYPES
+from torchrec_sparselift.vocabulary import OPT_IN_SHARDING_TYPES, SHARDING_TYPES
 from torchrec_sparselift.validation import int_at_least
 
 __all__ = ["MeasuredGuard", "GuardTrial", "GuardResult", "Candidate", "choose_measured", "guarded_execution_plan",
@@ -197,7 +198,7 @@ ALTERNATIVES: Tuple[Tuple[str, Optional[Tuple[str, ...]]], ...] = (
 )
 #: What a table without a user restriction may use in an alternative: every sharding type the
 #: planner offers by default (semantics.tables leaves grid_shard out unless a constraint names it).
-_ALL_TYPES = tuple(t for t in SHARDING_TYPES if t != "grid_shard")
+_ALL_TYPES = tuple(t for t in SHARDING_TYPES if t not in OPT_IN_SHARDING_TYPES)
 
 
 def _restricted(constraints: Optional[Dict[str, Any]], table_names: Sequence[str],
@@ -233,7 +234,7 @@ def guard_fingerprint(planner: Any, model: Any, sharders: Sequence[Any], guard: 
     # not by the profile's rates (the guard's own feedback refits those, which must not turn the
     # next run into a cache miss).
     topo = req.topology
-    machine = current_fingerprint(topo.compute_device, int(topo.local_world_size), cores=cores)
+    machine = current_fingerprint(topo.compute_device, ranks_per_host(topo), cores=cores)
     hw = HardwareProfile(name=f"machine:{machine.digest()}", compute_device=req.hardware.compute_device,
                          local_world_size=req.hardware.local_world_size,
                          hbm_cap_bytes=req.hardware.hbm_cap_bytes, ddr_cap_bytes=req.hardware.ddr_cap_bytes)

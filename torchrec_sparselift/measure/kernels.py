@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import attrs
 import torch
 
+from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.atomic import write_json
 from torchrec_sparselift.calibration.kernel_fit import CalibrationReport, fit_kernel_profile, load_records
 from torchrec_sparselift.calibration.records import MicrobenchRecords
@@ -103,7 +104,7 @@ def calibrate(
         say("single process: collectives skipped (run under torchrun with >= 2 ranks to measure them)")
     records = MicrobenchRecords(lookups=lookups, collectives=collectives, dense=dense, copies=copies)
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if world > 1 else None
+    local = ranks_per_host(world_size=world) if world > 1 else None
     spans = world > 1 and local is not None and world > local
     hbm_cap = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
     if dev.type == "cuda":

@@ -269,11 +269,13 @@ def _rank_cores(pg: Any) -> Optional[Any]:
     ranks, a single rank (nothing to separate) or no way to pin."""
     import os
 
+    from torchrec_sparselift.defaults import ranks_per_host
+
     if not hasattr(os, "sched_getaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0))
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank(pg) if pg is not None else 0))
-    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(pg) if pg is not None else 1))
+    local_ws = ranks_per_host(world_size=dist.get_world_size(pg) if pg is not None else None)
     if local_ws < 2 or local_ws > len(cpus):
         return None
     k = len(cpus) // local_ws

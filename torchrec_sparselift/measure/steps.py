@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.calibration.pricer import PlanPricer
 from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
 from torchrec_sparselift.calibration.step_fit import FitRecord, StepFit, fit_probe_plans, records_mape, stored_info
@@ -365,7 +366,7 @@ def calibrate_steps(
     fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
                                                       host=host)
     if rank == 0 and store is not None:
-        fp = current_fingerprint(device_type, int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(pg))))
+        fp = current_fingerprint(device_type, ranks_per_host(world_size=dist.get_world_size(pg)))
         drifts = {m.workload: m.drift for m in ms}
         info = stored_info(base, fit, recs, fit_records, fp.describe(), host=host.to_dict(),
                            drift_spread=round(drift_spread(list(drifts.values())), 3),
@@ -379,7 +380,7 @@ def calibrate_steps(
 
 
 def _local_ranks() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("NPROC", "1")))
+    return ranks_per_host(world_size=int(os.environ.get("NPROC", "1")))
 
 
 def add_steps_arguments(p: argparse.ArgumentParser) -> None:
@@ -460,7 +461,7 @@ def run_steps(args: argparse.Namespace) -> int:
 
         rank, W = dist.get_rank(), dist.get_world_size()
         device = "cpu"
-        fp = current_fingerprint(device, int(os.environ.get("LOCAL_WORLD_SIZE", W)))
+        fp = current_fingerprint(device, ranks_per_host(world_size=W))
         workloads = probe.PROBE_WORKLOADS[:2] if args.quick else probe.PROBE_WORKLOADS
         steps = args.steps or (5 if args.quick else probe.DEFAULT_TIMING["steps"])
         warmup = probe.DEFAULT_TIMING["warmup"] if args.warmup is None else args.warmup
