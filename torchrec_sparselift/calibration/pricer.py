@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile
 
 __all__ = ["PlanPricer"]
@@ -21,7 +22,7 @@ class PlanPricer:
 
     def __init__(self, module: Any, plan: Any, topology: Any, batch_size: int,
                  constraints: Optional[Dict[str, Any]] = None, sharders: Optional[Sequence[Any]] = None,
-                 pipeline: str = "sparse_dist", stats: Any = None) -> None:
+                 pipeline: str = defaults.PIPELINE, stats: Any = None) -> None:
         from torchrec_sparselift.plan.evaluate import GivenPlan
 
         self.given = GivenPlan.of(module, plan, topology, batch_size, constraints, stats,

@@ -39,6 +39,7 @@ from typing import Dict, Mapping, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost import terms as _terms
 from torchrec_sparselift.cost.terms import PHASE_PRECISION
@@ -310,8 +311,8 @@ def _allreduce_s(bytes_: float, ctx: CostContext) -> float:
     return ctx.profile.collective_latency_s + 2 * (W - 1) / W * bytes_ / ctx.profile.allreduce_bw
 
 
-def rank_times(loads: np.ndarray, ctx: CostContext, fwd_precision: str = "fp32",
-               bwd_precision: str = "fp32") -> Tuple[np.ndarray, np.ndarray]:
+def rank_times(loads: np.ndarray, ctx: CostContext, fwd_precision: str = defaults.COMM_PRECISION,
+               bwd_precision: str = defaults.COMM_PRECISION) -> Tuple[np.ndarray, np.ndarray]:
     """Each rank's compute seconds and communication seconds (the compute and link phases of
     :data:`~torchrec_sparselift.cost.pipelines.PHASES` on that rank's own loads, rows of
     ``loads``; no collective latency). The per-rank report's numbers."""
@@ -343,9 +344,9 @@ def phase_table(
     allreduce_bytes: float,
     comm_groups: int,
     ctx: CostContext,
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
-    pipeline: str = "sparse_dist",
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
+    pipeline: str = defaults.PIPELINE,
 ) -> np.ndarray:
     """Seconds per phase for each row of ``colmax`` (per-column maxima over ranks, or one rank's
     loads): rows x :data:`~torchrec_sparselift.cost.pipelines.PHASE_NAMES` columns. ``pipeline``:
@@ -392,9 +393,9 @@ def phase_times(
     allreduce_bytes: float,
     comm_groups: int,
     ctx: CostContext,
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
-    pipeline: str = "sparse_dist",
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
+    pipeline: str = defaults.PIPELINE,
 ) -> Dict[str, float]:
     """Seconds per phase from the per-column maxima over ranks (one vector)."""
     row = phase_table(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes, comm_groups, ctx,
@@ -407,9 +408,9 @@ def step_time(
     allreduce_bytes: float,
     comm_groups: int,
     ctx: CostContext,
-    pipeline: str = "sparse_dist",
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
+    pipeline: str = defaults.PIPELINE,
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
 ) -> StepTime:
     """Steady-state step time under a pipeline kind's overlap rules
     (:data:`~torchrec_sparselift.cost.pipelines.PIPELINE_KINDS` says what overlaps with what).
@@ -449,9 +450,9 @@ def step_total_batch(
     allreduce_bytes: float,
     comm_groups: int,
     ctx: CostContext,
-    pipeline: str = "sparse_dist",
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
+    pipeline: str = defaults.PIPELINE,
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
 ) -> np.ndarray:
     """:func:`step_time`'s total for many column-maximum vectors at once (rows of ``colmax``):
     the pipeline's composition (:mod:`~torchrec_sparselift.cost.pipelines`) evaluated on

@@ -83,8 +83,8 @@ class GivenPlan:
         """Each table's shard cost under ``ctx``, in ``handles`` order."""
         return [shard_cost(h.spec, cand, ctx) for h, (cand, _r) in zip(self.handles, self.placed)]
 
-    def step_time(self, hardware: Any, pipeline: str = "sparse_dist", fwd_precision: str = "fp32",
-                  bwd_precision: str = "fp32") -> StepTime:
+    def step_time(self, hardware: Any, pipeline: str = defaults.PIPELINE, fwd_precision: str = defaults.COMM_PRECISION,
+                  bwd_precision: str = defaults.COMM_PRECISION) -> StepTime:
         """The plan's step time under ``hardware``: its shards placed as given in the planner's
         evaluator (no search, no bound)."""
         ctx = self.context(hardware)
