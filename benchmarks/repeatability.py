@@ -1,4 +1,4 @@
-"""How well does one plan's measured step time repeat? (the measurement harness, issue 12)
+"""How well does one plan's measured step time repeat? (the measurement harness)
 
     torchrun --standalone --nproc_per_node 2 benchmarks/repeatability.py --workload dcnv2 --plan table_wise \
         --runs 8 [--variant NAME ...] [--out runs/repeatability.json]
