@@ -81,7 +81,7 @@ PLAN_KINDS: Dict[str, Tuple[str, Dict[str, str]]] = {
                       dict(large="data_parallel", medium="data_parallel", small="data_parallel")),
     "auto": ("SparseLift's own choice", {}),
 }
-# the plans of the benchmark: the six of issue 3 plus an all-data-parallel one ("auto" repeats
+# the plans of the benchmark: six deliberately different ones plus an all-data-parallel one ("auto" repeats
 # table_wise's placement on the DLRM workload, so it only serves as a noise control)
 DEFAULT_KINDS = ("table_wise", "row_wise", "column_wise", "mixed", "imbalanced", "dp_small", "data_parallel")
 LARGE_ROWS = 10_000  # tables with at least this many rows are "large"

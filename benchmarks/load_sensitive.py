@@ -68,7 +68,7 @@ def planning_512_ranks() -> None:
 
 
 def host_microbenchmarks(trials: int) -> None:
-    from torchrec_sparselift.cost.microbench import bench_host_terms
+    from torchrec_sparselift.measure.microbench import bench_host_terms
 
     t0 = time.perf_counter()
     rec = bench_host_terms(trials=trials).to_dict()

@@ -120,7 +120,7 @@ def worker(args: argparse.Namespace) -> int:
     from train import arch_spec, build_model, shard_model
 
     from torchrec_sparselift.runtime.overlap import CommTimeline, step_windows, timeline_attribution
-    from torchrec_sparselift.runtime.probe import pin_rank_to_core
+    from torchrec_sparselift.measure.probe import pin_rank_to_core
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

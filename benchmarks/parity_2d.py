@@ -13,7 +13,7 @@ from the true logits are printed alongside):
     1d              DistributedModelParallel, tables sharded over all ranks
     2d_avg          build_2d_model_parallel, sharding groups of L (--group-size), plain averaging
     2d_ms:interval  same, MomentumScaledRowWiseAdagrad() (the default "interval" denominator)
-    2d_ms:end       same, preconditioner="end" (the one-step inversion, the rule before issue 15)
+    2d_ms:end       same, preconditioner="end" (the one-step inversion)
 
 (``--rules`` picks the 2D merges, ``--momentum β`` adds scaled runs with momentum β,
 ``--contiguous`` uses contiguous sharding groups.) ``--engine sim`` runs the same training in one

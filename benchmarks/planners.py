@@ -19,7 +19,7 @@ per-rank batch and constraints with both planners and records:
 
 TorchRec plans in a child process with a wall-clock limit (``--torchrec-timeout``) and an
 address-space limit (``--torchrec-mem-gib``): past either it is reported as
-``timeout``/``oom`` and SparseLift is still timed. Then the issue-4 targets are checked and
+``timeout``/``oom`` and SparseLift is still timed. Then the planner targets are checked and
 printed as PASS/MISS lines. Results go to ``--out`` as JSON, rewritten after every scenario.
 """
 
@@ -381,7 +381,7 @@ def compare(sc: Scenario, hardware: str = "h100", budget_s: Optional[float] = No
 
 @attrs.frozen
 class Target:
-    """One issue-4 target: PASS, MISS, or N/A (not measured in this run), with the numbers."""
+    """One planner target: PASS, MISS, or N/A (not measured in this run), with the numbers."""
 
     name: str
     verdict: str = attrs.field(validator=attrs.validators.in_(("PASS", "MISS", "N/A")))
@@ -407,7 +407,7 @@ def _find(rows: Sequence[Dict[str, Any]], workload: str, world_size: int) -> Opt
 
 
 def check_targets(rows: Sequence[Dict[str, Any]]) -> List[Target]:
-    """The issue-4 targets over the rows measured so far (N/A where a row is missing)."""
+    """The planner targets over the rows measured so far (N/A where a row is missing)."""
     out: List[Target] = []
     ok = _rows_ok(rows)
     both = [r for r in ok if r.get("ratios", {}).get("torchrec_estimator") is not None]

@@ -15,11 +15,11 @@ the step calibration measures its probes) and trains ``--warmup`` untimed and ``
 the slowest rank's median step; a plan's time is the median (``--stat min``: minimum) over rounds.
 
 Data: each rank's distinct batches (``--batches`` of them, cycled) are built before any timing
-(:func:`torchrec_sparselift.runtime.probe.prebuilt_batches`), like a DataLoader that prefetches, so
+(:func:`torchrec_sparselift.measure.probe.prebuilt_batches`), like a DataLoader that prefetches, so
 batch generation is not in the timed step.
 
 Predictions: every plan is priced by SparseLift's cost model with this machine's profile fitted from
-real steps of the *probe* workloads (:mod:`torchrec_sparselift.step_calibration`; none of the
+real steps of the *probe* workloads (:mod:`torchrec_sparselift.measure.steps`; none of the
 workloads here). Without a stored profile for this machine the benchmark calibrates first
 (``--calibrate`` forces it). The guard's choice is what the measured guard would keep among
 SparseLift's plan, its table-wise alternative and TorchRec's plan, judged on round 0 only.
@@ -52,8 +52,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from torchrec_sparselift.cost.report import mape, spearman  # noqa: E402
-from torchrec_sparselift.runtime.probe import ProbeTable, ProbeWorkload  # noqa: E402
-from torchrec_sparselift.step_calibration import REFERENCE_PLAN  # noqa: E402
+from torchrec_sparselift.measure.probe import ProbeTable, ProbeWorkload  # noqa: E402
+from torchrec_sparselift.measure.steps import REFERENCE_PLAN  # noqa: E402
 
 __all__ = ["WORKLOADS", "QUICK_WORKLOADS", "plan_kinds_for", "mape", "spearman", "geomean", "main"]
 
@@ -139,8 +139,8 @@ def _plans(w: ProbeWorkload, topo, profile, pg, say, stats=None) -> List[Tuple[s
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     from torchrec_sparselift.planner import SparseLiftPlanner
-    from torchrec_sparselift.runtime.probe import probe_constraints, probe_model
-    from torchrec_sparselift.step_calibration import forced_plan
+    from torchrec_sparselift.measure.probe import probe_constraints, probe_model
+    from torchrec_sparselift.measure.steps import forced_plan
 
     big = sorted(t.rows for t in w.tables)[-max(1, len(w.tables) // 4)]
     pooling = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
@@ -192,7 +192,7 @@ def _run_kept(w, runners, batches, pg, device, args, say) -> None:
     import torch.distributed as dist
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from torchrec_sparselift.runtime.probe import probe_model, shard_for_training
+    from torchrec_sparselift.measure.probe import probe_model, shard_for_training
 
     def feed():
         i = 0
@@ -246,8 +246,9 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
     import torch
     import torch.distributed as dist
 
-    from torchrec_sparselift.runtime.probe import measure_plan, prebuilt_batches, probe_model, probe_stats
-    from torchrec_sparselift.step_calibration import PlanPricer, _topology
+    from torchrec_sparselift.measure.probe import measure_plan, prebuilt_batches, probe_model, probe_stats
+    from torchrec_sparselift.calibration.pricer import PlanPricer
+    from torchrec_sparselift.measure.steps import probe_topology as _topology
 
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
     topo = _topology(W, "cpu")
@@ -361,16 +362,18 @@ def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
     """Re-price a finished run's plans with another profile (no torchrun): per-workload MAPE and
     Spearman, and over all plans. ``refit``: the profile is fitted again, by this code, from the
     probe measurements the run calibrated on (``<measured>.calibration.pkl``), leaving the step
-    terms in ``exclude`` out (an ablation, :func:`~torchrec_sparselift.step_calibration.fit_measurements`):
+    terms in ``exclude`` out (an ablation, :func:`~torchrec_sparselift.measure.steps.fit_measurements`):
     two code versions or models compared on the same measurements. ``host_terms``: host
-    microbenchmark values (:class:`~torchrec_sparselift.cost.microbench.HostTermRecord` fields) that
+    microbenchmark values (:class:`~torchrec_sparselift.calibration.records.HostTermRecord` fields) that
     replace the run's own in that refit, e.g. a newer microbenchmark's (a field the run did not
     measure, such as ``dense_flop_s`` before it existed, adds its floor)."""
     import pickle
 
     from torchrec_sparselift.cost.hardware import get_profile
-    from torchrec_sparselift.runtime.probe import probe_model, probe_stats
-    from torchrec_sparselift.step_calibration import PlanPricer, _topology, auto_profile, base_profile, fit_measurements
+    from torchrec_sparselift.measure.probe import probe_model, probe_stats
+    from torchrec_sparselift.calibration.pricer import PlanPricer
+    from torchrec_sparselift.calibration.store import auto_profile, base_profile
+    from torchrec_sparselift.measure.steps import fit_measurements, probe_topology as _topology
 
     with open(measured_path, encoding="utf-8") as f:
         data = json.load(f)
@@ -383,7 +386,7 @@ def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
         if host_terms:
             import attrs
 
-            from torchrec_sparselift.cost.microbench import HostTermRecord
+            from torchrec_sparselift.calibration.records import HostTermRecord
 
             known = {f.name for f in attrs.fields(HostTermRecord)}
             unknown = sorted(set(host_terms) - known)
@@ -472,7 +475,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.03, help="round-to-round spread (slowest/fastest - 1) "
                    "above which a plan gets extra rounds")
     p.add_argument("--steps", type=int, help="timed steps per plan per round (default: the harness's, "
-                   "runtime.probe.DEFAULT_TIMING)")
+                   "measure.probe.DEFAULT_TIMING)")
     p.add_argument("--warmup", type=int, help="untimed steps before each timed run (default: the harness's)")
     p.add_argument("--batches", type=int, default=8, help="distinct pre-built batches per rank (cycled)")
     p.add_argument("--keep-models", action="store_true",
@@ -483,7 +486,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--profile", help="price with this profile JSON instead of the machine's step-fitted one")
     p.add_argument("--calibrate", action="store_true", help="fit this machine's profile first even if one is stored")
     args = p.parse_args(argv)
-    from torchrec_sparselift.runtime.probe import DEFAULT_TIMING
+    from torchrec_sparselift.measure.probe import DEFAULT_TIMING
 
     args.steps = DEFAULT_TIMING["steps"] if args.steps is None else args.steps
     args.warmup = DEFAULT_TIMING["warmup"] if args.warmup is None else args.warmup
@@ -509,11 +512,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
     try:
         from torchrec_sparselift.cost.hardware import get_profile
-        from torchrec_sparselift.cost.machine import ProfileStore, current_fingerprint
-        from torchrec_sparselift.step_calibration import ReferencePlan, calibrate_steps
+        from torchrec_sparselift.calibration.store import ProfileStore, current_fingerprint
+        from torchrec_sparselift.defaults import ranks_per_host
+        from torchrec_sparselift.measure.steps import ReferencePlan, calibrate_steps
 
         t_start = time.time()
-        fp = current_fingerprint("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+        fp = current_fingerprint("cpu", ranks_per_host(world_size=dist.get_world_size()))
         store = ProfileStore()
         ref_cal_s = None
         if args.profile:

@@ -1,10 +1,10 @@
-"""How well does one plan's measured step time repeat? (the measurement harness, issue 12)
+"""How well does one plan's measured step time repeat? (the measurement harness)
 
     torchrun --standalone --nproc_per_node 2 benchmarks/repeatability.py --workload dcnv2 --plan table_wise \
         --runs 8 [--variant NAME ...] [--out runs/repeatability.json]
 
 Plans the workload once (a forced plan kind of :mod:`benchmarks.real_runs`, or ``sparselift``) and
-measures it ``--runs`` times with :func:`torchrec_sparselift.runtime.probe.measure_plan` (a fresh
+measures it ``--runs`` times with :func:`torchrec_sparselift.measure.probe.measure_plan` (a fresh
 sharded model per run, as the benchmark, the step calibration and the measured guard do), once per
 variant, interleaved (run i of every variant, then run i+1). Per variant it prints each run's time,
 the spread (max/min - 1) and the coefficient of variation over runs, and the per-step durations of
@@ -81,10 +81,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         import real_runs
 
-        from torchrec_sparselift.runtime.probe import DEFAULT_TIMING, measure_plan, prebuilt_batches, probe_model
+        from torchrec_sparselift.measure.probe import DEFAULT_TIMING, measure_plan, prebuilt_batches, probe_model
 
         w, alpha = real_runs._workloads()[args.workload]
-        from torchrec_sparselift.step_calibration import _topology, auto_profile
+        from torchrec_sparselift.calibration.store import auto_profile
+        from torchrec_sparselift.measure.steps import probe_topology as _topology
 
         profile = auto_profile("cpu", 2, warn=lambda m: None)[0]
         plans = {name: plan for name, plan, _c in real_runs._plans(w, _topology(2, "cpu"), profile, dist.group.WORLD,

@@ -1,4 +1,4 @@
-"""Search strength under TorchRec's own estimator (issue 14).
+"""Search strength under TorchRec's own estimator.
 
 Run (one command, writes JSON)::
 
@@ -16,7 +16,7 @@ rated with ``NoopPerfModel``, :func:`torchrec_sparselift.cost.torchrec_score.tor
 2. ``SparseLiftPlanner(cost_model="torchrec")``: its rating, lower bound, gap, planning time;
 3. ``SparseLiftPlanner()`` (the default SparseLift model), judged the same way.
 
-Then the issue-14 targets are printed as PASS/MISS lines. Timings on a shared machine are noisy.
+Then the search-strength targets are printed as PASS/MISS lines. Timings on a shared machine are noisy.
 """
 
 from __future__ import annotations

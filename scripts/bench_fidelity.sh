@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fidelity benchmark (issue 3 item 7): DLRM on CPU, 2 gloo ranks, six deliberately different plans;
+# Fidelity benchmark: DLRM on CPU, 2 gloo ranks, six deliberately different plans;
 # measured steady-state step time vs SparseLift's calibrated prediction and TorchRec's estimator.
 #   bash scripts/bench_fidelity.sh                 # OUT=runs/fidelity REPS=3 STEPS=60 WARMUP=15
 #   SKIP_MEASURE=1 PROFILE=profiles/cpu-2core-gloo-fidelity.json bash scripts/bench_fidelity.sh  # re-report

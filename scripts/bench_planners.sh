@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SparseLift vs TorchRec's EmbeddingShardingPlanner, side by side (issue 4 item 7).
+# SparseLift vs TorchRec's EmbeddingShardingPlanner, side by side.
 # Usage: bash scripts/bench_planners.sh [small|large|all|SCENARIOS] [extra args]
 #   small: DLRM-DCNv2 on 8/16/64/128 GPUs + Criteo Kaggle on 8 (about 5-10 minutes on 2 cores)
 #   large: production-like 200x64, 856x128, 2000x512, 2000x1024 (TorchRec capped by

@@ -36,8 +36,8 @@ if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("gpu", p.name, f"{p.total_memory / 2**30:.1f} GiB", "SMs", p.multi_processor_count)
     print("matmul allow_tf32", torch.backends.cuda.matmul.allow_tf32)
-import torchrec_sparselift.cost.calibrate as c  # must import without torchrec / fbgemm
-from torchrec_sparselift.cost.microbench import fbgemm_available
+import torchrec_sparselift.measure.kernels as k  # must import without torchrec / fbgemm
+from torchrec_sparselift.measure.microbench import fbgemm_available
 print("fbgemm_gpu importable:", fbgemm_available())
 try:
     import torchrec  # noqa: F401
@@ -50,12 +50,12 @@ SWEEP=()
 [ "${QUICK:-0}" = "1" ] && SWEEP=(--quick)
 
 echo "== calibrate ($DEVICE, base $BASE, dense_flops from bf16 matmuls)"
-"$PY" -m torchrec_sparselift.cost.calibrate ${SWEEP[@]+"${SWEEP[@]}"} --device "$DEVICE" --base "$BASE" \
+"$PY" -m torchrec_sparselift calibrate kernels ${SWEEP[@]+"${SWEEP[@]}"} --device "$DEVICE" --base "$BASE" \
   --name "$NAME" --kernel "$KERNEL" --dense-dtype bf16 --budget-s "$BUDGET_S" \
   --out "$OUT/$NAME.json" --records "$OUT/$NAME.records.json" 2>&1 | tee "$OUT/calibrate.log"
 
 echo "== refit from the same records with dense_flops from fp32 matmuls"
-"$PY" -m torchrec_sparselift.cost.calibrate --from-records "$OUT/$NAME.records.json" --base "$BASE" \
+"$PY" -m torchrec_sparselift calibrate kernels --from-records "$OUT/$NAME.records.json" --base "$BASE" \
   --name "$NAME-fp32" --dense-dtype fp32 \
   --out "$OUT/$NAME-fp32.json" --records "$OUT/$NAME-fp32.records.json" 2>&1 | tee -a "$OUT/calibrate.log"
 

@@ -25,8 +25,8 @@ CALIBRATE=1
 for a in "$@"; do
     case "$a" in --hardware|--hardware=*|torchrec|--check) CALIBRATE=0 ;; esac
 done
-if [ "$CALIBRATE" = 1 ] && ! NPROC="$NPROC" .venv/bin/python -m torchrec_sparselift.step_calibration --check; then
+if [ "$CALIBRATE" = 1 ] && ! NPROC="$NPROC" .venv/bin/python -m torchrec_sparselift calibrate check; then
     echo "[dlrm] calibrating this machine from real steps first (bounded, ~1-2 min)"
-    .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m torchrec_sparselift.step_calibration
+    .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m torchrec_sparselift calibrate steps
 fi
 exec .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" examples/dlrm/train.py "${DEFAULTS[@]}" "$@"

@@ -7,14 +7,10 @@ from typing import Any, Dict, List
 
 import pytest
 
-from torchrec_sparselift.runtime.attribution import (
+from torchrec_sparselift.calibration.attribution import (
     KINDS,
-    STEP_LABEL,
-    ProfEvent,
     RankAttribution,
     StepAttribution,
-    attribute_events,
-    classify,
     compare,
     format_attribution,
     format_comparison,
@@ -22,6 +18,7 @@ from torchrec_sparselift.runtime.attribution import (
     predicted_by_kind,
     save_attribution,
 )
+from torchrec_sparselift.measure.attribution import STEP_LABEL, ProfEvent, attribute_events, classify
 
 
 def _tree() -> List[ProfEvent]:
@@ -148,7 +145,7 @@ def _attribute_real_steps(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from torchrec_sparselift.runtime import lift
-    from torchrec_sparselift.runtime.attribution import attribute_steps
+    from torchrec_sparselift.measure.attribution import attribute_steps
 
     dim, batch = 8, 32
     tables = {"t_rw": (200, row_wise()), "t_tw": (100, table_wise(rank=1)), "t_dp": (50, data_parallel())}
@@ -241,7 +238,7 @@ def test_explain_shows_measured_next_to_predicted_per_kind_and_draws_it(tmp_path
 
 
 def test_fit_groups_partition_the_kinds_and_scale_to_the_unprofiled_step() -> None:
-    from torchrec_sparselift.runtime.attribution import FIT_GROUPS, group_kinds, measured_groups
+    from torchrec_sparselift.calibration.attribution import FIT_GROUPS, group_kinds, measured_groups
 
     listed = [k for kinds in FIT_GROUPS.values() for k in kinds]
     assert sorted(listed) == sorted(list(KINDS) + ["overlap"]) and len(listed) == len(set(listed))
@@ -261,7 +258,7 @@ def test_fit_groups_partition_the_kinds_and_scale_to_the_unprofiled_step() -> No
 def test_profiler_notices_are_dropped_and_other_stderr_passed_on(capfd) -> None:
     import os
 
-    from torchrec_sparselift.runtime.attribution import _without_profiler_notices
+    from torchrec_sparselift.measure.attribution import _without_profiler_notices
 
     with _without_profiler_notices():
         os.write(2, b"USDT:2026-12-01 14:56:07 11350:11350 SyncActivityProfilerHandler.cpp:52] profiler_start\n")

@@ -11,23 +11,29 @@ import attrs
 import pytest
 import torch
 
-from torchrec_sparselift.cost.calibrate import (
+from torchrec_sparselift.calibration.kernel_fit import (
     CalibrationError,
-    calibrate,
+    fit_kernel_profile,
     fit_nonnegative,
-    fit_profile,
-    main,
     predict_collective,
     predict_lookup,
 )
-from torchrec_sparselift.cost.hardware import PRESETS, HardwareProfile
-from torchrec_sparselift.cost.microbench import (
+from torchrec_sparselift.calibration.nnls import nonnegative_least_squares
+from torchrec_sparselift.calibration.records import (
     CollectiveRecord,
     DenseRecord,
     LookupRecord,
     MicrobenchRecords,
-    SweepConfig,
 )
+from torchrec_sparselift.cost.hardware import PRESETS, HardwareProfile
+from torchrec_sparselift.measure.commands import main as calibrate_main
+from torchrec_sparselift.measure.kernels import calibrate
+from torchrec_sparselift.measure.microbench import SweepConfig
+
+
+def main(argv: List[str]) -> int:
+    """``sparselift calibrate kernels ARGV``."""
+    return calibrate_main(["kernels", *argv])
 
 TRUE = attrs.evolve(
     PRESETS["cpu-gloo"],
@@ -79,7 +85,7 @@ def _close(a: float, b: float, rel: float) -> bool:
 
 def test_fit_recovers_every_parameter_from_noisy_model_generated_records() -> None:
     records = synthetic_records(TRUE, noise=0.03)
-    fitted, report = fit_profile(PRESETS["cpu-gloo"], records, name="fitted")
+    fitted, report = fit_kernel_profile(PRESETS["cpu-gloo"], records, name="fitted")
     assert fitted.row_granularity_bytes == 64
     assert _close(fitted.ddr_bw, TRUE.ddr_bw, 0.05) and fitted.hbm_bw == fitted.ddr_bw
     assert _close(fitted.lookup_overhead_s, TRUE.lookup_overhead_s, 0.10)
@@ -98,13 +104,13 @@ def test_robust_fit_ignores_a_few_wild_outliers() -> None:
     lookups = list(records.lookups)
     for i in (3, 20, 50):  # a neighbour's job stalls three points by 5x
         lookups[i] = attrs.evolve(lookups[i], seconds=lookups[i].seconds * 5)
-    fitted, _ = fit_profile(PRESETS["cpu-gloo"], attrs.evolve(records, lookups=lookups))
+    fitted, _ = fit_kernel_profile(PRESETS["cpu-gloo"], attrs.evolve(records, lookups=lookups))
     assert _close(fitted.ddr_bw, TRUE.ddr_bw, 0.05)
     assert _close(fitted.bwd_factor, TRUE.bwd_factor, 0.05)
 
 
 def test_fit_on_four_ranks_recovers_all_reduce_bus_bandwidth() -> None:
-    fitted, report = fit_profile(PRESETS["cpu-gloo"], synthetic_records(TRUE, noise=0.02, world=4))
+    fitted, report = fit_kernel_profile(PRESETS["cpu-gloo"], synthetic_records(TRUE, noise=0.02, world=4))
     assert report.world_size == 4
     assert _close(fitted.allreduce_bw, TRUE.allreduce_bw, 0.05)
     assert _close(fitted.intra_host_bw, TRUE.intra_host_bw, 0.05)
@@ -116,10 +122,39 @@ def test_nonnegative_fit_clamps_an_intercept_the_data_pushes_below_zero() -> Non
     assert coef[0] == 0.0 and coef[1] > 0
 
 
+def test_the_one_nonnegative_least_squares_weights_rows_and_scales_columns() -> None:
+    # columns twelve orders of magnitude apart: the scaled solve recovers both coefficients
+    a = [[1.0, 1e12 * x] for x in (1.0, 2.0, 3.0, 5.0)]
+    truth = (2e-3, 4e-15)
+    b = [truth[0] + truth[1] * row[1] for row in a]
+    x = nonnegative_least_squares(a, b)
+    assert x[0] == pytest.approx(truth[0], rel=1e-9) and x[1] == pytest.approx(truth[1], rel=1e-9)
+    # a row of weight 0 is ignored; a coefficient the data push below zero is 0
+    bad = b[:-1] + [1e3]
+    assert nonnegative_least_squares(a, bad, weights=[1, 1, 1, 0])[1] == pytest.approx(truth[1], rel=1e-9)
+    assert nonnegative_least_squares([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [3.0, 2.0, 1.0])[1] == 0.0
+    # a column of zeros gets 0, not a division by zero
+    assert list(nonnegative_least_squares([[0.0, 1.0], [0.0, 2.0]], [1.0, 2.0])) == [0.0, pytest.approx(1.0)]
+    with pytest.raises(ValueError, match="finite"):
+        nonnegative_least_squares([[float("nan")]], [1.0])
+
+
+def test_calibrate_has_one_command_with_a_subcommand_per_kind(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        calibrate_main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "steps" in out and "check" in out and "kernels" in out
+    assert calibrate_main([]) == 2
+    # outside torchrun the step calibration says how to run it instead of hanging on a rendezvous
+    assert calibrate_main(["steps", "--no-progress"]) == 2
+    assert "torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps" in capsys.readouterr().err
+
+
 def test_unmeasured_fields_keep_the_base_values_and_the_report_says_so() -> None:
     records = attrs.evolve(synthetic_records(TRUE), collectives=(), dense=())
     base = PRESETS["cpu-gloo"]
-    fitted, report = fit_profile(base, records)
+    fitted, report = fit_kernel_profile(base, records)
     assert fitted.intra_host_bw == base.intra_host_bw
     assert fitted.collective_latency_s == base.collective_latency_s
     assert fitted.dense_flops == base.dense_flops
@@ -129,7 +164,7 @@ def test_unmeasured_fields_keep_the_base_values_and_the_report_says_so() -> None
 def test_records_and_report_round_trip_through_json(tmp_path) -> None:
     records = synthetic_records(TRUE)
     assert MicrobenchRecords.from_dict(json.loads(json.dumps(records.to_dict()))) == records
-    _, report = fit_profile(PRESETS["cpu-gloo"], records)
+    _, report = fit_kernel_profile(PRESETS["cpu-gloo"], records)
     data = json.loads(json.dumps(report.to_dict()))
     assert MicrobenchRecords.from_dict(data["records"]) == records
     assert HardwareProfile.from_dict(data["profile"]) == report.profile
@@ -183,14 +218,14 @@ def test_bad_input_is_refused_with_a_message_that_says_what_to_do(tmp_path, caps
     with pytest.raises(ValueError, match="phase must be one of"):
         LookupRecord(kernel="fbgemm_tbe", device="cpu", phase="bwd", rows=10, dim=4, batch_size=1, pooling=1, seconds=1.0)
     with pytest.raises(CalibrationError, match="no lookup records"):
-        fit_profile(PRESETS["cpu-gloo"], MicrobenchRecords())
+        fit_kernel_profile(PRESETS["cpu-gloo"], MicrobenchRecords())
     one_size = [CollectiveRecord(op="all_to_all", backend="gloo", world_size=2, bytes=1024, seconds=1e-3)] * 3
     with pytest.raises(CalibrationError, match="one message size"):
-        fit_profile(PRESETS["cpu-gloo"], attrs.evolve(synthetic_records(TRUE), collectives=one_size))
+        fit_kernel_profile(PRESETS["cpu-gloo"], attrs.evolve(synthetic_records(TRUE), collectives=one_size))
     mixed = list(synthetic_records(TRUE).collectives)
     mixed[0] = attrs.evolve(mixed[0], world_size=4)
     with pytest.raises(CalibrationError, match="mix world sizes"):
-        fit_profile(PRESETS["cpu-gloo"], attrs.evolve(synthetic_records(TRUE), collectives=mixed))
+        fit_kernel_profile(PRESETS["cpu-gloo"], attrs.evolve(synthetic_records(TRUE), collectives=mixed))
     with pytest.raises(ValueError, match="not a calibration records file"):
         MicrobenchRecords.from_dict({"schema": "something/else"})
     with pytest.raises(ValueError, match="dims"):
@@ -234,6 +269,6 @@ def test_a_bandwidth_that_noise_hides_is_kept_from_the_base_with_a_note() -> Non
     flat = [CollectiveRecord(op="all_to_all", backend="gloo", world_size=2, bytes=b, seconds=t)
             for b, t in ((1 << 10, 3e-3), (1 << 16, 2e-3), (1 << 20, 1e-3))]
     base = PRESETS["cpu-gloo"]
-    fitted, report = fit_profile(base, attrs.evolve(synthetic_records(TRUE), collectives=flat))
+    fitted, report = fit_kernel_profile(base, attrs.evolve(synthetic_records(TRUE), collectives=flat))
     assert fitted.intra_host_bw == base.intra_host_bw
     assert any("all_to_all times did not grow" in n for n in report.notes)

@@ -187,8 +187,8 @@ def test_graph_quantities_equal_counted_bytes_and_ids_at_2_ranks_every_sharding_
     cases = (_cases_one_type("ebc", ALL_TYPES, ("fused", "dense"))
              + _cases_one_type("ec", ("table_wise", "row_wise", "column_wise"), ("fused",))
              + _cases_one_type("ec", ("row_wise",), ("dense",)))
-    # the data-parallel dense kernel's native abort was seen at 2 ranks too (1 of 4 full-suite runs
-    # in session 6, with the same "terminate called without an active exception"): one rerun then
+    # the data-parallel dense kernel's native abort happens at 2 ranks too ("terminate called
+    # without an active exception"): one rerun then
     per_rank = run_ranks(_count_cases, 2, cases, timeout_s=300, retry_native_abort=True)
     _assert_exact(per_rank)
     # the kernels asked for are the ones that ran
@@ -233,10 +233,10 @@ def _pipeline_calls(rank: int, world: int, cases: Sequence[Tuple[str, str]]) -> 
     import torch
     import torch.distributed as dist
 
-    from torchrec_sparselift.runtime import probe
+    from torchrec_sparselift.measure import probe
     from torchrec_sparselift.runtime.comm_counter import CommCounter
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
-    from torchrec_sparselift.step_calibration import _topology, forced_plan
+    from torchrec_sparselift.measure.steps import forced_plan, probe_topology as _topology
 
     w = probe.ProbeWorkload("c", probe._tables("c", [(300, 8, 1, 1.0), (200, 8, 2, 2.0), (100, 8, 1, 1.0),
                                                      (50, 8, 1, 1.0)]), dense=(16,), over=(16, 1), batch_size=16)

@@ -7,7 +7,7 @@ import torch
 
 from torchrec_sparselift.cost.hardware import PRESETS, HardwareProfile
 from torchrec_sparselift.cost.model import CostContext, DenseWork, dense_fwd_s
-from torchrec_sparselift.runtime.probe import ProbeTable, ProbeWorkload, probe_model
+from torchrec_sparselift.measure.probe import ProbeTable, ProbeWorkload, probe_model
 
 
 def _work(model: str, nf: int = 5, dim: int = 16):
@@ -63,7 +63,7 @@ def test_optional_rates_reject_nonpositive_values():
 
 
 def test_reference_drifts_are_relative_to_the_median_reference():
-    from torchrec_sparselift.step_calibration import reference_drifts
+    from torchrec_sparselift.measure.steps import reference_drifts
 
     d = reference_drifts([1.0, 1.0, 2.0, 2.0, 1.0])
     assert d == pytest.approx([1.0, 2 ** 0.5, 2.0, 2 ** 0.5])
@@ -76,8 +76,8 @@ def _drifting_probes(rank, world_size):
     seconds of the same plan in both workloads agree, the raw ones do not."""
     import itertools
 
-    from torchrec_sparselift import step_calibration as sc
-    from torchrec_sparselift.runtime import probe
+    from torchrec_sparselift.measure import steps as sc
+    from torchrec_sparselift.measure import probe
 
     speed = {"a": 1.0, "b": 2.0}
     phase = {"now": "a"}
@@ -118,7 +118,8 @@ def _drifting_probes(rank, world_size):
     finally:
         probe.measure_plan, sc.forced_plan, probe.prebuilt_batches, probe.probe_model, probe.probe_stats = orig
         sc.logger.removeHandler(handler)
-    return [(o[0], o[1], o[4], o[6]) for o in out], [(o[0], o[1], o[4]) for o in raw], warned
+    return ([(o.workload, o.kind, o.measured_s, o.drift) for o in out], [(o.workload, o.kind, o.measured_s) for o in raw],
+            warned)
 
 
 def test_calibration_normalizes_a_drifting_machine():
@@ -136,7 +137,7 @@ def test_calibration_normalizes_a_drifting_machine():
 
 
 def test_drift_spread():
-    from torchrec_sparselift.step_calibration import MAX_DRIFT_SPREAD, drift_spread
+    from torchrec_sparselift.calibration.store import MAX_DRIFT_SPREAD, drift_spread
 
     assert drift_spread([1.0]) == 1.0 and drift_spread([]) == 1.0
     assert drift_spread([0.9, 1.0, 1.17]) == pytest.approx(1.3)

@@ -8,15 +8,17 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_sparselift.cost import microbench
+from torchrec_sparselift.measure import microbench
 from torchrec_sparselift.cost.hardware import HardwareProfile
-from torchrec_sparselift.cost.microbench import HostTermRecord, bench_tbe_backward
+from torchrec_sparselift.calibration.records import HostTermRecord
+from torchrec_sparselift.measure.microbench import bench_tbe_backward
 from torchrec_sparselift.cost.model import node_time
-from torchrec_sparselift.runtime.probe import ProbeTable, ProbeWorkload, prebuilt_batches, probe_stats
+from torchrec_sparselift.measure.probe import ProbeTable, ProbeWorkload, prebuilt_batches, probe_stats
 from torchrec_sparselift.semantics.graph import Node, candidate_for, shard_nodes
 from torchrec_sparselift.semantics.tables import TableSpec, _id_statistics
 from torchrec_sparselift.semantics.workload import FeatureStats, WorkloadStats, distinct_ids, observe
-from torchrec_sparselift.step_calibration import base_profile, host_fit_setup
+from torchrec_sparselift.calibration.step_fit import host_fit_setup
+from torchrec_sparselift.calibration.store import base_profile
 
 
 def _kjt(values_by_key, batch):
@@ -177,24 +179,24 @@ def test_row_wise_pooled_outputs_are_reduce_scatters_priced_at_their_own_factor(
 
 
 def test_fit_measurements_can_leave_terms_out(monkeypatch):
-    from torchrec_sparselift import step_calibration as sc
+    from torchrec_sparselift.calibration import step_fit as sf
 
     seen = {}
 
-    def fake_fit_profile(cases, base, terms, **kw):
+    def fake_fit_step_profile(cases, base, terms, **kw):
         seen.update(base=base, terms=[t.name for t in terms], floors=kw.get("floors"))
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(sc, "fit_profile", fake_fit_profile)
+    monkeypatch.setattr(sf, "fit_step_profile", fake_fit_step_profile)
     host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9, tbe_row_s=0.6e-6)
     base = attrs.evolve(base_profile("cpu"), bwd_row_s=1e-6, reduce_scatter_factor=2.0)
     with pytest.raises(RuntimeError, match="stop"):
-        sc.fit_measurements([], base, host=host, exclude=("bwd_row_s", "reduce_scatter_factor"))
+        sf.fit_probe_plans([], [], base, host=host, exclude=("bwd_row_s", "reduce_scatter_factor"))
     assert "bwd_row_s" not in seen["terms"] and "reduce_scatter_factor" not in seen["terms"]
     assert seen["base"].bwd_row_s == 0.0 and seen["base"].reduce_scatter_factor == 1.0  # the model without them
     assert "bwd_row_s" not in seen["floors"] and "1/a2a_bw" in seen["terms"]
     with pytest.raises(ValueError, match="not step-fit terms"):
-        sc.fit_measurements([], base, host=host, exclude=("no_such_term",))
+        sf.fit_probe_plans([], [], base, host=host, exclude=("no_such_term",))
 
 
 def test_table_statistics_move_a_ratio_observed_at_another_batch_size_along_its_growth():

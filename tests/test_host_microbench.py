@@ -1,12 +1,13 @@
-"""Host-work microbenchmarks that the step fit takes instead of guessing (cost.microbench.bench_host_terms)."""
+"""Host-work microbenchmarks that the step fit takes instead of guessing (measure.microbench.bench_host_terms)."""
 
 import math
 
 import pytest
 
-from torchrec_sparselift.cost.microbench import HostTermRecord, bench_dense_terms, bench_host_terms
-from torchrec_sparselift.cost.step_fit import CPU_STEP_TERMS, FitRecord, term_value
-from torchrec_sparselift.step_calibration import base_profile, host_fit_setup
+from torchrec_sparselift.calibration.records import HostTermRecord
+from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitRecord, host_fit_setup, term_value
+from torchrec_sparselift.calibration.store import base_profile
+from torchrec_sparselift.measure.microbench import bench_dense_terms, bench_host_terms
 
 
 def test_bench_host_terms_runs_the_real_kernels_and_gives_finite_non_negative_costs():
@@ -21,7 +22,7 @@ def test_bench_host_terms_runs_the_real_kernels_and_gives_finite_non_negative_co
 def test_bench_host_terms_recovers_known_per_tensor_byte_and_id_costs(monkeypatch):
     """The slopes between the small and large cases, on synthetic timings of known cost: the
     per-byte and per-id costs come back; the per-tensor cost includes a small tensor's bytes."""
-    from torchrec_sparselift.cost import microbench
+    from torchrec_sparselift.measure import microbench
 
     per_tensor, per_byte, per_id = 5e-6, 0.3e-9, 2e-9
 
@@ -59,8 +60,8 @@ def test_add_feedback_refits_above_the_floors_with_the_measured_terms_fixed(tmp_
     the measured bucketize cost stays, the per-table optimizer term never drops below its floor."""
     import attrs
 
-    from torchrec_sparselift.cost.machine import ProfileStore, current_fingerprint
-    from torchrec_sparselift.step_calibration import add_feedback
+    from torchrec_sparselift.calibration.feedback import add_feedback
+    from torchrec_sparselift.calibration.store import ProfileStore, current_fingerprint
 
     host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9)
     base, terms, floors = host_fit_setup(base_profile("cpu"), host)
@@ -89,7 +90,7 @@ def test_add_feedback_refits_above_the_floors_with_the_measured_terms_fixed(tmp_
 def _host_terms_on_two_ranks(rank, world_size):
     import torch.distributed as dist
 
-    from torchrec_sparselift.step_calibration import host_terms
+    from torchrec_sparselift.measure.steps import host_terms
 
     return host_terms(dist.group.WORLD).to_dict()
 
@@ -110,7 +111,7 @@ def test_host_terms_across_two_ranks_measure_the_all_to_all_byte_and_agree():
 def test_bench_dense_terms_recovers_a_known_byte_and_flop_cost(monkeypatch):
     """The least squares separates bytes from FLOPs across the shapes: a synthetic timing of
     known per-byte and per-FLOP cost (plus a constant) comes back."""
-    from torchrec_sparselift.cost import microbench
+    from torchrec_sparselift.measure import microbench
     from torchrec_sparselift.semantics.dense import ACTIVATION_BYTES, dlrm_interaction
 
     per_byte, per_flop = 1.2e-9, 3e-11
@@ -147,7 +148,7 @@ def test_host_fit_setup_floors_the_dense_rates_at_a_third_of_their_measured_cost
 def test_bench_dense_flops_recovers_a_known_flop_cost(monkeypatch):
     """The slope over the MLP shapes is the per-FLOP cost (the backward counted twice the forward):
     a synthetic timing of known per-FLOP cost plus a constant per call comes back."""
-    from torchrec_sparselift.cost import microbench
+    from torchrec_sparselift.measure import microbench
 
     per_flop = 8e-12
 
@@ -160,7 +161,7 @@ def test_bench_dense_flops_recovers_a_known_flop_cost(monkeypatch):
 
 
 def test_bench_dense_flops_runs_the_real_kernels_and_gives_a_finite_non_negative_cost():
-    from torchrec_sparselift.cost.microbench import bench_dense_flops
+    from torchrec_sparselift.measure.microbench import bench_dense_flops
 
     flop_s = bench_dense_flops(trials=3)
     # an fp32 GEMM on one to a few CPU cores: 1-2000 GFLOP/s idle; a slope, so load moves it
@@ -182,7 +183,7 @@ def test_host_fit_setup_floors_the_dense_flop_rate_at_its_measured_cost():
 def test_host_floors_average_the_readings_and_each_reading_keeps_its_fastest_sweep():
     """Two readings of the host terms (before and after the probes) are averaged; within one
     reading each case is its fastest over interleaved sweeps (a transient only slows a sweep)."""
-    from torchrec_sparselift.cost.microbench import fastest_over_passes
+    from torchrec_sparselift.measure.microbench import fastest_over_passes
 
     slow = HostTermRecord(optimizer_tensor_s=40e-6, optimizer_byte_s=0.4e-9, bucketize_id_s=15e-9,
                           dense_act_byte_s=1.2e-9, interaction_flop_s=0.0)

@@ -1,15 +1,19 @@
-"""Layers import downward only (parsed with ``ast``, so function-level imports count too).
+"""The package imports one way and has no import cycle (parsed with ``ast``, so function-level
+imports count too).
 
-    errors, validation, atomic  <  semantics  <  cost  <  search  <  plan  <  runtime  <  top level
-                                                                                  (planner, cli,
-    optim: standalone (only the base modules)                                     explain, ...)
+    errors, validation, atomic, vocabulary, defaults    (base: every layer may use them)
+      < semantics < cost < search < plan < calibration < runtime
+      < planner, explain        (package root modules)
+      < measure < cli < __main__
+    optim: standalone (only the base modules); the runtime and everything above it may use it
 
-A module may import its own layer and any layer below it. ``errors`` and ``validation`` are the
-base every layer may use (they import nothing of the package but ``errors``). Top-level modules
-(``planner``, ``cli``, ``explain`` and the other modules at the package root) may import anything;
-nothing below the top may import them, nor the package root's lazy exports (``from
-torchrec_sparselift import SparseLiftPlanner``); ``import torchrec_sparselift`` (for
-``__version__``) is fine. The runtime may use ``optim``.
+A module may import its own rank and any rank below it. ``calibration`` is pure fitting and the
+profile store (the planner reads ``hardware="auto"`` from it); ``measure`` runs kernels, probe plans
+and guard trials and may plan with the planner. Nothing may import the package root's lazy exports
+(``from torchrec_sparselift import SparseLiftPlanner`` counts as importing ``planner``) from below
+``planner``; ``import torchrec_sparselift`` (for ``__version__``) is fine. A module at the package
+root must be given a rank here. On top of the ranks, the module graph (a module imports another
+anywhere in its file) must have no cycle at all, within a rank too.
 """
 
 from __future__ import annotations
@@ -17,17 +21,16 @@ from __future__ import annotations
 import ast
 import os
 import sys
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 
 PACKAGE = "torchrec_sparselift"
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, PACKAGE)
 
-BASE = {"errors": 0, "validation": 0, "atomic": 0, "vocabulary": 0, "defaults": 0}
-LAYERS = {"semantics": 1, "cost": 2, "search": 3, "plan": 4, "runtime": 5}
-TOP = 10
+BASE = {"errors": 0, "validation": 0, "atomic": 0, "vocabulary": 0, "defaults": 0, "files": 0}
+LAYERS = {"semantics": 1, "cost": 2, "search": 3, "plan": 4, "calibration": 5, "runtime": 6,
+          "planner": 7, "explain": 7, "measure": 8, "cli": 9, "__main__": 10}
 OPTIM = "optim"
-BASE["files"] = 0  # the strict file loader (imports only ``errors``)
 
 
 def _modules() -> Iterator[Tuple[str, str]]:
@@ -73,7 +76,8 @@ def _imports(module: str, path: str) -> List[Tuple[str, int]]:
 
 
 def _rank(module: str) -> Optional[Tuple[str, int]]:
-    """(layer name, rank) of a package module; ``None`` for the package itself."""
+    """(layer name, rank) of a package module; ``None`` for the package itself; ``("unranked", -2)``
+    for a module at the package root that has no rank yet."""
     parts = module.split(".")[1:]
     if not parts:
         return None
@@ -84,19 +88,24 @@ def _rank(module: str) -> Optional[Tuple[str, int]]:
         return head, LAYERS[head]
     if head == OPTIM:
         return OPTIM, -1
-    return "top", TOP  # planner, cli, explain, __main__ and the other root modules
+    return "unranked", -2
 
 
 def _violations() -> List[str]:
     bad = []
     for module, path in _modules():
         me = _rank(module)
-        if me is None or me[1] == TOP:
+        if me is None:
+            continue
+        if me[0] == "unranked":
+            bad.append(f"{module} has no rank: add it to BASE or LAYERS in tests/test_layering.py")
             continue
         for target, line in _imports(module, path):
             other = _rank(target)
             if other is None:
                 continue  # the root itself (``import torchrec_sparselift`` for __version__): lazy
+            if other[0] == "unranked":
+                continue  # reported as that module's own problem
             if me[0] == OPTIM:
                 ok = other[0] == OPTIM or other[0] in BASE
             elif other[0] == OPTIM:
@@ -108,9 +117,105 @@ def _violations() -> List[str]:
     return bad
 
 
+def _import_graph() -> Dict[str, Dict[str, int]]:
+    """module -> {module it imports: first line}, each import resolved to the package module it
+    names (the longest dotted prefix that is a module: ``from pkg.mod import name`` is ``pkg.mod``)."""
+    mods = dict(_modules())
+    graph: Dict[str, Dict[str, int]] = {m: {} for m in mods}
+    for module, path in mods.items():
+        for target, line in _imports(module, path):
+            parts = target.split(".")
+            while parts and ".".join(parts) not in mods:
+                parts.pop()
+            resolved = ".".join(parts)
+            if resolved and resolved != module:
+                graph[module].setdefault(resolved, line)
+    return graph
+
+
+def _cycles() -> List[List[str]]:
+    """Every import cycle of the package: the strongly connected components of more than one
+    module (Tarjan's algorithm, iterative), each as the modules of one loop through it, with the
+    lines of the imports that close it."""
+    graph = _import_graph()
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack = set()
+    comps: List[List[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    comps.append(sorted(comp))
+    out = []
+    for comp in comps:
+        # one loop through the component, from its first module (breadth-first back to it)
+        members, start = set(comp), comp[0]
+        prev: Dict[str, str] = {}
+        frontier, seen = [start], {start}
+        while frontier and start not in prev:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v]):
+                    if w not in members:
+                        continue
+                    if w == start and start not in prev:
+                        prev[start] = v
+                    elif w not in seen:
+                        seen.add(w)
+                        prev[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        loop, v = [start], prev[start]
+        while v != start:
+            loop.append(v)
+            v = prev[v]
+        loop.reverse()
+        loop = [start] + loop[:-1] if loop[-1] == start else loop
+        ring = loop + [loop[0]]
+        out.append([f"{a}:{graph[a][b]} -> {b}" for a, b in zip(ring[:-1], ring[1:])])
+    return out
+
+
 def test_layers_import_downward_only():
     bad = _violations()
     assert not bad, "upward imports:\n  " + "\n  ".join(bad)
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    cycles = _cycles()
+    assert not cycles, "import cycles:\n  " + "\n  ".join(" ; ".join(c) for c in cycles)
 
 
 def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypatch):
@@ -131,3 +236,34 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypa
     assert any("search.bad:4" in v for v in found), found
     assert not any("search.bad:5" in v for v in found), found
 
+
+
+def test_the_cycle_checker_finds_a_loop_through_function_level_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / PACKAGE
+    (pkg / "plan").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "plan" / "__init__.py").write_text("from torchrec_sparselift.plan.a import x\n")
+    (pkg / "plan" / "a.py").write_text("x = 1\n")
+    (pkg / "plan" / "b.py").write_text("def f():\n    from torchrec_sparselift.plan.c import y\n")
+    (pkg / "plan" / "c.py").write_text("from . import b\ny = 2\n")
+    (pkg / "planner.py").write_text("import torchrec_sparselift.plan.a\n")
+    (pkg / "explain.py").write_text("import torchrec_sparselift.planner\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(pkg))
+    assert _cycles() == [[f"{PACKAGE}.plan.b:2 -> {PACKAGE}.plan.c", f"{PACKAGE}.plan.c:1 -> {PACKAGE}.plan.b"]]
+    # three root modules in a ring (one import through the package root's lazy exports)
+    (pkg / "planner.py").write_text("from torchrec_sparselift import explain\n")
+    (pkg / "explain.py").write_text("def g():\n    import torchrec_sparselift.cli\n")
+    (pkg / "cli.py").write_text("from torchrec_sparselift import SparseLiftPlanner\n")
+    (pkg / "plan" / "c.py").write_text("y = 2\n")
+    found = _cycles()
+    assert len(found) == 1 and len(found[0]) == 3, found
+    assert {step.split(" -> ")[1] for step in found[0]} == {f"{PACKAGE}.{m}" for m in ("cli", "explain", "planner")}
+
+
+def test_a_root_module_without_a_rank_is_reported(tmp_path, monkeypatch):
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helpers.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(pkg))
+    assert any("helpers has no rank" in v for v in _violations())

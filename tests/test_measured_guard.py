@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from torchrec_sparselift.runtime.guard import Candidate, GuardResult, MeasuredGuard, choose_measured
+from torchrec_sparselift.measure.guard import Candidate, GuardResult, MeasuredGuard, choose_measured
 from torchrec_sparselift.runtime.timing import StepTimer
 
 
@@ -105,7 +105,7 @@ def test_guarded_plans_have_their_own_cache_key_stable_under_profile_refits():
 
     from torchrec_sparselift import SparseLiftPlanner
     from torchrec_sparselift.cost.hardware import PRESETS
-    from torchrec_sparselift.measured_guard import guard_fingerprint
+    from torchrec_sparselift.measure.guard import guard_fingerprint
 
     ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100,
                                                             feature_names=["f0"])], device=torch.device("meta"))
@@ -153,7 +153,7 @@ def test_guard_rounds_are_interleaved_and_keep_each_candidates_fastest_round():
 def test_guard_alternatives_remove_only_the_named_sharding_types():
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    from torchrec_sparselift.measured_guard import _restricted
+    from torchrec_sparselift.measure.guard import _restricted
     from torchrec_sparselift.semantics.table_file import SHARDING_TYPES
 
     out = _restricted({"u": ParameterConstraints(sharding_types=["row_wise", "data_parallel"])}, ["t", "u"],
@@ -177,9 +177,9 @@ def _reuse_worker(rank, world_size, cache_dir):
     from torchrec_sparselift import SparseLiftPlanner
     from torchrec_sparselift.atomic import write_text
     from torchrec_sparselift.cost.hardware import PRESETS
-    from torchrec_sparselift.measured_guard import guard_cache_path, guard_fingerprint, guarded_execution_plan
+    from torchrec_sparselift.measure.guard import guard_cache_path, guard_fingerprint, guarded_execution_plan
     from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
-    from torchrec_sparselift.runtime.guard import GuardTrial
+    from torchrec_sparselift.measure.guard import GuardTrial
 
     def model():
         return EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100,
@@ -232,7 +232,7 @@ def test_a_kept_plan_is_priced_as_it_runs_with_the_plans_optimizations():
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     from torchrec_sparselift.cost.hardware import PRESETS
-    from torchrec_sparselift.measured_guard import _prediction
+    from torchrec_sparselift.measure.guard import _prediction
     from torchrec_sparselift.plan import Optimizations
     from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
 
@@ -270,7 +270,7 @@ def test_a_cached_or_kept_plan_is_priced_with_the_runs_workload_statistics():
 
     from torchrec_sparselift import SparseLiftPlanner
     from torchrec_sparselift.cost.hardware import PRESETS
-    from torchrec_sparselift.measured_guard import _prediction
+    from torchrec_sparselift.measure.guard import _prediction
     from torchrec_sparselift.semantics.workload import observe
 
     ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=100_000,

@@ -1,6 +1,6 @@
 """PlanRequest: every field changes the key, and no cached plan bypasses the request's guards.
 
-The bug these pin (issue 11): the fingerprint left out the planner's options, so with a shared
+The bug these pin: the fingerprint left out the planner's options, so with a shared
 ``cache_dir`` a plan made by a planner allowing staleness, lossy/fp8 comms or 2D was handed to one
 that forbids them (or expects a 1D plan).
 """

@@ -1,5 +1,5 @@
 """The planner facade: TorchRec's ``stats`` argument is honoured, and the names that moved out of
-planner.py (issue 11) are still importable from it and from the package."""
+planner.py are still importable from it and from the package."""
 
 import os
 import warnings

@@ -1,4 +1,4 @@
-"""The one measurement routine (runtime.probe.measure_plan): per-step slowest rank, pinning restored."""
+"""The one measurement routine (measure.probe.measure_plan): per-step slowest rank, pinning restored."""
 
 import os
 import statistics
@@ -11,32 +11,29 @@ from launcher import run_ranks
 def _measure(rank, world_size):
     import torch.distributed as dist
 
-    from torchrec_sparselift.runtime import probe
-    from torchrec_sparselift.step_calibration import _topology, forced_plan
+    from torchrec_sparselift.measure import probe
+    from torchrec_sparselift.measure.steps import forced_plan, probe_topology
 
     w = probe.ProbeWorkload("t", probe._tables("t", [(200, 8, 1, 1.0), (100, 8, 2, 2.0)]), dense=(16,),
                             over=(16, 1), batch_size=32)
-    plan, _ = forced_plan(probe.probe_model(w), w.tables, "table_wise", _topology(world_size, "cpu"), w.batch_size,
+    plan, _ = forced_plan(probe.probe_model(w), w.tables, "table_wise", probe_topology(world_size, "cpu"), w.batch_size,
                           dist.group.WORLD)
     batches = probe.prebuilt_batches(w, 3, seed=0, rank=rank)
     before = os.sched_getaffinity(0)
-    during, cores = [], []
+    during = []
 
     def pipeline(dmp, opt, device):
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-        from torchrec_sparselift.cost.machine import current_fingerprint
-
         during.append(os.sched_getaffinity(0))
-        cores.append(current_fingerprint("cpu", world_size).cores)
         return TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
 
     m = probe.measure_plan("t", lambda: probe.probe_model(w), plan, batches, steps=4, warmup=2, pg=dist.group.WORLD,
                            pipeline_factory=pipeline, pin=True, attribute=2)
-    from torchrec_sparselift.runtime.attribution import measured_groups
+    from torchrec_sparselift.calibration.attribution import measured_groups
 
     groups = measured_groups(m.attribution, m.median_s)
-    return dict(before=before, during=during[0], after=os.sched_getaffinity(0), m=m, cores=cores[0],
+    return dict(before=before, during=during[0], after=os.sched_getaffinity(0), m=m,
                 att=m.attribution.to_dict(), groups=groups)
 
 
@@ -47,9 +44,6 @@ def test_measure_plan_times_the_slowest_rank_per_step_and_restores_the_affinity(
         assert len(m.durations_s) == 6 and len(m.cpu_durations_s) == 6 and m.steps == 4
         assert m.median_s == statistics.median(m.durations_s[2:])
         assert res["after"] == res["before"]  # pinned only during the run
-        # a pinned rank still fingerprints the cores it could use (else the example, which pins its
-        # ranks, would not find the profile its calibration stored: "differs in cores: 1 vs 2")
-        assert res["cores"] == len(res["before"])
         cpus, k = sorted(res["before"]), len(res["before"]) // 2
         if k >= 1:
             assert res["during"] == set(cpus[r * k:(r + 1) * k])  # local rank -> its own slice of the cores

@@ -5,17 +5,19 @@ import numpy as np
 import pytest
 
 from torchrec_sparselift.cost.hardware import PRESETS
-from torchrec_sparselift.cost.machine import MachineFingerprint, ProfileStore
-from torchrec_sparselift.cost.step_fit import (
+from torchrec_sparselift.calibration.step_fit import (
     CPU_STEP_TERMS,
     STEP_MODEL_VERSION,
+    FitCase,
     FitRecord,
-    fit_profile,
+    StepFitInfo,
+    fit_step_profile,
     fit_terms,
     linearize,
     term_value,
     with_terms,
 )
+from torchrec_sparselift.calibration.store import MachineFingerprint, ProfileStore
 
 TRUE = {
     "1/lookup_bw": 1 / 20e9,
@@ -101,8 +103,8 @@ def test_fit_profile_recovers_a_piecewise_linear_model():
             v = [sum(q[t.name] * term_value(p, t) for t in CPU_STEP_TERMS) for q in ranks]
             return max(v) + 1e-3
 
-        cases.append((f"plan{i}", predict(truth), predict))
-    fitted, fit = fit_profile(cases, base, CPU_STEP_TERMS, iterations=6, prior_weight=1e-6)
+        cases.append(FitCase(f"plan{i}", predict(truth), predict))
+    fitted, fit = fit_step_profile(cases, base, CPU_STEP_TERMS, iterations=6, prior_weight=1e-6)
     assert fit.mape < 0.01
     for k in ("1/lookup_bw", "step_overhead_s", "dp_table_overhead_s"):
         t = next(t for t in CPU_STEP_TERMS if t.name == k)
@@ -142,7 +144,7 @@ def test_profile_store_matches_by_fingerprint_and_names_differences(tmp_path):
     assert store.lookup(_fp(device="cuda")) == (None, [])
 
 
-# --- identifiability of the probe set itself (runtime/probe.py PROBE_WORKLOADS x PLAN_KINDS) ---
+# --- identifiability of the probe set itself (measure/probe.py PROBE_WORKLOADS x PLAN_KINDS) ---
 
 # a machine where per-table work is cheap and each collective dear (what the held-out kaggle plan
 # showed), far from the base profile the fit starts from
@@ -163,11 +165,13 @@ def probe_pricers():
     pytest.importorskip("torchrec")
     import warnings
 
-    from torchrec_sparselift.runtime import probe
-    from torchrec_sparselift.step_calibration import PlanPricer, _topology, base_profile, forced_plan
+    from torchrec_sparselift.calibration.pricer import PlanPricer
+    from torchrec_sparselift.calibration.store import base_profile
+    from torchrec_sparselift.measure import probe
+    from torchrec_sparselift.measure.steps import forced_plan, probe_topology
 
     warnings.filterwarnings("ignore")
-    topo = _topology(2, "cpu")
+    topo = probe_topology(2, "cpu")
     base = base_profile("cpu")
     out = []
     for w in probe.PROBE_WORKLOADS:
@@ -195,8 +199,8 @@ def test_probe_plans_recover_per_table_per_collective_and_data_parallel_costs(pr
     per-step and per-lookup costs from the base profile's far-off values."""
     base, pricers = probe_pricers
     truth = with_terms(base, PROBE_TRUTH, CPU_STEP_TERMS)
-    cases = [(label, pr(truth), pr) for _k, label, pr in pricers]
-    fitted, fit = fit_profile(cases, base, CPU_STEP_TERMS, iterations=3, prior_weight=1e-8)
+    cases = [FitCase(label, pr(truth), pr) for _k, label, pr in pricers]
+    fitted, fit = fit_step_profile(cases, base, CPU_STEP_TERMS, iterations=3, prior_weight=1e-8)
     assert fit.mape < 0.005
     for k, v in PROBE_TRUTH.items():
         t = next(t for t in CPU_STEP_TERMS if t.name == k)
@@ -260,75 +264,109 @@ def test_fit_profile_takes_group_cases_and_judges_on_the_steps():
     cases = []
     for i, k in enumerate((1.0, 2.0, 3.0)):
         step = (lambda p, k=k: k * lookup(p) + rest(p))
-        cases.append((f"p{i}", step(true), step))
-        cases.append((f"p{i}:sparse", k * lookup(true), (lambda p, k=k: k * lookup(p)), "sparse", 0.5))
-    fitted, fit = fit_profile(cases, base, terms, prior_weight=1e-9)
+        cases.append(FitCase(f"p{i}", step(true), step))
+        cases.append(FitCase(f"p{i}:sparse", k * lookup(true), (lambda p, k=k: k * lookup(p)), "sparse", 0.5))
+    fitted, fit = fit_step_profile(cases, base, terms, prior_weight=1e-9)
     assert fitted.hbm_bw == pytest.approx(10e9, rel=1e-4)
     assert fitted.step_overhead_s == pytest.approx(2e-3, rel=1e-3)
     assert [r[1] for r in fit.residuals] == ["step"] * 3
 
 
+def _check(store_dir):
+    from torchrec_sparselift.measure.commands import main
+
+    return main(["check", "--store", str(store_dir)])
+
+
 def test_a_profile_fitted_before_the_current_terms_is_stale(tmp_path, monkeypatch):
-    """A stored step fit that lacks a current term (an older cost model's) makes ``--check`` fail
-    (run_dlrm.sh recalibrates) and ``auto_profile`` warn, naming the term."""
-    from torchrec_sparselift import step_calibration as sc
+    """A stored step fit that lacks a current term (an older cost model's) makes ``calibrate check``
+    fail (run_dlrm.sh recalibrates) and ``auto_profile`` warn, naming the term."""
+    from torchrec_sparselift.calibration import store as st
+    from torchrec_sparselift.measure import steps
 
     store = ProfileStore(str(tmp_path))
-    monkeypatch.setattr(sc, "current_fingerprint", lambda device, ranks: _fp())
+    for module in (st, steps):
+        monkeypatch.setattr(module, "current_fingerprint", lambda device, ranks, **kw: _fp())
     monkeypatch.setenv("NPROC", "2")
     prof = attrs.evolve(PRESETS["cpu-gloo"], name="fitted")
     old_terms = {t.name: 1e-6 for t in CPU_STEP_TERMS if t.name not in ("1/dense_mem_bw", "bucketize_id_s")}
     store.save(prof, _fp(), info={"fit": {"values": old_terms}, "host_terms": {"bucketize_id_s": 1e-8},
                                   "model_version": STEP_MODEL_VERSION})
-    assert sc.missing_terms(store.lookup(_fp())[0].info) == ["1/dense_mem_bw"]
-    assert sc.main(["--check", "--store", str(tmp_path)]) == 1
+    assert store.lookup(_fp())[0].step_fit.missing_terms() == ["1/dense_mem_bw"]
+    assert _check(tmp_path) == 1
     warned = []
-    got, _where = sc.auto_profile("cpu", 2, store=store, warn=warned.append)
+    got, _where = st.auto_profile("cpu", 2, store=store, warn=warned.append)
     assert got == prof and len(warned) == 1 and "1/dense_mem_bw" in warned[0]
+    assert "torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps" in warned[0]
     store.save(prof, _fp(), info={"fit": {"values": {**old_terms, "1/dense_mem_bw": 1e-9}},
                                   "host_terms": {"bucketize_id_s": 1e-8}, "model_version": STEP_MODEL_VERSION})
-    assert sc.missing_terms(store.lookup(_fp())[0].info) == []
-    assert sc.main(["--check", "--store", str(tmp_path)]) == 0
+    assert store.lookup(_fp())[0].step_fit.missing_terms() == []
+    assert _check(tmp_path) == 0
     warned.clear()
-    sc.auto_profile("cpu", 2, store=store, warn=warned.append)
+    st.auto_profile("cpu", 2, store=store, warn=warned.append)
     assert warned == []
     # a calibration whose machine sped up or slowed down more than MAX_DRIFT_SPREAD is redone too
     info = {"fit": {"values": {**old_terms, "1/dense_mem_bw": 1e-9}}, "host_terms": {"bucketize_id_s": 1e-8},
             "model_version": STEP_MODEL_VERSION}
     store.save(prof, _fp(), info={**info, "drift_spread": 2.1})
-    assert sc.main(["--check", "--store", str(tmp_path)]) == 1
-    sc.auto_profile("cpu", 2, store=store, warn=warned.append)
+    assert _check(tmp_path) == 1
+    st.auto_profile("cpu", 2, store=store, warn=warned.append)
     assert len(warned) == 1 and "moved 2.10x" in warned[0]
     store.save(prof, _fp(), info={**info, "drift_spread": 1.1})
-    assert sc.main(["--check", "--store", str(tmp_path)]) == 0
+    assert _check(tmp_path) == 0
 
 
 def test_a_profile_fitted_under_an_older_model_structure_is_stale_and_takes_no_feedback(tmp_path, monkeypatch):
     """A stored step fit made under another ``STEP_MODEL_VERSION`` (its terms multiplied other
-    quantities, e.g. one input latency per group) makes ``--check`` fail, ``auto_profile`` warn with
-    both structures, and guard feedback refuse to mix its records with new ones."""
+    quantities, e.g. one input latency per group) makes ``calibrate check`` fail, ``auto_profile``
+    warn with both structures, and guard feedback refuse to mix its records with new ones."""
     from types import SimpleNamespace
 
-    from torchrec_sparselift import step_calibration as sc
+    from torchrec_sparselift.calibration import feedback
+    from torchrec_sparselift.calibration import store as st
+    from torchrec_sparselift.measure import steps
 
     store = ProfileStore(str(tmp_path))
-    monkeypatch.setattr(sc, "current_fingerprint", lambda device, ranks: _fp())
+    for module in (st, steps, feedback):
+        monkeypatch.setattr(module, "current_fingerprint", lambda device, ranks, **kw: _fp())
     monkeypatch.setenv("NPROC", "2")
     topo = SimpleNamespace(compute_device="cpu", local_world_size=2)
     prof = attrs.evolve(PRESETS["cpu-gloo"], name="fitted")
     values = {t.name: 1e-6 for t in CPU_STEP_TERMS}
     store.save(prof, _fp(), info={"fit": {"values": values}, "fit_records": []})  # stored before versions
-    assert sc.fitted_model_version(store.lookup(_fp())[0].info) == 1
-    assert sc.main(["--check", "--store", str(tmp_path)]) == 1
+    assert store.lookup(_fp())[0].step_fit.fitted_model_version() == 1
+    assert _check(tmp_path) == 1
     warned = []
-    sc.auto_profile("cpu", 2, store=store, warn=warned.append)
+    st.auto_profile("cpu", 2, store=store, warn=warned.append)
     assert len(warned) == 1 and f"structure 1 (this code prices structure {STEP_MODEL_VERSION}" in warned[0]
     rec = FitRecord(label="guard/x", quantities={"step_overhead_s": 1.0}, fixed_s=0.01, measured_s=0.02)
-    assert sc.add_feedback([rec], prof, topo, store=store) is None
+    assert feedback.add_feedback([rec], prof, topo, store=store) is None
     store.save(prof, _fp(), info={"fit": {"values": values}, "fit_records": [], "model_version": STEP_MODEL_VERSION})
-    assert sc.main(["--check", "--store", str(tmp_path)]) == 0
-    assert sc.add_feedback([rec], prof, topo, store=store) is not None
-    assert sc.fitted_model_version({"fit": {}}) is None  # a microbenchmark profile has no step fit
+    assert _check(tmp_path) == 0
+    assert feedback.add_feedback([rec], prof, topo, store=store) is not None
+    assert StepFitInfo.from_dict({"fit": {}}).fitted_model_version() is None  # a microbenchmark profile has no step fit
+
+
+def test_stored_step_fit_info_round_trips_and_keeps_unknown_fields():
+    rec = FitRecord(label="p", quantities={"step_overhead_s": 1.0}, fixed_s=0.01, measured_s=0.02, kind="comm",
+                    weight=0.5)
+    stored = {"fit": {"values": {"step_overhead_s": 1e-3}, "mape": 0.1}, "model_version": STEP_MODEL_VERSION,
+              "host_terms": {"bucketize_id_s": 1e-8}, "fit_records": [attrs.asdict(rec)], "drift_spread": 1.2,
+              "feedback_records": 3, "created": "2000-01-01T00:00:00Z", "mape_after": 0.07}
+    info = StepFitInfo.from_dict(stored)
+    assert info.fit_records == (rec,) and info.drift_spread == 1.2 and info.extra["mape_after"] == 0.07
+    assert info.to_dict() == stored
+    assert StepFitInfo.from_dict(info.to_dict()) == info
+
+
+def test_a_fingerprint_counts_the_cores_it_is_given():
+    """A process pinned to one core for a whole run fingerprints the cores it could use before (the
+    example passes them), so it finds the profile its calibration stored."""
+    from torchrec_sparselift.calibration.store import current_fingerprint, usable_cores
+
+    assert current_fingerprint("cpu", 2).cores == usable_cores()
+    assert current_fingerprint("cpu", 2, cores=usable_cores() + 3).cores == usable_cores() + 3
+    assert current_fingerprint("cpu", 2, cores=7).digest() != current_fingerprint("cpu", 2, cores=8).digest()
 
 
 def test_plan_pricer_prices_each_profile_once_for_its_step_and_group_cases(probe_pricers):

@@ -5,7 +5,7 @@
     sparselift plan --tables tables.json --topology h100 --world-size 16 --out plan.json
     sparselift compare --workload dcnv2 --topology h100 --world-size 8
     sparselift explain plan.json --png plan.png
-    sparselift calibrate --quick --out my-machine.json
+    sparselift calibrate kernels --quick --out my-machine.json
 
 Inputs are a table file (JSON, or YAML when PyYAML is installed), a reference workload
 (``--workload dcnv2|kaggle|production-N``) or an importable model factory
@@ -226,13 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(needs matplotlib)")
     e.add_argument("--attribution", default=None, metavar="FILE.json",
                    help="a measured attribution (examples/dlrm/train.py --attribute N, or "
-                   "runtime.attribution.save_attribution): show each sparse-path node kind's measured ms "
+                   "calibration.attribution.save_attribution): show each sparse-path node kind's measured ms "
                    "next to the model's prediction (also in the PNG)")
     _add_input_args(e, required=False)
     _add_2d_args(e.add_argument_group("2D (with an input: the planning inputs to compare against)"))
     _add_common(e)
 
-    sub.add_parser("calibrate", help="measure this machine and fit a hardware profile", add_help=False)
+    sub.add_parser("calibrate", help="calibrate this machine: steps (under torchrun), check, kernels",
+                   add_help=False)
     return parser
 
 
@@ -455,7 +456,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise CliError(f"plan file {args.plan!r} does not exist")
     attribution = None
     if args.attribution:
-        from torchrec_sparselift.runtime.attribution import load_attribution
+        from torchrec_sparselift.calibration.attribution import load_attribution
 
         try:
             attribution = load_attribution(args.attribution)
@@ -541,7 +542,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(format_tables(expl))
     comparison = None
     if attribution is not None:
-        from torchrec_sparselift.runtime.attribution import compare, format_comparison, predicted_for_plan
+        from torchrec_sparselift.calibration.attribution import compare, format_comparison, predicted_for_plan
 
         predicted = predicted_for_plan(evaluated) if inputs is not None else None
         comparison = compare(attribution, predicted)
@@ -614,7 +615,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``sparselift`` command line; returns the exit code (0 ok, 1 no plan, 2 bad input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "calibrate":
-        from torchrec_sparselift.cost.calibrate import main as calibrate_main
+        from torchrec_sparselift.measure.commands import main as calibrate_main
 
         return calibrate_main(argv[1:])
     parser = build_parser()

@@ -317,7 +317,7 @@ def render_png(prediction: Any, segments: Sequence[Segment], path: str, title: s
     """Write a PNG with per-rank stacked bars (compute / exposed comm / overlapped comm, with the
     step time and lower bound as lines) above a timeline of one step. Returns ``path``.
 
-    ``comparison`` (rows of :func:`torchrec_sparselift.runtime.attribution.compare`: ``kind``,
+    ``comparison`` (rows of :func:`torchrec_sparselift.calibration.attribution.compare`: ``kind``,
     ``measured_ms``, ``predicted_ms``) adds a third panel: measured vs predicted ms per
     sparse-path node kind.
 

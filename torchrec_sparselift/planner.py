@@ -120,9 +120,9 @@ class SparseLiftPlanner(ShardingPlanner):
     SparseLift's own keyword arguments:
         hardware: a :class:`HardwareProfile`, a preset name ("h100", "h200", "a100",
             "cpu-gloo"), a calibrated profile JSON path, or "auto": this machine's profile
-            fitted from real steps (``torchrec_sparselift.step_calibration``, stored per machine
-            fingerprint), else the closest stored one or the preset, with a warning naming what
-            differs. Default: chosen from the topology.
+            fitted from real steps (``sparselift calibrate steps``, stored per machine
+            fingerprint), else the closest stored one or the shipped base profile, with a warning
+            naming what differs. Default: chosen from the topology.
         workload: :class:`~torchrec_sparselift.semantics.workload.WorkloadStats` observed from
             the dataloader; pooling factors then come from data instead of constraints.
         pipelines: train-pipeline kinds the plan may choose from (default: the synchronous
@@ -231,11 +231,11 @@ class SparseLiftPlanner(ShardingPlanner):
         self._last_context: Optional[Tuple[PlanRequest, Any]] = None  # (request, reserved topology)
         self._debug = debug
         self._callbacks = list(callbacks or [])
-        self._budget = float(time_budget_s or timeout_seconds or 8.0)
+        self._budget = float(time_budget_s or timeout_seconds or defaults.TIME_BUDGET_S)
         if hardware == "auto":  # this machine's step-fitted profile (warns when it has none)
-            from torchrec_sparselift.step_calibration import auto_profile
+            from torchrec_sparselift.calibration.store import auto_profile
 
-            hardware, _where = auto_profile(topology.compute_device, int(topology.local_world_size))
+            hardware, _where = auto_profile(topology.compute_device, defaults.ranks_per_host(topology))
         if isinstance(hardware, str):
             hardware = get_profile(hardware)
         self._hardware: Optional[HardwareProfile] = hardware

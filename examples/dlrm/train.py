@@ -345,20 +345,22 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 CPU_PROFILE = os.path.join(REPO_ROOT, "profiles", "cpu-2core-gloo.json")
 
 
-def hardware_choice(flag: str, device_type: str, ranks: int = 1, say: Callable[[str], None] = print):
+def hardware_choice(flag: str, device_type: str, ranks: int = 1, say: Callable[[str], None] = print,
+                    cores: Optional[int] = None):
     """What ``--hardware`` hands the planner: a preset name or profile path; for ``auto``, this
     machine's profile fitted from real steps (``sparselift`` step calibration, stored per machine
     fingerprint in ~/.cache/torchrec_sparselift/profiles) as a HardwareProfile; without one, the
     closest stored profile or the committed CPU profile, with a line naming what differs; on GPU
-    None (the planner picks a preset from the topology)."""
+    None (the planner picks a preset from the topology). ``cores``: the cores this process could use
+    before pinning its ranks (the machine's fingerprint)."""
     if flag != "auto":
         return flag
     if device_type == "cpu":
         try:
-            from torchrec_sparselift.step_calibration import auto_profile
+            from torchrec_sparselift.calibration.store import auto_profile
         except ImportError:
             return CPU_PROFILE if os.path.isfile(CPU_PROFILE) else None
-        profile, _where = auto_profile("cpu", ranks, warn=lambda m: say(f"[dlrm] warning: {m}"))
+        profile, _where = auto_profile("cpu", ranks, warn=lambda m: say(f"[dlrm] warning: {m}"), cores=cores)
         return profile
     return None
 
@@ -527,9 +529,8 @@ def attribute_run(
     from torchrec.distributed.planner import Topology
 
     from torchrec_sparselift import evaluate_sharding_plan
-    from torchrec_sparselift.runtime.attribution import (
-        attribute_steps, compare, format_comparison, predicted_for_plan,
-    )  # fmt: skip
+    from torchrec_sparselift.calibration.attribution import compare, format_comparison, predicted_for_plan
+    from torchrec_sparselift.measure.attribution import attribute_steps
 
     att = attribute_steps(pipeline, batches, steps=steps, warmup_steps=ATTRIBUTION_WARMUP, pg=pg, label=label,
                           pipeline=pipeline_kind, device=device)
@@ -624,8 +625,9 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
 
     rank, world_size, local_world_size, device, backend = init_distributed(args.device)
     pg = dist.GroupMember.WORLD
+    usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     if device.type == "cpu" and not args.no_pin:
-        from torchrec_sparselift.runtime.probe import pin_rank_to_core
+        from torchrec_sparselift.measure.probe import pin_rank_to_core
 
         pin_rank_to_core(pg)  # as the calibration's probes and the guard's trials run
     torch.manual_seed(args.seed)
@@ -646,7 +648,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     specs = load_constraints_file(args.constraints, tables) if args.constraints else []
     constraints = planner_constraints(tables, specs, one_hot=bool(args.criteo_dir))
     cache_dir = None if (args.no_plan_cache or args.planner != "sparselift") else args.plan_cache
-    hardware = hardware_choice(args.hardware, device.type, local_world_size, say)
+    hardware = hardware_choice(args.hardware, device.type, local_world_size, say, cores=usable_cores)
     workload = observed_workload(args, tables, world_size) if args.planner == "sparselift" else None
     if workload is not None:
         ratios = [fs.unique_ratio for fs in workload.values() if fs.unique_ratio is not None]
@@ -669,8 +671,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         if args.measured_guard:
             import itertools
 
-            from torchrec_sparselift.measured_guard import guarded_execution_plan
-            from torchrec_sparselift.runtime.guard import MeasuredGuard
+            from torchrec_sparselift.measure.guard import MeasuredGuard, guarded_execution_plan
 
             guard = MeasuredGuard(candidates=args.measured_guard, steps=args.guard_steps)
             # the trials train on pre-built batches of the run's own data (not timed: built here)
@@ -687,7 +688,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
                 topology=planner._topology, batch_size=args.batch_size, constraints=constraints,
                 hardware=hardware if not isinstance(hardware, str) else check_hardware(hardware),
                 guard=guard, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm, sharders=sharders,
-                log=say, workload=workload)
+                log=say, workload=workload, cores=usable_cores)
             say(f"[dlrm] measured guard ({'cached, not re-measured' if guard_reused else 'measured now'}):")
             say(guard_result.format())
             cache_dir, reused = None, guard_reused  # the guarded plan has its own cache entry
@@ -884,7 +885,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         say(att_text)
         att_path = args.attribution_out or (os.path.splitext(args.out)[0] + ".attribution.json" if args.out else None)
         if rank == 0 and att_path:
-            from torchrec_sparselift.runtime.attribution import save_attribution
+            from torchrec_sparselift.calibration.attribution import save_attribution
 
             os.makedirs(os.path.dirname(os.path.abspath(att_path)), exist_ok=True)
             save_attribution(att_path, att)

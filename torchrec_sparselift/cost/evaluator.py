@@ -15,6 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.model import (
     CostContext,
     ShardCost,
@@ -54,9 +55,9 @@ class PlanEvaluator:
         sharding_types: Sequence[str],
         device_cap: np.ndarray,
         host_cap: np.ndarray,
-        pipeline: str = "sparse_dist",
-        fwd_precision: str = "fp32",
-        bwd_precision: str = "fp32",
+        pipeline: str = defaults.PIPELINE,
+        fwd_precision: str = defaults.COMM_PRECISION,
+        bwd_precision: str = defaults.COMM_PRECISION,
         kernels: Optional[Sequence[str]] = None,
     ) -> None:
         self.ctx = ctx

@@ -1,7 +1,7 @@
 """Hardware profiles: the resource rates the cost model divides quantities by.
 
 A :class:`HardwareProfile` is a small immutable value. Presets describe common nodes; the
-``calibrate`` step (:mod:`torchrec_sparselift.cost.calibrate`) fits one on the machine at hand
+``calibrate`` step (:mod:`torchrec_sparselift.calibration.kernel_fit`) fits one on the machine at hand
 and saves it as JSON, which :func:`HardwareProfile.load` reads back.
 
 Vocabulary (used across the package): a *rank* is one process/device; a *host* holds
@@ -102,7 +102,7 @@ class HardwareProfile:
             its backward all-gather) relative to an all-to-all byte on the same link (measured
             alone on 2 gloo ranks: reduce-scatter ~4.5x, all-gather ~2x an all-to-all's per byte);
             1.0 in the presets.
-        The last nine are 0 (or None) in the presets; :mod:`torchrec_sparselift.cost.step_fit`
+        The last nine are 0 (or None) in the presets; :mod:`torchrec_sparselift.calibration.step_fit`
         fits them from measured steps.
     """
 

@@ -41,6 +41,7 @@ from typing import Dict, Mapping, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost import terms as _terms
 from torchrec_sparselift.cost.terms import PHASE_PRECISION
@@ -56,6 +57,7 @@ from torchrec_sparselift.cost.pipelines import (
 from torchrec_sparselift.semantics.dense import DenseWork  # re-exported: the cost layer prices it
 from torchrec_sparselift.semantics.graph import HOST_WORK_KINDS, Candidate, Node, shard_memory, shard_nodes
 from torchrec_sparselift.semantics.tables import TableSpec
+from torchrec_sparselift.vocabulary import COMM_PRECISION_BYTES, comm_precision
 
 __all__ = [
     "COMPONENTS",
@@ -95,7 +97,7 @@ DEV_MEM, HOST_MEM = _IDX["device_mem_bytes"], _IDX["host_mem_bytes"]
 K = len(COMPONENTS)
 TIME_COLUMNS = _terms.layout().time
 
-PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+PRECISION_BYTES = COMM_PRECISION_BYTES  # bytes per element on the wire (the vocabulary's registry)
 #: Collectives TorchRec's input distribution issues (``KJTAllToAll``, counted on real steps in
 #: tests/test_comm_semantics.py): one all-to-all per KJT tensor (lengths, values) per sharding group,
 #: after a splits all-to-all (per-destination counts). ``TrainPipelineSparseDist`` and its
@@ -234,7 +236,7 @@ def dp_optimizer_s(specs, cands, ctx: CostContext) -> float:
     every backward compute node of a data-parallel shard but its embedding-rows backward, i.e. the
     dense optimizer pass over the replica and the per-table dense-gradient work. The step time has
     it inside ``backward_update``; the runtime measures it in ``optimizer.step``
-    (:mod:`torchrec_sparselift.runtime.attribution`'s ``dense_optimizer``)."""
+    (:mod:`torchrec_sparselift.calibration.attribution`'s ``dense_optimizer``)."""
     total = 0.0
     for spec, cand in zip(specs, cands):
         if cand.sharding_type != "data_parallel":
@@ -312,8 +314,8 @@ def _allreduce_s(bytes_: float, ctx: CostContext) -> float:
     return ctx.profile.collective_latency_s + 2 * (W - 1) / W * bytes_ / ctx.profile.allreduce_bw
 
 
-def rank_times(loads: np.ndarray, ctx: CostContext, fwd_precision: str = "fp32",
-               bwd_precision: str = "fp32") -> Tuple[np.ndarray, np.ndarray]:
+def rank_times(loads: np.ndarray, ctx: CostContext, fwd_precision: str = defaults.COMM_PRECISION,
+               bwd_precision: str = defaults.COMM_PRECISION) -> Tuple[np.ndarray, np.ndarray]:
     """Each rank's compute seconds and communication seconds (the compute and link phases of
     :data:`~torchrec_sparselift.cost.pipelines.PHASES` on that rank's own loads, rows of
     ``loads``; no collective latency). The per-rank report's numbers."""
@@ -358,9 +360,9 @@ def phase_table(
     allreduce_bytes: float,
     comm_groups: int,
     ctx: CostContext,
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
-    pipeline: str = "sparse_dist",
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
+    pipeline: str = defaults.PIPELINE,
 ) -> np.ndarray:
     """Seconds per phase for each row of ``colmax`` (per-column maxima over ranks, or one rank's
     loads): rows x :data:`~torchrec_sparselift.cost.pipelines.PHASE_NAMES` columns. ``pipeline``:
@@ -407,9 +409,9 @@ def phase_times(
     allreduce_bytes: float,
     comm_groups: int,
     ctx: CostContext,
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
-    pipeline: str = "sparse_dist",
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
+    pipeline: str = defaults.PIPELINE,
 ) -> Dict[str, float]:
     """Seconds per phase from the per-column maxima over ranks (one vector)."""
     row = phase_table(np.asarray(colmax, dtype=float)[None, :], allreduce_bytes, comm_groups, ctx,
@@ -422,9 +424,9 @@ def step_time(
     allreduce_bytes: float,
     comm_groups: int,
     ctx: CostContext,
-    pipeline: str = "sparse_dist",
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
+    pipeline: str = defaults.PIPELINE,
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
 ) -> StepTime:
     """Steady-state step time under a pipeline kind's overlap rules
     (:data:`~torchrec_sparselift.cost.pipelines.PIPELINE_KINDS` says what overlaps with what).
@@ -456,8 +458,7 @@ def step_time(
 
 def describe_precisions(fwd: str, bwd: str) -> Tuple[str, str]:
     for p in (fwd, bwd):
-        if p not in PRECISION_BYTES:
-            raise ValueError(f"unknown comm precision {p!r}; choose one of {sorted(PRECISION_BYTES)}")
+        comm_precision(p)  # ValueError naming the choices
     return fwd, bwd
 
 
@@ -466,9 +467,9 @@ def step_total_batch(
     allreduce_bytes: float,
     comm_groups: int,
     ctx: CostContext,
-    pipeline: str = "sparse_dist",
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
+    pipeline: str = defaults.PIPELINE,
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
 ) -> np.ndarray:
     """:func:`step_time`'s total for many column-maximum vectors at once (rows of ``colmax``):
     the pipeline's composition (:mod:`~torchrec_sparselift.cost.pipelines`) evaluated on

@@ -15,7 +15,8 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
 from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import get_profile, profile_for_topology
-from torchrec_sparselift.cost.model import CostContext, shard_cost
+from torchrec_sparselift.cost.evaluator import PlanEvaluator
+from torchrec_sparselift.cost.model import CostContext, StepTime, shard_cost
 from torchrec_sparselift.plan.result import PlanResult
 from torchrec_sparselift.search.lp import solve_lp
 from torchrec_sparselift.search.problem import build_problem
@@ -25,7 +26,7 @@ from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
 from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES
 
-__all__ = ["evaluate_sharding_plan", "given_candidates"]
+__all__ = ["evaluate_sharding_plan", "given_candidates", "GivenPlan"]
 
 
 def given_candidates(handles: Sequence[TableHandle], plan: ShardingPlan, world_size: int,
@@ -44,6 +45,56 @@ def given_candidates(handles: Sequence[TableHandle], plan: ShardingPlan, world_s
                              local_world_size, splits)
         out.append((cand, tuple(int(r) for r in ps.ranks)))
     return out
+
+
+@attrs.frozen(eq=False)
+class GivenPlan:
+    """A ``ShardingPlan`` as the cost model sees it, extracted once: its tables (``handles``), the
+    dense part and each table's candidate and ranks (:func:`given_candidates`). Pricing it under a
+    profile (:meth:`context`, :meth:`shard_costs`, :meth:`step_time`) repeats no extraction: what
+    the calibration's fit does for thousands of profiles of one plan."""
+
+    handles: Tuple[TableHandle, ...] = attrs.field(converter=tuple)
+    dense: Any
+    placed: Tuple[Tuple[Candidate, Tuple[int, ...]], ...] = attrs.field(converter=tuple)
+    topology: Topology
+    batch_size: int
+
+    @classmethod
+    def of(cls, module: nn.Module, plan: ShardingPlan, topology: Topology, batch_size: int,
+           constraints: Optional[Dict[str, ParameterConstraints]] = None, workload: Any = None,
+           sharders: Optional[List[ModuleSharder[nn.Module]]] = None) -> "GivenPlan":
+        sharders = list(sharders) if sharders is not None else get_default_sharders()
+        handles = extract_tables(module, sharders, topology.compute_device, batch_size, constraints, workload)
+        placed = given_candidates(handles, plan, topology.world_size,
+                                  min(topology.local_world_size, topology.world_size))
+        return cls(handles=handles, dense=dense_work(module, handles), placed=placed, topology=topology,
+                   batch_size=batch_size)
+
+    def context(self, hardware: Any) -> CostContext:
+        """The cost context of the plan's topology under ``hardware`` (a profile or preset name)."""
+        topo = self.topology
+        profile = profile_for_topology(topo, get_profile(hardware) if isinstance(hardware, str) else hardware)
+        return CostContext(profile=profile, world_size=topo.world_size,
+                           local_world_size=min(topo.local_world_size, topo.world_size),
+                           batch_size=self.batch_size, dense=self.dense)
+
+    def shard_costs(self, ctx: CostContext) -> List[Any]:
+        """Each table's shard cost under ``ctx``, in ``handles`` order."""
+        return [shard_cost(h.spec, cand, ctx) for h, (cand, _r) in zip(self.handles, self.placed)]
+
+    def step_time(self, hardware: Any, pipeline: str = defaults.PIPELINE, fwd_precision: str = defaults.COMM_PRECISION,
+                  bwd_precision: str = defaults.COMM_PRECISION) -> StepTime:
+        """The plan's step time under ``hardware``: its shards placed as given in the planner's
+        evaluator (no search, no bound)."""
+        ctx = self.context(hardware)
+        cands = [c for c, _r in self.placed]
+        inf = np.full(self.topology.world_size, np.inf)
+        ev = PlanEvaluator(ctx, self.shard_costs(ctx), [c.sharding_type for c in cands], inf, inf, pipeline,
+                           fwd_precision, bwd_precision, kernels=[c.compute_kernel for c in cands])
+        for t, (_c, ranks) in enumerate(self.placed):
+            ev.assign(t, t, ranks)
+        return ev.step_time()
 
 
 def evaluate_sharding_plan(
@@ -65,22 +116,19 @@ def evaluate_sharding_plan(
     ``pipeline``; its lower bound is the LP bound of the same tables and topology. Column-wise
     shards are priced as equal splits of the table's width.
     """
-    sharders = list(sharders) if sharders is not None else get_default_sharders()
-    profile = profile_for_topology(topology, get_profile(hardware) if isinstance(hardware, str) else hardware)
-    handles = extract_tables(module, sharders, topology.compute_device, batch_size, constraints, workload)
-    ctx = CostContext(profile=profile, world_size=topology.world_size,
-                      local_world_size=min(topology.local_world_size, topology.world_size),
-                      batch_size=batch_size, dense=dense_work(module, handles))
+    given = GivenPlan.of(module, plan, topology, batch_size, constraints, workload, sharders)
+    handles = given.handles
+    ctx = given.context(hardware)
+    profile = ctx.profile
     inf = np.full(topology.world_size, np.inf)
     prob = build_problem([h.spec for h in handles], ctx, inf, inf, pipelines=(pipeline,),
                          precisions=((fwd_precision, bwd_precision),))
     cands = list(prob.cands)
     costs = list(prob.costs)
     assignment = []
-    for h, (cand, ranks) in zip(handles, given_candidates(handles, plan, ctx.world_size,
-                                                          ctx.local_world_size)):
+    for (cand, ranks), cost in zip(given.placed, given.shard_costs(ctx)):
         cands.append(cand)
-        costs.append(shard_cost(h.spec, cand, ctx))
+        costs.append(cost)
         assignment.append((len(cands) - 1, ranks))
     full = attrs.evolve(prob, cands=tuple(cands), costs=tuple(costs))
     ev = new_evaluator(full, pipeline, fwd_precision, bwd_precision)

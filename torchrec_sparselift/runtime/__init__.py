@@ -1,15 +1,15 @@
 """runtime: apply a plan. ``lift`` / ``SparseLiftModelParallel`` build DistributedModelParallel with
 the plan's comm codecs and the planned train pipeline; ``StepTimer`` measures steady-state step time
-against the prediction; ``attribute_steps`` splits real steps by sparse-path node kind and
-``CommCounter`` counts the bytes and ids a step moves. ``TrainPipelineOverlap`` (pipeline kind
-``overlap``) is the package's own exact overlap of the sparse path's collectives with dense work.
-CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in ``runtime.two_d``.
+against the prediction; ``CommCounter`` counts the bytes and ids a step moves. A step's time by
+sparse-path node kind (``StepAttribution``, saved and loaded here) is profiled by
+``torchrec_sparselift.measure.attribution.attribute_steps``. ``TrainPipelineOverlap`` (pipeline
+kind ``overlap``) is the package's own exact overlap of the sparse path's collectives with dense
+work. CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in ``runtime.two_d``.
 """
 
-from torchrec_sparselift.runtime.attribution import (
+from torchrec_sparselift.calibration.attribution import (
     RankAttribution,
     StepAttribution,
-    attribute_steps,
     load_attribution,
     save_attribution,
 )
@@ -48,7 +48,6 @@ __all__ = [
     "CommCounter",
     "RankAttribution",
     "StepAttribution",
-    "attribute_steps",
     "load_attribution",
     "save_attribution",
     "EXACT_PIPELINE_KINDS",

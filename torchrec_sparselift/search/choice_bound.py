@@ -33,6 +33,7 @@ from typing import Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.pipelines import pipeline_kind
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (
@@ -57,15 +58,15 @@ class ChoiceBound:
     choice: Tuple[int, ...] = ()
 
 
-def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp32",
-                 bwd_precision: str = "fp32", time_limit_s: float = 2.0) -> float:
+def choice_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = defaults.COMM_PRECISION,
+                 bwd_precision: str = defaults.COMM_PRECISION, time_limit_s: float = 2.0) -> float:
     """Lower bound (seconds) on the step time of every plan of ``prob`` under ``pipeline``
     (see module docs); NaN if HiGHS gives none within ``time_limit_s``."""
     return choice_bound_solution(prob, pipeline, fwd_precision, bwd_precision, time_limit_s).bound_s
 
 
-def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp32",
-                          bwd_precision: str = "fp32", time_limit_s: float = 2.0) -> ChoiceBound:
+def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: str = defaults.COMM_PRECISION,
+                          bwd_precision: str = defaults.COMM_PRECISION, time_limit_s: float = 2.0) -> ChoiceBound:
     """:func:`choice_bound` with the option choice of the MILP's best solution."""
     ctx = prob.ctx
     p = ctx.profile

@@ -31,6 +31,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.model import PRECISION_BYTES, collective_call_form, phase_constants
 from torchrec_sparselift.cost.pipelines import PHASE_NAMES, PHASE_PARTS, PHASES, effective_pipeline, paths
 from torchrec_sparselift.cost.terms import PHASE_PRECISION, layout
@@ -317,7 +318,7 @@ def allreduce_rows(fixed: FixedTerms, allreduce: np.ndarray, ia: int, idp=None):
     return rows
 
 
-def precision_scales(fwd: str = "fp32", bwd: str = "fp32") -> Dict[str, float]:
+def precision_scales(fwd: str = defaults.COMM_PRECISION, bwd: str = defaults.COMM_PRECISION) -> Dict[str, float]:
     """The comm precisions as byte fractions of fp32, by the names in cost.terms.PHASE_PRECISION."""
     return {"fwd": PRECISION_BYTES[fwd] / 4, "bwd": PRECISION_BYTES[bwd] / 4}
 
@@ -366,8 +367,8 @@ def composition_rows(pl, forms, itot, supports_overlap=True, spans_hosts=False):
     return out
 
 
-def step_rows(eq: Equation, sv: StepVars, pipeline: str, fixed: FixedTerms, fwd: str = "fp32",
-              bwd: str = "fp32", fused_splits: bool = True) -> None:
+def step_rows(eq: Equation, sv: StepVars, pipeline: str, fixed: FixedTerms, fwd: str = defaults.COMM_PRECISION,
+              bwd: str = defaults.COMM_PRECISION, fused_splits: bool = True) -> None:
     """Add the composition rows: ``total`` >= every path of ``pipeline``'s step."""
     forms = phase_forms(sv, fixed.constants(), precision_scales(fwd, bwd), latency=fixed.latency,
                         fused_splits=fused_splits)

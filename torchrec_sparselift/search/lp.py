@@ -18,6 +18,7 @@ from typing import Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.model import step_total_batch
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (  # noqa: F401  (re-exported: one definition)
@@ -68,8 +69,8 @@ def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None, 
 def solve_lp(
     prob: PlanningProblem,
     pipeline: str,
-    fwd_precision: str = "fp32",
-    bwd_precision: str = "fp32",
+    fwd_precision: str = defaults.COMM_PRECISION,
+    bwd_precision: str = defaults.COMM_PRECISION,
     time_limit_s: float = 30.0,
 ) -> LPResult:
     ctx = prob.ctx
@@ -135,8 +136,8 @@ def solve_lp(
                     status="optimal" if res.status == 0 else "time_limit")
 
 
-def analytic_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = "fp32",
-                   bwd_precision: str = "fp32") -> float:
+def analytic_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = defaults.COMM_PRECISION,
+                   bwd_precision: str = defaults.COMM_PRECISION) -> float:
     """A lower bound without an LP: each column's maximum over ranks is at least the smallest
     possible average load and at least the biggest unavoidable single shard; the step time is
     non-decreasing in every column maximum, so composing those gives a bound (looser than the

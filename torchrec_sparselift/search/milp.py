@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.pipelines import pipeline_kind
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (
@@ -88,7 +89,7 @@ def choice_and_placement_rows(prob: PlanningProblem, place: List[Tuple[int, int,
     return rank_terms
 
 
-def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str = "fp32",
+def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = defaults.COMM_PRECISION, bwd: str = defaults.COMM_PRECISION,
                time_limit_s: float = 10.0, node_limit: Optional[int] = None) -> MILPResult:
     """Solve the MILP. ``node_limit`` (branch-and-bound nodes) makes a limited search
     deterministic; ``time_limit_s`` is a wall-clock safety net."""

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, StepTime
 from torchrec_sparselift.errors import SparseLiftPlannerError
@@ -60,7 +61,7 @@ class SearchResult:
         return self.step.total_s / self.lower_bound_s - 1.0
 
 
-def new_evaluator(prob: PlanningProblem, pipeline: str, fwd: str = "fp32", bwd: str = "fp32") -> PlanEvaluator:
+def new_evaluator(prob: PlanningProblem, pipeline: str, fwd: str = defaults.COMM_PRECISION, bwd: str = defaults.COMM_PRECISION) -> PlanEvaluator:
     return PlanEvaluator(
         prob.ctx, prob.costs, [c.sharding_type for c in prob.cands], prob.device_cap,
         prob.host_cap, pipeline, fwd, bwd, kernels=[c.compute_kernel for c in prob.cands],

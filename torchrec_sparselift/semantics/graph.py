@@ -64,7 +64,7 @@ NODE_KINDS = (
     "backward_update",
     "grad_allreduce",
     # host work per step that the kernels and collectives above do not include (fitted from
-    # real steps, cost.step_fit): KJT permutes/splits/lengths per feature and shard, per-shard
+    # real steps, calibration.step_fit): KJT permutes/splits/lengths per feature and shard, per-shard
     # bookkeeping, row-wise bucketize per id, per data-parallel table dense-gradient/optimizer
     "kjt_work",
     "table_work",

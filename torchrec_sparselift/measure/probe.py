@@ -8,7 +8,8 @@ DLRM example does (fused row-wise AdaGrad in backward for sharded tables, dense 
 and for data-parallel tables, ``TrainPipelineSparseDist``), runs ``warmup + steps`` steps and returns
 the slowest rank's median steady-state step. Every rank of ``pg`` must call it with the same plan.
 
-:data:`PROBE_WORKLOADS` are the probe models of :func:`torchrec_sparselift.step_calibration` (they
+:data:`PROBE_WORKLOADS` are the probe models of the step calibration
+(:mod:`torchrec_sparselift.measure.steps`; they
 differ in table count, features per table, widths and dense part, so per-table, per-feature and
 bandwidth terms separate); :func:`probe_constraints` forces one sharding type per table for the
 probe plans.
@@ -235,7 +236,7 @@ class Measurement:
     wall_s: float
     durations_s: Tuple[float, ...] = ()
     cpu_durations_s: Tuple[float, ...] = ()
-    #: :class:`~torchrec_sparselift.runtime.attribution.StepAttribution` of the profiled steps run
+    #: :class:`~torchrec_sparselift.calibration.attribution.StepAttribution` of the profiled steps run
     #: after the timed ones (``measure_plan(..., attribute=N)``), else None
     attribution: Any = attrs.field(default=None, eq=False)
 
@@ -249,10 +250,7 @@ def _set_affinity(cpus: Any) -> Any:
     to one thread; gloo's threads exist already); returns the previous affinity."""
     import os
 
-    from torchrec_sparselift.cost.machine import note_affinity_before_pinning
-
     old = os.sched_getaffinity(0)
-    note_affinity_before_pinning(old)
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
@@ -271,11 +269,13 @@ def _rank_cores(pg: Any) -> Optional[Any]:
     ranks, a single rank (nothing to separate) or no way to pin."""
     import os
 
+    from torchrec_sparselift.defaults import ranks_per_host
+
     if not hasattr(os, "sched_getaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0))
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank(pg) if pg is not None else 0))
-    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size(pg) if pg is not None else 1))
+    local_ws = ranks_per_host(world_size=dist.get_world_size(pg) if pg is not None else None)
     if local_ws < 2 or local_ws > len(cpus):
         return None
     k = len(cpus) // local_ws
@@ -286,7 +286,8 @@ def pin_rank_to_core(pg: Any = None) -> Optional[Any]:
     """Pin every thread of this rank to its own slice of the usable cores (:func:`_rank_cores`;
     as :func:`measure_plan` does by default); returns the previous affinity (for
     :func:`restore_affinity`), or None when nothing was changed (one local rank, fewer usable
-    cores than local ranks, or no way to pin)."""
+    cores than local ranks, or no way to pin). A process pinned for a whole run fingerprints the
+    machine with the cores it could use before (``current_fingerprint(..., cores=...)``)."""
     cores = _rank_cores(pg)
     return _set_affinity(cores) if cores is not None else None
 
@@ -318,7 +319,7 @@ def measure_plan(
     collector is paused during the timed steps (a collection runs before them). ``None`` takes
     :data:`DEFAULT_TIMING`. ``attribute``: after the timed steps, run that many more steps under
     ``torch.profiler`` and attribute them by sparse-path node kind
-    (:func:`~torchrec_sparselift.runtime.attribution.attribute_steps`, every rank's); the timed steps
+    (:func:`~torchrec_sparselift.measure.attribution.attribute_steps`, every rank's); the timed steps
     are never profiled, so ``median_s`` is the same measurement with or without it."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -367,7 +368,7 @@ def measure_plan(
         med, mean = statistics.median(steady), statistics.fmean(steady)
         att = None
         if attribute > 0:
-            from torchrec_sparselift.runtime.attribution import attribute_steps
+            from torchrec_sparselift.measure.attribution import attribute_steps
 
             att = attribute_steps(pipeline, it, steps=attribute, warmup_steps=0, pg=pg, label=label,
                                   device=device, measure_unprofiled=False)

@@ -1,4 +1,5 @@
-"""Fit a :class:`HardwareProfile` to microbenchmarks run on the machine at hand.
+"""Fit a :class:`HardwareProfile` to kernel microbenchmarks (pure: the measuring is
+:mod:`torchrec_sparselift.measure.kernels`).
 
 The fitted parameters are exactly those the cost model's equations use (``B`` = ``ids x
 row_bytes(dim)``, the bytes a lookup reads; ``n`` = ranks in the group)::
@@ -15,101 +16,53 @@ row_bytes(dim)``, the bytes a lookup reads; ``n`` = ranks in the group)::
 counts. ``bw`` is ``hbm_bw`` on CUDA and ``ddr_bw`` on CPU (a CPU profile gets the fitted value in
 ``hbm_bw``, ``ddr_bw`` and ``uvm_bw``, as the ``cpu-gloo`` preset does). ``row_granularity_bytes``
 is chosen from a few candidates by the same fit. Each family is fitted by non-negative least
-squares on *relative* residuals (every point counts the same whatever its size) with Huber
-reweighting, so one noisy point on a shared machine cannot drag a rate far. The report gives
-each family's mean and max absolute percentage error under the fitted profile.
-
-Run: ``python -m torchrec_sparselift.cost.calibrate --out profile.json [--quick] [--base NAME]``,
-alone (no collectives: they keep the base profile's values) or under ``torchrun`` (rank 0
-writes; collectives are measured across all ranks). Nothing here imports torchrec.
+squares (:func:`~torchrec_sparselift.calibration.nnls.nonnegative_least_squares`) on *relative*
+residuals (every point counts the same whatever its size) with Huber reweighting, so one noisy
+point on a shared machine cannot drag a rate far. The report gives each family's mean and max
+absolute percentage error under the fitted profile. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import json
 import math
-import os
 import statistics
-import sys
-import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
-import torch
 
-from torchrec_sparselift.atomic import write_json
-from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
-from torchrec_sparselift.errors import CalibrationError
-from torchrec_sparselift.cost.microbench import (
+from torchrec_sparselift.calibration.nnls import nonnegative_least_squares
+from torchrec_sparselift.calibration.records import (
     CollectiveRecord,
     CopyRecord,
     DenseRecord,
     LookupRecord,
     MicrobenchRecords,
-    SweepConfig,
-    bench_collectives,
-    bench_dense,
-    bench_host_to_device,
-    bench_lookups,
-    resolve_kernel,
 )
+from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.errors import CalibrationError
 
 __all__ = [
     "CalibrationError",
     "FamilyFit",
     "CalibrationReport",
+    "REPORT_SCHEMA",
     "fit_nonnegative",
     "fit_lookups",
     "fit_collectives",
     "fit_dense",
     "fit_copies",
-    "fit_profile",
+    "fit_kernel_profile",
     "predict_lookup",
     "predict_collective",
     "predict_dense",
-    "calibrate",
-    "main",
+    "load_records",
 ]
 
 GRANULARITY_CANDIDATES = (4, 16, 32, 64, 128)
-
+REPORT_SCHEMA = "sparselift.calibration_report/1"
 
 
 # -- generic fit --------------------------------------------------------------------------------
-
-
-def _weighted_lstsq(rows: Sequence[Sequence[float]], y: Sequence[float], w: Sequence[float], cols: Sequence[int]) -> List[float]:
-    """Least squares on the chosen columns of relative rows; the other coefficients are 0.
-
-    Pure Python (2-3 unknowns): normal equations on max-scaled columns, Gaussian elimination
-    with partial pivoting. A singular system returns all-NaN coefficients (rejected by callers).
-    """
-    a = [[r[c] / yi for c in cols] for r, yi in zip(rows, y)]
-    k = len(cols)
-    scale = [max(abs(row[j]) for row in a) or 1.0 for j in range(k)]
-    a = [[row[j] / scale[j] for j in range(k)] for row in a]
-    m = [[sum(wi * row[i] * row[j] for wi, row in zip(w, a)) for j in range(k)] for i in range(k)]
-    v = [sum(wi * row[i] for wi, row in zip(w, a)) for i in range(k)]  # target: all ones
-    for col in range(k):
-        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-14 * max(1.0, max(abs(x) for x in m[col])):
-            return [math.nan] * len(rows[0])
-        m[col], m[piv] = m[piv], m[col]
-        v[col], v[piv] = v[piv], v[col]
-        for r in range(col + 1, k):
-            f = m[r][col] / m[col][col]
-            for c in range(col, k):
-                m[r][c] -= f * m[col][c]
-            v[r] -= f * v[col]
-    sol = [0.0] * k
-    for i in range(k - 1, -1, -1):
-        sol[i] = (v[i] - sum(m[i][j] * sol[j] for j in range(i + 1, k))) / m[i][i]
-    coef = [0.0] * len(rows[0])
-    for c, x, sc in zip(cols, sol, scale):
-        coef[c] = x / sc
-    return coef
 
 
 def _relative_residuals(rows: Sequence[Sequence[float]], y: Sequence[float], coef: Sequence[float]) -> List[float]:
@@ -125,9 +78,9 @@ def fit_nonnegative(
 ) -> Tuple[float, ...]:
     """Coefficients ``c >= 0`` minimizing ``sum_i w_i ((rows_i . c - y_i) / y_i)^2``.
 
-    Exact non-negative least squares by trying every subset of active columns (fine for the
-    2-3 unknowns here). With ``robust`` the weights ``w_i`` are Huber weights on the relative
-    residuals (scale from their median absolute deviation), refitted ``iterations`` times.
+    :func:`~torchrec_sparselift.calibration.nnls.nonnegative_least_squares` on the relative rows.
+    With ``robust`` the weights ``w_i`` are Huber weights on the relative residuals (scale from
+    their median absolute deviation), refitted ``iterations`` times.
     """
     if len(rows) != len(y) or not rows:
         raise CalibrationError(f"need matching, non-empty rows and times (got {len(rows)} rows, {len(y)} times)")
@@ -136,26 +89,19 @@ def fit_nonnegative(
         raise CalibrationError("all design rows must have the same length")
     if not all(math.isfinite(v) and v > 0 for v in y):
         raise CalibrationError("measured times must be positive and finite")
+    relative = [[a / yi for a in r] for r, yi in zip(rows, y)]
+    ones = [1.0] * len(y)
     w = [1.0] * len(y)
-    best: Optional[List[float]] = None
+    best: Tuple[float, ...] = ()
     for _ in range(iterations if robust else 1):
-        best, best_loss = None, math.inf
-        for size in range(k, 0, -1):
-            for cols in itertools.combinations(range(k), size):
-                coef = _weighted_lstsq(rows, y, w, cols)
-                if any(not (v >= 0) for v in coef):  # negative or NaN (singular)
-                    continue
-                loss = sum(wi * r * r for wi, r in zip(w, _relative_residuals(rows, y, coef)))
-                if loss < best_loss:
-                    best, best_loss = coef, loss
-        assert best is not None  # a single non-negative column always fits (the sum is positive)
+        best = tuple(float(c) for c in nonnegative_least_squares(relative, ones, weights=w))
         if not robust:
             break
         res = _relative_residuals(rows, y, best)
         mad = statistics.median(abs(r - statistics.median(res)) for r in res)
         delta = 1.345 * max(1.4826 * mad, 0.01)
         w = [1.0 if abs(r) <= delta else delta / abs(r) for r in res]
-    return tuple(best)
+    return best
 
 
 # -- report values ------------------------------------------------------------------------------
@@ -202,7 +148,7 @@ class CalibrationReport:
 
     def to_dict(self) -> Dict[str, Any]:
         return {
-            "schema": "sparselift.calibration_report/1",
+            "schema": REPORT_SCHEMA,
             "profile": self.profile.to_dict(),
             "base": self.base,
             "device": self.device,
@@ -424,7 +370,7 @@ def _a2a_fields(base: HardwareProfile, a2a_bw: float, n: int, spans_hosts: bool)
     return {"inter_host_bw": max(remote_frac * a2a_bw, 1.0)}
 
 
-def fit_profile(
+def fit_kernel_profile(
     base: HardwareProfile,
     records: MicrobenchRecords,
     *,
@@ -540,186 +486,13 @@ def fit_profile(
     return profile, report
 
 
-# -- measuring ----------------------------------------------------------------------------------
+def load_records(path: str) -> Tuple[MicrobenchRecords, Dict[str, Any]]:
+    """``(records, report)`` of a records file or a calibration report (empty report for a bare
+    records file) written by ``sparselift calibrate kernels``."""
+    import json
 
-
-def _rank0_print(message: str) -> None:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        print(f"[calibrate] {message}", flush=True)
-
-
-def calibrate(
-    base: HardwareProfile,
-    quick: bool = False,
-    pg: Any = None,
-    *,
-    device: Optional[str] = None,
-    kernel: str = "auto",
-    config: Optional[SweepConfig] = None,
-    dense_dtype: Optional[str] = None,
-    name: Optional[str] = None,
-    budget_s: Optional[float] = None,
-    progress: Optional[Callable[[str], None]] = _rank0_print,
-) -> Tuple[HardwareProfile, CalibrationReport]:
-    """Run the microbenchmarks here and fit a profile on top of ``base``.
-
-    ``pg``: the process group for collectives; ``None`` means the default group when one is
-    initialized, else none. With one rank, collectives are skipped (and the report says so).
-    Every rank of ``pg`` must call this with the same arguments. Compute benchmarks run on all
-    ranks at once (they contend as in training); each rank fits its own compute records and the
-    shared collective records, so save rank 0's result (``main`` does). ``device`` defaults to
-    CUDA when available. ``budget_s`` (single process only) stops starting new lookup tables
-    once 70% of it is spent, leaving the rest for the dense and copy benchmarks.
-    """
-    import torch.distributed as dist
-
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda":
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(dev)
-    if dev.type not in ("cpu", "cuda"):
-        raise CalibrationError(f"calibration runs on 'cpu' or 'cuda', not {dev.type!r}")
-    if pg is None and dist.is_available() and dist.is_initialized():
-        pg = dist.group.WORLD
-    world = dist.get_world_size(pg) if pg is not None else 1
-    cfg = config or (SweepConfig.quick(dev.type) if quick else SweepConfig.full(dev.type))
-    if dense_dtype is not None and dense_dtype not in cfg.dense_dtypes:
-        cfg = attrs.evolve(cfg, dense_dtypes=cfg.dense_dtypes + (dense_dtype,))
-    notes: List[str] = []
-    barrier = (lambda: dist.barrier(group=pg)) if world > 1 else None
-    say = progress or (lambda _m: None)
-
-    kern = resolve_kernel(kernel)
-    say(f"device {dev}, lookup kernel {kern}, {world} rank(s), {'quick' if quick else 'full'} sweep")
-    deadline = None
-    if budget_s is not None:
-        if world > 1:
-            raise CalibrationError("budget_s works in a single process only (ranks must sweep the same tables)")
-        deadline = time.monotonic() + 0.7 * budget_s
-    lookups = bench_lookups(cfg, dev, kernel=kern, barrier=barrier, progress=say, deadline=deadline)
-    say(f"lookups: {len(lookups)} records")
-    dense = bench_dense(cfg, dev, progress=say)
-    copies = bench_host_to_device(cfg, dev, progress=say)
-    if world > 1:
-        collectives = bench_collectives(cfg, pg, dev, progress=say)
-    else:
-        collectives = []
-        say("single process: collectives skipped (run under torchrun with >= 2 ranks to measure them)")
-    records = MicrobenchRecords(lookups=lookups, collectives=collectives, dense=dense, copies=copies)
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if world > 1 else None
-    spans = world > 1 and local is not None and world > local
-    hbm_cap = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
-    if dev.type == "cuda":
-        notes.append(f"measured on {torch.cuda.get_device_name(dev)}")
-    if kern == "torch_embedding_bag":
-        notes.append(
-            "lookups used torch.nn.functional.embedding_bag + row-wise AdaGrad (fbgemm_gpu not "
-            "importable); fbgemm TBE is typically faster, so bw is a lower and bwd_factor an upper estimate"
-        )
-    return fit_profile(
-        base, records, name=name, dense_dtype=dense_dtype, compute_device=dev.type,
-        local_world_size=local, spans_hosts=spans, hbm_cap_bytes=hbm_cap, notes=notes,
-    )
-
-
-# -- command line -------------------------------------------------------------------------------
-
-
-def _write_json(path: str, data: Mapping[str, Any]) -> None:
-    write_json(path, data, prefix=".calib-")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="sparselift calibrate",
-        description="Measure this machine and fit a hardware profile JSON the planner can load.",
-    )
-    p.add_argument("--out", required=True, help="where to write the fitted profile JSON")
-    p.add_argument("--quick", action="store_true", help="a small sweep (seconds) instead of the full one")
-    p.add_argument("--base", default=None, help="preset or profile JSON whose unmeasured fields are kept "
-                   "(default: cpu-gloo on CPU, h100 on CUDA)")
-    p.add_argument("--name", default=None, help="name of the fitted profile (default: BASE-calibrated)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    p.add_argument("--kernel", choices=("auto", "fbgemm", "torch"), default="auto",
-                   help="lookup kernel: fbgemm TBE or torch embedding_bag (auto: fbgemm when importable)")
-    p.add_argument("--dense-dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="matmul dtype whose throughput becomes dense_flops (default fp32)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads while measuring (torchrun sets 1 per rank; on a shared "
-                   "machine 1 avoids OpenMP spin-wait stalls in the CPU TBE backward)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="single process: stop adding lookup tables after 70%% of this many seconds")
-    p.add_argument("--records", default=None,
-                   help="where to write raw records + fit report (default: OUT with .records.json)")
-    p.add_argument("--from-records", default=None,
-                   help="refit from a records/report JSON written earlier instead of measuring")
-    return p
-
-
-def _load_records(path: str) -> Tuple[MicrobenchRecords, Dict[str, Any]]:
     with open(path) as f:
         data = json.load(f)
-    if data.get("schema") == "sparselift.calibration_report/1":
+    if data.get("schema") == REPORT_SCHEMA:
         return MicrobenchRecords.from_dict(data["records"]), data
     return MicrobenchRecords.from_dict(data), {}
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """``sparselift calibrate``: measure (or refit saved records), write the profile; 0 on success."""
-    import torch.distributed as dist
-
-    args = _parser().parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            print("calibrate: error: --threads must be >= 1", file=sys.stderr)
-            return 2
-        torch.set_num_threads(args.threads)
-    records_path = args.records or (os.path.splitext(args.out)[0] + ".records.json")
-    own_pg = False
-    try:
-        if args.from_records:
-            records, previous = _load_records(args.from_records)
-            base = get_profile(args.base or previous.get("base") or "cpu-gloo")
-            dev = args.device or (records.lookups[0].device if records.lookups else base.compute_device)
-            prev_profile = previous.get("profile", {})
-            profile, report = fit_profile(
-                base, records, name=args.name, dense_dtype=args.dense_dtype, compute_device=dev,
-                local_world_size=prev_profile.get("local_world_size"),
-                hbm_cap_bytes=prev_profile.get("hbm_cap_bytes"),
-                notes=[n for n in previous.get("notes", []) if n.startswith(("measured on", "lookups used"))],
-            )
-            rank = 0
-        else:
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-                use_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-                if use_cuda:
-                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-                dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-                own_pg = True
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-            base = get_profile(args.base or ("h100" if on_cuda else "cpu-gloo"))
-            profile, report = calibrate(
-                base, quick=args.quick, device=args.device, kernel=args.kernel,
-                dense_dtype=args.dense_dtype, name=args.name, budget_s=args.budget_s,
-            )
-        if rank == 0:
-            profile.save(args.out)
-            _write_json(records_path, report.to_dict())
-            print(report.summary(), flush=True)
-            print(f"[calibrate] wrote {args.out} and {records_path}", flush=True)
-        return 0
-    except (CalibrationError, ValueError, RuntimeError, OSError) as exc:
-        print(f"calibrate: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if own_pg and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

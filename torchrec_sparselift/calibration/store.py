@@ -1,6 +1,6 @@
-"""Machine fingerprints and the store of calibrated profiles keyed by them.
+"""Machine fingerprints, the store of calibrated profiles keyed by them, and ``hardware="auto"``.
 
-A hardware profile fitted from real steps (:mod:`torchrec_sparselift.cost.step_fit`) holds rates
+A hardware profile fitted from real steps (:mod:`torchrec_sparselift.calibration.step_fit`) holds rates
 of one machine: its CPU or GPU, how many cores or devices, the collective backend, how many ranks
 share it, and the software that runs the step (torch, fbgemm_gpu, torchrec). A
 :class:`MachineFingerprint` names exactly that; :class:`ProfileStore` keeps one profile per
@@ -9,8 +9,12 @@ returns the matching one, or the closest one together with the fields that diffe
 with them), or nothing.
 
 Default store: ``$TORCHREC_SPARSELIFT_PROFILE_DIR`` if set, else
-``~/.cache/torchrec_sparselift/profiles``. Nothing here imports torch unless asked for the
-current machine's GPU (:func:`current_fingerprint` with ``device="cuda"``).
+``~/.cache/torchrec_sparselift/profiles``. :func:`auto_profile` is what ``hardware="auto"``
+resolves to: it only reads the store (this machine's profile, else the closest stored one, else
+:func:`base_profile`) and warns, with the command that calibrates, when the answer is not this
+machine's own up-to-date profile (:func:`stored_profile_problems`). The base CPU profile ships with
+the package (``calibration/data/cpu-2core-gloo.json``). Nothing here imports torch unless asked for
+the current machine's GPU (:func:`current_fingerprint` with ``device="cuda"``).
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import hashlib
 import json
 import os
 import platform
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import attrs
 
 from torchrec_sparselift.atomic import write_json
-from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.calibration.step_fit import STEP_MODEL_VERSION, StepFitInfo
+from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 
 __all__ = [
     "MachineFingerprint",
@@ -33,6 +39,15 @@ __all__ = [
     "current_fingerprint",
     "default_store_dir",
     "PROFILE_STORE_ENV",
+    "BASE_CPU_PROFILE",
+    "base_profile",
+    "base_profile_text",
+    "auto_profile",
+    "stored_profile_problems",
+    "disturbed_spread",
+    "drift_spread",
+    "MAX_DRIFT_SPREAD",
+    "calibrate_command",
 ]
 
 PROFILE_STORE_ENV = "TORCHREC_SPARSELIFT_PROFILE_DIR"
@@ -112,29 +127,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-_CORES_BEFORE_PINNING: Optional[int] = None
-
-
-def note_affinity_before_pinning(cpus: Any) -> None:
-    """Called by the runtime right before it pins this process to a slice of the cores (one core
-    per rank while measuring, or for a whole training run): the fingerprint keeps describing the
-    cores the process could use, not the slice it was pinned to. Only the first call counts."""
-    global _CORES_BEFORE_PINNING
-    if _CORES_BEFORE_PINNING is None:
-        _CORES_BEFORE_PINNING = max(1, len(cpus))
-
-
-def _cores() -> int:
-    if _CORES_BEFORE_PINNING is not None:
-        return _CORES_BEFORE_PINNING
+def usable_cores() -> int:
+    """The cores this process may run on now (its affinity; the CPU count where there is none)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
 
 
-def current_fingerprint(device: str = "cpu", ranks: int = 1, backend: Optional[str] = None) -> MachineFingerprint:
-    """The fingerprint of this machine for runs on ``device`` with ``ranks`` processes per host."""
+def current_fingerprint(device: str = "cpu", ranks: int = 1, backend: Optional[str] = None,
+                        cores: Optional[int] = None) -> MachineFingerprint:
+    """The fingerprint of this machine for runs on ``device`` with ``ranks`` processes per host.
+
+    ``cores``: the cores the run may use (default :func:`usable_cores`). A process that pinned its
+    ranks to a slice of the cores passes what it could use before pinning (the DLRM example does),
+    so that it finds the profile its calibration stored."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if ranks < 1:
@@ -149,7 +156,7 @@ def current_fingerprint(device: str = "cpu", ranks: int = 1, backend: Optional[s
     return MachineFingerprint(
         device=device,
         processor=processor,
-        cores=_cores(),
+        cores=int(cores) if cores is not None else usable_cores(),
         devices=devices,
         backend=backend or ("nccl" if device == "cuda" else "gloo"),
         ranks=int(ranks),
@@ -161,12 +168,17 @@ def current_fingerprint(device: str = "cpu", ranks: int = 1, backend: Optional[s
 
 @attrs.frozen
 class StoredProfile:
-    """A profile, the machine it was fitted on, and how (free-form JSON ``info``)."""
+    """A profile, the machine it was fitted on, and how (its stored JSON ``info``; a step fit's is
+    read as :attr:`step_fit`)."""
 
     profile: HardwareProfile
     fingerprint: MachineFingerprint
     path: str
     info: Dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def step_fit(self) -> StepFitInfo:
+        return StepFitInfo.from_dict(self.info)
 
 
 # how much a differing field counts when picking the closest profile from another machine
@@ -183,10 +195,15 @@ class ProfileStore:
     def path_for(self, fp: MachineFingerprint) -> str:
         return os.path.join(self.root, f"{fp.device}-{fp.digest()}.json")
 
-    def save(self, profile: HardwareProfile, fp: MachineFingerprint, info: Optional[Mapping[str, Any]] = None) -> str:
-        """Store ``profile`` for ``fp`` (replacing an older one); returns the file's path."""
+    def save(self, profile: HardwareProfile, fp: MachineFingerprint,
+             info: "Optional[Mapping[str, Any] | StepFitInfo]" = None) -> str:
+        """Store ``profile`` for ``fp`` (replacing an older one) with ``info`` (a
+        :class:`~torchrec_sparselift.calibration.step_fit.StepFitInfo` or plain JSON values);
+        returns the file's path."""
         os.makedirs(self.root, exist_ok=True)
         path = self.path_for(fp)
+        if isinstance(info, StepFitInfo):
+            info = info.to_dict()
         payload = {"schema": STORED_SCHEMA, "fingerprint": fp.to_dict(), "profile": profile.to_dict(),
                    "info": dict(info or {})}
         write_json(path, payload, prefix=".profile-", sort_keys=True)
@@ -235,3 +252,98 @@ class ProfileStore:
             if best_score is None or score < best_score:
                 best, best_score, best_diff = s, score, diff
         return best, best_diff
+
+
+# -- the base profile and hardware="auto" ---------------------------------------------------------
+
+#: The base CPU profile (kernel microbenchmarks of a 2-core machine, gloo x2) shipped as package data.
+BASE_CPU_PROFILE = "cpu-2core-gloo.json"
+
+
+def base_profile_text() -> str:
+    """The shipped base CPU profile's JSON text (read through ``importlib.resources``, so it is
+    found in a wheel install as in a checkout)."""
+    from importlib import resources
+
+    return resources.files("torchrec_sparselift.calibration").joinpath("data", BASE_CPU_PROFILE).read_text(
+        encoding="utf-8")
+
+
+def base_profile(device: str) -> HardwareProfile:
+    """The profile a calibration starts from and ``hardware="auto"`` falls back to: the shipped
+    CPU microbenchmark profile on CPU, the ``h100`` preset on CUDA."""
+    if device == "cpu":
+        data = json.loads(base_profile_text())
+        data.pop("schema", None)
+        return HardwareProfile.from_dict(data)
+    return get_profile("h100")
+
+
+def calibrate_command(ranks: int) -> str:
+    """The command that calibrates this machine for ``ranks`` processes per host."""
+    return f"torchrun --standalone --nproc_per_node {ranks} -m torchrec_sparselift calibrate steps"
+
+
+#: Largest spread (slowest / fastest) of the reference plan's drift across one calibration's probe
+#: workloads before the calibration warns and its profile counts as disturbed. Measured over seven
+#: calibrations: 1.02-1.26x with probe fits of 7.7-9.1%; 1.49x and 2.10x with probe fits of 14.3%
+#: and 22.8%, whose benchmark runs had held-out MAPEs of 18.0% and 24.9%.
+MAX_DRIFT_SPREAD = 1.3
+
+
+def drift_spread(drifts: Any) -> float:
+    """``max / min`` of per-workload drifts; 1.0 for fewer than two."""
+    ds = [float(d) for d in drifts if d > 0]
+    return max(ds) / min(ds) if len(ds) > 1 else 1.0
+
+
+def disturbed_spread(info: StepFitInfo) -> Optional[float]:
+    """The drift spread a stored profile's calibration recorded when it is above
+    :data:`MAX_DRIFT_SPREAD`, else None."""
+    spread = info.drift_spread
+    return float(spread) if spread is not None and float(spread) > MAX_DRIFT_SPREAD else None
+
+
+def stored_profile_problems(info: StepFitInfo) -> List[str]:
+    """Why a stored profile of this machine should be calibrated again (empty: it is fine), each as
+    a phrase after "the profile ...": fitted by an older cost model (its missing terms, or another
+    :data:`~torchrec_sparselift.calibration.step_fit.STEP_MODEL_VERSION`), or calibrated on a machine
+    whose speed moved (:func:`disturbed_spread`). ``sparselift calibrate check`` fails on them and
+    :func:`auto_profile` warns with them."""
+    out = []
+    missing = info.missing_terms()
+    if missing:
+        out.append(f"was fitted before the cost model had {', '.join(missing)} (they take their fallback values)")
+    version = info.fitted_model_version()
+    if version is not None and version != STEP_MODEL_VERSION:
+        out.append(f"was fitted under cost-model structure {version} (this code prices structure "
+                   f"{STEP_MODEL_VERSION}: its terms multiply other quantities now)")
+    spread = disturbed_spread(info)
+    if spread is not None:
+        out.append(f"was calibrated while the machine's speed moved {spread:.2f}x between probe workloads "
+                   "(calibrate on a quieter machine)")
+    return out
+
+
+def auto_profile(device: str, ranks: int, store: Optional[ProfileStore] = None,
+                 warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3),
+                 cores: Optional[int] = None) -> Tuple[HardwareProfile, str]:
+    """``(profile, where)`` for ``hardware="auto"``: this machine's stored profile; else the
+    closest stored one (``warn`` names the differing fingerprint fields); else the base profile
+    (``warn`` says how to calibrate). Only reads the store. ``cores``: see :func:`current_fingerprint`."""
+    store = store or ProfileStore()
+    fp = current_fingerprint(device, ranks, cores=cores)
+    found, diff = store.lookup(fp)
+    how = f"calibrate this machine with `{calibrate_command(ranks)}`"
+    if found is not None and not diff:
+        for problem in stored_profile_problems(found.step_fit):
+            warn(f"sparselift: this machine's profile {found.path} {problem}: predictions may be off; {how}")
+        return found.profile, found.path
+    if found is not None:
+        warn(f"sparselift: no calibrated profile for this machine; using {found.path} from another machine "
+             f"(differs in {'; '.join(diff)}): predictions may be off; {how}")
+        return found.profile, found.path
+    base = base_profile(device)
+    warn(f"sparselift: no calibrated profile for this machine in {store.root}; using {base.name}: "
+         f"predictions may be off; {how}")
+    return base, base.name

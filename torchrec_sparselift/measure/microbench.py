@@ -1,7 +1,8 @@
-"""Microbenchmarks that measure the rates a :class:`~.hardware.HardwareProfile` holds.
+"""Microbenchmarks that measure the rates a :class:`~torchrec_sparselift.cost.hardware.HardwareProfile` holds.
 
-Each benchmark runs on the machine at hand and returns plain immutable records; fitting them to
-the cost model's equations is :mod:`torchrec_sparselift.cost.calibrate`'s job. Nothing here
+Each benchmark runs on the machine at hand and returns plain immutable records
+(:mod:`torchrec_sparselift.calibration.records`); fitting them to the cost model's equations is
+:mod:`torchrec_sparselift.calibration.kernel_fit`'s job. Nothing here
 imports torchrec: the embedding kernel is fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen``
 (the kernel TorchRec's fused tables run, on CPU with ``EmbeddingLocation.HOST`` /
 ``ComputeDevice.CPU``, exactly as ``BatchedFusedEmbeddingBag`` builds it) when ``fbgemm_gpu``
@@ -20,18 +21,23 @@ import math
 import random
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import attrs
-import numpy as np
 import torch
 
+from torchrec_sparselift.calibration.nnls import nonnegative_least_squares
+from torchrec_sparselift.calibration.records import (
+    CollectiveRecord,
+    CopyRecord,
+    DenseRecord,
+    HostTermRecord,
+    LookupRecord,
+    positive_int,
+    positive_seconds,
+)
+
 __all__ = [
-    "LookupRecord",
-    "CollectiveRecord",
-    "DenseRecord",
-    "CopyRecord",
-    "MicrobenchRecords",
     "SweepConfig",
     "fbgemm_available",
     "time_per_call",
@@ -40,139 +46,11 @@ __all__ = [
     "bench_collectives",
     "bench_dense",
     "bench_host_to_device",
-    "HostTermRecord",
     "bench_host_terms",
     "bench_a2a_byte_s",
 ]
 
-RECORDS_SCHEMA = "sparselift.calibration_records/1"
-
-_ELEM_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _pos_int(instance: Any, attribute: "attrs.Attribute[Any]", value: int) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _pos_seconds(instance: Any, attribute: "attrs.Attribute[Any]", value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a positive finite time in seconds, "
-            f"got {value!r}"
-        )
-
-
-def _one_of(*choices: str) -> Callable[[Any, "attrs.Attribute[Any]", str], None]:
-    def check(instance: Any, attribute: "attrs.Attribute[Any]", value: str) -> None:
-        if value not in choices:
-            raise ValueError(
-                f"{type(instance).__name__}.{attribute.name} must be one of {list(choices)}, got {value!r}"
-            )
-
-    return check
-
-
-@attrs.frozen(kw_only=True)
-class LookupRecord:
-    """One embedding-bag measurement: ``batch_size`` bags of ``pooling`` ids into one table.
-
-    ``phase`` is ``"fwd"`` (forward lookup) or ``"fwd_bwd"`` (forward, backward and the fused
-    row-wise AdaGrad update); ``seconds`` is the median time of one call.
-    """
-
-    kernel: str = attrs.field(validator=_one_of("fbgemm_tbe", "torch_embedding_bag"))
-    device: str = attrs.field(validator=_one_of("cpu", "cuda"))
-    phase: str = attrs.field(validator=_one_of("fwd", "fwd_bwd"))
-    rows: int = attrs.field(validator=_pos_int)
-    dim: int = attrs.field(validator=_pos_int)
-    batch_size: int = attrs.field(validator=_pos_int)
-    pooling: int = attrs.field(validator=_pos_int)
-    elem_bytes: int = attrs.field(default=4, validator=_pos_int)
-    seconds: float = attrs.field(validator=_pos_seconds)
-
-    @property
-    def ids(self) -> int:
-        """Row reads per call (batch size x pooling factor)."""
-        return self.batch_size * self.pooling
-
-
-@attrs.frozen(kw_only=True)
-class CollectiveRecord:
-    """One collective measurement on ``world_size`` ranks.
-
-    ``bytes`` is the size of each rank's input buffer (for all-to-all: the whole send buffer,
-    its own chunk included, so ``(n - 1) / n`` of it crosses a link; for all-reduce: the tensor
-    being reduced). ``seconds`` is the median
-    over calls of the slowest rank's time.
-    """
-
-    op: str = attrs.field(validator=_one_of("all_to_all", "all_reduce"))
-    backend: str
-    world_size: int = attrs.field(validator=_pos_int)
-    bytes: int = attrs.field(validator=_pos_int)
-    seconds: float = attrs.field(validator=_pos_seconds)
-
-
-@attrs.frozen(kw_only=True)
-class DenseRecord:
-    """One ``(m, k) @ (k, n)`` matmul measurement; ``flops`` = 2 m n k."""
-
-    device: str = attrs.field(validator=_one_of("cpu", "cuda"))
-    dtype: str = attrs.field(validator=_one_of(*_DTYPES))
-    m: int = attrs.field(validator=_pos_int)
-    n: int = attrs.field(validator=_pos_int)
-    k: int = attrs.field(validator=_pos_int)
-    seconds: float = attrs.field(validator=_pos_seconds)
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.m * self.n * self.k
-
-
-@attrs.frozen(kw_only=True)
-class CopyRecord:
-    """A pinned host-to-device copy of ``bytes`` (the bound on UVM row traffic)."""
-
-    direction: str = attrs.field(validator=_one_of("h2d", "d2h"))
-    bytes: int = attrs.field(validator=_pos_int)
-    seconds: float = attrs.field(validator=_pos_seconds)
-
-
-_RECORD_TYPES = {
-    "lookups": LookupRecord,
-    "collectives": CollectiveRecord,
-    "dense": DenseRecord,
-    "copies": CopyRecord,
-}
-
-
-@attrs.frozen(kw_only=True)
-class MicrobenchRecords:
-    """All measurements of one calibration run, JSON-serializable."""
-
-    lookups: Tuple[LookupRecord, ...] = attrs.field(default=(), converter=tuple)
-    collectives: Tuple[CollectiveRecord, ...] = attrs.field(default=(), converter=tuple)
-    dense: Tuple[DenseRecord, ...] = attrs.field(default=(), converter=tuple)
-    copies: Tuple[CopyRecord, ...] = attrs.field(default=(), converter=tuple)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {
-            "schema": RECORDS_SCHEMA,
-            **{key: [attrs.asdict(r) for r in getattr(self, key)] for key in _RECORD_TYPES},
-        }
-
-    @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> "MicrobenchRecords":
-        if data.get("schema") != RECORDS_SCHEMA:
-            raise ValueError(
-                f"not a calibration records file (schema {data.get('schema')!r}, expected "
-                f"{RECORDS_SCHEMA!r}); write one with `calibrate --records PATH`"
-            )
-        return cls(
-            **{key: [typ(**r) for r in data.get(key, [])] for key, typ in _RECORD_TYPES.items()}
-        )
 
 
 @attrs.frozen(kw_only=True)
@@ -183,16 +61,16 @@ class SweepConfig:
     rows: Tuple[int, ...] = attrs.field(converter=tuple)
     poolings: Tuple[int, ...] = attrs.field(converter=tuple)
     batch_sizes: Tuple[int, ...] = attrs.field(converter=tuple)
-    max_table_bytes: int = attrs.field(validator=_pos_int)
+    max_table_bytes: int = attrs.field(validator=positive_int)
     message_bytes: Tuple[int, ...] = attrs.field(converter=tuple)
     matmul_shapes: Tuple[Tuple[int, int, int], ...] = attrs.field(
         converter=lambda v: tuple(tuple(s) for s in v)
     )
     dense_dtypes: Tuple[str, ...] = attrs.field(converter=tuple)
     copy_bytes: Tuple[int, ...] = attrs.field(default=(), converter=tuple)
-    warmup: int = attrs.field(default=2, validator=_pos_int)
-    trials: int = attrs.field(default=5, validator=_pos_int)
-    target_trial_s: float = attrs.field(default=0.01, validator=_pos_seconds)
+    warmup: int = attrs.field(default=2, validator=positive_int)
+    trials: int = attrs.field(default=5, validator=positive_int)
+    target_trial_s: float = attrs.field(default=0.01, validator=positive_seconds)
 
     def __attrs_post_init__(self) -> None:
         for name in ("dims", "rows", "poolings", "batch_sizes", "message_bytes"):
@@ -310,7 +188,7 @@ def fastest_over_passes(cases: Sequence[Callable[[], float]], passes: int) -> Li
     so within one reading each case keeps its fastest observation; sweeping all cases once per
     pass spreads each case's samples over the whole reading, so a short slow stretch cannot lift
     one case (and a slope between cases) alone. Readings a minute apart are averaged instead
-    (:meth:`HostTermRecord.mean_of`). Measured: docs/calibration.md, "Session 7"."""
+    (:meth:`HostTermRecord.mean_of`)."""
     if passes < 1:
         raise ValueError(f"fastest_over_passes: passes must be >= 1, got {passes}")
     best = [math.inf] * len(cases)
@@ -586,55 +464,6 @@ def bench_host_to_device(
 # -- host work the step fit cannot separate -----------------------------------------------------
 
 
-@attrs.frozen
-class HostTermRecord:
-    """Per-call costs of host work a training step does outside the embedding kernels, each
-    measured alone (so the step fit need not guess them from whole steps, where they are
-    collinear with table and feature counts):
-
-    * ``optimizer_tensor_s`` / ``optimizer_byte_s``: ``torch.optim.Adagrad.step`` (what the DLRM
-      example and the probes run for the dense part and every data-parallel table, one parameter
-      per table) per parameter tensor and per fp32 parameter byte;
-    * ``bucketize_id_s``: fbgemm's ``block_bucketize_sparse_features`` (row-wise input dist) per id
-      into 2 buckets;
-    * ``a2a_byte_s``: ``all_to_all_single`` per byte sent or received by a rank.
-    """
-
-    optimizer_tensor_s: float
-    optimizer_byte_s: float
-    bucketize_id_s: float
-    #: an all-to-all's cost per byte a rank sends or receives (the graph's link bytes), measured
-    #: across the ranks of a process group (:func:`bench_a2a_byte_s`); 0: not measured (one rank)
-    a2a_byte_s: float = 0.0
-    #: the dense part's parameter-free work, forward + backward (:func:`bench_dense_terms`): seconds
-    #: per activation byte the forward writes and per interaction FLOP (0: not measured)
-    dense_act_byte_s: float = 0.0
-    interaction_flop_s: float = 0.0
-    #: a fused TBE backward (EXACT_ROWWISE_ADAGRAD, :func:`bench_tbe_backward`): seconds per distinct
-    #: row it updates and per id it reads (0: not measured, fbgemm missing)
-    tbe_row_s: float = 0.0
-    tbe_bwd_id_s: float = 0.0
-    #: the dense layers' products (:func:`bench_dense_flops`): seconds per forward FLOP of a forward +
-    #: backward (the backward counted as twice the forward); 0: not measured
-    dense_flop_s: float = 0.0
-
-    def to_dict(self) -> Dict[str, float]:
-        return attrs.asdict(self)
-
-    @classmethod
-    def mean_of(cls, records: Sequence["HostTermRecord"]) -> "HostTermRecord":
-        """Every term's mean over ``records`` (the same work measured at different moments of a
-        calibration, a minute apart). The step fit sits at several of these floors (the probes
-        cannot pin the dense terms), so a floor acts as the value; the probes are priced at the
-        calibration's median machine speed, and one reading in a slow or a fast stretch moved the
-        held-out predictions of the many-feature workloads by 20-30% (docs/calibration.md,
-        "Session 7"): the readings are averaged, not chosen."""
-        if not records:
-            raise ValueError("HostTermRecord.mean_of needs at least one record")
-        return cls(**{f.name: float(statistics.fmean(getattr(r, f.name) for r in records))
-                      for f in attrs.fields(cls)})
-
-
 def _adagrad_step_s(shapes: List[Tuple[int, int]], device: torch.device, trials: int) -> float:
     params = [torch.nn.Parameter(torch.randn(*sh, device=device)) for sh in shapes]
     for q in params:
@@ -700,7 +529,7 @@ def bench_dense_terms(device: Optional[torch.device] = None, trials: int = 5,
         rows.append([b * ACTIVATION_BYTES * (elems + f * d), b * flops, 1.0])
     secs = fastest_over_passes([functools.partial(_dlrm_dense_s, b, f, d, device, trials) for b, f, d in shapes],
                                passes)
-    x = _nnls_columns(rows, secs)
+    x = nonnegative_least_squares(rows, secs)
     return float(x[0]), float(x[1])
 
 
@@ -735,18 +564,7 @@ def bench_dense_flops(device: Optional[torch.device] = None, trials: int = 5,
         weights = sum(a * c + c for a, c in zip(widths[:-1], widths[1:]))
         rows.append([3.0 * 2.0 * weights * b, 1.0])
     secs = fastest_over_passes([functools.partial(_mlp_s, b, widths, device, trials) for b, widths in shapes], passes)
-    return float(_nnls_columns(rows, secs)[0])
-
-
-def _nnls_columns(rows: List[List[float]], secs: List[float]) -> np.ndarray:
-    """Non-negative least squares ``secs ~ rows @ x`` with each column scaled to its largest value
-    first (the quantities span many orders of magnitude)."""
-    from scipy.optimize import nnls
-
-    a = np.asarray(rows, dtype=np.float64)
-    scale = a.max(axis=0)
-    x, _res = nnls(a / scale, np.asarray(secs, dtype=np.float64))
-    return x / scale
+    return float(nonnegative_least_squares(rows, secs)[0])
 
 
 #: ``(rows, ids)`` of :func:`bench_tbe_backward`, uniform ids over one dim-64 table: distinct rows
@@ -792,7 +610,7 @@ def bench_tbe_backward(device: Optional[torch.device] = None, trials: int = 5,
         t, d = _tbe_backward_s(r, n, device, trials, passes=passes)
         rows.append([float(d), float(n), 1.0])
         secs.append(t)
-    x = _nnls_columns(rows, secs)
+    x = nonnegative_least_squares(rows, secs)
     return float(x[0]), float(x[1])
 
 

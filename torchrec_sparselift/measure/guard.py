@@ -1,4 +1,4 @@
-"""Plan with a measured guard: the model proposes, a few real steps decide.
+"""Measured guard: the model proposes, a few real steps decide.
 
 ::
 
@@ -8,23 +8,30 @@
         cache_dir=".sparselift_cache")
     print(result.format())
 
-Candidates: SparseLift's plan, then SparseLift's best plans under alternative restrictions (no
-data-parallel tables; table-wise only; no row-wise), de-duplicated and ordered by predicted step
-time, ``guard.candidates`` of them in all; plus TorchRec's ``EmbeddingShardingPlanner`` plan
-(``guard.torchrec``). Each is trained for ``guard.warmup + guard.steps`` steps on the real model
-and the given pre-built batches, with the train pipeline its plan runs
-(:func:`torchrec_sparselift.runtime.probe.measure_plan`, the median step of the per-step slowest
-rank), ``guard.rounds`` times interleaved, and the fastest is kept
-(:func:`torchrec_sparselift.runtime.guard.choose_measured`).
+:func:`choose_measured` is the rule, independent of how plans are made or run: it calls
+``trial(label, plan)`` (seconds per steady-state step, measured) for each candidate, in the given
+order, and keeps the candidate with the lowest measured time (ties: the earlier candidate, i.e. the
+one the model ranked first). Candidates whose plans are the same (equal ``key``) are measured once:
+the later ones share the first one's trials (TorchRec's plan is often exactly SparseLift's;
+measuring it twice would only let noise pick between a plan and itself). :class:`GuardResult`
+records every trial (label, source, predicted and measured seconds) as plain JSON, which the
+execution plan stores so a cached plan is reused without measuring again.
+
+:func:`guarded_execution_plan` makes the candidates: SparseLift's plan, then SparseLift's best plans
+under alternative restrictions (no data-parallel tables; table-wise only; no row-wise),
+de-duplicated and ordered by predicted step time, ``guard.candidates`` of them in all; plus
+TorchRec's ``EmbeddingShardingPlanner`` plan (``guard.torchrec``). Each is trained for
+``guard.warmup + guard.steps`` steps on the real model and the given pre-built batches, with the
+train pipeline its plan runs (:func:`torchrec_sparselift.measure.probe.measure_plan`, the median
+step of the per-step slowest rank), ``guard.rounds`` times interleaved, and the fastest is kept.
 
 The returned :class:`~torchrec_sparselift.plan.ExecutionPlan` is SparseLift's, with the kept plan's
 sharding and prediction and the trials in ``planner_info["measured_guard"]``. With ``cache_dir`` it is
 stored under the fingerprint of the planner's ``PlanRequest`` with its ``measured_guard`` field set to
-the guard settings (``guarded-<digest>.json``) and a
-later call with the same inputs reuses it without planning or measuring (guarded and unguarded plans
-never share a cache entry). With ``guard.feedback`` the trials, linearized in the profile's terms,
-join this machine's stored step-fit records (:mod:`torchrec_sparselift.step_calibration`) and its
-profile is refitted.
+the guard settings (``guarded-<digest>.json``) and a later call with the same inputs reuses it
+without planning or measuring (guarded and unguarded plans never share a cache entry). With
+``guard.feedback`` the trials, linearized in the profile's terms, join this machine's stored
+step-fit records and its profile is refitted (:func:`torchrec_sparselift.calibration.feedback.add_feedback`).
 
 Cost: ``guard.rounds`` x (one DMP build plus ``warmup + steps`` steps) per candidate (measured on
 the 2-core machine, defaults 2 x (5 + 16): 2.6-3.0 s per trial for the default DLRM example, 17 s for
@@ -37,19 +44,150 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.atomic import write_text
+from torchrec_sparselift.calibration.feedback import feedback_records
 from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
-from torchrec_sparselift.runtime.guard import Candidate, GuardResult, MeasuredGuard, choose_measured
-from torchrec_sparselift.semantics.table_file import SHARDING_TYPES
+from torchrec_sparselift.vocabulary import OPT_IN_SHARDING_TYPES, SHARDING_TYPES
+from torchrec_sparselift.validation import int_at_least
 
-__all__ = ["guarded_execution_plan", "guard_cache_path", "guard_fingerprint", "ALTERNATIVES", "feedback_records"]
+__all__ = ["MeasuredGuard", "GuardTrial", "GuardResult", "Candidate", "choose_measured", "guarded_execution_plan",
+           "guard_cache_path", "guard_fingerprint", "ALTERNATIVES", "feedback_records"]
 
 logger = logging.getLogger(__name__)
+
+
+
+@attrs.frozen(kw_only=True)
+class MeasuredGuard:
+    """Guard settings. ``candidates``: SparseLift plans measured (its plan and the next-best
+    alternatives the model ranks); ``torchrec``: also measure ``EmbeddingShardingPlanner``'s plan;
+    ``steps`` / ``warmup``: timed and untimed steps per trial; ``rounds``: trials per candidate,
+    interleaved (every candidate once per round), a candidate's time being its fastest round (a
+    disturbance only ever slows a trial down); ``feedback``: add the trials to this machine's
+    stored step-fit records and refit its profile."""
+
+    candidates: int = attrs.field(default=3, validator=int_at_least(1))
+    torchrec: bool = True
+    steps: int = attrs.field(default=16, validator=int_at_least(1))
+    warmup: int = attrs.field(default=5, validator=int_at_least(0))
+    rounds: int = attrs.field(default=2, validator=int_at_least(1))
+    feedback: bool = True
+
+    def to_dict(self) -> Dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class Candidate:
+    """A plan to try: ``label`` (unique), ``source`` ("sparselift" or "torchrec"), the plan and
+    the model's prediction (seconds; None when not priced)."""
+
+    label: str
+    source: str
+    plan: Any = attrs.field(eq=False, repr=False)
+    predicted_s: Optional[float] = None
+
+
+@attrs.frozen
+class GuardTrial:
+    """A candidate's measured step time (its fastest round) and every round's (``runs_s``).
+    ``same_as``: the label of an earlier candidate with the same plan, whose trials these are (the
+    plan was not measured again); None when this candidate was measured itself."""
+
+    label: str
+    source: str
+    predicted_s: Optional[float]
+    measured_s: float
+    runs_s: Tuple[float, ...] = attrs.field(default=(), converter=tuple)
+    same_as: Optional[str] = None
+
+
+@attrs.frozen
+class GuardResult:
+    """Every trial and the chosen label."""
+
+    chosen: str
+    trials: Tuple[GuardTrial, ...]
+    settings: Dict[str, Any] = attrs.field(factory=dict)
+
+    def trial(self, label: str) -> GuardTrial:
+        return next(t for t in self.trials if t.label == label)
+
+    @property
+    def chosen_trial(self) -> GuardTrial:
+        return self.trial(self.chosen)
+
+    def torchrec_over_chosen(self) -> Optional[float]:
+        """TorchRec's measured step time / the chosen plan's (None without a TorchRec trial)."""
+        tr = [t for t in self.trials if t.source == "torchrec"]
+        if not tr:
+            return None
+        return tr[0].measured_s / self.chosen_trial.measured_s
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(chosen=self.chosen, settings=dict(self.settings),
+                    trials=[dict(attrs.asdict(t), runs_s=list(t.runs_s)) for t in self.trials])
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "GuardResult":
+        return cls(chosen=data["chosen"], trials=tuple(GuardTrial(**t) for t in data["trials"]),
+                   settings=dict(data.get("settings") or {}))
+
+    def format(self) -> str:
+        """One line per trial: measured and predicted ms, the chosen one marked."""
+        lines = []
+        for t in self.trials:
+            pred = "" if t.predicted_s is None else f", predicted {t.predicted_s * 1e3:.2f} ms"
+            mark = "  <- kept" if t.label == self.chosen else ""
+            same = f" (the same plan as {t.same_as})" if t.same_as else ""
+            lines.append(f"  {t.label:<28} measured {t.measured_s * 1e3:8.2f} ms/step{pred}{same}{mark}")
+        ratio = self.torchrec_over_chosen()
+        if ratio is not None:
+            lines.append(f"  TorchRec / kept plan: {ratio:.3f}x")
+        return "\n".join(lines)
+
+
+def choose_measured(candidates: Sequence[Candidate], trial: Callable[[str, Any], float],
+                    settings: Optional[Dict[str, Any]] = None, rounds: int = 1,
+                    key: Optional[Callable[[Any], Any]] = None) -> Tuple[Candidate, GuardResult]:
+    """Measure every candidate ``rounds`` times, interleaved (round r trials every candidate in the
+    given order), with ``trial(label, plan) -> seconds``; a candidate's time is its fastest round;
+    keep the fastest candidate (ties: the earlier one). Labels must be unique; a trial must return
+    a positive finite time. ``key(plan)``: plan identity (e.g.
+    :func:`~torchrec_sparselift.plan.sharding_plan_digest`); a candidate whose key equals an earlier
+    one's is not measured but shares its trials (``GuardTrial.same_as``), so the earlier is kept."""
+    if not candidates:
+        raise ValueError("the measured guard needs at least one candidate plan")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds!r}")
+    labels = [c.label for c in candidates]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"candidate labels must be unique, got {labels}")
+    first: Dict[Any, int] = {}
+    owner = [first.setdefault(key(c.plan), i) if key is not None else i for i, c in enumerate(candidates)]
+    runs: List[List[float]] = [[] for _ in candidates]
+    for _ in range(rounds):
+        for i, (c, r) in enumerate(zip(candidates, runs)):
+            if owner[i] != i:
+                continue
+            s = float(trial(c.label, c.plan))
+            if not (s > 0 and math.isfinite(s)):
+                raise ValueError(f"trial of {c.label!r} returned {s!r}: expected a positive step time in seconds")
+            r.append(s)
+    runs = [runs[o] for o in owner]
+    trials = tuple(GuardTrial(label=c.label, source=c.source, predicted_s=c.predicted_s, measured_s=min(r),
+                              runs_s=tuple(r), same_as=None if o == i else candidates[o].label)
+                   for i, (c, r, o) in enumerate(zip(candidates, runs, owner)))
+    i = min(range(len(candidates)), key=lambda k: (trials[k].measured_s, k))
+    return candidates[i], GuardResult(chosen=candidates[i].label, trials=trials, settings=dict(settings or {}))
+
 
 #: Alternative restrictions SparseLift plans under to propose more candidates: name -> sharding
 #: types removed (``None``: only table-wise allowed).
@@ -60,7 +198,7 @@ ALTERNATIVES: Tuple[Tuple[str, Optional[Tuple[str, ...]]], ...] = (
 )
 #: What a table without a user restriction may use in an alternative: every sharding type the
 #: planner offers by default (semantics.tables leaves grid_shard out unless a constraint names it).
-_ALL_TYPES = tuple(t for t in SHARDING_TYPES if t != "grid_shard")
+_ALL_TYPES = tuple(t for t in SHARDING_TYPES if t not in OPT_IN_SHARDING_TYPES)
 
 
 def _restricted(constraints: Optional[Dict[str, Any]], table_names: Sequence[str],
@@ -83,18 +221,20 @@ def _restricted(constraints: Optional[Dict[str, Any]], table_names: Sequence[str
     return out
 
 
-def guard_fingerprint(planner: Any, model: Any, sharders: Sequence[Any], guard: MeasuredGuard) -> Any:
+def guard_fingerprint(planner: Any, model: Any, sharders: Sequence[Any], guard: MeasuredGuard,
+                      cores: Optional[int] = None) -> Any:
     """The fingerprint of the planner's ``PlanRequest`` with its ``measured_guard`` field set to
     the guard's settings (guarded and unguarded plans, or two guard settings, never share a key)
-    and its hardware replaced by this machine's fingerprint."""
-    from torchrec_sparselift.cost.machine import current_fingerprint
+    and its hardware replaced by this machine's fingerprint (``cores``: see
+    :func:`~torchrec_sparselift.calibration.store.current_fingerprint`)."""
+    from torchrec_sparselift.calibration.store import current_fingerprint
 
     req = planner.request(model, list(sharders))
     # A guarded plan is a measured decision on this machine: key it by the machine's fingerprint,
     # not by the profile's rates (the guard's own feedback refits those, which must not turn the
     # next run into a cache miss).
     topo = req.topology
-    machine = current_fingerprint(topo.compute_device, int(topo.local_world_size))
+    machine = current_fingerprint(topo.compute_device, ranks_per_host(topo), cores=cores)
     hw = HardwareProfile(name=f"machine:{machine.digest()}", compute_device=req.hardware.compute_device,
                          local_world_size=req.hardware.local_world_size,
                          hbm_cap_bytes=req.hardware.hbm_cap_bytes, ddr_cap_bytes=req.hardware.ddr_cap_bytes)
@@ -130,18 +270,6 @@ def _prediction(model: Any, plan: Any, opt: Any, topology: Any, batch_size: int,
                                   bwd_precision=opt.bwd_comm_precision).prediction()
 
 
-def feedback_records(pricers: Sequence[Tuple[str, float, Callable[[HardwareProfile], float]]],
-                     profile: HardwareProfile) -> List[Any]:
-    """FitRecords of measured plans, linearized at ``profile`` (what the step-fit store keeps)."""
-    from torchrec_sparselift.cost.step_fit import CPU_STEP_TERMS, FitRecord, linearize
-
-    out = []
-    for label, measured, pricer in pricers:
-        _b, q, fixed = linearize(pricer, profile, CPU_STEP_TERMS)
-        out.append(FitRecord(label=label, quantities=q, fixed_s=fixed, measured_s=measured))
-    return out
-
-
 def guarded_execution_plan(
     model_factory: Callable[[], Any],
     pg: Any,
@@ -158,20 +286,23 @@ def guarded_execution_plan(
     sharders: Optional[Sequence[Any]] = None,
     log: Callable[[str], None] = lambda m: None,
     workload: Any = None,
+    cores: Optional[int] = None,
 ) -> Tuple[Any, GuardResult, bool]:
     """``(execution plan, guard result, reused)``; see the module docstring. Every rank of ``pg``
     must call it with the same arguments (plans are made collectively, trials run on all ranks).
     ``workload``: the planners' ``workload=`` (:class:`~torchrec_sparselift.semantics.workload.WorkloadStats`
-    of the run's ids, e.g. ``observe(batches)``); it also prices every trial."""
+    of the run's ids, e.g. ``observe(batches)``); it also prices every trial. ``cores``: the cores
+    this process could use before it pinned itself (the machine's fingerprint, for the cache key
+    and the feedback; see :func:`~torchrec_sparselift.calibration.store.current_fingerprint`)."""
     import torch.distributed as dist
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     from torchrec_sparselift.plan import ExecutionPlan, sharding_plan_digest
     from torchrec_sparselift.planner import SparseLiftPlanner
+    from torchrec_sparselift.calibration.pricer import PlanPricer
+    from torchrec_sparselift.measure.probe import measure_plan
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
-    from torchrec_sparselift.runtime.probe import measure_plan
-    from torchrec_sparselift.step_calibration import PlanPricer
 
     sharders = list(sharders) if sharders is not None else get_default_sharders()
     rank = dist.get_rank(pg)
@@ -183,7 +314,7 @@ def guarded_execution_plan(
     main = planner_for(constraints)
     profile = profile_for_topology(topology, main._profile())
     model = model_factory()
-    path = guard_cache_path(cache_dir, guard_fingerprint(main, model, sharders, guard), guard) if cache_dir else None
+    path = guard_cache_path(cache_dir, guard_fingerprint(main, model, sharders, guard, cores), guard) if cache_dir else None
     # rank 0 decides whether the cache holds the guarded plan; everyone follows
     box: List[Any] = [None]
     if rank == 0 and path and os.path.isfile(path):
@@ -269,9 +400,9 @@ def guarded_execution_plan(
             write_text(path, final.to_json(indent=1), prefix=".guarded-")
         if guard.feedback:
             try:
-                from torchrec_sparselift.step_calibration import add_feedback
+                from torchrec_sparselift.calibration.feedback import add_feedback
 
-                where = add_feedback(feedback_records(pricers, profile), profile, topology)
+                where = add_feedback(feedback_records(pricers, profile), profile, topology, cores=cores)
                 if where:
                     log(f"[guard] trials added to the step-fit records of {where}")
             except Exception as e:  # noqa: BLE001 - feedback must never fail the run

@@ -1,0 +1,486 @@
+"""Step calibration: train the probe plans on this machine and fit the profile to their steps.
+
+    torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps [--quick]
+
+runs the probe plans (:data:`torchrec_sparselift.measure.probe.PLAN_KINDS`: all table-wise, all
+row-wise, all data-parallel, all column-wise, mixed, the smaller half data-parallel (``dp_small``),
+the table-wise shards in two sharding groups (``two_groups``)) on the probe models
+(:data:`~torchrec_sparselift.measure.probe.PROBE_WORKLOADS`) for a few steps each
+(:func:`measure_probes`), with the host work measured alone before and after (:func:`host_terms`),
+prices every plan with the cost model (:class:`~torchrec_sparselift.calibration.pricer.PlanPricer`,
+the same evaluator the planner optimizes), fits the profile's terms
+(:func:`torchrec_sparselift.calibration.step_fit.fit_probe_plans`) and stores the profile in the
+:class:`~torchrec_sparselift.calibration.store.ProfileStore` under this machine's fingerprint (rank 0
+writes; the path is printed). The base profile is the shipped CPU microbenchmark profile
+(:func:`~torchrec_sparselift.calibration.store.base_profile`).
+
+``sparselift calibrate steps --from-measurements PATH`` refits a saved set in one process;
+``sparselift calibrate check`` says whether this machine's stored profile is current.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import sys
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.calibration.pricer import PlanPricer
+from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
+from torchrec_sparselift.calibration.step_fit import FitRecord, StepFit, fit_probe_plans, records_mape, stored_info
+from torchrec_sparselift.calibration.store import (
+    MAX_DRIFT_SPREAD,
+    ProfileStore,
+    base_profile,
+    calibrate_command,
+    current_fingerprint,
+    drift_spread,
+    stored_profile_problems,
+)
+from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
+
+__all__ = [
+    "forced_plan",
+    "probe_topology",
+    "measure_probes",
+    "REFERENCE_PLAN",
+    "ReferencePlan",
+    "reference_drifts",
+    "host_terms",
+    "probe_pricers",
+    "fit_measurements",
+    "calibrate_steps",
+    "save_measurement_set",
+    "load_measurement_set",
+    "add_steps_arguments",
+    "run_steps",
+    "run_check",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def probe_topology(world_size: int, device: str):
+    """A one-host TorchRec ``Topology`` of ``world_size`` ranks on ``device`` (the probes' topology)."""
+    from torchrec.distributed.planner import Topology
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Topology(world_size=world_size, local_world_size=world_size, compute_device=device)
+
+
+def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, batch_size: int, pg: Any = None,
+                profile: Optional[HardwareProfile] = None, stats: Any = None):
+    """A plan with ``kind`` forced (probe constraints), placed by ``SparseLiftPlanner`` (TorchRec's
+    planner offers no row-wise sharding on CPU; SparseLift's does and DMP runs it; ``stats``: its
+    ``workload=``); collective over ``pg`` when given. Returns ``(plan, constraints)``."""
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.measure.probe import probe_constraints
+    from torchrec_sparselift.planner import SparseLiftPlanner
+
+    cons = probe_constraints(tables, kind)
+    planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons,
+                                hardware=profile or base_profile(topology.compute_device),
+                                pipelines=["sparse_dist"], debug=False, workload=stats)
+    sharders = get_default_sharders()
+    plan = planner.collective_plan(model, sharders, pg) if pg is not None else planner.plan(model, sharders)
+    return plan, cons
+
+
+#: Distinct pre-built batches each probe plan trains on (cycled); their statistics price it.
+PROBE_BATCHES = 6
+#: Profiled steps after each probe plan's timed steps: the attribution the fit splits into groups.
+ATTRIBUTED_STEPS = 5
+
+
+def measure_probes(
+    pg: Any,
+    device_type: str = "cpu",
+    workloads: Optional[Sequence[Any]] = None,
+    kinds: Optional[Sequence[str]] = None,
+    steps: Optional[int] = None,
+    warmup: Optional[int] = None,
+    progress: bool = True,
+    base: Optional[HardwareProfile] = None,
+    attribute: int = ATTRIBUTED_STEPS,
+    normalize: bool = True,
+) -> List[ProbeMeasurement]:
+    """Train every probe plan on every rank of ``pg``; one
+    :class:`~torchrec_sparselift.calibration.records.ProbeMeasurement` per plan (the median step of
+    the per-step slowest rank; the same on every rank; its ``attribution``: the dict of ``attribute``
+    more steps run under the profiler after the timed ones,
+    :func:`torchrec_sparselift.measure.attribution.attribute_steps`, or None when 0).
+    ``steps`` / ``warmup`` default to the harness's (``measure.probe.DEFAULT_TIMING``).
+
+    ``normalize``: a shared machine's speed drifts within one calibration (measured: 1.8x between
+    two workloads a minute apart), which no profile can fit. The reference plan
+    (:data:`REFERENCE_PLAN`: its workload's table-wise plan) is measured before the first workload and
+    after each one; every plan's seconds are scaled by ``median(reference) / reference around its
+    workload`` (the geometric mean of the measurements before and after it), so all plans are priced
+    at the calibration's median machine speed. ``drift`` is that factor's inverse (1.0 when not
+    normalized)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchrec_sparselift.measure import probe
+
+    workloads = list(workloads or probe.PROBE_WORKLOADS)
+    kinds = list(kinds or probe.PLAN_KINDS)
+    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
+    device = torch.device(device_type)
+    topo = probe_topology(W, device_type)
+    ref = ReferencePlan(pg, base, next((w for w in workloads if w.name == REFERENCE_PLAN[0]), workloads[0]),
+                        device_type)
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(workloads) * len(kinds) + (len(workloads) + 1 if normalize else 0), desc="calibrate",
+                   unit="plan", file=sys.stdout, ascii=True, mininterval=0.5)
+
+    def reference() -> float:
+        n_warm = probe.DEFAULT_TIMING["warmup"] if warmup is None else warmup
+        n_steps = max(REFERENCE_STEPS, probe.DEFAULT_TIMING["steps"] if steps is None else steps)
+        m = ref.measure(n_steps, n_warm)
+        # the lower quartile of its steps: a slow stretch of the machine slows them all, a transient
+        # (a neighbour's burst of a few hundred ms) only some (a single reading's median was once 1.6x)
+        sec = float(np.quantile(np.asarray(m.durations_s[n_warm:]), 0.25))
+        if bar is not None:
+            bar.set_postfix_str(f"reference {sec * 1e3:.1f} ms", refresh=False)
+            bar.update(1)
+        return sec
+
+    refs = [reference()] if normalize else []
+    raw = []
+    for w in workloads:
+        batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
+        for kind in kinds:
+            plan, cons = forced_plan(probe.probe_model(w), w.tables, kind, topo, w.batch_size, pg, base,
+                                     stats=probe.probe_stats(w, n=PROBE_BATCHES))
+            torch.manual_seed(0)
+            m = probe.measure_plan(f"{w.name}/{kind}", lambda: probe.probe_model(w), plan, batches, steps, warmup,
+                                   pg=pg, device=device, attribute=attribute)
+            att = m.attribution.to_dict() if m.attribution is not None else None
+            raw.append((len(refs) - 1, (w.name, kind, plan, cons, m.median_s, att)))
+            if bar is not None:
+                bar.set_postfix_str(f"{m.label} {m.median_s * 1e3:.1f} ms", refresh=False)
+                bar.update(1)
+        if normalize:
+            refs.append(reference())
+    if bar is not None:
+        bar.close()
+    drifts = reference_drifts(refs) if normalize else []
+    out = []
+    for i, (wn, kind, plan, cons, sec, att) in raw:
+        d = drifts[i] if normalize else 1.0
+        out.append(ProbeMeasurement(workload=wn, kind=kind, plan=plan, constraints=cons, measured_s=sec / d,
+                                    attribution=att, drift=d))
+    if normalize and rank == 0 and progress:
+        print("[calibrate] machine speed drift per workload (reference plan "
+              f"{ref.workload.name}/{REFERENCE_PLAN[1]}, 1.00 = the calibration's median): "
+              + ", ".join(f"{w.name} {d:.2f}x" for w, d in zip(workloads, drifts)), flush=True)
+    spread = drift_spread(drifts) if normalize else 1.0
+    if spread > MAX_DRIFT_SPREAD and rank == 0:
+        msg = (f"the machine's speed moved {spread:.2f}x between probe workloads during this calibration "
+               f"(reference plan; more than {MAX_DRIFT_SPREAD:.2f}x): the drift normalization assumes it is "
+               "steady within a workload, so this profile may price plans wrongly; calibrate again on a "
+               "quieter machine (sparselift calibrate steps)")
+        logger.warning(msg)
+        if progress:
+            print(f"[calibrate] warning: {msg}", flush=True)
+    return out
+
+
+#: The plan measured before and after each probe workload to normalize the machine's drift
+#: (:func:`measure_probes`): ``(workload, kind)``.
+REFERENCE_PLAN = ("probe_many", "table_wise")
+#: Timed steps of each reference measurement (at least; its lower quartile is the reading).
+REFERENCE_STEPS = 30
+
+
+class ReferencePlan:
+    """:data:`REFERENCE_PLAN` of ``workload`` (default: that probe model), placed once on ``pg``
+    with ``profile`` (None: the base profile), measured on demand over the calibration's own batches
+    of it (6 per rank, seed 0): the calibration reads it around each probe model, the real-run
+    benchmark around each workload."""
+
+    def __init__(self, pg: Any, profile: Optional[HardwareProfile] = None, workload: Any = None,
+                 device_type: str = "cpu") -> None:
+        import torch.distributed as dist
+
+        from torchrec_sparselift.measure import probe
+
+        self.workload = workload or next(w for w in probe.PROBE_WORKLOADS if w.name == REFERENCE_PLAN[0])
+        w = self.workload
+        self.pg, self.device_type = pg, device_type
+        self.plan, _cons = forced_plan(probe.probe_model(w), w.tables, REFERENCE_PLAN[1],
+                                       probe_topology(dist.get_world_size(pg), device_type), w.batch_size, pg, profile)
+        self.batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=dist.get_rank(pg))
+
+    def measure(self, steps: Optional[int] = None, warmup: Optional[int] = None) -> Any:
+        """One :func:`~torchrec_sparselift.measure.probe.measure_plan` run of the plan
+        (``steps`` / ``warmup``: the harness's defaults when None)."""
+        import torch
+
+        from torchrec_sparselift.measure import probe
+
+        torch.manual_seed(0)
+        w = self.workload
+        return probe.measure_plan(f"reference {w.name}/{REFERENCE_PLAN[1]}", lambda: probe.probe_model(w),
+                                  self.plan, self.batches, steps, warmup, pg=self.pg,
+                                  device=torch.device(self.device_type))
+
+
+def reference_drifts(refs: Sequence[float]) -> List[float]:
+    """Per workload ``i`` (measured between reference runs ``i`` and ``i + 1``), the machine's
+    slowdown relative to the median reference: ``sqrt(refs[i] * refs[i+1]) / median(refs)``."""
+    import statistics
+
+    if len(refs) < 2 or any(not (r > 0) for r in refs):
+        raise ValueError(f"reference_drifts needs at least two positive reference times, got {list(refs)!r}")
+    mid = statistics.median(refs)
+    return [float(np.sqrt(a * b)) / mid for a, b in zip(refs[:-1], refs[1:])]
+
+
+def host_terms(pg: Any = None) -> HostTermRecord:
+    """:func:`~torchrec_sparselift.measure.microbench.bench_host_terms` on every rank of ``pg`` at once,
+    each pinned to its core as in the probes; the ranks' mean (every rank returns the same)."""
+    import torch
+
+    from torchrec_sparselift.measure import probe
+    from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_terms
+
+    old = probe.pin_rank_to_core(pg)
+    try:
+        rec = bench_host_terms()
+        a2a = bench_a2a_byte_s(pg) if pg is not None else 0.0
+    finally:
+        probe.restore_affinity(old)
+    if pg is None:
+        return rec
+    import torch.distributed as dist
+
+    # every per-rank term averaged over the ranks; the all-to-all's is already the ranks' (slowest)
+    names = [n for n in rec.to_dict() if n != "a2a_byte_s"]
+    t = torch.tensor([getattr(rec, n) for n in names], dtype=torch.float64)
+    dist.all_reduce(t, group=pg)
+    t /= dist.get_world_size(pg)
+    return HostTermRecord(a2a_byte_s=a2a, **{n: float(v) for n, v in zip(names, t)})
+
+
+def probe_pricers(measurements: Sequence[ProbeMeasurement], world_size: int = 2,
+                  device_type: str = "cpu") -> List[PlanPricer]:
+    """A :class:`~torchrec_sparselift.calibration.pricer.PlanPricer` per measured probe plan: its
+    probe model and the statistics of the batches it trained on."""
+    from torchrec_sparselift.measure import probe
+
+    by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
+    topo = probe_topology(world_size, device_type)
+    out = []
+    for m in measurements:
+        w = by_name[m.workload]
+        out.append(PlanPricer(probe.probe_model(w), m.plan, topo, w.batch_size, m.constraints,
+                              stats=probe.probe_stats(w, n=PROBE_BATCHES)))
+    return out
+
+
+def fit_measurements(
+    measurements: Sequence[Any],
+    base: HardwareProfile,
+    world_size: int = 2,
+    device_type: str = "cpu",
+    name: str = "step-fit",
+    prior_weight: float = 1e-2,
+    attributed: bool = True,
+    host: Optional[Any] = None,
+    exclude: Sequence[str] = (),
+) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
+    """:func:`~torchrec_sparselift.calibration.step_fit.fit_probe_plans` of measured probe plans
+    (:class:`~torchrec_sparselift.calibration.records.ProbeMeasurement`, or a saved set's items),
+    each priced on its probe model (:func:`probe_pricers`)."""
+    ms = [m if isinstance(m, ProbeMeasurement) else ProbeMeasurement.from_saved(m) for m in measurements]
+    return fit_probe_plans(ms, probe_pricers(ms, world_size, device_type), base, name=name,
+                           prior_weight=prior_weight, attributed=attributed, host=host, exclude=exclude)
+
+
+def save_measurement_set(path: str, measurements: Sequence[ProbeMeasurement], host: Optional[HostTermRecord],
+                      host_runs: Sequence[HostTermRecord] = ()) -> None:
+    """Pickle a measured set (plain dicts and the TorchRec plans) for ``--from-measurements``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        pickle.dump({"measurements": [m.to_dict() for m in measurements],
+                     "host_terms": host.to_dict() if host is not None else None,
+                     "host_term_runs": [h.to_dict() for h in host_runs]}, f)
+
+
+def load_measurement_set(path: str) -> Tuple[List[ProbeMeasurement], Optional[Dict[str, float]]]:
+    """``(measurements, host terms dict or None)`` of a set :func:`save_measurement_set` wrote (or an
+    older one: a bare list, or positional tuples)."""
+    with open(path, "rb") as f:
+        saved = pickle.load(f)
+    items, host = (saved["measurements"], saved.get("host_terms")) if isinstance(saved, dict) else (saved, None)
+    return [ProbeMeasurement.from_saved(m) for m in items], host
+
+
+def calibrate_steps(
+    pg: Any,
+    device_type: str = "cpu",
+    base: Optional[HardwareProfile] = None,
+    workloads: Optional[Sequence[Any]] = None,
+    kinds: Optional[Sequence[str]] = None,
+    steps: Optional[int] = None,
+    warmup: Optional[int] = None,
+    progress: bool = True,
+    name: str = "step-fit",
+    store: Optional[ProfileStore] = None,
+    save_measurements: Optional[str] = None,
+) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
+    """:func:`host_terms`, :func:`measure_probes`, :func:`host_terms` again, then
+    :func:`fit_measurements` with each host term's mean reading (every rank returns the same).
+    ``save_measurements``: rank 0 also saves the probe measurements and host terms there
+    (:func:`save_measurement_set`; ``--from-measurements`` reads them). ``store``: rank 0 stores the
+    fitted profile under this machine's fingerprint with the fit's records
+    (:func:`~torchrec_sparselift.calibration.step_fit.stored_info`)."""
+    import torch.distributed as dist
+
+    base = base or base_profile(device_type)
+    t0 = time.perf_counter()
+    # the host microbenchmarks run before and after the probes, a minute apart, and their floors
+    # take the mean of the two readings (HostTermRecord.mean_of: one reading in a slow stretch
+    # lifted a floor, and with it every prediction of the many-feature DLRM workloads, by ~20%)
+    host_runs = [host_terms(pg)]
+    ms = measure_probes(pg, device_type, workloads, kinds, steps, warmup, progress, base)
+    host_runs.append(host_terms(pg))
+    host = HostTermRecord.mean_of(host_runs)
+    rank = dist.get_rank(pg)
+    if rank == 0 and save_measurements:
+        save_measurement_set(save_measurements, ms, host, host_runs)
+    fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
+                                                      host=host)
+    if rank == 0 and store is not None:
+        fp = current_fingerprint(device_type, ranks_per_host(world_size=dist.get_world_size(pg)))
+        drifts = {m.workload: m.drift for m in ms}
+        info = stored_info(base, fit, recs, fit_records, fp.describe(), host=host.to_dict(),
+                           drift_spread=round(drift_spread(list(drifts.values())), 3),
+                           host_term_runs=[h.to_dict() for h in host_runs],
+                           wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup)
+        store.save(fitted, fp, info)
+    return fitted, fit, recs, fit_records
+
+
+# -- the commands ---------------------------------------------------------------------------------
+
+
+def _local_ranks() -> int:
+    return ranks_per_host(world_size=int(os.environ.get("NPROC", "1")))
+
+
+def add_steps_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``sparselift calibrate steps``."""
+    p.add_argument("--quick", action="store_true", help="two probe models, fewer steps (smoke test)")
+    p.add_argument("--steps", type=int, help="timed steps per probe plan (default: the harness's, "
+                   "measure.probe.DEFAULT_TIMING; quick 5)")
+    p.add_argument("--warmup", type=int, help="untimed steps per probe plan (default: the harness's, "
+                   "measure.probe.DEFAULT_TIMING)")
+    add_store_argument(p)
+    p.add_argument("--out", help="also write the profile JSON here")
+    p.add_argument("--base", help="profile to start from (default: the shipped CPU profile)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--save-measurements", metavar="PATH", help="also save the probe plans and their measured "
+                   "times here (refit later with --from-measurements)")
+    p.add_argument("--from-measurements", metavar="PATH", help="refit from saved measurements (one process, "
+                   "no torchrun, no measuring) and store the profile")
+
+
+def add_store_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", help="profile store directory (default: $TORCHREC_SPARSELIFT_PROFILE_DIR or "
+                   "~/.cache/torchrec_sparselift/profiles)")
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """``sparselift calibrate check``: 0 if this machine has a stored profile fitted with the
+    current cost model's terms on a steady machine, else 1 with the reasons (no torch, no measuring)."""
+    store = ProfileStore(args.store)
+    found, diff = store.lookup(current_fingerprint("cpu", _local_ranks()))
+    if found is None or diff:
+        why = ["no calibrated profile for this machine yet"]
+    else:
+        why = [f"the stored profile {found.path} {p}" for p in stored_profile_problems(found.step_fit)]
+    for line in why:
+        print(f"[calibrate] {line}", flush=True)
+    return 1 if why else 0
+
+
+def _refit(args: argparse.Namespace, store: ProfileStore) -> int:
+    warnings.filterwarnings("ignore")
+    ms, host = load_measurement_set(args.from_measurements)
+    ranks = _local_ranks()
+    fp = current_fingerprint("cpu", ranks if ranks > 1 else 2)
+    base = get_profile(args.base) if args.base else base_profile("cpu")
+    fitted, fit, recs, fit_records = fit_measurements(
+        ms, base, name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", host=host)
+    info = stored_info(base, fit, recs, fit_records, fp.describe(), host=host, refit_from=args.from_measurements)
+    path = store.save(fitted, fp, info)
+    if args.out:
+        fitted.save(args.out)
+    print(f"[calibrate] refit {len(recs)} probe plans: fit error (MAPE) {info.extra['mape_after'] * 100:.1f}% "
+          f"(base profile {info.extra['mape_before'] * 100:.0f}%); stored in {path}")
+    return 0
+
+
+def run_steps(args: argparse.Namespace) -> int:
+    """``sparselift calibrate steps``: measure the probe plans under torchrun and store the fitted
+    profile (or refit a saved set with ``--from-measurements``)."""
+    store = ProfileStore(args.store)
+    if args.from_measurements:
+        return _refit(args, store)
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        print("sparselift calibrate steps: error: run under torchrun (2 ranks: "
+              f"{calibrate_command(2)}), or refit saved measurements with --from-measurements PATH",
+              file=sys.stderr)
+        return 2
+    logging.getLogger().setLevel(logging.ERROR)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="gloo")
+    try:
+        from torchrec_sparselift.measure import probe
+
+        rank, W = dist.get_rank(), dist.get_world_size()
+        device = "cpu"
+        fp = current_fingerprint(device, ranks_per_host(world_size=W))
+        workloads = probe.PROBE_WORKLOADS[:2] if args.quick else probe.PROBE_WORKLOADS
+        steps = args.steps or (5 if args.quick else probe.DEFAULT_TIMING["steps"])
+        warmup = probe.DEFAULT_TIMING["warmup"] if args.warmup is None else args.warmup
+        base = get_profile(args.base) if args.base else base_profile(device)
+        t0 = time.perf_counter()
+        fitted, fit, recs, _fit_records = calibrate_steps(
+            dist.group.WORLD, device, base, workloads, steps=steps, warmup=warmup, progress=not args.no_progress,
+            name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", store=store,
+            save_measurements=args.save_measurements)
+        wall = time.perf_counter() - t0
+        if rank == 0:
+            path = store.path_for(fp)
+            if args.out:
+                fitted.save(args.out)
+            print(f"[calibrate] {len(recs)} probe plans in {wall:.0f} s: fit error (MAPE) "
+                  f"{records_mape(recs, 'predicted_after_s') * 100:.1f}% (base profile "
+                  f"{records_mape(recs, 'predicted_before_s') * 100:.0f}%); profile for {fp.describe()} stored in {path}",
+                  flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
