@@ -12,8 +12,10 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
+from launcher import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
@@ -127,8 +129,9 @@ def test_checkpoint_exception_is_described_on_one_line():
 
 
 def _train(args, timeout=300):
-    return subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env=_env())
+    """The example as one rank, through the tests' launcher."""
+    res = run_script(TRAIN, args, world_size=1, env=_env(), timeout_s=timeout)
+    return SimpleNamespace(returncode=res.returncodes[0], stdout=res.stdout, stderr=res.stderr)
 
 
 @pytest.mark.slow

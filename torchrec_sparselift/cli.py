@@ -448,7 +448,7 @@ def _explain_inputs(args: argparse.Namespace, ep: Any) -> Optional[PlanInputs]:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from torchrec_sparselift.explain import (
-        explain_tables, format_rank_breakdown, format_tables, format_timeline, render_png, step_timeline,
+        format_rank_breakdown, format_tables, format_timeline, render_png, reprice_plan,
     )
 
     _check_flags(args)
@@ -496,36 +496,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
               "--tables/--workload/--model and topology flags to see the critical path and per-table reasons.")
     else:
         module, constraints = inputs.build()
-        topo = inputs.topology.topology()
-        profile = inputs.topology.profile()
-        from torchrec_sparselift.planner import evaluate_sharding_plan
-
-        if o.is_2d:  # a 2D plan's ranks are group-local: price it on one sharding group
-            from torchrec_sparselift.search.two_d import group_topology
-
-            local = o.layout_2d.group_ranks_per_host if o.layout_2d is not None else None
-            topo = group_topology(topo, o.sharding_group_size, local)
-
         with Progress("re-pricing the plan", args.quiet):
-            planner = _planner(inputs, constraints)
-            why = planner.fingerprint(module).mismatch(ep.fingerprint)
-            if why:
-                print(f"\nnote: the inputs differ from the ones this plan was made for ({why}); the "
-                      "explanation below prices the plan on the current inputs")
             try:
-                evaluated = evaluate_sharding_plan(
-                    module, ep.sharding_plan, topo, inputs.per_rank_batch(), constraints or None,
-                    hardware=profile, pipeline=o.pipeline, fwd_precision=o.fwd_comm_precision,
-                    bwd_precision=o.bwd_comm_precision)
+                repriced = reprice_plan(ep, _planner(inputs, constraints), module, constraints,
+                                        inputs.topology.topology(), inputs.per_rank_batch(),
+                                        inputs.topology.profile(), args.top)
             except ValueError as e:
                 raise CliError(f"the plan does not match its inputs: {e}") from None
-            dev_cap, host_cap = planner.memory_caps(module)
-            if o.is_2d:
-                dev_cap, host_cap = dev_cap[: o.sharding_group_size], host_cap[: o.sharding_group_size]
-            expl = explain_tables(evaluated, dev_cap, host_cap, top=args.top)
+        if repriced.inputs_differ:
+            print(f"\nnote: the inputs differ from the ones this plan was made for ({repriced.inputs_differ}); "
+                  "the explanation below prices the plan on the current inputs")
+        evaluated, expl, segments = repriced.evaluated, list(repriced.tables), list(repriced.segments)
         step = evaluated.search.step
-        supports = getattr(evaluated.profile, "supports_overlap", True)
-        segments = step_timeline(step.phases, step.pipeline, supports, topo.world_size > topo.local_world_size)
+        supports = repriced.supports_overlap
         if abs(step.total_s - p.step_time_s) > 1e-6 * max(p.step_time_s, 1e-12):
             print(f"\nnote: re-priced step {step.total_s * 1e3:.3f} ms differs from the stored "
                   f"{p.step_time_s * 1e3:.3f} ms (cost model or inputs changed since planning)")

@@ -37,6 +37,8 @@ __all__ = [
     "critical_path",
     "comm_exposure",
     "explain_tables",
+    "RepricedPlan",
+    "reprice_plan",
     "format_plan_table",
     "format_rank_breakdown",
     "format_timeline",
@@ -197,6 +199,44 @@ def explain_tables(
 # ------------------------------------------------------------------------------------------
 # text
 # ------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RepricedPlan:
+    """A stored execution plan priced again on its planning inputs (``sparselift explain``)."""
+
+    evaluated: Any  # PlanResult of evaluate_sharding_plan
+    tables: Tuple[TableExplanation, ...]  # the largest tables' reasons (explain_tables)
+    segments: Tuple[Segment, ...]  # the step timeline
+    supports_overlap: bool
+    inputs_differ: str  # why the inputs differ from the plan's fingerprint; "" when they match
+
+
+def reprice_plan(ep: Any, planner: Any, module: Any, constraints: Optional[Mapping[str, Any]], topology: Any,
+                 per_rank_batch: int, profile: Any, top: int) -> RepricedPlan:
+    """Price the execution plan ``ep`` again on ``module``/``topology`` with ``planner``'s memory
+    reservation and ``profile``: the step, its timeline and the ``top`` tables' reasons. A 2D
+    plan's ranks are group-local, so it is priced on one sharding group. ``ValueError`` when the
+    plan does not fit the inputs."""
+    from torchrec_sparselift.planner import evaluate_sharding_plan
+    from torchrec_sparselift.search.two_d import group_topology
+
+    o = ep.optimizations
+    if o.is_2d:
+        local = o.layout_2d.group_ranks_per_host if o.layout_2d is not None else None
+        topology = group_topology(topology, o.sharding_group_size, local)
+    why = planner.fingerprint(module).mismatch(ep.fingerprint)
+    evaluated = evaluate_sharding_plan(
+        module, ep.sharding_plan, topology, per_rank_batch, constraints or None, hardware=profile,
+        pipeline=o.pipeline, fwd_precision=o.fwd_comm_precision, bwd_precision=o.bwd_comm_precision)
+    dev_cap, host_cap = planner.memory_caps(module)
+    if o.is_2d:
+        dev_cap, host_cap = dev_cap[: o.sharding_group_size], host_cap[: o.sharding_group_size]
+    expl = explain_tables(evaluated, dev_cap, host_cap, top=top)
+    step = evaluated.search.step
+    supports = getattr(evaluated.profile, "supports_overlap", True)
+    segments = step_timeline(step.phases, step.pipeline, supports, topology.world_size > topology.local_world_size)
+    return RepricedPlan(evaluated, tuple(expl), tuple(segments), bool(supports), why or "")
 
 
 def _ms(x: float) -> str:
