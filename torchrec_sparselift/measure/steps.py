@@ -292,23 +292,15 @@ def probe_pricers(measurements: Sequence[ProbeMeasurement], world_size: int = 2,
     return out
 
 
-def fit_measurements(
-    measurements: Sequence[Any],
-    base: HardwareProfile,
-    world_size: int = 2,
-    device_type: str = "cpu",
-    name: str = "step-fit",
-    prior_weight: float = 1e-2,
-    attributed: bool = True,
-    host: Optional[Any] = None,
-    exclude: Sequence[str] = (),
-) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
+def fit_measurements(measurements: Sequence[Any], base: HardwareProfile, world_size: int = 2,
+                     device_type: str = "cpu", name: str = "step-fit", **fit_options: Any,
+                     ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """:func:`~torchrec_sparselift.calibration.step_fit.fit_probe_plans` of measured probe plans
     (:class:`~torchrec_sparselift.calibration.records.ProbeMeasurement`, or a saved set's items),
-    each priced on its probe model (:func:`probe_pricers`)."""
+    each priced on its probe model (:func:`probe_pricers`); ``fit_options`` are
+    ``fit_probe_plans``' (``prior_weight``, ``attributed``, ``host``, ``exclude``)."""
     ms = [m if isinstance(m, ProbeMeasurement) else ProbeMeasurement.from_saved(m) for m in measurements]
-    return fit_probe_plans(ms, probe_pricers(ms, world_size, device_type), base, name=name,
-                           prior_weight=prior_weight, attributed=attributed, host=host, exclude=exclude)
+    return fit_probe_plans(ms, probe_pricers(ms, world_size, device_type), base, name=name, **fit_options)
 
 
 def save_measurement_set(path: str, measurements: Sequence[ProbeMeasurement], host: Optional[HostTermRecord],
