@@ -316,6 +316,7 @@ class SparseLiftPlanner(ShardingPlanner):
                     "torch.distributed.init_process_group() first, or use plan() on one process"
                 )
             pg = dist.GroupMember.WORLD
+        _check_group_size(self._topology, pg)
         sharders = list(sharders) if sharders is not None else get_default_sharders()
         request = self._check_ranks_agree(module, sharders, pg)
         local_error: List[Any] = [None]
@@ -681,6 +682,19 @@ def _check_complete(handles: Sequence[TableHandle], options: Sequence[ShardingOp
     for o in options:
         if any(s.rank is None for s in o.shards):
             raise SparseLiftPlannerError(f"internal error: table {o.fqn} has an unplaced shard")
+
+
+def _check_group_size(topology: Topology, pg: Any) -> None:
+    """The topology must have one rank per member of the process group the plan is shared
+    over (every rank sees the same sizes, so every rank raises, before any collective)."""
+    size = dist.get_world_size(pg)
+    if topology.world_size != size:
+        raise ValueError(
+            f"the topology has world_size {topology.world_size} but the process group has {size} "
+            f"ranks: a plan for {topology.world_size} ranks cannot be applied by {size}. Build the "
+            f"topology with Topology(world_size={size}, ...) (dist.get_world_size(pg)), or plan "
+            "over the process group of the ranks the topology describes"
+        )
 
 
 def _reraise_shared(out: Any, local_error: Any, who: str) -> None:

@@ -269,6 +269,41 @@ def _check_total_memory(specs: Sequence[Any], topology: Any) -> None:
         )
 
 
+#: bytes of one id in a KJT (int64) and of one output element (fp32)
+_ID_BYTES, _OUT_BYTES = 8, 4
+
+
+def _step_buffer_bytes(s: Any) -> float:
+    """The bytes one rank's batch of ``s`` needs in any plan: its ids and its lookup output."""
+    ids = float(s.batch_size) * float(s.pooling_factor)
+    out_rows = float(s.batch_size) * max(1, len(s.feature_names)) if s.is_pooled else ids
+    return ids * _ID_BYTES + out_rows * s.embedding_dim * _OUT_BYTES
+
+
+def _check_step_buffers(specs: Sequence[Any], topology: Any, batch_size: Any) -> None:
+    """Refuse a batch size or pooling factors whose input/output buffers alone (one copy of one
+    step's ids and lookup outputs on one rank, whatever the plan) exceed a rank's memory."""
+    if not specs or not getattr(topology, "devices", None):
+        return
+    cpu = topology.compute_device == "cpu"
+    per_rank = max(float(d.storage.ddr if cpu else d.storage.hbm) for d in topology.devices)
+    need = {s.fqn: _step_buffer_bytes(s) for s in specs}
+    total = sum(need.values())
+    if total <= per_rank:
+        return
+    biggest = sorted(specs, key=lambda s: (-need[s.fqn], s.fqn))[:5]
+    names = ", ".join(f"{s.fqn} ({s.pooling_factor:g} ids/sample x {s.batch_size} samples: "
+                      f"{_fmt_bytes(need[s.fqn])})" for s in biggest)
+    raise SparseLiftPlannerError(
+        f"the input/output buffers of one step (ids and lookup outputs of batch_size {batch_size} "
+        f"per rank) need {_fmt_bytes(total)} on a rank but a rank has {_fmt_bytes(per_rank)} of "
+        f"{'DDR' if cpu else 'HBM'}, whatever the sharding; largest: {names}. To fix: lower "
+        "batch_size (it is per rank) or the pooling factors (ParameterConstraints.pooling_factors "
+        "or the workload statistics are ids per sample)",
+        kind="insufficient_storage",
+    )
+
+
 def validate_inputs(
     module_tables: Iterable[Any],
     topology: Any,
@@ -308,6 +343,7 @@ def validate_inputs(
     if stats is not None:
         _check_stats(specs, stats, problems, getattr(earlier, "features", set()))
     raise_problems(problems)
+    _check_step_buffers(specs, topology, batch_size)
     _check_total_memory(specs, topology)
 
 
