@@ -47,7 +47,8 @@ def _ebc(features=(("f0",), ("f1",))):
 def _plan(module=None, **kw):
     kw.setdefault("topology", _topo())
     kw.setdefault("batch_size", 64)
-    planner = SparseLiftPlanner(debug=False, time_budget_s=1, **kw)
+    kw.setdefault("time_budget_s", 1)
+    planner = SparseLiftPlanner(debug=False, **kw)
     return planner.plan_with_result(module or _ebc(), get_default_sharders())
 
 

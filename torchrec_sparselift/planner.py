@@ -221,6 +221,13 @@ class SparseLiftPlanner(ShardingPlanner):
             flags={"allow_lossy_comm": allow_lossy_comm, "allow_fp8": allow_fp8,
                    "allow_staleness": allow_staleness},
             choices={"cost_model": (cost_model, COST_MODELS), "layout_2d": (layout_2d, LAYOUT_2D_CHOICES)},
+            required={
+                "drift_tolerance": (drift_tolerance, f"drift_tolerance={defaults.DRIFT_TOLERANCE}"),
+                "heuristical_storage_reservation_percentage": (
+                    heuristical_storage_reservation_percentage if storage_reservation is None else 0,
+                    "heuristical_storage_reservation_percentage="
+                    f"{defaults.STORAGE_RESERVATION_PERCENTAGE}"),
+            },
             topology_type=Topology, constraint_type=ParameterConstraints,
             profile_type=HardwareProfile, workload_type=WorkloadStats,
         ) + planner_option_problems(
@@ -712,7 +719,7 @@ def _default_topology() -> Topology:
     from torchrec.distributed.comm import get_local_size
 
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise ValueError(
             "SparseLiftPlanner needs a topology: pass topology=Topology(world_size=..., "
             "compute_device=..., local_world_size=...) or initialize torch.distributed first"
         )

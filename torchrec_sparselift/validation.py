@@ -210,6 +210,10 @@ _CONSTRAINT_LISTS = ("sharding_types", "compute_kernels", "pooling_factors", "ba
 def _list_field_problems(where: str, c: Any, problems: List[str]) -> bool:
     """Problems with a constraint's list fields given as a string or a scalar; True if any."""
     found = False
+    if getattr(c, "pooling_factors", ()) is None:  # TorchRec's storage reservation reads it
+        found = True
+        problems.append(f"{where}: pooling_factors must be a list (ids per sample, one per "
+                        "feature), got None; e.g. pooling_factors=[1.0] (TorchRec's default)")
     for field in _CONSTRAINT_LISTS:
         v = getattr(c, field, None)
         if v is None or isinstance(v, (list, tuple)):
@@ -556,6 +560,7 @@ def argument_problems(
     cache_dir: Any,
     flags: Mapping[str, Any],
     choices: Mapping[str, Tuple[Any, Sequence[Any]]],
+    required: Mapping[str, Tuple[Any, str]],
     topology_type: type,
     constraint_type: type,
     profile_type: type,
@@ -563,7 +568,8 @@ def argument_problems(
 ) -> List[str]:
     """Every type or shape problem with ``SparseLiftPlanner``'s arguments, one line each naming
     the argument and what it must be. ``flags``: name -> value of the ``bool`` arguments;
-    ``choices``: name -> (value, allowed values); the ``*_type`` arguments are the documented
+    ``choices``: name -> (value, allowed values); ``required``: name -> (value, example) of the
+    numbers that have a default but may not be ``None``; the ``*_type`` arguments are the documented
     classes (passed in: this module imports no other layer)."""
     out: List[str] = []
     if not isinstance(topology, topology_type):
@@ -633,6 +639,9 @@ def argument_problems(
     for name, v in flags.items():
         if not isinstance(v, bool):
             out.append(f"{name} must be True or False, got {v!r}")
+    for name, (v, example) in required.items():
+        if v is None:
+            out.append(f"{name} must be a number, got None; e.g. {example} (the default)")
     for name, (v, allowed) in choices.items():
         if not isinstance(v, str) or v not in allowed:
             out.append(f"{name} must be one of {', '.join(map(repr, allowed))}, got {v!r}")
