@@ -284,3 +284,21 @@ def test_property_values_include_the_reported_cases():
                dict(workload={}), dict(topology=_topo(hbm_cap=math.nan))):
         with pytest.raises(ValueError):
             _plan(**kw)
+
+
+# -- evaluate_sharding_plan ----------------------------------------------------------------------
+def test_evaluate_sharding_plan_checks_its_arguments_at_once():
+    from torchrec_sparselift import evaluate_sharding_plan
+
+    plan = _plan().sharding_plan
+    with pytest.raises(ValueError) as e:
+        evaluate_sharding_plan(_ebc(), plan, _topo(), -1, constraints=[1], hardware={}, workload={},
+                               pipeline="nope", fwd_precision="fp7")
+    message = str(e.value)
+    assert message.startswith("6 problems with evaluate_sharding_plan's arguments"), message
+    for w in ("constraints", "hardware", "workload", "pipeline", "fwd_precision", "batch_size"):
+        assert w in message
+    with pytest.raises(ValueError, match="plan must be a torchrec ShardingPlan, got dict"):
+        evaluate_sharding_plan(_ebc(), {}, _topo(), 64)
+    ev = evaluate_sharding_plan(_ebc(), plan, _topo(), 64, hardware="h100", workload=declare(f0=1.0, f1=1.0))
+    assert ev.search.step.total_s > 0

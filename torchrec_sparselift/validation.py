@@ -553,21 +553,22 @@ def argument_problems(
     constraints: Any,
     hardware: Any,
     workload: Any,
-    pipelines: Any,
-    callbacks: Any,
-    stats: Any,
-    storage_reservation: Any,
-    cache_dir: Any,
-    flags: Mapping[str, Any],
-    choices: Mapping[str, Tuple[Any, Sequence[Any]]],
-    required: Mapping[str, Tuple[Any, str]],
     topology_type: type,
     constraint_type: type,
     profile_type: type,
     workload_type: type,
+    pipelines: Any = None,
+    callbacks: Any = None,
+    stats: Any = None,
+    storage_reservation: Any = None,
+    cache_dir: Any = None,
+    flags: Mapping[str, Any] = {},
+    choices: Mapping[str, Tuple[Any, Sequence[Any]]] = {},
+    required: Mapping[str, Tuple[Any, str]] = {},
 ) -> List[str]:
-    """Every type or shape problem with ``SparseLiftPlanner``'s arguments, one line each naming
-    the argument and what it must be. ``flags``: name -> value of the ``bool`` arguments;
+    """Every type or shape problem with ``SparseLiftPlanner``'s (or ``evaluate_sharding_plan``'s)
+    arguments, one line each naming the argument and what it must be; ``None`` for an optional
+    argument means not given. ``flags``: name -> value of the ``bool`` arguments;
     ``choices``: name -> (value, allowed values); ``required``: name -> (value, example) of the
     numbers that have a default but may not be ``None``; the ``*_type`` arguments are the documented
     classes (passed in: this module imports no other layer)."""
