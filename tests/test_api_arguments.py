@@ -302,3 +302,17 @@ def test_evaluate_sharding_plan_checks_its_arguments_at_once():
         evaluate_sharding_plan(_ebc(), {}, _topo(), 64)
     ev = evaluate_sharding_plan(_ebc(), plan, _topo(), 64, hardware="h100", workload=declare(f0=1.0, f1=1.0))
     assert ev.search.step.total_s > 0
+
+
+def test_validate_inputs_reads_a_string_of_sharding_types_as_one_problem():
+    from torchrec_sparselift.semantics.tables import extract_tables
+    from torchrec_sparselift.validation import validate_inputs
+
+    constraints = {"t0": ParameterConstraints(sharding_types="row_wise", compute_kernels="fused")}
+    handles = extract_tables(_ebc(), get_default_sharders(), "cuda", 64, None, None)
+    with pytest.raises(ValueError) as e:
+        validate_inputs(handles, _topo(), 64, constraints)
+    message = str(e.value)
+    assert message.startswith("2 problems with the planning input"), message
+    assert "sharding_types must be a list, got str 'row_wise'" in message
+    assert "compute_kernels must be a list, got str 'fused'" in message
