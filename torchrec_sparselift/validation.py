@@ -25,7 +25,12 @@ the first problem with the same words.
 
 The planner's own arguments and the CLI's flags go through :func:`setting_problems` (sizes and
 budgets: zero, negative, non-numeric, non-finite) and :func:`planner_option_problems` (pipelines,
-solver, 2D group size against the topology), also listed at once.
+solver, 2D group size against the topology), also listed at once; their types and shapes (a
+list where a dict belongs, a string where a list belongs, a dict for a profile or statistics, an
+empty pipeline list, NaN memory capacities) through :func:`argument_problems`, before any value
+is built. :func:`callback_problem` names a user callback that returns no list of sharding options
+or drops, adds or repeats a table. A batch size or pooling factors whose input/output buffers
+alone exceed a rank's memory are refused by :func:`validate_inputs` naming the buffers.
 
 This module is the base of the package with :mod:`torchrec_sparselift.errors`: it imports no
 other layer, so every layer may use it.
