@@ -67,8 +67,11 @@ from torchrec_sparselift.search.torchrec_objective import (
 )
 from torchrec_sparselift.semantics.dense import dense_work
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
+from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.validation import (
     Problems,
+    argument_problems,
+    callback_problem,
     planner_option_problems,
     raise_problems,
     validate_inputs,
@@ -211,7 +214,23 @@ class SparseLiftPlanner(ShardingPlanner):
                 )
         if topology is None:
             topology = _default_topology()
-        raise_problems(planner_option_problems(
+        raise_problems(argument_problems(
+            topology=topology, constraints=constraints, hardware=hardware, workload=workload,
+            pipelines=pipelines, callbacks=callbacks, stats=stats,
+            storage_reservation=storage_reservation, cache_dir=cache_dir,
+            flags={"allow_lossy_comm": allow_lossy_comm, "allow_fp8": allow_fp8,
+                   "allow_staleness": allow_staleness},
+            choices={"cost_model": (cost_model, COST_MODELS), "layout_2d": (layout_2d, LAYOUT_2D_CHOICES)},
+            required={
+                "drift_tolerance": (drift_tolerance, f"drift_tolerance={defaults.DRIFT_TOLERANCE}"),
+                "heuristical_storage_reservation_percentage": (
+                    heuristical_storage_reservation_percentage if storage_reservation is None else 0,
+                    "heuristical_storage_reservation_percentage="
+                    f"{defaults.STORAGE_RESERVATION_PERCENTAGE}"),
+            },
+            topology_type=Topology, constraint_type=ParameterConstraints,
+            profile_type=HardwareProfile, workload_type=WorkloadStats,
+        ) + planner_option_problems(
             topology=topology, batch_size=batch_size, timeout_seconds=timeout_seconds,
             time_budget_s=time_budget_s, pipelines=pipelines, known_pipelines=PIPELINES,
             stale_pipelines=STALE_PIPELINES, allow_staleness=allow_staleness, solver=solver,
@@ -304,6 +323,7 @@ class SparseLiftPlanner(ShardingPlanner):
                     "torch.distributed.init_process_group() first, or use plan() on one process"
                 )
             pg = dist.GroupMember.WORLD
+        _check_group_size(self._topology, pg)
         sharders = list(sharders) if sharders is not None else get_default_sharders()
         request = self._check_ranks_agree(module, sharders, pg)
         local_error: List[Any] = [None]
@@ -559,8 +579,7 @@ class SparseLiftPlanner(ShardingPlanner):
             to_sharding_option(h, prob, cid, ranks)
             for h, (cid, ranks) in zip(handles, result.assignment)
         ]
-        for cb in self._callbacks:
-            options = cb(options)
+        options = _run_callbacks(self._callbacks, options)
         _check_complete(handles, options)
         plan = to_sharding_plan(options, gtopo)
         sync_s, interval = 0.0, 1
@@ -603,8 +622,7 @@ class SparseLiftPlanner(ShardingPlanner):
         options = loaded_options(self._plan_loader.load(), request.handles, self._topology.world_size)
         if options is None:
             return None
-        for cb in self._callbacks:
-            options = cb(options)
+        options = _run_callbacks(self._callbacks, options)
         plan = to_sharding_plan(options, self._topology)
         res = evaluate_sharding_plan(module, plan, self._topology, self._batch_size,
                                      self._constraints, self._profile(), self._workload, sharders)
@@ -635,8 +653,7 @@ class SparseLiftPlanner(ShardingPlanner):
         # estimation took the rest (at 856 tables x 128 ranks they take ~10 s on 2 cores)
         result = solve_torchrec(trp, max(0.5 * budget, budget - (time.monotonic() - t0)), self._solver)
         options = placed_options(trp, result.assignment)
-        for cb in self._callbacks:
-            options = cb(options)
+        options = _run_callbacks(self._callbacks, options)
         _check_complete(handles, options)
         self.last_torchrec_problem = trp
         return PlanResult(
@@ -644,6 +661,19 @@ class SparseLiftPlanner(ShardingPlanner):
             search=result, problem=trp.problem, handles=tuple(handles), topology=self._topology,
             profile=trp.problem.ctx.profile,
         )
+
+
+def _run_callbacks(callbacks: Sequence[Callable[[List[ShardingOption]], List[ShardingOption]]],
+                   options: List[ShardingOption]) -> List[ShardingOption]:
+    """Apply the user's ``callbacks`` in order; one that returns no list, or drops, adds or
+    repeats a table, raises ``ValueError`` naming it and what it did."""
+    for cb in callbacks:
+        out = cb(options)
+        problem = callback_problem(cb, options, out)
+        if problem:
+            raise ValueError(problem)
+        options = list(out)
+    return options
 
 
 def _check_complete(handles: Sequence[TableHandle], options: Sequence[ShardingOption]) -> None:
@@ -661,6 +691,19 @@ def _check_complete(handles: Sequence[TableHandle], options: Sequence[ShardingOp
             raise SparseLiftPlannerError(f"internal error: table {o.fqn} has an unplaced shard")
 
 
+def _check_group_size(topology: Topology, pg: Any) -> None:
+    """The topology must have one rank per member of the process group the plan is shared
+    over (every rank sees the same sizes, so every rank raises, before any collective)."""
+    size = dist.get_world_size(pg)
+    if topology.world_size != size:
+        raise ValueError(
+            f"the topology has world_size {topology.world_size} but the process group has {size} "
+            f"ranks: a plan for {topology.world_size} ranks cannot be applied by {size}. Build the "
+            f"topology with Topology(world_size={size}, ...) (dist.get_world_size(pg)), or plan "
+            "over the process group of the ranks the topology describes"
+        )
+
+
 def _reraise_shared(out: Any, local_error: Any, who: str) -> None:
     """Raise, on every rank, the error one rank reported: the original object where it
     happened, the same kind and message elsewhere."""
@@ -676,7 +719,7 @@ def _default_topology() -> Topology:
     from torchrec.distributed.comm import get_local_size
 
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise ValueError(
             "SparseLiftPlanner needs a topology: pass topology=Topology(world_size=..., "
             "compute_device=..., local_world_size=...) or initialize torch.distributed first"
         )

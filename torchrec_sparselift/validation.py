@@ -25,7 +25,12 @@ the first problem with the same words.
 
 The planner's own arguments and the CLI's flags go through :func:`setting_problems` (sizes and
 budgets: zero, negative, non-numeric, non-finite) and :func:`planner_option_problems` (pipelines,
-solver, 2D group size against the topology), also listed at once.
+solver, 2D group size against the topology), also listed at once; their types and shapes (a
+list where a dict belongs, a string where a list belongs, a dict for a profile or statistics, an
+empty pipeline list, NaN memory capacities) through :func:`argument_problems`, before any value
+is built. :func:`callback_problem` names a user callback that returns no list of sharding options
+or drops, adds or repeats a table. A batch size or pooling factors whose input/output buffers
+alone exceed a rank's memory are refused by :func:`validate_inputs` naming the buffers.
 
 This module is the base of the package with :mod:`torchrec_sparselift.errors`: it imports no
 other layer, so every layer may use it.
@@ -46,6 +51,9 @@ __all__ = [
     "validate_settings",
     "setting_problems",
     "planner_option_problems",
+    "argument_problems",
+    "callback_problem",
+    "topology_problems",
     "table_value_problems",
     "raise_problems",
     "Problems",
@@ -92,6 +100,7 @@ def _check_topology(topology: Any, problems: List[str]) -> None:
             f"topology.world_size {ws} is not a multiple of local_world_size {lws}; set "
             "local_world_size to the ranks per host (every host must have the same number)"
         )
+    problems.extend(topology_problems(topology))
     if len(topology.devices) != ws:
         problems.append(
             f"topology has {len(topology.devices)} devices for world_size {ws}; build it with "
@@ -153,6 +162,8 @@ def _check_constraints(
         )
     for name, c in sorted(constraints.items()):
         where = f"ParameterConstraints for table {name!r}"
+        if _list_field_problems(where, c, problems):
+            continue
         for st in c.sharding_types or ():
             if st not in KNOWN_SHARDING_TYPES:
                 problems.append(
@@ -185,6 +196,40 @@ def _check_constraints(
         for b in c.batch_sizes or ():
             if not _is_int(b) or b <= 0:
                 problems.append(f"{where}: batch_sizes must be positive ints, got {b!r}")
+        pfs = c.pooling_factors or ()
+        for s in by_name.get(name, ()):
+            n = len(s.feature_names)
+            if len(pfs) > 1 and len(pfs) != n:
+                problems.append(
+                    f"{where}: {len(pfs)} pooling_factors {list(pfs)} for {n} feature(s) "
+                    f"{list(s.feature_names)}; give one per feature, in the table's feature order "
+                    f"(e.g. pooling_factors={[float(pfs[0])] * n})"
+                )
+
+
+#: ParameterConstraints fields that are lists (a string there would be read letter by letter)
+_CONSTRAINT_LISTS = ("sharding_types", "compute_kernels", "pooling_factors", "batch_sizes",
+                     "num_poolings")
+
+
+def _list_field_problems(where: str, c: Any, problems: List[str]) -> bool:
+    """Problems with a constraint's list fields given as a string or a scalar; True if any."""
+    found = False
+    if getattr(c, "pooling_factors", ()) is None:  # TorchRec's storage reservation reads it
+        found = True
+        problems.append(f"{where}: pooling_factors must be a list (ids per sample, one per "
+                        "feature), got None; e.g. pooling_factors=[1.0] (TorchRec's default)")
+    for field in _CONSTRAINT_LISTS:
+        v = getattr(c, field, None)
+        if v is None or isinstance(v, (list, tuple)):
+            continue
+        found = True
+        example = {"sharding_types": "['table_wise']", "compute_kernels": "['fused']"}.get(field, "[1.0]")
+        hint = f"[{v!r}]" if isinstance(v, (str, int, float)) and not isinstance(v, bool) else example
+        problems.append(
+            f"{where}: {field} must be a list, got {type(v).__name__} {v!r}; e.g. {field}={hint}"
+        )
+    return found
 
 
 def _check_stats(specs: Sequence[Any], stats: Any, problems: List[str],
@@ -233,6 +278,41 @@ def _check_total_memory(specs: Sequence[Any], topology: Any) -> None:
         )
 
 
+#: bytes of one id in a KJT (int64) and of one output element (fp32)
+_ID_BYTES, _OUT_BYTES = 8, 4
+
+
+def _step_buffer_bytes(s: Any) -> float:
+    """The bytes one rank's batch of ``s`` needs in any plan: its ids and its lookup output."""
+    ids = float(s.batch_size) * float(s.pooling_factor)
+    out_rows = float(s.batch_size) * max(1, len(s.feature_names)) if s.is_pooled else ids
+    return ids * _ID_BYTES + out_rows * s.embedding_dim * _OUT_BYTES
+
+
+def _check_step_buffers(specs: Sequence[Any], topology: Any, batch_size: Any) -> None:
+    """Refuse a batch size or pooling factors whose input/output buffers alone (one copy of one
+    step's ids and lookup outputs on one rank, whatever the plan) exceed a rank's memory."""
+    if not specs or not getattr(topology, "devices", None):
+        return
+    cpu = topology.compute_device == "cpu"
+    per_rank = max(float(d.storage.ddr if cpu else d.storage.hbm) for d in topology.devices)
+    need = {s.fqn: _step_buffer_bytes(s) for s in specs}
+    total = sum(need.values())
+    if total <= per_rank:
+        return
+    biggest = sorted(specs, key=lambda s: (-need[s.fqn], s.fqn))[:5]
+    names = ", ".join(f"{s.fqn} ({s.pooling_factor:g} ids/sample x {s.batch_size} samples: "
+                      f"{_fmt_bytes(need[s.fqn])})" for s in biggest)
+    raise SparseLiftPlannerError(
+        f"the input/output buffers of one step (ids and lookup outputs of batch_size {batch_size} "
+        f"per rank) need {_fmt_bytes(total)} on a rank but a rank has {_fmt_bytes(per_rank)} of "
+        f"{'DDR' if cpu else 'HBM'}, whatever the sharding; largest: {names}. To fix: lower "
+        "batch_size (it is per rank) or the pooling factors (ParameterConstraints.pooling_factors "
+        "or the workload statistics are ids per sample)",
+        kind="insufficient_storage",
+    )
+
+
 def validate_inputs(
     module_tables: Iterable[Any],
     topology: Any,
@@ -272,6 +352,7 @@ def validate_inputs(
     if stats is not None:
         _check_stats(specs, stats, problems, getattr(earlier, "features", set()))
     raise_problems(problems)
+    _check_step_buffers(specs, topology, batch_size)
     _check_total_memory(specs, topology)
 
 
@@ -388,7 +469,7 @@ def planner_option_problems(
             f"topology world_size {ws} is not a multiple of local_world_size {lws}; set "
             "local_world_size to the ranks per host"
         )
-    for p in pipelines or ():
+    for p in pipelines if isinstance(pipelines, (list, tuple)) else ():
         if p not in known_pipelines:
             problems.append(f"unknown pipeline {p!r}; choose from {tuple(known_pipelines)}")
         elif p in stale_pipelines and not allow_staleness:
@@ -427,3 +508,177 @@ def int_at_least(least: int, note: str = "", optional: bool = False) -> Any:
             )
 
     return check
+
+
+# ----------------------------------------------------------------------------------------------
+# argument types and shapes (before any value is built)
+# ----------------------------------------------------------------------------------------------
+
+#: Topology bandwidths and multipliers that must be finite and > 0 when set
+_TOPOLOGY_RATES = ("hbm_mem_bw", "ddr_mem_bw", "intra_host_bw", "inter_host_bw", "bwd_compute_multiplier")
+
+
+def _finite_number(v: Any) -> bool:
+    return _is_number(v) and math.isfinite(v)
+
+
+def topology_problems(topology: Any) -> List[str]:
+    """The topology's memory capacities (per device) and bandwidths: finite, not negative.
+
+    A NaN or infinite ``hbm_cap``/``ddr_cap`` would otherwise fail deep inside TorchRec's storage
+    reservation without naming the field."""
+    out: List[str] = []
+    bad: Dict[str, List[Any]] = {}
+    for d in getattr(topology, "devices", None) or ():
+        storage = getattr(d, "storage", None)
+        for field, cap in (("hbm", "hbm_cap"), ("ddr", "ddr_cap")):
+            v = getattr(storage, field, 0)
+            if not _finite_number(v) or v < 0:
+                bad.setdefault(cap, []).append(v)
+    for cap, values in bad.items():
+        out.append(
+            f"topology {cap} must be a finite number of bytes >= 0 per device, got "
+            f"{values[0]!r} on {len(values)} device(s); e.g. Topology(..., {cap}=80 * 1024**3)"
+        )
+    for field in _TOPOLOGY_RATES:
+        v = getattr(topology, field, None)
+        if v is not None and (not _finite_number(v) or v <= 0):
+            out.append(f"topology {field} must be a finite number > 0, got {v!r}; leave it unset "
+                       "for TorchRec's default")
+    return out
+
+
+def _type_name(v: Any) -> str:
+    return type(v).__name__
+
+
+def argument_problems(
+    *,
+    topology: Any,
+    constraints: Any,
+    hardware: Any,
+    workload: Any,
+    topology_type: type,
+    constraint_type: type,
+    profile_type: type,
+    workload_type: type,
+    pipelines: Any = None,
+    callbacks: Any = None,
+    stats: Any = None,
+    storage_reservation: Any = None,
+    cache_dir: Any = None,
+    flags: Mapping[str, Any] = {},
+    choices: Mapping[str, Tuple[Any, Sequence[Any]]] = {},
+    required: Mapping[str, Tuple[Any, str]] = {},
+) -> List[str]:
+    """Every type or shape problem with ``SparseLiftPlanner``'s (or ``evaluate_sharding_plan``'s)
+    arguments, one line each naming the argument and what it must be; ``None`` for an optional
+    argument means not given. ``flags``: name -> value of the ``bool`` arguments;
+    ``choices``: name -> (value, allowed values); ``required``: name -> (value, example) of the
+    numbers that have a default but may not be ``None``; the ``*_type`` arguments are the documented
+    classes (passed in: this module imports no other layer)."""
+    out: List[str] = []
+    if not isinstance(topology, topology_type):
+        out.append(
+            f"topology must be a torchrec Topology, got {_type_name(topology)}; e.g. "
+            "Topology(world_size=2, local_world_size=2, compute_device='cuda')"
+        )
+    else:
+        out.extend(topology_problems(topology))
+    if constraints is not None:
+        if not isinstance(constraints, Mapping):
+            out.append(
+                f"constraints must be a dict of table name -> ParameterConstraints, got "
+                f"{_type_name(constraints)}; e.g. constraints={{'t0': "
+                "ParameterConstraints(sharding_types=['table_wise'])}"
+            )
+        else:
+            for name, c in constraints.items():
+                if not isinstance(name, str):
+                    out.append(f"constraints keys must be table names (str), got {name!r}")
+                if not isinstance(c, constraint_type):
+                    out.append(
+                        f"constraints[{name!r}] must be a ParameterConstraints, got "
+                        f"{_type_name(c)}; e.g. ParameterConstraints(sharding_types=['table_wise'])"
+                    )
+                else:
+                    _list_field_problems(f"ParameterConstraints for table {name!r}", c, out)
+    if hardware is not None and not isinstance(hardware, (str, profile_type)):
+        fix = ("HardwareProfile.from_dict(...)" if isinstance(hardware, Mapping)
+               else "a HardwareProfile")
+        out.append(
+            f"hardware must be a HardwareProfile, a preset name ('h100', 'h200', 'a100', "
+            f"'cpu-gloo'), a profile JSON path or 'auto', got {_type_name(hardware)}; pass {fix}"
+        )
+    if workload is not None and not isinstance(workload, workload_type):
+        fix = ("workload=declare({...}) for pooling factors by feature"
+               if isinstance(workload, Mapping) else "workload=observe(batches) or declare(...)")
+        out.append(
+            f"workload must be WorkloadStats (torchrec_sparselift.semantics.workload), got "
+            f"{_type_name(workload)}; pass {fix}"
+        )
+    if pipelines is not None:
+        if isinstance(pipelines, str) or not isinstance(pipelines, (list, tuple)):
+            out.append(f"pipelines must be a list of pipeline names, got {_type_name(pipelines)} "
+                       f"{pipelines!r}; e.g. pipelines=['fused']")
+        elif not pipelines:
+            out.append("pipelines is empty: give at least one pipeline (e.g. pipelines=['fused']) "
+                       "or leave it unset for the default")
+    if callbacks is not None:
+        if not isinstance(callbacks, (list, tuple)):
+            out.append(f"callbacks must be a list of functions, got {_type_name(callbacks)}; e.g. "
+                       "callbacks=[my_callback]")
+        else:
+            for i, cb in enumerate(callbacks):
+                if not callable(cb):
+                    out.append(f"callbacks[{i}] must be a function of the list of ShardingOptions, "
+                               f"got {_type_name(cb)}")
+    for i, s in enumerate(stats if isinstance(stats, list) else [] if stats is None else [stats]):
+        if not callable(getattr(s, "log", None)):
+            out.append(f"stats{f'[{i}]' if isinstance(stats, list) else ''} must be a TorchRec "
+                       f"Stats (with log()), got {_type_name(s)}; e.g. stats=EmbeddingStats()")
+    if storage_reservation is not None and not callable(getattr(storage_reservation, "reserve", None)):
+        out.append(f"storage_reservation must be a TorchRec StorageReservation, got "
+                   f"{_type_name(storage_reservation)}; e.g. HeuristicalStorageReservation(percentage=0.15)")
+    if cache_dir is not None and not isinstance(cache_dir, (str, bytes)) and not hasattr(cache_dir, "__fspath__"):
+        out.append(f"cache_dir must be a directory path, got {_type_name(cache_dir)}")
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            out.append(f"{name} must be True or False, got {v!r}")
+    for name, (v, example) in required.items():
+        if v is None:
+            out.append(f"{name} must be a number, got None; e.g. {example} (the default)")
+    for name, (v, allowed) in choices.items():
+        if not isinstance(v, str) or v not in allowed:
+            out.append(f"{name} must be one of {', '.join(map(repr, allowed))}, got {v!r}")
+    return out
+
+
+def callback_problem(callback: Any, before: Sequence[Any], after: Any) -> Optional[str]:
+    """What a ``callbacks`` entry did wrong with the sharding options (``None``: nothing).
+
+    A callback must return the options it was given (changed or replaced), one per table."""
+    name = getattr(callback, "__qualname__", None) or repr(callback)
+    must = ("a callback must return the list of ShardingOptions it was given (changed in place "
+            "or replaced), one per table")
+    if not isinstance(after, (list, tuple)):
+        return f"callback {name} returned {_type_name(after)} instead of a list of ShardingOptions; {must}"
+    keys = []
+    for o in after:
+        if not (hasattr(o, "path") and hasattr(o, "name") and hasattr(o, "shards")):
+            return f"callback {name} returned a {_type_name(o)} among the ShardingOptions; {must}"
+        keys.append((o.path, o.name))
+    want = [(o.path, o.name) for o in before]
+    dropped = sorted(set(want) - set(keys))
+    added = sorted(set(keys) - set(want))
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    what = []
+    if dropped:
+        what.append(f"dropped tables {[n for _, n in dropped]}")
+    if added:
+        what.append(f"added tables the model does not have {[n for _, n in added]}")
+    if twice:
+        what.append(f"listed tables twice {[n for _, n in twice]}")
+    if what:
+        return f"callback {name} {' and '.join(what)}; {must}"
+    return None

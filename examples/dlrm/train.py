@@ -227,6 +227,35 @@ def resolve_tables(args: argparse.Namespace) -> List[TableSpec]:
     return tables
 
 
+def check_planning_input(args: argparse.Namespace, tables: Sequence[TableSpec]) -> None:
+    """``--check`` with ``--planner sparselift``: the validation planning runs (tables,
+    constraints, batch size, topology; every problem at once), on the tables' shapes alone (a
+    meta-device model, no process group). Raises UsageError with what planning would say."""
+    import torch
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    specs = load_constraints_file(args.constraints, tables) if args.constraints else []
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=list(t.features))
+        for t in tables], device=torch.device("meta"))
+    try:
+        planner = make_planner(
+            "sparselift", world_size, ranks_per_host(world_size=world_size), "cuda" if use_cuda else "cpu",
+            args.batch_size, planner_constraints(tables, specs, one_hot=bool(args.criteo_dir)),
+            allow_lossy_comm=args.allow_lossy_comm)
+        planner.request(ebc, get_default_sharders())
+    except ValueError as e:
+        raise UsageError(f"planning would refuse this input: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a PlannerError (e.g. the tables exceed the cluster)
+        if type(e).__name__ not in ("SparseLiftPlannerError", "PlannerError"):
+            raise
+        raise UsageError(f"planning would refuse this input: {e}") from None
+
+
 # ---------------------------------------------------------------- distributed setup (side effects)
 
 
@@ -917,6 +946,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.planner == "sparselift" and args.hardware != "auto":
             check_hardware(args.hardware)
         if args.check:
+            if args.planner == "sparselift":
+                check_planning_input(args, tables)
             return 0
         run(args, tables)
         return 0

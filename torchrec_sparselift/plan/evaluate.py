@@ -24,7 +24,10 @@ from torchrec_sparselift.search.solve import SearchResult, new_evaluator
 from torchrec_sparselift.semantics.dense import dense_work
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
-from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COMM_PRECISIONS, PIPELINES
+from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.semantics.workload import WorkloadStats
+from torchrec_sparselift.validation import argument_problems, raise_problems, setting_problems
 
 __all__ = ["evaluate_sharding_plan", "given_candidates", "GivenPlan"]
 
@@ -116,6 +119,14 @@ def evaluate_sharding_plan(
     ``pipeline``; its lower bound is the LP bound of the same tables and topology. Column-wise
     shards are priced as equal splits of the table's width.
     """
+    raise_problems(argument_problems(
+        topology=topology, constraints=constraints, hardware=hardware, workload=workload,
+        topology_type=Topology, constraint_type=ParameterConstraints, profile_type=HardwareProfile,
+        workload_type=WorkloadStats, choices={"pipeline": (pipeline, PIPELINES), "fwd_precision": (
+            fwd_precision, COMM_PRECISIONS), "bwd_precision": (bwd_precision, COMM_PRECISIONS)},
+    ) + setting_problems([("batch_size", batch_size, "int>=1", "batch_size=512 (per rank)")]) + (
+        [] if isinstance(plan, ShardingPlan) else [f"plan must be a torchrec ShardingPlan, got {type(plan).__name__}"]
+    ), "evaluate_sharding_plan's arguments")
     given = GivenPlan.of(module, plan, topology, batch_size, constraints, workload, sharders)
     handles = given.handles
     ctx = given.context(hardware)

@@ -220,6 +220,21 @@ def _no_fit_error(lines: List[str], kind: str, lowest: Tuple[float, float], devi
                   host_cap: np.ndarray, compute_device: str) -> Exception:
     why = ("insufficient storage" if kind == "insufficient_storage"
            else "the strict constraints (the cluster has the memory, the allowed shardings cannot use it)")
+    if len(device_cap) and float(np.max(device_cap)) <= 0 and (
+            compute_device == "cpu" or not len(host_cap) or float(np.max(host_cap)) <= 0):
+        # the storage reservation (which keeps every rank's input buffers: the KJT ids of its
+        # batch, several copies) left no memory for any table: the tables are not the cause
+        return SparseLiftPlannerError(
+            f"no plan because of insufficient storage: the input/output buffers of one step leave "
+            f"no memory for the tables: after the storage reservation, which keeps each rank's "
+            f"input buffers (the ids of batch_size x pooling factors, several copies), a rank has "
+            f"{float(np.max(device_cap)) / 2**30:.2f} GiB "
+            f"({storage_summary(lowest, device_cap, host_cap, compute_device)}). To fix: lower "
+            "batch_size (it is per rank) or the pooling factors (ParameterConstraints."
+            "pooling_factors or the workload statistics are ids per sample), or use ranks with "
+            "more memory; sharding the tables differently cannot help.",
+            kind="insufficient_storage",
+        )
     return SparseLiftPlannerError(
         f"no plan because of {why}: {storage_summary(lowest, device_cap, host_cap, compute_device)}."
         "\nNo sharding of these tables fits in one rank's memory:\n  "

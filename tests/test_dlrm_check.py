@@ -1,0 +1,36 @@
+"""The example's ``--check`` refuses what planning would refuse, with planning's own words."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "examples", "dlrm", "train.py")
+
+
+def _check(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="2")
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, TRAIN, *args, "--check"], capture_output=True, text=True,
+                          timeout=180, cwd=ROOT, env=env)
+
+
+def test_check_refuses_an_embedding_dim_the_fused_kernels_cannot_take():
+    proc = _check("--embedding-dim", "6", "--device", "cpu")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "planning would refuse this input" in proc.stderr
+    assert "embedding_dim 6 is not a multiple of 4" in proc.stderr and "pad it to 8" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_check_refuses_input_buffers_no_rank_can_hold():
+    proc = _check("--batch-size", str(10**12), "--device", "cpu")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "input/output buffers of one step" in proc.stderr and "lower batch_size" in proc.stderr
+
+
+def test_check_accepts_what_planning_accepts():
+    proc = _check("--embedding-dim", "8", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-2000:]
