@@ -461,7 +461,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         try:
             attribution = load_attribution(args.attribution)
         except ValueError as e:  # FileFormatError: names the file and the field
-            raise CliError(f"--attribution: {e}") from None
+            raise CliError(f"--attribution: not a SparseLift attribution file: {e}") from None
     _import_torchrec(args.quiet)
     from torchrec_sparselift.plan import ExecutionPlan, PlanFormatError
 

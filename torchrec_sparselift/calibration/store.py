@@ -335,8 +335,9 @@ class ProfileStore:
             try:
                 s = self.load(exact)
             except FileFormatError as e:
+                why = str(e).split("; to fix:")[0]
                 raise FileFormatError(
-                    f"this machine's calibrated profile is unusable: {e}. To fix: delete {exact} and calibrate "
+                    f"this machine's calibrated profile is unusable: {why}; to fix: delete {exact} and calibrate "
                     f"again with `{calibrate_command(fp.ranks)}`", path=exact) from None
             if s.fingerprint == fp:
                 return s, []
