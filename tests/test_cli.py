@@ -409,7 +409,7 @@ def test_stored_inputs_round_trip_and_a_malformed_record_is_named():
     assert data["schema"] == INPUTS_SCHEMA and PlanInputs.from_dict(data) == inputs
     with pytest.raises(CliError, match="is not a sparselift.cli_inputs/1 record"):
         PlanInputs.from_dict({**data, "schema": "other"})
-    with pytest.raises(CliError, match="stored inputs are malformed: KeyError"):
+    with pytest.raises(CliError, match="stored inputs: planner_info.inputs.batch_size: is missing"):
         PlanInputs.from_dict({k: v for k, v in data.items() if k != "batch_size"})
     with pytest.raises(CliError, match="stored inputs"):  # an entry's problem names where it came from
         PlanInputs.from_dict({**data, "tables": [{"name": "a", "rows": -1, "dim": 8}]})

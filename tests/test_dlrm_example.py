@@ -275,9 +275,10 @@ def test_criteo_loader_refuses_other_tables_and_missing_files(tmp_path):
     [
         ('{"no_such_table": {"sharding_types": ["row_wise"]}}', "is not one of the run's tables"),
         ('{"t_cat_0": {"colour": 1}}', "unknown key(s) ['colour']"),
-        ('{"t_cat_0": {"min_partition": 0}}', "min_partition must be a positive integer"),
+        ('{"t_cat_0": {"min_partition": 0}}', "min_partition: must be an integer in 1.."),
         ('{"t_cat_0": {"sharding_types": []}}', "must be a non-empty list of strings"),
-        ("[1]", "expected an object"),
+        ("[1]", "top level must be an object"),
+        ('{"t_cat_0": {"min_partition": 2, "min_partition": 4}}', "duplicate key 'min_partition'"),
     ],
 )
 def test_bad_constraints_file_exits_with_a_clear_message(tmp_path, content, message):

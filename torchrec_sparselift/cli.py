@@ -460,17 +460,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
         try:
             attribution = load_attribution(args.attribution)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CliError(f"--attribution {args.attribution}: not a SparseLift attribution file ({e}); write one "
-                           "with examples/dlrm/train.py --attribute N --attribution-out FILE") from None
+        except ValueError as e:  # FileFormatError: names the file and the field
+            raise CliError(f"--attribution: not a SparseLift attribution file: {e}") from None
     _import_torchrec(args.quiet)
     from torchrec_sparselift.plan import ExecutionPlan, PlanFormatError
 
     try:
-        with open(args.plan, encoding="utf-8") as f:
-            ep = ExecutionPlan.from_json(f.read())
-    except (PlanFormatError, UnicodeDecodeError) as e:
-        raise CliError(f"{args.plan}: not a SparseLift execution plan: {e}") from None
+        ep = ExecutionPlan.load(args.plan)
+    except PlanFormatError as e:  # names the file and the field
+        raise CliError(f"not a SparseLift execution plan: {e}") from None
     p = ep.prediction
     o = ep.optimizations
     print(f"{args.plan}: {ep.summary()}")

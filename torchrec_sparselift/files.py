@@ -404,6 +404,31 @@ class Fields:
             raise bad()
         return value
 
+    def build(self, name: Any, fn: Callable[[Any], Any], *, required: bool = True, default: Any = None,
+              fix: str = "") -> Any:
+        """``fn(value of field name)``; a ``KeyError``/``TypeError``/``ValueError``/... that ``fn``
+        raises on a malformed value becomes this reader's error naming the field (``name``: ``None``
+        for this object itself). A :class:`FileFormatError` from ``fn`` passes through."""
+        if name is None:
+            value = self.data
+        else:
+            value = self.data.get(name)
+            if value is None:
+                if required:
+                    raise self.fail(name, "is missing" if name not in self.data else "is null",
+                                    fix or f"add {name!r}")
+                return default
+        try:
+            return fn(value)
+        except FileFormatError:
+            raise
+        except KeyError as e:
+            raise self.fail(name, f"is malformed: key {e} is missing", fix or "restore the file or write it again"
+                            ) from None
+        except (TypeError, ValueError, AttributeError, IndexError, OverflowError, ArithmeticError) as e:
+            raise self.fail(name, f"is malformed: {type(e).__name__}: {e}",
+                            fix or "restore the file or write it again") from None
+
     # -- nested --------------------------------------------------------------------------------
     def obj(self, name: str, required: bool = True) -> Optional["Fields"]:
         """Field ``name`` as a nested object's reader (``None`` when optional and absent)."""

@@ -11,9 +11,7 @@ Criteo ``.npy`` data.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 import attrs
@@ -139,11 +137,17 @@ class ConstraintSpec:
 _CONSTRAINT_KEYS = ("sharding_types", "compute_kernels", "min_partition")
 
 
-def _string_list(value: Any, where: str) -> Tuple[str, ...]:
+def _string_list(entry: Any, key: str) -> Optional[Tuple[str, ...]]:
+    """Field ``key`` of a constraints entry: a non-empty list of strings (one string: a one-item
+    list); None when absent."""
+    if key not in entry.data:
+        return None
+    value = entry.data[key]
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
-        raise TableSetError(f"{where} must be a non-empty list of strings, got {value!r}")
+        raise entry.fail(key, f"must be a non-empty list of strings, got {value!r}",
+                         'a list of names, e.g. ["row_wise"] or ["fused"]')
     return tuple(value)
 
 
@@ -151,42 +155,31 @@ def load_constraints_file(path: str, tables: Sequence[TableSpec]) -> List[Constr
     """Per-table planner constraints from a JSON object ``{table name: {sharding_types?,
     compute_kernels?, min_partition?}}`` (a string is taken as a one-item list).
 
-    Raises TableSetError naming the file and table when the file is missing or malformed, a key
-    is unknown, or a table is not one of ``tables``."""
-    if not os.path.isfile(path):
-        raise TableSetError(f"constraints file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise TableSetError(f"{path}: not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise TableSetError(f"{path}: expected an object {{table name: {{sharding_types, compute_kernels, min_partition}}}}")
-    names = {t.name for t in tables}
-    specs = []
-    for name, entry in data.items():
-        where = f"{path}: table {name!r}"
-        if name not in names:
-            known = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
-            raise TableSetError(f"{where} is not one of the run's tables ({known})")
-        if not isinstance(entry, dict):
-            raise TableSetError(f"{where}: expected an object with keys {list(_CONSTRAINT_KEYS)}")
-        unknown = sorted(set(entry) - set(_CONSTRAINT_KEYS))
-        if unknown:
-            raise TableSetError(f"{where}: unknown key(s) {unknown}; allowed: {list(_CONSTRAINT_KEYS)}")
-        mp = entry.get("min_partition")
-        if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
-            raise TableSetError(f"{where}: min_partition must be a positive integer, got {mp!r}")
-        specs.append(
-            ConstraintSpec(
+    Read by the repository's strict loader (:mod:`torchrec_sparselift.files`: a duplicate key is
+    refused). Raises TableSetError naming the file, the table and the key when the file is missing
+    or malformed, a key is unknown, or a table is not one of ``tables``."""
+    from torchrec_sparselift.errors import FileFormatError
+    from torchrec_sparselift.files import Fields, load_json
+
+    try:
+        data = load_json(path, "constraints file", top=dict)
+        top = Fields(data, file=path, what="constraints file")
+        names = {t.name for t in tables}
+        specs = []
+        for name, value in top.data.items():
+            if name not in names:
+                known = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+                raise top.fail(name, f"table {name!r} is not one of the run's tables ({known})",
+                               "use a table name of --tables/--preset")
+            entry = top.child(value, name)
+            entry.only(_CONSTRAINT_KEYS)
+            specs.append(ConstraintSpec(
                 table=name,
-                sharding_types=_string_list(entry["sharding_types"], f"{where}: sharding_types")
-                if "sharding_types" in entry
-                else None,
-                compute_kernels=_string_list(entry["compute_kernels"], f"{where}: compute_kernels")
-                if "compute_kernels" in entry
-                else None,
-                min_partition=mp,
-            )
-        )
-    return specs
+                sharding_types=_string_list(entry, "sharding_types"),
+                compute_kernels=_string_list(entry, "compute_kernels"),
+                min_partition=entry.opt("min_partition", int, lo=1,
+                                        fix="min_partition must be a positive integer (or leave it out)"),
+            ))
+        return specs
+    except FileFormatError as e:
+        raise TableSetError(str(e)) from None

@@ -26,13 +26,13 @@ kinds the step fit (:mod:`torchrec_sparselift.calibration.step_fit`) fits togeth
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
 from torchrec_sparselift.atomic import write_json
+from torchrec_sparselift.files import Fields, load_json
 
 __all__ = [
     "KINDS",
@@ -218,15 +218,18 @@ def save_attribution(path: str, att: StepAttribution) -> None:
 
 
 def load_attribution(path: str) -> StepAttribution:
-    """Read a file written by :func:`save_attribution` (``ValueError`` for anything else)."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            payload = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON: {e}") from None
-    if not isinstance(payload, dict):
-        raise ValueError(f"{path} is not a {SCHEMA} file")
-    return StepAttribution.from_dict(payload)
+    """Read a file written by :func:`save_attribution`;
+    :class:`~torchrec_sparselift.errors.FileFormatError` (a ``ValueError``) naming the file and the
+    field (``ranks[1].kinds_ms``) for anything else."""
+    f = Fields(load_json(path, "attribution file", top=dict), file=path, what="attribution file")
+    schema = f.data.get("schema")
+    if schema != SCHEMA:
+        raise f.fail("schema", f"is {schema!r}, not {SCHEMA!r}: not an attribution file",
+                     "write one with examples/dlrm/train.py --attribute N --attribution-out FILE")
+    ranks = [r.build(None, RankAttribution.from_dict) for r in f.objs("ranks", nonempty=True)]
+    label, pipeline = f.opt("label", str, ""), f.opt("pipeline", str, "")
+    device = f.opt("device", str, "cpu")
+    return f.build(None, lambda _d: StepAttribution(ranks=ranks, label=label, pipeline=pipeline, device=device))
 
 
 def dp_optimizer_seconds(evaluated: Any) -> float:

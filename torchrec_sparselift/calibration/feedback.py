@@ -39,10 +39,17 @@ def add_feedback(records: Sequence[FitRecord], profile: HardwareProfile, topolog
                  cores: Optional[int] = None) -> Optional[str]:
     """Add measured-guard trials (FitRecords) to this machine's stored step-fit records and refit
     its profile; returns the store path, or None when this machine has no stored profile of its
-    own (feedback never edits another machine's profile). ``cores``: see
+    own (feedback never edits another machine's profile). The read-refit-rewrite holds the
+    store's lock on this machine's profile (:meth:`ProfileStore.locked`), so records added by
+    several processes at once are all kept. ``cores``: see
     :func:`~torchrec_sparselift.calibration.store.current_fingerprint`."""
     store = store or ProfileStore()
     fp = current_fingerprint(topology.compute_device, ranks_per_host(topology), cores=cores)
+    with store.locked(fp):  # read, refit and rewrite as one step: another process's records are kept
+        return _add_locked(store, fp, records, prior_weight)
+
+
+def _add_locked(store: ProfileStore, fp: Any, records: Sequence[FitRecord], prior_weight: float) -> Optional[str]:
     found, diff = store.lookup(fp)
     if found is None or diff:
         return None  # another machine's profile: never edited

@@ -488,11 +488,24 @@ def fit_kernel_profile(
 
 def load_records(path: str) -> Tuple[MicrobenchRecords, Dict[str, Any]]:
     """``(records, report)`` of a records file or a calibration report (empty report for a bare
-    records file) written by ``sparselift calibrate kernels``."""
-    import json
+    records file) written by ``sparselift calibrate kernels``.
 
-    with open(path) as f:
-        data = json.load(f)
-    if data.get("schema") == REPORT_SCHEMA:
-        return MicrobenchRecords.from_dict(data["records"]), data
-    return MicrobenchRecords.from_dict(data), {}
+    Raises :class:`~torchrec_sparselift.errors.FileFormatError` naming the file and the field
+    (``lookups[3]``) for anything unreadable or malformed."""
+    from torchrec_sparselift.files import Fields, load_json
+
+    f = Fields(load_json(path, "calibration records", top=dict), file=path, what="calibration records")
+    if f.data.get("schema") == REPORT_SCHEMA:
+        return _records_from_fields(f.obj("records")), f.data
+    return _records_from_fields(f), {}
+
+
+def _records_from_fields(f: Any) -> MicrobenchRecords:
+    from torchrec_sparselift.calibration.records import _RECORD_TYPES, RECORDS_SCHEMA
+
+    schema = f.data.get("schema")
+    if schema != RECORDS_SCHEMA:
+        raise f.fail("schema", f"is {schema!r}, not {RECORDS_SCHEMA!r} (nor {REPORT_SCHEMA!r}): not a calibration "
+                     "records file", "write one with `sparselift calibrate kernels --records PATH`")
+    return MicrobenchRecords(**{key: [r.build(None, lambda d, typ=typ: typ(**d)) for r in f.objs(key, required=False)]
+                                for key, typ in _RECORD_TYPES.items()})

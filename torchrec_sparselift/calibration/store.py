@@ -19,18 +19,28 @@ the current machine's GPU (:func:`current_fingerprint` with ``device="cuda"``).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import platform
+import time
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - non-POSIX
+    fcntl = None  # type: ignore[assignment]
 
 import attrs
 
 from torchrec_sparselift.atomic import write_json
 from torchrec_sparselift.calibration.step_fit import STEP_MODEL_VERSION, StepFitInfo
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
+from torchrec_sparselift.errors import FileFormatError
+from torchrec_sparselift.files import Fields, load_json, parse_json
 
 __all__ = [
     "MachineFingerprint",
@@ -89,6 +99,13 @@ class MachineFingerprint:
     def from_dict(cls, data: Mapping[str, Any]) -> "MachineFingerprint":
         known = {f.name for f in attrs.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> "MachineFingerprint":
+        """A fingerprint from a file's object read by ``f`` (every field required, of its type;
+        unknown keys are ignored, as :meth:`from_dict` does)."""
+        return cls(**{a.name: f.req(a.name, int, lo=0) if a.type == "int" else f.req(a.name, str)
+                      for a in attrs.fields(cls)})
 
     def digest(self) -> str:
         text = json.dumps(self.to_dict(), sort_keys=True)
@@ -181,6 +198,22 @@ class StoredProfile:
         return StepFitInfo.from_dict(self.info)
 
 
+#: Longest wait (seconds) for another process's lock on a stored profile.
+LOCK_TIMEOUT_S = 60.0
+
+# lock files this process holds (re-entrant locking), by path
+_HELD: Dict[str, int] = {}
+
+
+def _lock_holder(fd: int) -> str:
+    """``pid N`` read from a lock file's content (the holder writes its pid), or ``pid unknown``."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        text = ""
+    return f"pid {text}" if text.isdigit() else "pid unknown"
+
+
 # how much a differing field counts when picking the closest profile from another machine
 _WEIGHTS = dict(device=100, backend=50, ranks=20, processor=10, devices=10, cores=5, torchrec=2,
                 fbgemm_gpu=2, torch=1)
@@ -206,20 +239,78 @@ class ProfileStore:
             info = info.to_dict()
         payload = {"schema": STORED_SCHEMA, "fingerprint": fp.to_dict(), "profile": profile.to_dict(),
                    "info": dict(info or {})}
-        write_json(path, payload, prefix=".profile-", sort_keys=True)
+        with self.locked(fp):
+            write_json(path, payload, prefix=".profile-", sort_keys=True)
         return path
 
+    def lock_path(self, fp: MachineFingerprint) -> str:
+        """The lock file beside ``fp``'s profile (``.<device>-<digest>.lock``)."""
+        return os.path.join(self.root, f".{fp.device}-{fp.digest()}.lock")
+
+    @contextlib.contextmanager
+    def locked(self, fp: MachineFingerprint, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+        """Hold the exclusive lock on ``fp``'s stored profile (an ``fcntl.flock`` on
+        :meth:`lock_path`), so that a read-refit-rewrite of it (:func:`~torchrec_sparselift.calibration.
+        feedback.add_feedback`) is not interleaved with another process's. Re-entrant within one
+        process. Waits at most ``timeout_s`` for another process, then raises ``TimeoutError``
+        naming the lock file and the holder's pid. Without ``fcntl`` (non-POSIX) nothing is locked."""
+        lock = self.lock_path(fp)
+        if fcntl is None or _HELD.get(lock):
+            _HELD[lock] = _HELD.get(lock, 0) + 1
+            try:
+                yield
+            finally:
+                _HELD[lock] -= 1
+            return
+        os.makedirs(self.root, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            deadline = time.monotonic() + timeout_s
+            delay = 0.005
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(
+                            f"the stored profile {self.path_for(fp)} is locked by another process "
+                            f"({_lock_holder(fd)}, lock file {lock}) for more than {timeout_s:g} s; wait for it "
+                            "to finish (a calibration or a measured guard adding its records), or stop it"
+                        ) from None
+                    time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                    delay = min(delay * 2, 0.2)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            _HELD[lock] = 1
+            try:
+                yield
+            finally:
+                _HELD.pop(lock, None)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
     def load(self, path: str) -> StoredProfile:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if not isinstance(data, dict) or data.get("schema") != STORED_SCHEMA:
-            raise ValueError(f"{path} is not a stored sparselift profile (schema {STORED_SCHEMA})")
-        return StoredProfile(profile=HardwareProfile.from_dict(data["profile"]),
-                             fingerprint=MachineFingerprint.from_dict(data["fingerprint"]),
-                             path=path, info=dict(data.get("info") or {}))
+        """The stored profile in ``path``; :class:`~torchrec_sparselift.errors.FileFormatError`
+        naming the file and the field when it is unreadable or malformed."""
+        f = Fields(load_json(path, "stored profile", top=dict), file=path, what="stored profile")
+        schema = f.data.get("schema")
+        if schema != STORED_SCHEMA:
+            raise f.fail("schema", f"is {schema!r}, not {STORED_SCHEMA!r}: not a stored sparselift profile",
+                         "remove the file from the profile store")
+        fingerprint = MachineFingerprint.from_fields(f.obj("fingerprint"))
+        profile = HardwareProfile.from_fields(f.obj("profile"))
+        info = f.opt("info", dict, {})
+        f.build("info", StepFitInfo.from_dict, required=False)  # what .step_fit reads later
+        return StoredProfile(profile=profile, fingerprint=fingerprint, path=path, info=dict(info))
 
     def all(self) -> List[StoredProfile]:
-        """Every readable stored profile (unreadable files are skipped)."""
+        """Every readable stored profile; an unreadable or malformed file is skipped with a warning
+        naming it."""
         if not os.path.isdir(self.root):
             return []
         out = []
@@ -228,21 +319,28 @@ class ProfileStore:
                 continue
             try:
                 out.append(self.load(os.path.join(self.root, name)))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
+            except FileFormatError as e:
+                warnings.warn(f"sparselift: skipping an unusable stored profile: {e}", stacklevel=2)
         return out
 
     def lookup(self, fp: MachineFingerprint) -> Tuple[Optional[StoredProfile], List[str]]:
         """``(stored, differences)``: the profile for ``fp`` with no differences; else the closest
-        stored profile of the same device kind and the fields that differ; else ``(None, [])``."""
+        stored profile of the same device kind and the fields that differ; else ``(None, [])``.
+
+        This machine's own stored profile, when unreadable or malformed, is a
+        :class:`~torchrec_sparselift.errors.FileFormatError` naming the file and the fix (delete
+        it and calibrate again), never silently replaced by another machine's profile."""
         exact = self.path_for(fp)
         if os.path.isfile(exact):
             try:
                 s = self.load(exact)
-                if s.fingerprint == fp:
-                    return s, []
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
+            except FileFormatError as e:
+                why = str(e).split("; to fix:")[0]
+                raise FileFormatError(
+                    f"this machine's calibrated profile is unusable: {why}; to fix: delete {exact} and calibrate "
+                    f"again with `{calibrate_command(fp.ranks)}`", path=exact) from None
+            if s.fingerprint == fp:
+                return s, []
         best, best_score, best_diff = None, None, []
         for s in self.all():
             if s.fingerprint.device != fp.device:
@@ -273,9 +371,9 @@ def base_profile(device: str) -> HardwareProfile:
     """The profile a calibration starts from and ``hardware="auto"`` falls back to: the shipped
     CPU microbenchmark profile on CPU, the ``h100`` preset on CUDA."""
     if device == "cpu":
-        data = json.loads(base_profile_text())
-        data.pop("schema", None)
-        return HardwareProfile.from_dict(data)
+        name = f"package data calibration/data/{BASE_CPU_PROFILE}"
+        data = parse_json(base_profile_text(), what="base profile", path=name)
+        return HardwareProfile.from_fields(Fields(data, file=name, what="base profile"))
     return get_profile("h100")
 
 

@@ -11,7 +11,6 @@ traffic crosses the NIC. Bandwidths are per rank, in bytes per second, one direc
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Dict, Mapping, Optional
@@ -19,6 +18,7 @@ from typing import Any, Dict, Mapping, Optional
 import attrs
 
 from torchrec_sparselift.atomic import write_json
+from torchrec_sparselift.files import Fields, field_path, load_json
 __all__ = ["HardwareProfile", "RATE_FALLBACK", "PRESETS", "get_profile", "profile_for_topology"]
 
 GiB = 1024**3
@@ -205,16 +205,48 @@ class HardwareProfile:
                    indent=2)
 
     @classmethod
+    def from_fields(cls, f: Fields) -> "HardwareProfile":
+        """A profile from a file's object read by ``f`` (the ``schema`` key, if any, is skipped):
+        unknown keys, missing required fields, values of the wrong type, NaN/Infinity and values the
+        profile's own checks refuse are errors naming the file and the field."""
+        fields = attrs.fields(cls)
+        f.only([a.name for a in fields] + ["schema"], "remove or rename them (a typo?); the profile was "
+               "written by another version, or by hand")
+        kw: Dict[str, Any] = {}
+        for a in fields:
+            kind, optional = _FIELD_KINDS.get(str(a.type), (None, False))
+            if a.name not in f.data and a.default is not attrs.NOTHING:
+                continue  # written before the field existed: its default
+            if kind is None:  # a structured field: its own validator checks it (inside build below)
+                kw[a.name] = f.data.get(a.name)
+                continue
+            value = f.data.get(a.name)
+            if value is None and optional:
+                kw[a.name] = None
+                continue
+            if kind is int and isinstance(value, float) and math.isfinite(value) and value.is_integer():
+                value = int(value)  # a whole number written as 8589934592.0
+                f.check(value, int, field_path(f.path, a.name))
+            else:
+                value = f.req(a.name, kind)
+            kw[a.name] = value
+        return f.build(None, lambda _d: cls(**kw), fix="write a value in the range the message names")
+
+    @classmethod
     def load(cls, path: str) -> "HardwareProfile":
-        with open(path) as f:
-            data = json.load(f)
-        schema = data.pop("schema", None)
+        """Read a profile written by :meth:`save`; :class:`~torchrec_sparselift.errors.FileFormatError`
+        naming the file and the field for anything else."""
+        f = Fields(load_json(path, "hardware profile", top=dict), file=path, what="hardware profile")
+        schema = f.data.get("schema")
         if schema != "sparselift.hardware_profile/1":
-            raise ValueError(
-                f"{path} is not a sparselift hardware profile (schema {schema!r}); "
-                "create one with `sparselift calibrate`"
-            )
-        return cls.from_dict(data)
+            raise f.fail("schema", f"is {schema!r}, not 'sparselift.hardware_profile/1': this is not a "
+                         "sparselift hardware profile", "create one with `sparselift calibrate`")
+        return cls.from_fields(f)
+
+
+#: The JSON kind of each HardwareProfile field type (and whether null is allowed).
+_FIELD_KINDS = {"str": (str, False), "int": (int, False), "float": (float, False), "bool": (bool, False),
+                "Optional[float]": (float, True)}
 
 
 # Presets. GPU numbers are datasheet peaks derated to what TBE kernels and NCCL all-to-all

@@ -52,6 +52,7 @@ import attrs
 
 from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.atomic import write_text
+from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.calibration.feedback import feedback_records
 from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
 from torchrec_sparselift.vocabulary import OPT_IN_SHARDING_TYPES, SHARDING_TYPES
@@ -319,11 +320,9 @@ def guarded_execution_plan(
     box: List[Any] = [None]
     if rank == 0 and path and os.path.isfile(path):
         try:
-            with open(path, encoding="utf-8") as f:
-                box[0] = f.read()
-            ExecutionPlan.from_json(box[0])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            logger.warning("measured guard: ignoring unreadable cached plan %s (%s)", path, e)
+            box[0] = ExecutionPlan.load(path).to_json()
+        except FileFormatError as e:  # names the file and the field
+            logger.warning("measured guard: ignoring an unusable cached guarded plan (it is planned again): %s", e)
             box[0] = None
     dist.broadcast_object_list(box, src=0, group=pg)
     if box[0] is not None:

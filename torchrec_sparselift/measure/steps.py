@@ -45,6 +45,7 @@ from torchrec_sparselift.calibration.store import (
     stored_profile_problems,
 )
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
+from torchrec_sparselift.errors import FileFormatError
 
 __all__ = [
     "forced_plan",
@@ -401,7 +402,11 @@ def run_check(args: argparse.Namespace) -> int:
     """``sparselift calibrate check``: 0 if this machine has a stored profile fitted with the
     current cost model's terms on a steady machine, else 1 with the reasons (no torch, no measuring)."""
     store = ProfileStore(args.store)
-    found, diff = store.lookup(current_fingerprint("cpu", _local_ranks()))
+    try:
+        found, diff = store.lookup(current_fingerprint("cpu", _local_ranks()))
+    except FileFormatError as e:  # this machine's stored profile is damaged: named, with the fix
+        print(f"[calibrate] {e}", flush=True)
+        return 1
     if found is None or diff:
         why = ["no calibrated profile for this machine yet"]
     else:

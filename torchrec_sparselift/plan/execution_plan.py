@@ -28,6 +28,7 @@ import attrs
 
 from torchrec_sparselift import defaults
 from torchrec_sparselift.errors import PlanFormatError
+from torchrec_sparselift.files import Fields, decode_utf8, load_json, parse_json
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
 from torchrec_sparselift.validation import int_at_least
 from torchrec_sparselift.semantics.layout import Layout2D
@@ -539,43 +540,54 @@ class ExecutionPlan:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ExecutionPlan":
+    def from_dict(cls, data: Mapping[str, Any], path: Optional[str] = None) -> "ExecutionPlan":
+        """The plan :meth:`to_dict` wrote. Raises :class:`PlanFormatError` (a ``FileFormatError``)
+        naming the field (``prediction.per_rank[2]``) and ``path`` when given, for any JSON-like
+        ``data`` that is not one; no other exception type escapes."""
+        what = "" if path is None else "execution plan"
         if not isinstance(data, Mapping):
-            raise PlanFormatError(f"execution plan must be a JSON object, got {type(data).__name__}")
-        schema = data.get("schema")
+            where = "" if path is None else f"execution plan {path}: "
+            raise PlanFormatError(f"{where}execution plan must be a JSON object, got {type(data).__name__}", path=path)
+        f = Fields(dict(data), file=path, what=what, error=PlanFormatError)
+        schema = f.data.get("schema")
         if isinstance(schema, str) and schema in _OLDER_SCHEMAS:
-            raise PlanFormatError(
-                f"schema {schema!r} is older than {EXECUTION_PLAN_SCHEMA!r}: {_OLDER_SCHEMAS[schema]}"
-            )
+            raise f.fail(None, f"schema {schema!r} is older than {EXECUTION_PLAN_SCHEMA!r}: {_OLDER_SCHEMAS[schema]}")
         if schema != EXECUTION_PLAN_SCHEMA:
-            raise PlanFormatError(f"schema {schema!r} is not {EXECUTION_PLAN_SCHEMA!r}")
-        try:
-            pred = data["prediction"]
-            stats = data["stats"]
-            return cls(
-                sharding_plan=sharding_plan_from_dict(data["sharding_plan"]),
-                optimizations=Optimizations(**data["optimizations"]),
-                prediction=Prediction(
-                    step_time_s=pred["step_time_s"],
-                    lower_bound_s=pred["lower_bound_s"],
-                    cost_model=pred["cost_model"],
-                    per_rank=tuple(RankPrediction(**r) for r in pred["per_rank"]),
-                ),
-                fingerprint=Fingerprint(**data["fingerprint"]),
-                stats=None if stats is None else WorkloadStats.from_dict(stats),
-                created_at=data["created_at"],
-                planner_info=data["planner_info"],
-            )
-        except PlanFormatError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise PlanFormatError(f"malformed execution plan: {type(e).__name__}: {e}") from e
+            raise f.fail(None, f"schema {schema!r} is not {EXECUTION_PLAN_SCHEMA!r}",
+                         "plan again with this version (a plan of another schema is never read)")
+        sharding_plan = sharding_plan_from_dict(f.req("sharding_plan", dict), file=path)
+        optimizations = f.obj("optimizations").build(None, lambda d: Optimizations(**d))
+        p = f.obj("prediction")
+        per_rank = [r.build(None, lambda d: RankPrediction(**d)) for r in p.objs("per_rank")]
+        step_time_s = p.req("step_time_s", float, lo=0.0)
+        lower_bound_s = p.req("lower_bound_s", float, lo=0.0)
+        cost_model = p.req("cost_model", str)
+        prediction = p.build(None, lambda _d: Prediction(step_time_s=step_time_s, lower_bound_s=lower_bound_s,
+                                                          cost_model=cost_model, per_rank=tuple(per_rank)))
+        fingerprint = f.obj("fingerprint").build(None, lambda d: Fingerprint(**d))
+        if "stats" not in f.data:
+            raise f.fail("stats", "is missing", "add 'stats': null or the plan's workload statistics")
+        stats = f.build("stats", WorkloadStats.from_dict, required=False)
+        created_at = f.req("created_at", str)
+        planner_info = f.req("planner_info", dict)
+        return f.build(None, lambda _d: cls(
+            sharding_plan=sharding_plan, optimizations=optimizations, prediction=prediction,
+            fingerprint=fingerprint, stats=stats, created_at=created_at, planner_info=planner_info))
 
     @classmethod
-    def from_json(cls, text: str) -> "ExecutionPlan":
-        """Parse :meth:`to_json` output. Raises :class:`PlanFormatError` on anything unreadable."""
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
-            raise PlanFormatError(f"not valid JSON (truncated or corrupt?): {e}") from e
-        return cls.from_dict(data)
+    def from_json(cls, text: str, path: Optional[str] = None) -> "ExecutionPlan":
+        """Parse :meth:`to_json` output (``path``: the file it came from, named in errors).
+        Raises :class:`PlanFormatError` on anything unreadable: invalid or truncated JSON, a
+        duplicate key, another schema, a missing or ill-typed field."""
+        what = "" if path is None else "execution plan"
+        if isinstance(text, (bytes, bytearray)):
+            text = decode_utf8(bytes(text), path, what, PlanFormatError)
+        if not isinstance(text, str):
+            raise PlanFormatError(f"an execution plan is JSON text, got {type(text).__name__}", path=path)
+        return cls.from_dict(parse_json(text, path, what, PlanFormatError), path=path)
+
+    @classmethod
+    def load(cls, path: str) -> "ExecutionPlan":
+        """The plan in file ``path`` (written by :meth:`to_json`); :class:`PlanFormatError` naming
+        the file and the field for anything else."""
+        return cls.from_dict(load_json(path, "execution plan", error=PlanFormatError), path=path)

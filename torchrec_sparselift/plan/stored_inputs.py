@@ -218,28 +218,44 @@ class PlanInputs:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PlanInputs":
+    def from_dict(cls, data: Mapping[str, Any], file: Optional[str] = None) -> "PlanInputs":
+        """The inputs :meth:`to_dict` wrote (``file``: the plan they came from, named in errors).
+        Any problem is a :class:`CliError` naming the field (``planner_info.inputs.batch_size``)."""
+        from torchrec_sparselift.errors import FileFormatError
+        from torchrec_sparselift.files import Fields
+
         if not isinstance(data, Mapping) or data.get("schema") != INPUTS_SCHEMA:
             raise CliError(f"the plan's planner_info.inputs is not a {INPUTS_SCHEMA} record")
         try:
+            f = Fields(dict(data), file=file, what="the plan's stored inputs", path="planner_info.inputs")
+            t = f.obj("topology")
+            t.only([a.name for a in attrs.fields(TopologySpec)])
+            topology = TopologySpec(
+                hardware=t.req("hardware", str, nonempty=True), world_size=t.req("world_size", int, lo=1),
+                local_world_size=t.opt("local_world_size", int, lo=1), hbm_gib=t.opt("hbm_gib", float, gt=0),
+                ddr_gib=t.opt("ddr_gib", float, gt=0))
+            group = f.data.get("sharding_group_size")
+            if group is not None and group != "auto":
+                f.check(group, int, "planner_info.inputs.sharding_group_size", lo=1,
+                        fix="write null (1D), \"auto\" or a group size >= 1")
             return cls(
-                topology=TopologySpec(**data["topology"]),
-                tables=None if data.get("tables") is None else parse_table_entries(data["tables"], "stored inputs"),
-                workload=data.get("workload"),
-                model=data.get("model"),
-                constraints=parse_table_entries(data["constraints"], "stored constraints", True)
-                if data.get("constraints") else (),
-                batch_size=int(data["batch_size"]),
-                allow_lossy_comm=bool(data.get("allow_lossy_comm", False)),
-                allow_staleness=bool(data.get("allow_staleness", False)),
-                sharding_group_size=data.get("sharding_group_size"),
-                max_sync_interval=data.get("max_sync_interval"),
-                layout_2d=data.get("layout_2d", defaults.LAYOUT_2D),
-                time_budget_s=float(data.get("time_budget_s", defaults.TIME_BUDGET_S)),
-                source=str(data.get("source", "")),
+                topology=topology,
+                tables=None if f.data.get("tables") is None else parse_table_entries(f.data["tables"], "stored inputs"),
+                workload=f.opt("workload", str),
+                model=f.opt("model", str),
+                constraints=parse_table_entries(f.data["constraints"], "stored constraints", True)
+                if f.data.get("constraints") else (),
+                batch_size=f.req("batch_size", int, lo=1),
+                allow_lossy_comm=f.opt("allow_lossy_comm", bool, False),
+                allow_staleness=f.opt("allow_staleness", bool, False),
+                sharding_group_size=group,
+                max_sync_interval=f.opt("max_sync_interval", int, lo=1),
+                layout_2d=f.opt("layout_2d", str, defaults.LAYOUT_2D),
+                time_budget_s=f.opt("time_budget_s", float, defaults.TIME_BUDGET_S, lo=0.0),
+                source=f.opt("source", str, ""),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CliError(f"the plan's stored inputs are malformed: {type(e).__name__}: {e}") from None
+        except FileFormatError as e:
+            raise CliError(str(e)) from None
 
 
 def reference_workload(name: str) -> Any:

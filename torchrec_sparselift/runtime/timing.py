@@ -24,7 +24,6 @@ and stage means; plain JSON for the calibration and ``explain`` code.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import statistics
@@ -281,9 +280,14 @@ def save_records(path: str, records: Sequence[StepRecord]) -> None:
 
 
 def load_records(path: str) -> List[StepRecord]:
-    """Read records written by :func:`save_records`; ``ValueError`` for another schema."""
-    with open(path) as f:
-        payload = json.load(f)
-    if not isinstance(payload, dict) or payload.get("schema") != RECORD_SCHEMA:
-        raise ValueError(f"{path} is not a {RECORD_SCHEMA} file")
-    return [StepRecord.from_dict(r) for r in payload["records"]]
+    """Read records written by :func:`save_records`;
+    :class:`~torchrec_sparselift.errors.FileFormatError` (a ``ValueError``) naming the file and the
+    field (``records[2]``) for another schema or anything unreadable or malformed."""
+    from torchrec_sparselift.files import Fields, load_json
+
+    f = Fields(load_json(path, "step records", top=dict), file=path, what="step records")
+    schema = f.data.get("schema")
+    if schema != RECORD_SCHEMA:
+        raise f.fail("schema", f"is {schema!r}, not {RECORD_SCHEMA!r}: not a step records file",
+                     "write one with torchrec_sparselift.runtime.timing.save_records")
+    return [r.build(None, StepRecord.from_dict) for r in f.objs("records")]
