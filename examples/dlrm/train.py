@@ -641,9 +641,12 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     link = None
     if args.planner == "sparselift" and args.hardware == "auto" and device.type == "cpu" and world_size > 1:
-        from torchrec_sparselift.measure.link import measure_link_rates
+        from torchrec_sparselift.measure.link import LinkRatesError, measure_link_rates
 
-        link = measure_link_rates()  # every rank, before pinning (as the calibration measures it)
+        try:
+            link = measure_link_rates()  # every rank, before pinning (as the calibration measures it)
+        except LinkRatesError as e:  # raised on every rank alike
+            print(f"[dlrm] warning: the link could not be measured ({e}); the stored profile is used as is")
     if device.type == "cpu" and not args.no_pin:
         from torchrec_sparselift.measure.probe import pin_rank_to_core
 

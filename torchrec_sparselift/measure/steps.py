@@ -361,12 +361,10 @@ def calibrate_steps(
     first (every rank of the default group, a few seconds)."""
     import torch.distributed as dist
 
-    from torchrec_sparselift.measure.link import measure_link_rates
-
     base = base or base_profile(device_type)
     t0 = time.perf_counter()
-    if link is None and dist.get_world_size() > 1:
-        link = measure_link_rates()
+    if link is None:
+        link = _measured_link(progress and dist.get_rank(pg) == 0)
     # the host microbenchmarks run before and after the probes, a minute apart, and their floors
     # take the mean of the two readings (HostTermRecord.mean_of: one reading in a slow stretch
     # lifted a floor, and with it every prediction of the many-feature DLRM workloads, by ~20%)
@@ -389,6 +387,26 @@ def calibrate_steps(
                            wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup)
         store.save(fitted, fp, info, link=link)
     return fitted, fit, recs, fit_records
+
+
+def _measured_link(say: bool) -> Any:
+    """The default group's :class:`~torchrec_sparselift.calibration.link.LinkRates` (every rank);
+    None on one rank, or when they cannot be fitted (``say``: print why; the profile is stored
+    without a link record then)."""
+    import torch.distributed as dist
+
+    from torchrec_sparselift.calibration.link import LinkRatesError
+    from torchrec_sparselift.measure.link import measure_link_rates
+
+    if dist.get_world_size() < 2:
+        return None
+    try:
+        return measure_link_rates()
+    except LinkRatesError as e:
+        if say:
+            print(f"[calibrate] warning: the link could not be measured ({e}); the profile is stored "
+                  "without a link record", flush=True)
+        return None
 
 
 # -- the commands ---------------------------------------------------------------------------------
@@ -463,7 +481,12 @@ def _check_with_link(store: ProfileStore) -> int:
     warnings.filterwarnings("ignore")
     dist.init_process_group(backend="gloo")
     try:
-        link = measure_link_rates()  # the same on every rank: every rank decides alike
+        try:
+            link = measure_link_rates()  # the same on every rank: every rank decides alike
+        except LinkRatesError as e:  # raised on every rank alike
+            if dist.get_rank() == 0:
+                print(f"[calibrate] the link could not be measured ({e}); not compared", flush=True)
+            return 0
         found, diff = store.lookup(current_fingerprint("cpu", ranks_per_host(world_size=dist.get_world_size()),
                                                        hosts=link.hosts))
         why = _check_reasons(found, diff)
@@ -528,11 +551,9 @@ def run_steps(args: argparse.Namespace) -> int:
     try:
         from torchrec_sparselift.measure import probe
 
-        from torchrec_sparselift.measure.link import measure_link_rates
-
         rank, W = dist.get_rank(), dist.get_world_size()
         device = "cpu"
-        link = measure_link_rates() if W > 1 else None
+        link = _measured_link(rank == 0)
         if link is not None and rank == 0:
             print(f"[calibrate] {link.describe()}", flush=True)
         fp = current_fingerprint(device, ranks_per_host(world_size=W), hosts=link.hosts if link is not None else 1)
