@@ -83,6 +83,8 @@ def test_latency_shifts_only_when_flagged_and_not_below_zero():
     assert slow.changed == (("collective_latency_s", 1e-3, pytest.approx(3e-3)),)
     fast = correct_link_terms(PROFILE, _rates(inter_latency_s=5e-3), _rates(inter_latency_s=130e-6))
     assert fast.profile.collective_latency_s == 0.0
+    allreduce_only = correct_link_terms(PROFILE, _rates(allreduce_latency_s=480e-6), _rates(allreduce_latency_s=7e-6))
+    assert allreduce_only.differs and allreduce_only.profile is PROFILE  # flagged, but no a2a latency moved
 
 
 def test_an_agreeing_link_returns_the_profile_itself():

@@ -338,7 +338,7 @@ def host_groups(keys: Sequence[str]) -> List[List[int]]:
 
 # profile field <- LinkRates bandwidth term
 _PROFILE_BW = (("intra_host_bw", "intra_bw"), ("inter_host_bw", "inter_bw"), ("allreduce_bw", "allreduce_bw"))
-_LATENCY_TERMS = ("inter_latency_s", "intra_latency_s", "allreduce_latency_s")
+_LATENCY_TERMS = ("inter_latency_s", "intra_latency_s")
 
 
 def _stored_term(stored: LinkRates, name: str) -> Optional[float]:
@@ -398,9 +398,10 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
 
     Each flagged bandwidth the job uses (``intra_bw`` -> ``intra_host_bw``, ``inter_bw`` ->
     ``inter_host_bw``, ``allreduce_bw`` -> ``allreduce_bw``) by :func:`corrected_bandwidth`;
-    ``collective_latency_s`` shifted by ``measured - stored`` of the flagged latency term
-    (inter-host first, then intra-host, then all-reduce: the one the job's all-to-alls wait on),
-    not below zero. Terms within the spread are left as the step fit set them; a corrected
+    ``collective_latency_s`` shifted by ``measured - stored`` of the flagged all-to-all latency
+    (inter-host first, then intra-host: the one the job's all-to-alls wait on), not below zero;
+    a flagged all-reduce latency alone does not move it (the step fit prices mostly all-to-all
+    calls with it, and a shaped link's all-reduce latency fits near zero). Terms within the spread are left as the step fit set them; a corrected
     profile's name gets ``+link``."""
     flagged = differing_terms(stored, measured, **tolerances)
     if not flagged:
