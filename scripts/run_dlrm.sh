@@ -32,7 +32,7 @@ if [ "$CALIBRATE" = 1 ]; then
     if ! NPROC="$NPROC" .venv/bin/python -m torchrec_sparselift calibrate check; then
         RECALIBRATE=1
     elif [ "$NPROC" -gt 1 ] && ! .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" \
-            -m torchrec_sparselift calibrate check --link; then
+            -m torchrec_sparselift calibrate check --link 2>/dev/null; then
         echo "[dlrm] the link this run sees differs from the one the stored profile was calibrated on"
         RECALIBRATE=1
     fi
