@@ -19,14 +19,26 @@ case " $* " in *" torchrec "*|*"--planner=torchrec"*|*"--measured-guard"*) ;; *)
 mkdir -p runs
 # First run on this machine: fit the hardware profile from real steps of a few probe plans (about a
 # minute on 2 cores), stored per machine fingerprint in ~/.cache/torchrec_sparselift/profiles
-# (TORCHREC_SPARSELIFT_PROFILE_DIR overrides); later runs reuse it. Skipped for --planner torchrec
-# or an explicit --hardware.
+# (TORCHREC_SPARSELIFT_PROFILE_DIR overrides) with the link its ranks saw; later runs reuse it.
+# A stored profile is also checked against the link this run sees (a few seconds under torchrun):
+# when it differs beyond the measured spread (another network, a shaped link) the machine is
+# calibrated again under this link. Skipped for --planner torchrec or an explicit --hardware.
 CALIBRATE=1
 for a in "$@"; do
     case "$a" in --hardware|--hardware=*|torchrec|--check) CALIBRATE=0 ;; esac
 done
-if [ "$CALIBRATE" = 1 ] && ! NPROC="$NPROC" .venv/bin/python -m torchrec_sparselift calibrate check; then
-    echo "[dlrm] calibrating this machine from real steps first (bounded, ~1-2 min)"
-    .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m torchrec_sparselift calibrate steps
+if [ "$CALIBRATE" = 1 ]; then
+    RECALIBRATE=0
+    if ! NPROC="$NPROC" .venv/bin/python -m torchrec_sparselift calibrate check; then
+        RECALIBRATE=1
+    elif [ "$NPROC" -gt 1 ] && ! .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" \
+            -m torchrec_sparselift calibrate check --link 2>/dev/null; then
+        echo "[dlrm] the link this run sees differs from the one the stored profile was calibrated on"
+        RECALIBRATE=1
+    fi
+    if [ "$RECALIBRATE" = 1 ]; then
+        echo "[dlrm] calibrating this machine from real steps first (bounded, ~1-2 min)"
+        .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m torchrec_sparselift calibrate steps
+    fi
 fi
 exec .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" examples/dlrm/train.py "${DEFAULTS[@]}" "$@"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import attrs
@@ -251,10 +252,14 @@ class SparseLiftPlanner(ShardingPlanner):
         self._debug = debug
         self._callbacks = list(callbacks or [])
         self._budget = float(time_budget_s or timeout_seconds or defaults.TIME_BUDGET_S)
+        self._auto_stored: Optional[Tuple[HardwareProfile, str, Any]] = None  # (profile, where, its link)
         if hardware == "auto":  # this machine's step-fitted profile (warns when it has none)
-            from torchrec_sparselift.calibration.store import auto_profile
+            from torchrec_sparselift.calibration.store import auto_profile_link
 
-            hardware, _where = auto_profile(topology.compute_device, defaults.ranks_per_host(topology))
+            local = defaults.ranks_per_host(topology)
+            self._auto_stored = auto_profile_link(topology.compute_device, local,
+                                                  hosts=max(1, topology.world_size // max(1, local)))
+            hardware = self._auto_stored[0]
         if isinstance(hardware, str):
             hardware = get_profile(hardware)
         self._hardware: Optional[HardwareProfile] = hardware
@@ -291,6 +296,7 @@ class SparseLiftPlanner(ShardingPlanner):
         module: nn.Module,
         sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
         pg: Optional[dist.ProcessGroup] = None,
+        link: Any = None,
     ) -> ShardingPlan:
         """Plan on rank 0 and broadcast, so every rank gets the identical plan.
 
@@ -298,6 +304,14 @@ class SparseLiftPlanner(ShardingPlanner):
         batch size, constraints, statistics); if not, every rank raises an error naming the
         ranks that differ, instead of hanging or sharding inconsistently. Nothing to shard
         gives ``ShardingPlan({})`` on every rank, as in :meth:`plan`.
+
+        ``link``: the :class:`~torchrec_sparselift.calibration.link.LinkRates` this job sees
+        (:func:`torchrec_sparselift.measure.link.measure_link_rates` on every rank of ``pg``, a
+        few seconds; the planner does not measure). With ``hardware="auto"`` the stored profile's
+        link is compared with it; where they differ beyond the measured spread, one warning names
+        each differing term and the profile's link terms are corrected in memory
+        (:func:`~torchrec_sparselift.calibration.link.correct_link_terms`). Ignored for an
+        explicit profile or preset.
         """
         try:
             shardable = has_shardable_tables(module, get_default_sharders() if sharders is None else sharders,
@@ -306,15 +320,17 @@ class SparseLiftPlanner(ShardingPlanner):
             shardable = True
         if not shardable:
             return ShardingPlan({})
-        return self.collective_plan_execution(module, sharders, pg).sharding_plan
+        return self.collective_plan_execution(module, sharders, pg, link=link).sharding_plan
 
     def collective_plan_execution(
         self,
         module: nn.Module,
         sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
         pg: Optional[dist.ProcessGroup] = None,
+        link: Any = None,
     ) -> ExecutionPlan:
-        """:meth:`plan_execution` on rank 0, broadcast to all ranks (an ``ExecutionPlan``)."""
+        """:meth:`plan_execution` on rank 0, broadcast to all ranks (an ``ExecutionPlan``);
+        ``link``: as in :meth:`collective_plan`."""
         t0 = time.monotonic()
         if pg is None:
             if not dist.is_initialized():
@@ -324,6 +340,8 @@ class SparseLiftPlanner(ShardingPlanner):
                 )
             pg = dist.GroupMember.WORLD
         _check_group_size(self._topology, pg)
+        if link is not None:
+            self._correct_link(link, dist.get_rank(pg) == 0)
         sharders = list(sharders) if sharders is not None else get_default_sharders()
         request = self._check_ranks_agree(module, sharders, pg)
         local_error: List[Any] = [None]
@@ -341,6 +359,25 @@ class SparseLiftPlanner(ShardingPlanner):
         ep = ExecutionPlan.from_json(out[1])
         self.last_execution_plan = ep
         return ep
+
+    def _correct_link(self, link: Any, announce: bool) -> None:
+        """With ``hardware="auto"``: the stored profile with its link terms corrected to ``link``
+        (every rank alike; ``announce``: this rank warns)."""
+        if self._auto_stored is None:
+            return
+        from torchrec_sparselift.calibration.link import correct_link_terms
+
+        profile, where, stored = self._auto_stored
+        if stored is None:
+            if announce:
+                warnings.warn(f"sparselift: the profile {where} has no link record (its link is unknown), so this "
+                              "job's link is not compared with it; calibrate under this link to store one",
+                              stacklevel=3)
+            return
+        correction = correct_link_terms(profile, stored, link)
+        self._hardware = correction.profile
+        if correction.differs and announce:
+            warnings.warn(f"sparselift: {correction.describe(where)}", stacklevel=3)
 
     def _check_ranks_agree(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]],
                            pg: Any) -> PlanRequest:

@@ -375,21 +375,34 @@ CPU_PROFILE = os.path.join(REPO_ROOT, "profiles", "cpu-2core-gloo.json")
 
 
 def hardware_choice(flag: str, device_type: str, ranks: int = 1, say: Callable[[str], None] = print,
-                    cores: Optional[int] = None):
+                    cores: Optional[int] = None, link: Any = None):
     """What ``--hardware`` hands the planner: a preset name or profile path; for ``auto``, this
     machine's profile fitted from real steps (``sparselift`` step calibration, stored per machine
     fingerprint in ~/.cache/torchrec_sparselift/profiles) as a HardwareProfile; without one, the
     closest stored profile or the committed CPU profile, with a line naming what differs; on GPU
     None (the planner picks a preset from the topology). ``cores``: the cores this process could use
-    before pinning its ranks (the machine's fingerprint)."""
+    before pinning its ranks (the machine's fingerprint). ``link``: the ``LinkRates`` this job
+    measured (``auto`` on CPU): compared with the link the stored profile was calibrated on; where
+    they differ beyond the measured spread, a warning names each term and the profile's link terms
+    are corrected (``calibration.link.correct_link_terms``)."""
     if flag != "auto":
         return flag
     if device_type == "cpu":
         try:
-            from torchrec_sparselift.calibration.store import auto_profile
+            from torchrec_sparselift.calibration.link import correct_link_terms
+            from torchrec_sparselift.calibration.store import auto_profile_link
         except ImportError:
             return CPU_PROFILE if os.path.isfile(CPU_PROFILE) else None
-        profile, _where = auto_profile("cpu", ranks, warn=lambda m: say(f"[dlrm] warning: {m}"), cores=cores)
+        profile, where, stored = auto_profile_link("cpu", ranks, warn=lambda m: say(f"[dlrm] warning: {m}"),
+                                                   cores=cores, hosts=link.hosts if link is not None else 1)
+        if link is not None and stored is None:
+            say(f"[dlrm] warning: the profile {where} has no link record (its link is unknown): this job's link "
+                "is not compared with it; calibrate to store one")
+        elif link is not None:
+            correction = correct_link_terms(profile, stored, link)
+            if correction.differs:
+                say(f"[dlrm] warning: sparselift: {correction.describe(where)}")
+            profile = correction.profile
         return profile
     return None
 
@@ -655,6 +668,14 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     rank, world_size, local_world_size, device, backend = init_distributed(args.device)
     pg = dist.GroupMember.WORLD
     usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    link = None
+    if args.planner == "sparselift" and args.hardware == "auto" and device.type == "cpu" and world_size > 1:
+        from torchrec_sparselift.measure.link import LinkRatesError, measure_link_rates
+
+        try:
+            link = measure_link_rates()  # every rank, before pinning (as the calibration measures it)
+        except LinkRatesError as e:  # raised on every rank alike
+            print(f"[dlrm] warning: the link could not be measured ({e}); the stored profile is used as is")
     if device.type == "cpu" and not args.no_pin:
         from torchrec_sparselift.measure.probe import pin_rank_to_core
 
@@ -677,7 +698,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     specs = load_constraints_file(args.constraints, tables) if args.constraints else []
     constraints = planner_constraints(tables, specs, one_hot=bool(args.criteo_dir))
     cache_dir = None if (args.no_plan_cache or args.planner != "sparselift") else args.plan_cache
-    hardware = hardware_choice(args.hardware, device.type, local_world_size, say, cores=usable_cores)
+    hardware = hardware_choice(args.hardware, device.type, local_world_size, say, cores=usable_cores, link=link)
     workload = observed_workload(args, tables, world_size) if args.planner == "sparselift" else None
     if workload is not None:
         ratios = [fs.unique_ratio for fs in workload.values() if fs.unique_ratio is not None]

@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - non-POSIX
 import attrs
 
 from torchrec_sparselift.atomic import write_json
+from torchrec_sparselift.calibration.link import LinkRates, LinkRatesError
 from torchrec_sparselift.calibration.step_fit import STEP_MODEL_VERSION, StepFitInfo
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
@@ -53,6 +54,7 @@ __all__ = [
     "base_profile",
     "base_profile_text",
     "auto_profile",
+    "auto_profile_link",
     "stored_profile_problems",
     "disturbed_spread",
     "drift_spread",
@@ -79,7 +81,10 @@ class MachineFingerprint:
     ``device``: "cpu" or "cuda"; ``processor``: CPU model (CPU runs) or GPU model (CUDA runs);
     ``cores``: usable CPU cores; ``devices``: visible GPUs (0 on CPU); ``backend``: gloo or nccl;
     ``ranks``: processes per host the profile was measured with (ranks share the cores);
-    versions of torch, fbgemm_gpu and torchrec ("none" when not installed).
+    ``hosts``: hosts the job ran on (torchrun nodes; a profile calibrated across a network is not
+    the one-host profile); versions of torch, fbgemm_gpu and torchrec ("none" when not installed).
+    A one-host fingerprint's digest leaves ``hosts`` out, so profiles stored before it was a field
+    keep their file names.
     """
 
     device: str
@@ -91,6 +96,7 @@ class MachineFingerprint:
     torch: str
     fbgemm_gpu: str
     torchrec: str
+    hosts: int = 1
 
     def to_dict(self) -> Dict[str, Any]:
         return attrs.asdict(self)
@@ -108,7 +114,10 @@ class MachineFingerprint:
                       for a in attrs.fields(cls)})
 
     def digest(self) -> str:
-        text = json.dumps(self.to_dict(), sort_keys=True)
+        d = self.to_dict()
+        if d["hosts"] == 1:
+            del d["hosts"]
+        text = json.dumps(d, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def differences(self, other: "MachineFingerprint") -> List[str]:
@@ -118,7 +127,8 @@ class MachineFingerprint:
 
     def describe(self) -> str:
         hw = f"{self.devices}x {self.processor}" if self.device == "cuda" else f"{self.processor}, {self.cores} cores"
-        return (f"{hw}, {self.backend} x{self.ranks} ranks, torch {self.torch}, fbgemm_gpu {self.fbgemm_gpu}, "
+        hosts = f" on {self.hosts} hosts" if self.hosts != 1 else ""
+        return (f"{hw}, {self.backend} x{self.ranks} ranks{hosts}, torch {self.torch}, fbgemm_gpu {self.fbgemm_gpu}, "
                 f"torchrec {self.torchrec}")
 
 
@@ -153,8 +163,9 @@ def usable_cores() -> int:
 
 
 def current_fingerprint(device: str = "cpu", ranks: int = 1, backend: Optional[str] = None,
-                        cores: Optional[int] = None) -> MachineFingerprint:
-    """The fingerprint of this machine for runs on ``device`` with ``ranks`` processes per host.
+                        cores: Optional[int] = None, hosts: int = 1) -> MachineFingerprint:
+    """The fingerprint of this machine for runs on ``device`` with ``ranks`` processes per host
+    on ``hosts`` hosts.
 
     ``cores``: the cores the run may use (default :func:`usable_cores`). A process that pinned its
     ranks to a slice of the cores passes what it could use before pinning (the DLRM example does),
@@ -163,6 +174,8 @@ def current_fingerprint(device: str = "cpu", ranks: int = 1, backend: Optional[s
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if hosts < 1:
+        raise ValueError(f"hosts must be >= 1, got {hosts}")
     processor, devices = _cpu_model(), 0
     if device == "cuda":
         import torch
@@ -180,6 +193,7 @@ def current_fingerprint(device: str = "cpu", ranks: int = 1, backend: Optional[s
         torch=_dist_version("torch"),
         fbgemm_gpu=_dist_version("fbgemm_gpu"),
         torchrec=_dist_version("torchrec"),
+        hosts=int(hosts),
     )
 
 
@@ -196,6 +210,18 @@ class StoredProfile:
     @property
     def step_fit(self) -> StepFitInfo:
         return StepFitInfo.from_dict(self.info)
+
+    @property
+    def link(self) -> Optional[LinkRates]:
+        """The link rates measured when the profile was calibrated (its ``info["link"]``); None for
+        a profile stored without one (its link is unknown: nothing to compare a job's link with)."""
+        data = self.info.get("link")
+        if data is None:
+            return None
+        try:
+            return LinkRates.from_dict(data)
+        except (LinkRatesError, TypeError) as e:
+            raise LinkRatesError(f"{self.path}: its link record cannot be read ({e}); calibrate again") from e
 
 
 #: Longest wait (seconds) for another process's lock on a stored profile.
@@ -215,7 +241,7 @@ def _lock_holder(fd: int) -> str:
 
 
 # how much a differing field counts when picking the closest profile from another machine
-_WEIGHTS = dict(device=100, backend=50, ranks=20, processor=10, devices=10, cores=5, torchrec=2,
+_WEIGHTS = dict(device=100, backend=50, ranks=20, hosts=20, processor=10, devices=10, cores=5, torchrec=2,
                 fbgemm_gpu=2, torch=1)
 
 
@@ -229,14 +255,17 @@ class ProfileStore:
         return os.path.join(self.root, f"{fp.device}-{fp.digest()}.json")
 
     def save(self, profile: HardwareProfile, fp: MachineFingerprint,
-             info: "Optional[Mapping[str, Any] | StepFitInfo]" = None) -> str:
+             info: "Optional[Mapping[str, Any] | StepFitInfo]" = None, link: Optional[LinkRates] = None) -> str:
         """Store ``profile`` for ``fp`` (replacing an older one) with ``info`` (a
-        :class:`~torchrec_sparselift.calibration.step_fit.StepFitInfo` or plain JSON values);
+        :class:`~torchrec_sparselift.calibration.step_fit.StepFitInfo` or plain JSON values) and
+        ``link``, the link rates measured with it (kept as ``info["link"]``; :attr:`StoredProfile.link`);
         returns the file's path."""
         os.makedirs(self.root, exist_ok=True)
         path = self.path_for(fp)
         if isinstance(info, StepFitInfo):
             info = info.to_dict()
+        if link is not None:
+            info = {**dict(info or {}), "link": link.to_dict()}
         payload = {"schema": STORED_SCHEMA, "fingerprint": fp.to_dict(), "profile": profile.to_dict(),
                    "info": dict(info or {})}
         with self.locked(fp):
@@ -425,23 +454,39 @@ def stored_profile_problems(info: StepFitInfo) -> List[str]:
 
 def auto_profile(device: str, ranks: int, store: Optional[ProfileStore] = None,
                  warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3),
-                 cores: Optional[int] = None) -> Tuple[HardwareProfile, str]:
+                 cores: Optional[int] = None, hosts: int = 1) -> Tuple[HardwareProfile, str]:
     """``(profile, where)`` for ``hardware="auto"``: this machine's stored profile; else the
     closest stored one (``warn`` names the differing fingerprint fields); else the base profile
     (``warn`` says how to calibrate). Only reads the store. ``cores``: see :func:`current_fingerprint`."""
+    profile, where, _link = auto_profile_link(device, ranks, store, warn, cores, hosts)
+    return profile, where
+
+
+def auto_profile_link(device: str, ranks: int, store: Optional[ProfileStore] = None,
+                      warn: Callable[[str], None] = lambda m: warnings.warn(m, stacklevel=3),
+                      cores: Optional[int] = None,
+                      hosts: int = 1) -> Tuple[HardwareProfile, str, Optional[LinkRates]]:
+    """:func:`auto_profile` and the link the profile was calibrated on (None: the base profile, or
+    a stored profile without a link record). A caller with a process group measures the job's
+    link and corrects the profile with :func:`~torchrec_sparselift.calibration.link.correct_link_terms`."""
     store = store or ProfileStore()
-    fp = current_fingerprint(device, ranks, cores=cores)
+    fp = current_fingerprint(device, ranks, cores=cores, hosts=hosts)
     found, diff = store.lookup(fp)
     how = f"calibrate this machine with `{calibrate_command(ranks)}`"
-    if found is not None and not diff:
-        for problem in stored_profile_problems(found.step_fit):
-            warn(f"sparselift: this machine's profile {found.path} {problem}: predictions may be off; {how}")
-        return found.profile, found.path
     if found is not None:
-        warn(f"sparselift: no calibrated profile for this machine; using {found.path} from another machine "
-             f"(differs in {'; '.join(diff)}): predictions may be off; {how}")
-        return found.profile, found.path
+        if not diff:
+            for problem in stored_profile_problems(found.step_fit):
+                warn(f"sparselift: this machine's profile {found.path} {problem}: predictions may be off; {how}")
+        else:
+            warn(f"sparselift: no calibrated profile for this machine; using {found.path} from another machine "
+                 f"(differs in {'; '.join(diff)}): predictions may be off; {how}")
+        try:
+            link = found.link
+        except LinkRatesError as e:
+            warn(f"sparselift: {e}")
+            link = None
+        return found.profile, found.path, link
     base = base_profile(device)
     warn(f"sparselift: no calibrated profile for this machine in {store.root}; using {base.name}: "
          f"predictions may be off; {how}")
-    return base, base.name
+    return base, base.name, None

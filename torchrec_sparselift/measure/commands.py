@@ -19,7 +19,7 @@ __all__ = ["build_calibrate_parser", "main"]
 
 def build_calibrate_parser() -> argparse.ArgumentParser:
     from torchrec_sparselift.measure.kernels import add_kernels_arguments
-    from torchrec_sparselift.measure.steps import add_steps_arguments, add_store_argument
+    from torchrec_sparselift.measure.steps import add_check_arguments, add_steps_arguments
 
     p = argparse.ArgumentParser(prog="sparselift calibrate",
                                 description="Calibrate this machine: fit the hardware profile the planner prices with.")
@@ -31,8 +31,9 @@ def build_calibrate_parser() -> argparse.ArgumentParser:
     add_steps_arguments(steps)
     check = sub.add_parser("check", help="exit 0 if this machine's stored profile is current, else 1",
                            description="Exit 0 if this machine has a stored profile fitted with the current cost "
-                           "model's terms on a steady machine, else 1 with the reasons (no torch, no measuring).")
-    add_store_argument(check)
+                           "model's terms on a steady machine, else 1 with the reasons (no torch, no measuring; "
+                           "with --link, under torchrun, also the link this job sees).")
+    add_check_arguments(check)
     kernels = sub.add_parser("kernels", help="measure kernels and collectives, fit a profile JSON",
                              description="Measure this machine's kernels (and collectives under torchrun) and fit a "
                              "hardware profile JSON the planner can load.")

@@ -14,8 +14,14 @@ the same evaluator the planner optimizes), fits the profile's terms
 writes; the path is printed). The base profile is the shipped CPU microbenchmark profile
 (:func:`~torchrec_sparselift.calibration.store.base_profile`).
 
+The calibration first measures the link its ranks see
+(:func:`~torchrec_sparselift.measure.link.measure_link_rates`, a few seconds) and stores it with
+the profile; the fingerprint records the hosts it saw.
+
 ``sparselift calibrate steps --from-measurements PATH`` refits a saved set in one process;
-``sparselift calibrate check`` says whether this machine's stored profile is current.
+``sparselift calibrate check`` says whether this machine's stored profile is current;
+``sparselift calibrate check --link`` (under torchrun) also measures the link the job sees and
+fails when it differs from the stored profile's beyond the measured spread.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ __all__ = [
     "save_measurement_set",
     "load_measurement_set",
     "add_steps_arguments",
+    "add_check_arguments",
     "run_steps",
     "run_check",
 ]
@@ -335,17 +342,22 @@ def calibrate_steps(
     name: str = "step-fit",
     store: Optional[ProfileStore] = None,
     save_measurements: Optional[str] = None,
+    link: Any = None,
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """:func:`host_terms`, :func:`measure_probes`, :func:`host_terms` again, then
     :func:`fit_measurements` with each host term's mean reading (every rank returns the same).
     ``save_measurements``: rank 0 also saves the probe measurements and host terms there
     (:func:`save_measurement_set`; ``--from-measurements`` reads them). ``store``: rank 0 stores the
-    fitted profile under this machine's fingerprint with the fit's records
-    (:func:`~torchrec_sparselift.calibration.step_fit.stored_info`)."""
+    fitted profile under this machine's fingerprint (with the hosts the link saw) with the fit's
+    records (:func:`~torchrec_sparselift.calibration.step_fit.stored_info`) and the link rates.
+    ``link``: the job's :class:`~torchrec_sparselift.calibration.link.LinkRates`; None measures them
+    first (every rank of the default group, a few seconds)."""
     import torch.distributed as dist
 
     base = base or base_profile(device_type)
     t0 = time.perf_counter()
+    if link is None:
+        link = _measured_link(progress and dist.get_rank(pg) == 0)
     # the host microbenchmarks run before and after the probes, a minute apart, and their floors
     # take the mean of the two readings (HostTermRecord.mean_of: one reading in a slow stretch
     # lifted a floor, and with it every prediction of the many-feature DLRM workloads, by ~20%)
@@ -359,14 +371,35 @@ def calibrate_steps(
     fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
                                                       host=host)
     if rank == 0 and store is not None:
-        fp = current_fingerprint(device_type, ranks_per_host(world_size=dist.get_world_size(pg)))
+        fp = current_fingerprint(device_type, ranks_per_host(world_size=dist.get_world_size(pg)),
+                                 hosts=link.hosts if link is not None else 1)
         drifts = {m.workload: m.drift for m in ms}
         info = stored_info(base, fit, recs, fit_records, fp.describe(), host=host.to_dict(),
                            drift_spread=round(drift_spread(list(drifts.values())), 3),
                            host_term_runs=[h.to_dict() for h in host_runs],
                            wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup)
-        store.save(fitted, fp, info)
+        store.save(fitted, fp, info, link=link)
     return fitted, fit, recs, fit_records
+
+
+def _measured_link(say: bool) -> Any:
+    """The default group's :class:`~torchrec_sparselift.calibration.link.LinkRates` (every rank);
+    None on one rank, or when they cannot be fitted (``say``: print why; the profile is stored
+    without a link record then)."""
+    import torch.distributed as dist
+
+    from torchrec_sparselift.calibration.link import LinkRatesError
+    from torchrec_sparselift.measure.link import measure_link_rates
+
+    if dist.get_world_size() < 2:
+        return None
+    try:
+        return measure_link_rates()
+    except LinkRatesError as e:
+        if say:
+            print(f"[calibrate] warning: the link could not be measured ({e}); the profile is stored "
+                  "without a link record", flush=True)
+        return None
 
 
 # -- the commands ---------------------------------------------------------------------------------
@@ -398,21 +431,94 @@ def add_store_argument(p: argparse.ArgumentParser) -> None:
                    "~/.cache/torchrec_sparselift/profiles)")
 
 
+def add_check_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``sparselift calibrate check``."""
+    add_store_argument(p)
+    p.add_argument("--link", action="store_true", help="also measure the link this job sees (run under torchrun, "
+                   "every rank, a few seconds) and fail when it differs from the stored profile's beyond the "
+                   "measured spread")
+
+
 def run_check(args: argparse.Namespace) -> int:
     """``sparselift calibrate check``: 0 if this machine has a stored profile fitted with the
-    current cost model's terms on a steady machine, else 1 with the reasons (no torch, no measuring)."""
+    current cost model's terms on a steady machine, else 1 with the reasons (no torch, no measuring).
+    With ``--link`` (under torchrun) also measure the job's link and fail when it differs from the
+    one stored with the profile (:func:`~torchrec_sparselift.calibration.link.links_differ`) where
+    hosts are involved (on one host the loopback's rates follow the machine's load: the
+    differences are printed and the run corrects its link terms instead); a profile stored without
+    a link record passes with a line saying its link is unknown."""
     store = ProfileStore(args.store)
+    if getattr(args, "link", False):
+        return _check_with_link(store)
     try:
         found, diff = store.lookup(current_fingerprint("cpu", _local_ranks()))
     except FileFormatError as e:  # this machine's stored profile is damaged: named, with the fix
         print(f"[calibrate] {e}", flush=True)
         return 1
-    if found is None or diff:
-        why = ["no calibrated profile for this machine yet"]
-    else:
-        why = [f"the stored profile {found.path} {p}" for p in stored_profile_problems(found.step_fit)]
+    why = _check_reasons(found, diff)
     for line in why:
         print(f"[calibrate] {line}", flush=True)
+    return 1 if why else 0
+
+
+def _check_reasons(found: Any, diff: Sequence[str]) -> List[str]:
+    if found is None or diff:
+        return ["no calibrated profile for this machine yet"]
+    return [f"the stored profile {found.path} {p}" for p in stored_profile_problems(found.step_fit)]
+
+
+def _check_with_link(store: ProfileStore) -> int:
+    import torch.distributed as dist
+
+    from torchrec_sparselift.calibration.link import LinkRatesError, differing_terms
+    from torchrec_sparselift.measure.link import measure_link_rates
+
+    if "RANK" not in os.environ:
+        print("sparselift calibrate check --link: error: run under torchrun (every rank measures the link: "
+              "torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate check --link)", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore")
+    dist.init_process_group(backend="gloo")
+    try:
+        try:
+            link = measure_link_rates()  # the same on every rank: every rank decides alike
+        except LinkRatesError as e:  # raised on every rank alike
+            if dist.get_rank() == 0:
+                print(f"[calibrate] the link could not be measured ({e}); not compared", flush=True)
+            return 0
+        try:
+            found, diff = store.lookup(current_fingerprint(
+                "cpu", ranks_per_host(world_size=dist.get_world_size()), hosts=link.hosts))
+        except FileFormatError as e:  # this machine's stored profile is damaged: named, with the fix
+            if dist.get_rank() == 0:
+                print(f"[calibrate] {e}", flush=True)
+            return 1
+        why = _check_reasons(found, diff)
+        notes = []
+        if not why:
+            try:
+                stored = found.link
+            except LinkRatesError as e:
+                stored, why = None, [str(e)]
+            if stored is None and not why:
+                notes.append(f"the stored profile {found.path} has no link record: its link is unknown, "
+                             f"not compared (this job's: {link.describe()})")
+            elif stored is not None:
+                diffs = differing_terms(stored, link)
+                if stored.hosts == link.hosts == 1:
+                    # one host: the loopback's rates follow the machine's load, not another network;
+                    # the run corrects its link terms in memory (with a warning) instead of recalibrating
+                    notes += [f"the loopback differs from the one {found.path} was calibrated on (the run "
+                              f"corrects its link terms): {msg}" for _term, msg in diffs]
+                else:
+                    why = [f"the link differs from the one {found.path} was calibrated on: {msg}"
+                           for _term, msg in diffs]
+        if dist.get_rank() == 0:
+            for line in notes + why:
+                print(f"[calibrate] {line}", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
     return 1 if why else 0
 
 
@@ -458,7 +564,10 @@ def run_steps(args: argparse.Namespace) -> int:
 
         rank, W = dist.get_rank(), dist.get_world_size()
         device = "cpu"
-        fp = current_fingerprint(device, ranks_per_host(world_size=W))
+        link = _measured_link(rank == 0)
+        if link is not None and rank == 0:
+            print(f"[calibrate] {link.describe()}", flush=True)
+        fp = current_fingerprint(device, ranks_per_host(world_size=W), hosts=link.hosts if link is not None else 1)
         workloads = probe.PROBE_WORKLOADS[:2] if args.quick else probe.PROBE_WORKLOADS
         steps = args.steps or (5 if args.quick else probe.DEFAULT_TIMING["steps"])
         warmup = probe.DEFAULT_TIMING["warmup"] if args.warmup is None else args.warmup
@@ -467,7 +576,7 @@ def run_steps(args: argparse.Namespace) -> int:
         fitted, fit, recs, _fit_records = calibrate_steps(
             dist.group.WORLD, device, base, workloads, steps=steps, warmup=warmup, progress=not args.no_progress,
             name=f"step-fit-{fp.device}-{fp.cores}core-{fp.backend}x{fp.ranks}", store=store,
-            save_measurements=args.save_measurements)
+            save_measurements=args.save_measurements, link=link)
         wall = time.perf_counter() - t0
         if rank == 0:
             path = store.path_for(fp)

@@ -1,0 +1,221 @@
+"""Link-aware profiles: a stored profile keeps the link it was calibrated on, a job whose link
+differs beyond the measured spread gets one warning naming each differing term and the profile's
+link terms corrected by the measured change; the store reads profiles with and without a link
+record; on two emulated hosts a profile calibrated on an unshaped link is corrected to a
+100 Mbit/s one (that last one needs root and tc; it skips with the reason).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import attrs
+import pytest
+
+from torchrec_sparselift.calibration.link import (
+    LinkRates,
+    correct_link_terms,
+    corrected_bandwidth,
+    links_differ,
+)
+from torchrec_sparselift.calibration.store import (
+    PROFILE_STORE_ENV,
+    MachineFingerprint,
+    ProfileStore,
+    auto_profile,
+    auto_profile_link,
+    current_fingerprint,
+)
+from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.measure import testbed as tb
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+PROFILE = HardwareProfile(name="step-fit-test", compute_device="cpu", local_world_size=1, intra_host_bw=400e6,
+                          inter_host_bw=400e6, allreduce_bw=300e6, collective_latency_s=1e-3)
+
+
+def _rates(**overrides) -> LinkRates:
+    base = dict(
+        intra_bw=None, intra_latency_s=None, inter_bw=430e6, inter_latency_s=130e-6, spread=0.1,
+        allreduce_bw=220e6, allreduce_latency_s=250e-6, latency_spread_s=20e-6, hosts=2, ranks_per_host=1,
+    )  # fmt: skip
+    base.update(overrides)
+    return LinkRates(**base)
+
+
+# ---------------------------------------------------------------- the correction
+
+
+def test_a_bandwidth_keeps_the_profiles_extra_seconds_per_byte_over_the_link():
+    # profile 400 MB/s over a 430 MB/s link: 1/400e6 - 1/430e6 s/byte on top of the link
+    new = corrected_bandwidth(400e6, 430e6, 12.5e6)
+    assert new == pytest.approx(1 / (1 / 400e6 + 1 / 12.5e6 - 1 / 430e6), rel=1e-12)
+    assert 12.0e6 < new < 12.5e6
+    # the link got faster by more than the profile's per-byte time: the measured rate outright
+    assert corrected_bandwidth(1e9, 1e8, 1e10) == 1e10
+    with pytest.raises(ValueError, match="measured_bw=0"):
+        corrected_bandwidth(1e9, 1e9, 0.0)
+
+
+def test_a_slower_link_corrects_the_flagged_terms_and_names_them_with_both_values():
+    stored, measured = _rates(), _rates(inter_bw=12.4e6, allreduce_bw=12.1e6, inter_latency_s=230e-6)
+    c = correct_link_terms(PROFILE, stored, measured)
+    assert c.differs and len(c.differences) == len(links_differ(stored, measured)) == 2
+    p = c.profile
+    assert p.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 430e6, 12.4e6))
+    assert p.allreduce_bw == pytest.approx(corrected_bandwidth(300e6, 220e6, 12.1e6))
+    # within the spread: untouched (the latencies are 100 us apart, within 100% of the smaller)
+    assert p.intra_host_bw == PROFILE.intra_host_bw and p.collective_latency_s == PROFILE.collective_latency_s
+    assert p.name == "step-fit-test+link"
+    assert {f for f, _, _ in c.changed} == {"inter_host_bw", "allreduce_bw"}
+    msg = c.describe("/store/cpu-x.json")
+    for needle in ("inter_bw", "allreduce_bw", "430 MB/s", "12.4 MB/s", "/store/cpu-x.json", "inter_host_bw"):
+        assert needle in msg, msg
+
+
+def test_latency_shifts_only_when_flagged_and_not_below_zero():
+    slow = correct_link_terms(PROFILE, _rates(), _rates(inter_latency_s=2.13e-3))
+    assert slow.profile.collective_latency_s == pytest.approx(1e-3 + 2e-3)
+    assert slow.changed == (("collective_latency_s", 1e-3, pytest.approx(3e-3)),)
+    fast = correct_link_terms(PROFILE, _rates(inter_latency_s=5e-3), _rates(inter_latency_s=130e-6))
+    assert fast.profile.collective_latency_s == 0.0
+    allreduce_only = correct_link_terms(PROFILE, _rates(allreduce_latency_s=480e-6), _rates(allreduce_latency_s=7e-6))
+    assert allreduce_only.differs and allreduce_only.profile is PROFILE  # flagged, but no a2a latency moved
+
+
+def test_an_agreeing_link_returns_the_profile_itself():
+    c = correct_link_terms(PROFILE, _rates(), _rates(inter_bw=450e6, allreduce_bw=230e6))
+    assert not c.differs and c.profile is PROFILE and c.changed == ()
+
+
+def test_a_term_the_calibration_did_not_see_is_compared_with_its_other_all_to_all():
+    # calibrated on one host x 2 ranks (loopback), run on 2 hosts x 1 rank at 100 Mbit/s
+    one_host = _rates(intra_bw=800e6, intra_latency_s=300e-6, inter_bw=None, inter_latency_s=None,
+                      hosts=1, ranks_per_host=2)
+    c = correct_link_terms(PROFILE, one_host, _rates(inter_bw=12.5e6, allreduce_bw=12e6))
+    assert any(d.startswith("topology") for d in c.differences)
+    assert c.profile.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 800e6, 12.5e6))
+
+
+# ---------------------------------------------------------------- the store
+
+
+def test_the_store_keeps_the_link_and_reads_a_profile_without_one(tmp_path):
+    store = ProfileStore(str(tmp_path))
+    fp = current_fingerprint("cpu", 2)
+    path = store.save(PROFILE, fp, {"fit": {}}, link=_rates(hosts=1, ranks_per_host=2, intra_bw=800e6,
+                                                             intra_latency_s=3e-4, inter_bw=None,
+                                                             inter_latency_s=None))
+    found, diff = store.lookup(fp)
+    assert diff == [] and found.path == path and found.profile == PROFILE
+    assert found.link.intra_bw == 800e6 and found.link.hosts == 1
+    assert auto_profile_link("cpu", 2, store, warn=lambda m: None)[2] == found.link
+    store.save(PROFILE, fp, {"fit": {}})  # no link record: loads, its link unknown
+    assert store.lookup(fp)[0].link is None
+    assert auto_profile_link("cpu", 2, store, warn=lambda m: None)[2] is None
+
+
+def test_hosts_join_the_fingerprint_and_leave_one_host_digests_as_they_were(tmp_path):
+    fp = current_fingerprint("cpu", 1)
+    old = {k: v for k, v in fp.to_dict().items() if k != "hosts"}  # a record from before the field
+    assert MachineFingerprint.from_dict(old) == fp
+    import hashlib
+
+    assert fp.digest() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    two = current_fingerprint("cpu", 1, hosts=2)
+    assert two.digest() != fp.digest() and fp.differences(two) == ["hosts: 1 vs 2"]
+    store = ProfileStore(str(tmp_path))
+    store.save(PROFILE, fp)
+    found, diff = store.lookup(two)  # only a one-host profile: the closest, named as another machine's
+    assert found is not None and diff == ["hosts: 2 vs 1"]
+    warned = []
+    auto_profile("cpu", 1, store, warn=warned.append, hosts=2)
+    assert warned and "hosts: 2 vs 1" in warned[0]
+
+
+def test_the_planner_with_hardware_auto_corrects_the_stored_link_and_warns_once(tmp_path, monkeypatch):
+    from torchrec.distributed.planner import Topology
+
+    from torchrec_sparselift.planner import SparseLiftPlanner
+
+    store = ProfileStore(str(tmp_path))
+    store.save(PROFILE, current_fingerprint("cpu", 1, hosts=2), {"fit": {}}, link=_rates())
+    monkeypatch.setenv(PROFILE_STORE_ENV, str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        topo = Topology(world_size=2, local_world_size=1, compute_device="cpu")
+    planner = SparseLiftPlanner(topology=topo, batch_size=64, hardware="auto")
+    assert planner._hardware == PROFILE  # no process group, no link: the stored profile as is
+    with pytest.warns(UserWarning, match="inter_bw") as record:
+        planner._correct_link(_rates(inter_bw=12.5e6), announce=True)
+    assert len(record) == 1 and "430 MB/s" in str(record[0].message)
+    assert planner._hardware.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 430e6, 12.5e6))
+    assert planner._hardware.allreduce_bw == PROFILE.allreduce_bw
+    explicit = SparseLiftPlanner(topology=topo, batch_size=64, hardware=PROFILE)
+    explicit._correct_link(_rates(inter_bw=12.5e6), announce=True)  # the user's profile: left alone
+    assert explicit._hardware is PROFILE
+
+
+# ---------------------------------------------------------------- two emulated hosts
+
+REASON = tb.unavailable_reason()
+
+JOB = r"""
+import json, sys, warnings
+import torch.distributed as dist
+from torchrec.distributed.planner import Topology
+from torchrec_sparselift.measure.link import measure_link_rates
+from torchrec_sparselift.planner import SparseLiftPlanner
+
+dist.init_process_group("gloo")
+link = measure_link_rates(repetitions=3, target_call_s=0.04)
+if sys.argv[1] == "measure":
+    if dist.get_rank() == 0:
+        open(sys.argv[2], "w").write(link.to_json())
+else:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        topo = Topology(world_size=2, local_world_size=1, compute_device="cpu")
+    planner = SparseLiftPlanner(topology=topo, batch_size=64, hardware="auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planner._correct_link(link, dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        out = {"link": link.to_dict(), "profile": planner._hardware.to_dict(),
+               "warnings": [str(w.message) for w in caught if "sparselift" in str(w.message)]}
+        open(sys.argv[2], "w").write(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def _job(tmp_path, rate_bps, mode, store_dir):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = tmp_path / f"{mode}.json"
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, PROFILE_STORE_ENV: str(store_dir)}
+    with tb.emulated_hosts(tb.Topology(hosts=2, ranks_per_host=1, rate_bps=rate_bps)) as bed:
+        results = bed.torchrun([str(script), mode, str(out)], env=env, timeout_s=150)
+    for r in results:
+        assert r.ok, f"host {r.host}: exit {r.returncode}\n{r.output}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
+def test_a_profile_from_an_unshaped_link_is_corrected_under_100_mbit(tmp_path):
+    store_dir = tmp_path / "store"
+    unshaped = LinkRates.from_dict(_job(tmp_path, None, "measure", store_dir))
+    # the profile a calibration on the unshaped hosts stores (its a2a and all-reduce fitted from steps)
+    fitted = attrs.evolve(PROFILE, inter_host_bw=0.8 * unshaped.inter_bw, intra_host_bw=0.8 * unshaped.inter_bw,
+                          allreduce_bw=0.8 * unshaped.allreduce_bw)
+    ProfileStore(str(store_dir)).save(fitted, current_fingerprint("cpu", 1, hosts=2), {"fit": {}}, link=unshaped)
+    out = _job(tmp_path, 100e6, "plan", store_dir)
+    measured = LinkRates.from_dict(out["link"])
+    assert len(out["warnings"]) == 1 and "inter_bw" in out["warnings"][0], out["warnings"]
+    corrected = HardwareProfile.from_dict(out["profile"])
+    assert 0.5 * measured.inter_bw <= corrected.inter_host_bw <= 1.5 * measured.inter_bw, (
+        corrected.inter_host_bw, measured.describe(), unshaped.describe())
+    assert corrected.name.endswith("+link")

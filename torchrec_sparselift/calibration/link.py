@@ -1,0 +1,422 @@
+"""Link rates as values: the collective rates a job sees, comparing two of them, and correcting a
+profile's link terms by the difference.
+
+:class:`LinkRates` is what :func:`torchrec_sparselift.measure.link.measure_link_rates` measures on
+every rank of a process group (intra-host, inter-host and all-reduce bandwidth and per-call
+latency, with their measured spread); the step calibration stores it with the profile it fits.
+:func:`links_differ` says where two of them differ beyond their spread; :func:`correct_link_terms`
+moves a profile's link terms by the difference between the link it was calibrated on and the one
+measured now. Everything here is pure (no torch, no process group).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import attrs
+import numpy as np
+
+__all__ = [
+    "LinkRates",
+    "LinkRatesError",
+    "LinkCorrection",
+    "links_differ",
+    "differing_terms",
+    "correct_link_terms",
+    "corrected_bandwidth",
+    "fit_latency_bandwidth",
+    "fit_family",
+    "relative_spread",
+    "host_groups",
+    "BANDWIDTH_FLOOR",
+    "LATENCY_FLOOR",
+    "LATENCY_FLOOR_S",
+]
+
+# links_differ's noise allowances (see its docstring)
+BANDWIDTH_FLOOR = 0.25
+LATENCY_FLOOR = 1.0
+LATENCY_FLOOR_S = 100e-6
+
+_TERMS = (
+    # (field, label, kind)
+    ("intra_bw", "intra-host all-to-all bandwidth", "bw"),
+    ("intra_latency_s", "intra-host all-to-all latency", "latency"),
+    ("inter_bw", "inter-host all-to-all bandwidth", "bw"),
+    ("inter_latency_s", "inter-host all-to-all latency", "latency"),
+    ("allreduce_bw", "all-reduce bandwidth", "bw"),
+    ("allreduce_latency_s", "all-reduce latency", "latency"),
+)
+
+
+class LinkRatesError(ValueError):
+    """Link rates that cannot be measured, fitted or read; the message says what to change."""
+
+
+def _number_problem(name: str, value: Any, *, positive: bool, optional: bool) -> Optional[str]:
+    if value is None:
+        return None if optional else f"{name}=None: give a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{name}={value!r}: give a number"
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        return f"{name}={value!r}: give a finite number {'> 0' if positive else '>= 0'}"
+    return None
+
+
+@attrs.frozen
+class LinkRates:
+    """Collective rates measured by every rank of a job, in bytes/s and seconds.
+
+    Attributes:
+        intra_bw / intra_latency_s: per-rank ``all_to_all_single`` bandwidth and per-call latency
+            among the ranks of one host; ``None`` when every host runs one rank.
+        inter_bw / inter_latency_s: the same among ranks on different hosts (one per host, all
+            local indices at once); ``None`` on one host.
+        spread: the measured relative spread of the repetitions: the largest, over the
+            bandwidths, of the interquartile range of the per-repetition fits over their median.
+        latency_spread_s: the same for the latencies, in seconds (the largest interquartile
+            range of the per-repetition latency fits): per-call latencies on a busy CPU host
+            wander by scheduling hiccups that a relative spread would overstate.
+        allreduce_bw / allreduce_latency_s: bus bandwidth and per-call latency of an
+            ``all_reduce`` over the whole world.
+        hosts / ranks_per_host: the grouping the measurement saw.
+    """
+
+    intra_bw: Optional[float]
+    intra_latency_s: Optional[float]
+    inter_bw: Optional[float]
+    inter_latency_s: Optional[float]
+    spread: float
+    allreduce_bw: float
+    allreduce_latency_s: float
+    latency_spread_s: float
+    hosts: int
+    ranks_per_host: int
+
+    def __attrs_post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise LinkRatesError("invalid LinkRates: " + "; ".join(problems))
+
+    def problems(self) -> List[str]:
+        out = []
+        for name, value in (("hosts", self.hosts), ("ranks_per_host", self.ranks_per_host)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                out.append(f"{name}={value!r}: give an integer >= 1")
+        if not out and self.hosts * self.ranks_per_host < 2:
+            out.append("hosts=1, ranks_per_host=1: a link needs 2 or more ranks")
+        for name, positive, optional in (
+            ("intra_bw", True, True), ("intra_latency_s", False, True),
+            ("inter_bw", True, True), ("inter_latency_s", False, True),
+            ("spread", False, False), ("allreduce_bw", True, False), ("allreduce_latency_s", False, False),
+            ("latency_spread_s", False, False),
+        ):  # fmt: skip
+            p = _number_problem(name, getattr(self, name), positive=positive, optional=optional)
+            if p:
+                out.append(p)
+        if not out:
+            for prefix, present, why in (
+                ("intra", self.ranks_per_host > 1, f"ranks_per_host={self.ranks_per_host}"),
+                ("inter", self.hosts > 1, f"hosts={self.hosts}"),
+            ):
+                bw, lat = getattr(self, f"{prefix}_bw"), getattr(self, f"{prefix}_latency_s")
+                if present and (bw is None or lat is None):
+                    out.append(f"{prefix}_bw and {prefix}_latency_s are needed with {why}")
+                if not present and (bw is not None or lat is not None):
+                    out.append(f"{prefix}_bw and {prefix}_latency_s must be None with {why} (nothing to measure)")
+        return out
+
+    @property
+    def topology(self) -> str:
+        h, r = self.hosts, self.ranks_per_host
+        return f"{h} host{'s' if h != 1 else ''} x {r} rank{'s' if r != 1 else ''}"
+
+    def describe(self) -> str:
+        """A few lines for a log: each term in bytes/s and bit/s, latencies in microseconds."""
+        lines = [f"link rates on {self.topology} (spread: bandwidths {self.spread:.0%}, "
+                 f"latencies {self.latency_spread_s * 1e6:.0f} us):"]
+        for prefix, label in (("intra", "intra-host all-to-all"), ("inter", "inter-host all-to-all"),
+                              ("allreduce", "all-reduce (world)")):
+            bw = getattr(self, f"{prefix}_bw")
+            if bw is None:
+                lines.append(f"  {label:<22} not measured")
+            else:
+                lat = getattr(self, f"{prefix}_latency_s")
+                lines.append(f"  {label:<22} {_fmt_bw(bw)}, latency {lat * 1e6:.0f} us")
+        return "\n".join(lines)
+
+    # -- serialization --------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LinkRates":
+        if not isinstance(data, Mapping):
+            raise LinkRatesError(f"LinkRates data must be a JSON object, got {type(data).__name__}")
+        known = [f.name for f in attrs.fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        missing = [k for k in known if k not in data]
+        problems = []
+        if unknown:
+            problems.append(f"unknown fields {unknown}")
+        if missing:
+            problems.append(f"missing fields {missing}")
+        if problems:
+            raise LinkRatesError(
+                "cannot read LinkRates: " + "; ".join(problems) + f"; the fields are {known} "
+                "(measure again with torchrec_sparselift.measure.link to write a current record)"
+            )
+        return cls(**{k: data[k] for k in known})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "LinkRates":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise LinkRatesError(f"LinkRates JSON is malformed: {e}") from e
+        return cls.from_dict(data)
+
+
+def _fmt_bw(bytes_per_s: float) -> str:
+    bits = bytes_per_s * 8
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= scale:
+            return f"{bytes_per_s / 1e6:.4g} MB/s ({bits / scale:.4g} {unit})"
+    return f"{bytes_per_s:.4g} B/s ({bits:.4g} bit/s)"
+
+
+def _fmt_term(kind: str, value: float) -> str:
+    return _fmt_bw(value) if kind == "bw" else f"{value * 1e6:.0f} us"
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def fit_latency_bandwidth(bytes_moved: Sequence[float], seconds: Sequence[float]) -> Tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of ``t = latency + bytes_moved / bw``, by least squares on
+    relative residuals (every size counts the same), the latency clamped at zero.
+
+    Raises :class:`LinkRatesError` with fewer than two distinct sizes, a time that is not
+    positive, or times that do not grow with size."""
+    x = np.asarray(bytes_moved, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if x.shape != t.shape or x.ndim != 1:
+        raise LinkRatesError(f"give one time per size: {x.shape} sizes, {t.shape} times")
+    if len(np.unique(x)) < 2:
+        raise LinkRatesError(f"measured at {len(np.unique(x))} message size(s); measure two or more")
+    if not np.all(np.isfinite(t)) or np.any(t <= 0):
+        raise LinkRatesError(f"times must be positive and finite, got {t.tolist()}")
+    a = np.stack([1.0 / t, x / t], axis=1)
+    (lat, per_byte), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    if lat < 0:
+        lat = 0.0
+        per_byte = float(np.dot(x / t, np.ones_like(t)) / np.dot(x / t, x / t))
+    if per_byte <= 0:
+        raise LinkRatesError(
+            f"times {[f'{s * 1e3:.3g} ms' for s in t]} do not grow with message size "
+            f"{[int(b) for b in x]} B: measure larger messages (raise target_call_s) or on a quieter machine"
+        )
+    return float(lat), float(1.0 / per_byte)
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """Interquartile range over median: 0 for one value; robust to one outlier in five."""
+    v = np.asarray(values, dtype=float)
+    if len(v) < 2:
+        return 0.0
+    q1, med, q3 = np.percentile(v, [25, 50, 75])
+    return float((q3 - q1) / med) if med > 0 else float("inf")
+
+
+def fit_family(bytes_moved: Sequence[float], times: np.ndarray) -> Tuple[float, float, float, float]:
+    """``(latency_s, bytes_per_s, spread, latency_spread_s)`` from ``times[repetition, call]``
+    (``bytes_moved[call]``; a size may repeat): the fit of the median time of each call, the
+    relative spread of the bandwidths fitted per repetition and the interquartile range of the
+    latencies fitted per repetition."""
+    times = np.asarray(times, dtype=float)
+    lat, bw = fit_latency_bandwidth(bytes_moved, np.median(times, axis=0))
+    per_rep, failed = [], 0
+    for row in times:
+        try:
+            per_rep.append(fit_latency_bandwidth(bytes_moved, row))
+        except LinkRatesError:
+            failed += 1
+    spread = relative_spread([b for _, b in per_rep])
+    if failed:  # a repetition whose times did not grow with size: call the noise at least 100%
+        spread = max(spread, 1.0)
+    lats = [la for la, _ in per_rep]
+    latency_spread = float(np.subtract(*np.percentile(lats, [75, 25]))) if len(lats) > 1 else 0.0
+    return lat, bw, spread, latency_spread
+
+
+def links_differ(
+    stored: LinkRates,
+    measured: LinkRates,
+    *,
+    floor: float = BANDWIDTH_FLOOR,
+    latency_floor: float = LATENCY_FLOOR,
+    latency_floor_s: float = LATENCY_FLOOR_S,
+) -> List[str]:
+    """Human-readable differences between a stored and a freshly measured :class:`LinkRates`;
+    empty when they agree within noise.
+
+    A bandwidth differs when the larger is more than ``1 + max(stored.spread, measured.spread,
+    floor)`` times the smaller. A latency differs when the larger is more than ``1 +
+    latency_floor`` times the smaller and the two are also further apart than ``max(
+    latency_floor_s, stored.latency_spread_s + measured.latency_spread_s)`` (per-call latencies
+    of gloo on a busy machine wander by scheduling hiccups). A term measured in one
+    and absent in the other (one host vs several, one rank per host vs several) is a difference,
+    and so is another grouping of ranks into hosts."""
+    return [msg for _term, msg in differing_terms(stored, measured, floor=floor, latency_floor=latency_floor,
+                                                   latency_floor_s=latency_floor_s)]
+
+
+def differing_terms(
+    stored: LinkRates,
+    measured: LinkRates,
+    *,
+    floor: float = BANDWIDTH_FLOOR,
+    latency_floor: float = LATENCY_FLOOR,
+    latency_floor_s: float = LATENCY_FLOOR_S,
+) -> List[Tuple[str, str]]:
+    """``(term, message)`` per difference :func:`links_differ` reports; ``term`` is a
+    :class:`LinkRates` field name, or ``"topology"`` for another grouping of ranks into hosts."""
+    out = []
+    if (stored.hosts, stored.ranks_per_host) != (measured.hosts, measured.ranks_per_host):
+        out.append(("topology", f"topology: stored was measured on {stored.topology}, this job runs {measured.topology}"))
+    allowance = max(stored.spread, measured.spread)  # bandwidths only
+    for name, label, kind in _TERMS:
+        a, b = getattr(stored, name), getattr(measured, name)
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            out.append((name, f"{label} ({name}): stored {'not measured' if a is None else _fmt_term(kind, a)}, "
+                              f"measured {'not measured' if b is None else _fmt_term(kind, b)}"))
+            continue
+        lo, hi = min(a, b), max(a, b)
+        ratio = f"{b / a:.2f}x" if a > 0 else "from zero"
+        if kind == "bw":
+            tol = max(allowance, floor)
+            if hi / lo - 1 <= tol:
+                continue
+            allowed = f"noise allowance {tol:.0%}"
+        else:
+            apart = max(latency_floor_s, stored.latency_spread_s + measured.latency_spread_s)
+            if hi - lo <= apart or (lo > 0 and hi / lo - 1 <= latency_floor):
+                continue
+            allowed = f"noise allowance {apart * 1e6:.0f} us and {latency_floor:.0%}"
+        out.append((name, f"{label} ({name}): stored {_fmt_term(kind, a)}, measured {_fmt_term(kind, b)} "
+                          f"({ratio}; {allowed})"))
+    return out
+
+
+def host_groups(keys: Sequence[str]) -> List[List[int]]:
+    """Ranks grouped by host key, hosts in order of their first rank. Raises
+    :class:`LinkRatesError` when hosts run different numbers of ranks."""
+    hosts: Dict[str, List[int]] = {}
+    for rank, key in enumerate(keys):
+        hosts.setdefault(key, []).append(rank)
+    groups = list(hosts.values())
+    sizes = sorted({len(g) for g in groups})
+    if len(sizes) > 1:
+        detail = ", ".join(f"{k}: ranks {v}" for k, v in hosts.items())
+        raise LinkRatesError(
+            f"hosts run different numbers of ranks ({detail}); the cost model assumes the same "
+            "number on every host (local_world_size): start the same --nproc_per_node on each"
+        )
+    return groups
+
+
+
+
+# ---------------------------------------------------------------- correcting a profile's link terms
+
+# profile field <- LinkRates bandwidth term
+_PROFILE_BW = (("intra_host_bw", "intra_bw"), ("inter_host_bw", "inter_bw"), ("allreduce_bw", "allreduce_bw"))
+_LATENCY_TERMS = ("inter_latency_s", "intra_latency_s")
+
+
+def _stored_term(stored: LinkRates, name: str) -> Optional[float]:
+    """The stored value a measured term is compared with. An all-to-all term the stored link
+    lacks (calibrated on one host, run on several, or the reverse) takes the stored link's other
+    all-to-all term: the calibration's probes ran all their all-to-all traffic over that one, and
+    its step fit set ``intra_host_bw`` and ``inter_host_bw`` alike from it."""
+    v = getattr(stored, name)
+    if v is not None:
+        return v
+    other = {"intra_bw": "inter_bw", "inter_bw": "intra_bw",
+             "intra_latency_s": "inter_latency_s", "inter_latency_s": "intra_latency_s"}.get(name)
+    return getattr(stored, other) if other else None
+
+
+def corrected_bandwidth(profile_bw: float, stored_bw: float, measured_bw: float) -> float:
+    """A profile bandwidth moved by the change of the link under it:
+    ``1 / new = 1 / profile_bw + (1 / measured_bw - 1 / stored_bw)`` (the profile's seconds per
+    byte keep what the step fit added on top of the link's); ``measured_bw`` outright when that
+    is not positive (the link got faster by more than the profile's per-byte time)."""
+    for name, v in (("profile_bw", profile_bw), ("stored_bw", stored_bw), ("measured_bw", measured_bw)):
+        if not (v > 0 and math.isfinite(v)):
+            raise LinkRatesError(f"corrected_bandwidth: {name}={v!r}: give a positive finite bandwidth")
+    per_byte = 1.0 / profile_bw + (1.0 / measured_bw - 1.0 / stored_bw)
+    return 1.0 / per_byte if per_byte > 0 else float(measured_bw)
+
+
+@attrs.frozen
+class LinkCorrection:
+    """What :func:`correct_link_terms` did: the corrected ``profile``, the ``differences``
+    (:func:`links_differ`'s lines; empty: the profile was returned unchanged) and the profile
+    fields it moved as ``(field, old, new)``."""
+
+    profile: Any
+    differences: Tuple[str, ...]
+    changed: Tuple[Tuple[str, float, float], ...]
+
+    @property
+    def differs(self) -> bool:
+        return bool(self.differences)
+
+    def describe(self, where: str = "the stored profile") -> str:
+        """One warning: each differing term with both values, then each corrected field."""
+        moved = "; ".join(
+            f"{f} {_fmt_term('latency' if f.endswith('_s') else 'bw', a)} -> "
+            f"{_fmt_term('latency' if f.endswith('_s') else 'bw', b)}" for f, a, b in self.changed
+        ) or "no profile term maps to the difference"
+        return (f"the link this job runs on differs from the one {where} was calibrated on beyond the "
+                f"measured spread: {'; '.join(self.differences)}. Link terms corrected in memory from "
+                f"this job's measurement: {moved}. Calibrate under this link for predictions fitted to it")
+
+
+def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **tolerances: float) -> LinkCorrection:
+    """``profile`` (a :class:`~torchrec_sparselift.cost.hardware.HardwareProfile` calibrated on
+    the link ``stored``) with its link terms moved to the link ``measured`` now, where the two
+    differ beyond their spread (:func:`differing_terms`; ``tolerances``: its keyword arguments).
+
+    Each flagged bandwidth the job uses (``intra_bw`` -> ``intra_host_bw``, ``inter_bw`` ->
+    ``inter_host_bw``, ``allreduce_bw`` -> ``allreduce_bw``) by :func:`corrected_bandwidth`;
+    ``collective_latency_s`` shifted by ``measured - stored`` of the flagged all-to-all latency
+    (inter-host first, then intra-host: the one the job's all-to-alls wait on), not below zero;
+    a flagged all-reduce latency alone does not move it (the step fit prices mostly all-to-all
+    calls with it, and a shaped link's all-reduce latency fits near zero). Terms within the spread are left as the step fit set them; a corrected
+    profile's name gets ``+link``."""
+    flagged = differing_terms(stored, measured, **tolerances)
+    if not flagged:
+        return LinkCorrection(profile=profile, differences=(), changed=())
+    names = {t for t, _ in flagged}
+    changes: Dict[str, float] = {}
+    for field, term in _PROFILE_BW:
+        m, s = getattr(measured, term), _stored_term(stored, term)
+        if term in names and m is not None and s is not None:
+            changes[field] = corrected_bandwidth(getattr(profile, field), s, m)
+    for term in _LATENCY_TERMS:
+        m, s = getattr(measured, term), _stored_term(stored, term)
+        if term in names and m is not None and s is not None:
+            changes["collective_latency_s"] = max(0.0, profile.collective_latency_s + (m - s))
+            break
+    changed = tuple((f, float(getattr(profile, f)), float(v)) for f, v in changes.items())
+    return LinkCorrection(profile=attrs.evolve(profile, name=f"{profile.name}+link", **changes) if changes else profile,
+                          differences=tuple(msg for _t, msg in flagged), changed=changed)
