@@ -21,8 +21,10 @@ mkdir -p runs
 # minute on 2 cores), stored per machine fingerprint in ~/.cache/torchrec_sparselift/profiles
 # (TORCHREC_SPARSELIFT_PROFILE_DIR overrides) with the link its ranks saw; later runs reuse it.
 # A stored profile is also checked against the link this run sees (a few seconds under torchrun):
-# when it differs beyond the measured spread (another network, a shaped link) the machine is
-# calibrated again under this link. Skipped for --planner torchrec or an explicit --hardware.
+# when it is another network (other hosts, an inter-host term beyond the measured spread, or a
+# loopback more than 3x slower or faster: a shaped link) the machine is calibrated again under
+# this link; smaller loopback swings (the machine's load) are corrected in the run, with a warning.
+# Skipped for --planner torchrec or an explicit --hardware.
 CALIBRATE=1
 for a in "$@"; do
     case "$a" in --hardware|--hardware=*|torchrec|--check) CALIBRATE=0 ;; esac

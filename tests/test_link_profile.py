@@ -219,3 +219,22 @@ def test_a_profile_from_an_unshaped_link_is_corrected_under_100_mbit(tmp_path):
     assert 0.5 * measured.inter_bw <= corrected.inter_host_bw <= 1.5 * measured.inter_bw, (
         corrected.inter_host_bw, measured.describe(), unshaped.describe())
     assert corrected.name.endswith("+link")
+
+
+def _one_host(intra_bw: float, hosts: int = 1) -> LinkRates:
+    return LinkRates(intra_bw=intra_bw, intra_latency_s=3e-4, inter_bw=None if hosts == 1 else 6e7,
+                     inter_latency_s=None if hosts == 1 else 1e-3, spread=0.1, allreduce_bw=intra_bw,
+                     allreduce_latency_s=3e-4, latency_spread_s=1e-4, hosts=hosts, ranks_per_host=2)
+
+
+def test_calibrate_check_link_recalibrates_for_another_network_not_for_loopback_load():
+    from torchrec_sparselift.measure.steps import ONE_HOST_RECALIBRATE_RATIO, _another_network
+
+    stored = _one_host(8e8)
+    busy = _one_host(8e8 / 2.0)  # a loaded machine's loopback: corrected, not recalibrated
+    shaped = _one_host(8e8 / (ONE_HOST_RECALIBRATE_RATIO * 4))  # a shaped loopback: another network
+    assert not _another_network("intra_bw", stored, busy)
+    assert not _another_network("intra_latency_s", stored, busy)
+    assert _another_network("intra_bw", stored, shaped)
+    assert _another_network("topology", stored, _one_host(8e8, hosts=2))
+    assert _another_network("inter_bw", _one_host(8e8, hosts=2), _one_host(8e8, hosts=2))
