@@ -154,17 +154,34 @@ def _time_family(
     return [s * 4 for s in calls], times
 
 
+class _FitFailed(LinkRatesError):
+    """The timings did not fit latency + bytes / bandwidth (raised on every rank alike)."""
+
+
 def measure_link_rates(
     *,
     repetitions: int = 5,
     target_call_s: float = 0.05,
     min_bytes: int = 4096,
     max_bytes: int = 32 << 20,
+    attempts: int = 3,
 ) -> LinkRates:
     """Measure the job's intra-host, inter-host and all-reduce rates; call it on every rank of
     an initialized process group (gloo or NCCL). Returns the same :class:`LinkRates` on every
     rank. Takes a few seconds: about ``repetitions x 1.3 x target_call_s`` per family plus the
-    sizing calls and the creation of the subgroups."""
+    sizing calls and the creation of the subgroups. When a busy machine's timings do not grow
+    with the message size, it measures again with calls twice as long, ``attempts`` times in all,
+    before raising :class:`LinkRatesError` (every rank alike)."""
+    for attempt in range(max(int(attempts), 1)):
+        try:
+            return _measure_once(repetitions, target_call_s * 2 ** attempt, min_bytes, max_bytes)
+        except _FitFailed:
+            if attempt >= max(int(attempts), 1) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_bytes: int) -> LinkRates:
     import torch
     import torch.distributed as dist
 
@@ -242,10 +259,10 @@ def measure_link_rates(
             rates = LinkRates(spread=max(spreads), latency_spread_s=max(latency_spreads), **fields)
             payload[0] = {"rates": rates.to_dict()}
         except LinkRatesError as e:
-            payload[0] = {"error": f"{e}{where}"}
+            payload[0] = {"error": f"{e}{where}", "fit": bool(where)}
     dist.broadcast_object_list(payload, src=0)
     if "error" in payload[0]:
-        raise LinkRatesError(payload[0]["error"])
+        raise (_FitFailed if payload[0]["fit"] else LinkRatesError)(payload[0]["error"])
     return LinkRates.from_dict(payload[0]["rates"])
 
 
