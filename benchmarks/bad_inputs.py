@@ -253,12 +253,27 @@ def file_cases(tmp: str) -> Dict[str, Callable[[], Outcome]]:
 
     # hardware profile: through the API and through the CLI's --topology
     for fault in FAULTS[:6]:
-        def case(fault=fault):
-            p = write(os.path.join(tmp, "profile.json"), faulty(hw, fault, ("hbm_bw",), wrong=7.0 if fault ==
+        field = "name" if fault == "missing field" else "hbm_bw"  # name: the field a profile must have
+
+        def case(fault=fault, field=field):
+            p = write(os.path.join(tmp, "profile.json"), faulty(hw, fault, (field,), wrong=7.0 if fault ==
                                                                    "duplicate key" else "fast"))
             return api_error(lambda: HardwareProfile.load(p), ["profile.json"] + (
-                ["hbm_bw"] if "field" in fault or "key" in fault else []))
+                [field] if "field" in fault or "key" in fault else []))
         cases[f"file: hardware profile {fault} (API)"] = case
+
+    def missing_measured_field():
+        # every field but name has a default, so profiles written before a field existed still load;
+        # a measured field left out takes the built-in default without a word
+        p = write(os.path.join(tmp, "profile.json"), faulty(hw, "missing field", ("hbm_bw",)))
+        o = api_error(lambda: HardwareProfile.load(p), ["profile.json", "hbm_bw"])
+        if o.kind == "plan":
+            got = HardwareProfile.load(p).hbm_bw
+            o.text = f"loaded with hbm_bw={got:g} (the built-in default; the file's preset has {hw['hbm_bw']:g})"
+            o.why = "a missing measured field silently takes its default"
+        return o
+
+    cases["file: hardware profile missing hbm_bw (API)"] = missing_measured_field
     cases["file: hardware profile wrong field type (CLI --topology)"] = lambda: cli_error(
         ["plan", "--tables", write(os.path.join(tmp, "ok.json"), json.dumps(table_doc()).encode()),
          "--topology", write(os.path.join(tmp, "prof2.json"), faulty(hw, "wrong field type", ("hbm_bw",), "fast")),
