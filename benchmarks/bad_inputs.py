@@ -49,7 +49,7 @@ INTERNAL = ("KeyError", "IndexError", "AttributeError", "TypeError", "NotAnAttrs
             "UnicodeDecodeError", "JSONDecodeError")
 #: words of a fix: an error that says none of them does not say what to do
 FIX_WORDS = ("must", "use ", "give", "pass", "set ", "lower", "raise", "remove", "delete", "fix", "pad ",
-             "choose", "allow", "wait", "rerun", "re-run", "write", "rename", "expected", "one of",
+             "choose", "allow", "wait", "build", "rerun", "re-run", "write", "rename", "expected", "one of",
              "e.g.", "add ", "drop", "keep", "should", "at most", "at least", "try", "replace", "calibrate")
 SHORT = 700  # characters: "one short paragraph"
 
