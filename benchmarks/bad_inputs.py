@@ -25,7 +25,6 @@ import copy
 import io
 import json
 import logging
-import math
 import os
 import signal
 import stat
@@ -347,9 +346,8 @@ def file_cases(tmp: str) -> Dict[str, Callable[[], Outcome]]:
             path = store_mod.ProfileStore(d).save(PRESETS["cpu-gloo"], fp)
             with open(path, "r+b") as f:
                 f.truncate(60)
-            o = api_error(lambda: plan(topology=topo(device="cpu", hbm_cap=8 * GiB), hardware="auto"),
-                          [os.path.basename(path)], ["delete", "calibrate"])
-            return o
+            return api_error(lambda: plan(topology=topo(device="cpu", hbm_cap=8 * GiB), hardware="auto"),
+                             [os.path.basename(path)], ["delete", "calibrate"])
         finally:
             os.environ.pop(store_mod.PROFILE_STORE_ENV, None)
 
@@ -361,8 +359,6 @@ def file_cases(tmp: str) -> Dict[str, Callable[[], Outcome]]:
 
 
 def cache_cases(tmp: str) -> Dict[str, Callable[[], Outcome]]:
-    import fcntl
-
     ROWS, DIM, RANKS = 40_000, 64, 4
 
     def model():
