@@ -272,3 +272,27 @@ def test_a_bandwidth_that_noise_hides_is_kept_from_the_base_with_a_note() -> Non
     fitted, report = fit_kernel_profile(base, attrs.evolve(synthetic_records(TRUE), collectives=flat))
     assert fitted.intra_host_bw == base.intra_host_bw
     assert any("all_to_all times did not grow" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda r: r.pop("dim"), "lookups[0].dim: is missing; to fix: add 'dim'"),
+    (lambda r: r.update(rows=2**70), "lookups[0].rows: must be an integer in 1..9223372036854775807"),
+    (lambda r: r.update(colour=1), "lookups[0]: unknown key(s) ['colour']"),
+])
+def test_a_record_missing_a_field_or_beyond_int64_is_named_by_field(tmp_path, change, says) -> None:
+    from torchrec_sparselift.calibration.kernel_fit import load_records
+    from torchrec_sparselift.errors import FileFormatError
+
+    records = synthetic_records(TRUE)
+    data = records.to_dict()
+    path = str(tmp_path / "records.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    assert load_records(path)[0] == records  # the valid file reads back unchanged
+    change(data["lookups"][0])
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    with pytest.raises(FileFormatError) as e:
+        load_records(path)
+    assert path in str(e.value) and says in str(e.value), str(e.value)
+    assert "TypeError" not in str(e.value)

@@ -413,3 +413,14 @@ def test_stored_inputs_round_trip_and_a_malformed_record_is_named():
         PlanInputs.from_dict({k: v for k, v in data.items() if k != "batch_size"})
     with pytest.raises(CliError, match="stored inputs"):  # an entry's problem names where it came from
         PlanInputs.from_dict({**data, "tables": [{"name": "a", "rows": -1, "dim": 8}]})
+
+
+def test_a_stored_table_entry_problem_names_the_plan_file_and_the_field():
+    from torchrec_sparselift.plan import PlanInputs, TopologySpec
+
+    inputs = PlanInputs(topology=TopologySpec("cpu-gloo", 2), tables=load_table_file(TINY), batch_size=64)
+    data = json.loads(json.dumps(inputs.to_dict()))
+    data["tables"][0]["rows"] = 2**70
+    with pytest.raises(CliError) as e:
+        PlanInputs.from_dict(data, file="p.json")
+    assert str(e.value).startswith("the plan's stored inputs p.json: planner_info.inputs.tables[0].rows: "), str(e.value)

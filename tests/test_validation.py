@@ -340,3 +340,27 @@ def test_planner_arguments_are_checked_all_at_once():
 def test_non_numeric_and_negative_planner_sizes_are_refused(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SparseLiftPlanner(topology=_topo(), **kw)
+
+
+def test_the_same_problem_of_many_tables_is_listed_once_naming_the_tables():
+    m = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=6, num_embeddings=100, feature_names=[f"f{i}"])
+                for i in range(5)]
+        + [EmbeddingBagConfig(name="odd", embedding_dim=10, num_embeddings=100, feature_names=["g"])],
+        device=META,
+    )
+    with pytest.raises(ValueError) as e:
+        _plan(m, topology=_topo(device="cpu"))
+    msg = str(e.value)
+    assert msg.startswith("2 problems with the planning input"), msg
+    assert "tables 't0', 't1', 't2' and 2 more (5 tables): embedding_dim 6 is not a multiple of 4" in msg, msg
+    assert "table 'odd': embedding_dim 10 is not a multiple of 4" in msg and msg.count("\n") == 2, msg
+
+
+def test_one_table_problem_keeps_its_own_words():
+    from torchrec_sparselift.validation import group_table_problems
+
+    problems = ["table 'a': rows bad", "batch_size bad", "table 'b': rows bad", "table 'c': dim bad"]
+    assert group_table_problems(problems) == ["tables 'a', 'b' (2 tables): rows bad", "batch_size bad",
+                                              "table 'c': dim bad"]
+    assert group_table_problems(problems[1:2]) == ["batch_size bad"]

@@ -440,7 +440,7 @@ def _explain_inputs(args: argparse.Namespace, ep: Any) -> Optional[PlanInputs]:
     stored = ep.planner_info.get("inputs")
     if stored is None:
         return None
-    inputs = PlanInputs.from_dict(stored)
+    inputs = PlanInputs.from_dict(stored, file=args.plan)
     if args.topology or args.world_size or args.batch_size:
         raise CliError("topology/batch flags for explain need an input too (--tables, --workload or --model)")
     return inputs

@@ -39,6 +39,7 @@ other layer, so every layer may use it.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchrec_sparselift import defaults
@@ -375,12 +376,42 @@ class Problems(List[str]):
 
 def raise_problems(problems: Sequence[str], what: str = "the planning input",
                    error: Callable[[str], Exception] = ValueError) -> None:
-    """Raise one ``error`` (``ValueError``) listing every problem (nothing if there is none)."""
+    """Raise one ``error`` (``ValueError``) listing every problem (nothing if there is none).
+    The same problem of several tables is listed once, naming the tables."""
     if not problems:
         return
+    problems = group_table_problems(problems)
     if len(problems) == 1:
         raise error(f"invalid {what.replace('the ', '', 1)}: {problems[0]}")
     raise error(f"{len(problems)} problems with {what}:\n  - " + "\n  - ".join(problems))
+
+
+_TABLE_PROBLEM = re.compile(r"table ('(?:[^'\\]|\\.)*'): (.*)", re.DOTALL)
+
+
+def group_table_problems(problems: Sequence[str], shown: int = 3) -> List[str]:
+    """``problems`` with the same ``table 'x': ...`` problem of several tables merged into one
+    (``tables 'a', 'b', 'c' and 23 more: ...``), in the order each first appears."""
+    groups: Dict[str, List[str]] = {}
+    for p in problems:
+        m = _TABLE_PROBLEM.fullmatch(p)
+        if m:
+            groups.setdefault(m.group(2), []).append(m.group(1))
+    out: List[str] = []
+    done: Set[str] = set()
+    for p in problems:
+        m = _TABLE_PROBLEM.fullmatch(p)
+        if not m or len(groups[m.group(2)]) == 1:
+            out.append(p)
+            continue
+        rest = m.group(2)
+        if rest in done:
+            continue
+        done.add(rest)
+        names = groups[rest]
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        out.append(f"tables {', '.join(names[:shown])}{more} ({len(names)} tables): {rest}")
+    return out
 
 
 def table_value_problems(where: str, num_embeddings: Any, embedding_dim: Any,

@@ -46,10 +46,11 @@ DEFAULT_BATCH_SIZE = defaults.BATCH_SIZE
 INPUTS_SCHEMA = "sparselift.cli_inputs/1"
 
 
-def parse_table_entries(data: Any, where: str, constraint_only: bool = False) -> Tuple[TableEntry, ...]:
+def parse_table_entries(data: Any, where: Optional[str], constraint_only: bool = False, what: str = "",
+                        base: str = "") -> Tuple[TableEntry, ...]:
     """:func:`torchrec_sparselift.semantics.table_file.parse_table_entries`, problems as :class:`CliError`."""
     try:
-        return table_file.parse_table_entries(data, where, constraint_only)
+        return table_file.parse_table_entries(data, where, constraint_only, what, base)
     except ValueError as e:
         raise CliError(str(e)) from None
 
@@ -240,10 +241,12 @@ class PlanInputs:
                         fix="write null (1D), \"auto\" or a group size >= 1")
             return cls(
                 topology=topology,
-                tables=None if f.data.get("tables") is None else parse_table_entries(f.data["tables"], "stored inputs"),
+                tables=None if f.data.get("tables") is None else parse_table_entries(
+                    f.data["tables"], file, what=f.what, base="planner_info.inputs.tables"),
                 workload=f.opt("workload", str),
                 model=f.opt("model", str),
-                constraints=parse_table_entries(f.data["constraints"], "stored constraints", True)
+                constraints=parse_table_entries(f.data["constraints"], file, True, what=f.what,
+                                                base="planner_info.inputs.constraints")
                 if f.data.get("constraints") else (),
                 batch_size=f.req("batch_size", int, lo=1),
                 allow_lossy_comm=f.opt("allow_lossy_comm", bool, False),

@@ -175,27 +175,27 @@ def _finite_positive(v: Any) -> bool:
         return False
 
 
-def parse_table_entries(data: Any, where: str, constraint_only: bool = False,
-                        what: str = "") -> Tuple[TableEntry, ...]:
+def parse_table_entries(data: Any, where: Optional[str], constraint_only: bool = False,
+                        what: str = "", base: str = "") -> Tuple[TableEntry, ...]:
     """Validate parsed table-file data: a list of table objects, or ``{"tables": [...]}``.
 
     Raises :class:`~torchrec_sparselift.errors.FileFormatError` (a ``ValueError``) naming
     ``what where`` (the file), the field path (``tables[3].rows``) and the fix: for a wrong key
     or value, a table name with a dot, rows or dims beyond int64, duplicate table names, or a
-    feature used by two tables.
+    feature used by two tables. ``base``: the field path of ``data`` inside its file, when the
+    tables are one field of a larger document (``planner_info.inputs.tables``).
     """
     from torchrec_sparselift.files import Fields, field_path
 
-    top = Fields({}, file=where, what=what)  # reports problems of the file as a whole
-    base = ""
+    top = Fields({}, file=where, what=what, path=base)  # reports problems of the file as a whole
     if isinstance(data, dict) and "tables" in data:
-        top = Fields(data, file=where, what=what)
+        top = Fields(data, file=where, what=what, path=base)
         extra = sorted(str(k) for k in data if k != "tables")
         if extra:
             raise top.fail(None, f"unknown top-level key(s) {extra}; the file holds {{\"tables\": [...]}}",
                            "remove them")
         data = data["tables"]
-        base = "tables"
+        base = field_path(base, "tables")
     if not isinstance(data, list) or not data:
         raise top.fail(None, f"expected a non-empty list of tables (or {{\"tables\": [...]}}), got "
                              f"{type(data).__name__}", "list at least one table")
