@@ -378,3 +378,24 @@ def test_a_held_profile_lock_is_waited_for_a_bounded_time_and_names_its_holder(t
     with store.locked(_fp(), timeout_s=5):  # released with its process
         with store.locked(_fp(), timeout_s=0.1):  # re-entrant in one process
             pass
+
+
+def test_a_profile_missing_a_core_field_is_refused_naming_it_not_given_a_gpu_default(tmp_path):
+    import json
+
+    from torchrec_sparselift.calibration.store import base_profile
+    from torchrec_sparselift.cost.hardware import PROFILE_CORE_FIELDS, HardwareProfile
+    from torchrec_sparselift.errors import FileFormatError
+
+    path = tmp_path / "p.json"
+    base_profile("cpu").save(str(path))
+    full = json.loads(path.read_text())
+    for name in sorted(PROFILE_CORE_FIELDS):
+        data = dict(full)
+        del data[name]
+        path.write_text(json.dumps(data))
+        with pytest.raises(FileFormatError, match=rf"p.json: {name}: is missing"):
+            HardwareProfile.load(str(path))
+    data = {k: v for k, v in full.items() if k != "table_overhead_s"}  # a later term: its default
+    path.write_text(json.dumps(data))
+    assert HardwareProfile.load(str(path)).table_overhead_s == attrs.fields(HardwareProfile).table_overhead_s.default

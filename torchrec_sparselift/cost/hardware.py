@@ -215,8 +215,8 @@ class HardwareProfile:
         kw: Dict[str, Any] = {}
         for a in fields:
             kind, optional = _FIELD_KINDS.get(str(a.type), (None, False))
-            if a.name not in f.data and a.default is not attrs.NOTHING:
-                continue  # written before the field existed: its default
+            if a.name not in f.data and a.default is not attrs.NOTHING and a.name not in PROFILE_CORE_FIELDS:
+                continue  # a term added after the profile was written: its default
             if kind is None:  # a structured field: its own validator checks it (inside build below)
                 kw[a.name] = f.data.get(a.name)
                 continue
@@ -243,6 +243,16 @@ class HardwareProfile:
                          "sparselift hardware profile", "create one with `sparselift calibrate`")
         return cls.from_fields(f)
 
+
+#: Fields every stored profile must name: the machine's capacities, bandwidths and base costs
+#: (every profile ever written has them). A profile without one is refused, naming the field,
+#: instead of silently taking the class default (a GPU figure). Terms added to the model later
+#: keep their defaults when an older profile lacks them.
+PROFILE_CORE_FIELDS = frozenset({
+    "name", "compute_device", "hbm_bw", "ddr_bw", "uvm_bw", "intra_host_bw", "inter_host_bw",
+    "allreduce_bw", "dense_flops", "collective_latency_s", "hbm_cap_bytes", "ddr_cap_bytes",
+    "local_world_size", "bwd_factor", "lookup_overhead_s", "row_granularity_bytes",
+})
 
 #: The JSON kind of each HardwareProfile field type (and whether null is allowed).
 _FIELD_KINDS = {"str": (str, False), "int": (int, False), "float": (float, False), "bool": (bool, False),
