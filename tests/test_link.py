@@ -189,3 +189,11 @@ def test_a_100_mbit_link_between_two_emulated_hosts_measures_at_its_rate(tmp_pat
     assert 0.5 * 12.5e6 <= shaped.inter_bw <= 1.2 * 12.5e6, shaped.describe()
     assert unshaped.inter_bw > 2 * shaped.inter_bw, (shaped.describe(), unshaped.describe())
     assert any("inter_bw" in d for d in links_differ(unshaped, shaped))
+
+
+def test_a_noisy_measurement_does_not_hide_a_link_several_times_slower():
+    fast = LinkRates(intra_bw=None, intra_latency_s=None, inter_bw=7e8, inter_latency_s=1e-4, spread=30.0,
+                     allreduce_bw=3e8, allreduce_latency_s=1e-4, latency_spread_s=1e-4, hosts=2, ranks_per_host=1)
+    slow = attrs.evolve(fast, inter_bw=1.2e7, spread=0.05)
+    assert any("inter_bw" in d for d in links_differ(fast, slow))
+    assert not any("inter_bw" in d for d in links_differ(fast, attrs.evolve(fast, inter_bw=4e8)))  # 1.75x: noise

@@ -19,7 +19,7 @@ import os
 import secrets
 from typing import Any, Tuple
 
-__all__ = ["write_json", "write_text", "write_bytes", "create_temp"]
+__all__ = ["write_json", "write_text", "write_bytes", "create_temp", "lock_holder"]
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
@@ -73,3 +73,13 @@ def write_json(path: str, data: Any, prefix: str = ".tmp-", indent: int = 1, sor
                fsync: bool = False) -> None:
     """Write ``data`` as JSON to ``path`` atomically (see :func:`write_bytes`)."""
     write_text(path, json.dumps(data, indent=indent, sort_keys=sort_keys), prefix=prefix, fsync=fsync)
+
+
+def lock_holder(fd: int) -> str:
+    """Who holds a lock file, from the pid its holder wrote into it: ``pid N``, or ``pid
+    unknown`` (the plan cache's and the profile store's locks write their pid)."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        text = ""
+    return f"pid {text}" if text.isdigit() else "pid unknown"

@@ -37,6 +37,9 @@ __all__ = [
 
 # links_differ's noise allowances (see its docstring)
 BANDWIDTH_FLOOR = 0.25
+#: The most a measured spread widens a bandwidth's allowance: a noisy measurement (per-repetition
+#: fits scattered by a busy machine) must not hide a link several times slower.
+BANDWIDTH_CEILING = 1.0
 LATENCY_FLOOR = 1.0
 LATENCY_FLOOR_S = 100e-6
 
@@ -254,26 +257,20 @@ def fit_family(bytes_moved: Sequence[float], times: np.ndarray) -> Tuple[float, 
     return lat, bw, spread, latency_spread
 
 
-def links_differ(
-    stored: LinkRates,
-    measured: LinkRates,
-    *,
-    floor: float = BANDWIDTH_FLOOR,
-    latency_floor: float = LATENCY_FLOOR,
-    latency_floor_s: float = LATENCY_FLOOR_S,
-) -> List[str]:
+def links_differ(stored: LinkRates, measured: LinkRates, **allowances: float) -> List[str]:
     """Human-readable differences between a stored and a freshly measured :class:`LinkRates`;
     empty when they agree within noise.
 
-    A bandwidth differs when the larger is more than ``1 + max(stored.spread, measured.spread,
-    floor)`` times the smaller. A latency differs when the larger is more than ``1 +
+    A bandwidth differs when the larger is more than ``1 + max(min(max(stored.spread, measured.spread),
+    BANDWIDTH_CEILING), floor)`` times the smaller (a noisy measurement
+    widens the allowance at most to 2x). A latency differs when the larger is more than ``1 +
     latency_floor`` times the smaller and the two are also further apart than ``max(
     latency_floor_s, stored.latency_spread_s + measured.latency_spread_s)`` (per-call latencies
     of gloo on a busy machine wander by scheduling hiccups). A term measured in one
     and absent in the other (one host vs several, one rank per host vs several) is a difference,
-    and so is another grouping of ranks into hosts."""
-    return [msg for _term, msg in differing_terms(stored, measured, floor=floor, latency_floor=latency_floor,
-                                                   latency_floor_s=latency_floor_s)]
+    and so is another grouping of ranks into hosts. ``allowances``: :func:`differing_terms`'
+    ``floor``, ``latency_floor`` and ``latency_floor_s``."""
+    return [msg for _term, msg in differing_terms(stored, measured, **allowances)]
 
 
 def differing_terms(
@@ -301,7 +298,7 @@ def differing_terms(
         lo, hi = min(a, b), max(a, b)
         ratio = f"{b / a:.2f}x" if a > 0 else "from zero"
         if kind == "bw":
-            tol = max(allowance, floor)
+            tol = max(min(allowance, BANDWIDTH_CEILING), floor)
             if hi / lo - 1 <= tol:
                 continue
             allowed = f"noise allowance {tol:.0%}"

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - non-POSIX
 
 import attrs
 
-from torchrec_sparselift.atomic import write_json
+from torchrec_sparselift.atomic import write_json, lock_holder
 from torchrec_sparselift.calibration.link import LinkRates, LinkRatesError
 from torchrec_sparselift.calibration.step_fit import STEP_MODEL_VERSION, StepFitInfo
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
@@ -231,13 +231,6 @@ LOCK_TIMEOUT_S = 60.0
 _HELD: Dict[str, int] = {}
 
 
-def _lock_holder(fd: int) -> str:
-    """``pid N`` read from a lock file's content (the holder writes its pid), or ``pid unknown``."""
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        text = ""
-    return f"pid {text}" if text.isdigit() else "pid unknown"
 
 
 # how much a differing field counts when picking the closest profile from another machine
@@ -306,7 +299,7 @@ class ProfileStore:
                     if time.monotonic() >= deadline:
                         raise TimeoutError(
                             f"the stored profile {self.path_for(fp)} is locked by another process "
-                            f"({_lock_holder(fd)}, lock file {lock}) for more than {timeout_s:g} s; wait for it "
+                            f"({lock_holder(fd)}, lock file {lock}) for more than {timeout_s:g} s; wait for it "
                             "to finish (a calibration or a measured guard adding its records), or stop it"
                         ) from None
                     time.sleep(min(delay, max(0.0, deadline - time.monotonic())))

@@ -38,7 +38,7 @@ import os
 import time
 from typing import Callable, Iterator, Optional, Tuple
 
-from torchrec_sparselift.atomic import write_bytes
+from torchrec_sparselift.atomic import write_bytes, lock_holder
 from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.files import decode_utf8, parse_json
 from torchrec_sparselift.plan.execution_plan import ExecutionPlan, Fingerprint
@@ -231,12 +231,12 @@ class PlanCache:
                         waiting = True
                         logger.info(
                             "plan cache: another process (%s) is planning the same inputs into %s; waiting "
-                            "up to %.1f s for its plan", _holder(fd), lock_path, wait_s,
+                            "up to %.1f s for its plan", lock_holder(fd), lock_path, wait_s,
                         )
                     if time.monotonic() >= deadline:
                         logger.warning(
                             "plan cache: %s still holds %s after %.1f s; planning without waiting further "
-                            "(the plan is still stored)", _holder(fd), lock_path, wait_s,
+                            "(the plan is still stored)", lock_holder(fd), lock_path, wait_s,
                         )
                         yield False
                         return
@@ -305,10 +305,3 @@ class PlanCache:
             return fresh, False
 
 
-def _holder(fd: int) -> str:
-    """Who holds a plan-cache lock, from the pid its holder wrote into it."""
-    try:
-        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        pid = ""
-    return f"pid {pid}" if pid.isdigit() else "pid unknown"
