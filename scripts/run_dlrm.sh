@@ -23,7 +23,7 @@ mkdir -p runs
 # A stored profile is also checked against the link this run sees (a few seconds under torchrun):
 # when it is another network (other hosts, an inter-host term beyond the measured spread, or a
 # loopback more than 3x slower or faster: a shaped link) the machine is calibrated again under
-# this link; smaller loopback swings (the machine's load) are corrected in the run, with a warning.
+# this link; smaller loopback swings follow the machine's load and are not a difference.
 # Skipped for --planner torchrec or an explicit --hardware.
 CALIBRATE=1
 for a in "$@"; do

@@ -443,10 +443,9 @@ def run_check(args: argparse.Namespace) -> int:
     """``sparselift calibrate check``: 0 if this machine has a stored profile fitted with the
     current cost model's terms on a steady machine, else 1 with the reasons (no torch, no measuring).
     With ``--link`` (under torchrun) also measure the job's link and fail when it differs from the
-    one stored with the profile (:func:`~torchrec_sparselift.calibration.link.links_differ`) where
-    hosts are involved (on one host the loopback's rates follow the machine's load: the
-    differences are printed and the run corrects its link terms instead); a profile stored without
-    a link record passes with a line saying its link is unknown."""
+    one stored with the profile (:func:`~torchrec_sparselift.calibration.link.links_differ`; on
+    one host only a loopback bandwidth several times apart counts: the machine's load moves the
+    rest); a profile stored without a link record passes with a line saying its link is unknown."""
     store = ProfileStore(args.store)
     if getattr(args, "link", False):
         return _check_with_link(store)
@@ -465,24 +464,6 @@ def _check_reasons(found: Any, diff: Sequence[str]) -> List[str]:
     if found is None or diff:
         return ["no calibrated profile for this machine yet"]
     return [f"the stored profile {found.path} {p}" for p in stored_profile_problems(found.step_fit)]
-
-
-#: On one host the loopback's rates follow the machine's load: back-to-back measurements on a busy
-#: 2-core machine differed by up to 2x. A bandwidth further apart than this is another network
-#: (a shaped link), which calls for a new calibration rather than a corrected profile.
-ONE_HOST_RECALIBRATE_RATIO = 3.0
-
-
-def _another_network(term: str, stored: Any, measured: Any) -> bool:
-    """Whether a differing link ``term`` means the job runs on another network: hosts differ, an
-    inter-host term differs, or (one host) a bandwidth is more than
-    :data:`ONE_HOST_RECALIBRATE_RATIO` times apart."""
-    if term == "topology" or term.startswith("inter") or not (stored.hosts == measured.hosts == 1):
-        return True
-    a, b = getattr(stored, term), getattr(measured, term)
-    if not term.endswith("_bw") or a is None or b is None or min(a, b) <= 0:
-        return False
-    return max(a, b) / min(a, b) > ONE_HOST_RECALIBRATE_RATIO
 
 
 def _check_with_link(store: ProfileStore) -> int:
@@ -522,12 +503,9 @@ def _check_with_link(store: ProfileStore) -> int:
                 notes.append(f"the stored profile {found.path} has no link record: its link is unknown, "
                              f"not compared (this job's: {link.describe()})")
             elif stored is not None:
-                for term, msg in differing_terms(stored, link):
-                    if _another_network(term, stored, link):
-                        why.append(f"the link differs from the one {found.path} was calibrated on: {msg}")
-                    else:
-                        notes.append(f"the loopback differs from the one {found.path} was calibrated on, within "
-                                     f"what the machine's load moves (the run corrects its link terms): {msg}")
+                # on one host only a loopback several times apart counts (differing_terms): a shaped link
+                why = [f"the link differs from the one {found.path} was calibrated on: {msg}"
+                       for _term, msg in differing_terms(stored, link)]
         if dist.get_rank() == 0:
             for line in notes + why:
                 print(f"[calibrate] {line}", flush=True)
