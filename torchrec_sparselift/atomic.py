@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import errno
 import secrets
-from typing import Any, Tuple
+import time
+from typing import Any, Callable, Optional, Tuple
 
-__all__ = ["write_json", "write_text", "write_bytes", "create_temp", "lock_holder"]
+__all__ = ["write_json", "write_text", "write_bytes", "create_temp", "lock_holder", "flock_until"]
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
@@ -83,3 +85,33 @@ def lock_holder(fd: int) -> str:
     except OSError:
         text = ""
     return f"pid {text}" if text.isdigit() else "pid unknown"
+
+
+def flock_until(fd: int, deadline: float, on_wait: Optional[Callable[[], None]] = None,
+                first_delay_s: float = 0.01, max_delay_s: float = 0.5) -> bool:
+    """Take an exclusive ``fcntl.flock`` on ``fd``, retrying with a growing sleep until
+    ``deadline`` (``time.monotonic()``): True once held, False at the deadline. ``on_wait`` is
+    called once, when the lock is found busy. An error other than "held by another process"
+    propagates (``OSError``). On success the holder's pid is written into the lock file (see
+    :func:`lock_holder`)."""
+    import fcntl
+
+    delay, waiting = first_delay_s, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            if not waiting and on_wait is not None:
+                on_wait()
+            waiting = True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, max_delay_s)
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return True

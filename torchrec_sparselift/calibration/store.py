@@ -20,7 +20,6 @@ the current machine's GPU (:func:`current_fingerprint` with ``device="cuda"``).
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -36,7 +35,7 @@ except ImportError:  # pragma: no cover - non-POSIX
 
 import attrs
 
-from torchrec_sparselift.atomic import write_json, lock_holder
+from torchrec_sparselift.atomic import flock_until, lock_holder, write_json
 from torchrec_sparselift.calibration.link import LinkRates, LinkRatesError
 from torchrec_sparselift.calibration.step_fit import STEP_MODEL_VERSION, StepFitInfo
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
@@ -287,26 +286,12 @@ class ProfileStore:
         os.makedirs(self.root, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            deadline = time.monotonic() + timeout_s
-            delay = 0.005
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as e:
-                    if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(
-                            f"the stored profile {self.path_for(fp)} is locked by another process "
-                            f"({lock_holder(fd)}, lock file {lock}) for more than {timeout_s:g} s; wait for it "
-                            "to finish (a calibration or a measured guard adding its records), or stop it"
-                        ) from None
-                    time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                    delay = min(delay * 2, 0.2)
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            if not flock_until(fd, time.monotonic() + timeout_s, first_delay_s=0.005, max_delay_s=0.2):
+                raise TimeoutError(
+                    f"the stored profile {self.path_for(fp)} is locked by another process "
+                    f"({lock_holder(fd)}, lock file {lock}) for more than {timeout_s:g} s; wait for it "
+                    "to finish (a calibration or a measured guard adding its records), or stop it"
+                )
             _HELD[lock] = 1
             try:
                 yield

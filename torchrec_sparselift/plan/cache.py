@@ -31,14 +31,13 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import math
 import os
 import time
 from typing import Callable, Iterator, Optional, Tuple
 
-from torchrec_sparselift.atomic import write_bytes, lock_holder
+from torchrec_sparselift.atomic import flock_until, lock_holder, write_bytes
 from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.files import decode_utf8, parse_json
 from torchrec_sparselift.plan.execution_plan import ExecutionPlan, Fingerprint
@@ -215,36 +214,21 @@ class PlanCache:
         lock_path = self._lock_path(fingerprint)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            deadline = time.monotonic() + wait_s
-            delay = 0.01
-            waiting = False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as e:
-                    if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                        logger.warning("plan cache lock %s unavailable (%s); planning without it", lock_path, e)
-                        yield False
-                        return
-                    if not waiting:
-                        waiting = True
-                        logger.info(
-                            "plan cache: another process (%s) is planning the same inputs into %s; waiting "
-                            "up to %.1f s for its plan", lock_holder(fd), lock_path, wait_s,
-                        )
-                    if time.monotonic() >= deadline:
-                        logger.warning(
-                            "plan cache: %s still holds %s after %.1f s; planning without waiting further "
-                            "(the plan is still stored)", lock_holder(fd), lock_path, wait_s,
-                        )
-                        yield False
-                        return
-                    time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                    delay = min(delay * 2, 0.5)
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            def waiting() -> None:
+                logger.info("plan cache: another process (%s) is planning the same inputs into %s; waiting "
+                            "up to %.1f s for its plan", lock_holder(fd), lock_path, wait_s)
+
+            try:
+                held = flock_until(fd, time.monotonic() + wait_s, on_wait=waiting)
+            except OSError as e:
+                logger.warning("plan cache lock %s unavailable (%s); planning without it", lock_path, e)
+                yield False
+                return
+            if not held:
+                logger.warning("plan cache: %s still holds %s after %.1f s; planning without waiting further "
+                               "(the plan is still stored)", lock_holder(fd), lock_path, wait_s)
+                yield False
+                return
             try:
                 yield True
             finally:
