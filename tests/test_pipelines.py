@@ -73,7 +73,7 @@ def test_one_order_of_names_everywhere():
 
     assert PLAN_PIPELINES == RT == PIPELINES
     assert set(_CLASSES) == set(PIPELINES)  # every kind has a TorchRec train pipeline
-    assert EXACT_PIPELINE_KINDS == SYNC_PIPELINES and STALE_PIPELINES == ("semi_sync",)
+    assert EXACT_PIPELINE_KINDS == SYNC_PIPELINES and STALE_PIPELINES == ("semi_sync", "overlap_stale")
     with pytest.raises(ValueError, match="choose one of"):
         pipeline_kind("async")
 
@@ -201,8 +201,10 @@ def test_on_cpu_gloo_overlap_pays_only_between_hosts():
     assert len({st_.total_s for pl, st_ in one_box.items() if pl != "base"}) == 1
     assert one_box["overlap"].total_s >= one_box["sparse_dist"].total_s  # never preferred on one box
     _, hosts = _overlap_case("cpu-gloo", 2, 1, 1e8)
-    others = {pl: st_.total_s for pl, st_ in hosts.items() if pl not in ("overlap", "base")}
+    others = {pl: st_.total_s for pl, st_ in hosts.items() if pl not in ("overlap", "overlap_stale", "base")}
     assert len(set(others.values())) == 1 and hosts["overlap"].total_s < min(others.values())
+    assert hosts["overlap_stale"].total_s < min(others.values())  # the package's stale kind too
+    assert one_box["overlap_stale"].total_s >= one_box["sparse_dist"].total_s
     ph = hosts["overlap"].phases  # no hiding under the dense backward on CPU: the all-reduce runs in full
     expect = (ph["uvm_fetch"] + ph["lookup"] + max(ph["output_dist"], ph["dense_fwd_indep"]) + ph["dense_fwd_rest"]
               + ph["dense_bwd_rest"] + max(ph["grad_dist"], ph["dense_bwd_indep"])

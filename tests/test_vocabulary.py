@@ -124,8 +124,8 @@ def test_the_overlap_kind_is_exact_and_built_from_the_package():
     assert "overlap" in v.SYNC_PIPELINES and "overlap" not in v.STALE_PIPELINES
     for device in ("cpu", "cuda"):
         assert runtime_pipelines.pipeline_class("overlap", torch.device(device)) is TrainPipelineOverlap
-    # only the package's own pipeline overlaps on CPU gloo (TorchRec's measured no gain there)
-    assert [q.name for q in v.PIPELINE_REGISTRY if q.overlaps_between_hosts] == ["overlap"]
+    # only the package's own pipelines overlap on CPU gloo (TorchRec's measured no gain there)
+    assert [q.name for q in v.PIPELINE_REGISTRY if q.overlaps_between_hosts] == ["overlap", "overlap_stale"]
 
 
 def test_an_unknown_pipeline_names_the_choices():

@@ -139,7 +139,8 @@ class Pipeline:
         name: the name plans, requests and the command line use.
         torchrec_class: the train pipeline class the runtime builds for it: TorchRec's
             (``torchrec.distributed.train_pipeline``) or the package's own
-            (``TrainPipelineOverlap``, :mod:`torchrec_sparselift.runtime.overlap`).
+            (``TrainPipelineOverlap``, :mod:`torchrec_sparselift.runtime.overlap`;
+            ``TrainPipelineOverlapStale``, :mod:`torchrec_sparselift.runtime.stale`).
         stale: it trains on one-step-stale embeddings (offered only with ``allow_staleness``);
             the others compute exactly what a plain forward/backward/step loop computes.
         dense_kernel: it can train tables on the ``dense`` compute kernel (every data-parallel
@@ -191,6 +192,10 @@ PIPELINE_REGISTRY: Tuple[Pipeline, ...] = (
                  "the dense all-reduce beside the embedding backward (the package's own pipeline)"),
     Pipeline("semi_sync", "TrainPipelineSemiSync", stale=True, dense_kernel=False, syncs_2d_replicas=True,
              side_streams=True, doc="+ lookup of batch i+1 before step i's embedding update (one step stale)"),
+    Pipeline("overlap_stale", "TrainPipelineOverlapStale", stale=True, dense_kernel=False,
+             overlaps_between_hosts=True,
+             doc="+ lookup and output all-to-all of batch i+1 beside step i's dense backward, step i's "
+                 "gradient all-to-all beside step i+1's dense forward (one step stale; the package's own)"),
 )
 _PIPELINE_BY_NAME: Dict[str, Pipeline] = {p.name: p for p in PIPELINE_REGISTRY}
 #: Pipeline names, one order used everywhere.

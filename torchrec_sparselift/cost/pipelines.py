@@ -249,6 +249,19 @@ _STEPS: Dict[str, Tuple[Seq, str]] = {
     ])]), "as sparse_dist, and the output and gradient all-to-alls overlap the dense work independent "
           "of the embeddings, the dense all-reduce the embedding backward (exact; "
           "runtime.overlap.TrainPipelineOverlap)"),
+    "overlap_stale": (Seq([Par([
+        Lane("main", Seq((Par([Lane("main", Seq(("dense_fwd",)), "dense forward"),
+                               Lane("prev", Seq(("grad_dist",)), "the previous batch's gradient all-to-all")]),
+                          "backward_update", "uvm_fetch", "lookup",
+                          Par([Lane("main", Seq(("dense_bwd",)), "dense backward"),
+                               _next_batch(("output_dist",), "the next batch's output all-to-all")]))
+                         + SYNC + STEP), "the step"),
+        _next_batch(INPUT, "input_dist", lane="next batch input"),
+    ])]), "as sparse_dist, and the next batch's lookup is issued before this batch's dense backward, "
+          "its output all-to-all running beside that backward, and this batch's gradient all-to-all "
+          "beside the next batch's dense forward (one step of embedding staleness; "
+          "runtime.stale.TrainPipelineOverlapStale). The embedding backward/update of a batch runs in "
+          "the next step, after its dense forward"),
 }
 if set(_STEPS) != set(PIPELINES):
     raise RuntimeError(

@@ -182,7 +182,8 @@ def resolve_settings(
 def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan) -> None:
     """Refuse plan/pipeline pairs that cannot train; ``ValueError`` naming the tables otherwise.
 
-    ``semi_sync`` looks up batch i+1 before step i's embedding update, so every table of a
+    The stale kinds (``semi_sync``, ``overlap_stale``) look up batch i+1 before step i's embedding
+    update, so every table of a
     pipelined module must update inside its fused backward (TBE kernels ``fused*``/key-value).
     A ``dense`` kernel (which includes every data-parallel table) is updated in place after that
     lookup saved the weights for its backward, and autograd aborts the next backward ("modified
@@ -199,7 +200,7 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan) -> None
     )
     if dense:
         raise ValueError(
-            f"pipeline 'semi_sync' needs fused embedding kernels, but {', '.join(dense)} use the dense kernel "
+            f"pipeline {kind!r} needs fused embedding kernels, but {', '.join(dense)} use the dense kernel "
             "(data-parallel tables always do): shard those tables model-parallel with compute_kernel='fused', "
             "or choose pipeline 'fused' or 'sparse_dist'"
         )

@@ -19,7 +19,11 @@ kind            TorchRec class                      what it overlaps with step i
                                                     update: one step stale embeddings (not exact)
 ==============  ==================================  ===================================================
 
-All but ``semi_sync`` compute exactly what a plain forward/backward/step loop computes. On CPU the
+``overlap_stale`` (``TrainPipelineOverlapStale``, :mod:`.stale`) is one step stale like ``semi_sync``
+and puts the output all-to-all of batch i+1 beside step i's dense backward and step i's gradient
+all-to-all beside step i+1's dense forward.
+
+All but ``semi_sync`` and ``overlap_stale`` compute exactly what a plain forward/backward/step loop computes. On CPU the
 multi-stream kinds (``fused``, ``prefetch``, ``semi_sync``) run through the adaptations in
 :mod:`torchrec_sparselift.runtime.cpu_compat`; on CUDA the TorchRec classes are used unchanged.
 """
@@ -42,6 +46,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 
 from torchrec_sparselift.runtime.cpu_compat import cpu_pipeline_class
 from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
+from torchrec_sparselift.runtime.stale import TrainPipelineOverlapStale
 from torchrec_sparselift.vocabulary import PIPELINE_REGISTRY, PIPELINES, PIPELINES_2D, SYNC_PIPELINES
 
 __all__ = [
@@ -54,7 +59,8 @@ __all__ = [
 _TORCHREC_CLASSES: Dict[str, Type[TrainPipeline]] = {
     c.__name__: c
     for c in (TrainPipelineBase, TrainPipelineSparseDist, TrainPipelineFusedSparseDist,
-              PrefetchTrainPipelineSparseDist, TrainPipelineSemiSync, TrainPipelineOverlap)
+              PrefetchTrainPipelineSparseDist, TrainPipelineSemiSync, TrainPipelineOverlap,
+              TrainPipelineOverlapStale)
 }
 #: The TorchRec class of every pipeline kind (its registry entry's ``torchrec_class``).
 _CLASSES: Dict[str, Type[TrainPipeline]] = {p.name: _TORCHREC_CLASSES[p.torchrec_class] for p in PIPELINE_REGISTRY}
