@@ -47,7 +47,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 
-KINDS = ("base", "sparse_dist", "semi_sync", "overlap")
+KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync", "overlap", "overlap_stale")
+#: TorchRec's own pipelines (the best of those present is what the package's kinds are set against)
+TORCHREC_KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync")
+#: the package's kinds whose step the cost model composes on CPU between hosts (predicted below)
+PREDICTED_KINDS = ("sparse_dist", "overlap", "overlap_stale")
 REFERENCE = "sparse_dist"
 
 
@@ -96,7 +100,9 @@ def _pipeline(kind: str, dmp: Any, opt: Any, device: Any) -> Any:
         return TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True)
     if kind == "semi_sync":  # stale from the first step (TorchRec's default waits 900 steps)
         return make_train_pipeline("semi_sync", dmp, opt, device, options={"start_batch": 0})
-    return TrainPipelineOverlap(dmp, opt, device)
+    if kind == "overlap":
+        return TrainPipelineOverlap(dmp, opt, device)
+    return make_train_pipeline(kind, dmp, opt, device)  # fused, prefetch (CPU adaptations), overlap_stale
 
 
 def _median_step(steps: List[Dict[str, float]]) -> Dict[str, float]:
@@ -248,7 +254,60 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
         out["achieved_ms"] = 1e3 * achieved
         out["achieved_ms_per_round"] = [1e3 * s for s in saved]
         out["achieved_over_bound"] = achieved / bound["total"] if bound["total"] > 0 else None
+    torchrec = [k for k in kinds if k in TORCHREC_KINDS]
+    if torchrec:
+        best = [min(per_round[k][r] for k in torchrec) for r in range(len(ref))]
+        out["best_torchrec_ms_per_round"] = [1e3 * b for b in best]
+        out["speedup_over_best_torchrec"] = {}
+        for kind in kinds:
+            if kind in TORCHREC_KINDS:
+                continue
+            sp = [b / a for a, b in zip(per_round[kind], best)]
+            out["speedup_over_best_torchrec"][kind] = {"per_round": sp, "median": statistics.median(sp)}
+        if "overlap_stale" in per_round and "overlap" in per_round:
+            sp = [b / a for a, b in zip(per_round["overlap_stale"], per_round["overlap"])]
+            out["stale_speedup_over_overlap"] = {"per_round": sp, "median": statistics.median(sp)}
+    out["predicted_ms"] = {k: 1e3 * v for k, v in predicted_steps(ref_att, [k for k in kinds
+                                                                           if k in PREDICTED_KINDS]).items()}
+    out["predicted_over_measured"] = {k: v / out["kinds"][k]["step_ms_median"]
+                                      for k, v in out["predicted_ms"].items()}
     return out
+
+
+def measured_phases(att: Dict[str, float]) -> Dict[str, float]:
+    """The cost model's phases (seconds) measured on a step where nothing of the sparse path is
+    hidden but the next batch's input_dist (sparse_dist's): each collective's time in flight, the
+    lookup, the dense work split by dependence on the embeddings, the embedding backward, and
+    the rest of the step as ``step_overhead`` (step minus everything on its critical path)."""
+    ph = {
+        "input_dist": att["input_dist_inflight"],
+        "uvm_fetch": 0.0,
+        "lookup": att["lookup"],
+        "output_dist": att["output_dist_inflight"],
+        "dense_fwd_indep": att["dense_fwd"],
+        "dense_fwd_rest": att["dense_fwd_rest"],
+        "dense_bwd_rest": att["dense_bwd_rest"],
+        "dense_bwd_indep": att["dense_bwd"],
+        "grad_dist": att["grad_dist_inflight"],
+        "backward_update": att["emb_bwd"],
+        "allreduce": att["allreduce_inflight"],
+    }
+    ph["dense_fwd"] = ph["dense_fwd_indep"] + ph["dense_fwd_rest"]
+    ph["dense_bwd"] = ph["dense_bwd_rest"] + ph["dense_bwd_indep"]
+    critical = (att["input_dist_exposed"] + ph["lookup"] + att["output_dist_exposed"] + ph["dense_fwd"]
+                + ph["dense_bwd"] + att["grad_dist_exposed"] + ph["backward_update"] + att["allreduce_exposed"])
+    ph["step_overhead"] = max(0.0, att["step"] - critical)
+    return ph
+
+
+def predicted_steps(att: Dict[str, float], kinds: Sequence[str]) -> Dict[str, float]:
+    """Each kind's step (seconds) as its composition in ``cost.pipelines`` (the one the planner
+    prices) gives it from ``att``'s measured phases (:func:`measured_phases`), on CPU (nothing hides
+    under the dense backward)."""
+    from torchrec_sparselift.cost.pipelines import evaluate, pipeline_kind, terms
+
+    t = terms(measured_phases(att), supports_overlap=False)
+    return {k: float(evaluate(pipeline_kind(k).step, t)) for k in kinds}
 
 
 def format_result(result: Dict[str, Any]) -> str:
@@ -260,7 +319,7 @@ def format_result(result: Dict[str, Any]) -> str:
         ratios = " ".join(f"{x:.3f}" for x in s["ratio_to_sparse_dist_per_round"])
         comm = "  ".join(f"{a[k + '_inflight']:6.1f}/{a[k + '_exposed']:6.1f}"
                          for k in ("input_dist", "output_dist", "grad_dist", "allreduce"))
-        lines.append(f"{kind:12s} {s['step_ms_median']:8.1f} {ratios:>28s}   {comm}"
+        lines.append(f"{kind:13s} {s['step_ms_median']:8.1f} {ratios:>28s}   {comm}"
                      f"   dense fwd {a['dense_fwd']:.1f} bwd {a['dense_bwd']:.1f} emb_bwd {a['emb_bwd']:.1f}")
     b = result["bound_ms"]
     lines.append(f"dependency bound (from {REFERENCE}): {b['total']:.1f} ms = fwd {b['fwd']:.1f} + bwd {b['bwd']:.1f} "
@@ -274,6 +333,17 @@ def format_result(result: Dict[str, Any]) -> str:
         r = result["achieved_over_bound"]
         lines.append(f"achieved (sparse_dist - overlap, median of rounds {', '.join(f'{x:.1f}' for x in result['achieved_ms_per_round'])}): "
                      f"{result['achieved_ms']:.1f} ms = {r:.2f} of the bound" if r is not None else "bound 0")
+    for kind, sp in result.get("speedup_over_best_torchrec", {}).items():
+        lines.append(f"{kind}: best TorchRec step / its step per round "
+                     f"{' '.join(f'{x:.3f}' for x in sp['per_round'])}: median {sp['median']:.3f}x")
+    if "stale_speedup_over_overlap" in result:
+        sp = result["stale_speedup_over_overlap"]
+        lines.append(f"overlap / overlap_stale per round {' '.join(f'{x:.3f}' for x in sp['per_round'])}: "
+                     f"median {sp['median']:.3f}x")
+    if result.get("predicted_ms"):
+        lines.append("composition of cost.pipelines with sparse_dist's measured phases, predicted / measured: " + ", ".join(
+            f"{k} {v:.1f}/{result['kinds'][k]['step_ms_median']:.1f} ms = {result['predicted_over_measured'][k]:.3f}"
+            for k, v in result["predicted_ms"].items()))
     return "\n".join(lines)
 
 

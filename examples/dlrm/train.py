@@ -48,7 +48,7 @@ from dlrm_tables import (  # noqa: E402
     scale_tables,
 )
 from torchrec_sparselift.defaults import ranks_per_host  # noqa: E402
-from torchrec_sparselift.vocabulary import COMPUTE_KERNELS, PIPELINES, SHARDING_TYPES  # noqa: E402
+from torchrec_sparselift.vocabulary import COMPUTE_KERNELS, PIPELINES, SHARDING_TYPES, STALE_PIPELINES  # noqa: E402
 
 __all__ = [
     "UsageError",
@@ -148,6 +148,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="sparselift: train with this pipeline instead of the planned one (the prediction then no longer applies)",
     )
     p.add_argument("--allow-lossy-comm", action="store_true", help="sparselift may plan fp16/bf16 communication")
+    p.add_argument("--allow-staleness", action="store_true",
+                   help="sparselift may plan a pipeline that trains on one-step-stale embeddings (" +
+                   ", ".join(STALE_PIPELINES) + "; docs/overlap.md); --pipeline needs it to force one")
     p.add_argument(
         "--measured-guard",
         type=int,
@@ -203,6 +206,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise UsageError(f"--fail-at-step must be in [1, --steps], got {args.fail_at_step}")
     if args.pipeline is not None and args.planner != "sparselift":
         raise UsageError("--pipeline applies to --planner sparselift (--planner torchrec trains with sparse_dist)")
+    if args.pipeline in STALE_PIPELINES and not args.allow_staleness:
+        raise UsageError(f"--pipeline {args.pipeline} trains on one-step-stale embeddings; add --allow-staleness")
+    if args.allow_staleness and args.planner != "sparselift":
+        raise UsageError("--allow-staleness applies to --planner sparselift (--planner torchrec trains with sparse_dist)")
+    if args.allow_staleness and args.measured_guard:
+        raise UsageError("--allow-staleness does not combine with --measured-guard (the guard measures exact plans "
+                         "only); force a stale pipeline with --pipeline, or leave out one of the two")
     if args.zipf_alpha <= 0:
         raise UsageError(f"--zipf-alpha must be > 0, got {args.zipf_alpha}")
     if args.attribute < 0:
@@ -246,7 +256,7 @@ def check_planning_input(args: argparse.Namespace, tables: Sequence[TableSpec]) 
         planner = make_planner(
             "sparselift", world_size, ranks_per_host(world_size=world_size), "cuda" if use_cuda else "cpu",
             args.batch_size, planner_constraints(tables, specs, one_hot=bool(args.criteo_dir)),
-            allow_lossy_comm=args.allow_lossy_comm)
+            allow_lossy_comm=args.allow_lossy_comm, allow_staleness=args.allow_staleness)
         planner.request(ebc, get_default_sharders())
     except ValueError as e:
         raise UsageError(f"planning would refuse this input: {e}") from None
@@ -436,11 +446,12 @@ def make_planner(
     hardware: Optional[str] = None,
     cache_dir: Optional[str] = None,
     allow_lossy_comm: bool = False,
+    allow_staleness: bool = False,
     workload: Any = None,
 ):
     """The planner ``name`` built with EmbeddingShardingPlanner's arguments (the one-word swap);
     SparseLift also gets ``hardware`` (preset name or profile JSON), ``cache_dir`` (execution
-    plan reuse), ``allow_lossy_comm`` and ``workload`` (the ids' ``WorkloadStats``)."""
+    plan reuse), ``allow_lossy_comm``, ``allow_staleness`` and ``workload`` (the ids' ``WorkloadStats``)."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
     with warnings.catch_warnings():
@@ -463,6 +474,7 @@ def make_planner(
         hardware=profile,
         cache_dir=cache_dir,
         allow_lossy_comm=allow_lossy_comm,
+        allow_staleness=allow_staleness,
         workload=workload,
     )
 
@@ -707,7 +719,8 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
             "SparseLiftPlanner(workload=...) prices with them")
     planner = make_planner(
         args.planner, world_size, local_world_size, device.type, args.batch_size, constraints,
-        hardware=hardware, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm, workload=workload,
+        hardware=hardware, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm,
+        allow_staleness=args.allow_staleness, workload=workload,
     )  # fmt: skip
     sharders = get_default_sharders()
     opt_cls = torch.optim.Adagrad if args.dense_optimizer == "adagrad" else torch.optim.SGD
@@ -844,6 +857,8 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
             if step % 5 == 0 or step == args.steps:
                 bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
         if args.checkpoint_dir and step % args.checkpoint_every == 0:
+            if hasattr(pipeline, "flush"):  # overlap_stale: apply the step's pending embedding update first
+                pipeline.flush()
             save_checkpoint(args.checkpoint_dir, step, dmp, optimizer, config)
             saved.append(step)
         if step == args.fail_at_step and first_attempt:
@@ -854,6 +869,8 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     finally:
         if bar is not None:
             bar.close()
+    if hasattr(pipeline, "flush"):  # overlap_stale: the last step's embedding update
+        pipeline.flush()
     if args.checkpoint_dir and (not saved or saved[-1] != args.steps):
         save_checkpoint(args.checkpoint_dir, args.steps, dmp, optimizer, config)  # the final state
         saved.append(args.steps)

@@ -283,7 +283,7 @@ class CommTimeline:
     it has one) and wraps the pipeline's ``_backward`` and optimizer step. ``uninstall()`` restores
     the patched functions; hooks stay (they only record). Events: ``(t, what, kind, id)`` with
     ``what`` in ``issue``, ``done``, ``wait_start``, ``wait_end``, ``dense_fwd_start``,
-    ``dense_fwd_end``, ``dense_bwd_start``, ``dense_bwd_end``, ``graph_done``,
+    ``dense_fwd_end``, ``dense_bwd_start``, ``dense_bwd_end``, ``backward_start``, ``graph_done``,
     ``backward_end``, ``opt_start``, ``opt_end``, ``step_start``, ``step_end``.
     """
 
@@ -423,6 +423,7 @@ class CommTimeline:
                 if losses.requires_grad:
                     losses.register_hook(lambda g: (Variable._execution_engine.queue_callback(
                         lambda: self.mark("graph_done")), None)[1])
+                self.mark("backward_start")
                 backward(losses)
                 self.mark("backward_end")
 
@@ -465,7 +466,9 @@ def step_attribution(window: List[tuple], done_at: Dict[int, float]) -> Dict[str
     waits on that kind in this step; for ``allreduce``, from the end of the autograd graph to the
     end of backward, where DDP waits) and ``<kind>_hidden`` (in flight but not waited for);
     ``dense_fwd``, ``dense_bwd`` (the bottom MLP), ``emb_bwd`` (from the gradient all-to-all's
-    wait to the next traced event: TBE backward with the fused update) and ``optimizer``."""
+    wait to the next traced event: TBE backward with the fused update), ``optimizer``, and, on a
+    step that waits for its output all-to-all in the forward (``sparse_dist``), ``lookup``,
+    ``dense_fwd_rest`` and ``dense_bwd_rest`` (the dense work that consumes the embeddings)."""
     out: Dict[str, float] = {"step": window[-1][0] - window[0][0]}
     for k in COMM_KINDS:
         out[f"{k}_inflight"] = out[f"{k}_exposed"] = 0.0
@@ -489,6 +492,19 @@ def step_attribution(window: List[tuple], done_at: Dict[int, float]) -> Dict[str
     out["dense_fwd"] = first.get("dense_fwd_end", 0.0) - first.get("dense_fwd_start", 0.0)
     out["dense_bwd"] = first.get("dense_bwd_end", 0.0) - first.get("dense_bwd_start", 0.0)
     out["optimizer"] = first.get("opt_end", 0.0) - first.get("opt_start", 0.0)
+    # the dense work that consumes the embeddings (meaningful on a step where the output
+    # all-to-all is waited in the forward and the gradient one issued in the backward, e.g.
+    # sparse_dist's): forward from the output wait to backward's start; backward from there to
+    # the first gradient all-to-all's issue; the lookup: from the bottom MLP's end to the first
+    # output all-to-all's issue (the ids' wait and the TBE forward)
+    out_wait = [t for t, what, kind, _c in window if what == "wait_end" and kind == "output_dist"]
+    grad_issue = [t for t, what, kind, _c in window if what == "issue" and kind == "grad_dist"]
+    out_issue = [t for t, what, kind, _c in window if what == "issue" and kind == "output_dist"]
+    bstart = [t for t, what, _k, _c in window if what == "backward_start"]
+    out["dense_fwd_rest"] = (bstart[0] - out_wait[-1]) if bstart and out_wait and out_wait[-1] < bstart[0] else 0.0
+    out["dense_bwd_rest"] = (grad_issue[0] - bstart[0]) if bstart and grad_issue and grad_issue[0] > bstart[0] else 0.0
+    fwd_end = first.get("dense_fwd_end")
+    out["lookup"] = (out_issue[0] - fwd_end) if fwd_end is not None and out_issue and out_issue[0] > fwd_end else 0.0
     grad_wait_end = [t for t, what, kind, _c in window if what == "wait_end" and kind == "grad_dist"]
     out["emb_bwd"] = 0.0
     if grad_wait_end:
