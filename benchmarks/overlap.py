@@ -29,6 +29,17 @@ hides the next batch's input_dist), from sparse_dist's own timeline (median step
 backward; the dense all-reduce behind the embedding backward with its fused update). Achieved =
 sparse_dist's step minus overlap's, paired per round; the ratio achieved/bound is the target
 (>= 0.8).
+
+The package's kinds (``overlap``, and the stale ``overlap_stale``) are also set against the best
+of TorchRec's kinds timed (``base``, ``sparse_dist``, ``fused``, ``prefetch``, ``semi_sync``): per
+round, the fastest TorchRec step over the kind's step (``speedup_over_best_torchrec``), and
+``overlap`` over ``overlap_stale``. *Predicted*: each of ``sparse_dist``, ``overlap`` and
+``overlap_stale`` as its step composition in ``cost.pipelines`` (what the planner prices) gives it
+from sparse_dist's measured phases (:func:`measured_phases`: collectives in flight, lookup, dense
+work split at the embeddings, embedding backward, the rest as step overhead), set against its
+measured step. This checks the compositions, not the calibrated cost terms.
+
+    python benchmarks/overlap.py --regimes 1gbit,300mbit --rounds 6 --steps 3 --warmup 1 --out stale.json
 """
 
 from __future__ import annotations

@@ -62,6 +62,10 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out["stale"], out["trace"] = _train(st_dmp, st_opt, stale, batches, traced=True)
     base_dmp, base_opt = _sharded(copy.deepcopy(start))
     out["base"], _ = _train(base_dmp, base_opt, TrainPipelineBase, batches)
+    # start_batch: every step before it exact (here all of them)
+    warm_dmp, warm_opt = _sharded(copy.deepcopy(start))
+    out["warm"], _ = _train(warm_dmp, warm_opt, lambda d, o, dev: make_train_pipeline(
+        "overlap_stale", d, o, dev, options={"start_batch": STEPS}), batches)
     for name, dmp in (("semi_sync", ref_dmp), ("stale", st_dmp)):
         out[name + "_weights"] = {k: _local(v).clone() for k, v in dmp.state_dict().items()}
     return out
@@ -80,6 +84,16 @@ def test_overlap_stale_is_exactly_one_step_stale_like_semi_sync(results):
         # the first step looks up the initial weights under every pipeline; later ones differ from exact
         assert r["stale"][0] == pytest.approx(r["base"][0], rel=1e-6)
         assert any(abs(a - b) > 1e-6 for a, b in zip(r["stale"][2:], r["base"][2:]))
+
+
+def test_overlap_stale_runs_exactly_before_start_batch(results):
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(torch.tensor(r["warm"]), torch.tensor(r["base"]), rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: f"rank {rank}: {m}")
+    from torchrec_sparselift.runtime.stale import TrainPipelineOverlapStale
+
+    with pytest.raises(ValueError, match="start_batch must be an int >= 0"):
+        TrainPipelineOverlapStale(torch.nn.Linear(1, 1), None, torch.device("cpu"), start_batch=-1)
 
 
 def test_overlap_stale_final_weights_equal_semi_sync_after_flush(results):

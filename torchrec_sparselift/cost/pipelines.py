@@ -251,7 +251,7 @@ _STEPS: Dict[str, Tuple[Seq, str]] = {
           "runtime.overlap.TrainPipelineOverlap)"),
     "overlap_stale": (Seq([Par([
         Lane("main", Seq((Par([Lane("main", Seq(("dense_fwd",)), "dense forward"),
-                               Lane("prev", Seq(("grad_dist",)), "the previous batch's gradient all-to-all")]),
+                               Lane("previous batch", Seq(("grad_dist",)), "the previous batch's gradient all-to-all")]),
                           "backward_update", "uvm_fetch", "lookup",
                           Par([Lane("main", Seq(("dense_bwd",)), "dense backward"),
                                _next_batch(("output_dist",), "the next batch's output all-to-all")]))

@@ -107,14 +107,21 @@ class StalePipelinedForward(OverlapPipelinedForward):
 
 class TrainPipelineOverlapStale(TrainPipelineOverlap):
     """The stale overlap schedule (module docstring). Constructor arguments: those of
-    ``TrainPipelineSparseDist`` (model: a DMP; optimizer; device). Not exact: batch i+1's lookup
-    reads the embedding weights before step i's update (one step stale)."""
+    ``TrainPipelineSparseDist`` (model: a DMP; optimizer; device), and ``start_batch``: the steps
+    (batch indices below it) run exactly first, each looking up the next batch after its own
+    update, as TorchRec's ``TrainPipelineSemiSync(start_batch=...)`` does (default 0: stale from
+    the first step). Not exact from then on: batch i+1's lookup reads the embedding weights before
+    step i's update (one step stale)."""
 
     _pipelined_forward_type = StalePipelinedForward
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 *args: Any, **kwargs: Any) -> None:
+                 *args: Any, start_batch: int = 0, **kwargs: Any) -> None:
+        if not isinstance(start_batch, int) or isinstance(start_batch, bool) or start_batch < 0:
+            raise ValueError(f"overlap_stale: start_batch must be an int >= 0 (the exact steps before the stale "
+                             f"schedule starts), got {start_batch!r}")
         super().__init__(model, optimizer, device, *args, **kwargs)
+        self._start_batch = start_batch
         # (dummies, grads) of the last trained batch: its gradient collectives are in flight
         self._pending: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None
 
@@ -196,9 +203,10 @@ class TrainPipelineOverlapStale(TrainPipelineOverlap):
                 forward.discard(context)
             raise
         cuts = [c for c in (f.take_cut(context) for f in forwards) if c is not None]
+        stale = training and (context.index or 0) >= self._start_batch
         if training:
             self.finish_embedding_backward()  # update(i-1): before the lookup of i+1
-        if len(self.batches) >= 2:
+        if len(self.batches) >= 2 and (stale or not training):
             self.start_output_dist(self.contexts[1])  # lookup(i+1), one step stale; in flight in backward
         if len(self.batches) >= 3:
             self.wait_sparse_data_dist(self.contexts[2])  # ids all-to-all of i+2, in flight in backward
@@ -206,6 +214,10 @@ class TrainPipelineOverlapStale(TrainPipelineOverlap):
             self._backward(losses)  # dense only: ends at the detached embeddings
             with record_function(f"## overlap_stale: grad_dist {context.index} issued ##"):
                 self._issue_grad_dist(cuts)
+            if not stale:  # an exact warm-up step: update(i) before the lookup of i+1
+                self.finish_embedding_backward()
             self._optimizer_step()
+            if not stale and len(self.batches) >= 2:
+                self.start_output_dist(self.contexts[1])
         self.dequeue_batch()
         return output
