@@ -12,6 +12,7 @@ initial weights on the same synthetic batches (Zipf ids with a planted label sig
 embedding update flushed) it scores ``--eval`` held-out batches per rank (the generator's batches
 after the trained ones: same planted model, never trained on) with the model's BCE loss, averaged over ranks. Reported: each kind's held-out loss per
 seed, the stale-minus-exact difference per seed, its mean and maximum (target: at most +0.0005).
+``--start-batch N`` runs the stale kind's first N steps exactly (its ``start_batch``).
 """
 
 from __future__ import annotations
@@ -43,19 +44,35 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=256, help="per rank")
     p.add_argument("--lr", type=float, default=0.05, help="sparse tables (row-wise AdaGrad)")
     p.add_argument("--dense-lr", type=float, default=0.005)
+    p.add_argument("--start-batch", type=int, default=0,
+                   help="exact warm-up steps of the stale kinds before they go stale (their start_batch)")
+    p.add_argument("--reference", metavar="RESULT.json",
+                   help="take the first kind's held-out losses from this earlier result (same steps, seeds, "
+                        "data, model and learning rates; the exact kind is deterministic) instead of training it")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.kinds = [k for k in args.kinds.split(",") if k]
     if args.steps < 1 or not args.seeds or len(args.kinds) < 2:
         p.error("need --steps >= 1, one seed or more and two kinds or more")
+    args.reference_losses = None
+    if args.reference:
+        with open(args.reference) as f:
+            ref = json.load(f)
+        same = ("steps", "seeds", "eval", "scale", "embedding_dim", "batch_size", "lr", "dense_lr")
+        differ = [k for k in same if ref["config"].get(k) != getattr(args, k)]
+        if differ or args.kinds[0] not in ref["heldout_loss"]:
+            p.error(f"--reference {args.reference}: differs in {differ} or lacks {args.kinds[0]!r}; rerun both kinds")
+        args.reference_losses = {int(s): v for s, v in ref["heldout_loss"][args.kinds[0]].items()}
     return args
 
 
-def _pipeline(kind: str, dmp: Any, opt: Any, device: Any) -> Any:
+def _pipeline(kind: str, dmp: Any, opt: Any, device: Any, start_batch: int) -> Any:
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
+    from torchrec_sparselift.vocabulary import pipeline
 
-    options = {"start_batch": 0} if kind == "semi_sync" else None  # TorchRec's default waits 900 steps
+    # semi_sync: TorchRec's default waits 900 steps
+    options = {"start_batch": start_batch} if pipeline(kind).stale else None
     return make_train_pipeline(kind, dmp, opt, device, options=options)
 
 
@@ -96,9 +113,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # held out: the batches after the trained ones (same planted model, never trained on)
         evals = list(synthetic_batches(tables, args.batch_size, seed, rank, args.steps + args.eval, start=args.steps))
         for kind in args.kinds:
+            if kind == args.kinds[0] and args.reference_losses is not None:
+                heldout[kind][seed] = args.reference_losses[seed]
+                train_loss[kind][seed] = float("nan")
+                continue
             torch.manual_seed(seed)
             dmp, opt = shard_model(build_model(tables, "dcn", arch), plan, device, args.lr, "adagrad", args.dense_lr)
-            pipe = _pipeline(kind, dmp, opt, device)
+            pipe = _pipeline(kind, dmp, opt, device, args.start_batch)
             it = synthetic_batches(tables, args.batch_size, seed, rank, args.steps)
             losses = []
             while True:
@@ -127,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "world_size": world,
             "config": {k: getattr(args, k) for k in ("steps", "seeds", "eval", "scale", "embedding_dim",
-                                                      "batch_size", "lr", "dense_lr")},
+                                                      "batch_size", "lr", "dense_lr", "start_batch")},
             "heldout_loss": heldout,
             "train_loss_last20": train_loss,
             "wall_s": time.perf_counter() - t_start,

@@ -188,3 +188,37 @@ def test_overlap_stale_step_hides_the_output_and_gradient_all_to_alls():
         sparse = evaluate(pipeline_kind("sparse_dist").step, t)
         stale = evaluate(pipeline_kind("overlap_stale").step, t)
         assert sparse - stale == pytest.approx(min(out_d, ph["dense_bwd"]) + min(grad_d, ph["dense_fwd"]))
+
+
+def test_planner_picks_overlap_stale_only_with_allow_staleness_where_it_pays():
+    """The DLRM example's tables table-wise on two one-rank CPU hosts: exact, the planner keeps
+    ``overlap``; with ``allow_staleness`` the stale kind's shorter step wins; on one host (where
+    CPU gloo overlaps nothing) neither is chosen."""
+    import os
+    import sys
+    import warnings
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "dlrm"))
+    from dlrm_tables import preset_tables, scale_tables
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from train import arch_spec, build_model
+
+    from torchrec_sparselift import SparseLiftPlanner
+
+    tables = scale_tables(preset_tables("dcnv2", 64), 0.001)
+    cons = {t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables}
+    chosen = {}
+    for local in (1, 2):
+        for stale in (False, True):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                topo = Topology(world_size=2, local_world_size=local, compute_device="cpu")
+            planner = SparseLiftPlanner(topology=topo, batch_size=1024, hardware="cpu-gloo", allow_staleness=stale,
+                                        constraints=cons)
+            planner.plan(build_model(tables, "dcn", arch_spec("small", 64)), get_default_sharders())
+            r = planner.last_result
+            chosen[local, stale] = (r.optimizations().pipeline, r.step_time_s)
+    assert chosen[1, False][0] == "overlap" and chosen[1, True][0] == "overlap_stale"
+    assert chosen[1, True][1] < chosen[1, False][1]
+    assert chosen[2, False][0] not in ("overlap_stale", "semi_sync") and chosen[2, True][0] != "overlap_stale"
