@@ -58,7 +58,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 
-KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync", "overlap", "overlap_stale")
+KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync", "overlap", "overlap_stale",
+         "overlap_stale/late_allreduce")
+#: benchmark-only variants: a kind with constructor options
+VARIANTS = {"overlap_stale/late_allreduce": ("overlap_stale", {"early_allreduce": False})}
 #: TorchRec's own pipelines (the best of those present is what the package's kinds are set against)
 TORCHREC_KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync")
 #: the package's kinds whose step the cost model composes on CPU between hosts (predicted below)
@@ -113,6 +116,9 @@ def _pipeline(kind: str, dmp: Any, opt: Any, device: Any) -> Any:
         return make_train_pipeline("semi_sync", dmp, opt, device, options={"start_batch": 0})
     if kind == "overlap":
         return TrainPipelineOverlap(dmp, opt, device)
+    if kind in VARIANTS:  # the DDP all-reduce as one bucket at the end of the backward
+        name, options = VARIANTS[kind]
+        return make_train_pipeline(name, dmp, opt, device, options=options)
     return make_train_pipeline(kind, dmp, opt, device)  # fused, prefetch (CPU adaptations), overlap_stale
 
 
@@ -323,14 +329,14 @@ def predicted_steps(att: Dict[str, float], kinds: Sequence[str]) -> Dict[str, fl
 
 def format_result(result: Dict[str, Any]) -> str:
     lines = [f"[overlap] link {result['link']}, {result['world_size']} ranks, {result['config']}"]
-    lines.append(f"{'kind':12s} {'ms/step':>8s} {'x sparse_dist (rounds)':>28s}   "
+    lines.append(f"{'kind':28s} {'ms/step':>8s} {'x sparse_dist (rounds)':>28s}   "
                  "in flight / exposed ms: input_dist output_dist grad_dist allreduce")
     for kind, s in result["kinds"].items():
         a = s["attribution_ms"]
         ratios = " ".join(f"{x:.3f}" for x in s["ratio_to_sparse_dist_per_round"])
         comm = "  ".join(f"{a[k + '_inflight']:6.1f}/{a[k + '_exposed']:6.1f}"
                          for k in ("input_dist", "output_dist", "grad_dist", "allreduce"))
-        lines.append(f"{kind:13s} {s['step_ms_median']:8.1f} {ratios:>28s}   {comm}"
+        lines.append(f"{kind:28s} {s['step_ms_median']:8.1f} {ratios:>28s}   {comm}"
                      f"   dense fwd {a['dense_fwd']:.1f} bwd {a['dense_bwd']:.1f} emb_bwd {a['emb_bwd']:.1f}")
     b = result["bound_ms"]
     lines.append(f"dependency bound (from {REFERENCE}): {b['total']:.1f} ms = fwd {b['fwd']:.1f} + bwd {b['bwd']:.1f} "
