@@ -3,7 +3,8 @@ one step of embedding staleness (its losses equal TorchRec's ``TrainPipelineSemi
 the first step, whose lookup of batch i+1 also reads the weights before step i's update, and differ
 from the exact ``TrainPipelineBase``), it trains, it really reorders (the next batch's output
 all-to-all in flight during the dense backward, the gradient all-to-all during the next dense
-forward), and it is offered only with ``allow_staleness``."""
+forward, the dense all-reduce in chunks during the dense backward, with the same arithmetic), and
+it is offered only with ``allow_staleness``."""
 
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out["semi_sync"], _ = _train(ref_dmp, ref_opt, lambda d, o, dev: make_train_pipeline(
         "semi_sync", d, o, dev, options={"start_batch": 0}), batches)
     st_dmp, st_opt = _sharded(copy.deepcopy(start))
+    from torchrec_sparselift.runtime import stale as stale_module
+
+    # the early all-reduce in chunks of 16 floats: many chunks, each issued during the backward
+    stale_module.EARLY_ALLREDUCE_CHUNK_BYTES = 64
     out["stale"], out["trace"] = _train(st_dmp, st_opt, stale, batches, traced=True)
     base_dmp, base_opt = _sharded(copy.deepcopy(start))
     out["base"], _ = _train(base_dmp, base_opt, TrainPipelineBase, batches)
@@ -138,6 +143,9 @@ def test_overlap_stale_collectives_in_flight_during_dense_work(results):
                 < _pos(st, "dense_bwd_start") < _pos(st, "issue", "grad_dist"), st
             issued_out = _pos(st, "issue", "output_dist")
             assert ("wait_start", "output_dist") not in st[issued_out:], st
+            # the dense all-reduce starts during the dense backward, in chunks, not as one at its end
+            issues = [i for i, e in enumerate(st) if e == ("issue", "allreduce")]
+            assert len(issues) > 2 and issues[0] < _pos(st, "dense_bwd_start") < _pos(st, "graph_done"), st
             assert ("wait_start", "grad_dist") not in st[_pos(st, "issue", "grad_dist"):], st
 
 

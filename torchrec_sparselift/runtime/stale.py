@@ -124,10 +124,10 @@ class EarlyAllReduce:
     into the bucket. A parameter without a gradient this step (none in a static graph) makes the
     hook fall back to ``allreduce_hook`` for the whole bucket."""
 
-    def __init__(self, ddp: torch.nn.Module, chunk_bytes: int = EARLY_ALLREDUCE_CHUNK_BYTES) -> None:
+    def __init__(self, ddp: torch.nn.Module, chunk_bytes: Optional[int] = None) -> None:
         self._pg = ddp.process_group
         self._world = ddp.process_group.size()
-        self._chunk_bytes = chunk_bytes
+        self._chunk_bytes = EARLY_ALLREDUCE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self._ready: List[torch.nn.Parameter] = []
         self._ready_bytes = 0
         self._works: List[Tuple[Any, torch.Tensor, List[torch.nn.Parameter]]] = []
