@@ -59,9 +59,9 @@ ROOT = os.path.dirname(HERE)
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 
 KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync", "overlap", "overlap_stale",
-         "overlap_stale/late_allreduce")
+         "overlap_stale/early_allreduce")
 #: benchmark-only variants: a kind with constructor options
-VARIANTS = {"overlap_stale/late_allreduce": ("overlap_stale", {"early_allreduce": False})}
+VARIANTS = {"overlap_stale/early_allreduce": ("overlap_stale", {"early_allreduce": True})}
 #: TorchRec's own pipelines (the best of those present is what the package's kinds are set against)
 TORCHREC_KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync")
 #: the package's kinds whose step the cost model composes on CPU between hosts (predicted below)
@@ -116,7 +116,7 @@ def _pipeline(kind: str, dmp: Any, opt: Any, device: Any) -> Any:
         return make_train_pipeline("semi_sync", dmp, opt, device, options={"start_batch": 0})
     if kind == "overlap":
         return TrainPipelineOverlap(dmp, opt, device)
-    if kind in VARIANTS:  # the DDP all-reduce as one bucket at the end of the backward
+    if kind in VARIANTS:  # the DDP all-reduce in chunks during the dense backward
         name, options = VARIANTS[kind]
         return make_train_pipeline(name, dmp, opt, device, options=options)
     return make_train_pipeline(kind, dmp, opt, device)  # fused, prefetch (CPU adaptations), overlap_stale

@@ -53,7 +53,7 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {"class": []}
 
     def stale(dmp, opt, device):  # type: ignore[no-untyped-def]
-        pipe = make_train_pipeline("overlap_stale", dmp, opt, device)
+        pipe = make_train_pipeline("overlap_stale", dmp, opt, device, options={"early_allreduce": True})
         out["class"].append(type(pipe).__name__)
         return pipe
 
