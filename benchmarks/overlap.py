@@ -59,9 +59,9 @@ ROOT = os.path.dirname(HERE)
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 
 KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync", "overlap", "overlap_stale",
-         "overlap_stale/early_allreduce")
+         "overlap_stale/late_allreduce")
 #: benchmark-only variants: a kind with constructor options
-VARIANTS = {"overlap_stale/early_allreduce": ("overlap_stale", {"early_allreduce": True})}
+VARIANTS = {"overlap_stale/late_allreduce": ("overlap_stale", {"early_allreduce": False})}
 #: TorchRec's own pipelines (the best of those present is what the package's kinds are set against)
 TORCHREC_KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync")
 #: the package's kinds whose step the cost model composes on CPU between hosts (predicted below)
@@ -116,7 +116,7 @@ def _pipeline(kind: str, dmp: Any, opt: Any, device: Any) -> Any:
         return make_train_pipeline("semi_sync", dmp, opt, device, options={"start_batch": 0})
     if kind == "overlap":
         return TrainPipelineOverlap(dmp, opt, device)
-    if kind in VARIANTS:  # the DDP all-reduce in chunks during the dense backward
+    if kind in VARIANTS:  # the DDP all-reduce as one bucket at the end of the backward
         name, options = VARIANTS[kind]
         return make_train_pipeline(name, dmp, opt, device, options=options)
     return make_train_pipeline(kind, dmp, opt, device)  # fused, prefetch (CPU adaptations), overlap_stale
@@ -281,7 +281,10 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
                 continue
             sp = [b / a for a, b in zip(per_round[kind], best)]
             out["speedup_over_best_torchrec"][kind] = {"per_round": sp, "median": statistics.median(sp)}
-        if "overlap_stale" in per_round and "overlap" in per_round:
+        if "overlap_stale" in per_round and "overlap_stale/late_allreduce" in per_round:
+        r = [a / b for a, b in zip(per_round["overlap_stale"], per_round["overlap_stale/late_allreduce"])]
+        out["early_over_late_allreduce"] = {"per_round": r, "median": statistics.median(r)}
+    if "overlap_stale" in per_round and "overlap" in per_round:
             sp = [b / a for a, b in zip(per_round["overlap_stale"], per_round["overlap"])]
             out["stale_speedup_over_overlap"] = {"per_round": sp, "median": statistics.median(sp)}
     out["predicted_ms"] = {k: 1e3 * v for k, v in predicted_steps(ref_att, [k for k in kinds
@@ -357,6 +360,10 @@ def format_result(result: Dict[str, Any]) -> str:
         sp = result["stale_speedup_over_overlap"]
         lines.append(f"overlap / overlap_stale per round {' '.join(f'{x:.3f}' for x in sp['per_round'])}: "
                      f"median {sp['median']:.3f}x")
+    if "early_over_late_allreduce" in result:
+        r = result["early_over_late_allreduce"]
+        lines.append(f"overlap_stale / overlap_stale/late_allreduce per round {' '.join(f'{x:.3f}' for x in r['per_round'])}: "
+                     f"median {r['median']:.3f}")
     if result.get("predicted_ms"):
         lines.append("composition of cost.pipelines with sparse_dist's measured phases, predicted / measured: " + ", ".join(
             f"{k} {v:.1f}/{result['kinds'][k]['step_ms_median']:.1f} ms = {result['predicted_over_measured'][k]:.3f}"
