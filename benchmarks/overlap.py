@@ -281,12 +281,12 @@ def summarize(result: Dict[str, Any]) -> Dict[str, Any]:
                 continue
             sp = [b / a for a, b in zip(per_round[kind], best)]
             out["speedup_over_best_torchrec"][kind] = {"per_round": sp, "median": statistics.median(sp)}
-        if "overlap_stale" in per_round and "overlap_stale/late_allreduce" in per_round:
-        r = [a / b for a, b in zip(per_round["overlap_stale"], per_round["overlap_stale/late_allreduce"])]
-        out["early_over_late_allreduce"] = {"per_round": r, "median": statistics.median(r)}
-    if "overlap_stale" in per_round and "overlap" in per_round:
+        if "overlap_stale" in per_round and "overlap" in per_round:
             sp = [b / a for a, b in zip(per_round["overlap_stale"], per_round["overlap"])]
             out["stale_speedup_over_overlap"] = {"per_round": sp, "median": statistics.median(sp)}
+    if "overlap_stale" in per_round and "overlap_stale/late_allreduce" in per_round:
+        r = [a / b for a, b in zip(per_round["overlap_stale"], per_round["overlap_stale/late_allreduce"])]
+        out["early_over_late_allreduce"] = {"per_round": r, "median": statistics.median(r)}
     out["predicted_ms"] = {k: 1e3 * v for k, v in predicted_steps(ref_att, [k for k in kinds
                                                                            if k in PREDICTED_KINDS]).items()}
     out["predicted_over_measured"] = {k: v / out["kinds"][k]["step_ms_median"]
