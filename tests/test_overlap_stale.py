@@ -230,3 +230,18 @@ def test_planner_picks_overlap_stale_only_with_allow_staleness_where_it_pays():
     assert chosen[1, False][0] == "overlap" and chosen[1, True][0] == "overlap_stale"
     assert chosen[1, True][1] < chosen[1, False][1]
     assert chosen[2, False][0] not in ("overlap_stale", "semi_sync") and chosen[2, True][0] != "overlap_stale"
+
+
+def test_the_timeline_shows_overlap_stale_hiding_both_all_to_alls():
+    from torchrec_sparselift.explain import comm_exposure, format_timeline, step_timeline
+
+    ph = dict(input_dist=0.004, lookup=0.030, output_dist=0.051, dense_fwd=0.080, dense_bwd=0.155,
+              grad_dist=0.054, backward_update=0.060, allreduce=0.035, step_overhead=0.010)
+    segs = step_timeline(ph, "overlap_stale", supports_overlap=False, spans_hosts=True)
+    comm = comm_exposure(segs)
+    assert comm["output_dist"][0] == pytest.approx(min(ph["output_dist"], ph["dense_bwd"]), rel=1e-9)
+    assert comm["grad_dist"][0] == pytest.approx(min(ph["grad_dist"], ph["dense_fwd"]), rel=1e-9)
+    assert comm["allreduce"] == pytest.approx((0.0, ph["allreduce"]), abs=1e-12)  # CPU: in full
+    assert "previous batch" in format_timeline(segs, 0.370)
+    # on one CPU host (no overlap) it is priced as base: nothing hidden
+    assert all(h == 0.0 for h, _ in comm_exposure(step_timeline(ph, "overlap_stale", False, False)).values())

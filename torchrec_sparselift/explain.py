@@ -65,7 +65,8 @@ def step_timeline(phases: Mapping[str, float], pipeline: str, supports_overlap: 
     critical segment equals its ``total_s`` for the same phases (tested). The gradient all-reduce
     overlaps the dense backward; only the part longer than the dense backward is exposed
     (``allreduce`` critical tail). Hardware without overlap runs every pipeline as ``base``, except
-    ``overlap`` when the ranks span hosts (``spans_hosts``; ``cost.pipelines.effective_pipeline``).
+    ``overlap`` and ``overlap_stale`` when the ranks span hosts (``spans_hosts``;
+    ``cost.pipelines.effective_pipeline``).
     """
     return schedule(effective_pipeline(pipeline, supports_overlap, spans_hosts), phases, supports_overlap)
 
@@ -76,7 +77,8 @@ def comm_exposure(segments: Sequence[Segment]) -> Dict[str, Tuple[float, float]]
     rank computes (some compute phase's segment runs at the same time, on any lane), exposed the
     rest. ``base`` exposes everything; ``overlap`` hides ``min(output_dist, dense_fwd_indep)``
     of the output all-to-all, likewise the gradient all-to-all, and the all-reduce behind the
-    embedding backward."""
+    embedding backward; ``overlap_stale`` hides ``min(output_dist, dense_bwd)`` and
+    ``min(grad_dist, dense_fwd)``."""
     compute = sorted((s.start_s, s.end_s) for s in segments if _PHASE_KIND[s.phase] == "compute" and s.duration_s > 0)
     merged: List[List[float]] = []
     for a, b in compute:

@@ -4,7 +4,7 @@ against the prediction; ``CommCounter`` counts the bytes and ids a step moves. A
 sparse-path node kind (``StepAttribution``, saved and loaded here) is profiled by
 ``torchrec_sparselift.measure.attribution.attribute_steps``. ``TrainPipelineOverlap`` (pipeline
 kind ``overlap``) is the package's own exact overlap of the sparse path's collectives with dense
-work. CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in ``runtime.two_d``.
+work; ``TrainPipelineOverlapStale`` (kind ``overlap_stale``, opt-in) its one-step-stale schedule. CPU adaptations live in ``runtime.cpu_compat``; 2D (DMPCollection) in ``runtime.two_d``.
 """
 
 from torchrec_sparselift.calibration.attribution import (
@@ -28,6 +28,7 @@ from torchrec_sparselift.runtime.model_parallel import (
     sharders_with_comm_codecs,
 )
 from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
+from torchrec_sparselift.runtime.stale import TrainPipelineOverlapStale
 from torchrec_sparselift.runtime.pipelines import (
     EXACT_PIPELINE_KINDS,
     PIPELINE_KINDS,
@@ -59,6 +60,7 @@ __all__ = [
     "StepStats",
     "StepTimer",
     "TrainPipelineOverlap",
+    "TrainPipelineOverlapStale",
     "build_optimizer",
     "check_pipeline_supports_plan",
     "comm_codecs_registry",
