@@ -245,3 +245,21 @@ def test_the_timeline_shows_overlap_stale_hiding_both_all_to_alls():
     assert "previous batch" in format_timeline(segs, 0.370)
     # on one CPU host (no overlap) it is priced as base: nothing hidden
     assert all(h == 0.0 for h, _ in comm_exposure(step_timeline(ph, "overlap_stale", False, False)).values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pipeline", "overlap_stale"], "--pipeline overlap_stale trains on one-step-stale embeddings; add --allow-staleness"),
+    (["--pipeline", "semi_sync"], "add --allow-staleness"),
+    (["--allow-staleness", "--planner", "torchrec"], "--allow-staleness applies to --planner sparselift"),
+    (["--allow-staleness", "--measured-guard", "2"], "does not combine with --measured-guard"),
+])
+def test_the_example_refuses_staleness_it_was_not_allowed(argv, message):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "dlrm"))
+    import train
+
+    with pytest.raises(train.UsageError, match=message.replace("-", r"\-")):
+        train.parse_args(argv)
+    assert train.parse_args(["--allow-staleness", "--pipeline", "overlap_stale"]).allow_staleness
