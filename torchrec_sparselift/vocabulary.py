@@ -237,11 +237,11 @@ class CommPrecision:
     all-to-all) and row-wise (reduce-scatter) tables against fp32 (docs/benchmarks.md, "Comm
     precisions on gloo"): fp16 runs both ways (relative error forward 4.5e-4, gradient 2.9e-4);
     TorchRec's codec registry replaces bf16 with fp16 on CPU in both directions (identical results
-    to fp16); bf16 codecs built directly run both ways too (forward 2.6e-3, gradient 2.2e-3: the
+    to fp16); bf16 codecs built directly run both ways too (forward 2.6e-3, gradient 2.5e-3: the
     broken bf16 backward reported in TorchRec #538 does not reproduce), but the runtime installs
     TorchRec's registry; fp8 fails in the all-to-all both ways, and on the reduce-scatter the
-    registry falls back to fp16 while a forced fp8 codec returns wrong values (forward 97%,
-    gradient 63% relative error)."""
+    registry falls back to fp16 while a forced fp8 codec returns wrong values (forward 103%,
+    gradient 71% relative error). ``benchmarks/gloo_comm_precisions.py`` measures it."""
 
     name: str
     bytes: int
