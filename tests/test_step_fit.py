@@ -175,7 +175,7 @@ def probe_pricers():
     base = base_profile("cpu")
     out = []
     for w in probe.PROBE_WORKLOADS:
-        for kind in probe.PLAN_KINDS:
+        for kind in w.kinds():
             plan, cons = forced_plan(probe.probe_model(w), w.tables, kind, topo, w.batch_size, None, base)
             out.append((kind, f"{w.name}/{kind}", PlanPricer(probe.probe_model(w), plan, topo, w.batch_size, cons)))
     return base, out
