@@ -245,9 +245,7 @@ def fit_lookups(
     unit_cold = attrs.evolve(base, cold_row_s=1.0)
     cold = [cold_row_seconds(r.ids, r.rows * r.dim * r.elem_bytes, unit_cold) if r.phase == "fwd_bwd" else 0.0
             for r in lookups]
-    with_cold = any(c > 0 for c in cold)
-
-    def search(with_ids: bool) -> Tuple[float, int, Tuple[float, ...]]:
+    def search(with_ids: bool, with_cold: bool) -> Tuple[float, int, Tuple[float, ...]]:
         best: Optional[Tuple[float, int, Tuple[float, ...]]] = None
         base_result: Optional[Tuple[float, int, Tuple[float, ...]]] = None
         for g in sorted(set(granularities) | {base.row_granularity_bytes}):
@@ -260,7 +258,7 @@ def fit_lookups(
                 if r.phase == "fwd":
                     rows.append([1.0, b, 0.0, n, 0.0, 0.0])
                 else:  # forward + backward: two kernel calls, both pay the overhead
-                    rows.append([2.0, b, b, n, n, cold[len(rows)] if with_ids else 0.0])
+                    rows.append([2.0, b, b, n, n, cold[len(rows)] if with_cold else 0.0])
             keep = [0, 1] + ([2] if "fwd_bwd" in phases else []) + (
                 [3] + ([4] if "fwd_bwd" in phases else []) + ([5] if with_cold else []) if with_ids else [])
             sub = [[row[k] for k in keep] for row in rows]
@@ -279,9 +277,13 @@ def fit_lookups(
             best = base_result
         return best
 
-    best = search(with_ids=True)
+    with_cold = any(c > 0 for c in cold)
+    best = search(with_ids=True, with_cold=with_cold)
+    if best[2][1] <= 0 and with_cold:  # bytes and cold ids not separable in this sweep: no cold term
+        with_cold = False
+        best = search(with_ids=True, with_cold=False)
     if best[2][1] <= 0:  # bytes and ids not separable in this sweep: bytes only
-        best = search(with_ids=False)
+        best = search(with_ids=False, with_cold=False)
     _, g, coef = best
     overhead, per_byte = coef[0], coef[1]
     if per_byte <= 0:
