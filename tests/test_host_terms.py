@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from torchrec_sparselift.cost.hardware import PRESETS
-from torchrec_sparselift.cost.model import BWD, FWD, CostContext, shard_cost, step_time
+from torchrec_sparselift.cost.model import BWD, FWD, K, CostContext, shard_cost, step_time
 from torchrec_sparselift.semantics.graph import candidate_for, shard_nodes
 from torchrec_sparselift.semantics.tables import TableSpec
 
