@@ -24,7 +24,7 @@ from torchrec_sparselift.calibration.step_fit import (
     linearize,
     with_terms,
 )
-from torchrec_sparselift.calibration.store import stored_profile_problems
+from torchrec_sparselift.calibration.store import base_profile, stored_profile_problems, with_base_terms
 from torchrec_sparselift.cost import terms
 from torchrec_sparselift.cost.hardware import PRESETS, HardwareProfile
 from torchrec_sparselift.cost.model import CostContext, shard_cost, step_time
@@ -158,6 +158,12 @@ def test_a_profile_written_before_the_term_loads_with_its_prior_and_is_flagged_f
     info = StepFitInfo(fit={"values": values}, model_version=2)
     assert info.missing_terms() == ["cold_row_s"]
     assert any("cold_row_s" in m for m in stored_profile_problems(info))
+    # hardware="auto" prices with the base profile's value of the term meanwhile (its prior), not 0
+    base = base_profile("cpu")
+    assert base.cold_row_s > 0
+    assert with_base_terms(p, info, base).cold_row_s == base.cold_row_s
+    fitted = StepFitInfo(fit={"values": {**values, "cold_row_s": 0.0}}, model_version=2)
+    assert with_base_terms(p, fitted, base) == p  # a fitted value (even 0) is kept
     with pytest.raises(ValueError, match="lookup_cache_bytes"):
         attrs.evolve(CPU, lookup_cache_bytes=0)
 

@@ -36,6 +36,7 @@ TRUE = {
     "1/dense_mem_bw": 1 / 3e9,
     "bwd_row_s": 0.6e-6,
     "reduce_scatter_factor": 3.0,
+    "cold_row_s": 70e-9,
 }
 # plausible magnitudes of each term's quantity in one step (bytes, calls, features, ...)
 MAGNITUDE = {
@@ -43,7 +44,7 @@ MAGNITUDE = {
     "1/allreduce_bw": 1e6, "1/dense_flops": 2e8, "step_overhead_s": 1, "feature_overhead_s": 20,
     "table_overhead_s": 10, "dp_table_overhead_s": 10, "1/dense_update_bw": 1e7, "bucketize_id_s": 5e4,
     "1/interaction_flops": 5e7, "1/dense_mem_bw": 1e7, "bwd_row_s": 5e3,
-    "reduce_scatter_factor": 2e-3,
+    "reduce_scatter_factor": 2e-3, "cold_row_s": 5e3,
 }
 
 
@@ -96,7 +97,7 @@ def test_fit_profile_recovers_a_piecewise_linear_model():
     truth = with_terms(base, TRUE, CPU_STEP_TERMS)
     rng = np.random.default_rng(3)
     cases = []
-    for i in range(30):
+    for i in range(40):
         ranks = [{k: float(MAGNITUDE[k] * rng.uniform(0, 2)) for k in TRUE} for _ in range(2)]
 
         def predict(p, ranks=ranks):
@@ -297,7 +298,9 @@ def test_a_profile_fitted_before_the_current_terms_is_stale(tmp_path, monkeypatc
     assert _check(tmp_path) == 1
     warned = []
     got, _where = st.auto_profile("cpu", 2, store=store, warn=warned.append)
-    assert got == prof and len(warned) == 1 and "1/dense_mem_bw" in warned[0]
+    # the term the old fit lacks takes the base profile's value (the prior a calibration starts from)
+    assert got == attrs.evolve(prof, dense_mem_bw=st.base_profile("cpu").dense_mem_bw)
+    assert len(warned) == 1 and "1/dense_mem_bw" in warned[0] and "base profile's values" in warned[0]
     assert "torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps" in warned[0]
     store.save(prof, _fp(), info={"fit": {"values": {**old_terms, "1/dense_mem_bw": 1e-9}},
                                   "host_terms": {"bucketize_id_s": 1e-8}, "model_version": STEP_MODEL_VERSION})
