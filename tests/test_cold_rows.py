@@ -181,3 +181,12 @@ def test_fit_terms_takes_the_cold_term_like_any_other():
     fit = fit_terms(recs, {"cold_row_s": 0.0, "1/lookup_bw": 1 / 1e9})
     assert fit.values["cold_row_s"] == pytest.approx(70e-9, rel=1e-3)
     assert fit.values["1/lookup_bw"] == pytest.approx(1 / 4e9, rel=1e-3)
+
+
+def test_the_kernel_fit_leaves_the_cold_row_cost_out_of_gpu_records():
+    truth = attrs.evolve(PRESETS["h100"], cold_row_s=0.0)
+    recs = [LookupRecord(kernel="fbgemm_tbe", device="cuda", phase=ph, rows=rows, dim=dim, batch_size=4096,
+                         pooling=pf, seconds=1.0)
+            for rows in (10_000, 4_000_000) for dim in (64, 128) for pf in (1, 16) for ph in ("fwd", "fwd_bwd")]
+    recs = [attrs.evolve(r, seconds=predict_lookup(truth, r)) for r in recs]
+    assert "cold_row_s" not in fit_lookups(truth, recs)[0]

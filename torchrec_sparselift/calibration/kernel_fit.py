@@ -224,7 +224,7 @@ def fit_lookups(
 ) -> Tuple[Dict[str, float], Dict[str, float]]:
     """Fit ``bw``, ``lookup_overhead_s``, ``bwd_factor``, ``row_granularity_bytes``, the
     width-independent per-id costs ``id_overhead_bytes`` / ``bwd_id_overhead_bytes`` and, where
-    forward + backward records span tables beyond ``base.lookup_cache_bytes``, ``cold_row_s``
+    CPU forward + backward records span tables beyond ``base.lookup_cache_bytes``, ``cold_row_s``
     (per id of a table beyond the cache, :func:`~torchrec_sparselift.cost.terms.cold_row_seconds`;
     as in the cost model it is paid by the forward + backward, not by a forward alone).
 
@@ -277,7 +277,9 @@ def fit_lookups(
             best = base_result
         return best
 
-    with_cold = any(c > 0 for c in cold)
+    # CPU only: a GPU's row gathers are bandwidth-bound at every table size (hbm_bw prices them) and
+    # its cache is not lookup_cache_bytes' per-core L2; GPU profiles keep cold_row_s = 0
+    with_cold = any(c > 0 for c in cold) and all(r.device == "cpu" for r in lookups)
     best = search(with_ids=True, with_cold=with_cold)
     if best[2][1] <= 0 and with_cold:  # bytes and cold ids not separable in this sweep: no cold term
         with_cold = False
