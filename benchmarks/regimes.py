@@ -408,7 +408,8 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
     import torch.distributed as dist
 
     from torchrec_sparselift.calibration.link import correct_link_terms
-    from torchrec_sparselift.calibration.store import ProfileStore, current_fingerprint, stored_profile_problems
+    from torchrec_sparselift.calibration.store import (ProfileStore, current_fingerprint, disturbed_spread,
+                                                        stored_profile_problems)
     from torchrec_sparselift.defaults import ranks_per_host
     from torchrec_sparselift.measure.steps import calibrate_steps
 
@@ -423,9 +424,14 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
         store = ProfileStore(root)
         fp = current_fingerprint("cpu", local, hosts=hosts)
         found, diff = store.lookup(fp)
+        problems = stored_profile_problems(found.step_fit) if found is not None and not diff else []
+        if problems and disturbed_spread(found.step_fit) is not None:
+            # a calibration on a busy machine is kept (and reported): calibrating again on the same
+            # busy machine would only repeat it
+            info["disturbed_calibration_spread"] = disturbed_spread(found.step_fit)
+            problems = problems[:-1]
         why = ("--calibrate" if args.calibrate else "no stored profile" if found is None
-               else f"stored one differs ({'; '.join(diff)})" if diff
-               else "; ".join(stored_profile_problems(found.step_fit)))
+               else f"stored one differs ({'; '.join(diff)})" if diff else "; ".join(problems))
         if why:
             say(f"[regimes] {regime}: calibrating under this link ({why}) into {root}")
             t0 = time.perf_counter()
