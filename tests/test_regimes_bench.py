@@ -131,3 +131,11 @@ def test_merge_recomputes_summaries_in_regime_order():
     assert merged["settings"]["quick"] and merged["regimes"]["R1"]["targets"]
     text = regimes.format_summary(merged)
     assert "R2" in text and "MET" in text and "n/a" in text and "1.500" in text and "MISSED" not in text
+
+
+def test_dp_small_only_where_its_replicas_fit():
+    from real_runs import _workloads
+
+    table = _workloads()
+    assert "dp_small" not in regimes.run_names("R2", "both", tables=table["few_large"][0].tables)
+    assert "dp_small" in regimes.run_names("R2", "both", tables=table["many_small"][0].tables)
