@@ -33,7 +33,8 @@ workload (:data:`WORKLOADS`, shared with ``benchmarks/real_runs.py``) builds the
     (sharding_group_size="auto": does the planner pick 2D?)
 
 Runs that are the same (plan digest, pipeline, precisions, 2D group) are measured once. ``--reps``
-interleaved rounds (order rotated each round); each run shards a fresh model through
+interleaved rounds (order rotated each round); each run shards its model once per workload (kept
+across the rounds; ``--fresh-models``: a fresh model every round, as the calibration's probes) through
 :func:`torchrec_sparselift.runtime.lift` (fused row-wise AdaGrad in backward, dense AdaGrad: the
 optimizers of the step calibration's probes), ranks pinned, pre-built batches, ``--warmup`` untimed
 and ``--steps`` timed steps; a run's time is the slowest rank's median step, a plan's the median
@@ -141,6 +142,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help="interleaved rounds (default 2; --quick 1)")
     p.add_argument("--steps", type=int, help="timed steps per run (default 6; --quick 4)")
     p.add_argument("--warmup", type=int, help="untimed steps per run (default 2; --quick 2)")
+    p.add_argument("--fresh-models", action="store_true", help="shard a fresh model for every run of every round "
+                   "(as the step calibration measures its probes; slower); default: each run's model is sharded "
+                   "once per workload and kept across the rounds")
     p.add_argument("--batches", type=int, default=6, help="distinct pre-built batches per rank (cycled)")
     p.add_argument("--profile-from", choices=["regime", "unshaped", "both"], default="both",
                    help="regime: each regime's own calibrated profile; unshaped: only R1's, link-corrected; both")
@@ -236,6 +240,8 @@ def summarize_workload(rows: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
     lossless = {n: v for n, v in lossless.items() if v is not None}
     best = min(lossless, key=lossless.get) if lossless else None
     sl, slu, lossy = _ms(rows, "sparselift"), _ms(rows, "sparselift_unshaped"), _ms(rows, "sparselift_lossy")
+    if slu is None and (rows.get("sparselift") or {}).get("profile") == "unshaped":
+        slu = sl  # --profile-from unshaped: SparseLift's plan is the unshaped-profile plan
     out: Dict[str, Any] = dict(
         torchrec_best_pipeline=best_pipe, torchrec_best_qcomm=best_q, best_run=best,
         torchrec_over_sparselift=ratio(tr, sl),
@@ -528,12 +534,30 @@ def _lift(w, spec: Mapping[str, Any], device):
                 dense_optimizer_factory=lambda params: torch.optim.Adagrad(params, lr=0.005))
 
 
+class _Cycle:
+    """``batches`` cycled for ever (a kept model's pipeline prefetches from it across rounds)."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self.batches, self.i = batches, 0
+
+    def __iter__(self) -> "_Cycle":
+        return self
+
+    def __next__(self) -> Any:
+        b = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return b
+
+
 def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warmup: int, pg,
-              after_build: Optional[Callable[[Any], None]] = None) -> Tuple[float, List[float]]:
-    """Shard (``build()`` -> Lifted), run ``warmup + steps`` steps on ``batches`` (cycled) with this
-    rank pinned to its cores (as :func:`~torchrec_sparselift.measure.probe.measure_plan` times the
-    calibration's probes); returns the median over the timed steps of the per-step slowest rank
-    (seconds) and every step's loss averaged over ranks."""
+              after_build: Optional[Callable[[Any], None]] = None,
+              kept: Optional[Dict[str, Any]] = None) -> Tuple[float, List[float], float]:
+    """Run ``warmup + steps`` steps on ``batches`` (cycled) with this rank pinned to its cores (as
+    :func:`~torchrec_sparselift.measure.probe.measure_plan` times the calibration's probes) on a
+    model sharded now (``build()`` -> Lifted), or, with ``kept`` (a dict), on the model a previous
+    call kept there (built on the first call); returns the median over the timed steps of the
+    per-step slowest rank (seconds), every step's loss averaged over ranks, and the seconds spent
+    sharding."""
     import torch
     import torch.distributed as dist
 
@@ -541,11 +565,17 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
 
     old = pin_rank_to_core(pg)
     try:
-        lifted = build()
-        if after_build is not None:
-            after_build(lifted)
+        t_build = time.perf_counter()
+        if kept is not None and "lifted" in kept:
+            lifted, it = kept["lifted"], kept["it"]
+        else:
+            lifted, it = build(), _Cycle(batches)
+            if after_build is not None:
+                after_build(lifted)
+            if kept is not None:
+                kept.update(lifted=lifted, it=it)
+        build_s = time.perf_counter() - t_build
         total = warmup + steps
-        it = iter([batches[i % len(batches)] for i in range(total + 2)])
         gc.collect()
         dist.barrier(group=pg)
         durations, losses = [], []
@@ -565,7 +595,7 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
         gc.collect()
     finally:
         restore_affinity(old)
-    return statistics.median([float(x) for x in mx[warmup:]]), [float(x) for x in ls]
+    return statistics.median([float(x) for x in mx[warmup:]]), [float(x) for x in ls], build_s
 
 
 def _settings_of(spec: Mapping[str, Any]) -> Tuple[str, str, str, Optional[int]]:
@@ -656,9 +686,9 @@ def _predict(w, spec: Mapping[str, Any], topo, profiles: Mapping[str, Any], stat
     plan = spec["plan"]
     out: Dict[str, Optional[float]] = {}
     if group is not None and group < topo.world_size:
-        which = "unshaped" if spec["name"] == "sparselift_unshaped" else "regime"
-        for k in profiles:
-            out[k] = plan.prediction.step_time_s * 1e3 if k == which else None
+        which = profiles["unshaped" if spec["name"] == "sparselift_unshaped" else "regime"]
+        for k, prof in profiles.items():
+            out[k] = plan.prediction.step_time_s * 1e3 if prof is which else None
         return out
     given = GivenPlan.of(probe_model(w), getattr(plan, "sharding_plan", plan), topo, w.batch_size, spec["cons"], stats,
                          None)
@@ -693,7 +723,7 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
     out: Dict[str, Any] = dict(steps=steps, workload=w.name)
     try:
         for label, name in (("1d", "sparselift"), ("2d", "sparselift_2d")):
-            _s, losses = timed_run(lambda: _lift(w, specs[name], device), batches, steps, 0, pg, after_build=anchor)
+            _s, losses, _b = timed_run(lambda: _lift(w, specs[name], device), batches, steps, 0, pg, after_build=anchor)
             tail = losses[len(losses) // 2:]
             out[f"loss_{label}"] = statistics.fmean(tail)
             out[f"losses_{label}"] = losses
@@ -737,15 +767,20 @@ def run_workload(args, regime: str, wname: str, profiles, pg, say) -> Dict[str, 
             if s.get("failed"):
                 continue
             try:
-                secs, losses = timed_run(lambda: _lift(w, s, device), batches, args.steps, args.warmup, pg)
+                secs, losses, build_s = timed_run(lambda: _lift(w, s, device), batches, args.steps, args.warmup, pg,
+                                                  kept=None if args.fresh_models else s.setdefault("kept", {}))
                 s["runs"].append(secs)
                 s["losses"] = losses
+                s.setdefault("build_s", []).append(build_s)
             except Exception as e:  # noqa: BLE001 - a precision/pipeline that cannot run here is a result
                 s["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 say(f"[regimes] {w.name}: {s['name']} failed: {s['failed']}")
                 dist.barrier(group=pg)
-        say(f"[regimes] {regime} {w.name} round {r + 1}/{args.reps}: " + ", ".join(
+        say(f"[regimes] {regime} {w.name} round {r + 1}/{args.reps} (sharding {sum(s['build_s'][-1] for s in measured if s.get('build_s')):.0f} s): " + ", ".join(
             f"{s['name']} {s['runs'][-1] * 1e3:.1f}" for s in measured if s["runs"] and not s.get("failed")) + " ms")
+    for s in specs:
+        s.pop("kept", None)  # the kept models go now
+    gc.collect()
     by = {s["name"]: s for s in specs}
     rows: Dict[str, Dict[str, Any]] = {}
     for s in specs:
@@ -755,12 +790,15 @@ def run_workload(args, regime: str, wname: str, profiles, pg, say) -> Dict[str, 
         row = dict(types=_types(s), settings=f"{pipe} {comm}" + (f" 2D:{group}" if group and group < W else ""),
                    same_as=s["same_as"], predicted_ms=s["predicted_ms"], planning_s=s.get("planning_s"),
                    is_2d=s.get("is_2d"))
+        if s["name"].startswith("sparselift"):  # the profile it planned with
+            row["profile"] = ("unshaped" if s["name"] == "sparselift_unshaped"
+                              or profiles["regime"] is profiles.get("unshaped") else "regime")
         if src.get("failed") or not src["runs"]:
             row["failed"] = src.get("failed") or "not measured"
         else:
             row.update(measured_ms=statistics.median(src["runs"]) * 1e3, runs_ms=[x * 1e3 for x in src["runs"]],
                        spread=max(src["runs"]) / min(src["runs"]) - 1.0,
-                       final_loss=src["losses"][-1] if src["losses"] else None)
+                       final_loss=src["losses"][-1] if src["losses"] else None, build_s=src.get("build_s"))
         rows[s["name"]] = row
     res: Dict[str, Any] = dict(regime=regime, workload=wname, tables=len(w.tables), batch_size=w.batch_size, alpha=alpha,
                                rows=rows)
@@ -847,6 +885,8 @@ def job_argv(args, out: str) -> List[str]:
         a += ["--calibration-steps", str(args.calibration_steps)]
     if args.quick:
         a.append("--quick")
+    if args.fresh_models:
+        a.append("--fresh-models")
     if args.calibrate:
         a.append("--calibrate")
     return a
@@ -881,6 +921,7 @@ def driver(args) -> int:
             jobs[regime] = json.load(f)
     settings = dict(regimes=order, workloads=args.workloads, reps=args.reps, steps=args.steps, warmup=args.warmup,
                     batches=args.batches, profile_from=args.profile_from, quick=args.quick,
+                    fresh_models=args.fresh_models,
                     parity_steps=args.parity_steps, calibration_steps=args.calibration_steps, wall_s=time.time() - t0,
                     failed=failed)
     merged = merge_results(jobs, settings)

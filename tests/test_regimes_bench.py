@@ -139,3 +139,10 @@ def test_dp_small_only_where_its_replicas_fit():
     table = _workloads()
     assert "dp_small" not in regimes.run_names("R2", "both", tables=table["few_large"][0].tables)
     assert "dp_small" in regimes.run_names("R2", "both", tables=table["many_small"][0].tables)
+
+
+def test_with_only_the_unshaped_profile_sparselift_is_the_unshaped_run():
+    rows = {"torchrec": _row(150.0), "sparselift": _row(100.0, profile="unshaped")}
+    assert regimes.summarize_workload(rows)["torchrec_over_sparselift_unshaped"] == pytest.approx(1.5)
+    rows["sparselift"]["profile"] = "regime"
+    assert regimes.summarize_workload(rows)["torchrec_over_sparselift_unshaped"] is None
