@@ -357,8 +357,10 @@ def format_workload(res: Mapping[str, Any]) -> str:
     rows = res["rows"]
     lines = [f"\n## {res['regime']} {res['workload']} ({res['tables']} tables, batch {res['batch_size']}/rank)",
              f"{'run':<22}{'plan':<20}{'pipeline/comm':<22}{'ms/step':>9}{'pred reg':>9}{'pred uns':>9}"
-             f"{'vs TR':>7}{'rounds':>7}"]
+             f"{'TR/run':>7}{'TRbp/run':>9}{'rounds':>7}"]
     tr = _ms(rows, "torchrec")
+    bp = res["ratios"].get("torchrec_best_pipeline")
+    trb = _ms(rows, "torchrec" if bp in (None, TORCHREC_DEFAULT_PIPELINE) else f"torchrec_{bp}")
     for name, r in rows.items():
         if r.get("failed"):
             lines.append(f"{name:<22}failed: {r['failed'][:90]}")
@@ -366,7 +368,8 @@ def format_workload(res: Mapping[str, Any]) -> str:
         pr = r.get("predicted_ms") or {}
         lines.append(f"{name:<22}{r['types'][:19]:<20}{r['settings'][:21]:<22}{r['measured_ms']:>9.1f}"
                      f"{_f(pr.get('regime'), '{:.1f}'):>9}{_f(pr.get('unshaped'), '{:.1f}'):>9}"
-                     f"{_f(tr / r['measured_ms'] if tr else None, '{:.2f}'):>7}{len(r['runs_ms']):>7}"
+                     f"{_f(tr / r['measured_ms'] if tr else None, '{:.2f}'):>7}"
+                     f"{_f(trb / r['measured_ms'] if trb else None, '{:.2f}'):>9}{len(r['runs_ms']):>7}"
                      + (f"  = {r['same_as']}" if r.get("same_as") else ""))
     x = res["ratios"]
     lines.append(f"TorchRec/SparseLift {_f(x['torchrec_over_sparselift'])}x; TorchRec best pipeline "

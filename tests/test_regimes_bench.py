@@ -146,3 +146,12 @@ def test_with_only_the_unshaped_profile_sparselift_is_the_unshaped_run():
     assert regimes.summarize_workload(rows)["torchrec_over_sparselift_unshaped"] == pytest.approx(1.5)
     rows["sparselift"]["profile"] = "regime"
     assert regimes.summarize_workload(rows)["torchrec_over_sparselift_unshaped"] is None
+
+
+def test_workload_table_shows_ratios_to_torchrec_default_and_best_pipeline():
+    rows = {"torchrec": _row(200.0, types="tax4", settings="sparse_dist fp32/fp32"),
+            "torchrec_base": _row(100.0, types="tax4", settings="base fp32/fp32"),
+            "sparselift": _row(50.0, types="tax4", settings="overlap fp32/fp32")}
+    res = dict(regime="R2", workload="w", tables=4, batch_size=8, rows=rows, ratios=regimes.summarize_workload(rows))
+    line = [ln for ln in regimes.format_workload(res).splitlines() if ln.startswith("sparselift")][0]
+    assert "4.00" in line and "2.00" in line
