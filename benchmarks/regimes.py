@@ -463,7 +463,7 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
                                   fit_mape=fit.mape)
         else:
             prof = found.profile
-            info["regime"] = dict(source=found.path, store=root, fit_mape=getattr(found.step_fit, "mape", None))
+            info["regime"] = dict(source=found.path, store=root, fit_mape=((found.info or {}).get("fit") or {}).get("mape"))
         profiles["regime"] = prof
         if regime == UNSHAPED:
             profiles["unshaped"] = prof
