@@ -396,7 +396,8 @@ def format_summary(merged: Mapping[str, Any]) -> str:
     for name, job in merged["regimes"].items():
         s = job["summary"]
         pct = lambda v: _f(v * 100 if v is not None else None, "{:.1f}%")  # noqa: E731
-        lines.append(f"{name:<8}{_f(s['geo_torchrec_over_sparselift']):>8}{_f(s['geo_torchrec_best_pipeline_over_sparselift']):>10}"
+        lines.append(f"{name:<8}{_f(s['geo_torchrec_over_sparselift']):>8}"
+                     f"{_f(s['geo_torchrec_best_pipeline_over_sparselift']):>10}"
                      f"{_f(s['geo_sparselift_over_best']):>9}{_f(s['geo_torchrec_over_sparselift_unshaped']):>8}"
                      f"{_f(s['geo_torchrec_best_pipeline_over_sparselift_unshaped']):>11}"
                      f"{_f(s['geo_sparselift_unshaped_over_best']):>9}{_f(s['geo_torchrec_qcomm_over_lossy']):>10}"
@@ -779,7 +780,8 @@ def run_workload(args, regime: str, wname: str, profiles, pg, say) -> Dict[str, 
                 s["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 say(f"[regimes] {w.name}: {s['name']} failed: {s['failed']}")
                 dist.barrier(group=pg)
-        say(f"[regimes] {regime} {w.name} round {r + 1}/{args.reps} (sharding {sum(s['build_s'][-1] for s in measured if s.get('build_s')):.0f} s): " + ", ".join(
+        sharding = sum(s["build_s"][-1] for s in measured if s.get("build_s"))
+        say(f"[regimes] {regime} {w.name} round {r + 1}/{args.reps} (sharding {sharding:.0f} s): " + ", ".join(
             f"{s['name']} {s['runs'][-1] * 1e3:.1f}" for s in measured if s["runs"] and not s.get("failed")) + " ms")
     for s in specs:
         s.pop("kept", None)  # the kept models go now
