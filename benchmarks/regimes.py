@@ -106,10 +106,18 @@ TORCHREC_PIPELINES = ("base", "sparse_dist", "fused", "prefetch")
 #: qcomm precisions set by hand on TorchRec's plan (forward = backward).
 QCOMM_PRECISIONS = ("fp16", "bf16")
 FORCED_KINDS = ("table_wise", "dp_small", "row_wise")
-#: What TorchRec runs for a qcomm precision on CPU/gloo: 1.8's ``get_qcomm_codecs_registry`` falls back
-#: from bf16 to fp16 there, forward and backward ("BF16 ... not supported on GLOO - falling back to
-#: FP16"), so a bf16 run on gloo is the fp16 run and is measured once.
-GLOO_PRECISION = {"bf16": "fp16"}
+
+
+def on_gloo(precision: str) -> str:
+    """The precision TorchRec runs for ``precision`` on CPU/gloo
+    (:data:`~torchrec_sparselift.vocabulary.COMM_PRECISION_REGISTRY`'s ``gloo_runs_as``: 1.8's codec
+    registry replaces bf16 by fp16 there in both directions), so a bf16 run on gloo is the fp16
+    run and is measured once."""
+    from torchrec_sparselift.vocabulary import comm_precision
+
+    return comm_precision(precision).gloo_runs_as or precision
+
+
 #: Runs that train with lossy communication (not "best plan measured" candidates).
 LOSSY_RUNS = ("torchrec_fp16", "torchrec_bf16", "sparselift_lossy")
 
@@ -674,7 +682,7 @@ def _run_key(spec: Mapping[str, Any]) -> str:
 
     plan = spec["plan"]
     pipe, fwd, bwd, group = _settings_of(spec)
-    fwd, bwd = GLOO_PRECISION.get(fwd, fwd), GLOO_PRECISION.get(bwd, bwd)
+    fwd, bwd = on_gloo(fwd), on_gloo(bwd)
     sync = getattr(getattr(plan, "optimizations", None), "sync_interval", None) if group else None
     return f"{sharding_plan_digest(getattr(plan, 'sharding_plan', plan))}|{pipe}|{fwd}|{bwd}|{group}|{sync}"
 
@@ -791,7 +799,7 @@ def run_workload(args, regime: str, wname: str, profiles, pg, say) -> Dict[str, 
     for s in specs:
         src = by[s["same_as"]] if s["same_as"] else s
         pipe, fwd, bwd, group = _settings_of(s)
-        comm = "/".join(p if p not in GLOO_PRECISION else f"{p}>{GLOO_PRECISION[p]}" for p in (fwd, bwd))
+        comm = "/".join(p if on_gloo(p) == p else f"{p}>{on_gloo(p)}" for p in (fwd, bwd))
         row = dict(types=_types(s), settings=f"{pipe} {comm}" + (f" 2D:{group}" if group and group < W else ""),
                    same_as=s["same_as"], predicted_ms=s["predicted_ms"], planning_s=s.get("planning_s"),
                    is_2d=s.get("is_2d"))

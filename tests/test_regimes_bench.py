@@ -155,3 +155,7 @@ def test_workload_table_shows_ratios_to_torchrec_default_and_best_pipeline():
     res = dict(regime="R2", workload="w", tables=4, batch_size=8, rows=rows, ratios=regimes.summarize_workload(rows))
     line = [ln for ln in regimes.format_workload(res).splitlines() if ln.startswith("sparselift")][0]
     assert "4.00" in line and "2.00" in line
+
+
+def test_bf16_on_gloo_is_measured_as_the_fp16_run():
+    assert regimes.on_gloo("bf16") == "fp16" and regimes.on_gloo("fp16") == "fp16" and regimes.on_gloo("fp32") == "fp32"

@@ -25,6 +25,7 @@ __all__ = [
     "COMM_PRECISION",
     "SOLVER",
     "LAYOUT_2D",
+    "STRATEGY_2D",
     "ranks_per_host",
 ]
 
@@ -51,6 +52,8 @@ COMM_PRECISION = "fp32"
 SOLVER = "auto"
 #: 2D rank layout.
 LAYOUT_2D = "auto"
+#: 2D strategy (``vocabulary.STRATEGY_2D_CHOICES``): "auto" prices every strategy the device runs.
+STRATEGY_2D = "auto"
 
 
 def ranks_per_host(topology: Any = None, *, world_size: Optional[int] = None,
