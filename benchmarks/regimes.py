@@ -1,0 +1,957 @@
+"""SparseLift vs TorchRec over four network regimes: real runs on emulated hosts, one command.
+
+    python benchmarks/regimes.py --out runs/regimes.json                  # all four regimes (needs root)
+    python benchmarks/regimes.py --quick --regimes R1,R2 --out runs/q.json   # smoke version (~5 min)
+
+Regimes (:data:`REGIMES`; each one torchrun job on the emulated-host testbed,
+:mod:`torchrec_sparselift.measure.testbed`, docs/testbed.md):
+
+    R1  compute-bound: 1 host x 2 ranks, unshaped loopback
+    R2  2 one-rank hosts sharing one 1 Gbit/s link
+    R3  the same at 300 Mbit/s
+    R4  2 hosts x 2 ranks, 1 Gbit/s per host link (2D vs 1D here)
+
+The driver (this script without ``--job``) runs, per regime,
+``python -m torchrec_sparselift.measure.testbed <topology> -- benchmarks/regimes.py --job --regime R ...``
+(the testbed tears its namespaces down on exit, failure or Ctrl-C), then merges the jobs' JSON into
+``--out`` and prints the summary against the targets of issue 26 (:data:`TARGETS`).
+
+The job (one rank of one regime): measures the link the job sees
+(:func:`torchrec_sparselift.measure.link.measure_link_rates`), gets its profiles (below), then per
+workload (:data:`WORKLOADS`, shared with ``benchmarks/real_runs.py``) builds these runs:
+
+    torchrec            TorchRec's plan (EmbeddingShardingPlanner), its default pipeline sparse_dist
+    torchrec_<p>        the same plan with TorchRec's other exact pipelines base, fused, prefetch
+                        ("TorchRec's best pipeline" = the fastest measured of the four)
+    torchrec_fp16/bf16  the same plan, sparse_dist, fp16 / bf16 qcomm set by hand (a precision whose
+                        run fails on gloo is reported as failed and left out)
+    sparselift          SparseLiftPlanner (lossless, unguarded) with the regime's profile
+    sparselift_unshaped the same with only the unshaped box's profile, link-corrected (--profile-from both)
+    sparselift_lossy    SparseLiftPlanner(allow_lossy_comm=True)
+    table_wise, dp_small, row_wise   forced alternatives (sparse_dist, fp32)
+    R4 only: sparselift_2d (sharding_group_size=2, the default sync interval) and sparselift_auto
+    (sharding_group_size="auto": does the planner pick 2D?)
+
+Runs that are the same (plan digest, pipeline, precisions, 2D group) are measured once. ``--reps``
+interleaved rounds (order rotated each round); each run shards its model once per workload (kept
+across the rounds; ``--fresh-models``: a fresh model every round, as the calibration's probes) through
+:func:`torchrec_sparselift.runtime.lift` (fused row-wise AdaGrad in backward, dense AdaGrad: the
+optimizers of the step calibration's probes), ranks pinned, pre-built batches, ``--warmup`` untimed
+and ``--steps`` timed steps; a run's time is the slowest rank's median step, a plan's the median
+over rounds. Every run is priced by SparseLift's cost model (its plan, pipeline and precisions)
+under each profile; MAPE and Spearman per regime over the distinct runs.
+
+Profiles (``--profile-from``): ``regime`` calibrates under each regime's own link (step calibration
+on the probe workloads, none of the evaluated ones; stored in ``--store``/<regime>, reused while
+the stored one is current; ``--calibrate`` forces); ``unshaped`` uses in every regime only the
+profile calibrated in R1 (the unshaped box, ``--store``/unshaped), its link terms corrected to the
+link measured in the job (``calibration.link.correct_link_terms``, what ``hardware="auto"`` with
+``collective_plan(link=...)`` does); ``both`` (default) plans and prices with both.
+
+On R4 it also trains 1D (SparseLift's plan) and 2D (``sharding_group_size=2``, default sync
+interval) from the same initial weights on the same batches with a planted signal, and reports
+the loss of each (``--parity-steps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+for _p in (_ROOT, _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from real_runs import BATCH_SEED, WORKLOADS, geomean, paired_ratio  # noqa: E402
+
+__all__ = ["REGIMES", "TARGETS", "parse_args", "merge_results", "summarize_workload", "summarize_regime",
+           "check_targets", "format_summary", "main"]
+
+
+# ---------------------------------------------------------------------------------------------
+# regimes, runs and targets (pure)
+# ---------------------------------------------------------------------------------------------
+
+#: name -> (testbed topology as keyword arguments, kind, one line). ``kind``: "compute" or "network".
+REGIMES: Dict[str, Dict[str, Any]] = {
+    "R1": dict(hosts=1, ranks_per_host=2, rate=None, shared=False, kind="compute",
+               doc="compute-bound: 1 host x 2 ranks, unshaped"),
+    "R2": dict(hosts=2, ranks_per_host=1, rate="1gbit", shared=True, kind="network",
+               doc="2 ranks sharing one 1 Gbit/s link"),
+    "R3": dict(hosts=2, ranks_per_host=1, rate="300mbit", shared=True, kind="network",
+               doc="2 ranks sharing one 300 Mbit/s link"),
+    "R4": dict(hosts=2, ranks_per_host=2, rate="1gbit", shared=False, kind="network",
+               doc="2 hosts x 2 ranks, 1 Gbit/s per host link"),
+}
+#: --quick's workloads: two small shapes (many small tables; a few large ones).
+QUICK_WORKLOADS = ("many_small", "few_large")
+#: The regime whose profile is "the unshaped box's" (``--profile-from unshaped``).
+UNSHAPED = "R1"
+
+#: TorchRec's exact pipelines that run on CPU; "default" is the one TorchRec's examples train with.
+TORCHREC_DEFAULT_PIPELINE = "sparse_dist"
+TORCHREC_PIPELINES = ("base", "sparse_dist", "fused", "prefetch")
+#: qcomm precisions set by hand on TorchRec's plan (forward = backward).
+QCOMM_PRECISIONS = ("fp16", "bf16")
+FORCED_KINDS = ("table_wise", "dp_small", "row_wise")
+
+
+def on_gloo(precision: str) -> str:
+    """The precision TorchRec runs for ``precision`` on CPU/gloo
+    (:data:`~torchrec_sparselift.vocabulary.COMM_PRECISION_REGISTRY`'s ``gloo_runs_as``: 1.8's codec
+    registry replaces bf16 by fp16 there in both directions), so a bf16 run on gloo is the fp16
+    run and is measured once."""
+    from torchrec_sparselift.vocabulary import comm_precision
+
+    return comm_precision(precision).gloo_runs_as or precision
+
+
+#: Runs that train with lossy communication (not "best plan measured" candidates).
+LOSSY_RUNS = ("torchrec_fp16", "torchrec_bf16", "sparselift_lossy")
+
+#: Issue 26's targets: (key in a regime summary, comparison, bound, which regimes, text).
+TARGETS: Tuple[Tuple[str, str, float, str, str], ...] = (
+    ("geo_torchrec_over_sparselift", ">=", 1.3, "network", "SparseLift lossless >= 1.3x TorchRec default (geomean)"),
+    ("geo_torchrec_best_pipeline_over_sparselift", ">=", 1.1, "network",
+     "SparseLift lossless >= 1.1x TorchRec best pipeline (geomean)"),
+    ("geo_sparselift_over_best", "<=", 1.05, "network", "SparseLift lossless within 5% of the best plan measured (geomean)"),
+    ("geo_torchrec_over_sparselift_unshaped", ">=", 1.3, "network", "same with the unshaped-only profile: >= 1.3x default"),
+    ("geo_torchrec_best_pipeline_over_sparselift_unshaped", ">=", 1.1, "network",
+     "same with the unshaped-only profile: >= 1.1x best pipeline"),
+    ("geo_sparselift_unshaped_over_best", "<=", 1.05, "network", "same with the unshaped-only profile: within 5% of best"),
+    ("geo_torchrec_qcomm_over_lossy", ">=", 1.0, "all", "SparseLift lossy >= TorchRec with qcomm by hand (geomean)"),
+    ("min_torchrec_over_sparselift", ">=", 0.98, "compute", "compute-bound: SparseLift >= 0.98x TorchRec on every workload"),
+    ("mape_regime", "<=", 0.15, "all", "prediction MAPE <= 15% (regime profile)"),
+    ("mape_unshaped", "<=", 0.15, "all", "prediction MAPE <= 15% (unshaped profile, link-corrected)"),
+    ("two_d_decisions_right", "==", 1.0, "R4", "planner picks 2D exactly when 2D measures faster (share of workloads)"),
+    ("two_d_loss_gap", "<=", 0.0005, "R4", "2D loss - 1D loss <= 0.0005 (loss parity, docs/benchmarks.md section 11)"),
+)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line of the driver and of the job (``--job``); ``error`` exits 2 naming the flag."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated subset of {','.join(REGIMES)}")
+    p.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="smoke version (~5 min for R1,R2): 2 workloads, 1 round, "
+                   "2+4 steps, no prefetch run, a short calibration")
+    p.add_argument("--reps", type=int, help="interleaved rounds (default 2; --quick 1)")
+    p.add_argument("--steps", type=int, help="timed steps per run (default 6; --quick 4)")
+    p.add_argument("--warmup", type=int, help="untimed steps per run (default 2; --quick 2)")
+    p.add_argument("--fresh-models", action="store_true", help="shard a fresh model for every run of every round "
+                   "(as the step calibration measures its probes; slower); default: each run's model is sharded "
+                   "once per workload and kept across the rounds")
+    p.add_argument("--batches", type=int, default=6, help="distinct pre-built batches per rank (cycled)")
+    p.add_argument("--profile-from", choices=["regime", "unshaped", "both"], default="both",
+                   help="regime: each regime's own calibrated profile; unshaped: only R1's, link-corrected; both")
+    p.add_argument("--store", default=os.path.join(os.path.expanduser("~"), ".cache", "torchrec_sparselift", "regimes"),
+                   help="profile stores, one folder per regime (calibrated when missing or out of date)")
+    p.add_argument("--calibrate", action="store_true", help="calibrate again even where a current profile is stored")
+    p.add_argument("--calibration-steps", type=int, help="timed steps per probe plan of a calibration "
+                   "(default 10; --quick 6)")
+    p.add_argument("--parity-steps", type=int, help="R4: 1D and 2D training steps for the loss comparison "
+                   "(default 80; --quick 20)")
+    p.add_argument("--out", default="runs/regimes.json", help="merged JSON (driver) or this regime's JSON (--job)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per regime before its job is killed")
+    p.add_argument("--job", action="store_true", help="run as one rank of one regime's torchrun job (the driver does)")
+    p.add_argument("--regime", help="with --job: which regime this job is")
+    args = p.parse_args(argv)
+    args.regimes = [r for r in args.regimes.split(",") if r]
+    bad = [r for r in args.regimes if r not in REGIMES]
+    if bad or not args.regimes:
+        p.error(f"--regimes: unknown {bad or 'none given'}; choose from {','.join(REGIMES)}")
+    if args.workloads:
+        args.workloads = [w for w in args.workloads.split(",") if w]
+        bad = [w for w in args.workloads if w not in WORKLOADS]
+        if bad or not args.workloads:
+            p.error(f"--workloads: unknown {bad or 'none given'}; choose from {','.join(WORKLOADS)}")
+    else:
+        args.workloads = list(QUICK_WORKLOADS if args.quick else WORKLOADS)
+    q = args.quick
+    args.reps = args.reps if args.reps is not None else (1 if q else 2)
+    args.steps = args.steps if args.steps is not None else (4 if q else 6)
+    args.warmup = args.warmup if args.warmup is not None else 2
+    args.parity_steps = args.parity_steps if args.parity_steps is not None else (20 if q else 80)
+    args.calibration_steps = args.calibration_steps if args.calibration_steps is not None else (6 if q else 10)
+    for name in ("reps", "steps", "batches", "parity_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.job and args.regime not in REGIMES:
+        p.error(f"--job needs --regime, one of {','.join(REGIMES)}")
+    if (not args.job and args.profile_from != "regime" and UNSHAPED not in args.regimes
+            and not os.path.isdir(os.path.join(args.store, "unshaped"))):
+        p.error(f"--profile-from {args.profile_from} needs the unshaped box's profile: include {UNSHAPED} in --regimes "
+                f"(it calibrates into {os.path.join(args.store, 'unshaped')}) or use --profile-from regime")
+    return args
+
+
+def dp_small_fits(tables: Sequence[Any]) -> bool:
+    """Whether the forced ``dp_small`` plan (the smaller half of the tables data-parallel) keeps its
+    replicas (weights + grad + state, fp32) within ``real_runs.DP_MAX_BYTES``, as real_runs offers
+    data-parallel plans (few_large's 100k-150k-row replicas measured 2.5 s steps on R2: a run that
+    only costs time)."""
+    from real_runs import DP_MAX_BYTES
+
+    small = sorted(tables, key=lambda t: (t.rows, t.name))[: len(tables) // 2]
+    return sum(t.rows * t.dim * 4 * 3 for t in small) <= DP_MAX_BYTES
+
+
+def run_names(regime: str, profile_from: str, quick: bool = False, tables: Optional[Sequence[Any]] = None) -> List[str]:
+    """The runs of one workload in ``regime``, in measuring order (before de-duplication);
+    ``tables``: the workload's (``dp_small`` only where :func:`dp_small_fits`)."""
+    names = ["torchrec"] + [f"torchrec_{p}" for p in TORCHREC_PIPELINES if p != TORCHREC_DEFAULT_PIPELINE
+                            and not (quick and p == "prefetch")]
+    names += [f"torchrec_{q}" for q in QCOMM_PRECISIONS]
+    names += ["sparselift"]
+    if profile_from == "both" and regime != UNSHAPED:
+        names.append("sparselift_unshaped")
+    names += ["sparselift_lossy"] + [k for k in FORCED_KINDS if k != "dp_small" or tables is None or dp_small_fits(tables)]
+    if REGIMES[regime]["hosts"] > 1 and REGIMES[regime]["ranks_per_host"] > 1:
+        names += ["sparselift_2d", "sparselift_auto"]
+    return names
+
+
+def _ms(rows: Mapping[str, Mapping[str, Any]], name: str) -> Optional[float]:
+    row = rows.get(name)
+    return None if row is None or row.get("failed") else float(row["measured_ms"])
+
+
+def summarize_workload(rows: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
+    """Ratios of one workload from its rows (run name -> ``measured_ms``, ``failed``, ...):
+    TorchRec default / best pipeline / qcomm over SparseLift's runs, SparseLift over the best
+    lossless run, and the 2D decision (R4). A ratio whose runs are missing is None."""
+    def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+        return a / b if a is not None and b is not None and b > 0 else None
+
+    tr = _ms(rows, "torchrec")
+    pipes = {p: _ms(rows, "torchrec" if p == TORCHREC_DEFAULT_PIPELINE else f"torchrec_{p}") for p in TORCHREC_PIPELINES}
+    pipes = {p: v for p, v in pipes.items() if v is not None}
+    best_pipe = min(pipes, key=pipes.get) if pipes else None
+    qcomm = {q: _ms(rows, f"torchrec_{q}") for q in QCOMM_PRECISIONS}
+    qcomm = {q: v for q, v in qcomm.items() if v is not None}
+    best_q = min(qcomm, key=qcomm.get) if qcomm else None
+    lossless = {n: _ms(rows, n) for n in rows if n not in LOSSY_RUNS}
+    lossless = {n: v for n, v in lossless.items() if v is not None}
+    best = min(lossless, key=lossless.get) if lossless else None
+    sl, slu, lossy = _ms(rows, "sparselift"), _ms(rows, "sparselift_unshaped"), _ms(rows, "sparselift_lossy")
+    if slu is None and (rows.get("sparselift") or {}).get("profile") == "unshaped":
+        slu = sl  # --profile-from unshaped: SparseLift's plan is the unshaped-profile plan
+    out: Dict[str, Any] = dict(
+        torchrec_best_pipeline=best_pipe, torchrec_best_qcomm=best_q, best_run=best,
+        torchrec_over_sparselift=ratio(tr, sl),
+        torchrec_best_pipeline_over_sparselift=ratio(pipes.get(best_pipe), sl),
+        sparselift_over_best=ratio(sl, lossless.get(best)),
+        torchrec_over_sparselift_unshaped=ratio(tr, slu),
+        torchrec_best_pipeline_over_sparselift_unshaped=ratio(pipes.get(best_pipe), slu),
+        sparselift_unshaped_over_best=ratio(slu, lossless.get(best)),
+        torchrec_qcomm_over_lossy=ratio(qcomm.get(best_q), lossy),
+        torchrec_over_lossy=ratio(tr, lossy),
+    )
+    if "sparselift_2d" in rows:
+        one, two = sl, _ms(rows, "sparselift_2d")
+        auto = rows.get("sparselift_auto") or {}
+        out["two_d_faster"] = None if one is None or two is None else two < one
+        out["two_d_over_one_d"] = ratio(two, one)
+        out["planner_picked_2d"] = auto.get("is_2d")
+        out["two_d_decision_right"] = (None if out["two_d_faster"] is None or out["planner_picked_2d"] is None
+                                       else out["two_d_faster"] == out["planner_picked_2d"])
+    return out
+
+
+def _geo(values: Sequence[Optional[float]]) -> Optional[float]:
+    xs = [v for v in values if v is not None and v > 0]
+    return geomean(xs) if xs else None
+
+
+def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """A regime's summary from its workload results (each with ``ratios`` = :func:`summarize_workload`,
+    and ``rows`` holding ``measured_ms``, ``predicted_ms`` (profile -> ms), ``same_as``):
+    geomeans and worst cases of the ratios, MAPE and mean Spearman per profile, 2D decisions and
+    loss parity."""
+    from torchrec_sparselift.cost.report import mape, spearman
+
+    out: Dict[str, Any] = dict(regime=regime, kind=REGIMES[regime]["kind"], workloads=len(workloads))
+    keys = ["torchrec_over_sparselift", "torchrec_best_pipeline_over_sparselift", "sparselift_over_best",
+            "torchrec_over_sparselift_unshaped", "torchrec_best_pipeline_over_sparselift_unshaped",
+            "sparselift_unshaped_over_best", "torchrec_qcomm_over_lossy", "torchrec_over_lossy"]
+    for k in keys:
+        vals = [w["ratios"].get(k) for w in workloads]
+        out[f"geo_{k}"] = _geo(vals)
+        have = [v for v in vals if v is not None]
+        out[f"min_{k}"] = min(have) if have else None
+        out[f"max_{k}"] = max(have) if have else None
+    for prof in ("regime", "unshaped"):
+        pred, meas, sps = [], [], []
+        for w in workloads:
+            p_w, m_w = [], []
+            for row in w["rows"].values():
+                if row.get("same_as") or row.get("failed"):
+                    continue
+                p = (row.get("predicted_ms") or {}).get(prof)
+                if p is None:
+                    continue
+                p_w.append(p)
+                m_w.append(row["measured_ms"])
+            pred += p_w
+            meas += m_w
+            if len(p_w) >= 2:
+                s = spearman(p_w, m_w)
+                if not math.isnan(s):
+                    sps.append(s)
+        out[f"mape_{prof}"] = mape(pred, meas) if meas else None
+        out[f"spearman_{prof}"] = statistics.fmean(sps) if sps else None
+        out[f"plans_priced_{prof}"] = len(meas)
+    decisions = [w["ratios"].get("two_d_decision_right") for w in workloads if "two_d_decision_right" in w["ratios"]]
+    decisions = [d for d in decisions if d is not None]
+    out["two_d_decisions_right"] = (sum(decisions) / len(decisions)) if decisions else None
+    gaps = [w["parity"]["loss_gap"] for w in workloads if (w.get("parity") or {}).get("loss_gap") is not None]
+    out["two_d_loss_gap"] = max(gaps) if gaps else None
+    return out
+
+
+def _applies(scope: str, regime: str, kind: str) -> bool:
+    return scope == "all" or scope == kind or scope == regime
+
+
+def check_targets(summary: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    """Each target of :data:`TARGETS` that applies to the regime of ``summary``: the value, whether
+    it is met (None when the benchmark has no value for it, e.g. a run left out)."""
+    out = []
+    for key, op, bound, scope, text in TARGETS:
+        if not _applies(scope, summary["regime"], summary["kind"]):
+            continue
+        v = summary.get(key)
+        met = None
+        if v is not None:
+            met = {">=": v >= bound, "<=": v <= bound, "==": abs(v - bound) < 1e-9}[op]
+        out.append(dict(key=key, target=f"{op} {bound:g}", value=v, met=met, text=text))
+    return out
+
+
+def merge_results(jobs: Mapping[str, Mapping[str, Any]], settings: Mapping[str, Any]) -> Dict[str, Any]:
+    """The driver's JSON: every regime's job result, its summary (recomputed from the rows, so a
+    merged file and its parts agree) and its targets; regimes in :data:`REGIMES` order."""
+    regimes = {}
+    for name in REGIMES:
+        if name not in jobs:
+            continue
+        job = dict(jobs[name])
+        summary = summarize_regime(name, job.get("workloads", []))
+        job["summary"] = summary
+        job["targets"] = check_targets(summary)
+        regimes[name] = job
+    return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), settings=dict(settings), regimes=regimes)
+
+
+def _f(v: Optional[float], fmt: str = "{:.3f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def format_workload(res: Mapping[str, Any]) -> str:
+    rows = res["rows"]
+    lines = [f"\n## {res['regime']} {res['workload']} ({res['tables']} tables, batch {res['batch_size']}/rank)",
+             f"{'run':<22}{'plan':<20}{'pipeline/comm':<22}{'ms/step':>9}{'pred reg':>9}{'pred uns':>9}"
+             f"{'TR/run':>7}{'TRbp/run':>9}{'rounds':>7}"]
+    tr = _ms(rows, "torchrec")
+    bp = res["ratios"].get("torchrec_best_pipeline")
+    trb = _ms(rows, "torchrec" if bp in (None, TORCHREC_DEFAULT_PIPELINE) else f"torchrec_{bp}")
+    for name, r in rows.items():
+        if r.get("failed"):
+            lines.append(f"{name:<22}failed: {r['failed'][:90]}")
+            continue
+        pr = r.get("predicted_ms") or {}
+        lines.append(f"{name:<22}{r['types'][:19]:<20}{r['settings'][:21]:<22}{r['measured_ms']:>9.1f}"
+                     f"{_f(pr.get('regime'), '{:.1f}'):>9}{_f(pr.get('unshaped'), '{:.1f}'):>9}"
+                     f"{_f(tr / r['measured_ms'] if tr else None, '{:.2f}'):>7}"
+                     f"{_f(trb / r['measured_ms'] if trb else None, '{:.2f}'):>9}{len(r['runs_ms']):>7}"
+                     + (f"  = {r['same_as']}" if r.get("same_as") else ""))
+    x = res["ratios"]
+    lines.append(f"TorchRec/SparseLift {_f(x['torchrec_over_sparselift'])}x; TorchRec best pipeline "
+                 f"({x['torchrec_best_pipeline']})/SparseLift {_f(x['torchrec_best_pipeline_over_sparselift'])}x; "
+                 f"SparseLift/best ({x['best_run']}) {_f(x['sparselift_over_best'])}; unshaped-profile SparseLift: "
+                 f"{_f(x['torchrec_over_sparselift_unshaped'])}x, /best {_f(x['sparselift_unshaped_over_best'])}; "
+                 f"TorchRec qcomm ({x['torchrec_best_qcomm']})/lossy {_f(x['torchrec_qcomm_over_lossy'])}x")
+    if "two_d_faster" in x:
+        lines.append(f"2D/1D {_f(x.get('two_d_over_one_d'))}; planner picked 2D: {x.get('planner_picked_2d')}; "
+                     f"decision right: {x.get('two_d_decision_right')}")
+    if res.get("parity"):
+        p = res["parity"]
+        lines.append(f"loss parity ({p.get('steps')} steps): " + (
+            f"1D {p['loss_1d']:.5f}, 2D {p['loss_2d']:.5f}, gap {p['loss_gap']:+.5f}" if p.get("loss_gap") is not None
+            else f"not measured: {p.get('error')}"))
+    return "\n".join(lines)
+
+
+def format_summary(merged: Mapping[str, Any]) -> str:
+    """The regimes side by side, then every target with its value and whether it is met."""
+    lines = ["\n# Summary (ratios > 1: SparseLift faster; geomean over workloads)",
+             f"{'regime':<8}{'TR/SL':>8}{'TRbest/SL':>10}{'SL/best':>9}{'TR/SLu':>8}{'TRbest/SLu':>11}{'SLu/best':>9}"
+             f"{'TRq/lossy':>10}{'min TR/SL':>10}{'MAPE reg':>9}{'MAPE uns':>9}{'rho reg':>8}{'rho uns':>8}"]
+    for name, job in merged["regimes"].items():
+        s = job["summary"]
+        pct = lambda v: _f(v * 100 if v is not None else None, "{:.1f}%")  # noqa: E731
+        lines.append(f"{name:<8}{_f(s['geo_torchrec_over_sparselift']):>8}"
+                     f"{_f(s['geo_torchrec_best_pipeline_over_sparselift']):>10}"
+                     f"{_f(s['geo_sparselift_over_best']):>9}{_f(s['geo_torchrec_over_sparselift_unshaped']):>8}"
+                     f"{_f(s['geo_torchrec_best_pipeline_over_sparselift_unshaped']):>11}"
+                     f"{_f(s['geo_sparselift_unshaped_over_best']):>9}{_f(s['geo_torchrec_qcomm_over_lossy']):>10}"
+                     f"{_f(s['min_torchrec_over_sparselift']):>10}{pct(s['mape_regime']):>9}{pct(s['mape_unshaped']):>9}"
+                     f"{_f(s['spearman_regime'], '{:.2f}'):>8}{_f(s['spearman_unshaped'], '{:.2f}'):>8}")
+    lines.append("\n# Targets (issue 26)")
+    for name, job in merged["regimes"].items():
+        for t in job["targets"]:
+            mark = "n/a" if t["met"] is None else ("MET" if t["met"] else "MISSED")
+            lines.append(f"{name:<4}{mark:<8}{_f(t['value'], '{:.4f}'):>9} (target {t['target']})  {t['text']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# the job: one rank of one regime
+# ---------------------------------------------------------------------------------------------
+
+
+def _topology(world: int, local: int):
+    from torchrec.distributed.planner import Topology
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Topology(world_size=world, local_world_size=local, compute_device="cpu")
+
+
+def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``({"regime": profile, "unshaped": profile}, info)`` as ``--profile-from`` asks; calibrates
+    into the regime's store where its profile is missing or out of date."""
+    import torch.distributed as dist
+
+    from torchrec_sparselift.calibration.link import correct_link_terms
+    from torchrec_sparselift.calibration.store import (ProfileStore, current_fingerprint, disturbed_spread,
+                                                        stored_profile_problems)
+    from torchrec_sparselift.defaults import ranks_per_host
+    from torchrec_sparselift.measure.steps import calibrate_steps
+
+    W = dist.get_world_size(pg)
+    local = ranks_per_host(world_size=W)
+    hosts = W // local
+    profiles: Dict[str, Any] = {}
+    info: Dict[str, Any] = {}
+    want_regime = args.profile_from in ("regime", "both") or regime == UNSHAPED
+    if want_regime:
+        root = os.path.join(args.store, "unshaped" if regime == UNSHAPED else regime)
+        store = ProfileStore(root)
+        fp = current_fingerprint("cpu", local, hosts=hosts)
+        found, diff = store.lookup(fp)
+        problems = stored_profile_problems(found.step_fit) if found is not None and not diff else []
+        if problems and disturbed_spread(found.step_fit) is not None:
+            # a calibration on a busy machine is kept (and reported): calibrating again on the same
+            # busy machine would only repeat it
+            info["disturbed_calibration_spread"] = disturbed_spread(found.step_fit)
+            problems = problems[:-1]
+        why = ("--calibrate" if args.calibrate else "no stored profile" if found is None
+               else f"stored one differs ({'; '.join(diff)})" if diff else "; ".join(problems))
+        if why:
+            say(f"[regimes] {regime}: calibrating under this link ({why}) into {root}")
+            t0 = time.perf_counter()
+            prof, fit, _r, _f2 = calibrate_steps(pg, "cpu", progress=dist.get_rank(pg) == 0, store=store, link=link,
+                                                 steps=args.calibration_steps,
+                                                 warmup=2 if args.calibration_steps else None)
+            info["regime"] = dict(source=f"calibrated now in {time.perf_counter() - t0:.0f} s", store=root,
+                                  fit_mape=fit.mape)
+        else:
+            prof = found.profile
+            info["regime"] = dict(source=found.path, store=root, fit_mape=((found.info or {}).get("fit") or {}).get("mape"))
+        profiles["regime"] = prof
+        if regime == UNSHAPED:
+            profiles["unshaped"] = prof
+            info["unshaped"] = dict(info["regime"], note="this regime is the unshaped box")
+    if args.profile_from in ("unshaped", "both") and regime != UNSHAPED:
+        root = os.path.join(args.store, "unshaped")
+        store = ProfileStore(root)
+        fp = current_fingerprint("cpu", REGIMES[UNSHAPED]["ranks_per_host"], hosts=1)
+        found, diff = store.lookup(fp)
+        if found is None or diff:
+            raise SystemExit(f"[regimes] --profile-from {args.profile_from}: no profile of the unshaped box in {root}"
+                             + (f" (closest differs: {'; '.join(diff)})" if diff else "")
+                             + f"; run regime {UNSHAPED} first (it calibrates there) or use --profile-from regime")
+        stored_link = found.link
+        if stored_link is None or link is None:
+            raise SystemExit(f"[regimes] the unshaped profile {found.path} or this job has no link record: "
+                             f"recalibrate {UNSHAPED} with --calibrate")
+        corr = correct_link_terms(found.profile, stored_link, link)
+        profiles["unshaped"] = corr.profile
+        info["unshaped"] = dict(source=found.path, store=root, corrected=corr.differs,
+                                changed=[list(c) for c in corr.changed], differences=list(corr.differences))
+        say(f"[regimes] {regime}: unshaped profile {found.path}" + (f", link-corrected: {corr.describe(found.path)}"
+                                                                   if corr.differs else " (link within spread)"))
+    if "regime" not in profiles:
+        profiles["regime"] = profiles["unshaped"]  # --profile-from unshaped: the only profile
+        info["regime"] = dict(info["unshaped"], note="--profile-from unshaped: the regime profile is the unshaped one")
+    return profiles, info
+
+
+def signal_batches(w, n: int, seed: int, rank: int, alpha: float) -> List[Any]:
+    """:func:`~torchrec_sparselift.measure.probe.prebuilt_batches` with labels from a planted
+    signal (each id of each table has a hidden effect; a sample's logit is -1 plus the sum over
+    features of the mean effect of its ids), so a loss comparison measures learning."""
+    import numpy as np
+    import torch
+    from torchrec.datasets.utils import Batch
+
+    from torchrec_sparselift.measure.probe import prebuilt_batches
+
+    effects = {t.name: np.random.default_rng([seed, 77, i]).normal(0.0, 1.0, t.rows) for i, t in enumerate(w.tables)}
+    table_of = {f: t.name for t in w.tables for f in t.features}
+    rng = np.random.default_rng([seed, rank, 78])
+    out = []
+    for b in prebuilt_batches(w, n, seed=seed, rank=rank, alpha=alpha):
+        kjt = b.sparse_features
+        logit = np.full(w.batch_size, -1.0)
+        for key in kjt.keys():
+            jt = kjt[key]
+            ids, lens = jt.values().numpy(), jt.lengths().numpy()
+            starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+            sums = np.add.reduceat(effects[table_of[key]][ids], starts)
+            logit += sums / np.maximum(lens, 1)
+        labels = (rng.random(w.batch_size) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+        out.append(Batch(dense_features=b.dense_features, sparse_features=kjt, labels=torch.from_numpy(labels)))
+    return out
+
+
+def _lift(w, spec: Mapping[str, Any], device):
+    """A fresh model of ``w`` sharded per ``spec`` (``plan``: a ShardingPlan or an execution plan;
+    ``pipeline``/``fwd``/``bwd``: overrides) through :func:`torchrec_sparselift.runtime.lift`."""
+    import torch
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from torchrec_sparselift.measure.probe import probe_model
+    from torchrec_sparselift.runtime import lift
+
+    torch.manual_seed(0)
+    return lift(probe_model(w), spec["plan"], device=device, pipeline=spec.get("pipeline"),
+                fwd_comm_precision=spec.get("fwd"), bwd_comm_precision=spec.get("bwd"),
+                embedding_optimizer=(RowWiseAdagrad, {"lr": 0.05}),
+                dense_optimizer_factory=lambda params: torch.optim.Adagrad(params, lr=0.005))
+
+
+class _Cycle:
+    """``batches`` cycled for ever (a kept model's pipeline prefetches from it across rounds)."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self.batches, self.i = batches, 0
+
+    def __iter__(self) -> "_Cycle":
+        return self
+
+    def __next__(self) -> Any:
+        b = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return b
+
+
+def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warmup: int, pg,
+              after_build: Optional[Callable[[Any], None]] = None,
+              kept: Optional[Dict[str, Any]] = None) -> Tuple[float, List[float], float]:
+    """Run ``warmup + steps`` steps on ``batches`` (cycled) with this rank pinned to its cores (as
+    :func:`~torchrec_sparselift.measure.probe.measure_plan` times the calibration's probes) on a
+    model sharded now (``build()`` -> Lifted), or, with ``kept`` (a dict), on the model a previous
+    call kept there (built on the first call); returns the median over the timed steps of the
+    per-step slowest rank (seconds), every step's loss averaged over ranks, and the seconds spent
+    sharding."""
+    import torch
+    import torch.distributed as dist
+
+    from torchrec_sparselift.measure.probe import pin_rank_to_core, restore_affinity
+
+    old = pin_rank_to_core(pg)
+    try:
+        t_build = time.perf_counter()
+        if kept is not None and "lifted" in kept:
+            lifted, it = kept["lifted"], kept["it"]
+        else:
+            lifted, it = build(), _Cycle(batches)
+            if after_build is not None:
+                after_build(lifted)
+            if kept is not None:
+                kept.update(lifted=lifted, it=it)
+        build_s = time.perf_counter() - t_build
+        total = warmup + steps
+        gc.collect()
+        dist.barrier(group=pg)
+        durations, losses = [], []
+        for _ in range(total):
+            t0 = time.perf_counter()
+            out = lifted.pipeline.progress(it)
+            durations.append(time.perf_counter() - t0)
+            loss = out[0] if isinstance(out, tuple) else out
+            losses.append(float(loss.detach().float().mean()))
+        t = torch.tensor([durations, losses], dtype=torch.float64)
+        mx = t[0].clone()
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=pg)
+        ls = t[1].clone()
+        dist.all_reduce(ls, op=dist.ReduceOp.SUM, group=pg)
+        ls /= dist.get_world_size(pg)
+        del lifted, it
+        gc.collect()
+    finally:
+        restore_affinity(old)
+    return statistics.median([float(x) for x in mx[warmup:]]), [float(x) for x in ls], build_s
+
+
+def _settings_of(spec: Mapping[str, Any]) -> Tuple[str, str, str, Optional[int]]:
+    """(pipeline, fwd, bwd, 2D group) a run applies: its overrides over its execution plan's choice."""
+    opt = getattr(spec["plan"], "optimizations", None)
+    pipe = spec.get("pipeline") or getattr(opt, "pipeline", TORCHREC_DEFAULT_PIPELINE)
+    fwd = spec.get("fwd") or getattr(opt, "fwd_comm_precision", "fp32")
+    bwd = spec.get("bwd") or getattr(opt, "bwd_comm_precision", "fp32")
+    return pipe, fwd, bwd, getattr(opt, "sharding_group_size", None)
+
+
+def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], stats, pg, say) -> List[Dict[str, Any]]:
+    """One spec per run name: its plan (ShardingPlan or execution plan), overrides and constraints."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.measure.probe import probe_model
+    from torchrec_sparselift.measure.steps import forced_plan
+    from torchrec_sparselift.planner import SparseLiftPlanner
+
+    pooling = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
+               for t in w.tables}
+    specs: List[Dict[str, Any]] = []
+    tr_plan = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling).collective_plan(
+        probe_model(w), get_default_sharders(), pg)
+
+    def sl(**kw):
+        t0 = time.perf_counter()
+        ep = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling, workload=stats,
+                               debug=False, **kw).collective_plan_execution(probe_model(w), get_default_sharders(), pg)
+        return ep, time.perf_counter() - t0
+
+    for name in names:
+        spec: Dict[str, Any] = dict(name=name, cons=pooling)
+        if name == "torchrec":
+            spec.update(plan=tr_plan, pipeline=TORCHREC_DEFAULT_PIPELINE)
+        elif name.startswith("torchrec_") and name[9:] in TORCHREC_PIPELINES:
+            spec.update(plan=tr_plan, pipeline=name[9:])
+        elif name.startswith("torchrec_") and name[9:] in QCOMM_PRECISIONS:
+            spec.update(plan=tr_plan, pipeline=TORCHREC_DEFAULT_PIPELINE, fwd=name[9:], bwd=name[9:])
+        elif name in FORCED_KINDS:
+            plan, cons = forced_plan(probe_model(w), w.tables, name, topo, w.batch_size, pg, profiles["regime"],
+                                     stats=stats)
+            spec.update(plan=plan, cons=cons, pipeline=TORCHREC_DEFAULT_PIPELINE)
+        else:
+            kw: Dict[str, Any] = dict(hardware=profiles["unshaped" if name == "sparselift_unshaped" else "regime"])
+            if name == "sparselift_lossy":
+                kw["allow_lossy_comm"] = True
+            elif name == "sparselift_2d":
+                kw["sharding_group_size"] = topo.local_world_size
+            elif name == "sparselift_auto":
+                kw["sharding_group_size"] = "auto"
+            ep, secs = sl(**kw)
+            spec.update(plan=ep, planning_s=secs)
+            group = ep.optimizations.sharding_group_size
+            spec["is_2d"] = group is not None and group < topo.world_size
+            say(f"[regimes] {w.name}: {name} planned in {secs:.1f} s: {ep.summary()}")
+        specs.append(spec)
+    return specs
+
+
+def _types(spec: Mapping[str, Any]) -> str:
+    from real_runs import _types as plan_types
+
+    plan = spec["plan"]
+    return plan_types(getattr(plan, "sharding_plan", plan))
+
+
+def _run_key(spec: Mapping[str, Any]) -> str:
+    from torchrec_sparselift.plan import sharding_plan_digest
+
+    plan = spec["plan"]
+    pipe, fwd, bwd, group = _settings_of(spec)
+    fwd, bwd = on_gloo(fwd), on_gloo(bwd)
+    sync = getattr(getattr(plan, "optimizations", None), "sync_interval", None) if group else None
+    return f"{sharding_plan_digest(getattr(plan, 'sharding_plan', plan))}|{pipe}|{fwd}|{bwd}|{group}|{sync}"
+
+
+def _predict(w, spec: Mapping[str, Any], topo, profiles: Mapping[str, Any], stats) -> Dict[str, Optional[float]]:
+    """Predicted ms of a run under each profile: SparseLift's cost model of its plan, pipeline and
+    precisions. A 2D plan (group-local) takes its execution plan's own prediction, under the
+    profile it was planned with."""
+    from torchrec_sparselift.measure.probe import probe_model
+    from torchrec_sparselift.plan.evaluate import GivenPlan
+
+    pipe, fwd, bwd, group = _settings_of(spec)
+    plan = spec["plan"]
+    out: Dict[str, Optional[float]] = {}
+    if group is not None and group < topo.world_size:
+        which = profiles["unshaped" if spec["name"] == "sparselift_unshaped" else "regime"]
+        for k, prof in profiles.items():
+            out[k] = plan.prediction.step_time_s * 1e3 if prof is which else None
+        return out
+    given = GivenPlan.of(probe_model(w), getattr(plan, "sharding_plan", plan), topo, w.batch_size, spec["cons"], stats,
+                         None)
+    for k, prof in profiles.items():
+        out[k] = float(given.step_time(prof, pipe, fwd, bwd).total_s) * 1e3
+    return out
+
+
+def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int, pg, device, say) -> Dict[str, Any]:
+    """R4: 1D (SparseLift's plan) and 2D (``sparselift_2d``) trained from the same initial weights
+    on the same batches with a planted signal; the mean loss over the last half of the steps."""
+    import torch
+    import torch.distributed as dist
+
+    from parity_2d import load_state
+    from torchrec_sparselift.measure.probe import probe_model
+
+    rank = dist.get_rank(pg)
+    batches = signal_batches(w, steps, seed=BATCH_SEED + 100, rank=rank, alpha=alpha)
+    g = torch.Generator().manual_seed(4242)
+    torch.manual_seed(0)
+    ref = probe_model(w)
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items() if not v.is_meta}
+    for t in w.tables:
+        state[f"embedding_bags.{t.name}.weight"] = (torch.rand(t.rows, t.dim, generator=g) * 2 - 1) * 0.05
+
+    def anchor(lifted) -> None:
+        load_state(lifted.model, state)
+        if hasattr(lifted.model, "install_replica_sync"):  # re-anchor the replica sync on the loaded weights
+            lifted.model.install_replica_sync(None, lifted.settings.sync_interval or 1)
+
+    out: Dict[str, Any] = dict(steps=steps, workload=w.name)
+    try:
+        for label, name in (("1d", "sparselift"), ("2d", "sparselift_2d")):
+            _s, losses, _b = timed_run(lambda: _lift(w, specs[name], device), batches, steps, 0, pg, after_build=anchor)
+            tail = losses[len(losses) // 2:]
+            out[f"loss_{label}"] = statistics.fmean(tail)
+            out[f"losses_{label}"] = losses
+        out["sync_interval"] = getattr(specs["sparselift_2d"]["plan"].optimizations, "sync_interval", None)
+        out["loss_gap"] = out["loss_2d"] - out["loss_1d"]
+        say(f"[regimes] {w.name}: loss parity over {steps} steps (mean of the last half): 1D {out['loss_1d']:.5f}, "
+            f"2D (sync every {out['sync_interval']}) {out['loss_2d']:.5f}, gap {out['loss_gap']:+.5f}")
+    except Exception as e:  # noqa: BLE001 - reported, the timing results stand
+        out["error"] = f"{type(e).__name__}: {e}"
+        say(f"[regimes] {w.name}: loss parity not measured: {out['error']}")
+    return out
+
+
+def run_workload(args, regime: str, wname: str, profiles, pg, say) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from real_runs import _workloads
+    from torchrec_sparselift.defaults import ranks_per_host
+    from torchrec_sparselift.measure.probe import prebuilt_batches, probe_stats
+
+    w, alpha = _workloads()[wname]
+    W = dist.get_world_size(pg)
+    topo = _topology(W, ranks_per_host(world_size=W))
+    device = torch.device("cpu")
+    stats = probe_stats(w, alpha, n=args.batches, seed=BATCH_SEED)
+    names = run_names(regime, args.profile_from, args.quick, w.tables)
+    specs = _build_specs(w, names, topo, profiles, stats, pg, say)
+    batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=dist.get_rank(pg), alpha=alpha)
+    owner: Dict[str, str] = {}
+    for s in specs:
+        s["key"] = _run_key(s)
+        s["same_as"] = owner.setdefault(s["key"], s["name"])
+        s["same_as"] = None if s["same_as"] == s["name"] else s["same_as"]
+        s["runs"], s["losses"] = [], None
+        s["predicted_ms"] = _predict(w, s, topo, profiles, stats)
+    measured = [s for s in specs if s["same_as"] is None]
+    for r in range(args.reps):
+        k = r % len(measured)
+        for s in measured[k:] + measured[:k]:
+            if s.get("failed"):
+                continue
+            try:
+                secs, losses, build_s = timed_run(lambda: _lift(w, s, device), batches, args.steps, args.warmup, pg,
+                                                  kept=None if args.fresh_models else s.setdefault("kept", {}))
+                s["runs"].append(secs)
+                s["losses"] = losses
+                s.setdefault("build_s", []).append(build_s)
+            except Exception as e:  # noqa: BLE001 - a precision/pipeline that cannot run here is a result
+                s["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                say(f"[regimes] {w.name}: {s['name']} failed: {s['failed']}")
+                dist.barrier(group=pg)
+        sharding = sum(s["build_s"][-1] for s in measured if s.get("build_s"))
+        say(f"[regimes] {regime} {w.name} round {r + 1}/{args.reps} (sharding {sharding:.0f} s): " + ", ".join(
+            f"{s['name']} {s['runs'][-1] * 1e3:.1f}" for s in measured if s["runs"] and not s.get("failed")) + " ms")
+    for s in specs:
+        s.pop("kept", None)  # the kept models go now
+    gc.collect()
+    by = {s["name"]: s for s in specs}
+    rows: Dict[str, Dict[str, Any]] = {}
+    for s in specs:
+        src = by[s["same_as"]] if s["same_as"] else s
+        pipe, fwd, bwd, group = _settings_of(s)
+        comm = "/".join(p if on_gloo(p) == p else f"{p}>{on_gloo(p)}" for p in (fwd, bwd))
+        row = dict(types=_types(s), settings=f"{pipe} {comm}" + (f" 2D:{group}" if group and group < W else ""),
+                   same_as=s["same_as"], predicted_ms=s["predicted_ms"], planning_s=s.get("planning_s"),
+                   is_2d=s.get("is_2d"))
+        if s["name"].startswith("sparselift"):  # the profile it planned with
+            row["profile"] = ("unshaped" if s["name"] == "sparselift_unshaped"
+                              or profiles["regime"] is profiles.get("unshaped") else "regime")
+        if src.get("failed") or not src["runs"]:
+            row["failed"] = src.get("failed") or "not measured"
+        else:
+            row.update(measured_ms=statistics.median(src["runs"]) * 1e3, runs_ms=[x * 1e3 for x in src["runs"]],
+                       spread=max(src["runs"]) / min(src["runs"]) - 1.0,
+                       final_loss=src["losses"][-1] if src["losses"] else None, build_s=src.get("build_s"))
+        rows[s["name"]] = row
+    res: Dict[str, Any] = dict(regime=regime, workload=wname, tables=len(w.tables), batch_size=w.batch_size, alpha=alpha,
+                               rows=rows)
+    # paired (same round) TorchRec default / SparseLift, as real_runs reports it
+    a, b = rows.get("torchrec", {}), rows.get("sparselift", {})
+    if a.get("runs_ms") and b.get("runs_ms"):
+        res["torchrec_over_sparselift_paired"] = paired_ratio(a["runs_ms"], b["runs_ms"])
+    if "sparselift_2d" in by and not by["sparselift_2d"].get("failed"):
+        res["parity"] = _parity(w, alpha, by, args.parity_steps, pg, device, say)
+    res["ratios"] = summarize_workload(rows)
+    gc.collect()
+    return res
+
+
+def job(args) -> int:
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    logging.getLogger().setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="gloo")
+    pg = dist.group.WORLD
+    rank = dist.get_rank()
+    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+    regime = args.regime
+    t_start = time.time()
+    try:
+        from torchrec_sparselift.measure.link import measure_link_rates
+
+        link = measure_link_rates()  # every rank, before any pinning (as the calibration measures it)
+        say(f"[regimes] {regime} ({REGIMES[regime]['doc']}): {dist.get_world_size()} ranks; link {link.describe()}")
+        profiles, pinfo = _profiles(args, regime, link, pg, say)
+        say(f"[regimes] {regime}: profiles " + ", ".join(f"{k}={v.name}" for k, v in profiles.items()))
+        results = []
+        for wname in args.workloads:
+            res = run_workload(args, regime, wname, profiles, pg, say)
+            results.append(res)
+            say(format_workload(res))
+        summary = summarize_regime(regime, results)
+        if rank == 0:
+            out = dict(regime=regime, topology=REGIMES[regime], started=time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                        time.gmtime(t_start)),
+                       wall_s=time.time() - t_start, link=link.to_dict(), profiles={k: v.to_dict() for k, v in profiles.items()},
+                       profile_info=pinfo, load_end=os.getloadavg()[0], workloads=results, summary=summary,
+                       targets=check_targets(summary))
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(out, f, indent=1, default=str)
+            os.replace(args.out + ".tmp", args.out)
+            say(f"[regimes] {regime}: wrote {args.out} ({out['wall_s']:.0f} s)")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver: one testbed job per regime
+# ---------------------------------------------------------------------------------------------
+
+
+def testbed_command(regime: str, job_argv: Sequence[str], timeout_s: float) -> List[str]:
+    """The command that runs ``job_argv`` (this script's job flags) as ``regime``'s torchrun job on
+    the emulated-host testbed."""
+    r = REGIMES[regime]
+    cmd = [sys.executable, "-m", "torchrec_sparselift.measure.testbed", "--hosts", str(r["hosts"]),
+           "--ranks-per-host", str(r["ranks_per_host"]), "--timeout", str(int(timeout_s))]
+    if r["rate"]:
+        cmd += ["--rate", r["rate"]]
+    if r["shared"]:
+        cmd.append("--shared")
+    return cmd + ["--", os.path.abspath(__file__), "--job", "--regime", regime, *job_argv]
+
+
+def job_argv(args, out: str) -> List[str]:
+    """The job's flags: the driver's settings, resolved (so every regime runs the same ones)."""
+    a = ["--workloads", ",".join(args.workloads), "--reps", str(args.reps), "--steps", str(args.steps),
+         "--warmup", str(args.warmup), "--batches", str(args.batches), "--profile-from", args.profile_from,
+         "--store", os.path.abspath(args.store), "--parity-steps", str(args.parity_steps), "--out", out]
+    if args.calibration_steps:
+        a += ["--calibration-steps", str(args.calibration_steps)]
+    if args.quick:
+        a.append("--quick")
+    if args.fresh_models:
+        a.append("--fresh-models")
+    if args.calibrate:
+        a.append("--calibrate")
+    return a
+
+
+def driver(args) -> int:
+    out_dir = os.path.abspath(os.path.splitext(args.out)[0] + "_jobs")
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    order = [r for r in REGIMES if r in args.regimes]  # R1 first: the unshaped profile the others may use
+    jobs: Dict[str, Any] = {}
+    failed: Dict[str, str] = {}
+    t0 = time.time()
+    for regime in order:
+        path = os.path.join(out_dir, f"{regime}.json")
+        if os.path.exists(path):
+            os.remove(path)
+        cmd = testbed_command(regime, job_argv(args, path), args.timeout)
+        print(f"[regimes] {regime}: {REGIMES[regime]['doc']}\n  $ {' '.join(cmd)}", flush=True)
+        proc = subprocess.Popen(cmd, env=env, cwd=_ROOT)
+        try:
+            code = proc.wait()
+        except BaseException:
+            proc.send_signal(signal.SIGTERM)  # the testbed tears its namespaces down
+            proc.wait(timeout=60)
+            raise
+        if code != 0 or not os.path.exists(path):
+            failed[regime] = f"exit {code}"
+            print(f"[regimes] {regime}: job failed ({failed[regime]}); continuing", flush=True)
+            continue
+        with open(path, encoding="utf-8") as f:
+            jobs[regime] = json.load(f)
+    settings = dict(regimes=order, workloads=args.workloads, reps=args.reps, steps=args.steps, warmup=args.warmup,
+                    batches=args.batches, profile_from=args.profile_from, quick=args.quick,
+                    fresh_models=args.fresh_models,
+                    parity_steps=args.parity_steps, calibration_steps=args.calibration_steps, wall_s=time.time() - t0,
+                    failed=failed)
+    merged = merge_results(jobs, settings)
+    print(format_summary(merged), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(merged, f, indent=1, default=str)
+    print(f"[regimes] wrote {args.out} ({time.time() - t0:.0f} s)", flush=True)
+    return 1 if failed else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    return job(args) if args.job else driver(args)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,0 +1,161 @@
+"""Pure parts of benchmarks/regimes.py: its command line, the runs per regime, ratios, geomeans,
+the targets and the merge of the regimes' JSON. No real runs."""
+
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import regimes  # noqa: E402
+
+
+def _row(ms, pred=None, **kw):
+    return dict(measured_ms=ms, runs_ms=[ms], predicted_ms=pred or {"regime": ms, "unshaped": ms}, **kw)
+
+
+def _workload(rows, **extra):
+    return dict(rows=rows, ratios=regimes.summarize_workload(rows), **extra)
+
+
+def test_defaults_run_every_regime_and_workload(tmp_path):
+    a = regimes.parse_args(["--store", str(tmp_path)])
+    assert a.regimes == ["R1", "R2", "R3", "R4"] and a.workloads == list(regimes.WORKLOADS)
+    assert (a.reps, a.steps, a.warmup, a.profile_from) == (2, 6, 2, "both")
+    q = regimes.parse_args(["--quick", "--regimes", "R1,R2", "--store", str(tmp_path)])
+    assert q.quick and q.reps == 1 and q.workloads == list(regimes.QUICK_WORKLOADS) and q.regimes == ["R1", "R2"]
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--regimes", "R5"], "--regimes"),
+    (["--workloads", "dcnv2,nope"], "--workloads"),
+    (["--reps", "0"], "--reps"),
+    (["--job"], "--regime"),
+])
+def test_bad_arguments_name_the_flag(argv, word, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        regimes.parse_args(argv + ["--store", str(tmp_path)])
+    assert e.value.code == 2 and word in capsys.readouterr().err
+
+
+def test_unshaped_profile_without_r1_or_a_stored_one_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        regimes.parse_args(["--regimes", "R2", "--store", str(tmp_path / "empty")])
+    assert "include R1" in capsys.readouterr().err
+    assert regimes.parse_args(["--regimes", "R2", "--profile-from", "regime", "--store", str(tmp_path)]).regimes == ["R2"]
+
+
+def test_runs_per_regime():
+    r1 = regimes.run_names("R1", "both")
+    assert "sparselift_unshaped" not in r1 and "sparselift_2d" not in r1  # R1 is the unshaped box
+    r2 = regimes.run_names("R2", "both")
+    assert {"torchrec", "torchrec_base", "torchrec_fused", "torchrec_prefetch", "torchrec_fp16", "torchrec_bf16",
+            "sparselift", "sparselift_unshaped", "sparselift_lossy", "table_wise", "dp_small", "row_wise"} == set(r2)
+    assert "sparselift_unshaped" not in regimes.run_names("R2", "regime")
+    assert {"sparselift_2d", "sparselift_auto"} <= set(regimes.run_names("R4", "both"))
+    assert "torchrec_prefetch" not in regimes.run_names("R2", "both", quick=True)
+
+
+def test_testbed_command_shapes_each_regime():
+    r2 = regimes.testbed_command("R2", ["--x"], 60)
+    assert r2[1:3] == ["-m", "torchrec_sparselift.measure.testbed"]
+    assert r2[r2.index("--rate") + 1] == "1gbit" and "--shared" in r2 and r2[-4:] == ["--job", "--regime", "R2", "--x"]
+    r4 = regimes.testbed_command("R4", [], 60)
+    assert r4[r4.index("--ranks-per-host") + 1] == "2" and "--shared" not in r4
+    assert "--rate" not in regimes.testbed_command("R1", [], 60)
+
+
+def test_ratios_of_one_workload():
+    rows = {
+        "torchrec": _row(200.0), "torchrec_base": _row(180.0), "torchrec_fused": _row(190.0),
+        "torchrec_fp16": _row(150.0), "torchrec_bf16": dict(failed="RuntimeError: no"),
+        "sparselift": _row(120.0), "sparselift_unshaped": _row(160.0), "sparselift_lossy": _row(100.0),
+        "table_wise": _row(115.0),
+    }
+    x = regimes.summarize_workload(rows)
+    assert x["torchrec_over_sparselift"] == pytest.approx(200 / 120)
+    assert x["torchrec_best_pipeline"] == "base" and x["torchrec_best_pipeline_over_sparselift"] == pytest.approx(1.5)
+    # the best plan is the fastest lossless run: lossy runs are not candidates
+    assert x["best_run"] == "table_wise" and x["sparselift_over_best"] == pytest.approx(120 / 115)
+    assert x["torchrec_best_qcomm"] == "fp16" and x["torchrec_qcomm_over_lossy"] == pytest.approx(1.5)
+    assert x["sparselift_unshaped_over_best"] == pytest.approx(160 / 115)
+    assert "two_d_faster" not in x
+
+
+def test_two_d_decision_is_right_when_the_pick_matches_the_measurement():
+    base = {"torchrec": _row(100.0), "sparselift": _row(100.0)}
+    faster = regimes.summarize_workload({**base, "sparselift_2d": _row(80.0), "sparselift_auto": _row(80.0, is_2d=True)})
+    assert faster["two_d_faster"] and faster["two_d_decision_right"]
+    wrong = regimes.summarize_workload({**base, "sparselift_2d": _row(80.0), "sparselift_auto": _row(100.0, is_2d=False)})
+    assert wrong["two_d_decision_right"] is False
+
+
+def test_regime_summary_geomeans_mape_and_targets():
+    w1 = _workload({"torchrec": _row(200.0), "sparselift": _row(100.0, {"regime": 110.0, "unshaped": 90.0}),
+                    "table_wise": _row(100.0, same_as="sparselift")})
+    w2 = _workload({"torchrec": _row(100.0), "sparselift": _row(125.0, {"regime": 100.0, "unshaped": 125.0})})
+    s = regimes.summarize_regime("R2", [w1, w2])
+    assert s["geo_torchrec_over_sparselift"] == pytest.approx(math.sqrt(2.0 * 0.8))
+    assert s["min_torchrec_over_sparselift"] == pytest.approx(0.8)
+    # a run measured as another (same_as) is priced once
+    assert s["plans_priced_regime"] == 4 and s["mape_regime"] == pytest.approx((0 + 0.1 + 0 + 0.2) / 4)
+    assert s["mape_unshaped"] == pytest.approx(0.1 / 4)
+    t = {x["key"]: x for x in regimes.check_targets(s)}
+    assert t["geo_torchrec_over_sparselift"]["met"] is False and t["mape_regime"]["met"] is True
+    assert "min_torchrec_over_sparselift" not in t and "two_d_loss_gap" not in t  # compute-bound / R4 only
+    assert t["geo_torchrec_qcomm_over_lossy"]["met"] is None  # no lossy runs: no value, not a pass
+
+
+def test_compute_bound_targets_every_workload():
+    s = regimes.summarize_regime("R1", [_workload({"torchrec": _row(100.0), "sparselift": _row(101.0)})])
+    t = {x["key"]: x for x in regimes.check_targets(s)}
+    assert t["min_torchrec_over_sparselift"]["met"] is True and "geo_torchrec_over_sparselift" not in t
+
+
+def test_r4_targets_two_d_decisions_and_loss_parity():
+    rows = {"torchrec": _row(100.0), "sparselift": _row(100.0), "sparselift_2d": _row(90.0),
+            "sparselift_auto": _row(90.0, is_2d=True)}
+    s = regimes.summarize_regime("R4", [_workload(rows, parity=dict(loss_gap=0.001))])
+    t = {x["key"]: x for x in regimes.check_targets(s)}
+    assert t["two_d_decisions_right"]["met"] is True and t["two_d_loss_gap"]["met"] is False
+
+
+def test_merge_recomputes_summaries_in_regime_order():
+    job = dict(regime="R2", workloads=[_workload({"torchrec": _row(150.0), "sparselift": _row(100.0)})])
+    r1 = dict(regime="R1", workloads=[_workload({"torchrec": _row(100.0), "sparselift": _row(100.0)})])
+    merged = regimes.merge_results({"R2": job, "R1": r1}, dict(quick=True))
+    assert list(merged["regimes"]) == ["R1", "R2"]
+    assert merged["regimes"]["R2"]["summary"]["geo_torchrec_over_sparselift"] == pytest.approx(1.5)
+    assert merged["settings"]["quick"] and merged["regimes"]["R1"]["targets"]
+    text = regimes.format_summary(merged)
+    assert "R2" in text and "MET" in text and "n/a" in text and "1.500" in text and "MISSED" not in text
+
+
+def test_dp_small_only_where_its_replicas_fit():
+    from real_runs import _workloads
+
+    table = _workloads()
+    assert "dp_small" not in regimes.run_names("R2", "both", tables=table["few_large"][0].tables)
+    assert "dp_small" in regimes.run_names("R2", "both", tables=table["many_small"][0].tables)
+
+
+def test_with_only_the_unshaped_profile_sparselift_is_the_unshaped_run():
+    rows = {"torchrec": _row(150.0), "sparselift": _row(100.0, profile="unshaped")}
+    assert regimes.summarize_workload(rows)["torchrec_over_sparselift_unshaped"] == pytest.approx(1.5)
+    rows["sparselift"]["profile"] = "regime"
+    assert regimes.summarize_workload(rows)["torchrec_over_sparselift_unshaped"] is None
+
+
+def test_workload_table_shows_ratios_to_torchrec_default_and_best_pipeline():
+    rows = {"torchrec": _row(200.0, types="tax4", settings="sparse_dist fp32/fp32"),
+            "torchrec_base": _row(100.0, types="tax4", settings="base fp32/fp32"),
+            "sparselift": _row(50.0, types="tax4", settings="overlap fp32/fp32")}
+    res = dict(regime="R2", workload="w", tables=4, batch_size=8, rows=rows, ratios=regimes.summarize_workload(rows))
+    line = [ln for ln in regimes.format_workload(res).splitlines() if ln.startswith("sparselift")][0]
+    assert "4.00" in line and "2.00" in line
+
+
+def test_bf16_on_gloo_is_measured_as_the_fp16_run():
+    assert regimes.on_gloo("bf16") == "fp16" and regimes.on_gloo("fp16") == "fp16" and regimes.on_gloo("fp32") == "fp32"
