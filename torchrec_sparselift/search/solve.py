@@ -78,11 +78,19 @@ def _least_work_choice(prob: PlanningProblem) -> List[int]:
 def _optimizations(ev: PlanEvaluator, prob: PlanningProblem, pipelines: Sequence[str],
                    precisions: Sequence[Tuple[str, str]]):
     """Every (pipeline, precision) that can train the plan priced on its loads, and the best:
-    (alternatives, (pipeline, fwd, bwd, seconds)); ties go to the earlier pipeline."""
+    (alternatives, (pipeline, fwd, bwd, seconds)).
+
+    Ties go to ``defaults.PIPELINE`` (``sparse_dist``: TorchRec's usual pipeline, and the one the
+    step calibration measures its probe plans under, so its predictions are the measured ones),
+    then to the earlier pipeline. On hardware without overlap (CPU gloo on one host) every kind
+    prices as ``base`` and ties are the rule; a plan should then run the pipeline its
+    prediction was calibrated under, not the first in the registry."""
     alts: List[Tuple[str, float]] = []
     best_combo = None
     has_dense_kernel = any(prob.cands[c].compute_kernel == "dense" for c, _ in ev.assignment.values())
-    for pl in trainable_pipelines(tuple(pipelines), has_dense_kernel):
+    trainable = trainable_pipelines(tuple(pipelines), has_dense_kernel)
+    ordered = sorted(trainable, key=lambda p: p != defaults.PIPELINE)  # stable: the rest keep their order
+    for pl in ordered:
         for f, b in precisions:
             st = ev.step_time(pl, f, b)
             alts.append((f"{pl}/{f}/{b}", st.total_s))
