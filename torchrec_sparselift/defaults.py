@@ -25,6 +25,8 @@ __all__ = [
     "COMM_PRECISION",
     "SOLVER",
     "LAYOUT_2D",
+    "NEVER_SLOWER",
+    "UNCALIBRATED_MODEL_ERROR",
     "ranks_per_host",
 ]
 
@@ -51,6 +53,14 @@ COMM_PRECISION = "fp32"
 SOLVER = "auto"
 #: 2D rank layout.
 LAYOUT_2D = "auto"
+#: The never-slower rule (``SparseLiftPlanner(never_slower=...)``, ``--no-never-slower``): plan with
+#: TorchRec's ``EmbeddingShardingPlanner`` too and keep its plan unless SparseLift's predicted gain
+#: exceeds the model's measured error on the terms the two plans differ in (docs/cost_model.md).
+NEVER_SLOWER = True
+#: The relative error per cost term the never-slower rule assumes for a profile not fitted from real
+#: steps (presets, kernel microbenchmark profiles): what the microbenchmark profile measured against
+#: real CPU steps, 26.7-31.6% MAPE (docs/benchmarks.md section 7); no GPU step has been measured.
+UNCALIBRATED_MODEL_ERROR = 0.30
 
 
 def ranks_per_host(topology: Any = None, *, world_size: Optional[int] = None,

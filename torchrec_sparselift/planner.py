@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -160,6 +161,13 @@ class SparseLiftPlanner(ShardingPlanner):
             from TorchRec's estimators, objective = the slowest rank's summed ``Perf.total`` as
             ``NoopPerfModel`` rates it, memory = the storage estimates under the reservation);
             same search, same outputs (see :mod:`torchrec_sparselift.search.torchrec_objective`).
+        never_slower: True (default): also plan with TorchRec's ``EmbeddingShardingPlanner`` on the
+            same inputs and keep its plan unless SparseLift's predicted gain over it exceeds the
+            model's measured error on the cost terms the two plans differ in (the profile's step
+            fit; 30% for a profile without one); ``planner.last_result.never_slower`` says which
+            and why. Applies to 1D plans under ``cost_model="sparselift"``; costs one TorchRec
+            planner run (its proposals stopped after ``time_budget_s``) and two pricings
+            (docs/cost_model.md, "Never slower than TorchRec"). False: SparseLift's search alone.
         estimator: with ``cost_model="torchrec"``, the ``ShardEstimator`` (or list) to use instead
             of TorchRec's defaults, as ``EmbeddingEnumerator(estimator=...)`` takes it (it
             replaces both defaults: include a storage estimator).
@@ -198,6 +206,7 @@ class SparseLiftPlanner(ShardingPlanner):
         estimator: Any = None,
         max_sync_interval: Optional[int] = None,
         layout_2d: str = defaults.LAYOUT_2D,
+        never_slower: bool = defaults.NEVER_SLOWER,
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
         whose inputs match a stored plan's fingerprint loads it instead of planning);
@@ -220,7 +229,7 @@ class SparseLiftPlanner(ShardingPlanner):
             pipelines=pipelines, callbacks=callbacks, stats=stats,
             storage_reservation=storage_reservation, cache_dir=cache_dir,
             flags={"allow_lossy_comm": allow_lossy_comm, "allow_fp8": allow_fp8,
-                   "allow_staleness": allow_staleness},
+                   "allow_staleness": allow_staleness, "never_slower": never_slower},
             choices={"cost_model": (cost_model, COST_MODELS), "layout_2d": (layout_2d, LAYOUT_2D_CHOICES)},
             required={
                 "drift_tolerance": (drift_tolerance, f"drift_tolerance={defaults.DRIFT_TOLERANCE}"),
@@ -285,6 +294,8 @@ class SparseLiftPlanner(ShardingPlanner):
         self._group = sharding_group_size
         self._sync_interval = sync_interval
         self._cache_dir = cache_dir
+        self._never_slower = bool(never_slower)
+        self._errors: Optional[Tuple[HardwareProfile, Any]] = None  # (profile, TermErrors) of the last rule
         self._drift_tolerance = float(drift_tolerance)
         self.last_result: Optional[PlanResult] = None
         self.last_execution_plan: Any = None
@@ -461,6 +472,7 @@ class SparseLiftPlanner(ShardingPlanner):
             sync_interval=self._sync_interval, cost_model=self._cost_model_id(),
             max_sync_interval=self._max_sync_interval if self._group is not None else None,
             layout_2d=self._layout_2d if self._group is not None else "auto",
+            never_slower=self._never_slower,
         )
 
     def fingerprint(
@@ -524,6 +536,7 @@ class SparseLiftPlanner(ShardingPlanner):
                 "planning_time_s": round(res.search.planning_time_s, 4) if res.search else 0.0,
                 "hardware": res.profile.name,
                 "alternatives": {k: v for k, v in res.search.alternatives} if res.search else {},
+                **({"never_slower": res.never_slower.to_dict()} if res.never_slower is not None else {}),
             },
         )
 
@@ -563,6 +576,8 @@ class SparseLiftPlanner(ShardingPlanner):
                                                          time.monotonic(), lay))
             res = attrs.evolve(choice.best, alternatives_2d=choice.alternatives_2d,
                                alternatives_layout=choice.alternatives_layout)
+        if self._never_slower:
+            res = self._never_slower_rule(res, module, sharders)
         self.last_result = res
         if self._debug:
             logger.info("%s", res.summary())
@@ -635,6 +650,87 @@ class SparseLiftPlanner(ShardingPlanner):
 
     def _profile(self) -> HardwareProfile:
         return profile_for_topology(self._topology, self._hardware)
+
+    # -- never slower than TorchRec ------------------------------------------------------
+    def _never_slower_rule(self, res: PlanResult, module: nn.Module,
+                           sharders: List[ModuleSharder[nn.Module]]) -> PlanResult:
+        """``res``, or TorchRec's plan for the same inputs where SparseLift's predicted gain over it
+        is within the model's error (:func:`~torchrec_sparselift.plan.baseline.never_slower`); the
+        decision is in the result's ``never_slower``."""
+        from torchrec_sparselift.calibration.term_error import term_seconds
+        from torchrec_sparselift.plan.baseline import BaselineDecision, never_slower
+        from torchrec_sparselift.plan.compare import torchrec_plan
+        from torchrec_sparselift.plan.evaluate import GivenPlan
+
+        if self._cost_model != "sparselift":
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                "the plan optimizes TorchRec's own estimator (cost_model='torchrec')"))
+        if res.sharding_group_size is not None:
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                "a 2D plan (TorchRec's planner plans 1D only)"))
+        t0 = time.monotonic()
+        topo = self._topology
+        tr = torchrec_plan(module, sharders, topo, self._batch_size, self._constraints,
+                           self._storage_reservation, self._callbacks, timeout_s=self._budget)
+        if tr.plan is None:
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                f"TorchRec's planner found no plan ({tr.error})"))
+        profile = res.profile
+        s = res.search
+        # TorchRec's plan as TorchRec's users run it: its default pipeline, full-precision comms
+        pipeline = defaults.PIPELINE if defaults.PIPELINE in self._pipelines else self._pipelines[0]
+        try:
+            ours = GivenPlan.of(module, res.sharding_plan, topo, self._batch_size, self._constraints,
+                                self._workload, sharders)
+            theirs = GivenPlan.of(module, tr.plan, topo, self._batch_size, self._constraints, self._workload,
+                                  sharders)
+            decision = never_slower(
+                term_seconds(lambda p: ours.step_time(p, s.pipeline, s.fwd_precision, s.bwd_precision).total_s,
+                             profile),
+                term_seconds(lambda p: theirs.step_time(p, pipeline).total_s, profile),
+                self._model_errors(profile))
+        except Exception as e:  # noqa: BLE001 - the rule must never fail a plan the search found
+            logger.warning("SparseLiftPlanner: the never-slower rule could not price TorchRec's plan (%s: %s); "
+                           "keeping SparseLift's plan", type(e).__name__, e)
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                f"TorchRec's plan could not be priced ({type(e).__name__}: {e})"))
+        logger.info("SparseLiftPlanner: %s (TorchRec planned in %.2f s, the rule took %.2f s)",
+                    decision.describe(), tr.planning_time_s, time.monotonic() - t0)
+        if decision.leave:
+            return attrs.evolve(res, never_slower=decision)
+        options = list(tr.options)
+        _check_complete(res.handles, options)
+        kept = evaluate_sharding_plan(module, tr.plan, topo, self._batch_size, self._constraints, profile,
+                                      self._workload, sharders, pipeline=pipeline)
+        search = attrs.evolve(kept.search, solver="torchrec(never_slower)", status="kept",
+                              planning_time_s=s.planning_time_s + time.monotonic() - t0)
+        return attrs.evolve(kept, sharding_options=tuple(options), search=search, never_slower=decision)
+
+    def _model_errors(self, profile: HardwareProfile) -> Any:
+        """The model's relative error per term for ``profile``: from its step fit where the
+        profile store holds it (``hardware="auto"``, or a profile equal to a stored one), else the
+        documented error of an uncalibrated profile."""
+        from torchrec_sparselift.calibration.store import ProfileStore
+        from torchrec_sparselift.calibration.term_error import term_errors, uncalibrated_errors
+
+        if self._errors is not None and self._errors[0] == profile:
+            return self._errors[1]
+        stored = None
+        store = ProfileStore()
+        if self._auto_stored is not None and os.path.isfile(self._auto_stored[1]):
+            stored = store.load(self._auto_stored[1])
+        elif self._hardware is not None:
+            stored = next((p for p in store.all() if p.profile == self._hardware), None)
+        errors = None
+        if stored is not None and stored.step_fit.fitted:
+            try:
+                errors = term_errors(stored.step_fit, stored.path)
+            except ValueError as e:
+                logger.warning("SparseLiftPlanner: %s; the never-slower rule assumes an uncalibrated error", e)
+        if errors is None:
+            errors = uncalibrated_errors(profile.name)
+        self._errors = (profile, errors)
+        return errors
 
     # -- TorchRec's plan-loading contract ------------------------------------------------
     def hash_planner_context_inputs_str(self) -> str:
