@@ -710,25 +710,12 @@ class SparseLiftPlanner(ShardingPlanner):
         """The model's relative error per term for ``profile``: from its step fit where the
         profile store holds it (``hardware="auto"``, or a profile equal to a stored one), else the
         documented error of an uncalibrated profile."""
-        from torchrec_sparselift.calibration.store import ProfileStore
-        from torchrec_sparselift.calibration.term_error import term_errors, uncalibrated_errors
+        from torchrec_sparselift.calibration.term_error import profile_errors
 
         if self._errors is not None and self._errors[0] == profile:
             return self._errors[1]
-        stored = None
-        store = ProfileStore()
-        if self._auto_stored is not None and os.path.isfile(self._auto_stored[1]):
-            stored = store.load(self._auto_stored[1])
-        elif self._hardware is not None:
-            stored = next((p for p in store.all() if p.profile == self._hardware), None)
-        errors = None
-        if stored is not None and stored.step_fit.fitted:
-            try:
-                errors = term_errors(stored.step_fit, stored.path)
-            except ValueError as e:
-                logger.warning("SparseLiftPlanner: %s; the never-slower rule assumes an uncalibrated error", e)
-        if errors is None:
-            errors = uncalibrated_errors(profile.name)
+        errors = profile_errors(self._hardware or profile,
+                                self._auto_stored[1] if self._auto_stored is not None else None)
         self._errors = (profile, errors)
         return errors
 

@@ -24,7 +24,9 @@ inputs of the never-slower rule (:mod:`torchrec_sparselift.plan.baseline`). Pure
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Sequence
+import logging
+import os
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import attrs
 import numpy as np
@@ -34,7 +36,7 @@ from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitTerm, St
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, TermTimes
 
-__all__ = ["term_seconds", "term_errors", "uncalibrated_errors", "scaled_term"]
+__all__ = ["term_seconds", "term_errors", "uncalibrated_errors", "scaled_term", "profile_errors"]
 
 
 def scaled_term(profile: HardwareProfile, term: FitTerm, factor: float) -> HardwareProfile:
@@ -97,3 +99,28 @@ def uncalibrated_errors(name: str) -> TermErrors:
     return TermErrors(errors={}, default=e,
                       source=f"{name}, not fitted from real steps: {e:.0%} for every term (the measured error "
                              "of a profile without step calibration, docs/cost_model.md)")
+
+
+logger = logging.getLogger(__name__)
+
+
+def profile_errors(profile: Optional[HardwareProfile], stored_path: Optional[str] = None,
+                   store: Any = None) -> TermErrors:
+    """The model's error per term for ``profile``: the step fit of the stored profile at
+    ``stored_path`` (what ``hardware="auto"`` loaded), else of a stored profile equal to
+    ``profile`` in ``store`` (default: :class:`~.store.ProfileStore`), else
+    :func:`uncalibrated_errors`. Reads the store only."""
+    from torchrec_sparselift.calibration.store import ProfileStore
+
+    store = store or ProfileStore()
+    stored = None
+    if stored_path and os.path.isfile(stored_path):
+        stored = store.load(stored_path)
+    elif profile is not None:
+        stored = next((p for p in store.all() if p.profile == profile), None)
+    if stored is not None and stored.step_fit.fitted:
+        try:
+            return term_errors(stored.step_fit, stored.path)
+        except ValueError as e:
+            logger.warning("%s; assuming the error of an uncalibrated profile", e)
+    return uncalibrated_errors(profile.name if profile is not None else "the preset")
