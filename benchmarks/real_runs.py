@@ -152,7 +152,7 @@ def _plans(w: ProbeWorkload, topo, profile, pg, say, stats=None) -> List[Tuple[s
             from torchrec_sparselift.planner import SparseLiftPlanner as _P
 
             plan = _P(topology=topo, batch_size=w.batch_size, constraints=cons, hardware=profile,
-                      pipelines=["sparse_dist"], debug=False,
+                      pipelines=["sparse_dist"], debug=False, never_slower=False,
                       workload=stats).collective_plan(probe_model(w), get_default_sharders(), pg)
         else:
             plan, cons = forced_plan(probe_model(w), w.tables, kind, topo, w.batch_size, pg, profile, stats=stats)

@@ -670,8 +670,12 @@ class SparseLiftPlanner(ShardingPlanner):
                 "a 2D plan (TorchRec's planner plans 1D only)"))
         t0 = time.monotonic()
         topo = self._topology
-        tr = torchrec_plan(module, sharders, topo, self._batch_size, self._constraints,
-                           self._storage_reservation, self._callbacks, timeout_s=self._budget)
+        try:
+            tr = torchrec_plan(module, sharders, topo, self._batch_size, self._constraints,
+                               self._storage_reservation, self._callbacks, timeout_s=self._budget)
+        except Exception as e:  # noqa: BLE001 - TorchRec's planner failing must not fail SparseLift's plan
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                f"TorchRec's planner failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})"))
         if tr.plan is None:
             return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
                 f"TorchRec's planner found no plan ({tr.error})"))
