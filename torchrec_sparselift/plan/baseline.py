@@ -122,7 +122,8 @@ class BaselineDecision:
         terms = ", ".join(f"{d.term} {d.candidate_s * 1e3:.2f} vs {d.baseline_s * 1e3:.2f} ms "
                           f"(error {d.error:.0%})" for d in top)
         verdict = ("SparseLift's plan kept: predicted gain over TorchRec's plan exceeds the model's error"
-                   if self.leave else "TorchRec's plan kept: the predicted gain is within the model's error")
+                   if self.leave else "TorchRec's plan kept: SparseLift's search found a plan priced the same"
+                   if not self.differing else "TorchRec's plan kept: the predicted gain is within the model's error")
         rel = self.gain_s / self.baseline_s if self.baseline_s > 0 else 0.0
         return (f"never-slower rule: {verdict}; predicted {self.candidate_s * 1e3:.2f} ms vs TorchRec's "
                 f"{self.baseline_s * 1e3:.2f} ms, gain {self.gain_s * 1e3:.2f} ms ({rel:+.1%}) vs margin "
