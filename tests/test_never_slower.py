@@ -105,7 +105,7 @@ def test_term_errors_follow_the_records_that_carry_each_term():
     assert "2 records" in e.source
     with pytest.raises(ValueError, match="calibrate"):
         term_errors(StepFitInfo(), "p")
-    assert uncalibrated_errors("h100").of("anything") == 0.30
+    assert uncalibrated_errors("h100").of("anything") == 0.30 and not uncalibrated_errors("h100").measured
 
 
 # -- the planner --------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ def _ebc(n, rows, dim=64):
 
 def test_planner_keeps_torchrecs_plan_when_the_gain_is_within_the_error():
     topo, module = _topo(2), _ebc(6, 1000)
-    planner = SparseLiftPlanner(topology=topo, batch_size=512, debug=False)
+    planner = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, never_slower=True)
     res = planner.plan_with_result(module, get_default_sharders())
     d = res.never_slower
     assert d is not None and d.applied and not d.leave and d.gain_s <= d.margin_s
@@ -137,16 +137,26 @@ def test_planner_keeps_torchrecs_plan_when_the_gain_is_within_the_error():
     assert info["rule"] == "never_slower" and info["leave"] is False
     off = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, never_slower=False)
     assert off.plan_with_result(module, get_default_sharders()).never_slower is None
+    # the default ("auto") applies the rule only where the profile's error is measured: not on a preset
+    auto = SparseLiftPlanner(topology=topo, batch_size=512, debug=False).plan_with_result(module, get_default_sharders())
+    assert not auto.never_slower.applied and "no measured error" in auto.never_slower.describe()
 
 
-def test_planner_leaves_torchrecs_plan_when_the_gain_clearly_exceeds_the_error():
-    # two hosts, lossy comm allowed: fp16 halves the all-to-all TorchRec's plan sends in fp32
+def test_never_slower_accepts_true_false_or_auto():
+    with pytest.raises(ValueError, match="never_slower must be True, False or 'auto', got 'yes'"):
+        SparseLiftPlanner(topology=_topo(2), batch_size=512, never_slower="yes")
+
+
+def test_planner_leaves_torchrecs_plan_when_the_gain_clearly_exceeds_the_error(monkeypatch):
+    # two hosts, lossy comm allowed: fp16 halves the all-to-all TorchRec's plan sends in fp32 (a
+    # predicted gain of ~50%); a profile whose step fit measured 10% error per term ("auto" applies it)
+    monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, 0.10, "a step fit"))
     topo, module = _topo(16), _ebc(16, 100000, 128)
     res = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True,
                             time_budget_s=2).plan_with_result(module, get_default_sharders())
     d = res.never_slower
-    assert d.leave and d.gain_s > d.margin_s > 0 and "1/a2a_bw" in [x.term for x in d.differing]
-    assert res.search.fwd_precision != "fp32"
+    assert d.applied and d.leave and d.gain_s > d.margin_s > 0 and "1/a2a_bw" in [x.term for x in d.differing]
+    assert res.search.fwd_precision != "fp32" and "SparseLift's plan kept" in res.summary()
 
 
 def test_planner_reads_the_error_it_is_given(monkeypatch):
@@ -156,7 +166,7 @@ def test_planner_reads_the_error_it_is_given(monkeypatch):
     def plan(error):
         monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, error, "test"))
         return SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True,
-                                 time_budget_s=2).plan_with_result(module, get_default_sharders())
+                                 time_budget_s=2).plan_with_result(module, get_default_sharders())  # "auto"
 
     assert plan(0.0).never_slower.leave
     kept = plan(5.0)

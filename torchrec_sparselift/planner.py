@@ -161,13 +161,15 @@ class SparseLiftPlanner(ShardingPlanner):
             from TorchRec's estimators, objective = the slowest rank's summed ``Perf.total`` as
             ``NoopPerfModel`` rates it, memory = the storage estimates under the reservation);
             same search, same outputs (see :mod:`torchrec_sparselift.search.torchrec_objective`).
-        never_slower: True (default): also plan with TorchRec's ``EmbeddingShardingPlanner`` on the
-            same inputs and keep its plan unless SparseLift's predicted gain over it exceeds the
-            model's measured error on the cost terms the two plans differ in (the profile's step
-            fit; 30% for a profile without one); ``planner.last_result.never_slower`` says which
-            and why. Applies to 1D plans under ``cost_model="sparselift"``; costs one TorchRec
-            planner run (its proposals stopped after ``time_budget_s``) and two pricings
-            (docs/cost_model.md, "Never slower than TorchRec"). False: SparseLift's search alone.
+        never_slower: "auto" (default) or True: also plan with TorchRec's ``EmbeddingShardingPlanner``
+            on the same inputs and keep its plan unless SparseLift's predicted gain over it
+            exceeds the model's error on the cost terms the two plans differ in;
+            ``planner.last_result.never_slower`` says which and why. "auto" applies it where the
+            error is measured (a step-fitted profile from the store: ``hardware="auto"`` or a
+            stored profile); True also with the 30% error assumed for a profile without a step
+            fit (the presets). Applies to 1D plans under ``cost_model="sparselift"``; costs one
+            TorchRec planner run (its proposals stopped after ``time_budget_s``) and two split
+            pricings (docs/cost_model.md, "Never slower than TorchRec"). False: the search alone.
         estimator: with ``cost_model="torchrec"``, the ``ShardEstimator`` (or list) to use instead
             of TorchRec's defaults, as ``EmbeddingEnumerator(estimator=...)`` takes it (it
             replaces both defaults: include a storage estimator).
@@ -206,7 +208,7 @@ class SparseLiftPlanner(ShardingPlanner):
         estimator: Any = None,
         max_sync_interval: Optional[int] = None,
         layout_2d: str = defaults.LAYOUT_2D,
-        never_slower: bool = defaults.NEVER_SLOWER,
+        never_slower: Any = defaults.NEVER_SLOWER,
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
         whose inputs match a stored plan's fingerprint loads it instead of planning);
@@ -229,7 +231,7 @@ class SparseLiftPlanner(ShardingPlanner):
             pipelines=pipelines, callbacks=callbacks, stats=stats,
             storage_reservation=storage_reservation, cache_dir=cache_dir,
             flags={"allow_lossy_comm": allow_lossy_comm, "allow_fp8": allow_fp8,
-                   "allow_staleness": allow_staleness, "never_slower": never_slower},
+                   "allow_staleness": allow_staleness},
             choices={"cost_model": (cost_model, COST_MODELS), "layout_2d": (layout_2d, LAYOUT_2D_CHOICES)},
             required={
                 "drift_tolerance": (drift_tolerance, f"drift_tolerance={defaults.DRIFT_TOLERANCE}"),
@@ -245,7 +247,7 @@ class SparseLiftPlanner(ShardingPlanner):
             time_budget_s=time_budget_s, pipelines=pipelines, known_pipelines=PIPELINES,
             stale_pipelines=STALE_PIPELINES, allow_staleness=allow_staleness, solver=solver,
             sharding_group_size=sharding_group_size, sync_interval=sync_interval,
-            drift_tolerance=drift_tolerance,
+            drift_tolerance=drift_tolerance, never_slower=never_slower,
             reservation_percentage=(heuristical_storage_reservation_percentage
                                     if storage_reservation is None else None),
         ), "SparseLiftPlanner's arguments")
@@ -294,7 +296,7 @@ class SparseLiftPlanner(ShardingPlanner):
         self._group = sharding_group_size
         self._sync_interval = sync_interval
         self._cache_dir = cache_dir
-        self._never_slower = bool(never_slower)
+        self._never_slower = never_slower
         self._errors: Optional[Tuple[HardwareProfile, Any]] = None  # (profile, TermErrors) of the last rule
         self._drift_tolerance = float(drift_tolerance)
         self.last_result: Optional[PlanResult] = None
@@ -576,7 +578,7 @@ class SparseLiftPlanner(ShardingPlanner):
                                                          time.monotonic(), lay))
             res = attrs.evolve(choice.best, alternatives_2d=choice.alternatives_2d,
                                alternatives_layout=choice.alternatives_layout)
-        if self._never_slower:
+        if self._never_slower is not False:
             res = self._never_slower_rule(res, module, sharders)
         self.last_result = res
         if self._debug:
@@ -668,6 +670,10 @@ class SparseLiftPlanner(ShardingPlanner):
         if res.sharding_group_size is not None:
             return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
                 "a 2D plan (TorchRec's planner plans 1D only)"))
+        if self._never_slower == "auto" and not self._model_errors(res.profile).measured:
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                f"the profile {res.profile.name} has no measured error (not fitted from real steps; "
+                "never_slower=True applies the rule with the 30% error assumed for it)"))
         t0 = time.monotonic()
         topo = self._topology
         try:

@@ -3,8 +3,10 @@ inputs of the never-slower rule (:mod:`torchrec_sparselift.plan.baseline`). Pure
 
 * :func:`term_seconds`: the seconds each step-fit term (:data:`~.step_fit.CPU_STEP_TERMS`, or any
   :class:`~.step_fit.FitTerm` list) contributes to one plan's predicted step: the prediction's
-  elasticity in the term, ``t_j = x_j * d T / d x_j``, by a forward difference that scales the
-  term's profile fields (rates down, costs up) by ``1 + rel``; the rest of the step is
+  elasticity in the term, ``t_j = x_j * d T / d x_j``, by a central difference that scales the
+  term's profile fields (rates down, costs up) by ``1 +- rel`` (at a tie between two critical
+  paths, e.g. balanced ranks, it averages their slopes); the rest of the step (never below 0:
+  terms that multiply each other each carry the product's seconds) is
   :data:`~torchrec_sparselift.plan.baseline.FIXED_TERM`. Scaling (not setting) the fields makes it
   exact for any profile, presets whose tied fields differ (``hbm_bw`` and ``ddr_bw``) included.
 * :func:`term_errors`: a stored step fit's relative error per term, from its whole-step records
@@ -53,8 +55,12 @@ def term_seconds(predict: Callable[[HardwareProfile], float], profile: HardwareP
     out: Dict[str, float] = {}
     for t in terms:
         up = float(predict(scaled_term(profile, t, 1.0 + rel)))
-        out[t.name] = (up - base) / rel
-    out[FIXED_TERM] = base - sum(out.values())
+        down = float(predict(scaled_term(profile, t, 1.0 - rel)))
+        out[t.name] = (up - down) / (2 * rel)
+    # terms that multiply each other (a rate and ``reduce_scatter_factor``) each carry the product's
+    # seconds (the product's relative error is the sum of theirs), so the terms can sum to more
+    # than the step: the fixed part is what is left, never below 0
+    out[FIXED_TERM] = max(0.0, base - sum(out.values()))
     return TermTimes(total_s=base, terms=out)
 
 
@@ -96,7 +102,7 @@ def uncalibrated_errors(name: str) -> TermErrors:
     """Every term's error for a profile that was not fitted from real steps (a preset, a kernel
     microbenchmark profile): :data:`~torchrec_sparselift.defaults.UNCALIBRATED_MODEL_ERROR`."""
     e = defaults.UNCALIBRATED_MODEL_ERROR
-    return TermErrors(errors={}, default=e,
+    return TermErrors(errors={}, default=e, measured=False,
                       source=f"{name}, not fitted from real steps: {e:.0%} for every term (the measured error "
                              "of a profile without step calibration, docs/cost_model.md)")
 

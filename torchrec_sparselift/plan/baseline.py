@@ -47,23 +47,25 @@ class TermErrors:
     ``errors``: term name -> relative error (0.1 = 10%); ``default``: the error of a term without
     its own (and of the ``fixed`` part when it has none); ``source``: where the numbers come from,
     for logs and the explanation (a stored step fit, or the documented error of an uncalibrated
-    profile)."""
+    profile). ``measured``: False for an assumed error (``never_slower="auto"`` then skips the rule)."""
 
     errors: Mapping[str, float] = attrs.field(converter=dict, validator=_error_value)
     default: float = attrs.field(validator=_error_value)
     source: str = ""
+    measured: bool = True  # False: an assumed error (a profile not fitted from real steps)
 
     def of(self, term: str) -> float:
         return float(self.errors.get(term, self.default))
 
     def to_dict(self) -> Dict[str, Any]:
-        return dict(errors=dict(self.errors), default=self.default, source=self.source)
+        return dict(errors=dict(self.errors), default=self.default, source=self.source, measured=self.measured)
 
 
 @attrs.frozen
 class TermTimes:
     """A priced plan split by cost term: ``total_s`` and, per term, the seconds it contributes on
-    the critical path (``terms``; :data:`FIXED_TERM` holds the rest, so they sum to ``total_s``)."""
+    the critical path (``terms``; :data:`FIXED_TERM` holds the rest; terms that multiply each other
+    each carry the product's seconds, so they may sum to more than ``total_s``)."""
 
     total_s: float
     terms: Mapping[str, float] = attrs.field(converter=dict)

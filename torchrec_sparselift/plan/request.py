@@ -184,7 +184,8 @@ class PlanRequest:
     max_sync_interval: Optional[int] = attrs.field(default=None, validator=_opt_pos_int)
     layout_2d: str = attrs.field(default=defaults.LAYOUT_2D, validator=attrs.validators.instance_of(str))
     measured_guard: Any = attrs.field(default=None)
-    never_slower: bool = attrs.field(default=defaults.NEVER_SLOWER, validator=_bool)
+    never_slower: Union[bool, str] = attrs.field(default=defaults.NEVER_SLOWER,
+                                                 validator=attrs.validators.in_(defaults.NEVER_SLOWER_CHOICES))
     #: The live objects behind ``tables`` (for building TorchRec ``ShardingOption`` s); not part
     #: of the request's identity.
     handles: Tuple[TableHandle, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=False)
