@@ -364,9 +364,16 @@ def test_plan_and_explain_a_2d_plan_show_groups_sync_and_evidence(tmp_path, caps
         opt = json.load(f)["optimizations"]
     assert opt["sharding_group_size"] == 8 and opt["layout_2d"]["group_size"] == 8
     assert opt["sync_interval"] <= opt["max_sync_interval"] == 16
+    assert opt["strategy_2d"] in ("default", "fully_sharded")
     rc, text, err = run_cli(capsys, "explain", out, "--quiet")
     assert rc == 0, err
-    assert "sharding groups [" in text and "replica groups [" in text and "replica sync every" in text
+    assert "sharding groups [" in text and "replica groups [" in text and f"strategy {opt['strategy_2d']}" in text
+    if opt["strategy_2d"] == "default":
+        assert "replica sync every" in text
+    # fully_sharded is refused on CPU, with the reason
+    rc, _, err = run_cli(capsys, "plan", "--tables", TINY, *CPU, "--world-size", "4", "--sharding-group-size", "2",
+                         "--2d-strategy", "fully_sharded", "--out", out, "--quiet")
+    assert rc != 0 and "torch.cuda.Stream" in err
     assert "use_inter_host_allreduce=" in text and "critical path (" in text
     # an interval above the bound needs the bound raised
     rc, _, err = run_cli(capsys, "plan", "--tables", TINY, "--topology", "h100", "--world-size", "16",
@@ -404,7 +411,8 @@ def test_stored_inputs_round_trip_and_a_malformed_record_is_named():
     inputs = PlanInputs(topology=TopologySpec("cpu-gloo", 2, hbm_gib=4.0), tables=load_table_file(TINY),
                         constraints=parse_table_entries([{"name": "t1", "pooling_factor": 3}], "c", True),
                         batch_size=64, allow_staleness=True, time_budget_s=3.0, source="x.json",
-                        sharding_group_size="auto", max_sync_interval=8, layout_2d="strided")
+                        sharding_group_size="auto", max_sync_interval=8, layout_2d="strided",
+                        strategy_2d="fully_sharded")
     data = json.loads(json.dumps(inputs.to_dict()))
     assert data["schema"] == INPUTS_SCHEMA and PlanInputs.from_dict(data) == inputs
     with pytest.raises(CliError, match="is not a sparselift.cli_inputs/1 record"):

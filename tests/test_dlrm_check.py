@@ -34,3 +34,27 @@ def test_check_refuses_input_buffers_no_rank_can_hold():
 def test_check_accepts_what_planning_accepts():
     proc = _check("--embedding-dim", "8", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _check4(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, TRAIN, *args, "--check", "--device", "cpu", "--scale", "0.001"],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+
+
+def test_check_validates_the_2d_flags_with_the_fix():
+    refused = {
+        ("--sharding-group-size", "x"): "auto or a number of ranks",
+        ("--sync-interval", "4"): "needs --sharding-group-size",
+        ("--sharding-group-size", "2", "--planner", "torchrec"): "TorchRec's planner has no 2D",
+        ("--sharding-group-size", "3"): "divisor of the world size 4",
+        ("--sharding-group-size", "2", "--2d-strategy", "fully_sharded"): "torch.cuda.Stream",
+        ("--sharding-group-size", "2", "--sync-interval", "64"): "max_sync_interval",
+    }
+    for args, words in refused.items():
+        proc = _check4(*args)
+        assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr[-1500:])
+        assert "Traceback" not in proc.stderr
+    proc = _check4("--sharding-group-size", "2", "--2d-strategy", "default", "--sync-interval", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]

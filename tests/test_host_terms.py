@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from torchrec_sparselift.cost.hardware import PRESETS
-from torchrec_sparselift.cost.model import BWD, FWD, CostContext, shard_cost, step_time
+from torchrec_sparselift.cost.model import BWD, FWD, K, CostContext, shard_cost, step_time
 from torchrec_sparselift.semantics.graph import candidate_for, shard_nodes
 from torchrec_sparselift.semantics.tables import TableSpec
 
@@ -67,7 +67,7 @@ def test_data_parallel_pays_a_replica_cost_in_the_backward_and_its_dense_update_
 
 @pytest.mark.parametrize("pipeline", ["base", "sparse_dist", "fused", "prefetch"])
 def test_step_overhead_is_on_every_pipelines_critical_path(pipeline):
-    colmax = np.zeros(9)
+    colmax = np.zeros(K)
     colmax[FWD] = 1e-3
     for overlap in (True, False):
         p = attrs.evolve(PRESETS["h100"], supports_overlap=overlap)
@@ -83,7 +83,7 @@ def test_without_overlap_the_gradient_all_reduce_is_not_hidden_under_the_dense_b
     from torchrec_sparselift.cost.model import DenseWork
     from torchrec_sparselift.cost.pipelines import COMPUTE_PHASES, LINK_PHASES
 
-    colmax = np.zeros(9)
+    colmax = np.zeros(K)
     dense = DenseWork(param_bytes=0.0, fwd_flops_per_sample=1e6)  # a dense backward that could hide it
     for overlap in (True, False):
         p = attrs.evolve(PRESETS["cpu-gloo"], supports_overlap=overlap)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from torchrec_sparselift.cost import terms
 from torchrec_sparselift.cost.hardware import PRESETS
 from torchrec_sparselift.cost.model import PIPELINES, CostContext, DenseWork, step_time, step_total_batch
 from torchrec_sparselift.search.lp import analytic_bound
@@ -72,13 +73,14 @@ def test_incremental_equals_full_recomputation(tabs, topo, seed, pipeline):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.floats(0, 1e9), min_size=9, max_size=9), st.sampled_from(PIPELINES),
+@given(st.lists(st.floats(0, 1e9), min_size=terms.layout().width, max_size=terms.layout().width),
+       st.sampled_from(PIPELINES),
        st.sampled_from(["fp32", "fp16", "bf16", "fp8"]))
 def test_batched_step_time_equals_scalar(colmax, pipeline, prec):
     ctx = CostContext(profile=PRESETS["a100"], world_size=16, local_world_size=8, batch_size=512,
                       dense=DenseWork(1e7, 5e6))
     cm = np.array(colmax)
-    cm[:3] *= 1e-12  # seconds columns
+    cm[list(terms.layout().compute)] *= 1e-12  # seconds columns
     scalar = step_time(cm, 1e6, 2, ctx, pipeline, prec, "fp32").total_s
     batch = step_total_batch(cm[None, :], 1e6, 2, ctx, pipeline, prec, "fp32")[0]
     assert batch == pytest.approx(scalar, rel=1e-12)

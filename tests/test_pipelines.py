@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchrec_sparselift.cost.terms import layout as load_layout
 from torchrec_sparselift.cost.hardware import PRESETS
 from torchrec_sparselift.cost.model import (
     BWD,
@@ -89,10 +90,12 @@ def _lp_total_ms(pipeline, colmax, allreduce_bytes, groups, ctx, fwd, bwd):
     variable holds this plan's value (an integral point of the LP)."""
     p = ctx.profile
     ms = 1e3
-    z = {c: i for i, c in enumerate((FWD, BWD, UVM))}
-    iy_in, iy_out, ia, ilat, itot, iany = 3, 4, 5, 6, 7, 8
-    val = np.zeros(9)
-    val[z[FWD]], val[z[BWD]], val[z[UVM]] = ms * colmax[FWD], ms * colmax[BWD], ms * colmax[UVM]
+    z = {c: i for i, c in enumerate(load_layout().compute)}  # every compute column's maximum
+    nz = len(z)
+    iy_in, iy_out, ia, ilat, itot, iany = nz, nz + 1, nz + 2, nz + 3, nz + 4, nz + 5
+    val = np.zeros(nz + 6)
+    for c, i in z.items():
+        val[i] = ms * colmax[c]
     val[iy_in] = ms * max(colmax[IN_INTRA] / p.intra_host_bw, colmax[IN_INTER] / p.inter_host_bw)
     val[iy_out] = ms * max(colmax[OUT_INTRA] / p.intra_host_bw, colmax[OUT_INTER] / p.inter_host_bw)
     ph = step_time(colmax, allreduce_bytes, groups, ctx, pipeline, fwd, bwd).phases

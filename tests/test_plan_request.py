@@ -112,6 +112,7 @@ MUTATIONS: Dict[str, Callable[[PlanRequest], Any]] = {
     "cost_model": lambda r: _other(["sparselift", "torchrec"], r.cost_model),
     "max_sync_interval": lambda r: _other([None, 4, 16], r.max_sync_interval),
     "layout_2d": lambda r: _other(["auto", "contiguous", "strided"], r.layout_2d),
+    "strategy_2d": lambda r: _other(["auto", "default", "fully_sharded"], r.strategy_2d),
     "measured_guard": lambda r: _other([None, 0.1, 0.2], r.measured_guard),
 }
 

@@ -11,6 +11,7 @@ import ast
 import inspect
 import os
 
+import pytest
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.fbgemm_qcomm_codec import CommType
@@ -198,3 +199,15 @@ def test_vocabulary_and_defaults_import_nothing_of_the_package_nor_torch():
             elif isinstance(node, ast.ImportFrom):
                 imported.add("." if node.level else (node.module or "").split(".")[0])
         assert not imported & {"torchrec_sparselift", ".", "torch", "torchrec", "numpy"}, (name, imported)
+
+
+def test_every_2d_strategy_is_a_torchrec_sharding_strategy_and_cpu_refusals_say_why():
+    from torchrec.distributed.types import ShardingStrategy
+
+    assert v.STRATEGY_2D_CHOICES == ("auto",) + v.STRATEGIES_2D
+    for s in v.STRATEGY_2D_REGISTRY:
+        assert ShardingStrategy[s.torchrec_name]
+        assert s.runs_on_cpu == (not s.not_on_cpu)
+    assert v.strategy_2d("default").periodic_sync and v.strategy_2d("default").runs_on_cpu
+    with pytest.raises(ValueError, match="fully_sharded"):
+        v.strategy_2d("fully")

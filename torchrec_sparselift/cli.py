@@ -44,7 +44,7 @@ from torchrec_sparselift.plan.stored_inputs import (
     parse_table_entries,
     reference_workload,
 )
-from torchrec_sparselift.vocabulary import LAYOUT_2D_CHOICES
+from torchrec_sparselift.vocabulary import LAYOUT_2D_CHOICES, STRATEGY_2D_CHOICES
 from torchrec_sparselift.semantics.table_file import TableEntry
 from torchrec_sparselift.validation import raise_problems, setting_problems
 
@@ -161,6 +161,9 @@ def _add_2d_args(g: Any) -> None:
     g.add_argument("--layout-2d", choices=LAYOUT_2D_CHOICES, default=defaults.LAYOUT_2D,
                    help="2D rank layout: strided groups (TorchRec's default), contiguous groups "
                    "(use_inter_host_allreduce), or auto: price both on several hosts")
+    g.add_argument("--2d-strategy", dest="strategy_2d", choices=STRATEGY_2D_CHOICES, default=defaults.STRATEGY_2D,
+                   help="2D: how replicas stay in step: periodic sync (default), reduce-scatter + all-gather "
+                   "of the weights every step (fully_sharded; CUDA only), or auto: price both")
 
 
 def _group_size_arg(value: str) -> Union[str, int]:
@@ -280,6 +283,7 @@ def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] 
         sharding_group_size=getattr(args, "sharding_group_size", None),
         max_sync_interval=getattr(args, "max_sync_interval", None),
         layout_2d=getattr(args, "layout_2d", defaults.LAYOUT_2D),
+        strategy_2d=getattr(args, "strategy_2d", defaults.STRATEGY_2D),
     )
 
 
@@ -298,7 +302,7 @@ def _planner(inputs: PlanInputs, constraints: Dict[str, Any], cache_dir: Optiona
         time_budget_s=inputs.time_budget_s, allow_lossy_comm=inputs.allow_lossy_comm,
         allow_staleness=inputs.allow_staleness, cache_dir=cache_dir,
         sharding_group_size=inputs.sharding_group_size, max_sync_interval=inputs.max_sync_interval,
-        layout_2d=inputs.layout_2d,
+        layout_2d=inputs.layout_2d, strategy_2d=inputs.strategy_2d,
     )
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "NEVER_SLOWER",
     "NEVER_SLOWER_CHOICES",
     "UNCALIBRATED_MODEL_ERROR",
+    "STRATEGY_2D",
     "ranks_per_host",
 ]
 
@@ -66,6 +67,8 @@ NEVER_SLOWER_CHOICES = (True, False, "auto")
 #: steps (presets, kernel microbenchmark profiles): what the microbenchmark profile measured against
 #: real CPU steps, 26.7-31.6% MAPE (docs/benchmarks.md section 7); no GPU step has been measured.
 UNCALIBRATED_MODEL_ERROR = 0.30
+#: 2D strategy (``vocabulary.STRATEGY_2D_CHOICES``): "auto" prices every strategy the device runs.
+STRATEGY_2D = "auto"
 
 
 def ranks_per_host(topology: Any = None, *, world_size: Optional[int] = None,

@@ -458,8 +458,14 @@ def format_2d(optimizations: Any) -> List[str]:
     else:
         lines.append(f"  sharding groups of {o.sharding_group_size} ranks (no layout stored: "
                      "an older plan; lift() builds TorchRec's default strided groups)")
+    strategy = getattr(o, "strategy", None) or "default"
+    if strategy == "fully_sharded":
+        lines.append("  strategy fully_sharded: weights reduce-scattered over each replica group after the "
+                     "lookup and all-gathered before the embedding backward, every step; optimizer state "
+                     "per replica")
+        return lines
     bound = o.max_sync_interval if o.max_sync_interval is not None else defaults.MAX_SYNC_INTERVAL
-    lines.append(f"  replica sync every {o.sync_interval} steps (bound {bound}): "
+    lines.append(f"  strategy default: replica sync every {o.sync_interval} steps (bound {bound}): "
                  f"{sync_evidence(o.sync_interval)}")
     return lines
 

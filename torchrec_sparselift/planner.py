@@ -43,7 +43,7 @@ from torchrec_sparselift.cost.model import CostContext, DenseWork
 from torchrec_sparselift.cost.report import rank_breakdown
 from torchrec_sparselift import defaults
 from torchrec_sparselift.vocabulary import (
-    COST_MODELS, LAYOUT_2D_CHOICES, LOSSY_COMM_PRECISIONS, PIPELINES, STALE_PIPELINES, SYNC_PIPELINES,
+    COST_MODELS, LAYOUT_2D_CHOICES, LOSSY_COMM_PRECISIONS, STRATEGY_2D_CHOICES, PIPELINES, STALE_PIPELINES, SYNC_PIPELINES,
     comm_precision_pairs,
 )
 from torchrec_sparselift.cost.two_d import check_sync_interval
@@ -60,7 +60,9 @@ from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import build_problem, device_caps
 from torchrec_sparselift.search.solve import solve
-from torchrec_sparselift.search.two_d import group_setting, replica_sync, search_groups, sync_pipelines
+from torchrec_sparselift.search.two_d import (
+    choose_replica_sync, group_setting, search_groups, strategies_to_price, sync_pipelines,
+)
 from torchrec_sparselift.search.torchrec_objective import (
     build_torchrec_problem,
     estimator_identity,
@@ -156,6 +158,11 @@ class SparseLiftPlanner(ShardingPlanner):
             contiguous ones, keep the faster), "strided" or "contiguous" (see
             :class:`~torchrec_sparselift.semantics.layout.Layout2D`); ``lift`` builds
             ``DMPCollection`` with the matching ``use_inter_host_allreduce``.
+        strategy_2d: how a 2D plan keeps its replicas in step (``DMPCollection``'s
+            ``ShardingStrategy``): "auto" (default: price every strategy the device runs, keep
+            the faster), "default" (average weights and optimizer state every ``sync_interval``
+            steps) or "fully_sharded" (reduce-scatter and all-gather the weights every step; not
+            on CPU, see ``vocabulary.STRATEGY_2D_REGISTRY``).
         cost_model: "sparselift" (default: SparseLift's cost model, pipelines and precisions) or
             "torchrec": optimize TorchRec's own rating instead (every shard's ``Perf``/``Storage``
             from TorchRec's estimators, objective = the slowest rank's summed ``Perf.total`` as
@@ -209,6 +216,7 @@ class SparseLiftPlanner(ShardingPlanner):
         max_sync_interval: Optional[int] = None,
         layout_2d: str = defaults.LAYOUT_2D,
         never_slower: Any = defaults.NEVER_SLOWER,
+        strategy_2d: str = defaults.STRATEGY_2D,
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
         whose inputs match a stored plan's fingerprint loads it instead of planning);
@@ -278,7 +286,7 @@ class SparseLiftPlanner(ShardingPlanner):
         if pipelines is None:
             pipelines = SYNC_PIPELINES + (STALE_PIPELINES if allow_staleness else ())
         self._pipelines = tuple(pipelines)
-        self._precisions = comm_precision_pairs(bool(allow_lossy_comm), bool(allow_fp8))
+        self._precisions = comm_precision_pairs(bool(allow_lossy_comm), bool(allow_fp8), topology.compute_device)
         self._allow_lossy_comm = bool(allow_lossy_comm)
         self._allow_fp8 = bool(allow_fp8)
         self._allow_staleness = bool(allow_staleness)
@@ -293,6 +301,11 @@ class SparseLiftPlanner(ShardingPlanner):
         if layout_2d not in LAYOUT_2D_CHOICES:
             raise ValueError(f"layout_2d must be one of {', '.join(map(repr, LAYOUT_2D_CHOICES))}, got {layout_2d!r}")
         self._layout_2d = layout_2d
+        self._strategy_2d = strategy_2d
+        if strategy_2d not in STRATEGY_2D_CHOICES:
+            raise ValueError(f"strategy_2d must be one of {', '.join(map(repr, STRATEGY_2D_CHOICES))}, got {strategy_2d!r}")
+        self._strategies, self._strategies_refused = strategies_to_price(  # 1D plans have none
+            strategy_2d if sharding_group_size is not None else "auto", topology.compute_device, sync_interval)
         self._group = sharding_group_size
         self._sync_interval = sync_interval
         self._cache_dir = cache_dir
@@ -475,6 +488,7 @@ class SparseLiftPlanner(ShardingPlanner):
             max_sync_interval=self._max_sync_interval if self._group is not None else None,
             layout_2d=self._layout_2d if self._group is not None else "auto",
             never_slower=self._never_slower,
+            strategy_2d=self._strategy_2d if self._group is not None else "auto",
         )
 
     def fingerprint(
@@ -636,18 +650,19 @@ class SparseLiftPlanner(ShardingPlanner):
         options = _run_callbacks(self._callbacks, options)
         _check_complete(handles, options)
         plan = to_sharding_plan(options, gtopo)
-        sync_s, interval = 0.0, 1
+        sync_s, interval, sync = 0.0, 1, None
         if self._group is not None and group < W:
-            sync_s, interval = replica_sync(prob, result.assignment, group, layout, profile,
-                                            result.step.total_s, self._sync_interval,
-                                            self._max_sync_interval)
+            sync = choose_replica_sync(prob, result.assignment, group, layout, profile,
+                                       result.step.total_s, self._strategies, self._strategies_refused,
+                                       self._sync_interval, self._max_sync_interval)
+            sync_s, interval = sync.sync_s, sync.sync_interval
         return PlanResult(
             sharding_plan=plan, sharding_options=tuple(options), search=result, problem=prob,
             handles=tuple(handles), topology=topo, profile=profile,
             sharding_group_size=(group if self._group is not None and group < W else None),
             sync_interval=interval, sync_s=sync_s,
             layout_2d=layout if self._group is not None and group < W else None,
-            max_sync_interval=self._max_sync_interval,
+            max_sync_interval=self._max_sync_interval, replica_sync=sync,
         )
 
     def _profile(self) -> HardwareProfile:

@@ -16,7 +16,10 @@ this file plus what its meaning needs elsewhere (the step composition of a pipel
   fuses, whether it runs the 2D replica sync), in the planner's order of preference on equal step
   times.
 - **Communication precisions**: :data:`COMM_PRECISION_REGISTRY` holds one :class:`CommPrecision`
-  per TorchRec qcomm codec the planner may choose (bytes per element, lossy or not, opt-in).
+  per TorchRec qcomm codec the planner may choose (bytes per element, lossy or not, opt-in,
+  whether it runs on gloo as named).
+- **2D strategies**: :data:`STRATEGY_2D_REGISTRY` holds one :class:`Strategy2D` per
+  ``DMPCollection`` sharding strategy the planner may choose (how replicas are kept in step).
 
 This module is a base module like :mod:`~torchrec_sparselift.errors`: it imports nothing of the
 package (and neither torch nor TorchRec), so every layer, the command line and the examples may
@@ -74,6 +77,12 @@ __all__ = [
     "COST_MODELS",
     "LAYOUTS_2D",
     "LAYOUT_2D_CHOICES",
+    # 2D strategies
+    "Strategy2D",
+    "STRATEGY_2D_REGISTRY",
+    "STRATEGIES_2D",
+    "STRATEGY_2D_CHOICES",
+    "strategy_2d",
 ]
 
 # -- sharding types ---------------------------------------------------------------------------
@@ -218,22 +227,47 @@ def pipeline(name: str) -> Pipeline:
 class CommPrecision:
     """A precision of the pooled embeddings' all-to-all / reduce-scatter (a TorchRec qcomm
     codec, ``CommType``): bytes per element on the wire, whether it loses accuracy (planned only
-    with ``allow_lossy_comm``), whether it needs its own opt-in (``allow_fp8``) and whether its
-    codec runs on CPU (gloo): TorchRec 1.8's fp8 codec fails inside the gloo all-to-all ("Tensor
-    'input' must have 2 dimension(s). Found 1"; measured with 2 ranks)."""
+    with ``allow_lossy_comm``), whether it needs its own opt-in (``allow_fp8``), and how it runs
+    on CPU/gloo: ``gloo_fails`` says why it does not run there at all (the runtime refuses it on
+    CPU), ``gloo_runs_as`` names the precision TorchRec substitutes for it there. The planner
+    offers on gloo only precisions that run as themselves (:func:`comm_precision_pairs` with
+    ``compute_device="cpu"``).
+
+    Measured with TorchRec 1.8.0, 2 gloo ranks, one forward and backward of table-wise (pooled
+    all-to-all) and row-wise (reduce-scatter) tables against fp32 (docs/benchmarks.md, "Comm
+    precisions on gloo"): fp16 runs both ways (relative error forward 4.5e-4, gradient 2.9e-4);
+    TorchRec's codec registry replaces bf16 with fp16 on CPU in both directions (identical results
+    to fp16); bf16 codecs built directly run both ways too (forward 2.6e-3, gradient 2.5e-3: the
+    broken bf16 backward reported in TorchRec #538 does not reproduce), but the runtime installs
+    TorchRec's registry; fp8 fails in the all-to-all both ways, and on the reduce-scatter the
+    registry falls back to fp16 while a forced fp8 codec returns wrong values (forward 103%,
+    gradient 71% relative error). ``benchmarks/gloo_comm_precisions.py`` measures it."""
 
     name: str
     bytes: int
     lossy: bool
     opt_in: str = ""
-    runs_on_cpu: bool = True
+    gloo_fails: str = ""
+    gloo_runs_as: str = ""
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        """The runtime accepts it on CPU (it may run as ``gloo_runs_as`` there)."""
+        return not self.gloo_fails
+
+    def runs_as_itself_on(self, compute_device: str) -> bool:
+        """It runs on ``compute_device`` as the precision it names."""
+        return compute_device != "cpu" or not (self.gloo_fails or self.gloo_runs_as)
 
 
 COMM_PRECISION_REGISTRY: Tuple[CommPrecision, ...] = (
     CommPrecision("fp32", 4, lossy=False),
     CommPrecision("fp16", 2, lossy=True),
-    CommPrecision("bf16", 2, lossy=True),
-    CommPrecision("fp8", 1, lossy=True, opt_in="allow_fp8", runs_on_cpu=False),
+    CommPrecision("bf16", 2, lossy=True, gloo_runs_as="fp16"),
+    CommPrecision("fp8", 1, lossy=True, opt_in="allow_fp8",
+                  gloo_fails="TorchRec's fp8 codec fails inside the gloo all-to-all (\"Tensor 'input' must have "
+                             "2 dimension(s). Found 1\", forward and backward); on the reduce-scatter it "
+                             "returns wrong values"),
 )
 _PRECISION_BY_NAME: Dict[str, CommPrecision] = {p.name: p for p in COMM_PRECISION_REGISTRY}
 #: Comm precisions a plan may choose.
@@ -256,16 +290,19 @@ def comm_precision(name: str) -> CommPrecision:
         raise ValueError(f"unknown comm precision {name!r}; choose one of {COMM_PRECISIONS}") from None
 
 
-def comm_precision_pairs(allow_lossy_comm: bool = False, allow_fp8: bool = False) -> Tuple[Tuple[str, str], ...]:
+def comm_precision_pairs(allow_lossy_comm: bool = False, allow_fp8: bool = False,
+                         compute_device: str = "cuda") -> Tuple[Tuple[str, str], ...]:
     """The (forward, backward) precision pairs the planner tries, in its order: fp32 both ways;
     with ``allow_lossy_comm`` also the fp16/bf16 ones; with ``allow_fp8`` too, fp8 forward with bf16
-    backward."""
+    backward. On ``compute_device="cpu"`` (gloo) only pairs whose precisions run as themselves
+    there (:meth:`CommPrecision.runs_as_itself_on`): fp32 and fp16."""
     pairs = _EXACT_PAIRS
     if allow_lossy_comm:
         pairs += _LOSSY_PAIRS
         if allow_fp8:
             pairs += _FP8_PAIRS
-    return pairs
+    return tuple(pair for pair in pairs
+                 if all(_PRECISION_BY_NAME[n].runs_as_itself_on(compute_device) for n in pair))
 
 
 # -- planner choices --------------------------------------------------------------------------
@@ -278,3 +315,61 @@ COST_MODELS: Tuple[str, ...] = ("sparselift", "torchrec")
 LAYOUTS_2D: Tuple[str, ...] = ("contiguous", "strided")
 #: What ``layout_2d=`` / ``--layout-2d`` accept: a layout, or ``auto`` (price both on several hosts).
 LAYOUT_2D_CHOICES: Tuple[str, ...] = ("auto",) + LAYOUTS_2D
+
+
+# -- 2D strategies ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Strategy2D:
+    """How a 2D plan keeps its replicas in step: one TorchRec ``ShardingStrategy`` of ``DMPCollection``.
+
+    Attributes:
+        name: the name plans, requests and the command line use.
+        torchrec_name: the ``torchrec.distributed.types.ShardingStrategy`` member it builds.
+        periodic_sync: replicas drift and are merged (weights and optimizer state) by
+            ``DMPCollection.sync()`` every ``sync_interval`` steps; the interval is a quality choice
+            (bounded by ``max_sync_interval``). Otherwise the weights are averaged inside every step
+            and there is no interval.
+        not_on_cpu: why TorchRec's implementation does not run on CPU/gloo ("" where it does).
+        doc: one line on what it communicates.
+    """
+
+    name: str
+    torchrec_name: str
+    periodic_sync: bool
+    not_on_cpu: str = ""
+    doc: str = ""
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        return not self.not_on_cpu
+
+
+STRATEGY_2D_REGISTRY: Tuple[Strategy2D, ...] = (
+    Strategy2D("default", "DEFAULT", periodic_sync=True,
+               doc="all-reduce (average) of weights and row-wise optimizer state over each replica "
+                   "group every sync_interval steps"),
+    Strategy2D("fully_sharded", "FULLY_SHARDED", periodic_sync=False,
+               not_on_cpu=("TorchRec 1.8.0 and 1.9.2 build FULLY_SHARDED tables as "
+                           "ShardedBatchedFusedEmbedding(Bag), whose constructor creates a torch.cuda.Stream "
+                           "('torch.cuda.Stream requires CUDA support' on 4 gloo ranks) and whose forward "
+                           "records CUDA events"),
+               doc="every step: reduce-scatter (average) of the weights over the replica group after "
+                   "the lookup, all-gather before the embedding backward; between them each rank "
+                   "holds 1/R of its shards' weights; optimizer state stays per replica"),
+)
+_STRATEGY_BY_NAME: Dict[str, Strategy2D] = {s.name: s for s in STRATEGY_2D_REGISTRY}
+#: 2D strategy names, in the planner's order of preference on equal step times.
+STRATEGIES_2D: Tuple[str, ...] = tuple(s.name for s in STRATEGY_2D_REGISTRY)
+#: What ``strategy_2d=`` / ``--2d-strategy`` accept: a strategy, or ``auto`` (price each one the
+#: device runs).
+STRATEGY_2D_CHOICES: Tuple[str, ...] = ("auto",) + STRATEGIES_2D
+
+
+def strategy_2d(name: str) -> Strategy2D:
+    """The :class:`Strategy2D` called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return _STRATEGY_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown 2D strategy {name!r}; choose one of {STRATEGY_2D_CHOICES}") from None

@@ -47,8 +47,9 @@ from dlrm_tables import (  # noqa: E402
     preset_tables,
     scale_tables,
 )
+from torchrec_sparselift.defaults import STRATEGY_2D as DEFAULT_STRATEGY_2D  # noqa: E402
 from torchrec_sparselift.defaults import ranks_per_host  # noqa: E402
-from torchrec_sparselift.vocabulary import COMPUTE_KERNELS, PIPELINES, SHARDING_TYPES  # noqa: E402
+from torchrec_sparselift.vocabulary import COMPUTE_KERNELS, PIPELINES, SHARDING_TYPES, STRATEGY_2D_CHOICES  # noqa: E402
 
 __all__ = [
     "UsageError",
@@ -148,6 +149,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="sparselift: train with this pipeline instead of the planned one (the prediction then no longer applies)",
     )
     p.add_argument("--allow-lossy-comm", action="store_true", help="sparselift may plan fp16/bf16 communication")
+    # ---- 2D sparse parallelism (SparseLiftPlanner(sharding_group_size=...), runtime.lift builds DMPCollection)
+    p.add_argument("--sharding-group-size", metavar="auto|N", help="sparselift: plan 2D sparse parallelism: tables "
+                   "sharded over groups of N ranks, the groups replicated (auto: the planner picks N, 1D included); "
+                   "default: 1D")
+    p.add_argument("--2d-strategy", dest="strategy_2d", choices=STRATEGY_2D_CHOICES, default=DEFAULT_STRATEGY_2D,
+                   help="with --sharding-group-size: how replicas stay in step (default: periodic sync; "
+                   "fully_sharded: reduce-scatter + all-gather of the weights every step, CUDA only; auto: priced)")
+    p.add_argument("--sync-interval", type=int, metavar="N", help="with --sharding-group-size: pin the replica sync "
+                   "interval (steps; default: the planner's choice, at most 16)")
     p.add_argument(
         "--measured-guard",
         type=int,
@@ -211,7 +221,37 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise UsageError("--measured-guard must be >= 0 and --guard-steps >= 1")
     if args.measured_guard and args.planner != "sparselift":
         raise UsageError("--measured-guard applies to --planner sparselift (it measures TorchRec's plan too)")
+    check_2d_args(args)
     return args
+
+
+def check_2d_args(args: argparse.Namespace) -> None:
+    """The 2D flags: ``--sharding-group-size`` becomes None, "auto" or an int; the others need it."""
+    g = args.sharding_group_size
+    if g is not None and g != "auto":
+        try:
+            g = int(g)
+        except ValueError:
+            g = 0
+        if g < 1:
+            raise UsageError(f"--sharding-group-size must be auto or a number of ranks >= 1, got {args.sharding_group_size!r}")
+    args.sharding_group_size = g
+    if args.sync_interval is not None and args.sync_interval < 1:
+        raise UsageError(f"--sync-interval must be >= 1 step, got {args.sync_interval}")
+    if g is None:
+        for flag, value, default in (("--2d-strategy", args.strategy_2d, DEFAULT_STRATEGY_2D),
+                                     ("--sync-interval", args.sync_interval, None)):
+            if value != default:
+                raise UsageError(f"{flag} needs --sharding-group-size auto|N (2D); without it the plan is 1D")
+        return
+    if args.planner != "sparselift":
+        raise UsageError("--sharding-group-size plans 2D with --planner sparselift (TorchRec's planner has no 2D)")
+    if args.sync_interval is not None and args.strategy_2d == "fully_sharded":
+        raise UsageError("--sync-interval does not apply to --2d-strategy fully_sharded (it syncs every step)")
+    for flag, value in (("--measured-guard", args.measured_guard), ("--checkpoint-dir", args.checkpoint_dir),
+                        ("--attribute", args.attribute)):
+        if value:
+            raise UsageError(f"{flag} is not supported with --sharding-group-size (2D) in this example; drop one")
 
 
 def resolve_tables(args: argparse.Namespace) -> List[TableSpec]:
@@ -246,7 +286,7 @@ def check_planning_input(args: argparse.Namespace, tables: Sequence[TableSpec]) 
         planner = make_planner(
             "sparselift", world_size, ranks_per_host(world_size=world_size), "cuda" if use_cuda else "cpu",
             args.batch_size, planner_constraints(tables, specs, one_hot=bool(args.criteo_dir)),
-            allow_lossy_comm=args.allow_lossy_comm)
+            allow_lossy_comm=args.allow_lossy_comm, **two_d_options(args))
         planner.request(ebc, get_default_sharders())
     except ValueError as e:
         raise UsageError(f"planning would refuse this input: {e}") from None
@@ -437,6 +477,9 @@ def make_planner(
     cache_dir: Optional[str] = None,
     allow_lossy_comm: bool = False,
     workload: Any = None,
+    sharding_group_size: Any = None,
+    strategy_2d: str = DEFAULT_STRATEGY_2D,
+    sync_interval: Optional[int] = None,
 ):
     """The planner ``name`` built with EmbeddingShardingPlanner's arguments (the one-word swap);
     SparseLift also gets ``hardware`` (preset name or profile JSON), ``cache_dir`` (execution
@@ -464,7 +507,18 @@ def make_planner(
         cache_dir=cache_dir,
         allow_lossy_comm=allow_lossy_comm,
         workload=workload,
+        sharding_group_size=sharding_group_size,
+        strategy_2d=strategy_2d,
+        sync_interval=sync_interval,
     )
+
+
+def two_d_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """``make_planner``'s 2D keywords from the command line (empty for 1D)."""
+    if args.sharding_group_size is None:
+        return {}
+    return dict(sharding_group_size=args.sharding_group_size, strategy_2d=args.strategy_2d,
+                sync_interval=args.sync_interval)
 
 
 def observed_workload(args: argparse.Namespace, tables: Sequence[Any], world_size: int) -> Any:
@@ -708,11 +762,13 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     planner = make_planner(
         args.planner, world_size, local_world_size, device.type, args.batch_size, constraints,
         hardware=hardware, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm, workload=workload,
+        **two_d_options(args),
     )  # fmt: skip
     sharders = get_default_sharders()
     opt_cls = torch.optim.Adagrad if args.dense_optimizer == "adagrad" else torch.optim.SGD
     t0 = time.perf_counter()
     reused: Optional[bool] = None
+    two_d_record: Optional[Dict[str, Any]] = None  # 2D settings applied (None: 1D)
     if args.planner == "sparselift":
         from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
         from torchrec_sparselift.runtime import lift
@@ -758,6 +814,14 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         dmp, pipeline, optimizer = lifted.model, lifted.pipeline, lifted.optimizer
         settings = lifted.settings
         prediction = execution_plan_prediction(ep, settings)
+        if settings.is_2d:
+            two_d_record = dict(sharding_group_size=settings.sharding_group_size, strategy=settings.strategy_2d,
+                                sync_interval=settings.sync_interval if settings.strategy_2d == "default" else None,
+                                layout=settings.layout_2d.kind if settings.layout_2d is not None else None)
+            say(f"[dlrm] 2D: groups of {settings.sharding_group_size} ranks x "
+                f"{world_size // settings.sharding_group_size} replicas, strategy {settings.strategy_2d}"
+                + (f", replica sync every {settings.sync_interval} steps" if settings.strategy_2d == "default" else "")
+                + (f", layout {settings.layout_2d.kind}" if settings.layout_2d is not None else ""))
         pipeline_kind, comm = settings.pipeline, f"{settings.fwd_comm_precision}/{settings.bwd_comm_precision}"
         predicted_s, timer_label = settings.predicted_step_s, settings.label()
     else:
@@ -888,6 +952,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         measured_guard=guard_result.to_dict() if args.planner == "sparselift" and guard_result is not None else None,
         pipeline=pipeline_kind,
         comm_precision=comm,
+        two_d=two_d_record,
         predicted_step_time_ms=None if predicted_s is None else predicted_s * 1e3,
         measured_step_time_ms=record.measured_s * 1e3,
         measured_over_predicted=record.ratio,

@@ -39,6 +39,7 @@ from torchrec_sparselift.calibration.records import (
     MicrobenchRecords,
 )
 from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost.terms import cold_row_seconds
 from torchrec_sparselift.errors import CalibrationError
 
 __all__ = [
@@ -192,7 +193,8 @@ def predict_lookup(profile: HardwareProfile, rec: LookupRecord) -> float:
     if rec.phase == "fwd":
         return profile.lookup_overhead_s + term + ids_fwd
     ids_bwd = rec.ids * profile.bwd_id_overhead_bytes / bw
-    return 2.0 * profile.lookup_overhead_s + (1.0 + profile.bwd_factor) * term + ids_fwd + ids_bwd
+    cold = cold_row_seconds(rec.ids, rec.rows * rec.dim * rec.elem_bytes, profile)
+    return 2.0 * profile.lookup_overhead_s + (1.0 + profile.bwd_factor) * term + ids_fwd + ids_bwd + cold
 
 
 def predict_collective(profile: HardwareProfile, rec: CollectiveRecord, spans_hosts: bool = False) -> float:
@@ -220,8 +222,11 @@ def fit_lookups(
     lookups: Sequence[LookupRecord],
     granularities: Sequence[int] = GRANULARITY_CANDIDATES,
 ) -> Tuple[Dict[str, float], Dict[str, float]]:
-    """Fit ``bw``, ``lookup_overhead_s``, ``bwd_factor``, ``row_granularity_bytes`` and the
-    width-independent per-id costs ``id_overhead_bytes`` / ``bwd_id_overhead_bytes``.
+    """Fit ``bw``, ``lookup_overhead_s``, ``bwd_factor``, ``row_granularity_bytes``, the
+    width-independent per-id costs ``id_overhead_bytes`` / ``bwd_id_overhead_bytes`` and, where
+    CPU forward + backward records span tables beyond ``base.lookup_cache_bytes``, ``cold_row_s``
+    (per id of a table beyond the cache, :func:`~torchrec_sparselift.cost.terms.cold_row_seconds`;
+    as in the cost model it is paid by the forward + backward, not by a forward alone).
 
     Forward and forward+backward records are fitted jointly: as in the cost model, the forward
     and the backward each pay ``lookup_overhead_s`` and share the bandwidth. Returns
@@ -237,8 +242,10 @@ def fit_lookups(
             "so bandwidth and overhead can be told apart"
         )
     y = [r.seconds for r in lookups]
-
-    def search(with_ids: bool) -> Tuple[float, int, Tuple[float, ...]]:
+    unit_cold = attrs.evolve(base, cold_row_s=1.0)
+    cold = [cold_row_seconds(r.ids, r.rows * r.dim * r.elem_bytes, unit_cold) if r.phase == "fwd_bwd" else 0.0
+            for r in lookups]
+    def search(with_ids: bool, with_cold: bool) -> Tuple[float, int, Tuple[float, ...]]:
         best: Optional[Tuple[float, int, Tuple[float, ...]]] = None
         base_result: Optional[Tuple[float, int, Tuple[float, ...]]] = None
         for g in sorted(set(granularities) | {base.row_granularity_bytes}):
@@ -247,16 +254,16 @@ def fit_lookups(
             for r in lookups:
                 b = float(r.ids * prof.row_bytes(r.dim, r.elem_bytes))
                 n = float(r.ids) if with_ids else 0.0
-                # columns: overhead, fwd bytes, bwd bytes, fwd per-id, bwd per-id
+                # columns: overhead, fwd bytes, bwd bytes, fwd per-id, bwd per-id, cold per-id
                 if r.phase == "fwd":
-                    rows.append([1.0, b, 0.0, n, 0.0])
+                    rows.append([1.0, b, 0.0, n, 0.0, 0.0])
                 else:  # forward + backward: two kernel calls, both pay the overhead
-                    rows.append([2.0, b, b, n, n])
+                    rows.append([2.0, b, b, n, n, cold[len(rows)] if with_cold else 0.0])
             keep = [0, 1] + ([2] if "fwd_bwd" in phases else []) + (
-                [3] + ([4] if "fwd_bwd" in phases else []) if with_ids else [])
+                [3] + ([4] if "fwd_bwd" in phases else []) + ([5] if with_cold else []) if with_ids else [])
             sub = [[row[k] for k in keep] for row in rows]
             c = fit_nonnegative(sub, y)
-            full = [0.0] * 5
+            full = [0.0] * 6
             for k, v in zip(keep, c):
                 full[k] = v
             loss = sum(abs(e) for e in _relative_residuals(sub, y, c))
@@ -270,9 +277,15 @@ def fit_lookups(
             best = base_result
         return best
 
-    best = search(with_ids=True)
+    # CPU only: a GPU's row gathers are bandwidth-bound at every table size (hbm_bw prices them) and
+    # its cache is not lookup_cache_bytes' per-core L2; GPU profiles keep cold_row_s = 0
+    with_cold = any(c > 0 for c in cold) and all(r.device == "cpu" for r in lookups)
+    best = search(with_ids=True, with_cold=with_cold)
+    if best[2][1] <= 0 and with_cold:  # bytes and cold ids not separable in this sweep: no cold term
+        with_cold = False
+        best = search(with_ids=True, with_cold=False)
     if best[2][1] <= 0:  # bytes and ids not separable in this sweep: bytes only
-        best = search(with_ids=False)
+        best = search(with_ids=False, with_cold=False)
     _, g, coef = best
     overhead, per_byte = coef[0], coef[1]
     if per_byte <= 0:
@@ -287,6 +300,8 @@ def fit_lookups(
     }
     if "fwd_bwd" in phases:
         params["bwd_id_overhead_bytes"] = coef[4] / per_byte
+    if with_cold:
+        params["cold_row_s"] = coef[5]
     if "fwd_bwd" in phases and coef[2] > 0:
         params["bwd_factor"] = coef[2] / per_byte
     # else: the sweep cannot resolve the backward's bytes term (overhead-dominated); the caller
@@ -404,6 +419,8 @@ def fit_kernel_profile(
     )
     if "bwd_id_overhead_bytes" in lk:
         fields["bwd_id_overhead_bytes"] = lk["bwd_id_overhead_bytes"]
+    if "cold_row_s" in lk:
+        fields["cold_row_s"] = lk["cold_row_s"]
     if "bwd_factor" in lk:
         fields["bwd_factor"] = lk["bwd_factor"]
     elif any(r.phase == "fwd_bwd" for r in records.lookups):

@@ -100,6 +100,7 @@ CPU_STEP_TERMS: Tuple[FitTerm, ...] = (
     FitTerm("1/dense_mem_bw", ("dense_mem_bw",), reciprocal=True, step=1e-11),
     FitTerm("bwd_row_s", ("bwd_row_s",), step=1e-8),
     FitTerm("reduce_scatter_factor", ("reduce_scatter_factor",), step=1e-3),
+    FitTerm("cold_row_s", ("cold_row_s",), step=1e-9),
 )
 
 

@@ -37,7 +37,7 @@ import attrs
 
 from torchrec_sparselift.atomic import flock_until, lock_holder, write_json
 from torchrec_sparselift.calibration.link import LinkRates, LinkRatesError
-from torchrec_sparselift.calibration.step_fit import STEP_MODEL_VERSION, StepFitInfo
+from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, STEP_MODEL_VERSION, StepFitInfo
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.files import Fields, load_json, parse_json
@@ -54,6 +54,7 @@ __all__ = [
     "base_profile_text",
     "auto_profile",
     "auto_profile_link",
+    "with_base_terms",
     "stored_profile_problems",
     "disturbed_spread",
     "drift_spread",
@@ -418,7 +419,7 @@ def stored_profile_problems(info: StepFitInfo) -> List[str]:
     out = []
     missing = info.missing_terms()
     if missing:
-        out.append(f"was fitted before the cost model had {', '.join(missing)} (they take their fallback values)")
+        out.append(f"was fitted before the cost model had {', '.join(missing)} (they take the base profile's values)")
     version = info.fitted_model_version()
     if version is not None and version != STEP_MODEL_VERSION:
         out.append(f"was fitted under cost-model structure {version} (this code prices structure "
@@ -438,6 +439,16 @@ def auto_profile(device: str, ranks: int, store: Optional[ProfileStore] = None,
     (``warn`` says how to calibrate). Only reads the store. ``cores``: see :func:`current_fingerprint`."""
     profile, where, _link = auto_profile_link(device, ranks, store, warn, cores, hosts)
     return profile, where
+
+
+def with_base_terms(profile: HardwareProfile, info: StepFitInfo, base: HardwareProfile) -> HardwareProfile:
+    """``profile`` with every step term its fit lacks (:meth:`StepFitInfo.missing_terms`: fitted by an
+    older cost model, so the stored file has no value of its own for it) set to ``base``'s value,
+    the prior a calibration would have started that term from (e.g. ``cold_row_s`` of the package's
+    kernel profile), instead of the field's class default."""
+    missing = set(info.missing_terms())
+    fields = {f: getattr(base, f) for t in CPU_STEP_TERMS if t.name in missing for f in t.fields}
+    return attrs.evolve(profile, **fields) if fields else profile
 
 
 def auto_profile_link(device: str, ranks: int, store: Optional[ProfileStore] = None,
@@ -463,7 +474,7 @@ def auto_profile_link(device: str, ranks: int, store: Optional[ProfileStore] = N
         except LinkRatesError as e:
             warn(f"sparselift: {e}")
             link = None
-        return found.profile, found.path, link
+        return with_base_terms(found.profile, found.step_fit, base_profile(device)), found.path, link
     base = base_profile(device)
     warn(f"sparselift: no calibrated profile for this machine in {store.root}; using {base.name}: "
          f"predictions may be off; {how}")

@@ -102,8 +102,20 @@ class HardwareProfile:
             its backward all-gather) relative to an all-to-all byte on the same link (measured
             alone on 2 gloo ranks: reduce-scatter ~4.5x, all-gather ~2x an all-to-all's per byte);
             1.0 in the presets.
-        The last nine are 0 (or None) in the presets; :mod:`torchrec_sparselift.calibration.step_fit`
-        fits them from measured steps.
+        cold_row_s: per id looked up (forward and backward together) in a shard larger than
+            ``lookup_cache_bytes``, times the share of the shard beyond it (``1 - cache / shard
+            bytes``): the rows a lookup reads and writes back come from memory instead of the
+            cache (:func:`torchrec_sparselift.cost.terms.cold_row_seconds`). Measured on the 2-core
+            CPU: ~70 ns per id at a 1 MiB cache (``profiles/cpu-2core-gloo.records.json``'s lookups);
+            0 in the GPU presets (a GPU's row gathers are bandwidth-bound at every table size,
+            which ``hbm_bw`` prices).
+        lookup_cache_bytes: the cache one rank's lookups share (bytes); a shard within it pays no
+            ``cold_row_s``. Not fitted (the step time is not linear in it): the CPU value is the
+            one the kernel records support best (1 MiB, the per-core L2 of the 2-core machine;
+            of 1, 4, 16 and 32 MiB).
+        The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the
+        presets; :mod:`torchrec_sparselift.calibration.step_fit` fits them from measured steps
+        (all but ``lookup_cache_bytes``).
     """
 
     name: str
@@ -137,6 +149,8 @@ class HardwareProfile:
     dense_mem_bw: Optional[float] = attrs.field(default=None)
     bwd_row_s: float = attrs.field(default=0.0, validator=_non_negative)
     reduce_scatter_factor: float = attrs.field(default=1.0, validator=_positive)
+    cold_row_s: float = attrs.field(default=0.0, validator=_non_negative)
+    lookup_cache_bytes: int = attrs.field(default=1 << 20)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):
@@ -149,6 +163,8 @@ class HardwareProfile:
             raise ValueError("HardwareProfile memory capacities must be positive")
         if not 0.0 <= self.cache_hit_rate <= 1.0:
             raise ValueError("HardwareProfile.cache_hit_rate must be within [0, 1]")
+        if self.lookup_cache_bytes < 1:
+            raise ValueError(f"HardwareProfile.lookup_cache_bytes must be >= 1, got {self.lookup_cache_bytes!r}")
         if self.row_granularity_bytes < 1:
             raise ValueError("HardwareProfile.row_granularity_bytes must be >= 1")
         for name in RATE_FALLBACK:

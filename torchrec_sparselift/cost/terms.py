@@ -29,8 +29,12 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift.semantics.graph import shard_nodes
+
 __all__ = [
     "LoadColumn",
+    "cold_row_seconds",
+    "cold_rows_load",
     "LOAD_COLUMNS",
     "PHASE_PRECISION",
     "LoadLayout",
@@ -62,6 +66,34 @@ class LoadColumn:
             raise ValueError(f"memory column {self.name!r}: capacity must be 'device' or 'host'")
 
 
+def cold_row_seconds(ids: float, shard_bytes: float, profile: Any) -> float:
+    """Seconds ``ids`` lookups (forward and backward together) of a shard of ``shard_bytes`` pay
+    beyond the row traffic ``hbm_bw`` prices, because the shard does not fit the cache its rank's
+    lookups share:
+
+        ids * cold_row_s * max(0, 1 - lookup_cache_bytes / shard_bytes)
+
+    (under uniform access, the share of the rows read that are not in the cache). 0 for a shard
+    within the cache and for a profile with ``cold_row_s = 0`` (the GPU presets); never decreases
+    as the shard grows."""
+    if ids <= 0 or shard_bytes <= 0 or profile.cold_row_s <= 0:
+        return 0.0
+    miss = 1.0 - profile.lookup_cache_bytes / float(shard_bytes)
+    return float(ids) * profile.cold_row_s * miss if miss > 0 else 0.0
+
+
+def cold_rows_load(spec: Any, cand: Any, ctx: Any) -> float:
+    """The ``cold_rows_s`` load of one shard on its rank: :func:`cold_row_seconds` of the ids its
+    memory-resident lookups read (``shard_nodes``' ``lookup`` nodes on ``hbm``, i.e. device memory,
+    or host memory on CPU; UVM and key-value lookups have rates of their own) and the shard's
+    weight bytes (``shard_rows x shard_cols x elem_bytes``)."""
+    if ctx.profile.cold_row_s <= 0:
+        return 0.0
+    ids = sum(n.quantity for n in shard_nodes(spec, cand, ctx.world_size, ctx.local_world_size)
+              if n.kind == "lookup" and n.resource == "hbm")
+    return cold_row_seconds(ids, cand.shard_rows * cand.shard_cols * spec.elem_bytes, ctx.profile)
+
+
 #: The columns, in load-vector order. New columns go at the end (indices stay stable).
 LOAD_COLUMNS: Tuple[LoadColumn, ...] = (
     LoadColumn("fwd_s", "time", ("lookup",), group_cost="lookup_overhead_s",
@@ -79,6 +111,9 @@ LOAD_COLUMNS: Tuple[LoadColumn, ...] = (
                doc="pooled embeddings (and their gradients) across hosts"),
     LoadColumn("device_mem_bytes", "memory", capacity="device", doc="device memory"),
     LoadColumn("host_mem_bytes", "memory", capacity="host", doc="host memory"),
+    LoadColumn("cold_rows_s", "time", ("backward_update",), shard_load=cold_rows_load,
+               doc="lookups of shards larger than the cache (cold_row_s; forward and backward, "
+                   "in the backward's phase, where ~90% of it is measured)"),
 )
 
 #: The comm precision that scales a link phase's bytes (``None``: ids, always full size).

@@ -14,6 +14,23 @@ groups inside a host when ``R <= ranks per host``; contiguous groups put them ac
 The all-to-all inside a sharding group is priced by the ordinary cost model on a group-local
 topology with ``Layout2D.group_ranks_per_host`` ranks per host.
 
+That is ``DMPCollection``'s ``ShardingStrategy.DEFAULT`` (:data:`~torchrec_sparselift.vocabulary.STRATEGY_2D_REGISTRY`
+"default"). Its ``FULLY_SHARDED`` strategy ("fully_sharded") keeps no interval: every step, after
+the lookup, each rank reduce-scatters (averages) its shards' weights ``w_g`` over its replica
+group and keeps ``1/R`` of them; before the embedding backward it all-gathers them back:
+
+    t_rs = t_ag = latency + (R - 1) / R * max_g w_g * rs_factor / bw_replica
+    per step: t_ag + t_rs                       (no overlap on this hardware)
+              t_ag + max(0, t_rs - t_dense)     (the reduce-scatter runs on a side stream
+                                                 beside the dense forward and backward)
+
+``w_g`` is weights only (its optimizer state stays per replica), ``rs_factor`` the profile's
+``reduce_scatter_factor``. Memory per rank (:func:`two_d_memory`): both strategies need the full
+weights and optimizer state while the embedding backward runs (TorchRec's all-gather restores
+them there), so the storage each rank must fit is the same; ``fully_sharded`` holds only
+``w_g / R`` (plus padding to a multiple of ``R`` elements) of the weights through the dense part of
+the step, where activations peak, freeing ``w_g (R - 1) / R``.
+
 The sync interval changes model quality, so it is bounded: the planner never chooses an interval
 above ``max_sync_interval`` (default :data:`DEFAULT_MAX_SYNC_INTERVAL`, the largest interval at
 which quality parity with 1D was measured, :data:`PARITY_EVIDENCE`); a larger bound is the
@@ -22,16 +39,21 @@ user's explicit allowance, like lossy comms and staleness.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+import attrs
 import numpy as np
 
 from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.semantics.layout import Layout2D
-from torchrec_sparselift.vocabulary import PIPELINES_2D
+from torchrec_sparselift.vocabulary import PIPELINES_2D, strategy_2d
 
 __all__ = [
+    "TwoDMemory",
+    "two_d_memory",
+    "fully_sharded_s",
     "replica_sync_s",
     "replica_sync_bytes",
     "amortised_sync",
@@ -73,21 +95,75 @@ def replica_sync_s(max_rank_bytes: float, layout: Layout2D, profile: HardwarePro
     R = layout.num_replicas
     if R <= 1 or max_rank_bytes <= 0:
         return 0.0
-    bw = profile.intra_host_bw if layout.replica_sync_intra_host else profile.inter_host_bw
-    return profile.collective_latency_s + 2 * (R - 1) / R * max_rank_bytes / bw
+    return profile.collective_latency_s + 2 * (R - 1) / R * max_rank_bytes / _replica_bw(layout, profile)
 
 
-def replica_sync_bytes(shards: Iterable[Tuple[int, int, int, Sequence[int]]], group_size: int) -> float:
+def replica_sync_bytes(shards: Iterable[Tuple[int, int, int, Sequence[int]]], group_size: int,
+                       optimizer_state: bool = True) -> float:
     """The bytes one replica sync all-reduces: the most state any of the ``group_size`` ranks of
     a sharding group holds. Per shard ``(rows, columns, element bytes, ranks)``: its weights,
-    ``rows * columns * element bytes``, and its row-wise optimizer state, one fp32 per row, on
-    each of its ranks."""
+    ``rows * columns * element bytes``, and (``optimizer_state``) its row-wise optimizer state,
+    one fp32 per row, on each of its ranks. ``optimizer_state=False``: the weights alone, what
+    ``fully_sharded`` reduce-scatters and all-gathers every step."""
     per_rank = np.zeros(group_size)
     for rows, cols, elem_bytes, ranks in shards:
-        b = rows * cols * elem_bytes + rows * 4
+        b = rows * cols * elem_bytes + (rows * 4 if optimizer_state else 0)
         for r in ranks:
             per_rank[r] += b
     return float(per_rank.max())
+
+
+def _replica_bw(layout: Layout2D, profile: HardwareProfile) -> float:
+    return profile.intra_host_bw if layout.replica_sync_intra_host else profile.inter_host_bw
+
+
+def fully_sharded_s(max_rank_weight_bytes: float, layout: Layout2D, profile: HardwareProfile,
+                    dense_s: float = 0.0) -> float:
+    """Seconds per step of ``fully_sharded``'s reduce-scatter and all-gather of the weights over
+    the replica group (module docstring); the reduce-scatter hides behind ``dense_s`` seconds of
+    dense work where the profile overlaps communication with compute."""
+    R = layout.num_replicas
+    if R <= 1 or max_rank_weight_bytes <= 0:
+        return 0.0
+    one = (profile.collective_latency_s + (R - 1) / R * max_rank_weight_bytes
+           * profile.reduce_scatter_factor / _replica_bw(layout, profile))
+    rs = max(0.0, one - dense_s) if profile.supports_overlap else one
+    return one + rs
+
+
+@attrs.frozen
+class TwoDMemory:
+    """Bytes per rank of a 2D plan's fullest rank: ``weight_bytes`` and ``optimizer_bytes`` it
+    holds while the embedding backward runs (what must fit: the same under every strategy), and
+    ``dense_phase_bytes``, what it holds of them while the dense part of the step runs."""
+
+    strategy: str
+    weight_bytes: float
+    optimizer_bytes: float
+    dense_phase_bytes: float
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.weight_bytes + self.optimizer_bytes
+
+    @property
+    def freed_bytes(self) -> float:
+        """Bytes the strategy frees through the dense part (0 for ``default``)."""
+        return self.peak_bytes - self.dense_phase_bytes
+
+
+def two_d_memory(strategy: str, weight_bytes: float, optimizer_bytes: float, num_replicas: int,
+                 elem_bytes: int = 4) -> TwoDMemory:
+    """:class:`TwoDMemory` of one rank holding ``weight_bytes`` of shard weights and
+    ``optimizer_bytes`` of optimizer state under ``strategy`` with ``num_replicas`` replicas:
+    ``fully_sharded`` keeps ``ceil(elements / R)`` of the weights through the dense part."""
+    if strategy_2d(strategy).periodic_sync or num_replicas <= 1:
+        dense = weight_bytes + optimizer_bytes
+    else:
+        elems = weight_bytes / elem_bytes
+        dense = math.ceil(elems / num_replicas) * elem_bytes + optimizer_bytes
+    return TwoDMemory(strategy=strategy, weight_bytes=weight_bytes, optimizer_bytes=optimizer_bytes,
+                      dense_phase_bytes=float(dense))
 
 
 def amortised_sync(step_s: float, sync_s: float, sync_interval: Optional[int] = None,

@@ -68,10 +68,16 @@ class ProbeWorkload:
     dcn_layers: int = 2
     dcn_rank: int = 32
     batch_size: int = 256
+    #: plan kinds this probe model does not run (:func:`ProbeWorkload.kinds`)
+    skip_kinds: Tuple[str, ...] = ()
 
     @property
     def dim(self) -> int:
         return self.tables[0].dim
+
+    def kinds(self, kinds: Optional[Sequence[str]] = None) -> Tuple[str, ...]:
+        """The plan kinds of ``kinds`` (default :data:`PLAN_KINDS`) this probe model runs."""
+        return tuple(k for k in (kinds or PLAN_KINDS) if k not in self.skip_kinds)
 
 
 def _tables(prefix: str, spec: Sequence[Tuple[int, int, int, float]]) -> Tuple[ProbeTable, ...]:
@@ -84,7 +90,7 @@ def _tables(prefix: str, spec: Sequence[Tuple[int, int, int, float]]) -> Tuple[P
 
 
 #: The probe models: few wide tables (DCN), many small tables, shared multi-feature tables, many
-#: wide tables (DCN).
+#: wide tables (DCN), a few large tables.
 PROBE_WORKLOADS: Tuple[ProbeWorkload, ...] = (
     ProbeWorkload("probe_wide", _tables("w", [(40000, 128, 1, 4.0), (8000, 128, 1, 1.0), (2000, 128, 1, 2.0),
                                               (500, 128, 1, 1.0)]),
@@ -96,6 +102,15 @@ PROBE_WORKLOADS: Tuple[ProbeWorkload, ...] = (
     # many wide tables: the dense part and the per-table / per-feature work at DLRM-like counts
     ProbeWorkload("probe_deep", _tables("d", [(100 + 400 * i, 128, 1, 1.0 + (i % 3)) for i in range(20)]),
                   model="dcn", dense=(64,), batch_size=256),
+    # tables far beyond the cache (0.5-51 MB at 2,000-200,000 rows): the per-id cost of lookups in
+    # large tables (cold_row_s) apart from the row bytes, which the other probes' tables (up to
+    # 20 MB, most under 4 MB) cannot tell apart
+    ProbeWorkload("probe_large", _tables("l", [(200000, 64, 1, 2.0), (100000, 64, 1, 1.0), (40000, 64, 1, 2.0),
+                                               (2000, 64, 1, 1.0)]),
+                  model="dlrm", dense=(64,), batch_size=512,
+                  # all data-parallel: 1.4 s a step (its 87 MB replicas' all-reduce and optimizer),
+                  # a sixth of the calibration for terms the other probes' replicas already fit
+                  skip_kinds=("data_parallel",)),
 )
 
 #: Probe plan kinds: one sharding type for every table, or by size (mixed; dp_small: the smaller half

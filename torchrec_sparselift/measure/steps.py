@@ -152,7 +152,8 @@ def measure_probes(
     if progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(workloads) * len(kinds) + (len(workloads) + 1 if normalize else 0), desc="calibrate",
+        bar = tqdm(total=sum(len(w.kinds(kinds)) for w in workloads) + (len(workloads) + 1 if normalize else 0),
+                   desc="calibrate",
                    unit="plan", file=sys.stdout, ascii=True, mininterval=0.5)
 
     def reference() -> float:
@@ -171,7 +172,7 @@ def measure_probes(
     raw = []
     for w in workloads:
         batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
-        for kind in kinds:
+        for kind in w.kinds(kinds):
             plan, cons = forced_plan(probe.probe_model(w), w.tables, kind, topo, w.batch_size, pg, base,
                                      stats=probe.probe_stats(w, n=PROBE_BATCHES))
             torch.manual_seed(0)

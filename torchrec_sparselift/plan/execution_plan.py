@@ -36,6 +36,7 @@ from torchrec_sparselift.semantics.tables import embedding_configs, embedding_mo
 from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.vocabulary import COMM_PRECISIONS as _COMM_PRECISIONS
 from torchrec_sparselift.vocabulary import PIPELINES as _PIPELINES
+from torchrec_sparselift.vocabulary import STRATEGIES_2D
 
 __all__ = [
     "EXECUTION_PLAN_SCHEMA",
@@ -176,6 +177,8 @@ class Optimizations:
         layout_2d: which ranks form the sharding and replica groups (:class:`Layout2D`, 2D only);
             the runtime builds ``DMPCollection`` from it.
         max_sync_interval: the sync-interval bound the plan was made under (2D only).
+        strategy_2d: how the replicas are kept in step, one of :data:`STRATEGIES_2D`
+            (``DMPCollection``'s ``ShardingStrategy``; 2D only, None read as "default").
         table_grouping: whether tables with equal kernel/dim are fused into one TBE group.
     """
 
@@ -189,9 +192,14 @@ class Optimizations:
         default=None, converter=lambda v: Layout2D.from_dict(v) if isinstance(v, Mapping) else v,
         validator=attrs.validators.optional(attrs.validators.instance_of(Layout2D)))
     max_sync_interval: Optional[int] = attrs.field(default=None)
+    strategy_2d: Optional[str] = attrs.field(
+        default=None, validator=attrs.validators.optional(_one_of(STRATEGIES_2D)))
 
     def __attrs_post_init__(self) -> None:
         g = self.sharding_group_size
+        if g is None and self.strategy_2d is not None:
+            raise ValueError(f"Optimizations.strategy_2d={self.strategy_2d!r} needs a 2D plan "
+                             "(sharding_group_size); drop it for 1D")
         lay = self.layout_2d
         if lay is not None and (g is None or lay.group_size != g):
             raise ValueError(
@@ -202,6 +210,12 @@ class Optimizations:
     @property
     def is_2d(self) -> bool:
         return self.sharding_group_size is not None
+
+    @property
+    def strategy(self) -> Optional[str]:
+        """The 2D strategy in force: ``strategy_2d``, "default" for a 2D plan stored without one,
+        None for 1D."""
+        return (self.strategy_2d or "default") if self.is_2d else None
 
 
 @attrs.frozen(kw_only=True)
@@ -507,7 +521,8 @@ class ExecutionPlan:
     def summary(self) -> str:
         """One line for logs: pipeline, precision, 2D, predicted step, gap, solver."""
         o, p = self.optimizations, self.prediction
-        two_d = f"2D group {o.sharding_group_size}/sync {o.sync_interval}" if o.is_2d else "1D"
+        sync = "fully_sharded" if o.strategy == "fully_sharded" else f"sync {o.sync_interval}"
+        two_d = f"2D group {o.sharding_group_size}/{sync}" if o.is_2d else "1D"
         if o.layout_2d is not None:
             two_d += f" ({o.layout_2d.kind})"
         tables = sum(len(m) for m in self.sharding_plan.plan.values() if isinstance(m, dict))

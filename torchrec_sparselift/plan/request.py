@@ -46,7 +46,7 @@ from torchrec_sparselift.plan.execution_plan import (
 from torchrec_sparselift.semantics.tables import TableHandle, TableSpec
 from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.vocabulary import SOLVERS as _SOLVERS
-from torchrec_sparselift.vocabulary import SYNC_PIPELINES, comm_precision_pairs
+from torchrec_sparselift.vocabulary import STRATEGY_2D_CHOICES, SYNC_PIPELINES, comm_precision_pairs
 
 __all__ = ["PlanRequest", "SOLVERS", "describe_callbacks", "describe_sharders", "describe_reservation"]
 
@@ -183,6 +183,7 @@ class PlanRequest:
     cost_model: str = attrs.field(default="sparselift", validator=attrs.validators.instance_of(str))
     max_sync_interval: Optional[int] = attrs.field(default=None, validator=_opt_pos_int)
     layout_2d: str = attrs.field(default=defaults.LAYOUT_2D, validator=attrs.validators.instance_of(str))
+    strategy_2d: str = attrs.field(default=defaults.STRATEGY_2D, validator=attrs.validators.in_(STRATEGY_2D_CHOICES))
     measured_guard: Any = attrs.field(default=None)
     never_slower: Union[bool, str] = attrs.field(default=defaults.NEVER_SLOWER,
                                                  validator=attrs.validators.in_(defaults.NEVER_SLOWER_CHOICES))
@@ -263,6 +264,9 @@ class PlanRequest:
         lay = getattr(o, "layout_2d", None)
         if g is not None and self.layout_2d != "auto" and (lay is None or lay.kind != self.layout_2d):
             return f"its rank layout is {lay.kind if lay else 'not stored'}, not the {self.layout_2d} asked for"
+        strategy = getattr(o, "strategy", None)
+        if g is not None and self.strategy_2d != "auto" and strategy != self.strategy_2d:
+            return f"its 2D strategy is {strategy}, not the {self.strategy_2d} asked for"
         if lay is not None and lay.world_size != W:
             return f"its 2D layout is for {lay.world_size} ranks, not {W}"
         ranks = g or W

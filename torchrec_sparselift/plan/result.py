@@ -19,6 +19,7 @@ from torchrec_sparselift.plan.baseline import BaselineDecision
 from torchrec_sparselift.plan.execution_plan import Optimizations, Prediction, RankPrediction
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.search.solve import SearchResult
+from torchrec_sparselift.search.two_d import ReplicaSyncChoice
 from torchrec_sparselift.semantics.layout import Layout2D
 from torchrec_sparselift.semantics.tables import TableHandle
 
@@ -45,6 +46,14 @@ class PlanResult:
     alternatives_layout: Tuple[Tuple[int, str, float], ...] = ()  # (group, layout, step s)
     #: the never-slower rule's decision (plan.baseline.BaselineDecision); None: not asked for
     never_slower: Optional[BaselineDecision] = None
+    replica_sync: Optional[ReplicaSyncChoice] = None  # the 2D strategy chosen and its rivals (2D only)
+
+    @property
+    def strategy_2d(self) -> Optional[str]:
+        """The 2D strategy (``vocabulary.STRATEGIES_2D``); None for 1D."""
+        if not self.sharding_group_size:
+            return None
+        return self.replica_sync.strategy if self.replica_sync is not None else "default"
 
     @property
     def step_time_s(self) -> float:
@@ -62,6 +71,7 @@ class PlanResult:
                              sharding_group_size=self.sharding_group_size,
                              sync_interval=self.sync_interval,
                              layout_2d=self.layout_2d if self.sharding_group_size else None,
+                             strategy_2d=self.strategy_2d,
                              max_sync_interval=(self.max_sync_interval
                                                 if self.sharding_group_size else None))
 
@@ -77,13 +87,33 @@ class PlanResult:
         return Prediction(step_time_s=self.step_time_s, lower_bound_s=min(lb, self.step_time_s),
                           per_rank=per_rank, cost_model=f"sparselift/{self.profile.name}")
 
+    def _sync_words(self) -> str:
+        if self.strategy_2d == "fully_sharded":
+            return (f"strategy fully_sharded (weights reduce-scattered and all-gathered every step, "
+                    f"{self.sync_s * 1e3:.3f} ms/step)")
+        return (f"replica sync every {self.sync_interval} steps ({self.sync_s * 1e3:.3f} ms/step)")
+
+    def _strategy_lines(self) -> List[str]:
+        """The 2D strategy's rivals and the fullest rank's memory under the chosen one."""
+        c = self.replica_sync
+        if c is None:
+            return []
+        MiB = 2.0 ** 20
+        lines = ["2D strategy " + c.strategy + ": " + ", ".join(
+            f"{n} {t * 1e3:.3f} ms/step" for n, t in c.alternatives)]
+        lines += [f"  {n} not priced: {r}" for n, r in c.refused]
+        m = c.memory
+        lines.append(f"  fullest rank holds {m.weight_bytes / MiB:.1f} MiB weights + "
+                     f"{m.optimizer_bytes / MiB:.1f} MiB optimizer state in the embedding backward, "
+                     f"{m.dense_phase_bytes / MiB:.1f} MiB through the dense part")
+        return lines
+
     def summary(self) -> str:
         s = self.search
         lines = [
             f"SparseLift plan: {len(self.handles)} tables on {self.topology.world_size} ranks "
             f"({self.profile.name}), pipeline={s.pipeline}, comm={s.fwd_precision}/{s.bwd_precision}"
-            + (f", 2D: groups of {self.sharding_group_size} ranks, replica sync every "
-               f"{self.sync_interval} steps ({self.sync_s * 1e3:.3f} ms/step)"
+            + (f", 2D: groups of {self.sharding_group_size} ranks, " + self._sync_words()
                if self.sharding_group_size else ", 1D"),
             f"  predicted step {self.step_time_s * 1e3:.3f} ms, lower bound "
             f"{s.lower_bound_s * 1e3:.3f} ms (gap {s.gap * 100:.1f}%), planned in "
@@ -93,8 +123,10 @@ class PlanResult:
             lines.append("  " + self.never_slower.describe())
         if self.sharding_group_size and self.layout_2d is not None:
             lines += ["  " + line for line in self.layout_2d.describe()]
-            lines.append(f"  sync interval {self.sync_interval} (bound {self.max_sync_interval}): "
-                         f"{sync_evidence(self.sync_interval)}")
+            if self.strategy_2d == "default":
+                lines.append(f"  sync interval {self.sync_interval} (bound {self.max_sync_interval}): "
+                             f"{sync_evidence(self.sync_interval)}")
+            lines += ["  " + line for line in self._strategy_lines()]
         for h, (cid, ranks) in zip(self.handles, s.assignment):
             c = self.problem.cands[cid]
             rk = ranks_repr(ranks)

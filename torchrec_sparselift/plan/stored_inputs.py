@@ -154,6 +154,7 @@ class PlanInputs:
     sharding_group_size: Union[None, int, str] = None
     max_sync_interval: Optional[int] = None
     layout_2d: str = defaults.LAYOUT_2D
+    strategy_2d: str = defaults.STRATEGY_2D
 
     def __attrs_post_init__(self) -> None:
         given = [x for x in (self.tables, self.workload, self.model) if x]
@@ -216,6 +217,7 @@ class PlanInputs:
             "sharding_group_size": self.sharding_group_size,
             "max_sync_interval": self.max_sync_interval,
             "layout_2d": self.layout_2d,
+            "strategy_2d": self.strategy_2d,
         }
 
     @classmethod
@@ -254,6 +256,7 @@ class PlanInputs:
                 sharding_group_size=group,
                 max_sync_interval=f.opt("max_sync_interval", int, lo=1),
                 layout_2d=f.opt("layout_2d", str, defaults.LAYOUT_2D),
+                strategy_2d=f.opt("strategy_2d", str, defaults.STRATEGY_2D),
                 time_budget_s=f.opt("time_budget_s", float, defaults.TIME_BUDGET_S, lo=0.0),
                 source=f.opt("source", str, ""),
             )

@@ -46,6 +46,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_sparselift import defaults, vocabulary
+from torchrec_sparselift.vocabulary import PIPELINES_2D
 from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
 
@@ -106,6 +107,9 @@ class RuntimeSettings:
     sync_interval: Optional[int] = attrs.field(default=None, validator=_optional_positive_int)
     #: the plan's 2D rank layout (a ``Layout2D``; None for 1D or a bare ShardingPlan)
     layout_2d: Any = attrs.field(default=None)
+    #: the plan's 2D strategy (``vocabulary.STRATEGIES_2D``; None for 1D)
+    strategy_2d: Optional[str] = attrs.field(
+        default=None, validator=attrs.validators.optional(_one_of(vocabulary.STRATEGIES_2D)))
     predicted_step_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
     description: str = attrs.field(default="")
 
@@ -117,7 +121,8 @@ class RuntimeSettings:
         """``description`` if set, else the settings themselves in one line."""
         if self.description:
             return self.description
-        two_d = f", 2D group {self.sharding_group_size}/sync {self.sync_interval}" if self.is_2d else ""
+        sync = "fully_sharded" if self.strategy_2d == "fully_sharded" else f"sync {self.sync_interval}"
+        two_d = f", 2D group {self.sharding_group_size}/{sync}" if self.is_2d else ""
         return f"pipeline={self.pipeline}, comm={self.fwd_comm_precision}/{self.bwd_comm_precision}{two_d}"
 
 
@@ -174,6 +179,7 @@ def resolve_settings(
         sharding_group_size=group,
         sync_interval=getattr(opt, "sync_interval", None) if group is not None else None,
         layout_2d=getattr(opt, "layout_2d", None) if group is not None else None,
+        strategy_2d=(getattr(opt, "strategy_2d", None) or "default") if group is not None else None,
         predicted_step_s=None if changed else getattr(prediction, "step_time_s", None),
         description="" if changed or not callable(summary) else summary(),
     )
@@ -217,18 +223,16 @@ def comm_codecs_registry(
 ) -> Optional[Dict[str, Any]]:
     """TorchRec quantized-comm codecs for the pooled/sequence embedding all-to-alls and reduce-scatter.
 
-    None for fp32/fp32 (no codec at all). On CPU (gloo) TorchRec replaces bf16 with fp16 and logs
-    a warning. fp8 is refused on CPU: TorchRec 1.8's fp8 codec fails inside the gloo all-to-all
-    ("Tensor 'input' must have 2 dimension(s). Found 1"; measured with 2 ranks).
+    None for fp32/fp32 (no codec at all). How each precision runs on CPU (gloo) is declared once in
+    :data:`torchrec_sparselift.vocabulary.COMM_PRECISION_REGISTRY` (measured): TorchRec replaces bf16
+    with fp16 there and logs a warning; a precision that fails there (fp8) is refused.
     """
     for name, value in (("fwd_comm_precision", fwd_comm_precision), ("bwd_comm_precision", bwd_comm_precision)):
         if value not in COMM_PRECISIONS:
             raise ValueError(f"{name}={value!r} is not supported: use one of {', '.join(COMM_PRECISIONS)}")
-        if device.type == "cpu" and not vocabulary.comm_precision(value).runs_on_cpu:
-            raise ValueError(
-                f"{name}={value!r} does not run on CPU (TorchRec's {value} codec fails in the gloo all-to-all): "
-                "use fp16 or fp32 there"
-            )
+        prec = vocabulary.comm_precision(value)
+        if device.type == "cpu" and not prec.runs_on_cpu:
+            raise ValueError(f"{name}={value!r} does not run on CPU: {prec.gloo_fails}; use fp16 or fp32 there")
     return get_qcomm_codecs_registry(
         QCommsConfig(forward_precision=CommType(fwd_comm_precision), backward_precision=CommType(bwd_comm_precision)),
         device=device,
@@ -517,6 +521,11 @@ def _lift_2d(
     device = device if device is not None else default_device()
     _apply_embedding_optimizer(module, embedding_optimizer)
     registry = comm_codecs_registry(settings.fwd_comm_precision, settings.bwd_comm_precision, device)
+    strategy = two_d_kwargs.pop("strategy", None) or settings.strategy_2d or "default"
+    if strategy != (settings.strategy_2d or "default"):
+        logger.warning("sparselift: 2D strategy %s overrides the plan's %s; the prediction assumed the other",
+                       strategy, settings.strategy_2d)
+    periodic = vocabulary.strategy_2d(strategy).periodic_sync
     sync_interval = settings.sync_interval or 1
     layout = settings.layout_2d
     if layout is not None:
@@ -540,11 +549,18 @@ def _lift_2d(
         device,
         sharders=sharders_with_comm_codecs(registry, sharders),
         sync_interval=sync_interval,
+        strategy=strategy,
         **two_d_kwargs,
     )
     optimizer = build_optimizer(model, dense_optimizer_factory)
+    options = dict(pipeline_options or {})
+    if not periodic and settings.pipeline in PIPELINES_2D:
+        # fully_sharded averages the weights inside every step: the pipeline never calls sync()
+        # (TorchRec's pipelines default to syncing every batch)
+        options["dmp_collection_sync_interval_batches"] = None
     train_pipeline = make_train_pipeline(
-        settings.pipeline, model, optimizer, device, sync_interval=sync_interval, options=pipeline_options
+        settings.pipeline, model, optimizer, device, sync_interval=sync_interval if periodic else None,
+        options=options,
     )
     logger.info("sparselift: DMPCollection on %s applying %s", device, settings.label())
     return Lifted(model=model, pipeline=train_pipeline, optimizer=optimizer, settings=settings, device=device)

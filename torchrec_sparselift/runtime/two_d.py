@@ -20,6 +20,12 @@ subclass that only adds the pluggable replica sync below). On CPU it builds
 
 Nothing is patched into TorchRec globally; a CUDA run never touches this class.
 
+The *strategy* (:data:`torchrec_sparselift.vocabulary.STRATEGY_2D_REGISTRY`) is TorchRec's
+``ShardingStrategy``: ``default`` (replicas merged by ``sync()`` every ``sync_interval`` steps) or
+``fully_sharded`` (TorchRec reduce-scatters the weights over the replica group after each lookup
+and all-gathers them before the embedding backward; ``sync()`` is never called). TorchRec's
+``fully_sharded`` kernels need CUDA streams, so on CPU it is refused with the measured reason.
+
 The replica sync is pluggable: ``replica_sync=None`` keeps TorchRec's plain averaging
 (all-reduce AVG of weights and row-wise accumulators); an object implementing
 :class:`ReplicaSync` (e.g. ``torchrec_sparselift.optim.MomentumScaledRowWiseAdagrad``) replaces
@@ -37,12 +43,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.distributed.remote_device import _remote_device
+from torchrec_sparselift import vocabulary
 from torchrec.distributed.model_parallel import (
     DataParallelWrapper,
     DistributedModelParallel,
     DMPCollection,
 )
 from torchrec.distributed.types import (
+    DMPCollectionConfig,
     DMPCollectionContext,
     ModuleSharder,
     ShardingEnv2D,
@@ -52,6 +60,8 @@ from torchrec.distributed.types import (
 
 __all__ = [
     "TwoDConfig",
+    "ModuleTwoD",
+    "torchrec_strategy",
     "RowWiseAdagradSlot",
     "ReplicaSync",
     "ReplicaSyncSession",
@@ -93,6 +103,47 @@ class TwoDConfig:
     def num_replicas(self) -> int:
         """R = world_size / sharding_group_size."""
         return self.world_size // self.sharding_group_size
+
+
+def torchrec_strategy(name: str) -> ShardingStrategy:
+    """TorchRec's ``ShardingStrategy`` for the 2D strategy ``name`` (``vocabulary.STRATEGIES_2D``)."""
+    return ShardingStrategy[vocabulary.strategy_2d(name).torchrec_name]
+
+
+def _strategy_name(strategy: ShardingStrategy) -> str:
+    for s in vocabulary.STRATEGY_2D_REGISTRY:
+        if s.torchrec_name == strategy.name:
+            return s.name
+    raise ValueError(f"ShardingStrategy.{strategy.name} is not a 2D strategy SparseLift runs; use one of "
+                     f"{vocabulary.STRATEGIES_2D}")
+
+
+def _check_strategy_runs(strategy: ShardingStrategy, device: torch.device) -> None:
+    """Refuse a strategy TorchRec cannot run on ``device``, with the measured reason."""
+    s = vocabulary.strategy_2d(_strategy_name(strategy))
+    if device.type == "cpu" and not s.runs_on_cpu:
+        raise ValueError(f"2D strategy {s.name!r} does not run on CPU: {s.not_on_cpu}; use strategy 'default' there")
+
+
+@attrs.frozen
+class ModuleTwoD:
+    """Different 2D settings for the embedding modules of one type (TorchRec's
+    ``DMPCollectionConfig``): ``module_type`` (e.g. ``EmbeddingCollection``), its own group-local
+    ``plan`` (``{module path: module plan}`` of those modules only), ``sharding_group_size``,
+    ``strategy`` and ``layout`` ("strided" or "contiguous"). The other modules keep the
+    collection's settings."""
+
+    module_type: type
+    plan: ShardingPlan = attrs.field(eq=False)
+    sharding_group_size: int = attrs.field(validator=_positive)
+    strategy: str = attrs.field(default="default", validator=attrs.validators.in_(vocabulary.STRATEGIES_2D))
+    layout: str = attrs.field(default="strided", validator=attrs.validators.in_(vocabulary.LAYOUTS_2D))
+
+    def to_torchrec(self) -> DMPCollectionConfig:
+        return DMPCollectionConfig(
+            module=self.module_type, plan=self.plan, sharding_group_size=self.sharding_group_size,
+            use_inter_host_allreduce=self.layout == "contiguous", sharding_strategy=torchrec_strategy(self.strategy),
+        )
 
 
 def replica_groups(config: TwoDConfig) -> List[List[int]]:
@@ -211,7 +262,17 @@ class SparseLiftDMPCollection(DMPCollection):
     def install_replica_sync(
         self, replica_sync: Optional[ReplicaSync], sync_interval: int = 1
     ) -> None:
-        """Make replicas identical (plain average), then bind ``replica_sync`` (None: TorchRec's)."""
+        """Make replicas identical (plain average), then bind ``replica_sync`` (None: TorchRec's).
+
+        A row-aware ``replica_sync`` merges one replica group: it needs the default strategy
+        everywhere and no per-module contexts."""
+        if replica_sync is not None and (
+            self._submodule_ctxs or self._default_ctx.sharding_strategy != ShardingStrategy.DEFAULT
+        ):
+            raise ValueError(
+                "a row-aware replica_sync replaces the periodic sync of one replica group: it needs "
+                "strategy 'default' and no per-module 2D settings; pass replica_sync=None"
+            )
         self._sparselift_sync_interval = sync_interval
         self._sparselift_steps = 0
         DMPCollection.sync(self, include_optimizer_state=True)
@@ -234,12 +295,20 @@ class SparseLiftDMPCollection(DMPCollection):
         else:
             self._sparselift_sync.sync()
 
+    @property
+    def periodic_sync(self) -> bool:
+        """Whether ``sync()`` is what keeps the replicas in step (False under ``fully_sharded``,
+        whose weights are averaged inside every step)."""
+        return self._default_ctx.sharding_strategy != ShardingStrategy.FULLY_SHARDED
+
     def step_done(self) -> bool:
         """Count one finished training step; sync every ``sync_interval`` steps. Returns True if synced.
 
         For hand-written loops; TorchRec's pipelines call ``sync()`` themselves when given
-        ``dmp_collection_sync_interval_batches``.
+        ``dmp_collection_sync_interval_batches``. Never syncs under ``fully_sharded``.
         """
+        if not self.periodic_sync:
+            return False
         self._sparselift_steps += 1
         if self._sparselift_steps % self._sparselift_sync_interval == 0:
             self.sync()
@@ -250,8 +319,9 @@ class SparseLiftDMPCollection(DMPCollection):
 class CpuDMPCollection(SparseLiftDMPCollection):
     """``DMPCollection`` on CPU/gloo (tests and small experiments); see the module docstring.
 
-    Supports the default context only (no ``submodule_configs``, no sharded relay, no custom
-    all-reduce), ``ShardingStrategy.DEFAULT``.
+    Supports the default context and per-module contexts (``submodule_configs``, TorchRec's
+    ``DMPCollectionConfig``), ``ShardingStrategy.DEFAULT`` only (``FULLY_SHARDED``'s kernels need
+    CUDA streams); no sharded relay, no custom all-reduce.
     """
 
     def __init__(
@@ -267,12 +337,16 @@ class CpuDMPCollection(SparseLiftDMPCollection):
         init_parameters: bool = True,
         data_parallel_wrapper: Optional[DataParallelWrapper] = None,
         use_inter_host_allreduce: bool = False,
+        sharding_strategy: ShardingStrategy = ShardingStrategy.DEFAULT,
+        submodule_configs: Optional[List[DMPCollectionConfig]] = None,
     ) -> None:
         if device.type != "cpu":
             raise ValueError(
                 f"CpuDMPCollection is for device 'cpu', got {device}; use build_2d_model_parallel, "
                 "which builds TorchRec's DMPCollection on accelerators."
             )
+        for strategy in [sharding_strategy] + [c.sharding_strategy for c in submodule_configs or []]:
+            _check_strategy_runs(strategy, device)
         from torchrec.distributed.sharding_plan import get_default_sharders
 
         self._device = device
@@ -292,24 +366,38 @@ class CpuDMPCollection(SparseLiftDMPCollection):
             sharding_group_size=sharding_group_size,
             node_group_size=None,
             use_inter_host_allreduce=use_inter_host_allreduce,
-            sharding_strategy=ShardingStrategy.DEFAULT,
+            sharding_strategy=sharding_strategy,
         )
-        self._submodule_ctxs = []
-        self._ctxs = [self._default_ctx]
+        self._submodule_ctxs = [
+            DMPCollectionContext(
+                module=c.module,
+                plan=c.plan,
+                sharding_group_size=c.sharding_group_size,
+                use_inter_host_allreduce=c.use_inter_host_allreduce,
+                sharding_strategy=c.sharding_strategy,
+            )
+            for c in submodule_configs or []
+        ]
+        self._ctxs = [self._default_ctx] + self._submodule_ctxs
+        for ctx in self._ctxs:
+            ctx.device_mesh, ctx.sharding_pg, ctx.replica_pg = self._create_process_groups(
+                global_rank=self._global_rank,
+                world_size=world_size,
+                local_size=ctx.sharding_group_size,
+                use_inter_host_allreduce=ctx.use_inter_host_allreduce,
+            )
+            self._remap_sharding_plan(
+                plan=ctx.plan,
+                rank=self._global_rank,
+                step=world_size // ctx.sharding_group_size,
+                sharding_group_size=ctx.sharding_group_size,
+                use_inter_host_allreduce=ctx.use_inter_host_allreduce,
+            )
+            if ctx.module:
+                ctx.sharded_module = self._sharder_map[ctx.module].sharded_module_type
         ctx = self._default_ctx
-        ctx.device_mesh, ctx.sharding_pg, ctx.replica_pg = self._create_process_groups(
-            global_rank=self._global_rank,
-            world_size=world_size,
-            local_size=sharding_group_size,
-            use_inter_host_allreduce=use_inter_host_allreduce,
-        )
-        self._remap_sharding_plan(
-            plan=ctx.plan,
-            rank=self._global_rank,
-            step=world_size // sharding_group_size,
-            sharding_group_size=sharding_group_size,
-            use_inter_host_allreduce=use_inter_host_allreduce,
-        )
+        for sub in self._submodule_ctxs:
+            ctx.plan.plan.update(sub.plan.plan)
         env = ShardingEnv2D(
             global_pg=global_pg,
             sharding_pg=ctx.sharding_pg,
@@ -317,7 +405,7 @@ class CpuDMPCollection(SparseLiftDMPCollection):
             device_mesh=ctx.device_mesh,
             node_group_size=None,
             use_inter_host_allreduce=use_inter_host_allreduce,
-            sharding_strategy=ShardingStrategy.DEFAULT,
+            sharding_strategy=sharding_strategy,
         )
         DistributedModelParallel.__init__(
             self,
@@ -365,6 +453,8 @@ def build_2d_model_parallel(
     use_inter_host_allreduce: bool = False,
     init_data_parallel: bool = True,
     data_parallel_wrapper: Optional[DataParallelWrapper] = None,
+    strategy: str = "default",
+    submodule_configs: Optional[Sequence[ModuleTwoD]] = None,
 ) -> SparseLiftDMPCollection:
     """Shard ``module`` in 2D: tables over sharding groups of ``sharding_group_size`` ranks, replicated.
 
@@ -374,6 +464,10 @@ def build_2d_model_parallel(
     CUDA/MTIA, :class:`CpuDMPCollection` on CPU) whose replicas are already identical and whose
     ``sync()`` runs ``replica_sync`` (None: TorchRec's plain averaging of weights and
     accumulators). Call ``sync()`` every ``sync_interval`` steps, or ``step_done()`` after each.
+
+    ``strategy`` is the 2D strategy (``vocabulary.STRATEGIES_2D``; "fully_sharded" not on CPU, and
+    without ``replica_sync`` or sync calls); ``submodule_configs`` give the modules of some types
+    their own plan, group size, strategy and layout (:class:`ModuleTwoD`).
     """
     world_size = dist.get_world_size(global_pg)
     config = TwoDConfig(
@@ -388,6 +482,15 @@ def build_2d_model_parallel(
             "use e.g. torchrec_sparselift.optim.MomentumScaledRowWiseAdagrad()."
         )
     _check_2d_plan(plan, sharding_group_size)
+    sharding_strategy = torchrec_strategy(strategy)
+    _check_strategy_runs(sharding_strategy, device)
+    subs = []
+    for sub in submodule_configs or ():
+        if not isinstance(sub, ModuleTwoD):
+            raise TypeError(f"submodule_configs takes ModuleTwoD values, got {type(sub).__name__}")
+        TwoDConfig(world_size=world_size, sharding_group_size=sub.sharding_group_size)
+        _check_2d_plan(sub.plan, sub.sharding_group_size)
+        subs.append(attrs.evolve(sub, plan=copy.deepcopy(sub.plan)).to_torchrec())
     plan = copy.deepcopy(plan)
     kwargs = dict(
         module=module,
@@ -400,6 +503,8 @@ def build_2d_model_parallel(
         init_data_parallel=init_data_parallel,
         data_parallel_wrapper=data_parallel_wrapper,
         use_inter_host_allreduce=config.use_inter_host_allreduce,
+        sharding_strategy=sharding_strategy,
+        submodule_configs=subs or None,
     )
     if device.type == "cpu":
         model: SparseLiftDMPCollection = CpuDMPCollection(**kwargs)

@@ -8,7 +8,9 @@ solves the tables on the group-local topology (:func:`group_topology`); :func:`s
 splits the time budget over those tries, keeps the fastest (ties: the larger group), records
 every try's step time, and polishes the winner with the budget left. A group plan's replica
 sync (:func:`replica_sync`) is priced by :mod:`torchrec_sparselift.cost.two_d` from the state
-bytes each rank holds.
+bytes each rank holds, under each 2D strategy the device runs (:func:`strategies_to_price`,
+:func:`choose_replica_sync`: ``default``'s periodic sync at its interval against
+``fully_sharded``'s per-step reduce-scatter and all-gather; the faster wins, ``default`` on ties).
 """
 
 from __future__ import annotations
@@ -20,16 +22,21 @@ import attrs
 from torchrec.distributed.planner.types import PlannerError, Topology
 
 from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost.model import phase_constants
 from torchrec_sparselift.cost.two_d import (
     SYNC_PIPELINES_2D,
+    TwoDMemory,
     amortised_sync,
+    fully_sharded_s,
     group_sizes,
     replica_sync_bytes,
     replica_sync_s,
+    two_d_memory,
 )
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.semantics.layout import Layout2D, layouts_to_price
+from torchrec_sparselift.vocabulary import STRATEGIES_2D, STRATEGY_2D_CHOICES, strategy_2d
 
 __all__ = [
     "GroupChoice",
@@ -39,6 +46,9 @@ __all__ = [
     "sync_pipelines",
     "placed_shards",
     "replica_sync",
+    "ReplicaSyncChoice",
+    "strategies_to_price",
+    "choose_replica_sync",
     "search_groups",
 ]
 
@@ -121,12 +131,86 @@ def replica_sync(problem: PlanningProblem, assignment: Sequence[Tuple[int, Seque
                  group_size: int, layout: Layout2D, profile: HardwareProfile, step_s: float,
                  sync_interval: Optional[int] = None,
                  max_sync_interval: Optional[int] = None) -> Tuple[float, int]:
-    """(replica sync seconds per step, sync interval) of a group plan: one sync of the most
-    state any rank of the group holds, amortised over the pinned ``sync_interval`` or the one
-    chosen for ``step_s`` under ``max_sync_interval``."""
-    one = replica_sync_s(replica_sync_bytes(placed_shards(problem, assignment), group_size), layout, profile)
-    interval, per_step = amortised_sync(step_s, one, sync_interval, max_sync_interval)
-    return per_step, interval
+    """(replica sync seconds per step, sync interval) of a group plan under the ``default``
+    strategy: one sync of the most state any rank of the group holds, amortised over the pinned
+    ``sync_interval`` or the one chosen for ``step_s`` under ``max_sync_interval``."""
+    c = choose_replica_sync(problem, assignment, group_size, layout, profile, step_s,
+                            sync_interval=sync_interval, max_sync_interval=max_sync_interval)
+    return c.sync_s, c.sync_interval
+
+
+def strategies_to_price(strategy: str, compute_device: str,
+                        sync_interval: Optional[int] = None) -> Tuple[Tuple[str, ...], Tuple[Tuple[str, str], ...]]:
+    """(strategies to price, refusals as (strategy, reason)) for ``strategy`` ("auto": every
+    strategy in :data:`~torchrec_sparselift.vocabulary.STRATEGY_2D_REGISTRY`) on
+    ``compute_device``. A strategy TorchRec does not run on CPU is refused there; a pinned
+    ``sync_interval`` refuses the strategies without one. Raises ``ValueError`` naming the fix
+    when nothing is left."""
+    if strategy not in STRATEGY_2D_CHOICES:
+        raise ValueError(f"strategy_2d must be one of {', '.join(map(repr, STRATEGY_2D_CHOICES))}, got {strategy!r}")
+    names = STRATEGIES_2D if strategy == "auto" else (strategy,)
+    offered: List[str] = []
+    refused: List[Tuple[str, str]] = []
+    for name in names:
+        s = strategy_2d(name)
+        if compute_device == "cpu" and not s.runs_on_cpu:
+            refused.append((name, f"not on CPU: {s.not_on_cpu}"))
+        elif sync_interval is not None and not s.periodic_sync:
+            refused.append((name, f"it has no sync interval (sync_interval={sync_interval} is pinned)"))
+        else:
+            offered.append(name)
+    if not offered:
+        reasons = "; ".join(f"{n}: {r}" for n, r in refused)
+        raise ValueError(f"2D strategy {strategy!r} cannot be planned here ({reasons}); use "
+                         f"strategy_2d='default' or 'auto'" + (", or drop sync_interval" if sync_interval else ""))
+    return tuple(offered), tuple(refused)
+
+
+@attrs.frozen
+class ReplicaSyncChoice:
+    """How a group plan keeps its replicas in step: the ``strategy``, its ``sync_interval``
+    (1 for a strategy without one), replica-sync seconds per step (``sync_s``), the fullest
+    rank's memory under it (``memory``), every priced strategy's seconds per step
+    (``alternatives``) and the refused ones with the reason (``refused``)."""
+
+    strategy: str
+    sync_interval: int
+    sync_s: float
+    memory: TwoDMemory
+    alternatives: Tuple[Tuple[str, float], ...] = ()
+    refused: Tuple[Tuple[str, str], ...] = ()
+
+
+def choose_replica_sync(problem: PlanningProblem, assignment: Sequence[Tuple[int, Sequence[int]]],
+                        group_size: int, layout: Layout2D, profile: HardwareProfile, step_s: float,
+                        strategies: Sequence[str] = ("default",),
+                        refused: Sequence[Tuple[str, str]] = (),
+                        sync_interval: Optional[int] = None,
+                        max_sync_interval: Optional[int] = None) -> ReplicaSyncChoice:
+    """Price each of ``strategies`` for a group plan (:mod:`torchrec_sparselift.cost.two_d`) and
+    keep the fastest; ties go to the earlier one (``default`` first). ``default`` syncs weights
+    and optimizer state every pinned ``sync_interval`` steps or the one chosen for ``step_s``;
+    ``fully_sharded`` reduce-scatters and all-gathers the weights every step, the
+    reduce-scatter beside the dense forward and backward where the profile overlaps."""
+    shards = list(placed_shards(problem, assignment))
+    state = replica_sync_bytes(shards, group_size)
+    weights = replica_sync_bytes(shards, group_size, optimizer_state=False)
+    consts = phase_constants(problem.ctx)
+    dense_s = consts["dense_fwd"] + consts["dense_bwd"]
+    priced: List[Tuple[str, float, int]] = []
+    for name in strategies:
+        if strategy_2d(name).periodic_sync:
+            one = replica_sync_s(state, layout, profile)
+            interval, per_step = amortised_sync(step_s, one, sync_interval, max_sync_interval)
+        else:
+            interval, per_step = 1, fully_sharded_s(weights, layout, profile, dense_s)
+        priced.append((name, per_step, interval))
+    name, per_step, interval = min(priced, key=lambda p: p[1])
+    return ReplicaSyncChoice(
+        strategy=name, sync_interval=interval, sync_s=per_step,
+        memory=two_d_memory(name, weights, state - weights, layout.num_replicas),
+        alternatives=tuple((n, s) for n, s, _ in priced), refused=tuple(refused),
+    )
 
 
 @attrs.frozen
