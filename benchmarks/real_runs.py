@@ -152,7 +152,7 @@ def _plans(w: ProbeWorkload, topo, profile, pg, say, stats=None) -> List[Tuple[s
             from torchrec_sparselift.planner import SparseLiftPlanner as _P
 
             plan = _P(topology=topo, batch_size=w.batch_size, constraints=cons, hardware=profile,
-                      pipelines=["sparse_dist"], debug=False,
+                      pipelines=["sparse_dist"], debug=False, never_slower=False,
                       workload=stats).collective_plan(probe_model(w), get_default_sharders(), pg)
         else:
             plan, cons = forced_plan(probe_model(w), w.tables, kind, topo, w.batch_size, pg, profile, stats=stats)
@@ -161,7 +161,13 @@ def _plans(w: ProbeWorkload, topo, profile, pg, say, stats=None) -> List[Tuple[s
     sl = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling, hardware=profile,
                            workload=stats)
     out.append(("sparselift", sl.collective_plan(probe_model(w), get_default_sharders(), pg), pooling))
-    say(f"[real_runs] {w.name}: SparseLift planned in {time.perf_counter() - t0:.1f} s")
+    say(f"[real_runs] {w.name}: SparseLift planned in {time.perf_counter() - t0:.1f} s"
+        + (f"; {sl.last_result.never_slower.describe()}" if sl.last_result is not None
+           and sl.last_result.never_slower is not None else ""))
+    # SparseLift's search alone (the never-slower rule off): what the rule compared with TorchRec's
+    raw = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling, hardware=profile,
+                            workload=stats, never_slower=False)
+    out.append(("sparselift_raw", raw.collective_plan(probe_model(w), get_default_sharders(), pg), pooling))
     tr = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling)
     out.append(("torchrec", tr.collective_plan(probe_model(w), get_default_sharders(), pg), pooling))
     return out
@@ -249,6 +255,8 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
     from torchrec_sparselift.measure.probe import measure_plan, prebuilt_batches, probe_model, probe_stats
     from torchrec_sparselift.calibration.pricer import PlanPricer
     from torchrec_sparselift.measure.steps import probe_topology as _topology
+    from torchrec_sparselift.calibration.term_error import profile_errors, term_seconds
+    from torchrec_sparselift.plan.baseline import never_slower
 
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
     topo = _topology(W, "cpu")
@@ -258,9 +266,17 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
     plans = _plans(w, topo, profile, pg, say, stats)
     batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=rank, alpha=alpha)
     runners = []
+    terms = {}
     for name, plan, cons in plans:
-        pred = PlanPricer(probe_model(w), plan, topo, w.batch_size, cons, stats=stats)(profile)
+        pricer = PlanPricer(probe_model(w), plan, topo, w.batch_size, cons, stats=stats)
+        pred = pricer(profile)
+        terms[name] = term_seconds(pricer, profile)
         runners.append(dict(name=name, plan=plan, predicted_s=pred, runs=[], types=_types(plan)))
+    # the never-slower rule with every plan as the candidate against TorchRec's: would it leave TorchRec's?
+    errors = profile_errors(profile)
+    for r in runners:
+        d = never_slower(terms[r["name"]], terms["torchrec"], errors)
+        r["rule"] = dict(leave=d.leave, gain_ms=d.gain_s * 1e3, margin_ms=d.margin_s * 1e3)
     saved_plans = [(name, plan, cons) for name, plan, cons in plans]
     owner = distinct_plans([r["plan"] for r in runners])
     measured = [r for i, r in enumerate(runners) if owner[i] == i]
@@ -310,7 +326,7 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
                          spread=_spread(r["runs"]),
                          median_ms=statistics.median(r["runs"]) * 1e3, min_ms=min(r["runs"]) * 1e3,
                          runs_ms=[x * 1e3 for x in r["runs"]], predicted_ms=r["predicted_s"] * 1e3,
-                         same_as=r.get("same_as")))
+                         same_as=r.get("same_as"), rule=r["rule"]))
     gc.collect()
     by = {row["plan"]: row for row in rows}
     plan_of = {r["name"]: owner[i] for i, r in enumerate(runners)}
@@ -322,10 +338,16 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
     meas = [row["measured_ms"] for row in rows if not row["same_as"]]
     pred = [row["predicted_ms"] for row in rows if not row["same_as"]]
     paired = paired_ratio(by["torchrec"]["runs_ms"], by["sparselift"]["runs_ms"])
+    # each plan as the rule's candidate: TorchRec / plan, paired by round, and whether the rule left TorchRec's
+    for row in rows:
+        row["torchrec_over_paired"] = paired_ratio(by["torchrec"]["runs_ms"], row["runs_ms"])
     return dict(_plans=saved_plans, workload=w.name, tables=len(w.tables),
                 same_plan_as_torchrec=plan_of["sparselift"] == plan_of["torchrec"], features=sum(len(t.features) for t in w.tables),
                 batch_size=w.batch_size, alpha=alpha, rows=rows, best=best["plan"],
                 torchrec_over_ours=theirs / ours, torchrec_over_ours_paired=paired,
+                torchrec_over_raw=theirs / by["sparselift_raw"]["measured_ms"],
+                torchrec_over_raw_paired=paired_ratio(by["torchrec"]["runs_ms"], by["sparselift_raw"]["runs_ms"]),
+                same_raw_as_torchrec=plan_of["sparselift_raw"] == plan_of["torchrec"],
                 ours_over_best=ours / best["measured_ms"],
                 best_over_torchrec=theirs / best["measured_ms"],
                 guard_pick=guard_pick, guard_torchrec_over=theirs / by[guard_pick]["measured_ms"],
@@ -337,15 +359,22 @@ def format_workload(res: Dict[str, Any]) -> str:
     lines = [f"\n## {res['workload']} ({res['tables']} tables, {res['features']} features, batch "
              f"{res['batch_size']}/rank, zipf {res['alpha']})",
              f"{'plan':<16}{'types':<18}{'measured ms':>12}{'predicted ms':>14}{'pred/meas':>10}{'vs best':>9}"
-             f"{'rounds':>7}{'spread':>8}"]
+             f"{'rounds':>7}{'spread':>8}{'TR/plan':>9}  never-slower rule vs TorchRec's"]
     best = min(r["measured_ms"] for r in res["rows"])
     for r in res["rows"]:
         lines.append(f"{r['plan']:<16}{r['types'][:17]:<18}{r['measured_ms']:>12.2f}{r['predicted_ms']:>14.2f}"
                      f"{r['predicted_ms'] / r['measured_ms']:>10.2f}{r['measured_ms'] / best:>9.3f}"
                      f"{len(r['runs_ms']):>7}{r.get('spread', 0.0) * 100:>7.1f}%"
+                     + (f"{r['torchrec_over_paired']:>9.3f}" if "torchrec_over_paired" in r else "")
+                     + (f"  {'leaves' if r['rule']['leave'] else 'keeps'} (gain {r['rule']['gain_ms']:.2f} "
+                        f"vs margin {r['rule']['margin_ms']:.2f} ms)" if r.get("rule") else "")
                      + (f"  = {r['same_as']} (same plan)" if r.get("same_as") else ""))
     same = " (the same plan)" if res.get("same_plan_as_torchrec") else ""
     paired = res.get("torchrec_over_ours_paired")
+    if "torchrec_over_raw" in res:
+        lines.append(f"TorchRec/SparseLift without the never-slower rule {res['torchrec_over_raw']:.3f}x "
+                     f"(paired by round {res['torchrec_over_raw_paired']:.3f}x)"
+                     + (" (the same plan)" if res.get("same_raw_as_torchrec") else ""))
     lines.append(f"TorchRec/SparseLift {res['torchrec_over_ours']:.3f}x{same}"
                  + (f" (paired by round {paired:.3f}x)" if paired else "") + "; "
                  f"SparseLift/best {res['ours_over_best']:.3f}; "
@@ -556,6 +585,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             geomean_torchrec_over_guard=geomean([r["guard_torchrec_over"] for r in results]),
             geomean_best_over_torchrec=geomean([r["best_over_torchrec"] for r in results]),
             min_torchrec_over_ours=min(ratios),
+            geomean_torchrec_over_raw_paired=geomean([r["torchrec_over_raw_paired"] for r in results]),
+            min_torchrec_over_raw_paired=min(r["torchrec_over_raw_paired"] for r in results),
+            min_torchrec_over_ours_paired=min(r["torchrec_over_ours_paired"] for r in results),
+            # every plan as the rule's candidate: how many it left TorchRec's for, and the worst of those measured
+            rule_leaves=sum(1 for r in results for row in r["rows"] if row["rule"]["leave"] and row["plan"] != "torchrec"),
+            rule_candidates=sum(1 for r in results for row in r["rows"] if row["plan"] != "torchrec"),
+            rule_worst_left_for=min([row["torchrec_over_paired"] for r in results for row in r["rows"]
+                                     if row["rule"]["leave"] and row["plan"] != "torchrec"], default=None),
+            rule_kept_but_faster=sum(1 for r in results for row in r["rows"] if not row["rule"]["leave"]
+                                     and row["plan"] != "torchrec" and row["torchrec_over_paired"] > 1.02),
             workloads_ours_ge_098_torchrec=sum(1 for r in results if r["torchrec_over_ours"] >= 0.98),
             workloads_ours_within_2pct_of_best=sum(1 for r in results if r["ours_over_best"] <= 1.02),
             workloads_same_plan_as_torchrec=sum(1 for r in results if r["same_plan_as_torchrec"]),
@@ -566,6 +605,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             mean_workload_spearman=statistics.fmean([r["spearman"] for r in results if not math.isnan(r["spearman"])])
             if results else float("nan"),
         )
+        say(f"\n[real_runs] never-slower rule: TorchRec/SparseLift paired by round, with the rule worst "
+            f"{summary['min_torchrec_over_ours_paired']:.3f}x, geomean {summary['geomean_torchrec_over_ours_paired']:.3f}x; "
+            f"without it worst {summary['min_torchrec_over_raw_paired']:.3f}x, geomean "
+            f"{summary['geomean_torchrec_over_raw_paired']:.3f}x; every plan as the candidate: the rule left "
+            f"TorchRec's plan for {summary['rule_leaves']}/{summary['rule_candidates']}"
+            + (f" (worst of those TorchRec/plan {summary['rule_worst_left_for']:.3f}x)"
+               if summary["rule_worst_left_for"] is not None else "")
+            + f", kept it against {summary['rule_kept_but_faster']} plans that measured >2% faster")
         say(f"\n[real_runs] geomean TorchRec/SparseLift {summary['geomean_torchrec_over_ours']:.3f}x "
             f"(worst {summary['min_torchrec_over_ours']:.3f}x; paired by round "
             f"{summary['geomean_torchrec_over_ours_paired']:.3f}x); with the guard's pick "

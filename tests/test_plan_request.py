@@ -114,6 +114,7 @@ MUTATIONS: Dict[str, Callable[[PlanRequest], Any]] = {
     "layout_2d": lambda r: _other(["auto", "contiguous", "strided"], r.layout_2d),
     "strategy_2d": lambda r: _other(["auto", "default", "fully_sharded"], r.strategy_2d),
     "measured_guard": lambda r: _other([None, 0.1, 0.2], r.measured_guard),
+    "never_slower": lambda r: _other(["auto", True, False], r.never_slower),
 }
 
 

@@ -316,7 +316,7 @@ def _peak(values: Sequence[float]) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from torchrec_sparselift.explain import format_plan_table
+    from torchrec_sparselift.explain import format_never_slower, format_plan_table
 
     inputs = _inputs_from_args(args)
     _import_torchrec(args.quiet)
@@ -337,6 +337,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     peak_dev = _peak([r.hbm_bytes for r in p.per_rank])
     peak_host = _peak([r.ddr_bytes for r in p.per_rank])
     print(f"  peak per-rank memory: device {peak_dev / 2**30:.2f} GiB, host {peak_host / 2**30:.2f} GiB")
+    rule = format_never_slower(ep.planner_info)
+    if rule:
+        print(f"  {rule}")
     if ep.optimizations.is_2d:
         from torchrec_sparselift.explain import format_2d
 
@@ -452,7 +455,7 @@ def _explain_inputs(args: argparse.Namespace, ep: Any) -> Optional[PlanInputs]:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from torchrec_sparselift.explain import (
-        format_rank_breakdown, format_tables, format_timeline, render_png, reprice_plan,
+        format_never_slower, format_rank_breakdown, format_tables, format_timeline, render_png, reprice_plan,
     )
 
     _check_flags(args)
@@ -483,6 +486,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lb_txt = f"{p.lower_bound_s * 1e3:.3f} ms" if p.lower_bound_s > 0 else "n/a"
     print(f"step {p.step_time_s * 1e3:.3f} ms, lower bound {lb_txt}, gap {p.gap:.1%}"
           + ("  (the plan is within this of the best possible under the model)" if p.lower_bound_s > 0 else ""))
+    rule = format_never_slower(ep.planner_info)
+    if rule:
+        print(rule)
     print()
     print("Per-rank breakdown (modelled; busy = compute + exposed comm):")
     print(format_rank_breakdown(p))

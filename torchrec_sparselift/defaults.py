@@ -25,6 +25,9 @@ __all__ = [
     "COMM_PRECISION",
     "SOLVER",
     "LAYOUT_2D",
+    "NEVER_SLOWER",
+    "NEVER_SLOWER_CHOICES",
+    "UNCALIBRATED_MODEL_ERROR",
     "STRATEGY_2D",
     "ranks_per_host",
 ]
@@ -52,6 +55,18 @@ COMM_PRECISION = "fp32"
 SOLVER = "auto"
 #: 2D rank layout.
 LAYOUT_2D = "auto"
+#: The never-slower rule (``SparseLiftPlanner(never_slower=...)``): plan with TorchRec's
+#: ``EmbeddingShardingPlanner`` too and keep its plan unless SparseLift's predicted gain exceeds the
+#: model's error on the terms the two plans differ in (docs/cost_model.md). "auto": where the
+#: profile's error is measured (a step-fitted profile from the store); True: also with the assumed
+#: error of an uncalibrated profile (presets); False: never.
+NEVER_SLOWER = "auto"
+#: What ``never_slower`` accepts.
+NEVER_SLOWER_CHOICES = (True, False, "auto")
+#: The relative error per cost term the never-slower rule assumes for a profile not fitted from real
+#: steps (presets, kernel microbenchmark profiles): what the microbenchmark profile measured against
+#: real CPU steps, 26.7-31.6% MAPE (docs/benchmarks.md section 7); no GPU step has been measured.
+UNCALIBRATED_MODEL_ERROR = 0.30
 #: 2D strategy (``vocabulary.STRATEGY_2D_CHOICES``): "auto" prices every strategy the device runs.
 STRATEGY_2D = "auto"
 

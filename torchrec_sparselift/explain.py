@@ -45,6 +45,7 @@ __all__ = [
     "format_tables",
     "render_png",
     "format_2d",
+    "format_never_slower",
 ]
 
 PHASE_ORDER = PHASE_NAMES
@@ -469,3 +470,13 @@ def format_2d(optimizations: Any) -> List[str]:
     lines.append(f"  strategy default: replica sync every {o.sync_interval} steps (bound {bound}): "
                  f"{sync_evidence(o.sync_interval)}")
     return lines
+
+
+def format_never_slower(planner_info: Mapping[str, Any]) -> Optional[str]:
+    """The never-slower rule's decision an execution plan stored (``planner_info["never_slower"]``:
+    which plan was kept, the predicted gain over TorchRec's plan, the margin it had to exceed and
+    the differing terms behind it); None when the plan was made without the rule."""
+    from torchrec_sparselift.plan.baseline import decision_from_dict
+
+    decision = decision_from_dict(planner_info.get("never_slower"))
+    return None if decision is None else decision.describe()

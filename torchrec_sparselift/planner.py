@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -167,6 +168,15 @@ class SparseLiftPlanner(ShardingPlanner):
             from TorchRec's estimators, objective = the slowest rank's summed ``Perf.total`` as
             ``NoopPerfModel`` rates it, memory = the storage estimates under the reservation);
             same search, same outputs (see :mod:`torchrec_sparselift.search.torchrec_objective`).
+        never_slower: "auto" (default) or True: also plan with TorchRec's ``EmbeddingShardingPlanner``
+            on the same inputs and keep its plan unless SparseLift's predicted gain over it
+            exceeds the model's error on the cost terms the two plans differ in;
+            ``planner.last_result.never_slower`` says which and why. "auto" applies it where the
+            error is measured (a step-fitted profile from the store: ``hardware="auto"`` or a
+            stored profile); True also with the 30% error assumed for a profile without a step
+            fit (the presets). Applies to 1D plans under ``cost_model="sparselift"``; costs one
+            TorchRec planner run (its proposals stopped after ``time_budget_s``) and two split
+            pricings (docs/cost_model.md, "Never slower than TorchRec"). False: the search alone.
         estimator: with ``cost_model="torchrec"``, the ``ShardEstimator`` (or list) to use instead
             of TorchRec's defaults, as ``EmbeddingEnumerator(estimator=...)`` takes it (it
             replaces both defaults: include a storage estimator).
@@ -205,6 +215,7 @@ class SparseLiftPlanner(ShardingPlanner):
         estimator: Any = None,
         max_sync_interval: Optional[int] = None,
         layout_2d: str = defaults.LAYOUT_2D,
+        never_slower: Any = defaults.NEVER_SLOWER,
         strategy_2d: str = defaults.STRATEGY_2D,
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
@@ -244,7 +255,7 @@ class SparseLiftPlanner(ShardingPlanner):
             time_budget_s=time_budget_s, pipelines=pipelines, known_pipelines=PIPELINES,
             stale_pipelines=STALE_PIPELINES, allow_staleness=allow_staleness, solver=solver,
             sharding_group_size=sharding_group_size, sync_interval=sync_interval,
-            drift_tolerance=drift_tolerance,
+            drift_tolerance=drift_tolerance, never_slower=never_slower,
             reservation_percentage=(heuristical_storage_reservation_percentage
                                     if storage_reservation is None else None),
         ), "SparseLiftPlanner's arguments")
@@ -298,6 +309,8 @@ class SparseLiftPlanner(ShardingPlanner):
         self._group = sharding_group_size
         self._sync_interval = sync_interval
         self._cache_dir = cache_dir
+        self._never_slower = never_slower
+        self._errors: Optional[Tuple[HardwareProfile, Any]] = None  # (profile, TermErrors) of the last rule
         self._drift_tolerance = float(drift_tolerance)
         self.last_result: Optional[PlanResult] = None
         self.last_execution_plan: Any = None
@@ -474,6 +487,7 @@ class SparseLiftPlanner(ShardingPlanner):
             sync_interval=self._sync_interval, cost_model=self._cost_model_id(),
             max_sync_interval=self._max_sync_interval if self._group is not None else None,
             layout_2d=self._layout_2d if self._group is not None else "auto",
+            never_slower=self._never_slower,
             strategy_2d=self._strategy_2d if self._group is not None else "auto",
         )
 
@@ -538,6 +552,7 @@ class SparseLiftPlanner(ShardingPlanner):
                 "planning_time_s": round(res.search.planning_time_s, 4) if res.search else 0.0,
                 "hardware": res.profile.name,
                 "alternatives": {k: v for k, v in res.search.alternatives} if res.search else {},
+                **({"never_slower": res.never_slower.to_dict()} if res.never_slower is not None else {}),
             },
         )
 
@@ -577,6 +592,8 @@ class SparseLiftPlanner(ShardingPlanner):
                                                          time.monotonic(), lay))
             res = attrs.evolve(choice.best, alternatives_2d=choice.alternatives_2d,
                                alternatives_layout=choice.alternatives_layout)
+        if self._never_slower is not False:
+            res = self._never_slower_rule(res, module, sharders)
         self.last_result = res
         if self._debug:
             logger.info("%s", res.summary())
@@ -650,6 +667,82 @@ class SparseLiftPlanner(ShardingPlanner):
 
     def _profile(self) -> HardwareProfile:
         return profile_for_topology(self._topology, self._hardware)
+
+    # -- never slower than TorchRec ------------------------------------------------------
+    def _never_slower_rule(self, res: PlanResult, module: nn.Module,
+                           sharders: List[ModuleSharder[nn.Module]]) -> PlanResult:
+        """``res``, or TorchRec's plan for the same inputs where SparseLift's predicted gain over it
+        is within the model's error (:func:`~torchrec_sparselift.plan.baseline.never_slower`); the
+        decision is in the result's ``never_slower``."""
+        from torchrec_sparselift.calibration.term_error import term_seconds
+        from torchrec_sparselift.plan.baseline import BaselineDecision, never_slower
+        from torchrec_sparselift.plan.compare import torchrec_plan
+        from torchrec_sparselift.plan.evaluate import GivenPlan
+
+        if self._cost_model != "sparselift":
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                "the plan optimizes TorchRec's own estimator (cost_model='torchrec')"))
+        if res.sharding_group_size is not None:
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                "a 2D plan (TorchRec's planner plans 1D only)"))
+        if self._never_slower == "auto" and not self._model_errors(res.profile).measured:
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                f"the profile {res.profile.name} has no measured error (not fitted from real steps; "
+                "never_slower=True applies the rule with the 30% error assumed for it)"))
+        t0 = time.monotonic()
+        topo = self._topology
+        try:
+            tr = torchrec_plan(module, sharders, topo, self._batch_size, self._constraints,
+                               self._storage_reservation, self._callbacks, timeout_s=self._budget)
+        except Exception as e:  # noqa: BLE001 - TorchRec's planner failing must not fail SparseLift's plan
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                f"TorchRec's planner failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})"))
+        if tr.plan is None:
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                f"TorchRec's planner found no plan ({tr.error})"))
+        profile = res.profile
+        s = res.search
+        # TorchRec's plan as TorchRec's users run it: its default pipeline, full-precision comms
+        pipeline = defaults.PIPELINE if defaults.PIPELINE in self._pipelines else self._pipelines[0]
+        try:
+            ours = GivenPlan.of(module, res.sharding_plan, topo, self._batch_size, self._constraints,
+                                self._workload, sharders)
+            theirs = GivenPlan.of(module, tr.plan, topo, self._batch_size, self._constraints, self._workload,
+                                  sharders)
+            decision = never_slower(
+                term_seconds(lambda p: ours.step_time(p, s.pipeline, s.fwd_precision, s.bwd_precision).total_s,
+                             profile),
+                term_seconds(lambda p: theirs.step_time(p, pipeline).total_s, profile),
+                self._model_errors(profile))
+        except Exception as e:  # noqa: BLE001 - the rule must never fail a plan the search found
+            logger.warning("SparseLiftPlanner: the never-slower rule could not price TorchRec's plan (%s: %s); "
+                           "keeping SparseLift's plan", type(e).__name__, e)
+            return attrs.evolve(res, never_slower=BaselineDecision.not_applied(
+                f"TorchRec's plan could not be priced ({type(e).__name__}: {e})"))
+        logger.info("SparseLiftPlanner: %s (TorchRec planned in %.2f s, the rule took %.2f s)",
+                    decision.describe(), tr.planning_time_s, time.monotonic() - t0)
+        if decision.leave:
+            return attrs.evolve(res, never_slower=decision)
+        options = list(tr.options)
+        _check_complete(res.handles, options)
+        kept = evaluate_sharding_plan(module, tr.plan, topo, self._batch_size, self._constraints, profile,
+                                      self._workload, sharders, pipeline=pipeline)
+        search = attrs.evolve(kept.search, solver="torchrec(never_slower)", status="kept",
+                              planning_time_s=s.planning_time_s + time.monotonic() - t0)
+        return attrs.evolve(kept, sharding_options=tuple(options), search=search, never_slower=decision)
+
+    def _model_errors(self, profile: HardwareProfile) -> Any:
+        """The model's relative error per term for ``profile``: from its step fit where the
+        profile store holds it (``hardware="auto"``, or a profile equal to a stored one), else the
+        documented error of an uncalibrated profile."""
+        from torchrec_sparselift.calibration.term_error import profile_errors
+
+        if self._errors is not None and self._errors[0] == profile:
+            return self._errors[1]
+        errors = profile_errors(self._hardware or profile,
+                                self._auto_stored[1] if self._auto_stored is not None else None)
+        self._errors = (profile, errors)
+        return errors
 
     # -- TorchRec's plan-loading contract ------------------------------------------------
     def hash_planner_context_inputs_str(self) -> str:

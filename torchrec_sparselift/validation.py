@@ -483,6 +483,7 @@ def planner_option_problems(
     sync_interval: Any,
     drift_tolerance: Any,
     reservation_percentage: Any,
+    never_slower: Any = defaults.NEVER_SLOWER,
 ) -> List[str]:
     """Every problem with ``SparseLiftPlanner``'s own arguments (not the model's tables)."""
     problems = setting_problems([
@@ -508,6 +509,9 @@ def planner_option_problems(
                             "allow_staleness=True to allow it")
     if solver not in SOLVERS:
         problems.append(f"solver must be 'auto', 'heuristic' or 'milp', got {solver!r}")
+    if not any(never_slower is c for c in defaults.NEVER_SLOWER_CHOICES if isinstance(c, bool)) and never_slower != "auto":
+        problems.append(f"never_slower must be True, False or 'auto', got {never_slower!r}; e.g. "
+                        f"never_slower={defaults.NEVER_SLOWER!r} (the default: the rule where the profile's error is measured)")
     g = sharding_group_size
     if g not in (None, "auto") and _is_int(ws) and ws >= 1:
         if not _is_int(g) or g < 1 or ws % g:

@@ -309,8 +309,9 @@ def guarded_execution_plan(
     rank = dist.get_rank(pg)
 
     def planner_for(cons: Optional[Dict[str, Any]]) -> SparseLiftPlanner:
+        # the search's plans: the guard measures TorchRec's plan itself (the never-slower rule's measured form)
         return SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons, hardware=hardware,
-                                 allow_lossy_comm=allow_lossy_comm, workload=workload)
+                                 allow_lossy_comm=allow_lossy_comm, workload=workload, never_slower=False)
 
     main = planner_for(constraints)
     profile = profile_for_topology(topology, main._profile())

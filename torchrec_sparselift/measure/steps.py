@@ -97,7 +97,8 @@ def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, bat
     cons = probe_constraints(tables, kind)
     planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons,
                                 hardware=profile or base_profile(topology.compute_device),
-                                pipelines=["sparse_dist"], debug=False, workload=stats)
+                                pipelines=["sparse_dist"], debug=False, workload=stats,
+                                never_slower=False)  # the forced plan as SparseLift places it
     sharders = get_default_sharders()
     plan = planner.collective_plan(model, sharders, pg) if pg is not None else planner.plan(model, sharders)
     return plan, cons

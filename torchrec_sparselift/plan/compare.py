@@ -5,13 +5,17 @@ under SparseLift's cost model with TorchRec's default runtime (``TrainPipelineSp
 comms; the lower bound of that model is shared), under SparseLift's model with the optimizations
 SparseLift chose, and under TorchRec's own estimator (:mod:`torchrec_sparselift.cost.torchrec_score`);
 with per-rank peak memory and planning time. ``sparselift compare`` prints it.
+
+:func:`torchrec_plan` is TorchRec's plan alone, on the planner's inputs: what ``compare_planners``
+and the never-slower rule (``SparseLiftPlanner(never_slower=True)``) compare SparseLift's plan with.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 from torch import nn
@@ -25,7 +29,46 @@ from torchrec_sparselift.cost.torchrec_score import BestPlanCapture, torchrec_sc
 from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
 from torchrec_sparselift.plan.result import PlanResult
 
-__all__ = ["PlannerComparison", "compare_planners", "torchrec_estimates"]
+__all__ = ["PlannerComparison", "TorchRecPlan", "compare_planners", "torchrec_estimates", "torchrec_plan"]
+
+
+@attrs.frozen
+class TorchRecPlan:
+    """``EmbeddingShardingPlanner``'s plan (``None`` with ``error`` set when it found none), the
+    sharding options it chose (callbacks applied), its proposal count and its planning time."""
+
+    plan: Any = attrs.field(eq=False, repr=False)
+    options: Tuple[Any, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=False)
+    proposals: int = 0
+    planning_time_s: float = 0.0
+    error: str = ""
+
+
+def torchrec_plan(module: nn.Module, sharders: Optional[Sequence[Any]], topology: Topology, batch_size: int,
+                  constraints: Optional[Dict[str, Any]] = None, storage_reservation: Any = None,
+                  callbacks: Sequence[Callable[[List[Any]], List[Any]]] = (),
+                  timeout_s: Optional[float] = None, stats: Sequence[Any] = (), debug: bool = False) -> TorchRecPlan:
+    """Plan ``module`` with TorchRec's ``EmbeddingShardingPlanner`` on the same inputs a
+    ``SparseLiftPlanner`` got (a copy of ``storage_reservation``, so the caller's keeps its state;
+    ``timeout_s``: TorchRec's ``timeout_seconds``, which stops its proposals, not its enumeration;
+    ``stats``: more TorchRec ``Stats`` to log to, ``debug``: TorchRec's). A TorchRec ``PlannerError`` is returned as
+    ``error``, not raised."""
+    chosen = BestPlanCapture()  # TorchRec's chosen options, through its public Stats hook
+    kwargs: Dict[str, Any] = {}
+    if storage_reservation is not None:
+        kwargs["storage_reservation"] = copy.deepcopy(storage_reservation)
+    planner = EmbeddingShardingPlanner(
+        topology=topology, batch_size=batch_size, constraints=constraints or None,
+        timeout_seconds=max(1, int(-(-timeout_s // 1))) if timeout_s else None,
+        stats=list(stats) + [chosen], callbacks=list(callbacks) or None, debug=debug, **kwargs)
+    t0 = time.monotonic()
+    try:
+        plan = planner.plan(module, list(sharders) if sharders is not None else get_default_sharders())
+        error = ""
+    except PlannerError as e:
+        plan, error = None, " ".join(str(e).split())[:300]
+    return TorchRecPlan(plan=plan, options=tuple(chosen.best_plan or ()), proposals=chosen.num_proposals,
+                        planning_time_s=time.monotonic() - t0, error=error)
 
 
 @attrs.frozen
@@ -99,20 +142,13 @@ def compare_planners(
     torchrec_estimates(sl, ours.sharding_options, topology, constraints)
 
     tr: Dict[str, Any] = {}
-    sharders = get_default_sharders()
-    chosen = BestPlanCapture()  # TorchRec's chosen options, through its public Stats hook
-    tr_planner = EmbeddingShardingPlanner(
-        topology=topology, batch_size=batch_size, constraints=constraints or None,
-        timeout_seconds=int(torchrec_timeout_s) if torchrec_timeout_s else None,
-        stats=[EmbeddingStats(), chosen])
     with stage("torchrec"):
-        t0 = time.monotonic()
-        try:
-            tr_plan = tr_planner.plan(module, sharders)
-        except PlannerError as e:
-            tr_plan = None
-            tr["error"] = " ".join(str(e).split())[:300]
-        tr["planning_time_s"] = time.monotonic() - t0
+        got = torchrec_plan(module, get_default_sharders(), topology, batch_size, constraints,
+                            timeout_s=torchrec_timeout_s, stats=[EmbeddingStats()], debug=True)
+    tr_plan = got.plan
+    if got.error:
+        tr["error"] = got.error
+    tr["planning_time_s"] = got.planning_time_s
     ev = None
     if tr_plan is not None:
         ev = evaluate_sharding_plan(module, tr_plan, topology, batch_size, constraints or None, hardware=profile)
@@ -121,7 +157,7 @@ def compare_planners(
         tr["step_sparse_dist_s"] = ev.search.step.total_s
         tr["lower_bound_s"] = ev.search.lower_bound_s
         tr["peak_device_bytes"] = _peak([b["device_bytes"] for b in ev.rank_breakdown()])
-        if chosen.best_plan:
-            torchrec_estimates(tr, chosen.best_plan, topology, constraints)
-        tr["proposals"] = chosen.num_proposals
+        if got.options:
+            torchrec_estimates(tr, got.options, topology, constraints)
+        tr["proposals"] = got.proposals
     return PlannerComparison(sparselift=sl, torchrec=tr, result=ours, torchrec_result=ev)

@@ -185,6 +185,8 @@ class PlanRequest:
     layout_2d: str = attrs.field(default=defaults.LAYOUT_2D, validator=attrs.validators.instance_of(str))
     strategy_2d: str = attrs.field(default=defaults.STRATEGY_2D, validator=attrs.validators.in_(STRATEGY_2D_CHOICES))
     measured_guard: Any = attrs.field(default=None)
+    never_slower: Union[bool, str] = attrs.field(default=defaults.NEVER_SLOWER,
+                                                 validator=attrs.validators.in_(defaults.NEVER_SLOWER_CHOICES))
     #: The live objects behind ``tables`` (for building TorchRec ``ShardingOption`` s); not part
     #: of the request's identity.
     handles: Tuple[TableHandle, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=False)

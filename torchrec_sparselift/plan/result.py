@@ -15,6 +15,7 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost.report import rank_breakdown, ranks_repr
 from torchrec_sparselift.cost.two_d import sync_evidence
+from torchrec_sparselift.plan.baseline import BaselineDecision
 from torchrec_sparselift.plan.execution_plan import Optimizations, Prediction, RankPrediction
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.search.solve import SearchResult
@@ -43,6 +44,8 @@ class PlanResult:
     layout_2d: Optional[Layout2D] = None  # the rank layout priced (2D only)
     max_sync_interval: Optional[int] = None  # the sync-interval bound in force (2D only)
     alternatives_layout: Tuple[Tuple[int, str, float], ...] = ()  # (group, layout, step s)
+    #: the never-slower rule's decision (plan.baseline.BaselineDecision); None: not asked for
+    never_slower: Optional[BaselineDecision] = None
     replica_sync: Optional[ReplicaSyncChoice] = None  # the 2D strategy chosen and its rivals (2D only)
 
     @property
@@ -116,6 +119,8 @@ class PlanResult:
             f"{s.lower_bound_s * 1e3:.3f} ms (gap {s.gap * 100:.1f}%), planned in "
             f"{s.planning_time_s:.2f} s by {s.solver}",
         ]
+        if self.never_slower is not None:
+            lines.append("  " + self.never_slower.describe())
         if self.sharding_group_size and self.layout_2d is not None:
             lines += ["  " + line for line in self.layout_2d.describe()]
             if self.strategy_2d == "default":

@@ -1,0 +1,174 @@
+"""The never-slower rule: the pure decision, the per-term error and split it reads, and the planner
+keeping TorchRec's plan unless its predicted gain clears the model's error."""
+
+import json
+import warnings
+
+import attrs
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+
+from torchrec_sparselift import SparseLiftPlanner
+from torchrec_sparselift.calibration import term_error
+from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitRecord, StepFitInfo
+from torchrec_sparselift.calibration.term_error import term_errors, term_seconds, uncalibrated_errors
+from torchrec_sparselift.cost.hardware import get_profile
+from torchrec_sparselift.plan import sharding_plan_digest
+from torchrec_sparselift.plan.baseline import (
+    FIXED_TERM, TermErrors, TermTimes, decision_from_dict, never_slower,
+)
+from torchrec_sparselift.plan.compare import torchrec_plan
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+GiB = 1024**3
+TERMS = ("a", "b", "c", FIXED_TERM)
+
+_seconds = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
+_breakdown = st.fixed_dictionaries({t: _seconds for t in TERMS})
+_errors = st.fixed_dictionaries({t: st.floats(min_value=0.0, max_value=2.0) for t in TERMS})
+
+
+def _times(terms):
+    return TermTimes(total_s=sum(terms.values()), terms=terms)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cand=_breakdown, base=_breakdown, errs=_errors, default=st.floats(min_value=0.0, max_value=1.0))
+def test_the_rule_leaves_torchrec_only_when_the_gain_exceeds_the_margin(cand, base, errs, default):
+    d = never_slower(_times(cand), _times(base), TermErrors(errs, default))
+    margin = sum(errs[t] * max(cand[t], base[t]) for t in TERMS if abs(cand[t] - base[t]) > 1e-12)
+    assert d.margin_s == pytest.approx(margin, abs=1e-12)
+    assert d.leave == (d.gain_s > d.margin_s)
+    if d.leave:
+        assert d.gain_s > 0
+    assert all(abs(x.candidate_s - x.baseline_s) > 1e-12 for x in d.differing)
+
+
+@settings(max_examples=50, deadline=None)
+@given(terms=_breakdown, errs=_errors)
+def test_identical_plans_keep_torchrec(terms, errs):
+    d = never_slower(_times(terms), _times(dict(terms)), TermErrors(errs, 0.1))
+    assert not d.leave and d.differing == () and d.margin_s == 0.0 and d.gain_s == 0.0
+
+
+def test_only_terms_that_differ_enter_the_margin():
+    # the candidate trades 4 ms of all-to-all for 2 ms of data-parallel work; lookups are equal
+    cand = _times({"a2a": 0.001, "dp": 0.002, "lookup": 0.010})
+    base = _times({"a2a": 0.005, "dp": 0.0, "lookup": 0.010})
+    d = never_slower(cand, base, TermErrors({"a2a": 0.2, "dp": 0.5, "lookup": 9.0}, 0.1))
+    assert [x.term for x in d.differing] == ["a2a", "dp"]
+    assert d.gain_s == pytest.approx(0.002)
+    assert d.margin_s == pytest.approx(0.2 * 0.005 + 0.5 * 0.002)  # 2 ms: not more than the gain
+    assert not d.leave
+    d = never_slower(cand, base, TermErrors({"a2a": 0.1, "dp": 0.3}, 0.1))
+    assert d.margin_s == pytest.approx(0.0011) and d.leave
+    again = decision_from_dict(json.loads(json.dumps(d.to_dict())))
+    assert again == d and "gain 2.00 ms" in again.describe() and "margin 1.10 ms" in again.describe()
+
+
+def test_term_errors_reject_a_negative_error():
+    with pytest.raises(ValueError, match="'a2a'.*>= 0"):
+        TermErrors({"a2a": -0.1}, 0.1)
+
+
+def test_term_seconds_split_a_linear_prediction_exactly():
+    profile = get_profile("cpu-gloo")
+
+    def predict(p):  # 1 ms fixed + 1e6 bytes of all-to-all + 3 step overheads
+        return 1e-3 + 1e6 / p.intra_host_bw + 3 * p.step_overhead_s
+
+    p = attrs.evolve(profile, step_overhead_s=2e-4)
+    t = term_seconds(predict, p)
+    assert t.total_s == pytest.approx(predict(p))
+    assert t.terms["1/a2a_bw"] == pytest.approx(1e6 / p.intra_host_bw, rel=1e-6)
+    assert t.terms["step_overhead_s"] == pytest.approx(6e-4, rel=1e-6)
+    assert t.terms[FIXED_TERM] == pytest.approx(1e-3, rel=1e-6)
+    assert set(t.terms) == {x.name for x in CPU_STEP_TERMS} | {FIXED_TERM}
+
+
+def test_term_errors_follow_the_records_that_carry_each_term():
+    values = {"1/a2a_bw": 1e-9, "dp_table_overhead_s": 1e-3}
+    recs = [  # an all-to-all plan predicted exactly; a data-parallel plan 50% high
+        FitRecord("a2a", {"1/a2a_bw": 1e7, "dp_table_overhead_s": 0.0}, 0.0, 0.010),
+        FitRecord("dp", {"1/a2a_bw": 0.0, "dp_table_overhead_s": 15.0}, 0.0, 0.010),
+        FitRecord("a2a:comm", {"1/a2a_bw": 1e7}, 0.0, 0.001, kind="comm"),  # parts are left out
+    ]
+    e = term_errors(StepFitInfo(fit={"values": values}, fit_records=recs), "p")
+    assert e.of("1/a2a_bw") == pytest.approx(0.0)
+    assert e.of("dp_table_overhead_s") == pytest.approx(0.5)
+    assert e.default == pytest.approx(0.25) and e.of("bwd_row_s") == pytest.approx(0.25)
+    assert "2 records" in e.source
+    with pytest.raises(ValueError, match="calibrate"):
+        term_errors(StepFitInfo(), "p")
+    assert uncalibrated_errors("h100").of("anything") == 0.30 and not uncalibrated_errors("h100").measured
+
+
+# -- the planner --------------------------------------------------------------------------------
+
+
+def _topo(world_size, local=8):
+    return Topology(world_size=world_size, local_world_size=min(local, world_size), compute_device="cuda",
+                    hbm_cap=80 * GiB, ddr_cap=256 * GiB)
+
+
+def _ebc(n, rows, dim=64):
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows * (i + 1),
+                                   feature_names=[f"f{i}"]) for i in range(n)],
+        device=torch.device("meta"))
+
+
+def test_planner_keeps_torchrecs_plan_when_the_gain_is_within_the_error():
+    topo, module = _topo(2), _ebc(6, 1000)
+    planner = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, never_slower=True)
+    res = planner.plan_with_result(module, get_default_sharders())
+    d = res.never_slower
+    assert d is not None and d.applied and not d.leave and d.gain_s <= d.margin_s
+    theirs = torchrec_plan(module, get_default_sharders(), topo, 512)
+    assert sharding_plan_digest(res.sharding_plan) == sharding_plan_digest(theirs.plan)
+    assert len(res.sharding_options) == 6 and res.search.status == "kept"
+    assert "TorchRec's plan kept" in res.summary() and "30%" in d.describe()  # a preset: uncalibrated
+    info = planner.plan_execution(module).planner_info["never_slower"]
+    assert info["rule"] == "never_slower" and info["leave"] is False
+    off = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, never_slower=False)
+    assert off.plan_with_result(module, get_default_sharders()).never_slower is None
+    # the default ("auto") applies the rule only where the profile's error is measured: not on a preset
+    auto = SparseLiftPlanner(topology=topo, batch_size=512, debug=False).plan_with_result(module, get_default_sharders())
+    assert not auto.never_slower.applied and "no measured error" in auto.never_slower.describe()
+
+
+def test_never_slower_accepts_true_false_or_auto():
+    with pytest.raises(ValueError, match="never_slower must be True, False or 'auto', got 'yes'"):
+        SparseLiftPlanner(topology=_topo(2), batch_size=512, never_slower="yes")
+
+
+def test_planner_leaves_torchrecs_plan_when_the_gain_clearly_exceeds_the_error(monkeypatch):
+    # two hosts, lossy comm allowed: fp16 halves the all-to-all TorchRec's plan sends in fp32 (a
+    # predicted gain of ~50%); a profile whose step fit measured 10% error per term ("auto" applies it)
+    monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, 0.10, "a step fit"))
+    topo, module = _topo(16), _ebc(16, 100000, 128)
+    res = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True,
+                            time_budget_s=2).plan_with_result(module, get_default_sharders())
+    d = res.never_slower
+    assert d.applied and d.leave and d.gain_s > d.margin_s > 0 and "1/a2a_bw" in [x.term for x in d.differing]
+    assert res.search.fwd_precision != "fp32" and "SparseLift's plan kept" in res.summary()
+
+
+def test_planner_reads_the_error_it_is_given(monkeypatch):
+    """The same inputs keep or leave TorchRec's plan depending only on the model's error."""
+    topo, module = _topo(16), _ebc(16, 100000, 128)
+
+    def plan(error):
+        monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, error, "test"))
+        return SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True,
+                                 time_budget_s=2).plan_with_result(module, get_default_sharders())  # "auto"
+
+    assert plan(0.0).never_slower.leave
+    kept = plan(5.0)
+    assert not kept.never_slower.leave and kept.search.fwd_precision == "fp32"
+    assert kept.never_slower.error_source == "test"

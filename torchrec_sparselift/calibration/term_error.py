@@ -1,0 +1,132 @@
+"""The model's measured error per cost term, and a plan's predicted step split by term: the two
+inputs of the never-slower rule (:mod:`torchrec_sparselift.plan.baseline`). Pure functions.
+
+* :func:`term_seconds`: the seconds each step-fit term (:data:`~.step_fit.CPU_STEP_TERMS`, or any
+  :class:`~.step_fit.FitTerm` list) contributes to one plan's predicted step: the prediction's
+  elasticity in the term, ``t_j = x_j * d T / d x_j``, by a central difference that scales the
+  term's profile fields (rates down, costs up) by ``1 +- rel`` (at a tie between two critical
+  paths, e.g. balanced ranks, it averages their slopes); the rest of the step (never below 0:
+  terms that multiply each other each carry the product's seconds) is
+  :data:`~torchrec_sparselift.plan.baseline.FIXED_TERM`. Scaling (not setting) the fields makes it
+  exact for any profile, presets whose tied fields differ (``hbm_bw`` and ``ddr_bw``) included.
+* :func:`term_errors`: a stored step fit's relative error per term, from its whole-step records
+  (:class:`~.step_fit.FitRecord` of kind "step": the probe plans, and the measured guard's trials
+  added since; the attributed parts of steps are left out: their profiler attribution was 19-53%
+  off the model per part on a 17%-MAPE fit, an error of the attribution as much as of the model).
+  For record ``r`` with prediction ``p_r`` and measurement ``m_r`` and term ``j``'s share
+  ``s_rj = q_rj x_j / p_r`` of the prediction::
+
+      e_j = sum_r s_rj |p_r - m_r| / m_r  /  sum_r s_rj
+
+  the error of the steps, each counted by how much of it the term carries; the ``fixed`` part the
+  same way with ``fixed_r / p_r``; a term no record carries gets the records' MAPE.
+  :func:`uncalibrated_errors`: one error for every term of a profile without a step fit
+  (:data:`~torchrec_sparselift.defaults.UNCALIBRATED_MODEL_ERROR`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import attrs
+import numpy as np
+
+from torchrec_sparselift import defaults
+from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitTerm, StepFitInfo
+from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, TermTimes
+
+__all__ = ["term_seconds", "term_errors", "uncalibrated_errors", "scaled_term", "profile_errors"]
+
+
+def scaled_term(profile: HardwareProfile, term: FitTerm, factor: float) -> HardwareProfile:
+    """``profile`` with term ``term``'s value multiplied by ``factor`` (its rate fields divided by
+    it for a reciprocal term), every field of the term alike."""
+    changes = {f: (profile.rate(f) / factor if term.reciprocal else profile.rate(f) * factor) for f in term.fields}
+    return attrs.evolve(profile, **changes)
+
+
+def term_seconds(predict: Callable[[HardwareProfile], float], profile: HardwareProfile,
+                 terms: Sequence[FitTerm] = CPU_STEP_TERMS, rel: float = 0.05) -> TermTimes:
+    """``predict(profile)`` (a pure ``profile -> seconds``) split by term (module docstring)."""
+    base = float(predict(profile))
+    out: Dict[str, float] = {}
+    for t in terms:
+        up = float(predict(scaled_term(profile, t, 1.0 + rel)))
+        down = float(predict(scaled_term(profile, t, 1.0 - rel)))
+        out[t.name] = (up - down) / (2 * rel)
+    # terms that multiply each other (a rate and ``reduce_scatter_factor``) each carry the product's
+    # seconds (the product's relative error is the sum of theirs), so the terms can sum to more
+    # than the step: the fixed part is what is left, never below 0
+    out[FIXED_TERM] = max(0.0, base - sum(out.values()))
+    return TermTimes(total_s=base, terms=out)
+
+
+def term_errors(info: StepFitInfo, name: str = "") -> TermErrors:
+    """The relative error per term of a stored step fit (module docstring); ``name``: the
+    profile's, for :attr:`TermErrors.source`. ``ValueError`` when the fit holds no records."""
+    recs = [r for r in info.fit_records if r.kind == "step"] or list(info.fit_records)
+    values = dict(info.fit.get("values") or {})
+    if not recs or not values:
+        raise ValueError(f"the profile {name or '?'} has no step-fit records to measure its error from; "
+                         "calibrate it with `sparselift calibrate steps`")
+    names = sorted({n for r in recs for n in r.quantities if n in values})
+    weight = {n: 0.0 for n in names + [FIXED_TERM]}
+    err = {n: 0.0 for n in names + [FIXED_TERM]}
+    step_errors = []  # every record's error (all are whole steps unless the fit has none)
+    for r in recs:
+        parts = {n: r.quantities.get(n, 0.0) * values[n] for n in names}
+        pred = r.fixed_s + sum(parts.values())
+        if not pred > 0:
+            continue
+        e = abs(pred - r.measured_s) / r.measured_s
+        step_errors.append(e)
+        parts[FIXED_TERM] = r.fixed_s
+        for n, sec in parts.items():
+            share = max(0.0, sec) / pred
+            weight[n] += share
+            err[n] += share * e
+    if not step_errors:
+        raise ValueError(f"the profile {name or '?'}'s step-fit records predict no positive step time")
+    overall = float(np.mean(step_errors))
+    errors = {n: err[n] / weight[n] for n in weight if weight[n] > 0}
+    guard = f", {info.feedback_records} guard trials" if info.feedback_records else ""
+    return TermErrors(errors=errors, default=overall,
+                      source=f"the step fit of {name or 'the profile'} ({len(recs)} records{guard}, "
+                             f"step MAPE {overall:.1%})")
+
+
+def uncalibrated_errors(name: str) -> TermErrors:
+    """Every term's error for a profile that was not fitted from real steps (a preset, a kernel
+    microbenchmark profile): :data:`~torchrec_sparselift.defaults.UNCALIBRATED_MODEL_ERROR`."""
+    e = defaults.UNCALIBRATED_MODEL_ERROR
+    return TermErrors(errors={}, default=e, measured=False,
+                      source=f"{name}, not fitted from real steps: {e:.0%} for every term (the measured error "
+                             "of a profile without step calibration, docs/cost_model.md)")
+
+
+logger = logging.getLogger(__name__)
+
+
+def profile_errors(profile: Optional[HardwareProfile], stored_path: Optional[str] = None,
+                   store: Any = None) -> TermErrors:
+    """The model's error per term for ``profile``: the step fit of the stored profile at
+    ``stored_path`` (what ``hardware="auto"`` loaded), else of a stored profile equal to
+    ``profile`` in ``store`` (default: :class:`~.store.ProfileStore`), else
+    :func:`uncalibrated_errors`. Reads the store only."""
+    from torchrec_sparselift.calibration.store import ProfileStore
+
+    store = store or ProfileStore()
+    stored = None
+    if stored_path and os.path.isfile(stored_path):
+        stored = store.load(stored_path)
+    elif profile is not None:
+        stored = next((p for p in store.all() if p.profile == profile), None)
+    if stored is not None and stored.step_fit.fitted:
+        try:
+            return term_errors(stored.step_fit, stored.path)
+        except ValueError as e:
+            logger.warning("%s; assuming the error of an uncalibrated profile", e)
+    return uncalibrated_errors(profile.name if profile is not None else "the preset")

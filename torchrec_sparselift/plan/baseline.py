@@ -1,0 +1,174 @@
+"""The never-slower rule: leave TorchRec's plan only where the predicted gain exceeds the model's
+measured error on the terms that differ.
+
+Pure: it reads two plans' per-term breakdowns (what each cost term contributes to the predicted
+step, :class:`TermTimes`) and the model's relative error per term (:class:`TermErrors`) and
+returns a :class:`BaselineDecision`. The planner builds TorchRec's plan on the same inputs,
+prices both with SparseLift's model and the profile, and applies it (``never_slower=True``).
+
+The rule (docs/cost_model.md, "Never slower than TorchRec")::
+
+    gain   = T(baseline) - T(candidate)
+    margin = sum over terms j whose time differs of  e_j * max(t_j(candidate), t_j(baseline))
+    leave the baseline  iff  gain > margin
+
+``t_j`` is the seconds term ``j`` puts on the plan's critical path (the ``fixed`` term holds the
+rest of the step); ``e_j`` the model's relative error of that term. A term with the same time in
+both plans moves both predictions alike and is left out; identical plans have no differing term,
+a margin of 0 and no gain, so the baseline is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import attrs
+
+__all__ = ["FIXED_TERM", "TermErrors", "TermTimes", "TermDifference", "BaselineDecision", "never_slower",
+           "decision_from_dict"]
+
+#: The part of a predicted step that no fitted term multiplies (the breakdown's remainder).
+FIXED_TERM = "fixed"
+
+
+def _error_value(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    items = value.items() if isinstance(value, Mapping) else [(attribute.name, value)]
+    for k, v in items:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"TermErrors: the error of {k!r} must be a finite number >= 0 (a relative "
+                             f"error, 0.1 = 10%), got {v!r}")
+
+
+@attrs.frozen
+class TermErrors:
+    """The model's relative error per cost term.
+
+    ``errors``: term name -> relative error (0.1 = 10%); ``default``: the error of a term without
+    its own (and of the ``fixed`` part when it has none); ``source``: where the numbers come from,
+    for logs and the explanation (a stored step fit, or the documented error of an uncalibrated
+    profile). ``measured``: False for an assumed error (``never_slower="auto"`` then skips the rule)."""
+
+    errors: Mapping[str, float] = attrs.field(converter=dict, validator=_error_value)
+    default: float = attrs.field(validator=_error_value)
+    source: str = ""
+    measured: bool = True  # False: an assumed error (a profile not fitted from real steps)
+
+    def of(self, term: str) -> float:
+        return float(self.errors.get(term, self.default))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(errors=dict(self.errors), default=self.default, source=self.source, measured=self.measured)
+
+
+@attrs.frozen
+class TermTimes:
+    """A priced plan split by cost term: ``total_s`` and, per term, the seconds it contributes on
+    the critical path (``terms``; :data:`FIXED_TERM` holds the rest; terms that multiply each other
+    each carry the product's seconds, so they may sum to more than ``total_s``)."""
+
+    total_s: float
+    terms: Mapping[str, float] = attrs.field(converter=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not (math.isfinite(self.total_s) and self.total_s >= 0):
+            raise ValueError(f"TermTimes.total_s must be a finite time >= 0, got {self.total_s!r}")
+        bad = {k: v for k, v in self.terms.items() if not math.isfinite(v)}
+        if bad:
+            raise ValueError(f"TermTimes.terms must be finite seconds, got {bad}")
+
+
+@attrs.frozen
+class TermDifference:
+    """One term whose time differs between the plans, with its error and its share of the margin."""
+
+    term: str
+    candidate_s: float
+    baseline_s: float
+    error: float
+
+    @property
+    def margin_s(self) -> float:
+        return self.error * max(abs(self.candidate_s), abs(self.baseline_s))
+
+
+@attrs.frozen
+class BaselineDecision:
+    """What the rule decided: ``leave`` the baseline (use the candidate) or keep it, with the
+    predicted ``gain_s`` (baseline - candidate) and the ``margin_s`` it had to exceed, the
+    ``differing`` terms behind the margin, and ``errors.source``. ``note``: why the rule could
+    not be applied (then ``leave`` is True and nothing else is set)."""
+
+    leave: bool
+    candidate_s: float = 0.0
+    baseline_s: float = 0.0
+    margin_s: float = 0.0
+    differing: Tuple[TermDifference, ...] = ()
+    error_source: str = ""
+    baseline: str = "torchrec"
+    note: str = ""
+
+    @property
+    def gain_s(self) -> float:
+        return self.baseline_s - self.candidate_s
+
+    @property
+    def applied(self) -> bool:
+        return not self.note
+
+    def describe(self) -> str:
+        """One line: what was kept and why (gain, margin, the largest differing terms)."""
+        if not self.applied:
+            return f"never-slower rule not applied: {self.note}"
+        top = sorted(self.differing, key=lambda d: -d.margin_s)[:4]
+        terms = ", ".join(f"{d.term} {d.candidate_s * 1e3:.2f} vs {d.baseline_s * 1e3:.2f} ms "
+                          f"(error {d.error:.0%})" for d in top)
+        verdict = ("SparseLift's plan kept: predicted gain over TorchRec's plan exceeds the model's error"
+                   if self.leave else "TorchRec's plan kept: SparseLift's search found a plan priced the same"
+                   if not self.differing else "TorchRec's plan kept: the predicted gain is within the model's error")
+        rel = self.gain_s / self.baseline_s if self.baseline_s > 0 else 0.0
+        return (f"never-slower rule: {verdict}; predicted {self.candidate_s * 1e3:.2f} ms vs TorchRec's "
+                f"{self.baseline_s * 1e3:.2f} ms, gain {self.gain_s * 1e3:.2f} ms ({rel:+.1%}) vs margin "
+                f"{self.margin_s * 1e3:.2f} ms" + (f"; differing terms: {terms}" if terms else "")
+                + (f"; errors from {self.error_source}" if self.error_source else ""))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain JSON (what an execution plan's ``planner_info["never_slower"]`` holds)."""
+        return dict(rule="never_slower", baseline=self.baseline, leave=self.leave, applied=self.applied,
+                    note=self.note, candidate_s=self.candidate_s, baseline_s=self.baseline_s,
+                    gain_s=self.gain_s, margin_s=self.margin_s, error_source=self.error_source,
+                    differing=[dict(term=d.term, candidate_s=d.candidate_s, baseline_s=d.baseline_s,
+                                    error=d.error, margin_s=d.margin_s) for d in self.differing])
+
+    @classmethod
+    def not_applied(cls, note: str) -> "BaselineDecision":
+        return cls(leave=True, note=note)
+
+
+def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,
+                 tolerance_s: float = 1e-12) -> BaselineDecision:
+    """Leave ``baseline`` for ``candidate`` only if ``baseline.total_s - candidate.total_s`` exceeds
+    ``sum_j errors.of(j) * max(t_j(candidate), t_j(baseline))`` over the terms whose times differ by
+    more than ``tolerance_s`` (module docstring). A term missing from one breakdown counts 0 there."""
+    diffs = []
+    for term in sorted(set(candidate.terms) | set(baseline.terms)):
+        c, b = float(candidate.terms.get(term, 0.0)), float(baseline.terms.get(term, 0.0))
+        if abs(c - b) > tolerance_s:
+            diffs.append(TermDifference(term, c, b, errors.of(term)))
+    margin = float(sum(d.margin_s for d in diffs))
+    gain = baseline.total_s - candidate.total_s
+    return BaselineDecision(leave=gain > margin, candidate_s=candidate.total_s, baseline_s=baseline.total_s,
+                            margin_s=margin, differing=tuple(diffs), error_source=errors.source)
+
+
+def decision_from_dict(data: Optional[Mapping[str, Any]]) -> Optional[BaselineDecision]:
+    """The :class:`BaselineDecision` an execution plan stored (``None`` when it has none)."""
+    if not data:
+        return None
+    return BaselineDecision(
+        leave=bool(data["leave"]), candidate_s=float(data.get("candidate_s", 0.0)),
+        baseline_s=float(data.get("baseline_s", 0.0)), margin_s=float(data.get("margin_s", 0.0)),
+        differing=tuple(TermDifference(d["term"], float(d["candidate_s"]), float(d["baseline_s"]), float(d["error"]))
+                        for d in data.get("differing", [])),
+        error_source=str(data.get("error_source", "")), baseline=str(data.get("baseline", "torchrec")),
+        note=str(data.get("note", "")))
