@@ -71,6 +71,7 @@ def _worker(rank, world):
     return out
 
 
+@pytest.mark.slow  # ~80 s on 2 cores: `pytest -m slow tests/test_gloo_comm_precisions.py`
 @pytest.mark.multiprocess
 def test_every_precision_offered_on_gloo_runs_forward_and_backward_as_itself():
     from launcher import run_ranks

@@ -192,10 +192,11 @@ def _reuse_worker(rank, world_size, cache_dir):
     old, new = PRESETS["cpu-gloo"], attrs.evolve(PRESETS["cpu-gloo"], step_overhead_s=0.02)
     guard, sh = MeasuredGuard(candidates=1, torchrec=False), get_default_sharders()
     # what an earlier run stored: a guarded plan priced under the old profile, with its trials
-    ep = SparseLiftPlanner(topology=topo, batch_size=32, hardware=old).plan_execution(model(), sh)
+    # (the guard plans its candidates with never_slower=False: it measures TorchRec's plan itself)
+    ep = SparseLiftPlanner(topology=topo, batch_size=32, hardware=old, never_slower=False).plan_execution(model(), sh)
     trial = GuardTrial("sparselift", "sparselift", ep.prediction.step_time_s, 0.005, (0.005,))
     info = dict(ep.planner_info, measured_guard=GuardResult("sparselift", (trial,), guard.to_dict()).to_dict())
-    planner = SparseLiftPlanner(topology=topo, batch_size=32, hardware=new)
+    planner = SparseLiftPlanner(topology=topo, batch_size=32, hardware=new, never_slower=False)
     path = guard_cache_path(cache_dir, guard_fingerprint(planner, model(), sh, guard), guard)
     write_text(path, attrs.evolve(ep, planner_info=info).to_json(indent=1))
 
