@@ -171,8 +171,7 @@ REASON = tb.unavailable_reason()
 def _measure_on_testbed(tmp_path, rate_bps):
     out = tmp_path / f"rates_{rate_bps}.json"
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    argv = ["-m", "torchrec_sparselift.measure.link", "--repetitions", "3", "--target-call-ms", "100",
-            "--json", str(out)]
+    argv = ["-m", "torchrec_sparselift.measure.link", "--repetitions", "3", "--json", str(out)]
     with tb.emulated_hosts(tb.Topology(hosts=2, ranks_per_host=1, rate_bps=rate_bps)) as bed:
         results = bed.torchrun(argv, env=env, timeout_s=120)
     for r in results:
@@ -186,11 +185,12 @@ def test_a_100_mbit_link_between_two_emulated_hosts_measures_at_its_rate(tmp_pat
     with ThreadPoolExecutor(2) as pool:
         shaped, unshaped = pool.map(lambda rate: _measure_on_testbed(tmp_path, rate), (100e6, None))
     assert (shaped.hosts, shaped.ranks_per_host) == (2, 1) and shaped.intra_bw is None
-    # all-reduce measures at the shaped rate; gloo's all-to-all over a tbf-shaped veth measured
-    # 1.0-3.0x it on this machine (2026-12-03, the code of f28be34 too: token-bucket bursts and
-    # segmentation offload; docs/testbed.md): the test holds the measurement to that band
+    # both measure at the shaped rate (calls of the default 0.25 s, largest first: a token
+    # bucket's 512 KiB burst is a small part of each timed size); a rank's all-to-all sends and
+    # receives over one connection and reached 0.56-0.7 of the rate per direction on per-host links
+    # (docs/testbed.md)
     assert 0.8 * 12.5e6 <= shaped.allreduce_bw <= 1.25 * 12.5e6, shaped.describe()
-    assert 0.5 * 12.5e6 <= shaped.inter_bw <= 3.5 * 12.5e6, shaped.describe()
+    assert 0.5 * 12.5e6 <= shaped.inter_bw <= 1.25 * 12.5e6, shaped.describe()
     assert unshaped.inter_bw > 2 * shaped.inter_bw, (shaped.describe(), unshaped.describe())
     assert any("inter_bw" in d for d in links_differ(unshaped, shaped))
 

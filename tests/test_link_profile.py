@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from torchrec_sparselift.calibration.link import (
+    PROFILE_BYTES_PER_MEASURED,
     LinkRates,
     correct_link_terms,
     corrected_bandwidth,
@@ -66,7 +67,9 @@ def test_a_slower_link_corrects_the_flagged_terms_and_names_them_with_both_value
     c = correct_link_terms(PROFILE, stored, measured)
     assert c.differs and len(c.differences) == len(links_differ(stored, measured)) == 2
     p = c.profile
-    assert p.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 430e6, 12.4e6))
+    # the model's all-to-all bytes are sent + received: two per measured (sent) byte
+    assert PROFILE_BYTES_PER_MEASURED["inter_bw"] == 2.0 and PROFILE_BYTES_PER_MEASURED["allreduce_bw"] == 1.0
+    assert p.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 2 * 430e6, 2 * 12.4e6))
     assert p.allreduce_bw == pytest.approx(corrected_bandwidth(300e6, 220e6, 12.1e6))
     # within the spread: untouched (the latencies are 100 us apart, within 100% of the smaller)
     assert p.intra_host_bw == PROFILE.intra_host_bw and p.collective_latency_s == PROFILE.collective_latency_s
@@ -87,6 +90,25 @@ def test_latency_shifts_only_when_flagged_and_not_below_zero():
     assert allreduce_only.differs and allreduce_only.profile is PROFILE  # flagged, but no a2a latency moved
 
 
+def test_a_slower_inter_host_link_counts_once_per_reduce_scatter_byte():
+    # the step fit's reduce-scatter factor (gloo reduces on the CPU) keeps its seconds per byte at
+    # the old rate; the slower link's added seconds count once per byte on the wire
+    prof = attrs.evolve(PROFILE, reduce_scatter_factor=4.0)
+    c = correct_link_terms(prof, _rates(), _rates(inter_bw=12.4e6))
+    new_bw = c.profile.inter_host_bw
+    f = c.profile.reduce_scatter_factor
+    assert f == pytest.approx(1 + 3.0 * new_bw / 400e6)
+    # a reduce-scatter byte: the old factor's seconds plus the link's added seconds
+    assert f / new_bw == pytest.approx(4.0 / 400e6 + (1 / new_bw - 1 / 400e6))
+    assert ("reduce_scatter_factor", 4.0, pytest.approx(f)) in c.changed
+    assert "reduce_scatter_factor 4 -> " in c.describe()
+    # a faster link, or one host: the factor stays
+    assert correct_link_terms(prof, _rates(inter_bw=12.4e6), _rates()).profile.reduce_scatter_factor == 4.0
+    one = dict(hosts=1, ranks_per_host=2, inter_bw=None, inter_latency_s=None, intra_latency_s=3e-4)
+    assert correct_link_terms(prof, _rates(intra_bw=800e6, **one), _rates(intra_bw=12e6, **one)
+                              ).profile.reduce_scatter_factor == 4.0
+
+
 def test_an_agreeing_link_returns_the_profile_itself():
     c = correct_link_terms(PROFILE, _rates(), _rates(inter_bw=450e6, allreduce_bw=230e6))
     assert not c.differs and c.profile is PROFILE and c.changed == ()
@@ -98,7 +120,7 @@ def test_a_term_the_calibration_did_not_see_is_compared_with_its_other_all_to_al
                       hosts=1, ranks_per_host=2)
     c = correct_link_terms(PROFILE, one_host, _rates(inter_bw=12.5e6, allreduce_bw=12e6))
     assert any(d.startswith("topology") for d in c.differences)
-    assert c.profile.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 800e6, 12.5e6))
+    assert c.profile.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 2 * 800e6, 2 * 12.5e6))
 
 
 # ---------------------------------------------------------------- the store
@@ -153,7 +175,7 @@ def test_the_planner_with_hardware_auto_corrects_the_stored_link_and_warns_once(
     with pytest.warns(UserWarning, match="inter_bw") as record:
         planner._correct_link(_rates(inter_bw=12.5e6), announce=True)
     assert len(record) == 1 and "430 MB/s" in str(record[0].message)
-    assert planner._hardware.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 430e6, 12.5e6))
+    assert planner._hardware.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 2 * 430e6, 2 * 12.5e6))
     assert planner._hardware.allreduce_bw == PROFILE.allreduce_bw
     explicit = SparseLiftPlanner(topology=topo, batch_size=64, hardware=PROFILE)
     explicit._correct_link(_rates(inter_bw=12.5e6), announce=True)  # the user's profile: left alone
@@ -216,7 +238,8 @@ def test_a_profile_from_an_unshaped_link_is_corrected_under_100_mbit(tmp_path):
     measured = LinkRates.from_dict(out["link"])
     assert len(out["warnings"]) == 1 and "inter_bw" in out["warnings"][0], out["warnings"]
     corrected = HardwareProfile.from_dict(out["profile"])
-    assert 0.5 * measured.inter_bw <= corrected.inter_host_bw <= 1.5 * measured.inter_bw, (
+    # two profile bytes (sent + received) per measured byte sent, less the profile's own seconds per byte
+    assert 1.5 * measured.inter_bw <= corrected.inter_host_bw <= 2.0 * measured.inter_bw, (
         corrected.inter_host_bw, measured.describe(), unshaped.describe())
     assert corrected.name.endswith("+link")
 

@@ -26,6 +26,7 @@ __all__ = [
     "differing_terms",
     "correct_link_terms",
     "corrected_bandwidth",
+    "PROFILE_BYTES_PER_MEASURED",
     "fit_latency_bandwidth",
     "fit_family",
     "relative_spread",
@@ -346,6 +347,15 @@ def host_groups(keys: Sequence[str]) -> List[List[int]]:
 
 # profile field <- LinkRates bandwidth term
 _PROFILE_BW = (("intra_host_bw", "intra_bw"), ("inter_host_bw", "inter_bw"), ("allreduce_bw", "allreduce_bw"))
+
+#: Profile bytes per measured byte, per bandwidth term. The cost model's all-to-all columns count
+#: a rank's bytes sent *plus* received (an owner's output bytes on its own column, each peer's
+#: share on the peer's: ``cost.model.shard_cost``); :func:`measure_link_rates
+#: <torchrec_sparselift.measure.link.measure_link_rates>` counts the bytes a rank sends while every
+#: rank of the group sends alike. In a symmetric all-to-all a rank receives what it sends, so one
+#: measured byte per second is two profile bytes per second. The all-reduce equation is the same
+#: on both sides (``2 (n-1)/n * bytes``).
+PROFILE_BYTES_PER_MEASURED = {"intra_bw": 2.0, "inter_bw": 2.0, "allreduce_bw": 1.0}
 _LATENCY_TERMS = ("inter_latency_s", "intra_latency_s")
 
 
@@ -390,10 +400,13 @@ class LinkCorrection:
 
     def describe(self, where: str = "the stored profile") -> str:
         """One warning: each differing term with both values, then each corrected field."""
-        moved = "; ".join(
-            f"{f} {_fmt_term('latency' if f.endswith('_s') else 'bw', a)} -> "
-            f"{_fmt_term('latency' if f.endswith('_s') else 'bw', b)}" for f, a, b in self.changed
-        ) or "no profile term maps to the difference"
+        def fmt(field: str, v: float) -> str:
+            if field.endswith("_factor"):
+                return f"{v:.3g}"
+            return _fmt_term("latency" if field.endswith("_s") else "bw", v)
+
+        moved = "; ".join(f"{f} {fmt(f, a)} -> {fmt(f, b)}" for f, a, b in self.changed
+                          ) or "no profile term maps to the difference"
         return (f"the link this job runs on differs from the one {where} was calibrated on beyond the "
                 f"measured spread: {'; '.join(self.differences)}. Link terms corrected in memory from "
                 f"this job's measurement: {moved}. Calibrate under this link for predictions fitted to it")
@@ -405,7 +418,10 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
     differ beyond their spread (:func:`differing_terms`; ``tolerances``: its keyword arguments).
 
     Each flagged bandwidth the job uses (``intra_bw`` -> ``intra_host_bw``, ``inter_bw`` ->
-    ``inter_host_bw``, ``allreduce_bw`` -> ``allreduce_bw``) by :func:`corrected_bandwidth`;
+    ``inter_host_bw``, ``allreduce_bw`` -> ``allreduce_bw``) by :func:`corrected_bandwidth`, the
+    measured rates first put in the profile's byte count (:data:`PROFILE_BYTES_PER_MEASURED`); a
+    slower inter-host link on several hosts also lowers ``reduce_scatter_factor`` so that the
+    link's added seconds count once per byte on the wire (the factor's own seconds per byte stay);
     ``collective_latency_s`` shifted by ``measured - stored`` of the flagged all-to-all latency
     (inter-host first, then intra-host: the one the job's all-to-alls wait on), not below zero;
     a flagged all-reduce latency alone does not move it (the step fit prices mostly all-to-all
@@ -419,7 +435,18 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
     for field, term in _PROFILE_BW:
         m, s = getattr(measured, term), _stored_term(stored, term)
         if term in names and m is not None and s is not None:
-            changes[field] = corrected_bandwidth(getattr(profile, field), s, m)
+            k = PROFILE_BYTES_PER_MEASURED[term]
+            changes[field] = corrected_bandwidth(getattr(profile, field), k * s, k * m)
+    if "inter_host_bw" in changes and measured.hosts > 1:
+        # a reduce-scatter's link byte counts reduce_scatter_factor all-to-all bytes: what the step
+        # fit found on the calibration box (gloo's reduce-scatter does its reduction on the CPU).
+        # The link's added time is per byte on the wire, once: keep the factor's seconds per byte
+        # at the old rate and add the new link's per byte, f' = 1 + (f - 1) * new / old (the
+        # job's traffic that crosses hosts is priced at the inter-host rate, cost.hardware.a2a_bw)
+        old_bw, new_bw = float(profile.inter_host_bw), changes["inter_host_bw"]
+        f = float(profile.reduce_scatter_factor)
+        if new_bw < old_bw and f > 1.0:
+            changes["reduce_scatter_factor"] = 1.0 + (f - 1.0) * new_bw / old_bw
     for term in _LATENCY_TERMS:
         m, s = getattr(measured, term), _stored_term(stored, term)
         if term in names and m is not None and s is not None:

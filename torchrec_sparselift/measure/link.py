@@ -18,7 +18,11 @@ by least squares on relative residuals, using the median of the repetitions at e
 bandwidth is per rank: the bytes each rank sends to others per second while every rank of the
 group does the same (a host's ranks crossing one link each get their share of it). The largest
 message is sized for each family by doubling until one call takes ``target_call_s``, so the
-measurement takes a few seconds on a 100 Mbit/s link and on a loopback alike.
+measurement takes a few seconds on a 100 Mbit/s link and on a loopback alike. The default 0.25 s
+makes both timed sizes (the largest and a quarter of it) several times a token-bucket shaper's
+burst: with 0.05 s the quarter size passed within a 512 KiB burst at line rate, and the fit read
+a shared 300 Mbit/s link's all-reduce at 418 Mbit/s where long transfers reach 144-148
+(docs/testbed.md).
 
 :func:`measure_link_rates` returns a :class:`LinkRates`, identical on every rank (rank 0's fit,
 broadcast). :func:`links_differ` compares two of them beyond their measured spread.
@@ -143,8 +147,9 @@ def _time_family(
         numel = min(cap, _numel(numel * 4 * grow, family.n))
         buffers.clear()
     small, mid = _numel(min_bytes, family.n), _numel(numel * 4 * 0.25, family.n)
-    # the latency-bound size three times per repetition (cheap; outvotes scheduling hiccups)
-    calls = [small] * 3 + sorted({mid, numel} - {small})
+    # the latency-bound size three times per repetition (cheap; outvotes scheduling hiccups); the
+    # largest first, so that a token-bucket shaper's burst, drained by it, does not carry the next
+    calls = sorted({mid, numel} - {small}, reverse=True) + [small] * 3
     _timed_call(family, numel, device, buffers)
     local = np.zeros((repetitions, len(calls)))
     for i in range(repetitions):
@@ -161,7 +166,7 @@ class _FitFailed(LinkRatesError):
 def measure_link_rates(
     *,
     repetitions: int = 5,
-    target_call_s: float = 0.05,
+    target_call_s: float = 0.25,
     min_bytes: int = 4096,
     max_bytes: int = 32 << 20,
     attempts: int = 3,
@@ -275,7 +280,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Measure the collective rates this job sees (run under torchrun; rank 0 prints).",
     )
     p.add_argument("--repetitions", type=int, default=5)
-    p.add_argument("--target-call-ms", type=float, default=50.0, help="duration of the largest call")
+    p.add_argument("--target-call-ms", type=float, default=250.0, help="duration of the largest call")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the LinkRates here")
     p.add_argument("--backend", default="gloo")
     args = p.parse_args(argv)
