@@ -44,7 +44,7 @@ from torchrec_sparselift.cost.report import rank_breakdown
 from torchrec_sparselift import defaults
 from torchrec_sparselift.vocabulary import (
     COST_MODELS, LAYOUT_2D_CHOICES, LOSSY_COMM_PRECISIONS, STRATEGY_2D_CHOICES, PIPELINES, STALE_PIPELINES, SYNC_PIPELINES,
-    comm_precision_pairs,
+    comm_precision_pairs, pipeline as pipeline_kind,
 )
 from torchrec_sparselift.cost.two_d import check_sync_interval
 from torchrec_sparselift.semantics.layout import Layout2D
@@ -283,6 +283,7 @@ class SparseLiftPlanner(ShardingPlanner):
             hardware = get_profile(hardware)
         self._hardware: Optional[HardwareProfile] = hardware
         self._workload = workload
+        self._pipelines_by_default = pipelines is None
         if pipelines is None:
             pipelines = SYNC_PIPELINES + (STALE_PIPELINES if allow_staleness else ())
         self._pipelines = tuple(pipelines)
@@ -368,6 +369,7 @@ class SparseLiftPlanner(ShardingPlanner):
         _check_group_size(self._topology, pg)
         if link is not None:
             self._correct_link(link, dist.get_rank(pg) == 0)
+        self._limit_overlap_to_free_cores(pg)
         sharders = list(sharders) if sharders is not None else get_default_sharders()
         request = self._check_ranks_agree(module, sharders, pg)
         local_error: List[Any] = [None]
@@ -385,6 +387,30 @@ class SparseLiftPlanner(ShardingPlanner):
         ep = ExecutionPlan.from_json(out[1])
         self.last_execution_plan = ep
         return ep
+
+    def _limit_overlap_to_free_cores(self, pg: Any) -> None:
+        """On CPU, leave out the pipelines whose overlap runs beside the rank's compute
+        (``overlaps_between_hosts``: gloo's threads move the bytes while the rank computes) when
+        more ranks share a machine than it has cores: there the communication threads take the
+        cores the compute needs (measured: 4 ranks on 2 cores, the ``overlap`` pipeline ran
+        93 ms/step where ``sparse_dist`` ran 63, docs/benchmarks.md section 20). Only the default
+        pipeline set; a list the user passed is kept. Every rank alike (one all-gather)."""
+        if not self._pipelines_by_default or self._topology.compute_device != "cpu":
+            return
+        from torchrec_sparselift.runtime.machine import machine_share
+
+        ranks, cores = machine_share(pg)
+        if ranks <= cores:
+            return
+        kept = tuple(p for p in self._pipelines if not pipeline_kind(p).overlaps_between_hosts)
+        if kept != self._pipelines and kept:
+            if dist.get_rank(pg) == 0:
+                left = ", ".join(p for p in self._pipelines if p not in kept)
+                warnings.warn(f"sparselift: {ranks} ranks share a machine with {cores} CPU cores; the pipelines "
+                              f"that overlap communication beside the ranks' compute ({left}) need a core per "
+                              "rank, so the plan chooses among the others (pass pipelines=[...] to choose yourself)",
+                              stacklevel=4)
+            self._pipelines = kept
 
     def _correct_link(self, link: Any, announce: bool) -> None:
         """With ``hardware="auto"``: the stored profile with its link terms corrected to ``link``
