@@ -432,12 +432,18 @@ def _topology(world: int, local: int):
         return Topology(world_size=world, local_world_size=local, compute_device="cpu")
 
 
+#: The never-slower rule's error per term for each profile ("regime", "unshaped"): its stored step
+#: fit's, as ``hardware="auto"`` finds it (a link-corrected profile equals no stored one)
+_ERRORS: Dict[str, Any] = {}
+
+
 def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """``({"regime": profile, "unshaped": profile}, info)`` as ``--profile-from`` asks; calibrates
     into the regime's store where its profile is missing or out of date."""
     import torch.distributed as dist
 
     from torchrec_sparselift.calibration.link import correct_link_terms
+    from torchrec_sparselift.calibration.term_error import profile_errors
     from torchrec_sparselift.calibration.store import (ProfileStore, current_fingerprint, disturbed_spread,
                                                         stored_profile_problems)
     from torchrec_sparselift.defaults import ranks_per_host
@@ -474,6 +480,7 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
             prof = found.profile
             info["regime"] = dict(source=found.path, store=root, fit_mape=((found.info or {}).get("fit") or {}).get("mape"))
         profiles["regime"] = prof
+        _ERRORS["regime"] = profile_errors(prof, None, store=store)
         if regime == UNSHAPED:
             profiles["unshaped"] = prof
             info["unshaped"] = dict(info["regime"], note="this regime is the unshaped box")
@@ -492,12 +499,17 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
                              f"recalibrate {UNSHAPED} with --calibrate")
         corr = correct_link_terms(found.profile, stored_link, link)
         profiles["unshaped"] = corr.profile
+        # the never-slower rule's errors: the stored step fit's (what hardware="auto" uses)
+        _ERRORS["unshaped"] = profile_errors(None, found.path, store=store)
         info["unshaped"] = dict(source=found.path, store=root, corrected=corr.differs,
                                 changed=[list(c) for c in corr.changed], differences=list(corr.differences))
         say(f"[regimes] {regime}: unshaped profile {found.path}" + (f", link-corrected: {corr.describe(found.path)}"
                                                                    if corr.differs else " (link within spread)"))
     if "regime" not in profiles:
         profiles["regime"] = profiles["unshaped"]  # --profile-from unshaped: the only profile
+        _ERRORS["regime"] = _ERRORS["unshaped"]
+    if regime == UNSHAPED:
+        _ERRORS["unshaped"] = _ERRORS["regime"]
         info["regime"] = dict(info["unshaped"], note="--profile-from unshaped: the regime profile is the unshaped one")
     return profiles, info
 
@@ -637,9 +649,12 @@ def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], sta
 
     def sl(**kw):
         t0 = time.perf_counter()
-        ep = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling, workload=stats,
-                               debug=False, **kw).collective_plan_execution(probe_model(w), get_default_sharders(), pg)
-        return ep, time.perf_counter() - t0
+        planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling, workload=stats,
+                                    debug=False, **kw)
+        ep = planner.collective_plan_execution(probe_model(w), get_default_sharders(), pg)
+        res = planner.last_result
+        rule = res.never_slower.describe() if res is not None and res.never_slower is not None else "not run"
+        return ep, time.perf_counter() - t0, rule
 
     for name in names:
         spec: Dict[str, Any] = dict(name=name, cons=pooling)
@@ -654,18 +669,19 @@ def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], sta
                                      stats=stats)
             spec.update(plan=plan, cons=cons, pipeline=TORCHREC_DEFAULT_PIPELINE)
         else:
-            kw: Dict[str, Any] = dict(hardware=profiles["unshaped" if name == "sparselift_unshaped" else "regime"])
+            which = "unshaped" if name == "sparselift_unshaped" else "regime"
+            kw: Dict[str, Any] = dict(hardware=profiles[which], model_errors=_ERRORS.get(which))
             if name == "sparselift_lossy":
                 kw["allow_lossy_comm"] = True
             elif name == "sparselift_2d":
                 kw["sharding_group_size"] = topo.local_world_size
             elif name == "sparselift_auto":
                 kw["sharding_group_size"] = "auto"
-            ep, secs = sl(**kw)
-            spec.update(plan=ep, planning_s=secs)
+            ep, secs, rule = sl(**kw)
+            spec.update(plan=ep, planning_s=secs, never_slower=rule)
             group = ep.optimizations.sharding_group_size
             spec["is_2d"] = group is not None and group < topo.world_size
-            say(f"[regimes] {w.name}: {name} planned in {secs:.1f} s: {ep.summary()}")
+            say(f"[regimes] {w.name}: {name} planned in {secs:.1f} s: {ep.summary()}; never-slower rule: {rule}")
         specs.append(spec)
     return specs
 
@@ -802,7 +818,7 @@ def run_workload(args, regime: str, wname: str, profiles, pg, say) -> Dict[str, 
         comm = "/".join(p if on_gloo(p) == p else f"{p}>{on_gloo(p)}" for p in (fwd, bwd))
         row = dict(types=_types(s), settings=f"{pipe} {comm}" + (f" 2D:{group}" if group and group < W else ""),
                    same_as=s["same_as"], predicted_ms=s["predicted_ms"], planning_s=s.get("planning_s"),
-                   is_2d=s.get("is_2d"))
+                   never_slower=s.get("never_slower"), is_2d=s.get("is_2d"))
         if s["name"].startswith("sparselift"):  # the profile it planned with
             row["profile"] = ("unshaped" if s["name"] == "sparselift_unshaped"
                               or profiles["regime"] is profiles.get("unshaped") else "regime")

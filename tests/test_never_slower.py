@@ -172,3 +172,20 @@ def test_planner_reads_the_error_it_is_given(monkeypatch):
     kept = plan(5.0)
     assert not kept.never_slower.leave and kept.search.fwd_precision == "fp32"
     assert kept.never_slower.error_source == "test"
+
+
+def test_planner_takes_the_errors_passed_to_it_over_the_store():
+    # model_errors: for a profile the store cannot match (a stored one with its link terms
+    # corrected); "auto" then applies the rule with them
+    topo, module = _topo(16), _ebc(16, 100000, 128)
+
+    def plan(error):
+        return SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True, time_budget_s=2,
+                                 model_errors=TermErrors({}, error, "given")).plan_with_result(
+            module, get_default_sharders())
+
+    leave, kept = plan(0.0), plan(5.0)
+    assert leave.never_slower.applied and leave.never_slower.leave
+    assert not kept.never_slower.leave and kept.never_slower.error_source == "given"
+    with pytest.raises(TypeError, match="model_errors must be a TermErrors"):
+        SparseLiftPlanner(topology=topo, batch_size=512, model_errors={"a": 0.1})

@@ -177,6 +177,10 @@ class SparseLiftPlanner(ShardingPlanner):
             fit (the presets). Applies to 1D plans under ``cost_model="sparselift"``; costs one
             TorchRec planner run (its proposals stopped after ``time_budget_s``) and two split
             pricings (docs/cost_model.md, "Never slower than TorchRec"). False: the search alone.
+        model_errors: the model's relative error per term for the never-slower rule (a
+            ``TermErrors``), for a profile the store cannot match, e.g. a stored profile with its
+            link terms corrected by hand: ``calibration.term_error.profile_errors(None, path)`` of
+            the stored one it came from. Default: from the store (see ``never_slower``).
         estimator: with ``cost_model="torchrec"``, the ``ShardEstimator`` (or list) to use instead
             of TorchRec's defaults, as ``EmbeddingEnumerator(estimator=...)`` takes it (it
             replaces both defaults: include a storage estimator).
@@ -217,6 +221,7 @@ class SparseLiftPlanner(ShardingPlanner):
         layout_2d: str = defaults.LAYOUT_2D,
         never_slower: Any = defaults.NEVER_SLOWER,
         strategy_2d: str = defaults.STRATEGY_2D,
+        model_errors: Any = None,
     ) -> None:
         """See the class docstring. ``cache_dir``: reuse execution plans across runs (a run
         whose inputs match a stored plan's fingerprint loads it instead of planning);
@@ -312,6 +317,13 @@ class SparseLiftPlanner(ShardingPlanner):
         self._cache_dir = cache_dir
         self._never_slower = never_slower
         self._errors: Optional[Tuple[HardwareProfile, Any]] = None  # (profile, TermErrors) of the last rule
+        if model_errors is not None:
+            from torchrec_sparselift.calibration.term_error import TermErrors
+
+            if not isinstance(model_errors, TermErrors):
+                raise TypeError(f"model_errors must be a TermErrors (calibration.term_error.profile_errors(...)), "
+                                f"got {type(model_errors).__name__}")
+        self._given_errors = model_errors
         self._drift_tolerance = float(drift_tolerance)
         self.last_result: Optional[PlanResult] = None
         self.last_execution_plan: Any = None
@@ -763,6 +775,8 @@ class SparseLiftPlanner(ShardingPlanner):
         documented error of an uncalibrated profile."""
         from torchrec_sparselift.calibration.term_error import profile_errors
 
+        if self._given_errors is not None:
+            return self._given_errors
         if self._errors is not None and self._errors[0] == profile:
             return self._errors[1]
         errors = profile_errors(self._hardware or profile,
