@@ -681,7 +681,7 @@ def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], sta
             spec.update(plan=ep, planning_s=secs, never_slower=rule)
             group = ep.optimizations.sharding_group_size
             spec["is_2d"] = group is not None and group < topo.world_size
-            say(f"[regimes] {w.name}: {name} planned in {secs:.1f} s: {ep.summary()}; never-slower rule: {rule}")
+            say(f"[regimes] {w.name}: {name} planned in {secs:.1f} s: {ep.summary()}; {rule}")
         specs.append(spec)
     return specs
 

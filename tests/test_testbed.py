@@ -8,6 +8,7 @@ gives (checked once, at collection).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,7 +187,8 @@ def test_torchrun_all_reduce_across_two_emulated_hosts():
         results = bed.torchrun([JOB, "65536"], env=env, timeout_s=180)
     for r in results:
         assert r.ok, f"host {r.host}: exit {r.returncode}\n{r.output}"
-    lines = [line for r in results for line in r.output.splitlines() if line.startswith("OK")]
+    # a host's ranks share its output stream: two ranks' lines can interleave without a newline
+    lines = [m for r in results for m in re.findall(r"OK rank \d+ of \d+ on host \d+ via \S+: sum \d+", r.output)]
     assert sorted(lines) == [
         "OK rank 0 of 4 on host 0 via tb0: sum 10",
         "OK rank 1 of 4 on host 0 via tb0: sum 10",
