@@ -8,8 +8,12 @@ import warnings
 
 from launcher import run_ranks
 
+# (the machine share the planner is told, the pipelines passed) per case
+CASES = {"more_ranks_than_cores": ((4, 2), None), "enough_cores": ((2, 2), None),
+         "list_passed": ((4, 2), ["overlap", "sparse_dist"])}
 
-def _plan(rank: int, world: int, share, pipelines):
+
+def _plan_cases(rank: int, world: int):
     import torch.distributed as dist
     from torchrec.distributed.planner import Topology
 
@@ -18,41 +22,36 @@ def _plan(rank: int, world: int, share, pipelines):
     from torchrec_sparselift.measure.probe import ProbeTable, ProbeWorkload, probe_model
 
     out = {"measured": machine.machine_share()}
-    if share is not None:
-        machine.machine_share = lambda pg=None: share  # the planner imports it at call time
     w = ProbeWorkload("tiny", (ProbeTable("t0", 200, 8, ("f0",)), ProbeTable("t1", 100, 8, ("f1",))),
                       batch_size=16)
     # one rank per host: the ranks span hosts, where the overlap pipelines are offered on CPU
     topo = Topology(world_size=world, local_world_size=1, compute_device="cpu")
-    planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, pipelines=pipelines, time_budget_s=1.0,
-                                debug=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ep = planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD)
-    out["pipelines"] = list(planner._pipelines)
-    out["chosen"] = ep.optimizations.pipeline
-    out["warnings"] = [str(c.message) for c in caught if "share a machine" in str(c.message)]
+    for name, (share, pipelines) in CASES.items():
+        machine.machine_share = lambda pg=None, share=share: share  # the planner imports it at call time
+        planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, pipelines=pipelines, time_budget_s=1.0,
+                                    debug=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ep = planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD)
+        out[name] = {"pipelines": list(planner._pipelines), "chosen": ep.optimizations.pipeline,
+                     "warnings": [str(c.message) for c in caught if "share a machine" in str(c.message)]}
     return out
 
 
-def test_machine_share_counts_the_ranks_on_this_machine():
-    results = run_ranks(_plan, 2, None, None, timeout_s=180)
+def test_the_overlap_pipelines_need_a_core_per_rank():
+    results = run_ranks(_plan_cases, 2, timeout_s=240)
+    # the measurement: both ranks on this machine, its cores
     assert results[0]["measured"] == results[1]["measured"] == (2, os.cpu_count())
-    assert "overlap" in results[0]["pipelines"] or results[0]["measured"][0] > results[0]["measured"][1]
-
-
-def test_more_ranks_than_cores_leaves_out_the_overlap_pipelines_with_one_warning():
-    results = run_ranks(_plan, 2, (4, 2), None, timeout_s=180)
+    # more ranks than cores: overlap left out on every rank, one warning (rank 0)
     for r in results:
-        assert "overlap" not in r["pipelines"] and "sparse_dist" in r["pipelines"], r
-        assert r["chosen"] != "overlap"
-    assert len(results[0]["warnings"]) == 1 and results[1]["warnings"] == []
-    msg = results[0]["warnings"][0]
-    assert "4 ranks share a machine with 2 CPU cores" in msg and "overlap" in msg and "pipelines=" in msg
-
-
-def test_enough_cores_or_a_pipeline_list_the_user_passed_keeps_overlap():
-    enough = run_ranks(_plan, 2, (2, 2), None, timeout_s=180)
-    assert "overlap" in enough[0]["pipelines"] and enough[0]["warnings"] == []
-    chosen = run_ranks(_plan, 2, (4, 2), ["overlap", "sparse_dist"], timeout_s=180)
-    assert chosen[0]["pipelines"] == ["overlap", "sparse_dist"] and chosen[0]["warnings"] == []
+        more = r["more_ranks_than_cores"]
+        assert "overlap" not in more["pipelines"] and "sparse_dist" in more["pipelines"], more
+        assert more["chosen"] != "overlap"
+    warned = results[0]["more_ranks_than_cores"]["warnings"]
+    assert len(warned) == 1 and results[1]["more_ranks_than_cores"]["warnings"] == []
+    assert "4 ranks share a machine with 2 CPU cores" in warned[0] and "overlap" in warned[0]
+    assert "pipelines=" in warned[0]
+    # enough cores, or a pipeline list the user passed: kept as it was
+    assert "overlap" in results[0]["enough_cores"]["pipelines"] and results[0]["enough_cores"]["warnings"] == []
+    assert results[0]["list_passed"]["pipelines"] == ["overlap", "sparse_dist"]
+    assert results[0]["list_passed"]["warnings"] == []
