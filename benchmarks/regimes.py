@@ -483,6 +483,7 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
         _ERRORS["regime"] = profile_errors(prof, None, store=store)
         if regime == UNSHAPED:
             profiles["unshaped"] = prof
+            _ERRORS["unshaped"] = _ERRORS["regime"]
             info["unshaped"] = dict(info["regime"], note="this regime is the unshaped box")
     if args.profile_from in ("unshaped", "both") and regime != UNSHAPED:
         root = os.path.join(args.store, "unshaped")
@@ -508,8 +509,6 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
     if "regime" not in profiles:
         profiles["regime"] = profiles["unshaped"]  # --profile-from unshaped: the only profile
         _ERRORS["regime"] = _ERRORS["unshaped"]
-    if regime == UNSHAPED:
-        _ERRORS["unshaped"] = _ERRORS["regime"]
         info["regime"] = dict(info["unshaped"], note="--profile-from unshaped: the regime profile is the unshaped one")
     return profiles, info
 

@@ -55,6 +55,7 @@ from torchrec_sparselift.plan.contract import (
 from torchrec_sparselift.plan.loader import check_context, context_digest, context_hash_int, loaded_options
 from torchrec_sparselift.plan.request import describe_sharders
 from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
+from torchrec_sparselift.plan.baseline import TermErrors
 from torchrec_sparselift.plan.result import PlanResult
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.options import to_sharding_option
@@ -318,8 +319,6 @@ class SparseLiftPlanner(ShardingPlanner):
         self._never_slower = never_slower
         self._errors: Optional[Tuple[HardwareProfile, Any]] = None  # (profile, TermErrors) of the last rule
         if model_errors is not None:
-            from torchrec_sparselift.calibration.term_error import TermErrors
-
             if not isinstance(model_errors, TermErrors):
                 raise TypeError(f"model_errors must be a TermErrors (calibration.term_error.profile_errors(...)), "
                                 f"got {type(model_errors).__name__}")
