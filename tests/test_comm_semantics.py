@@ -267,7 +267,7 @@ def test_collective_calls_per_phase_match_the_model_under_each_train_pipeline() 
     from torchrec_sparselift.cost.pipelines import pipeline_kind
 
     cases = [(pl, kind) for pl in ("base", "sparse_dist") for kind in ("table_wise", "two_groups", "dp_small")]
-    per_rank = run_ranks(_pipeline_calls, 2, cases, timeout_s=300)
+    per_rank = run_ranks(_pipeline_calls, 2, cases, timeout_s=300, retry_native_abort=True)
     seen_groups = set()
     for results in per_rank:
         for res in results:
