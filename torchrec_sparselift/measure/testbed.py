@@ -82,8 +82,15 @@ HOST_IFACE = "tb0"
 _LOOP_GATEWAY = "198.19.255.2"
 _LOOP_MAC = "02:00:c6:13:ff:02"
 _SHARED_TABLE = "100"
-_MIN_BURST = 128 * 1024
+_LOOPBACK_PACKET = 64 * 1024  # the loopback's MTU: the largest packet a shaped loopback sends
+_BURST_PACKETS = 4  # the default bucket, in largest packets (docs/testbed.md: the burst's effect)
 _ETC_NETNS = "/etc/netns"
+
+
+def _default_burst(t: "Topology") -> int:
+    """Four of the topology's largest packets (a 64 KiB bucket for 16 KiB packets)."""
+    packet = t.packet_bytes if isinstance(t.packet_bytes, int) and not isinstance(t.packet_bytes, bool) else 16 * 1024
+    return _BURST_PACKETS * (_LOOPBACK_PACKET if t.hosts == 1 else packet)
 
 
 class TopologyError(ValueError):
@@ -106,8 +113,11 @@ class Topology:
     ``rate_bps`` bit/s in each direction (``None``: unshaped veth, as fast as the CPU copies).
 
     ``shared``: all traffic between hosts crosses one link of ``rate_bps`` (both directions and
-    every pair share it) instead of each host having its own link. ``burst_bytes``: the token
-    bucket's depth (how much may leave at line rate after an idle moment). ``queue_latency_s``:
+    every pair share it) instead of each host having its own link. ``packet_bytes``: the largest
+    packet the links between hosts carry (their GSO size). ``burst_bytes``: the token bucket's
+    depth, how much may leave at the veth's own speed after an idle moment where a real link sends
+    nothing faster than its rate; it must hold two of the largest packets, and defaults to four
+    (64 KiB between hosts, 256 KiB on a shaped loopback). ``queue_latency_s``:
     the longest a packet waits in the shaper's queue before it is dropped (tbf's ``latency``;
     the queue's size, not an added delay)."""
 
@@ -115,7 +125,8 @@ class Topology:
     ranks_per_host: int = 1
     rate_bps: Optional[float] = None
     shared: bool = False
-    burst_bytes: int = 512 * 1024
+    packet_bytes: int = 16 * 1024
+    burst_bytes: int = attrs.field(default=attrs.Factory(lambda t: _default_burst(t), takes_self=True))
     queue_latency_s: float = 0.05
 
     def __attrs_post_init__(self) -> None:
@@ -146,12 +157,19 @@ class Topology:
             out.append(f"shared={self.shared!r}: give True or False")
         elif self.shared and self.rate_bps is None:
             out.append("shared=True without rate_bps: a shared link needs a rate; give rate_bps")
+        packet_ok = (isinstance(self.packet_bytes, int) and not isinstance(self.packet_bytes, bool)
+                     and 1500 <= self.packet_bytes <= 65536)
+        if not packet_ok:
+            out.append(f"packet_bytes={self.packet_bytes!r}: give an integer from 1500 (one Ethernet frame) to "
+                       "65536 (the largest offloaded packet)")
         if not isinstance(self.burst_bytes, int) or isinstance(self.burst_bytes, bool):
             out.append(f"burst_bytes={self.burst_bytes!r}: give an integer number of bytes")
-        elif not _MIN_BURST <= self.burst_bytes <= 1 << 30:
+        elif packet_ok and not 2 * self.largest_packet <= self.burst_bytes <= 1 << 30:
+            what = ("the shaped loopback's 64 KiB packets" if self.hosts == 1
+                    else f"packet_bytes={self.packet_bytes} packets")
             out.append(
-                f"burst_bytes={self.burst_bytes}: give at least {_MIN_BURST} (a 64 KiB "
-                "loopback or offloaded packet must fit the bucket twice over) and at most 1 GiB"
+                f"burst_bytes={self.burst_bytes}: give at least {2 * self.largest_packet} (the bucket must hold "
+                f"two of {what}) and at most 1 GiB"
             )
         if not isinstance(self.queue_latency_s, (int, float)) or isinstance(self.queue_latency_s, bool):
             out.append(f"queue_latency_s={self.queue_latency_s!r}: give seconds as a number")
@@ -162,6 +180,12 @@ class Topology:
     @property
     def world_size(self) -> int:
         return self.hosts * self.ranks_per_host
+
+    @property
+    def largest_packet(self) -> int:
+        """The largest packet the shaper sees: ``packet_bytes`` on the links between hosts, the
+        loopback's MTU (64 KiB) when one host's loopback is shaped."""
+        return _LOOPBACK_PACKET if self.hosts == 1 else self.packet_bytes
 
     def describe(self) -> str:
         """One line for logs: ``2 hosts x 1 rank, 1 Gbit/s per host link per direction``."""
@@ -689,6 +713,12 @@ class Testbed:
             "latency", f"{max(1, int(round(t.queue_latency_s * 1e6)))}us",
         ])  # fmt: skip
 
+    def _packets(self, ns: str, dev: str) -> None:
+        """Cap the packets ``dev`` sends at ``packet_bytes`` (its GSO size), so a small bucket
+        passes them whole."""
+        if self.topology.rate_bps is not None:
+            _sh(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", str(self.topology.packet_bytes)])
+
     def _sysctl(self, ns: str, **values: str) -> None:
         for key, value in values.items():
             path = "/proc/sys/net/ipv4/" + key.replace("__", "/")
@@ -714,6 +744,8 @@ class Testbed:
             _sh(["ip", "-n", ns, "addr", "add", f"198.18.{i}.2/24", "dev", HOST_IFACE])
             _sh(["ip", "-n", sw, "link", "set", port, "up"])
             _sh(["ip", "-n", ns, "link", "set", HOST_IFACE, "up"])
+            self._packets(sw, port)
+            self._packets(ns, HOST_IFACE)
             _sh(["ip", "-n", ns, "route", "add", "198.18.0.0/15", "via", f"198.18.{i}.1", "dev", HOST_IFACE])
             if t.rate_bps is not None and not t.shared:
                 self._tbf(ns, HOST_IFACE)
@@ -724,6 +756,7 @@ class Testbed:
             _sh(["ip", "-n", sw, "link", "add", "la", "type", "veth", "peer", "name", "lb"])
             _sh(["ip", "-n", sw, "link", "set", "lb", "address", _LOOP_MAC])
             for dev in ("la", "lb"):
+                self._packets(sw, dev)
                 self._sysctl(sw, **{f"conf__{dev}__rp_filter": "0"})
                 _sh(["ip", "-n", sw, "link", "set", dev, "up"])
             _sh(["ip", "-n", sw, "neigh", "replace", _LOOP_GATEWAY, "lladdr", _LOOP_MAC, "dev", "la", "nud", "permanent"])
@@ -819,7 +852,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-host", type=int, default=1, help="torchrun ranks per host, default 1")
     p.add_argument("--rate", help="link rate per direction, e.g. 1gbit, 300mbit (default: unshaped)")
     p.add_argument("--shared", action="store_true", help="all traffic between hosts shares one link of --rate")
-    p.add_argument("--burst", default="512kb", help="token bucket depth, default 512kb")
+    p.add_argument("--burst", help="token bucket depth (default: four of the largest packets, 64kb between hosts, "
+                   "256kb on a shaped loopback; docs/testbed.md)")
+    p.add_argument("--packet", default="16kb", help="largest packet on the links between hosts (GSO size), "
+                   "default 16kb")
     p.add_argument("--queue-latency-ms", type=float, default=50.0, help="tbf queue limit in ms, default 50")
     p.add_argument("--check", action="store_true", help="measure the link between host 0 and host 1 and print it")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the job is killed, default 3600")
@@ -845,7 +881,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ranks_per_host=args.ranks_per_host,
             rate_bps=None if args.rate is None else parse_rate(args.rate),
             shared=args.shared,
-            burst_bytes=parse_size(args.burst),
+            packet_bytes=parse_size(args.packet),
+            **({} if args.burst is None else dict(burst_bytes=parse_size(args.burst))),
             queue_latency_s=args.queue_latency_ms / 1e3,
         )
         if not script and not args.check:
