@@ -14,7 +14,7 @@ Regimes (:data:`REGIMES`; each one torchrun job on the emulated-host testbed,
 The driver (this script without ``--job``) runs, per regime,
 ``python -m torchrec_sparselift.measure.testbed <topology> -- benchmarks/regimes.py --job --regime R ...``
 (the testbed tears its namespaces down on exit, failure or Ctrl-C), then merges the jobs' JSON into
-``--out`` and prints the summary against the targets of issue 26 (:data:`TARGETS`).
+``--out`` and prints the summary against its targets (:data:`TARGETS`, docs/benchmarks.md section 20).
 
 The job (one rank of one regime): measures the link the job sees
 (:func:`torchrec_sparselift.measure.link.measure_link_rates`), gets its profiles (below), then per
@@ -413,7 +413,7 @@ def format_summary(merged: Mapping[str, Any]) -> str:
                      f"{_f(s['geo_sparselift_unshaped_over_best']):>9}{_f(s['geo_torchrec_qcomm_over_lossy']):>10}"
                      f"{_f(s['min_torchrec_over_sparselift']):>10}{pct(s['mape_regime']):>9}{pct(s['mape_unshaped']):>9}"
                      f"{_f(s['spearman_regime'], '{:.2f}'):>8}{_f(s['spearman_unshaped'], '{:.2f}'):>8}")
-    lines.append("\n# Targets (issue 26)")
+    lines.append("\n# Targets")
     for name, job in merged["regimes"].items():
         for t in job["targets"]:
             mark = "n/a" if t["met"] is None else ("MET" if t["met"] else "MISSED")
@@ -434,14 +434,12 @@ def _topology(world: int, local: int):
         return Topology(world_size=world, local_world_size=local, compute_device="cpu")
 
 
-#: The never-slower rule's error per term for each profile ("regime", "unshaped"): its stored step
-#: fit's, as ``hardware="auto"`` finds it (a link-corrected profile equals no stored one)
-_ERRORS: Dict[str, Any] = {}
 
-
-def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """``({"regime": profile, "unshaped": profile}, info)`` as ``--profile-from`` asks; calibrates
-    into the regime's store where its profile is missing or out of date."""
+def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
+    """``({"regime": profile, "unshaped": profile}, errors, info)`` as ``--profile-from`` asks;
+    calibrates into the regime's store where its profile is missing or out of date. ``errors``:
+    the never-slower rule's error per term for each profile, its stored step fit's, as
+    ``hardware="auto"`` finds them (a link-corrected profile equals no stored one)."""
     import torch.distributed as dist
 
     from torchrec_sparselift.calibration.link import correct_link_terms
@@ -455,6 +453,7 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
     local = ranks_per_host(world_size=W)
     hosts = W // local
     profiles: Dict[str, Any] = {}
+    errors: Dict[str, Any] = {}
     info: Dict[str, Any] = {}
     want_regime = args.profile_from in ("regime", "both") or regime == UNSHAPED
     if want_regime:
@@ -482,10 +481,10 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
             prof = found.profile
             info["regime"] = dict(source=found.path, store=root, fit_mape=((found.info or {}).get("fit") or {}).get("mape"))
         profiles["regime"] = prof
-        _ERRORS["regime"] = profile_errors(prof, None, store=store)
+        errors["regime"] = profile_errors(prof, None, store=store)
         if regime == UNSHAPED:
             profiles["unshaped"] = prof
-            _ERRORS["unshaped"] = _ERRORS["regime"]
+            errors["unshaped"] = errors["regime"]
             info["unshaped"] = dict(info["regime"], note="this regime is the unshaped box")
     if args.profile_from in ("unshaped", "both") and regime != UNSHAPED:
         root = os.path.join(args.store, "unshaped")
@@ -503,16 +502,16 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
         corr = correct_link_terms(found.profile, stored_link, link)
         profiles["unshaped"] = corr.profile
         # the never-slower rule's errors: the stored step fit's (what hardware="auto" uses)
-        _ERRORS["unshaped"] = profile_errors(None, found.path, store=store)
+        errors["unshaped"] = profile_errors(None, found.path, store=store)
         info["unshaped"] = dict(source=found.path, store=root, corrected=corr.differs,
                                 changed=[list(c) for c in corr.changed], differences=list(corr.differences))
         say(f"[regimes] {regime}: unshaped profile {found.path}" + (f", link-corrected: {corr.describe(found.path)}"
                                                                    if corr.differs else " (link within spread)"))
     if "regime" not in profiles:
         profiles["regime"] = profiles["unshaped"]  # --profile-from unshaped: the only profile
-        _ERRORS["regime"] = _ERRORS["unshaped"]
+        errors["regime"] = errors["unshaped"]
         info["regime"] = dict(info["unshaped"], note="--profile-from unshaped: the regime profile is the unshaped one")
-    return profiles, info
+    return profiles, errors, info
 
 
 def signal_batches(w, n: int, seed: int, rank: int, alpha: float) -> List[Any]:
@@ -632,7 +631,8 @@ def _settings_of(spec: Mapping[str, Any]) -> Tuple[str, str, str, Optional[int]]
     return pipe, fwd, bwd, getattr(opt, "sharding_group_size", None)
 
 
-def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], stats, pg, say) -> List[Dict[str, Any]]:
+def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], errors: Mapping[str, Any], stats, pg,
+                 say) -> List[Dict[str, Any]]:
     """One spec per run name: its plan (ShardingPlan or execution plan), overrides and constraints."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.types import ParameterConstraints
@@ -671,7 +671,7 @@ def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], sta
             spec.update(plan=plan, cons=cons, pipeline=TORCHREC_DEFAULT_PIPELINE)
         else:
             which = "unshaped" if name == "sparselift_unshaped" else "regime"
-            kw: Dict[str, Any] = dict(hardware=profiles[which], model_errors=_ERRORS.get(which))
+            kw: Dict[str, Any] = dict(hardware=profiles[which], model_errors=errors.get(which))
             if name == "sparselift_lossy":
                 kw["allow_lossy_comm"] = True
             elif name == "sparselift_2d":
@@ -766,7 +766,7 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
     return out
 
 
-def run_workload(args, regime: str, wname: str, profiles, pg, say) -> Dict[str, Any]:
+def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -780,7 +780,7 @@ def run_workload(args, regime: str, wname: str, profiles, pg, say) -> Dict[str, 
     device = torch.device("cpu")
     stats = probe_stats(w, alpha, n=args.batches, seed=BATCH_SEED)
     names = run_names(regime, args.profile_from, args.quick, w.tables)
-    specs = _build_specs(w, names, topo, profiles, stats, pg, say)
+    specs = _build_specs(w, names, topo, profiles, errors, stats, pg, say)
     batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=dist.get_rank(pg), alpha=alpha)
     owner: Dict[str, str] = {}
     for s in specs:
@@ -863,11 +863,11 @@ def job(args) -> int:
 
         link = measure_link_rates()  # every rank, before any pinning (as the calibration measures it)
         say(f"[regimes] {regime} ({REGIMES[regime]['doc']}): {dist.get_world_size()} ranks; link {link.describe()}")
-        profiles, pinfo = _profiles(args, regime, link, pg, say)
+        profiles, errors, pinfo = _profiles(args, regime, link, pg, say)
         say(f"[regimes] {regime}: profiles " + ", ".join(f"{k}={v.name}" for k, v in profiles.items()))
         results = []
         for wname in args.workloads:
-            res = run_workload(args, regime, wname, profiles, pg, say)
+            res = run_workload(args, regime, wname, profiles, errors, pg, say)
             results.append(res)
             say(format_workload(res))
         summary = summarize_regime(regime, results)

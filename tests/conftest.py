@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -34,3 +35,44 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     monkeypatch.setattr(time, "monotonic", clock)
     monkeypatch.setattr(time, "sleep", clock.sleep)
     return clock
+
+
+_EXAMPLE_TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "dlrm",
+                              "train.py")
+
+
+@pytest.fixture
+def dlrm_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path):
+    """``run(argv, **env) -> (exit code, stderr)``: the DLRM example's ``main`` in this process,
+    as ``python examples/dlrm/train.py ARGV`` would run it (no stored profiles; ``env`` set, RANK
+    unset), without a new interpreter per call. What ``main`` changes in the process's logging is
+    put back. One subprocess test per error family keeps the command line's exit path covered."""
+    import importlib.util
+    import logging
+    import sys
+
+    example = os.path.dirname(_EXAMPLE_TRAIN)
+    monkeypatch.syspath_prepend(example)
+    mod = sys.modules.get("dlrm_train_example")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("dlrm_train_example", _EXAMPLE_TRAIN)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["dlrm_train_example"] = mod
+        spec.loader.exec_module(mod)
+    names = ["", "torch.fx._symbolic_trace", "torchrec", "torchrec_sparselift"]
+
+    def run(argv, **env):
+        monkeypatch.setenv("TORCHREC_SPARSELIFT_PROFILE_DIR", str(tmp_path / "no-profiles"))
+        monkeypatch.delenv("RANK", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, str(v))
+        levels = {n: logging.getLogger(n).level for n in names}
+        capsys.readouterr()
+        try:
+            code = mod.main(list(argv))
+        finally:
+            for n, level in levels.items():
+                logging.getLogger(n).setLevel(level)
+        return code, capsys.readouterr().err
+
+    return run

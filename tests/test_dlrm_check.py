@@ -25,25 +25,26 @@ def test_check_refuses_an_embedding_dim_the_fused_kernels_cannot_take():
     assert "Traceback" not in proc.stderr
 
 
-def test_check_refuses_input_buffers_no_rank_can_hold():
-    proc = _check("--batch-size", str(10**12), "--device", "cpu")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "input/output buffers of one step" in proc.stderr and "lower batch_size" in proc.stderr
+# the tests below call the example's main in this process (``dlrm_main``); the one above runs
+# the command
 
 
-def test_check_accepts_what_planning_accepts():
-    proc = _check("--embedding-dim", "8", "--device", "cpu")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_check_refuses_input_buffers_no_rank_can_hold(dlrm_main):
+    code, err = dlrm_main(["--batch-size", str(10**12), "--device", "cpu", "--check"], WORLD_SIZE=2)
+    assert code == 2, err[-2000:]
+    assert "input/output buffers of one step" in err and "lower batch_size" in err
 
 
-def _check4(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")
-    env.pop("RANK", None)
-    return subprocess.run([sys.executable, TRAIN, *args, "--check", "--device", "cpu", "--scale", "0.001"],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+def test_check_accepts_what_planning_accepts(dlrm_main):
+    code, err = dlrm_main(["--embedding-dim", "8", "--device", "cpu", "--check"], WORLD_SIZE=2)
+    assert code == 0, err[-2000:]
 
 
-def test_check_validates_the_2d_flags_with_the_fix():
+def _check4(dlrm_main, *args):
+    return dlrm_main([*args, "--check", "--device", "cpu", "--scale", "0.001"], WORLD_SIZE=4, LOCAL_WORLD_SIZE=2)
+
+
+def test_check_validates_the_2d_flags_with_the_fix(dlrm_main):
     refused = {
         ("--sharding-group-size", "x"): "auto or a number of ranks",
         ("--sync-interval", "4"): "needs --sharding-group-size",
@@ -53,8 +54,8 @@ def test_check_validates_the_2d_flags_with_the_fix():
         ("--sharding-group-size", "2", "--sync-interval", "64"): "max_sync_interval",
     }
     for args, words in refused.items():
-        proc = _check4(*args)
-        assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr[-1500:])
-        assert "Traceback" not in proc.stderr
-    proc = _check4("--sharding-group-size", "2", "--2d-strategy", "default", "--sync-interval", "4")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+        code, err = _check4(dlrm_main, *args)
+        assert code == 2 and words in err, (args, err[-1500:])
+        assert "Traceback" not in err
+    code, err = _check4(dlrm_main, "--sharding-group-size", "2", "--2d-strategy", "default", "--sync-interval", "4")
+    assert code == 0, err[-2000:]

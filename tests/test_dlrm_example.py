@@ -135,15 +135,25 @@ def test_unknown_flag_exits_nonzero_with_one_line_under_torchrun():
         ("not json", "not valid JSON"),
     ],
 )
-def test_bad_table_file_exits_with_a_clear_message(tmp_path, content, message):
+def test_bad_table_file_exits_with_a_clear_message(tmp_path, dlrm_main, content, message):
     path = tmp_path / "tables.json"
     path.write_text(content)
+    code, err = dlrm_main(["--table-file", str(path), "--check"])
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_a_bad_input_exits_2_with_one_error_line_from_the_command_line(tmp_path):
+    # the other bad-input tests call the example's main in this process; this one runs the command
+    path = tmp_path / "tables.json"
+    path.write_text("[{\"name\": \"a\", \"rows\": 10}]")
     proc = _python(["--table-file", str(path), "--check"])
     assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error: ") and "missing dim" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_bad_values_exit_with_a_clear_message():
+def test_bad_values_exit_with_a_clear_message(dlrm_main):
     for args, message in [
         (["--scale", "2"], "--scale must be in (0, 1]"),
         (["--steps", "5", "--warmup-steps", "5"], "--warmup-steps must be in [0, --steps)"),
@@ -154,8 +164,8 @@ def test_bad_values_exit_with_a_clear_message():
         (["--steps", "10", "--warmup-steps", "2", "--fail-at-step", "11"], "--fail-at-step must be in [1, --steps]"),
         (["--planner", "torchrec", "--pipeline", "fused"], "--pipeline applies to --planner sparselift"),
     ]:
-        proc = _python([*args, "--check"])
-        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+        code, err = dlrm_main([*args, "--check"])
+        assert code == 2 and message in err, (args, err)
 
 
 def test_table_file_lists_tables_features_and_pooling(tmp_path):
@@ -281,12 +291,12 @@ def test_criteo_loader_refuses_other_tables_and_missing_files(tmp_path):
         ('{"t_cat_0": {"min_partition": 2, "min_partition": 4}}', "duplicate key 'min_partition'"),
     ],
 )
-def test_bad_constraints_file_exits_with_a_clear_message(tmp_path, content, message):
+def test_bad_constraints_file_exits_with_a_clear_message(tmp_path, dlrm_main, content, message):
     path = tmp_path / "c.json"
     path.write_text(content)
-    proc = _python(["--constraints", str(path), "--check"])
-    assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    code, err = dlrm_main(["--constraints", str(path), "--check"])
+    assert code == 2
+    assert message in err and "Traceback" not in err
 
 
 def test_constraints_map_to_torchrec_parameter_constraints_with_pooling_factors(tmp_path):

@@ -65,6 +65,11 @@ def test_testbed_command_shapes_each_regime():
     r4 = regimes.testbed_command("R4", [], 60)
     assert r4[r4.index("--ranks-per-host") + 1] == "2" and "--shared" not in r4
     assert "--rate" not in regimes.testbed_command("R1", [], 60)
+    # --burst reaches the shaped regimes' testbed (the unshaped one has no bucket), before the job
+    r3 = regimes.testbed_command("R3", ["--x"], 60, burst="512kb")
+    assert r3[r3.index("--burst") + 1] == "512kb" and r3.index("--burst") < r3.index("--")
+    assert "--burst" not in regimes.testbed_command("R1", [], 60, burst="512kb")
+    assert "--burst" not in r2
 
 
 def test_ratios_of_one_workload():
