@@ -201,3 +201,46 @@ def test_a_noisy_measurement_does_not_hide_a_link_several_times_slower():
     slow = attrs.evolve(fast, inter_bw=1.2e7, spread=0.05)
     assert any("inter_bw" in d for d in links_differ(fast, slow))
     assert not any("inter_bw" in d for d in links_differ(fast, attrs.evolve(fast, inter_bw=4e8)))  # 1.75x: noise
+
+
+def _measured(spread, bw=5.8e7):
+    return LinkRates(intra_bw=None, intra_latency_s=None, inter_bw=bw, inter_latency_s=5e-4, spread=spread,
+                     allreduce_bw=6e7, allreduce_latency_s=1e-3, latency_spread_s=1e-4, hosts=2, ranks_per_host=1)
+
+
+def test_a_measurement_whose_repetitions_disagree_is_taken_again_and_the_steadiest_kept(monkeypatch):
+    calls = []
+
+    def fake(outcomes):
+        def once(repetitions, target_call_s, min_bytes, max_bytes):
+            calls.append(target_call_s)
+            out = outcomes[len(calls) - 1]
+            if isinstance(out, Exception):
+                raise out
+            return out
+        return once
+
+    # disturbed (18% spread, the rate read low), then quiet: the quiet one, and no third call
+    monkeypatch.setattr(link, "_measure_once", fake([_measured(0.18, bw=4.37e7), _measured(0.02), _measured(0.5)]))
+    got = link.measure_link_rates(target_call_s=0.25)
+    assert got.spread == 0.02 and got.inter_bw == 5.8e7 and calls == [0.25, 0.25]
+    # a quiet first measurement is taken once
+    calls.clear()
+    monkeypatch.setattr(link, "_measure_once", fake([_measured(0.01)]))
+    assert link.measure_link_rates().spread == 0.01 and len(calls) == 1
+    # never under max_spread (a loopback's CPU-bound rates): the smallest spread of all attempts
+    calls.clear()
+    monkeypatch.setattr(link, "_measure_once", fake([_measured(0.4), _measured(0.15), _measured(0.3)]))
+    assert link.measure_link_rates().spread == 0.15 and len(calls) == 3
+    # a failed fit is measured again with calls twice as long; the last failure raises
+    calls.clear()
+    monkeypatch.setattr(link, "_measure_once", fake([link._FitFailed("flat"), _measured(0.03)]))
+    assert link.measure_link_rates(target_call_s=0.25).spread == 0.03 and calls == [0.25, 0.5]
+    calls.clear()
+    monkeypatch.setattr(link, "_measure_once", fake([link._FitFailed("flat")] * 3))
+    with pytest.raises(LinkRatesError, match="flat"):
+        link.measure_link_rates()
+    # a fit that fails after a noisy measurement returns that measurement
+    calls.clear()
+    monkeypatch.setattr(link, "_measure_once", fake([_measured(0.3), link._FitFailed("flat"), link._FitFailed("flat")]))
+    assert link.measure_link_rates().spread == 0.3
