@@ -14,6 +14,7 @@ import torch
 
 from launcher import run_ranks
 from torchrec_sparselift.runtime.pipelines import EXACT_PIPELINE_KINDS
+from torchrec_sparselift.vocabulary import pipeline as registry_pipeline
 
 WORLD = 2
 STEPS = 6
@@ -93,6 +94,24 @@ def _plan(model: torch.nn.Module):  # type: ignore[no-untyped-def]
     return ShardingPlan({"ebc": ebc_plan})
 
 
+def _plan_with_data_parallel(model: torch.nn.Module):  # type: ignore[no-untyped-def]
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    ebc_plan = construct_module_sharding_plan(
+        model.ebc,
+        {
+            "t0": table_wise(rank=1, compute_kernel="fused"),
+            "t1": data_parallel(),
+            "t2": table_wise(rank=0, compute_kernel="fused"),
+        },
+        world_size=WORLD,
+        local_size=WORLD,
+        device_type="cpu",
+    )
+    return ShardingPlan({"ebc": ebc_plan})
+
+
 def _lift(plan_or_exec, lr: float = 0.5, dense_lr: float = 0.5, **kwargs):  # type: ignore[no-untyped-def]
     from torchrec_sparselift.runtime import lift
 
@@ -143,6 +162,21 @@ def _scenarios(rank: int, world_size: int) -> dict:
         lifted = _lift(_plan, pipeline=kind)
         out[kind] = _pipeline_losses(lifted, batches)
         out[f"{kind}_class"] = type(lifted.pipeline).__name__
+
+    # a data-parallel table (dense kernel, updated by the optimizer step, not in the backward):
+    # every pipeline the registry lets train it must still compute the plain loop's losses
+    lifted = _lift(_plan_with_data_parallel, pipeline="base")
+    losses = []
+    for b in batches:
+        loss, _ = lifted.model(b)
+        loss.backward()
+        lifted.optimizer.step()
+        lifted.optimizer.zero_grad()
+        losses.append(float(loss))
+    out["plain_dp"] = losses
+    for kind in EXACT_PIPELINE_KINDS:
+        if registry_pipeline(kind).dense_kernel:
+            out[f"{kind}_dp"] = _pipeline_losses(_lift(_plan_with_data_parallel, pipeline=kind), batches)
 
     cycled = [b for _ in range(SEMI_SYNC_STEPS // 4) for b in _batches(rank, 4)]
     lifted = _lift(_plan, **SEMI_SYNC_LR, pipeline="semi_sync", pipeline_options={"start_batch": 0})
@@ -230,6 +264,16 @@ def _scenarios(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module")
 def runs():  # type: ignore[no-untyped-def]
     return run_ranks(_scenarios, WORLD, timeout_s=600)
+
+
+@pytest.mark.multiprocess
+def test_exact_pipelines_that_train_data_parallel_tables_equal_the_plain_loop(runs) -> None:  # type: ignore[no-untyped-def]
+    kinds = [k for k in EXACT_PIPELINE_KINDS if registry_pipeline(k).dense_kernel]
+    assert "fused" in kinds and "sparse_dist" in kinds
+    for res in runs:
+        assert len(res["plain_dp"]) == STEPS
+        for kind in kinds:
+            assert res[f"{kind}_dp"] == res["plain_dp"], f"{kind} diverged from the plain loop with a data-parallel table"
 
 
 @pytest.mark.multiprocess
