@@ -434,7 +434,6 @@ def _topology(world: int, local: int):
         return Topology(world_size=world, local_world_size=local, compute_device="cpu")
 
 
-
 def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
     """``({"regime": profile, "unshaped": profile}, errors, info)`` as ``--profile-from`` asks;
     calibrates into the regime's store where its profile is missing or out of date. ``errors``:
@@ -955,8 +954,8 @@ def driver(args) -> int:
     settings = dict(regimes=order, workloads=args.workloads, reps=args.reps, steps=args.steps, warmup=args.warmup,
                     batches=args.batches, profile_from=args.profile_from, quick=args.quick,
                     fresh_models=args.fresh_models,
-                    parity_steps=args.parity_steps, calibration_steps=args.calibration_steps, burst=args.burst, wall_s=time.time() - t0,
-                    failed=failed)
+                    parity_steps=args.parity_steps, calibration_steps=args.calibration_steps, burst=args.burst,
+                    wall_s=time.time() - t0, failed=failed)
     merged = merge_results(jobs, settings)
     print(format_summary(merged), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

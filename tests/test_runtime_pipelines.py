@@ -71,45 +71,34 @@ def _batches(rank: int, n: int):  # type: ignore[no-untyped-def]
     return out
 
 
-def _plan(model: torch.nn.Module):  # type: ignore[no-untyped-def]
-    from torchrec.distributed.sharding_plan import (
-        column_wise,
-        construct_module_sharding_plan,
-        row_wise,
-        table_wise,
-    )
+def _sharded(model: torch.nn.Module, t1: str):  # type: ignore[no-untyped-def]
+    """t0 table-wise on rank 1, t2 column-wise (``_plan``) or table-wise on rank 0, and t1
+    ``row_wise`` or ``data_parallel`` (a dense-kernel table the optimizer step updates)."""
+    from torchrec.distributed import sharding_plan as sp
     from torchrec.distributed.types import ShardingPlan
 
-    ebc_plan = construct_module_sharding_plan(
+    dp = t1 == "data_parallel"
+    ebc_plan = sp.construct_module_sharding_plan(
         model.ebc,
         {
-            "t0": table_wise(rank=1, compute_kernel="fused"),
-            "t1": row_wise(compute_kernel="fused"),
-            "t2": column_wise(ranks=[0, 1], compute_kernel="fused"),
+            "t0": sp.table_wise(rank=1, compute_kernel="fused"),
+            "t1": sp.data_parallel() if dp else sp.row_wise(compute_kernel="fused"),
+            "t2": sp.table_wise(rank=0, compute_kernel="fused") if dp else sp.column_wise(ranks=[0, 1],
+                                                                                           compute_kernel="fused"),
         },
         world_size=WORLD,
         local_size=WORLD,
         device_type="cpu",
     )
     return ShardingPlan({"ebc": ebc_plan})
+
+
+def _plan(model: torch.nn.Module):  # type: ignore[no-untyped-def]
+    return _sharded(model, "row_wise")
 
 
 def _plan_with_data_parallel(model: torch.nn.Module):  # type: ignore[no-untyped-def]
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
-    from torchrec.distributed.types import ShardingPlan
-
-    ebc_plan = construct_module_sharding_plan(
-        model.ebc,
-        {
-            "t0": table_wise(rank=1, compute_kernel="fused"),
-            "t1": data_parallel(),
-            "t2": table_wise(rank=0, compute_kernel="fused"),
-        },
-        world_size=WORLD,
-        local_size=WORLD,
-        device_type="cpu",
-    )
-    return ShardingPlan({"ebc": ebc_plan})
+    return _sharded(model, "data_parallel")
 
 
 def _lift(plan_or_exec, lr: float = 0.5, dense_lr: float = 0.5, **kwargs):  # type: ignore[no-untyped-def]
@@ -126,6 +115,18 @@ def _lift(plan_or_exec, lr: float = 0.5, dense_lr: float = 0.5, **kwargs):  # ty
         dense_optimizer_factory=lambda params: torch.optim.SGD(params, lr=dense_lr),
         **kwargs,
     )
+
+
+def _plain_loop_losses(lifted, batches):  # type: ignore[no-untyped-def]
+    """Forward / backward / optimizer step by hand, no pipeline."""
+    losses = []
+    for b in batches:
+        loss, _ = lifted.model(b)
+        loss.backward()
+        lifted.optimizer.step()
+        lifted.optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
 
 
 def _pipeline_losses(lifted, batches):  # type: ignore[no-untyped-def]
@@ -147,16 +148,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
     out: dict = {}
     batches = _batches(rank, STEPS)
 
-    # plain loop: forward / backward / optimizer step by hand, no pipeline
-    lifted = _lift(_plan, pipeline="base")
-    losses = []
-    for b in batches:
-        loss, _ = lifted.model(b)
-        loss.backward()
-        lifted.optimizer.step()
-        lifted.optimizer.zero_grad()
-        losses.append(float(loss))
-    out["plain"] = losses
+    out["plain"] = _plain_loop_losses(_lift(_plan, pipeline="base"), batches)
 
     for kind in EXACT_PIPELINE_KINDS:
         lifted = _lift(_plan, pipeline=kind)
@@ -165,15 +157,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
 
     # a data-parallel table (dense kernel, updated by the optimizer step, not in the backward):
     # every pipeline the registry lets train it must still compute the plain loop's losses
-    lifted = _lift(_plan_with_data_parallel, pipeline="base")
-    losses = []
-    for b in batches:
-        loss, _ = lifted.model(b)
-        loss.backward()
-        lifted.optimizer.step()
-        lifted.optimizer.zero_grad()
-        losses.append(float(loss))
-    out["plain_dp"] = losses
+    out["plain_dp"] = _plain_loop_losses(_lift(_plan_with_data_parallel, pipeline="base"), batches)
     for kind in EXACT_PIPELINE_KINDS:
         if registry_pipeline(kind).dense_kernel:
             out[f"{kind}_dp"] = _pipeline_losses(_lift(_plan_with_data_parallel, pipeline=kind), batches)

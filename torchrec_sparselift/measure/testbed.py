@@ -83,14 +83,16 @@ _LOOP_GATEWAY = "198.19.255.2"
 _LOOP_MAC = "02:00:c6:13:ff:02"
 _SHARED_TABLE = "100"
 _LOOPBACK_PACKET = 64 * 1024  # the loopback's MTU: the largest packet a shaped loopback sends
+_PACKET = 16 * 1024  # the default largest packet on the links between hosts (their GSO size)
 _BURST_PACKETS = 4  # the default bucket, in largest packets (docs/testbed.md: the burst's effect)
 _ETC_NETNS = "/etc/netns"
 
 
 def _default_burst(t: "Topology") -> int:
-    """Four of the topology's largest packets (a 64 KiB bucket for 16 KiB packets)."""
-    packet = t.packet_bytes if isinstance(t.packet_bytes, int) and not isinstance(t.packet_bytes, bool) else 16 * 1024
-    return _BURST_PACKETS * (_LOOPBACK_PACKET if t.hosts == 1 else packet)
+    """Four of the topology's largest packets (a 64 KiB bucket for 16 KiB packets); an invalid
+    ``packet_bytes`` (reported by :meth:`Topology.problems`) counts as the default."""
+    valid = isinstance(t.packet_bytes, int) and not isinstance(t.packet_bytes, bool)
+    return _BURST_PACKETS * (t.largest_packet if valid else _PACKET)
 
 
 class TopologyError(ValueError):
@@ -125,7 +127,7 @@ class Topology:
     ranks_per_host: int = 1
     rate_bps: Optional[float] = None
     shared: bool = False
-    packet_bytes: int = 16 * 1024
+    packet_bytes: int = _PACKET
     burst_bytes: int = attrs.field(default=attrs.Factory(lambda t: _default_burst(t), takes_self=True))
     queue_latency_s: float = 0.05
 
