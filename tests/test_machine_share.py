@@ -35,6 +35,16 @@ def _plan_cases(rank: int, world: int):
             ep = planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD)
         out[name] = {"pipelines": list(planner._pipelines), "chosen": ep.optimizations.pipeline,
                      "warnings": [str(c.message) for c in caught if "share a machine" in str(c.message)]}
+    # one planner reused: planned where ranks outnumber the cores, then where they do not
+    planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, time_budget_s=1.0, debug=False)
+    reused = []
+    for share in ((4, 2), (2, 2)):
+        machine.machine_share = lambda pg=None, share=share: share
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD)
+        reused.append(list(planner._pipelines))
+    out["reused"] = reused
     return out
 
 
@@ -55,3 +65,7 @@ def test_the_overlap_pipelines_need_a_core_per_rank():
     assert "overlap" in results[0]["enough_cores"]["pipelines"] and results[0]["enough_cores"]["warnings"] == []
     assert results[0]["list_passed"]["pipelines"] == ["overlap", "sparse_dist"]
     assert results[0]["list_passed"]["warnings"] == []
+    # a planner reused on a machine with cores to spare offers the overlap pipelines again
+    crowded, roomy = results[0]["reused"]
+    assert "overlap" not in crowded and "overlap" in roomy
+    assert roomy == results[0]["enough_cores"]["pipelines"]

@@ -292,7 +292,10 @@ class SparseLiftPlanner(ShardingPlanner):
         self._pipelines_by_default = pipelines is None
         if pipelines is None:
             pipelines = SYNC_PIPELINES + (STALE_PIPELINES if allow_staleness else ())
-        self._pipelines = tuple(pipelines)
+        #: the pipelines asked for (the default set or the user's list) and those the next plan chooses
+        #: among (the default set less those this machine's cores cannot run: ``_limit_overlap_to_free_cores``)
+        self._requested_pipelines = tuple(pipelines)
+        self._pipelines = self._requested_pipelines
         self._precisions = comm_precision_pairs(bool(allow_lossy_comm), bool(allow_fp8), topology.compute_device)
         self._allow_lossy_comm = bool(allow_lossy_comm)
         self._allow_fp8 = bool(allow_fp8)
@@ -405,7 +408,10 @@ class SparseLiftPlanner(ShardingPlanner):
         more ranks share a machine than it has cores: there the communication threads take the
         cores the compute needs (measured: 4 ranks on 2 cores, the ``overlap`` pipeline ran
         93 ms/step where ``sparse_dist`` ran 63, docs/benchmarks.md section 20). Only the default
-        pipeline set; a list the user passed is kept. Every rank alike (one all-gather)."""
+        pipeline set; a list the user passed is kept. Decided again for every collective plan, from
+        the pipelines asked for (a planner reused on a machine with cores to spare offers them all
+        again). Every rank alike (one all-gather)."""
+        self._pipelines = self._requested_pipelines
         if not self._pipelines_by_default or self._topology.compute_device != "cpu":
             return
         from torchrec_sparselift.runtime.machine import machine_share
@@ -413,10 +419,10 @@ class SparseLiftPlanner(ShardingPlanner):
         ranks, cores = machine_share(pg)
         if ranks <= cores:
             return
-        kept = tuple(p for p in self._pipelines if not pipeline_kind(p).overlaps_between_hosts)
-        if kept != self._pipelines and kept:
+        kept = tuple(p for p in self._requested_pipelines if not pipeline_kind(p).overlaps_between_hosts)
+        if kept != self._requested_pipelines and kept:
             if dist.get_rank(pg) == 0:
-                left = ", ".join(p for p in self._pipelines if p not in kept)
+                left = ", ".join(p for p in self._requested_pipelines if p not in kept)
                 warnings.warn(f"sparselift: {ranks} ranks share a machine with {cores} CPU cores; the pipelines "
                               f"that overlap communication beside the ranks' compute ({left}) need a core per "
                               "rank, so the plan chooses among the others (pass pipelines=[...] to choose yourself)",
