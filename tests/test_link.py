@@ -125,6 +125,22 @@ def test_json_round_trip_and_clear_errors():
         _rates(inter_bw=None, inter_latency_s=None)
 
 
+def test_the_machine_share_is_optional_both_or_neither_and_read_from_older_records():
+    shared = _rates(machine_ranks=4, machine_cores=2)
+    assert shared.ranks_per_core == 2.0 and shared.machine == "4 ranks on 2 cores"
+    assert "4 ranks on 2 cores" in shared.describe()
+    assert _rates(machine_ranks=1, machine_cores=2).ranks_per_core == 1.0  # a rank computes on one core
+    assert LinkRates.from_json(shared.to_json()) == shared
+    # a record written before the share was measured: read, the share unknown
+    older = {k: v for k, v in _rates().to_dict().items() if not k.startswith("machine_")}
+    assert LinkRates.from_dict(older).ranks_per_core is None
+    assert _rates().machine == "ranks per core not measured"
+    with pytest.raises(LinkRatesError, match="machine_ranks=4, machine_cores=None: give both or neither"):
+        _rates(machine_ranks=4)
+    with pytest.raises(LinkRatesError, match="machine_cores=0: give an integer >= 1"):
+        _rates(machine_ranks=4, machine_cores=0)
+
+
 def test_ranks_group_into_hosts_by_key():
     assert link.host_groups(["a/node0", "a/node0", "a/node1", "a/node1"]) == [[0, 1], [2, 3]]
     assert link.host_groups(["x/node", "y/node", "x/node", "y/node"]) == [[0, 2], [1, 3]]
@@ -163,6 +179,9 @@ def test_two_gloo_ranks_on_loopback_agree_on_their_rates_and_on_a_failed_fit():
     rates = LinkRates.from_dict(results[0][0])
     assert (rates.hosts, rates.ranks_per_host) == (1, 2)
     assert rates.inter_bw is None and rates.intra_bw > 10e6 and rates.allreduce_bw > 10e6
+    # the machine share: both ranks on this machine, its cores
+    assert (rates.machine_ranks, rates.machine_cores) == (2, os.cpu_count())
+    assert rates.ranks_per_core == max(1.0, 2 / os.cpu_count())
 
 
 REASON = tb.unavailable_reason()
@@ -232,6 +251,13 @@ def test_a_measurement_whose_repetitions_disagree_is_taken_again_and_the_steadie
     calls.clear()
     monkeypatch.setattr(link, "_measure_once", fake([_measured(0.4), _measured(0.15), _measured(0.3)]))
     assert link.measure_link_rates().spread == 0.15 and len(calls) == 3
+    # one host: kept at once, however wide its spread (a loopback's comparison counts only
+    # bandwidths several times apart)
+    calls.clear()
+    one_host = attrs.evolve(_measured(0.4), hosts=1, ranks_per_host=2, inter_bw=None, inter_latency_s=None,
+                            intra_bw=6e8, intra_latency_s=4e-4)
+    monkeypatch.setattr(link, "_measure_once", fake([one_host, _measured(0.01)]))
+    assert link.measure_link_rates() == one_host and len(calls) == 1
     # a failed fit is measured again with calls twice as long; the last failure raises
     calls.clear()
     monkeypatch.setattr(link, "_measure_once", fake([link._FitFailed("flat"), _measured(0.03)]))

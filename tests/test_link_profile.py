@@ -29,7 +29,12 @@ from torchrec_sparselift.calibration.store import (
     auto_profile_link,
     current_fingerprint,
 )
-from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost.hardware import (
+    COMPUTE_RATE_FIELDS,
+    COMPUTE_TIME_FIELDS,
+    HardwareProfile,
+    with_slower_compute,
+)
 from torchrec_sparselift.measure import testbed as tb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -123,6 +128,47 @@ def test_a_term_the_calibration_did_not_see_is_compared_with_its_other_all_to_al
     assert c.profile.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 2 * 800e6, 2 * 12.5e6))
 
 
+def test_ranks_outnumbering_the_cores_slow_every_compute_term_by_the_share():
+    # calibrated with 2 ranks on 2 cores, run with 4 ranks on the same 2 cores (2 emulated hosts)
+    stored, measured = _rates(machine_ranks=2, machine_cores=2), _rates(machine_ranks=4, machine_cores=2)
+    prof = attrs.evolve(PROFILE, lookup_overhead_s=10e-6, bwd_row_s=0.5e-6, dense_update_bw=2e9)
+    c = correct_link_terms(prof, stored, measured)
+    assert c.differences == ("ranks per core: stored was measured with 2 ranks on 2 cores (1 per core), "
+                             "this job runs 4 ranks on 2 cores (2 per core)",)
+    assert c.profile == attrs.evolve(with_slower_compute(prof, 2.0), name="step-fit-test+link")
+    p = c.profile
+    assert p.lookup_overhead_s == pytest.approx(20e-6) and p.bwd_row_s == pytest.approx(1e-6)
+    assert p.hbm_bw == pytest.approx(prof.hbm_bw / 2) and p.dense_update_bw == pytest.approx(1e9)
+    # the link terms: as the step fit set them (the job's link was measured under its own load)
+    for f in ("intra_host_bw", "inter_host_bw", "allreduce_bw", "collective_latency_s"):
+        assert getattr(p, f) == getattr(prof, f), f
+    assert "compute terms (" in c.describe() and "2x slower" in c.describe()
+    # fewer ranks per core than calibrated: faster by the same rule
+    back = correct_link_terms(prof, measured, stored)
+    assert back.profile.lookup_overhead_s == pytest.approx(5e-6)
+    # the same share on another machine, fewer ranks than cores, or a side not measured: no difference
+    for a, b in (((2, 2), (4, 4)), ((1, 2), (2, 2)), ((None, None), (4, 2))):
+        c = correct_link_terms(prof, _rates(machine_ranks=a[0], machine_cores=a[1]),
+                               _rates(machine_ranks=b[0], machine_cores=b[1]))
+        assert not c.differs and c.profile is prof, (a, b)
+
+
+def test_with_slower_compute_scales_rates_and_seconds_and_keeps_fallbacks():
+    prof = attrs.evolve(PROFILE, step_overhead_s=2e-3, cold_row_s=70e-9)
+    slow = with_slower_compute(prof, 1.5)
+    for f in COMPUTE_RATE_FIELDS:
+        v = getattr(prof, f)
+        assert getattr(slow, f) == (None if v is None else pytest.approx(v / 1.5)), f
+        assert slow.rate(f) == pytest.approx(prof.rate(f) / 1.5), f  # a None rate falls back to a slower one
+    for f in COMPUTE_TIME_FIELDS:
+        assert getattr(slow, f) == pytest.approx(getattr(prof, f) * 1.5), f
+    assert slow.inter_host_bw == prof.inter_host_bw and slow.uvm_bw == prof.uvm_bw
+    assert with_slower_compute(prof, 1) is prof
+    for bad in (0, -1.0, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match="with_slower_compute: factor="):
+            with_slower_compute(prof, bad)
+
+
 # ---------------------------------------------------------------- the store
 
 
@@ -136,6 +182,14 @@ def test_the_store_keeps_the_link_and_reads_a_profile_without_one(tmp_path):
     assert diff == [] and found.path == path and found.profile == PROFILE
     assert found.link.intra_bw == 800e6 and found.link.hosts == 1
     assert auto_profile_link("cpu", 2, store, warn=lambda m: None)[2] == found.link
+    # recorded before the machine share was measured: one host's ranks on the fingerprint's cores
+    assert (found.link.machine_ranks, found.link.machine_cores) == (2, fp.cores)
+    two_hosts = _rates()
+    store.save(PROFILE, fp, {"fit": {}}, link=two_hosts)
+    assert store.lookup(fp)[0].link == two_hosts  # emulated hosts may share a machine: left unknown
+    measured = _rates(machine_ranks=3, machine_cores=1)
+    store.save(PROFILE, fp, {"fit": {}}, link=measured)
+    assert store.lookup(fp)[0].link == measured  # a measured share is kept as measured
     store.save(PROFILE, fp, {"fit": {}})  # no link record: loads, its link unknown
     assert store.lookup(fp)[0].link is None
     assert auto_profile_link("cpu", 2, store, warn=lambda m: None)[2] is None

@@ -6,7 +6,8 @@ every rank of a process group (intra-host, inter-host and all-reduce bandwidth a
 latency, with their measured spread); the step calibration stores it with the profile it fits.
 :func:`links_differ` says where two of them differ beyond their spread; :func:`correct_link_terms`
 moves a profile's link terms by the difference between the link it was calibrated on and the one
-measured now. Everything here is pure (no torch, no process group).
+measured now. Everything here is pure (no torch, no process group; the cost model's profile
+fields are imported where a correction needs them, so reading link rates needs no torch).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ BANDWIDTH_CEILING = 1.0
 #: more than this many times apart (a shaped loopback: another network) is a difference there.
 ONE_HOST_BANDWIDTH_RATIO = 3.0
 LATENCY_FLOOR = 1.0
+#: Ranks per core are counted, not timed: any change beyond rounding is a difference.
+RANKS_PER_CORE_TOLERANCE = 0.01
 LATENCY_FLOOR_S = 100e-6
 
 _TERMS = (
@@ -57,6 +60,10 @@ _TERMS = (
     ("allreduce_bw", "all-reduce bandwidth", "bw"),
     ("allreduce_latency_s", "all-reduce latency", "latency"),
 )
+
+
+#: LinkRates fields a record may lack (measured since a later version): they read as None.
+_OPTIONAL_FIELDS = ("machine_ranks", "machine_cores")
 
 
 class LinkRatesError(ValueError):
@@ -90,6 +97,10 @@ class LinkRates:
         allreduce_bw / allreduce_latency_s: bus bandwidth and per-call latency of an
             ``all_reduce`` over the whole world.
         hosts / ranks_per_host: the grouping the measurement saw.
+        machine_ranks / machine_cores: the most ranks of the job on one machine and that
+            machine's CPU cores (``runtime.machine.machine_share``; emulated hosts on one machine
+            count as one machine), so :attr:`ranks_per_core` says how many ranks each core served;
+            both None in a record written before they were measured.
     """
 
     intra_bw: Optional[float]
@@ -102,6 +113,8 @@ class LinkRates:
     latency_spread_s: float
     hosts: int
     ranks_per_host: int
+    machine_ranks: Optional[int] = None
+    machine_cores: Optional[int] = None
 
     def __attrs_post_init__(self) -> None:
         problems = self.problems()
@@ -113,6 +126,13 @@ class LinkRates:
         for name, value in (("hosts", self.hosts), ("ranks_per_host", self.ranks_per_host)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 out.append(f"{name}={value!r}: give an integer >= 1")
+        if (self.machine_ranks is None) != (self.machine_cores is None):
+            out.append(f"machine_ranks={self.machine_ranks!r}, machine_cores={self.machine_cores!r}: "
+                       "give both or neither")
+        for name in ("machine_ranks", "machine_cores"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                out.append(f"{name}={value!r}: give an integer >= 1 (or None: not measured)")
         if not out and self.hosts * self.ranks_per_host < 2:
             out.append("hosts=1, ranks_per_host=1: a link needs 2 or more ranks")
         for name, positive, optional in (
@@ -137,13 +157,29 @@ class LinkRates:
         return out
 
     @property
+    def ranks_per_core(self) -> Optional[float]:
+        """Ranks each of the machine's cores serves, at least 1 (a rank computes on one core);
+        None when the machine share was not measured."""
+        if self.machine_ranks is None or self.machine_cores is None:
+            return None
+        return max(1.0, self.machine_ranks / self.machine_cores)
+
+    @property
+    def machine(self) -> str:
+        """``"4 ranks on 2 cores"``, or ``"ranks per core not measured"``."""
+        if self.machine_ranks is None:
+            return "ranks per core not measured"
+        return f"{self.machine_ranks} rank{'s' if self.machine_ranks != 1 else ''} on {self.machine_cores} " \
+               f"core{'s' if self.machine_cores != 1 else ''}"
+
+    @property
     def topology(self) -> str:
         h, r = self.hosts, self.ranks_per_host
         return f"{h} host{'s' if h != 1 else ''} x {r} rank{'s' if r != 1 else ''}"
 
     def describe(self) -> str:
         """A few lines for a log: each term in bytes/s and bit/s, latencies in microseconds."""
-        lines = [f"link rates on {self.topology} (spread: bandwidths {self.spread:.0%}, "
+        lines = [f"link rates on {self.topology}, {self.machine} (spread: bandwidths {self.spread:.0%}, "
                  f"latencies {self.latency_spread_s * 1e6:.0f} us):"]
         for prefix, label in (("intra", "intra-host all-to-all"), ("inter", "inter-host all-to-all"),
                               ("allreduce", "all-reduce (world)")):
@@ -165,7 +201,7 @@ class LinkRates:
             raise LinkRatesError(f"LinkRates data must be a JSON object, got {type(data).__name__}")
         known = [f.name for f in attrs.fields(cls)]
         unknown = sorted(set(data) - set(known))
-        missing = [k for k in known if k not in data]
+        missing = [k for k in known if k not in data and k not in _OPTIONAL_FIELDS]
         problems = []
         if unknown:
             problems.append(f"unknown fields {unknown}")
@@ -176,7 +212,7 @@ class LinkRates:
                 "cannot read LinkRates: " + "; ".join(problems) + f"; the fields are {known} "
                 "(measure again with torchrec_sparselift.measure.link to write a current record)"
             )
-        return cls(**{k: data[k] for k in known})
+        return cls(**{k: data[k] for k in known if k in data})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -293,6 +329,10 @@ def differing_terms(
     out = []
     if (stored.hosts, stored.ranks_per_host) != (measured.hosts, measured.ranks_per_host):
         out.append(("topology", f"topology: stored was measured on {stored.topology}, this job runs {measured.topology}"))
+    a, b = stored.ranks_per_core, measured.ranks_per_core
+    if a is not None and b is not None and abs(b / a - 1) > RANKS_PER_CORE_TOLERANCE:
+        out.append(("ranks_per_core", f"ranks per core: stored was measured with {stored.machine} ({a:.3g} per core), "
+                                      f"this job runs {measured.machine} ({b:.3g} per core)"))
     allowance = max(stored.spread, measured.spread)  # bandwidths only
     one_host = stored.hosts == measured.hosts == 1
     for name, label, kind in _TERMS:
@@ -399,17 +439,27 @@ class LinkCorrection:
         return bool(self.differences)
 
     def describe(self, where: str = "the stored profile") -> str:
-        """One warning: each differing term with both values, then each corrected field."""
+        """One warning: each differing term with both values, then each corrected field (the
+        compute terms a share of the cores moved as one factor)."""
         def fmt(field: str, v: float) -> str:
             if field.endswith("_factor"):
                 return f"{v:.3g}"
             return _fmt_term("latency" if field.endswith("_s") else "bw", v)
 
-        moved = "; ".join(f"{f} {fmt(f, a)} -> {fmt(f, b)}" for f, a, b in self.changed
-                          ) or "no profile term maps to the difference"
-        return (f"the link this job runs on differs from the one {where} was calibrated on beyond the "
-                f"measured spread: {'; '.join(self.differences)}. Link terms corrected in memory from "
-                f"this job's measurement: {moved}. Calibrate under this link for predictions fitted to it")
+        from torchrec_sparselift.cost.hardware import COMPUTE_RATE_FIELDS, COMPUTE_TIME_FIELDS
+
+        compute = set(COMPUTE_RATE_FIELDS + COMPUTE_TIME_FIELDS)
+        link = [(f, a, b) for f, a, b in self.changed if f not in compute]
+        moved = [f"{f} {fmt(f, a)} -> {fmt(f, b)}" for f, a, b in link]
+        slowed = [(f, a, b) for f, a, b in self.changed if f in compute]
+        if slowed:
+            f, a, b = slowed[0]
+            factor = b / a if f.endswith("_s") else a / b
+            moved.append(f"compute terms ({', '.join(f for f, _a, _b in slowed)}) {factor:.3g}x slower")
+        return (f"the link or machine this job runs on differs from the one {where} was calibrated on beyond "
+                f"the measured spread: {'; '.join(self.differences)}. Terms corrected in memory from this job's "
+                f"measurement: {'; '.join(moved) or 'no profile term maps to the difference'}. Calibrate under "
+                "this link for predictions fitted to it")
 
 
 def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **tolerances: float) -> LinkCorrection:
@@ -425,13 +475,24 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
     ``collective_latency_s`` shifted by ``measured - stored`` of the flagged all-to-all latency
     (inter-host first, then intra-host: the one the job's all-to-alls wait on), not below zero;
     a flagged all-reduce latency alone does not move it (the step fit prices mostly all-to-all
-    calls with it, and a shaped link's all-reduce latency fits near zero). Terms within the spread are left as the step fit set them; a corrected
-    profile's name gets ``+link``."""
+    calls with it, and a shaped link's all-reduce latency fits near zero). Where more (or fewer)
+    ranks share each core than in the calibration (``ranks_per_core``, both measured), every
+    compute term is slowed by ``measured.ranks_per_core / stored.ranks_per_core``
+    (:func:`~torchrec_sparselift.cost.hardware.with_slower_compute`: a rank computes on one core,
+    and ranks that outnumber the cores take turns). Terms within the spread are left as the step
+    fit set them; a corrected profile's name gets ``+link``."""
     flagged = differing_terms(stored, measured, **tolerances)
     if not flagged:
         return LinkCorrection(profile=profile, differences=(), changed=())
     names = {t for t, _ in flagged}
     changes: Dict[str, float] = {}
+    if "ranks_per_core" in names:
+        from torchrec_sparselift.cost.hardware import COMPUTE_RATE_FIELDS, COMPUTE_TIME_FIELDS, with_slower_compute
+
+        factor = float(measured.ranks_per_core) / float(stored.ranks_per_core)
+        slower = with_slower_compute(profile, factor)
+        changes.update({f: getattr(slower, f) for f in COMPUTE_RATE_FIELDS + COMPUTE_TIME_FIELDS
+                        if getattr(slower, f) is not None and getattr(slower, f) != getattr(profile, f)})
     for field, term in _PROFILE_BW:
         m, s = getattr(measured, term), _stored_term(stored, term)
         if term in names and m is not None and s is not None:

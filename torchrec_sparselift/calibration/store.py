@@ -214,14 +214,21 @@ class StoredProfile:
     @property
     def link(self) -> Optional[LinkRates]:
         """The link rates measured when the profile was calibrated (its ``info["link"]``); None for
-        a profile stored without one (its link is unknown: nothing to compare a job's link with)."""
+        a profile stored without one (its link is unknown: nothing to compare a job's link with).
+        A one-host record without the machine share (written before it was measured) takes its
+        ranks per host on the fingerprint's cores."""
         data = self.info.get("link")
         if data is None:
             return None
         try:
-            return LinkRates.from_dict(data)
+            link = LinkRates.from_dict(data)
         except (LinkRatesError, TypeError) as e:
             raise LinkRatesError(f"{self.path}: its link record cannot be read ({e}); calibrate again") from e
+        if link.machine_ranks is None and link.hosts == 1:
+            # a record from before the machine share was measured: on one host every rank ran on
+            # the fingerprinted machine
+            link = attrs.evolve(link, machine_ranks=link.ranks_per_host, machine_cores=self.fingerprint.cores)
+        return link
 
 
 #: Longest wait (seconds) for another process's lock on a stored profile.

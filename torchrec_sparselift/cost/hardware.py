@@ -19,7 +19,8 @@ import attrs
 
 from torchrec_sparselift.atomic import write_json
 from torchrec_sparselift.files import Fields, field_path, load_json
-__all__ = ["HardwareProfile", "RATE_FALLBACK", "PRESETS", "get_profile", "profile_for_topology"]
+__all__ = ["HardwareProfile", "RATE_FALLBACK", "PRESETS", "get_profile", "profile_for_topology",
+           "COMPUTE_RATE_FIELDS", "COMPUTE_TIME_FIELDS", "with_slower_compute"]
 
 GiB = 1024**3
 GB = 1e9
@@ -258,6 +259,35 @@ class HardwareProfile:
             raise f.fail("schema", f"is {schema!r}, not 'sparselift.hardware_profile/1': this is not a "
                          "sparselift hardware profile", "create one with `sparselift calibrate`")
         return cls.from_fields(f)
+
+
+#: The rates of the work a rank does on its own cores (embedding row reads, the dense part, its
+#: optimizer pass) and the seconds of it (per call, step, feature, table, id, row): what slows when
+#: more ranks share a machine's cores than its profile was measured with. The link terms are not
+#: among them (a job measures its link under its own load: ``measure.link``), nor ``uvm_bw`` and
+#: ``ssd_bw`` (transfers from another device).
+COMPUTE_RATE_FIELDS = ("hbm_bw", "ddr_bw", "dense_flops", "interaction_flops", "dense_mem_bw", "dense_update_bw")
+COMPUTE_TIME_FIELDS = ("lookup_overhead_s", "step_overhead_s", "feature_overhead_s", "table_overhead_s",
+                       "dp_table_overhead_s", "bucketize_id_s", "bwd_row_s", "cold_row_s")
+
+
+def with_slower_compute(profile: HardwareProfile, factor: float) -> HardwareProfile:
+    """``profile`` with every compute term ``factor`` times slower: the rates of
+    :data:`COMPUTE_RATE_FIELDS` divided by it (an optional rate left None still falls back to its
+    now slower field), the seconds of :data:`COMPUTE_TIME_FIELDS` multiplied by it. ``factor`` 1
+    returns ``profile`` itself; a factor below 1 (more cores per rank) speeds the terms up."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"with_slower_compute: factor={factor!r}: give a positive finite number")
+    if factor == 1:
+        return profile
+    changes: Dict[str, Any] = {}
+    for name in COMPUTE_RATE_FIELDS:
+        v = getattr(profile, name)
+        if v is not None:
+            changes[name] = float(v) / factor
+    for name in COMPUTE_TIME_FIELDS:
+        changes[name] = float(getattr(profile, name)) * factor
+    return attrs.evolve(profile, **changes)
 
 
 #: Fields every stored profile must name: the machine's capacities, bandwidths and base costs
