@@ -312,8 +312,12 @@ def format_timeline(segments: Sequence[Segment], total_s: float) -> str:
     chain = " -> ".join(f"{s.phase} {_ms(s.duration_s)}" for s in crit)
     comm = comm_exposure(segments)
     exposure = ", ".join(f"{k} {_ms(h)}/{_ms(e)}" for k, (h, e) in comm.items())
+    end = timeline_end(crit)
+    length = _ms(total_s)
+    if end > 0 and abs(total_s / end - 1) > 1e-9:  # the pipeline's measured step factor (cost.pipelines.step_factor)
+        length = f"{_ms(end)} ms x {total_s / end:.3f}, the pipeline's measured step factor, = {_ms(total_s)}"
     return (format_table(["phase", "lane", "start ms", "ms", "end ms", ""], rows, "<<>>><")
-            + f"\ncritical path ({_ms(total_s)} ms): {chain}"
+            + f"\ncritical path ({length} ms): {chain}"
             + (f"\ncommunication hidden behind compute / exposed (ms): {exposure}" if comm else ""))
 
 

@@ -718,7 +718,8 @@ class SparseLiftPlanner(ShardingPlanner):
         is within the model's error (:func:`~torchrec_sparselift.plan.baseline.never_slower`); the
         decision is in the result's ``never_slower``."""
         from torchrec_sparselift.calibration.term_error import term_seconds
-        from torchrec_sparselift.plan.baseline import BaselineDecision, never_slower
+        from torchrec_sparselift.cost.pipelines import step_factor
+        from torchrec_sparselift.plan.baseline import BaselineDecision, never_slower, with_pipeline_term
         from torchrec_sparselift.plan.compare import torchrec_plan
         from torchrec_sparselift.plan.evaluate import GivenPlan
 
@@ -752,10 +753,16 @@ class SparseLiftPlanner(ShardingPlanner):
                                 self._workload, sharders)
             theirs = GivenPlan.of(module, tr.plan, topo, self._batch_size, self._constraints, self._workload,
                                   sharders)
+            # each breakdown without the pipelines' measured step factors (a term the same in both
+            # plans cancels), each factor a term of its own (plan.baseline.with_pipeline_term)
+            unscaled = attrs.evolve(profile, pipeline_factors=())
+            spans = topo.world_size > topo.local_world_size
             decision = never_slower(
-                term_seconds(lambda p: ours.step_time(p, s.pipeline, s.fwd_precision, s.bwd_precision).total_s,
-                             profile),
-                term_seconds(lambda p: theirs.step_time(p, pipeline).total_s, profile),
+                with_pipeline_term(term_seconds(
+                    lambda p: ours.step_time(p, s.pipeline, s.fwd_precision, s.bwd_precision).total_s, unscaled),
+                    s.pipeline, step_factor(profile, s.pipeline, spans)),
+                with_pipeline_term(term_seconds(lambda p: theirs.step_time(p, pipeline).total_s, unscaled),
+                                   pipeline, step_factor(profile, pipeline, spans)),
                 self._model_errors(profile))
         except Exception as e:  # noqa: BLE001 - the rule must never fail a plan the search found
             logger.warning("SparseLiftPlanner: the never-slower rule could not price TorchRec's plan (%s: %s); "

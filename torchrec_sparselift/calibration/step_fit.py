@@ -482,6 +482,12 @@ class StepFitInfo:
         return out
 
     @property
+    def pipeline_factors(self) -> Dict[str, Any]:
+        """The measured pipeline step factors (``extra["pipeline_factors"]``: per pipeline its
+        ``factor``, its ``error`` and the per-workload ``ratios``); empty when not measured."""
+        return dict(self.extra.get("pipeline_factors") or {})
+
+    @property
     def fitted(self) -> bool:
         """Whether the profile has a step fit (a microbenchmark profile has none)."""
         return bool(self.fit.get("values"))

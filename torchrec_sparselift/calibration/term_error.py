@@ -36,7 +36,7 @@ import numpy as np
 from torchrec_sparselift import defaults
 from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitTerm, StepFitInfo
 from torchrec_sparselift.cost.hardware import HardwareProfile
-from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, TermTimes
+from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, TermTimes, pipeline_term
 
 __all__ = ["term_seconds", "term_errors", "uncalibrated_errors", "scaled_term", "profile_errors"]
 
@@ -92,6 +92,8 @@ def term_errors(info: StepFitInfo, name: str = "") -> TermErrors:
         raise ValueError(f"the profile {name or '?'}'s step-fit records predict no positive step time")
     overall = float(np.mean(step_errors))
     errors = {n: err[n] / weight[n] for n in weight if weight[n] > 0}
+    for pipeline, record in (info.pipeline_factors or {}).items():  # measured with the calibration
+        errors[pipeline_term(pipeline)] = float(record["error"])
     guard = f", {info.feedback_records} guard trials" if info.feedback_records else ""
     return TermErrors(errors=errors, default=overall,
                       source=f"the step fit of {name or 'the profile'} ({len(recs)} records{guard}, "

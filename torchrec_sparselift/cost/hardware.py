@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import attrs
 
@@ -38,6 +38,33 @@ def _non_negative(instance: Any, attribute: "attrs.Attribute[Any]", value: float
         raise ValueError(
             f"HardwareProfile.{attribute.name} must be a non-negative finite number, got {value!r}"
         )
+
+
+def _pairs(value: Any) -> Tuple[Tuple[str, float], ...]:
+    """``pipeline_factors`` from a mapping or a sequence of pairs (a JSON file's list of lists)."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        value = list(value.items())
+    try:
+        return tuple((p[0], p[1]) for p in value) if all(len(p) == 2 for p in value) else value
+    except TypeError:
+        return value
+
+
+def _pipeline_factors(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    from torchrec_sparselift.vocabulary import PIPELINES
+
+    if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        raise ValueError(f"HardwareProfile.pipeline_factors must be (pipeline, factor) pairs, got {value!r}")
+    names = [p for p, _f in value]
+    for name, factor in value:
+        if name not in PIPELINES:
+            raise ValueError(f"HardwareProfile.pipeline_factors: unknown pipeline {name!r}; choose from {list(PIPELINES)}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"HardwareProfile.pipeline_factors[{name!r}] must be a positive finite number, got {factor!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"HardwareProfile.pipeline_factors names a pipeline twice: {names}")
 
 
 #: Optional rates and the field each falls back to when it is None.
@@ -114,6 +141,13 @@ class HardwareProfile:
             ``cold_row_s``. Not fitted (the step time is not linear in it): the CPU value is the
             one the kernel records support best (1 MiB, the per-core L2 of the 2-core machine;
             of 1, 4, 16 and 32 MiB).
+        pipeline_factors: ``(pipeline, factor)`` pairs measured by the step calibration: the step
+            of the same plan under that pipeline over its step under ``sparse_dist`` (the pipeline
+            the probe plans are fitted under). Applied where the model prices the pipeline as
+            ``base`` (hardware without overlap, CPU gloo: ``cost.pipelines.step_factor``), where
+            the pipelines still differ in what they cost per step (TorchRec's ``fused`` ran
+            0.77-0.96x ``sparse_dist`` on the 2-core CPU); 1.0 for a pipeline not listed, and
+            empty in the presets.
         The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the
         presets; :mod:`torchrec_sparselift.calibration.step_fit` fits them from measured steps
         (all but ``lookup_cache_bytes``).
@@ -152,6 +186,8 @@ class HardwareProfile:
     reduce_scatter_factor: float = attrs.field(default=1.0, validator=_positive)
     cold_row_s: float = attrs.field(default=0.0, validator=_non_negative)
     lookup_cache_bytes: int = attrs.field(default=1 << 20)
+    pipeline_factors: Tuple[Tuple[str, float], ...] = attrs.field(default=(), converter=_pairs,
+                                                                  validator=_pipeline_factors)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):
@@ -172,6 +208,13 @@ class HardwareProfile:
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"HardwareProfile.{name} must be None or a positive finite number, got {v!r}")
+
+    def pipeline_factor(self, name: str) -> float:
+        """The measured step factor of pipeline ``name`` (``pipeline_factors``; 1.0 when not measured)."""
+        for p, f in self.pipeline_factors:
+            if p == name:
+                return float(f)
+        return 1.0
 
     def rate(self, name: str) -> float:
         """The value of field ``name``; an optional rate that is None gives the field it falls

@@ -52,6 +52,7 @@ from torchrec_sparselift.cost.pipelines import (
     PHASES,
     PIPELINES,
     pipeline_kind,
+    step_factor,
     step_totals,
 )
 from torchrec_sparselift.semantics.dense import DenseWork  # re-exported: the cost layer prices it
@@ -443,7 +444,8 @@ def step_time(
     overlap = getattr(ctx.profile, "supports_overlap", True)
     serial = float(step_totals(table, "base", overlap)[0])
     compute = float(table[0, _COMPUTE_COLS].sum())
-    total = float(step_totals(table, pipeline, overlap, ctx.num_hosts > 1)[0])
+    total = float(step_totals(table, pipeline, overlap, ctx.num_hosts > 1)[0]) * step_factor(
+        ctx.profile, pipeline, ctx.num_hosts > 1)
     comm = serial - compute
     exposed = max(0.0, total - compute)
     return StepTime(
@@ -479,4 +481,5 @@ def step_total_batch(
     ``step_time(row, ...).total_s`` for each row (tested).
     """
     table = phase_table(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision, pipeline)
-    return step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True), ctx.num_hosts > 1)
+    return step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True), ctx.num_hosts > 1
+                       ) * step_factor(ctx.profile, pipeline, ctx.num_hosts > 1)

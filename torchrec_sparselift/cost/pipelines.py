@@ -59,6 +59,7 @@ __all__ = [
     "pipeline_kind",
     "trainable_pipelines",
     "effective_pipeline",
+    "step_factor",
     "terms",
     "exposed",
     "evaluate",
@@ -305,6 +306,21 @@ def effective_pipeline(name: str, supports_overlap: bool = True, spans_hosts: bo
     if supports_overlap or (spans_hosts and kind.properties.overlaps_between_hosts):
         return kind
     return _BY_NAME["base"]
+
+
+def step_factor(profile: Any, name: str, spans_hosts: bool = False) -> float:
+    """The measured factor a step under pipeline ``name`` takes on the composition's total: the
+    profile's ``pipeline_factor(name)`` (its step calibration timed the same plans under each
+    pipeline, ``HardwareProfile.pipeline_factors``) where the model prices the pipeline as
+    ``base`` (:func:`effective_pipeline`: hardware without overlap), 1.0 where the composition
+    itself says what the pipeline overlaps (that is what it prices) and for a profile without
+    measured factors. Every step total (the evaluator's :func:`step_totals` callers and the
+    solvers' rows, ``search.equation.composition_rows``) takes it from here."""
+    overlap = bool(getattr(profile, "supports_overlap", True))
+    if effective_pipeline(name, overlap, spans_hosts).name != "base":
+        return 1.0
+    factor = getattr(profile, "pipeline_factor", None)
+    return float(factor(name)) if factor is not None else 1.0
 
 
 def terms(phases: Mapping[str, Any], supports_overlap: bool = True) -> Dict[str, Any]:

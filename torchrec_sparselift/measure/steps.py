@@ -35,6 +35,7 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import attrs
 import numpy as np
 
 from torchrec_sparselift.defaults import ranks_per_host
@@ -332,6 +333,82 @@ def load_measurement_set(path: str) -> Tuple[List[ProbeMeasurement], Optional[Di
     return [ProbeMeasurement.from_saved(m) for m in items], host
 
 
+#: The pipelines whose step factor a calibration measures (``HardwareProfile.pipeline_factors``):
+#: every exact pipeline but ``sparse_dist``, which the probe plans are fitted under (its factor is 1).
+FACTOR_PIPELINES: Tuple[str, ...] = ("base", "fused", "prefetch", "overlap")
+#: The probe workloads whose table-wise plan the factors are measured on (their ratios' spread is
+#: the factors' error): small and many tables, wide dense tables, tables beyond the cache.
+FACTOR_WORKLOADS: Tuple[str, ...] = ("probe_many", "probe_wide", "probe_large")
+#: The least error a measured factor is given (two rounds of three workloads cannot show less).
+MIN_FACTOR_ERROR = 0.02
+
+
+def pipeline_factors(ratios: Dict[str, Sequence[float]]) -> Dict[str, Dict[str, Any]]:
+    """Per pipeline, from its per-workload step ratios to ``sparse_dist``: the ``factor`` (their
+    median), its ``error`` (the largest distance of a ratio from it, at least
+    :data:`MIN_FACTOR_ERROR`) and the ``ratios``. Pure."""
+    out = {}
+    for name, rs in ratios.items():
+        rs = [float(r) for r in rs]
+        if not rs or not all(r > 0 and np.isfinite(r) for r in rs):
+            raise ValueError(f"pipeline {name!r}: step ratios {rs} must be positive and finite")
+        f = float(np.median(rs))
+        out[name] = dict(factor=round(f, 4), error=round(max(MIN_FACTOR_ERROR, max(abs(r - f) for r in rs)), 4),
+                         ratios=[round(r, 4) for r in rs])
+    return out
+
+
+def measure_pipeline_factors(
+    pg: Any,
+    device_type: str = "cpu",
+    pipelines: Sequence[str] = FACTOR_PIPELINES,
+    workloads: Sequence[str] = FACTOR_WORKLOADS,
+    rounds: int = 2,
+    steps: Optional[int] = None,
+    warmup: Optional[int] = None,
+    base: Optional[HardwareProfile] = None,
+    say: Optional[Any] = None,
+) -> Dict[str, Dict[str, Any]]:
+    """Time each probe workload's table-wise plan under ``sparse_dist`` and each of ``pipelines``,
+    in ``rounds`` interleaved rounds (order rotated each round), on every rank of ``pg``; per
+    workload a pipeline's ratio is its median step over ``sparse_dist``'s (each the per-step
+    slowest rank's median, as the probes), and :func:`pipeline_factors` reduces them. The same on
+    every rank. ``say``: a callable for one line per workload (rank 0)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchrec_sparselift import defaults
+    from torchrec_sparselift.measure import probe
+    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
+
+    device = torch.device(device_type)
+    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
+    topo = probe_topology(W, device_type)
+    by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
+    kinds = [defaults.PIPELINE] + [p for p in pipelines if p != defaults.PIPELINE]
+    ratios: Dict[str, List[float]] = {p: [] for p in kinds[1:]}
+    for wname in workloads:
+        w = by_name[wname]
+        batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
+        plan, _cons = forced_plan(probe.probe_model(w), w.tables, "table_wise", topo, w.batch_size, pg, base,
+                                  stats=probe.probe_stats(w, n=PROBE_BATCHES))
+        times: Dict[str, List[float]] = {k: [] for k in kinds}
+        for r in range(max(1, rounds)):
+            for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                torch.manual_seed(0)
+                m = probe.measure_plan(f"{w.name}/table_wise/{k}", lambda: probe.probe_model(w), plan, batches,
+                                       steps, warmup, pg=pg, device=device,
+                                       pipeline_factory=lambda dmp, opt, dev, k=k: make_train_pipeline(k, dmp, opt, dev))
+                times[k].append(m.median_s)
+        ref = float(np.median(times[kinds[0]]))
+        for k in kinds[1:]:
+            ratios[k].append(float(np.median(times[k])) / ref)
+        if say is not None and rank == 0:
+            say(f"[calibrate] pipelines on {w.name}/table_wise: " + ", ".join(
+                f"{k} {np.median(times[k]) * 1e3:.1f} ms" for k in kinds))
+    return pipeline_factors(ratios)
+
+
 def calibrate_steps(
     pg: Any,
     device_type: str = "cpu",
@@ -345,6 +422,7 @@ def calibrate_steps(
     store: Optional[ProfileStore] = None,
     save_measurements: Optional[str] = None,
     link: Any = None,
+    pipelines: bool = True,
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """:func:`host_terms`, :func:`measure_probes`, :func:`host_terms` again, then
     :func:`fit_measurements` with each host term's mean reading (every rank returns the same).
@@ -353,7 +431,9 @@ def calibrate_steps(
     fitted profile under this machine's fingerprint (with the hosts the link saw) with the fit's
     records (:func:`~torchrec_sparselift.calibration.step_fit.stored_info`) and the link rates.
     ``link``: the job's :class:`~torchrec_sparselift.calibration.link.LinkRates`; None measures them
-    first (every rank of the default group, a few seconds)."""
+    first (every rank of the default group, a few seconds). ``pipelines`` (CPU): also measure the
+    pipelines' step factors (:func:`measure_pipeline_factors`, about 40 s on 2 cores) into the
+    profile's ``pipeline_factors`` and the stored info."""
     import torch.distributed as dist
 
     base = base or base_profile(device_type)
@@ -372,6 +452,17 @@ def calibrate_steps(
         save_measurement_set(save_measurements, ms, host, host_runs)
     fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
                                                       host=host)
+    factors: Dict[str, Dict[str, Any]] = {}
+    if device_type == "cpu" and pipelines:
+        # on CPU the model prices every pipeline as the plain loop; what each still costs per step
+        # is measured here (HardwareProfile.pipeline_factors, cost.pipelines.step_factor)
+        factors = measure_pipeline_factors(pg, device_type, steps=steps, warmup=warmup, base=base,
+                                           say=(lambda line: print(line, flush=True)) if progress else None)
+        fitted = attrs.evolve(fitted, pipeline_factors=tuple((k, v["factor"]) for k, v in factors.items()))
+        if rank == 0 and progress:
+            print("[calibrate] pipeline step factors (step / sparse_dist's, median of "
+                  f"{len(FACTOR_WORKLOADS)} probe workloads): "
+                  + ", ".join(f"{k} {v['factor']:.3f} (+-{v['error']:.3f})" for k, v in factors.items()), flush=True)
     if rank == 0 and store is not None:
         fp = current_fingerprint(device_type, ranks_per_host(world_size=dist.get_world_size(pg)),
                                  hosts=link.hosts if link is not None else 1)
@@ -379,7 +470,8 @@ def calibrate_steps(
         info = stored_info(base, fit, recs, fit_records, fp.describe(), host=host.to_dict(),
                            drift_spread=round(drift_spread(list(drifts.values())), 3),
                            host_term_runs=[h.to_dict() for h in host_runs],
-                           wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup)
+                           wall_s=round(time.perf_counter() - t0, 1), steps=steps, warmup=warmup,
+                           **({"pipeline_factors": factors} if factors else {}))
         store.save(fitted, fp, info, link=link)
     return fitted, fit, recs, fit_records
 

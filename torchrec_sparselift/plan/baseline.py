@@ -26,7 +26,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import attrs
 
 __all__ = ["FIXED_TERM", "TermErrors", "TermTimes", "TermDifference", "BaselineDecision", "never_slower",
-           "decision_from_dict"]
+           "decision_from_dict", "pipeline_term", "with_pipeline_term"]
 
 #: The part of a predicted step that no fitted term multiplies (the breakdown's remainder).
 FIXED_TERM = "fixed"
@@ -143,6 +143,24 @@ class BaselineDecision:
     @classmethod
     def not_applied(cls, note: str) -> "BaselineDecision":
         return cls(leave=True, note=note)
+
+
+def pipeline_term(name: str) -> str:
+    """The term a measured pipeline step factor contributes (``HardwareProfile.pipeline_factors``):
+    its seconds are the whole step it multiplies, its error the factor's measured spread."""
+    return f"pipeline {name}"
+
+
+def with_pipeline_term(unscaled: TermTimes, pipeline: str, factor: float) -> TermTimes:
+    """A step priced with pipeline ``pipeline``'s measured step ``factor`` from its breakdown
+    without the factor (``unscaled``): the total is ``factor`` times it, the terms stay unscaled (a
+    term the same in two plans still cancels), and a factor other than 1 adds
+    :func:`pipeline_term` with the unscaled step's seconds, whose error is the factor's (an
+    error of ``e`` in the factor moves the step by ``e`` times those seconds)."""
+    if factor == 1.0:
+        return unscaled
+    return TermTimes(total_s=factor * unscaled.total_s,
+                     terms={**unscaled.terms, pipeline_term(pipeline): unscaled.total_s})
 
 
 def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,

@@ -33,7 +33,8 @@ from scipy.sparse import coo_matrix
 
 from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.model import PRECISION_BYTES, collective_call_form, phase_constants
-from torchrec_sparselift.cost.pipelines import PHASE_NAMES, PHASE_PARTS, PHASES, effective_pipeline, paths
+from torchrec_sparselift.cost.pipelines import (PHASE_NAMES, PHASE_PARTS, PHASES, PIPELINES, effective_pipeline, paths,
+                                                step_factor)
 from torchrec_sparselift.cost.terms import PHASE_PRECISION, layout
 
 __all__ = [
@@ -223,6 +224,7 @@ class FixedTerms:
     group_cost: np.ndarray = attrs.field(eq=False, factory=lambda: np.zeros(0))
     parts: Mapping[str, float] = attrs.field(factory=dict)  # split phases' parts (ms), cost.pipelines.PHASE_PARTS
     spans_hosts: bool = False  # ranks on several hosts (cost.pipelines.effective_pipeline)
+    step_factors: Mapping[str, float] = attrs.field(factory=dict)  # pipeline -> cost.pipelines.step_factor
 
     @property
     def dense_allreduce(self) -> bool:
@@ -257,6 +259,7 @@ def fixed_terms(ctx) -> FixedTerms:
         hidden=dense_bwd if overlap else 0.0, overlap=overlap,
         group_cost=MS * layout().group_costs(p),
         parts={q: MS * const[q] for qs in PHASE_PARTS.values() for q in qs}, spans_hosts=ctx.num_hosts > 1,
+        step_factors={pl: step_factor(p, pl, ctx.num_hosts > 1) for pl in PIPELINES},
     )
 
 
@@ -351,10 +354,11 @@ def phase_forms(sv: StepVars, constants: Mapping[str, float], scales: Mapping[st
     return forms
 
 
-def composition_rows(pl, forms, itot, supports_overlap=True, spans_hosts=False):
+def composition_rows(pl, forms, itot, supports_overlap=True, spans_hosts=False, factor=1.0):
     """Rows ``(entries, rhs)`` that make variable ``itot`` >= the step time of pipeline ``pl``:
-    one row ``sum(path) - total <= -constants`` per path of its composition
-    (:func:`torchrec_sparselift.cost.pipelines.paths`), ``forms`` from :func:`phase_forms`."""
+    one row ``factor * sum(path) - total <= -factor * constants`` per path of its composition
+    (:func:`torchrec_sparselift.cost.pipelines.paths`), ``forms`` from :func:`phase_forms`,
+    ``factor`` the pipeline's measured step factor (:func:`~torchrec_sparselift.cost.pipelines.step_factor`)."""
     kind = effective_pipeline(pl, supports_overlap, spans_hosts)
     out = []
     for path in paths(kind.step):
@@ -363,7 +367,9 @@ def composition_rows(pl, forms, itot, supports_overlap=True, spans_hosts=False):
             e, c = forms[t]
             entries.extend(e)
             const += c
-        out.append((entries + [(itot, -1.0)], -const))
+        if factor != 1.0:
+            entries = [(v, factor * a) for v, a in entries]
+        out.append((entries + [(itot, -1.0)], -factor * const))
     return out
 
 
@@ -372,7 +378,8 @@ def step_rows(eq: Equation, sv: StepVars, pipeline: str, fixed: FixedTerms, fwd:
     """Add the composition rows: ``total`` >= every path of ``pipeline``'s step."""
     forms = phase_forms(sv, fixed.constants(), precision_scales(fwd, bwd), latency=fixed.latency,
                         fused_splits=fused_splits)
-    for entries, rhs in composition_rows(pipeline, forms, sv.total, fixed.overlap, fixed.spans_hosts):
+    for entries, rhs in composition_rows(pipeline, forms, sv.total, fixed.overlap, fixed.spans_hosts,
+                                         fixed.step_factors.get(pipeline, 1.0)):
         eq.add(entries, -np.inf, rhs)
 
 
