@@ -142,11 +142,17 @@ def test_the_planner_leaves_torchrecs_pipeline_only_past_the_factors_error(monke
 def test_factors_reduce_to_the_median_with_the_largest_distance_as_error():
     from torchrec_sparselift.measure.steps import MIN_FACTOR_ERROR, pipeline_factors
 
-    out = pipeline_factors({"fused": [0.9, 0.8, 0.95], "base": [1.0, 1.0, 1.0]})
-    assert out["fused"] == {"factor": 0.9, "error": 0.1, "ratios": [0.9, 0.8, 0.95]}
-    assert out["base"]["error"] == MIN_FACTOR_ERROR
+    out = pipeline_factors({"fused": [0.9, 0.8, 0.95], "base": [1.0, 1.0, 1.0], "overlap": [0.85, 0.88, 0.9]})
+    assert out["fused"] == {"factor": 0.9, "error": 0.1, "ratios": [0.9, 0.8, 0.95], "significant": False}
+    assert out["base"]["error"] == MIN_FACTOR_ERROR and not out["base"]["significant"]
+    assert out["overlap"]["factor"] == 0.88 and out["overlap"]["significant"]  # 0.12 from 1, error 0.03
     with pytest.raises(ValueError, match="'fused'"):
         pipeline_factors({"fused": [0.9, float("nan")]})
+    # the A/A control: two sparse_dist models 8% apart make a factor of 0.88 +- 0.03 unusable
+    aa = pipeline_factors({"overlap": [0.85, 0.88, 0.9]}, control=[1.02, 0.92, 1.0])
+    assert aa["overlap"]["error"] == pytest.approx(0.08) and aa["overlap"]["significant"]
+    aa = pipeline_factors({"overlap": [0.85, 0.88, 0.9]}, control=[1.13, 1.0, 1.0])
+    assert aa["overlap"]["error"] == pytest.approx(0.13) and not aa["overlap"]["significant"]
 
 
 def _measure_factors(rank: int, world: int):
@@ -155,7 +161,7 @@ def _measure_factors(rank: int, world: int):
     from torchrec_sparselift.measure.steps import measure_pipeline_factors
 
     return measure_pipeline_factors(dist.group.WORLD, pipelines=("fused", "base"), workloads=("probe_many",),
-                                    rounds=1, steps=3, warmup=1)
+                                    blocks=2, block_steps=2, warmup=1)
 
 
 def test_two_gloo_ranks_measure_the_same_factors():

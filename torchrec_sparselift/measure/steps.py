@@ -337,24 +337,35 @@ def load_measurement_set(path: str) -> Tuple[List[ProbeMeasurement], Optional[Di
 #: every exact pipeline but ``sparse_dist``, which the probe plans are fitted under (its factor is 1).
 FACTOR_PIPELINES: Tuple[str, ...] = ("base", "fused", "prefetch", "overlap")
 #: The probe workloads whose table-wise plan the factors are measured on (their ratios' spread is
-#: the factors' error): small and many tables, wide dense tables, tables beyond the cache.
-FACTOR_WORKLOADS: Tuple[str, ...] = ("probe_many", "probe_wide", "probe_large")
-#: The least error a measured factor is given (two rounds of three workloads cannot show less).
+#: the factors' error): many small tables, a few wide ones, many wide ones at DLRM-like counts.
+FACTOR_WORKLOADS: Tuple[str, ...] = ("probe_many", "probe_wide", "probe_deep")
+#: The A/A control's label: a second model under ``sparse_dist``, timed beside the first.
+CONTROL = "sparse_dist (control)"
+#: The least error a measured factor is given (three workloads cannot show less).
 MIN_FACTOR_ERROR = 0.02
 
 
-def pipeline_factors(ratios: Dict[str, Sequence[float]]) -> Dict[str, Dict[str, Any]]:
+def pipeline_factors(ratios: Dict[str, Sequence[float]], control: Sequence[float] = ()) -> Dict[str, Dict[str, Any]]:
     """Per pipeline, from its per-workload step ratios to ``sparse_dist``: the ``factor`` (their
-    median), its ``error`` (the largest distance of a ratio from it, at least
-    :data:`MIN_FACTOR_ERROR`) and the ``ratios``. Pure."""
+    median), its ``error``, the ``ratios``, and whether it is ``significant`` (further from 1 than
+    its error: only those enter the profile, a pipeline within its error of ``sparse_dist``
+    prices as ``sparse_dist``). ``control``: per workload, a second ``sparse_dist`` model's ratio
+    to the first (an A/A comparison: what two instances of the same pipeline differ by). The
+    error is the largest of :data:`MIN_FACTOR_ERROR`, the largest distance of a ratio from the
+    median, and the largest distance of a control ratio from 1. Pure."""
+    control = [float(c) for c in control]
+    if not all(c > 0 and np.isfinite(c) for c in control):
+        raise ValueError(f"control ratios {control} must be positive and finite")
+    aa = max((abs(c - 1.0) for c in control), default=0.0)
     out = {}
     for name, rs in ratios.items():
         rs = [float(r) for r in rs]
         if not rs or not all(r > 0 and np.isfinite(r) for r in rs):
             raise ValueError(f"pipeline {name!r}: step ratios {rs} must be positive and finite")
         f = float(np.median(rs))
-        out[name] = dict(factor=round(f, 4), error=round(max(MIN_FACTOR_ERROR, max(abs(r - f) for r in rs)), 4),
-                         ratios=[round(r, 4) for r in rs])
+        err = max(MIN_FACTOR_ERROR, aa, max(abs(r - f) for r in rs))
+        out[name] = dict(factor=round(f, 4), error=round(err, 4), ratios=[round(r, 4) for r in rs],
+                         significant=bool(abs(f - 1.0) > err))
     return out
 
 
@@ -363,17 +374,22 @@ def measure_pipeline_factors(
     device_type: str = "cpu",
     pipelines: Sequence[str] = FACTOR_PIPELINES,
     workloads: Sequence[str] = FACTOR_WORKLOADS,
-    rounds: int = 2,
-    steps: Optional[int] = None,
-    warmup: Optional[int] = None,
+    blocks: int = 8,
+    block_steps: int = 5,
+    warmup: int = 3,
     base: Optional[HardwareProfile] = None,
     say: Optional[Any] = None,
 ) -> Dict[str, Dict[str, Any]]:
-    """Time each probe workload's table-wise plan under ``sparse_dist`` and each of ``pipelines``,
-    in ``rounds`` interleaved rounds (order rotated each round), on every rank of ``pg``; per
-    workload a pipeline's ratio is its median step over ``sparse_dist``'s (each the per-step
-    slowest rank's median, as the probes), and :func:`pipeline_factors` reduces them. The same on
-    every rank. ``say``: a callable for one line per workload (rank 0)."""
+    """Per probe workload, its table-wise plan sharded once per pipeline (``sparse_dist``, a second
+    ``sparse_dist`` model as the A/A control, and each of ``pipelines``), every model kept, then ``blocks`` rounds of ``block_steps`` timed steps of
+    each (one untimed step first; the order rotated each round), so a slow stretch of the machine
+    falls on every pipeline alike; ranks pinned to their cores as the probes. A pipeline's ratio is
+    the median of its steps (the per-step slowest rank) over ``sparse_dist``'s, and
+    :func:`pipeline_factors` reduces the workloads' ratios. The same on every rank of ``pg``.
+    ``say``: a callable for one line per workload (rank 0)."""
+    import gc
+    import itertools
+
     import torch
     import torch.distributed as dist
 
@@ -385,28 +401,51 @@ def measure_pipeline_factors(
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
     topo = probe_topology(W, device_type)
     by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
-    kinds = [defaults.PIPELINE] + [p for p in pipelines if p != defaults.PIPELINE]
-    ratios: Dict[str, List[float]] = {p: [] for p in kinds[1:]}
+    control = CONTROL  # a second sparse_dist model: the A/A control
+    kinds = [defaults.PIPELINE, control] + [p for p in pipelines if p != defaults.PIPELINE]
+    ratios: Dict[str, List[float]] = {p: [] for p in kinds[2:]}
+    controls: List[float] = []
     for wname in workloads:
         w = by_name[wname]
         batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
         plan, _cons = forced_plan(probe.probe_model(w), w.tables, "table_wise", topo, w.batch_size, pg, base,
                                   stats=probe.probe_stats(w, n=PROBE_BATCHES))
-        times: Dict[str, List[float]] = {k: [] for k in kinds}
-        for r in range(max(1, rounds)):
-            for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+        old = probe.pin_rank_to_core(pg) if device.type == "cpu" else None
+        runs: Dict[str, Any] = {}
+        try:
+            for k in kinds:
                 torch.manual_seed(0)
-                m = probe.measure_plan(f"{w.name}/table_wise/{k}", lambda: probe.probe_model(w), plan, batches,
-                                       steps, warmup, pg=pg, device=device,
-                                       pipeline_factory=lambda dmp, opt, dev, k=k: make_train_pipeline(k, dmp, opt, dev))
-                times[k].append(m.median_s)
+                dmp, opt = probe.shard_for_training(probe.probe_model(w), plan, device)
+                kind = defaults.PIPELINE if k == control else k
+                runs[k] = (make_train_pipeline(kind, dmp, opt, device), itertools.cycle(batches))
+                for _ in range(warmup):
+                    runs[k][0].progress(runs[k][1])
+            times: Dict[str, List[float]] = {k: [] for k in kinds}
+            for b in range(max(1, blocks)):
+                for k in kinds[b % len(kinds):] + kinds[:b % len(kinds)]:
+                    pipe, it = runs[k]
+                    pipe.progress(it)  # untimed: the switch from the previous model
+                    dist.barrier(group=pg)
+                    durations = []
+                    for _ in range(block_steps):
+                        t0 = time.perf_counter()
+                        pipe.progress(it)
+                        durations.append(time.perf_counter() - t0)
+                    t = torch.tensor(durations, dtype=torch.float64)
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+                    times[k].extend(float(x) for x in t)
+        finally:
+            runs.clear()
+            gc.collect()
+            probe.restore_affinity(old)
         ref = float(np.median(times[kinds[0]]))
-        for k in kinds[1:]:
+        controls.append(float(np.median(times[control])) / ref)
+        for k in kinds[2:]:
             ratios[k].append(float(np.median(times[k])) / ref)
         if say is not None and rank == 0:
             say(f"[calibrate] pipelines on {w.name}/table_wise: " + ", ".join(
                 f"{k} {np.median(times[k]) * 1e3:.1f} ms" for k in kinds))
-    return pipeline_factors(ratios)
+    return pipeline_factors(ratios, controls)
 
 
 def calibrate_steps(
@@ -456,13 +495,16 @@ def calibrate_steps(
     if device_type == "cpu" and pipelines:
         # on CPU the model prices every pipeline as the plain loop; what each still costs per step
         # is measured here (HardwareProfile.pipeline_factors, cost.pipelines.step_factor)
-        factors = measure_pipeline_factors(pg, device_type, steps=steps, warmup=warmup, base=base,
+        factors = measure_pipeline_factors(pg, device_type, base=base,
                                            say=(lambda line: print(line, flush=True)) if progress else None)
-        fitted = attrs.evolve(fitted, pipeline_factors=tuple((k, v["factor"]) for k, v in factors.items()))
+        fitted = attrs.evolve(fitted, pipeline_factors=tuple(
+            (k, v["factor"]) for k, v in factors.items() if v["significant"]))
         if rank == 0 and progress:
             print("[calibrate] pipeline step factors (step / sparse_dist's, median of "
                   f"{len(FACTOR_WORKLOADS)} probe workloads): "
-                  + ", ".join(f"{k} {v['factor']:.3f} (+-{v['error']:.3f})" for k, v in factors.items()), flush=True)
+                  + ", ".join(f"{k} {v['factor']:.3f} (+-{v['error']:.3f}"
+                              f"{'' if v['significant'] else ', within its error of 1: not used'})"
+                              for k, v in factors.items()), flush=True)
     if rank == 0 and store is not None:
         fp = current_fingerprint(device_type, ranks_per_host(world_size=dist.get_world_size(pg)),
                                  hosts=link.hosts if link is not None else 1)
