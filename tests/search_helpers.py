@@ -44,3 +44,15 @@ def exhaustive_optimum(prob, pipeline):
         if ev.memory_ok():
             best = min(best, ev.objective())
     return best
+
+
+def meta_ebc(n, rows, dim=64):
+    """An ``EmbeddingBagCollection`` of ``n`` tables on the meta device (plan-only tests): table
+    ``t{i}`` has ``rows * (i + 1)`` rows of ``dim`` and one feature ``f{i}``."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows * (i + 1),
+                                   feature_names=[f"f{i}"]) for i in range(n)],
+        device=torch.device("meta"))

@@ -6,13 +6,12 @@ import warnings
 
 import attrs
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.sharding_plan import get_default_sharders
 
+from search_helpers import meta_ebc
 from torchrec_sparselift import SparseLiftPlanner
 from torchrec_sparselift.calibration import term_error
 from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitRecord, StepFitInfo
@@ -116,15 +115,8 @@ def _topo(world_size, local=8):
                     hbm_cap=80 * GiB, ddr_cap=256 * GiB)
 
 
-def _ebc(n, rows, dim=64):
-    return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows * (i + 1),
-                                   feature_names=[f"f{i}"]) for i in range(n)],
-        device=torch.device("meta"))
-
-
 def test_planner_keeps_torchrecs_plan_when_the_gain_is_within_the_error():
-    topo, module = _topo(2), _ebc(6, 1000)
+    topo, module = _topo(2), meta_ebc(6, 1000)
     planner = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, never_slower=True)
     res = planner.plan_with_result(module, get_default_sharders())
     d = res.never_slower
@@ -151,7 +143,7 @@ def test_planner_leaves_torchrecs_plan_when_the_gain_clearly_exceeds_the_error(m
     # two hosts, lossy comm allowed: fp16 halves the all-to-all TorchRec's plan sends in fp32 (a
     # predicted gain of ~50%); a profile whose step fit measured 10% error per term ("auto" applies it)
     monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, 0.10, "a step fit"))
-    topo, module = _topo(16), _ebc(16, 100000, 128)
+    topo, module = _topo(16), meta_ebc(16, 100000, 128)
     res = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True,
                             time_budget_s=2).plan_with_result(module, get_default_sharders())
     d = res.never_slower
@@ -161,7 +153,7 @@ def test_planner_leaves_torchrecs_plan_when_the_gain_clearly_exceeds_the_error(m
 
 def test_planner_reads_the_error_it_is_given(monkeypatch):
     """The same inputs keep or leave TorchRec's plan depending only on the model's error."""
-    topo, module = _topo(16), _ebc(16, 100000, 128)
+    topo, module = _topo(16), meta_ebc(16, 100000, 128)
 
     def plan(error):
         monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, error, "test"))
@@ -177,7 +169,7 @@ def test_planner_reads_the_error_it_is_given(monkeypatch):
 def test_planner_takes_the_errors_passed_to_it_over_the_store():
     # model_errors: for a profile the store cannot match (a stored one with its link terms
     # corrected); "auto" then applies the rule with them
-    topo, module = _topo(16), _ebc(16, 100000, 128)
+    topo, module = _topo(16), meta_ebc(16, 100000, 128)
 
     def plan(error):
         return SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True, time_budget_s=2,

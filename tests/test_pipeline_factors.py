@@ -13,12 +13,11 @@ import warnings
 import attrs
 import numpy as np
 import pytest
-import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.sharding_plan import get_default_sharders
 
 from launcher import run_ranks
+from search_helpers import meta_ebc
 from torchrec_sparselift import SparseLiftPlanner
 from torchrec_sparselift.calibration.step_fit import FitRecord, StepFitInfo
 from torchrec_sparselift.calibration.term_error import term_errors
@@ -66,19 +65,12 @@ def test_a_factor_applies_where_the_model_prices_the_pipeline_as_the_plain_loop(
     assert step_factor(CPU, "fused") == 1.0  # no factors measured
 
 
-def _ebc(n, rows, dim=32):
-    return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows * (i + 1),
-                                   feature_names=[f"f{i}"]) for i in range(n)],
-        device=torch.device("meta"))
-
-
 def _cpu_topo():
     return Topology(world_size=2, local_world_size=2, compute_device="cpu")
 
 
 def test_the_planner_picks_the_pipeline_the_factors_say_and_prices_it_with_them():
-    module = _ebc(6, 2000)
+    module = meta_ebc(6, 2000, 32)
 
     def plan(profile, solver="auto"):
         return SparseLiftPlanner(topology=_cpu_topo(), batch_size=256, hardware=profile, never_slower=False,
@@ -123,7 +115,7 @@ def test_a_factor_is_a_term_of_its_own_in_the_never_slower_rule():
 def test_the_planner_leaves_torchrecs_pipeline_only_past_the_factors_error(monkeypatch):
     from torchrec_sparselift.calibration import term_error
 
-    module = _ebc(6, 2000)
+    module = meta_ebc(6, 2000, 32)
     profile = attrs.evolve(CPU, pipeline_factors=(("fused", 0.8),))
 
     def plan(factor_error):

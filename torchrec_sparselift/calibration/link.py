@@ -427,12 +427,13 @@ def corrected_bandwidth(profile_bw: float, stored_bw: float, measured_bw: float)
 @attrs.frozen
 class LinkCorrection:
     """What :func:`correct_link_terms` did: the corrected ``profile``, the ``differences``
-    (:func:`links_differ`'s lines; empty: the profile was returned unchanged) and the profile
-    fields it moved as ``(field, old, new)``."""
+    (:func:`links_differ`'s lines; empty: the profile was returned unchanged), the profile
+    fields it moved as ``(field, old, new)`` and the factor it slowed the compute terms by."""
 
     profile: Any
     differences: Tuple[str, ...]
     changed: Tuple[Tuple[str, float, float], ...]
+    compute_factor: float = 1.0
 
     @property
     def differs(self) -> bool:
@@ -451,11 +452,9 @@ class LinkCorrection:
         compute = set(COMPUTE_RATE_FIELDS + COMPUTE_TIME_FIELDS)
         link = [(f, a, b) for f, a, b in self.changed if f not in compute]
         moved = [f"{f} {fmt(f, a)} -> {fmt(f, b)}" for f, a, b in link]
-        slowed = [(f, a, b) for f, a, b in self.changed if f in compute]
-        if slowed:
-            f, a, b = slowed[0]
-            factor = b / a if f.endswith("_s") else a / b
-            moved.append(f"compute terms ({', '.join(f for f, _a, _b in slowed)}) {factor:.3g}x slower")
+        if self.compute_factor != 1.0:
+            slowed = ", ".join(f for f, _a, _b in self.changed if f in compute)
+            moved.append(f"compute terms ({slowed}) {self.compute_factor:.3g}x slower")
         return (f"the link or machine this job runs on differs from the one {where} was calibrated on beyond "
                 f"the measured spread: {'; '.join(self.differences)}. Terms corrected in memory from this job's "
                 f"measurement: {'; '.join(moved) or 'no profile term maps to the difference'}. Calibrate under "
@@ -486,6 +485,7 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
         return LinkCorrection(profile=profile, differences=(), changed=())
     names = {t for t, _ in flagged}
     changes: Dict[str, float] = {}
+    factor = 1.0
     if "ranks_per_core" in names:
         from torchrec_sparselift.cost.hardware import COMPUTE_RATE_FIELDS, COMPUTE_TIME_FIELDS, with_slower_compute
 
@@ -515,4 +515,4 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
             break
     changed = tuple((f, float(getattr(profile, f)), float(v)) for f, v in changes.items())
     return LinkCorrection(profile=attrs.evolve(profile, name=f"{profile.name}+link", **changes) if changes else profile,
-                          differences=tuple(msg for _t, msg in flagged), changed=changed)
+                          differences=tuple(msg for _t, msg in flagged), changed=changed, compute_factor=factor)

@@ -45,11 +45,13 @@ def _pairs(value: Any) -> Tuple[Tuple[str, float], ...]:
     if value is None:
         return ()
     if isinstance(value, Mapping):
-        value = list(value.items())
+        value = value.items()
+    if isinstance(value, (str, bytes)):
+        return value  # the validator names it
     try:
-        return tuple((p[0], p[1]) for p in value) if all(len(p) == 2 for p in value) else value
+        return tuple(tuple(p) if isinstance(p, (list, tuple)) else p for p in value)
     except TypeError:
-        return value
+        return value  # not iterable: the validator names it
 
 
 def _pipeline_factors(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:

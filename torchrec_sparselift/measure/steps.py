@@ -381,8 +381,8 @@ def measure_pipeline_factors(
     say: Optional[Any] = None,
 ) -> Dict[str, Dict[str, Any]]:
     """Per probe workload, its table-wise plan sharded once per pipeline (``sparse_dist``, a second
-    ``sparse_dist`` model as the A/A control, and each of ``pipelines``), every model kept, then ``blocks`` rounds of ``block_steps`` timed steps of
-    each (one untimed step first; the order rotated each round), so a slow stretch of the machine
+    ``sparse_dist`` model as the A/A control, and each of ``pipelines``), every model kept, then
+    ``blocks`` rounds of ``block_steps`` timed steps of each (one untimed step first; the order rotated each round), so a slow stretch of the machine
     falls on every pipeline alike; ranks pinned to their cores as the probes. A pipeline's ratio is
     the median of its steps (the per-step slowest rank) over ``sparse_dist``'s, and
     :func:`pipeline_factors` reduces the workloads' ratios. The same on every rank of ``pg``.
@@ -461,7 +461,6 @@ def calibrate_steps(
     store: Optional[ProfileStore] = None,
     save_measurements: Optional[str] = None,
     link: Any = None,
-    pipelines: bool = True,
 ) -> Tuple[HardwareProfile, StepFit, List[ProbeRecord], List[FitRecord]]:
     """:func:`host_terms`, :func:`measure_probes`, :func:`host_terms` again, then
     :func:`fit_measurements` with each host term's mean reading (every rank returns the same).
@@ -470,9 +469,9 @@ def calibrate_steps(
     fitted profile under this machine's fingerprint (with the hosts the link saw) with the fit's
     records (:func:`~torchrec_sparselift.calibration.step_fit.stored_info`) and the link rates.
     ``link``: the job's :class:`~torchrec_sparselift.calibration.link.LinkRates`; None measures them
-    first (every rank of the default group, a few seconds). ``pipelines`` (CPU): also measure the
-    pipelines' step factors (:func:`measure_pipeline_factors`, about 40 s on 2 cores) into the
-    profile's ``pipeline_factors`` and the stored info."""
+    first (every rank of the default group, a few seconds). On CPU it also measures the pipelines'
+    step factors (:func:`measure_pipeline_factors`, about 40 s on 2 cores) into the profile's
+    ``pipeline_factors`` and the stored info."""
     import torch.distributed as dist
 
     base = base or base_profile(device_type)
@@ -492,7 +491,7 @@ def calibrate_steps(
     fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
                                                       host=host)
     factors: Dict[str, Dict[str, Any]] = {}
-    if device_type == "cpu" and pipelines:
+    if device_type == "cpu":
         # on CPU the model prices every pipeline as the plain loop; what each still costs per step
         # is measured here (HardwareProfile.pipeline_factors, cost.pipelines.step_factor)
         factors = measure_pipeline_factors(pg, device_type, base=base,
