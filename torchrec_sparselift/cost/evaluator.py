@@ -20,7 +20,9 @@ from torchrec_sparselift.cost.model import (
     CostContext,
     ShardCost,
     StepTime,
+    host_mean_rows,
     phase_times,
+    shared_link_columns,
     step_time,
     step_total_batch,
 )
@@ -83,12 +85,24 @@ class PlanEvaluator:
         self.group_of = np.array([self._gidx[k] for k in zip(self.types, kern)], dtype=np.int64)
         self.gcount = np.zeros((self.W, max(1, len(keys))), dtype=np.int64)
         self.overhead = lay.group_costs(ctx.profile)  # a TBE group's fixed cost, per column
+        # a host's shared link (cost.model.shared_link_columns): a rank's row holds its host's mean
+        # in those columns, so one shard adds owner/L to every rank of its host there
+        self.L = min(ctx.local_world_size, self.W) if self.W else 1
+        self.shared = np.asarray(shared_link_columns(ctx), dtype=np.int64)
+        self.owner_local = self.owner.copy()
+        self.owner_host = np.zeros_like(self.owner)
+        if len(self.shared):
+            self.owner_local[:, self.shared] = 0.0
+            self.owner_host[:, self.shared] = self.owner[:, self.shared] / self.L
+        #: what one shard adds to its own rank's row (its host mates' rows get ``owner_host``)
+        self.owner_eff = self.owner_local + self.owner_host
         self.loads = np.zeros((self.W, K))
         self.uniform = np.zeros(K)
         self.allreduce_bytes = 0.0
         self.groups: Counter = Counter()
         self.assignment: Dict[int, Assignment] = {}
         self._tables_at: Dict[int, set] = {}  # rank -> tables with a shard there (tables_on)
+        self._all_ranks = np.arange(self.W, dtype=np.int64)
         self._top = np.zeros((min(_TOP, self.W), K), dtype=np.int64)
         self._colmax = np.zeros(K)
 
@@ -103,10 +117,40 @@ class PlanEvaluator:
             self._top = np.take_along_axis(part, order, axis=0)
         self._colmax = self.loads.max(axis=0) if self.W else np.zeros(self.K)
 
-    def _apply(self, table: int, cand: int, ranks: Sequence[int], sign: float) -> None:
-        vec = self.owner[cand] * sign
+    # -- shards into rows ------------------------------------------------------------------
+    def host_ranks(self, ranks: Sequence[int]) -> np.ndarray:
+        """``ranks`` and, where a host link is shared, every other rank of their hosts (sorted):
+        the rows a shard on ``ranks`` changes."""
+        idx = np.unique(np.asarray(ranks, dtype=np.int64))
+        if not len(self.shared) or not len(idx):
+            return idx
+        hosts = np.unique(idx // self.L)
+        return (hosts[:, None] * self.L + np.arange(self.L)[None, :]).ravel()
+
+    def add_shards(self, rows: np.ndarray, rows_ranks: np.ndarray, cand: int, ranks: Sequence[int],
+                   sign: float = 1.0) -> None:
+        """Add ``sign`` x the owner loads of ``cand``'s shards on ``ranks`` to ``rows``, the rows of
+        the sorted ranks ``rows_ranks`` (in place; :meth:`host_ranks` of ``ranks`` must be among
+        them): each shard's own columns on its rank, and where a host link is shared its bytes
+        there / L on every rank of its host."""
         idx = np.asarray(ranks, dtype=np.int64)
-        np.add.at(self.loads, idx, vec)
+        if not len(idx):
+            return
+        np.add.at(rows, np.searchsorted(rows_ranks, idx), self.owner_local[cand] * sign)
+        if len(self.shared):
+            per_host = np.bincount(idx // self.L, minlength=self.W // self.L)
+            k = per_host[np.asarray(rows_ranks, dtype=np.int64) // self.L].astype(float)
+            rows[:, self.shared] += (sign * k)[:, None] * self.owner_host[cand][None, self.shared]
+
+    def block_vec(self, cand: int, block: int) -> np.ndarray:
+        """The load a rank's row gains when ``cand`` puts one shard on each of ``block``
+        consecutive ranks starting at a host boundary (``host`` and ``all`` placements): its own
+        shard, and with a shared host link the ``min(block, L) - 1`` other shards on its host."""
+        return self.owner_local[cand] + min(max(block, 1), self.L) * self.owner_host[cand]
+
+    def _apply(self, table: int, cand: int, ranks: Sequence[int], sign: float) -> None:
+        idx = np.asarray(ranks, dtype=np.int64)
+        self.add_shards(self.loads, self._all_ranks, cand, idx, sign)
         g = self.group_of[cand]
         if sign > 0:
             first = idx[self.gcount[idx, g] == 0]
@@ -180,17 +224,15 @@ class PlanEvaluator:
         Returns ``inf`` when the move breaks a memory limit.
         """
         old = self.assignment.get(table)
-        new_vec = self.owner[cand]
         if old is not None:
             oc, oranks = old
-            old_vec = self.owner[oc]
         else:
-            oc, oranks, old_vec = -1, (), None
-        touched = np.unique(np.fromiter((*oranks, *ranks), dtype=np.int64))
+            oc, oranks = -1, ()
+        touched = self.host_ranks(np.fromiter((*oranks, *ranks), dtype=np.int64))
         new_rows = self.loads[touched].copy()
         if oranks:
-            np.subtract.at(new_rows, np.searchsorted(touched, np.asarray(oranks, dtype=np.int64)), old_vec)
-        np.add.at(new_rows, np.searchsorted(touched, np.asarray(ranks, dtype=np.int64)), new_vec)
+            self.add_shards(new_rows, touched, oc, oranks, -1.0)
+        self.add_shards(new_rows, touched, cand, ranks, 1.0)
         # TBE group fixed costs on the touched ranks
         counts = self.gcount[touched].copy()
         before = counts > 0
@@ -247,6 +289,7 @@ class PlanEvaluator:
             allreduce += self.allreduce[cand] * len(ranks) / self.W
             if self.types[cand] != "data_parallel":
                 groups.add(self.types[cand])
+        loads = host_mean_rows(loads, self.ctx)  # each rank's own bytes -> its host's mean
         loads += present.sum(axis=1)[:, None] * self.overhead[None, :]
         return loads, uniform, allreduce, len(groups)
 
@@ -255,7 +298,8 @@ class PlanEvaluator:
         return self.objective_of(loads.max(axis=0) + uniform, allreduce, groups)
 
     def rank_loads(self) -> np.ndarray:
-        """Each rank's load vector including its share of peers' traffic."""
+        """Each rank's load vector including its share of peers' traffic (and, where a host link
+        is shared, its host's mean in the shared columns)."""
         return self.loads + self.uniform[None, :]
 
     def memory_ok(self) -> bool:

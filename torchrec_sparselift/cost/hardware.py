@@ -150,6 +150,14 @@ class HardwareProfile:
             the pipelines still differ in what they cost per step (TorchRec's ``fused`` ran
             0.77-0.96x ``sparse_dist`` on the 2-core CPU); 1.0 for a pipeline not listed, and
             empty in the presets.
+        host_link_shared: whether the ranks of a host share one inter-host link (one NIC per
+            host, or the testbed's one veth per emulated host), so that what crosses it is the
+            sum of the host's ranks' inter-host bytes however they are spread over the ranks.
+            ``inter_host_bw`` stays the per-rank rate with every rank of the host sending at once
+            (as measured); with a shared link the model prices each rank's inter-host bytes at
+            its host's mean (``cost.terms.host_mean_columns``). False (a link per rank: GPU
+            hosts with a NIC per GPU) in the presets; set from the link measurement
+            (``LinkRates.host_link_shared``).
         The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the
         presets; :mod:`torchrec_sparselift.calibration.step_fit` fits them from measured steps
         (all but ``lookup_cache_bytes``).
@@ -190,6 +198,7 @@ class HardwareProfile:
     lookup_cache_bytes: int = attrs.field(default=1 << 20)
     pipeline_factors: Tuple[Tuple[str, float], ...] = attrs.field(default=(), converter=_pairs,
                                                                   validator=_pipeline_factors)
+    host_link_shared: bool = attrs.field(default=False)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):

@@ -70,6 +70,9 @@ __all__ = [
     "CostContext",
     "ShardCost",
     "StepTime",
+    "SHARED_LINK_BANDWIDTH",
+    "shared_link_columns",
+    "host_mean_rows",
     "shard_cost",
     "step_time",
     "step_total_batch",
@@ -93,6 +96,7 @@ COMPONENTS = tuple(c.name for c in _terms.LOAD_COLUMNS)
 _IDX = _terms.layout().index
 FWD, BWD, UVM = _IDX["fwd_s"], _IDX["bwd_s"], _IDX["uvm_s"]
 IN_INTRA, IN_INTER = _IDX["in_intra_bytes"], _IDX["in_inter_bytes"]
+_STAGE = _IDX["out_stage_s"]
 OUT_INTRA, OUT_INTER = _IDX["out_intra_bytes"], _IDX["out_inter_bytes"]
 DEV_MEM, HOST_MEM = _IDX["device_mem_bytes"], _IDX["host_mem_bytes"]
 K = len(COMPONENTS)
@@ -163,6 +167,43 @@ class CostContext:
     @property
     def num_hosts(self) -> int:
         return max(1, self.world_size // min(self.local_world_size, self.world_size))
+
+
+#: The link a host's ranks share when ``HardwareProfile.host_link_shared``: the profile field of
+#: the load columns whose bytes cross it.
+SHARED_LINK_BANDWIDTH = "inter_host_bw"
+
+
+def shared_link_columns(ctx: CostContext) -> Tuple[int, ...]:
+    """The load columns a host's ranks share (:data:`SHARED_LINK_BANDWIDTH`'s link columns) where
+    ``ctx.profile.host_link_shared`` and the job has several hosts of several ranks; empty
+    otherwise (every rank prices its own bytes).
+
+    On a shared link the bytes that cross it are the host's, however they are spread over its
+    ranks (measured on the testbed, 2 hosts x 2 ranks at 1 Gbit/s: one rank sending 4 MiB across
+    took 36 ms, two ranks sending 2 MiB each 36 ms, two sending 4 MiB each 74 ms). ``inter_host_bw``
+    is the per-rank rate with every rank of the host sending, so a rank's shared columns are
+    priced at its host's mean (:func:`host_mean_rows`): equal to the per-rank price when the host's
+    ranks carry equal bytes, and no gain from splitting a table over ranks of one host."""
+    L = min(ctx.local_world_size, ctx.world_size)
+    if not getattr(ctx.profile, "host_link_shared", False) or ctx.num_hosts < 2 or L < 2:
+        return ()
+    lay = _terms.layout()
+    return tuple(j for j, c in enumerate(lay.columns) if c.kind == "link" and c.bandwidth == SHARED_LINK_BANDWIDTH)
+
+
+def host_mean_rows(loads: np.ndarray, ctx: CostContext) -> np.ndarray:
+    """Per-rank loads (``W x K``, each rank's own bytes) with the shared link columns
+    (:func:`shared_link_columns`) replaced by the mean over the rank's host (ranks
+    ``h*L .. h*L+L-1``); a copy, or ``loads`` itself when nothing is shared."""
+    cols = list(shared_link_columns(ctx))
+    if not cols:
+        return loads
+    L = min(ctx.local_world_size, ctx.world_size)
+    out = np.array(loads, dtype=float, copy=True)
+    means = out[:, cols].reshape(-1, L, len(cols)).mean(axis=1)
+    out[:, cols] = np.repeat(means, L, axis=0)
+    return out
 
 
 @attrs.frozen
@@ -248,6 +289,12 @@ def dp_optimizer_s(specs, cands, ctx: CostContext) -> float:
     return total
 
 
+def _rs_factor(node: Node, p: HardwareProfile) -> float:
+    """All-to-all bytes one byte of ``node``'s collective costs (``reduce_scatter_factor`` for a
+    reduce-scatter or all-gather, 1 for an all-to-all)."""
+    return p.reduce_scatter_factor if node.collective != "all_to_all" else 1.0
+
+
 def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
     """Fold one shard's sparse-path nodes into per-rank load vectors (fp32 comm bytes)."""
     p = ctx.profile
@@ -270,6 +317,12 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
             vec[BWD if node.backward else FWD] += node_time(node, p)
         elif node.kind == "grad_allreduce":
             allreduce += node.quantity
+        elif node.kind == "output_dist" and node.stage:
+            # a collective of its own before the next (table-row-wise's intra-host reduce-scatter):
+            # seconds in out_stage_s, which adds to the output and the gradient phases
+            bw = p.intra_host_bw if node.resource == "intra_host" else p.inter_host_bw
+            vec = owner if node.scope == "owner" else peers
+            vec[_STAGE] += node.quantity * _rs_factor(node, p) / bw
         elif node.kind in ("input_dist", "output_dist"):
             if node.kind == "input_dist":
                 col = IN_INTRA if node.resource == "intra_host" else IN_INTER
@@ -277,7 +330,7 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
                 col = OUT_INTRA if node.resource == "intra_host" else OUT_INTER
             # a reduce-scatter's byte costs reduce_scatter_factor all-to-all bytes (the link column
             # holds all-to-all-equivalent bytes; the graph's own quantities stay the bytes sent)
-            q = node.quantity * (p.reduce_scatter_factor if node.collective != "all_to_all" else 1.0)
+            q = node.quantity * _rs_factor(node, p)
             vec[col] += q
             if node.scope == "others":  # every rank but the owner: all ranks, less the owner's share
                 owner[col] -= q

@@ -114,6 +114,11 @@ LOAD_COLUMNS: Tuple[LoadColumn, ...] = (
     LoadColumn("cold_rows_s", "time", ("backward_update",), shard_load=cold_rows_load,
                doc="lookups of shards larger than the cache (cold_row_s; forward and backward, "
                    "in the backward's phase, where ~90% of it is measured)"),
+    LoadColumn("out_stage_s", "time", ("output_dist", "grad_dist"),
+               doc="a sequential stage of the output (and gradient) distribution: table-row-wise's "
+                   "intra-host reduce-scatter (all-gather), which runs before its cross-host "
+                   "all-to-all, so its seconds add to the link phase (priced at intra_host_bw and "
+                   "reduce_scatter_factor, full precision)"),
 )
 
 #: The comm precision that scales a link phase's bytes (``None``: ids, always full size).

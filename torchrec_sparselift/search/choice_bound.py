@@ -38,7 +38,7 @@ from torchrec_sparselift.cost.pipelines import pipeline_kind
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (
     MS, Equation, allreduce_rows, choice_rows, column_scale, fixed_terms, link_rows, load_maxima,
-    step_rows, step_vars, total_memory_rows,
+    piece_loads, step_rows, step_vars, total_memory_rows,
 )
 from torchrec_sparselift.search.problem import PlanningProblem
 
@@ -104,14 +104,16 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     idp = eq.var("dp_used")  # any option that joins the gradient all-reduce chosen
     iany = eq.var("any_group")  # any sharding type used (the input's shared splits all-to-all)
     sv = attrs.evolve(sv, latency=ilat, any_group=iany)
+    # what a piece adds to its rank's row (a shared host link's columns: own / L, the host's mean)
+    piece = piece_loads(own, ctx)
     packing_keys = []  # (col, theta, k)
     for c in lay.time:
-        sizes = np.unique(own[~allp, c][own[~allp, c] > 0])[::-1]
+        sizes = np.unique(piece[~allp, c][piece[~allp, c] > 0])[::-1]
         if not len(sizes):
             continue
         sel = sizes[np.unique(np.geomspace(1, len(sizes), min(THRESHOLDS, len(sizes))).astype(int) - 1)]
         for th in sel:
-            cnt_max = sum(max((n[i] for i in ids if not allp[i] and own[i, c] >= th), default=0.0)
+            cnt_max = sum(max((n[i] for i in ids if not allp[i] and piece[i, c] >= th), default=0.0)
                           for ids in prob.candidates)
             for k in range(1, MAX_K + 1):
                 if k * W + 1 > cnt_max:
@@ -149,17 +151,17 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
         add(list(zip(nz.tolist(), coef[nz].tolist())) + [(iu[c], 1.0), (ifree, fixed[c]), (iz[c], -1.0)], 0.0)
         best = []  # tables with a piece option, biggest smallest piece first
         for t, ids in enumerate(prob.candidates):
-            pieces = [own[i, c] for i in ids if not allp[i]]
+            pieces = [piece[i, c] for i in ids if not allp[i]]
             if pieces and max(pieces) > 0:
                 best.append((min(pieces), t))
         best.sort(reverse=True)
         for _, t in best[:MAX_PIECE_TABLES]:
             ids = prob.candidates[t]
             # the piece's rank also pays its group's fixed cost (only when a piece is chosen)
-            ent = [(i, own[i, c] + fixed[c]) for i in ids if not allp[i]] + [(i, -own[i, c]) for i in ids if allp[i]]
+            ent = [(i, piece[i, c] + fixed[c]) for i in ids if not allp[i]] + [(i, -own[i, c]) for i in ids if allp[i]]
             add(ent + [(iu[c], 1.0), (iz[c], -1.0)], 0.0)
     for c, th, k, v in packing:
-        cnt = [(i, n[i]) for i in range(C) if not allp[i] and own[i, c] >= th]
+        cnt = [(i, n[i]) for i in range(C) if not allp[i] and piece[i, c] >= th]
         big = float(sum(n[i] for i, _ in cnt))
         add(cnt + [(v, -big)], float(k * W))
         add([(iu[c], 1.0), (v, (k + 1) * th + fixed[c]), (iz[c], -1.0)], 0.0)

@@ -9,7 +9,9 @@ relaxation's rows; the step time itself is written once, here:
 
 * ``z[col]``: the maximum over ranks of load column ``col`` (:func:`load_maxima`), in
   milliseconds, link columns divided by their bandwidth (:func:`column_scale`); the columns and
-  their meaning come from :data:`torchrec_sparselift.cost.terms.LOAD_COLUMNS`;
+  their meaning come from :data:`torchrec_sparselift.cost.terms.LOAD_COLUMNS`. Where a host's
+  ranks share their inter-host link (``cost.model.shared_link_columns``) a rank's load in those
+  columns is its host's mean (:func:`rank_load_rows`, :func:`piece_loads`);
 * ``y[phases]``: one per link group, at least each of its columns' ``z`` (:func:`link_rows`);
 * ``allreduce``: the exposed gradient all-reduce (:func:`allreduce_rows`);
 * ``total``: at least every path of the pipeline's composition
@@ -32,7 +34,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.model import PRECISION_BYTES, collective_call_form, phase_constants
+from torchrec_sparselift.cost.model import PRECISION_BYTES, collective_call_form, phase_constants, shared_link_columns
 from torchrec_sparselift.cost.pipelines import (PHASE_NAMES, PHASE_PARTS, PHASES, PIPELINES, effective_pipeline, paths,
                                                 step_factor)
 from torchrec_sparselift.cost.terms import PHASE_PRECISION, layout
@@ -40,7 +42,7 @@ from torchrec_sparselift.cost.terms import PHASE_PRECISION, layout
 __all__ = [
     "Equation", "RangeRows", "StepVars", "FixedTerms", "fixed_terms", "column_scale", "load_maxima",
     "step_vars", "link_rows", "allreduce_rows", "precision_scales", "phase_forms", "composition_rows", "step_rows",
-    "choice_rows", "total_memory_rows", "MS", "GIB",
+    "choice_rows", "total_memory_rows", "piece_loads", "rank_load_rows", "MS", "GIB",
 ]
 
 #: The solvers' time unit (ms) and memory unit (GiB): HiGHS drops matrix coefficients below
@@ -400,3 +402,26 @@ def total_memory_rows(eq: Equation, prob, nshards: np.ndarray) -> None:
         nz = np.nonzero(coef)[0]
         if len(nz) and len(cap) and np.all(np.isfinite(cap)):
             eq.add(list(zip(nz.tolist(), coef[nz].tolist())), -np.inf, float(np.sum(cap)) / GIB)
+
+
+def piece_loads(own: np.ndarray, ctx) -> np.ndarray:
+    """Owner loads (options x columns) as one shard raises the row of the rank holding it: its
+    own load, except in a shared host link's columns (``cost.model.shared_link_columns``), where
+    the rank's row is its host's mean and gains ``own / L`` (the bounds' "largest piece" rows)."""
+    cols = list(shared_link_columns(ctx))
+    if not cols:
+        return own
+    out = np.array(own, dtype=float, copy=True)
+    out[:, cols] /= min(ctx.local_world_size, ctx.world_size)
+    return out
+
+
+def rank_load_rows(ctx, col: int) -> List[Tuple[List[int], float]]:
+    """The groups of ranks whose summed load terms bound ``z[col]`` in an exact placement model,
+    with the weight of each term: every rank alone (weight 1), or in a shared host link's columns
+    each host's ranks together (weight ``1 / L``: the host's mean)."""
+    W = ctx.world_size
+    if col in shared_link_columns(ctx):
+        L = min(ctx.local_world_size, W)
+        return [(list(range(h * L, (h + 1) * L)), 1.0 / L) for h in range(W // L)]
+    return [([r], 1.0) for r in range(W)]

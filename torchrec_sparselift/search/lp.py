@@ -34,6 +34,7 @@ from torchrec_sparselift.search.equation import (  # noqa: F401  (re-exported: o
     link_rows,
     load_maxima,
     phase_forms,
+    piece_loads,
     step_rows,
     step_vars,
     total_memory_rows,
@@ -96,7 +97,9 @@ def solve_lp(
         coef = nshards * (own[:, c] / W + per[:, c])
         nz = np.nonzero(coef)[0]
         eq.add(list(zip(nz.tolist(), coef[nz].tolist())) + [(iz[c], -1.0)], -np.inf, 0.0)
-    # largest pieces: for the tables with the biggest shards, sum_o x[t,o]*owner_c <= z_c
+    # largest pieces: for the tables with the biggest shards, sum_o x[t,o]*owner_c <= z_c (a
+    # shared host link's columns hold host means: a piece adds owner_c / L there)
+    own = piece_loads(own, ctx)
     for c in lay.time:
         best_piece = []
         for t, ids in enumerate(prob.candidates):
@@ -156,7 +159,7 @@ def analytic_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = de
         allreduce += min(prob.costs[i].allreduce_bytes * prob.cands[i].num_shards / W for i in ids)
     piece = lay.zeros()
     for ids in prob.candidates:
-        own = np.stack([prob.costs[i].owner for i in ids])
+        own = piece_loads(np.stack([prob.costs[i].owner for i in ids]), prob.ctx)
         piece = np.maximum(piece, own.min(axis=0))
     if prob.candidates:  # the rank holding a piece pays at least one TBE group's fixed cost
         piece += lay.group_costs(prob.ctx.profile)

@@ -22,8 +22,8 @@ from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.pipelines import pipeline_kind
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (
-    GIB, MS, Equation, allreduce_rows, column_scale, fixed_terms, link_rows, load_maxima, step_rows,
-    step_vars,
+    GIB, MS, Equation, allreduce_rows, column_scale, fixed_terms, link_rows, load_maxima, rank_load_rows,
+    step_rows, step_vars,
 )
 from torchrec_sparselift.search.problem import PlanningProblem
 
@@ -123,12 +123,16 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = defaults.COMM_PR
     rank_terms = choice_and_placement_rows(prob, place, add)
     # per-rank loads
     uniform = {j: [(c, nshards[c] * peers[c, j]) for c in range(C) if peers[c, j] != 0] for j in lay.time}
+    for j in lay.time:  # each rank's (a shared host link's columns: each host's mean) load
+        for ranks, weight in rank_load_rows(ctx, j):
+            coef: dict = {}
+            for r in ranks:
+                for v, c in rank_terms[r]:
+                    if owner[c, j] != 0:
+                        coef[v] = coef.get(v, 0.0) + weight * owner[c, j]
+            if coef:
+                add(list(coef.items()) + uniform[j] + [(iz[j], -1.0)], -np.inf, 0.0)
     for r in range(W):
-        for j in lay.time:
-            ent = [(v, owner[c, j]) for v, c in rank_terms[r] if owner[c, j] != 0]
-            if not ent:
-                continue
-            add(ent + uniform[j] + [(iz[j], -1.0)], -np.inf, 0.0)
         for m, cap in ((0, prob.device_cap[r]), (1, prob.host_cap[r])):
             if np.isfinite(cap):
                 ent = [(v, mem[c, m]) for v, c in rank_terms[r] if mem[c, m] != 0]

@@ -55,15 +55,20 @@ def best_placement(
     """Best ranks for ``table`` as candidate ``cand`` given the rest of the plan, and the
     resulting objective; None if it cannot fit. The table must not be assigned."""
     c = prob.cands[cand]
-    vec = ev.owner[cand]
+    # one shard's load on its own rank's row (with a shared host link, its host mates' rows gain
+    # ev.owner_host[cand]: the evaluator's rows hold the host's mean in the shared columns)
+    vec = ev.owner_eff[cand]
     W = ev.W
     # a rank without this TBE group yet also pays the group's fixed cost
     loads = ev.loads + (ev.gcount[:, ev.group_of[cand]] == 0)[:, None] * ev.overhead[None, :]
     if c.placement == "all":
         ranks = tuple(range(c.num_shards))
-        new = loads[: c.num_shards] + vec
-        if np.any(new[:, DEV_MEM] > ev.device_cap[: c.num_shards] + 1e-6) or np.any(
-            new[:, HOST_MEM] > ev.host_cap[: c.num_shards] + 1e-6
+        touched = ev.host_ranks(ranks)
+        new = loads[touched].copy()
+        ev.add_shards(new, touched, cand, ranks)
+        mine = np.searchsorted(touched, np.asarray(ranks, dtype=np.int64))
+        if np.any(new[mine, DEV_MEM] > ev.device_cap[: c.num_shards] + 1e-6) or np.any(
+            new[mine, HOST_MEM] > ev.host_cap[: c.num_shards] + 1e-6
         ):
             return None
         cm = np.maximum(ev._colmax, new.max(axis=0))
@@ -71,7 +76,7 @@ def best_placement(
     if c.placement == "host":
         L = c.num_shards
         H = W // L
-        rows = (loads + vec).reshape(H, L, -1)
+        rows = (loads + ev.block_vec(cand, L)).reshape(H, L, -1)
         fits = np.all(rows[:, :, DEV_MEM] <= ev.device_cap.reshape(H, L) + 1e-6, axis=1) & np.all(
             rows[:, :, HOST_MEM] <= ev.host_cap.reshape(H, L) + 1e-6, axis=1
         )
@@ -100,8 +105,8 @@ def best_placement(
         if r < 0:
             return None
         chosen.append(r)
-        tmp[r] += vec
-        colmax = np.maximum(colmax, tmp[r])
+        ev.add_shards(tmp, ev._all_ranks, cand, (r,))
+        colmax = np.maximum(colmax, tmp[ev.host_ranks((r,))].max(axis=0))
         obj_last = float(obj[r])
     return tuple(chosen), obj_last
 
@@ -153,14 +158,11 @@ def _spread(ev: PlanEvaluator, rows: np.ndarray, w: np.ndarray) -> float:
 
 def _spread_delta(ev: PlanEvaluator, t: int, cand: int, ranks: Sequence[int], w: np.ndarray) -> float:
     old_c, old_r = ev.assignment[t]
-    touched = sorted(set(old_r) | set(int(r) for r in ranks))
+    touched = ev.host_ranks(tuple(old_r) + tuple(int(r) for r in ranks))
     before = ev.loads[touched]
     after = before.copy()
-    idx = {r: i for i, r in enumerate(touched)}
-    for r in old_r:
-        after[idx[r]] -= ev.owner[old_c]
-    for r in ranks:
-        after[idx[int(r)]] += ev.owner[cand]
+    ev.add_shards(after, touched, old_c, old_r, -1.0)
+    ev.add_shards(after, touched, cand, ranks, 1.0)
     return _spread(ev, after, w) - _spread(ev, before, w)
 
 

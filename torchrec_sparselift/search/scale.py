@@ -91,23 +91,28 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
                                 state["allreduce"] + ev.allreduce[cand] * nsh / W, len(g), ev.ctx,
                                 ev.pipeline, ev.fwd_precision, ev.bwd_precision)
 
+    all_ranks = np.arange(W, dtype=np.int64)
+
     def commit(t: int, cand: int, ranks: Sequence[int]) -> None:
         idx = np.asarray(ranks, dtype=np.int64)
         g = ev.group_of[cand]
         new = idx[~gpresent[idx, g]]
-        np.add.at(loads, idx, owner[cand])
+        ev.add_shards(loads, all_ranks, cand, idx)  # with a shared host link, its host mates too
         loads[new] += ovh
         gpresent[idx, g] = True
-        np.maximum(colmax, loads[idx].max(axis=0), out=colmax)
-        key[idx] = loads[idx] @ w
+        rows = ev.host_ranks(idx)
+        np.maximum(colmax, loads[rows].max(axis=0), out=colmax)
+        key[rows] = loads[rows] @ w
         uniform[:] += ev.peers[cand] * len(idx)
         state["allreduce"] += ev.allreduce[cand] * len(idx) / W
         if ev.types[cand] != "data_parallel":
             groups.add(ev.types[cand])
         assignment[t] = (cand, tuple(int(r) for r in idx))
 
-    def rows_for(idx: np.ndarray, cand: int) -> np.ndarray:
-        return loads[idx] + owner[cand] + (~gpresent[idx, ev.group_of[cand]])[:, None] * ovh[None, :]
+    def rows_for(idx: np.ndarray, cand: int, block: int = 1) -> np.ndarray:
+        # a rank's row with the shard on it (and, block > 1, on each of block consecutive ranks)
+        vec = ev.owner_eff[cand] if block == 1 else ev.block_vec(cand, block)
+        return loads[idx] + vec + (~gpresent[idx, ev.group_of[cand]])[:, None] * ovh[None, :]
 
     def try_place(cand: int):
         c = prob.cands[cand]
@@ -124,7 +129,7 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
             if short is None:
                 return None
             ok, hkey, idx = short
-            r3 = rows_for(idx, cand).reshape(len(ok), Lc, K)
+            r3 = rows_for(idx, cand, Lc).reshape(len(ok), Lc, K)
             obj = price(r3.max(axis=1), cand, Lc)
             h = int(ok[_pick(obj, hkey)])
             return tuple(range(h * Lc, (h + 1) * Lc))
@@ -152,6 +157,11 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
             j = _pick(obj, tie)
             chosen.append(int(idx[j]))
             cm_local = np.maximum(cm_local, rows[j])
+            if len(ev.shared):  # its host mates' rows carry the shard's share of the link too
+                mates = (idx // ev.L == idx[j] // ev.L) & (np.arange(len(idx)) != j)
+                rows[mates] += ev.owner_host[cand]
+                if mates.any():
+                    cm_local = np.maximum(cm_local, rows[mates].max(axis=0))
         return tuple(chosen)
 
     def size(cand: int) -> float:
@@ -221,7 +231,7 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
     c = prob.cands[cand]
     if c.placement == "all":
         return best_placement(ev, prob, table, cand)
-    vec = ev.owner[cand]
+    vec = ev.owner_eff[cand]  # on its own rank's row (cost.evaluator: shared host links)
     need_ovh = ev.gcount[:, ev.group_of[cand]] == 0
     fits = ((ev.loads[:, DEV_MEM] + vec[DEV_MEM] <= ev.device_cap + 1e-6)
             & (ev.loads[:, HOST_MEM] + vec[HOST_MEM] <= ev.host_cap + 1e-6))
@@ -234,7 +244,7 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
         if short is None:
             return None
         ok, hkey, idx = short
-        r3 = (loads[idx] + vec).reshape(len(ok), Lc, ev.K)
+        r3 = (loads[idx] + ev.block_vec(cand, Lc)).reshape(len(ok), Lc, ev.K)
         cm = np.maximum(ev._colmax[None, :], r3.max(axis=1))
         obj = _objectives(ev, cm, cand, Lc)
         j = _place_pick(obj, hkey)
@@ -265,5 +275,9 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
         taken[j] = True
         chosen.append(int(ok[j]))
         colmax = np.maximum(colmax, rows[j])
+        if len(ev.shared):  # its host mates' rows carry the shard's share of the link too
+            mates = ok // ev.L == ok[j] // ev.L
+            base[mates] += ev.owner_host[cand]
+            colmax = np.maximum(colmax, base[mates].max(axis=0))
         obj_last = float(obj[j])
     return tuple(chosen), obj_last

@@ -106,6 +106,10 @@ class Node:
     #: (forward) and "all_gather" (its backward); the bytes are counted alike, the cost model
     #: prices a reduce-scatter's at its own rate (gloo: ~4x an all-to-all's per byte)
     collective: str = "all_to_all"
+    #: a collective of its own that runs before the phase's next one (table-row-wise's
+    #: intra-host reduce-scatter, then its cross-host all-to-all): its seconds add to the phase
+    #: instead of overlapping the other link's (cost.terms' ``out_stage_s``)
+    stage: bool = False
 
 
 @attrs.frozen
@@ -296,7 +300,7 @@ def shard_nodes(
                 partial = B * W * nf * cand.shard_cols * 4
                 rs = 2 * partial * (L - 1) / L
                 if rs > 0:
-                    nodes.append(Node(kind, "intra_host", rs, backward=bwd,
+                    nodes.append(Node(kind, "intra_host", rs, backward=bwd, stage=H > 1,
                                       collective="all_gather" if bwd else "reduce_scatter"))
                 # then each shard's reduced slice (the samples of the ranks with its local index)
                 # goes to those ranks on the H-1 other hosts; the W-L receivers are spread over
