@@ -184,12 +184,17 @@ def distinct_plans(plans: Sequence[Any]) -> List[int]:
     return [first.setdefault(sharding_plan_digest(p), i) for i, p in enumerate(plans)]
 
 
+#: Short names of the sharding types in a plan's summary (``twx26``: 26 tables table-wise).
+TYPE_SHORT = {"table_wise": "tw", "table_row_wise": "twrw", "table_column_wise": "twcw", "column_wise": "cw",
+              "row_wise": "rw", "data_parallel": "dp", "grid_shard": "gs"}
+
+
 def _types(plan) -> str:
     c: Dict[str, int] = {}
     for mp in plan.plan.values():
         for ps in mp.values():
             c[ps.sharding_type] = c.get(ps.sharding_type, 0) + 1
-    return ",".join(f"{k[:2]}{'' if v == 1 else 'x' + str(v)}" for k, v in sorted(c.items()))
+    return ",".join(f"{TYPE_SHORT.get(k, k)}{'' if v == 1 else 'x' + str(v)}" for k, v in sorted(c.items()))
 
 
 def _run_kept(w, runners, batches, pg, device, args, say) -> None:

@@ -172,6 +172,11 @@ def test_table_row_wise_intra_host_stage_adds_to_the_link_phase():
     assert len(rs) == 1 and rs[0].stage and rs[0].resource == "intra_host"
     cost = shard_cost(spec, cand, two)
     assert cost.owner[stage] == pytest.approx(rs[0].quantity * 3.0 / 1e9)
+    # a slower inter-host link's corrected factor (inter_reduce_scatter_factor) leaves the
+    # intra-host stage at the calibrated reduce_scatter_factor
+    slow = CostContext(profile=attrs.evolve(prof, inter_reduce_scatter_factor=1.1), world_size=4,
+                       local_world_size=2, batch_size=512)
+    assert shard_cost(spec, cand, slow).owner[stage] == pytest.approx(cost.owner[stage])
     assert cost.owner[terms.layout().index["out_intra_bytes"]] == 0.0  # not in the concurrent link columns
     # one host: the reduce-scatter is the whole output distribution (no stage)
     one = CostContext(profile=prof, world_size=2, local_world_size=2, batch_size=512)

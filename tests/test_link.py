@@ -1,6 +1,7 @@
 """The link measurement: the fit recovers latency and bandwidth, comparisons flag only differences
-beyond noise, records round-trip through JSON, every rank gets the same rates, and a shaped
-emulated link measures at its rate (that last one needs root and tc; it skips with the reason).
+beyond noise, records round-trip through JSON, every rank gets the same rates, a shaped
+emulated link measures at its rate, and the ranks of an emulated host are found to share its link
+(those last two need root and tc; they skip with the reason).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from launcher import run_ranks
+from torchrec_sparselift.calibration.link import differing_terms
 from torchrec_sparselift.measure import link
 from torchrec_sparselift.measure import testbed as tb
 from torchrec_sparselift.measure.link import LinkRates, LinkRatesError, links_differ
@@ -141,6 +143,67 @@ def test_the_machine_share_is_optional_both_or_neither_and_read_from_older_recor
         _rates(machine_ranks=4, machine_cores=0)
 
 
+def _sharing(ratio: float, ranks_per_host: int = 2, **overrides) -> LinkRates:
+    """Two hosts whose one-way rates are ``ratio`` apart (one rank alone over each of all)."""
+    return _rates(ranks_per_host=ranks_per_host, inter_oneway_bw=60e6, inter_solo_bw=60e6 * ratio, **overrides)
+
+
+def test_a_host_link_is_shared_when_one_rank_alone_sends_well_past_its_share():
+    # 2 ranks per host: the line is 1.5x (halfway between a link per rank, 1x, and one link, 2x)
+    assert _sharing(2.0).host_link_shared is True
+    assert _sharing(1.5).host_link_shared is True
+    assert _sharing(1.49).host_link_shared is False
+    assert _sharing(1.0).host_link_shared is False
+    # 4 ranks per host: halfway between 1x and 4x is 2.5x
+    assert _sharing(2.5, ranks_per_host=4).host_link_shared is True
+    assert _sharing(2.4, ranks_per_host=4).host_link_shared is False
+    # the symmetric all-to-all rate does not enter the rule (an exchange can stop short of the link)
+    assert _sharing(2.0, inter_bw=200e6).host_link_shared is True
+    # not measured: a record without the one-way rates
+    assert _rates().host_link_shared is None and _rates().host_link == "sharing not measured"
+
+
+def test_sharing_is_measured_only_on_several_hosts_of_several_ranks_both_rates_or_neither():
+    with pytest.raises(LinkRatesError, match="inter_oneway_bw=60000000.0, inter_solo_bw=None: give both or neither"):
+        _rates(inter_oneway_bw=6e7)
+    one_host = dict(hosts=1, inter_bw=None, inter_latency_s=None)
+    with pytest.raises(LinkRatesError, match="must be None with hosts=1, ranks_per_host=2"):
+        _rates(inter_oneway_bw=6e7, inter_solo_bw=1.2e8, **one_host)
+    with pytest.raises(LinkRatesError, match="must be None with hosts=2, ranks_per_host=1"):
+        _rates(inter_oneway_bw=6e7, inter_solo_bw=1.2e8, ranks_per_host=1, intra_bw=None, intra_latency_s=None)
+    with pytest.raises(LinkRatesError, match="inter_solo_bw=0.0: give a finite number > 0"):
+        _rates(inter_oneway_bw=6e7, inter_solo_bw=0.0)
+
+
+def test_the_sharing_rates_round_trip_and_older_records_read_as_not_measured():
+    shared = _sharing(1.99)
+    assert LinkRates.from_json(shared.to_json()) == shared and LinkRates.from_json(shared.to_json()).host_link_shared
+    text = shared.describe()
+    assert "one-way" in text and "60 MB/s" in text and "119.4 MB/s" in text, text
+    assert "host link shared by the host's 2 ranks (one rank sending alone 1.99x" in text, text
+    assert "one per rank (one rank sending alone 1.05x" in _sharing(1.05).describe()
+    assert "one-way" not in _rates().describe()  # unknown: not mentioned
+    # a record written before sharing was measured: read, sharing unknown
+    older = {k: v for k, v in shared.to_dict().items() if k not in ("inter_oneway_bw", "inter_solo_bw")}
+    assert LinkRates.from_dict(older).host_link_shared is None
+    assert LinkRates.from_dict(older) == _rates()
+
+
+def test_stored_and_measured_sharing_that_disagree_differ_and_unknown_sharing_does_not():
+    per_rank, shared = _sharing(1.05), _sharing(1.98)
+    diffs = differing_terms(shared, per_rank)
+    assert [t for t, _ in diffs] == ["host_link_shared"], diffs
+    assert diffs[0][1] == ("host link (host_link_shared): stored shared by the host's 2 ranks (one rank sending "
+                           "alone 1.98x the rate of each with all), measured one per rank (one rank sending alone "
+                           "1.05x the rate of each with all)")
+    (back,) = links_differ(per_rank, shared)
+    assert back.startswith("host link (host_link_shared): stored one per rank") and "measured shared by" in back
+    # the same verdict at other one-way rates is no difference (the rates only decide sharing)
+    assert links_differ(shared, _sharing(3.0)) == []
+    # unknown on either side: not compared
+    assert links_differ(_rates(), shared) == [] and links_differ(shared, _rates()) == []
+
+
 def test_ranks_group_into_hosts_by_key():
     assert link.host_groups(["a/node0", "a/node0", "a/node1", "a/node1"]) == [[0, 1], [2, 3]]
     assert link.host_groups(["x/node", "y/node", "x/node", "y/node"]) == [[0, 2], [1, 3]]
@@ -179,6 +242,8 @@ def test_two_gloo_ranks_on_loopback_agree_on_their_rates_and_on_a_failed_fit():
     rates = LinkRates.from_dict(results[0][0])
     assert (rates.hosts, rates.ranks_per_host) == (1, 2)
     assert rates.inter_bw is None and rates.intra_bw > 10e6 and rates.allreduce_bw > 10e6
+    # one host: no link between hosts to share
+    assert rates.inter_oneway_bw is None and rates.inter_solo_bw is None and rates.host_link_shared is None
     # the machine share: both ranks on this machine, its cores
     assert (rates.machine_ranks, rates.machine_cores) == (2, os.cpu_count())
     assert rates.ranks_per_core == max(1.0, 2 / os.cpu_count())
@@ -231,7 +296,7 @@ def test_a_measurement_whose_repetitions_disagree_is_taken_again_and_the_steadie
     calls = []
 
     def fake(outcomes):
-        def once(repetitions, target_call_s, min_bytes, max_bytes):
+        def once(repetitions, target_call_s, min_bytes, max_bytes, sharing=True):
             calls.append(target_call_s)
             out = outcomes[len(calls) - 1]
             if isinstance(out, Exception):
@@ -270,3 +335,66 @@ def test_a_measurement_whose_repetitions_disagree_is_taken_again_and_the_steadie
     calls.clear()
     monkeypatch.setattr(link, "_measure_once", fake([_measured(0.3), link._FitFailed("flat"), link._FitFailed("flat")]))
     assert link.measure_link_rates().spread == 0.3
+
+
+def _two_by_two(ratio: float, spread: float) -> LinkRates:
+    solo = dict(inter_oneway_bw=6e7, inter_solo_bw=6e7 * ratio) if ratio else {}
+    return _rates(spread=spread, **solo)
+
+
+def test_the_sharing_rates_are_measured_once_and_kept_with_the_steadiest_attempt(monkeypatch):
+    asked = []
+
+    def once(repetitions, target_call_s, min_bytes, max_bytes, sharing=True):
+        asked.append(sharing)
+        # the first attempt measures sharing (noisy exchanges), the later ones do not
+        return [_two_by_two(2.0, 0.3), _two_by_two(0, 0.05)][len(asked) - 1]
+
+    monkeypatch.setattr(link, "_measure_once", once)
+    got = link.measure_link_rates()
+    assert asked == [True, False]
+    assert got.spread == 0.05 and (got.inter_oneway_bw, got.inter_solo_bw) == (6e7, 1.2e8)
+    assert got.host_link_shared is True
+    # a first attempt whose fit fails measured nothing: the next one measures sharing
+    asked.clear()
+    outcomes = [link._FitFailed("flat"), _two_by_two(1.0, 0.02)]
+
+    def failing(repetitions, target_call_s, min_bytes, max_bytes, sharing=True):
+        asked.append(sharing)
+        out = outcomes[len(asked) - 1]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    monkeypatch.setattr(link, "_measure_once", failing)
+    assert link.measure_link_rates().host_link_shared is False and asked == [True, True]
+
+
+SHARING_JOB = r"""
+import sys
+import torch.distributed as dist
+from torchrec_sparselift.measure.link import measure_link_rates
+
+dist.init_process_group("gloo")
+rates = measure_link_rates(repetitions=3, target_call_s=0.1, attempts=1)
+if dist.get_rank() == 0:
+    open(sys.argv[1], "w").write(rates.to_json())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
+def test_the_ranks_of_an_emulated_host_are_found_to_share_its_link(tmp_path):
+    # 2 hosts x 2 ranks at 300 Mbit/s: each host's ranks cross one shaped veth
+    script, out = tmp_path / "job.py", tmp_path / "rates.json"
+    script.write_text(SHARING_JOB)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    with tb.emulated_hosts(tb.Topology(hosts=2, ranks_per_host=2, rate_bps=300e6)) as bed:
+        results = bed.torchrun([str(script), str(out)], env=env, timeout_s=120)
+    for r in results:
+        assert r.ok, f"host {r.host}: exit {r.returncode}\n{r.output}"
+    rates = LinkRates.from_json(out.read_text())
+    assert (rates.hosts, rates.ranks_per_host) == (2, 2)
+    # one rank alone sends at about the link's rate (37.5 MB/s; TCP goodput ~95%), each of two about half
+    assert 0.8 * 37.5e6 <= rates.inter_solo_bw <= 1.1 * 37.5e6, rates.describe()
+    assert rates.host_link_shared is True, rates.describe()

@@ -20,6 +20,7 @@ from torchrec_sparselift.calibration.link import (
     correct_link_terms,
     corrected_bandwidth,
     links_differ,
+    with_host_link,
 )
 from torchrec_sparselift.calibration.store import (
     PROFILE_STORE_ENV,
@@ -35,6 +36,7 @@ from torchrec_sparselift.cost.hardware import (
     HardwareProfile,
     with_slower_compute,
 )
+from launcher import run_ranks
 from torchrec_sparselift.measure import testbed as tb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,14 +103,17 @@ def test_a_slower_inter_host_link_counts_once_per_reduce_scatter_byte():
     prof = attrs.evolve(PROFILE, reduce_scatter_factor=4.0)
     c = correct_link_terms(prof, _rates(), _rates(inter_bw=12.4e6))
     new_bw = c.profile.inter_host_bw
-    f = c.profile.reduce_scatter_factor
-    assert f == pytest.approx(1 + 3.0 * new_bw / 400e6)
-    # a reduce-scatter byte: the old factor's seconds plus the link's added seconds
+    f = c.profile.inter_reduce_scatter_factor
+    assert f == pytest.approx(1 + 3.0 * new_bw / 400e6) and c.profile.rs_factor(inter_host=True) == f
+    # a reduce-scatter byte across hosts: the old factor's seconds plus the link's added seconds
     assert f / new_bw == pytest.approx(4.0 / 400e6 + (1 / new_bw - 1 / 400e6))
-    assert ("reduce_scatter_factor", 4.0, pytest.approx(f)) in c.changed
-    assert "reduce_scatter_factor 4 -> " in c.describe()
+    assert ("inter_reduce_scatter_factor", 4.0, pytest.approx(f)) in c.changed
+    assert "inter_reduce_scatter_factor 4 -> " in c.describe()
+    # the intra-host bytes (table-row-wise's stage) keep the calibrated factor: their link did not slow
+    assert c.profile.reduce_scatter_factor == 4.0 and c.profile.rs_factor(inter_host=False) == 4.0
     # a faster link, or one host: the factor stays
-    assert correct_link_terms(prof, _rates(inter_bw=12.4e6), _rates()).profile.reduce_scatter_factor == 4.0
+    faster = correct_link_terms(prof, _rates(inter_bw=12.4e6), _rates()).profile
+    assert faster.inter_reduce_scatter_factor is None and faster.rs_factor(True) == 4.0
     one = dict(hosts=1, ranks_per_host=2, inter_bw=None, inter_latency_s=None, intra_latency_s=3e-4)
     assert correct_link_terms(prof, _rates(intra_bw=800e6, **one), _rates(intra_bw=12e6, **one)
                               ).profile.reduce_scatter_factor == 4.0
@@ -167,6 +172,88 @@ def test_with_slower_compute_scales_rates_and_seconds_and_keeps_fallbacks():
     for bad in (0, -1.0, float("nan"), True, "2"):
         with pytest.raises(ValueError, match="with_slower_compute: factor="):
             with_slower_compute(prof, bad)
+
+
+# ---------------------------------------------------------------- a host's ranks sharing one link
+
+
+def _two_by_two(ratio=None, **overrides) -> LinkRates:
+    """2 hosts x 2 ranks; ``ratio``: one rank alone over each of all, one-way (None: not measured)."""
+    solo = dict(inter_oneway_bw=60e6, inter_solo_bw=60e6 * ratio) if ratio is not None else {}
+    return _rates(ranks_per_host=2, intra_bw=800e6, intra_latency_s=300e-6, **solo, **overrides)
+
+
+def test_a_measured_shared_host_link_is_set_on_the_profile_when_nothing_else_differs():
+    # the stored link is an older record (sharing not measured); everything else agrees
+    c = correct_link_terms(PROFILE, _two_by_two(), _two_by_two(2.0))
+    assert c.differs and c.profile.host_link_shared is True and c.profile.name == "step-fit-test+link"
+    assert c.changed == (("host_link_shared", 0.0, 1.0),)
+    assert c.differences == ("host link (host_link_shared): the profile prices a link per rank, this job measured "
+                             "shared by the host's 2 ranks (one rank sending alone 2.00x the rate of each with all)",)
+    assert attrs.evolve(c.profile, host_link_shared=False, name=PROFILE.name) == PROFILE  # nothing else moved
+    assert "host_link_shared False -> True" in c.describe()
+    # a profile that already says so: returned as is
+    shared = attrs.evolve(PROFILE, host_link_shared=True)
+    same = correct_link_terms(shared, _two_by_two(), _two_by_two(2.0))
+    assert not same.differs and same.profile is shared
+    # sharing not measured now: the profile's flag is left as it is
+    assert correct_link_terms(shared, _two_by_two(), _two_by_two()).profile is shared
+
+
+def test_stored_and_measured_sharing_that_differ_correct_the_flag_alone():
+    shared = attrs.evolve(PROFILE, host_link_shared=True)
+    c = correct_link_terms(shared, _two_by_two(1.98), _two_by_two(1.02))
+    assert [d.split(":")[0] for d in c.differences] == ["host link (host_link_shared)"]
+    assert c.profile.host_link_shared is False and c.changed == (("host_link_shared", 1.0, 0.0),)
+    assert "host_link_shared True -> False" in c.describe()
+    # stored and measured differ, but the profile already has the measured value: no field moves
+    already = correct_link_terms(PROFILE, _two_by_two(1.98), _two_by_two(1.02))
+    assert already.differs and already.profile is PROFILE and already.changed == ()
+
+
+def test_a_one_host_profile_used_on_hosts_sharing_a_link_gets_the_flag_with_the_other_corrections():
+    one_host = _rates(intra_bw=800e6, intra_latency_s=300e-6, inter_bw=None, inter_latency_s=None,
+                      hosts=1, ranks_per_host=2)
+    c = correct_link_terms(PROFILE, one_host, _two_by_two(2.0, inter_bw=12.5e6))
+    assert c.differences[0].startswith("topology")
+    assert not any("host_link_shared" in d for d in c.differences)  # the topology already flags it
+    assert c.profile.host_link_shared is True
+    assert c.profile.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 2 * 800e6, 2 * 12.5e6))
+    assert ("host_link_shared", 0.0, 1.0) in c.changed
+
+
+def test_with_host_link_takes_the_measured_sharing_and_leaves_the_profile_otherwise():
+    assert with_host_link(PROFILE, _two_by_two(2.0)).host_link_shared is True
+    assert with_host_link(PROFILE, _two_by_two(2.0)) == attrs.evolve(PROFILE, host_link_shared=True)
+    shared = attrs.evolve(PROFILE, host_link_shared=True)
+    assert with_host_link(shared, _two_by_two(1.0)).host_link_shared is False
+    for unknown in (None, _two_by_two(), _rates(hosts=1, inter_bw=None, inter_latency_s=None, ranks_per_host=2,
+                                                intra_bw=8e8, intra_latency_s=3e-4)):
+        assert with_host_link(PROFILE, unknown) is PROFILE and with_host_link(shared, unknown) is shared
+    assert with_host_link(PROFILE, _two_by_two(1.0)) is PROFILE
+
+
+def _calibrate_with_fakes(rank: int, world_size: int, links) -> list:
+    """calibrate_steps on one gloo rank with its measurements and fit replaced, once per link (a
+    LinkRates dict): the fitted profiles it returns, as dicts."""
+    from torchrec_sparselift.calibration.records import HostTermRecord
+    from torchrec_sparselift.measure import steps
+
+    import torch.distributed as dist
+
+    host = HostTermRecord(optimizer_tensor_s=1e-6, optimizer_byte_s=1e-10, bucketize_id_s=1e-8)
+    steps.host_terms = lambda pg=None: host
+    steps.measure_probes = lambda *a, **k: []
+    steps.fit_measurements = lambda ms, base, *a, **k: (attrs.evolve(base, name="fitted"), None, [], [])
+    return [steps.calibrate_steps(dist.group.WORLD, "cuda", base=PROFILE, progress=False,
+                                  link=LinkRates.from_dict(d))[0].to_dict() for d in links]
+
+
+def test_the_step_calibration_stores_the_sharing_its_link_measured():
+    links = [_two_by_two(2.0).to_dict(), _two_by_two(1.0).to_dict()]
+    shared, per_rank = run_ranks(_calibrate_with_fakes, 1, links)[0]
+    assert shared["name"] == "fitted" and shared["host_link_shared"] is True
+    assert per_rank["host_link_shared"] is False
 
 
 # ---------------------------------------------------------------- the store

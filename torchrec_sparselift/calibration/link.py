@@ -3,7 +3,8 @@ profile's link terms by the difference.
 
 :class:`LinkRates` is what :func:`torchrec_sparselift.measure.link.measure_link_rates` measures on
 every rank of a process group (intra-host, inter-host and all-reduce bandwidth and per-call
-latency, with their measured spread); the step calibration stores it with the profile it fits.
+latency, with their measured spread, and whether a host's ranks share one inter-host link); the
+step calibration stores it with the profile it fits.
 :func:`links_differ` says where two of them differ beyond their spread; :func:`correct_link_terms`
 moves a profile's link terms by the difference between the link it was calibrated on and the one
 measured now. Everything here is pure (no torch, no process group; the cost model's profile
@@ -27,6 +28,8 @@ __all__ = [
     "differing_terms",
     "correct_link_terms",
     "corrected_bandwidth",
+    "with_host_link",
+    "SHARED_LINK_MARGIN",
     "PROFILE_BYTES_PER_MEASURED",
     "fit_latency_bandwidth",
     "fit_family",
@@ -50,6 +53,10 @@ LATENCY_FLOOR = 1.0
 #: Ranks per core are counted, not timed: any change beyond rounding is a difference.
 RANKS_PER_CORE_TOLERANCE = 0.01
 LATENCY_FLOOR_S = 100e-6
+#: :attr:`LinkRates.host_link_shared`: a host's link counts as shared when one rank sending alone
+#: reaches at least ``1 + SHARED_LINK_MARGIN * (ranks_per_host - 1)`` times the rate of each with
+#: all sending (halfway between 1x, a link per rank, and ``ranks_per_host`` x, one link for all).
+SHARED_LINK_MARGIN = 0.5
 
 _TERMS = (
     # (field, label, kind)
@@ -63,7 +70,7 @@ _TERMS = (
 
 
 #: LinkRates fields a record may lack (measured since a later version): they read as None.
-_OPTIONAL_FIELDS = ("machine_ranks", "machine_cores")
+_OPTIONAL_FIELDS = ("machine_ranks", "machine_cores", "inter_oneway_bw", "inter_solo_bw")
 
 
 class LinkRatesError(ValueError):
@@ -101,6 +108,12 @@ class LinkRates:
             machine's CPU cores (``runtime.machine.machine_share``; emulated hosts on one machine
             count as one machine), so :attr:`ranks_per_core` says how many ranks each core served;
             both None in a record written before they were measured.
+        inter_oneway_bw / inter_solo_bw: the inter-host bandwidth of one-way traffic, in bytes
+            a sending rank sends per second: every rank of the first host sends to its
+            counterparts (same local index) on the other hosts, all at once / only local index 0
+            sends, the host's other ranks idle. Their ratio decides :attr:`host_link_shared`.
+            None on one host, with one rank per host, and in a record written before they were
+            measured (both or neither).
     """
 
     intra_bw: Optional[float]
@@ -115,6 +128,8 @@ class LinkRates:
     ranks_per_host: int
     machine_ranks: Optional[int] = None
     machine_cores: Optional[int] = None
+    inter_oneway_bw: Optional[float] = None
+    inter_solo_bw: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:
         problems = self.problems()
@@ -139,7 +154,7 @@ class LinkRates:
             ("intra_bw", True, True), ("intra_latency_s", False, True),
             ("inter_bw", True, True), ("inter_latency_s", False, True),
             ("spread", False, False), ("allreduce_bw", True, False), ("allreduce_latency_s", False, False),
-            ("latency_spread_s", False, False),
+            ("latency_spread_s", False, False), ("inter_oneway_bw", True, True), ("inter_solo_bw", True, True),
         ):  # fmt: skip
             p = _number_problem(name, getattr(self, name), positive=positive, optional=optional)
             if p:
@@ -154,7 +169,48 @@ class LinkRates:
                     out.append(f"{prefix}_bw and {prefix}_latency_s are needed with {why}")
                 if not present and (bw is not None or lat is not None):
                     out.append(f"{prefix}_bw and {prefix}_latency_s must be None with {why} (nothing to measure)")
+            solo = (self.inter_oneway_bw, self.inter_solo_bw)
+            if (solo[0] is None) != (solo[1] is None):
+                out.append(f"inter_oneway_bw={solo[0]!r}, inter_solo_bw={solo[1]!r}: give both or neither")
+            elif solo[0] is not None and (self.hosts == 1 or self.ranks_per_host == 1):
+                out.append(f"inter_oneway_bw and inter_solo_bw must be None with hosts={self.hosts}, "
+                           f"ranks_per_host={self.ranks_per_host} (whether a host's ranks share a link is "
+                           "measured with several hosts of several ranks)")
         return out
+
+    @property
+    def host_link_shared(self) -> Optional[bool]:
+        """Whether a host's ranks share one inter-host link: None when not measured (one host,
+        one rank per host, or a record without ``inter_oneway_bw`` / ``inter_solo_bw``).
+
+        With ``r = ranks_per_host`` ranks of a host sending to the other hosts at once, each sends
+        at ``inter_oneway_bw``. On a link per rank (a NIC per GPU) one rank alone sends at about
+        the same rate; on one link per host (one NIC for the host, the testbed's veth) one rank
+        alone gets the whole link, about ``r`` times as much. The rule puts the line halfway:
+        shared when ``inter_solo_bw >= inter_oneway_bw * (1 + SHARED_LINK_MARGIN * (r - 1))``
+        (1.5x for 2 ranks per host, 2.5x for 4), far from either case's ratio, so the
+        measurement's noise (a spread of 10-20% on a busy machine) does not flip it.
+
+        Both rates are one-way: an exchange both ways between two ranks can stop short of the
+        link (on the testbed's 1 Gbit/s per-host links one pair's ``all_to_all_single`` reached
+        about half the rate each way, and a rank alone ran as fast as each of two ranks at
+        once), so comparing exchanges would find a shared link unshared."""
+        if self.hosts < 2 or self.ranks_per_host < 2 or self.inter_oneway_bw is None or self.inter_solo_bw is None:
+            return None
+        margin = 1 + SHARED_LINK_MARGIN * (self.ranks_per_host - 1)
+        return bool(self.inter_solo_bw >= self.inter_oneway_bw * margin)
+
+    @property
+    def host_link(self) -> str:
+        """``"shared by the host's 2 ranks (one rank sending alone 1.98x the rate of each with
+        all)"``, ``"one per rank (...)"`` or ``"sharing not measured"``."""
+        shared = self.host_link_shared
+        if shared is None:
+            return "sharing not measured"
+        ratio = f"one rank sending alone {self.inter_solo_bw / self.inter_oneway_bw:.2f}x the rate of each with all"
+        if shared:
+            return f"shared by the host's {self.ranks_per_host} ranks ({ratio})"
+        return f"one per rank ({ratio})"
 
     @property
     def ranks_per_core(self) -> Optional[float]:
@@ -189,6 +245,9 @@ class LinkRates:
             else:
                 lat = getattr(self, f"{prefix}_latency_s")
                 lines.append(f"  {label:<22} {_fmt_bw(bw)}, latency {lat * 1e6:.0f} us")
+        if self.inter_solo_bw is not None:
+            lines.insert(3, f"  {'inter-host one-way':<22} {_fmt_bw(self.inter_oneway_bw)} each of the host's ranks, "
+                            f"{_fmt_bw(self.inter_solo_bw)} one alone: host link {self.host_link}")
         return "\n".join(lines)
 
     # -- serialization --------------------------------------------------------------------
@@ -323,7 +382,10 @@ def differing_terms(
     latency_floor_s: float = LATENCY_FLOOR_S,
 ) -> List[Tuple[str, str]]:
     """``(term, message)`` per difference :func:`links_differ` reports; ``term`` is a
-    :class:`LinkRates` field name, or ``"topology"`` for another grouping of ranks into hosts.
+    :class:`LinkRates` field name, ``"topology"`` for another grouping of ranks into hosts,
+    ``"ranks_per_core"``, or ``"host_link_shared"`` when both measured whether a host's ranks
+    share one link and disagree (``inter_oneway_bw`` and ``inter_solo_bw`` themselves are not
+    compared: they only decide that).
     When both were measured on one host, only a bandwidth more than
     :data:`ONE_HOST_BANDWIDTH_RATIO` times apart counts (the loopback follows the machine's load)."""
     out = []
@@ -333,6 +395,10 @@ def differing_terms(
     if a is not None and b is not None and abs(b / a - 1) > RANKS_PER_CORE_TOLERANCE:
         out.append(("ranks_per_core", f"ranks per core: stored was measured with {stored.machine} ({a:.3g} per core), "
                                       f"this job runs {measured.machine} ({b:.3g} per core)"))
+    a, b = stored.host_link_shared, measured.host_link_shared
+    if a is not None and b is not None and a != b:
+        out.append(("host_link_shared", f"host link (host_link_shared): stored {stored.host_link}, "
+                                        f"measured {measured.host_link}"))
     allowance = max(stored.spread, measured.spread)  # bandwidths only
     one_host = stored.hosts == measured.hosts == 1
     for name, label, kind in _TERMS:
@@ -428,7 +494,8 @@ def corrected_bandwidth(profile_bw: float, stored_bw: float, measured_bw: float)
 class LinkCorrection:
     """What :func:`correct_link_terms` did: the corrected ``profile``, the ``differences``
     (:func:`links_differ`'s lines; empty: the profile was returned unchanged), the profile
-    fields it moved as ``(field, old, new)`` and the factor it slowed the compute terms by."""
+    fields it moved as ``(field, old, new)`` (numbers; ``host_link_shared`` as 0.0 / 1.0) and the
+    factor it slowed the compute terms by."""
 
     profile: Any
     differences: Tuple[str, ...]
@@ -443,6 +510,8 @@ class LinkCorrection:
         """One warning: each differing term with both values, then each corrected field (the
         compute terms a share of the cores moved as one factor)."""
         def fmt(field: str, v: float) -> str:
+            if field == "host_link_shared":
+                return str(bool(v))
             if field.endswith("_factor"):
                 return f"{v:.3g}"
             return _fmt_term("latency" if field.endswith("_s") else "bw", v)
@@ -469,8 +538,10 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
     Each flagged bandwidth the job uses (``intra_bw`` -> ``intra_host_bw``, ``inter_bw`` ->
     ``inter_host_bw``, ``allreduce_bw`` -> ``allreduce_bw``) by :func:`corrected_bandwidth`, the
     measured rates first put in the profile's byte count (:data:`PROFILE_BYTES_PER_MEASURED`); a
-    slower inter-host link on several hosts also lowers ``reduce_scatter_factor`` so that the
-    link's added seconds count once per byte on the wire (the factor's own seconds per byte stay);
+    slower inter-host link on several hosts sets ``inter_reduce_scatter_factor`` (the factor of
+    the reduce-scatter bytes that cross hosts) below ``reduce_scatter_factor`` so that the link's
+    added seconds count once per byte on the wire (the factor's own seconds per byte stay;
+    ``reduce_scatter_factor`` keeps pricing the intra-host bytes, whose link did not slow);
     ``collective_latency_s`` shifted by ``measured - stored`` of the flagged all-to-all latency
     (inter-host first, then intra-host: the one the job's all-to-alls wait on), not below zero;
     a flagged all-reduce latency alone does not move it (the step fit prices mostly all-to-all
@@ -478,13 +549,23 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
     ranks share each core than in the calibration (``ranks_per_core``, both measured), every
     compute term is slowed by ``measured.ranks_per_core / stored.ranks_per_core``
     (:func:`~torchrec_sparselift.cost.hardware.with_slower_compute`: a rank computes on one core,
-    and ranks that outnumber the cores take turns). Terms within the spread are left as the step
-    fit set them; a corrected profile's name gets ``+link``."""
+    and ranks that outnumber the cores take turns). Where ``measured`` knows whether a host's
+    ranks share one link (:attr:`LinkRates.host_link_shared`) and the profile's
+    ``host_link_shared`` says otherwise, the profile takes the measured value, whatever the stored
+    link says (a profile calibrated on one host, or before sharing was measured, used on hosts
+    whose ranks share a link); when no other term differs this is a difference of its own. Terms
+    within the spread are left as the step fit set them; a corrected profile's name gets
+    ``+link``."""
     flagged = differing_terms(stored, measured, **tolerances)
+    shared = measured.host_link_shared
+    if shared is not None and bool(profile.host_link_shared) != shared and not flagged:
+        flagged = [("host_link_shared", f"host link (host_link_shared): the profile prices "
+                                        f"{'one link shared by a host' if profile.host_link_shared else 'a link per rank'}, "
+                                        f"this job measured {measured.host_link}")]
     if not flagged:
         return LinkCorrection(profile=profile, differences=(), changed=())
     names = {t for t, _ in flagged}
-    changes: Dict[str, float] = {}
+    changes: Dict[str, Any] = {}
     factor = 1.0
     if "ranks_per_core" in names:
         from torchrec_sparselift.cost.hardware import COMPUTE_RATE_FIELDS, COMPUTE_TIME_FIELDS, with_slower_compute
@@ -505,14 +586,29 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
         # at the old rate and add the new link's per byte, f' = 1 + (f - 1) * new / old (the
         # job's traffic that crosses hosts is priced at the inter-host rate, cost.hardware.a2a_bw)
         old_bw, new_bw = float(profile.inter_host_bw), changes["inter_host_bw"]
-        f = float(profile.reduce_scatter_factor)
+        f = profile.rs_factor(inter_host=True)
         if new_bw < old_bw and f > 1.0:
-            changes["reduce_scatter_factor"] = 1.0 + (f - 1.0) * new_bw / old_bw
+            changes["inter_reduce_scatter_factor"] = 1.0 + (f - 1.0) * new_bw / old_bw
     for term in _LATENCY_TERMS:
         m, s = getattr(measured, term), _stored_term(stored, term)
         if term in names and m is not None and s is not None:
             changes["collective_latency_s"] = max(0.0, profile.collective_latency_s + (m - s))
             break
-    changed = tuple((f, float(getattr(profile, f)), float(v)) for f, v in changes.items())
+    if shared is not None and bool(profile.host_link_shared) != shared:
+        changes["host_link_shared"] = shared
+    changed = tuple((f, float(profile.rs_factor(True) if f == "inter_reduce_scatter_factor" else getattr(profile, f)),
+                     float(v)) for f, v in changes.items())
     return LinkCorrection(profile=attrs.evolve(profile, name=f"{profile.name}+link", **changes) if changes else profile,
                           differences=tuple(msg for _t, msg in flagged), changed=changed, compute_factor=factor)
+
+
+def with_host_link(profile: Any, link: Optional[LinkRates]) -> Any:
+    """``profile`` with ``host_link_shared`` set to what ``link`` measured
+    (:attr:`LinkRates.host_link_shared`); ``profile`` itself when the link is None, did not
+    measure it (one host, one rank per host, an older record) or agrees. The step calibration
+    stores its fitted profile through this, so a profile calibrated on hosts whose ranks share one
+    link prices that link as shared."""
+    shared = link.host_link_shared if link is not None else None
+    if shared is None or bool(profile.host_link_shared) == shared:
+        return profile
+    return attrs.evolve(profile, host_link_shared=shared)

@@ -132,6 +132,12 @@ class HardwareProfile:
             its backward all-gather) relative to an all-to-all byte on the same link (measured
             alone on 2 gloo ranks: reduce-scatter ~4.5x, all-gather ~2x an all-to-all's per byte);
             1.0 in the presets.
+        inter_reduce_scatter_factor: the same for the bytes of a reduce-scatter (all-gather) that
+            cross hosts; None: ``reduce_scatter_factor``. The link correction sets it when the
+            job's inter-host link is slower than the calibration's (the factor's CPU seconds per
+            byte stay, the slower link's are added once: ``1 + (f - 1) new / old``), and leaves
+            ``reduce_scatter_factor`` to the intra-host bytes (table-row-wise's stage), whose
+            link did not slow.
         cold_row_s: per id looked up (forward and backward together) in a shard larger than
             ``lookup_cache_bytes``, times the share of the shard beyond it (``1 - cache / shard
             bytes``): the rows a lookup reads and writes back come from memory instead of the
@@ -199,6 +205,7 @@ class HardwareProfile:
     pipeline_factors: Tuple[Tuple[str, float], ...] = attrs.field(default=(), converter=_pairs,
                                                                   validator=_pipeline_factors)
     host_link_shared: bool = attrs.field(default=False)
+    inter_reduce_scatter_factor: Optional[float] = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):
@@ -215,6 +222,9 @@ class HardwareProfile:
             raise ValueError(f"HardwareProfile.lookup_cache_bytes must be >= 1, got {self.lookup_cache_bytes!r}")
         if self.row_granularity_bytes < 1:
             raise ValueError("HardwareProfile.row_granularity_bytes must be >= 1")
+        v = self.inter_reduce_scatter_factor
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"HardwareProfile.inter_reduce_scatter_factor must be None or a positive finite number, got {v!r}")
         for name in RATE_FALLBACK:
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
@@ -226,6 +236,13 @@ class HardwareProfile:
             if p == name:
                 return float(f)
         return 1.0
+
+    def rs_factor(self, inter_host: bool) -> float:
+        """All-to-all bytes one reduce-scatter (all-gather) byte costs on the inter-host link
+        (``inter_host``) or within a host (``inter_reduce_scatter_factor`` / ``reduce_scatter_factor``)."""
+        if inter_host and self.inter_reduce_scatter_factor is not None:
+            return float(self.inter_reduce_scatter_factor)
+        return float(self.reduce_scatter_factor)
 
     def rate(self, name: str) -> float:
         """The value of field ``name``; an optional rate that is None gives the field it falls

@@ -290,9 +290,9 @@ def dp_optimizer_s(specs, cands, ctx: CostContext) -> float:
 
 
 def _rs_factor(node: Node, p: HardwareProfile) -> float:
-    """All-to-all bytes one byte of ``node``'s collective costs (``reduce_scatter_factor`` for a
-    reduce-scatter or all-gather, 1 for an all-to-all)."""
-    return p.reduce_scatter_factor if node.collective != "all_to_all" else 1.0
+    """All-to-all bytes one byte of ``node``'s collective costs (``HardwareProfile.rs_factor`` of
+    its link for a reduce-scatter or all-gather, 1 for an all-to-all)."""
+    return p.rs_factor(node.resource == "inter_host") if node.collective != "all_to_all" else 1.0
 
 
 def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:

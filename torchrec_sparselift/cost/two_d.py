@@ -126,7 +126,7 @@ def fully_sharded_s(max_rank_weight_bytes: float, layout: Layout2D, profile: Har
     if R <= 1 or max_rank_weight_bytes <= 0:
         return 0.0
     one = (profile.collective_latency_s + (R - 1) / R * max_rank_weight_bytes
-           * profile.reduce_scatter_factor / _replica_bw(layout, profile))
+           * profile.rs_factor(not layout.replica_sync_intra_host) / _replica_bw(layout, profile))
     rs = max(0.0, one - dense_s) if profile.supports_overlap else one
     return one + rs
 

@@ -1,22 +1,35 @@
 """The collective rates a job sees: a quick measurement run by every rank of a process group.
 
 Ranks are grouped into hosts (ranks that share a host name and torchrun node, ``GROUP_RANK``).
-Three families are timed, each at a few message sizes with several repetitions:
+These families are timed, each at a few message sizes with several repetitions:
 
 - **intra-host**: ``all_to_all_single`` inside each host's ranks (all hosts at once);
 - **inter-host**: ``all_to_all_single`` among the ranks with the same local index on every host
   (all such groups at once, so a host's ranks share its link as they do in a job);
+- **inter-host one-way, all and alone** (several hosts of several ranks): in the same groups, an
+  ``all_to_all_single`` in which only the first host's member sends (to each other member; they
+  send nothing), first in every group at once (``inter_oneway_bw``), then in local index 0's
+  group alone (``inter_solo_bw``; the other ranks skip the calls and join every world-level
+  barrier and reduction, so all ranks stay in step). One rank alone sending about as fast as
+  each of the host's ranks at once means a link per rank; about ``ranks_per_host`` times as
+  fast, one link the host's ranks share (``LinkRates.host_link_shared``). One-way, because an
+  exchange both ways between two ranks can stop short of the link (on the testbed one pair's
+  all-to-all reached about half of a 1 Gbit/s link each way, as fast alone as beside its host's
+  other pair). Their sizing starts from the previous family's largest message;
 - **all-reduce**: ``all_reduce`` over the whole world (what the dense gradients use).
 
 Each family is fitted to the cost model's equations (``bytes`` = one rank's buffer, ``n`` = the
 ranks in the group)::
 
-    all_to_all_single   t = latency + (n - 1) / n * bytes / bw      (bw: intra_bw, inter_bw)
+    all_to_all_single   t = latency + (n - 1) / n * bytes / bw      (bw: intra_bw, inter_bw; one-way:
+                                                                     inter_oneway_bw, inter_solo_bw)
     all_reduce          t = latency + 2 (n - 1) / n * bytes / allreduce_bw
 
 by least squares on relative residuals, using the median of the repetitions at each size. A
 bandwidth is per rank: the bytes each rank sends to others per second while every rank of the
-group does the same (a host's ranks crossing one link each get their share of it). The largest
+group does the same (a host's ranks crossing one link each get their share of it; one-way: the
+bytes a sending rank sends per second, their latencies not kept and their spreads not in
+``spread``: they only decide ``host_link_shared``). The largest
 message is sized for each family by doubling until one call takes ``target_call_s``, so the
 measurement takes a few seconds on a 100 Mbit/s link and on a loopback alike. The default 0.25 s
 makes both timed sizes (the largest and a quarter of it) several times a token-bucket shaper's
@@ -40,6 +53,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import attrs
 import numpy as np
 
 from torchrec_sparselift.calibration.link import (
@@ -84,12 +98,34 @@ def host_key() -> str:
 
 class _Family:
     """One timed family: the op, this rank's group (``None``: this rank only waits) and the
-    factor from a rank's buffer bytes to the bytes the equation counts."""
+    factor from a rank's buffer bytes to the bytes the equation counts.
 
-    def __init__(self, name: str, op: str, group: Any, group_size: int) -> None:
-        self.name, self.op, self.group, self.n = name, op, group, group_size
+    ``op``: ``"all_to_all"`` (every member sends ``1/n`` of its buffer to each other member),
+    ``"one_way"`` (an ``all_to_all_single`` in which only the member of group rank ``src`` sends:
+    ``1/n`` of its buffer to each other member, who send nothing) or ``"all_reduce"``."""
+
+    def __init__(self, name: str, op: str, group: Any, group_size: int, src: Optional[int] = None) -> None:
+        import torch.distributed as dist
+
+        self.name, self.op, self.group, self.n, self.src = name, op, group, group_size, src
+        self.sender = group is not None and src is not None and dist.get_rank(group) == src
         per = (group_size - 1) / group_size
-        self.factor = per if op == "all_to_all" else 2 * per
+        self.factor = 2 * per if op == "all_reduce" else per
+
+
+def _buffers(family: _Family, numel: int, device: Any) -> Tuple[Any, Any, Optional[List[int]], Optional[List[int]]]:
+    """``(input, output, input_splits, output_splits)`` of one call (splits None: even)."""
+    import torch
+
+    def buf(k: int, fill: bool = False) -> Any:
+        return (torch.ones if fill else torch.empty)(k, dtype=torch.float32, device=device)
+
+    if family.op != "one_way":
+        return buf(numel, fill=True), buf(numel), None, None
+    chunk, n, src = numel // family.n, family.n, family.src
+    if family.sender:
+        return (buf(chunk * (n - 1), fill=True), buf(0), [0 if i == src else chunk for i in range(n)], [0] * n)
+    return buf(0), buf(chunk), [0] * n, [chunk if i == src else 0 for i in range(n)]
 
 
 def _timed_call(family: _Family, numel: int, device: Any, buffers: Dict[int, Any]) -> float:
@@ -97,18 +133,17 @@ def _timed_call(family: _Family, numel: int, device: Any, buffers: Dict[int, Any
     import torch.distributed as dist
 
     if numel not in buffers:
-        buffers[numel] = (torch.ones(numel, dtype=torch.float32, device=device),
-                          torch.empty(numel, dtype=torch.float32, device=device))
-    inp, out = buffers[numel]
+        buffers[numel] = _buffers(family, numel, device)
+    inp, out, in_splits, out_splits = buffers[numel]
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     if family.group is not None:
-        if family.op == "all_to_all":
-            dist.all_to_all_single(out, inp, group=family.group)
-        else:
+        if family.op == "all_reduce":
             dist.all_reduce(inp, group=family.group)
+        else:
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=family.group)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
@@ -130,14 +165,17 @@ def _numel(nbytes: float, group_size: int) -> int:
 
 
 def _time_family(
-    family: _Family, device: Any, repetitions: int, target_call_s: float, min_bytes: int, max_bytes: int
+    family: _Family, device: Any, repetitions: int, target_call_s: float, min_bytes: int, max_bytes: int,
+    start_bytes: int = 0,
 ) -> Tuple[List[int], np.ndarray]:
     """Each call's size (bytes per rank buffer) and ``times[repetition, call]``, the slowest
-    rank's time of each call (all ranks agree: the values come from an all-reduce)."""
+    rank's time of each call (all ranks agree: the values come from an all-reduce; a rank outside
+    ``family.group`` skips the calls and times about zero). ``start_bytes``: the first size tried
+    for the largest message (e.g. another family's largest), when above the default start."""
     buffers: Dict[int, Any] = {}
     # size the largest message: grow until one call takes target_call_s (this also warms up
     # connections and drains a token-bucket shaper's burst)
-    numel = _numel(max(min_bytes * 16, 64 * 1024), family.n)
+    numel = _numel(min(max(min_bytes * 16, 64 * 1024, start_bytes), max_bytes), family.n)
     cap = _numel(max_bytes, family.n)
     while True:
         t = float(_world_max([_timed_call(family, numel, device, buffers)], device)[0])
@@ -172,10 +210,11 @@ def measure_link_rates(
     attempts: int = 3,
     max_spread: float = 0.10,
 ) -> LinkRates:
-    """Measure the job's intra-host, inter-host and all-reduce rates; call it on every rank of
-    an initialized process group (gloo or NCCL). Returns the same :class:`LinkRates` on every
-    rank. Takes a few seconds: about ``repetitions x 1.3 x target_call_s`` per family plus the
-    sizing calls and the creation of the subgroups.
+    """Measure the job's intra-host, inter-host and all-reduce rates (and, on several hosts of
+    several ranks, whether a host's ranks share one link: ``inter_oneway_bw``, ``inter_solo_bw``); call it on
+    every rank of an initialized process group (gloo or NCCL). Returns the same
+    :class:`LinkRates` on every rank. Takes a few seconds: about ``repetitions x 1.3 x
+    target_call_s`` per family plus the sizing calls and the creation of the subgroups.
 
     Up to ``attempts`` measurements in all (every rank alike, on rank 0's fit):
 
@@ -186,13 +225,22 @@ def measure_link_rates(
       where quiet ones read 55-61 MB/s within 2%): measured again, and the measurement with the
       smallest spread is returned. Not on one host: a loopback's CPU-bound rates spread 15-45%
       however often they are taken, and a comparison there counts only bandwidths several times
-      apart (``calibration.link.ONE_HOST_BANDWIDTH_RATIO``), so one measurement is kept."""
+      apart (``calibration.link.ONE_HOST_BANDWIDTH_RATIO``), so one measurement is kept.
+
+    The one-way rates that decide ``host_link_shared`` are measured in the first attempt that
+    fits and kept with whichever attempt is returned (they repeat within a few percent where the
+    exchanges spread 20-40%: 1.96-2.01x apart in three attempts on the testbed's 2 x 2 ranks)."""
     n = max(int(attempts), 1)
     best: Optional[LinkRates] = None
+    sharing: Optional[Dict[str, Any]] = None
     call_s = target_call_s
     for attempt in range(n):
         try:
-            rates = _measure_once(repetitions, call_s, min_bytes, max_bytes)
+            rates = _measure_once(repetitions, call_s, min_bytes, max_bytes, sharing=sharing is None)
+            if rates.inter_solo_bw is not None:
+                sharing = {"inter_oneway_bw": rates.inter_oneway_bw, "inter_solo_bw": rates.inter_solo_bw}
+            elif sharing is not None:
+                rates = attrs.evolve(rates, **sharing)
         except _FitFailed:
             if attempt >= n - 1:
                 if best is not None:
@@ -208,7 +256,10 @@ def measure_link_rates(
     return best
 
 
-def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_bytes: int) -> LinkRates:
+def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_bytes: int,
+                  sharing: bool = True) -> LinkRates:
+    """One measurement of every family; ``sharing``: also the one-way families (several hosts of
+    several ranks). The same on every rank (rank 0's fit, broadcast); raises on every rank alike."""
     import torch
     import torch.distributed as dist
 
@@ -255,23 +306,33 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
                     mine = g
             families.append(_Family("intra", "all_to_all", mine, per_host))
         if len(hosts) > 1:
-            mine = None
+            mine = solo = src = None
             for j in range(per_host):
                 ranks = [h[j] for h in hosts]
                 g = dist.new_group(ranks)
                 created.append(g)
                 if rank in ranks:
-                    mine = g
+                    mine, src = g, dist.get_group_rank(g, hosts[0][j])  # host 0's member sends one way
+                    solo = g if j == 0 else None
             families.append(_Family("inter", "all_to_all", mine, len(hosts)))
+            if per_host > 1 and sharing:
+                # host 0's ranks send one way, all at once, then local index 0's alone (the other
+                # ranks skip the calls, group None, and join every world-level barrier and max)
+                families.append(_Family("inter_oneway", "one_way", mine, len(hosts), src))
+                families.append(_Family("inter_solo", "one_way", solo, len(hosts), src))
         families.append(_Family("allreduce", "all_reduce", dist.group.WORLD, world))
 
         machine_ranks, machine_cores = machine_share()
         fields: Dict[str, Any] = {"hosts": len(hosts), "ranks_per_host": per_host,
                                   "machine_ranks": machine_ranks, "machine_cores": machine_cores,
                                   "intra_bw": None, "intra_latency_s": None,
-                                  "inter_bw": None, "inter_latency_s": None}
-        timed = [(fam, _time_family(fam, device, repetitions, target_call_s, min_bytes, max_bytes))
-                 for fam in families]
+                                  "inter_bw": None, "inter_latency_s": None,
+                                  "inter_oneway_bw": None, "inter_solo_bw": None}
+        timed: List[Tuple[_Family, Tuple[List[int], np.ndarray]]] = []
+        for fam in families:
+            # the one-way families' sizing starts from the previous family's largest message
+            start = max(timed[-1][1][0]) if fam.op == "one_way" else 0
+            timed.append((fam, _time_family(fam, device, repetitions, target_call_s, min_bytes, max_bytes, start)))
     finally:
         for g in created:
             dist.destroy_process_group(g)
@@ -283,6 +344,9 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
             for fam, (sizes, times) in timed:
                 where = f" (family {fam.name})"
                 lat, bw, spread, latency_spread = fit_family([s * fam.factor for s in sizes], times)
+                if fam.op == "one_way":  # they decide host_link_shared only: their bandwidth alone
+                    fields[f"{fam.name}_bw"] = bw
+                    continue
                 fields[f"{fam.name}_bw"], fields[f"{fam.name}_latency_s"] = bw, lat
                 spreads.append(spread)
                 latency_spreads.append(latency_spread)

@@ -39,6 +39,7 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.calibration.link import with_host_link
 from torchrec_sparselift.calibration.pricer import PlanPricer
 from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
 from torchrec_sparselift.calibration.step_fit import FitRecord, StepFit, fit_probe_plans, records_mape, stored_info
@@ -471,7 +472,10 @@ def calibrate_steps(
     ``link``: the job's :class:`~torchrec_sparselift.calibration.link.LinkRates`; None measures them
     first (every rank of the default group, a few seconds). On CPU it also measures the pipelines'
     step factors (:func:`measure_pipeline_factors`, about 40 s on 2 cores) into the profile's
-    ``pipeline_factors`` and the stored info."""
+    ``pipeline_factors`` and the stored info. The fitted profile's ``host_link_shared`` is the
+    link's (:attr:`~torchrec_sparselift.calibration.link.LinkRates.host_link_shared`) where it was
+    measured (several hosts of several ranks), the base profile's otherwise
+    (:func:`~torchrec_sparselift.calibration.link.with_host_link`)."""
     import torch.distributed as dist
 
     base = base or base_profile(device_type)
@@ -490,6 +494,7 @@ def calibrate_steps(
         save_measurement_set(save_measurements, ms, host, host_runs)
     fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
                                                       host=host)
+    fitted = with_host_link(fitted, link)  # hosts whose ranks share one link: priced as shared
     factors: Dict[str, Dict[str, Any]] = {}
     if device_type == "cpu":
         # on CPU the model prices every pipeline as the plain loop; what each still costs per step
