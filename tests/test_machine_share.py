@@ -45,6 +45,16 @@ def _plan_cases(rank: int, world: int):
             planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD)
         reused.append(list(planner._pipelines))
     out["reused"] = reused
+    # a link measurement passed in carries the machine share: no all-gather, its numbers
+    from types import SimpleNamespace
+
+    machine.machine_share = lambda pg=None: (2, 2)
+    planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, time_budget_s=1.0, debug=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD,
+                                          link=SimpleNamespace(machine_ranks=4, machine_cores=2))
+    out["from_link"] = list(planner._pipelines)
     return out
 
 
@@ -69,3 +79,5 @@ def test_the_overlap_pipelines_need_a_core_per_rank():
     crowded, roomy = results[0]["reused"]
     assert "overlap" not in crowded and "overlap" in roomy
     assert roomy == results[0]["enough_cores"]["pipelines"]
+    # the link record's machine share decides when a link is passed (the all-gather said 2 on 2)
+    assert results[0]["from_link"] == crowded

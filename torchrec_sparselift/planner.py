@@ -383,7 +383,7 @@ class SparseLiftPlanner(ShardingPlanner):
         _check_group_size(self._topology, pg)
         if link is not None:
             self._correct_link(link, dist.get_rank(pg) == 0)
-        self._limit_overlap_to_free_cores(pg)
+        self._limit_overlap_to_free_cores(pg, link)
         sharders = list(sharders) if sharders is not None else get_default_sharders()
         request = self._check_ranks_agree(module, sharders, pg)
         local_error: List[Any] = [None]
@@ -402,7 +402,7 @@ class SparseLiftPlanner(ShardingPlanner):
         self.last_execution_plan = ep
         return ep
 
-    def _limit_overlap_to_free_cores(self, pg: Any) -> None:
+    def _limit_overlap_to_free_cores(self, pg: Any, link: Any = None) -> None:
         """On CPU, leave out the pipelines whose overlap runs beside the rank's compute
         (``overlaps_between_hosts``: gloo's threads move the bytes while the rank computes) when
         more ranks share a machine than it has cores: there the communication threads take the
@@ -410,13 +410,17 @@ class SparseLiftPlanner(ShardingPlanner):
         93 ms/step where ``sparse_dist`` ran 63, docs/benchmarks.md section 20). Only the default
         pipeline set; a list the user passed is kept. Decided again for every collective plan, from
         the pipelines asked for (a planner reused on a machine with cores to spare offers them all
-        again). Every rank alike (one all-gather)."""
+        again). Every rank alike: the machine share ``link`` measured (``LinkRates.machine_ranks``,
+        ``machine_cores``), else one all-gather (``runtime.machine.machine_share``)."""
         self._pipelines = self._requested_pipelines
         if not self._pipelines_by_default or self._topology.compute_device != "cpu":
             return
-        from torchrec_sparselift.runtime.machine import machine_share
+        if link is not None and getattr(link, "machine_ranks", None) is not None:
+            ranks, cores = int(link.machine_ranks), int(link.machine_cores)
+        else:
+            from torchrec_sparselift.runtime.machine import machine_share
 
-        ranks, cores = machine_share(pg)
+            ranks, cores = machine_share(pg)
         if ranks <= cores:
             return
         kept = tuple(p for p in self._requested_pipelines if not pipeline_kind(p).overlaps_between_hosts)
