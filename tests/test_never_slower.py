@@ -181,3 +181,59 @@ def test_planner_takes_the_errors_passed_to_it_over_the_store():
     assert not kept.never_slower.leave and kept.never_slower.error_source == "given"
     with pytest.raises(TypeError, match="model_errors must be a TermErrors"):
         SparseLiftPlanner(topology=topo, batch_size=512, model_errors={"a": 0.1})
+
+
+def _link(**kw):
+    from torchrec_sparselift.calibration.link import LinkRates
+
+    base = dict(intra_bw=None, intra_latency_s=None, inter_bw=40e6, inter_latency_s=700e-6, spread=0.18,
+                allreduce_bw=118e6, allreduce_latency_s=5e-3, latency_spread_s=2e-3, hosts=2, ranks_per_host=1)
+    base.update(kw)
+    return LinkRates(**base)
+
+
+def test_corrected_link_terms_carry_at_least_the_link_measurements_spread():
+    from types import SimpleNamespace
+
+    fit = TermErrors({"1/a2a_bw": 0.05, "1/allreduce_bw": 0.30, "collective_latency_s": 0.1, "1/dense_flops": 0.04},
+                     0.08, "the step fit")
+    corr = SimpleNamespace(changed=(("inter_host_bw", 2.3e9, 88e6), ("allreduce_bw", 7e8, 1.1e8),
+                                    ("collective_latency_s", 9e-4, 1.25e-3), ("inter_reduce_scatter_factor", 2.8, 1.07),
+                                    ("hbm_bw", 1e10, 5e9)))
+    out = term_error.with_link_errors(fit, corr, _link())
+    assert out.of("1/a2a_bw") == pytest.approx(0.18)  # the measurement's spread over the fit's 5%
+    assert out.of("1/allreduce_bw") == pytest.approx(0.30)  # the fit's was larger already
+    assert out.of("collective_latency_s") == pytest.approx(1.0)  # 2 ms spread on 1.25 ms: capped at 100%
+    assert out.of("reduce_scatter_factor") == pytest.approx(0.18)
+    assert out.of("1/dense_flops") == 0.04 and out.default == 0.08  # compute terms as fitted
+    assert "at least its measured spread: 1/a2a_bw 18%" in out.source and out.source.startswith("the step fit")
+    # nothing corrected, or a correction within the fit's errors: the same errors
+    assert term_error.with_link_errors(fit, SimpleNamespace(changed=()), _link()) is fit
+    quiet = term_error.with_link_errors(fit, corr, _link(spread=0.01, latency_spread_s=1e-6))
+    assert quiet.of("1/a2a_bw") == 0.05 and quiet.of("collective_latency_s") == 0.1
+
+
+def test_planner_on_another_link_prices_the_rule_with_the_links_spread(monkeypatch):
+    """hardware="auto" corrected to this job's link: the rule's error of the corrected link terms
+    is at least the link measurement's spread (here 10x the fit's), which keeps TorchRec's plan
+    where the fit's error alone would leave it."""
+    import torchrec_sparselift.calibration.store as store
+
+    prof = attrs.evolve(get_profile("cpu-gloo"), name="stored")
+    stored_link = _link(inter_bw=200e6, spread=0.01)
+    monkeypatch.setattr(store, "auto_profile_link", lambda *a, **k: (prof, "/stored.json", stored_link))
+    monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, 0.02, "a step fit"))
+    topo, module = _topo(16), meta_ebc(16, 100000, 128)
+
+    def plan(spread):
+        planner = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, hardware="auto",
+                                    allow_lossy_comm=True, time_budget_s=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            planner._correct_link(_link(spread=spread), announce=False)
+        return planner.plan_with_result(module, get_default_sharders())
+
+    tight, spread = plan(0.01), plan(5.0)
+    assert tight.never_slower.leave  # 2% per term: lossy comm's gain clears it
+    assert not spread.never_slower.leave  # the corrected a2a term at 500%: it does not
+    assert "measured spread: 1/a2a_bw 500%" in spread.never_slower.error_source

@@ -278,6 +278,7 @@ class SparseLiftPlanner(ShardingPlanner):
         self._callbacks = list(callbacks or [])
         self._budget = float(time_budget_s or timeout_seconds or defaults.TIME_BUDGET_S)
         self._auto_stored: Optional[Tuple[HardwareProfile, str, Any]] = None  # (profile, where, its link)
+        self._link_correction: Any = None  # (LinkCorrection, LinkRates) of hardware="auto" on another link
         if hardware == "auto":  # this machine's step-fitted profile (warns when it has none)
             from torchrec_sparselift.calibration.store import auto_profile_link
 
@@ -449,6 +450,7 @@ class SparseLiftPlanner(ShardingPlanner):
             return
         correction = correct_link_terms(profile, stored, link)
         self._hardware = correction.profile
+        self._link_correction = (correction, link) if correction.differs else None
         if correction.differs and announce:
             warnings.warn(f"sparselift: {correction.describe(where)}", stacklevel=3)
 
@@ -788,8 +790,10 @@ class SparseLiftPlanner(ShardingPlanner):
     def _model_errors(self, profile: HardwareProfile) -> Any:
         """The model's relative error per term for ``profile``: from its step fit where the
         profile store holds it (``hardware="auto"``, or a profile equal to a stored one), else the
-        documented error of an uncalibrated profile."""
-        from torchrec_sparselift.calibration.term_error import profile_errors
+        documented error of an uncalibrated profile. A stored profile whose link terms were
+        corrected to this job's link (``collective_plan(link=...)``) has those terms' errors at
+        least the link measurement's spread (``calibration.term_error.with_link_errors``)."""
+        from torchrec_sparselift.calibration.term_error import profile_errors, with_link_errors
 
         if self._given_errors is not None:
             return self._given_errors
@@ -797,6 +801,8 @@ class SparseLiftPlanner(ShardingPlanner):
             return self._errors[1]
         errors = profile_errors(self._hardware or profile,
                                 self._auto_stored[1] if self._auto_stored is not None else None)
+        if self._link_correction is not None and errors.measured:
+            errors = with_link_errors(errors, *self._link_correction)
         self._errors = (profile, errors)
         return errors
 

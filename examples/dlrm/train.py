@@ -436,27 +436,37 @@ def hardware_choice(flag: str, device_type: str, ranks: int = 1, say: Callable[[
     before pinning its ranks (the machine's fingerprint). ``link``: the ``LinkRates`` this job
     measured (``auto`` on CPU): compared with the link the stored profile was calibrated on; where
     they differ beyond the measured spread, a warning names each term and the profile's link terms
-    are corrected (``calibration.link.correct_link_terms``)."""
+    are corrected (``calibration.link.correct_link_terms``).
+
+    Returns ``(hardware, model_errors)``: ``model_errors`` is the never-slower rule's error per term
+    for a corrected profile (the stored step fit's, the corrected link terms' at least the link
+    measurement's spread: ``calibration.term_error.with_link_errors``), None otherwise (the planner
+    finds a stored profile's own)."""
     if flag != "auto":
-        return flag
+        return flag, None
     if device_type == "cpu":
         try:
             from torchrec_sparselift.calibration.link import correct_link_terms
             from torchrec_sparselift.calibration.store import auto_profile_link
         except ImportError:
-            return CPU_PROFILE if os.path.isfile(CPU_PROFILE) else None
+            return (CPU_PROFILE if os.path.isfile(CPU_PROFILE) else None), None
         profile, where, stored = auto_profile_link("cpu", ranks, warn=lambda m: say(f"[dlrm] warning: {m}"),
                                                    cores=cores, hosts=link.hosts if link is not None else 1)
+        errors = None
         if link is not None and stored is None:
             say(f"[dlrm] warning: the profile {where} has no link record (its link is unknown): this job's link "
                 "is not compared with it; calibrate to store one")
         elif link is not None:
             correction = correct_link_terms(profile, stored, link)
             if correction.differs:
+                from torchrec_sparselift.calibration.term_error import profile_errors, with_link_errors
+
                 say(f"[dlrm] warning: sparselift: {correction.describe(where)}")
+                errors = profile_errors(None, where)
+                errors = with_link_errors(errors, correction, link) if errors.measured else None
             profile = correction.profile
-        return profile
-    return None
+        return profile, errors
+    return None, None
 
 
 def hardware_name(hardware: Any) -> Optional[str]:
@@ -493,10 +503,12 @@ def make_planner(
     sharding_group_size: Any = None,
     strategy_2d: str = DEFAULT_STRATEGY_2D,
     sync_interval: Optional[int] = None,
+    model_errors: Any = None,
 ):
     """The planner ``name`` built with EmbeddingShardingPlanner's arguments (the one-word swap);
     SparseLift also gets ``hardware`` (preset name or profile JSON), ``cache_dir`` (execution
-    plan reuse), ``allow_lossy_comm``, ``allow_staleness`` and ``workload`` (the ids' ``WorkloadStats``)."""
+    plan reuse), ``allow_lossy_comm``, ``allow_staleness``, ``workload`` (the ids' ``WorkloadStats``)
+    and ``model_errors`` (the never-slower rule's errors of a link-corrected profile)."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
     with warnings.catch_warnings():
@@ -524,6 +536,7 @@ def make_planner(
         sharding_group_size=sharding_group_size,
         strategy_2d=strategy_2d,
         sync_interval=sync_interval,
+        model_errors=model_errors,
     )
 
 
@@ -766,7 +779,8 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     specs = load_constraints_file(args.constraints, tables) if args.constraints else []
     constraints = planner_constraints(tables, specs, one_hot=bool(args.criteo_dir))
     cache_dir = None if (args.no_plan_cache or args.planner != "sparselift") else args.plan_cache
-    hardware = hardware_choice(args.hardware, device.type, local_world_size, say, cores=usable_cores, link=link)
+    hardware, model_errors = hardware_choice(args.hardware, device.type, local_world_size, say, cores=usable_cores,
+                                             link=link)
     workload = observed_workload(args, tables, world_size) if args.planner == "sparselift" else None
     if workload is not None:
         ratios = [fs.unique_ratio for fs in workload.values() if fs.unique_ratio is not None]
@@ -776,7 +790,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
     planner = make_planner(
         args.planner, world_size, local_world_size, device.type, args.batch_size, constraints,
         hardware=hardware, cache_dir=cache_dir, allow_lossy_comm=args.allow_lossy_comm,
-        allow_staleness=args.allow_staleness, workload=workload, **two_d_options(args),
+        allow_staleness=args.allow_staleness, workload=workload, model_errors=model_errors, **two_d_options(args),
     )  # fmt: skip
     sharders = get_default_sharders()
     opt_cls = torch.optim.Adagrad if args.dense_optimizer == "adagrad" else torch.optim.SGD

@@ -38,7 +38,8 @@ from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitTerm, St
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, TermTimes, pipeline_term
 
-__all__ = ["term_seconds", "term_errors", "uncalibrated_errors", "scaled_term", "profile_errors"]
+__all__ = ["term_seconds", "term_errors", "uncalibrated_errors", "scaled_term", "profile_errors", "with_link_errors",
+           "LINK_TERM_OF_FIELD"]
 
 
 def scaled_term(profile: HardwareProfile, term: FitTerm, factor: float) -> HardwareProfile:
@@ -132,3 +133,43 @@ def profile_errors(profile: Optional[HardwareProfile], stored_path: Optional[str
         except ValueError as e:
             logger.warning("%s; assuming the error of an uncalibrated profile", e)
     return uncalibrated_errors(profile.name if profile is not None else "the preset")
+
+
+#: The step-fit term each profile field a link correction moves belongs to.
+LINK_TERM_OF_FIELD = {"intra_host_bw": "1/a2a_bw", "inter_host_bw": "1/a2a_bw", "allreduce_bw": "1/allreduce_bw",
+                      "collective_latency_s": "collective_latency_s",
+                      "inter_reduce_scatter_factor": "reduce_scatter_factor"}
+
+
+def with_link_errors(errors: TermErrors, correction: Any, measured: Any) -> TermErrors:
+    """``errors`` (a stored step fit's, :func:`profile_errors`) for the profile
+    ``correction`` (a :class:`~.link.LinkCorrection`) moved to the link ``measured`` (its
+    :class:`~.link.LinkRates`): each term whose fields the correction set from the measurement
+    (:data:`LINK_TERM_OF_FIELD`) has at least the measurement's own error, its relative spread for
+    the bandwidths and the reduce-scatter factor, ``latency_spread_s`` over the corrected latency
+    for the latency (at most 100%). The step fit's error of those terms was measured on the
+    calibration's link, not on this one. ``errors`` itself when nothing was corrected."""
+    changed = {f: new for f, _old, new in getattr(correction, "changed", ())}
+    moved: Dict[str, float] = {}
+    for field, new in changed.items():
+        term = LINK_TERM_OF_FIELD.get(field)
+        if term is None:
+            continue
+        if field == "collective_latency_s":
+            spread = float(getattr(measured, "latency_spread_s", 0.0) or 0.0)
+            e = min(1.0, spread / new) if new > 0 else 1.0
+        else:
+            e = float(getattr(measured, "spread", 0.0) or 0.0)
+        moved[term] = max(moved.get(term, 0.0), e)
+    if not moved:
+        return errors
+    out = dict(errors.errors)
+    raised = []
+    for term, e in sorted(moved.items()):
+        if e > errors.of(term):
+            out[term] = e
+            raised.append(f"{term} {e:.0%}")
+    if not raised:
+        return errors
+    return attrs.evolve(errors, errors=out, source=f"{errors.source}; link terms corrected to this job's link at least "
+                                                     f"its measured spread: {', '.join(raised)}")
