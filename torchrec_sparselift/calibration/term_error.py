@@ -135,32 +135,24 @@ def profile_errors(profile: Optional[HardwareProfile], stored_path: Optional[str
     return uncalibrated_errors(profile.name if profile is not None else "the preset")
 
 
-#: The step-fit term each profile field a link correction moves belongs to.
+#: The step-fit term each rate a link correction moves belongs to (the bandwidths; the latency a
+#: correction shifts keeps the fit's error: ``LinkRates.latency_spread_s`` is the wander of the
+#: latency fits' intercepts on a busy host, an absolute spread that a relative error overstates).
 LINK_TERM_OF_FIELD = {"intra_host_bw": "1/a2a_bw", "inter_host_bw": "1/a2a_bw", "allreduce_bw": "1/allreduce_bw",
-                      "collective_latency_s": "collective_latency_s",
                       "inter_reduce_scatter_factor": "reduce_scatter_factor"}
 
 
 def with_link_errors(errors: TermErrors, correction: Any, measured: Any) -> TermErrors:
     """``errors`` (a stored step fit's, :func:`profile_errors`) for the profile
     ``correction`` (a :class:`~.link.LinkCorrection`) moved to the link ``measured`` (its
-    :class:`~.link.LinkRates`): each term whose fields the correction set from the measurement
-    (:data:`LINK_TERM_OF_FIELD`) has at least the measurement's own error, its relative spread for
-    the bandwidths and the reduce-scatter factor, ``latency_spread_s`` over the corrected latency
-    for the latency (at most 100%). The step fit's error of those terms was measured on the
-    calibration's link, not on this one. ``errors`` itself when nothing was corrected."""
-    changed = {f: new for f, _old, new in getattr(correction, "changed", ())}
-    moved: Dict[str, float] = {}
-    for field, new in changed.items():
-        term = LINK_TERM_OF_FIELD.get(field)
-        if term is None:
-            continue
-        if field == "collective_latency_s":
-            spread = float(getattr(measured, "latency_spread_s", 0.0) or 0.0)
-            e = min(1.0, spread / new) if new > 0 else 1.0
-        else:
-            e = float(getattr(measured, "spread", 0.0) or 0.0)
-        moved[term] = max(moved.get(term, 0.0), e)
+    :class:`~.link.LinkRates`): each term whose rates the correction set from the measurement
+    (:data:`LINK_TERM_OF_FIELD`: the all-to-all and all-reduce bandwidths, the inter-host
+    reduce-scatter factor) has at least the measurement's relative spread. The step fit's error
+    of those terms was measured on the calibration's link, not on this one. ``errors`` itself
+    when nothing was corrected."""
+    changed = {f for f, _old, _new in getattr(correction, "changed", ())}
+    spread = float(getattr(measured, "spread", 0.0) or 0.0)
+    moved = {LINK_TERM_OF_FIELD[f]: spread for f in changed if f in LINK_TERM_OF_FIELD}
     if not moved:
         return errors
     out = dict(errors.errors)
