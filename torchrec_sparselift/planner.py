@@ -321,7 +321,7 @@ class SparseLiftPlanner(ShardingPlanner):
         self._sync_interval = sync_interval
         self._cache_dir = cache_dir
         self._never_slower = never_slower
-        self._errors: Optional[Tuple[HardwareProfile, Any]] = None  # (profile, TermErrors) of the last rule
+        self._errors: Optional[Tuple[Any, Any]] = None  # ((profile, link correction id), TermErrors) of the last rule
         if model_errors is not None:
             if not isinstance(model_errors, TermErrors):
                 raise TypeError(f"model_errors must be a TermErrors (calibration.term_error.profile_errors(...)), "
@@ -797,13 +797,14 @@ class SparseLiftPlanner(ShardingPlanner):
 
         if self._given_errors is not None:
             return self._given_errors
-        if self._errors is not None and self._errors[0] == profile:
+        key = (profile, id(self._link_correction))  # the same profile corrected to another link's spread
+        if self._errors is not None and self._errors[0] == key:
             return self._errors[1]
         errors = profile_errors(self._hardware or profile,
                                 self._auto_stored[1] if self._auto_stored is not None else None)
         if self._link_correction is not None and errors.measured:
             errors = with_link_errors(errors, *self._link_correction)
-        self._errors = (profile, errors)
+        self._errors = (key, errors)
         return errors
 
     # -- TorchRec's plan-loading contract ------------------------------------------------

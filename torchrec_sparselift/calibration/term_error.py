@@ -42,10 +42,20 @@ __all__ = ["term_seconds", "term_errors", "uncalibrated_errors", "scaled_term", 
            "LINK_TERM_OF_FIELD"]
 
 
+#: Optional fields that belong to a fitted term where a profile sets them (a link correction's
+#: inter-host reduce-scatter factor is the ``reduce_scatter_factor`` term's on that link).
+TIED_OPTIONAL_FIELDS = {"reduce_scatter_factor": ("inter_reduce_scatter_factor",)}
+
+
 def scaled_term(profile: HardwareProfile, term: FitTerm, factor: float) -> HardwareProfile:
     """``profile`` with term ``term``'s value multiplied by ``factor`` (its rate fields divided by
-    it for a reciprocal term), every field of the term alike."""
+    it for a reciprocal term), every field of the term alike (and the optional fields tied to it
+    that the profile sets, :data:`TIED_OPTIONAL_FIELDS`)."""
     changes = {f: (profile.rate(f) / factor if term.reciprocal else profile.rate(f) * factor) for f in term.fields}
+    for f in TIED_OPTIONAL_FIELDS.get(term.name, ()):
+        v = getattr(profile, f)
+        if v is not None:
+            changes[f] = float(v) / factor if term.reciprocal else float(v) * factor
     return attrs.evolve(profile, **changes)
 
 

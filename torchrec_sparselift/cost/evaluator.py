@@ -2,8 +2,11 @@
 
 Holds a plan as per-rank load vectors (one row per rank, one column per resource, see
 :data:`torchrec_sparselift.cost.terms.LOAD_COLUMNS`). Moving one shard changes the rows of the
-ranks it leaves and joins; the evaluator updates those rows and the per-column maxima, and can
-price a move *without* applying it in O(K) using the top-3 ranks per column. The property test
+ranks it leaves and joins (and, where a host's ranks share their inter-host link, their host
+mates' rows in the shared columns, which hold the host's mean); the evaluator updates those rows
+and the per-column maxima, and can price a move *without* applying it in O(K) using the top-3
+ranks per column (a shared column ties across a host, so with 3 or more ranks per host the
+untouched maximum there often falls back to a masked max over the ranks). The property test
 ``tests/test_incremental_evaluator.py`` checks that incremental results equal
 :meth:`PlanEvaluator.full_recompute` on random plans.
 """
@@ -22,6 +25,7 @@ from torchrec_sparselift.cost.model import (
     StepTime,
     host_mean_rows,
     phase_times,
+    piece_loads,
     shared_link_columns,
     step_time,
     step_total_batch,
@@ -87,15 +91,16 @@ class PlanEvaluator:
         self.overhead = lay.group_costs(ctx.profile)  # a TBE group's fixed cost, per column
         # a host's shared link (cost.model.shared_link_columns): a rank's row holds its host's mean
         # in those columns, so one shard adds owner/L to every rank of its host there
-        self.L = min(ctx.local_world_size, self.W) if self.W else 1
+        self.L = ctx.ranks_per_host
         self.shared = np.asarray(shared_link_columns(ctx), dtype=np.int64)
+        #: what one shard adds to its own rank's row (cost.model.piece_loads); ``owner_host``: what
+        #: it adds to every rank of its host (the shared columns), ``owner_local``: the rest
+        self.owner_eff = piece_loads(self.owner, ctx)
         self.owner_local = self.owner.copy()
         self.owner_host = np.zeros_like(self.owner)
         if len(self.shared):
             self.owner_local[:, self.shared] = 0.0
-            self.owner_host[:, self.shared] = self.owner[:, self.shared] / self.L
-        #: what one shard adds to its own rank's row (its host mates' rows get ``owner_host``)
-        self.owner_eff = self.owner_local + self.owner_host
+            self.owner_host[:, self.shared] = self.owner_eff[:, self.shared]
         self.loads = np.zeros((self.W, K))
         self.uniform = np.zeros(K)
         self.allreduce_bytes = 0.0

@@ -161,7 +161,7 @@ class HardwareProfile:
             sum of the host's ranks' inter-host bytes however they are spread over the ranks.
             ``inter_host_bw`` stays the per-rank rate with every rank of the host sending at once
             (as measured); with a shared link the model prices each rank's inter-host bytes at
-            its host's mean (``cost.terms.host_mean_columns``). False (a link per rank: GPU
+            its host's mean (``cost.model.shared_link_columns``, ``host_mean_rows``). False (a link per rank: GPU
             hosts with a NIC per GPU) in the presets; set from the link measurement
             (``LinkRates.host_link_shared``).
         The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the

@@ -73,6 +73,7 @@ __all__ = [
     "SHARED_LINK_BANDWIDTH",
     "shared_link_columns",
     "host_mean_rows",
+    "piece_loads",
     "shard_cost",
     "step_time",
     "step_total_batch",
@@ -165,8 +166,13 @@ class CostContext:
             )
 
     @property
+    def ranks_per_host(self) -> int:
+        """Ranks on each host (``local_world_size``, at most the world)."""
+        return min(self.local_world_size, self.world_size)
+
+    @property
     def num_hosts(self) -> int:
-        return max(1, self.world_size // min(self.local_world_size, self.world_size))
+        return max(1, self.world_size // self.ranks_per_host)
 
 
 #: The link a host's ranks share when ``HardwareProfile.host_link_shared``: the profile field of
@@ -180,12 +186,13 @@ def shared_link_columns(ctx: CostContext) -> Tuple[int, ...]:
     otherwise (every rank prices its own bytes).
 
     On a shared link the bytes that cross it are the host's, however they are spread over its
-    ranks (measured on the testbed, 2 hosts x 2 ranks at 1 Gbit/s: one rank sending 4 MiB across
-    took 36 ms, two ranks sending 2 MiB each 36 ms, two sending 4 MiB each 74 ms). ``inter_host_bw``
+    ranks (measured on the testbed, 2 hosts x 2 ranks at 1 Gbit/s: one rank sending 2 MiB to each
+    rank of the other host took 36 ms, two ranks sending 1 MiB to each 36 ms, two sending 2 MiB to
+    each 74 ms). ``inter_host_bw``
     is the per-rank rate with every rank of the host sending, so a rank's shared columns are
     priced at its host's mean (:func:`host_mean_rows`): equal to the per-rank price when the host's
     ranks carry equal bytes, and no gain from splitting a table over ranks of one host."""
-    L = min(ctx.local_world_size, ctx.world_size)
+    L = ctx.ranks_per_host
     if not getattr(ctx.profile, "host_link_shared", False) or ctx.num_hosts < 2 or L < 2:
         return ()
     lay = _terms.layout()
@@ -199,10 +206,23 @@ def host_mean_rows(loads: np.ndarray, ctx: CostContext) -> np.ndarray:
     cols = list(shared_link_columns(ctx))
     if not cols:
         return loads
-    L = min(ctx.local_world_size, ctx.world_size)
+    L = ctx.ranks_per_host
     out = np.array(loads, dtype=float, copy=True)
     means = out[:, cols].reshape(-1, L, len(cols)).mean(axis=1)
     out[:, cols] = np.repeat(means, L, axis=0)
+    return out
+
+
+def piece_loads(owner: np.ndarray, ctx: CostContext) -> np.ndarray:
+    """Owner loads (options x columns) as one shard raises the row of the rank holding it: its
+    own load, except in the shared link columns (:func:`shared_link_columns`), where the rank's
+    row is its host's mean and gains ``owner / L`` (as every other rank of the host does). The
+    evaluator's per-shard increment and the bounds' "largest piece" rows."""
+    cols = list(shared_link_columns(ctx))
+    if not cols:
+        return owner
+    out = np.array(owner, dtype=float, copy=True)
+    out[..., cols] /= ctx.ranks_per_host
     return out
 
 

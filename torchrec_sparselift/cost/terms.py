@@ -189,7 +189,7 @@ class LoadLayout:
         balance measure."""
         w = np.zeros(self.width)
         for j in self.compute:
-            w[j] = 1.0
+            w[j] = float(len(self.columns[j].phases))
         for j in self.link:
             c = self.columns[j]
             w[j] = len(c.phases) / getattr(profile, c.bandwidth)

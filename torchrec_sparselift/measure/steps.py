@@ -482,6 +482,8 @@ def calibrate_steps(
     t0 = time.perf_counter()
     if link is None:
         link = _measured_link(progress and dist.get_rank(pg) == 0)
+    # hosts whose ranks share one link: the probes are fitted priced as shared, as the profile stored
+    base = with_host_link(base, link)
     # the host microbenchmarks run before and after the probes, a minute apart, and their floors
     # take the mean of the two readings (HostTermRecord.mean_of: one reading in a slow stretch
     # lifted a floor, and with it every prediction of the many-feature DLRM workloads, by ~20%)
@@ -494,7 +496,6 @@ def calibrate_steps(
         save_measurement_set(save_measurements, ms, host, host_runs)
     fitted, fit, recs, fit_records = fit_measurements(ms, base, dist.get_world_size(pg), device_type, name,
                                                       host=host)
-    fitted = with_host_link(fitted, link)  # hosts whose ranks share one link: priced as shared
     factors: Dict[str, Dict[str, Any]] = {}
     if device_type == "cpu":
         # on CPU the model prices every pipeline as the plain loop; what each still costs per step

@@ -34,7 +34,8 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.model import PRECISION_BYTES, collective_call_form, phase_constants, shared_link_columns
+from torchrec_sparselift.cost.model import (PRECISION_BYTES, collective_call_form, phase_constants, piece_loads,
+                                            shared_link_columns)
 from torchrec_sparselift.cost.pipelines import (PHASE_NAMES, PHASE_PARTS, PHASES, PIPELINES, effective_pipeline, paths,
                                                 step_factor)
 from torchrec_sparselift.cost.terms import PHASE_PRECISION, layout
@@ -404,24 +405,12 @@ def total_memory_rows(eq: Equation, prob, nshards: np.ndarray) -> None:
             eq.add(list(zip(nz.tolist(), coef[nz].tolist())), -np.inf, float(np.sum(cap)) / GIB)
 
 
-def piece_loads(own: np.ndarray, ctx) -> np.ndarray:
-    """Owner loads (options x columns) as one shard raises the row of the rank holding it: its
-    own load, except in a shared host link's columns (``cost.model.shared_link_columns``), where
-    the rank's row is its host's mean and gains ``own / L`` (the bounds' "largest piece" rows)."""
-    cols = list(shared_link_columns(ctx))
-    if not cols:
-        return own
-    out = np.array(own, dtype=float, copy=True)
-    out[:, cols] /= min(ctx.local_world_size, ctx.world_size)
-    return out
-
-
 def rank_load_rows(ctx, col: int) -> List[Tuple[List[int], float]]:
     """The groups of ranks whose summed load terms bound ``z[col]`` in an exact placement model,
     with the weight of each term: every rank alone (weight 1), or in a shared host link's columns
     each host's ranks together (weight ``1 / L``: the host's mean)."""
     W = ctx.world_size
     if col in shared_link_columns(ctx):
-        L = min(ctx.local_world_size, W)
+        L = ctx.ranks_per_host
         return [(list(range(h * L, (h + 1) * L)), 1.0 / L) for h in range(W // L)]
     return [([r], 1.0) for r in range(W)]

@@ -26,6 +26,7 @@ from torchrec_sparselift.cost.model import (
     OUT_INTRA,
     UVM,
 )
+from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.semantics.tables import TableHandle
 from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES
@@ -71,11 +72,12 @@ def to_sharding_option(
     def link_ms(intra: float, inter: float) -> float:
         return max(intra / p.intra_host_bw, inter / p.inter_host_bw) * _MS
 
+    stage_ms = owner[layout().index["out_stage_s"]] * _MS  # table-row-wise's intra-host stage, fwd and bwd
     perf = Perf(
         fwd_compute=(owner[FWD] + owner[UVM]) * _MS,
-        fwd_comms=link_ms(owner[OUT_INTRA], owner[OUT_INTER]),
+        fwd_comms=link_ms(owner[OUT_INTRA], owner[OUT_INTER]) + stage_ms,
         bwd_compute=owner[BWD] * _MS,
-        bwd_comms=link_ms(owner[OUT_INTRA], owner[OUT_INTER]),
+        bwd_comms=link_ms(owner[OUT_INTRA], owner[OUT_INTER]) + stage_ms,
         input_dist_comms=link_ms(owner[IN_INTRA], owner[IN_INTER]),
     )
     if p.compute_device == "cpu":

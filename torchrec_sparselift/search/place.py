@@ -105,8 +105,10 @@ def best_placement(
         if r < 0:
             return None
         chosen.append(r)
+        # its host mates' rows gain only the shared columns, equal to tmp[r]'s there (their rows in
+        # tmp may carry a TBE group's overhead they would not pay: not in the maximum)
         ev.add_shards(tmp, ev._all_ranks, cand, (r,))
-        colmax = np.maximum(colmax, tmp[ev.host_ranks((r,))].max(axis=0))
+        colmax = np.maximum(colmax, tmp[r])
         obj_last = float(obj[r])
     return tuple(chosen), obj_last
 
@@ -200,10 +202,13 @@ def _hot_ranks(ev: PlanEvaluator, w: np.ndarray, extra: int = 2) -> List[int]:
     colmax_s = (ev._colmax + ev.uniform) * w
     order = [c for c in np.argsort(-colmax_s, kind="stable") if w[c] > 0]
     hot: List[int] = []
+    shared = set(int(j) for j in ev.shared)
     for c in order:
         r = int(np.argmax(loads[:, c]))
-        if r not in hot:
-            hot.append(r)
+        # a shared host link's column ties across the host: every rank of it may load the link
+        for h in (ev.host_ranks((r,)) if c in shared else (r,)):
+            if int(h) not in hot:
+                hot.append(int(h))
     for r in np.argsort(-rank_time(ev, loads), kind="stable")[:extra]:
         if int(r) not in hot:
             hot.append(int(r))

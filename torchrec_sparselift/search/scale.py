@@ -156,12 +156,11 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
             obj[[i for i in range(len(idx)) if int(idx[i]) in chosen]] = np.inf
             j = _pick(obj, tie)
             chosen.append(int(idx[j]))
+            # (its host mates' real rows gain only the shared columns, equal to rows[j]'s there)
             cm_local = np.maximum(cm_local, rows[j])
-            if len(ev.shared):  # its host mates' rows carry the shard's share of the link too
+            if len(ev.shared):  # a later shard on a host mate adds to the link share this one took
                 mates = (idx // ev.L == idx[j] // ev.L) & (np.arange(len(idx)) != j)
                 rows[mates] += ev.owner_host[cand]
-                if mates.any():
-                    cm_local = np.maximum(cm_local, rows[mates].max(axis=0))
         return tuple(chosen)
 
     def size(cand: int) -> float:
@@ -274,10 +273,9 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
             return None
         taken[j] = True
         chosen.append(int(ok[j]))
+        # (its host mates' real rows gain only the shared columns, equal to rows[j]'s there)
         colmax = np.maximum(colmax, rows[j])
-        if len(ev.shared):  # its host mates' rows carry the shard's share of the link too
-            mates = ok // ev.L == ok[j] // ev.L
-            base[mates] += ev.owner_host[cand]
-            colmax = np.maximum(colmax, base[mates].max(axis=0))
+        if len(ev.shared):  # a later shard on a host mate adds to the link share this one took
+            base[ok // ev.L == ok[j] // ev.L] += ev.owner_host[cand]
         obj_last = float(obj[j])
     return tuple(chosen), obj_last
