@@ -56,3 +56,31 @@ def meta_ebc(n, rows, dim=64):
         tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows * (i + 1),
                                    feature_names=[f"f{i}"]) for i in range(n)],
         device=torch.device("meta"))
+
+
+def random_ranks(rng, prob, cand):
+    """Random valid ranks for candidate ``cand``'s shards (its placement rule)."""
+    c = prob.cands[cand]
+    W = prob.ctx.world_size
+    if c.placement == "all":
+        return tuple(range(c.num_shards))
+    if c.placement == "host":
+        h = int(rng.integers(0, W // c.num_shards))
+        return tuple(range(h * c.num_shards, (h + 1) * c.num_shards))
+    return tuple(int(r) for r in rng.choice(W, size=c.num_shards, replace=False))
+
+
+def random_moves(ev, prob, rng, n):
+    """``n`` random steps on evaluator ``ev``: unassign a placed table (30%) or place a table with
+    a random option at random ranks; after each placement yields the objective
+    ``ev.move_objective`` predicted for it (the incremental evaluator's property tests)."""
+    for _ in range(n):
+        t = int(rng.integers(0, prob.num_tables))
+        if t in ev.assignment and rng.random() < 0.3:
+            ev.unassign(t)
+            continue
+        cand = int(rng.choice(prob.candidates[t]))
+        ranks = random_ranks(rng, prob, cand)
+        predicted = ev.move_objective(t, cand, ranks)
+        ev.assign(t, cand, ranks)
+        yield predicted

@@ -2,7 +2,6 @@
 table-row-wise's sequential intra-host stage (``out_stage_s``): the evaluator, every solver and
 the bounds price them alike."""
 
-import itertools
 import warnings
 
 import attrs
@@ -28,7 +27,7 @@ from torchrec_sparselift.search.milp import solve_milp
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import new_evaluator, solve
 from torchrec_sparselift.semantics.graph import candidate_for, shard_nodes
-from search_helpers import _placements, exhaustive_optimum, table_spec
+from search_helpers import exhaustive_optimum, random_moves, table_spec
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -107,17 +106,7 @@ def test_incremental_equals_full_recomputation_on_a_shared_link(tabs, topo, seed
     ev = new_evaluator(prob, pipeline)
     rng = np.random.default_rng(seed)
     cols = list(shared_link_columns(ctx))
-    for _ in range(3 * len(tabs)):
-        t = int(rng.integers(0, prob.num_tables))
-        if t in ev.assignment and rng.random() < 0.3:
-            ev.unassign(t)
-            continue
-        cand = int(rng.choice(prob.candidates[t]))
-        ranks = _placements(prob, cand)
-        ranks = ranks[int(rng.integers(0, len(ranks)))] if len(ranks) < 50 else tuple(
-            int(r) for r in rng.choice(W, size=prob.cands[cand].num_shards, replace=False))
-        predicted = ev.move_objective(t, cand, ranks)
-        ev.assign(t, cand, ranks)
+    for predicted in random_moves(ev, prob, rng, 3 * len(tabs)):
         assert ev.objective() == pytest.approx(predicted, rel=1e-9, abs=1e-15)
         loads, uniform, _allreduce, _groups = ev.full_recompute()
         np.testing.assert_allclose(ev.loads, loads, rtol=1e-9, atol=1e-6)

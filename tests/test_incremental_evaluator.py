@@ -13,7 +13,7 @@ from torchrec_sparselift.cost.model import PIPELINES, CostContext, DenseWork, st
 from torchrec_sparselift.search.lp import analytic_bound
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import new_evaluator, solve
-from search_helpers import table_spec
+from search_helpers import random_moves, table_spec
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -35,17 +35,6 @@ def _problem(tabs, world, local):
     return build_problem(specs, ctx, cap, cap.copy(), pipelines=PIPELINES)
 
 
-def _random_ranks(rng, prob, cand):
-    c = prob.cands[cand]
-    W = prob.ctx.world_size
-    if c.placement == "all":
-        return tuple(range(c.num_shards))
-    if c.placement == "host":
-        h = int(rng.integers(0, W // c.num_shards))
-        return tuple(range(h * c.num_shards, (h + 1) * c.num_shards))
-    return tuple(int(r) for r in rng.choice(W, size=c.num_shards, replace=False))
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tables, st.sampled_from([(2, 2), (8, 8), (16, 8), (32, 8)]), st.integers(0, 2**31 - 1),
        st.sampled_from(PIPELINES))
@@ -54,15 +43,7 @@ def test_incremental_equals_full_recomputation(tabs, topo, seed, pipeline):
     prob = _problem(tabs, world, local)
     ev = new_evaluator(prob, pipeline)
     rng = np.random.default_rng(seed)
-    for _ in range(3 * len(tabs)):
-        t = int(rng.integers(0, prob.num_tables))
-        if t in ev.assignment and rng.random() < 0.3:
-            ev.unassign(t)
-            continue
-        cand = int(rng.choice(prob.candidates[t]))
-        ranks = _random_ranks(rng, prob, cand)
-        predicted = ev.move_objective(t, cand, ranks)
-        ev.assign(t, cand, ranks)
+    for predicted in random_moves(ev, prob, rng, 3 * len(tabs)):
         assert ev.objective() == pytest.approx(predicted, rel=1e-9, abs=1e-15)
         loads, uniform, allreduce, groups = ev.full_recompute()
         np.testing.assert_allclose(ev.loads, loads, rtol=1e-9, atol=1e-6)

@@ -292,17 +292,24 @@ def _measured(spread, bw=5.8e7):
                      allreduce_bw=6e7, allreduce_latency_s=1e-3, latency_spread_s=1e-4, hosts=2, ranks_per_host=1)
 
 
+def _fake_measure(outcomes, log, record="target_call_s"):
+    """A stand-in for ``link._measure_once`` returning (or raising) ``outcomes`` in turn; each call
+    appends its ``target_call_s`` (or, ``record="sharing"``, whether it was asked to measure
+    sharing) to ``log``."""
+    def once(repetitions, target_call_s, min_bytes, max_bytes, sharing=True):
+        log.append(sharing if record == "sharing" else target_call_s)
+        out = outcomes[len(log) - 1]
+        if isinstance(out, Exception):
+            raise out
+        return out
+    return once
+
+
 def test_a_measurement_whose_repetitions_disagree_is_taken_again_and_the_steadiest_kept(monkeypatch):
     calls = []
 
     def fake(outcomes):
-        def once(repetitions, target_call_s, min_bytes, max_bytes, sharing=True):
-            calls.append(target_call_s)
-            out = outcomes[len(calls) - 1]
-            if isinstance(out, Exception):
-                raise out
-            return out
-        return once
+        return _fake_measure(outcomes, calls)
 
     # disturbed (18% spread, the rate read low), then quiet: the quiet one, and no third call
     monkeypatch.setattr(link, "_measure_once", fake([_measured(0.18, bw=4.37e7), _measured(0.02), _measured(0.5)]))
@@ -344,29 +351,17 @@ def _two_by_two(ratio: float, spread: float) -> LinkRates:
 
 def test_the_sharing_rates_are_measured_once_and_kept_with_the_steadiest_attempt(monkeypatch):
     asked = []
-
-    def once(repetitions, target_call_s, min_bytes, max_bytes, sharing=True):
-        asked.append(sharing)
-        # the first attempt measures sharing (noisy exchanges), the later ones do not
-        return [_two_by_two(2.0, 0.3), _two_by_two(0, 0.05)][len(asked) - 1]
-
-    monkeypatch.setattr(link, "_measure_once", once)
+    # the first attempt measures sharing (noisy exchanges), the later ones do not
+    monkeypatch.setattr(link, "_measure_once",
+                        _fake_measure([_two_by_two(2.0, 0.3), _two_by_two(0, 0.05)], asked, "sharing"))
     got = link.measure_link_rates()
     assert asked == [True, False]
     assert got.spread == 0.05 and (got.inter_oneway_bw, got.inter_solo_bw) == (6e7, 1.2e8)
     assert got.host_link_shared is True
     # a first attempt whose fit fails measured nothing: the next one measures sharing
     asked.clear()
-    outcomes = [link._FitFailed("flat"), _two_by_two(1.0, 0.02)]
-
-    def failing(repetitions, target_call_s, min_bytes, max_bytes, sharing=True):
-        asked.append(sharing)
-        out = outcomes[len(asked) - 1]
-        if isinstance(out, Exception):
-            raise out
-        return out
-
-    monkeypatch.setattr(link, "_measure_once", failing)
+    monkeypatch.setattr(link, "_measure_once",
+                        _fake_measure([link._FitFailed("flat"), _two_by_two(1.0, 0.02)], asked, "sharing"))
     assert link.measure_link_rates().host_link_shared is False and asked == [True, True]
 
 
