@@ -10,10 +10,12 @@
 A failed rank of :func:`run_ranks` raises :class:`LaunchError` naming the rank and what it said (a
 Python error, a signal); a script's ranks report their exit codes and output for the test to check
 (:meth:`ScriptResult.tail` for the assertion message). Both raise :class:`LaunchTimeout` past their
-timeout, which only guards against hangs. TorchRec's data-parallel
-dense kernel sometimes aborts in native code on CPU ranks ("terminate called without an active
-exception", SIGABRT, no Python error: :class:`NativeAbort`); ``run_ranks(...,
-retry_native_abort=True)`` runs once more then. A rank that raises, or any other exit, fails at once.
+timeout, which only guards against hangs. A rank that aborts in native code (SIGABRT, no Python
+error) raises :class:`NativeAbort`; ``run_ranks(..., retry_native_abort=True)`` runs once more
+then. A rank leaves with ``os._exit`` once its outcome is written, so the interpreter's
+finalization cannot race gloo's worker threads (that race aborted ranks with "terminate called
+without an active exception" after their work was done). A rank that raises, or any other exit,
+fails at once.
 
 Import it from a test module (pytest puts ``tests/`` on the path)::
 
@@ -112,8 +114,13 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, ba
     with open(path + ".tmp", "wb") as f:
         f.write(payload)
     os.replace(path + ".tmp", path)
-    if failed:
-        sys.exit(1)
+    # Leave without finalizing the interpreter: a gloo worker thread may still be dropping the
+    # tensors of the last collective, and taking the GIL for that during finalization aborts the
+    # process (std::terminate from ProcessGroupGloo::runLoop, seen in core dumps) after the rank's
+    # work is done and written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
 
 
 def _read_outcome(out_dir: str, rank: int) -> Optional[Tuple[str, Any]]:

@@ -1093,10 +1093,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         return EXIT_FAILURE
     finally:
-        dist = sys.modules.get("torch.distributed")  # never import torch just to clean up
-        if dist is not None and dist.is_available() and dist.is_initialized():
+        if "torch.distributed" in sys.modules:  # never import torch just to clean up
             try:
-                dist.destroy_process_group()
+                from torchrec_sparselift.runtime.process_group import close_process_group
+
+                close_process_group()
             except Exception:  # noqa: BLE001
                 pass
 

@@ -25,6 +25,7 @@ from torchrec_sparselift.calibration.kernel_fit import CalibrationReport, fit_ke
 from torchrec_sparselift.calibration.records import MicrobenchRecords
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import CalibrationError
+from torchrec_sparselift.runtime.process_group import close_process_group
 from torchrec_sparselift.measure.microbench import (
     SweepConfig,
     bench_collectives,
@@ -192,5 +193,5 @@ def run_kernels(args: argparse.Namespace) -> int:
         print(f"sparselift calibrate kernels: error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
-        if own_pg and dist.is_initialized():
-            dist.destroy_process_group()
+        if own_pg:
+            close_process_group()

@@ -68,6 +68,7 @@ from torchrec_sparselift.calibration.link import (
     links_differ,
     relative_spread,
 )
+from torchrec_sparselift.runtime.process_group import close_process_group
 
 __all__ = [
     "LinkRates",
@@ -393,7 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 with open(args.json, "w") as f:
                     f.write(rates.to_json() + "\n")
     finally:
-        dist.destroy_process_group()
+        close_process_group()
     return 0
 
 

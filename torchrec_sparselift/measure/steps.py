@@ -54,6 +54,7 @@ from torchrec_sparselift.calibration.store import (
 )
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
+from torchrec_sparselift.runtime.process_group import close_process_group
 
 __all__ = [
     "forced_plan",
@@ -652,7 +653,7 @@ def _check_with_link(store: ProfileStore) -> int:
                 print(f"[calibrate] {line}", flush=True)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        close_process_group()
     return 1 if why else 0
 
 
@@ -722,5 +723,5 @@ def run_steps(args: argparse.Namespace) -> int:
                   flush=True)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        close_process_group()
     return 0
