@@ -441,8 +441,7 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
     ``hardware="auto"`` finds them (a link-corrected profile equals no stored one)."""
     import torch.distributed as dist
 
-    from torchrec_sparselift.calibration.link import correct_link_terms
-    from torchrec_sparselift.calibration.term_error import profile_errors, with_link_errors
+    from torchrec_sparselift.calibration.term_error import profile_errors, profile_on_link
     from torchrec_sparselift.calibration.store import (ProfileStore, current_fingerprint, disturbed_spread,
                                                         stored_profile_problems)
     from torchrec_sparselift.defaults import ranks_per_host
@@ -498,11 +497,12 @@ def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Di
         if stored_link is None or link is None:
             raise SystemExit(f"[regimes] the unshaped profile {found.path} or this job has no link record: "
                              f"recalibrate {UNSHAPED} with --calibrate")
-        corr = correct_link_terms(found.profile, stored_link, link)
-        profiles["unshaped"] = corr.profile
-        # the never-slower rule's errors: the stored step fit's, the corrected link terms' at least
-        # the link measurement's spread (what hardware="auto" uses)
-        errors["unshaped"] = with_link_errors(profile_errors(None, found.path, store=store), corr, link)
+        # as hardware="auto" does: link terms corrected, the rule's errors the stored step fit's with
+        # the corrected link terms' at least the link measurement's spread
+        on = profile_on_link(found.profile, stored_link, link, found.path, store=store)
+        corr = on.correction
+        profiles["unshaped"] = on.profile
+        errors["unshaped"] = on.errors
         info["unshaped"] = dict(source=found.path, store=root, corrected=corr.differs,
                                 changed=[list(c) for c in corr.changed], differences=list(corr.differences))
         say(f"[regimes] {regime}: unshaped profile {found.path}" + (f", link-corrected: {corr.describe(found.path)}"

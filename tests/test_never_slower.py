@@ -213,6 +213,34 @@ def test_corrected_link_terms_carry_at_least_the_link_measurements_spread():
     assert quiet.of("1/a2a_bw") == 0.05 and quiet is fit
 
 
+def test_a_stored_profile_on_the_jobs_link_is_corrected_with_its_errors_in_one_place(monkeypatch):
+    """profile_on_link: what hardware="auto", the DLRM example and the benchmarks plan with."""
+    prof = attrs.evolve(get_profile("cpu-gloo"), name="stored")
+    fit = TermErrors({"1/a2a_bw": 0.05}, 0.08, "the step fit")
+    seen = []
+    monkeypatch.setattr(term_error, "profile_errors", lambda p, path, store=None: seen.append(path) or fit)
+    # no link record: the stored profile as it is, its fit's errors, a note saying the link is unknown
+    unknown = term_error.profile_on_link(prof, None, _link(), "/p.json")
+    assert unknown.profile is prof and unknown.correction is None and not unknown.corrected
+    assert unknown.errors is fit and "no link record" in unknown.note and "/p.json" in unknown.note
+    # the same link: nothing corrected, nothing to say
+    same = term_error.profile_on_link(prof, _link(spread=0.01), _link(spread=0.01), "/p.json")
+    assert same.profile == prof and not same.corrected and same.note is None and same.errors is fit
+    # a slower inter-host link: corrected, the corrected all-to-all term at least the link's spread
+    slow = term_error.profile_on_link(prof, _link(inter_bw=400e6, spread=0.01), _link(inter_bw=40e6, spread=0.3),
+                                      "/p.json")
+    assert slow.corrected and slow.profile.name == "stored+link"
+    assert slow.profile.inter_host_bw < prof.inter_host_bw
+    assert slow.errors.of("1/a2a_bw") == pytest.approx(0.3) and slow.errors.default == 0.08
+    assert slow.note == slow.correction.describe("/p.json")
+    assert seen == ["/p.json"] * 3  # the errors of the stored profile it came from
+    # an unfitted stored profile keeps its assumed errors: the rule skips them anyway
+    assumed = uncalibrated_errors("stored")
+    monkeypatch.setattr(term_error, "profile_errors", lambda p, path, store=None: assumed)
+    assert term_error.profile_on_link(prof, _link(inter_bw=400e6, spread=0.01), _link(spread=0.3),
+                                      "/p.json").errors is assumed
+
+
 def test_planner_on_another_link_prices_the_rule_with_the_links_spread(monkeypatch):
     """hardware="auto" corrected to this job's link: the rule's error of the corrected link terms
     is at least the link measurement's spread (here 10x the fit's), which keeps TorchRec's plan

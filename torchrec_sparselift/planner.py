@@ -278,7 +278,7 @@ class SparseLiftPlanner(ShardingPlanner):
         self._callbacks = list(callbacks or [])
         self._budget = float(time_budget_s or timeout_seconds or defaults.TIME_BUDGET_S)
         self._auto_stored: Optional[Tuple[HardwareProfile, str, Any]] = None  # (profile, where, its link)
-        self._link_correction: Any = None  # (LinkCorrection, LinkRates) of hardware="auto" on another link
+        self._on_link: Any = None  # ProfileOnLink: the hardware="auto" profile on the job's measured link
         if hardware == "auto":  # this machine's step-fitted profile (warns when it has none)
             from torchrec_sparselift.calibration.store import auto_profile_link
 
@@ -321,7 +321,7 @@ class SparseLiftPlanner(ShardingPlanner):
         self._sync_interval = sync_interval
         self._cache_dir = cache_dir
         self._never_slower = never_slower
-        self._errors: Optional[Tuple[Any, Any]] = None  # ((profile, link correction id), TermErrors) of the last rule
+        self._errors: Optional[Tuple[Any, Any]] = None  # (profile, TermErrors) of the last rule
         if model_errors is not None:
             if not isinstance(model_errors, TermErrors):
                 raise TypeError(f"model_errors must be a TermErrors (calibration.term_error.profile_errors(...)), "
@@ -435,24 +435,18 @@ class SparseLiftPlanner(ShardingPlanner):
             self._pipelines = kept
 
     def _correct_link(self, link: Any, announce: bool) -> None:
-        """With ``hardware="auto"``: the stored profile with its link terms corrected to ``link``
-        (every rank alike; ``announce``: this rank warns)."""
+        """With ``hardware="auto"``: the stored profile with its link terms corrected to ``link``,
+        and the never-slower rule's errors for it (``calibration.term_error.profile_on_link``;
+        every rank alike; ``announce``: this rank warns)."""
         if self._auto_stored is None:
             return
-        from torchrec_sparselift.calibration.link import correct_link_terms
+        from torchrec_sparselift.calibration.term_error import profile_on_link
 
         profile, where, stored = self._auto_stored
-        if stored is None:
-            if announce:
-                warnings.warn(f"sparselift: the profile {where} has no link record (its link is unknown), so this "
-                              "job's link is not compared with it; calibrate under this link to store one",
-                              stacklevel=3)
-            return
-        correction = correct_link_terms(profile, stored, link)
-        self._hardware = correction.profile
-        self._link_correction = (correction, link) if correction.differs else None
-        if correction.differs and announce:
-            warnings.warn(f"sparselift: {correction.describe(where)}", stacklevel=3)
+        self._on_link = profile_on_link(profile, stored, link, where)
+        self._hardware = self._on_link.profile
+        if self._on_link.note is not None and announce:
+            warnings.warn(f"sparselift: {self._on_link.note}", stacklevel=3)
 
     def _check_ranks_agree(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]],
                            pg: Any) -> PlanRequest:
@@ -790,21 +784,20 @@ class SparseLiftPlanner(ShardingPlanner):
     def _model_errors(self, profile: HardwareProfile) -> Any:
         """The model's relative error per term for ``profile``: from its step fit where the
         profile store holds it (``hardware="auto"``, or a profile equal to a stored one), else the
-        documented error of an uncalibrated profile. A stored profile whose link terms were
-        corrected to this job's link (``collective_plan(link=...)``) has those terms' errors at
-        least the link measurement's spread (``calibration.term_error.with_link_errors``)."""
-        from torchrec_sparselift.calibration.term_error import profile_errors, with_link_errors
+        documented error of an uncalibrated profile. A stored profile moved to this job's link
+        (``collective_plan(link=...)``) has the errors ``profile_on_link`` gave it (its corrected
+        link terms' at least the link measurement's spread)."""
+        from torchrec_sparselift.calibration.term_error import profile_errors
 
         if self._given_errors is not None:
             return self._given_errors
-        key = (profile, id(self._link_correction))  # the same profile corrected to another link's spread
-        if self._errors is not None and self._errors[0] == key:
+        if self._on_link is not None:
+            return self._on_link.errors
+        if self._errors is not None and self._errors[0] == profile:
             return self._errors[1]
         errors = profile_errors(self._hardware or profile,
                                 self._auto_stored[1] if self._auto_stored is not None else None)
-        if self._link_correction is not None and errors.measured:
-            errors = with_link_errors(errors, *self._link_correction)
-        self._errors = (key, errors)
+        self._errors = (profile, errors)
         return errors
 
     # -- TorchRec's plan-loading contract ------------------------------------------------

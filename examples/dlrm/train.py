@@ -436,36 +436,27 @@ def hardware_choice(flag: str, device_type: str, ranks: int = 1, say: Callable[[
     before pinning its ranks (the machine's fingerprint). ``link``: the ``LinkRates`` this job
     measured (``auto`` on CPU): compared with the link the stored profile was calibrated on; where
     they differ beyond the measured spread, a warning names each term and the profile's link terms
-    are corrected (``calibration.link.correct_link_terms``).
+    are corrected (``calibration.term_error.profile_on_link``, as the planner's ``hardware="auto"``).
 
     Returns ``(hardware, model_errors)``: ``model_errors`` is the never-slower rule's error per term
     for a corrected profile (the stored step fit's, the corrected link terms' at least the link
-    measurement's spread: ``calibration.term_error.with_link_errors``), None otherwise (the planner
-    finds a stored profile's own)."""
+    measurement's spread), None otherwise (the planner finds a stored profile's own)."""
     if flag != "auto":
         return flag, None
     if device_type == "cpu":
         try:
-            from torchrec_sparselift.calibration.link import correct_link_terms
             from torchrec_sparselift.calibration.store import auto_profile_link
+            from torchrec_sparselift.calibration.term_error import profile_on_link
         except ImportError:
             return (CPU_PROFILE if os.path.isfile(CPU_PROFILE) else None), None
         profile, where, stored = auto_profile_link("cpu", ranks, warn=lambda m: say(f"[dlrm] warning: {m}"),
                                                    cores=cores, hosts=link.hosts if link is not None else 1)
-        errors = None
-        if link is not None and stored is None:
-            say(f"[dlrm] warning: the profile {where} has no link record (its link is unknown): this job's link "
-                "is not compared with it; calibrate to store one")
-        elif link is not None:
-            correction = correct_link_terms(profile, stored, link)
-            if correction.differs:
-                from torchrec_sparselift.calibration.term_error import profile_errors, with_link_errors
-
-                say(f"[dlrm] warning: sparselift: {correction.describe(where)}")
-                errors = profile_errors(None, where)
-                errors = with_link_errors(errors, correction, link) if errors.measured else None
-            profile = correction.profile
-        return profile, errors
+        if link is None:
+            return profile, None
+        on = profile_on_link(profile, stored, link, where)
+        if on.note is not None:
+            say(f"[dlrm] warning: sparselift: {on.note}")
+        return on.profile, (on.errors if on.corrected and on.errors.measured else None)
     return None, None
 
 

@@ -39,6 +39,7 @@ from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, TermTimes, pipeline_term
 
 __all__ = ["term_seconds", "term_errors", "uncalibrated_errors", "scaled_term", "profile_errors", "with_link_errors",
+           "ProfileOnLink", "profile_on_link",
            "LINK_TERM_OF_FIELD"]
 
 
@@ -175,3 +176,50 @@ def with_link_errors(errors: TermErrors, correction: Any, measured: Any) -> Term
         return errors
     return attrs.evolve(errors, errors=out, source=f"{errors.source}; link terms corrected to this job's link at least "
                                                      f"its measured spread: {', '.join(raised)}")
+
+
+@attrs.frozen
+class ProfileOnLink:
+    """A stored profile moved to the link a job measured, with the never-slower rule's errors for
+    it: what ``hardware="auto"`` plans with (:func:`profile_on_link`).
+
+    ``profile``: the stored profile with its link terms corrected (itself where nothing differs
+    beyond the spread, or where the stored profile has no link record); ``correction``: the
+    :class:`~.link.LinkCorrection` (None without a link record); ``errors``: the rule's error per
+    term for ``profile`` (:func:`with_link_errors` on the stored step fit's, :func:`profile_errors`);
+    ``note``: the one warning a user should see (the correction, or the missing link record),
+    None when the profile fits the link."""
+
+    profile: Any
+    correction: Any
+    errors: TermErrors
+    note: Optional[str]
+
+    @property
+    def corrected(self) -> bool:
+        """The link terms were moved to the measured link."""
+        return self.correction is not None and bool(self.correction.differs)
+
+
+def profile_on_link(profile: HardwareProfile, stored_link: Any, measured: Any, where: str,
+                    store: Any = None) -> ProfileOnLink:
+    """The stored profile ``profile`` (at ``where`` in ``store``, calibrated on ``stored_link``, a
+    :class:`~.link.LinkRates` or None when it has no link record) on the link ``measured`` this job
+    measured: its link terms corrected (:func:`~.link.correct_link_terms`) and the never-slower
+    rule's errors for the result, the stored step fit's with the corrected bandwidths' at least
+    the measurement's spread (:func:`with_link_errors`). The one place the planner's
+    ``hardware="auto"``, the DLRM example and the benchmarks move a stored profile to a job's link.
+    Reads the store only."""
+    from torchrec_sparselift.calibration.link import correct_link_terms
+
+    errors = profile_errors(None, where, store=store)
+    if stored_link is None:
+        return ProfileOnLink(profile, None, errors,
+                             f"the profile {where} has no link record (its link is unknown), so this job's link "
+                             "is not compared with it; calibrate under this link to store one")
+    correction = correct_link_terms(profile, stored_link, measured)
+    if not correction.differs:
+        return ProfileOnLink(correction.profile, correction, errors, None)
+    if errors.measured:
+        errors = with_link_errors(errors, correction, measured)
+    return ProfileOnLink(correction.profile, correction, errors, correction.describe(where))

@@ -68,7 +68,6 @@ from torchrec_sparselift.calibration.link import (
     links_differ,
     relative_spread,
 )
-from torchrec_sparselift.runtime.process_group import close_process_group
 
 __all__ = [
     "LinkRates",
@@ -377,6 +376,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
 
     import torch.distributed as dist
+
+    from torchrec_sparselift.runtime.process_group import close_process_group
 
     if "RANK" not in os.environ:
         print("run under torchrun: torchrun --nproc_per_node 2 -m torchrec_sparselift.measure.link", file=sys.stderr)
