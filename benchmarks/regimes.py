@@ -106,6 +106,11 @@ TORCHREC_PIPELINES = ("base", "sparse_dist", "fused", "prefetch")
 #: qcomm precisions set by hand on TorchRec's plan (forward = backward).
 QCOMM_PRECISIONS = ("fp16", "bf16")
 FORCED_KINDS = ("table_wise", "dp_small", "row_wise")
+#: The A/A control: TorchRec's plan and default pipeline again, a second model measured as a run
+#: of its own. Two models of one plan differ in their steady step (measured: up to 17% within one
+#: interleaved run, docs/benchmarks.md section 20), so "TorchRec's best pipeline", the fastest of
+#: four models, gains from that spread as much as from the pipelines; the control shows how much.
+CONTROL_RUN = "torchrec_again"
 
 
 def on_gloo(precision: str) -> str:
@@ -215,7 +220,7 @@ def dp_small_fits(tables: Sequence[Any]) -> bool:
 def run_names(regime: str, profile_from: str, quick: bool = False, tables: Optional[Sequence[Any]] = None) -> List[str]:
     """The runs of one workload in ``regime``, in measuring order (before de-duplication);
     ``tables``: the workload's (``dp_small`` only where :func:`dp_small_fits`)."""
-    names = ["torchrec"] + [f"torchrec_{p}" for p in TORCHREC_PIPELINES if p != TORCHREC_DEFAULT_PIPELINE
+    names = ["torchrec", CONTROL_RUN] + [f"torchrec_{p}" for p in TORCHREC_PIPELINES if p != TORCHREC_DEFAULT_PIPELINE
                             and not (quick and p == "prefetch")]
     names += [f"torchrec_{q}" for q in QCOMM_PRECISIONS]
     names += ["sparselift"]
@@ -246,7 +251,7 @@ def summarize_workload(rows: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
     qcomm = {q: _ms(rows, f"torchrec_{q}") for q in QCOMM_PRECISIONS}
     qcomm = {q: v for q, v in qcomm.items() if v is not None}
     best_q = min(qcomm, key=qcomm.get) if qcomm else None
-    lossless = {n: _ms(rows, n) for n in rows if n not in LOSSY_RUNS}
+    lossless = {n: _ms(rows, n) for n in rows if n not in LOSSY_RUNS and n != CONTROL_RUN}
     lossless = {n: v for n, v in lossless.items() if v is not None}
     best = min(lossless, key=lossless.get) if lossless else None
     sl, slu, lossy = _ms(rows, "sparselift"), _ms(rows, "sparselift_unshaped"), _ms(rows, "sparselift_lossy")
@@ -262,6 +267,7 @@ def summarize_workload(rows: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
         sparselift_unshaped_over_best=ratio(slu, lossless.get(best)),
         torchrec_qcomm_over_lossy=ratio(qcomm.get(best_q), lossy),
         torchrec_over_lossy=ratio(tr, lossy),
+        control_over_torchrec=ratio(_ms(rows, CONTROL_RUN), tr),
     )
     if "sparselift_2d" in rows:
         one, two = sl, _ms(rows, "sparselift_2d")
@@ -289,7 +295,8 @@ def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dic
     out: Dict[str, Any] = dict(regime=regime, kind=REGIMES[regime]["kind"], workloads=len(workloads))
     keys = ["torchrec_over_sparselift", "torchrec_best_pipeline_over_sparselift", "sparselift_over_best",
             "torchrec_over_sparselift_unshaped", "torchrec_best_pipeline_over_sparselift_unshaped",
-            "sparselift_unshaped_over_best", "torchrec_qcomm_over_lossy", "torchrec_over_lossy"]
+            "sparselift_unshaped_over_best", "torchrec_qcomm_over_lossy", "torchrec_over_lossy",
+            "control_over_torchrec"]
     for k in keys:
         vals = [w["ratios"].get(k) for w in workloads]
         out[f"geo_{k}"] = _geo(vals)
@@ -300,8 +307,8 @@ def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dic
         pred, meas, sps = [], [], []
         for w in workloads:
             p_w, m_w = [], []
-            for row in w["rows"].values():
-                if row.get("same_as") or row.get("failed"):
+            for name, row in w["rows"].items():
+                if row.get("same_as") or row.get("failed") or name == CONTROL_RUN:  # the control: TorchRec's run again
                     continue
                 p = (row.get("predicted_ms") or {}).get(prof)
                 if p is None:
@@ -386,7 +393,8 @@ def format_workload(res: Mapping[str, Any]) -> str:
                  f"({x['torchrec_best_pipeline']})/SparseLift {_f(x['torchrec_best_pipeline_over_sparselift'])}x; "
                  f"SparseLift/best ({x['best_run']}) {_f(x['sparselift_over_best'])}; unshaped-profile SparseLift: "
                  f"{_f(x['torchrec_over_sparselift_unshaped'])}x, /best {_f(x['sparselift_unshaped_over_best'])}; "
-                 f"TorchRec qcomm ({x['torchrec_best_qcomm']})/lossy {_f(x['torchrec_qcomm_over_lossy'])}x")
+                 f"TorchRec qcomm ({x['torchrec_best_qcomm']})/lossy {_f(x['torchrec_qcomm_over_lossy'])}x; "
+                 f"A/A (a second model of TorchRec's run / the first) {_f(x.get('control_over_torchrec'))}")
     if "two_d_faster" in x:
         lines.append(f"2D/1D {_f(x.get('two_d_over_one_d'))}; planner picked 2D: {x.get('planner_picked_2d')}; "
                      f"decision right: {x.get('two_d_decision_right')}")
@@ -402,7 +410,8 @@ def format_summary(merged: Mapping[str, Any]) -> str:
     """The regimes side by side, then every target with its value and whether it is met."""
     lines = ["\n# Summary (ratios > 1: SparseLift faster; geomean over workloads)",
              f"{'regime':<8}{'TR/SL':>8}{'TRbest/SL':>10}{'SL/best':>9}{'TR/SLu':>8}{'TRbest/SLu':>11}{'SLu/best':>9}"
-             f"{'TRq/lossy':>10}{'min TR/SL':>10}{'MAPE reg':>9}{'MAPE uns':>9}{'rho reg':>8}{'rho uns':>8}"]
+             f"{'TRq/lossy':>10}{'min TR/SL':>10}{'MAPE reg':>9}{'MAPE uns':>9}{'rho reg':>8}{'rho uns':>8}"
+             f"{'A/A range':>14}"]
     for name, job in merged["regimes"].items():
         s = job["summary"]
         pct = lambda v: _f(v * 100 if v is not None else None, "{:.1f}%")  # noqa: E731
@@ -412,7 +421,8 @@ def format_summary(merged: Mapping[str, Any]) -> str:
                      f"{_f(s['geo_torchrec_best_pipeline_over_sparselift_unshaped']):>11}"
                      f"{_f(s['geo_sparselift_unshaped_over_best']):>9}{_f(s['geo_torchrec_qcomm_over_lossy']):>10}"
                      f"{_f(s['min_torchrec_over_sparselift']):>10}{pct(s['mape_regime']):>9}{pct(s['mape_unshaped']):>9}"
-                     f"{_f(s['spearman_regime'], '{:.2f}'):>8}{_f(s['spearman_unshaped'], '{:.2f}'):>8}")
+                     f"{_f(s['spearman_regime'], '{:.2f}'):>8}{_f(s['spearman_unshaped'], '{:.2f}'):>8}"
+                     f"{_f(s.get('min_control_over_torchrec'), '{:.2f}') + '-' + _f(s.get('max_control_over_torchrec'), '{:.2f}'):>14}")
     lines.append("\n# Targets")
     for name, job in merged["regimes"].items():
         for t in job["targets"]:
@@ -659,8 +669,8 @@ def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], err
 
     for name in names:
         spec: Dict[str, Any] = dict(name=name, cons=pooling)
-        if name == "torchrec":
-            spec.update(plan=tr_plan, pipeline=TORCHREC_DEFAULT_PIPELINE)
+        if name in ("torchrec", CONTROL_RUN):
+            spec.update(plan=tr_plan, pipeline=TORCHREC_DEFAULT_PIPELINE, instance=2 if name == CONTROL_RUN else 1)
         elif name.startswith("torchrec_") and name[9:] in TORCHREC_PIPELINES:
             spec.update(plan=tr_plan, pipeline=name[9:])
         elif name.startswith("torchrec_") and name[9:] in QCOMM_PRECISIONS:
@@ -701,7 +711,8 @@ def _run_key(spec: Mapping[str, Any]) -> str:
     pipe, fwd, bwd, group = _settings_of(spec)
     fwd, bwd = on_gloo(fwd), on_gloo(bwd)
     sync = getattr(getattr(plan, "optimizations", None), "sync_interval", None) if group else None
-    return f"{sharding_plan_digest(getattr(plan, 'sharding_plan', plan))}|{pipe}|{fwd}|{bwd}|{group}|{sync}"
+    instance = spec.get("instance", 1)  # the A/A control is a second model of the same run
+    return f"{sharding_plan_digest(getattr(plan, 'sharding_plan', plan))}|{pipe}|{fwd}|{bwd}|{group}|{sync}|{instance}"
 
 
 def _predict(w, spec: Mapping[str, Any], topo, profiles: Mapping[str, Any], stats) -> Dict[str, Optional[float]]:

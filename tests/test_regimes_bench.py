@@ -51,8 +51,9 @@ def test_runs_per_regime():
     r1 = regimes.run_names("R1", "both")
     assert "sparselift_unshaped" not in r1 and "sparselift_2d" not in r1  # R1 is the unshaped box
     r2 = regimes.run_names("R2", "both")
-    assert {"torchrec", "torchrec_base", "torchrec_fused", "torchrec_prefetch", "torchrec_fp16", "torchrec_bf16",
-            "sparselift", "sparselift_unshaped", "sparselift_lossy", "table_wise", "dp_small", "row_wise"} == set(r2)
+    assert {"torchrec", "torchrec_again", "torchrec_base", "torchrec_fused", "torchrec_prefetch", "torchrec_fp16",
+            "torchrec_bf16", "sparselift", "sparselift_unshaped", "sparselift_lossy", "table_wise", "dp_small",
+            "row_wise"} == set(r2)
     assert "sparselift_unshaped" not in regimes.run_names("R2", "regime")
     assert {"sparselift_2d", "sparselift_auto"} <= set(regimes.run_names("R4", "both"))
     assert "torchrec_prefetch" not in regimes.run_names("R2", "both", quick=True)
@@ -87,6 +88,29 @@ def test_ratios_of_one_workload():
     assert x["torchrec_best_qcomm"] == "fp16" and x["torchrec_qcomm_over_lossy"] == pytest.approx(1.5)
     assert x["sparselift_unshaped_over_best"] == pytest.approx(160 / 115)
     assert "two_d_faster" not in x
+
+
+def test_the_a_a_control_is_reported_and_neither_a_candidate_nor_priced_twice():
+    """torchrec_again, a second model of TorchRec's run: its ratio to the first is the A/A spread;
+    it is not "the best plan measured" and does not count again in MAPE."""
+    rows = {"torchrec": _row(100.0), "torchrec_again": _row(90.0, {"regime": 200.0, "unshaped": 200.0}),
+            "torchrec_fused": _row(95.0), "sparselift": _row(92.0)}
+    x = regimes.summarize_workload(rows)
+    assert x["control_over_torchrec"] == pytest.approx(0.9)
+    assert x["best_run"] == "sparselift" and x["torchrec_best_pipeline"] == "fused"
+    s = regimes.summarize_regime("R2", [_workload(rows)])
+    assert s["plans_priced_regime"] == 3 and s["mape_regime"] == pytest.approx(0.0)
+    assert s["min_control_over_torchrec"] == s["max_control_over_torchrec"] == pytest.approx(0.9)
+    # a second model is its own run: the same plan and pipeline, another key
+    tr = dict(plan=_Plan(), pipeline="sparse_dist", instance=1)
+    assert regimes._run_key(tr) != regimes._run_key(dict(tr, instance=2))
+    assert regimes._run_key(tr) == regimes._run_key(dict(plan=_Plan(), pipeline="sparse_dist"))
+
+
+class _Plan:
+    """A stand-in ShardingPlan: the run key reads its digest only."""
+
+    plan: dict = {}
 
 
 def test_two_d_decision_is_right_when_the_pick_matches_the_measurement():
