@@ -33,9 +33,9 @@ workload (:data:`WORKLOADS`, shared with ``benchmarks/real_runs.py``) builds the
     (sharding_group_size="auto": does the planner pick 2D?)
 
 Runs that are the same (plan digest, pipeline, precisions, 2D group) are measured once. ``--reps``
-interleaved rounds (order rotated each round); each run shards its model once per workload (kept
-across the rounds; ``--fresh-models``: a fresh model every round, as the calibration's probes) through
-:func:`torchrec_sparselift.runtime.lift` (fused row-wise AdaGrad in backward, dense AdaGrad: the
+interleaved rounds (order rotated each round); each round shards a fresh model of every run (as
+the calibration's pipeline factors; ``--keep-models``: one model per run, kept across the rounds)
+through :func:`torchrec_sparselift.runtime.lift` (fused row-wise AdaGrad in backward, dense AdaGrad: the
 optimizers of the step calibration's probes), ranks pinned, pre-built batches, ``--warmup`` untimed
 and ``--steps`` timed steps; a run's time is the slowest rank's median step, a plan's the median
 over rounds. Every run is priced by SparseLift's cost model (its plan, pipeline and precisions)
@@ -152,12 +152,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="smoke version (~5 min for R1,R2): 2 workloads, 1 round, "
                    "2+4 steps, no prefetch run, a short calibration")
-    p.add_argument("--reps", type=int, help="interleaved rounds (default 2; --quick 1)")
+    p.add_argument("--reps", type=int, help="interleaved rounds, a fresh model of every run in each (default 4; "
+                   "--quick 1)")
     p.add_argument("--steps", type=int, help="timed steps per run (default 6; --quick 4)")
     p.add_argument("--warmup", type=int, help="untimed steps per run (default 2; --quick 2)")
-    p.add_argument("--fresh-models", action="store_true", help="shard a fresh model for every run of every round "
-                   "(as the step calibration measures its probes; slower); default: each run's model is sharded "
-                   "once per workload and kept across the rounds")
+    p.add_argument("--keep-models", action="store_true", help="shard each run's model once per workload and keep "
+                   "it across the rounds (faster; a run then measures one model, and two models of one plan differ "
+                   "by up to 35%% here: docs/benchmarks.md section 20); default: a fresh model for every run of "
+                   "every round")
     p.add_argument("--batches", type=int, default=6, help="distinct pre-built batches per rank (cycled)")
     p.add_argument("--profile-from", choices=["regime", "unshaped", "both"], default="both",
                    help="regime: each regime's own calibrated profile; unshaped: only R1's, link-corrected; both")
@@ -187,7 +189,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     else:
         args.workloads = list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     q = args.quick
-    args.reps = args.reps if args.reps is not None else (1 if q else 2)
+    args.reps = args.reps if args.reps is not None else (1 if q else 4)
+    args.fresh_models = not args.keep_models
     args.steps = args.steps if args.steps is not None else (4 if q else 6)
     args.warmup = args.warmup if args.warmup is not None else 2
     args.parity_steps = args.parity_steps if args.parity_steps is not None else (20 if q else 80)
@@ -929,8 +932,8 @@ def job_argv(args, out: str) -> List[str]:
         a += ["--calibration-steps", str(args.calibration_steps)]
     if args.quick:
         a.append("--quick")
-    if args.fresh_models:
-        a.append("--fresh-models")
+    if args.keep_models:
+        a.append("--keep-models")
     if args.calibrate:
         a.append("--calibrate")
     return a

@@ -153,7 +153,7 @@ def _measure_factors(rank: int, world: int):
     from torchrec_sparselift.measure.steps import measure_pipeline_factors
 
     return measure_pipeline_factors(dist.group.WORLD, pipelines=("fused", "base"), workloads=("probe_many",),
-                                    blocks=2, block_steps=2, warmup=1)
+                                    instances=2, block_steps=2, warmup=1)
 
 
 def test_two_gloo_ranks_measure_the_same_factors():

@@ -23,7 +23,8 @@ def _workload(rows, **extra):
 def test_defaults_run_every_regime_and_workload(tmp_path):
     a = regimes.parse_args(["--store", str(tmp_path)])
     assert a.regimes == ["R1", "R2", "R3", "R4"] and a.workloads == list(regimes.WORKLOADS)
-    assert (a.reps, a.steps, a.warmup, a.profile_from) == (2, 6, 2, "both")
+    assert (a.reps, a.steps, a.warmup, a.profile_from, a.fresh_models) == (4, 6, 2, "both", True)
+    assert not regimes.parse_args(["--keep-models", "--store", str(tmp_path)]).fresh_models
     q = regimes.parse_args(["--quick", "--regimes", "R1,R2", "--store", str(tmp_path)])
     assert q.quick and q.reps == 1 and q.workloads == list(regimes.QUICK_WORKLOADS) and q.regimes == ["R1", "R2"]
 

@@ -376,19 +376,23 @@ def measure_pipeline_factors(
     device_type: str = "cpu",
     pipelines: Sequence[str] = FACTOR_PIPELINES,
     workloads: Sequence[str] = FACTOR_WORKLOADS,
-    blocks: int = 8,
-    block_steps: int = 5,
+    instances: int = 4,
+    block_steps: int = 6,
     warmup: int = 3,
     base: Optional[HardwareProfile] = None,
     say: Optional[Any] = None,
 ) -> Dict[str, Dict[str, Any]]:
-    """Per probe workload, its table-wise plan sharded once per pipeline (``sparse_dist``, a second
-    ``sparse_dist`` model as the A/A control, and each of ``pipelines``), every model kept, then
-    ``blocks`` rounds of ``block_steps`` timed steps of each (one untimed step first; the order rotated each round), so a slow stretch of the machine
-    falls on every pipeline alike; ranks pinned to their cores as the probes. A pipeline's ratio is
-    the median of its steps (the per-step slowest rank) over ``sparse_dist``'s, and
-    :func:`pipeline_factors` reduces the workloads' ratios. The same on every rank of ``pg``.
-    ``say``: a callable for one line per workload (rank 0)."""
+    """Per probe workload, its table-wise plan trained under each pipeline (``sparse_dist``, a
+    second ``sparse_dist`` as the A/A control, and each of ``pipelines``) on ``instances`` fresh
+    models each: ``instances`` rounds, each shards one new model per pipeline (the order rotated
+    each round), runs ``warmup`` untimed and ``block_steps`` timed steps on it and drops it. Two
+    models of one plan differ in their steady step by up to 35% on this CPU (section 20 of
+    docs/benchmarks.md: the same pipeline's second model), so one model per pipeline measures the
+    model as much as the pipeline; fresh ones average that out. Ranks are pinned to their cores as
+    the probes. A pipeline's ratio is the median of its steps (the per-step slowest rank, over all
+    its models) over ``sparse_dist``'s, and :func:`pipeline_factors` reduces the workloads'
+    ratios. The same on every rank of ``pg``. ``say``: a callable for one line per workload
+    (rank 0)."""
     import gc
     import itertools
 
@@ -399,11 +403,14 @@ def measure_pipeline_factors(
     from torchrec_sparselift.measure import probe
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
+    if instances < 1 or block_steps < 1 or warmup < 0:
+        raise ValueError(f"instances and block_steps must be >= 1 and warmup >= 0, got {instances}, "
+                         f"{block_steps} and {warmup}")
     device = torch.device(device_type)
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
     topo = probe_topology(W, device_type)
     by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
-    control = CONTROL  # a second sparse_dist model: the A/A control
+    control = CONTROL  # a second sparse_dist: the A/A control
     kinds = [defaults.PIPELINE, control] + [p for p in pipelines if p != defaults.PIPELINE]
     ratios: Dict[str, List[float]] = {p: [] for p in kinds[2:]}
     controls: List[float] = []
@@ -413,20 +420,16 @@ def measure_pipeline_factors(
         plan, _cons = forced_plan(probe.probe_model(w), w.tables, "table_wise", topo, w.batch_size, pg, base,
                                   stats=probe.probe_stats(w, n=PROBE_BATCHES))
         old = probe.pin_rank_to_core(pg) if device.type == "cpu" else None
-        runs: Dict[str, Any] = {}
+        times: Dict[str, List[float]] = {k: [] for k in kinds}
         try:
-            for k in kinds:
-                torch.manual_seed(0)
-                dmp, opt = probe.shard_for_training(probe.probe_model(w), plan, device)
-                kind = defaults.PIPELINE if k == control else k
-                runs[k] = (make_train_pipeline(kind, dmp, opt, device), itertools.cycle(batches))
-                for _ in range(warmup):
-                    runs[k][0].progress(runs[k][1])
-            times: Dict[str, List[float]] = {k: [] for k in kinds}
-            for b in range(max(1, blocks)):
+            for b in range(instances):
                 for k in kinds[b % len(kinds):] + kinds[:b % len(kinds)]:
-                    pipe, it = runs[k]
-                    pipe.progress(it)  # untimed: the switch from the previous model
+                    torch.manual_seed(b)
+                    dmp, opt = probe.shard_for_training(probe.probe_model(w), plan, device)
+                    pipe = make_train_pipeline(defaults.PIPELINE if k == control else k, dmp, opt, device)
+                    it = itertools.cycle(batches)
+                    for _ in range(warmup):
+                        pipe.progress(it)
                     dist.barrier(group=pg)
                     durations = []
                     for _ in range(block_steps):
@@ -436,16 +439,16 @@ def measure_pipeline_factors(
                     t = torch.tensor(durations, dtype=torch.float64)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
                     times[k].extend(float(x) for x in t)
+                    del pipe, dmp, opt, it
+                    gc.collect()
         finally:
-            runs.clear()
-            gc.collect()
             probe.restore_affinity(old)
         ref = float(np.median(times[kinds[0]]))
         controls.append(float(np.median(times[control])) / ref)
         for k in kinds[2:]:
             ratios[k].append(float(np.median(times[k])) / ref)
         if say is not None and rank == 0:
-            say(f"[calibrate] pipelines on {w.name}/table_wise: " + ", ".join(
+            say(f"[calibrate] pipelines on {w.name}/table_wise ({instances} models each): " + ", ".join(
                 f"{k} {np.median(times[k]) * 1e3:.1f} ms" for k in kinds))
     return pipeline_factors(ratios, controls)
 
