@@ -162,3 +162,11 @@ def test_two_gloo_ranks_measure_the_same_factors():
     assert set(results[0]) == {"fused", "base"}
     for rec in results[0].values():
         assert 0.2 < rec["factor"] < 5 and len(rec["ratios"]) == 1 and np.isfinite(rec["error"])
+
+
+@pytest.mark.parametrize("kw", [dict(instances=0), dict(block_steps=0), dict(warmup=-1)])
+def test_measuring_factors_needs_at_least_one_model_and_step(kw):
+    from torchrec_sparselift.measure.steps import measure_pipeline_factors
+
+    with pytest.raises(ValueError, match="instances and block_steps must be >= 1"):
+        measure_pipeline_factors(None, **kw)

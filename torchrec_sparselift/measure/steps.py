@@ -475,7 +475,7 @@ def calibrate_steps(
     records (:func:`~torchrec_sparselift.calibration.step_fit.stored_info`) and the link rates.
     ``link``: the job's :class:`~torchrec_sparselift.calibration.link.LinkRates`; None measures them
     first (every rank of the default group, a few seconds). On CPU it also measures the pipelines'
-    step factors (:func:`measure_pipeline_factors`, about 40 s on 2 cores) into the profile's
+    step factors (:func:`measure_pipeline_factors`, about 30 s on 2 cores) into the profile's
     ``pipeline_factors`` and the stored info. The fitted profile's ``host_link_shared`` is the
     link's (:attr:`~torchrec_sparselift.calibration.link.LinkRates.host_link_shared`) where it was
     measured (several hosts of several ranks), the base profile's otherwise
