@@ -1,0 +1,142 @@
+"""Pipelines against the spread of models: TorchRec's plan of a benchmark workload trained under
+several pipelines, each on several models, interleaved; then where each pipeline's step goes.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/pipeline_models.py \\
+        --workloads hot_skewed,kaggle,few_large --pipelines sparse_dist,fused --models 4 --attribute
+
+Per workload (``real_runs.WORKLOADS``): TorchRec's ``EmbeddingShardingPlanner`` plan, sharded for
+training as the step calibration's probes are (``measure.probe.shard_for_training``), ranks pinned
+to their cores, pre-built batches. ``--models`` models per pipeline, built in turn, all kept, then
+``--blocks`` interleaved blocks of ``--block-steps`` timed steps of each (order rotated), the
+per-step slowest rank. Prints each model's median step (the spread between models of one
+pipeline is the A/A), each pipeline's median over its models' steps and its ratio to the first
+pipeline's. ``--attribute``: then each pipeline's first model profiled
+(``measure.attribution.attribute_steps``): ms per step by sparse-path node kind, rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import os
+import sys
+import time
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ["main"]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from real_runs import WORKLOADS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="hot_skewed,kaggle,few_large", help=f"comma-separated from {','.join(WORKLOADS)}")
+    p.add_argument("--pipelines", default="sparse_dist,fused", help="comma-separated pipeline kinds; ratios to the first")
+    p.add_argument("--models", type=int, default=4, help="models per pipeline (default 4)")
+    p.add_argument("--blocks", type=int, default=8, help="interleaved blocks per model (default 8)")
+    p.add_argument("--block-steps", type=int, default=5, help="timed steps per block (default 5)")
+    p.add_argument("--attribute", action="store_true", help="profile each pipeline's first model after timing")
+    args = p.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    bad = [w for w in args.workloads if w not in WORKLOADS]
+    if bad or not args.workloads:
+        p.error(f"--workloads: unknown {bad or 'none given'}; choose from {','.join(WORKLOADS)}")
+    from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
+
+    args.pipelines = [k for k in args.pipelines.split(",") if k]
+    bad = [k for k in args.pipelines if k not in PIPELINE_KINDS]
+    if bad or not args.pipelines:
+        p.error(f"--pipelines: unknown {bad or 'none given'}; choose from {','.join(PIPELINE_KINDS)}")
+    for name in ("models", "blocks", "block_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        print("run under torchrun: torchrun --standalone --nproc_per_node 2 benchmarks/pipeline_models.py",
+              file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore")
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from real_runs import BATCH_SEED, _workloads
+    from torchrec_sparselift.measure import probe
+    from torchrec_sparselift.measure.attribution import attribute_steps
+    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
+    from torchrec_sparselift.runtime.process_group import close_process_group
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    try:
+        topo = Topology(world_size=world, local_world_size=world, compute_device="cpu")
+        for wname in args.workloads:
+            w, alpha = _workloads()[wname]
+            cons = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
+                    for t in w.tables}
+            plan = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=cons).collective_plan(
+                probe.probe_model(w), get_default_sharders(), dist.group.WORLD)
+            batches = probe.prebuilt_batches(w, 6, seed=BATCH_SEED, rank=rank, alpha=alpha)
+            runs = [(k, m) for m in range(args.models) for k in args.pipelines]
+            old = probe.pin_rank_to_core(dist.group.WORLD)
+            built: Dict[tuple, tuple] = {}
+            try:
+                for k, m in runs:
+                    torch.manual_seed(m)
+                    dmp, opt = probe.shard_for_training(probe.probe_model(w), plan, device)
+                    built[(k, m)] = (make_train_pipeline(k, dmp, opt, device), itertools.cycle(batches))
+                    for _ in range(3):
+                        built[(k, m)][0].progress(built[(k, m)][1])
+                times: Dict[tuple, List[float]] = {r: [] for r in runs}
+                for b in range(args.blocks):
+                    for r in runs[b % len(runs):] + runs[:b % len(runs)]:
+                        pipe, it = built[r]
+                        pipe.progress(it)  # untimed: the switch from the previous model
+                        dist.barrier()
+                        d = []
+                        for _ in range(args.block_steps):
+                            t0 = time.perf_counter()
+                            pipe.progress(it)
+                            d.append(time.perf_counter() - t0)
+                        t = torch.tensor(d, dtype=torch.float64)
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                        times[r].extend(t.tolist())
+                per = {k: [x for m in range(args.models) for x in times[(k, m)]] for k in args.pipelines}
+                ref = float(np.median(per[args.pipelines[0]]))
+                say(f"{wname}: " + "; ".join(
+                    f"{k} {np.median(per[k]) * 1e3:.2f} ms ({np.median(per[k]) / ref:.3f}), models "
+                    + "/".join(f"{np.median(times[(k, m)]) * 1e3:.1f}" for m in range(args.models))
+                    for k in args.pipelines))
+                if args.attribute:
+                    for k in args.pipelines:
+                        pipe, it = built[(k, 0)]
+                        att = attribute_steps(pipe, it, steps=5, warmup_steps=1, pg=dist.group.WORLD, label=k,
+                                              pipeline=k)
+                        r0 = att.ranks[0]
+                        say(f"  {k} attributed step {r0.step_ms:.1f} ms (rank 0): " + ", ".join(
+                            f"{kind} {ms:.1f}" for kind, ms in sorted(r0.kinds_ms.items(), key=lambda x: -x[1])
+                            if ms >= 0.05))
+            finally:
+                built.clear()
+                gc.collect()
+                probe.restore_affinity(old)
+    finally:
+        close_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
