@@ -3,6 +3,8 @@ several pipelines, each on several models, interleaved; then where each pipeline
 
     torchrun --standalone --nproc_per_node 2 benchmarks/pipeline_models.py \\
         --workloads hot_skewed,kaggle,few_large --pipelines sparse_dist,fused --models 4 --attribute
+    python -m torchrec_sparselift.measure.testbed --hosts 2 --ranks-per-host 1 --rate 1gbit --shared \\
+        -- benchmarks/pipeline_models.py --pipelines sparse_dist,fused,overlap --attribute   # R2's link
 
 Per workload (``real_runs.WORKLOADS``): TorchRec's ``EmbeddingShardingPlanner`` plan, sharded for
 training as the step calibration's probes are (``measure.probe.shard_for_training``), ranks pinned
@@ -82,7 +84,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = torch.device("cpu")
     say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     try:
-        topo = Topology(world_size=world, local_world_size=world, compute_device="cpu")
+        from torchrec_sparselift.defaults import ranks_per_host
+
+        topo = Topology(world_size=world, local_world_size=ranks_per_host(world_size=world), compute_device="cpu")
         for wname in args.workloads:
             w, alpha = _workloads()[wname]
             cons = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
