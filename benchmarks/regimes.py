@@ -107,7 +107,7 @@ TORCHREC_PIPELINES = ("base", "sparse_dist", "fused", "prefetch")
 QCOMM_PRECISIONS = ("fp16", "bf16")
 FORCED_KINDS = ("table_wise", "dp_small", "row_wise")
 #: The A/A control: TorchRec's plan and default pipeline again, a second model measured as a run
-#: of its own. Two models of one plan differ in their steady step (measured: up to 17% within one
+#: of its own. Two models of one plan differ in their steady step (measured: up to 35% within one
 #: interleaved run, docs/benchmarks.md section 20), so "TorchRec's best pipeline", the fastest of
 #: four models, gains from that spread as much as from the pipelines; the control shows how much.
 CONTROL_RUN = "torchrec_again"

@@ -321,7 +321,7 @@ class SparseLiftPlanner(ShardingPlanner):
         self._sync_interval = sync_interval
         self._cache_dir = cache_dir
         self._never_slower = never_slower
-        self._errors: Optional[Tuple[Any, Any]] = None  # (profile, TermErrors) of the last rule
+        self._errors: Optional[Tuple[HardwareProfile, Any]] = None  # (profile, TermErrors) of the last rule
         if model_errors is not None:
             if not isinstance(model_errors, TermErrors):
                 raise TypeError(f"model_errors must be a TermErrors (calibration.term_error.profile_errors(...)), "

@@ -388,14 +388,12 @@ def measure_pipeline_factors(
     each round), runs ``warmup`` untimed and ``block_steps`` timed steps on it and drops it. Two
     models of one plan differ in their steady step by up to 35% on this CPU (section 20 of
     docs/benchmarks.md: the same pipeline's second model), so one model per pipeline measures the
-    model as much as the pipeline; fresh ones average that out. Ranks are pinned to their cores as
-    the probes. A pipeline's ratio is the median of its steps (the per-step slowest rank, over all
+    model as much as the pipeline; fresh ones average that out. Each model is timed as the probes
+    are (:func:`~torchrec_sparselift.measure.probe.measure_plan`: ranks pinned to their cores, the
+    per-step slowest rank). A pipeline's ratio is the median of its steps (the per-step slowest rank, over all
     its models) over ``sparse_dist``'s, and :func:`pipeline_factors` reduces the workloads'
     ratios. The same on every rank of ``pg``. ``say``: a callable for one line per workload
     (rank 0)."""
-    import gc
-    import itertools
-
     import torch
     import torch.distributed as dist
 
@@ -419,30 +417,20 @@ def measure_pipeline_factors(
         batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
         plan, _cons = forced_plan(probe.probe_model(w), w.tables, "table_wise", topo, w.batch_size, pg, base,
                                   stats=probe.probe_stats(w, n=PROBE_BATCHES))
-        old = probe.pin_rank_to_core(pg) if device.type == "cpu" else None
         times: Dict[str, List[float]] = {k: [] for k in kinds}
-        try:
-            for b in range(instances):
-                for k in kinds[b % len(kinds):] + kinds[:b % len(kinds)]:
-                    torch.manual_seed(b)
-                    dmp, opt = probe.shard_for_training(probe.probe_model(w), plan, device)
-                    pipe = make_train_pipeline(defaults.PIPELINE if k == control else k, dmp, opt, device)
-                    it = itertools.cycle(batches)
-                    for _ in range(warmup):
-                        pipe.progress(it)
-                    dist.barrier(group=pg)
-                    durations = []
-                    for _ in range(block_steps):
-                        t0 = time.perf_counter()
-                        pipe.progress(it)
-                        durations.append(time.perf_counter() - t0)
-                    t = torch.tensor(durations, dtype=torch.float64)
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-                    times[k].extend(float(x) for x in t)
-                    del pipe, dmp, opt, it
-                    gc.collect()
-        finally:
-            probe.restore_affinity(old)
+        for b in range(instances):
+
+            def model(seed: int = b, w: Any = w) -> Any:
+                torch.manual_seed(seed)
+                return probe.probe_model(w)
+
+            for k in kinds[b % len(kinds):] + kinds[:b % len(kinds)]:
+                kind = defaults.PIPELINE if k == control else k
+                m = probe.measure_plan(f"{w.name}/{k}", model, plan, batches, steps=block_steps, warmup=warmup,
+                                       pg=pg, device=device,
+                                       pipeline_factory=lambda dmp, opt, dev, kind=kind: make_train_pipeline(
+                                           kind, dmp, opt, dev))
+                times[k].extend(m.durations_s[warmup:])
         ref = float(np.median(times[kinds[0]]))
         controls.append(float(np.median(times[control])) / ref)
         for k in kinds[2:]:
