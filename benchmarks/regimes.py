@@ -111,6 +111,10 @@ FORCED_KINDS = ("table_wise", "dp_small", "row_wise")
 #: interleaved run, docs/benchmarks.md section 20), so "TorchRec's best pipeline", the fastest of
 #: four models, gains from that spread as much as from the pipelines; the control shows how much.
 CONTROL_RUN = "torchrec_again"
+#: R4's 1D and 2D training steps for the loss comparison (mean loss of the last half). At 80 steps
+#: the 2D - 1D gap still moved with the steps (-0.0126..+0.0039; at 320: -0.0017..+0.0011,
+#: docs/benchmarks.md section 20).
+PARITY_STEPS = 320
 
 
 def on_gloo(precision: str) -> str:
@@ -136,6 +140,11 @@ TARGETS: Tuple[Tuple[str, str, float, str, str], ...] = (
     ("geo_torchrec_best_pipeline_over_sparselift_unshaped", ">=", 1.1, "network",
      "same with the unshaped-only profile: >= 1.1x best pipeline"),
     ("geo_sparselift_unshaped_over_best", "<=", 1.05, "network", "same with the unshaped-only profile: within 5% of best"),
+    ("geo_torchrec_over_sparselift_auto", ">=", 1.3, "R4",
+     "SparseLift with 2D allowed (the planner's 1D/2D choice) >= 1.3x TorchRec default (geomean)"),
+    ("geo_torchrec_best_pipeline_over_sparselift_auto", ">=", 1.1, "R4",
+     "SparseLift with 2D allowed >= 1.1x TorchRec best pipeline (geomean)"),
+    ("geo_sparselift_auto_over_best", "<=", 1.05, "R4", "SparseLift with 2D allowed within 5% of the best plan measured"),
     ("geo_torchrec_qcomm_over_lossy", ">=", 1.0, "all", "SparseLift lossy >= TorchRec with qcomm by hand (geomean)"),
     ("min_torchrec_over_sparselift", ">=", 0.98, "compute", "compute-bound: SparseLift >= 0.98x TorchRec on every workload"),
     ("mape_regime", "<=", 0.15, "all", "prediction MAPE <= 15% (regime profile)"),
@@ -169,7 +178,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--calibration-steps", type=int, help="timed steps per probe plan of a calibration "
                    "(default 10; --quick 6)")
     p.add_argument("--parity-steps", type=int, help="R4: 1D and 2D training steps for the loss comparison "
-                   "(default 80; --quick 20)")
+                   f"(default {PARITY_STEPS}; --quick 20)")
     p.add_argument("--out", default="runs/regimes.json", help="merged JSON (driver) or this regime's JSON (--job)")
     p.add_argument("--burst", help="the testbed links' token-bucket depth (tc's units, e.g. 128kb; default: the "
                    "testbed's, see docs/testbed.md)")
@@ -193,7 +202,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.fresh_models = not args.keep_models
     args.steps = args.steps if args.steps is not None else (4 if q else 6)
     args.warmup = args.warmup if args.warmup is not None else 2
-    args.parity_steps = args.parity_steps if args.parity_steps is not None else (20 if q else 80)
+    args.parity_steps = args.parity_steps if args.parity_steps is not None else (20 if q else PARITY_STEPS)
     args.calibration_steps = args.calibration_steps if args.calibration_steps is not None else (6 if q else 10)
     for name in ("reps", "steps", "batches", "parity_steps"):
         if getattr(args, name) < 1:
@@ -258,6 +267,7 @@ def summarize_workload(rows: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
     lossless = {n: v for n, v in lossless.items() if v is not None}
     best = min(lossless, key=lossless.get) if lossless else None
     sl, slu, lossy = _ms(rows, "sparselift"), _ms(rows, "sparselift_unshaped"), _ms(rows, "sparselift_lossy")
+    sla = _ms(rows, "sparselift_auto")
     if slu is None and (rows.get("sparselift") or {}).get("profile") == "unshaped":
         slu = sl  # --profile-from unshaped: SparseLift's plan is the unshaped-profile plan
     out: Dict[str, Any] = dict(
@@ -268,6 +278,9 @@ def summarize_workload(rows: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
         torchrec_over_sparselift_unshaped=ratio(tr, slu),
         torchrec_best_pipeline_over_sparselift_unshaped=ratio(pipes.get(best_pipe), slu),
         sparselift_unshaped_over_best=ratio(slu, lossless.get(best)),
+        torchrec_over_sparselift_auto=ratio(tr, sla),
+        torchrec_best_pipeline_over_sparselift_auto=ratio(pipes.get(best_pipe), sla),
+        sparselift_auto_over_best=ratio(sla, lossless.get(best)),
         torchrec_qcomm_over_lossy=ratio(qcomm.get(best_q), lossy),
         torchrec_over_lossy=ratio(tr, lossy),
         control_over_torchrec=ratio(_ms(rows, CONTROL_RUN), tr),
@@ -298,8 +311,9 @@ def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dic
     out: Dict[str, Any] = dict(regime=regime, kind=REGIMES[regime]["kind"], workloads=len(workloads))
     keys = ["torchrec_over_sparselift", "torchrec_best_pipeline_over_sparselift", "sparselift_over_best",
             "torchrec_over_sparselift_unshaped", "torchrec_best_pipeline_over_sparselift_unshaped",
-            "sparselift_unshaped_over_best", "torchrec_qcomm_over_lossy", "torchrec_over_lossy",
-            "control_over_torchrec"]
+            "sparselift_unshaped_over_best", "torchrec_over_sparselift_auto",
+            "torchrec_best_pipeline_over_sparselift_auto", "sparselift_auto_over_best", "torchrec_qcomm_over_lossy",
+            "torchrec_over_lossy", "control_over_torchrec"]
     for k in keys:
         vals = [w["ratios"].get(k) for w in workloads]
         out[f"geo_{k}"] = _geo(vals)
@@ -404,7 +418,8 @@ def format_workload(res: Mapping[str, Any]) -> str:
     if res.get("parity"):
         p = res["parity"]
         lines.append(f"loss parity ({p.get('steps')} steps): " + (
-            f"1D {p['loss_1d']:.5f}, 2D {p['loss_2d']:.5f}, gap {p['loss_gap']:+.5f}" if p.get("loss_gap") is not None
+            f"1D {p['loss_1d']:.5f}, 2D {p['loss_2d']:.5f}, gap {p['loss_gap']:+.5f} "
+            f"(standard error {_f(p.get('loss_gap_se'), '{:.5f}')})" if p.get("loss_gap") is not None
             else f"not measured: {p.get('error')}"))
     return "\n".join(lines)
 
@@ -426,6 +441,13 @@ def format_summary(merged: Mapping[str, Any]) -> str:
                      f"{_f(s['min_torchrec_over_sparselift']):>10}{pct(s['mape_regime']):>9}{pct(s['mape_unshaped']):>9}"
                      f"{_f(s['spearman_regime'], '{:.2f}'):>8}{_f(s['spearman_unshaped'], '{:.2f}'):>8}"
                      f"{_f(s.get('min_control_over_torchrec'), '{:.2f}') + '-' + _f(s.get('max_control_over_torchrec'), '{:.2f}'):>14}")
+    for name, job in merged["regimes"].items():
+        s = job["summary"]
+        if s.get("geo_torchrec_over_sparselift_auto") is not None:
+            lines.append(f"{name} with 2D allowed (the planner's 1D/2D choice, sparselift_auto): TR/SL "
+                         f"{_f(s['geo_torchrec_over_sparselift_auto'])}, TRbest/SL "
+                         f"{_f(s['geo_torchrec_best_pipeline_over_sparselift_auto'])}, SL/best "
+                         f"{_f(s['geo_sparselift_auto_over_best'])}")
     lines.append("\n# Targets")
     for name, job in merged["regimes"].items():
         for t in job["targets"]:
@@ -553,6 +575,17 @@ def signal_batches(w, n: int, seed: int, rank: int, alpha: float) -> List[Any]:
         labels = (rng.random(w.batch_size) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
         out.append(Batch(dense_features=b.dense_features, sparse_features=kjt, labels=torch.from_numpy(labels)))
     return out
+
+
+def paired_gap_se(losses_1d: Sequence[float], losses_2d: Sequence[float], block: int = 16) -> Optional[float]:
+    """Standard error of the mean 2D - 1D loss over the last half of the steps: the per-step
+    differences (same batches, same initial weights) in blocks of ``block`` steps (consecutive
+    steps are correlated), the blocks' standard deviation over the square root of their number;
+    None with fewer than two blocks."""
+    n = min(len(losses_1d), len(losses_2d))
+    diff = [b - a for a, b in zip(losses_1d[n // 2:n], losses_2d[n // 2:n])]
+    blocks = [statistics.fmean(diff[i:i + block]) for i in range(0, len(diff) - block + 1, block)]
+    return statistics.stdev(blocks) / math.sqrt(len(blocks)) if len(blocks) >= 2 else None
 
 
 def _lift(w, spec: Mapping[str, Any], device):
@@ -772,8 +805,10 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
             out[f"losses_{label}"] = losses
         out["sync_interval"] = getattr(specs["sparselift_2d"]["plan"].optimizations, "sync_interval", None)
         out["loss_gap"] = out["loss_2d"] - out["loss_1d"]
+        out["loss_gap_se"] = paired_gap_se(out["losses_1d"], out["losses_2d"])
         say(f"[regimes] {w.name}: loss parity over {steps} steps (mean of the last half): 1D {out['loss_1d']:.5f}, "
-            f"2D (sync every {out['sync_interval']}) {out['loss_2d']:.5f}, gap {out['loss_gap']:+.5f}")
+            f"2D (sync every {out['sync_interval']}) {out['loss_2d']:.5f}, gap {out['loss_gap']:+.5f} "
+            f"(standard error {_f(out['loss_gap_se'], '{:.5f}')})")
     except Exception as e:  # noqa: BLE001 - reported, the timing results stand
         out["error"] = f"{type(e).__name__}: {e}"
         say(f"[regimes] {w.name}: loss parity not measured: {out['error']}")

@@ -150,6 +150,23 @@ def test_r4_targets_two_d_decisions_and_loss_parity():
     s = regimes.summarize_regime("R4", [_workload(rows, parity=dict(loss_gap=0.001))])
     t = {x["key"]: x for x in regimes.check_targets(s)}
     assert t["two_d_decisions_right"]["met"] is True and t["two_d_loss_gap"]["met"] is False
+    # the planner's own 1D/2D choice (sparselift_auto) is reported and targeted beside the 1D plan
+    assert s["geo_torchrec_over_sparselift_auto"] == pytest.approx(100.0 / 90.0)
+    assert s["geo_sparselift_auto_over_best"] == pytest.approx(1.0)
+    assert t["geo_torchrec_over_sparselift_auto"]["met"] is False and t["geo_sparselift_auto_over_best"]["met"] is True
+    merged = regimes.merge_results({"R4": dict(regime="R4", workloads=[_workload(rows, parity=dict(loss_gap=0.001))])},
+                                   dict(quick=True))
+    assert "R4 with 2D allowed (the planner's 1D/2D choice, sparselift_auto): TR/SL 1.111" in regimes.format_summary(merged)
+    r2 = {x["key"] for x in regimes.check_targets(regimes.summarize_regime("R2", [_workload(rows)]))}
+    assert "geo_torchrec_over_sparselift_auto" not in r2  # one host: no 2D
+
+
+def test_loss_gap_standard_error_from_blocks_of_the_last_half():
+    one = [1.0] * 64
+    # the last half's per-step gaps: blocks of 16 average 0.001 and 0.003 -> se = stdev / sqrt(2) = 0.001
+    two = [9.0] * 32 + [1.001] * 16 + [1.003] * 16
+    assert regimes.paired_gap_se(one, two) == pytest.approx(0.001)
+    assert regimes.paired_gap_se(one[:40], two[:40]) is None  # one block: no spread
 
 
 def test_merge_recomputes_summaries_in_regime_order():

@@ -93,6 +93,35 @@ def _sharded(model: torch.nn.Module, t1: str):  # type: ignore[no-untyped-def]
     return ShardingPlan({"ebc": ebc_plan})
 
 
+def _load_unsharded(model: torch.nn.Module, state) -> None:  # type: ignore[no-untyped-def]
+    """Copy an unsharded state dict into a sharded model, shard by shard (sharding builds its own
+    initial table weights)."""
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            src = state[key[key.index("ebc."):] if "ebc." in key else key.split("module.", 1)[-1]]
+            if hasattr(value, "local_shards"):  # ShardedTensor
+                for shard in value.local_shards():
+                    (r, c), (rows, cols) = shard.metadata.shard_offsets, shard.tensor.shape
+                    shard.tensor.copy_(src[r:r + rows, c:c + cols])
+            else:
+                value.copy_(src)
+
+
+def _table_wise_or_dp(model: torch.nn.Module, t1: str):  # type: ignore[no-untyped-def]
+    """t0 table-wise on rank 1, t2 on rank 0, t1 table-wise on rank 0 or data-parallel."""
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.types import ShardingPlan
+
+    tw = sp.table_wise(rank=0, compute_kernel="fused")
+    ebc_plan = sp.construct_module_sharding_plan(
+        model.ebc,
+        {"t0": sp.table_wise(rank=1, compute_kernel="fused"), "t1": sp.data_parallel() if t1 == "data_parallel" else tw,
+         "t2": sp.table_wise(rank=0, compute_kernel="fused")},
+        world_size=WORLD, local_size=WORLD, device_type="cpu",
+    )
+    return ShardingPlan({"ebc": ebc_plan})
+
+
 def _plan(model: torch.nn.Module):  # type: ignore[no-untyped-def]
     return _sharded(model, "row_wise")
 
@@ -161,6 +190,23 @@ def _scenarios(rank: int, world_size: int) -> dict:
     for kind in EXACT_PIPELINE_KINDS:
         if registry_pipeline(kind).dense_kernel:
             out[f"{kind}_dp"] = _pipeline_losses(_lift(_plan_with_data_parallel, pipeline=kind), batches)
+
+    # a data-parallel table trains with the embedding optimizer on the sharded tables' summed
+    # gradients: the same losses as the same table table-wise (the dense optimizer differs on purpose)
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from torchrec_sparselift.runtime import lift
+
+    for opt_name, spec in (("sgd", (torch.optim.SGD, {"lr": 0.5})), ("rowwise_adagrad", (RowWiseAdagrad, {"lr": 0.5}))):
+        for t1 in ("table_wise", "data_parallel"):
+            torch.manual_seed(SEED)
+            model = _tiny_model()
+            start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            lifted = lift(model, _table_wise_or_dp(model, t1), device=torch.device("cpu"), pipeline="base",
+                          embedding_optimizer=spec, dense_optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.05))
+            _load_unsharded(lifted.model, start)
+            out[f"t1_{t1}_{opt_name}"] = _plain_loop_losses(lifted, batches)
+            out[f"t1_{t1}_{opt_name}_parts"] = [name for name, _opt in lifted.optimizer.optimizers]
 
     cycled = [b for _ in range(SEMI_SYNC_STEPS // 4) for b in _batches(rank, 4)]
     lifted = _lift(_plan, **SEMI_SYNC_LR, pipeline="semi_sync", pipeline_options={"start_batch": 0})
@@ -248,6 +294,19 @@ def _scenarios(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module")
 def runs():  # type: ignore[no-untyped-def]
     return run_ranks(_scenarios, WORLD, timeout_s=600)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_a_data_parallel_table_trains_as_it_would_table_wise(runs, optimizer: str) -> None:  # type: ignore[no-untyped-def]
+    # the embedding optimizer (not the dense one, lr 0.05 vs 0.5) on the sum of the ranks' gradients
+    # (DDP averages them): the plan's choice of data-parallel does not change the training
+    for res in runs:
+        tw, dp = res[f"t1_table_wise_{optimizer}"], res[f"t1_data_parallel_{optimizer}"]
+        assert len(tw) == STEPS and tw[0] == pytest.approx(dp[0], abs=1e-6)
+        assert dp == pytest.approx(tw, rel=1e-5, abs=1e-6), f"{optimizer}: data-parallel t1 {dp} vs table-wise {tw}"
+        assert res[f"t1_data_parallel_{optimizer}_parts"] == ["embeddings", "data_parallel_embeddings", "dense"]
+        assert res[f"t1_table_wise_{optimizer}_parts"] == ["embeddings", "dense"]
 
 
 @pytest.mark.multiprocess

@@ -606,23 +606,21 @@ def format_plan_summary(rows: Sequence[Dict[str, Any]], tables: Sequence[TableSp
 
 def shard_model(model, plan, device, lr: float, dense_optimizer: str, dense_lr: float):
     """DistributedModelParallel(model) under ``plan`` plus one optimizer over everything trainable:
-    fused row-wise AdaGrad for sharded tables, ``dense_optimizer`` for the rest. Data-parallel
-    tables lose the in-backward marker when sharded, so the filter hands them to the dense
-    optimizer (whose gradients DDP all-reduces)."""
+    row-wise AdaGrad for every table (fused in backward; data-parallel tables, which lose the
+    in-backward marker when sharded, after their all-reduce, as ``lift`` does), ``dense_optimizer``
+    for the rest."""
     import torch
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import get_default_sharders
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from torchrec_sparselift.runtime import build_optimizer
 
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": lr})
     dmp = DistributedModelParallel(module=model, device=device, plan=plan, sharders=get_default_sharders())
-    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt_cls = torch.optim.Adagrad if dense_optimizer == "adagrad" else torch.optim.SGD
-    dense_opt = KeyedOptimizerWrapper(dense, lambda params: opt_cls(params, lr=dense_lr))
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+    return dmp, build_optimizer(dmp, lambda params: opt_cls(params, lr=dense_lr), (RowWiseAdagrad, {"lr": lr}))
 
 
 # ---------------------------------------------------------------- runtime attribution

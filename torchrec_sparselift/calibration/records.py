@@ -170,9 +170,9 @@ class HostTermRecord:
     measured alone (so the step fit need not guess them from whole steps, where they are
     collinear with table and feature counts):
 
-    * ``optimizer_tensor_s`` / ``optimizer_byte_s``: ``torch.optim.Adagrad.step`` (what the DLRM
-      example and the probes run for the dense part and every data-parallel table, one parameter
-      per table) per parameter tensor and per fp32 parameter byte;
+    * ``optimizer_tensor_s`` / ``optimizer_byte_s``: the data-parallel tables' optimizer step
+      (TorchRec's ``RowWiseAdagrad``, what the DLRM example and the probes run for every
+      data-parallel table, one parameter per table) per parameter tensor and per fp32 parameter byte;
     * ``bucketize_id_s``: fbgemm's ``block_bucketize_sparse_features`` (row-wise input dist) per id
       into 2 buckets;
     * ``a2a_byte_s``: ``all_to_all_single`` per byte sent or received by a rank.

@@ -308,7 +308,7 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
     20-40x the measured kernel cost and over-priced row-wise plans with many ids), and the
     data-parallel optimizer's per-table (``dp_table_overhead_s``) and per-byte
     (``1/dense_update_bw``, the model's dense update moves 3x the replica's bytes) terms are fitted
-    above what ``Adagrad.step`` alone costs (DDP's per-parameter work and cold caches come on top),
+    above what the tables' ``RowWiseAdagrad.step`` alone costs (DDP's per-parameter work and cold caches come on top),
     ``1/a2a_bw`` above the bare all-to-all's per-byte cost (measured across ranks; 0 when not), and
     the dense activation and interaction rates above their cost measured alone
     (``measure.microbench.bench_dense_terms``), the dense layers' FLOP rate above an MLP's alone

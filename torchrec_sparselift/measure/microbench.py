@@ -464,11 +464,21 @@ def bench_host_to_device(
 # -- host work the step fit cannot separate -----------------------------------------------------
 
 
+def _table_optimizer() -> type:
+    """The optimizer that steps data-parallel tables in the probes and the DLRM example: TorchRec's
+    row-wise AdaGrad (``runtime.build_optimizer``); AdaGrad where TorchRec is not installed."""
+    try:
+        from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+    except ImportError:
+        return torch.optim.Adagrad
+    return RowWiseAdagrad
+
+
 def _adagrad_step_s(shapes: List[Tuple[int, int]], device: torch.device, trials: int) -> float:
     params = [torch.nn.Parameter(torch.randn(*sh, device=device)) for sh in shapes]
     for q in params:
         q.grad = torch.randn_like(q)
-    opt = torch.optim.Adagrad(params, lr=0.01)
+    opt = _table_optimizer()(params, lr=0.01)
     return time_per_call(opt.step, device, warmup=2, trials=trials, target_trial_s=0.01, max_inner=50, stat="min")
 
 

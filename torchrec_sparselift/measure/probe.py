@@ -224,19 +224,19 @@ def probe_constraints(tables: Sequence[Any], kind: str, big_rows: Optional[int] 
 
 
 def shard_for_training(model, plan, device, lr: float = 0.05, dense_lr: float = 0.005):
-    """``(DistributedModelParallel, optimizer)`` as the DLRM example builds them."""
+    """``(DistributedModelParallel, optimizer)`` as the DLRM example builds them: row-wise AdaGrad
+    on every table (in backward; data-parallel tables after their all-reduce, as
+    :func:`~torchrec_sparselift.runtime.build_optimizer` does), AdaGrad on the dense part."""
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import get_default_sharders
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from torchrec_sparselift.runtime.model_parallel import build_optimizer
 
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": lr})
     dmp = DistributedModelParallel(module=model, device=device, plan=plan, sharders=get_default_sharders())
-    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    dense_opt = KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adagrad(params, lr=dense_lr))
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+    return dmp, build_optimizer(dmp, lambda params: torch.optim.Adagrad(params, lr=dense_lr), (RowWiseAdagrad, {"lr": lr}))
 
 
 @attrs.frozen

@@ -300,7 +300,8 @@ class SparseLiftModelParallel(DistributedModelParallel):
     (``sharding_group_size`` set) needs ``DMPCollection``: use :func:`lift`.
     ``embedding_optimizer``: ``(optimizer class, kwargs)`` applied in backward
     (``apply_optimizer_in_backward``) to every embedding table before sharding, i.e. fused into
-    TBE; leave None if the model already has one. Other keywords go to ``DistributedModelParallel``.
+    TBE, and to the data-parallel tables after DDP's all-reduce (:func:`build_optimizer`); leave
+    None if the model already has one. Other keywords go to ``DistributedModelParallel``.
     ``settings`` keeps what was applied; :meth:`train_pipeline` builds the planned pipeline.
     """
 
@@ -342,6 +343,7 @@ class SparseLiftModelParallel(DistributedModelParallel):
         )
         self.settings: RuntimeSettings = settings
         self.sharding_plan: ShardingPlan = sharding_plan
+        self.embedding_optimizer: Optional[EmbeddingOptimizerSpec] = embedding_optimizer
         logger.info("sparselift: DMP on %s applying %s", device, settings.label())
 
     def train_pipeline(
@@ -358,7 +360,7 @@ class SparseLiftModelParallel(DistributedModelParallel):
         """
         kind = kind or self.settings.pipeline
         check_pipeline_supports_plan(kind, self.sharding_plan)
-        optimizer = build_optimizer(self, dense_optimizer_factory)
+        optimizer = build_optimizer(self, dense_optimizer_factory, self.embedding_optimizer)
         pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options)
         return pipeline, optimizer
 
@@ -375,13 +377,35 @@ def _resolve_env(env: Optional[ShardingEnv], pg: Optional[dist.ProcessGroup]) ->
     return ShardingEnv.from_process_group(pg)
 
 
-def build_optimizer(model: nn.Module, dense_optimizer_factory: Optional[DenseOptimizerFactory]) -> KeyedOptimizer:
+def _data_parallel_tables(model: nn.Module) -> Dict[str, nn.Parameter]:
+    """The embedding tables of ``model`` that no in-backward optimizer updates (TorchRec's
+    data-parallel tables: DENSE kernel, gradients all-reduced), under their
+    ``model.named_parameters()`` names."""
+    sharded_modules = [m for m in model.modules() if type(m).__name__ in _SHARDED_EMBEDDING_MODULES]
+    ids = {id(p) for m in sharded_modules for p in m.parameters() if not hasattr(p, "_in_backward_optimizers")}
+    return {k: v for k, v in model.named_parameters() if id(v) in ids and v.requires_grad}
+
+
+#: TorchRec's sharded embedding modules, whose parameters are the tables.
+_SHARDED_EMBEDDING_MODULES = frozenset({"ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"})
+
+
+def build_optimizer(
+    model: nn.Module,
+    dense_optimizer_factory: Optional[DenseOptimizerFactory],
+    embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
+) -> KeyedOptimizer:
     """The optimizer a train pipeline steps: fused (in-backward) embedding optimizer + dense one.
 
-    Dense parameters are every parameter without an in-backward optimizer (this includes
-    data-parallel tables, whose gradients DDP all-reduces). ``dense_optimizer_factory(params)``
-    builds their optimizer; it is required whenever such parameters exist. The fused part's
-    ``step()`` only pushes the learning rate into TBE (the update itself runs in backward).
+    With ``embedding_optimizer`` (the ``(class, kwargs)`` given to :func:`lift`), data-parallel
+    tables train with it too, a regular step on their all-reduced gradient (the sum over ranks,
+    as a sharded table's), so a plan's choice of data-parallel does not change how a table
+    learns (``tests/test_runtime_pipelines.py`` checks the losses equal table-wise ones). Without it (the embedding optimizer applied
+    by the caller, as in TorchRec's examples) data-parallel tables are dense parameters.
+    Dense parameters are every other parameter without an in-backward optimizer;
+    ``dense_optimizer_factory(params)`` builds their optimizer; it is required whenever such
+    parameters exist. The fused part's ``step()`` only pushes the learning rate into TBE (the
+    update itself runs in backward).
     """
     dense = dict(in_backward_optimizer_filter(model.named_parameters()))
     dense = {k: v for k, v in dense.items() if v.requires_grad}
@@ -389,6 +413,13 @@ def build_optimizer(model: nn.Module, dense_optimizer_factory: Optional[DenseOpt
     parts: List[Tuple[str, KeyedOptimizer]] = []
     if fused is not None and fused.params:
         parts.append(("embeddings", fused))
+    if embedding_optimizer is not None:
+        tables = {k: v for k, v in _data_parallel_tables(model).items() if k in dense}
+        if tables:
+            cls, kwargs = embedding_optimizer
+            parts.append(("data_parallel_embeddings", KeyedOptimizerWrapper(
+                tables, lambda params: cls(params, **dict(kwargs)))))
+            dense = {k: v for k, v in dense.items() if k not in tables}
     if dense:
         if dense_optimizer_factory is None:
             names = ", ".join(sorted(dense)[:3]) + (", ..." if len(dense) > 3 else "")
@@ -553,7 +584,7 @@ def _lift_2d(
         strategy=strategy,
         **two_d_kwargs,
     )
-    optimizer = build_optimizer(model, dense_optimizer_factory)
+    optimizer = build_optimizer(model, dense_optimizer_factory, embedding_optimizer)
     options = dict(pipeline_options or {})
     if not periodic and settings.pipeline in PIPELINES_2D:
         # fully_sharded averages the weights inside every step: the pipeline never calls sync()
