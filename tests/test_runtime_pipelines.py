@@ -305,7 +305,7 @@ def test_a_data_parallel_table_trains_as_it_would_table_wise(runs, optimizer: st
         tw, dp = res[f"t1_table_wise_{optimizer}"], res[f"t1_data_parallel_{optimizer}"]
         assert len(tw) == STEPS and tw[0] == pytest.approx(dp[0], abs=1e-6)
         assert dp == pytest.approx(tw, rel=1e-5, abs=1e-6), f"{optimizer}: data-parallel t1 {dp} vs table-wise {tw}"
-        assert res[f"t1_data_parallel_{optimizer}_parts"] == ["embeddings", "data_parallel_embeddings", "dense"]
+        assert res[f"t1_data_parallel_{optimizer}_parts"] == ["embeddings", "dense_kernel_embeddings", "dense"]
         assert res[f"t1_table_wise_{optimizer}_parts"] == ["embeddings", "dense"]
 
 

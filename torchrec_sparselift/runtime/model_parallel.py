@@ -377,12 +377,14 @@ def _resolve_env(env: Optional[ShardingEnv], pg: Optional[dist.ProcessGroup]) ->
     return ShardingEnv.from_process_group(pg)
 
 
-def _data_parallel_tables(model: nn.Module) -> Dict[str, nn.Parameter]:
-    """The embedding tables of ``model`` that no in-backward optimizer updates (TorchRec's
-    data-parallel tables: DENSE kernel, gradients all-reduced), under their
-    ``model.named_parameters()`` names."""
+def _dense_kernel_tables(model: nn.Module) -> Dict[str, nn.Parameter]:
+    """The embedding tables (or table shards) of ``model`` that no in-backward optimizer updates,
+    under their ``model.named_parameters()`` names: TorchRec's dense-kernel tables, i.e. the
+    data-parallel ones (gradients all-reduced) and any sharded with ``compute_kernel="dense"``. A
+    rank's empty placeholder for a table it holds no shard of is left out (nothing to update)."""
     sharded_modules = [m for m in model.modules() if type(m).__name__ in _SHARDED_EMBEDDING_MODULES]
-    ids = {id(p) for m in sharded_modules for p in m.parameters() if not hasattr(p, "_in_backward_optimizers")}
+    ids = {id(p) for m in sharded_modules for p in m.parameters()
+           if not hasattr(p, "_in_backward_optimizers") and p.dim() == 2 and p.numel() > 0}
     return {k: v for k, v in model.named_parameters() if id(v) in ids and v.requires_grad}
 
 
@@ -397,10 +399,12 @@ def build_optimizer(
 ) -> KeyedOptimizer:
     """The optimizer a train pipeline steps: fused (in-backward) embedding optimizer + dense one.
 
-    With ``embedding_optimizer`` (the ``(class, kwargs)`` given to :func:`lift`), data-parallel
-    tables train with it too, a regular step on their all-reduced gradient (the sum over ranks,
-    as a sharded table's), so a plan's choice of data-parallel does not change how a table
-    learns (``tests/test_runtime_pipelines.py`` checks the losses equal table-wise ones). Without it (the embedding optimizer applied
+    With ``embedding_optimizer`` (the ``(class, kwargs)`` given to :func:`lift`), the tables no
+    in-backward optimizer updates (TorchRec's dense kernel: data-parallel tables, and tables
+    sharded with ``compute_kernel="dense"``) train with it too, a regular step on their gradient
+    (a data-parallel table's all-reduced one is the sum over ranks, as a sharded table's), so a
+    plan's choice of data-parallel does not change how a table learns
+    (``tests/test_runtime_pipelines.py`` checks the losses equal table-wise ones). Without it (the embedding optimizer applied
     by the caller, as in TorchRec's examples) data-parallel tables are dense parameters.
     Dense parameters are every other parameter without an in-backward optimizer;
     ``dense_optimizer_factory(params)`` builds their optimizer; it is required whenever such
@@ -414,10 +418,10 @@ def build_optimizer(
     if fused is not None and fused.params:
         parts.append(("embeddings", fused))
     if embedding_optimizer is not None:
-        tables = {k: v for k, v in _data_parallel_tables(model).items() if k in dense}
+        tables = {k: v for k, v in _dense_kernel_tables(model).items() if k in dense}
         if tables:
             cls, kwargs = embedding_optimizer
-            parts.append(("data_parallel_embeddings", KeyedOptimizerWrapper(
+            parts.append(("dense_kernel_embeddings", KeyedOptimizerWrapper(
                 tables, lambda params: cls(params, **dict(kwargs)))))
             dense = {k: v for k, v in dense.items() if k not in tables}
     if dense:
