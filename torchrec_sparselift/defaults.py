@@ -42,8 +42,8 @@ STORAGE_RESERVATION_PERCENTAGE = 0.15
 #: Relative change of the workload statistics up to which a cached plan is reused.
 DRIFT_TOLERANCE = 0.2
 #: Largest 2D replica-sync interval the planner may choose unless allowed more: the largest interval
-#: measured at quality parity with 1D (``cost.two_d.PARITY_EVIDENCE``).
-MAX_SYNC_INTERVAL = 16
+#: measured at quality parity with 1D on every workload tried (``cost.two_d.PARITY_EVIDENCE``).
+MAX_SYNC_INTERVAL = 4
 #: The planner picks the smallest 2D sync interval whose amortised sync costs at most this share
 #: of the step.
 SYNC_OVERHEAD = 0.05
