@@ -299,8 +299,9 @@ def runs():  # type: ignore[no-untyped-def]
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_a_data_parallel_table_trains_as_it_would_table_wise(runs, optimizer: str) -> None:  # type: ignore[no-untyped-def]
-    # the embedding optimizer (not the dense one, lr 0.05 vs 0.5) on the sum of the ranks' gradients
-    # (DDP averages them): the plan's choice of data-parallel does not change the training
+    # the embedding optimizer (not the dense one, lr 0.05 vs 0.5) on the table's all-reduced gradient
+    # (the sum over ranks, as a sharded table's): the plan's choice of data-parallel does not change
+    # the training
     for res in runs:
         tw, dp = res[f"t1_table_wise_{optimizer}"], res[f"t1_data_parallel_{optimizer}"]
         assert len(tw) == STEPS and tw[0] == pytest.approx(dp[0], abs=1e-6)

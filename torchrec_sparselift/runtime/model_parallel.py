@@ -29,8 +29,8 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.embedding import EmbeddingCollectionSharder
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.fbgemm_qcomm_codec import (
     CommType,
     QCommsConfig,
@@ -300,7 +300,7 @@ class SparseLiftModelParallel(DistributedModelParallel):
     (``sharding_group_size`` set) needs ``DMPCollection``: use :func:`lift`.
     ``embedding_optimizer``: ``(optimizer class, kwargs)`` applied in backward
     (``apply_optimizer_in_backward``) to every embedding table before sharding, i.e. fused into
-    TBE, and to the data-parallel tables after DDP's all-reduce (:func:`build_optimizer`); leave
+    TBE, and to the dense-kernel (e.g. data-parallel) tables (:func:`build_optimizer`); leave
     None if the model already has one. Other keywords go to ``DistributedModelParallel``.
     ``settings`` keeps what was applied; :meth:`train_pipeline` builds the planned pipeline.
     """
@@ -382,14 +382,11 @@ def _dense_kernel_tables(model: nn.Module) -> Dict[str, nn.Parameter]:
     under their ``model.named_parameters()`` names: TorchRec's dense-kernel tables, i.e. the
     data-parallel ones (gradients all-reduced) and any sharded with ``compute_kernel="dense"``. A
     rank's empty placeholder for a table it holds no shard of is left out (nothing to update)."""
-    sharded_modules = [m for m in model.modules() if type(m).__name__ in _SHARDED_EMBEDDING_MODULES]
+    sharded_modules = [m for m in model.modules()
+                       if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection))]
     ids = {id(p) for m in sharded_modules for p in m.parameters()
            if not hasattr(p, "_in_backward_optimizers") and p.dim() == 2 and p.numel() > 0}
     return {k: v for k, v in model.named_parameters() if id(v) in ids and v.requires_grad}
-
-
-#: TorchRec's sharded embedding modules, whose parameters are the tables.
-_SHARDED_EMBEDDING_MODULES = frozenset({"ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"})
 
 
 def build_optimizer(
@@ -404,8 +401,9 @@ def build_optimizer(
     sharded with ``compute_kernel="dense"``) train with it too, a regular step on their gradient
     (a data-parallel table's all-reduced one is the sum over ranks, as a sharded table's), so a
     plan's choice of data-parallel does not change how a table learns
-    (``tests/test_runtime_pipelines.py`` checks the losses equal table-wise ones). Without it (the embedding optimizer applied
-    by the caller, as in TorchRec's examples) data-parallel tables are dense parameters.
+    (``tests/test_runtime_pipelines.py`` checks the losses equal table-wise ones). Without it (the
+    embedding optimizer applied by the caller, as in TorchRec's examples) data-parallel tables are
+    dense parameters.
     Dense parameters are every other parameter without an in-backward optimizer;
     ``dense_optimizer_factory(params)`` builds their optimizer; it is required whenever such
     parameters exist. The fused part's ``step()`` only pushes the learning rate into TBE (the
