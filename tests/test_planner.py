@@ -202,7 +202,8 @@ def test_exact_milp_never_worse_than_heuristic_and_tightens_bound():
 def test_2d_planning_returns_group_local_plan_with_sync_interval():
     wl = production(20, seed=2)
     topo = _topo(16)
-    planner, res = _plan(wl.module(), topo, 256, wl.constraints(), sharding_group_size=4, sync_interval=8)
+    planner, res = _plan(wl.module(), topo, 256, wl.constraints(), sharding_group_size=4, sync_interval=8,
+                         max_sync_interval=8)  # above the default bound (4): the explicit allowance
     assert res.sharding_group_size == 4 and res.sync_interval == 8
     ranks = {r for mp in res.sharding_plan.plan.values() for ps in mp.values() for r in ps.ranks}
     assert ranks <= set(range(4))
