@@ -621,18 +621,22 @@ class _Cycle:
 
 def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warmup: int, pg,
               after_build: Optional[Callable[[Any], None]] = None,
-              kept: Optional[Dict[str, Any]] = None) -> Tuple[float, List[float], float]:
+              kept: Optional[Dict[str, Any]] = None, period: int = 1) -> Tuple[float, List[float], float]:
     """Run ``warmup + steps`` steps on ``batches`` (cycled) with this rank pinned to its cores (as
     :func:`~torchrec_sparselift.measure.probe.measure_plan` times the calibration's probes) on a
     model sharded now (``build()`` -> Lifted), or, with ``kept`` (a dict), on the model a previous
-    call kept there (built on the first call); returns the median over the timed steps of the
-    per-step slowest rank (seconds), every step's loss averaged over ranks, and the seconds spent
-    sharding."""
+    call kept there (built on the first call); returns the steady step of the per-step slowest
+    rank (seconds; :func:`~torchrec_sparselift.runtime.timing.steady_step_s`: the median, or for a
+    2D plan that syncs every ``period`` steps the median of the means of whole sync intervals,
+    ``steps`` rounded up to a multiple of ``period``), every step's loss averaged over ranks, and
+    the seconds spent sharding."""
     import torch
     import torch.distributed as dist
 
     from torchrec_sparselift.measure.probe import pin_rank_to_core, restore_affinity
+    from torchrec_sparselift.runtime.timing import steady_step_s
 
+    steps = -(-max(steps, period) // period) * period
     old = pin_rank_to_core(pg)
     try:
         t_build = time.perf_counter()
@@ -665,7 +669,17 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
         gc.collect()
     finally:
         restore_affinity(old)
-    return statistics.median([float(x) for x in mx[warmup:]]), [float(x) for x in ls], build_s
+    return steady_step_s([float(x) for x in mx[warmup:]], period), [float(x) for x in ls], build_s
+
+
+def sync_period(spec: Mapping[str, Any], world_size: int) -> int:
+    """Steps between a run's periodic replica syncs (1 for 1D and ``fully_sharded``): its steps
+    are timed over whole intervals."""
+    opt = getattr(spec["plan"], "optimizations", None)
+    group = getattr(opt, "sharding_group_size", None)
+    if group is None or group >= world_size or getattr(opt, "strategy", None) == "fully_sharded":
+        return 1
+    return int(getattr(opt, "sync_interval", 1) or 1)
 
 
 def _settings_of(spec: Mapping[str, Any]) -> Tuple[str, str, str, Optional[int]]:
@@ -846,7 +860,8 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
                 continue
             try:
                 secs, losses, build_s = timed_run(lambda: _lift(w, s, device), batches, args.steps, args.warmup, pg,
-                                                  kept=None if args.fresh_models else s.setdefault("kept", {}))
+                                                  kept=None if args.fresh_models else s.setdefault("kept", {}),
+                                                  period=sync_period(s, W))
                 s["runs"].append(secs)
                 s["losses"] = losses
                 s.setdefault("build_s", []).append(build_s)

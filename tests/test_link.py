@@ -244,6 +244,8 @@ def test_two_gloo_ranks_on_loopback_agree_on_their_rates_and_on_a_failed_fit():
     assert rates.inter_bw is None and rates.intra_bw > 10e6 and rates.allreduce_bw > 10e6
     # one host: no link between hosts to share
     assert rates.inter_oneway_bw is None and rates.inter_solo_bw is None and rates.host_link_shared is None
+    # the replica sync's collective within the host; no hosts to sync across
+    assert rates.replica_intra_bw > 10e6 and rates.replica_inter_bw is None
     # the machine share: both ranks on this machine, its cores
     assert (rates.machine_ranks, rates.machine_cores) == (2, os.cpu_count())
     assert rates.ranks_per_core == max(1.0, 2 / os.cpu_count())
@@ -274,6 +276,8 @@ def test_a_100_mbit_link_between_two_emulated_hosts_measures_at_its_rate(tmp_pat
     # receives over one connection and reaches about half the rate per direction on per-host links
     # (0.47-0.5 measured, docs/testbed.md)
     assert 0.8 * 12.5e6 <= shaped.allreduce_bw <= 1.25 * 12.5e6, shaped.describe()
+    # the replica sync's coalesced all-reduce across the link: its rate too; no host of 2 ranks
+    assert 0.7 * 12.5e6 <= shaped.replica_inter_bw <= 1.25 * 12.5e6 and shaped.replica_intra_bw is None
     assert 0.4 * 12.5e6 <= shaped.inter_bw <= 1.25 * 12.5e6, shaped.describe()
     assert unshaped.inter_bw > 2 * shaped.inter_bw, (shaped.describe(), unshaped.describe())
     assert any("inter_bw" in d for d in links_differ(unshaped, shaped))
@@ -393,3 +397,13 @@ def test_the_ranks_of_an_emulated_host_are_found_to_share_its_link(tmp_path):
     # one rank alone sends at about the link's rate (37.5 MB/s; TCP goodput ~95%), each of two about half
     assert 0.8 * 37.5e6 <= rates.inter_solo_bw <= 1.1 * 37.5e6, rates.describe()
     assert rates.host_link_shared is True, rates.describe()
+
+
+def test_the_replica_sync_rates_round_trip_and_older_records_read_as_not_measured():
+    r = _rates(replica_intra_bw=3.8e8, replica_inter_bw=5.8e7)
+    assert LinkRates.from_json(r.to_json()) == r
+    assert "replica sync, hosts" in r.describe()
+    old = {k: v for k, v in _rates().to_dict().items() if not k.startswith("replica_")}
+    assert LinkRates.from_dict(old).replica_intra_bw is None
+    with pytest.raises(LinkRatesError, match="replica_inter_bw=0"):
+        _rates(replica_inter_bw=0)

@@ -20,7 +20,7 @@ from torchrec_sparselift.calibration.link import (
     correct_link_terms,
     corrected_bandwidth,
     links_differ,
-    with_host_link,
+    with_link_facts,
 )
 from torchrec_sparselift.calibration.store import (
     PROFILE_STORE_ENV,
@@ -222,15 +222,37 @@ def test_a_one_host_profile_used_on_hosts_sharing_a_link_gets_the_flag_with_the_
     assert ("host_link_shared", 0.0, 1.0) in c.changed
 
 
-def test_with_host_link_takes_the_measured_sharing_and_leaves_the_profile_otherwise():
-    assert with_host_link(PROFILE, _two_by_two(2.0)).host_link_shared is True
-    assert with_host_link(PROFILE, _two_by_two(2.0)) == attrs.evolve(PROFILE, host_link_shared=True)
+def test_with_link_facts_takes_the_measured_sharing_and_leaves_the_profile_otherwise():
+    assert with_link_facts(PROFILE, _two_by_two(2.0)).host_link_shared is True
+    assert with_link_facts(PROFILE, _two_by_two(2.0)) == attrs.evolve(PROFILE, host_link_shared=True)
     shared = attrs.evolve(PROFILE, host_link_shared=True)
-    assert with_host_link(shared, _two_by_two(1.0)).host_link_shared is False
+    assert with_link_facts(shared, _two_by_two(1.0)).host_link_shared is False
     for unknown in (None, _two_by_two(), _rates(hosts=1, inter_bw=None, inter_latency_s=None, ranks_per_host=2,
                                                 intra_bw=8e8, intra_latency_s=3e-4)):
-        assert with_host_link(PROFILE, unknown) is PROFILE and with_host_link(shared, unknown) is shared
-    assert with_host_link(PROFILE, _two_by_two(1.0)) is PROFILE
+        assert with_link_facts(PROFILE, unknown) is PROFILE and with_link_facts(shared, unknown) is shared
+    assert with_link_facts(PROFILE, _two_by_two(1.0)) is PROFILE
+
+
+def test_the_replica_sync_rates_are_taken_as_measured_and_price_the_2d_sync():
+    from torchrec_sparselift.cost.two_d import replica_sync_s
+    from torchrec_sparselift.semantics.layout import Layout2D
+
+    link = _two_by_two(2.0, replica_intra_bw=380e6, replica_inter_bw=58e6)
+    p = with_link_facts(PROFILE, link)
+    assert (p.replica_intra_bw, p.replica_inter_bw, p.host_link_shared) == (380e6, 58e6, True)
+    assert with_link_facts(p, link) is p
+    # a stored profile moved to the job's link takes the job's, whether or not anything else differs
+    from torchrec_sparselift.calibration.term_error import profile_on_link
+
+    assert profile_on_link(PROFILE, link, link, "stored.json").profile.replica_intra_bw == 380e6
+    # the sync's bytes at the measured rate of the link its replica groups cross, two calls' latency
+    inside, across = Layout2D(4, 2, 2, "strided"), Layout2D(4, 2, 2, "contiguous")
+    assert inside.replica_sync_intra_host and not across.replica_sync_intra_host
+    lat = 2 * p.collective_latency_s
+    assert replica_sync_s(38e6, inside, p) == pytest.approx(lat + 38e6 / 380e6)
+    assert replica_sync_s(38e6, across, p) == pytest.approx(lat + 38e6 / 58e6)
+    # not measured (presets, older profiles): the all-to-all rate of the same link
+    assert replica_sync_s(38e6, inside, PROFILE) == pytest.approx(lat + 38e6 / PROFILE.intra_host_bw)
 
 
 def _calibrate_with_fakes(rank: int, world_size: int, links) -> list:

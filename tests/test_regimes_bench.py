@@ -206,3 +206,19 @@ def test_workload_table_shows_ratios_to_torchrec_default_and_best_pipeline():
 
 def test_bf16_on_gloo_is_measured_as_the_fp16_run():
     assert regimes.on_gloo("bf16") == "fp16" and regimes.on_gloo("fp16") == "fp16" and regimes.on_gloo("fp32") == "fp32"
+
+
+def test_a_2d_run_that_syncs_periodically_is_timed_over_whole_intervals():
+    from torchrec_sparselift.plan import Optimizations
+    from torchrec_sparselift.semantics.layout import Layout2D
+
+    class _Plan:
+        def __init__(self, opt):
+            self.optimizations = opt
+
+    two_d = Optimizations(sharding_group_size=2, sync_interval=4, layout_2d=Layout2D(4, 2, 2))
+    assert regimes.sync_period({"plan": _Plan(two_d)}, 4) == 4
+    assert regimes.sync_period({"plan": _Plan(Optimizations())}, 4) == 1  # 1D
+    fully = Optimizations(sharding_group_size=2, strategy_2d="fully_sharded", layout_2d=Layout2D(4, 2, 2))
+    assert regimes.sync_period({"plan": _Plan(fully)}, 4) == 1  # synced inside every step
+    assert regimes.sync_period({"plan": object()}, 4) == 1  # TorchRec's ShardingPlan

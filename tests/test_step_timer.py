@@ -6,12 +6,15 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from torchrec_sparselift.runtime.timing import (
     StepRecord,
     StepTimer,
     load_records,
     save_records,
+    steady_step_s,
     step_stats,
 )
 
@@ -141,3 +144,28 @@ def test_foreign_json_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-d
     path.write_text(json.dumps({"records": []}))
     with pytest.raises(ValueError, match="step_records"):
         load_records(str(path))
+
+
+@given(period=st.integers(1, 8), phase=st.integers(0, 7), windows=st.integers(1, 6),
+       base=st.floats(1e-3, 1.0), spike=st.floats(0.0, 1.0))
+def test_a_periodic_cost_is_in_the_steady_step_whatever_its_phase(period, phase, windows, base, spike) -> None:  # type: ignore[no-untyped-def]
+    # one step in `period` pays `spike` more (a 2D replica sync): whichever step of the window it
+    # falls on, the steady step is the cost per step over whole windows
+    durations = [base + (spike if (i + phase) % period == 0 else 0.0) for i in range(windows * period)]
+    assert steady_step_s(durations, period) == pytest.approx(base + spike / period)
+
+
+def test_the_plain_median_would_leave_a_sync_every_fourth_step_out(fake_clock) -> None:  # type: ignore[no-untyped-def]
+    plain, windowed = StepTimer(CPU, warmup_steps=0), StepTimer(CPU, warmup_steps=0, period=4)
+    for i in range(8):
+        for timer in (plain, windowed):
+            with timer.step():
+                fake_clock.advance(0.010 + (0.040 if i % 4 == 3 else 0.0))
+    assert plain.record().measured_s == pytest.approx(0.010)
+    assert windowed.record().measured_s == pytest.approx(0.020)
+
+
+@pytest.mark.parametrize("period", [0, -1, 1.5, True])
+def test_a_period_that_is_not_a_positive_whole_number_of_steps_is_refused(period) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="period must be a positive number of steps"):
+        StepTimer(CPU, period=period)

@@ -151,11 +151,12 @@ def _per_module_worker(rank, world):
 
     torch.manual_seed(rank)  # replicas start apart on purpose
     net, ebc_plan, ec_plan, sharders = _nets()
-    opt = Optimizations(sharding_group_size=1, sync_interval=1, layout_2d=Layout2D(2, 2, 1))
+    opt = Optimizations(sharding_group_size=1, sync_interval=3, layout_2d=Layout2D(2, 2, 1))
     lifted = lift(net, Plan(ebc_plan, opt), pg=dist.group.WORLD, device=torch.device("cpu"), sharders=sharders,
                   submodule_configs=[ModuleTwoD(EmbeddingCollection, ec_plan, sharding_group_size=2)],
                   pipeline="sparse_dist", dense_optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1))
     model = lifted.model
+    out["periods"] = (lifted.sync_period, lifted.step_timer().period)
     out["groups"] = [(ctx.module.__name__ if ctx.module else None, dist.get_world_size(ctx.replica_pg),
                       dist.get_world_size(ctx.sharding_pg)) for ctx in model._ctxs]
     gen = torch.Generator().manual_seed(100 + rank)
@@ -185,4 +186,5 @@ def test_lift_refuses_fully_sharded_on_cpu_and_gives_modules_their_own_2d_settin
         assert "torch.cuda.Stream" in res["fully_sharded"] and "'default'" in res["fully_sharded"]
         # default context: groups of 1 rank, 2 replicas; EmbeddingCollection: one group of 2 ranks
         assert res["groups"] == [(None, 2, 1), ("EmbeddingCollection", 1, 2)]
-        assert res["ebc_replicas_equal"] and res["finite"]
+        assert res["ebc_replicas_equal"] and res["finite"]  # the third step synced
+        assert res["periods"] == (3, 3)  # its steps are timed over whole sync intervals

@@ -841,6 +841,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
                 + (f", layout {settings.layout_2d.kind}" if settings.layout_2d is not None else ""))
         pipeline_kind, comm = settings.pipeline, f"{settings.fwd_comm_precision}/{settings.bwd_comm_precision}"
         predicted_s, timer_label = settings.predicted_step_s, settings.label()
+        timer_period = lifted.sync_period  # a 2D step is timed over whole sync intervals
     else:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -849,6 +850,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
         dmp, optimizer = shard_model(model, plan, device, args.lr, args.dense_optimizer, args.dense_lr)
         pipeline = TrainPipelineSparseDist(dmp, optimizer, device, execute_all_batches=True)
         prediction, pipeline_kind, comm, predicted_s, timer_label = None, "sparse_dist", "fp32/fp32", None, "torchrec"
+        timer_period = 1
     summary = plan_summary(plan)
     if reused:
         say(f"[dlrm] plan: reused cached execution plan from {args.plan_cache} (solver not run; {planning_s:.2f} s)")
@@ -905,7 +907,7 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
 
     from torchrec_sparselift.runtime.timing import StepTimer
 
-    timer = StepTimer(device, warmup_steps=warmup, predicted_s=predicted_s, plan=timer_label)
+    timer = StepTimer(device, warmup_steps=warmup, predicted_s=predicted_s, plan=timer_label, period=timer_period)
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm

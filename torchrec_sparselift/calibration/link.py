@@ -28,7 +28,7 @@ __all__ = [
     "differing_terms",
     "correct_link_terms",
     "corrected_bandwidth",
-    "with_host_link",
+    "with_link_facts",
     "SHARED_LINK_MARGIN",
     "PROFILE_BYTES_PER_MEASURED",
     "fit_latency_bandwidth",
@@ -70,7 +70,8 @@ _TERMS = (
 
 
 #: LinkRates fields a record may lack (measured since a later version): they read as None.
-_OPTIONAL_FIELDS = ("machine_ranks", "machine_cores", "inter_oneway_bw", "inter_solo_bw")
+_OPTIONAL_FIELDS = ("machine_ranks", "machine_cores", "inter_oneway_bw", "inter_solo_bw", "replica_intra_bw",
+                    "replica_inter_bw")
 
 
 class LinkRatesError(ValueError):
@@ -114,6 +115,14 @@ class LinkRates:
             sends, the host's other ranks idle. Their ratio decides :attr:`host_link_shared`.
             None on one host, with one rank per host, and in a record written before they were
             measured (both or neither).
+        replica_intra_bw / replica_inter_bw: bus bandwidth (the all-reduce equation's) of
+            ``allreduce_coalesced`` over several tensors, what ``DMPCollection``'s replica sync
+            calls, among the ranks of each host / among the ranks with the same local index on
+            every host, every group at once (as a 2D plan's replica groups sync). On gloo it
+            copies the tensors into one buffer and back: within a host it ran at about half a
+            plain all-reduce's rate (2 emulated hosts x 2 ranks on 2 cores, docs/benchmarks.md).
+            None where there is no such group (one rank per host / one host) and in a record
+            written before they were measured.
     """
 
     intra_bw: Optional[float]
@@ -130,6 +139,8 @@ class LinkRates:
     machine_cores: Optional[int] = None
     inter_oneway_bw: Optional[float] = None
     inter_solo_bw: Optional[float] = None
+    replica_intra_bw: Optional[float] = None
+    replica_inter_bw: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:
         problems = self.problems()
@@ -155,6 +166,7 @@ class LinkRates:
             ("inter_bw", True, True), ("inter_latency_s", False, True),
             ("spread", False, False), ("allreduce_bw", True, False), ("allreduce_latency_s", False, False),
             ("latency_spread_s", False, False), ("inter_oneway_bw", True, True), ("inter_solo_bw", True, True),
+            ("replica_intra_bw", True, True), ("replica_inter_bw", True, True),
         ):  # fmt: skip
             p = _number_problem(name, getattr(self, name), positive=positive, optional=optional)
             if p:
@@ -245,6 +257,10 @@ class LinkRates:
             else:
                 lat = getattr(self, f"{prefix}_latency_s")
                 lines.append(f"  {label:<22} {_fmt_bw(bw)}, latency {lat * 1e6:.0f} us")
+        for prefix, label in (("replica_intra", "replica sync, a host"), ("replica_inter", "replica sync, hosts")):
+            bw = getattr(self, f"{prefix}_bw")
+            if bw is not None:
+                lines.append(f"  {label:<22} {_fmt_bw(bw)} (allreduce_coalesced, every group at once)")
         if self.inter_solo_bw is not None:
             lines.insert(3, f"  {'inter-host one-way':<22} {_fmt_bw(self.inter_oneway_bw)} each of the host's ranks, "
                             f"{_fmt_bw(self.inter_solo_bw)} one alone: host link {self.host_link}")
@@ -602,13 +618,22 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
                           differences=tuple(msg for _t, msg in flagged), changed=changed, compute_factor=factor)
 
 
-def with_host_link(profile: Any, link: Optional[LinkRates]) -> Any:
-    """``profile`` with ``host_link_shared`` set to what ``link`` measured
-    (:attr:`LinkRates.host_link_shared`); ``profile`` itself when the link is None, did not
-    measure it (one host, one rank per host, an older record) or agrees. The step calibration
-    stores its fitted profile through this, so a profile calibrated on hosts whose ranks share one
-    link prices that link as shared."""
-    shared = link.host_link_shared if link is not None else None
-    if shared is None or bool(profile.host_link_shared) == shared:
+def with_link_facts(profile: Any, link: Optional[LinkRates]) -> Any:
+    """``profile`` with what ``link`` measured directly of the job's network: ``host_link_shared``
+    (:attr:`LinkRates.host_link_shared`) and the replica sync's rates (``replica_intra_bw``,
+    ``replica_inter_bw``: the collective a 2D plan's replica sync calls, timed as it runs, so
+    they are taken as measured, not corrected); ``profile`` itself when the link is None or
+    measured none of them (one host of one rank, an older record) or they agree. The step
+    calibration stores its fitted profile through this, and a stored profile moved to a job's
+    link (:func:`~torchrec_sparselift.calibration.term_error.profile_on_link`) takes the job's."""
+    if link is None:
         return profile
-    return attrs.evolve(profile, host_link_shared=shared)
+    changes: Dict[str, Any] = {}
+    shared = link.host_link_shared
+    if shared is not None and bool(profile.host_link_shared) != shared:
+        changes["host_link_shared"] = shared
+    for name in ("replica_intra_bw", "replica_inter_bw"):
+        v = getattr(link, name)
+        if v is not None and getattr(profile, name) != v:
+            changes[name] = float(v)
+    return attrs.evolve(profile, **changes) if changes else profile

@@ -210,16 +210,18 @@ def profile_on_link(profile: HardwareProfile, stored_link: Any, measured: Any, w
     the measurement's spread (:func:`with_link_errors`). The one place the planner's
     ``hardware="auto"``, the DLRM example and the benchmarks move a stored profile to a job's link.
     Reads the store only."""
-    from torchrec_sparselift.calibration.link import correct_link_terms
+    from torchrec_sparselift.calibration.link import correct_link_terms, with_link_facts
 
     errors = profile_errors(None, where, store=store)
     if stored_link is None:
-        return ProfileOnLink(profile, None, errors,
+        return ProfileOnLink(with_link_facts(profile, measured), None, errors,
                              f"the profile {where} has no link record (its link is unknown), so this job's link "
                              "is not compared with it; calibrate under this link to store one")
     correction = correct_link_terms(profile, stored_link, measured)
+    # the replica sync's rates are the job's own, measured as they run: taken, not corrected
+    on_link = with_link_facts(correction.profile, measured)
     if not correction.differs:
-        return ProfileOnLink(correction.profile, correction, errors, None)
+        return ProfileOnLink(on_link, correction, errors, None)
     if errors.measured:
         errors = with_link_errors(errors, correction, measured)
-    return ProfileOnLink(correction.profile, correction, errors, correction.describe(where))
+    return ProfileOnLink(on_link, correction, errors, correction.describe(where))

@@ -164,6 +164,13 @@ class HardwareProfile:
             its host's mean (``cost.model.shared_link_columns``, ``host_mean_rows``). False (a link per rank: GPU
             hosts with a NIC per GPU) in the presets; set from the link measurement
             (``LinkRates.host_link_shared``).
+        replica_intra_bw / replica_inter_bw: bus bandwidth (all-reduce equation) of a 2D plan's
+            replica sync within a host / across hosts: ``DMPCollection``'s ``allreduce_coalesced``
+            of the shards' weights and optimizer state, every replica group at once, as the job's
+            link measurement times it (:class:`~torchrec_sparselift.calibration.link.LinkRates`;
+            on gloo the call copies the tensors into one buffer and back, so within a host it runs
+            at about half a plain all-reduce's rate). None (presets, a profile without a link
+            measurement): ``intra_host_bw`` / ``inter_host_bw``.
         The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the
         presets; :mod:`torchrec_sparselift.calibration.step_fit` fits them from measured steps
         (all but ``lookup_cache_bytes``).
@@ -206,6 +213,8 @@ class HardwareProfile:
                                                                   validator=_pipeline_factors)
     host_link_shared: bool = attrs.field(default=False)
     inter_reduce_scatter_factor: Optional[float] = attrs.field(default=None)
+    replica_intra_bw: Optional[float] = attrs.field(default=None)
+    replica_inter_bw: Optional[float] = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):
@@ -229,6 +238,10 @@ class HardwareProfile:
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"HardwareProfile.{name} must be None or a positive finite number, got {v!r}")
+        for name in ("replica_intra_bw", "replica_inter_bw"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"HardwareProfile.{name} must be None or a positive finite number, got {v!r}")
 
     def pipeline_factor(self, name: str) -> float:
         """The measured step factor of pipeline ``name`` (``pipeline_factors``; 1.0 when not measured)."""
@@ -243,6 +256,15 @@ class HardwareProfile:
         if inter_host and self.inter_reduce_scatter_factor is not None:
             return float(self.inter_reduce_scatter_factor)
         return float(self.reduce_scatter_factor)
+
+    def replica_bw(self, inter_host: bool) -> float:
+        """Bus bandwidth of the 2D replica sync across hosts (``inter_host``) or within one:
+        ``replica_inter_bw`` / ``replica_intra_bw`` where measured, else the all-to-all rate of
+        the same link (``inter_host_bw`` / ``intra_host_bw``)."""
+        v = self.replica_inter_bw if inter_host else self.replica_intra_bw
+        if v is not None:
+            return float(v)
+        return float(self.inter_host_bw if inter_host else self.intra_host_bw)
 
     def rate(self, name: str) -> float:
         """The value of field ``name``; an optional rate that is None gives the field it falls

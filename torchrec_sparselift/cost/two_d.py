@@ -2,13 +2,19 @@
 
 With ``W`` ranks and sharding groups of ``G`` ranks there are ``R = W / G`` replicas. Rank ``g``
 of every group holds the same shards; every ``N`` steps the ``R`` copies average their weights
-and optimizer state with an all-reduce over the ranks holding shard ``g``:
+and optimizer state with two ``allreduce_coalesced`` calls (weights, then optimizer state) over
+the ranks holding shard ``g``, every replica group at once:
 
-    t_sync = latency + 2 (R - 1) / R * max_g bytes_g / bw_replica
+    t_sync = 2 latency + 2 (R - 1) / R * max_g bytes_g / bw_replica
     per step: t_sync / N
 
-``bw_replica`` is the intra-host bandwidth when the replica group (the ranks holding shard ``g``
-in every replica) sits on one host, else the inter-host bandwidth: which one is read from the
+``bw_replica`` (:meth:`HardwareProfile.replica_bw`) is the replica sync's measured rate within a
+host when the replica group (the ranks holding shard ``g`` in every replica) sits on one host,
+else across hosts: the job's link measurement times that very collective, every group at once
+(``replica_intra_bw`` / ``replica_inter_bw``); without one, the all-to-all rate of the same link.
+On 2 emulated hosts x 2 ranks (2 cores, gloo) the all-to-all rates priced the sync 1.3x (across
+hosts) to 5x (within a host) too cheap: gloo's coalesced all-reduce copies the tensors into one
+buffer and back, and both hosts' groups share the cores. Which link is read from the
 :class:`~torchrec_sparselift.semantics.layout.Layout2D` (TorchRec's strided default keeps replica
 groups inside a host when ``R <= ranks per host``; contiguous groups put them across hosts).
 The all-to-all inside a sharding group is priced by the ordinary cost model on a group-local
@@ -97,7 +103,8 @@ def replica_sync_s(max_rank_bytes: float, layout: Layout2D, profile: HardwarePro
     R = layout.num_replicas
     if R <= 1 or max_rank_bytes <= 0:
         return 0.0
-    return profile.collective_latency_s + 2 * (R - 1) / R * max_rank_bytes / _replica_bw(layout, profile)
+    return (2 * profile.collective_latency_s
+            + 2 * (R - 1) / R * max_rank_bytes / profile.replica_bw(not layout.replica_sync_intra_host))
 
 
 def replica_sync_bytes(shards: Iterable[Tuple[int, int, int, Sequence[int]]], group_size: int,

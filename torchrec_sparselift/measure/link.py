@@ -16,7 +16,11 @@ These families are timed, each at a few message sizes with several repetitions:
   exchange both ways between two ranks can stop short of the link (on the testbed one pair's
   all-to-all reached about half of a 1 Gbit/s link each way, as fast alone as beside its host's
   other pair). Their sizing starts from the previous family's largest message;
-- **all-reduce**: ``all_reduce`` over the whole world (what the dense gradients use).
+- **all-reduce**: ``all_reduce`` over the whole world (what the dense gradients use);
+- **replica sync, within a host and across hosts**: ``allreduce_coalesced`` of
+  :data:`COALESCED_TENSORS` tensors (what ``DMPCollection``'s replica sync calls) in the intra-host
+  groups and in the inter-host groups above, every group at once (``replica_intra_bw``,
+  ``replica_inter_bw``; bandwidths only, their spreads not in ``spread``).
 
 Each family is fitted to the cost model's equations (``bytes`` = one rank's buffer, ``n`` = the
 ranks in the group)::
@@ -87,6 +91,11 @@ __all__ = [
 # module times the collectives
 
 
+#: Tensors per ``allreduce_coalesced`` call of the replica-sync families (a 2D plan syncs one per
+#: local table or shard; gloo's cost is the copy into one buffer and back, whatever their number).
+COALESCED_TENSORS = 8
+
+
 def host_key() -> str:
     """This process's host: its host name and torchrun node (``GROUP_RANK``), so that emulated
     hosts sharing one machine's name stay apart."""
@@ -102,7 +111,8 @@ class _Family:
 
     ``op``: ``"all_to_all"`` (every member sends ``1/n`` of its buffer to each other member),
     ``"one_way"`` (an ``all_to_all_single`` in which only the member of group rank ``src`` sends:
-    ``1/n`` of its buffer to each other member, who send nothing) or ``"all_reduce"``."""
+    ``1/n`` of its buffer to each other member, who send nothing), ``"all_reduce"`` or
+    ``"all_reduce_coalesced"`` (the buffer as :data:`COALESCED_TENSORS` tensors in one call)."""
 
     def __init__(self, name: str, op: str, group: Any, group_size: int, src: Optional[int] = None) -> None:
         import torch.distributed as dist
@@ -110,7 +120,7 @@ class _Family:
         self.name, self.op, self.group, self.n, self.src = name, op, group, group_size, src
         self.sender = group is not None and src is not None and dist.get_rank(group) == src
         per = (group_size - 1) / group_size
-        self.factor = 2 * per if op == "all_reduce" else per
+        self.factor = 2 * per if op.startswith("all_reduce") else per
 
 
 def _buffers(family: _Family, numel: int, device: Any) -> Tuple[Any, Any, Optional[List[int]], Optional[List[int]]]:
@@ -142,6 +152,8 @@ def _timed_call(family: _Family, numel: int, device: Any, buffers: Dict[int, Any
     if family.group is not None:
         if family.op == "all_reduce":
             dist.all_reduce(inp, group=family.group)
+        elif family.op == "all_reduce_coalesced":
+            family.group.allreduce_coalesced(list(inp.chunk(COALESCED_TENSORS))).wait()
         else:
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=family.group)
     if device.type == "cuda":
@@ -297,6 +309,7 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
     created = []
     families = []
     try:
+        replica: List[_Family] = []
         if per_host > 1:
             mine = None
             for ranks in hosts:  # every rank creates every group, in the same order
@@ -305,6 +318,7 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
                 if rank in ranks:
                     mine = g
             families.append(_Family("intra", "all_to_all", mine, per_host))
+            replica.append(_Family("replica_intra", "all_reduce_coalesced", mine, per_host))
         if len(hosts) > 1:
             mine = solo = src = None
             for j in range(per_host):
@@ -315,19 +329,22 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
                     mine, src = g, dist.get_group_rank(g, hosts[0][j])  # host 0's member sends one way
                     solo = g if j == 0 else None
             families.append(_Family("inter", "all_to_all", mine, len(hosts)))
+            replica.append(_Family("replica_inter", "all_reduce_coalesced", mine, len(hosts)))
             if per_host > 1 and sharing:
                 # host 0's ranks send one way, all at once, then local index 0's alone (the other
                 # ranks skip the calls, group None, and join every world-level barrier and max)
                 families.append(_Family("inter_oneway", "one_way", mine, len(hosts), src))
                 families.append(_Family("inter_solo", "one_way", solo, len(hosts), src))
         families.append(_Family("allreduce", "all_reduce", dist.group.WORLD, world))
+        families.extend(replica)
 
         machine_ranks, machine_cores = machine_share()
         fields: Dict[str, Any] = {"hosts": len(hosts), "ranks_per_host": per_host,
                                   "machine_ranks": machine_ranks, "machine_cores": machine_cores,
                                   "intra_bw": None, "intra_latency_s": None,
                                   "inter_bw": None, "inter_latency_s": None,
-                                  "inter_oneway_bw": None, "inter_solo_bw": None}
+                                  "inter_oneway_bw": None, "inter_solo_bw": None,
+                                  "replica_intra_bw": None, "replica_inter_bw": None}
         timed: List[Tuple[_Family, Tuple[List[int], np.ndarray]]] = []
         for fam in families:
             # the one-way families' sizing starts from the previous family's largest message
@@ -344,7 +361,7 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
             for fam, (sizes, times) in timed:
                 where = f" (family {fam.name})"
                 lat, bw, spread, latency_spread = fit_family([s * fam.factor for s in sizes], times)
-                if fam.op == "one_way":  # they decide host_link_shared only: their bandwidth alone
+                if fam.op in ("one_way", "all_reduce_coalesced"):  # one term each: their bandwidth alone
                     fields[f"{fam.name}_bw"] = bw
                     continue
                 fields[f"{fam.name}_bw"], fields[f"{fam.name}_latency_s"] = bw, lat

@@ -39,7 +39,7 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift.defaults import ranks_per_host
-from torchrec_sparselift.calibration.link import with_host_link
+from torchrec_sparselift.calibration.link import with_link_facts
 from torchrec_sparselift.calibration.pricer import PlanPricer
 from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
 from torchrec_sparselift.calibration.step_fit import FitRecord, StepFit, fit_probe_plans, records_mape, stored_info
@@ -467,7 +467,8 @@ def calibrate_steps(
     ``pipeline_factors`` and the stored info. The fitted profile's ``host_link_shared`` is the
     link's (:attr:`~torchrec_sparselift.calibration.link.LinkRates.host_link_shared`) where it was
     measured (several hosts of several ranks), the base profile's otherwise
-    (:func:`~torchrec_sparselift.calibration.link.with_host_link`)."""
+    (:func:`~torchrec_sparselift.calibration.link.with_link_facts`, which also sets the replica sync's
+    measured rates)."""
     import torch.distributed as dist
 
     base = base or base_profile(device_type)
@@ -475,7 +476,7 @@ def calibrate_steps(
     if link is None:
         link = _measured_link(progress and dist.get_rank(pg) == 0)
     # hosts whose ranks share one link: the probes are fitted priced as shared, as the profile stored
-    base = with_host_link(base, link)
+    base = with_link_facts(base, link)
     # the host microbenchmarks run before and after the probes, a minute apart, and their floors
     # take the mean of the two readings (HostTermRecord.mean_of: one reading in a slow stretch
     # lifted a floor, and with it every prediction of the many-feature DLRM workloads, by ~20%)

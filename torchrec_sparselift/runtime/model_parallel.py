@@ -453,13 +453,22 @@ class Lifted:
         return iter((self.model, self.pipeline))
 
     def step_timer(self, warmup_steps: int = 5) -> StepTimer:
-        """A :class:`StepTimer` on this device set to compare with the plan's predicted step time."""
+        """A :class:`StepTimer` on this device set to compare with the plan's predicted step time
+        (a 2D plan's over whole sync intervals: ``period`` is its interval)."""
         return StepTimer(
             self.device,
             warmup_steps=warmup_steps,
             predicted_s=self.settings.predicted_step_s,
             plan=self.settings.label(),
+            period=self.sync_period,
         )
+
+    @property
+    def sync_period(self) -> int:
+        """Steps between two periodic replica syncs (1 where nothing syncs periodically): time
+        whole multiples of it."""
+        periodic = getattr(self.model, "periodic_sync", False)
+        return int(self.settings.sync_interval or 1) if periodic and self.settings.is_2d else 1
 
 
 def lift(

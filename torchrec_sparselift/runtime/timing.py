@@ -13,7 +13,13 @@ A step is timed by the wall clock between step boundaries; on CUDA each boundary
 synchronizes the device, so a step's time includes the kernels it queued. The first
 ``warmup_steps`` steps (pipeline fill, allocator and kernel warm-up) are left out. Inside a step,
 ``timer.stage(name)`` times a part of a hand-written loop (forward, backward, optimizer): with CUDA
-events on GPU (no synchronization inside the step), with the wall clock on CPU. A train pipeline's
+events on GPU (no synchronization inside the step), with the wall clock on CPU.
+
+A 2D plan with periodic replica sync pays the sync on one step in ``sync_interval``: the median
+step would leave it out (at interval 4, three steps in four are sync-free). With ``period`` (the
+sync interval; :meth:`Lifted.step_timer` sets it) the steady step is the median over consecutive
+windows of ``period`` steps of their mean, each window holding one sync
+(:func:`steady_step_s`). A train pipeline's
 internal stages are interleaved across batches and are not separable this way; time its
 ``progress()`` as one step.
 
@@ -40,6 +46,7 @@ __all__ = [
     "StepStats",
     "StepTimer",
     "step_stats",
+    "steady_step_s",
     "save_records",
     "load_records",
 ]
@@ -61,14 +68,32 @@ class StepStats:
     stdev_s: float
 
 
-def step_stats(durations_s: Sequence[float]) -> StepStats:
-    """Median, mean, extremes and sample standard deviation of ``durations_s`` (non-empty)."""
+def steady_step_s(durations_s: Sequence[float], period: int = 1) -> float:
+    """The steady step of ``durations_s`` (seconds, in order, non-empty): their median for
+    ``period`` 1; else the median of the means of consecutive windows of ``period`` steps (a step
+    in ``period`` pays a periodic cost, the 2D replica sync: each whole window holds one),
+    leftover steps after the last whole window left out. Fewer steps than ``period``: their mean
+    (the caller should time at least one window)."""
+    if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+        raise ValueError(f"period must be a positive number of steps, got {period!r}")
+    values = [float(d) for d in durations_s]
+    if not values:
+        raise ValueError("no steady-state steps to summarise: run more steps than warmup_steps")
+    if period == 1:
+        return statistics.median(values)
+    windows = [statistics.fmean(values[i:i + period]) for i in range(0, len(values) - period + 1, period)]
+    return statistics.median(windows) if windows else statistics.fmean(values)
+
+
+def step_stats(durations_s: Sequence[float], period: int = 1) -> StepStats:
+    """Median (:func:`steady_step_s` over windows of ``period`` steps), mean, extremes and sample
+    standard deviation of ``durations_s`` (non-empty)."""
     if not durations_s:
         raise ValueError("no steady-state steps to summarise: run more steps than warmup_steps")
     values = [float(d) for d in durations_s]
     return StepStats(
         steps=len(values),
-        median_s=statistics.median(values),
+        median_s=steady_step_s(values, period),
         mean_s=statistics.fmean(values),
         min_s=min(values),
         max_s=max(values),
@@ -137,6 +162,8 @@ class StepTimer:
     ``device``: where the step runs (CUDA is synchronized at step boundaries).
     ``warmup_steps``: leading steps excluded from every statistic.
     ``predicted_s`` / ``plan``: the prediction to compare with and its label.
+    ``period``: steps per periodic cost (a 2D plan's sync interval): the measured step is the
+    median of window means (:func:`steady_step_s`).
     """
 
     def __init__(
@@ -146,6 +173,7 @@ class StepTimer:
         warmup_steps: int = 5,
         predicted_s: Optional[float] = None,
         plan: str = "",
+        period: int = 1,
     ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
@@ -155,6 +183,8 @@ class StepTimer:
         self.warmup_steps = warmup_steps
         self.predicted_s = predicted_s
         self.plan = plan
+        steady_step_s([0.0], period)  # checks period
+        self.period = period
         self._durations: List[float] = []
         self._stage_totals: Dict[str, float] = {}
         self._pending_events: List[Tuple[str, Any, Any]] = []
@@ -251,7 +281,7 @@ class StepTimer:
         With ``pg``, every rank of ``pg`` must call this; all get the slowest rank's median and mean
         (a synchronous step is as slow as its slowest participant) and ``world_size`` is pg's size.
         """
-        stats = step_stats(self.steady_durations_s)
+        stats = step_stats(self.steady_durations_s, self.period)
         median, mean, world = stats.median_s, stats.mean_s, 1
         if pg is not None:
             median, mean = self._max_over_ranks([median, mean], pg)
