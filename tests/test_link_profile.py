@@ -424,3 +424,33 @@ def test_on_one_host_only_a_loopback_several_times_apart_differs_not_the_machine
     assert any(d.startswith("topology") for d in links_differ(stored, _one_host(8e8, hosts=2)))
     two = _one_host(8e8, hosts=2)  # across hosts every term counts, latencies too
     assert any("inter_latency_s" in d for d in links_differ(two, attrs.evolve(two, inter_latency_s=1e-2)))
+
+
+def test_a_replica_rate_within_its_noise_keeps_the_profile_and_a_1d_request_ignores_it():
+    from torchrec_sparselift.calibration.link import replica_rate_differs
+
+    link = _two_by_two(2.0, replica_intra_bw=380e6, spread=0.1)
+    p = with_link_facts(PROFILE, link)
+    # the next job on the same link reads 20% more: within the 25% floor, the profile stays
+    assert with_link_facts(p, attrs.evolve(link, replica_intra_bw=456e6)) is p
+    assert with_link_facts(p, attrs.evolve(link, replica_intra_bw=200e6)).replica_intra_bw == 200e6
+    one_host = _rates(hosts=1, inter_bw=None, inter_latency_s=None, ranks_per_host=2, intra_bw=8e8,
+                      intra_latency_s=3e-4)
+    assert not replica_rate_differs(380e6, 2 * 380e6, one_host) and replica_rate_differs(380e6, 4 * 380e6, one_host)
+    assert replica_rate_differs(None, 1.0, one_host)
+
+
+def test_the_replica_rates_are_in_a_2d_request_fingerprint_only():
+    from torchrec.distributed.planner import Topology
+
+    from torchrec_sparselift.plan.request import PlanRequest
+
+    topo = Topology(world_size=4, local_world_size=2, compute_device="cpu")
+    other = attrs.evolve(PROFILE, replica_intra_bw=1e8)
+
+    def key(profile, group):
+        return PlanRequest(tables=(), topology=topo, batch_size=8, constraints={}, hardware=profile,
+                           sharding_group_size=group).cache_key()
+
+    assert key(PROFILE, None) == key(other, None)
+    assert key(PROFILE, 2) != key(other, 2)

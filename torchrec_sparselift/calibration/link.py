@@ -29,6 +29,7 @@ __all__ = [
     "correct_link_terms",
     "corrected_bandwidth",
     "with_link_facts",
+    "replica_rate_differs",
     "SHARED_LINK_MARGIN",
     "PROFILE_BYTES_PER_MEASURED",
     "fit_latency_bandwidth",
@@ -622,8 +623,9 @@ def with_link_facts(profile: Any, link: Optional[LinkRates]) -> Any:
     """``profile`` with what ``link`` measured directly of the job's network: ``host_link_shared``
     (:attr:`LinkRates.host_link_shared`) and the replica sync's rates (``replica_intra_bw``,
     ``replica_inter_bw``: the collective a 2D plan's replica sync calls, timed as it runs, so
-    they are taken as measured, not corrected); ``profile`` itself when the link is None or
-    measured none of them (one host of one rank, an older record) or they agree. The step
+    they are taken as measured, not corrected, where the profile has none or the measurement
+    differs beyond its noise, :func:`replica_rate_differs`); ``profile`` itself when the link is
+    None or measured none of them (one host of one rank, an older record) or they agree. The step
     calibration stores its fitted profile through this, and a stored profile moved to a job's
     link (:func:`~torchrec_sparselift.calibration.term_error.profile_on_link`) takes the job's."""
     if link is None:
@@ -634,6 +636,20 @@ def with_link_facts(profile: Any, link: Optional[LinkRates]) -> Any:
         changes["host_link_shared"] = shared
     for name in ("replica_intra_bw", "replica_inter_bw"):
         v = getattr(link, name)
-        if v is not None and getattr(profile, name) != v:
+        if v is not None and replica_rate_differs(getattr(profile, name), v, link):
             changes[name] = float(v)
     return attrs.evolve(profile, **changes) if changes else profile
+
+
+def replica_rate_differs(current: Optional[float], measured: float, link: LinkRates) -> bool:
+    """Whether a replica sync rate ``measured`` on ``link`` replaces the profile's ``current``:
+    always where it has none; else beyond the noise :func:`links_differ` allows a bandwidth (on
+    one host more than :data:`ONE_HOST_BANDWIDTH_RATIO` apart, else more than ``max(spread,
+    BANDWIDTH_FLOOR)`` relative), so a profile (and the plans cached for it) stays the same from
+    one job to the next on the same link."""
+    if current is None:
+        return True
+    ratio = max(current, measured) / min(current, measured)
+    if link.hosts == 1:
+        return ratio > ONE_HOST_BANDWIDTH_RATIO
+    return ratio - 1.0 > max(link.spread, BANDWIDTH_FLOOR)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import attrs
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost.hardware import TWO_D_ONLY_FIELDS, HardwareProfile
 from torchrec_sparselift.cost.model import DenseWork
 from torchrec_sparselift.plan.execution_plan import (
     COMM_PRECISIONS,
@@ -213,10 +213,19 @@ class PlanRequest:
             batch_size=self.batch_size,
             constraints_digest=canonical_digest(self.constraints),
             stats_digest=None if self.stats is None else self.stats.digest(),
-            hardware_digest=canonical_digest(self.hardware.to_dict()),
+            hardware_digest=canonical_digest(self._hardware_key()),
             options_digest=canonical_digest(self.options()),
             versions=versions if versions is not None else Versions.current(),
         )
+
+    def _hardware_key(self) -> Dict[str, Any]:
+        """The profile as the fingerprint hashes it: a 1D request without the fields that price
+        only 2D plans (:data:`~torchrec_sparselift.cost.hardware.TWO_D_ONLY_FIELDS`)."""
+        d = self.hardware.to_dict()
+        if not self.is_2d:
+            for name in TWO_D_ONLY_FIELDS:
+                d.pop(name, None)
+        return d
 
     def cache_key(self) -> str:
         """Names the cache file: every field but the statistics."""
