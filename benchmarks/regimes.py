@@ -37,8 +37,9 @@ interleaved rounds (order rotated each round); each round shards a fresh model o
 the calibration's pipeline factors; ``--keep-models``: one model per run, kept across the rounds)
 through :func:`torchrec_sparselift.runtime.lift` (fused row-wise AdaGrad in backward, dense AdaGrad: the
 optimizers of the step calibration's probes), ranks pinned, pre-built batches, ``--warmup`` untimed
-and ``--steps`` timed steps; a run's time is the slowest rank's median step, a plan's the median
-over rounds. Every run is priced by SparseLift's cost model (its plan, pipeline and precisions)
+and ``--steps`` timed steps; a run's time is the slowest rank's median step (a 2D plan's: the
+median over whole sync intervals of their mean step, ``--steps`` rounded up to a multiple of its
+interval, so the replica sync is in it), a plan's the median over rounds. Every run is priced by SparseLift's cost model (its plan, pipeline and precisions)
 under each profile; MAPE and Spearman per regime over the distinct runs.
 
 Profiles (``--profile-from``): ``regime`` calibrates under each regime's own link (step calibration
@@ -715,7 +716,9 @@ def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], err
         ep = planner.collective_plan_execution(probe_model(w), get_default_sharders(), pg)
         res = planner.last_result
         rule = res.never_slower.describe() if res is not None and res.never_slower is not None else "not run"
-        return ep, time.perf_counter() - t0, rule
+        # one replica sync as the planner priced it (rank 0 planned; None elsewhere and for 1D)
+        sync_ms = res.sync_s * res.sync_interval * 1e3 if res is not None and res.sync_s else None
+        return ep, time.perf_counter() - t0, rule, sync_ms
 
     for name in names:
         spec: Dict[str, Any] = dict(name=name, cons=pooling)
@@ -738,8 +741,8 @@ def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], err
                 kw["sharding_group_size"] = topo.local_world_size
             elif name == "sparselift_auto":
                 kw["sharding_group_size"] = "auto"
-            ep, secs, rule = sl(**kw)
-            spec.update(plan=ep, planning_s=secs, never_slower=rule)
+            ep, secs, rule, sync_ms = sl(**kw)
+            spec.update(plan=ep, planning_s=secs, never_slower=rule, replica_sync_ms=sync_ms)
             group = ep.optimizations.sharding_group_size
             spec["is_2d"] = group is not None and group < topo.world_size
             say(f"[regimes] {w.name}: {name} planned in {secs:.1f} s: {ep.summary()}; {rule}")
@@ -883,7 +886,8 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
         comm = "/".join(p if on_gloo(p) == p else f"{p}>{on_gloo(p)}" for p in (fwd, bwd))
         row = dict(types=_types(s), settings=f"{pipe} {comm}" + (f" 2D:{group}" if group and group < W else ""),
                    same_as=s["same_as"], predicted_ms=s["predicted_ms"], planning_s=s.get("planning_s"),
-                   never_slower=s.get("never_slower"), is_2d=s.get("is_2d"))
+                   never_slower=s.get("never_slower"), is_2d=s.get("is_2d"),
+                   replica_sync_ms=s.get("replica_sync_ms"))
         if s["name"].startswith("sparselift"):  # the profile it planned with
             row["profile"] = ("unshaped" if s["name"] == "sparselift_unshaped"
                               or profiles["regime"] is profiles.get("unshaped") else "regime")
