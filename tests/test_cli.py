@@ -363,7 +363,7 @@ def test_plan_and_explain_a_2d_plan_show_groups_sync_and_evidence(tmp_path, caps
     with open(out) as f:
         opt = json.load(f)["optimizations"]
     assert opt["sharding_group_size"] == 8 and opt["layout_2d"]["group_size"] == 8
-    assert opt["sync_interval"] <= opt["max_sync_interval"] == 4  # the default bound (defaults.MAX_SYNC_INTERVAL)
+    assert opt["sync_interval"] <= opt["max_sync_interval"] == 2  # the default bound (defaults.MAX_SYNC_INTERVAL)
     assert opt["strategy_2d"] in ("default", "fully_sharded")
     rc, text, err = run_cli(capsys, "explain", out, "--quiet")
     assert rc == 0, err

@@ -131,3 +131,20 @@ def test_replica_sync_bytes_are_the_fullest_ranks_weights_and_row_state():
     interval, per_step = amortised_sync(1e-3, 1.0)
     assert interval == DEFAULT_MAX_SYNC_INTERVAL and per_step == pytest.approx(1.0 / interval)
     assert np.isclose(amortised_sync(1e-3, 1e-6)[1], 1e-6)
+
+
+def test_a_2d_plans_dense_allreduce_spans_the_world_not_its_group():
+    from torchrec_sparselift.cost.model import CostContext, DenseWork, _allreduce_s
+    from torchrec_sparselift.search.equation import fixed_terms
+
+    p = PRESETS["cpu-2core-gloo"] if "cpu-2core-gloo" in PRESETS else next(iter(PRESETS.values()))
+    dense = DenseWork(param_bytes=8e6)
+    group = CostContext(profile=p, world_size=2, local_world_size=1, batch_size=64, dense=dense)
+    world = attrs.evolve(group, allreduce_world_size=4)  # DMPCollection's DDP: the global group
+    assert world.allreduce_s_per_byte() == pytest.approx(2 * 3 / 4 / p.allreduce_bw)
+    assert _allreduce_s(8e6, world) == pytest.approx(p.collective_latency_s + 8e6 * 1.5 / p.allreduce_bw)
+    assert _allreduce_s(8e6, world) > _allreduce_s(8e6, group)
+    # the solvers' step equation reads the same rate
+    assert fixed_terms(world).allreduce_per_byte == pytest.approx(1e3 * world.allreduce_s_per_byte())
+    with pytest.raises(ValueError, match="allreduce_world_size"):
+        attrs.evolve(group, allreduce_world_size=1)

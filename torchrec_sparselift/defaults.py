@@ -43,7 +43,7 @@ STORAGE_RESERVATION_PERCENTAGE = 0.15
 DRIFT_TOLERANCE = 0.2
 #: Largest 2D replica-sync interval the planner may choose unless allowed more: the largest interval
 #: measured at quality parity with 1D on every workload tried (``cost.two_d.PARITY_EVIDENCE``).
-MAX_SYNC_INTERVAL = 4
+MAX_SYNC_INTERVAL = 2
 #: The planner picks the smallest 2D sync interval whose amortised sync costs at most this share
 #: of the step.
 SYNC_OVERHEAD = 0.05

@@ -675,6 +675,7 @@ class SparseLiftPlanner(ShardingPlanner):
             local_world_size=local,
             batch_size=self._batch_size,
             dense=dense_work(module, handles),
+            allreduce_world_size=W,  # 2D: DDP all-reduces the dense gradients over the whole world
         )
         device_cap, host_cap = device_caps(reserved)
         pipelines = self._pipelines

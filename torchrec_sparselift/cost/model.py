@@ -21,7 +21,8 @@ Everything here is a pure function of immutable inputs. The equations (also in d
   splits exchange shared by all groups; ``3 * groups`` under ``TrainPipelineBase``, which does not
   fuse the splits exchanges).
 * data-parallel tables and the dense model all-reduce their gradients:
-  ``t = latency + 2 (W-1)/W * bytes / allreduce_bw``.
+  ``t = latency + 2 (n-1)/n * bytes / allreduce_bw`` over the ``n`` ranks DDP spans: the world,
+  also for a 2D plan whose tables are priced over one sharding group (``CostContext.allreduce_world_size``).
 * dense compute, forward (the backward is twice it): ``B * (flops / dense_flops + interaction_flops /
   interaction_flops_rate + activation_bytes / dense_mem_bw)`` per rank (:func:`dense_fwd_s`); its
   part independent of the embeddings (:func:`dense_fwd_indep_s`) is a phase of its own for the
@@ -36,7 +37,7 @@ Everything here is a pure function of immutable inputs. The equations (also in d
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import attrs
 import numpy as np
@@ -153,10 +154,18 @@ class CostContext:
     local_world_size: int
     batch_size: int
     dense: DenseWork = DenseWork()
+    #: Ranks the gradient all-reduce of the dense part and the data-parallel tables spans (DDP's
+    #: process group); None: ``world_size``. A 2D plan's tables are priced over one sharding
+    #: group (``world_size`` = the group), but ``DMPCollection`` wraps the dense part in DDP over
+    #: the global process group: the planner sets the whole world here.
+    allreduce_world_size: Optional[int] = None
 
     def __attrs_post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.allreduce_world_size is not None and self.allreduce_world_size < self.world_size:
+            raise ValueError(f"allreduce_world_size must be None or >= world_size {self.world_size}, "
+                             f"got {self.allreduce_world_size}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.local_world_size < 1 or self.world_size % min(self.local_world_size, self.world_size):
@@ -173,6 +182,17 @@ class CostContext:
     @property
     def num_hosts(self) -> int:
         return max(1, self.world_size // self.ranks_per_host)
+
+    @property
+    def allreduce_ranks(self) -> int:
+        """Ranks the gradient all-reduce spans (``allreduce_world_size`` or the world)."""
+        return self.allreduce_world_size or self.world_size
+
+    def allreduce_s_per_byte(self) -> float:
+        """Seconds per gradient byte of the ring all-reduce, ``2 (n-1)/n / allreduce_bw`` over
+        :attr:`allreduce_ranks` ranks (0 on one rank)."""
+        n = self.allreduce_ranks
+        return 0.0 if n <= 1 else 2 * (n - 1) / n / self.profile.allreduce_bw
 
 
 #: The link a host's ranks share when ``HardwareProfile.host_link_shared``: the profile field of
@@ -382,10 +402,9 @@ class StepTime:
 
 
 def _allreduce_s(bytes_: float, ctx: CostContext) -> float:
-    W = ctx.world_size
-    if W <= 1 or bytes_ <= 0:
+    if ctx.allreduce_ranks <= 1 or bytes_ <= 0:
         return 0.0
-    return ctx.profile.collective_latency_s + 2 * (W - 1) / W * bytes_ / ctx.profile.allreduce_bw
+    return ctx.profile.collective_latency_s + bytes_ * ctx.allreduce_s_per_byte()
 
 
 def rank_times(loads: np.ndarray, ctx: CostContext, fwd_precision: str = defaults.COMM_PRECISION,

@@ -210,7 +210,8 @@ class FixedTerms:
     :func:`torchrec_sparselift.cost.model.phase_table`'s): ``dense_fwd`` / ``dense_bwd`` (twice
     the forward), ``step_overhead``, ``lookup`` (one TBE group's fixed cost), ``group_cost`` (per
     load column, what a rank pays once per TBE group it holds), ``latency`` (one collective call;
-    0 on one rank), ``allreduce_per_byte`` (ring all-reduce, ``2 (W-1)/W / allreduce_bw``),
+    0 on one rank), ``allreduce_per_byte`` (ring all-reduce over the ranks DDP spans,
+    ``CostContext.allreduce_s_per_byte``),
     ``dense_param_bytes``, ``hidden`` (what the dense backward hides of the all-reduce: 0 without
     overlap, pipelines.terms) and ``overlap``. Build it with :func:`fixed_terms`."""
 
@@ -257,7 +258,7 @@ def fixed_terms(ctx) -> FixedTerms:
         world_size=W, dense_fwd=MS * const["dense_fwd"], dense_bwd=dense_bwd,
         step_overhead=MS * const["step_overhead"], lookup=MS * p.lookup_overhead_s,
         latency=MS * p.collective_latency_s if W > 1 else 0.0,
-        allreduce_per_byte=MS * 2 * (W - 1) / W / p.allreduce_bw,
+        allreduce_per_byte=MS * ctx.allreduce_s_per_byte(),
         dense_param_bytes=float(ctx.dense.param_bytes),
         hidden=dense_bwd if overlap else 0.0, overlap=overlap,
         group_cost=MS * layout().group_costs(p),
