@@ -57,5 +57,5 @@ def test_check_validates_the_2d_flags_with_the_fix(dlrm_main):
         code, err = _check4(dlrm_main, *args)
         assert code == 2 and words in err, (args, err[-1500:])
         assert "Traceback" not in err
-    code, err = _check4(dlrm_main, "--sharding-group-size", "2", "--2d-strategy", "default", "--sync-interval", "4")
+    code, err = _check4(dlrm_main, "--sharding-group-size", "2", "--2d-strategy", "default", "--sync-interval", "2")
     assert code == 0, err[-2000:]

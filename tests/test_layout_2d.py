@@ -207,4 +207,4 @@ def test_a_cached_2d_plan_must_match_the_asked_layout_and_bound(tmp_path):
     assert ep.optimizations.layout_2d.kind == "contiguous"
     req = _planner(16, layout_2d="strided", **kw).request(wl.module(), get_default_sharders())
     assert "layout" in req.refuses(ep)
-    assert req.max_sync_interval == 4  # the default bound
+    assert req.max_sync_interval == 2  # the default bound (defaults.MAX_SYNC_INTERVAL)
