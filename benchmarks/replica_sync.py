@@ -47,25 +47,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return a
 
 
-def _slowest(values: List[float], pg: Any) -> List[float]:
+def _timed_syncs(model: Any, n: int, pg: Any) -> List[float]:
+    """``n`` calls of ``model.sync()`` alone, each started together: the slowest rank's seconds."""
     import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    return [float(x) for x in t]
-
-
-def _timed(fn, n: int, pg: Any) -> List[float]:
     import torch.distributed as dist
 
     out = []
     for _ in range(n):
         dist.barrier(group=pg)
         t0 = time.perf_counter()
-        fn()
+        model.sync()
         out.append(time.perf_counter() - t0)
-    return _slowest(out, pg)
+    t = torch.tensor(out, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    return [float(x) for x in t]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -108,14 +103,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             steps = -(-args.steps // period) * period
             lifted = R._lift(w, s, torch.device("cpu"))
             it = R._Cycle(batches)
-            for _ in range(args.warmup):
-                lifted.pipeline.progress(it)
-            per_step = _timed(lambda: lifted.pipeline.progress(it), steps, pg)
+            timer = lifted.step_timer(warmup_steps=args.warmup)  # over whole sync intervals
+            dist.barrier(group=pg)
+            timer.time_pipeline(lifted.pipeline, it, args.warmup + steps)
+            per_step = timer.slowest_rank_durations_s(pg)[args.warmup:]
             row = dict(plan=ep.summary(), predicted_ms=ep.prediction.step_time_s * 1e3, period=period,
-                       steps_ms=[x * 1e3 for x in per_step], step_ms=steady_step_s(per_step, period) * 1e3,
+                       steps_ms=[x * 1e3 for x in per_step], step_ms=steady_step_s(per_step, timer.period) * 1e3,
                        median_ms=statistics.median(per_step) * 1e3)
             if period > 1 or ep.optimizations.is_2d:
-                syncs = _timed(lifted.model.sync, args.syncs, pg)
+                syncs = _timed_syncs(lifted.model, args.syncs, pg)
                 row["sync_measured_ms"] = [x * 1e3 for x in syncs]
                 row["sync_interval"] = ep.optimizations.sync_interval
                 row["layout"] = ep.optimizations.layout_2d.describe()[1:] if ep.optimizations.layout_2d else None
