@@ -635,7 +635,7 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
     import torch.distributed as dist
 
     from torchrec_sparselift.measure.probe import pin_rank_to_core, restore_affinity
-    from torchrec_sparselift.runtime.timing import steady_step_s
+    from torchrec_sparselift.runtime.timing import StepTimer, steady_step_s
 
     steps = -(-max(steps, period) // period) * period
     old = pin_rank_to_core(pg)
@@ -650,27 +650,24 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
             if kept is not None:
                 kept.update(lifted=lifted, it=it)
         build_s = time.perf_counter() - t_build
-        total = warmup + steps
+        timer = StepTimer(torch.device("cpu"), warmup_steps=warmup, period=period)
         gc.collect()
         dist.barrier(group=pg)
-        durations, losses = [], []
-        for _ in range(total):
-            t0 = time.perf_counter()
-            out = lifted.pipeline.progress(it)
-            durations.append(time.perf_counter() - t0)
+        losses = []
+        for _ in range(warmup + steps):
+            with timer.step():
+                out = lifted.pipeline.progress(it)
             loss = out[0] if isinstance(out, tuple) else out
             losses.append(float(loss.detach().float().mean()))
-        t = torch.tensor([durations, losses], dtype=torch.float64)
-        mx = t[0].clone()
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=pg)
-        ls = t[1].clone()
+        mx = timer.slowest_rank_durations_s(pg)
+        ls = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(ls, op=dist.ReduceOp.SUM, group=pg)
         ls /= dist.get_world_size(pg)
         del lifted, it
         gc.collect()
     finally:
         restore_affinity(old)
-    return steady_step_s([float(x) for x in mx[warmup:]], period), [float(x) for x in ls], build_s
+    return steady_step_s(mx[warmup:], period), [float(x) for x in ls], build_s
 
 
 def sync_period(spec: Mapping[str, Any], world_size: int) -> int:
