@@ -608,19 +608,14 @@ def shard_model(model, plan, device, lr: float, dense_optimizer: str, dense_lr: 
     """DistributedModelParallel(model) under ``plan`` plus one optimizer over everything trainable:
     row-wise AdaGrad for every table (fused in backward; data-parallel tables, which lose the
     in-backward marker when sharded, after their all-reduce, as ``lift`` does), ``dense_optimizer``
-    for the rest."""
+    for the rest (``measure.probe.shard_for_training``, as the calibration's probes shard)."""
     import torch
-    from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import get_default_sharders
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from torchrec_sparselift.runtime import build_optimizer
+    from torchrec_sparselift.measure.probe import shard_for_training
 
-    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": lr})
-    dmp = DistributedModelParallel(module=model, device=device, plan=plan, sharders=get_default_sharders())
     opt_cls = torch.optim.Adagrad if dense_optimizer == "adagrad" else torch.optim.SGD
-    return dmp, build_optimizer(dmp, lambda params: opt_cls(params, lr=dense_lr), (RowWiseAdagrad, {"lr": lr}))
+    return shard_for_training(model, plan, device, lr=lr,
+                              dense_optimizer_factory=lambda params: opt_cls(params, lr=dense_lr))
 
 
 # ---------------------------------------------------------------- runtime attribution

@@ -223,10 +223,13 @@ def probe_constraints(tables: Sequence[Any], kind: str, big_rows: Optional[int] 
     return out
 
 
-def shard_for_training(model, plan, device, lr: float = 0.05, dense_lr: float = 0.005):
-    """``(DistributedModelParallel, optimizer)`` as the DLRM example builds them: row-wise AdaGrad
-    on every table (in backward; data-parallel tables after their all-reduce, as
-    :func:`~torchrec_sparselift.runtime.build_optimizer` does), AdaGrad on the dense part."""
+def shard_for_training(model, plan, device, lr: float = 0.05, dense_lr: float = 0.005,
+                       dense_optimizer_factory: Optional[Callable[[Any], Any]] = None):
+    """``(DistributedModelParallel, optimizer)`` of a DLRM (``model.model.sparse_arch``) under
+    ``plan`` with TorchRec's own wrapper, as the probes and the DLRM example's TorchRec path build
+    them: row-wise AdaGrad (``lr``) on every table (in backward; data-parallel tables after their
+    all-reduce, as :func:`~torchrec_sparselift.runtime.build_optimizer` does), on the dense part
+    ``dense_optimizer_factory(params)`` (None: AdaGrad at ``dense_lr``)."""
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import get_default_sharders
@@ -236,7 +239,8 @@ def shard_for_training(model, plan, device, lr: float = 0.05, dense_lr: float = 
 
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": lr})
     dmp = DistributedModelParallel(module=model, device=device, plan=plan, sharders=get_default_sharders())
-    return dmp, build_optimizer(dmp, lambda params: torch.optim.Adagrad(params, lr=dense_lr), (RowWiseAdagrad, {"lr": lr}))
+    dense = dense_optimizer_factory or (lambda params: torch.optim.Adagrad(params, lr=dense_lr))
+    return dmp, build_optimizer(dmp, dense, (RowWiseAdagrad, {"lr": lr}))
 
 
 @attrs.frozen
