@@ -19,7 +19,7 @@ from torchrec_sparselift.calibration.term_error import term_errors, term_seconds
 from torchrec_sparselift.cost.hardware import get_profile
 from torchrec_sparselift.plan import sharding_plan_digest
 from torchrec_sparselift.plan.baseline import (
-    FIXED_TERM, TermErrors, TermTimes, decision_from_dict, never_slower,
+    FIXED_TERM, TermErrors, TermTimes, decision_from_dict, never_slower, never_slower_with_precision,
 )
 from torchrec_sparselift.plan.compare import torchrec_plan
 
@@ -139,16 +139,43 @@ def test_never_slower_accepts_true_false_or_auto():
         SparseLiftPlanner(topology=_topo(2), batch_size=512, never_slower="yes")
 
 
-def test_planner_leaves_torchrecs_plan_when_the_gain_clearly_exceeds_the_error(monkeypatch):
+def test_planner_keeps_the_lossy_comms_when_their_gain_clearly_exceeds_the_error(monkeypatch):
     # two hosts, lossy comm allowed: fp16 halves the all-to-all TorchRec's plan sends in fp32 (a
-    # predicted gain of ~50%); a profile whose step fit measured 10% error per term ("auto" applies it)
+    # predicted gain of ~50%); a profile whose step fit measured 10% error per term ("auto" applies
+    # it). SparseLift's lossy plan is priced as TorchRec's plan with the same comms (qcomm by hand),
+    # so TorchRec's placement is kept, with the lossy comms
     monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, 0.10, "a step fit"))
     topo, module = _topo(16), meta_ebc(16, 100000, 128)
     res = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True,
                             time_budget_s=2).plan_with_result(module, get_default_sharders())
     d = res.never_slower
-    assert d.applied and d.leave and d.gain_s > d.margin_s > 0 and "1/a2a_bw" in [x.term for x in d.differing]
-    assert res.search.fwd_precision != "fp32" and "SparseLift's plan kept" in res.summary()
+    lossy = (res.search.fwd_precision, res.search.bwd_precision)
+    assert d.applied and not d.leave and lossy != ("fp32", "fp32") and d.baseline == "torchrec+{}/{}".format(*lossy)
+    assert sharding_plan_digest(res.sharding_plan) == sharding_plan_digest(
+        torchrec_plan(module, get_default_sharders(), topo, 512).plan)
+    assert "TorchRec's plan with {}/{} comms kept".format(*lossy) in res.summary()
+
+
+def test_with_lossy_comms_the_plan_is_never_slower_than_torchrecs_with_them_or_without():
+    errs = TermErrors({}, 0.10, "test")
+    theirs = {("fp32", "fp32"): _times({"1/a2a_bw": 0.10, "fixed": 0.10}),
+              ("fp16", "fp16"): _times({"1/a2a_bw": 0.05, "fixed": 0.10})}
+    at = lambda f, b: theirs[(f, b)]  # noqa: E731
+    full, lossy = ("fp32", "fp32"), ("fp16", "fp16")
+    # clearly faster than TorchRec's plan with the same comms, and than at full precision
+    d, kept = never_slower_with_precision(_times({"1/a2a_bw": 0.02, "fixed": 0.08}), at, lossy, full, errs)
+    assert d.leave and kept is None
+    # priced as TorchRec's plan with the same comms: TorchRec's plan, with the lossy comms (they pay)
+    d, kept = never_slower_with_precision(_times({"1/a2a_bw": 0.05, "fixed": 0.10}), at, lossy, full, errs)
+    assert not d.leave and kept == lossy and d.baseline == "torchrec+fp16/fp16"
+    assert "TorchRec's plan with fp16/fp16 comms kept" in d.describe()
+    # the lossy comms gain too little to pay (within the error): TorchRec's plan at full precision
+    theirs[lossy] = _times({"1/a2a_bw": 0.098, "fixed": 0.10})
+    d, kept = never_slower_with_precision(_times({"1/a2a_bw": 0.098, "fixed": 0.10}), at, lossy, full, errs)
+    assert not d.leave and kept == full
+    # at full precision it is the plain rule
+    d, kept = never_slower_with_precision(_times({"1/a2a_bw": 0.02, "fixed": 0.08}), at, full, full, errs)
+    assert d.leave and kept is None and d.baseline == "torchrec"
 
 
 def test_planner_reads_the_error_it_is_given(monkeypatch):
@@ -160,7 +187,9 @@ def test_planner_reads_the_error_it_is_given(monkeypatch):
         return SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True,
                                  time_budget_s=2).plan_with_result(module, get_default_sharders())  # "auto"
 
-    assert plan(0.0).never_slower.leave
+    # no error: the lossy comms' gain stands (on TorchRec's placement, which SparseLift's prices the same)
+    lossy = plan(0.0)
+    assert lossy.never_slower.applied and lossy.search.fwd_precision != "fp32"
     kept = plan(5.0)
     assert not kept.never_slower.leave and kept.search.fwd_precision == "fp32"
     assert kept.never_slower.error_source == "test"
@@ -176,9 +205,10 @@ def test_planner_takes_the_errors_passed_to_it_over_the_store():
                                  model_errors=TermErrors({}, error, "given")).plan_with_result(
             module, get_default_sharders())
 
-    leave, kept = plan(0.0), plan(5.0)
-    assert leave.never_slower.applied and leave.never_slower.leave
-    assert not kept.never_slower.leave and kept.never_slower.error_source == "given"
+    lossy, kept = plan(0.0), plan(5.0)
+    assert lossy.never_slower.applied and lossy.search.fwd_precision != "fp32"
+    assert not kept.never_slower.leave and kept.search.fwd_precision == "fp32"
+    assert kept.never_slower.error_source == "given"
     with pytest.raises(TypeError, match="model_errors must be a TermErrors"):
         SparseLiftPlanner(topology=topo, batch_size=512, model_errors={"a": 0.1})
 

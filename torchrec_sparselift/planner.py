@@ -720,7 +720,7 @@ class SparseLiftPlanner(ShardingPlanner):
         decision is in the result's ``never_slower``."""
         from torchrec_sparselift.calibration.term_error import term_seconds
         from torchrec_sparselift.cost.pipelines import step_factor
-        from torchrec_sparselift.plan.baseline import BaselineDecision, never_slower, with_pipeline_term
+        from torchrec_sparselift.plan.baseline import BaselineDecision, never_slower_with_precision, with_pipeline_term
         from torchrec_sparselift.plan.compare import torchrec_plan
         from torchrec_sparselift.plan.evaluate import GivenPlan
 
@@ -758,12 +758,18 @@ class SparseLiftPlanner(ShardingPlanner):
             # plans cancels), each factor a term of its own (plan.baseline.with_pipeline_term)
             unscaled = attrs.evolve(profile, pipeline_factors=())
             spans = topo.world_size > topo.local_world_size
-            decision = never_slower(
+
+            def theirs_at(fwd: str, bwd: str) -> Any:
+                return with_pipeline_term(term_seconds(lambda p: theirs.step_time(p, pipeline, fwd, bwd).total_s,
+                                                       unscaled), pipeline, step_factor(profile, pipeline, spans))
+
+            # with lossy comms, against TorchRec's plan with the same comms (qcomm by hand) and at
+            # full precision (plan.baseline.never_slower_with_precision)
+            decision, kept_precision = never_slower_with_precision(
                 with_pipeline_term(term_seconds(
                     lambda p: ours.step_time(p, s.pipeline, s.fwd_precision, s.bwd_precision).total_s, unscaled),
                     s.pipeline, step_factor(profile, s.pipeline, spans)),
-                with_pipeline_term(term_seconds(lambda p: theirs.step_time(p, pipeline).total_s, unscaled),
-                                   pipeline, step_factor(profile, pipeline, spans)),
+                theirs_at, (s.fwd_precision, s.bwd_precision), (defaults.COMM_PRECISION, defaults.COMM_PRECISION),
                 self._model_errors(profile))
         except Exception as e:  # noqa: BLE001 - the rule must never fail a plan the search found
             logger.warning("SparseLiftPlanner: the never-slower rule could not price TorchRec's plan (%s: %s); "
@@ -776,8 +782,9 @@ class SparseLiftPlanner(ShardingPlanner):
             return attrs.evolve(res, never_slower=decision)
         options = list(tr.options)
         _check_complete(res.handles, options)
+        fwd, bwd = kept_precision or (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
         kept = evaluate_sharding_plan(module, tr.plan, topo, self._batch_size, self._constraints, profile,
-                                      self._workload, sharders, pipeline=pipeline)
+                                      self._workload, sharders, pipeline=pipeline, fwd_precision=fwd, bwd_precision=bwd)
         search = attrs.evolve(kept.search, solver="torchrec(never_slower)", status="kept",
                               planning_time_s=s.planning_time_s + time.monotonic() - t0)
         return attrs.evolve(kept, sharding_options=tuple(options), search=search, never_slower=decision)

@@ -16,17 +16,23 @@ The rule (docs/cost_model.md, "Never slower than TorchRec")::
 rest of the step); ``e_j`` the model's relative error of that term. A term with the same time in
 both plans moves both predictions alike and is left out; identical plans have no differing term,
 a margin of 0 and no gain, so the baseline is kept.
+
+With lossy comms allowed the candidate's precision is a choice of its own, and TorchRec's users
+set it by hand (qcomm): :func:`never_slower_with_precision` compares the candidate with TorchRec's
+plan under the *same* precisions first, and whichever of the two it keeps with TorchRec's plan as
+its users run it (full precision), so the plan handed back is never predicted slower, beyond the
+model's error, than either.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import attrs
 
 __all__ = ["FIXED_TERM", "TermErrors", "TermTimes", "TermDifference", "BaselineDecision", "never_slower",
-           "decision_from_dict", "pipeline_term", "with_pipeline_term"]
+           "never_slower_with_precision", "decision_from_dict", "pipeline_term", "with_pipeline_term"]
 
 #: The part of a predicted step that no fitted term multiplies (the breakdown's remainder).
 FIXED_TERM = "fixed"
@@ -116,6 +122,14 @@ class BaselineDecision:
     def applied(self) -> bool:
         return not self.note
 
+    @property
+    def baseline_label(self) -> str:
+        """``"TorchRec's plan"``, or ``"TorchRec's plan with fp16/fp16 comms"`` for a baseline
+        ``"torchrec+fp16/fp16"`` (:func:`never_slower_with_precision`)."""
+        if "+" in self.baseline:
+            return f"TorchRec's plan with {self.baseline.split('+', 1)[1]} comms"
+        return "TorchRec's plan"
+
     def describe(self) -> str:
         """One line: what was kept and why (gain, margin, the largest differing terms)."""
         if not self.applied:
@@ -123,11 +137,13 @@ class BaselineDecision:
         top = sorted(self.differing, key=lambda d: -d.margin_s)[:4]
         terms = ", ".join(f"{d.term} {d.candidate_s * 1e3:.2f} vs {d.baseline_s * 1e3:.2f} ms "
                           f"(error {d.error:.0%})" for d in top)
-        verdict = ("SparseLift's plan kept: predicted gain over TorchRec's plan exceeds the model's error"
-                   if self.leave else "TorchRec's plan kept: SparseLift's search found a plan priced the same"
-                   if not self.differing else "TorchRec's plan kept: the predicted gain is within the model's error")
+        theirs = self.baseline_label
+        verdict = (f"SparseLift's plan kept: predicted gain over {theirs} exceeds the model's error"
+                   if self.leave else f"{theirs} kept: SparseLift's search found a plan priced the same"
+                   if not self.differing else f"{theirs} kept: the predicted gain is within the model's error")
         rel = self.gain_s / self.baseline_s if self.baseline_s > 0 else 0.0
-        return (f"never-slower rule: {verdict}; predicted {self.candidate_s * 1e3:.2f} ms vs TorchRec's "
+        vs = "TorchRec's" + (f" with {self.baseline.split('+', 1)[1]} comms" if "+" in self.baseline else "")
+        return (f"never-slower rule: {verdict}; predicted {self.candidate_s * 1e3:.2f} ms vs {vs} "
                 f"{self.baseline_s * 1e3:.2f} ms, gain {self.gain_s * 1e3:.2f} ms ({rel:+.1%}) vs margin "
                 f"{self.margin_s * 1e3:.2f} ms" + (f"; differing terms: {terms}" if terms else "")
                 + (f"; errors from {self.error_source}" if self.error_source else ""))
@@ -177,6 +193,34 @@ def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,
     gain = baseline.total_s - candidate.total_s
     return BaselineDecision(leave=gain > margin, candidate_s=candidate.total_s, baseline_s=baseline.total_s,
                             margin_s=margin, differing=tuple(diffs), error_source=errors.source)
+
+
+def never_slower_with_precision(
+    candidate: TermTimes, baseline_at: Callable[[str, str], TermTimes], precision: Tuple[str, str],
+    full: Tuple[str, str], errors: TermErrors,
+) -> Tuple[BaselineDecision, Optional[Tuple[str, str]]]:
+    """The rule for a ``candidate`` planned with comm ``precision`` (fwd, bwd); ``baseline_at(fwd,
+    bwd)``: TorchRec's plan priced with those comms; ``full``: the precision TorchRec's users run
+    by default. Returns the decision and the precisions to keep TorchRec's plan with (None: the
+    candidate is kept).
+
+    At ``full`` it is :func:`never_slower`. A lossy ``precision``: the candidate against TorchRec's
+    plan with the same comms (qcomm by hand); if it leaves that, it must also leave TorchRec's plan
+    at ``full``, else TorchRec's plan at ``full`` is kept; if it does not, TorchRec's plan with the
+    lossy comms against it at ``full`` decides the precision TorchRec's plan is kept with."""
+    if tuple(precision) == tuple(full):
+        d = never_slower(candidate, baseline_at(*full), errors)
+        return d, (None if d.leave else tuple(full))
+    at_full = baseline_at(*full)
+    same = attrs.evolve(never_slower(candidate, baseline_at(*precision), errors),
+                        baseline=f"torchrec+{precision[0]}/{precision[1]}")
+    if same.leave:
+        d = never_slower(candidate, at_full, errors)
+        return d, (None if d.leave else tuple(full))
+    comms = never_slower(baseline_at(*precision), at_full, errors)  # the lossy comms alone
+    if comms.leave:
+        return same, tuple(precision)
+    return comms, tuple(full)
 
 
 def decision_from_dict(data: Optional[Mapping[str, Any]]) -> Optional[BaselineDecision]:
