@@ -99,16 +99,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         res: Dict[str, Any] = dict(workload=wname)
         for s in specs:
             ep = s["plan"]
-            period = R.sync_period(s, W)
-            steps = -(-args.steps // period) * period
             lifted = R._lift(w, s, torch.device("cpu"))
             it = R._Cycle(batches)
             timer = lifted.step_timer(warmup_steps=args.warmup)  # over whole sync intervals
+            period = timer.period
+            steps = -(-args.steps // period) * period
             dist.barrier(group=pg)
             timer.time_pipeline(lifted.pipeline, it, args.warmup + steps)
             per_step = timer.slowest_rank_durations_s(pg)[args.warmup:]
             row = dict(plan=ep.summary(), predicted_ms=ep.prediction.step_time_s * 1e3, period=period,
-                       steps_ms=[x * 1e3 for x in per_step], step_ms=steady_step_s(per_step, timer.period) * 1e3,
+                       steps_ms=[x * 1e3 for x in per_step], step_ms=steady_step_s(per_step, period) * 1e3,
                        median_ms=statistics.median(per_step) * 1e3)
             if period > 1 or ep.optimizations.is_2d:
                 syncs = _timed_syncs(lifted.model, args.syncs, pg)

@@ -390,6 +390,14 @@ def links_differ(stored: LinkRates, measured: LinkRates, **allowances: float) ->
     return [msg for _term, msg in differing_terms(stored, measured, **allowances)]
 
 
+def bandwidth_tolerance(spread: float, one_host: bool, floor: float = BANDWIDTH_FLOOR) -> float:
+    """How far apart (``hi / lo - 1``) two measured bandwidths may be and still agree: the
+    measured ``spread`` (at most :data:`BANDWIDTH_CEILING`), at least ``floor``; on one host at
+    least ``ONE_HOST_BANDWIDTH_RATIO - 1``."""
+    tol = max(min(spread, BANDWIDTH_CEILING), floor)
+    return max(tol, ONE_HOST_BANDWIDTH_RATIO - 1) if one_host else tol
+
+
 def differing_terms(
     stored: LinkRates,
     measured: LinkRates,
@@ -431,9 +439,7 @@ def differing_terms(
         if one_host and kind != "bw":
             continue  # loopback latencies on one host: the machine's load
         if kind == "bw":
-            tol = max(min(allowance, BANDWIDTH_CEILING), floor)
-            if one_host:
-                tol = max(tol, ONE_HOST_BANDWIDTH_RATIO - 1)
+            tol = bandwidth_tolerance(allowance, one_host, floor)
             if hi / lo - 1 <= tol:
                 continue
             allowed = f"noise allowance {tol:.0%}"
@@ -643,13 +649,9 @@ def with_link_facts(profile: Any, link: Optional[LinkRates]) -> Any:
 
 def replica_rate_differs(current: Optional[float], measured: float, link: LinkRates) -> bool:
     """Whether a replica sync rate ``measured`` on ``link`` replaces the profile's ``current``:
-    always where it has none; else beyond the noise :func:`links_differ` allows a bandwidth (on
-    one host more than :data:`ONE_HOST_BANDWIDTH_RATIO` apart, else more than ``max(spread,
-    BANDWIDTH_FLOOR)`` relative), so a profile (and the plans cached for it) stays the same from
+    always where it has none; else beyond the noise :func:`links_differ` allows a bandwidth
+    (:func:`bandwidth_tolerance`), so a profile (and the plans cached for it) stays the same from
     one job to the next on the same link."""
     if current is None:
         return True
-    ratio = max(current, measured) / min(current, measured)
-    if link.hosts == 1:
-        return ratio > ONE_HOST_BANDWIDTH_RATIO
-    return ratio - 1.0 > max(link.spread, BANDWIDTH_FLOOR)
+    return max(current, measured) / min(current, measured) - 1.0 > bandwidth_tolerance(link.spread, link.hosts == 1)
