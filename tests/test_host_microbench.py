@@ -17,6 +17,8 @@ def test_bench_host_terms_runs_the_real_kernels_and_gives_finite_non_negative_co
     rec = bench_host_terms(trials=3)
     values = rec.to_dict()
     assert all(math.isfinite(v) and v >= 0 for v in values.values()), values
+    # TorchRec's fp16 codec over an 8 MiB tensor: hundreds of microseconds, never free
+    assert rec.codec_byte_s > 0, values
 
 
 def test_bench_host_terms_recovers_known_per_tensor_byte_and_id_costs(monkeypatch):
@@ -29,12 +31,16 @@ def test_bench_host_terms_recovers_known_per_tensor_byte_and_id_costs(monkeypatc
     def adagrad(shapes, device, trials):
         return 1e-4 + per_tensor * len(shapes) + per_byte * sum(r * c * 4 for r, c in shapes)
 
-    monkeypatch.setattr(microbench, "_adagrad_step_s", adagrad)
+    monkeypatch.setattr(microbench, "_table_optimizer_step_s", adagrad)
     monkeypatch.setattr(microbench, "_bucketize_s", lambda n, device, trials: 3e-5 + per_id * n)
     monkeypatch.setattr(microbench, "bench_dense_terms", lambda *a, **k: (1.2e-9, 3e-11))
     monkeypatch.setattr(microbench, "bench_tbe_backward", lambda *a, **k: (0.6e-6, 1e-8))
     monkeypatch.setattr(microbench, "bench_dense_flops", lambda *a, **k: 7e-12)
+    per_codec_byte = 0.15e-9  # encode + decode of one fp32 byte
+    monkeypatch.setattr(microbench, "_codec_s", lambda n, device, trials: 2e-5 + per_codec_byte * 4 * n)
     rec = microbench.bench_host_terms(trials=1, passes=1)
+    # per byte a rank sends or receives: it encodes what it sends and decodes what it receives
+    assert rec.codec_byte_s == pytest.approx(per_codec_byte / 2, rel=1e-9)
     assert rec.optimizer_tensor_s == pytest.approx(per_tensor + per_byte * 16 * 64 * 4, rel=1e-9)
     assert rec.optimizer_byte_s == pytest.approx(per_byte, rel=1e-9)
     if microbench.fbgemm_available():
@@ -47,9 +53,11 @@ def test_host_fit_setup_fixes_bucketize_and_floors_the_data_parallel_optimizer()
     base = base_profile("cpu")
     same, terms, floors = host_fit_setup(base, None)
     assert same is base and tuple(terms) == tuple(CPU_STEP_TERMS) and floors == {}
-    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9)
+    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9,
+                          codec_byte_s=0.1e-9)
     fixed, terms, floors = host_fit_setup(base, host.to_dict())  # the stored dict form too
     assert fixed.bucketize_id_s == 15e-9
+    assert fixed.codec_byte_s == 0.1e-9  # measured alone, taken as it is (no probe runs a lossy comm)
     assert "bucketize_id_s" not in {t.name for t in terms}
     assert floors == {"dp_table_overhead_s": 30e-6, "1/dense_update_bw": pytest.approx(0.2e-9),
                       "reduce_scatter_factor": 1.0}

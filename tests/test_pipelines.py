@@ -47,6 +47,7 @@ from torchrec_sparselift.cost.pipelines import (
 )
 from torchrec_sparselift.explain import critical_path, step_timeline, timeline_end
 from torchrec_sparselift.search.lp import composition_rows, term_entries
+from torchrec_sparselift.search.equation import codec_coefficients, codec_per_z, column_scale
 
 
 def _phases_in(node):
@@ -92,12 +93,14 @@ def _lp_total_ms(pipeline, colmax, allreduce_bytes, groups, ctx, fwd, bwd):
     variable holds this plan's value (an integral point of the LP)."""
     p = ctx.profile
     ms = 1e3
-    z = {c: i for i, c in enumerate(load_layout().compute)}  # every compute column's maximum
+    lay = load_layout()
+    z = {c: i for i, c in enumerate(lay.compute + lay.link)}  # every compute and link column's maximum
     nz = len(z)
     iy_in, iy_out, ia, ilat, itot, iany = nz, nz + 1, nz + 2, nz + 3, nz + 4, nz + 5
     val = np.zeros(nz + 6)
+    col_scale = column_scale(p)
     for c, i in z.items():
-        val[i] = ms * colmax[c]
+        val[i] = col_scale[c] * colmax[c]
     val[iy_in] = ms * max(colmax[IN_INTRA] / p.intra_host_bw, colmax[IN_INTER] / p.inter_host_bw)
     val[iy_out] = ms * max(colmax[OUT_INTRA] / p.intra_host_bw, colmax[OUT_INTER] / p.inter_host_bw)
     ph = step_time(colmax, allreduce_bytes, groups, ctx, pipeline, fwd, bwd).phases
@@ -108,7 +111,8 @@ def _lp_total_ms(pipeline, colmax, allreduce_bytes, groups, ctx, fwd, bwd):
     val[iany] = 1.0 if groups else 0.0
     forms = term_entries(z, iy_in, iy_out, ia, PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
                          ms * ph["dense_fwd"], ms * ph["dense_bwd"], ilat=ilat, iany=iany, latency=latency,
-                         fused_splits=pipeline_kind(pipeline).fused_input_splits)
+                         fused_splits=pipeline_kind(pipeline).fused_input_splits,
+                         codec=codec_coefficients(codec_per_z(p), fwd, bwd))
     for part in (q for qs in PHASE_PARTS.values() for q in qs):  # the split dense phases: constants
         forms[part] = ([], ms * ph[part])
     rows = composition_rows(pipeline, forms, itot, p.supports_overlap, ctx.num_hosts > 1,
@@ -120,7 +124,9 @@ def _lp_total_ms(pipeline, colmax, allreduce_bytes, groups, ctx, fwd, bwd):
 _loads = st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K)
 #: the presets, and the CPU one with measured pipeline step factors (HardwareProfile.pipeline_factors)
 _PROFILES = {**PRESETS, "cpu-factors": attrs.evolve(PRESETS["cpu-gloo"], pipeline_factors=(
-    ("base", 1.05), ("fused", 0.9), ("prefetch", 1.02), ("overlap", 0.97)))}
+    ("base", 1.05), ("fused", 0.9), ("prefetch", 1.02), ("overlap", 0.97))),
+             # and a measured codec cost (HardwareProfile.codec_byte_s: lossy phases pay it per byte)
+             "cpu-codec": attrs.evolve(PRESETS["cpu-gloo"], codec_byte_s=3e-10)}
 
 
 @settings(max_examples=60, deadline=None)
@@ -129,7 +135,7 @@ _PROFILES = {**PRESETS, "cpu-factors": attrs.evolve(PRESETS["cpu-gloo"], pipelin
     scale=st.sampled_from([1e-5, 1e-3, 1e-2]),
     allreduce=st.floats(0.0, 1e8),
     groups=st.integers(0, 4),
-    profile=st.sampled_from(["h100", "cpu-gloo", "cpu-factors"]),
+    profile=st.sampled_from(["h100", "cpu-gloo", "cpu-factors", "cpu-codec"]),
     world=st.sampled_from([1, 2, 8, 16]),
     batch=st.integers(1, 8192),
     dense=st.tuples(st.floats(0.0, 1e9), st.floats(0.0, 1e8), st.floats(0.0, 1.0)),

@@ -170,3 +170,70 @@ def test_the_overlap_kind_s_rows_equal_the_evaluator(profile, W, L):
     for bound in (solve_lp(prob, "overlap").lower_bound_s, choice_bound(prob, "overlap", time_limit_s=30),
                   analytic_bound(prob, "overlap")):
         assert bound <= opt["overlap"] * (1 + 1e-6)
+
+
+def _lossy_numbers(prob, plans, fwd, bwd):
+    """Per pipeline, at comm precisions ``fwd``/``bwd``: the sampled plans' evaluated steps, the
+    exhaustive optimum, the bounds and the MILP (objective and its plan evaluated)."""
+    out = {}
+    for pl in ("base", "sparse_dist"):
+        ev = new_evaluator(prob, pl, fwd, bwd)
+        steps, best = [], float("inf")
+        per_table = [[(c, rk) for c in ids for rk in _placements(prob, c)] for ids in prob.candidates]
+        for combo in itertools.product(*per_table):
+            for t, (c, rk) in enumerate(combo):
+                ev.assign(t, c, rk)
+            if ev.memory_ok():
+                best = min(best, ev.objective())
+        for plan in plans:
+            for t, (c, rk) in enumerate(plan):
+                ev.assign(t, c, rk)
+            steps.append(ev.objective())
+        m = solve_milp(prob, pl, fwd, bwd, time_limit_s=60)
+        mev = new_evaluator(prob, pl, fwd, bwd)
+        for t, (c, rk) in enumerate(m.assignment):
+            mev.assign(t, c, rk)
+        out[pl] = {"steps": np.array(steps), "opt": best, "milp": m.objective_s, "milp_status": m.status,
+                   "milp_plan": mev.objective(), "lp": solve_lp(prob, pl, fwd, bwd).lower_bound_s,
+                   "cb": choice_bound(prob, pl, fwd, bwd, time_limit_s=30),
+                   "analytic": analytic_bound(prob, pl, fwd, bwd),
+                   "solve": solve(prob, time_budget_s=1.0, pipeline=pl, precision=(fwd, bwd)).step.total_s}
+    return out
+
+
+def _with_codec(prob, codec_byte_s):
+    ctx = attrs.evolve(prob.ctx, profile=attrs.evolve(prob.ctx.profile, codec_byte_s=codec_byte_s))
+    cap = np.full(ctx.world_size, 1e12)
+    return build_problem([s for s in prob.specs], ctx, cap, cap.copy(), pipelines=("base", "sparse_dist"))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_codec_cost_of_lossy_comms_reaches_the_evaluator_bounds_and_milp_alike(seed):
+    """HardwareProfile.codec_byte_s (the fp16 codec per link byte) is priced once, in
+    cost.model.phase_table and search.equation.phase_forms: at fp16 every solver still agrees with
+    the evaluator, each plan's step rises by the codec's seconds (on ``base``, where both link
+    phases are on the path: codec_byte_s times the output and gradient bytes on the slowest rank),
+    and at fp32 nothing moves."""
+    prob0 = _problem(seed)
+    per_byte = 2e-11  # the h100 preset's links move a byte in 2.9-25 ps: a codec of that order
+    prob1 = _with_codec(prob0, per_byte)
+    plans = _plans(prob0, np.random.default_rng(seed), 30)
+    before, after = _lossy_numbers(prob0, plans, "fp16", "fp16"), _lossy_numbers(prob1, plans, "fp16", "fp16")
+    _agree(before)
+    _agree(after)
+    lay = terms.layout()
+    out_cols = dict(lay.link_groups)[("output_dist", "grad_dist")]
+    ev = new_evaluator(prob1, "base", "fp16", "fp16")
+    for k, plan in enumerate(plans):
+        for t, (c, rk) in enumerate(plan):
+            ev.assign(t, c, rk)
+        cm = ev.colmax()
+        codec = per_byte * sum(cm[j] for j in out_cols)
+        # both lossy link phases (output_dist and grad_dist) pay it on base's one path
+        assert after["base"]["steps"][k] - before["base"]["steps"][k] == pytest.approx(2 * codec, rel=1e-6, abs=1e-15)
+    assert np.all(after["sparse_dist"]["steps"] >= before["sparse_dist"]["steps"] - 1e-15)
+    assert after["base"]["opt"] > before["base"]["opt"]
+    fp32_0 = _lossy_numbers(prob0, plans, "fp32", "fp32")["base"]
+    fp32_1 = _lossy_numbers(prob1, plans, "fp32", "fp32")["base"]
+    np.testing.assert_allclose(fp32_1["steps"], fp32_0["steps"], rtol=1e-12)
+    assert fp32_1["milp"] == pytest.approx(fp32_0["milp"], rel=1e-6)

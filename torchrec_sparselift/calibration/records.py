@@ -175,7 +175,8 @@ class HostTermRecord:
       data-parallel table, one parameter per table) per parameter tensor and per fp32 parameter byte;
     * ``bucketize_id_s``: fbgemm's ``block_bucketize_sparse_features`` (row-wise input dist) per id
       into 2 buckets;
-    * ``a2a_byte_s``: ``all_to_all_single`` per byte sent or received by a rank.
+    * ``a2a_byte_s``: ``all_to_all_single`` per byte sent or received by a rank;
+    * ``codec_byte_s``: the fp16 comm codec per byte sent or received by a rank (encode + decode).
     """
 
     optimizer_tensor_s: float
@@ -195,6 +196,9 @@ class HostTermRecord:
     #: the dense layers' products (:func:`bench_dense_flops`): seconds per forward FLOP of a forward +
     #: backward (the backward counted as twice the forward); 0: not measured
     dense_flop_s: float = 0.0
+    #: TorchRec's fp16 comm codec (:func:`bench_codec_byte_s`): seconds per fp32 byte a rank sends or
+    #: receives in a lossy-precision all-to-all (encode + decode, halved); 0: not measured
+    codec_byte_s: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         return attrs.asdict(self)

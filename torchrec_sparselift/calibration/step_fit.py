@@ -303,7 +303,8 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
                    ) -> Tuple[HardwareProfile, Tuple[FitTerm, ...], Dict[str, float]]:
     """``(base, terms, floors)`` of a step fit given host microbenchmarks (a
     :class:`~torchrec_sparselift.calibration.records.HostTermRecord` or its stored dict; None: the
-    base, all of ``CPU_STEP_TERMS``, no floors). With them, ``bucketize_id_s`` is the measured value
+    base, all of ``CPU_STEP_TERMS``, no floors). With them, ``codec_byte_s`` (the fp16 comm codec; the
+    probes run at fp32, so no step holds it) is the measured value, ``bucketize_id_s`` is the measured value
     and not fitted (whole steps cannot tell it from per-feature row-wise work: fitted, it came out
     20-40x the measured kernel cost and over-priced row-wise plans with many ids), and the
     data-parallel optimizer's per-table (``dp_table_overhead_s``) and per-byte
@@ -318,7 +319,7 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
         return base, tuple(CPU_STEP_TERMS), {}
     if isinstance(host, Mapping):
         host = HostTermRecord(**host)
-    base = attrs.evolve(base, bucketize_id_s=float(host.bucketize_id_s))
+    base = attrs.evolve(base, bucketize_id_s=float(host.bucketize_id_s), codec_byte_s=float(host.codec_byte_s))
     terms = tuple(t for t in CPU_STEP_TERMS if t.name not in HOST_FIXED_TERMS)
     floors = {"dp_table_overhead_s": float(host.optimizer_tensor_s),
               "1/dense_update_bw": float(host.optimizer_byte_s) / 3.0}

@@ -175,9 +175,17 @@ class HardwareProfile:
             on gloo the call copies the tensors into one buffer and back, so within a host it runs
             at about half a plain all-reduce's rate). None (presets, a profile without a link
             measurement): ``intra_host_bw`` / ``inter_host_bw``.
+        codec_byte_s: seconds per fp32 byte of an all-to-all payload (the graph's link bytes, sent
+            plus received) that a rank spends in the quantized-comm codec when a phase's comm
+            precision is lossy: encoding what it sends, decoding what it receives
+            (``cost.model.codec_s_per_byte``). Measured alone on the machine with TorchRec's fp16
+            codec (``measure.microbench.bench_codec_byte_s``; bf16 on gloo is fp16): on the 2-core
+            CPU ~0.2 ns per byte (fp16 encodes at ~4 GB/s and decodes at ~12 GB/s), against the
+            ~0.5 ns per byte fp16 saves on its loopback all-to-all. 0 in the GPU presets (the codec
+            runs at device-memory speed, far beyond the links).
         The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the
         presets; :mod:`torchrec_sparselift.calibration.step_fit` fits them from measured steps
-        (all but ``lookup_cache_bytes``).
+        (all but ``lookup_cache_bytes``, and ``codec_byte_s``, which the host microbenchmarks measure).
     """
 
     name: str
@@ -219,6 +227,7 @@ class HardwareProfile:
     inter_reduce_scatter_factor: Optional[float] = attrs.field(default=None)
     replica_intra_bw: Optional[float] = attrs.field(default=None)
     replica_inter_bw: Optional[float] = attrs.field(default=None)
+    codec_byte_s: float = attrs.field(default=0.0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):
@@ -365,7 +374,7 @@ class HardwareProfile:
 #: ``ssd_bw`` (transfers from another device).
 COMPUTE_RATE_FIELDS = ("hbm_bw", "ddr_bw", "dense_flops", "interaction_flops", "dense_mem_bw", "dense_update_bw")
 COMPUTE_TIME_FIELDS = ("lookup_overhead_s", "step_overhead_s", "feature_overhead_s", "table_overhead_s",
-                       "dp_table_overhead_s", "bucketize_id_s", "bwd_row_s", "cold_row_s")
+                       "dp_table_overhead_s", "bucketize_id_s", "bwd_row_s", "cold_row_s", "codec_byte_s")
 
 
 def with_slower_compute(profile: HardwareProfile, factor: float) -> HardwareProfile:

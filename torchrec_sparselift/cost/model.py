@@ -37,7 +37,7 @@ Everything here is a pure function of immutable inputs. The equations (also in d
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import attrs
 import numpy as np
@@ -88,6 +88,7 @@ __all__ = [
     "phase_constants",
     "collective_calls",
     "collective_call_form",
+    "codec_s_per_byte",
     "INPUT_DIST_CALLS_PER_GROUP",
     "INPUT_DIST_SHARED_CALLS",
 ]
@@ -113,6 +114,18 @@ PRECISION_BYTES = COMM_PRECISION_BYTES  # bytes per element on the wire (the voc
 #: weights would add a third tensor per group; the tables here carry none.
 INPUT_DIST_CALLS_PER_GROUP = 2
 INPUT_DIST_SHARED_CALLS = 1
+
+
+def codec_s_per_byte(profile: Any, precision: str) -> float:
+    """Seconds a rank spends in the quantized-comm codec per fp32 byte of a link phase's payload
+    (the graph's link bytes: sent plus received) when the phase runs at ``precision``:
+    ``profile.codec_byte_s`` for a lossy precision (fewer bytes on the wire than fp32), 0 at fp32.
+    The phase's seconds are then ``scale * link seconds + codec_s_per_byte * link bytes`` (fp16
+    halves the bytes on the link but encodes and decodes all of them on the rank), in
+    :func:`phase_table` and in every solver's rows (``search.equation.phase_forms``)."""
+    if PRECISION_BYTES[precision] >= 4:
+        return 0.0
+    return float(getattr(profile, "codec_byte_s", 0.0))
 
 
 def collective_call_form(phase: str, fused_splits: bool = True) -> Tuple[int, int]:
@@ -466,8 +479,10 @@ def phase_table(
     cm = np.atleast_2d(colmax)
     lay = _terms.layout()
     scale = {"fwd": PRECISION_BYTES[fwd_precision] / 4, "bwd": PRECISION_BYTES[bwd_precision] / 4}
+    codec = {"fwd": codec_s_per_byte(p, fwd_precision), "bwd": codec_s_per_byte(p, bwd_precision)}
     lat = p.collective_latency_s if ctx.world_size > 1 else 0.0
     link = {}  # link group -> its slowest column's seconds
+    group_cols = dict(lay.link_groups)
     for phases, cols in lay.link_groups:
         v = cm[:, cols[0]] / getattr(p, lay.columns[cols[0]].bandwidth)
         for j in cols[1:]:
@@ -486,6 +501,8 @@ def phase_table(
             prec = PHASE_PRECISION.get(name)
             parts.append(lat * collective_calls(name, comm_groups, fused))
             parts.append(link[group] if prec is None else scale[prec] * link[group])
+            if prec is not None and codec[prec] > 0:  # the codec encodes/decodes every byte on the rank
+                parts.append(codec[prec] * sum(cm[:, j] for j in group_cols[group]))
         parts.extend(cm[:, j] for j in lay.phase_columns.get(name, ()))
         total = parts[0] if parts else 0.0
         for x in parts[1:]:

@@ -474,7 +474,7 @@ def _table_optimizer() -> type:
     return RowWiseAdagrad
 
 
-def _adagrad_step_s(shapes: List[Tuple[int, int]], device: torch.device, trials: int) -> float:
+def _table_optimizer_step_s(shapes: List[Tuple[int, int]], device: torch.device, trials: int) -> float:
     params = [torch.nn.Parameter(torch.randn(*sh, device=device)) for sh in shapes]
     for q in params:
         q.grad = torch.randn_like(q)
@@ -624,6 +624,37 @@ def bench_tbe_backward(device: Optional[torch.device] = None, trials: int = 5,
     return float(x[0]), float(x[1])
 
 
+def _codec_s(numel: int, device: torch.device, trials: int) -> float:
+    """Seconds of one encode + decode of an fp32 tensor of ``numel`` elements by TorchRec's fp16
+    quantized-comm codec (what the pooled embeddings' all-to-all runs around the wire with
+    ``fwd``/``bwd`` comm precision fp16; TorchRec replaces bf16 by fp16 on gloo)."""
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
+
+    codec = get_qcomm_codecs(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)).forward
+    x = torch.randn(max(1, numel // 64), 64, device=device)
+    return time_per_call(lambda: codec.decode(codec.encode(x)), device, warmup=2, trials=trials,
+                         target_trial_s=0.01, max_inner=50, stat="min")
+
+
+#: fp32 elements of :func:`bench_codec_byte_s`'s small and large tensors (16 KiB and 8 MiB)
+CODEC_SIZES: Tuple[int, int] = (4096, 2 * 1024 * 1024)
+
+
+def bench_codec_byte_s(device: Optional[torch.device] = None, trials: int = 5, passes: int = 2) -> float:
+    """:attr:`HostTermRecord.codec_byte_s`: the fp16 codec's seconds per fp32 byte of a link
+    phase's payload as the graph counts it (sent plus received by a rank): half the slope of one
+    tensor's encode + decode between a small and a large tensor (a rank encodes what it sends and
+    decodes what it receives). 0 when TorchRec's codecs cannot be built here."""
+    device = device or torch.device("cpu")
+    try:
+        from torchrec.distributed.fbgemm_qcomm_codec import get_qcomm_codecs  # noqa: F401
+    except Exception:  # noqa: BLE001  (an environment without TorchRec's qcomm: no codec cost measured)
+        return 0.0
+    lo, hi = CODEC_SIZES
+    t_hi, t_lo = fastest_over_passes([functools.partial(_codec_s, n, device, trials) for n in (hi, lo)], passes)
+    return max(0.0, (t_hi - t_lo) / (4 * (hi - lo))) / 2.0
+
+
 def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5, passes: int = 2) -> HostTermRecord:
     """Measure :class:`HostTermRecord` on ``device`` (CPU by default; a few seconds). Each cost is
     the slope between a small and a large case, so fixed per-call costs (the Python call,
@@ -633,7 +664,7 @@ def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5, pas
     small_n, small = 64, (16, 64)          # many tiny tensors: the per-tensor cost
     big = (16384, 64)                      # one 4 MiB tensor: the per-byte cost
     t_small, t_one_small, t_big = fastest_over_passes(
-        [functools.partial(_adagrad_step_s, shapes, device, trials) for shapes in ([small] * small_n, [small], [big])],
+        [functools.partial(_table_optimizer_step_s, shapes, device, trials) for shapes in ([small] * small_n, [small], [big])],
         passes)
     per_tensor = max(0.0, (t_small - t_one_small) / (small_n - 1))
     big_bytes = big[0] * big[1] * 4
@@ -650,7 +681,8 @@ def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5, pas
     return HostTermRecord(optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id,
                           dense_act_byte_s=act_byte_s, interaction_flop_s=inter_flop_s,
                           tbe_row_s=row_s, tbe_bwd_id_s=bwd_id_s,
-                          dense_flop_s=bench_dense_flops(device, trials, passes=passes))
+                          dense_flop_s=bench_dense_flops(device, trials, passes=passes),
+                          codec_byte_s=bench_codec_byte_s(device, trials, passes=passes))
 
 
 def bench_a2a_byte_s(pg: Any, device: Optional[torch.device] = None, trials: int = 15) -> float:
