@@ -270,14 +270,20 @@ class HardwareProfile:
             return float(self.inter_reduce_scatter_factor)
         return float(self.reduce_scatter_factor)
 
+    def link_bw(self, inter_host: bool) -> float:
+        """The per-rank all-to-all rate of the link across hosts (``inter_host``) or within one:
+        ``inter_host_bw`` / ``intra_host_bw`` (what ``fully_sharded``'s per-step reduce-scatter
+        and all-gather of a 2D plan are priced at)."""
+        return float(self.inter_host_bw if inter_host else self.intra_host_bw)
+
     def replica_bw(self, inter_host: bool) -> float:
         """Bus bandwidth of the 2D replica sync across hosts (``inter_host``) or within one:
         ``replica_inter_bw`` / ``replica_intra_bw`` where measured, else the all-to-all rate of
-        the same link (``inter_host_bw`` / ``intra_host_bw``)."""
+        the same link (:meth:`link_bw`)."""
         v = self.replica_inter_bw if inter_host else self.replica_intra_bw
         if v is not None:
             return float(v)
-        return float(self.inter_host_bw if inter_host else self.intra_host_bw)
+        return self.link_bw(inter_host)
 
     def rate(self, name: str) -> float:
         """The value of field ``name``; an optional rate that is None gives the field it falls

@@ -123,10 +123,6 @@ def replica_sync_bytes(shards: Iterable[Tuple[int, int, int, Sequence[int]]], gr
     return float(per_rank.max())
 
 
-def _replica_bw(layout: Layout2D, profile: HardwareProfile) -> float:
-    return profile.intra_host_bw if layout.replica_sync_intra_host else profile.inter_host_bw
-
-
 def fully_sharded_s(max_rank_weight_bytes: float, layout: Layout2D, profile: HardwareProfile,
                     dense_s: float = 0.0) -> float:
     """Seconds per step of ``fully_sharded``'s reduce-scatter and all-gather of the weights over
@@ -136,7 +132,7 @@ def fully_sharded_s(max_rank_weight_bytes: float, layout: Layout2D, profile: Har
     if R <= 1 or max_rank_weight_bytes <= 0:
         return 0.0
     one = (profile.collective_latency_s + (R - 1) / R * max_rank_weight_bytes
-           * profile.rs_factor(not layout.replica_sync_intra_host) / _replica_bw(layout, profile))
+           * profile.rs_factor(not layout.replica_sync_intra_host) / profile.link_bw(not layout.replica_sync_intra_host))
     rs = max(0.0, one - dense_s) if profile.supports_overlap else one
     return one + rs
 
