@@ -200,7 +200,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.workloads = list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     q = args.quick
     args.reps = args.reps if args.reps is not None else (1 if q else 4)
-    args.fresh_models = not args.keep_models
     args.steps = args.steps if args.steps is not None else (4 if q else 6)
     args.warmup = args.warmup if args.warmup is not None else 2
     args.parity_steps = args.parity_steps if args.parity_steps is not None else (20 if q else PARITY_STEPS)
@@ -462,7 +461,7 @@ def format_summary(merged: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _topology(world: int, local: int):
+def job_topology(world: int, local: int):
     from torchrec.distributed.planner import Topology
 
     with warnings.catch_warnings():
@@ -470,7 +469,7 @@ def _topology(world: int, local: int):
         return Topology(world_size=world, local_world_size=local, compute_device="cpu")
 
 
-def _profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
+def job_profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
     """``({"regime": profile, "unshaped": profile}, errors, info)`` as ``--profile-from`` asks;
     calibrates into the regime's store where its profile is missing or out of date. ``errors``:
     the never-slower rule's error per term for each profile, its stored step fit's, as
@@ -589,7 +588,7 @@ def paired_gap_se(losses_1d: Sequence[float], losses_2d: Sequence[float], block:
     return statistics.stdev(blocks) / math.sqrt(len(blocks)) if len(blocks) >= 2 else None
 
 
-def _lift(w, spec: Mapping[str, Any], device):
+def lift_run(w, spec: Mapping[str, Any], device):
     """A fresh model of ``w`` sharded per ``spec`` (``plan``: a ShardingPlan or an execution plan;
     ``pipeline``/``fwd``/``bwd``: overrides) through :func:`torchrec_sparselift.runtime.lift`."""
     import torch
@@ -605,13 +604,13 @@ def _lift(w, spec: Mapping[str, Any], device):
                 dense_optimizer_factory=lambda params: torch.optim.Adagrad(params, lr=0.005))
 
 
-class _Cycle:
+class Cycle:
     """``batches`` cycled for ever (a kept model's pipeline prefetches from it across rounds)."""
 
     def __init__(self, batches: Sequence[Any]) -> None:
         self.batches, self.i = batches, 0
 
-    def __iter__(self) -> "_Cycle":
+    def __iter__(self) -> "Cycle":
         return self
 
     def __next__(self) -> Any:
@@ -622,34 +621,35 @@ class _Cycle:
 
 def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warmup: int, pg,
               after_build: Optional[Callable[[Any], None]] = None,
-              kept: Optional[Dict[str, Any]] = None, period: int = 1) -> Tuple[float, List[float], float]:
+              kept: Optional[Dict[str, Any]] = None, whole_intervals: bool = True) -> Tuple[float, List[float], float]:
     """Run ``warmup + steps`` steps on ``batches`` (cycled) with this rank pinned to its cores (as
     :func:`~torchrec_sparselift.measure.probe.measure_plan` times the calibration's probes) on a
     model sharded now (``build()`` -> Lifted), or, with ``kept`` (a dict), on the model a previous
     call kept there (built on the first call); returns the steady step of the per-step slowest
     rank (seconds; :func:`~torchrec_sparselift.runtime.timing.steady_step_s`: the median, or for a
-    2D plan that syncs every ``period`` steps the median of the means of whole sync intervals,
-    ``steps`` rounded up to a multiple of ``period``), every step's loss averaged over ranks, and
-    the seconds spent sharding."""
+    2D plan that syncs every ``Lifted.sync_period`` steps the median of the means of whole sync
+    intervals, ``steps`` rounded up to a multiple of it unless ``whole_intervals`` is False), every
+    step's loss averaged over ranks, and the seconds spent sharding."""
     import torch
     import torch.distributed as dist
 
     from torchrec_sparselift.measure.probe import pin_rank_to_core, restore_affinity
     from torchrec_sparselift.runtime.timing import StepTimer, steady_step_s
 
-    steps = -(-max(steps, period) // period) * period
     old = pin_rank_to_core(pg)
     try:
         t_build = time.perf_counter()
         if kept is not None and "lifted" in kept:
             lifted, it = kept["lifted"], kept["it"]
         else:
-            lifted, it = build(), _Cycle(batches)
+            lifted, it = build(), Cycle(batches)
             if after_build is not None:
                 after_build(lifted)
             if kept is not None:
                 kept.update(lifted=lifted, it=it)
         build_s = time.perf_counter() - t_build
+        period = lifted.sync_period if whole_intervals else 1  # the built model's, the one reading
+        steps = -(-max(steps, period) // period) * period
         timer = StepTimer(torch.device("cpu"), warmup_steps=warmup, period=period)
         gc.collect()
         dist.barrier(group=pg)
@@ -670,16 +670,6 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
     return steady_step_s(mx[warmup:], period), [float(x) for x in ls], build_s
 
 
-def sync_period(spec: Mapping[str, Any], world_size: int) -> int:
-    """Steps between a run's periodic replica syncs (1 for 1D and ``fully_sharded``): its steps
-    are timed over whole intervals."""
-    opt = getattr(spec["plan"], "optimizations", None)
-    group = getattr(opt, "sharding_group_size", None)
-    if group is None or group >= world_size or getattr(opt, "strategy", None) == "fully_sharded":
-        return 1
-    return int(getattr(opt, "sync_interval", 1) or 1)
-
-
 def _settings_of(spec: Mapping[str, Any]) -> Tuple[str, str, str, Optional[int]]:
     """(pipeline, fwd, bwd, 2D group) a run applies: its overrides over its execution plan's choice."""
     opt = getattr(spec["plan"], "optimizations", None)
@@ -689,7 +679,7 @@ def _settings_of(spec: Mapping[str, Any]) -> Tuple[str, str, str, Optional[int]]
     return pipe, fwd, bwd, getattr(opt, "sharding_group_size", None)
 
 
-def _build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], errors: Mapping[str, Any], stats, pg,
+def build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], errors: Mapping[str, Any], stats, pg,
                  say) -> List[Dict[str, Any]]:
     """One spec per run name: its plan (ShardingPlan or execution plan), overrides and constraints."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner
@@ -813,7 +803,8 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
     out: Dict[str, Any] = dict(steps=steps, workload=w.name)
     try:
         for label, name in (("1d", "sparselift"), ("2d", "sparselift_2d")):
-            _s, losses, _b = timed_run(lambda: _lift(w, specs[name], device), batches, steps, 0, pg, after_build=anchor)
+            _s, losses, _b = timed_run(lambda: lift_run(w, specs[name], device), batches, steps, 0, pg,
+                                       after_build=anchor, whole_intervals=False)
             tail = losses[len(losses) // 2:]
             out[f"loss_{label}"] = statistics.fmean(tail)
             out[f"losses_{label}"] = losses
@@ -839,11 +830,11 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
 
     w, alpha = _workloads()[wname]
     W = dist.get_world_size(pg)
-    topo = _topology(W, ranks_per_host(world_size=W))
+    topo = job_topology(W, ranks_per_host(world_size=W))
     device = torch.device("cpu")
     stats = probe_stats(w, alpha, n=args.batches, seed=BATCH_SEED)
     names = run_names(regime, args.profile_from, args.quick, w.tables)
-    specs = _build_specs(w, names, topo, profiles, errors, stats, pg, say)
+    specs = build_specs(w, names, topo, profiles, errors, stats, pg, say)
     batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=dist.get_rank(pg), alpha=alpha)
     owner: Dict[str, str] = {}
     for s in specs:
@@ -859,9 +850,8 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
             if s.get("failed"):
                 continue
             try:
-                secs, losses, build_s = timed_run(lambda: _lift(w, s, device), batches, args.steps, args.warmup, pg,
-                                                  kept=None if args.fresh_models else s.setdefault("kept", {}),
-                                                  period=sync_period(s, W))
+                secs, losses, build_s = timed_run(lambda: lift_run(w, s, device), batches, args.steps, args.warmup, pg,
+                                                  kept=s.setdefault("kept", {}) if args.keep_models else None)
                 s["runs"].append(secs)
                 s["losses"] = losses
                 s.setdefault("build_s", []).append(build_s)
@@ -928,7 +918,7 @@ def job(args) -> int:
 
         link = measure_link_rates()  # every rank, before any pinning (as the calibration measures it)
         say(f"[regimes] {regime} ({REGIMES[regime]['doc']}): {dist.get_world_size()} ranks; link {link.describe()}")
-        profiles, errors, pinfo = _profiles(args, regime, link, pg, say)
+        profiles, errors, pinfo = job_profiles(args, regime, link, pg, say)
         say(f"[regimes] {regime}: profiles " + ", ".join(f"{k}={v.name}" for k, v in profiles.items()))
         results = []
         for wname in args.workloads:
@@ -1019,7 +1009,7 @@ def driver(args) -> int:
             jobs[regime] = json.load(f)
     settings = dict(regimes=order, workloads=args.workloads, reps=args.reps, steps=args.steps, warmup=args.warmup,
                     batches=args.batches, profile_from=args.profile_from, quick=args.quick,
-                    fresh_models=args.fresh_models,
+                    fresh_models=not args.keep_models,
                     parity_steps=args.parity_steps, calibration_steps=args.calibration_steps, burst=args.burst,
                     wall_s=time.time() - t0, failed=failed)
     merged = merge_results(jobs, settings)

@@ -82,25 +82,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pg, rank = dist.group.WORLD, dist.get_rank()
     say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
     W = dist.get_world_size()
-    topo = R._topology(W, ranks_per_host(world_size=W))
+    topo = R.job_topology(W, ranks_per_host(world_size=W))
     if topo.world_size // topo.local_world_size < 2:
         raise SystemExit("replica_sync.py: run it on 2 or more emulated hosts (the command in its docstring)")
     link = measure_link_rates()
     say(link.describe())
     prof_args = argparse.Namespace(profile_from="unshaped", store=args.store, calibrate=False, calibration_steps=None)
-    profiles, errors, _ = R._profiles(prof_args, "R4", link, pg, say)
+    profiles, errors, _ = R.job_profiles(prof_args, "R4", link, pg, say)
     pin_rank_to_core(pg)
     results: List[Dict[str, Any]] = []
     for wname in args.workloads:
         w, alpha = _workloads()[wname]
         stats = probe_stats(w, alpha, n=6, seed=R.BATCH_SEED)
-        specs = R._build_specs(w, ["sparselift", "sparselift_2d"], topo, profiles, errors, stats, pg, lambda m: None)
+        specs = R.build_specs(w, ["sparselift", "sparselift_2d"], topo, profiles, errors, stats, pg, lambda m: None)
         batches = prebuilt_batches(w, 6, seed=R.BATCH_SEED, rank=rank, alpha=alpha)
         res: Dict[str, Any] = dict(workload=wname)
         for s in specs:
             ep = s["plan"]
-            lifted = R._lift(w, s, torch.device("cpu"))
-            it = R._Cycle(batches)
+            lifted = R.lift_run(w, s, torch.device("cpu"))
+            it = R.Cycle(batches)
             timer = lifted.step_timer(warmup_steps=args.warmup)  # over whole sync intervals
             period = timer.period
             steps = -(-args.steps // period) * period

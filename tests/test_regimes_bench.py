@@ -23,8 +23,8 @@ def _workload(rows, **extra):
 def test_defaults_run_every_regime_and_workload(tmp_path):
     a = regimes.parse_args(["--store", str(tmp_path)])
     assert a.regimes == ["R1", "R2", "R3", "R4"] and a.workloads == list(regimes.WORKLOADS)
-    assert (a.reps, a.steps, a.warmup, a.profile_from, a.fresh_models) == (4, 6, 2, "both", True)
-    assert not regimes.parse_args(["--keep-models", "--store", str(tmp_path)]).fresh_models
+    assert (a.reps, a.steps, a.warmup, a.profile_from, a.keep_models) == (4, 6, 2, "both", False)
+    assert regimes.parse_args(["--keep-models", "--store", str(tmp_path)]).keep_models
     q = regimes.parse_args(["--quick", "--regimes", "R1,R2", "--store", str(tmp_path)])
     assert q.quick and q.reps == 1 and q.workloads == list(regimes.QUICK_WORKLOADS) and q.regimes == ["R1", "R2"]
 
@@ -208,17 +208,39 @@ def test_bf16_on_gloo_is_measured_as_the_fp16_run():
     assert regimes.on_gloo("bf16") == "fp16" and regimes.on_gloo("fp16") == "fp16" and regimes.on_gloo("fp32") == "fp32"
 
 
-def test_a_2d_run_that_syncs_periodically_is_timed_over_whole_intervals():
-    from torchrec_sparselift.plan import Optimizations
-    from torchrec_sparselift.semantics.layout import Layout2D
+def _timed_run_worker(rank, world):
+    """timed_run on a fake built model that syncs every 3 steps: steps are rounded up to whole
+    intervals of the model's own period (and not when ``whole_intervals`` is False)."""
+    import torch
+    import torch.distributed as dist
 
-    class _Plan:
-        def __init__(self, opt):
-            self.optimizations = opt
+    class _Pipe:
+        def __init__(self):
+            self.calls = 0
 
-    two_d = Optimizations(sharding_group_size=2, sync_interval=4, layout_2d=Layout2D(4, 2, 2))
-    assert regimes.sync_period({"plan": _Plan(two_d)}, 4) == 4
-    assert regimes.sync_period({"plan": _Plan(Optimizations())}, 4) == 1  # 1D
-    fully = Optimizations(sharding_group_size=2, strategy_2d="fully_sharded", layout_2d=Layout2D(4, 2, 2))
-    assert regimes.sync_period({"plan": _Plan(fully)}, 4) == 1  # synced inside every step
-    assert regimes.sync_period({"plan": object()}, 4) == 1  # TorchRec's ShardingPlan
+        def progress(self, it):
+            next(it)
+            self.calls += 1
+            return torch.tensor(float(self.calls))
+
+    class _Lifted:
+        sync_period = 3
+
+        def __init__(self):
+            self.pipeline = _Pipe()
+
+    out = []
+    for whole in (True, False):
+        built = []
+        _s, losses, _b = regimes.timed_run(lambda: built.append(_Lifted()) or built[-1], [0, 1], 4, 1,
+                                           dist.group.WORLD, whole_intervals=whole)
+        out.append((built[0].pipeline.calls, len(losses)))
+    return out
+
+
+def test_a_run_is_timed_over_whole_sync_intervals_of_the_model_it_built():
+    from launcher import run_ranks
+
+    for res in run_ranks(_timed_run_worker, 2, timeout_s=120):
+        # 1 warm-up + 4 steps rounded up to 6 (two intervals of 3); the parity runs keep their count
+        assert res == [(7, 7), (5, 5)]
