@@ -5,7 +5,8 @@ import math
 import pytest
 
 from torchrec_sparselift.calibration.records import HostTermRecord
-from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitRecord, host_fit_setup, term_value
+from torchrec_sparselift.calibration.step_fit import (CPU_STEP_TERMS, FitRecord, host_fit_setup, term_value,
+                                                     with_a2a_host_split)
 from torchrec_sparselift.calibration.store import base_profile
 from torchrec_sparselift.measure.microbench import bench_dense_terms, bench_host_terms
 
@@ -71,7 +72,8 @@ def test_add_feedback_refits_above_the_floors_with_the_measured_terms_fixed(tmp_
     from torchrec_sparselift.calibration.feedback import add_feedback
     from torchrec_sparselift.calibration.store import ProfileStore, current_fingerprint
 
-    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9)
+    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9,
+                          a2a_byte_s=0.1e-9)
     base, terms, floors = host_fit_setup(base_profile("cpu"), host)
     prof = attrs.evolve(base, dp_table_overhead_s=40e-6)
     store = ProfileStore(str(tmp_path))
@@ -93,6 +95,9 @@ def test_add_feedback_refits_above_the_floors_with_the_measured_terms_fixed(tmp_
     assert not diff
     assert found.profile.bucketize_id_s == 15e-9
     assert found.profile.dp_table_overhead_s >= 30e-6 - 1e-15
+    # the refitted all-to-all's share above the bare collective (what lossy comms do not shrink)
+    assert found.profile.a2a_host_byte_s == pytest.approx(max(0.0, 1 / found.profile.intra_host_bw - 0.1e-9))
+    assert found.profile.a2a_host_byte_s > 0
 
 
 def _host_terms_on_two_ranks(rank, world_size):
@@ -219,3 +224,17 @@ def test_host_floors_average_the_readings_and_each_reading_keeps_its_fastest_swe
     assert calls == [0, 1, 0, 1, 0, 1]
     with pytest.raises(ValueError, match="passes"):
         fastest_over_passes([case(0)], 0)
+
+
+def test_the_all_to_all_share_above_the_bare_collective_is_what_lossy_comms_do_not_shrink():
+    """with_a2a_host_split: the fitted all-to-all cost per byte above the bare collective measured
+    alone becomes ``a2a_host_byte_s``; nothing without a measured collective, never below 0."""
+    import attrs
+
+    fitted = attrs.evolve(base_profile("cpu"), intra_host_bw=2.5e9, inter_host_bw=2.5e9)  # 0.4 ns per byte
+    host = HostTermRecord(optimizer_tensor_s=1e-5, optimizer_byte_s=1e-10, bucketize_id_s=1e-8, a2a_byte_s=0.25e-9)
+    assert with_a2a_host_split(fitted, host).a2a_host_byte_s == pytest.approx(0.15e-9)
+    assert with_a2a_host_split(fitted, host.to_dict()).a2a_host_byte_s == pytest.approx(0.15e-9)
+    assert with_a2a_host_split(fitted, None) is fitted
+    assert with_a2a_host_split(fitted, attrs.evolve(host, a2a_byte_s=0.0)) is fitted  # one rank: not measured
+    assert with_a2a_host_split(fitted, attrs.evolve(host, a2a_byte_s=1e-9)).a2a_host_byte_s == 0.0

@@ -47,7 +47,7 @@ from torchrec_sparselift.cost.pipelines import (
 )
 from torchrec_sparselift.explain import critical_path, step_timeline, timeline_end
 from torchrec_sparselift.search.lp import composition_rows, term_entries
-from torchrec_sparselift.search.equation import codec_coefficients, codec_per_z, column_scale
+from torchrec_sparselift.search.equation import column_scale, lossy_coefficients, lossy_per_z
 
 
 def _phases_in(node):
@@ -112,7 +112,7 @@ def _lp_total_ms(pipeline, colmax, allreduce_bytes, groups, ctx, fwd, bwd):
     forms = term_entries(z, iy_in, iy_out, ia, PRECISION_BYTES[fwd] / 4, PRECISION_BYTES[bwd] / 4,
                          ms * ph["dense_fwd"], ms * ph["dense_bwd"], ilat=ilat, iany=iany, latency=latency,
                          fused_splits=pipeline_kind(pipeline).fused_input_splits,
-                         codec=codec_coefficients(codec_per_z(p), fwd, bwd))
+                         lossy=lossy_coefficients(lossy_per_z(p), fwd, bwd))
     for part in (q for qs in PHASE_PARTS.values() for q in qs):  # the split dense phases: constants
         forms[part] = ([], ms * ph[part])
     rows = composition_rows(pipeline, forms, itot, p.supports_overlap, ctx.num_hosts > 1,
@@ -125,8 +125,8 @@ _loads = st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K)
 #: the presets, and the CPU one with measured pipeline step factors (HardwareProfile.pipeline_factors)
 _PROFILES = {**PRESETS, "cpu-factors": attrs.evolve(PRESETS["cpu-gloo"], pipeline_factors=(
     ("base", 1.05), ("fused", 0.9), ("prefetch", 1.02), ("overlap", 0.97))),
-             # and a measured codec cost (HardwareProfile.codec_byte_s: lossy phases pay it per byte)
-             "cpu-codec": attrs.evolve(PRESETS["cpu-gloo"], codec_byte_s=3e-10)}
+             # and a measured codec cost and host share of the all-to-all (what lossy phases do not shrink)
+             "cpu-codec": attrs.evolve(PRESETS["cpu-gloo"], codec_byte_s=3e-10, a2a_host_byte_s=2e-10)}
 
 
 @settings(max_examples=60, deadline=None)

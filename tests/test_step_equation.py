@@ -201,22 +201,32 @@ def _lossy_numbers(prob, plans, fwd, bwd):
     return out
 
 
-def _with_codec(prob, codec_byte_s):
-    ctx = attrs.evolve(prob.ctx, profile=attrs.evolve(prob.ctx.profile, codec_byte_s=codec_byte_s))
+def _with_lossy_terms(prob, codec_byte_s, a2a_host_byte_s):
+    ctx = attrs.evolve(prob.ctx, profile=attrs.evolve(prob.ctx.profile, codec_byte_s=codec_byte_s,
+                                                      a2a_host_byte_s=a2a_host_byte_s))
     cap = np.full(ctx.world_size, 1e12)
     return build_problem([s for s in prob.specs], ctx, cap, cap.copy(), pipelines=("base", "sparse_dist"))
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_the_codec_cost_of_lossy_comms_reaches_the_evaluator_bounds_and_milp_alike(seed):
-    """HardwareProfile.codec_byte_s (the fp16 codec per link byte) is priced once, in
+def test_what_lossy_comms_cost_on_the_rank_reaches_the_evaluator_bounds_and_milp_alike(seed):
+    """``cost.model.lossy_byte_s`` (the fp16 codec, ``codec_byte_s``, and the all-to-all's
+    full-precision host work, ``a2a_host_byte_s``, per link byte) is priced once, in
     cost.model.phase_table and search.equation.phase_forms: at fp16 every solver still agrees with
-    the evaluator, each plan's step rises by the codec's seconds (on ``base``, where both link
-    phases are on the path: codec_byte_s times the output and gradient bytes on the slowest rank),
-    and at fp32 nothing moves."""
+    the evaluator, each plan's step rises by it (on ``base``, where both link phases are on the
+    path: per link column, its per-byte cost times the column's bytes on the slowest rank), and at
+    fp32 nothing moves."""
+    from torchrec_sparselift.cost.model import lossy_byte_s
+
     prob0 = _problem(seed)
-    per_byte = 2e-11  # the h100 preset's links move a byte in 2.9-25 ps: a codec of that order
-    prob1 = _with_codec(prob0, per_byte)
+    # the h100 preset's links move a byte in 2.9 ps (intra) and 25 ps (inter): a host share of
+    # 10 ps is capped at the intra-host link's whole per-byte time
+    prob1 = _with_lossy_terms(prob0, 2e-11, 1e-11)
+    p1 = prob1.ctx.profile
+    assert lossy_byte_s(p1, "fp16", p1.intra_host_bw) == pytest.approx(2e-11 + 0.5 / p1.intra_host_bw)
+    assert lossy_byte_s(p1, "fp16", p1.inter_host_bw) == pytest.approx(2e-11 + 0.5 * 1e-11)
+    assert lossy_byte_s(p1, "fp8", p1.inter_host_bw) == pytest.approx(2e-11 + 0.75 * 1e-11)
+    assert lossy_byte_s(p1, "fp32", p1.inter_host_bw) == 0.0
     plans = _plans(prob0, np.random.default_rng(seed), 30)
     before, after = _lossy_numbers(prob0, plans, "fp16", "fp16"), _lossy_numbers(prob1, plans, "fp16", "fp16")
     _agree(before)
@@ -228,9 +238,9 @@ def test_the_codec_cost_of_lossy_comms_reaches_the_evaluator_bounds_and_milp_ali
         for t, (c, rk) in enumerate(plan):
             ev.assign(t, c, rk)
         cm = ev.colmax()
-        codec = per_byte * sum(cm[j] for j in out_cols)
+        added = sum(lossy_byte_s(p1, "fp16", getattr(p1, lay.columns[j].bandwidth)) * cm[j] for j in out_cols)
         # both lossy link phases (output_dist and grad_dist) pay it on base's one path
-        assert after["base"]["steps"][k] - before["base"]["steps"][k] == pytest.approx(2 * codec, rel=1e-6, abs=1e-15)
+        assert after["base"]["steps"][k] - before["base"]["steps"][k] == pytest.approx(2 * added, rel=1e-6, abs=1e-15)
     assert np.all(after["sparse_dist"]["steps"] >= before["sparse_dist"]["steps"] - 1e-15)
     assert after["base"]["opt"] > before["base"]["opt"]
     fp32_0 = _lossy_numbers(prob0, plans, "fp32", "fp32")["base"]

@@ -15,6 +15,7 @@ from torchrec_sparselift.calibration.step_fit import (
     host_fit_setup,
     linearize,
     term_value,
+    with_a2a_host_split,
     with_terms,
 )
 from torchrec_sparselift.calibration.store import ProfileStore, current_fingerprint
@@ -66,7 +67,7 @@ def _add_locked(store: ProfileStore, fp: Any, records: Sequence[FitRecord], prio
                for r in list(info.fit_records) + list(records)]
     prior = {t.name: term_value(found.profile, t) for t in terms}
     fit = fit_terms(allrecs, prior, prior_weight, floors)
-    refit = with_terms(found.profile, fit.values, terms)
+    refit = with_a2a_host_split(with_terms(found.profile, fit.values, terms), info.host_terms)
     updated = attrs.evolve(info, fit_records=allrecs, feedback_records=info.feedback_records + len(records),
                            extra={**info.extra, "feedback_fit_mape": fit.mape})
     return store.save(refit, fp, updated)

@@ -57,6 +57,7 @@ __all__ = [
     "fit_step_profile",
     "HOST_FIXED_TERMS",
     "host_fit_setup",
+    "with_a2a_host_split",
     "group_cases",
     "fit_probe_plans",
     "stored_info",
@@ -355,6 +356,24 @@ MIN_GROUP_SHARE = 0.02
 GROUP_WEIGHT = 1.0
 
 
+def with_a2a_host_split(profile: HardwareProfile, host: Optional[Any]) -> HardwareProfile:
+    """``profile`` with ``a2a_host_byte_s`` set from its fitted all-to-all cost per byte and the bare
+    collective's measured alone (``host``: a
+    :class:`~torchrec_sparselift.calibration.records.HostTermRecord` or its dict, ``a2a_byte_s``):
+
+        a2a_host_byte_s = max(0, 1 / intra_host_bw - a2a_byte_s)
+
+    the byte-correlated work around the collective that the fit found above its floor (what a
+    lossy comm precision does not shrink, ``cost.model.lossy_byte_s``). ``profile`` unchanged
+    without a measured bare collective (one rank, no host terms)."""
+    if host is None:
+        return profile
+    bare = float(host.get("a2a_byte_s", 0.0) if isinstance(host, Mapping) else host.a2a_byte_s)
+    if bare <= 0:
+        return profile
+    return attrs.evolve(profile, a2a_host_byte_s=max(0.0, 1.0 / float(profile.intra_host_bw) - bare))
+
+
 def group_cases(label: str, measured_s: float, attribution: Any, pricer: Any) -> List[FitCase]:
     """:func:`fit_step_profile` cases of one attributed plan: per fit group
     (:data:`~torchrec_sparselift.calibration.attribution.FIT_GROUPS`) its measured seconds (the
@@ -390,7 +409,9 @@ def fit_probe_plans(
 
     ``host``: a :class:`~torchrec_sparselift.calibration.records.HostTermRecord` measured on this
     machine: the row-wise bucketize cost per id is taken from it (not fitted), and the data-parallel
-    tables' optimizer terms are fitted above its per-tensor and per-byte costs (:func:`host_fit_setup`).
+    tables' optimizer terms are fitted above its per-tensor and per-byte costs (:func:`host_fit_setup`);
+    the fitted all-to-all's share above the bare collective becomes ``a2a_host_byte_s``
+    (:func:`with_a2a_host_split`).
 
     ``exclude``: step terms left out of the model (an ablation: their profile fields at
     ``HardwareProfile``'s defaults, not fitted), e.g. ``("bwd_row_s",)`` prices the fused backward
@@ -415,6 +436,7 @@ def fit_probe_plans(
         if attributed and m.attribution is not None:
             extra += group_cases(m.label, m.measured_s, m.attribution, pricer)
     fitted, fit = fit_step_profile(cases + extra, base, terms, name=name, prior_weight=prior_weight, floors=floors)
+    fitted = with_a2a_host_split(fitted, host)
     fit_records = []
     for c in cases + extra:
         _b, q, fixed = linearize(c.predict, fitted, terms)

@@ -178,14 +178,24 @@ class HardwareProfile:
         codec_byte_s: seconds per fp32 byte of an all-to-all payload (the graph's link bytes, sent
             plus received) that a rank spends in the quantized-comm codec when a phase's comm
             precision is lossy: encoding what it sends, decoding what it receives
-            (``cost.model.codec_s_per_byte``). Measured alone on the machine with TorchRec's fp16
+            (``cost.model.lossy_byte_s``). Measured alone on the machine with TorchRec's fp16
             codec (``measure.microbench.bench_codec_byte_s``; bf16 on gloo is fp16): on the 2-core
-            CPU ~0.2 ns per byte (fp16 encodes at ~4 GB/s and decodes at ~12 GB/s), against the
-            ~0.5 ns per byte fp16 saves on its loopback all-to-all. 0 in the GPU presets (the codec
-            runs at device-memory speed, far beyond the links).
+            CPU ~0.1 ns per byte (fp16 encodes at ~4 GB/s and decodes at ~12 GB/s), against the
+            ~0.13 ns per byte fp16 saves of its loopback all-to-all's wire. 0 in the GPU presets
+            (the codec runs at device-memory speed, far beyond the links).
+        a2a_host_byte_s: seconds per link byte of the all-to-all phases' work on the rank that runs
+            at full precision whatever the comm precision (gathering the pooled embeddings into the
+            send buffer and splitting what arrives, at fp32 on both sides of the codec): the part
+            of ``1/intra_host_bw`` (and ``1/inter_host_bw``) above the bare collective. A lossy
+            precision shrinks the rest, the bytes on the wire (``cost.model.lossy_byte_s``). Set by
+            the step calibration: the fitted all-to-all cost per byte minus the bare
+            ``all_to_all_single``'s measured alone (its floor; ``calibration.step_fit.with_a2a_host_split``);
+            a link correction keeps it (it moves only the link's own seconds). 0 in the presets
+            (every all-to-all byte on the wire).
         The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the
         presets; :mod:`torchrec_sparselift.calibration.step_fit` fits them from measured steps
-        (all but ``lookup_cache_bytes``, and ``codec_byte_s``, which the host microbenchmarks measure).
+        (all but ``lookup_cache_bytes``; ``codec_byte_s`` is measured by the host microbenchmarks
+        and ``a2a_host_byte_s`` derived from the fit and them).
     """
 
     name: str
@@ -228,6 +238,7 @@ class HardwareProfile:
     replica_intra_bw: Optional[float] = attrs.field(default=None)
     replica_inter_bw: Optional[float] = attrs.field(default=None)
     codec_byte_s: float = attrs.field(default=0.0, validator=_non_negative)
+    a2a_host_byte_s: float = attrs.field(default=0.0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):

@@ -88,7 +88,7 @@ __all__ = [
     "phase_constants",
     "collective_calls",
     "collective_call_form",
-    "codec_s_per_byte",
+    "lossy_byte_s",
     "INPUT_DIST_CALLS_PER_GROUP",
     "INPUT_DIST_SHARED_CALLS",
 ]
@@ -116,16 +116,25 @@ INPUT_DIST_CALLS_PER_GROUP = 2
 INPUT_DIST_SHARED_CALLS = 1
 
 
-def codec_s_per_byte(profile: Any, precision: str) -> float:
-    """Seconds a rank spends in the quantized-comm codec per fp32 byte of a link phase's payload
-    (the graph's link bytes: sent plus received) when the phase runs at ``precision``:
-    ``profile.codec_byte_s`` for a lossy precision (fewer bytes on the wire than fp32), 0 at fp32.
-    The phase's seconds are then ``scale * link seconds + codec_s_per_byte * link bytes`` (fp16
-    halves the bytes on the link but encodes and decodes all of them on the rank), in
-    :func:`phase_table` and in every solver's rows (``search.equation.phase_forms``)."""
-    if PRECISION_BYTES[precision] >= 4:
+def lossy_byte_s(profile: Any, precision: str, bandwidth: float) -> float:
+    """Seconds per fp32 byte of a link phase's payload (the graph's link bytes: sent plus
+    received) that a rank pays at ``precision`` beyond the phase's scaled link seconds
+    ``(o/4) bytes / bandwidth``: 0 at fp32; for a lossy precision (``o < 4`` bytes per element)
+    the quantized-comm codec (``codec_byte_s``: it encodes every byte sent and decodes every byte
+    received) plus the full-precision host work that the scaling wrongly shrank,
+    ``(1 - o/4) a2a_host_byte_s`` (never more than the link's whole per-byte time,
+    ``1 / bandwidth``). So a lossy phase costs
+
+        (o/4) (bytes/bandwidth - host bytes) + host bytes + codec bytes
+
+    where the wire's share shrinks and the rank's own work does not. :func:`phase_table` adds it per
+    link column, and every solver's rows write it on the columns' ``z``
+    (``search.equation.phase_forms``)."""
+    o = PRECISION_BYTES[precision]
+    if o >= 4:
         return 0.0
-    return float(getattr(profile, "codec_byte_s", 0.0))
+    host = min(float(getattr(profile, "a2a_host_byte_s", 0.0)), 1.0 / float(bandwidth))
+    return float(getattr(profile, "codec_byte_s", 0.0)) + (1.0 - o / 4.0) * host
 
 
 def collective_call_form(phase: str, fused_splits: bool = True) -> Tuple[int, int]:
@@ -479,7 +488,7 @@ def phase_table(
     cm = np.atleast_2d(colmax)
     lay = _terms.layout()
     scale = {"fwd": PRECISION_BYTES[fwd_precision] / 4, "bwd": PRECISION_BYTES[bwd_precision] / 4}
-    codec = {"fwd": codec_s_per_byte(p, fwd_precision), "bwd": codec_s_per_byte(p, bwd_precision)}
+    prec_of = {"fwd": fwd_precision, "bwd": bwd_precision}
     lat = p.collective_latency_s if ctx.world_size > 1 else 0.0
     link = {}  # link group -> its slowest column's seconds
     group_cols = dict(lay.link_groups)
@@ -501,8 +510,11 @@ def phase_table(
             prec = PHASE_PRECISION.get(name)
             parts.append(lat * collective_calls(name, comm_groups, fused))
             parts.append(link[group] if prec is None else scale[prec] * link[group])
-            if prec is not None and codec[prec] > 0:  # the codec encodes/decodes every byte on the rank
-                parts.append(codec[prec] * sum(cm[:, j] for j in group_cols[group]))
+            if prec is not None and scale[prec] < 1:  # what a lossy precision does not shrink, and its codec
+                for j in group_cols[group]:
+                    per_byte = lossy_byte_s(p, prec_of[prec], getattr(p, lay.columns[j].bandwidth))
+                    if per_byte > 0:
+                        parts.append(per_byte * cm[:, j])
         parts.extend(cm[:, j] for j in lay.phase_columns.get(name, ()))
         total = parts[0] if parts else 0.0
         for x in parts[1:]:

@@ -34,7 +34,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.model import (PRECISION_BYTES, codec_s_per_byte, collective_call_form, phase_constants,
+from torchrec_sparselift.cost.model import (PRECISION_BYTES, collective_call_form, lossy_byte_s, phase_constants,
                                             piece_loads, shared_link_columns)
 from torchrec_sparselift.cost.pipelines import (PHASE_NAMES, PHASE_PARTS, PHASES, PIPELINES, effective_pipeline, paths,
                                                 step_factor)
@@ -42,7 +42,7 @@ from torchrec_sparselift.cost.terms import PHASE_PRECISION, layout
 
 __all__ = [
     "Equation", "RangeRows", "StepVars", "FixedTerms", "fixed_terms", "column_scale", "load_maxima",
-    "step_vars", "link_rows", "allreduce_rows", "precision_scales", "codec_per_z", "codec_coefficients", "phase_forms",
+    "step_vars", "link_rows", "allreduce_rows", "precision_scales", "lossy_per_z", "lossy_coefficients", "phase_forms",
     "composition_rows", "step_rows",
     "choice_rows", "total_memory_rows", "piece_loads", "rank_load_rows", "MS", "GIB",
 ]
@@ -230,9 +230,10 @@ class FixedTerms:
     parts: Mapping[str, float] = attrs.field(factory=dict)  # split phases' parts (ms), cost.pipelines.PHASE_PARTS
     spans_hosts: bool = False  # ranks on several hosts (cost.pipelines.effective_pipeline)
     step_factors: Mapping[str, float] = attrs.field(factory=dict)  # pipeline -> cost.pipelines.step_factor
-    #: link column -> the codec's ms per ms of that column's ``z`` under a lossy precision
-    #: (``codec_byte_s * bandwidth``: z is the column's bytes over its bandwidth); empty without a codec cost
-    codec_per_z: Mapping[int, float] = attrs.field(factory=dict)
+    #: lossy comm precision -> link column -> ms per ms of that column's ``z`` a phase at that
+    #: precision adds (``cost.model.lossy_byte_s * bandwidth``: z is the column's bytes over its
+    #: bandwidth); :func:`lossy_per_z`
+    lossy_per_z: Mapping[str, Mapping[int, float]] = attrs.field(factory=dict)
 
     @property
     def dense_allreduce(self) -> bool:
@@ -268,18 +269,27 @@ def fixed_terms(ctx) -> FixedTerms:
         group_cost=MS * layout().group_costs(p),
         parts={q: MS * const[q] for qs in PHASE_PARTS.values() for q in qs}, spans_hosts=ctx.num_hosts > 1,
         step_factors={pl: step_factor(p, pl, ctx.num_hosts > 1) for pl in PIPELINES},
-        codec_per_z=codec_per_z(p),
+        lossy_per_z=lossy_per_z(p),
     )
 
 
-def codec_per_z(profile) -> Dict[int, float]:
-    """:attr:`FixedTerms.codec_per_z` of a profile (``cost.model.codec_s_per_byte`` of a lossy
-    precision, per link column's ``z``)."""
-    per_byte = codec_s_per_byte(profile, "fp16")
-    if per_byte <= 0:
-        return {}
+def lossy_per_z(profile) -> Dict[str, Dict[int, float]]:
+    """:attr:`FixedTerms.lossy_per_z` of a profile: for each lossy comm precision, each link
+    column's coefficient on its ``z`` (``cost.model.lossy_byte_s`` times the column's bandwidth);
+    columns with none left out."""
     lay = layout()
-    return {j: per_byte * float(getattr(profile, lay.columns[j].bandwidth)) for j in lay.link}
+    out: Dict[str, Dict[int, float]] = {}
+    for prec, nbytes in PRECISION_BYTES.items():
+        if nbytes >= 4:
+            continue
+        coef = {}
+        for j in lay.link:
+            bw = float(getattr(profile, lay.columns[j].bandwidth))
+            c = lossy_byte_s(profile, prec, bw) * bw
+            if c > 0:
+                coef[j] = c
+        out[prec] = coef
+    return out
 
 
 @attrs.frozen
@@ -345,26 +355,27 @@ def precision_scales(fwd: str = defaults.COMM_PRECISION, bwd: str = defaults.COM
     return {"fwd": PRECISION_BYTES[fwd] / 4, "bwd": PRECISION_BYTES[bwd] / 4}
 
 
-def codec_coefficients(per_z: Mapping[int, float], fwd: str = defaults.COMM_PRECISION,
+def lossy_coefficients(per_z: Mapping[str, Mapping[int, float]], fwd: str = defaults.COMM_PRECISION,
                        bwd: str = defaults.COMM_PRECISION) -> Dict[str, Mapping[int, float]]:
-    """Per comm-precision name of cost.terms.PHASE_PRECISION, the codec's coefficient on each link
-    column's ``z`` (empty at fp32; ``per_z`` from :func:`codec_per_z`, ``FixedTerms.codec_per_z``):
-    ``cost.model.codec_s_per_byte`` times the column's bytes, the term
+    """Per comm-precision name of cost.terms.PHASE_PRECISION, the link columns' coefficients on
+    their ``z`` at that phase's precision (``per_z`` from :func:`lossy_per_z`,
+    ``FixedTerms.lossy_per_z``; empty at fp32): the term
     :func:`torchrec_sparselift.cost.model.phase_table` adds to a lossy link phase."""
-    return {k: (dict(per_z) if PRECISION_BYTES[prec] < 4 else {}) for k, prec in (("fwd", fwd), ("bwd", bwd))}
+    return {k: dict(per_z.get(prec, {})) for k, prec in (("fwd", fwd), ("bwd", bwd))}
 
 
 def phase_forms(sv: StepVars, constants: Mapping[str, float], scales: Mapping[str, float],
                 latency: float = 0.0, fused_splits: bool = True,
-                codec: Optional[Mapping[str, Mapping[int, float]]] = None) -> Dict[str, Tuple[list, float]]:
+                lossy: Optional[Mapping[str, Mapping[int, float]]] = None) -> Dict[str, Tuple[list, float]]:
     """Each phase of :data:`~torchrec_sparselift.cost.pipelines.PHASES` as a linear form
     ``{phase: (entries, constant)}`` (ms): its compute columns' ``z``, its link group's ``y``
     scaled by the phase's comm precision (cost.terms.PHASE_PRECISION; ``scales`` from
     :func:`precision_scales`), ``allreduce`` for the
     collective phase, its collective latencies when ``sv.latency`` is set (``per_group *
     latency_var + once * latency * any_group``, cost.model.collective_call_form;
-    ``fused_splits``: the pipeline's ``PipelineKind.fused_input_splits``), the codec's cost of a lossy
-    phase on its link columns' ``z`` (``codec`` from :func:`codec_coefficients`) and ``constants[phase]``."""
+    ``fused_splits``: the pipeline's ``PipelineKind.fused_input_splits``), what a lossy precision
+    adds on the phase's link columns' ``z`` (``lossy`` from :func:`lossy_coefficients`:
+    ``cost.model.lossy_byte_s``) and ``constants[phase]``."""
     lay = layout()
     group_cols = dict(lay.link_groups)
     forms: Dict[str, Tuple[list, float]] = {}
@@ -374,8 +385,8 @@ def phase_forms(sv: StepVars, constants: Mapping[str, float], scales: Mapping[st
         if group is not None:
             prec = PHASE_PRECISION.get(name)
             entries.append((sv.link[group], 1.0 if prec is None else scales[prec]))
-            if prec is not None and codec:
-                entries.extend((sv.z[j], c) for j, c in codec.get(prec, {}).items() if j in group_cols[group])
+            if prec is not None and lossy:
+                entries.extend((sv.z[j], c) for j, c in lossy.get(prec, {}).items() if j in group_cols[group])
             if sv.latency is not None:
                 per_group, once = collective_call_form(name, fused_splits)
                 entries.append((sv.latency, float(per_group)))
@@ -410,7 +421,7 @@ def step_rows(eq: Equation, sv: StepVars, pipeline: str, fixed: FixedTerms, fwd:
               bwd: str = defaults.COMM_PRECISION, fused_splits: bool = True) -> None:
     """Add the composition rows: ``total`` >= every path of ``pipeline``'s step."""
     forms = phase_forms(sv, fixed.constants(), precision_scales(fwd, bwd), latency=fixed.latency,
-                        fused_splits=fused_splits, codec=codec_coefficients(fixed.codec_per_z, fwd, bwd))
+                        fused_splits=fused_splits, lossy=lossy_coefficients(fixed.lossy_per_z, fwd, bwd))
     for entries, rhs in composition_rows(pipeline, forms, sv.total, fixed.overlap, fixed.spans_hosts,
                                          fixed.step_factors.get(pipeline, 1.0)):
         eq.add(entries, -np.inf, rhs)

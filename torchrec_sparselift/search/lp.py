@@ -56,16 +56,16 @@ class LPResult:
 
 
 def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None, step_overhead=0.0,
-                 iany=None, latency=0.0, fused_splits=True, codec=None):
+                 iany=None, latency=0.0, fused_splits=True, lossy=None):
     """:func:`.equation.phase_forms` with the variables given by position (``iy_in`` / ``iy_out``:
     the input's and the output's link groups, in cost.terms order), the comm precisions as byte
-    scales ``fs`` / ``bs`` (each a fraction of fp32) and their codec coefficients ``codec``
-    (:func:`.equation.codec_coefficients`; None: no codec cost)."""
+    scales ``fs`` / ``bs`` (each a fraction of fp32) and what those precisions add on the link
+    columns, ``lossy`` (:func:`.equation.lossy_coefficients`; None: nothing)."""
     groups = [phases for phases, _ in layout().link_groups]
     sv = StepVars(z=z, link=dict(zip(groups, (iy_in, iy_out))), allreduce=ia, total=-1,
                   latency=ilat, any_group=iany)
     return phase_forms(sv, {"dense_fwd": dense_fwd, "dense_bwd": dense_bwd, "step_overhead": step_overhead},
-                       {"fwd": fs, "bwd": bs}, latency=latency, fused_splits=fused_splits, codec=codec)
+                       {"fwd": fs, "bwd": bs}, latency=latency, fused_splits=fused_splits, lossy=lossy)
 
 
 def solve_lp(
