@@ -238,3 +238,28 @@ def test_the_all_to_all_share_above_the_bare_collective_is_what_lossy_comms_do_n
     assert with_a2a_host_split(fitted, None) is fitted
     assert with_a2a_host_split(fitted, attrs.evolve(host, a2a_byte_s=0.0)) is fitted  # one rank: not measured
     assert with_a2a_host_split(fitted, attrs.evolve(host, a2a_byte_s=1e-9)).a2a_host_byte_s == 0.0
+
+
+def test_a_profile_calibrated_before_the_lossy_terms_is_flagged_and_priced_with_them_meanwhile():
+    """A step-fitted profile whose host terms lack ``codec_byte_s`` (calibrated before the codec was
+    measured): ``calibrate check`` / ``hardware="auto"`` say so, and meanwhile it takes the base
+    profile's codec and the all-to-all's host share its own fit and host terms give."""
+    import attrs
+
+    from torchrec_sparselift.calibration.step_fit import StepFitInfo
+    from torchrec_sparselift.calibration.store import stored_profile_problems, with_base_terms
+
+    base = base_profile("cpu")
+    assert base.codec_byte_s > 0  # the shipped CPU profile carries the codec measured on its machine
+    values = {t.name: 1e-6 for t in CPU_STEP_TERMS}
+    old_host = dict(optimizer_tensor_s=1e-5, optimizer_byte_s=1e-10, bucketize_id_s=1e-8, a2a_byte_s=0.25e-9)
+    old = StepFitInfo(fit={"values": values}, model_version=2, host_terms=old_host)
+    assert any("codec_byte_s" in m for m in stored_profile_problems(old))
+    prof = attrs.evolve(base, intra_host_bw=2.5e9, inter_host_bw=2.5e9, codec_byte_s=0.0)
+    priced = with_base_terms(prof, old, base)
+    assert priced.codec_byte_s == base.codec_byte_s
+    assert priced.a2a_host_byte_s == pytest.approx(0.15e-9)
+    # a profile calibrated with them: nothing flagged, its own values kept
+    new = StepFitInfo(fit={"values": values}, model_version=2, host_terms={**old_host, "codec_byte_s": 0.2e-9})
+    assert not any("codec_byte_s" in m for m in stored_profile_problems(new))
+    assert with_base_terms(prof, new, base) == prof

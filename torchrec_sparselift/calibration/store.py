@@ -37,7 +37,7 @@ import attrs
 
 from torchrec_sparselift.atomic import flock_until, lock_holder, write_json
 from torchrec_sparselift.calibration.link import LinkRates, LinkRatesError
-from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, STEP_MODEL_VERSION, StepFitInfo
+from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, STEP_MODEL_VERSION, StepFitInfo, with_a2a_host_split
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.files import Fields, load_json, parse_json
@@ -427,6 +427,9 @@ def stored_profile_problems(info: StepFitInfo) -> List[str]:
     missing = info.missing_terms()
     if missing:
         out.append(f"was fitted before the cost model had {', '.join(missing)} (they take the base profile's values)")
+    if info.fitted and info.host_terms and "codec_byte_s" not in info.host_terms:
+        out.append("was calibrated before the lossy comms' codec was measured (codec_byte_s: plans with "
+                   "fp16/bf16 comms are priced with the base profile's)")
     version = info.fitted_model_version()
     if version is not None and version != STEP_MODEL_VERSION:
         out.append(f"was fitted under cost-model structure {version} (this code prices structure "
@@ -452,10 +455,16 @@ def with_base_terms(profile: HardwareProfile, info: StepFitInfo, base: HardwareP
     """``profile`` with every step term its fit lacks (:meth:`StepFitInfo.missing_terms`: fitted by an
     older cost model, so the stored file has no value of its own for it) set to ``base``'s value,
     the prior a calibration would have started that term from (e.g. ``cold_row_s`` of the package's
-    kernel profile), instead of the field's class default."""
+    kernel profile), instead of the field's class default. A step-fitted profile calibrated before
+    the lossy comms' terms existed (host terms without ``codec_byte_s``) takes ``base``'s codec and
+    the all-to-all's host share its fit and host terms give
+    (:func:`~torchrec_sparselift.calibration.step_fit.with_a2a_host_split`)."""
     missing = set(info.missing_terms())
     fields = {f: getattr(base, f) for t in CPU_STEP_TERMS if t.name in missing for f in t.fields}
-    return attrs.evolve(profile, **fields) if fields else profile
+    out = attrs.evolve(profile, **fields) if fields else profile
+    if info.fitted and info.host_terms and "codec_byte_s" not in info.host_terms:
+        out = with_a2a_host_split(attrs.evolve(out, codec_byte_s=base.codec_byte_s), info.host_terms)
+    return out
 
 
 def auto_profile_link(device: str, ranks: int, store: Optional[ProfileStore] = None,
