@@ -23,7 +23,6 @@ import gc
 import itertools
 import os
 import sys
-import time
 import warnings
 from typing import Dict, List, Optional, Sequence
 
@@ -77,6 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torchrec_sparselift.measure.attribution import attribute_steps
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
     from torchrec_sparselift.runtime.process_group import close_process_group
+    from torchrec_sparselift.runtime.timing import StepTimer
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -110,14 +110,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         pipe, it = built[r]
                         pipe.progress(it)  # untimed: the switch from the previous model
                         dist.barrier()
-                        d = []
+                        timer = StepTimer(device, warmup_steps=0)
                         for _ in range(args.block_steps):
-                            t0 = time.perf_counter()
-                            pipe.progress(it)
-                            d.append(time.perf_counter() - t0)
-                        t = torch.tensor(d, dtype=torch.float64)
-                        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                        times[r].extend(t.tolist())
+                            with timer.step():
+                                pipe.progress(it)
+                        times[r].extend(timer.slowest_rank_durations_s(dist.group.WORLD))
                 per = {k: [x for m in range(args.models) for x in times[(k, m)]] for k in args.pipelines}
                 ref = float(np.median(per[args.pipelines[0]]))
                 say(f"{wname}: " + "; ".join(
