@@ -225,7 +225,10 @@ def test_on_cpu_gloo_overlap_pays_only_between_hosts():
     expect = (ph["uvm_fetch"] + ph["lookup"] + max(ph["output_dist"], ph["dense_fwd_indep"]) + ph["dense_fwd_rest"]
               + ph["dense_bwd_rest"] + max(ph["grad_dist"], ph["dense_bwd_indep"])
               + max(ph["backward_update"], ph["allreduce"]) + ph["step_overhead"])
-    assert hosts["overlap"].total_s == pytest.approx(max(ph["input_dist"], expect), rel=1e-12)
+    # the next batch's ids all-to-all shares the link with the output all-to-all it is issued
+    # beside: across hosts on CPU it is in the step's flow, not hidden in a lane of its own
+    assert ph["input_dist"] > 0
+    assert hosts["overlap"].total_s == pytest.approx(ph["input_dist"] + expect, rel=1e-12)
 
 
 def test_the_timeline_shows_overlap_hiding_communication():
