@@ -169,3 +169,21 @@ def test_the_plain_median_would_leave_a_sync_every_fourth_step_out(fake_clock) -
 def test_a_period_that_is_not_a_positive_whole_number_of_steps_is_refused(period) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="period must be a positive number of steps"):
         StepTimer(CPU, period=period)
+
+
+def test_cpu_seconds_tell_a_waiting_step_from_a_computing_one() -> None:
+    """Each step also records the process CPU time (what measure.probe.measure_plan reports beside
+    the wall clock): a step that waits takes wall time without CPU time, a computing one both."""
+    import time
+
+    timer = StepTimer(torch.device("cpu"), warmup_steps=0)
+    with timer.step():
+        time.sleep(0.05)
+    with timer.step():
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+    wall, cpu = timer.slowest_rank_durations_s(), timer.slowest_rank_cpu_durations_s()
+    assert len(wall) == len(cpu) == 2
+    assert wall[0] >= 0.05 and cpu[0] < 0.5 * wall[0]
+    assert cpu[1] > 0.3 * wall[1] and cpu[1] > 2 * cpu[0]

@@ -342,6 +342,8 @@ def measure_plan(
     are never profiled, so ``median_s`` is the same measurement with or without it."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+    from torchrec_sparselift.runtime.timing import StepTimer
+
     steps = DEFAULT_TIMING["steps"] if steps is None else steps
     warmup = DEFAULT_TIMING["warmup"] if warmup is None else warmup
     pin = DEFAULT_TIMING["pin"] if pin is None else pin
@@ -362,27 +364,18 @@ def measure_plan(
         gc.collect()
         if pg is not None:
             dist.barrier(group=pg)
-        durations, cpu = [], []
+        timer = StepTimer(device, warmup_steps=warmup)
         gc_was = gc.isenabled()
         try:
             for i in range(total):
                 if i == warmup and gc_off:
                     gc.disable()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0, c0 = time.perf_counter(), time.process_time()
-                pipeline.progress(it)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                durations.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
+                with timer.step():
+                    pipeline.progress(it)
         finally:
             if gc_was:
                 gc.enable()
-        if pg is not None:
-            t = torch.tensor([durations, cpu], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-            durations, cpu = [float(x) for x in t[0]], [float(x) for x in t[1]]
+        durations, cpu = timer.slowest_rank_durations_s(pg), timer.slowest_rank_cpu_durations_s(pg)
         steady = durations[warmup:]
         med, mean = statistics.median(steady), statistics.fmean(steady)
         att = None

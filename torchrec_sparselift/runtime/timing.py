@@ -186,6 +186,7 @@ class StepTimer:
         steady_step_s([0.0], period)  # checks period
         self.period = period
         self._durations: List[float] = []
+        self._cpu_durations: List[float] = []
         self._stage_totals: Dict[str, float] = {}
         self._pending_events: List[Tuple[str, Any, Any]] = []
         self._in_step = False
@@ -217,14 +218,15 @@ class StepTimer:
         self._pending_events = []
         try:
             self._sync()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             yield
             self._sync()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         finally:
             self._in_step = False
         warm = len(self._durations) >= self.warmup_steps
         self._durations.append(elapsed)
+        self._cpu_durations.append(cpu)
         for name, begin, end in self._pending_events:
             if warm:
                 self._stage_totals[name] = self._stage_totals.get(name, 0.0) + begin.elapsed_time(end) / 1e3
@@ -268,6 +270,12 @@ class StepTimer:
             t = t.to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
         return [float(x) for x in t.cpu()]
+
+    def slowest_rank_cpu_durations_s(self, pg: Optional[dist.ProcessGroup] = None) -> List[float]:
+        """The process CPU seconds of every step timed so far (warm-up included, in order), the
+        largest over the ranks of ``pg`` (this rank's own without ``pg``; every rank must call it):
+        with the wall-clock durations they tell waiting from computing."""
+        return self._max_over_ranks(self._cpu_durations, pg) if pg is not None else list(self._cpu_durations)
 
     def slowest_rank_durations_s(self, pg: Optional[dist.ProcessGroup] = None) -> List[float]:
         """Every step timed so far, warm-up included, in order, as long as its slowest rank of
