@@ -304,8 +304,8 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
                    ) -> Tuple[HardwareProfile, Tuple[FitTerm, ...], Dict[str, float]]:
     """``(base, terms, floors)`` of a step fit given host microbenchmarks (a
     :class:`~torchrec_sparselift.calibration.records.HostTermRecord` or its stored dict; None: the
-    base, all of ``CPU_STEP_TERMS``, no floors). With them, ``codec_byte_s`` (the fp16 comm codec; the
-    probes run at fp32, so no step holds it) is the measured value, ``bucketize_id_s`` is the measured value
+    base, all of ``CPU_STEP_TERMS``, no floors). With them, ``codec_byte_s`` (the fp16 comm codec;
+    the probes run at fp32, so no step holds it) and ``bucketize_id_s`` are the measured values
     and not fitted (whole steps cannot tell it from per-feature row-wise work: fitted, it came out
     20-40x the measured kernel cost and over-priced row-wise plans with many ids), and the
     data-parallel optimizer's per-table (``dp_table_overhead_s``) and per-byte
@@ -521,6 +521,11 @@ class StepFitInfo:
         if not self.fitted:
             return None
         return int(self.model_version) if self.model_version is not None else 1
+
+    def before_codec(self) -> bool:
+        """Whether the fit was calibrated before the lossy comms' codec was measured (host terms
+        without ``codec_byte_s``): its profile has no codec or all-to-all host share of its own."""
+        return self.fitted and bool(self.host_terms) and "codec_byte_s" not in self.host_terms
 
     def missing_terms(self) -> List[str]:
         """The :data:`CPU_STEP_TERMS` the fit neither fitted nor fixed from host measurements: it was

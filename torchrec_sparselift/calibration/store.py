@@ -37,7 +37,8 @@ import attrs
 
 from torchrec_sparselift.atomic import flock_until, lock_holder, write_json
 from torchrec_sparselift.calibration.link import LinkRates, LinkRatesError
-from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, STEP_MODEL_VERSION, StepFitInfo, with_a2a_host_split
+from torchrec_sparselift.calibration.step_fit import (CPU_STEP_TERMS, STEP_MODEL_VERSION, StepFitInfo,
+                                                     with_a2a_host_split)
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.files import Fields, load_json, parse_json
@@ -427,7 +428,7 @@ def stored_profile_problems(info: StepFitInfo) -> List[str]:
     missing = info.missing_terms()
     if missing:
         out.append(f"was fitted before the cost model had {', '.join(missing)} (they take the base profile's values)")
-    if info.fitted and info.host_terms and "codec_byte_s" not in info.host_terms:
+    if info.before_codec():
         out.append("was calibrated before the lossy comms' codec was measured (codec_byte_s: plans with "
                    "fp16/bf16 comms are priced with the base profile's)")
     version = info.fitted_model_version()
@@ -462,7 +463,7 @@ def with_base_terms(profile: HardwareProfile, info: StepFitInfo, base: HardwareP
     missing = set(info.missing_terms())
     fields = {f: getattr(base, f) for t in CPU_STEP_TERMS if t.name in missing for f in t.fields}
     out = attrs.evolve(profile, **fields) if fields else profile
-    if info.fitted and info.host_terms and "codec_byte_s" not in info.host_terms:
+    if info.before_codec():
         out = with_a2a_host_split(attrs.evolve(out, codec_byte_s=base.codec_byte_s), info.host_terms)
     return out
 

@@ -89,6 +89,7 @@ __all__ = [
     "collective_calls",
     "collective_call_form",
     "lossy_byte_s",
+    "lossy_column_rates",
     "INPUT_DIST_CALLS_PER_GROUP",
     "INPUT_DIST_SHARED_CALLS",
 ]
@@ -135,6 +136,18 @@ def lossy_byte_s(profile: Any, precision: str, bandwidth: float) -> float:
         return 0.0
     host = min(float(getattr(profile, "a2a_host_byte_s", 0.0)), 1.0 / float(bandwidth))
     return float(getattr(profile, "codec_byte_s", 0.0)) + (1.0 - o / 4.0) * host
+
+
+def lossy_column_rates(profile: Any, precision: str) -> Dict[int, float]:
+    """:func:`lossy_byte_s` of each link column (``cost.terms`` index -> seconds per byte of that
+    column at its bandwidth), the columns that pay none left out (all of them at fp32): what
+    :func:`phase_table` adds to a lossy link phase and ``search.equation.lossy_per_z`` writes on
+    the columns' ``z``."""
+    if PRECISION_BYTES[precision] >= 4:
+        return {}
+    lay = _terms.layout()
+    rates = {j: lossy_byte_s(profile, precision, getattr(profile, lay.columns[j].bandwidth)) for j in lay.link}
+    return {j: r for j, r in rates.items() if r > 0}
 
 
 def collective_call_form(phase: str, fused_splits: bool = True) -> Tuple[int, int]:
@@ -488,7 +501,7 @@ def phase_table(
     cm = np.atleast_2d(colmax)
     lay = _terms.layout()
     scale = {"fwd": PRECISION_BYTES[fwd_precision] / 4, "bwd": PRECISION_BYTES[bwd_precision] / 4}
-    prec_of = {"fwd": fwd_precision, "bwd": bwd_precision}
+    lossy = {"fwd": lossy_column_rates(p, fwd_precision), "bwd": lossy_column_rates(p, bwd_precision)}
     lat = p.collective_latency_s if ctx.world_size > 1 else 0.0
     link = {}  # link group -> its slowest column's seconds
     group_cols = dict(lay.link_groups)
@@ -510,11 +523,8 @@ def phase_table(
             prec = PHASE_PRECISION.get(name)
             parts.append(lat * collective_calls(name, comm_groups, fused))
             parts.append(link[group] if prec is None else scale[prec] * link[group])
-            if prec is not None and scale[prec] < 1:  # what a lossy precision does not shrink, and its codec
-                for j in group_cols[group]:
-                    per_byte = lossy_byte_s(p, prec_of[prec], getattr(p, lay.columns[j].bandwidth))
-                    if per_byte > 0:
-                        parts.append(per_byte * cm[:, j])
+            if prec is not None:  # what a lossy precision does not shrink, and its codec
+                parts.extend(r * cm[:, j] for j, r in lossy[prec].items() if j in group_cols[group])
         parts.extend(cm[:, j] for j in lay.phase_columns.get(name, ()))
         total = parts[0] if parts else 0.0
         for x in parts[1:]:

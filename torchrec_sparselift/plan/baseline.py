@@ -123,12 +123,16 @@ class BaselineDecision:
         return not self.note
 
     @property
+    def _with_comms(self) -> str:
+        """``" with fp16/fp16 comms"`` for a baseline ``"torchrec+fp16/fp16"``
+        (:func:`never_slower_with_precision`), else empty."""
+        return f" with {self.baseline.split('+', 1)[1]} comms" if "+" in self.baseline else ""
+
+    @property
     def baseline_label(self) -> str:
         """``"TorchRec's plan"``, or ``"TorchRec's plan with fp16/fp16 comms"`` for a baseline
         ``"torchrec+fp16/fp16"`` (:func:`never_slower_with_precision`)."""
-        if "+" in self.baseline:
-            return f"TorchRec's plan with {self.baseline.split('+', 1)[1]} comms"
-        return "TorchRec's plan"
+        return "TorchRec's plan" + self._with_comms
 
     def describe(self) -> str:
         """One line: what was kept and why (gain, margin, the largest differing terms)."""
@@ -142,7 +146,7 @@ class BaselineDecision:
                    if self.leave else f"{theirs} kept: SparseLift's search found a plan priced the same"
                    if not self.differing else f"{theirs} kept: the predicted gain is within the model's error")
         rel = self.gain_s / self.baseline_s if self.baseline_s > 0 else 0.0
-        vs = "TorchRec's" + (f" with {self.baseline.split('+', 1)[1]} comms" if "+" in self.baseline else "")
+        vs = "TorchRec's" + self._with_comms
         return (f"never-slower rule: {verdict}; predicted {self.candidate_s * 1e3:.2f} ms vs {vs} "
                 f"{self.baseline_s * 1e3:.2f} ms, gain {self.gain_s * 1e3:.2f} ms ({rel:+.1%}) vs margin "
                 f"{self.margin_s * 1e3:.2f} ms" + (f"; differing terms: {terms}" if terms else "")

@@ -34,8 +34,8 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.model import (PRECISION_BYTES, collective_call_form, lossy_byte_s, phase_constants,
-                                            piece_loads, shared_link_columns)
+from torchrec_sparselift.cost.model import (PRECISION_BYTES, collective_call_form, lossy_column_rates,
+                                            phase_constants, piece_loads, shared_link_columns)
 from torchrec_sparselift.cost.pipelines import (PHASE_NAMES, PHASE_PARTS, PHASES, PIPELINES, effective_pipeline, paths,
                                                 step_factor)
 from torchrec_sparselift.cost.terms import PHASE_PRECISION, layout
@@ -275,21 +275,12 @@ def fixed_terms(ctx) -> FixedTerms:
 
 def lossy_per_z(profile) -> Dict[str, Dict[int, float]]:
     """:attr:`FixedTerms.lossy_per_z` of a profile: for each lossy comm precision, each link
-    column's coefficient on its ``z`` (``cost.model.lossy_byte_s`` times the column's bandwidth);
-    columns with none left out."""
-    lay = layout()
-    out: Dict[str, Dict[int, float]] = {}
-    for prec, nbytes in PRECISION_BYTES.items():
-        if nbytes >= 4:
-            continue
-        coef = {}
-        for j in lay.link:
-            bw = float(getattr(profile, lay.columns[j].bandwidth))
-            c = lossy_byte_s(profile, prec, bw) * bw
-            if c > 0:
-                coef[j] = c
-        out[prec] = coef
-    return out
+    column's coefficient on its ``z`` (``cost.model.lossy_column_rates`` times the column's
+    bandwidth: z is its bytes over that bandwidth)."""
+    cols = layout().columns
+    return {prec: {j: r * float(getattr(profile, cols[j].bandwidth))
+                   for j, r in lossy_column_rates(profile, prec).items()}
+            for prec, nbytes in PRECISION_BYTES.items() if nbytes < 4}
 
 
 @attrs.frozen
