@@ -66,6 +66,8 @@ def test_the_overlap_pipelines_need_a_core_per_rank():
     for r in results:
         more = r["more_ranks_than_cores"]
         assert "overlap" not in more["pipelines"] and "sparse_dist" in more["pipelines"], more
+        # TorchRec's fused only issues the output all-to-all early: no core of its own, kept
+        assert "fused" in more["pipelines"] and "overlap_stale" not in more["pipelines"], more
         assert more["chosen"] != "overlap"
     warned = results[0]["more_ranks_than_cores"]["warnings"]
     assert len(warned) == 1 and results[1]["more_ranks_than_cores"]["warnings"] == []

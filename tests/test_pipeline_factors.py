@@ -59,7 +59,10 @@ def test_a_factor_applies_where_the_model_prices_the_pipeline_as_the_plain_loop(
     assert step_factor(cpu, "fused") == 0.9 and step_factor(cpu, "sparse_dist") == 1.0
     assert step_factor(cpu, "overlap") == 0.97  # one host: overlap prices as the plain loop there
     assert step_factor(cpu, "overlap", spans_hosts=True) == 1.0  # the composition prices its overlap
-    assert step_factor(cpu, "fused", spans_hosts=True) == 0.9
+    # across hosts fused's composition prices what it overlaps there (its output all-to-all
+    # beside the next batch's input_dist and the bottom MLP): no one-host factor on top
+    assert step_factor(cpu, "fused", spans_hosts=True) == 1.0
+    assert step_factor(cpu, "prefetch", spans_hosts=True) == step_factor(cpu, "prefetch")
     gpu = attrs.evolve(PRESETS["h100"], pipeline_factors=FACTORS)
     assert step_factor(gpu, "fused") == 1.0 and step_factor(gpu, "base") == 1.05
     assert step_factor(CPU, "fused") == 1.0  # no factors measured

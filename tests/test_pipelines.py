@@ -60,8 +60,10 @@ def _phases_in(node):
 
 
 def test_every_kind_runs_every_phase_exactly_once():
-    """... a split phase (PHASE_PARTS) as itself or as all of its parts."""
-    for kind in PIPELINE_KINDS:
+    """... a split phase (PHASE_PARTS) as itself or as all of its parts; also as each kind runs
+    across hosts on hardware without overlap."""
+    across = [effective_pipeline(k.name, supports_overlap=False, spans_hosts=True) for k in PIPELINE_KINDS]
+    for kind in list(PIPELINE_KINDS) + across:
         ran = _phases_in(kind.step)
         expect = [p for p in PHASE_NAMES if p not in {q for qs in PHASE_PARTS.values() for q in qs}]
         for whole, parts in PHASE_PARTS.items():
@@ -217,7 +219,7 @@ def test_on_cpu_gloo_overlap_pays_only_between_hosts():
     assert len({st_.total_s for pl, st_ in one_box.items() if pl != "base"}) == 1
     assert one_box["overlap"].total_s >= one_box["sparse_dist"].total_s  # never preferred on one box
     _, hosts = _overlap_case("cpu-gloo", 2, 1, 1e8)
-    others = {pl: st_.total_s for pl, st_ in hosts.items() if pl not in ("overlap", "overlap_stale", "base")}
+    others = {pl: st_.total_s for pl, st_ in hosts.items() if pl not in ("overlap", "overlap_stale", "base", "fused")}
     assert len(set(others.values())) == 1 and hosts["overlap"].total_s < min(others.values())
     assert hosts["overlap_stale"].total_s < min(others.values())  # the package's stale kind too
     assert one_box["overlap_stale"].total_s >= one_box["sparse_dist"].total_s
@@ -229,6 +231,32 @@ def test_on_cpu_gloo_overlap_pays_only_between_hosts():
     # beside: across hosts on CPU it is in the step's flow, not hidden in a lane of its own
     assert ph["input_dist"] > 0
     assert hosts["overlap"].total_s == pytest.approx(ph["input_dist"] + expect, rel=1e-12)
+
+
+def test_on_cpu_gloo_fused_issues_the_output_all_to_all_before_the_forward_across_hosts():
+    """TrainPipelineFusedSparseDist runs the lookup and issues the output all-to-all before the
+    next batch's input_dist and the bottom MLP forward; across hosts that all-to-all crosses the
+    link while they run (docs/overlap.md section 9). On one box it is priced as sparse_dist."""
+    _, one_box = _overlap_case("cpu-gloo", 2, 2, 1e8)
+    assert one_box["fused"].total_s == one_box["sparse_dist"].total_s
+    _, hosts = _overlap_case("cpu-gloo", 2, 1, 1e8)
+    ph = hosts["fused"].phases
+    hidden = min(ph["output_dist"], ph["input_dist"] + ph["dense_fwd_indep"])
+    assert hidden > 0
+    assert hosts["sparse_dist"].total_s - hosts["fused"].total_s == pytest.approx(hidden, rel=1e-9)
+    kind = effective_pipeline("fused", supports_overlap=False, spans_hosts=True)
+    assert kind is not pipeline_kind("fused") and kind.name == "fused"
+    # where the hardware overlaps, fused keeps its own composition (embedding backward || all-reduce)
+    assert effective_pipeline("fused", supports_overlap=True, spans_hosts=True) is pipeline_kind("fused")
+
+
+def test_only_the_packages_overlap_kinds_need_a_core_per_rank():
+    from torchrec_sparselift.vocabulary import PIPELINE_REGISTRY
+
+    needs = {p.name for p in PIPELINE_REGISTRY if p.needs_spare_cores}
+    assert needs == {"overlap", "overlap_stale"}
+    assert all(p.overlaps_between_hosts for p in PIPELINE_REGISTRY if p.needs_spare_cores)
+    assert {p.name for p in PIPELINE_REGISTRY if p.overlaps_between_hosts} == needs | {"fused"}
 
 
 def test_the_timeline_shows_overlap_hiding_communication():

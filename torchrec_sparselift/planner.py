@@ -404,11 +404,13 @@ class SparseLiftPlanner(ShardingPlanner):
         return ep
 
     def _limit_overlap_to_free_cores(self, pg: Any, link: Any = None) -> None:
-        """On CPU, leave out the pipelines whose overlap runs beside the rank's compute
-        (``overlaps_between_hosts``: gloo's threads move the bytes while the rank computes) when
-        more ranks share a machine than it has cores: there the communication threads take the
-        cores the compute needs (measured: 4 ranks on 2 cores, the ``overlap`` pipeline ran
-        93 ms/step where ``sparse_dist`` ran 63, docs/benchmarks.md section 20). Only the default
+        """On CPU, leave out the pipelines whose overlap runs the package's own work beside the
+        rank's compute (``needs_spare_cores``: gloo's threads move the gradient all-to-all and the
+        all-reduce while the rank computes) when more ranks share a machine than it has cores:
+        there those threads take the cores the compute needs (measured: 4 ranks on 2 cores, the
+        ``overlap`` pipeline ran 93 ms/step where ``sparse_dist`` ran 63, and TorchRec's
+        ``fused``, which only issues the output all-to-all early, 0.92-1.02x ``sparse_dist``'s step,
+        geomean 0.96; docs/benchmarks.md section 20). Only the default
         pipeline set; a list the user passed is kept. Decided again for every collective plan, from
         the pipelines asked for (a planner reused on a machine with cores to spare offers them all
         again). Every rank alike: the machine share ``link`` measured (``LinkRates.machine_ranks``,
@@ -424,7 +426,7 @@ class SparseLiftPlanner(ShardingPlanner):
             ranks, cores = machine_share(pg)
         if ranks <= cores:
             return
-        kept = tuple(p for p in self._requested_pipelines if not pipeline_kind(p).overlaps_between_hosts)
+        kept = tuple(p for p in self._requested_pipelines if not pipeline_kind(p).needs_spare_cores)
         if kept != self._requested_pipelines and kept:
             if dist.get_rank(pg) == 0:
                 left = ", ".join(p for p in self._requested_pipelines if p not in kept)

@@ -163,10 +163,18 @@ class Pipeline:
             adaptation in :mod:`torchrec_sparselift.runtime.cpu_compat`.
         overlaps_between_hosts: its overlap is real on hardware the cost model otherwise prices
             without overlap (``HardwareProfile.supports_overlap`` False, CPU gloo) when the ranks
-            span hosts: it issues the collectives asynchronously (gloo's threads) and computes
-            beside them, and a transfer between hosts waits on the link rather than on the rank's
-            cores (measured, docs/overlap.md; TorchRec's pipelines wait for each collective right
-            after issuing it on CPU and gain nothing there).
+            span hosts: it issues a collective asynchronously (gloo's threads) and computes
+            beside it, and a transfer between hosts waits on the link rather than on the rank's
+            cores (measured, docs/overlap.md: the package's kinds, and TorchRec's ``fused``, which
+            issues the output all-to-all before the forward; ``sparse_dist`` waits for each
+            collective right after issuing it on CPU and gains nothing there). What it overlaps
+            there: ``cost.pipelines.effective_pipeline``.
+        needs_spare_cores: its overlap also runs the package's own work beside the rank's compute
+            (the gradient all-to-all beside the bottom MLP's backward, the all-reduce beside the
+            embedding backward), which needs a core per rank: with 4 ranks on 2 cores ``overlap``
+            ran 93 ms/step where ``sparse_dist`` ran 63 (``fused`` 0.92-1.02x ``sparse_dist``'s step
+            there, geomean 0.96), so the planner leaves it out where more ranks share a machine than it has
+            cores.
         doc: one line on what it overlaps.
     """
 
@@ -178,6 +186,7 @@ class Pipeline:
     syncs_2d_replicas: bool = False
     side_streams: bool = False
     overlaps_between_hosts: bool = False
+    needs_spare_cores: bool = False
     doc: str = ""
 
     @property
@@ -192,17 +201,18 @@ PIPELINE_REGISTRY: Tuple[Pipeline, ...] = (
              doc="host-to-device copy of batch i+1 overlaps step i"),
     Pipeline("sparse_dist", "TrainPipelineSparseDist", syncs_2d_replicas=True,
              doc="+ input_dist (ids/lengths all-to-all) of batch i+1"),
-    Pipeline("fused", "TrainPipelineFusedSparseDist", side_streams=True,
-             doc="+ embedding backward/optimizer overlapping the dense all-reduce"),
+    Pipeline("fused", "TrainPipelineFusedSparseDist", side_streams=True, overlaps_between_hosts=True,
+             doc="+ embedding backward/optimizer overlapping the dense all-reduce; lookup and output "
+                 "all-to-all issued before the forward"),
     Pipeline("prefetch", "PrefetchTrainPipelineSparseDist", side_streams=True,
              doc="+ cache prefetch (UVM caching kernels) of batch i+1"),
-    Pipeline("overlap", "TrainPipelineOverlap", overlaps_between_hosts=True,
+    Pipeline("overlap", "TrainPipelineOverlap", overlaps_between_hosts=True, needs_spare_cores=True,
              doc="+ output/gradient all-to-alls beside the dense work independent of the embeddings, "
                  "the dense all-reduce beside the embedding backward (the package's own pipeline)"),
     Pipeline("semi_sync", "TrainPipelineSemiSync", stale=True, dense_kernel=False, syncs_2d_replicas=True,
              side_streams=True, doc="+ lookup of batch i+1 before step i's embedding update (one step stale)"),
     Pipeline("overlap_stale", "TrainPipelineOverlapStale", stale=True, dense_kernel=False,
-             overlaps_between_hosts=True,
+             overlaps_between_hosts=True, needs_spare_cores=True,
              doc="+ lookup and output all-to-all of batch i+1 beside step i's dense backward, step i's "
                  "gradient all-to-all beside step i+1's dense forward (one step stale; the package's own)"),
 )

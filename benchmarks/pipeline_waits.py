@@ -1,0 +1,143 @@
+"""Where a train pipeline's step goes, by TorchRec's own profiler regions: TorchRec's plan of a
+benchmark workload under each pipeline, profiled, the regions' ms per step (mean over ranks).
+
+    python -m torchrec_sparselift.measure.testbed --hosts 2 --ranks-per-host 2 --rate 1gbit -- \\
+        benchmarks/pipeline_waits.py --workloads kaggle,hot_skewed --pipelines sparse_dist,fused
+
+Per workload (``real_runs.WORKLOADS``) and round, each pipeline in turn: a fresh model of TorchRec's
+``EmbeddingShardingPlanner`` plan (``regimes.lift_run``, as the regime benchmark trains it), ranks
+pinned to their cores, pre-built batches, ``--warmup`` steps, then ``--steps`` steps under
+``torch.profiler`` (CPU). Prints the step (wall, under the profiler) and the ``record_function``
+regions TorchRec's pipelines and sharded modules open (``## forward ##``, ``## start_embedding_lookup
+##``, ``## PooledEmbeddingsAwaitable wait() ##``: the wait on the output all-to-all, ...), each the
+mean over ranks of its CPU ms per step; ``--out``: the same as JSON. docs/overlap.md section 9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["main", "regions"]
+
+#: the regions printed first (the rest follow by name)
+KEY_REGIONS = ("forward", "backward", "optimizer", "zero_grad", "start_embedding_lookup", "start_sparse_data_dist",
+               "wait_sparse_data_dist", "PooledEmbeddingsAwaitable wait()")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from real_runs import WORKLOADS
+
+    from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="kaggle", help=f"comma-separated from {','.join(WORKLOADS)}")
+    p.add_argument("--pipelines", default="sparse_dist,fused", help=f"comma-separated from {','.join(PIPELINE_KINDS)}")
+    p.add_argument("--rounds", type=int, default=2, help="rounds, each a fresh model of every pipeline (default 2)")
+    p.add_argument("--steps", type=int, default=6, help="profiled steps (default 6)")
+    p.add_argument("--warmup", type=int, default=3, help="steps before profiling (default 3)")
+    p.add_argument("--out", help="JSON file for the results (rank 0)")
+    args = p.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    bad = [w for w in args.workloads if w not in WORKLOADS]
+    if bad or not args.workloads:
+        p.error(f"--workloads: unknown {bad or 'none given'}; choose from {','.join(WORKLOADS)}")
+    args.pipelines = [k for k in args.pipelines.split(",") if k]
+    bad = [k for k in args.pipelines if k not in PIPELINE_KINDS]
+    if bad or not args.pipelines:
+        p.error(f"--pipelines: unknown {bad or 'none given'}; choose from {','.join(PIPELINE_KINDS)}")
+    for name in ("rounds", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def regions(events: Any, steps: int) -> Dict[str, float]:
+    """CPU ms per step of each ``## name ##`` region in ``events`` (a profiler's events), the batch
+    index TorchRec puts in some names (``## forward 12 ##``) left out."""
+    out: Dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        m = re.fullmatch(r"## (.*?) ##", e.name)
+        if m:
+            key = " ".join(x for x in m.group(1).split() if not x.isdigit())
+            out[key] += e.cpu_time_total / 1e3 / steps
+    return dict(out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        print("run under torchrun or the testbed: python -m torchrec_sparselift.measure.testbed --hosts 2 "
+              "--ranks-per-host 2 --rate 1gbit -- benchmarks/pipeline_waits.py", file=sys.stderr)
+        return 2
+    import torch
+    import torch.distributed as dist
+    from real_runs import _workloads
+    from regimes import BATCH_SEED, Cycle, job_topology, lift_run
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.defaults import ranks_per_host
+    from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, probe_model, restore_affinity
+
+    dist.init_process_group("gloo")
+    pg = dist.group.WORLD
+    W, rank = dist.get_world_size(), dist.get_rank()
+    topo = job_topology(W, ranks_per_host(world_size=W))
+    results: List[Dict[str, Any]] = []
+    old = pin_rank_to_core(pg)
+    try:
+        for wname in args.workloads:
+            w, alpha = _workloads()[wname]
+            pooling = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
+                       for t in w.tables}
+            plan = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling).collective_plan(
+                probe_model(w), get_default_sharders(), pg)
+            batches = prebuilt_batches(w, 6, seed=BATCH_SEED, rank=rank, alpha=alpha)
+            for rnd in range(args.rounds):
+                for pipe in args.pipelines:
+                    lifted = lift_run(w, dict(plan=plan, pipeline=pipe), torch.device("cpu"))
+                    it = Cycle(batches)
+                    for _ in range(args.warmup):
+                        lifted.pipeline.progress(it)
+                    dist.barrier(group=pg)
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                        t0 = time.perf_counter()
+                        for _ in range(args.steps):
+                            lifted.pipeline.progress(it)
+                        wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
+                    mine = dict(wall_ms=wall_ms, regions=regions(prof.events(), args.steps))
+                    every: List[Any] = [None] * W
+                    dist.all_gather_object(every, mine, group=pg)
+                    keys = sorted({k for r in every for k in r["regions"]})
+                    mean = {k: sum(r["regions"].get(k, 0.0) for r in every) / W for k in keys}
+                    row = dict(workload=wname, pipeline=pipe, round=rnd, wall_ms=sum(r["wall_ms"] for r in every) / W,
+                               regions=mean)
+                    results.append(row)
+                    if rank == 0:
+                        first = [k for k in KEY_REGIONS if k in mean] + [k for k in keys if k not in KEY_REGIONS]
+                        print(f"[pipeline_waits] {wname} {pipe} round {rnd + 1}: step {row['wall_ms']:.1f} ms; "
+                              + ", ".join(f"{k} {mean[k]:.1f}" for k in first), flush=True)
+                    del lifted
+    finally:
+        restore_affinity(old)
+    if rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(settings=dict(vars(args)), world_size=W, results=results), f, indent=1)
+        print(f"[pipeline_waits] wrote {args.out}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
