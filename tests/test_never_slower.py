@@ -19,7 +19,8 @@ from torchrec_sparselift.calibration.term_error import term_errors, term_seconds
 from torchrec_sparselift.cost.hardware import get_profile
 from torchrec_sparselift.plan import sharding_plan_digest
 from torchrec_sparselift.plan.baseline import (
-    FIXED_TERM, TermErrors, TermTimes, decision_from_dict, never_slower, never_slower_with_precision,
+    FIXED_TERM, TermErrors, TermTimes, decision_from_dict, kept_plan_pipeline, never_slower,
+    never_slower_with_precision,
 )
 from torchrec_sparselift.plan.compare import torchrec_plan
 
@@ -42,7 +43,7 @@ def test_the_rule_leaves_torchrec_only_when_the_gain_exceeds_the_margin(cand, ba
     d = never_slower(_times(cand), _times(base), TermErrors(errs, default))
     margin = sum(errs[t] * max(cand[t], base[t]) for t in TERMS if abs(cand[t] - base[t]) > 1e-12)
     assert d.margin_s == pytest.approx(margin, abs=1e-12)
-    assert d.leave == (d.gain_s > d.margin_s)
+    assert d.leave == (d.gain_s > d.margin_s and bool(d.differing))
     if d.leave:
         assert d.gain_s > 0
     assert all(abs(x.candidate_s - x.baseline_s) > 1e-12 for x in d.differing)
@@ -300,3 +301,60 @@ def test_planner_on_another_link_prices_the_rule_with_the_links_spread(monkeypat
     assert not spread.never_slower.leave and spread.never_slower.baseline == "torchrec"
     assert (spread.search.fwd_precision, spread.search.bwd_precision) == ("fp32", "fp32")
     assert "measured spread: 1/a2a_bw 500%" in spread.never_slower.error_source
+
+
+def test_kept_plan_pipeline_takes_the_fastest_pipeline_that_clears_the_rule():
+    base = _times({"a2a": 0.010, "lat": 0.004, FIXED_TERM: 0.020})  # TorchRec's plan, its default pipeline
+    fused = _times({"a2a": 0.007, "lat": 0.002, FIXED_TERM: 0.020})  # 5 ms faster; margin 1.4 ms
+    slower = _times({"a2a": 0.010, "lat": 0.004, FIXED_TERM: 0.021})
+    close = _times({"a2a": 0.0095, "lat": 0.004, FIXED_TERM: 0.020})  # 0.5 ms faster; margin 1.0 ms
+    errs = TermErrors({"a2a": 0.1, "lat": 0.1}, 0.1)
+    name, d = kept_plan_pipeline(base, {"fused": fused, "prefetch": slower, "base": close}, errs)
+    assert name == "fused" and d.leave and d.candidate_pipeline == "fused" and d.baseline == "torchrec"
+    assert d.gain_s == pytest.approx(0.005) and d.margin_s == pytest.approx(0.0014)
+    text = d.describe()
+    assert "TorchRec's plan under fused kept" in text and "TorchRec's plan under its default pipeline" in text
+    assert decision_from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    assert kept_plan_pipeline(base, {"base": close, "prefetch": slower}, errs) is None  # within the error
+    assert kept_plan_pipeline(base, {}, errs) is None
+    # the fastest that clears: a faster pipeline whose gain is within its (larger) margin is passed over
+    fast = _times({"a2a": 0.005, "lat": 0.002, "x": 0.001, FIXED_TERM: 0.020})  # 6 ms faster; margin 6.4 ms
+    name, d = kept_plan_pipeline(base, {"fast": fast, "fused": fused}, TermErrors({"a2a": 0.1, "lat": 0.1, "x": 5.0}, 0.1),
+                                 label="torchrec+fp16/fp16")
+    assert name == "fused" and d.baseline == "torchrec+fp16/fp16" and "with fp16/fp16 comms" in d.describe()
+
+
+def test_where_torchrecs_plan_is_kept_it_runs_under_a_pipeline_that_clears_the_rule(monkeypatch):
+    """Across hosts on CPU, TorchRec's fused issues the output all-to-all before the forward
+    (docs/overlap.md section 9). Where SparseLift's plan does not clear the rule (here: made so),
+    TorchRec's sharding is kept, under fused where that alone clears the rule against TorchRec's
+    default pipeline, else under sparse_dist."""
+    import torchrec_sparselift.plan.baseline as baseline
+
+    def within_error(candidate, baseline_at, precision, full, errors):  # SparseLift's own plan fails
+        return baseline.BaselineDecision(leave=False, candidate_s=0.0, baseline_s=0.0), tuple(full)
+
+    monkeypatch.setattr(baseline, "never_slower_with_precision", within_error)
+    topo = Topology(world_size=4, local_world_size=2, compute_device="cpu")
+    module = meta_ebc(8, 200000, 64)
+    theirs = torchrec_plan(module, get_default_sharders(), topo, 512)
+
+    def plan(error):
+        planner = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, hardware="cpu-gloo",
+                                    never_slower=True, model_errors=TermErrors({}, error, "a test"), time_budget_s=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return planner.plan_with_result(module, get_default_sharders())
+
+    res = plan(0.01)
+    assert sharding_plan_digest(res.sharding_plan) == sharding_plan_digest(theirs.plan)
+    assert res.search.pipeline == "fused" and res.search.solver == "torchrec(never_slower)"
+    d = res.never_slower
+    assert d.leave and d.candidate_pipeline == "fused" and d.gain_s > d.margin_s > 0.0
+    assert "TorchRec's plan under fused kept" in d.describe()
+    assert res.search.step.total_s == pytest.approx(d.candidate_s, rel=1e-6)  # priced under fused
+    assert d.gain_s == pytest.approx(plan(5.0).search.step.total_s - d.candidate_s, rel=1e-6)
+    # with the error at 500% the pipeline's gain is within it: TorchRec's default pipeline
+    big = plan(5.0)
+    assert sharding_plan_digest(big.sharding_plan) == sharding_plan_digest(theirs.plan)
+    assert big.search.pipeline == "sparse_dist" and not big.never_slower.candidate_pipeline

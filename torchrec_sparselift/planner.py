@@ -722,7 +722,10 @@ class SparseLiftPlanner(ShardingPlanner):
         decision is in the result's ``never_slower``."""
         from torchrec_sparselift.calibration.term_error import term_seconds
         from torchrec_sparselift.cost.pipelines import step_factor
-        from torchrec_sparselift.plan.baseline import BaselineDecision, never_slower_with_precision, with_pipeline_term
+        from torchrec_sparselift.cost.pipelines import trainable_pipelines
+        from torchrec_sparselift.plan.baseline import (
+            BaselineDecision, kept_plan_pipeline, never_slower_with_precision, with_pipeline_term,
+        )
         from torchrec_sparselift.plan.compare import torchrec_plan
         from torchrec_sparselift.plan.evaluate import GivenPlan
 
@@ -761,9 +764,9 @@ class SparseLiftPlanner(ShardingPlanner):
             unscaled = attrs.evolve(profile, pipeline_factors=())
             spans = topo.world_size > topo.local_world_size
 
-            def theirs_at(fwd: str, bwd: str) -> Any:
-                return with_pipeline_term(term_seconds(lambda p: theirs.step_time(p, pipeline, fwd, bwd).total_s,
-                                                       unscaled), pipeline, step_factor(profile, pipeline, spans))
+            def theirs_at(fwd: str, bwd: str, under: str = pipeline) -> Any:
+                return with_pipeline_term(term_seconds(lambda p: theirs.step_time(p, under, fwd, bwd).total_s,
+                                                       unscaled), under, step_factor(profile, under, spans))
 
             # with lossy comms, against TorchRec's plan with the same comms (qcomm by hand) and at
             # full precision (plan.baseline.never_slower_with_precision)
@@ -773,6 +776,19 @@ class SparseLiftPlanner(ShardingPlanner):
                     s.pipeline, step_factor(profile, s.pipeline, spans)),
                 theirs_at, (s.fwd_precision, s.bwd_precision), (defaults.COMM_PRECISION, defaults.COMM_PRECISION),
                 self._model_errors(profile))
+            kept_pipeline = pipeline
+            if not decision.leave:
+                # TorchRec's plan is kept: under another of the planner's pipelines where that clears
+                # the rule against TorchRec's plan under its default one (plan.baseline.kept_plan_pipeline)
+                fwd, bwd = kept_precision or (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
+                dense = any(getattr(o, "compute_kernel", None) == "dense" for o in tr.options)
+                others = [p for p in trainable_pipelines(self._pipelines, dense) if p != pipeline]
+                label = "torchrec" if (fwd, bwd) == (defaults.COMM_PRECISION,) * 2 else f"torchrec+{fwd}/{bwd}"
+                alt = kept_plan_pipeline(theirs_at(fwd, bwd), {p: theirs_at(fwd, bwd, p) for p in others},
+                                         self._model_errors(profile), label) if others else None
+                if alt is not None:
+                    logger.info("SparseLiftPlanner: %s", decision.describe())
+                    kept_pipeline, decision = alt
         except Exception as e:  # noqa: BLE001 - the rule must never fail a plan the search found
             logger.warning("SparseLiftPlanner: the never-slower rule could not price TorchRec's plan (%s: %s); "
                            "keeping SparseLift's plan", type(e).__name__, e)
@@ -780,13 +796,14 @@ class SparseLiftPlanner(ShardingPlanner):
                 f"TorchRec's plan could not be priced ({type(e).__name__}: {e})"))
         logger.info("SparseLiftPlanner: %s (TorchRec planned in %.2f s, the rule took %.2f s)",
                     decision.describe(), tr.planning_time_s, time.monotonic() - t0)
-        if decision.leave:
+        if decision.leave and not decision.candidate_pipeline:  # SparseLift's plan
             return attrs.evolve(res, never_slower=decision)
         options = list(tr.options)
         _check_complete(res.handles, options)
         fwd, bwd = kept_precision or (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
         kept = evaluate_sharding_plan(module, tr.plan, topo, self._batch_size, self._constraints, profile,
-                                      self._workload, sharders, pipeline=pipeline, fwd_precision=fwd, bwd_precision=bwd)
+                                      self._workload, sharders, pipeline=kept_pipeline, fwd_precision=fwd,
+                                      bwd_precision=bwd)
         search = attrs.evolve(kept.search, solver="torchrec(never_slower)", status="kept",
                               planning_time_s=s.planning_time_s + time.monotonic() - t0)
         return attrs.evolve(kept, sharding_options=tuple(options), search=search, never_slower=decision)

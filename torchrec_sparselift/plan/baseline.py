@@ -22,6 +22,11 @@ set it by hand (qcomm): :func:`never_slower_with_precision` compares the candida
 plan under the *same* precisions first, and whichever of the two it keeps with TorchRec's plan as
 its users run it (full precision), so the plan handed back is never predicted slower, beyond the
 model's error, than either.
+
+Where TorchRec's plan is kept, :func:`kept_plan_pipeline` chooses the pipeline to keep it with:
+another of the planner's pipelines only if TorchRec's plan under it clears the same rule against
+TorchRec's plan under its default pipeline (the pipeline is a choice TorchRec's users also make by
+hand; the sharding stays TorchRec's).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import attrs
 
 __all__ = ["FIXED_TERM", "TermErrors", "TermTimes", "TermDifference", "BaselineDecision", "never_slower",
-           "never_slower_with_precision", "decision_from_dict", "pipeline_term", "with_pipeline_term"]
+           "never_slower_with_precision", "decision_from_dict", "pipeline_term", "with_pipeline_term",
+           "kept_plan_pipeline"]
 
 #: The part of a predicted step that no fitted term multiplies (the breakdown's remainder).
 FIXED_TERM = "fixed"
@@ -113,6 +119,8 @@ class BaselineDecision:
     error_source: str = ""
     baseline: str = "torchrec"
     note: str = ""
+    #: set when the candidate is TorchRec's own plan under another pipeline (:func:`kept_plan_pipeline`)
+    candidate_pipeline: str = ""
 
     @property
     def gain_s(self) -> float:
@@ -134,6 +142,12 @@ class BaselineDecision:
         ``"torchrec+fp16/fp16"`` (:func:`never_slower_with_precision`)."""
         return "TorchRec's plan" + self._with_comms
 
+    @property
+    def candidate_label(self) -> str:
+        """``"SparseLift's plan"``, or ``"TorchRec's plan under fused"`` for a candidate that is
+        TorchRec's plan under another pipeline (:func:`kept_plan_pipeline`)."""
+        return f"TorchRec's plan under {self.candidate_pipeline}" if self.candidate_pipeline else "SparseLift's plan"
+
     def describe(self) -> str:
         """One line: what was kept and why (gain, margin, the largest differing terms)."""
         if not self.applied:
@@ -142,7 +156,9 @@ class BaselineDecision:
         terms = ", ".join(f"{d.term} {d.candidate_s * 1e3:.2f} vs {d.baseline_s * 1e3:.2f} ms "
                           f"(error {d.error:.0%})" for d in top)
         theirs = self.baseline_label
-        verdict = (f"SparseLift's plan kept: predicted gain over {theirs} exceeds the model's error"
+        if self.candidate_pipeline:  # TorchRec's plan under its default pipeline is the baseline
+            theirs += " under its default pipeline"
+        verdict = (f"{self.candidate_label} kept: predicted gain over {theirs} exceeds the model's error"
                    if self.leave else f"{theirs} kept: SparseLift's search found a plan priced the same"
                    if not self.differing else f"{theirs} kept: the predicted gain is within the model's error")
         rel = self.gain_s / self.baseline_s if self.baseline_s > 0 else 0.0
@@ -155,7 +171,7 @@ class BaselineDecision:
     def to_dict(self) -> Dict[str, Any]:
         """Plain JSON (what an execution plan's ``planner_info["never_slower"]`` holds)."""
         return dict(rule="never_slower", baseline=self.baseline, leave=self.leave, applied=self.applied,
-                    note=self.note, candidate_s=self.candidate_s, baseline_s=self.baseline_s,
+                    note=self.note, candidate_pipeline=self.candidate_pipeline, candidate_s=self.candidate_s, baseline_s=self.baseline_s,
                     gain_s=self.gain_s, margin_s=self.margin_s, error_source=self.error_source,
                     differing=[dict(term=d.term, candidate_s=d.candidate_s, baseline_s=d.baseline_s,
                                     error=d.error, margin_s=d.margin_s) for d in self.differing])
@@ -187,7 +203,8 @@ def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,
                  tolerance_s: float = 1e-12) -> BaselineDecision:
     """Leave ``baseline`` for ``candidate`` only if ``baseline.total_s - candidate.total_s`` exceeds
     ``sum_j errors.of(j) * max(t_j(candidate), t_j(baseline))`` over the terms whose times differ by
-    more than ``tolerance_s`` (module docstring). A term missing from one breakdown counts 0 there."""
+    more than ``tolerance_s`` (module docstring), and never where no term differs (the two are
+    priced the same). A term missing from one breakdown counts 0 there."""
     diffs = []
     for term in sorted(set(candidate.terms) | set(baseline.terms)):
         c, b = float(candidate.terms.get(term, 0.0)), float(baseline.terms.get(term, 0.0))
@@ -195,7 +212,9 @@ def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,
             diffs.append(TermDifference(term, c, b, errors.of(term)))
     margin = float(sum(d.margin_s for d in diffs))
     gain = baseline.total_s - candidate.total_s
-    return BaselineDecision(leave=gain > margin, candidate_s=candidate.total_s, baseline_s=baseline.total_s,
+    # no differing term: the two are priced the same, a "gain" is rounding (plans, or one plan
+    # under two pipelines the model prices alike)
+    return BaselineDecision(leave=bool(diffs) and gain > margin, candidate_s=candidate.total_s, baseline_s=baseline.total_s,
                             margin_s=margin, differing=tuple(diffs), error_source=errors.source)
 
 
@@ -227,6 +246,23 @@ def never_slower_with_precision(
     return comms, tuple(full)
 
 
+def kept_plan_pipeline(baseline: TermTimes, under: Mapping[str, TermTimes], errors: TermErrors,
+                       label: str = "torchrec") -> Optional[Tuple[str, BaselineDecision]]:
+    """Where TorchRec's plan is kept: the pipeline to keep it with. ``baseline``: TorchRec's plan
+    under its default pipeline; ``under``: the same plan under each other pipeline the planner may
+    choose (each priced with its measured factor term, :func:`with_pipeline_term`). The fastest
+    pipeline whose predicted gain over ``baseline`` clears the rule (:func:`never_slower`), with its
+    decision (``candidate_pipeline`` set, ``baseline`` = ``label``); None when none does (TorchRec's
+    plan is kept under its default pipeline)."""
+    for name, times in sorted(under.items(), key=lambda kv: (kv[1].total_s, kv[0])):
+        if times.total_s >= baseline.total_s:
+            break
+        d = never_slower(times, baseline, errors)
+        if d.leave:
+            return name, attrs.evolve(d, candidate_pipeline=name, baseline=label)
+    return None
+
+
 def decision_from_dict(data: Optional[Mapping[str, Any]]) -> Optional[BaselineDecision]:
     """The :class:`BaselineDecision` an execution plan stored (``None`` when it has none)."""
     if not data:
@@ -237,4 +273,4 @@ def decision_from_dict(data: Optional[Mapping[str, Any]]) -> Optional[BaselineDe
         differing=tuple(TermDifference(d["term"], float(d["candidate_s"]), float(d["baseline_s"]), float(d["error"]))
                         for d in data.get("differing", [])),
         error_source=str(data.get("error_source", "")), baseline=str(data.get("baseline", "torchrec")),
-        note=str(data.get("note", "")))
+        note=str(data.get("note", "")), candidate_pipeline=str(data.get("candidate_pipeline", "")))
