@@ -31,7 +31,7 @@ __all__ = ["main"]
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from real_runs import WORKLOADS
+    from real_runs import WORKLOADS, names_arg
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="hot_skewed,kaggle,few_large", help=f"comma-separated from {','.join(WORKLOADS)}")
@@ -41,16 +41,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--block-steps", type=int, default=5, help="timed steps per block (default 5)")
     p.add_argument("--attribute", action="store_true", help="profile each pipeline's first model after timing")
     args = p.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    bad = [w for w in args.workloads if w not in WORKLOADS]
-    if bad or not args.workloads:
-        p.error(f"--workloads: unknown {bad or 'none given'}; choose from {','.join(WORKLOADS)}")
+    args.workloads = names_arg(p, "--workloads", args.workloads, WORKLOADS)
     from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
 
-    args.pipelines = [k for k in args.pipelines.split(",") if k]
-    bad = [k for k in args.pipelines if k not in PIPELINE_KINDS]
-    if bad or not args.pipelines:
-        p.error(f"--pipelines: unknown {bad or 'none given'}; choose from {','.join(PIPELINE_KINDS)}")
+    args.pipelines = names_arg(p, "--pipelines", args.pipelines, PIPELINE_KINDS)
     for name in ("models", "blocks", "block_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -33,7 +33,7 @@ KEY_REGIONS = ("forward", "backward", "optimizer", "zero_grad", "start_embedding
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from real_runs import WORKLOADS
+    from real_runs import WORKLOADS, names_arg
 
     from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
 
@@ -45,14 +45,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps before profiling (default 3)")
     p.add_argument("--out", help="JSON file for the results (rank 0)")
     args = p.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    bad = [w for w in args.workloads if w not in WORKLOADS]
-    if bad or not args.workloads:
-        p.error(f"--workloads: unknown {bad or 'none given'}; choose from {','.join(WORKLOADS)}")
-    args.pipelines = [k for k in args.pipelines.split(",") if k]
-    bad = [k for k in args.pipelines if k not in PIPELINE_KINDS]
-    if bad or not args.pipelines:
-        p.error(f"--pipelines: unknown {bad or 'none given'}; choose from {','.join(PIPELINE_KINDS)}")
+    args.workloads = names_arg(p, "--workloads", args.workloads, WORKLOADS)
+    args.pipelines = names_arg(p, "--pipelines", args.pipelines, PIPELINE_KINDS)
     for name in ("rounds", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")

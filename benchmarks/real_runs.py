@@ -55,7 +55,7 @@ from torchrec_sparselift.cost.report import mape, spearman  # noqa: E402
 from torchrec_sparselift.measure.probe import ProbeTable, ProbeWorkload  # noqa: E402
 from torchrec_sparselift.measure.steps import REFERENCE_PLAN  # noqa: E402
 
-__all__ = ["WORKLOADS", "QUICK_WORKLOADS", "plan_kinds_for", "mape", "spearman", "geomean", "main"]
+__all__ = ["WORKLOADS", "QUICK_WORKLOADS", "plan_kinds_for", "mape", "spearman", "geomean", "main", "names_arg"]
 
 #: Data-parallel plans only where every table's replica (weights + grad + state) fits this.
 DP_MAX_BYTES = 96 * 2**20
@@ -101,6 +101,16 @@ WORKLOADS = tuple(_workloads())
 #: Seed of every run's pre-built batches (and of the statistics SparseLift plans and prices with).
 BATCH_SEED = 1
 QUICK_WORKLOADS = ("many_small", "shared")
+
+
+def names_arg(parser: Any, flag: str, value: str, choices: Sequence[str]) -> List[str]:
+    """A comma-separated ``value`` of ``flag`` as a list of names from ``choices``; the parser's
+    error (exit 2, naming the flag, the culprits and the choices) for an unknown name or none."""
+    names = [n for n in value.split(",") if n]
+    bad = [n for n in names if n not in choices]
+    if bad or not names:
+        parser.error(f"{flag}: unknown {bad or 'none given'}; choose from {','.join(choices)}")
+    return names
 
 
 def plan_kinds_for(w: ProbeWorkload) -> List[str]:

@@ -75,7 +75,7 @@ for _p in (_ROOT, _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from real_runs import BATCH_SEED, WORKLOADS, geomean, paired_ratio  # noqa: E402
+from real_runs import BATCH_SEED, WORKLOADS, geomean, names_arg, paired_ratio  # noqa: E402
 
 __all__ = ["REGIMES", "TARGETS", "parse_args", "merge_results", "summarize_workload", "summarize_regime",
            "check_targets", "format_summary", "main"]
@@ -187,15 +187,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--job", action="store_true", help="run as one rank of one regime's torchrun job (the driver does)")
     p.add_argument("--regime", help="with --job: which regime this job is")
     args = p.parse_args(argv)
-    args.regimes = [r for r in args.regimes.split(",") if r]
-    bad = [r for r in args.regimes if r not in REGIMES]
-    if bad or not args.regimes:
-        p.error(f"--regimes: unknown {bad or 'none given'}; choose from {','.join(REGIMES)}")
+    args.regimes = names_arg(p, "--regimes", args.regimes, REGIMES)
     if args.workloads:
-        args.workloads = [w for w in args.workloads.split(",") if w]
-        bad = [w for w in args.workloads if w not in WORKLOADS]
-        if bad or not args.workloads:
-            p.error(f"--workloads: unknown {bad or 'none given'}; choose from {','.join(WORKLOADS)}")
+        args.workloads = names_arg(p, "--workloads", args.workloads, WORKLOADS)
     else:
         args.workloads = list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     q = args.quick

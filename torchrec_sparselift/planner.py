@@ -721,8 +721,7 @@ class SparseLiftPlanner(ShardingPlanner):
         is within the model's error (:func:`~torchrec_sparselift.plan.baseline.never_slower`); the
         decision is in the result's ``never_slower``."""
         from torchrec_sparselift.calibration.term_error import term_seconds
-        from torchrec_sparselift.cost.pipelines import step_factor
-        from torchrec_sparselift.cost.pipelines import trainable_pipelines
+        from torchrec_sparselift.cost.pipelines import step_factor, trainable_pipelines
         from torchrec_sparselift.plan.baseline import (
             BaselineDecision, kept_plan_pipeline, never_slower_with_precision, with_pipeline_term,
         )

@@ -173,8 +173,8 @@ class Pipeline:
             (the gradient all-to-all beside the bottom MLP's backward, the all-reduce beside the
             embedding backward), which needs a core per rank: with 4 ranks on 2 cores ``overlap``
             ran 93 ms/step where ``sparse_dist`` ran 63 (``fused`` 0.92-1.02x ``sparse_dist``'s step
-            there, geomean 0.96), so the planner leaves it out where more ranks share a machine than it has
-            cores.
+            there, geomean 0.96), so the planner leaves it out where more ranks share a machine
+            than it has cores.
         doc: one line on what it overlaps.
     """
 

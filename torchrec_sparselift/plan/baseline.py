@@ -171,8 +171,8 @@ class BaselineDecision:
     def to_dict(self) -> Dict[str, Any]:
         """Plain JSON (what an execution plan's ``planner_info["never_slower"]`` holds)."""
         return dict(rule="never_slower", baseline=self.baseline, leave=self.leave, applied=self.applied,
-                    note=self.note, candidate_pipeline=self.candidate_pipeline, candidate_s=self.candidate_s, baseline_s=self.baseline_s,
-                    gain_s=self.gain_s, margin_s=self.margin_s, error_source=self.error_source,
+                    note=self.note, candidate_pipeline=self.candidate_pipeline, candidate_s=self.candidate_s,
+                    baseline_s=self.baseline_s, gain_s=self.gain_s, margin_s=self.margin_s, error_source=self.error_source,
                     differing=[dict(term=d.term, candidate_s=d.candidate_s, baseline_s=d.baseline_s,
                                     error=d.error, margin_s=d.margin_s) for d in self.differing])
 
@@ -214,8 +214,8 @@ def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,
     gain = baseline.total_s - candidate.total_s
     # no differing term: the two are priced the same, a "gain" is rounding (plans, or one plan
     # under two pipelines the model prices alike)
-    return BaselineDecision(leave=bool(diffs) and gain > margin, candidate_s=candidate.total_s, baseline_s=baseline.total_s,
-                            margin_s=margin, differing=tuple(diffs), error_source=errors.source)
+    return BaselineDecision(leave=bool(diffs) and gain > margin, candidate_s=candidate.total_s,
+                            baseline_s=baseline.total_s, margin_s=margin, differing=tuple(diffs), error_source=errors.source)
 
 
 def never_slower_with_precision(
