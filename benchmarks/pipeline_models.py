@@ -61,11 +61,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import numpy as np
     import torch
     import torch.distributed as dist
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.distributed.planner import Topology
 
-    from real_runs import BATCH_SEED, _workloads
+    from real_runs import BATCH_SEED, _workloads, torchrec_plan_of
     from torchrec_sparselift.measure import probe
     from torchrec_sparselift.measure.attribution import attribute_steps
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
@@ -83,10 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         topo = Topology(world_size=world, local_world_size=ranks_per_host(world_size=world), compute_device="cpu")
         for wname in args.workloads:
             w, alpha = _workloads()[wname]
-            cons = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
-                    for t in w.tables}
-            plan = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=cons).collective_plan(
-                probe.probe_model(w), get_default_sharders(), dist.group.WORLD)
+            plan, _cons = torchrec_plan_of(w, topo, dist.group.WORLD)
             batches = probe.prebuilt_batches(w, 6, seed=BATCH_SEED, rank=rank, alpha=alpha)
             runs = [(k, m) for m in range(args.models) for k in args.pipelines]
             old = probe.pin_rank_to_core(dist.group.WORLD)

@@ -75,14 +75,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     import torch
     import torch.distributed as dist
-    from real_runs import _workloads
+    from real_runs import _workloads, torchrec_plan_of
     from regimes import BATCH_SEED, Cycle, job_topology, lift_run
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.sharding_plan import get_default_sharders
 
     from torchrec_sparselift.defaults import ranks_per_host
-    from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, probe_model, restore_affinity
+    from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, restore_affinity
 
     dist.init_process_group("gloo")
     pg = dist.group.WORLD
@@ -93,10 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         for wname in args.workloads:
             w, alpha = _workloads()[wname]
-            pooling = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
-                       for t in w.tables}
-            plan = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling).collective_plan(
-                probe_model(w), get_default_sharders(), pg)
+            plan, _cons = torchrec_plan_of(w, topo, pg)
             batches = prebuilt_batches(w, 6, seed=BATCH_SEED, rank=rank, alpha=alpha)
             for rnd in range(args.rounds):
                 for pipe in args.pipelines:

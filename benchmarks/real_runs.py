@@ -55,7 +55,8 @@ from torchrec_sparselift.cost.report import mape, spearman  # noqa: E402
 from torchrec_sparselift.measure.probe import ProbeTable, ProbeWorkload  # noqa: E402
 from torchrec_sparselift.measure.steps import REFERENCE_PLAN  # noqa: E402
 
-__all__ = ["WORKLOADS", "QUICK_WORKLOADS", "plan_kinds_for", "mape", "spearman", "geomean", "main", "names_arg"]
+__all__ = ["WORKLOADS", "QUICK_WORKLOADS", "plan_kinds_for", "mape", "spearman", "geomean", "main", "names_arg",
+           "torchrec_plan_of"]
 
 #: Data-parallel plans only where every table's replica (weights + grad + state) fits this.
 DP_MAX_BYTES = 96 * 2**20
@@ -113,6 +114,21 @@ def names_arg(parser: Any, flag: str, value: str, choices: Sequence[str]) -> Lis
     return names
 
 
+def torchrec_plan_of(w: ProbeWorkload, topo, pg) -> Tuple[Any, Dict[str, Any]]:
+    """``(plan, constraints)``: TorchRec's ``EmbeddingShardingPlanner`` plan of ``w`` on ``topo``
+    (every rank of ``pg`` alike) with the workload's pooling factors as its only constraints
+    (``measure.probe.pooling_constraints``), as the benchmarks run TorchRec's default."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_sparselift.measure.probe import pooling_constraints, probe_model
+
+    cons = pooling_constraints(w.tables)
+    plan = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=cons).collective_plan(
+        probe_model(w), get_default_sharders(), pg)
+    return plan, cons
+
+
 def plan_kinds_for(w: ProbeWorkload) -> List[str]:
     """The forced plans of ``w`` (data-parallel only where the replicas fit)."""
     kinds = ["table_wise", "row_wise"]
@@ -144,17 +160,14 @@ def geomean(xs: Sequence[float]) -> float:
 def _plans(w: ProbeWorkload, topo, profile, pg, say, stats=None) -> List[Tuple[str, Any, Dict[str, Any]]]:
     """``(name, plan, constraints)`` of every plan of ``w``; SparseLift plans (and places the forced
     plans) with ``stats`` as its ``workload=``."""
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     from torchrec_sparselift.planner import SparseLiftPlanner
-    from torchrec_sparselift.measure.probe import probe_constraints, probe_model
+    from torchrec_sparselift.measure.probe import pooling_constraints, probe_constraints, probe_model
     from torchrec_sparselift.measure.steps import forced_plan
 
     big = sorted(t.rows for t in w.tables)[-max(1, len(w.tables) // 4)]
-    pooling = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
-               for t in w.tables}
+    pooling = pooling_constraints(w.tables)
     out = []
     for kind in plan_kinds_for(w):
         if kind == "column_wise_big":
@@ -178,8 +191,7 @@ def _plans(w: ProbeWorkload, topo, profile, pg, say, stats=None) -> List[Tuple[s
     raw = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling, hardware=profile,
                             workload=stats, never_slower=False)
     out.append(("sparselift_raw", raw.collective_plan(probe_model(w), get_default_sharders(), pg), pooling))
-    tr = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling)
-    out.append(("torchrec", tr.collective_plan(probe_model(w), get_default_sharders(), pg), pooling))
+    out.append(("torchrec", *torchrec_plan_of(w, topo, pg)))
     return out
 
 

@@ -75,7 +75,7 @@ for _p in (_ROOT, _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from real_runs import BATCH_SEED, WORKLOADS, geomean, names_arg, paired_ratio  # noqa: E402
+from real_runs import BATCH_SEED, WORKLOADS, geomean, names_arg, paired_ratio, torchrec_plan_of  # noqa: E402
 
 __all__ = ["REGIMES", "TARGETS", "parse_args", "merge_results", "summarize_workload", "summarize_regime",
            "check_targets", "format_summary", "main"]
@@ -676,19 +676,14 @@ def _settings_of(spec: Mapping[str, Any]) -> Tuple[str, str, str, Optional[int]]
 def build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], errors: Mapping[str, Any], stats, pg,
                  say) -> List[Dict[str, Any]]:
     """One spec per run name: its plan (ShardingPlan or execution plan), overrides and constraints."""
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     from torchrec_sparselift.measure.probe import probe_model
     from torchrec_sparselift.measure.steps import forced_plan
     from torchrec_sparselift.planner import SparseLiftPlanner
 
-    pooling = {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
-               for t in w.tables}
     specs: List[Dict[str, Any]] = []
-    tr_plan = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=pooling).collective_plan(
-        probe_model(w), get_default_sharders(), pg)
+    tr_plan, pooling = torchrec_plan_of(w, topo, pg)
 
     def sl(**kw):
         t0 = time.perf_counter()

@@ -56,3 +56,12 @@ def test_measure_plan_times_the_slowest_rank_per_step_and_restores_the_affinity(
         # the fit groups of the attribution partition the (unprofiled) timed step
         assert sum(res["groups"].values()) == pytest.approx(res["m"].median_s)
         assert res["groups"]["sparse"] > 0 and res["groups"]["comm"] > 0 and res["groups"]["dense"] > 0
+
+
+def test_pooling_constraints_give_each_table_its_pooling_factor_and_nothing_else():
+    from torchrec_sparselift.measure.probe import ProbeTable, pooling_constraints
+
+    tables = (ProbeTable("a", 100, 8, ("f1", "f2"), 2.0), ProbeTable("b", 50, 8, ("f3",), 3.5))
+    cons = pooling_constraints(tables)
+    assert cons["a"].pooling_factors == [2.0, 2.0] and cons["b"].pooling_factors == [3.5]
+    assert cons["a"].sharding_types is None and cons["a"].compute_kernels is None

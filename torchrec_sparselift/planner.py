@@ -723,7 +723,7 @@ class SparseLiftPlanner(ShardingPlanner):
         from torchrec_sparselift.calibration.term_error import term_seconds
         from torchrec_sparselift.cost.pipelines import step_factor, trainable_pipelines
         from torchrec_sparselift.plan.baseline import (
-            BaselineDecision, kept_plan_pipeline, never_slower_with_precision, with_pipeline_term,
+            BaselineDecision, baseline_name, kept_plan_pipeline, never_slower_with_precision, with_pipeline_term,
         )
         from torchrec_sparselift.plan.compare import torchrec_plan
         from torchrec_sparselift.plan.evaluate import GivenPlan
@@ -769,22 +769,21 @@ class SparseLiftPlanner(ShardingPlanner):
 
             # with lossy comms, against TorchRec's plan with the same comms (qcomm by hand) and at
             # full precision (plan.baseline.never_slower_with_precision)
+            full = (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
             decision, kept_precision = never_slower_with_precision(
                 with_pipeline_term(term_seconds(
                     lambda p: ours.step_time(p, s.pipeline, s.fwd_precision, s.bwd_precision).total_s, unscaled),
                     s.pipeline, step_factor(profile, s.pipeline, spans)),
-                theirs_at, (s.fwd_precision, s.bwd_precision), (defaults.COMM_PRECISION, defaults.COMM_PRECISION),
-                self._model_errors(profile))
+                theirs_at, (s.fwd_precision, s.bwd_precision), full, self._model_errors(profile))
+            fwd, bwd = kept_precision or full  # TorchRec's plan's comms, where it is kept
             kept_pipeline = pipeline
             if not decision.leave:
                 # TorchRec's plan is kept: under another of the planner's pipelines where that clears
                 # the rule against TorchRec's plan under its default one (plan.baseline.kept_plan_pipeline)
-                fwd, bwd = kept_precision or (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
                 dense = any(getattr(o, "compute_kernel", None) == "dense" for o in tr.options)
                 others = [p for p in trainable_pipelines(self._pipelines, dense) if p != pipeline]
-                label = "torchrec" if (fwd, bwd) == (defaults.COMM_PRECISION,) * 2 else f"torchrec+{fwd}/{bwd}"
                 alt = kept_plan_pipeline(theirs_at(fwd, bwd), {p: theirs_at(fwd, bwd, p) for p in others},
-                                         self._model_errors(profile), label) if others else None
+                                         self._model_errors(profile), baseline_name((fwd, bwd), full)) if others else None
                 if alt is not None:
                     logger.info("SparseLiftPlanner: %s", decision.describe())
                     kept_pipeline, decision = alt
@@ -799,7 +798,6 @@ class SparseLiftPlanner(ShardingPlanner):
             return attrs.evolve(res, never_slower=decision)
         options = list(tr.options)
         _check_complete(res.handles, options)
-        fwd, bwd = kept_precision or (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
         kept = evaluate_sharding_plan(module, tr.plan, topo, self._batch_size, self._constraints, profile,
                                       self._workload, sharders, pipeline=kept_pipeline, fwd_precision=fwd,
                                       bwd_precision=bwd)

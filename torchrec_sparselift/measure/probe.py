@@ -36,6 +36,7 @@ __all__ = [
     "probe_model",
     "prebuilt_batches",
     "probe_constraints",
+    "pooling_constraints",
     "shard_for_training",
     "measure_plan",
     "Measurement",
@@ -183,6 +184,15 @@ def prebuilt_batches(w: ProbeWorkload, n: int, seed: int, rank: int, alpha: floa
                          sparse_features=kjt,
                          labels=torch.from_numpy((rng.random(B) < 0.3).astype(np.float32))))
     return out
+
+
+def pooling_constraints(tables: Sequence[Any]) -> Dict[str, Any]:
+    """Each table's pooling factor as TorchRec's ``ParameterConstraints`` (nothing else
+    constrained): what both planners get for a probe workload."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    return {t.name: ParameterConstraints(pooling_factors=[float(t.pooling_factor)] * len(t.features))
+            for t in tables}
 
 
 def probe_constraints(tables: Sequence[Any], kind: str, big_rows: Optional[int] = None,

@@ -38,7 +38,7 @@ import attrs
 
 __all__ = ["FIXED_TERM", "TermErrors", "TermTimes", "TermDifference", "BaselineDecision", "never_slower",
            "never_slower_with_precision", "decision_from_dict", "pipeline_term", "with_pipeline_term",
-           "kept_plan_pipeline"]
+           "kept_plan_pipeline", "baseline_name"]
 
 #: The part of a predicted step that no fitted term multiplies (the breakdown's remainder).
 FIXED_TERM = "fixed"
@@ -218,6 +218,12 @@ def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,
                             baseline_s=baseline.total_s, margin_s=margin, differing=tuple(diffs), error_source=errors.source)
 
 
+def baseline_name(precision: Tuple[str, str], full: Tuple[str, str]) -> str:
+    """:attr:`BaselineDecision.baseline` for TorchRec's plan with comm ``precision`` (fwd, bwd):
+    ``"torchrec"`` at ``full``, else ``"torchrec+fwd/bwd"`` (qcomm set by hand)."""
+    return "torchrec" if tuple(precision) == tuple(full) else f"torchrec+{precision[0]}/{precision[1]}"
+
+
 def never_slower_with_precision(
     candidate: TermTimes, baseline_at: Callable[[str, str], TermTimes], precision: Tuple[str, str],
     full: Tuple[str, str], errors: TermErrors,
@@ -236,7 +242,7 @@ def never_slower_with_precision(
         return d, (None if d.leave else tuple(full))
     at_full = baseline_at(*full)
     same = attrs.evolve(never_slower(candidate, baseline_at(*precision), errors),
-                        baseline=f"torchrec+{precision[0]}/{precision[1]}")
+                        baseline=baseline_name(precision, full))
     if same.leave:
         d = never_slower(candidate, at_full, errors)
         return d, (None if d.leave else tuple(full))
