@@ -117,7 +117,7 @@ INPUT_DIST_CALLS_PER_GROUP = 2
 INPUT_DIST_SHARED_CALLS = 1
 
 
-def lossy_byte_s(profile: Any, precision: str, bandwidth: float) -> float:
+def lossy_byte_s(profile: HardwareProfile, precision: str, bandwidth: float) -> float:
     """Seconds per fp32 byte of a link phase's payload (the graph's link bytes: sent plus
     received) that a rank pays at ``precision`` beyond the phase's scaled link seconds
     ``(o/4) bytes / bandwidth``: 0 at fp32; for a lossy precision (``o < 4`` bytes per element)
@@ -134,11 +134,11 @@ def lossy_byte_s(profile: Any, precision: str, bandwidth: float) -> float:
     o = PRECISION_BYTES[precision]
     if o >= 4:
         return 0.0
-    host = min(float(getattr(profile, "a2a_host_byte_s", 0.0)), 1.0 / float(bandwidth))
-    return float(getattr(profile, "codec_byte_s", 0.0)) + (1.0 - o / 4.0) * host
+    host = min(float(profile.a2a_host_byte_s), 1.0 / float(bandwidth))
+    return float(profile.codec_byte_s) + (1.0 - o / 4.0) * host
 
 
-def lossy_column_rates(profile: Any, precision: str) -> Dict[int, float]:
+def lossy_column_rates(profile: HardwareProfile, precision: str) -> Dict[int, float]:
     """:func:`lossy_byte_s` of each link column (``cost.terms`` index -> seconds per byte of that
     column at its bandwidth), the columns that pay none left out (all of them at fp32): what
     :func:`phase_table` adds to a lossy link phase and ``search.equation.lossy_per_z`` writes on
