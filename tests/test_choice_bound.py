@@ -115,3 +115,29 @@ def test_semi_sync_rule_lives_in_the_pipeline_description():
     tw = build_problem(specs[1:], ctx, cap[:2], cap[:2].copy(), pipelines=("sparse_dist", "semi_sync"))
     assert any(a.startswith("semi_sync/") for a, _ in solve(tw, time_budget_s=1.0).alternatives)
     assert float(np.max(res.rank_loads[:, DEV_MEM])) > 0
+
+
+def test_fused_on_a_streams_device_never_trains_dense_kernel_tables_or_feature_processors():
+    """TorchRec's ``fused`` looks up the next batch on a side stream that does not wait for the
+    dense optimizer (``Pipeline.lookup_before_dense_step``): on CUDA it is left out for plans with
+    a dense-kernel table and for models with feature processors; on CPU it stays."""
+    names = ("sparse_dist", "fused")
+    assert trainable_pipelines(names, dense_kernel=True, streams=False) == names
+    assert trainable_pipelines(names, dense_kernel=True, streams=True) == ("sparse_dist",)
+    assert trainable_pipelines(names, dense_kernel=False, streams=True) == names
+    assert trainable_pipelines(names, dense_kernel=False, streams=True, feature_processors=True) == ("sparse_dist",)
+    assert trainable_pipelines(names, dense_kernel=False, streams=False, feature_processors=True) == names
+    assert trainable_pipelines(("fused",), dense_kernel=True, streams=True) == ("fused",)  # as asked
+    # the search reads it: on the h100 preset fused wins a table-wise plan, not a data-parallel one
+    ctx = CostContext(profile=PRESETS["h100"], world_size=2, local_world_size=2, batch_size=512,
+                      dense=DenseWork(1e9, 1e6))
+    cap = np.full(2, 1e12)
+
+    def chosen(types):
+        specs = [_spec(0, 1000, 64, 1.0, types), _spec(1, 10**6, 64, 5.0, ("table_wise",))]
+        res = solve(build_problem(specs, ctx, cap, cap.copy(), pipelines=names), time_budget_s=1.0)
+        return res.pipeline, {a.split("/")[0] for a, _ in res.alternatives}
+
+    assert chosen(("table_wise",))[0] == "fused"
+    pipeline, offered = chosen(("data_parallel",))
+    assert pipeline == "sparse_dist" and "fused" not in offered

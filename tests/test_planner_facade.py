@@ -92,3 +92,37 @@ def test_one_plan_builds_exactly_one_request_and_every_consumer_reads_it(tmp_pat
         ep = planner.last_execution_plan  # keyed by, and carrying, the request's fingerprint
         assert ep.fingerprint == built[0].fingerprint(versions=ep.fingerprint.versions)
         assert os.path.exists(PlanCache(tmp_path).path_for(built[0].fingerprint()))
+
+
+def test_feature_processors_on_cuda_leave_fused_out_of_the_pipelines_chosen_among():
+    """A FeatureProcessedEmbeddingBagCollection on CUDA: TorchRec's ``fused`` would look up before
+    the dense optimizer updates the processor's weights, so the plan chooses among the others; on
+    CPU, or without feature processors, ``fused`` stays."""
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    def model(fp: bool) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.ebc = _ebc()
+        if fp:
+            m.fp = FeatureProcessedEmbeddingBagCollection(
+                EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="w", embedding_dim=64, num_embeddings=1000,
+                                                                  feature_names=["w_f"])],
+                                       is_weighted=True, device=torch.device("meta")),
+                PositionWeightedModuleCollection({"w_f": 10}))
+        return m
+
+    sharders = get_default_sharders()
+    assert "fused" in _planner().request(model(False), sharders).pipelines
+    req = _planner().request(model(True), sharders)
+    assert "fused" not in req.pipelines and "sparse_dist" in req.pipelines
+    res = _planner().plan_with_result(model(True), sharders)
+    assert res.search.pipeline != "fused"
+    cpu = SparseLiftPlanner(topology=Topology(world_size=2, local_world_size=2, compute_device="cpu"),
+                            batch_size=64, debug=False, time_budget_s=1)
+    assert "fused" in cpu.request(model(True), sharders).pipelines
+    with warnings.catch_warnings(record=True) as caught:  # asked for by name: a warning says why it is left out
+        warnings.simplefilter("always")
+        asked = _planner(pipelines=["sparse_dist", "fused"]).request(model(True), sharders)
+    assert asked.pipelines == ("sparse_dist",)
+    assert any("fused" in str(w.message) and "fp" in str(w.message) for w in caught)

@@ -549,3 +549,38 @@ def test_semi_sync_refuses_tables_on_the_dense_kernel(table_plan) -> None:  # ty
         model.ebc, {"t0": table_wise(rank=0, compute_kernel="fused"), **fused},
         world_size=WORLD, local_size=WORLD, device_type="cpu")})
     check_pipeline_supports_plan("semi_sync", fused_only)
+
+
+def test_fused_on_cuda_refuses_dense_kernel_tables_and_feature_processors() -> None:
+    """On a device with side streams ``fused`` looks up before the dense optimizer's step: the
+    runtime refuses it with dense-kernel tables or feature processors (naming them); on CPU, and
+    with fused kernels only, it accepts. A pure check: no CUDA device is touched."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    from torchrec_sparselift.runtime import check_pipeline_supports_plan
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    model = _tiny_model()
+    fused = {f"t{i}": table_wise(rank=i % WORLD, compute_kernel="fused") for i in (1, 2)}
+    dp = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, {"t0": data_parallel(), **fused}, world_size=WORLD, local_size=WORLD, device_type="cpu")})
+    with pytest.raises(ValueError, match=r"'fused' on cuda:0 .*ebc\.t0 \(data_parallel\).*'sparse_dist'"):
+        check_pipeline_supports_plan("fused", dp, cuda, model)
+    check_pipeline_supports_plan("fused", dp, cpu, model)
+    check_pipeline_supports_plan("sparse_dist", dp, cuda, model)
+    fused_only = ShardingPlan({"ebc": construct_module_sharding_plan(
+        model.ebc, {"t0": table_wise(rank=0, compute_kernel="fused"), **fused},
+        world_size=WORLD, local_size=WORLD, device_type="cpu")})
+    check_pipeline_supports_plan("fused", fused_only, cuda, model)
+    model.fp = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="w", embedding_dim=DIM, num_embeddings=NUM_EMB,
+                                                          feature_names=["w_f"])], is_weighted=True),
+        PositionWeightedModuleCollection({"w_f": 10}))
+    with pytest.raises(ValueError, match=r"'fused' on cuda:0 .*\bfp\b.*feature processors.*'sparse_dist'"):
+        check_pipeline_supports_plan("fused", fused_only, cuda, model)
+    check_pipeline_supports_plan("fused", fused_only, cpu, model)
+    check_pipeline_supports_plan("sparse_dist", fused_only, cuda, model)

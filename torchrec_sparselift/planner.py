@@ -41,6 +41,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlan
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
 from torchrec_sparselift.cost.model import CostContext, DenseWork
 from torchrec_sparselift.cost.report import rank_breakdown
+from torchrec_sparselift.cost.pipelines import trainable_pipelines
 from torchrec_sparselift import defaults
 from torchrec_sparselift.vocabulary import (
     COST_MODELS, LAYOUT_2D_CHOICES, LOSSY_COMM_PRECISIONS, STRATEGY_2D_CHOICES, PIPELINES, STALE_PIPELINES, SYNC_PIPELINES,
@@ -296,6 +297,9 @@ class SparseLiftPlanner(ShardingPlanner):
         #: the pipelines asked for (the default set or the user's list) and those the next plan chooses
         #: among (the default set less those this machine's cores cannot run: ``_limit_overlap_to_free_cores``)
         self._requested_pipelines = tuple(pipelines)
+        #: those this machine's cores can run (``_limit_overlap_to_free_cores``) and, of those, the
+        #: ones that train the planned module exactly on its device (``_exact_pipelines``)
+        self._core_pipelines = self._requested_pipelines
         self._pipelines = self._requested_pipelines
         self._precisions = comm_precision_pairs(bool(allow_lossy_comm), bool(allow_fp8), topology.compute_device)
         self._allow_lossy_comm = bool(allow_lossy_comm)
@@ -415,7 +419,7 @@ class SparseLiftPlanner(ShardingPlanner):
         the pipelines asked for (a planner reused on a machine with cores to spare offers them all
         again). Every rank alike: the machine share ``link`` measured (``LinkRates.machine_ranks``,
         ``machine_cores``), else one all-gather (``runtime.machine.machine_share``)."""
-        self._pipelines = self._requested_pipelines
+        self._core_pipelines = self._requested_pipelines
         if not self._pipelines_by_default or self._topology.compute_device != "cpu":
             return
         if link is not None and getattr(link, "machine_ranks", None) is not None:
@@ -434,7 +438,24 @@ class SparseLiftPlanner(ShardingPlanner):
                               f"that overlap communication beside the ranks' compute ({left}) need a core per "
                               "rank, so the plan chooses among the others (pass pipelines=[...] to choose yourself)",
                               stacklevel=4)
-            self._pipelines = kept
+            self._core_pipelines = kept
+
+    def _exact_pipelines(self, handles: Sequence[TableHandle]) -> Tuple[str, ...]:
+        """The pipelines the plan of ``handles`` chooses among: on a device with side streams
+        (CUDA), a model with feature processors (a ``FeatureProcessedEmbeddingBagCollection``)
+        leaves out the kinds that look up the next batch before the dense optimizer's step
+        (``Pipeline.lookup_before_dense_step``: TorchRec's ``fused``, whose lookup would read the
+        processor's weights before their update; ``cost.pipelines.trainable_pipelines``). Plans with
+        data-parallel tables are filtered the same way in the search, per plan."""
+        fp = sorted({h.module[0] for h in handles if "FeatureProcessed" in h.sharder_key})
+        kept = trainable_pipelines(self._core_pipelines, False, streams=self._topology.compute_device != "cpu",
+                                   feature_processors=bool(fp))
+        if kept != self._core_pipelines and not self._pipelines_by_default:
+            left = ", ".join(p for p in self._core_pipelines if p not in kept)
+            warnings.warn(f"sparselift: pipeline(s) {left} left out: on {self._topology.compute_device} they look up "
+                          f"the next batch before the dense optimizer updates the feature processors of "
+                          f"{', '.join(fp)} (TorchRec's TrainPipelineFusedSparseDist assumes none)", stacklevel=4)
+        return kept
 
     def _correct_link(self, link: Any, announce: bool) -> None:
         """With ``hardware="auto"``: the stored profile with its link terms corrected to ``link``,
@@ -515,6 +536,7 @@ class SparseLiftPlanner(ShardingPlanner):
         )
         validate_inputs(handles, topo, self._batch_size, self._constraints, self._workload,
                         problems=problems)
+        self._pipelines = self._exact_pipelines(handles)
         return self._request(handles, dense_work(module, handles), sharders)
 
     def _request(self, handles: Sequence[TableHandle], dense: DenseWork,
@@ -721,7 +743,7 @@ class SparseLiftPlanner(ShardingPlanner):
         is within the model's error (:func:`~torchrec_sparselift.plan.baseline.never_slower`); the
         decision is in the result's ``never_slower``."""
         from torchrec_sparselift.calibration.term_error import term_seconds
-        from torchrec_sparselift.cost.pipelines import step_factor, trainable_pipelines
+        from torchrec_sparselift.cost.pipelines import step_factor
         from torchrec_sparselift.plan.baseline import (
             BaselineDecision, baseline_name, kept_plan_pipeline, never_slower_with_precision, with_pipeline_term,
         )
@@ -781,7 +803,8 @@ class SparseLiftPlanner(ShardingPlanner):
                 # TorchRec's plan is kept: under another of the planner's pipelines where that clears
                 # the rule against TorchRec's plan under its default one (plan.baseline.kept_plan_pipeline)
                 dense = any(getattr(o, "compute_kernel", None) == "dense" for o in tr.options)
-                others = [p for p in trainable_pipelines(self._pipelines, dense) if p != pipeline]
+                others = [p for p in trainable_pipelines(self._pipelines, dense, streams=topo.compute_device != "cpu")
+                          if p != pipeline]
                 alt = kept_plan_pipeline(theirs_at(fwd, bwd), {p: theirs_at(fwd, bwd, p) for p in others},
                                          self._model_errors(profile), baseline_name((fwd, bwd), full)) if others else None
                 if alt is not None:

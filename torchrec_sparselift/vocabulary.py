@@ -175,6 +175,15 @@ class Pipeline:
             ran 93 ms/step where ``sparse_dist`` ran 63 (``fused`` 0.92-1.02x ``sparse_dist``'s step
             there, geomean 0.96), so the planner leaves it out where more ranks share a machine
             than it has cores.
+        lookup_before_dense_step: on a device with streams (CUDA) it starts the next batch's
+            embedding lookup on a side stream that does not wait for this batch's dense optimizer
+            step, so it is exact only where every weight the lookup reads updates inside the fused
+            backward (TorchRec's ``TrainPipelineFusedSparseDist``: "this assumption is not true if
+            there is feature processor(s)"). A table on the ``dense`` kernel (every data-parallel
+            one) and a feature processor's weights are updated by the dense optimizer, so on such a
+            device the planner does not offer it for plans with either and the runtime refuses the
+            pair (``cost.pipelines.trainable_pipelines``, ``runtime.check_pipeline_supports_plan``).
+            On CPU the side stream is the step's own order and the kind is exact.
         doc: one line on what it overlaps.
     """
 
@@ -187,6 +196,7 @@ class Pipeline:
     side_streams: bool = False
     overlaps_between_hosts: bool = False
     needs_spare_cores: bool = False
+    lookup_before_dense_step: bool = False
     doc: str = ""
 
     @property
@@ -202,6 +212,7 @@ PIPELINE_REGISTRY: Tuple[Pipeline, ...] = (
     Pipeline("sparse_dist", "TrainPipelineSparseDist", syncs_2d_replicas=True,
              doc="+ input_dist (ids/lengths all-to-all) of batch i+1"),
     Pipeline("fused", "TrainPipelineFusedSparseDist", side_streams=True, overlaps_between_hosts=True,
+             lookup_before_dense_step=True,
              doc="+ embedding backward/optimizer overlapping the dense all-reduce; lookup and output "
                  "all-to-all issued before the forward"),
     Pipeline("prefetch", "PrefetchTrainPipelineSparseDist", side_streams=True,

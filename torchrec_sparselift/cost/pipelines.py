@@ -333,14 +333,26 @@ def pipeline_kind(name: str) -> PipelineKind:
         raise ValueError(f"unknown pipeline {name!r}; choose one of {PIPELINES}") from None
 
 
-def trainable_pipelines(names: Tuple[str, ...], dense_kernel: bool) -> Tuple[str, ...]:
-    """The pipelines among ``names`` that can train a plan (``dense_kernel``: the plan has a
-    table on the ``dense`` compute kernel, e.g. a data-parallel one). A single allowed pipeline
-    is kept as asked (the runtime then refuses the pair, naming the tables)."""
+def trainable_pipelines(names: Tuple[str, ...], dense_kernel: bool, streams: bool = False,
+                        feature_processors: bool = False) -> Tuple[str, ...]:
+    """The pipelines among ``names`` that can train a plan exactly: ``dense_kernel``, the plan has a
+    table on the ``dense`` compute kernel (e.g. a data-parallel one), which the stale kinds cannot
+    train; ``streams``, the device runs side streams (CUDA), where a kind that looks up the next
+    batch before the dense optimizer's step (``Pipeline.lookup_before_dense_step``: TorchRec's
+    ``fused``) would read a dense-kernel table's or a feature processor's weights (the model has
+    one: ``feature_processors``) before their update. A single allowed pipeline is kept as asked
+    (the runtime then refuses the pair, naming the tables or the module)."""
     names = tuple(names)
-    if not dense_kernel or len(names) <= 1:
+    if len(names) <= 1:
         return names
-    return tuple(n for n in names if pipeline_kind(n).dense_kernel) or names
+
+    def ok(n: str) -> bool:
+        p = pipeline_kind(n).properties
+        if dense_kernel and not p.dense_kernel:
+            return False
+        return not (streams and (dense_kernel or feature_processors) and p.lookup_before_dense_step)
+
+    return tuple(n for n in names if ok(n)) or names
 
 
 def effective_pipeline(name: str, supports_overlap: bool = True, spans_hosts: bool = False) -> PipelineKind:

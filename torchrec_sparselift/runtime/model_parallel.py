@@ -185,8 +185,10 @@ def resolve_settings(
     )
 
 
-def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan) -> None:
-    """Refuse plan/pipeline pairs that cannot train; ``ValueError`` naming the tables otherwise.
+def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device: Optional[torch.device] = None,
+                                 module: Optional[nn.Module] = None) -> None:
+    """Refuse plan/pipeline pairs that cannot train exactly; ``ValueError`` naming the tables or
+    modules otherwise (the rules: :data:`torchrec_sparselift.vocabulary.PIPELINE_REGISTRY`).
 
     The stale kinds (``semi_sync``, ``overlap_stale``) look up batch i+1 before step i's embedding
     update, so every table of a
@@ -194,8 +196,19 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan) -> None
     A ``dense`` kernel (which includes every data-parallel table) is updated in place after that
     lookup saved the weights for its backward, and autograd aborts the next backward ("modified
     by an inplace operation"); measured with TorchRec 1.8 on CPU/gloo.
+
+    On a ``device`` with side streams (CUDA), a kind with ``lookup_before_dense_step`` (TorchRec's
+    ``fused``) starts the next lookup on a stream that does not wait for the dense optimizer, so it
+    also needs every looked-up weight updated in the fused backward: no dense-kernel tables and no
+    feature processor in ``module`` (TorchRec: "this assumption is not true if there is feature
+    processor(s)"). On CPU its order is the step's own and it trains them exactly.
     """
-    if kind not in PIPELINE_KINDS or vocabulary.pipeline(kind).dense_kernel:  # the rule: vocabulary.PIPELINE_REGISTRY
+    if kind not in PIPELINE_KINDS:
+        return
+    props = vocabulary.pipeline(kind)
+    streams = device is not None and device.type != "cpu"
+    racing = streams and props.lookup_before_dense_step
+    if props.dense_kernel and not racing:
         return
     dense = sorted(
         f"{path}.{name} ({ps.sharding_type})"
@@ -204,12 +217,26 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan) -> None
         for name, ps in module_plan.items()
         if getattr(ps, "compute_kernel", None) == "dense"
     )
-    if dense:
+    if dense and not props.dense_kernel:
         raise ValueError(
             f"pipeline {kind!r} needs fused embedding kernels, but {', '.join(dense)} use the dense kernel "
             "(data-parallel tables always do): shard those tables model-parallel with compute_kernel='fused', "
             "or choose pipeline 'fused' or 'sparse_dist'"
         )
+    if dense:
+        raise ValueError(
+            f"pipeline {kind!r} on {device} looks up the next batch before the dense optimizer's step, but "
+            f"{', '.join(dense)} use the dense kernel (data-parallel tables always do), which that step "
+            "updates: choose pipeline 'sparse_dist', or shard those tables model-parallel with compute_kernel='fused'"
+        )
+    if racing and module is not None:
+        fp = sorted(name or "(the model)" for name, m in module.named_modules() if "FeatureProcessed" in type(m).__name__)
+        if fp:
+            raise ValueError(
+                f"pipeline {kind!r} on {device} looks up the next batch before the dense optimizer's step, but "
+                f"{', '.join(fp)} hold feature processors whose weights that step updates (TorchRec's "
+                "TrainPipelineFusedSparseDist assumes none): choose pipeline 'sparse_dist'"
+            )
 
 
 def default_device() -> torch.device:
@@ -328,8 +355,8 @@ class SparseLiftModelParallel(DistributedModelParallel):
                 f"the plan is 2D (sharding_group_size={settings.sharding_group_size}): it needs DMPCollection, "
                 "which SparseLiftModelParallel is not; call torchrec_sparselift.runtime.lift(...) instead"
             )
-        check_pipeline_supports_plan(settings.pipeline, sharding_plan)
         device = device if device is not None else default_device()
+        check_pipeline_supports_plan(settings.pipeline, sharding_plan, device, module)
         env = _resolve_env(env, pg)
         _apply_embedding_optimizer(module, embedding_optimizer)
         registry = comm_codecs_registry(settings.fwd_comm_precision, settings.bwd_comm_precision, device)
@@ -359,7 +386,7 @@ class SparseLiftModelParallel(DistributedModelParallel):
         planned pipeline; ``options`` go to the TorchRec pipeline constructor.
         """
         kind = kind or self.settings.pipeline
-        check_pipeline_supports_plan(kind, self.sharding_plan)
+        check_pipeline_supports_plan(kind, self.sharding_plan, self.device, self)
         optimizer = build_optimizer(self, dense_optimizer_factory, self.embedding_optimizer)
         pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options)
         return pipeline, optimizer
@@ -559,9 +586,9 @@ def _lift_2d(
             "torchrec_sparselift.runtime.two_d.build_2d_model_parallel is not available in this version: "
             "plan 1D (sharding_group_size=None) or build DMPCollection yourself"
         )
-    check_pipeline_supports_plan(settings.pipeline, sharding_plan)
-    global_pg = _resolve_env(env, pg).process_group
     device = device if device is not None else default_device()
+    check_pipeline_supports_plan(settings.pipeline, sharding_plan, device, module)
+    global_pg = _resolve_env(env, pg).process_group
     _apply_embedding_optimizer(module, embedding_optimizer)
     registry = comm_codecs_registry(settings.fwd_comm_precision, settings.bwd_comm_precision, device)
     strategy = two_d_kwargs.pop("strategy", None) or settings.strategy_2d or "default"

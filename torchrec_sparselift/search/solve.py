@@ -88,7 +88,8 @@ def _optimizations(ev: PlanEvaluator, prob: PlanningProblem, pipelines: Sequence
     alts: List[Tuple[str, float]] = []
     best_combo = None
     has_dense_kernel = any(prob.cands[c].compute_kernel == "dense" for c, _ in ev.assignment.values())
-    trainable = trainable_pipelines(tuple(pipelines), has_dense_kernel)
+    trainable = trainable_pipelines(tuple(pipelines), has_dense_kernel,
+                                    streams=prob.ctx.profile.compute_device != "cpu")
     ordered = sorted(trainable, key=lambda p: p != defaults.PIPELINE)  # stable: the rest keep their order
     for pl in ordered:
         for f, b in precisions:
