@@ -165,26 +165,11 @@ def init_state(seed: int) -> Dict[str, torch.Tensor]:
 
 
 def load_state(model, state: Dict[str, torch.Tensor]) -> None:
-    """Copy the shared initial state into a (sharded) model, shard by shard."""
-    with torch.no_grad():
-        for key, value in model.state_dict().items():
-            matches = [k for k in state if key == k or key.endswith("." + k)]
-            if len(matches) != 1:
-                raise KeyError(f"cannot map state key {key!r} to the initial state")
-            src = state[matches[0]]
-            if hasattr(value, "local_shards"):  # ShardedTensor (1D)
-                pieces = [(s.tensor, s.metadata.shard_offsets) for s in value.local_shards()]
-            elif hasattr(value, "to_local"):  # DTensor over LocalShardsWrapper (DMPCollection)
-                local = value.to_local()
-                pieces = list(zip(local.local_shards(), local.local_offsets()))
-            else:
-                pieces = None
-            if pieces is not None:
-                for tensor, off in pieces:
-                    rows, cols = tensor.shape
-                    tensor.copy_(src[off[0] : off[0] + rows, off[1] : off[1] + cols])
-            else:
-                value.copy_(src)
+    """Copy the shared initial state into a (sharded) model, shard by shard
+    (:func:`torchrec_sparselift.runtime.copy_full_state`)."""
+    from torchrec_sparselift.runtime import copy_full_state
+
+    copy_full_state(model, state)
 
 
 def to_kjt(ids: List[np.ndarray]):

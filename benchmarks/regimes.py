@@ -340,6 +340,9 @@ def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dic
     out["two_d_decisions_right"] = (sum(decisions) / len(decisions)) if decisions else None
     gaps = [w["parity"]["loss_gap"] for w in workloads if (w.get("parity") or {}).get("loss_gap") is not None]
     out["two_d_loss_gap"] = max(gaps) if gaps else None
+    controls = [abs(w["parity"]["control_gap"]) for w in workloads
+                if (w.get("parity") or {}).get("control_gap") is not None]
+    out["one_d_control_loss_gap"] = max(controls) if controls else None  # what two exact 1D plans differ by
     return out
 
 
@@ -413,7 +416,8 @@ def format_workload(res: Mapping[str, Any]) -> str:
         p = res["parity"]
         lines.append(f"loss parity ({p.get('steps')} steps): " + (
             f"1D {p['loss_1d']:.5f}, 2D {p['loss_2d']:.5f}, gap {p['loss_gap']:+.5f} "
-            f"(standard error {_f(p.get('loss_gap_se'), '{:.5f}')})" if p.get("loss_gap") is not None
+            f"(standard error {_f(p.get('loss_gap_se'), '{:.5f}')}); another exact 1D plan "
+            f"({p.get('control')}): gap {_f(p.get('control_gap'), '{:+.5f}')}" if p.get("loss_gap") is not None
             else f"not measured: {p.get('error')}"))
     return "\n".join(lines)
 
@@ -442,6 +446,9 @@ def format_summary(merged: Mapping[str, Any]) -> str:
                          f"{_f(s['geo_torchrec_over_sparselift_auto'])}, TRbest/SL "
                          f"{_f(s['geo_torchrec_best_pipeline_over_sparselift_auto'])}, SL/best "
                          f"{_f(s['geo_sparselift_auto_over_best'])}")
+        if s.get("two_d_loss_gap") is not None:
+            lines.append(f"{name} loss parity: 2D - 1D up to {s['two_d_loss_gap']:+.5f}; two exact 1D plans differ by "
+                         f"up to {_f(s.get('one_d_control_loss_gap'), '{:.5f}')} (the control)")
     lines.append("\n# Targets")
     for name, job in merged["regimes"].items():
         for t in job["targets"]:
@@ -766,9 +773,33 @@ def _predict(w, spec: Mapping[str, Any], topo, profiles: Mapping[str, Any], stat
     return out
 
 
+def parity_control(specs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:
+    """The run whose plan trains beside SparseLift's 1D plan as the loss comparison's control: the
+    first of TorchRec's plan and the forced alternatives that shards differently (another exact 1D
+    plan: its loss differs from SparseLift's 1D one only by the order of floating-point sums, which
+    training amplifies; measured -0.0003..+0.0002 on kaggle over 320 steps). None when none does."""
+    from torchrec_sparselift.plan import sharding_plan_digest
+
+    def digest(name: str) -> Optional[str]:
+        spec = specs.get(name)
+        if not spec or spec.get("failed"):
+            return None
+        return sharding_plan_digest(getattr(spec["plan"], "sharding_plan", spec["plan"]))
+
+    ours = digest("sparselift")
+    for name in ("torchrec",) + FORCED_KINDS:
+        d = digest(name)
+        if d is not None and d != ours:
+            return name
+    return None
+
+
 def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int, pg, device, say) -> Dict[str, Any]:
-    """R4: 1D (SparseLift's plan) and 2D (``sparselift_2d``) trained from the same initial weights
-    on the same batches with a planted signal; the mean loss over the last half of the steps."""
+    """R4: 1D (SparseLift's plan), 2D (``sparselift_2d``, its default replica sync: the
+    momentum-scaled merge) and a control (another exact 1D plan, :func:`parity_control`) trained
+    from the same initial weights on the same batches with a planted signal; the mean loss over
+    the last half of the steps. The control's gap to the 1D loss is what two equivalent plans
+    already differ by."""
     import torch
     import torch.distributed as dist
 
@@ -787,11 +818,13 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
     def anchor(lifted) -> None:
         load_state(lifted.model, state)
         if hasattr(lifted.model, "install_replica_sync"):  # re-anchor the replica sync on the loaded weights
-            lifted.model.install_replica_sync(None, lifted.settings.sync_interval or 1)
+            lifted.model.install_replica_sync(lifted.model.replica_sync, lifted.settings.sync_interval or 1)
 
     out: Dict[str, Any] = dict(steps=steps, workload=w.name)
     try:
-        for label, name in (("1d", "sparselift"), ("2d", "sparselift_2d")):
+        control = parity_control(specs)
+        runs = [("1d", "sparselift"), ("2d", "sparselift_2d")] + ([("control", control)] if control else [])
+        for label, name in runs:
             _s, losses, _b = timed_run(lambda: lift_run(w, specs[name], device), batches, steps, 0, pg,
                                        after_build=anchor, whole_intervals=False)
             tail = losses[len(losses) // 2:]
@@ -800,9 +833,12 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
         out["sync_interval"] = getattr(specs["sparselift_2d"]["plan"].optimizations, "sync_interval", None)
         out["loss_gap"] = out["loss_2d"] - out["loss_1d"]
         out["loss_gap_se"] = paired_gap_se(out["losses_1d"], out["losses_2d"])
+        out["control"] = control
+        out["control_gap"] = out["loss_control"] - out["loss_1d"] if control else None
         say(f"[regimes] {w.name}: loss parity over {steps} steps (mean of the last half): 1D {out['loss_1d']:.5f}, "
             f"2D (sync every {out['sync_interval']}) {out['loss_2d']:.5f}, gap {out['loss_gap']:+.5f} "
-            f"(standard error {_f(out['loss_gap_se'], '{:.5f}')})")
+            f"(standard error {_f(out['loss_gap_se'], '{:.5f}')}); control {control}: gap "
+            f"{_f(out['control_gap'], '{:+.5f}')}")
     except Exception as e:  # noqa: BLE001 - reported, the timing results stand
         out["error"] = f"{type(e).__name__}: {e}"
         say(f"[regimes] {w.name}: loss parity not measured: {out['error']}")

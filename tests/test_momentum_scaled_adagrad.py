@@ -219,3 +219,17 @@ def test_interval_preconditioner_recovers_1d_for_a_fresh_row_every_replica_touch
     # one step: both denominators are AdaGrad's own
     a0, a_end = torch.tensor([0.0, 2.0]), torch.tensor([1.0, 3.0])
     assert torch.allclose(interval_denominator(a0, a_end, 1, eps), a_end.double().sqrt() + eps)
+
+
+def test_frozen_tables_lr_zero_merge_without_nan():
+    """A table trained at learning rate 0 (frozen embeddings) moves nowhere; its merge must not
+    divide 0 by 0."""
+    from torchrec_sparselift.optim.momentum_scaled import finish_merge, local_payload
+
+    w0 = torch.randn(5, 4)
+    a0 = torch.zeros(5)
+    a1 = torch.tensor([0.0, 0.3, 0.0, 0.1, 0.0])  # the kernel still grows the accumulator
+    p = local_payload(w0, a0, w0.clone(), a1, lr=0.0, eps=1e-8, sync_interval=2, grad_scale=0.5)
+    assert torch.isfinite(p).all()
+    w, a, _, k = finish_merge(w0, a0, torch.zeros(()), p + p, 0.0, 1e-8, 2, 0.0)
+    assert torch.equal(w, w0.double()) and torch.isfinite(a).all() and int((k > 0).sum()) == 2

@@ -161,6 +161,29 @@ def test_r4_targets_two_d_decisions_and_loss_parity():
     assert "geo_torchrec_over_sparselift_auto" not in r2  # one host: no 2D
 
 
+def test_parity_control_is_another_exact_1d_plan_and_its_gap_is_summarized():
+    from torchrec.distributed.types import ParameterSharding, ShardingPlan
+
+    def plan(rank):
+        return ShardingPlan({"ebc": {"t0": ParameterSharding(sharding_type="table_wise", compute_kernel="fused",
+                                                             ranks=[rank])}})
+
+    specs = {"sparselift": {"plan": plan(0)}, "torchrec": {"plan": plan(0)}, "table_wise": {"plan": plan(1)},
+             "dp_small": {"plan": plan(0)}}
+    assert regimes.parity_control(specs) == "table_wise"  # TorchRec's plan is SparseLift's here
+    specs["torchrec"] = {"plan": plan(1)}
+    assert regimes.parity_control(specs) == "torchrec"
+    assert regimes.parity_control({"sparselift": {"plan": plan(0)}, "torchrec": {"plan": plan(0)}}) is None
+    rows = {"torchrec": _row(100.0), "sparselift": _row(100.0), "sparselift_2d": _row(120.0)}
+    s = regimes.summarize_regime("R4", [_workload(rows, parity=dict(loss_gap=0.0004, control_gap=-0.0003)),
+                                        _workload(rows, parity=dict(loss_gap=0.0001, control_gap=0.0001))])
+    assert s["two_d_loss_gap"] == pytest.approx(0.0004) and s["one_d_control_loss_gap"] == pytest.approx(0.0003)
+    merged = regimes.merge_results({"R4": dict(regime="R4", workloads=[
+        _workload(rows, parity=dict(loss_gap=0.0004, control_gap=-0.0003))])}, dict(quick=True))
+    assert "R4 loss parity: 2D - 1D up to +0.00040; two exact 1D plans differ by up to 0.00030" in \
+        regimes.format_summary(merged)
+
+
 def test_loss_gap_standard_error_from_blocks_of_the_last_half():
     one = [1.0] * 64
     # the last half's per-step gaps: blocks of 16 average 0.001 and 0.003 -> se = stdev / sqrt(2) = 0.001

@@ -135,6 +135,7 @@ def _worker(rank, world_size):
             w_ref, a_ref, m_ref[i] = momentum_scaled_merge(
                 anchors[i][0], anchors[j][0], local[i], local[j], m_ref[i],
                 slot.learning_rate(), slot.eps(), INTERVAL, MOMENTUM,
+                grad_scale=1 / (WORLD // GROUP),  # TorchRec divides a group's gradients by its size
             )
             for r in range(merged[i].shape[0]):
                 np.testing.assert_allclose(merged[i][r], w_ref, atol=1e-6)
@@ -196,3 +197,91 @@ def test_model_parallel_table_on_dense_kernel_is_refused():
     plan.plan["ebc"]["t1"].compute_kernel = "dense"
     with pytest.raises(ValueError, match="compute_kernel='fused'"):
         _check_2d_plan(plan, GROUP)
+
+
+def _one_d_plan(sharder):
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    net, _, _ = _model_and_plan()
+    return ShardingPlan({"ebc": construct_module_sharding_plan(
+        net.ebc, {"t0": table_wise(rank=1, compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")},
+        sharder=sharder, local_size=WORLD, world_size=WORLD, device_type="cpu")})
+
+
+def _start_state():
+    """Full initial tensors, the same on every rank and for every model."""
+    g = torch.Generator().manual_seed(7)
+    return {"ebc.embedding_bags.t0.weight": torch.rand(40, 8, generator=g) * 0.2 - 0.1,
+            "ebc.embedding_bags.t1.weight": torch.rand(60, 8, generator=g) * 0.2 - 0.1,
+            "lin.weight": torch.rand(1, 16, generator=g) * 0.2 - 0.1, "lin.bias": torch.zeros(1)}
+
+
+def _losses(model, steps, two_d):
+    dense = [p for n, p in model.named_parameters() if "lin" in n]
+    opt = torch.optim.SGD(dense, lr=LR)
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    out = []
+    for _ in range(steps):
+        kjt, target = _batch(gen)
+        loss = (model(kjt) - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if two_d:
+            model.step_done()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        out.append(float(mean) / dist.get_world_size())
+    return np.array(out)
+
+
+def _default_merge_worker(rank, world_size):
+    """The default replica sync is the momentum-scaled merge, which with a sync after every step
+    trains as 1D does; TorchRec's plain averaging (``replica_sync=None``) does not."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
+    from torchrec_sparselift.runtime import copy_full_state
+    from torchrec_sparselift.runtime.two_d import build_2d_model_parallel
+
+    state, cpu, steps = _start_state(), torch.device("cpu"), 6
+    net, plan, sharder = _model_and_plan()
+    one = DistributedModelParallel(net, env=ShardingEnv.from_process_group(dist.group.WORLD), device=cpu,
+                                   plan=_one_d_plan(sharder), sharders=[sharder])
+    copy_full_state(one, state)
+    one_d = _losses(one, steps, two_d=False)
+
+    def two_d(**kw):
+        net, plan, sharder = _model_and_plan()
+        model = build_2d_model_parallel(net, plan, sharding_group_size=GROUP, global_pg=dist.group.WORLD,
+                                        device=cpu, sharders=[sharder], sync_interval=1, **kw)
+        copy_full_state(model, state)
+        model.install_replica_sync(model.replica_sync, 1)  # re-anchor on the loaded weights
+        return model, _losses(model, steps, two_d=True)
+
+    merged, by_default = two_d()
+    assert isinstance(merged.replica_sync, MomentumScaledRowWiseAdagrad)
+    np.testing.assert_allclose(by_default, one_d, rtol=0, atol=1e-6)
+    averaged, plain = two_d(replica_sync=None)
+    assert averaged.replica_sync is None
+    assert np.abs(plain - one_d).max() > 1e-4, (plain, one_d)  # averaging local AdaGrad steps is not 1D's step
+    # tables whose fused optimizer is not row-wise AdaGrad: the default falls back to averaging
+    sgd = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
+    net, plan, _ = _model_and_plan()
+    fallback = build_2d_model_parallel(net, plan, sharding_group_size=GROUP, global_pg=dist.group.WORLD,
+                                       device=cpu, sharders=[sgd], sync_interval=1)
+    assert fallback.replica_sync is None
+    with pytest.raises(ValueError, match="replica_sync='average'"):
+        net, plan, _ = _model_and_plan()
+        build_2d_model_parallel(net, plan, sharding_group_size=GROUP, global_pg=dist.group.WORLD, device=cpu,
+                                sharders=[sharder], replica_sync="average")
+    dist.barrier()
+
+
+@pytest.mark.multiprocess
+def test_default_replica_sync_is_the_momentum_scaled_merge_and_matches_1d_when_syncing_every_step():
+    run_ranks(_default_merge_worker, WORLD, timeout_s=300, retry_native_abort=True)

@@ -17,7 +17,7 @@ group, and a local finish (:func:`finish_merge`); both parts are pure tensor fun
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import attrs
 import torch
@@ -87,6 +87,7 @@ def local_payload(
     eps: float,
     sync_interval: int = 1,
     preconditioner: str = "interval",
+    grad_scale: float = 1.0,
 ) -> torch.Tensor:
     """This replica's contribution to the merge, ``[rows, dim + 3]``: ``[G, mean(G^2), dA, touched]``.
 
@@ -94,14 +95,24 @@ def local_payload(
     (:func:`interval_denominator`; exactly the gradient when one step passed since the anchor),
     ``dA = a - a0`` the accumulator growth, ``touched`` 1.0 for rows whose weight or accumulator
     changed. Summing payloads over replicas gives the inputs of :func:`finish_merge`.
+
+    ``grad_scale`` converts this replica's gradients to its share of the 1D gradient: ``G`` is
+    multiplied by it, ``mean(G^2)`` and ``dA`` (sums of squared gradients) by its square. 1 when
+    a table row's gradient is the sum over the ranks that looked it up; ``1 / R`` under TorchRec's
+    gradient division (its all-to-all backward divides by the process group's size: by the
+    sharding group's ``L`` ranks in 2D, by all ``W = R L`` in 1D). With ``lr == 0`` nothing moved
+    and ``G`` is 0.
     """
     dw = w.to(_DTYPE) - anchor_w.to(_DTYPE)
     da = a.to(_DTYPE) - anchor_a.to(_DTYPE)
-    h = interval_denominator(anchor_a, a, sync_interval, eps, preconditioner)
-    G = -dw * (h / lr).unsqueeze(1)
     touched = ((da > 0) | (dw != 0).any(dim=1)).to(_DTYPE)
+    if lr == 0:
+        G = torch.zeros_like(dw)
+    else:
+        h = interval_denominator(anchor_a, a, sync_interval, eps, preconditioner)
+        G = -dw * (h * (grad_scale / lr)).unsqueeze(1)
     return torch.cat(
-        [G, G.pow(2).mean(dim=1, keepdim=True), da.unsqueeze(1), touched.unsqueeze(1)], dim=1
+        [G, G.pow(2).mean(dim=1, keepdim=True), (da * grad_scale ** 2).unsqueeze(1), touched.unsqueeze(1)], dim=1
     )
 
 
@@ -161,12 +172,20 @@ class MomentumScaledRowWiseAdagrad:
     (:func:`interval_denominator`; identical for ``sync_interval == 1``). Requires the sharded tables to use
     the fused ``EXACT_ROWWISE_ADAGRAD`` without weight decay. Keeps, per local table row, an
     anchor copy of weights and accumulator and (if ``momentum > 0``) a float64 momentum buffer.
+    ``gradient_division`` (default: TorchRec's ``comm_ops.get_gradient_division()``, True unless
+    changed): each replica's table gradients are its sharding group's mean, not its sum, so the
+    merge combines the replicas' mean rather than their sum, as 1D's all-to-all averages over the
+    whole world.
     This state is not part of the model's ``state_dict``: after loading a checkpoint, call the
     model's ``install_replica_sync`` again to re-anchor (the momentum buffer restarts at zero).
     """
 
     momentum: float = attrs.field(default=0.0, validator=_unit_interval)
     preconditioner: str = attrs.field(default="interval")
+    #: whether a replica's table gradients are divided by its sharding group's size (TorchRec's
+    #: ``comm_ops`` gradient division; the merge then scales them by ``1 / R``: :func:`local_payload`);
+    #: None reads TorchRec's setting when binding
+    gradient_division: Optional[bool] = attrs.field(default=None)
 
     @preconditioner.validator
     def _check(self, attribute: attrs.Attribute, value: str) -> None:
@@ -176,7 +195,12 @@ class MomentumScaledRowWiseAdagrad:
         """Bind to one rank's ``RowWiseAdagradSlot`` s; the current state becomes the anchor."""
         if sync_interval < 1:
             raise ValueError(f"sync_interval must be >= 1, got {sync_interval}")
-        return _MomentumScaledSession(self, list(slots), replica_pg, sync_interval)
+        division = self.gradient_division
+        if division is None:
+            from torchrec.distributed.comm_ops import get_gradient_division
+
+            division = bool(get_gradient_division())
+        return _MomentumScaledSession(self, list(slots), replica_pg, sync_interval, division)
 
 
 class _MomentumScaledSession:
@@ -188,12 +212,14 @@ class _MomentumScaledSession:
         slots: List[Any],
         replica_pg: dist.ProcessGroup,
         sync_interval: int,
+        gradient_division: bool = False,
     ) -> None:
         self.rule = rule
         self.slots = slots
         self.replica_pg = replica_pg
         self.sync_interval = sync_interval
         self.num_replicas = dist.get_world_size(replica_pg)
+        self.grad_scale = 1.0 / self.num_replicas if gradient_division else 1.0
         self.anchor_w = [s.weight.detach().clone() for s in slots]
         self.anchor_a = [s.accumulator.detach().clone() for s in slots]
         # with momentum 0 the buffer stays a broadcast scalar zero: no per-row memory
@@ -213,7 +239,7 @@ class _MomentumScaledSession:
         hyper = [(s.learning_rate(), s.eps()) for s in self.slots]
         payloads = [
             local_payload(aw, aa, s.weight, s.accumulator, lr, eps, self.sync_interval,
-                          self.rule.preconditioner)
+                          self.rule.preconditioner, self.grad_scale)
             for s, aw, aa, (lr, eps) in zip(self.slots, self.anchor_w, self.anchor_a, hyper)
         ]
         sizes = [p.numel() for p in payloads]

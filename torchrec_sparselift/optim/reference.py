@@ -71,6 +71,7 @@ def momentum_scaled_merge(
     sync_interval: int,
     momentum: float,
     preconditioner: str = "interval",
+    grad_scale: float = 1.0,
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The momentum-scaled row-wise AdaGrad merge (docs/optimizer.md), row by row.
 
@@ -78,17 +79,19 @@ def momentum_scaled_merge(
     ``replica_*`` each replica's local state now. Returns ``(w, a, momentum_buf)`` merged.
     For each row touched by at least one replica (k > 0)::
 
-        G_r  = -(w_r - w0) * h(a0, a_r) / lr               pseudo-gradient of replica r
+        G_r  = -(w_r - w0) * h(a0, a_r) / lr * c           pseudo-gradient of replica r
         S    = sum_r G_r
         Q    = sum_r mean(G_r^2)
-        U    = sum_r (a_r - a0)
+        U    = c^2 sum_r (a_r - a0)
         dA   = max(U + (mean(S^2) - Q) / N,  mean(S^2) / N)
         a    = a0 + dA
         D    = -lr * S / h(a0, a)
         m    = momentum * m + D
         w    = w0 + m
 
-    with ``h`` = :func:`interval_denominator` (``preconditioner``). Untouched rows (k = 0) keep
+    with ``h`` = :func:`interval_denominator` (``preconditioner``) and ``c`` = ``grad_scale`` (1 for
+    gradients summed over a replica's ranks; ``1 / R`` under TorchRec's gradient division,
+    :func:`~torchrec_sparselift.optim.momentum_scaled.local_payload`). Untouched rows (k = 0) keep
     anchor weights, accumulator and momentum buffer.
     """
     anchor_w = np.asarray(anchor_w, dtype=np.float64)
@@ -110,10 +113,10 @@ def momentum_scaled_merge(
             if da > 0.0 or np.any(dw != 0.0):
                 k += 1
             h = interval_denominator(anchor_a[i], replica_a[r, i], sync_interval, eps, preconditioner)
-            G = -dw * h / lr
+            G = -dw * h / lr * grad_scale
             S += G
             Q += np.mean(G**2)
-            U += da
+            U += da * grad_scale**2
         if k == 0:
             continue
         dA = max(U + (np.mean(S**2) - Q) / sync_interval, np.mean(S**2) / sync_interval)

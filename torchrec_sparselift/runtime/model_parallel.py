@@ -62,6 +62,7 @@ __all__ = [
     "SparseLiftModelParallel",
     "Lifted",
     "lift",
+    "copy_full_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -237,6 +238,34 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device:
                 f"{', '.join(fp)} hold feature processors whose weights that step updates (TorchRec's "
                 "TrainPipelineFusedSparseDist assumes none): choose pipeline 'sparse_dist'"
             )
+
+
+def copy_full_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy full (unsharded) tensors into a sharded ``model``, shard by shard: each entry of
+    ``model.state_dict()`` takes the ``state`` tensor whose key equals it or ends it after a dot
+    (``"ebc.embedding_bags.t0.weight"`` fills ``"_dmp_wrapped_module.module.ebc..."``), each local
+    shard (a 1D ``ShardedTensor``'s, or a ``DMPCollection`` ``DTensor``'s) its rows and columns of
+    it. So 1D and 2D models of one module start from the same weights (then call a 2D model's
+    ``install_replica_sync(model.replica_sync, ...)`` to re-anchor its merge). ``KeyError`` naming
+    the key that matches no entry, or more than one."""
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            matches = [k for k in state if key == k or key.endswith("." + k)]
+            if len(matches) != 1:
+                raise KeyError(f"state key {key!r} of the model matches {len(matches)} of the given tensors "
+                               f"({', '.join(matches[:3]) or 'none'}); give exactly one per model key")
+            src = state[matches[0]]
+            if hasattr(value, "local_shards"):  # ShardedTensor (1D)
+                pieces = [(s.tensor, s.metadata.shard_offsets) for s in value.local_shards()]
+            elif hasattr(value, "to_local"):  # DTensor over LocalShardsWrapper (DMPCollection)
+                local = value.to_local()
+                pieces = list(zip(local.local_shards(), local.local_offsets()))
+            else:
+                value.copy_(src)
+                continue
+            for tensor, off in pieces:
+                rows, cols = tensor.shape
+                tensor.copy_(src[off[0]: off[0] + rows, off[1]: off[1] + cols])
 
 
 def default_device() -> torch.device:

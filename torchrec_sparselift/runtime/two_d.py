@@ -35,7 +35,8 @@ it with its own merge over the :class:`RowWiseAdagradSlot` s of this rank.
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, List, Optional, Protocol, Sequence, runtime_checkable
+import logging
+from typing import Any, Iterable, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import attrs
 import torch
@@ -69,8 +70,16 @@ __all__ = [
     "CpuDMPCollection",
     "build_2d_model_parallel",
     "row_wise_adagrad_slots",
+    "auto_replica_sync",
+    "AUTO_REPLICA_SYNC",
     "replica_groups",
 ]
+
+
+logger = logging.getLogger(__name__)
+
+#: ``build_2d_model_parallel(replica_sync=...)``'s default: :func:`auto_replica_sync` decides.
+AUTO_REPLICA_SYNC = "auto"
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
@@ -256,6 +265,7 @@ class SparseLiftDMPCollection(DMPCollection):
     """
 
     _sparselift_sync: Optional[ReplicaSyncSession] = None
+    _sparselift_rule: Optional[ReplicaSync] = None
     _sparselift_sync_interval: int = 1
     _sparselift_steps: int = 0
 
@@ -275,6 +285,7 @@ class SparseLiftDMPCollection(DMPCollection):
             )
         self._sparselift_sync_interval = sync_interval
         self._sparselift_steps = 0
+        self._sparselift_rule = replica_sync
         DMPCollection.sync(self, include_optimizer_state=True)
         if replica_sync is None:
             self._sparselift_sync = None
@@ -287,6 +298,12 @@ class SparseLiftDMPCollection(DMPCollection):
     @property
     def sync_interval(self) -> int:
         return self._sparselift_sync_interval
+
+    @property
+    def replica_sync(self) -> Optional[ReplicaSync]:
+        """The installed row-aware merge (None: TorchRec's plain averaging); pass it to
+        :meth:`install_replica_sync` again to re-anchor after loading weights."""
+        return self._sparselift_rule
 
     def sync(self, include_optimizer_state: bool = True) -> None:
         """Merge the replicas now: the installed replica sync, or TorchRec's plain averaging."""
@@ -449,7 +466,7 @@ def build_2d_model_parallel(
     device: torch.device,
     sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
     sync_interval: int = 1,
-    replica_sync: Optional[ReplicaSync] = None,
+    replica_sync: Union[ReplicaSync, None, str] = AUTO_REPLICA_SYNC,
     use_inter_host_allreduce: bool = False,
     init_data_parallel: bool = True,
     data_parallel_wrapper: Optional[DataParallelWrapper] = None,
@@ -462,8 +479,10 @@ def build_2d_model_parallel(
     by a planner given ``Topology(world_size=sharding_group_size, ...)``; it is deep-copied (the
     remapping to global ranks is rank-specific). Returns a ``DMPCollection`` (TorchRec's on
     CUDA/MTIA, :class:`CpuDMPCollection` on CPU) whose replicas are already identical and whose
-    ``sync()`` runs ``replica_sync`` (None: TorchRec's plain averaging of weights and
-    accumulators). Call ``sync()`` every ``sync_interval`` steps, or ``step_done()`` after each.
+    ``sync()`` runs ``replica_sync``: by default (``"auto"``, :func:`auto_replica_sync`) the
+    momentum-scaled row-wise AdaGrad merge (``optim.MomentumScaledRowWiseAdagrad()``) wherever it
+    applies, else TorchRec's plain averaging of weights and accumulators, which ``None`` asks for
+    explicitly. Call ``sync()`` every ``sync_interval`` steps, or ``step_done()`` after each.
 
     ``strategy`` is the 2D strategy (``vocabulary.STRATEGIES_2D``; "fully_sharded" not on CPU, and
     without ``replica_sync`` or sync calls); ``submodule_configs`` give the modules of some types
@@ -476,7 +495,11 @@ def build_2d_model_parallel(
         sync_interval=sync_interval,
         use_inter_host_allreduce=use_inter_host_allreduce,
     )
-    if replica_sync is not None and not isinstance(replica_sync, ReplicaSync):
+    if isinstance(replica_sync, str):
+        if replica_sync != AUTO_REPLICA_SYNC:
+            raise ValueError(f"replica_sync={replica_sync!r}: pass {AUTO_REPLICA_SYNC!r} (the default), None (TorchRec's "
+                             "plain averaging) or a ReplicaSync such as MomentumScaledRowWiseAdagrad()")
+    elif replica_sync is not None and not isinstance(replica_sync, ReplicaSync):
         raise TypeError(
             f"replica_sync must implement bind(slots, replica_pg, sync_interval), got {type(replica_sync).__name__}; "
             "use e.g. torchrec_sparselift.optim.MomentumScaledRowWiseAdagrad()."
@@ -510,8 +533,34 @@ def build_2d_model_parallel(
         model: SparseLiftDMPCollection = CpuDMPCollection(**kwargs)
     else:
         model = SparseLiftDMPCollection(**kwargs)
+    if isinstance(replica_sync, str):
+        replica_sync, why = auto_replica_sync(model)
+        if replica_sync is None:
+            logger.info("sparselift: 2D replicas merge by TorchRec's plain averaging: %s", why)
     model.install_replica_sync(replica_sync, config.sync_interval)
     return model
+
+
+def auto_replica_sync(model: SparseLiftDMPCollection) -> Tuple[Optional[ReplicaSync], str]:
+    """The replica sync ``build_2d_model_parallel`` installs by default: ``(rule, "")`` with
+    ``MomentumScaledRowWiseAdagrad()`` (docs/optimizer.md: after every step it reproduces 1D
+    row-wise AdaGrad; over longer intervals it stays nearer 1D than averaging) where it applies,
+    i.e. strategy ``default``, one 2D context, and every synced table a fused exact row-wise
+    AdaGrad kernel without weight decay (:func:`row_wise_adagrad_slots`); else ``(None, why)``:
+    TorchRec's plain averaging, and the reason."""
+    from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
+
+    if model._submodule_ctxs:
+        return None, "per-module 2D settings (submodule_configs): the row-aware merge handles one context"
+    if model._default_ctx.sharding_strategy != ShardingStrategy.DEFAULT:
+        return None, "strategy fully_sharded averages inside every step"
+    try:
+        slots = row_wise_adagrad_slots(model)
+    except ValueError as e:  # the tables' optimizer is not the one the merge is derived for
+        return None, str(e)
+    if not slots:
+        return None, "no fused table to merge"
+    return MomentumScaledRowWiseAdagrad(), ""
 
 
 def _check_2d_plan(plan: ShardingPlan, sharding_group_size: int) -> None:
