@@ -188,35 +188,3 @@ def test_lift_refuses_fully_sharded_on_cpu_and_gives_modules_their_own_2d_settin
         assert res["groups"] == [(None, 2, 1), ("EmbeddingCollection", 1, 2)]
         assert res["ebc_replicas_equal"] and res["finite"]  # the third step synced
         assert res["periods"] == (3, 3)  # its steps are timed over whole sync intervals
-
-
-def test_default_strategy_prices_the_momentum_scaled_merge_it_runs():
-    """lift's default replica sync is the momentum-scaled merge: one all-reduce of float64
-    ``D + 3`` numbers per row (about twice TorchRec's averaging of fp32 weights and state), and an
-    anchor copy of every merged shard on the device; data-parallel and dense-kernel shards are
-    never merged."""
-    from torchrec_sparselift.cost.hardware import PRESETS
-    from torchrec_sparselift.cost.model import CostContext, DenseWork, shard_cost
-    from torchrec_sparselift.cost.two_d import merge_anchor_bytes, merge_payload_bytes, replica_sync_bytes
-    from torchrec_sparselift.semantics.graph import candidate_for
-    from search_helpers import table_spec
-
-    shards = [(1000, 64, 4, [0]), (500, 64, 4, [1]), (300, 32, 4, [0, 1])]
-    assert merge_payload_bytes(shards, 2) == (1000 * 67 + 300 * 35) * 8
-    assert replica_sync_bytes(shards, 2) == 1000 * (64 * 4 + 4) + 300 * (32 * 4 + 4)
-    prof = attrs.evolve(get_profile("h100"), collective_latency_s=1e-5)
-    lay = Layout2D(16, 8, 8, "contiguous")
-    assert replica_sync_s(1e6, lay, prof, calls=1) == pytest.approx(replica_sync_s(1e6, lay, prof) - 1e-5)
-    assert merge_anchor_bytes(1000, 64, 4, "table_wise", "fused") == 1000 * 64 * 4 + 1000 * 4
-    assert merge_anchor_bytes(1000, 64, 4, "table_wise", "fused_uvm_caching") == 1000 * 64 * 4 + 1000 * 4
-    assert merge_anchor_bytes(1000, 64, 4, "data_parallel", "dense") == 0.0
-    assert merge_anchor_bytes(1000, 64, 4, "table_wise", "dense") == 0.0
-    spec = table_spec(0, 1000, 64, 1.0, ("table_wise",))
-    ctx = CostContext(profile=PRESETS["h100"], world_size=2, local_world_size=2, batch_size=64, dense=DenseWork())
-    anchored = attrs.evolve(ctx, replica_anchors=True)
-    from torchrec_sparselift.cost.terms import layout as term_layout
-
-    dev = term_layout().capacity_column("device")
-    tw = candidate_for(0, spec, "table_wise", "fused", 2, 2)
-    assert (shard_cost(spec, tw, anchored).owner[dev] - shard_cost(spec, tw, ctx).owner[dev]
-            == pytest.approx(1000 * 64 * spec.elem_bytes + 1000 * 4))

@@ -45,7 +45,7 @@ from torchrec_sparselift.cost.pipelines import trainable_pipelines
 from torchrec_sparselift import defaults
 from torchrec_sparselift.vocabulary import (
     COST_MODELS, LAYOUT_2D_CHOICES, LOSSY_COMM_PRECISIONS, STRATEGY_2D_CHOICES, PIPELINES, STALE_PIPELINES, SYNC_PIPELINES,
-    comm_precision_pairs, pipeline as pipeline_kind, strategy_2d as strategy_2d_kind,
+    comm_precision_pairs, pipeline as pipeline_kind,
 )
 from torchrec_sparselift.cost.two_d import check_sync_interval
 from torchrec_sparselift.semantics.layout import Layout2D
@@ -700,8 +700,6 @@ class SparseLiftPlanner(ShardingPlanner):
             batch_size=self._batch_size,
             dense=dense_work(module, handles),
             allreduce_world_size=W,  # 2D: DDP all-reduces the dense gradients over the whole world
-            # 2D under a periodic strategy: the momentum-scaled merge's anchors (cost.two_d.merge_anchor_bytes)
-            replica_anchors=group < W and any(strategy_2d_kind(s).periodic_sync for s in self._strategies),
         )
         device_cap, host_cap = device_caps(reserved)
         pipelines = self._pipelines

@@ -46,7 +46,6 @@ from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost import terms as _terms
 from torchrec_sparselift.cost.terms import PHASE_PRECISION
-from torchrec_sparselift.cost.two_d import merge_anchor_bytes
 from torchrec_sparselift.cost.pipelines import (
     COMPUTE_PHASES,
     LINK_PHASES,
@@ -195,10 +194,6 @@ class CostContext:
     #: group (``world_size`` = the group), but ``DMPCollection`` wraps the dense part in DDP over
     #: the global process group: the planner sets the whole world here.
     allreduce_world_size: Optional[int] = None
-    #: A 2D group plan whose replicas merge with the momentum-scaled rule (the default replica
-    #: sync): every merged shard also pins its anchor copy on the device
-    #: (:func:`~torchrec_sparselift.cost.two_d.merge_anchor_bytes`).
-    replica_anchors: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.world_size < 1:
@@ -417,9 +412,6 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
         # grad_dist mirrors output_dist byte for byte (a reduce-scatter's all-gather at the same
         # factor); step_time scales it by bwd precision
     dev, host = shard_memory(spec, cand, ctx.world_size)
-    if ctx.replica_anchors:
-        dev += merge_anchor_bytes(cand.shard_rows, cand.shard_cols, spec.elem_bytes, cand.sharding_type,
-                                  cand.compute_kernel)
     owner[lay.capacity_column("device")] += dev
     owner[lay.capacity_column("host")] += host
     for j, column in enumerate(lay.columns):  # terms priced per shard (cost.terms.LoadColumn.shard_load)

@@ -62,8 +62,6 @@ __all__ = [
     "fully_sharded_s",
     "replica_sync_s",
     "replica_sync_bytes",
-    "merge_payload_bytes",
-    "merge_anchor_bytes",
     "amortised_sync",
     "group_sizes",
     "choose_sync_interval",
@@ -101,15 +99,12 @@ PARITY_EVIDENCE = {
 MEASURED_SHORT_OF_PARITY = (4, 8, 16, 64, 100)
 
 
-def replica_sync_s(max_rank_bytes: float, layout: Layout2D, profile: HardwareProfile, calls: int = 2) -> float:
-    """Seconds of one replica synchronisation (not amortised) under ``layout``: ``calls``
-    all-reduces of ``max_rank_bytes`` in all over the replica group (TorchRec's averaging: two
-    ``allreduce_coalesced``, weights and state; the momentum-scaled merge: one,
-    :func:`merge_payload_bytes`)."""
+def replica_sync_s(max_rank_bytes: float, layout: Layout2D, profile: HardwareProfile) -> float:
+    """Seconds of one replica synchronisation (not amortised) under ``layout``."""
     R = layout.num_replicas
     if R <= 1 or max_rank_bytes <= 0:
         return 0.0
-    return (calls * profile.collective_latency_s
+    return (2 * profile.collective_latency_s
             + 2 * (R - 1) / R * max_rank_bytes / profile.replica_bw(not layout.replica_sync_intra_host))
 
 
@@ -126,38 +121,6 @@ def replica_sync_bytes(shards: Iterable[Tuple[int, int, int, Sequence[int]]], gr
         for r in ranks:
             per_rank[r] += b
     return float(per_rank.max())
-
-
-#: Bytes per local table row and column of the momentum-scaled merge's all-reduce (the default
-#: replica sync, ``runtime.two_d.auto_replica_sync``): its payload is float64, ``D + 3`` numbers
-#: per row (``optim.momentum_scaled.local_payload``: the pseudo-gradient, its mean square, the
-#: accumulator growth and the touched flag).
-MERGE_PAYLOAD_BYTES = 8
-#: Numbers per row beside the ``D`` columns in that payload.
-MERGE_PAYLOAD_EXTRA = 3
-
-
-def merge_payload_bytes(shards: Iterable[Tuple[int, int, int, Sequence[int]]], group_size: int) -> float:
-    """The bytes one momentum-scaled merge all-reduces from the fullest of the ``group_size``
-    ranks: per shard ``(rows, columns, element bytes, ranks)``, ``rows (columns + 3) 8`` on each
-    of its ranks (float64 whatever the weights' precision: about twice TorchRec's averaging of
-    fp32 weights and state, :func:`replica_sync_bytes`)."""
-    per_rank = np.zeros(group_size)
-    for rows, cols, _elem, ranks in shards:
-        b = rows * (cols + MERGE_PAYLOAD_EXTRA) * MERGE_PAYLOAD_BYTES
-        for r in ranks:
-            per_rank[r] += b
-    return float(per_rank.max())
-
-
-def merge_anchor_bytes(rows: int, cols: int, elem_bytes: int, sharding_type: str, compute_kernel: str) -> float:
-    """Device bytes the momentum-scaled merge keeps for one shard between syncs: a copy of its
-    weights and of its row-wise accumulator (``optim.momentum_scaled``: the anchor, cloned on the
-    weights' device, so also for UVM kernels). 0 for the shards it does not merge: data-parallel
-    and ``dense``-kernel tables (``DMPCollection`` never syncs them) and key-value tables."""
-    if sharding_type == "data_parallel" or not compute_kernel.startswith("fused"):
-        return 0.0
-    return float(rows * cols * elem_bytes + rows * 4)
 
 
 def fully_sharded_s(max_rank_weight_bytes: float, layout: Layout2D, profile: HardwareProfile,

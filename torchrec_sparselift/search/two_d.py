@@ -30,7 +30,6 @@ from torchrec_sparselift.cost.two_d import (
     fully_sharded_s,
     group_sizes,
     replica_sync_bytes,
-    merge_payload_bytes,
     replica_sync_s,
     two_d_memory,
 )
@@ -200,8 +199,8 @@ def choose_replica_sync(problem: PlanningProblem, assignment: Sequence[Tuple[int
     dense_s = consts["dense_fwd"] + consts["dense_bwd"]
     priced: List[Tuple[str, float, int]] = []
     for name in strategies:
-        if strategy_2d(name).periodic_sync:  # lift's default replica sync: the momentum-scaled merge
-            one = replica_sync_s(merge_payload_bytes(shards, group_size), layout, profile, calls=1)
+        if strategy_2d(name).periodic_sync:
+            one = replica_sync_s(state, layout, profile)
             interval, per_step = amortised_sync(step_s, one, sync_interval, max_sync_interval)
         else:
             interval, per_step = 1, fully_sharded_s(weights, layout, profile, dense_s)
