@@ -795,8 +795,7 @@ def parity_control(specs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:
 
 
 def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int, pg, device, say) -> Dict[str, Any]:
-    """R4: 1D (SparseLift's plan), 2D (``sparselift_2d``, its default replica sync: the
-    momentum-scaled merge) and a control (another exact 1D plan, :func:`parity_control`) trained
+    """R4: 1D (SparseLift's plan), 2D (``sparselift_2d``, the replica sync ``lift`` installs) and a control (another exact 1D plan, :func:`parity_control`) trained
     from the same initial weights on the same batches with a planted signal; the mean loss over
     the last half of the steps. The control's gap to the 1D loss is what two equivalent plans
     already differ by."""

@@ -236,9 +236,10 @@ def _losses(model, steps, two_d):
     return np.array(out)
 
 
-def _default_merge_worker(rank, world_size):
-    """The default replica sync is the momentum-scaled merge, which with a sync after every step
-    trains as 1D does; TorchRec's plain averaging (``replica_sync=None``) does not."""
+def _merge_vs_averaging_worker(rank, world_size):
+    """``replica_sync="auto"`` installs the momentum-scaled merge, which with a sync after every
+    step trains as 1D does; TorchRec's plain averaging (the default, ``replica_sync=None``) does
+    not."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -263,17 +264,17 @@ def _default_merge_worker(rank, world_size):
         model.install_replica_sync(model.replica_sync, 1)  # re-anchor on the loaded weights
         return model, _losses(model, steps, two_d=True)
 
-    merged, by_default = two_d()
+    merged, merge = two_d(replica_sync="auto")
     assert isinstance(merged.replica_sync, MomentumScaledRowWiseAdagrad)
-    np.testing.assert_allclose(by_default, one_d, rtol=0, atol=1e-6)
-    averaged, plain = two_d(replica_sync=None)
+    np.testing.assert_allclose(merge, one_d, rtol=0, atol=1e-6)
+    averaged, plain = two_d()
     assert averaged.replica_sync is None
     assert np.abs(plain - one_d).max() > 1e-4, (plain, one_d)  # averaging local AdaGrad steps is not 1D's step
     # tables whose fused optimizer is not row-wise AdaGrad: the default falls back to averaging
     sgd = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
     net, plan, _ = _model_and_plan()
     fallback = build_2d_model_parallel(net, plan, sharding_group_size=GROUP, global_pg=dist.group.WORLD,
-                                       device=cpu, sharders=[sgd], sync_interval=1)
+                                       device=cpu, sharders=[sgd], sync_interval=1, replica_sync="auto")
     assert fallback.replica_sync is None
     with pytest.raises(ValueError, match="replica_sync='average'"):
         net, plan, _ = _model_and_plan()
@@ -283,5 +284,5 @@ def _default_merge_worker(rank, world_size):
 
 
 @pytest.mark.multiprocess
-def test_default_replica_sync_is_the_momentum_scaled_merge_and_matches_1d_when_syncing_every_step():
-    run_ranks(_default_merge_worker, WORLD, timeout_s=300, retry_native_abort=True)
+def test_momentum_scaled_merge_every_step_matches_1d_and_averaging_does_not():
+    run_ranks(_merge_vs_averaging_worker, WORLD, timeout_s=300, retry_native_abort=True)

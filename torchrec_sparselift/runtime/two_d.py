@@ -78,7 +78,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: ``build_2d_model_parallel(replica_sync=...)``'s default: :func:`auto_replica_sync` decides.
+#: ``build_2d_model_parallel(replica_sync="auto")``: :func:`auto_replica_sync` decides.
 AUTO_REPLICA_SYNC = "auto"
 
 
@@ -466,7 +466,7 @@ def build_2d_model_parallel(
     device: torch.device,
     sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
     sync_interval: int = 1,
-    replica_sync: Union[ReplicaSync, None, str] = AUTO_REPLICA_SYNC,
+    replica_sync: Union[ReplicaSync, None, str] = None,
     use_inter_host_allreduce: bool = False,
     init_data_parallel: bool = True,
     data_parallel_wrapper: Optional[DataParallelWrapper] = None,
@@ -479,10 +479,10 @@ def build_2d_model_parallel(
     by a planner given ``Topology(world_size=sharding_group_size, ...)``; it is deep-copied (the
     remapping to global ranks is rank-specific). Returns a ``DMPCollection`` (TorchRec's on
     CUDA/MTIA, :class:`CpuDMPCollection` on CPU) whose replicas are already identical and whose
-    ``sync()`` runs ``replica_sync``: by default (``"auto"``, :func:`auto_replica_sync`) the
-    momentum-scaled row-wise AdaGrad merge (``optim.MomentumScaledRowWiseAdagrad()``) wherever it
-    applies, else TorchRec's plain averaging of weights and accumulators, which ``None`` asks for
-    explicitly. Call ``sync()`` every ``sync_interval`` steps, or ``step_done()`` after each.
+    ``sync()`` runs ``replica_sync``: None (the default) TorchRec's plain averaging of weights and
+    accumulators; a :class:`ReplicaSync` such as ``optim.MomentumScaledRowWiseAdagrad()``; or
+    ``"auto"`` (:func:`auto_replica_sync`), that merge wherever it applies and the averaging
+    elsewhere. Call ``sync()`` every ``sync_interval`` steps, or ``step_done()`` after each.
 
     ``strategy`` is the 2D strategy (``vocabulary.STRATEGIES_2D``; "fully_sharded" not on CPU, and
     without ``replica_sync`` or sync calls); ``submodule_configs`` give the modules of some types
@@ -497,8 +497,8 @@ def build_2d_model_parallel(
     )
     if isinstance(replica_sync, str):
         if replica_sync != AUTO_REPLICA_SYNC:
-            raise ValueError(f"replica_sync={replica_sync!r}: pass {AUTO_REPLICA_SYNC!r} (the default), None (TorchRec's "
-                             "plain averaging) or a ReplicaSync such as MomentumScaledRowWiseAdagrad()")
+            raise ValueError(f"replica_sync={replica_sync!r}: pass None (TorchRec's plain averaging, the default), "
+                             f"{AUTO_REPLICA_SYNC!r} or a ReplicaSync such as MomentumScaledRowWiseAdagrad()")
     elif replica_sync is not None and not isinstance(replica_sync, ReplicaSync):
         raise TypeError(
             f"replica_sync must implement bind(slots, replica_pg, sync_interval), got {type(replica_sync).__name__}; "
@@ -542,9 +542,9 @@ def build_2d_model_parallel(
 
 
 def auto_replica_sync(model: SparseLiftDMPCollection) -> Tuple[Optional[ReplicaSync], str]:
-    """The replica sync ``build_2d_model_parallel`` installs by default: ``(rule, "")`` with
-    ``MomentumScaledRowWiseAdagrad()`` (docs/optimizer.md: after every step it reproduces 1D
-    row-wise AdaGrad; over longer intervals it stays nearer 1D than averaging) where it applies,
+    """The replica sync ``build_2d_model_parallel(replica_sync="auto")`` installs: ``(rule, "")`` with
+    ``MomentumScaledRowWiseAdagrad()`` (docs/optimizer.md: merging after every step it reproduces
+    1D row-wise AdaGrad, which plain averaging does not) where it applies,
     i.e. strategy ``default``, one 2D context, and every synced table a fused exact row-wise
     AdaGrad kernel without weight decay (:func:`row_wise_adagrad_slots`); else ``(None, why)``:
     TorchRec's plain averaging, and the reason."""
