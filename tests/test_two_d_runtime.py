@@ -80,13 +80,22 @@ def _gather(tensors, group):
     return out
 
 
-def _train(model, opt, gen, steps):
+def _train(model, opt, gen, steps, two_d=False):
+    """``steps`` training steps (``two_d``: each ends with ``model.step_done()``); every step's
+    loss averaged over the ranks."""
+    out = []
     for _ in range(steps):
         kjt, target = _batch(gen)
         loss = (model(kjt) - target).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if two_d:
+            model.step_done()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        out.append(float(mean) / dist.get_world_size())
+    return np.array(out)
 
 
 def _worker(rank, world_size):
@@ -220,20 +229,7 @@ def _start_state():
 def _losses(model, steps, two_d):
     dense = [p for n, p in model.named_parameters() if "lin" in n]
     opt = torch.optim.SGD(dense, lr=LR)
-    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
-    out = []
-    for _ in range(steps):
-        kjt, target = _batch(gen)
-        loss = (model(kjt) - target).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if two_d:
-            model.step_done()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        out.append(float(mean) / dist.get_world_size())
-    return np.array(out)
+    return _train(model, opt, torch.Generator().manual_seed(1000 + dist.get_rank()), steps, two_d)
 
 
 def _merge_vs_averaging_worker(rank, world_size):
