@@ -52,10 +52,13 @@ def test_check_validates_the_2d_flags_with_the_fix(dlrm_main):
         ("--sharding-group-size", "3"): "divisor of the world size 4",
         ("--sharding-group-size", "2", "--2d-strategy", "fully_sharded"): "torch.cuda.Stream",
         ("--sharding-group-size", "2", "--sync-interval", "64"): "max_sync_interval",
+        ("--replica-merge", "momentum_scaled"): "needs --sharding-group-size",
     }
     for args, words in refused.items():
         code, err = _check4(dlrm_main, *args)
         assert code == 2 and words in err, (args, err[-1500:])
         assert "Traceback" not in err
     code, err = _check4(dlrm_main, "--sharding-group-size", "2", "--2d-strategy", "default", "--sync-interval", "2")
+    assert code == 0, err[-2000:]
+    code, err = _check4(dlrm_main, "--sharding-group-size", "2", "--replica-merge", "momentum_scaled")
     assert code == 0, err[-2000:]

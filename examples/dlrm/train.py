@@ -162,7 +162,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="with --sharding-group-size: how replicas stay in step (default: periodic sync; "
                    "fully_sharded: reduce-scatter + all-gather of the weights every step, CUDA only; auto: priced)")
     p.add_argument("--sync-interval", type=int, metavar="N", help="with --sharding-group-size: pin the replica sync "
-                   "interval (steps; default: the planner's choice, at most 16)")
+                   "interval (steps; default: the planner's choice, at most 2)")
+    p.add_argument("--replica-merge", choices=("average", "momentum_scaled"), default="average",
+                   help="with --sharding-group-size and the default 2D strategy: how replicas merge at each sync "
+                   "(average: TorchRec's DMPCollection; momentum_scaled: the momentum-scaled row-wise AdaGrad "
+                   "merge, which reproduces 1D when syncing every step; docs/optimizer.md)")
     p.add_argument(
         "--measured-guard",
         type=int,
@@ -252,7 +256,8 @@ def check_2d_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--sync-interval must be >= 1 step, got {args.sync_interval}")
     if g is None:
         for flag, value, default in (("--2d-strategy", args.strategy_2d, DEFAULT_STRATEGY_2D),
-                                     ("--sync-interval", args.sync_interval, None)):
+                                     ("--sync-interval", args.sync_interval, None),
+                                     ("--replica-merge", args.replica_merge, "average")):
             if value != default:
                 raise UsageError(f"{flag} needs --sharding-group-size auto|N (2D); without it the plan is 1D")
         return
@@ -260,6 +265,8 @@ def check_2d_args(args: argparse.Namespace) -> None:
         raise UsageError("--sharding-group-size plans 2D with --planner sparselift (TorchRec's planner has no 2D)")
     if args.sync_interval is not None and args.strategy_2d == "fully_sharded":
         raise UsageError("--sync-interval does not apply to --2d-strategy fully_sharded (it syncs every step)")
+    if args.replica_merge != "average" and args.strategy_2d == "fully_sharded":
+        raise UsageError("--replica-merge applies to the periodic sync (--2d-strategy default), not fully_sharded")
     for flag, value in (("--measured-guard", args.measured_guard), ("--checkpoint-dir", args.checkpoint_dir),
                         ("--attribute", args.attribute)):
         if value:
@@ -818,21 +825,27 @@ def run(args: argparse.Namespace, tables: List[TableSpec]) -> Dict[str, Any]:
             dist.broadcast_object_list(flag, src=0, group=pg)
             reused = bool(flag[0])
         plan = ep.sharding_plan
+        group = ep.optimizations.sharding_group_size
+        merge = ({"replica_sync": "auto"} if args.replica_merge == "momentum_scaled" and group is not None
+                 and group < world_size else {})  # the 2D plan's replicas merge by the momentum-scaled rule
         lifted = lift(
             model, ep, pg=pg, device=device, pipeline=args.pipeline,  # sharders rebuilt with the planned codecs
             embedding_optimizer=(RowWiseAdagrad, {"lr": args.lr}),
-            dense_optimizer_factory=lambda params: opt_cls(params, lr=args.dense_lr),
+            dense_optimizer_factory=lambda params: opt_cls(params, lr=args.dense_lr), **merge,
         )  # fmt: skip
         dmp, pipeline, optimizer = lifted.model, lifted.pipeline, lifted.optimizer
         settings = lifted.settings
         prediction = execution_plan_prediction(ep, settings)
         if settings.is_2d:
+            merged = "momentum_scaled" if getattr(dmp, "replica_sync", None) is not None else "average"
             two_d_record = dict(sharding_group_size=settings.sharding_group_size, strategy=settings.strategy_2d,
+                                replica_merge=merged if settings.strategy_2d == "default" else None,
                                 sync_interval=settings.sync_interval if settings.strategy_2d == "default" else None,
                                 layout=settings.layout_2d.kind if settings.layout_2d is not None else None)
             say(f"[dlrm] 2D: groups of {settings.sharding_group_size} ranks x "
                 f"{world_size // settings.sharding_group_size} replicas, strategy {settings.strategy_2d}"
-                + (f", replica sync every {settings.sync_interval} steps" if settings.strategy_2d == "default" else "")
+                + (f", replica sync ({merged}) every {settings.sync_interval} steps" if settings.strategy_2d == "default"
+                   else "")
                 + (f", layout {settings.layout_2d.kind}" if settings.layout_2d is not None else ""))
         pipeline_kind, comm = settings.pipeline, f"{settings.fwd_comm_precision}/{settings.bwd_comm_precision}"
         predicted_s, timer_label = settings.predicted_step_s, settings.label()
