@@ -164,14 +164,6 @@ def init_state(seed: int) -> Dict[str, torch.Tensor]:
     return state
 
 
-def load_state(model, state: Dict[str, torch.Tensor]) -> None:
-    """Copy the shared initial state into a (sharded) model, shard by shard
-    (:func:`torchrec_sparselift.runtime.copy_full_state`)."""
-    from torchrec_sparselift.runtime import copy_full_state
-
-    copy_full_state(model, state)
-
-
 def to_kjt(ids: List[np.ndarray]):
     from torchrec import KeyedJaggedTensor
 
@@ -196,6 +188,7 @@ def run_config(name: str, seed: int, args, rank: int) -> Dict[str, float]:
 
     from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
     from torchrec_sparselift.runtime.two_d import build_2d_model_parallel
+    from torchrec_sparselift.runtime import copy_full_state
 
     kind, group, interval, momentum = name.split("|")
     group, interval, momentum = int(group), int(interval), float(momentum)
@@ -228,7 +221,7 @@ def run_config(name: str, seed: int, args, rank: int) -> Dict[str, float]:
             replica_sync=None,
             use_inter_host_allreduce=args.contiguous,
         )
-    load_state(model, init_state(seed))
+    copy_full_state(model, init_state(seed))
     if kind != "1d":  # bind the replica sync to the shared initial state
         model.install_replica_sync(replica_sync, interval)
     dense_params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]

@@ -795,14 +795,14 @@ def parity_control(specs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:
 
 
 def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int, pg, device, say) -> Dict[str, Any]:
-    """R4: 1D (SparseLift's plan), 2D (``sparselift_2d``, the replica sync ``lift`` installs) and a control (another exact 1D plan, :func:`parity_control`) trained
-    from the same initial weights on the same batches with a planted signal; the mean loss over
+    """R4: 1D (SparseLift's plan), 2D (``sparselift_2d``, the replica sync ``lift`` installs) and a
+    control (another exact 1D plan, :func:`parity_control`) trained from the same initial weights on the same batches with a planted signal; the mean loss over
     the last half of the steps. The control's gap to the 1D loss is what two equivalent plans
     already differ by."""
     import torch
     import torch.distributed as dist
 
-    from parity_2d import load_state
+    from torchrec_sparselift.runtime import copy_full_state
     from torchrec_sparselift.measure.probe import probe_model
 
     rank = dist.get_rank(pg)
@@ -815,7 +815,7 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
         state[f"embedding_bags.{t.name}.weight"] = (torch.rand(t.rows, t.dim, generator=g) * 2 - 1) * 0.05
 
     def anchor(lifted) -> None:
-        load_state(lifted.model, state)
+        copy_full_state(lifted.model, state)
         if hasattr(lifted.model, "install_replica_sync"):  # re-anchor the replica sync on the loaded weights
             lifted.model.install_replica_sync(lifted.model.replica_sync, lifted.settings.sync_interval or 1)
 

@@ -45,7 +45,7 @@ from torchrec_sparselift.cost.pipelines import trainable_pipelines
 from torchrec_sparselift import defaults
 from torchrec_sparselift.vocabulary import (
     COST_MODELS, LAYOUT_2D_CHOICES, LOSSY_COMM_PRECISIONS, STRATEGY_2D_CHOICES, PIPELINES, STALE_PIPELINES, SYNC_PIPELINES,
-    comm_precision_pairs, pipeline as pipeline_kind,
+    comm_precision_pairs, has_side_streams, pipeline as pipeline_kind,
 )
 from torchrec_sparselift.cost.two_d import check_sync_interval
 from torchrec_sparselift.semantics.layout import Layout2D
@@ -72,7 +72,7 @@ from torchrec_sparselift.search.torchrec_objective import (
     solve_torchrec,
 )
 from torchrec_sparselift.semantics.dense import dense_work
-from torchrec_sparselift.semantics.tables import TableHandle, extract_tables
+from torchrec_sparselift.semantics.tables import TableHandle, extract_tables, is_feature_processed
 from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.validation import (
     Problems,
@@ -447,8 +447,8 @@ class SparseLiftPlanner(ShardingPlanner):
         (``Pipeline.lookup_before_dense_step``: TorchRec's ``fused``, whose lookup would read the
         processor's weights before their update; ``cost.pipelines.trainable_pipelines``). Plans with
         data-parallel tables are filtered the same way in the search, per plan."""
-        fp = sorted({h.module[0] for h in handles if "FeatureProcessed" in h.sharder_key})
-        kept = trainable_pipelines(self._core_pipelines, False, streams=self._topology.compute_device != "cpu",
+        fp = sorted({h.module[0] for h in handles if is_feature_processed(h.sharder_key)})
+        kept = trainable_pipelines(self._core_pipelines, False, streams=has_side_streams(self._topology.compute_device),
                                    feature_processors=bool(fp))
         if kept != self._core_pipelines and not self._pipelines_by_default:
             left = ", ".join(p for p in self._core_pipelines if p not in kept)
@@ -803,7 +803,7 @@ class SparseLiftPlanner(ShardingPlanner):
                 # TorchRec's plan is kept: under another of the planner's pipelines where that clears
                 # the rule against TorchRec's plan under its default one (plan.baseline.kept_plan_pipeline)
                 dense = any(getattr(o, "compute_kernel", None) == "dense" for o in tr.options)
-                others = [p for p in trainable_pipelines(self._pipelines, dense, streams=topo.compute_device != "cpu")
+                others = [p for p in trainable_pipelines(self._pipelines, dense, streams=has_side_streams(topo.compute_device))
                           if p != pipeline]
                 alt = kept_plan_pipeline(theirs_at(fwd, bwd), {p: theirs_at(fwd, bwd, p) for p in others},
                                          self._model_errors(profile), baseline_name((fwd, bwd), full)) if others else None

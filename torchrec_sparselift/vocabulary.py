@@ -64,6 +64,7 @@ __all__ = [
     "STALE_PIPELINES",
     "PIPELINES_2D",
     "pipeline",
+    "has_side_streams",
     # communication precisions
     "CommPrecision",
     "COMM_PRECISION_REGISTRY",
@@ -244,6 +245,13 @@ def pipeline(name: str) -> Pipeline:
         return _PIPELINE_BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown pipeline {name!r}; choose one of {PIPELINES}") from None
+
+
+def has_side_streams(device_type: str) -> bool:
+    """Whether a device of ``device_type`` (TorchRec's ``compute_device``, ``torch.device.type``)
+    runs the pipelines' side streams concurrently (CUDA, MTIA); on CPU they are the step's own
+    order (``Pipeline.lookup_before_dense_step``)."""
+    return device_type != "cpu"
 
 
 # -- communication precisions -----------------------------------------------------------------

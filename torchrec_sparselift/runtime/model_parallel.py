@@ -47,6 +47,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_sparselift import defaults, vocabulary
 from torchrec_sparselift.vocabulary import PIPELINES_2D
+from torchrec_sparselift.semantics.tables import is_feature_processed
 from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
 
@@ -207,7 +208,7 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device:
     if kind not in PIPELINE_KINDS:
         return
     props = vocabulary.pipeline(kind)
-    streams = device is not None and device.type != "cpu"
+    streams = device is not None and vocabulary.has_side_streams(device.type)
     racing = streams and props.lookup_before_dense_step
     if props.dense_kernel and not racing:
         return
@@ -231,7 +232,7 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device:
             "updates: choose pipeline 'sparse_dist', or shard those tables model-parallel with compute_kernel='fused'"
         )
     if racing and module is not None:
-        fp = sorted(name or "(the model)" for name, m in module.named_modules() if "FeatureProcessed" in type(m).__name__)
+        fp = sorted(name or "(the model)" for name, m in module.named_modules() if is_feature_processed(type(m).__name__))
         if fp:
             raise ValueError(
                 f"pipeline {kind!r} on {device} looks up the next batch before the dense optimizer's step, but "

@@ -25,6 +25,7 @@ from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, StepTime
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.cost.pipelines import trainable_pipelines
+from torchrec_sparselift.vocabulary import has_side_streams
 from torchrec_sparselift.search.choice_bound import choice_bound_solution
 from torchrec_sparselift.search.lp import analytic_bound, solve_lp
 from torchrec_sparselift.search.milp import milp_size, solve_milp
@@ -89,7 +90,7 @@ def _optimizations(ev: PlanEvaluator, prob: PlanningProblem, pipelines: Sequence
     best_combo = None
     has_dense_kernel = any(prob.cands[c].compute_kernel == "dense" for c, _ in ev.assignment.values())
     trainable = trainable_pipelines(tuple(pipelines), has_dense_kernel,
-                                    streams=prob.ctx.profile.compute_device != "cpu")
+                                    streams=has_side_streams(prob.ctx.profile.compute_device))
     ordered = sorted(trainable, key=lambda p: p != defaults.PIPELINE)  # stable: the rest keep their order
     for pl in ordered:
         for f, b in precisions:

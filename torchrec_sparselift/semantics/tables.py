@@ -148,6 +148,13 @@ class TableHandle:
     constraints: Any = None
 
 
+def is_feature_processed(name: str) -> bool:
+    """Whether a module class name or TorchRec sharder key (``sharder_name``) is a
+    feature-processed embedding module (``FeatureProcessedEmbeddingBagCollection`` and its sharded
+    form): its lookups run a feature processor whose weights the dense optimizer updates."""
+    return "FeatureProcessed" in name
+
+
 def _sharder_key(module_type: type) -> str:
     # Same key TorchRec uses to match sharders to modules (planner.utils.sharder_name).
     from torchrec.distributed.planner.utils import sharder_name
@@ -318,7 +325,7 @@ def extract_tables(
         configs = {cfg.name: cfg for cfg in reversed(embedding_configs(m, search_children=True)[0] or [])}
         is_pooled = _module_pooled(m)
         device_types = _device_sharding_types(sharder, compute_device)
-        if "FeatureProcessed" in key:
+        if is_feature_processed(key):
             # TorchRec guards position-weighted modules against row-splitting types.
             device_types = [t for t in device_types if t not in ROW_SPLIT_TYPES]
         for name, param in sorted(sharder.shardable_parameters(m).items()):
