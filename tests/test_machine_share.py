@@ -33,7 +33,7 @@ def _plan_cases(rank: int, world: int):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ep = planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD)
-        out[name] = {"pipelines": list(planner._pipelines), "chosen": ep.optimizations.pipeline,
+        out[name] = {"pipelines": list(planner.request(probe_model(w)).pipelines), "chosen": ep.optimizations.pipeline,
                      "warnings": [str(c.message) for c in caught if "share a machine" in str(c.message)]}
     # one planner reused: planned where ranks outnumber the cores, then where they do not
     planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, time_budget_s=1.0, debug=False)
@@ -43,7 +43,7 @@ def _plan_cases(rank: int, world: int):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD)
-        reused.append(list(planner._pipelines))
+        reused.append(list(planner.request(probe_model(w)).pipelines))
     out["reused"] = reused
     # a link measurement passed in carries the machine share: no all-gather, its numbers
     from types import SimpleNamespace
@@ -54,7 +54,7 @@ def _plan_cases(rank: int, world: int):
         warnings.simplefilter("ignore")
         planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD,
                                           link=SimpleNamespace(machine_ranks=4, machine_cores=2))
-    out["from_link"] = list(planner._pipelines)
+    out["from_link"] = list(planner.request(probe_model(w)).pipelines)
     return out
 
 

@@ -584,3 +584,43 @@ def test_fused_on_cuda_refuses_dense_kernel_tables_and_feature_processors() -> N
         check_pipeline_supports_plan("fused", fused_only, cuda, model)
     check_pipeline_supports_plan("fused", fused_only, cpu, model)
     check_pipeline_supports_plan("sparse_dist", fused_only, cuda, model)
+
+
+def test_runtime_refuses_exactly_what_the_search_filters() -> None:
+    """One rule (``vocabulary.Pipeline.conflict``): for every registry pipeline, plan (with and
+    without a dense-kernel table), device (with and without side streams) and model (with and
+    without a feature processor), ``check_pipeline_supports_plan`` refuses exactly the pairs that
+    ``cost.pipelines.trainable_pipelines`` leaves out."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    from torchrec_sparselift.cost.pipelines import trainable_pipelines
+    from torchrec_sparselift.runtime import check_pipeline_supports_plan
+    from torchrec_sparselift.vocabulary import PIPELINES
+
+    plain, with_fp = _tiny_model(), _tiny_model()
+    with_fp.fp = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="w", embedding_dim=DIM, num_embeddings=NUM_EMB,
+                                                          feature_names=["w_f"])], is_weighted=True),
+        PositionWeightedModuleCollection({"w_f": 10}))
+    fused = {f"t{i}": table_wise(rank=i % WORLD, compute_kernel="fused") for i in (1, 2)}
+    plans = {dense: ShardingPlan({"ebc": construct_module_sharding_plan(
+        plain.ebc, {"t0": data_parallel() if dense else table_wise(rank=0, compute_kernel="fused"), **fused},
+        world_size=WORLD, local_size=WORLD, device_type="cpu")}) for dense in (False, True)}
+    refused = 0
+    for name in PIPELINES:
+        for dense, plan in plans.items():
+            for device in (torch.device("cpu"), torch.device("cuda", 0)):
+                for model, fp in ((plain, False), (with_fp, True)):
+                    kept = name in trainable_pipelines((name, "sparse_dist"), dense, streams=device.type == "cuda",
+                                                       feature_processors=fp)
+                    try:
+                        check_pipeline_supports_plan(name, plan, device, model)
+                        accepted = True
+                    except ValueError:
+                        accepted, refused = False, refused + 1
+                    assert accepted == kept, (name, dense, device, fp)
+    assert refused >= 6  # the stale kinds with a dense table (x2 devices x2 models), fused on cuda

@@ -294,13 +294,13 @@ class SparseLiftPlanner(ShardingPlanner):
         self._pipelines_by_default = pipelines is None
         if pipelines is None:
             pipelines = SYNC_PIPELINES + (STALE_PIPELINES if allow_staleness else ())
-        #: the pipelines asked for (the default set or the user's list) and those the next plan chooses
-        #: among (the default set less those this machine's cores cannot run: ``_limit_overlap_to_free_cores``)
+        #: the pipelines asked for (the default set or the user's list), and those this machine's
+        #: cores can run (the default set less the ones that need a core per rank where ranks
+        #: outnumber the cores: ``_limit_overlap_to_free_cores``, set by each collective plan). A
+        #: request chooses among the latter that train its module exactly (``_exact_pipelines``):
+        #: ``PlanRequest.pipelines``, what the search and the never-slower rule read.
         self._requested_pipelines = tuple(pipelines)
-        #: those this machine's cores can run (``_limit_overlap_to_free_cores``) and, of those, the
-        #: ones that train the planned module exactly on its device (``_exact_pipelines``)
         self._core_pipelines = self._requested_pipelines
-        self._pipelines = self._requested_pipelines
         self._precisions = comm_precision_pairs(bool(allow_lossy_comm), bool(allow_fp8), topology.compute_device)
         self._allow_lossy_comm = bool(allow_lossy_comm)
         self._allow_fp8 = bool(allow_fp8)
@@ -536,18 +536,19 @@ class SparseLiftPlanner(ShardingPlanner):
         )
         validate_inputs(handles, topo, self._batch_size, self._constraints, self._workload,
                         problems=problems)
-        self._pipelines = self._exact_pipelines(handles)
-        return self._request(handles, dense_work(module, handles), sharders)
+        return self._request(handles, dense_work(module, handles), sharders, self._exact_pipelines(handles))
 
-    def _request(self, handles: Sequence[TableHandle], dense: DenseWork,
-                 sharders: Sequence[Any]) -> PlanRequest:
-        """The request for validated tables (none: this planner's context alone)."""
+    def _request(self, handles: Sequence[TableHandle], dense: DenseWork, sharders: Sequence[Any],
+                 pipelines: Optional[Tuple[str, ...]] = None) -> PlanRequest:
+        """The request for validated tables (none: this planner's context alone) choosing among
+        ``pipelines`` (None: those this machine's cores can run)."""
         return PlanRequest(
             tables=tuple(h.spec for h in handles), handles=tuple(handles), topology=self._topology,
             batch_size=self._batch_size, constraints=self._constraints, stats=self._workload,
             hardware=self._profile(), dense=dense,
             sharders=describe_sharders(sharders), storage_reservation=self._storage_reservation,
-            callbacks=tuple(self._callbacks), pipelines=self._pipelines, precisions=self._precisions,
+            callbacks=tuple(self._callbacks),
+            pipelines=self._core_pipelines if pipelines is None else pipelines, precisions=self._precisions,
             allow_lossy_comm=self._allow_lossy_comm, allow_fp8=self._allow_fp8,
             allow_staleness=self._allow_staleness, solver=self._solver,
             time_budget_s=self._budget, sharding_group_size=self._group,
@@ -651,16 +652,16 @@ class SparseLiftPlanner(ShardingPlanner):
             if loaded is not None:
                 return loaded
         if self._group is None:
-            res = self._solve_group(module, sharders, handles, topo.world_size, self._budget, t0)
+            res = self._solve_group(module, sharders, handles, request.pipelines, topo.world_size, self._budget, t0)
         else:
             choice = search_groups(
                 topo.world_size, topo.local_world_size, self._group, self._layout_2d, self._budget, t0,
-                lambda g, lay, budget: self._solve_group(module, sharders, handles, g, budget,
-                                                         time.monotonic(), lay))
+                lambda g, lay, budget: self._solve_group(module, sharders, handles, request.pipelines, g,
+                                                         budget, time.monotonic(), lay))
             res = attrs.evolve(choice.best, alternatives_2d=choice.alternatives_2d,
                                alternatives_layout=choice.alternatives_layout)
         if self._never_slower is not False:
-            res = self._never_slower_rule(res, module, sharders)
+            res = self._never_slower_rule(res, module, sharders, request.pipelines)
         self.last_result = res
         if self._debug:
             logger.info("%s", res.summary())
@@ -678,11 +679,12 @@ class SparseLiftPlanner(ShardingPlanner):
             )
 
     def _solve_group(self, module: nn.Module, sharders: Sequence[Any], handles: Sequence[TableHandle],
-                     group: int, budget: float, t0: float,
+                     pipelines: Tuple[str, ...], group: int, budget: float, t0: float,
                      layout: Optional[Layout2D] = None) -> PlanResult:
         """Plan the tables over ``group`` ranks (the whole world for 1D) laid out as ``layout``
         (2D: the group-local topology has ``layout.group_ranks_per_host`` ranks per host, which
-        is what the sharding group's all-to-all really crosses)."""
+        is what the sharding group's all-to-all really crosses), choosing among ``pipelines``
+        (the request's)."""
         topo = self._topology
         W = topo.world_size
         layout, local, gtopo = group_setting(topo, group, layout, self._layout_2d)
@@ -702,7 +704,6 @@ class SparseLiftPlanner(ShardingPlanner):
             allreduce_world_size=W,  # 2D: DDP all-reduces the dense gradients over the whole world
         )
         device_cap, host_cap = device_caps(reserved)
-        pipelines = self._pipelines
         if layout is not None and group < W:  # only these pipelines run DMPCollection's sync
             pipelines = sync_pipelines(pipelines)
         prob = build_problem(
@@ -738,7 +739,7 @@ class SparseLiftPlanner(ShardingPlanner):
 
     # -- never slower than TorchRec ------------------------------------------------------
     def _never_slower_rule(self, res: PlanResult, module: nn.Module,
-                           sharders: List[ModuleSharder[nn.Module]]) -> PlanResult:
+                           sharders: List[ModuleSharder[nn.Module]], pipelines: Tuple[str, ...]) -> PlanResult:
         """``res``, or TorchRec's plan for the same inputs where SparseLift's predicted gain over it
         is within the model's error (:func:`~torchrec_sparselift.plan.baseline.never_slower`); the
         decision is in the result's ``never_slower``."""
@@ -774,7 +775,7 @@ class SparseLiftPlanner(ShardingPlanner):
         profile = res.profile
         s = res.search
         # TorchRec's plan as TorchRec's users run it: its default pipeline, full-precision comms
-        pipeline = defaults.PIPELINE if defaults.PIPELINE in self._pipelines else self._pipelines[0]
+        pipeline = defaults.PIPELINE if defaults.PIPELINE in pipelines else pipelines[0]
         try:
             ours = GivenPlan.of(module, res.sharding_plan, topo, self._batch_size, self._constraints,
                                 self._workload, sharders)
@@ -803,7 +804,7 @@ class SparseLiftPlanner(ShardingPlanner):
                 # TorchRec's plan is kept: under another of the planner's pipelines where that clears
                 # the rule against TorchRec's plan under its default one (plan.baseline.kept_plan_pipeline)
                 dense = any(getattr(o, "compute_kernel", None) == "dense" for o in tr.options)
-                others = [p for p in trainable_pipelines(self._pipelines, dense, streams=has_side_streams(topo.compute_device))
+                others = [p for p in trainable_pipelines(pipelines, dense, streams=has_side_streams(topo.compute_device))
                           if p != pipeline]
                 alt = kept_plan_pipeline(theirs_at(fwd, bwd), {p: theirs_at(fwd, bwd, p) for p in others},
                                          self._model_errors(profile), baseline_name((fwd, bwd), full)) if others else None

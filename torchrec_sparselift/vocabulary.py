@@ -28,7 +28,7 @@ use it.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import attrs
 
@@ -204,6 +204,29 @@ class Pipeline:
     def exact(self) -> bool:
         """Per-step results equal a plain forward/backward/optimizer-step loop."""
         return not self.stale
+
+    def conflict(self, dense_kernel: bool, side_streams: bool = False,
+                 feature_processors: bool = False) -> Optional[str]:
+        """Why this kind cannot train a plan exactly, or None where it can: the one rule the
+        search, the planner (``cost.pipelines.trainable_pipelines``: they filter) and the runtime
+        (``runtime.check_pipeline_supports_plan``: it refuses, naming the tables or modules)
+        apply. ``dense_kernel``: the plan has a table on the ``dense`` kernel (every
+        data-parallel one); ``side_streams``: the device runs side streams
+        (:func:`has_side_streams`); ``feature_processors``: the model holds a feature processor.
+
+        * ``"dense_kernel"``: a kind without :attr:`dense_kernel` (the stale ones) and a
+          dense-kernel table;
+        * ``"dense_before_step"``: :attr:`lookup_before_dense_step` on a device with side streams
+          and a dense-kernel table (its next lookup reads the weights before the dense step);
+        * ``"feature_processors"``: the same with a feature processor's weights."""
+        if dense_kernel and not self.dense_kernel:
+            return "dense_kernel"
+        if side_streams and self.lookup_before_dense_step:
+            if dense_kernel:
+                return "dense_before_step"
+            if feature_processors:
+                return "feature_processors"
+        return None
 
 
 #: Every pipeline kind, in the planner's order of preference on equal step times.

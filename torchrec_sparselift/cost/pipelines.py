@@ -340,19 +340,15 @@ def trainable_pipelines(names: Tuple[str, ...], dense_kernel: bool, streams: boo
     train; ``streams``, the device runs side streams (CUDA), where a kind that looks up the next
     batch before the dense optimizer's step (``Pipeline.lookup_before_dense_step``: TorchRec's
     ``fused``) would read a dense-kernel table's or a feature processor's weights (the model has
-    one: ``feature_processors``) before their update. A single allowed pipeline is kept as asked
-    (the runtime then refuses the pair, naming the tables or the module)."""
+    one: ``feature_processors``) before their update (the rule: ``vocabulary.Pipeline.conflict``).
+    A single allowed pipeline is kept as asked (the runtime then refuses the pair, naming the
+    tables or the module)."""
     names = tuple(names)
     if len(names) <= 1:
         return names
 
-    def ok(n: str) -> bool:
-        p = pipeline_kind(n).properties
-        if dense_kernel and not p.dense_kernel:
-            return False
-        return not (streams and (dense_kernel or feature_processors) and p.lookup_before_dense_step)
-
-    return tuple(n for n in names if ok(n)) or names
+    return tuple(n for n in names
+                 if pipeline_kind(n).properties.conflict(dense_kernel, streams, feature_processors) is None) or names
 
 
 def effective_pipeline(name: str, supports_overlap: bool = True, spans_hosts: bool = False) -> PipelineKind:

@@ -190,7 +190,8 @@ def resolve_settings(
 def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device: Optional[torch.device] = None,
                                  module: Optional[nn.Module] = None) -> None:
     """Refuse plan/pipeline pairs that cannot train exactly; ``ValueError`` naming the tables or
-    modules otherwise (the rules: :data:`torchrec_sparselift.vocabulary.PIPELINE_REGISTRY`).
+    modules otherwise (the rule: :meth:`torchrec_sparselift.vocabulary.Pipeline.conflict`, which the
+    search and the planner filter their pipelines by).
 
     The stale kinds (``semi_sync``, ``overlap_stale``) look up batch i+1 before step i's embedding
     update, so every table of a
@@ -209,9 +210,8 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device:
         return
     props = vocabulary.pipeline(kind)
     streams = device is not None and vocabulary.has_side_streams(device.type)
-    racing = streams and props.lookup_before_dense_step
-    if props.dense_kernel and not racing:
-        return
+    if props.conflict(True, streams, True) is None:
+        return  # no plan or module can conflict with it: skip the walks below
     dense = sorted(
         f"{path}.{name} ({ps.sharding_type})"
         for path, module_plan in sharding_plan.plan.items()
@@ -219,26 +219,27 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device:
         for name, ps in module_plan.items()
         if getattr(ps, "compute_kernel", None) == "dense"
     )
-    if dense and not props.dense_kernel:
+    fp = [] if module is None else sorted(
+        name or "(the model)" for name, m in module.named_modules() if is_feature_processed(type(m).__name__))
+    why = props.conflict(bool(dense), streams, bool(fp))
+    if why == "dense_kernel":
         raise ValueError(
             f"pipeline {kind!r} needs fused embedding kernels, but {', '.join(dense)} use the dense kernel "
             "(data-parallel tables always do): shard those tables model-parallel with compute_kernel='fused', "
             "or choose pipeline 'fused' or 'sparse_dist'"
         )
-    if dense:
+    if why == "dense_before_step":
         raise ValueError(
             f"pipeline {kind!r} on {device} looks up the next batch before the dense optimizer's step, but "
             f"{', '.join(dense)} use the dense kernel (data-parallel tables always do), which that step "
             "updates: choose pipeline 'sparse_dist', or shard those tables model-parallel with compute_kernel='fused'"
         )
-    if racing and module is not None:
-        fp = sorted(name or "(the model)" for name, m in module.named_modules() if is_feature_processed(type(m).__name__))
-        if fp:
-            raise ValueError(
-                f"pipeline {kind!r} on {device} looks up the next batch before the dense optimizer's step, but "
-                f"{', '.join(fp)} hold feature processors whose weights that step updates (TorchRec's "
-                "TrainPipelineFusedSparseDist assumes none): choose pipeline 'sparse_dist'"
-            )
+    if why == "feature_processors":
+        raise ValueError(
+            f"pipeline {kind!r} on {device} looks up the next batch before the dense optimizer's step, but "
+            f"{', '.join(fp)} hold feature processors whose weights that step updates (TorchRec's "
+            "TrainPipelineFusedSparseDist assumes none): choose pipeline 'sparse_dist'"
+        )
 
 
 def copy_full_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
