@@ -143,6 +143,7 @@ def worker(args: argparse.Namespace) -> int:
     from train import arch_spec, build_model, shard_model
 
     from torchrec_sparselift.runtime.overlap import CommTimeline, step_windows, timeline_attribution
+    from torchrec_sparselift.runtime.timing import StepTimer
     from torchrec_sparselift.measure.probe import pin_rank_to_core
 
     torch.set_num_threads(1)
@@ -184,14 +185,13 @@ def worker(args: argparse.Namespace) -> int:
                 pipe.progress(it)
             dist.barrier(pg)
             timeline.clear()
-            t0 = time.perf_counter()
+            timer = StepTimer(device, warmup_steps=0)
             for _ in range(args.steps):
-                timeline.mark("step_start")
-                pipe.progress(it)
-                timeline.mark("step_end")
-            mean = torch.tensor([(time.perf_counter() - t0) / args.steps])
-            dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=pg)
-            per_round[kind].append(float(mean))
+                with timer.step():
+                    timeline.mark("step_start")
+                    pipe.progress(it)
+                    timeline.mark("step_end")
+            per_round[kind].append(timer.record(pg).mean_s)  # the slowest rank's mean step
             events = list(timeline.events)
             steps[kind].extend(timeline_attribution(events))
             windows = step_windows(events)

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import sys
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["main", "regions"]
@@ -80,6 +79,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from torchrec_sparselift.defaults import ranks_per_host
     from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, restore_affinity
+    from torchrec_sparselift.runtime.timing import StepTimer
 
     dist.init_process_group("gloo")
     pg = dist.group.WORLD
@@ -99,11 +99,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     for _ in range(args.warmup):
                         lifted.pipeline.progress(it)
                     dist.barrier(group=pg)
+                    timer = StepTimer(torch.device("cpu"), warmup_steps=0)
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                        t0 = time.perf_counter()
-                        for _ in range(args.steps):
-                            lifted.pipeline.progress(it)
-                        wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
+                        timer.time_pipeline(lifted.pipeline, it, args.steps)
+                    wall_ms = timer.record().mean_s * 1e3  # this rank's; the row takes the mean over ranks
                     mine = dict(wall_ms=wall_ms, regions=regions(prof.events(), args.steps))
                     every: List[Any] = [None] * W
                     dist.all_gather_object(every, mine, group=pg)

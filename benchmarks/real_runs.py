@@ -226,6 +226,7 @@ def _run_kept(w, runners, batches, pg, device, args, say) -> None:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from torchrec_sparselift.measure.probe import probe_model, shard_for_training
+    from torchrec_sparselift.runtime.timing import StepTimer
 
     def feed():
         i = 0
@@ -243,14 +244,9 @@ def _run_kept(w, runners, batches, pg, device, args, say) -> None:
         k = rep % len(runners)
         for r in runners[k:] + runners[:k]:  # rotated each round, as the default harness
             dist.barrier(group=pg)
-            durs = []
-            for _ in range(args.warmup + args.steps):
-                t0 = time.perf_counter()
-                r["pipe"].progress(r["it"])
-                durs.append(time.perf_counter() - t0)
-            med = torch.tensor([statistics.median(durs[args.warmup:])], dtype=torch.float64)
-            dist.all_reduce(med, op=dist.ReduceOp.MAX, group=pg)
-            r["runs"].append(float(med))
+            timer = StepTimer(device, warmup_steps=args.warmup)
+            timer.time_pipeline(r["pipe"], r["it"], args.warmup + args.steps)
+            r["runs"].append(timer.record(pg).measured_s)  # the slowest rank's median step
         say(f"[real_runs] {w.name} round {rep + 1}/{args.reps}: "
             + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms")
     for r in runners:

@@ -22,7 +22,6 @@ import logging
 import os
 import statistics
 import sys
-import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -52,15 +51,14 @@ def _timed_syncs(model: Any, n: int, pg: Any) -> List[float]:
     import torch
     import torch.distributed as dist
 
-    out = []
+    from torchrec_sparselift.runtime.timing import StepTimer
+
+    timer = StepTimer(torch.device("cpu"), warmup_steps=0)
     for _ in range(n):
         dist.barrier(group=pg)
-        t0 = time.perf_counter()
-        model.sync()
-        out.append(time.perf_counter() - t0)
-    t = torch.tensor(out, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    return [float(x) for x in t]
+        with timer.step():
+            model.sync()
+    return timer.slowest_rank_durations_s(pg)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
