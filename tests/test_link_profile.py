@@ -158,38 +158,6 @@ def test_ranks_outnumbering_the_cores_slow_every_compute_term_by_the_share():
         assert not c.differs and c.profile is prof, (a, b)
 
 
-def test_ranks_outnumbering_the_cores_pay_the_collectives_kernel_cpu_per_byte():
-    # 4 ranks on 2 cores against a calibration with one rank per core: each bandwidth pays the
-    # measured kernel CPU per byte once (one extra rank per core), in the profile's byte count
-    sys_s = dict(intra_sys_s_per_byte=0.8e-9, inter_sys_s_per_byte=1.6e-9, allreduce_sys_s_per_byte=1.1e-9)
-    stored = _rates(machine_ranks=2, machine_cores=2)
-    measured = _rates(machine_ranks=4, machine_cores=2, **sys_s)
-    p = correct_link_terms(PROFILE, stored, measured).profile
-    assert 1 / p.inter_host_bw == pytest.approx(1 / PROFILE.inter_host_bw + 1.6e-9 / 2)
-    assert 1 / p.intra_host_bw == pytest.approx(1 / PROFILE.intra_host_bw + 0.8e-9 / 2)
-    assert 1 / p.allreduce_bw == pytest.approx(1 / PROFILE.allreduce_bw + 1.1e-9 / 1)
-    # a flagged (slower) link first, then the kernel CPU on top of the corrected rate
-    slow = correct_link_terms(PROFILE, stored, attrs.evolve(measured, inter_bw=12.4e6))
-    assert 1 / slow.profile.inter_host_bw == pytest.approx(
-        1 / corrected_bandwidth(PROFILE.inter_host_bw, 2 * 430e6, 2 * 12.4e6) + 1.6e-9 / 2)
-    # three ranks per core: twice
-    three = correct_link_terms(PROFILE, stored, _rates(machine_ranks=6, machine_cores=2, **sys_s)).profile
-    assert 1 / three.inter_host_bw == pytest.approx(1 / PROFILE.inter_host_bw + 2 * 1.6e-9 / 2)
-    # one rank per core in the job (or as many per core as calibrated): the kernel CPU runs beside the wire
-    for a, b in (((2, 2), (2, 2)), ((4, 2), (4, 2))):
-        c = correct_link_terms(PROFILE, _rates(machine_ranks=a[0], machine_cores=a[1]),
-                               _rates(machine_ranks=b[0], machine_cores=b[1], **sys_s))
-        assert c.profile.inter_host_bw == PROFILE.inter_host_bw, (a, b)
-    # a record without the measurement: the compute share alone, as before
-    assert correct_link_terms(PROFILE, stored, _rates(machine_ranks=4, machine_cores=2)).profile.inter_host_bw \
-        == PROFILE.inter_host_bw
-    # the record keeps and shows it, and refuses a negative value naming it
-    assert LinkRates.from_dict(measured.to_dict()) == measured
-    assert "kernel CPU per byte" in measured.describe() and "inter 1.60 ns" in measured.describe()
-    with pytest.raises(ValueError, match="inter_sys_s_per_byte=-1"):
-        _rates(inter_sys_s_per_byte=-1e-9)
-
-
 def test_with_slower_compute_scales_rates_and_seconds_and_keeps_fallbacks():
     prof = attrs.evolve(PROFILE, step_overhead_s=2e-3, cold_row_s=70e-9)
     slow = with_slower_compute(prof, 1.5)

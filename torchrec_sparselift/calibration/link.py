@@ -72,9 +72,7 @@ _TERMS = (
 
 #: LinkRates fields a record may lack (measured since a later version): they read as None.
 _OPTIONAL_FIELDS = ("machine_ranks", "machine_cores", "inter_oneway_bw", "inter_solo_bw", "replica_intra_bw",
-                    "replica_inter_bw", "intra_sys_s_per_byte", "inter_sys_s_per_byte", "allreduce_sys_s_per_byte")
-#: The families whose kernel CPU per byte the measurement records (``<family>_sys_s_per_byte``).
-SYS_FAMILIES = ("intra", "inter", "allreduce")
+                    "replica_inter_bw")
 
 
 class LinkRatesError(ValueError):
@@ -126,13 +124,6 @@ class LinkRates:
             plain all-reduce's rate (2 emulated hosts x 2 ranks on 2 cores, docs/benchmarks.md).
             None where there is no such group (one rank per host / one host) and in a record
             written before they were measured.
-        intra_sys_s_per_byte / inter_sys_s_per_byte / allreduce_sys_s_per_byte: the system
-            (kernel) CPU seconds a rank's process spent per byte of the ``intra`` / ``inter`` /
-            ``allreduce`` family's timed calls, in that family's bytes (bytes a rank sends; the
-            all-reduce's bus bytes): the TCP stack's work, which runs on the rank's core beside the
-            wire. With more ranks than cores it takes the core from the ranks that share it
-            (:func:`correct_link_terms`). None where the family was not measured and in a record
-            written before they were.
     """
 
     intra_bw: Optional[float]
@@ -151,9 +142,6 @@ class LinkRates:
     inter_solo_bw: Optional[float] = None
     replica_intra_bw: Optional[float] = None
     replica_inter_bw: Optional[float] = None
-    intra_sys_s_per_byte: Optional[float] = None
-    inter_sys_s_per_byte: Optional[float] = None
-    allreduce_sys_s_per_byte: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:
         problems = self.problems()
@@ -180,8 +168,6 @@ class LinkRates:
             ("spread", False, False), ("allreduce_bw", True, False), ("allreduce_latency_s", False, False),
             ("latency_spread_s", False, False), ("inter_oneway_bw", True, True), ("inter_solo_bw", True, True),
             ("replica_intra_bw", True, True), ("replica_inter_bw", True, True),
-            ("intra_sys_s_per_byte", False, True), ("inter_sys_s_per_byte", False, True),
-            ("allreduce_sys_s_per_byte", False, True),
         ):  # fmt: skip
             p = _number_problem(name, getattr(self, name), positive=positive, optional=optional)
             if p:
@@ -276,10 +262,6 @@ class LinkRates:
             bw = getattr(self, f"{prefix}_bw")
             if bw is not None:
                 lines.append(f"  {label:<22} {_fmt_bw(bw)} (allreduce_coalesced, every group at once)")
-        sys_parts = [f"{f} {getattr(self, f'{f}_sys_s_per_byte') * 1e9:.2f} ns" for f in SYS_FAMILIES
-                     if getattr(self, f"{f}_sys_s_per_byte") is not None]
-        if sys_parts:
-            lines.append(f"  {'kernel CPU per byte':<22} " + ", ".join(sys_parts))
         if self.inter_solo_bw is not None:
             lines.insert(3, f"  {'inter-host one-way':<22} {_fmt_bw(self.inter_oneway_bw)} each of the host's ranks, "
                             f"{_fmt_bw(self.inter_solo_bw)} one alone: host link {self.host_link}")
@@ -590,11 +572,7 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
     ranks share each core than in the calibration (``ranks_per_core``, both measured), every
     compute term is slowed by ``measured.ranks_per_core / stored.ranks_per_core``
     (:func:`~torchrec_sparselift.cost.hardware.with_slower_compute`: a rank computes on one core,
-    and ranks that outnumber the cores take turns), and each bandwidth the job uses pays the
-    kernel CPU its bytes cost (``<family>_sys_s_per_byte``, measured) once per extra rank per core:
-    ``1 / bw' = 1 / bw + (k - max(1, k_stored)) * sys / PROFILE_BYTES_PER_MEASURED`` (``k`` the
-    measured ranks per core): the TCP stack runs on the sending rank's core, which the other ranks
-    there need (measured with 4 ranks on 2 cores: 4-13 ms of system CPU per rank per step). Where ``measured`` knows whether a host's
+    and ranks that outnumber the cores take turns). Where ``measured`` knows whether a host's
     ranks share one link (:attr:`LinkRates.host_link_shared`) and the profile's
     ``host_link_shared`` says otherwise, the profile takes the measured value, whatever the stored
     link says (a profile calibrated on one host, or before sharing was measured, used on hosts
@@ -634,15 +612,6 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
         f = profile.rs_factor(inter_host=True)
         if new_bw < old_bw and f > 1.0:
             changes["inter_reduce_scatter_factor"] = 1.0 + (f - 1.0) * new_bw / old_bw
-    if "ranks_per_core" in names and factor > 1.0:
-        # the collectives' kernel CPU (the TCP stack, measured per byte): with more ranks than
-        # cores it takes the core from the ranks that share it instead of running beside the wire
-        extra = float(measured.ranks_per_core) - max(1.0, float(stored.ranks_per_core))
-        for field, term in _PROFILE_BW:
-            sys_s = getattr(measured, f"{term[:-len('_bw')]}_sys_s_per_byte")
-            if extra > 0 and sys_s:
-                bw = float(changes.get(field, getattr(profile, field)))
-                changes[field] = 1.0 / (1.0 / bw + extra * sys_s / PROFILE_BYTES_PER_MEASURED[term])
     for term in _LATENCY_TERMS:
         m, s = getattr(measured, term), _stored_term(stored, term)
         if term in names and m is not None and s is not None:

@@ -66,7 +66,6 @@ from torchrec_sparselift.calibration.link import (
     LATENCY_FLOOR_S,
     LinkRates,
     LinkRatesError,
-    SYS_FAMILIES,
     fit_family,
     fit_latency_bandwidth,
     host_groups,
@@ -180,11 +179,10 @@ def _numel(nbytes: float, group_size: int) -> int:
 def _time_family(
     family: _Family, device: Any, repetitions: int, target_call_s: float, min_bytes: int, max_bytes: int,
     start_bytes: int = 0,
-) -> Tuple[List[int], np.ndarray, Optional[float]]:
-    """Each call's size (bytes per rank buffer), ``times[repetition, call]``, the slowest
+) -> Tuple[List[int], np.ndarray]:
+    """Each call's size (bytes per rank buffer) and ``times[repetition, call]``, the slowest
     rank's time of each call (all ranks agree: the values come from an all-reduce; a rank outside
-    ``family.group`` skips the calls and times about zero), and the system CPU seconds per byte
-    of the timed calls (:func:`_sys_seconds_per_byte`). ``start_bytes``: the first size tried
+    ``family.group`` skips the calls and times about zero). ``start_bytes``: the first size tried
     for the largest message (e.g. another family's largest), when above the default start."""
     buffers: Dict[int, Any] = {}
     # size the largest message: grow until one call takes target_call_s (this also warms up
@@ -204,29 +202,11 @@ def _time_family(
     calls = sorted({mid, numel} - {small}, reverse=True) + [small] * 3
     _timed_call(family, numel, device, buffers)
     local = np.zeros((repetitions, len(calls)))
-    sys0 = os.times().system
     for i in range(repetitions):
         for j, s in enumerate(calls):  # sizes interleaved: drift hits all alike
             local[i, j] = _timed_call(family, s, device, buffers)
-    sys_s = os.times().system - sys0
     times = _world_max(local.ravel().tolist(), device).reshape(local.shape)
-    nbytes = repetitions * sum(calls) * 4 * family.factor if family.group is not None else 0.0
-    return [s * 4 for s in calls], times, _sys_seconds_per_byte(sys_s, nbytes, device)
-
-
-def _sys_seconds_per_byte(sys_s: float, nbytes: float, device: Any) -> Optional[float]:
-    """The system CPU seconds per byte over the ranks that made calls: their summed ``sys_s`` over
-    their summed ``nbytes`` (the family's bytes, ``_Family.factor``; a rank outside the family
-    adds 0 and 0). Every rank gets the same value. None on CUDA (the kernel time of a GPU job's
-    collectives is not the host's TCP stack) or when no bytes moved."""
-    import torch
-    import torch.distributed as dist
-
-    if device.type != "cpu":
-        return None
-    t = torch.tensor([float(sys_s) if nbytes > 0 else 0.0, float(nbytes)], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t[0] / t[1]) if t[1] > 0 else None
+    return [s * 4 for s in calls], times
 
 
 class _FitFailed(LinkRatesError):
@@ -365,7 +345,7 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
                                   "inter_bw": None, "inter_latency_s": None,
                                   "inter_oneway_bw": None, "inter_solo_bw": None,
                                   "replica_intra_bw": None, "replica_inter_bw": None}
-        timed: List[Tuple[_Family, Tuple[List[int], np.ndarray, Optional[float]]]] = []
+        timed: List[Tuple[_Family, Tuple[List[int], np.ndarray]]] = []
         for fam in families:
             # the one-way families' sizing starts from the previous family's largest message
             start = max(timed[-1][1][0]) if fam.op == "one_way" else 0
@@ -378,10 +358,8 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
     if rank == 0:  # fit here, then broadcast the rates or the error: no rank waits for nothing
         try:
             spreads, latency_spreads, where = [], [], ""
-            for fam, (sizes, times, sys_per_byte) in timed:
+            for fam, (sizes, times) in timed:
                 where = f" (family {fam.name})"
-                if fam.name in SYS_FAMILIES:
-                    fields[f"{fam.name}_sys_s_per_byte"] = sys_per_byte
                 lat, bw, spread, latency_spread = fit_family([s * fam.factor for s in sizes], times)
                 if fam.op in ("one_way", "all_reduce_coalesced"):  # one term each: their bandwidth alone
                     fields[f"{fam.name}_bw"] = bw
