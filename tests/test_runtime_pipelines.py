@@ -529,6 +529,20 @@ def test_user_sharders_without_codecs_refused_when_plan_quantizes() -> None:
     assert all(s.qcomm_codecs_registry is reg for s in defaults if isinstance(s, EmbeddingBagCollectionSharder))
 
 
+def _add_feature_processor(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with a ``FeatureProcessedEmbeddingBagCollection`` at ``model.fp`` (one weighted
+    table, position-weighted), as a model with feature processors holds one."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    model.fp = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="w", embedding_dim=DIM, num_embeddings=NUM_EMB,
+                                                          feature_names=["w_f"])], is_weighted=True),
+        PositionWeightedModuleCollection({"w_f": 10}))
+    return model
+
+
 @pytest.mark.parametrize("table_plan", ["data_parallel", "dense_table_wise"])
 def test_semi_sync_refuses_tables_on_the_dense_kernel(table_plan) -> None:  # type: ignore[no-untyped-def]
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
@@ -555,11 +569,8 @@ def test_fused_on_cuda_refuses_dense_kernel_tables_and_feature_processors() -> N
     """On a device with side streams ``fused`` looks up before the dense optimizer's step: the
     runtime refuses it with dense-kernel tables or feature processors (naming them); on CPU, and
     with fused kernels only, it accepts. A pure check: no CUDA device is touched."""
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
     from torchrec.distributed.types import ShardingPlan
-    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
-    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
     from torchrec_sparselift.runtime import check_pipeline_supports_plan
 
@@ -576,10 +587,7 @@ def test_fused_on_cuda_refuses_dense_kernel_tables_and_feature_processors() -> N
         model.ebc, {"t0": table_wise(rank=0, compute_kernel="fused"), **fused},
         world_size=WORLD, local_size=WORLD, device_type="cpu")})
     check_pipeline_supports_plan("fused", fused_only, cuda, model)
-    model.fp = FeatureProcessedEmbeddingBagCollection(
-        EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="w", embedding_dim=DIM, num_embeddings=NUM_EMB,
-                                                          feature_names=["w_f"])], is_weighted=True),
-        PositionWeightedModuleCollection({"w_f": 10}))
+    _add_feature_processor(model)
     with pytest.raises(ValueError, match=r"'fused' on cuda:0 .*\bfp\b.*feature processors.*'sparse_dist'"):
         check_pipeline_supports_plan("fused", fused_only, cuda, model)
     check_pipeline_supports_plan("fused", fused_only, cpu, model)
@@ -591,21 +599,14 @@ def test_runtime_refuses_exactly_what_the_search_filters() -> None:
     without a dense-kernel table), device (with and without side streams) and model (with and
     without a feature processor), ``check_pipeline_supports_plan`` refuses exactly the pairs that
     ``cost.pipelines.trainable_pipelines`` leaves out."""
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
     from torchrec.distributed.types import ShardingPlan
-    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
-    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
     from torchrec_sparselift.cost.pipelines import trainable_pipelines
     from torchrec_sparselift.runtime import check_pipeline_supports_plan
-    from torchrec_sparselift.vocabulary import PIPELINES
+    from torchrec_sparselift.vocabulary import PIPELINES, has_side_streams
 
-    plain, with_fp = _tiny_model(), _tiny_model()
-    with_fp.fp = FeatureProcessedEmbeddingBagCollection(
-        EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="w", embedding_dim=DIM, num_embeddings=NUM_EMB,
-                                                          feature_names=["w_f"])], is_weighted=True),
-        PositionWeightedModuleCollection({"w_f": 10}))
+    plain, with_fp = _tiny_model(), _add_feature_processor(_tiny_model())
     fused = {f"t{i}": table_wise(rank=i % WORLD, compute_kernel="fused") for i in (1, 2)}
     plans = {dense: ShardingPlan({"ebc": construct_module_sharding_plan(
         plain.ebc, {"t0": data_parallel() if dense else table_wise(rank=0, compute_kernel="fused"), **fused},
@@ -615,8 +616,8 @@ def test_runtime_refuses_exactly_what_the_search_filters() -> None:
         for dense, plan in plans.items():
             for device in (torch.device("cpu"), torch.device("cuda", 0)):
                 for model, fp in ((plain, False), (with_fp, True)):
-                    kept = name in trainable_pipelines((name, "sparse_dist"), dense, streams=device.type == "cuda",
-                                                       feature_processors=fp)
+                    kept = name in trainable_pipelines((name, "sparse_dist"), dense,
+                                                       streams=has_side_streams(device.type), feature_processors=fp)
                     try:
                         check_pipeline_supports_plan(name, plan, device, model)
                         accepted = True
