@@ -191,7 +191,7 @@ def worker(args: argparse.Namespace) -> int:
                     timeline.mark("step_start")
                     pipe.progress(it)
                     timeline.mark("step_end")
-            per_round[kind].append(timer.record(pg).mean_s)  # the slowest rank's mean step
+            per_round[kind].append(timer.record(pg, log=False).mean_s)  # the slowest rank's mean step
             events = list(timeline.events)
             steps[kind].extend(timeline_attribution(events))
             windows = step_windows(events)

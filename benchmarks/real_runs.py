@@ -246,7 +246,7 @@ def _run_kept(w, runners, batches, pg, device, args, say) -> None:
             dist.barrier(group=pg)
             timer = StepTimer(device, warmup_steps=args.warmup)
             timer.time_pipeline(r["pipe"], r["it"], args.warmup + args.steps)
-            r["runs"].append(timer.record(pg).measured_s)  # the slowest rank's median step
+            r["runs"].append(timer.record(pg, log=False).measured_s)  # the slowest rank's median step
         say(f"[real_runs] {w.name} round {rep + 1}/{args.reps}: "
             + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms")
     for r in runners:

@@ -51,6 +51,18 @@ def test_ratio_is_measured_over_predicted_and_none_without_prediction(fake_clock
     assert no_pred.ratio is None
 
 
+def test_record_logs_one_line_unless_told_not_to(fake_clock, caplog) -> None:  # type: ignore[no-untyped-def]
+    timer = StepTimer(CPU, warmup_steps=0, predicted_s=0.001, plan="p")
+    with timer.step():
+        fake_clock.advance(0.002)
+    with caplog.at_level("INFO", logger="torchrec_sparselift.runtime.timing"):
+        quiet = timer.record(log=False)
+        assert not caplog.records
+        loud = timer.record()
+    assert [r.getMessage() for r in caplog.records] == [f"sparselift step time: {loud.summary()}"]
+    assert quiet == loud  # the same measurement either way
+
+
 def test_stage_means_are_per_steady_step_on_cpu(fake_clock) -> None:  # type: ignore[no-untyped-def]
     timer = StepTimer(CPU, warmup_steps=1)
     for step in range(4):

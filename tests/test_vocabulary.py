@@ -143,6 +143,28 @@ def test_an_unknown_pipeline_names_the_choices():
 
 # -- communication precisions -----------------------------------------------------------------
 
+def test_the_pipeline_rule_is_monotone_and_can_conflict_says_whether_anything_conflicts():
+    """``Pipeline.conflict``: setting a condition (a dense-kernel table, side streams, a feature
+    processor) never removes a conflict, so ``can_conflict`` (every condition of a plan and a model
+    set) is True exactly where some plan or model conflicts; the reasons are the enum's."""
+    import itertools
+
+    seen = set()
+    for p in v.PIPELINE_REGISTRY:
+        for streams in (False, True):
+            combos = {(d, f): p.conflict(d, streams, f) for d, f in itertools.product((False, True), repeat=2)}
+            for (d, f), why in combos.items():
+                assert why is None or isinstance(why, v.PipelineConflict), (p.name, why)
+                for d2, f2 in itertools.product((d, True), (f, True)):  # more conditions set
+                    assert why is None or combos[(d2, f2)] is not None, (p.name, streams, d, f, d2, f2)
+            assert p.can_conflict(streams) == any(w is not None for w in combos.values()), (p.name, streams)
+            seen.update(w for w in combos.values() if w is not None)
+        assert p.can_conflict(True) or not p.can_conflict(False)  # side streams add conflicts only
+    assert seen == set(v.PipelineConflict)  # every reason is reachable
+    assert not v.pipeline("sparse_dist").can_conflict(True) and v.pipeline("fused").can_conflict(True)
+    assert not v.pipeline("fused").can_conflict(False) and v.pipeline("semi_sync").can_conflict(False)
+
+
 def test_every_precision_has_a_byte_size_and_is_a_torchrec_codec():
     codecs = {c.value for c in CommType}
     for p in v.COMM_PRECISION_REGISTRY:

@@ -28,6 +28,7 @@ use it.
 
 from __future__ import annotations
 
+import enum
 from typing import Dict, Optional, Tuple
 
 import attrs
@@ -58,6 +59,7 @@ __all__ = [
     "MODELED_KERNELS",
     # pipelines
     "Pipeline",
+    "PipelineConflict",
     "PIPELINE_REGISTRY",
     "PIPELINES",
     "SYNC_PIPELINES",
@@ -141,6 +143,20 @@ MODELED_KERNELS: Tuple[str, ...] = ("fused", "dense", "fused_uvm", "fused_uvm_ca
 # -- train pipelines --------------------------------------------------------------------------
 
 
+class PipelineConflict(str, enum.Enum):
+    """Why a pipeline kind cannot train a plan exactly (:meth:`Pipeline.conflict`).
+
+    * ``DENSE_KERNEL``: a kind without :attr:`Pipeline.dense_kernel` (the stale ones) and a
+      dense-kernel table;
+    * ``DENSE_BEFORE_STEP``: :attr:`Pipeline.lookup_before_dense_step` on a device with side
+      streams and a dense-kernel table (its next lookup reads the weights before the dense step);
+    * ``FEATURE_PROCESSORS``: the same with a feature processor's weights."""
+
+    DENSE_KERNEL = "dense_kernel"
+    DENSE_BEFORE_STEP = "dense_before_step"
+    FEATURE_PROCESSORS = "feature_processors"
+
+
 @attrs.frozen
 class Pipeline:
     """One train-pipeline kind.
@@ -206,27 +222,28 @@ class Pipeline:
         return not self.stale
 
     def conflict(self, dense_kernel: bool, side_streams: bool = False,
-                 feature_processors: bool = False) -> Optional[str]:
-        """Why this kind cannot train a plan exactly, or None where it can: the one rule the
-        search, the planner (``cost.pipelines.trainable_pipelines``: they filter) and the runtime
-        (``runtime.check_pipeline_supports_plan``: it refuses, naming the tables or modules)
-        apply. ``dense_kernel``: the plan has a table on the ``dense`` kernel (every
-        data-parallel one); ``side_streams``: the device runs side streams
+                 feature_processors: bool = False) -> Optional["PipelineConflict"]:
+        """Why this kind cannot train a plan exactly (a :class:`PipelineConflict`), or None where
+        it can: the one rule the search, the planner (``cost.pipelines.trainable_pipelines``: they
+        filter) and the runtime (``runtime.check_pipeline_supports_plan``: it refuses, naming the
+        tables or modules) apply. ``dense_kernel``: the plan has a table on the ``dense`` kernel
+        (every data-parallel one); ``side_streams``: the device runs side streams
         (:func:`has_side_streams`); ``feature_processors``: the model holds a feature processor.
-
-        * ``"dense_kernel"``: a kind without :attr:`dense_kernel` (the stale ones) and a
-          dense-kernel table;
-        * ``"dense_before_step"``: :attr:`lookup_before_dense_step` on a device with side streams
-          and a dense-kernel table (its next lookup reads the weights before the dense step);
-        * ``"feature_processors"``: the same with a feature processor's weights."""
+        The rule is monotone: setting a condition never removes a conflict."""
         if dense_kernel and not self.dense_kernel:
-            return "dense_kernel"
+            return PipelineConflict.DENSE_KERNEL
         if side_streams and self.lookup_before_dense_step:
             if dense_kernel:
-                return "dense_before_step"
+                return PipelineConflict.DENSE_BEFORE_STEP
             if feature_processors:
-                return "feature_processors"
+                return PipelineConflict.FEATURE_PROCESSORS
         return None
+
+    def can_conflict(self, side_streams: bool = False) -> bool:
+        """Whether some plan or model conflicts with this kind on a device with (or without) side
+        streams: :meth:`conflict` with every condition of a plan and a model set (the rule is
+        monotone). False: the kind trains every plan exactly there, nothing needs checking."""
+        return self.conflict(True, side_streams, True) is not None
 
 
 #: Every pipeline kind, in the planner's order of preference on equal step times.

@@ -210,8 +210,8 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device:
         return
     props = vocabulary.pipeline(kind)
     streams = device is not None and vocabulary.has_side_streams(device.type)
-    if props.conflict(True, streams, True) is None:
-        return  # no plan or module can conflict with it: skip the walks below
+    if not props.can_conflict(streams):
+        return  # no plan or module conflicts with it: skip the walks below
     dense = sorted(
         f"{path}.{name} ({ps.sharding_type})"
         for path, module_plan in sharding_plan.plan.items()
@@ -222,19 +222,19 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device:
     fp = [] if module is None else sorted(
         name or "(the model)" for name, m in module.named_modules() if is_feature_processed(type(m).__name__))
     why = props.conflict(bool(dense), streams, bool(fp))
-    if why == "dense_kernel":
+    if why is vocabulary.PipelineConflict.DENSE_KERNEL:
         raise ValueError(
             f"pipeline {kind!r} needs fused embedding kernels, but {', '.join(dense)} use the dense kernel "
             "(data-parallel tables always do): shard those tables model-parallel with compute_kernel='fused', "
             "or choose pipeline 'fused' or 'sparse_dist'"
         )
-    if why == "dense_before_step":
+    if why is vocabulary.PipelineConflict.DENSE_BEFORE_STEP:
         raise ValueError(
             f"pipeline {kind!r} on {device} looks up the next batch before the dense optimizer's step, but "
             f"{', '.join(dense)} use the dense kernel (data-parallel tables always do), which that step "
             "updates: choose pipeline 'sparse_dist', or shard those tables model-parallel with compute_kernel='fused'"
         )
-    if why == "feature_processors":
+    if why is vocabulary.PipelineConflict.FEATURE_PROCESSORS:
         raise ValueError(
             f"pipeline {kind!r} on {device} looks up the next batch before the dense optimizer's step, but "
             f"{', '.join(fp)} hold feature processors whose weights that step updates (TorchRec's "

@@ -283,8 +283,9 @@ class StepTimer:
         timed as many steps)."""
         return self._max_over_ranks(self._durations, pg) if pg is not None else list(self._durations)
 
-    def record(self, pg: Optional[dist.ProcessGroup] = None) -> StepRecord:
-        """The steady-state measurement, logged with its measured/predicted ratio.
+    def record(self, pg: Optional[dist.ProcessGroup] = None, log: bool = True) -> StepRecord:
+        """The steady-state measurement, logged (INFO) with its measured/predicted ratio unless
+        ``log`` is False (a benchmark that records every run of every round).
 
         With ``pg``, every rank of ``pg`` must call this; all get the slowest rank's median and mean
         (a synchronous step is as slow as its slowest participant) and ``world_size`` is pg's size.
@@ -307,7 +308,8 @@ class StepTimer:
             world_size=world,
             stages=stages,
         )
-        logger.info("sparselift step time: %s", rec.summary())
+        if log:
+            logger.info("sparselift step time: %s", rec.summary())
         return rec
 
 
