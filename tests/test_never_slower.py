@@ -19,8 +19,8 @@ from torchrec_sparselift.calibration.term_error import term_errors, term_seconds
 from torchrec_sparselift.cost.hardware import get_profile
 from torchrec_sparselift.plan import sharding_plan_digest
 from torchrec_sparselift.plan.baseline import (
-    FIXED_TERM, TermErrors, TermTimes, decision_from_dict, kept_plan_pipeline, never_slower,
-    never_slower_with_precision,
+    FIXED_TERM, BaselineDecision, TermErrors, TermTimes, decision_from_dict, kept_plan_pipeline, never_slower,
+    never_slower_with_precision, same_sharding_price,
 )
 from torchrec_sparselift.plan.compare import torchrec_plan
 
@@ -358,3 +358,46 @@ def test_where_torchrecs_plan_is_kept_it_runs_under_a_pipeline_that_clears_the_r
     big = plan(5.0)
     assert sharding_plan_digest(big.sharding_plan) == sharding_plan_digest(theirs.plan)
     assert big.search.pipeline == "sparse_dist" and not big.never_slower.candidate_pipeline
+
+
+def test_same_sharding_price_is_true_only_where_torchrecs_sharding_is_no_slower():
+    ours = _times({"a2a": 0.010, FIXED_TERM: 0.020})
+    assert same_sharding_price(ours, _times({"a2a": 0.010, FIXED_TERM: 0.020}))  # a relabeling
+    assert same_sharding_price(ours, _times({"a2a": 0.009, FIXED_TERM: 0.020}))  # TorchRec's is faster
+    assert same_sharding_price(ours, TermTimes(total_s=0.030 * (1 + 1e-12), terms={}))  # float rounding
+    assert not same_sharding_price(ours, _times({"a2a": 0.0101, FIXED_TERM: 0.020}))  # the sharding gains
+    d = BaselineDecision(leave=True, candidate_s=0.03, baseline_s=0.04, margin_s=0.001,
+                         candidate_pipeline="fused", baseline_sharding=True)
+    assert decision_from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    assert "TorchRec's plan under fused kept: SparseLift's plan cleared the rule" in d.describe()
+
+
+def test_a_plan_whose_gain_is_all_in_its_pipeline_hands_back_torchrecs_sharding():
+    """Eight tables on 2 hosts x 2 ranks: SparseLift's plan clears the rule by its pipeline (fused
+    across hosts), and TorchRec's sharding is priced the same under it, so the planner hands back
+    TorchRec's sharding under that pipeline (no table moves for a gain the model does not
+    predict); where its sharding gains under its own pipeline too, SparseLift's plan stays."""
+    topo = Topology(world_size=4, local_world_size=2, compute_device="cpu")
+    module = meta_ebc(8, 200000, 64)
+    theirs = torchrec_plan(module, get_default_sharders(), topo, 512)
+    planner = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, hardware="cpu-gloo",
+                                never_slower=True, model_errors=TermErrors({}, 0.01, "a test"), time_budget_s=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = planner.plan_with_result(module, get_default_sharders())
+    d = res.never_slower
+    assert d.leave and d.baseline_sharding and d.candidate_pipeline == res.search.pipeline != "sparse_dist"
+    assert sharding_plan_digest(res.sharding_plan) == sharding_plan_digest(theirs.plan)
+    assert res.search.solver == "torchrec(never_slower)" and len(res.sharding_options) == 8
+    assert res.search.step.total_s <= d.candidate_s * (1 + 1e-9)  # no slower than SparseLift's own plan
+    assert "TorchRec's sharding is priced no slower" in d.describe()
+    # small tables at batch 4096: SparseLift's sharding gains under its own pipeline too, so it stays
+    small = SparseLiftPlanner(topology=topo, batch_size=4096, debug=False, hardware="cpu-gloo", never_slower=True,
+                              model_errors=TermErrors({}, 0.01, "a test"), time_budget_s=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other = small.plan_with_result(meta_ebc(16, 100, 64), get_default_sharders())
+    assert other.never_slower.leave and not other.never_slower.baseline_sharding
+    assert not other.never_slower.candidate_pipeline and other.search.solver != "torchrec(never_slower)"
+    assert sharding_plan_digest(other.sharding_plan) != sharding_plan_digest(
+        torchrec_plan(meta_ebc(16, 100, 64), get_default_sharders(), topo, 4096).plan)

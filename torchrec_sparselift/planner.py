@@ -741,12 +741,15 @@ class SparseLiftPlanner(ShardingPlanner):
     def _never_slower_rule(self, res: PlanResult, module: nn.Module,
                            sharders: List[ModuleSharder[nn.Module]], pipelines: Tuple[str, ...]) -> PlanResult:
         """``res``, or TorchRec's plan for the same inputs where SparseLift's predicted gain over it
-        is within the model's error (:func:`~torchrec_sparselift.plan.baseline.never_slower`); the
-        decision is in the result's ``never_slower``."""
+        is within the model's error (:func:`~torchrec_sparselift.plan.baseline.never_slower`), or
+        TorchRec's sharding under ``res``'s pipeline and precisions where that is priced no slower
+        than ``res`` (:func:`~torchrec_sparselift.plan.baseline.same_sharding_price`); the decision
+        is in the result's ``never_slower``."""
         from torchrec_sparselift.calibration.term_error import term_seconds
         from torchrec_sparselift.cost.pipelines import step_factor
         from torchrec_sparselift.plan.baseline import (
-            BaselineDecision, baseline_name, kept_plan_pipeline, never_slower_with_precision, with_pipeline_term,
+            BaselineDecision, baseline_name, kept_plan_pipeline, never_slower_with_precision, same_sharding_price,
+            with_pipeline_term,
         )
         from torchrec_sparselift.plan.compare import torchrec_plan
         from torchrec_sparselift.plan.evaluate import GivenPlan
@@ -793,19 +796,25 @@ class SparseLiftPlanner(ShardingPlanner):
             # with lossy comms, against TorchRec's plan with the same comms (qcomm by hand) and at
             # full precision (plan.baseline.never_slower_with_precision)
             full = (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
+            candidate = with_pipeline_term(term_seconds(
+                lambda p: ours.step_time(p, s.pipeline, s.fwd_precision, s.bwd_precision).total_s, unscaled),
+                s.pipeline, step_factor(profile, s.pipeline, spans))
             decision, kept_precision = never_slower_with_precision(
-                with_pipeline_term(term_seconds(
-                    lambda p: ours.step_time(p, s.pipeline, s.fwd_precision, s.bwd_precision).total_s, unscaled),
-                    s.pipeline, step_factor(profile, s.pipeline, spans)),
-                theirs_at, (s.fwd_precision, s.bwd_precision), full, self._model_errors(profile))
+                candidate, theirs_at, (s.fwd_precision, s.bwd_precision), full, self._model_errors(profile))
             fwd, bwd = kept_precision or full  # TorchRec's plan's comms, where it is kept
             kept_pipeline = pipeline
+            # the pipelines that train TorchRec's plan exactly (its data-parallel tables' dense kernel)
+            dense = any(getattr(o, "compute_kernel", None) == "dense" for o in tr.options)
+            trainable = trainable_pipelines(pipelines, dense, streams=has_side_streams(topo.compute_device))
+            if (decision.leave and s.pipeline in trainable and same_sharding_price(
+                    candidate, theirs_at(s.fwd_precision, s.bwd_precision, s.pipeline))):
+                # the gain is all in SparseLift's pipeline and precisions: TorchRec's sharding under them
+                kept_pipeline, fwd, bwd = s.pipeline, s.fwd_precision, s.bwd_precision
+                decision = attrs.evolve(decision, candidate_pipeline=s.pipeline, baseline_sharding=True)
             if not decision.leave:
                 # TorchRec's plan is kept: under another of the planner's pipelines where that clears
                 # the rule against TorchRec's plan under its default one (plan.baseline.kept_plan_pipeline)
-                dense = any(getattr(o, "compute_kernel", None) == "dense" for o in tr.options)
-                others = [p for p in trainable_pipelines(pipelines, dense, streams=has_side_streams(topo.compute_device))
-                          if p != pipeline]
+                others = [p for p in trainable if p != pipeline]
                 alt = kept_plan_pipeline(theirs_at(fwd, bwd), {p: theirs_at(fwd, bwd, p) for p in others},
                                          self._model_errors(profile), baseline_name((fwd, bwd), full)) if others else None
                 if alt is not None:

@@ -27,6 +27,11 @@ Where TorchRec's plan is kept, :func:`kept_plan_pipeline` chooses the pipeline t
 another of the planner's pipelines only if TorchRec's plan under it clears the same rule against
 TorchRec's plan under its default pipeline (the pipeline is a choice TorchRec's users also make by
 hand; the sharding stays TorchRec's).
+
+Where the candidate is kept, :func:`same_sharding_price` asks whether TorchRec's sharding under the
+candidate's own pipeline and precisions is priced no slower: then the candidate's gain is all in
+those settings, its sharding only moves tables among placements the model prices alike, and
+TorchRec's sharding is handed back under them (``BaselineDecision.baseline_sharding``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import attrs
 
 __all__ = ["FIXED_TERM", "TermErrors", "TermTimes", "TermDifference", "BaselineDecision", "never_slower",
            "never_slower_with_precision", "decision_from_dict", "pipeline_term", "with_pipeline_term",
-           "kept_plan_pipeline", "baseline_name"]
+           "kept_plan_pipeline", "same_sharding_price", "baseline_name"]
 
 #: The part of a predicted step that no fitted term multiplies (the breakdown's remainder).
 FIXED_TERM = "fixed"
@@ -121,6 +126,9 @@ class BaselineDecision:
     note: str = ""
     #: set when the candidate is TorchRec's own plan under another pipeline (:func:`kept_plan_pipeline`)
     candidate_pipeline: str = ""
+    #: True when SparseLift's plan cleared the rule but TorchRec's sharding under its pipeline and
+    #: precisions is priced no slower (:func:`same_sharding_price`): that sharding is handed back
+    baseline_sharding: bool = False
 
     @property
     def gain_s(self) -> float:
@@ -161,6 +169,9 @@ class BaselineDecision:
         verdict = (f"{self.candidate_label} kept: predicted gain over {theirs} exceeds the model's error"
                    if self.leave else f"{theirs} kept: SparseLift's search found a plan priced the same"
                    if not self.differing else f"{theirs} kept: the predicted gain is within the model's error")
+        if self.baseline_sharding:
+            verdict = (f"{self.candidate_label} kept: SparseLift's plan cleared the rule, and TorchRec's sharding "
+                       "is priced no slower under its pipeline and precisions")
         rel = self.gain_s / self.baseline_s if self.baseline_s > 0 else 0.0
         vs = "TorchRec's" + self._with_comms
         return (f"never-slower rule: {verdict}; predicted {self.candidate_s * 1e3:.2f} ms vs {vs} "
@@ -171,7 +182,8 @@ class BaselineDecision:
     def to_dict(self) -> Dict[str, Any]:
         """Plain JSON (what an execution plan's ``planner_info["never_slower"]`` holds)."""
         return dict(rule="never_slower", baseline=self.baseline, leave=self.leave, applied=self.applied,
-                    note=self.note, candidate_pipeline=self.candidate_pipeline, candidate_s=self.candidate_s,
+                    note=self.note, candidate_pipeline=self.candidate_pipeline,
+                    baseline_sharding=self.baseline_sharding, candidate_s=self.candidate_s,
                     baseline_s=self.baseline_s, gain_s=self.gain_s, margin_s=self.margin_s, error_source=self.error_source,
                     differing=[dict(term=d.term, candidate_s=d.candidate_s, baseline_s=d.baseline_s,
                                     error=d.error, margin_s=d.margin_s) for d in self.differing])
@@ -269,6 +281,15 @@ def kept_plan_pipeline(baseline: TermTimes, under: Mapping[str, TermTimes], erro
     return None
 
 
+def same_sharding_price(candidate: TermTimes, baseline_same_settings: TermTimes, rel_tolerance: float = 1e-9) -> bool:
+    """Whether TorchRec's sharding priced under the candidate's own pipeline and precisions
+    (``baseline_same_settings``) is no slower than the ``candidate`` (SparseLift's plan), up to
+    float rounding (``rel_tolerance``): then the candidate's predicted gain comes from those settings
+    alone and its sharding is one the model cannot tell from TorchRec's, so TorchRec's sharding is
+    handed back under them."""
+    return baseline_same_settings.total_s <= candidate.total_s * (1.0 + rel_tolerance)
+
+
 def decision_from_dict(data: Optional[Mapping[str, Any]]) -> Optional[BaselineDecision]:
     """The :class:`BaselineDecision` an execution plan stored (``None`` when it has none)."""
     if not data:
@@ -279,4 +300,5 @@ def decision_from_dict(data: Optional[Mapping[str, Any]]) -> Optional[BaselineDe
         differing=tuple(TermDifference(d["term"], float(d["candidate_s"]), float(d["baseline_s"]), float(d["error"]))
                         for d in data.get("differing", [])),
         error_source=str(data.get("error_source", "")), baseline=str(data.get("baseline", "torchrec")),
-        note=str(data.get("note", "")), candidate_pipeline=str(data.get("candidate_pipeline", "")))
+        note=str(data.get("note", "")), candidate_pipeline=str(data.get("candidate_pipeline", "")),
+        baseline_sharding=bool(data.get("baseline_sharding", False)))
