@@ -805,9 +805,10 @@ class SparseLiftPlanner(ShardingPlanner):
             kept_pipeline = pipeline
             # the pipelines that train TorchRec's plan exactly (its data-parallel tables' dense kernel)
             dense = any(getattr(o, "compute_kernel", None) == "dense" for o in tr.options)
-            trainable = trainable_pipelines(pipelines, dense, streams=has_side_streams(topo.compute_device))
-            if (decision.leave and s.pipeline in trainable and same_sharding_price(
-                    candidate, theirs_at(s.fwd_precision, s.bwd_precision, s.pipeline))):
+            streams = has_side_streams(topo.compute_device)
+            trainable = trainable_pipelines(pipelines, dense, streams=streams)
+            if (decision.leave and pipeline_kind(s.pipeline).conflict(dense, streams) is None
+                    and same_sharding_price(candidate, theirs_at(s.fwd_precision, s.bwd_precision, s.pipeline))):
                 # the gain is all in SparseLift's pipeline and precisions: TorchRec's sharding under them
                 kept_pipeline, fwd, bwd = s.pipeline, s.fwd_precision, s.bwd_precision
                 decision = attrs.evolve(decision, candidate_pipeline=s.pipeline, baseline_sharding=True)
