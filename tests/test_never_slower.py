@@ -171,8 +171,10 @@ def test_with_lossy_comms_the_plan_is_never_slower_than_torchrecs_with_them_or_w
     assert not d.leave and kept == lossy and d.baseline == "torchrec+fp16/fp16"
     assert "TorchRec's plan with fp16/fp16 comms kept" in d.describe()
     # the lossy comms gain too little to pay (within the error): TorchRec's plan at full precision
-    theirs[lossy] = _times({"1/a2a_bw": 0.098, "fixed": 0.10})
-    d, kept = never_slower_with_precision(_times({"1/a2a_bw": 0.098, "fixed": 0.10}), at, lossy, full, errs)
+    # (half the wire, but a codec that costs nearly as much: gain 2 ms, margin 0.1 * (50 + 48) ms)
+    theirs[lossy] = _times({"1/a2a_bw": 0.050, "codec": 0.048, "fixed": 0.10})
+    d, kept = never_slower_with_precision(_times({"1/a2a_bw": 0.050, "codec": 0.048, "fixed": 0.10}), at, lossy,
+                                          full, errs)
     assert not d.leave and kept == full
     # at full precision it is the plain rule
     d, kept = never_slower_with_precision(_times({"1/a2a_bw": 0.02, "fixed": 0.08}), at, full, full, errs)
@@ -304,24 +306,53 @@ def test_planner_on_another_link_prices_the_rule_with_the_links_spread(monkeypat
 
 
 def test_kept_plan_pipeline_takes_the_fastest_pipeline_that_clears_the_rule():
+    # one plan under two pipelines: a term's error is common to both, so its margin is e * |difference|
     base = _times({"a2a": 0.010, "lat": 0.004, FIXED_TERM: 0.020})  # TorchRec's plan, its default pipeline
-    fused = _times({"a2a": 0.007, "lat": 0.002, FIXED_TERM: 0.020})  # 5 ms faster; margin 1.4 ms
+    fused = _times({"a2a": 0.007, "lat": 0.002, FIXED_TERM: 0.020})  # 5 ms faster; margin 0.1 * (3 + 2) ms
     slower = _times({"a2a": 0.010, "lat": 0.004, FIXED_TERM: 0.021})
-    close = _times({"a2a": 0.0095, "lat": 0.004, FIXED_TERM: 0.020})  # 0.5 ms faster; margin 1.0 ms
+    close = _times({"a2a": 0.0095, "lat": 0.004, FIXED_TERM: 0.020})  # 0.5 ms faster; margin 3 * 0.5 ms
     errs = TermErrors({"a2a": 0.1, "lat": 0.1}, 0.1)
     name, d = kept_plan_pipeline(base, {"fused": fused, "prefetch": slower, "base": close}, errs)
     assert name == "fused" and d.leave and d.candidate_pipeline == "fused" and d.baseline == "torchrec"
-    assert d.gain_s == pytest.approx(0.005) and d.margin_s == pytest.approx(0.0014)
+    assert d.gain_s == pytest.approx(0.005) and d.margin_s == pytest.approx(0.0005)
+    assert all(x.same_plan for x in d.differing)
     text = d.describe()
     assert "TorchRec's plan under fused kept" in text and "TorchRec's plan under its default pipeline" in text
     assert decision_from_dict(json.loads(json.dumps(d.to_dict()))) == d
-    assert kept_plan_pipeline(base, {"base": close, "prefetch": slower}, errs) is None  # within the error
+    wide = TermErrors({"a2a": 3.0, "lat": 0.1}, 0.1)
+    assert kept_plan_pipeline(base, {"base": close, "prefetch": slower}, wide) is None  # within the error
     assert kept_plan_pipeline(base, {}, errs) is None
     # the fastest that clears: a faster pipeline whose gain is within its (larger) margin is passed over
-    fast = _times({"a2a": 0.005, "lat": 0.002, "x": 0.001, FIXED_TERM: 0.020})  # 6 ms faster; margin 6.4 ms
-    name, d = kept_plan_pipeline(base, {"fast": fast, "fused": fused}, TermErrors({"a2a": 0.1, "lat": 0.1, "x": 5.0}, 0.1),
+    fast = _times({"a2a": 0.005, "lat": 0.002, "x": 0.001, FIXED_TERM: 0.020})  # 6 ms faster; margin 0.7 + 6 ms
+    name, d = kept_plan_pipeline(base, {"fast": fast, "fused": fused}, TermErrors({"a2a": 0.1, "lat": 0.1, "x": 6.0}, 0.1),
                                  label="torchrec+fp16/fp16")
     assert name == "fused" and d.baseline == "torchrec+fp16/fp16" and "with fp16/fp16 comms" in d.describe()
+
+
+def test_one_plan_under_two_settings_is_judged_on_the_difference_of_each_term():
+    """Between two plans a differing term's margin is e * max(t); within one plan (two pipelines,
+    or two comm precisions) the term's error moves both sides alike: e * |difference|. A term only
+    one side has (a pipeline's measured factor) enters whole either way."""
+    base = _times({"a2a": 0.040, FIXED_TERM: 0.020})
+    cand = _times({"a2a": 0.038, "pipeline fused": 0.001, FIXED_TERM: 0.020})
+    errs = TermErrors({"a2a": 0.2, "pipeline fused": 0.5}, 0.1)
+    two_plans = never_slower(cand, base, errs)
+    one_plan = never_slower(cand, base, errs, same_plan=True)
+    assert two_plans.margin_s == pytest.approx(0.2 * 0.040 + 0.5 * 0.001) and not two_plans.leave
+    assert one_plan.margin_s == pytest.approx(0.2 * 0.002 + 0.5 * 0.001) and one_plan.leave
+    assert decision_from_dict(json.loads(json.dumps(one_plan.to_dict()))) == one_plan
+    # the lossy comms alone (TorchRec's plan with fp16 against it at fp32) are one plan too
+    theirs = {("fp32", "fp32"): _times({"1/a2a_bw": 0.100, "codec": 0.000, FIXED_TERM: 0.10}),
+              ("fp16", "fp16"): _times({"1/a2a_bw": 0.050, "codec": 0.035, FIXED_TERM: 0.10})}
+    at = lambda f, b: theirs[(f, b)]  # noqa: E731
+    same = _times({"1/a2a_bw": 0.050, "codec": 0.035, FIXED_TERM: 0.10})  # SparseLift's = TorchRec's with fp16
+    d, kept = never_slower_with_precision(same, at, ("fp16", "fp16"), ("fp32", "fp32"), TermErrors({}, 0.1, "t"))
+    assert not d.leave and kept == ("fp16", "fp16")  # TorchRec's plan, with the lossy comms
+    # they pay: gain 15 ms against 0.1 * (50 + 35) ms = 8.5 ms (two plans' margin would be 13.5 ms)
+    comms = never_slower(theirs[("fp16", "fp16")], theirs[("fp32", "fp32")], TermErrors({}, 0.1), same_plan=True)
+    assert comms.leave and comms.margin_s == pytest.approx(0.0085)
+    assert never_slower(theirs[("fp16", "fp16")], theirs[("fp32", "fp32")], TermErrors({}, 0.1)).margin_s == \
+        pytest.approx(0.0135)
 
 
 def test_where_torchrecs_plan_is_kept_it_runs_under_a_pipeline_that_clears_the_rule(monkeypatch):

@@ -24,9 +24,16 @@ its users run it (full precision), so the plan handed back is never predicted sl
 model's error, than either.
 
 Where TorchRec's plan is kept, :func:`kept_plan_pipeline` chooses the pipeline to keep it with:
-another of the planner's pipelines only if TorchRec's plan under it clears the same rule against
+another of the planner's pipelines only if TorchRec's plan under it clears the rule against
 TorchRec's plan under its default pipeline (the pipeline is a choice TorchRec's users also make by
-hand; the sharding stays TorchRec's).
+hand; the sharding stays TorchRec's). There both sides are one plan, so a term's error is the same
+in both (the same bytes at the same rate, the same kernels): it moves the predicted difference by
+``e_j * |t_j(candidate) - t_j(baseline)|``, and that is the term's margin (``same_plan=True``)::
+
+    margin = sum over terms j whose time differs of  e_j * |t_j(candidate) - t_j(baseline)|
+
+A measured pipeline step factor is a term only one side has (:func:`with_pipeline_term`), so it
+enters with its whole seconds either way.
 
 Where the candidate is kept, :func:`same_sharding_price` asks whether TorchRec's sharding under the
 candidate's own pipeline and precisions is priced no slower: then the candidate's gain is all in
@@ -97,15 +104,20 @@ class TermTimes:
 
 @attrs.frozen
 class TermDifference:
-    """One term whose time differs between the plans, with its error and its share of the margin."""
+    """One term whose time differs between the plans, with its error and its share of the margin:
+    ``error * max(|candidate_s|, |baseline_s|)`` between two plans, ``error * |candidate_s -
+    baseline_s|`` where both sides are one plan (``same_plan``: the term's error is common to both)."""
 
     term: str
     candidate_s: float
     baseline_s: float
     error: float
+    same_plan: bool = False
 
     @property
     def margin_s(self) -> float:
+        if self.same_plan:
+            return self.error * abs(self.candidate_s - self.baseline_s)
         return self.error * max(abs(self.candidate_s), abs(self.baseline_s))
 
 
@@ -186,7 +198,8 @@ class BaselineDecision:
                     baseline_sharding=self.baseline_sharding, candidate_s=self.candidate_s,
                     baseline_s=self.baseline_s, gain_s=self.gain_s, margin_s=self.margin_s, error_source=self.error_source,
                     differing=[dict(term=d.term, candidate_s=d.candidate_s, baseline_s=d.baseline_s,
-                                    error=d.error, margin_s=d.margin_s) for d in self.differing])
+                                    error=d.error, same_plan=d.same_plan, margin_s=d.margin_s)
+                               for d in self.differing])
 
     @classmethod
     def not_applied(cls, note: str) -> "BaselineDecision":
@@ -212,16 +225,18 @@ def with_pipeline_term(unscaled: TermTimes, pipeline: str, factor: float) -> Ter
 
 
 def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,
-                 tolerance_s: float = 1e-12) -> BaselineDecision:
+                 tolerance_s: float = 1e-12, same_plan: bool = False) -> BaselineDecision:
     """Leave ``baseline`` for ``candidate`` only if ``baseline.total_s - candidate.total_s`` exceeds
     ``sum_j errors.of(j) * max(t_j(candidate), t_j(baseline))`` over the terms whose times differ by
     more than ``tolerance_s`` (module docstring), and never where no term differs (the two are
-    priced the same). A term missing from one breakdown counts 0 there."""
+    priced the same). ``same_plan``: both are one sharding plan (under two pipelines), so each
+    term's margin is ``errors.of(j) * |t_j(candidate) - t_j(baseline)|``. A term missing from one
+    breakdown counts 0 there."""
     diffs = []
     for term in sorted(set(candidate.terms) | set(baseline.terms)):
         c, b = float(candidate.terms.get(term, 0.0)), float(baseline.terms.get(term, 0.0))
         if abs(c - b) > tolerance_s:
-            diffs.append(TermDifference(term, c, b, errors.of(term)))
+            diffs.append(TermDifference(term, c, b, errors.of(term), same_plan=same_plan))
     margin = float(sum(d.margin_s for d in diffs))
     gain = baseline.total_s - candidate.total_s
     # no differing term: the two are priced the same, a "gain" is rounding (plans, or one plan
@@ -248,7 +263,8 @@ def never_slower_with_precision(
     At ``full`` it is :func:`never_slower`. A lossy ``precision``: the candidate against TorchRec's
     plan with the same comms (qcomm by hand); if it leaves that, it must also leave TorchRec's plan
     at ``full``, else TorchRec's plan at ``full`` is kept; if it does not, TorchRec's plan with the
-    lossy comms against it at ``full`` decides the precision TorchRec's plan is kept with."""
+    lossy comms against it at ``full`` decides the precision TorchRec's plan is kept with (one plan
+    under two precisions: ``same_plan=True``)."""
     if tuple(precision) == tuple(full):
         d = never_slower(candidate, baseline_at(*full), errors)
         return d, (None if d.leave else tuple(full))
@@ -258,7 +274,7 @@ def never_slower_with_precision(
     if same.leave:
         d = never_slower(candidate, at_full, errors)
         return d, (None if d.leave else tuple(full))
-    comms = never_slower(baseline_at(*precision), at_full, errors)  # the lossy comms alone
+    comms = never_slower(baseline_at(*precision), at_full, errors, same_plan=True)  # the lossy comms alone
     if comms.leave:
         return same, tuple(precision)
     return comms, tuple(full)
@@ -269,13 +285,14 @@ def kept_plan_pipeline(baseline: TermTimes, under: Mapping[str, TermTimes], erro
     """Where TorchRec's plan is kept: the pipeline to keep it with. ``baseline``: TorchRec's plan
     under its default pipeline; ``under``: the same plan under each other pipeline the planner may
     choose (each priced with its measured factor term, :func:`with_pipeline_term`). The fastest
-    pipeline whose predicted gain over ``baseline`` clears the rule (:func:`never_slower`), with its
-    decision (``candidate_pipeline`` set, ``baseline`` = ``label``); None when none does (TorchRec's
-    plan is kept under its default pipeline)."""
+    pipeline whose predicted gain over ``baseline`` clears the rule (:func:`never_slower` with
+    ``same_plan=True``: one plan, so each term's error is common to both sides), with its decision
+    (``candidate_pipeline`` set, ``baseline`` = ``label``); None when none does (TorchRec's plan is
+    kept under its default pipeline)."""
     for name, times in sorted(under.items(), key=lambda kv: (kv[1].total_s, kv[0])):
         if times.total_s >= baseline.total_s:
             break
-        d = never_slower(times, baseline, errors)
+        d = never_slower(times, baseline, errors, same_plan=True)
         if d.leave:
             return name, attrs.evolve(d, candidate_pipeline=name, baseline=label)
     return None
@@ -297,7 +314,8 @@ def decision_from_dict(data: Optional[Mapping[str, Any]]) -> Optional[BaselineDe
     return BaselineDecision(
         leave=bool(data["leave"]), candidate_s=float(data.get("candidate_s", 0.0)),
         baseline_s=float(data.get("baseline_s", 0.0)), margin_s=float(data.get("margin_s", 0.0)),
-        differing=tuple(TermDifference(d["term"], float(d["candidate_s"]), float(d["baseline_s"]), float(d["error"]))
+        differing=tuple(TermDifference(d["term"], float(d["candidate_s"]), float(d["baseline_s"]), float(d["error"]),
+                                       bool(d.get("same_plan", False)))
                         for d in data.get("differing", [])),
         error_source=str(data.get("error_source", "")), baseline=str(data.get("baseline", "torchrec")),
         note=str(data.get("note", "")), candidate_pipeline=str(data.get("candidate_pipeline", "")),
