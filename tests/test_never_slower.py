@@ -432,3 +432,31 @@ def test_a_plan_whose_gain_is_all_in_its_pipeline_hands_back_torchrecs_sharding(
     assert not other.never_slower.candidate_pipeline and other.search.solver != "torchrec(never_slower)"
     assert sharding_plan_digest(other.sharding_plan) != sharding_plan_digest(
         torchrec_plan(meta_ebc(16, 100, 64), get_default_sharders(), topo, 4096).plan)
+
+
+def test_torchrecs_sharding_is_handed_back_only_under_a_pipeline_that_trains_it(monkeypatch):
+    """A pinned stale pipeline (``semi_sync``) cannot train TorchRec's data-parallel tables (dense
+    kernel): even priced the same (forced here), TorchRec's sharding is not handed back under it."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    import torchrec_sparselift.plan.baseline as baseline
+
+    monkeypatch.setattr(baseline, "same_sharding_price", lambda *a, **k: True)
+    rows = [3, 4, 10, 20, 100, 1000, 100000, 200000]  # TorchRec makes the five smallest data-parallel
+    module = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=r,
+                                                               feature_names=[f"f{i}"]) for i, r in enumerate(rows)],
+                                    device=torch.device("meta"))
+    topo = Topology(world_size=2, local_world_size=1, compute_device="cpu")
+    theirs = torchrec_plan(module, get_default_sharders(), topo, 512)
+    assert any(o.compute_kernel == "dense" for o in theirs.options)
+    planner = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, hardware="cpu-gloo", never_slower=True,
+                                model_errors=TermErrors({}, 0.0, "a test"), pipelines=("semi_sync",),
+                                allow_staleness=True, time_budget_s=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = planner.plan_with_result(module, get_default_sharders())
+    d = res.never_slower
+    assert d.applied and not d.baseline_sharding
+    assert res.search.pipeline == "semi_sync"
+    assert not any(getattr(o, "compute_kernel", None) == "dense" for o in res.sharding_options)
