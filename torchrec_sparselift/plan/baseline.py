@@ -229,9 +229,9 @@ def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,
     """Leave ``baseline`` for ``candidate`` only if ``baseline.total_s - candidate.total_s`` exceeds
     ``sum_j errors.of(j) * max(t_j(candidate), t_j(baseline))`` over the terms whose times differ by
     more than ``tolerance_s`` (module docstring), and never where no term differs (the two are
-    priced the same). ``same_plan``: both are one sharding plan (under two pipelines), so each
-    term's margin is ``errors.of(j) * |t_j(candidate) - t_j(baseline)|``. A term missing from one
-    breakdown counts 0 there."""
+    priced the same). ``same_plan``: both are one sharding plan (under two pipelines or two comm
+    precisions), so each term's margin is ``errors.of(j) * |t_j(candidate) - t_j(baseline)|``. A
+    term missing from one breakdown counts 0 there."""
     diffs = []
     for term in sorted(set(candidate.terms) | set(baseline.terms)):
         c, b = float(candidate.terms.get(term, 0.0)), float(baseline.terms.get(term, 0.0))
