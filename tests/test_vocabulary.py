@@ -141,8 +141,6 @@ def test_an_unknown_pipeline_names_the_choices():
         raise AssertionError("vocabulary.pipeline accepted an unknown name")
 
 
-# -- communication precisions -----------------------------------------------------------------
-
 def test_the_pipeline_rule_is_monotone_and_can_conflict_says_whether_anything_conflicts():
     """``Pipeline.conflict``: setting a condition (a dense-kernel table, side streams, a feature
     processor) never removes a conflict, so ``can_conflict`` (every condition of a plan and a model
@@ -164,6 +162,8 @@ def test_the_pipeline_rule_is_monotone_and_can_conflict_says_whether_anything_co
     assert not v.pipeline("sparse_dist").can_conflict(True) and v.pipeline("fused").can_conflict(True)
     assert not v.pipeline("fused").can_conflict(False) and v.pipeline("semi_sync").can_conflict(False)
 
+
+# -- communication precisions -----------------------------------------------------------------
 
 def test_every_precision_has_a_byte_size_and_is_a_torchrec_codec():
     codecs = {c.value for c in CommType}

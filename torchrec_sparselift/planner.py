@@ -789,16 +789,17 @@ class SparseLiftPlanner(ShardingPlanner):
             unscaled = attrs.evolve(profile, pipeline_factors=())
             spans = topo.world_size > topo.local_world_size
 
-            def theirs_at(fwd: str, bwd: str, under: str = pipeline) -> Any:
-                return with_pipeline_term(term_seconds(lambda p: theirs.step_time(p, under, fwd, bwd).total_s,
+            def priced(given: Any, under: str, fwd: str, bwd: str) -> Any:
+                return with_pipeline_term(term_seconds(lambda p: given.step_time(p, under, fwd, bwd).total_s,
                                                        unscaled), under, step_factor(profile, under, spans))
+
+            def theirs_at(fwd: str, bwd: str, under: str = pipeline) -> Any:
+                return priced(theirs, under, fwd, bwd)
 
             # with lossy comms, against TorchRec's plan with the same comms (qcomm by hand) and at
             # full precision (plan.baseline.never_slower_with_precision)
             full = (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
-            candidate = with_pipeline_term(term_seconds(
-                lambda p: ours.step_time(p, s.pipeline, s.fwd_precision, s.bwd_precision).total_s, unscaled),
-                s.pipeline, step_factor(profile, s.pipeline, spans))
+            candidate = priced(ours, s.pipeline, s.fwd_precision, s.bwd_precision)
             decision, kept_precision = never_slower_with_precision(
                 candidate, theirs_at, (s.fwd_precision, s.bwd_precision), full, self._model_errors(profile))
             fwd, bwd = kept_precision or full  # TorchRec's plan's comms, where it is kept
@@ -807,6 +808,8 @@ class SparseLiftPlanner(ShardingPlanner):
             dense = any(getattr(o, "compute_kernel", None) == "dense" for o in tr.options)
             streams = has_side_streams(topo.compute_device)
             trainable = trainable_pipelines(pipelines, dense, streams=streams)
+            # the module's feature processors are the same for both plans, and SparseLift's pipeline
+            # passed them: only TorchRec's dense-kernel tables can conflict with it
             if (decision.leave and pipeline_kind(s.pipeline).conflict(dense, streams) is None
                     and same_sharding_price(candidate, theirs_at(s.fwd_precision, s.bwd_precision, s.pipeline))):
                 # the gain is all in SparseLift's pipeline and precisions: TorchRec's sharding under them

@@ -178,12 +178,11 @@ class BaselineDecision:
         theirs = self.baseline_label
         if self.candidate_pipeline:  # TorchRec's plan under its default pipeline is the baseline
             theirs += " under its default pipeline"
-        verdict = (f"{self.candidate_label} kept: predicted gain over {theirs} exceeds the model's error"
+        verdict = (f"{self.candidate_label} kept: SparseLift's plan cleared the rule, and TorchRec's sharding "
+                   "is priced no slower under its pipeline and precisions" if self.baseline_sharding
+                   else f"{self.candidate_label} kept: predicted gain over {theirs} exceeds the model's error"
                    if self.leave else f"{theirs} kept: SparseLift's search found a plan priced the same"
                    if not self.differing else f"{theirs} kept: the predicted gain is within the model's error")
-        if self.baseline_sharding:
-            verdict = (f"{self.candidate_label} kept: SparseLift's plan cleared the rule, and TorchRec's sharding "
-                       "is priced no slower under its pipeline and precisions")
         rel = self.gain_s / self.baseline_s if self.baseline_s > 0 else 0.0
         vs = "TorchRec's" + self._with_comms
         return (f"never-slower rule: {verdict}; predicted {self.candidate_s * 1e3:.2f} ms vs {vs} "
