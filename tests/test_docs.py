@@ -69,6 +69,21 @@ def _function_default(relpath: str, function: str, argument: str) -> Any:
                       f"update DEFAULTS in tests/test_docs.py to where the default lives now")
 
 
+def _field_default(relpath: str, cls: str, field: str) -> Any:
+    """The literal default of an attrs class's field (``x: int = 3`` or ``attrs.field(default=3)``)."""
+    tree = _parse(os.path.join(REPO, relpath))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == field and item.value:
+                    value = item.value
+                    if isinstance(value, ast.Call):
+                        value = next((k.value for k in value.keywords if k.arg == "default"), value)
+                    return ast.literal_eval(value)
+    raise LookupError(f"{relpath}: no class {cls} with a field {field} = <literal>; update DEFAULTS in "
+                      f"tests/test_docs.py to where the default lives now")
+
+
 #: Settings the docs may state a default for, and where the code keeps it. A defaults table row
 #: naming a setting not listed here fails: add it here, with the code it reads.
 DEFAULTS: Dict[str, Callable[[], Any]] = {
@@ -88,6 +103,12 @@ DEFAULTS: Dict[str, Callable[[], Any]] = {
     # the 2D replica merge: None is TorchRec's plain averaging
     "replica_sync": lambda: _function_default("torchrec_sparselift/runtime/two_d.py",
                                               "build_2d_model_parallel", "replica_sync"),
+    # the DLRM example's options (examples/dlrm/train.py's flags default to them)
+    "TrainOptions.batch_size": lambda: _field_default("torchrec_sparselift/dlrm/options.py", "TrainOptions",
+                                                      "batch_size"),
+    "TrainOptions.replica_merge": lambda: _field_default("torchrec_sparselift/dlrm/options.py", "TrainOptions",
+                                                         "replica_merge"),
+    "TrainOptions.scale": lambda: _field_default("torchrec_sparselift/dlrm/options.py", "TrainOptions", "scale"),
 }
 
 #: Terms the docs use that README's readers need defined: each one that README.md or a doc uses
