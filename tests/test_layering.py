@@ -52,6 +52,8 @@ def _imports(module: str, path: str) -> List[Tuple[str, int]]:
         tree = ast.parse(f.read(), filename=path)
     is_package = path.endswith("__init__.py")
     out = []
+    if module == PACKAGE:  # the root's ``if TYPE_CHECKING:`` imports are for type checkers only:
+        tree.body = [n for n in tree.body if not _is_type_checking_block(n)]  # its names import lazily
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == PACKAGE]
@@ -73,6 +75,15 @@ def _imports(module: str, path: str) -> List[Tuple[str, int]]:
             out += [(f"{target}.{a.name}", node.lineno) for a in node.names
                     if os.path.exists(os.path.join(ROOT, *f"{target}.{a.name}".split(".")[1:]) + ".py")]
     return out
+
+
+def _is_type_checking_block(node: ast.stmt) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) with no ``else``."""
+    if not isinstance(node, ast.If) or node.orelse:
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _rank(module: str) -> Optional[Tuple[str, int]]:
