@@ -3,8 +3,8 @@ imports count too).
 
     errors, validation, atomic, vocabulary, defaults    (base: every layer may use them)
       < semantics < cost < search < plan < calibration < runtime
-      < planner, explain        (package root modules)
-      < measure < cli < __main__
+      < planner, explain, pictures        (package root modules)
+      < measure, dlrm (the DLRM model library) < cli < __main__
     optim: standalone (only the base modules); the runtime and everything above it may use it
 
 A module may import its own rank and any rank below it. ``calibration`` is pure fitting and the
@@ -29,7 +29,7 @@ ROOT = os.path.join(os.path.dirname(__file__), os.pardir, PACKAGE)
 
 BASE = {"errors": 0, "validation": 0, "atomic": 0, "vocabulary": 0, "defaults": 0, "files": 0}
 LAYERS = {"semantics": 1, "cost": 2, "search": 3, "plan": 4, "calibration": 5, "runtime": 6,
-          "planner": 7, "explain": 7, "measure": 8, "cli": 9, "__main__": 10}
+          "planner": 7, "explain": 7, "pictures": 7, "measure": 8, "dlrm": 8, "cli": 9, "__main__": 10}
 OPTIM = "optim"
 
 
