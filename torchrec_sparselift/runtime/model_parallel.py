@@ -48,6 +48,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec_sparselift import defaults, vocabulary
 from torchrec_sparselift.vocabulary import PIPELINES_2D
 from torchrec_sparselift.semantics.tables import is_feature_processed
+from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_PIPELINE
 from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
 
@@ -114,6 +115,15 @@ class RuntimeSettings:
         default=None, validator=attrs.validators.optional(_one_of(vocabulary.STRATEGIES_2D)))
     predicted_step_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
     description: str = attrs.field(default="")
+    #: chunks of the overlap pipeline's all-to-alls (1: none; ``runtime.batch_split``)
+    batch_split: int = attrs.field(default=1, validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)])
+
+    def __attrs_post_init__(self) -> None:
+        if self.batch_split > 1 and (self.pipeline != BATCH_SPLIT_PIPELINE or self.is_2d):
+            raise ValueError(
+                f"batch_split={self.batch_split} splits the {BATCH_SPLIT_PIPELINE!r} pipeline's all-to-alls (1D), "
+                f"but the settings run {self.pipeline!r}{' in 2D' if self.is_2d else ''}: choose pipeline "
+                f"{BATCH_SPLIT_PIPELINE!r} or batch_split=1")
 
     @property
     def is_2d(self) -> bool:
@@ -125,7 +135,8 @@ class RuntimeSettings:
             return self.description
         sync = "fully_sharded" if self.strategy_2d == "fully_sharded" else f"sync {self.sync_interval}"
         two_d = f", 2D group {self.sharding_group_size}/{sync}" if self.is_2d else ""
-        return f"pipeline={self.pipeline}, comm={self.fwd_comm_precision}/{self.bwd_comm_precision}{two_d}"
+        split = f" batch split {self.batch_split}" if self.batch_split > 1 else ""
+        return f"pipeline={self.pipeline}{split}, comm={self.fwd_comm_precision}/{self.bwd_comm_precision}{two_d}"
 
 
 def resolve_settings(
@@ -134,6 +145,7 @@ def resolve_settings(
     pipeline: Optional[str] = None,
     fwd_comm_precision: Optional[str] = None,
     bwd_comm_precision: Optional[str] = None,
+    batch_split: Optional[int] = None,
 ) -> Tuple[ShardingPlan, RuntimeSettings]:
     """Split ``plan`` into the TorchRec ``ShardingPlan`` and the settings to apply.
 
@@ -142,12 +154,14 @@ def resolve_settings(
     ``.prediction.step_time_s`` and ``.summary()``), the plan's optimizations with any non-None
     keyword taking precedence; a keyword that changes the plan's choice is logged and drops the
     plan's prediction and description (they describe another configuration). A 1D plan's
-    ``sync_interval`` is dropped (it only means something for 2D).
+    ``sync_interval`` is dropped (it only means something for 2D), and so is its ``batch_split``
+    where a ``pipeline`` keyword replaces the ``overlap`` pipeline it splits.
     """
     overrides = {
         "pipeline": pipeline,
         "fwd_comm_precision": fwd_comm_precision,
         "bwd_comm_precision": bwd_comm_precision,
+        "batch_split": batch_split,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(plan, ShardingPlan):
@@ -166,6 +180,7 @@ def resolve_settings(
         "pipeline": getattr(opt, "pipeline", defaults.PIPELINE),
         "fwd_comm_precision": getattr(opt, "fwd_comm_precision", defaults.COMM_PRECISION),
         "bwd_comm_precision": getattr(opt, "bwd_comm_precision", defaults.COMM_PRECISION),
+        "batch_split": getattr(opt, "batch_split", 1),
     }
     changed = {k: v for k, v in given.items() if v != chosen[k]}
     for key, value in changed.items():
@@ -174,6 +189,8 @@ def resolve_settings(
             key, value, chosen[key],
         )
     chosen.update(given)
+    if "pipeline" in changed and "batch_split" not in given and chosen["pipeline"] != BATCH_SPLIT_PIPELINE:
+        chosen["batch_split"] = 1  # the plan's chunks split the pipeline the keyword replaced
     prediction = getattr(plan, "prediction", None)
     summary = getattr(plan, "summary", None)
     return sharding_plan, RuntimeSettings(
@@ -376,10 +393,12 @@ class SparseLiftModelParallel(DistributedModelParallel):
         fwd_comm_precision: Optional[str] = None,
         bwd_comm_precision: Optional[str] = None,
         embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
+        batch_split: Optional[int] = None,
         **dmp_kwargs: Any,
     ) -> None:
         sharding_plan, settings = resolve_settings(
-            plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision
+            plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision,
+            batch_split=batch_split,
         )
         if settings.is_2d:
             raise ValueError(
@@ -410,16 +429,20 @@ class SparseLiftModelParallel(DistributedModelParallel):
         dense_optimizer_factory: Optional[DenseOptimizerFactory] = None,
         kind: Optional[str] = None,
         options: Optional[Mapping[str, Any]] = None,
+        batch_split: Optional[int] = None,
     ) -> Tuple[Any, KeyedOptimizer]:
         """The planned train pipeline over this model and the optimizer it steps.
 
         See :func:`build_optimizer` for ``dense_optimizer_factory``; ``kind`` overrides the
-        planned pipeline; ``options`` go to the TorchRec pipeline constructor.
+        planned pipeline (and then splits nothing unless ``batch_split`` says so); ``options`` go
+        to the TorchRec pipeline constructor; ``batch_split`` overrides the planned chunks.
         """
+        if batch_split is None:
+            batch_split = self.settings.batch_split if kind is None else 1
         kind = kind or self.settings.pipeline
         check_pipeline_supports_plan(kind, self.sharding_plan, self.device, self)
         optimizer = build_optimizer(self, dense_optimizer_factory, self.embedding_optimizer)
-        pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options)
+        pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options, batch_split=batch_split)
         return pipeline, optimizer
 
 
@@ -543,6 +566,7 @@ def lift(
     embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
     dense_optimizer_factory: Optional[DenseOptimizerFactory] = None,
     pipeline_options: Optional[Mapping[str, Any]] = None,
+    batch_split: Optional[int] = None,
     **dmp_kwargs: Any,
 ) -> Lifted:
     """Shard ``module`` per ``plan`` and return it with its planned train pipeline.
@@ -551,10 +575,13 @@ def lift(
     delegated to :mod:`torchrec_sparselift.runtime.two_d` (``DMPCollection``). ``pipeline`` /
     ``*_comm_precision`` override the plan (defaults for a bare ``ShardingPlan``: ``sparse_dist``,
     fp32). ``pipeline_options`` go to the TorchRec pipeline constructor (e.g.
-    ``{"start_batch": 0}`` to make ``semi_sync`` stale from the first step).
+    ``{"start_batch": 0}`` to make ``semi_sync`` stale from the first step, ``{"per_sample": True}``
+    to declare a model per-sample for a batch split). ``batch_split`` overrides the plan's chunks
+    (``Optimizations.batch_split``: the ``overlap`` pipeline's all-to-alls in k chunks).
     """
     sharding_plan, settings = resolve_settings(
-        plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision
+        plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision,
+        batch_split=batch_split,
     )
     if settings.is_2d:
         return _lift_2d(
@@ -581,6 +608,7 @@ def lift(
         fwd_comm_precision=fwd_comm_precision,
         bwd_comm_precision=bwd_comm_precision,
         embedding_optimizer=embedding_optimizer,
+        batch_split=batch_split,
         **dmp_kwargs,
     )
     train_pipeline, optimizer = model.train_pipeline(
