@@ -318,7 +318,7 @@ counts = st.floats(min_value=0.0, max_value=1e7, allow_nan=False)
 def test_narrow_ids_never_send_more_bytes(ids: float, samples: float, r, messages: int) -> None:  # type: ignore[no-untyped-def]
     f = W.FeatureWire(feature="f", ids=ids, samples=samples, unique_ratio=r, messages=messages)
     assert W.feature_input_bytes(f, "int32") <= W.feature_input_bytes(f, "int64")
-    assert W.feature_input_bytes(f, "int32") * 2 == pytest.approx(W.feature_input_bytes(f, "int64"))
+    assert W.ids_bytes(ids, "int32") * 2 == pytest.approx(W.ids_bytes(ids, "int64"))
     if r is not None:
         assert W.feature_input_bytes(f, "int32", True) <= W.feature_input_bytes(f, "int64", True)
 
@@ -374,3 +374,64 @@ def test_choice_narrows_when_tables_fit_and_dedups_repeating_features_only() -> 
     assert c.id_dtype == "int64" and "big" in c.refused and c.dedup_features == ("rep",)
     c = W.choose_wire_ids(feats, {"t": 10**6}, dedup_id_s=1e-3, bandwidth=1.25e8)
     assert c.dedup_features == ()  # a kernel this slow never pays
+
+
+def test_optimizations_carry_ids_on_the_wire_through_json() -> None:
+    from test_execution_plan import _constructed_plan, _execution_plan
+
+    from torchrec_sparselift.plan.execution_plan import ExecutionPlan, Optimizations
+
+    plan = _execution_plan(_constructed_plan(), id_dtype="int32", dedup_features=["f_rw", "f_cw"])
+    assert plan.optimizations.dedup_features == ("f_cw", "f_rw")
+    back = ExecutionPlan.from_json(plan.to_json())
+    assert back == plan and back.optimizations.id_dtype == "int32"
+    assert "ids int32, dedup 2 features" in back.summary()
+    assert Optimizations().id_dtype == "int64" and Optimizations().dedup_features == ()
+    with pytest.raises(ValueError, match="id_dtype.*'int64', 'int32'"):
+        Optimizations(id_dtype="int16")
+    with pytest.raises(ValueError, match=r"write \['f0'\]"):
+        Optimizations(dedup_features="f0")
+    with pytest.raises(ValueError, match="twice"):
+        Optimizations(dedup_features=["f0", "f0"])
+    with pytest.raises(ValueError, match="1D plans only"):
+        Optimizations(id_dtype="int32", sharding_group_size=2)
+
+
+def test_runtime_reads_the_plans_ids_on_the_wire_and_keywords_override() -> None:
+    from types import SimpleNamespace
+
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_sparselift.plan.execution_plan import Optimizations
+    from torchrec_sparselift.runtime.model_parallel import resolve_settings
+
+    plan = SimpleNamespace(sharding_plan=ShardingPlan({}),
+                           optimizations=Optimizations(id_dtype="int32", dedup_features=("f1",)))
+    _, s = resolve_settings(plan)
+    assert (s.id_dtype, s.dedup_features) == ("int32", ("f1",))
+    assert s.label().endswith("ids int32, dedup f1")
+    _, s = resolve_settings(plan, id_dtype="int64", dedup_features=[])
+    assert (s.id_dtype, s.dedup_features) == ("int64", ())
+    _, s = resolve_settings(ShardingPlan({}))
+    assert (s.id_dtype, s.dedup_features) == ("int64", ())
+
+
+def test_wire_features_follow_the_sharding() -> None:
+    from types import SimpleNamespace
+
+    from torchrec_sparselift.semantics.workload import FeatureStats, WorkloadStats
+
+    tables = [SimpleNamespace(name="tw", feature_names=["a"]), SimpleNamespace(name="cw", feature_names=["b"]),
+              SimpleNamespace(name="rw", feature_names=["c"]), SimpleNamespace(name="dp", feature_names=["d"])]
+    stats = WorkloadStats([FeatureStats(feature=f, pooling_factor=2.0, unique_ratio=0.25) for f in "abcd"])
+    feats = W.wire_features(tables, stats, {"tw": ("table_wise", 1), "cw": ("column_wise", 2),
+                                            "rw": ("row_wise", 4), "dp": ("data_parallel", 4)},
+                            batch_size=100, world_size=4, local_world_size=2)
+    by = {f.feature: f for f in feats}
+    assert set(by) == {"a", "b", "c"}  # data-parallel sends nothing
+    assert (by["a"].ids, by["a"].messages) == (200, 1)
+    assert (by["b"].ids, by["b"].messages) == (400, 2)  # every column shard gets every id
+    assert (by["c"].ids, by["c"].messages) == (200, 4)
+    with pytest.raises(ValueError, match="'e'"):
+        W.wire_features([SimpleNamespace(name="x", feature_names=["e"])], stats, {"x": ("table_wise", 1)},
+                        batch_size=1, world_size=1, local_world_size=1)

@@ -7,7 +7,8 @@ the usual dataloaders). Two rewrites shrink it; the runtime applies them in
 
 * **narrow ids** (``id_dtype="int32"``): ids and lengths travel as int32, which holds every id of
   a table with at most :data:`INT32_MAX` rows (:func:`narrow_refusal` names a table that does not
-  fit). A feature's ids cost ``n * 4`` bytes instead of ``n * 8``.
+  fit). A feature's ids cost ``n * 4`` bytes instead of ``n * 8`` (and its lengths 4 bytes each,
+  :data:`LENGTH_BYTES`).
 * **dedup** (a feature in ``dedup_features``): the sender sends, per destination, the feature's
   distinct ids once and an inverse index per id (into the distinct ids, at the narrowest of uint8,
   int16 and int32 that holds it, :func:`inverse_bytes`); the receiver rebuilds the ids exactly. A
@@ -32,9 +33,11 @@ for a set of tables by these prices.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 
 import attrs
+
+from torchrec_sparselift.semantics.graph import LENGTH_BYTES as GRAPH_LENGTH_BYTES
 
 __all__ = [
     "ID_DTYPES",
@@ -42,6 +45,7 @@ __all__ = [
     "INT32_MAX",
     "LENGTH_BYTES",
     "FeatureWire",
+    "feature_tuple",
     "WireChoice",
     "inverse_bytes",
     "narrow_refusal",
@@ -52,6 +56,7 @@ __all__ = [
     "dedup_threshold",
     "dedup_saving_s",
     "choose_wire_ids",
+    "wire_features",
 ]
 
 #: Element types the input all-to-all may carry ids and lengths in (first: TorchRec's).
@@ -60,10 +65,28 @@ ID_DTYPES: Tuple[str, ...] = ("int64", "int32")
 ID_BYTES: Mapping[str, int] = {"int64": 8, "int32": 4}
 #: The largest id int32 holds: a table with more rows than ``INT32_MAX + 1`` cannot go narrow.
 INT32_MAX = 2**31 - 1
-#: Bytes per length on the wire under each id dtype (lengths travel at the ids' width).
-LENGTH_BYTES: Mapping[str, int] = ID_BYTES
+#: Bytes per length on the wire under each id dtype: int32 under narrow ids; under TorchRec's own
+#: all-to-all the dataloader's lengths dtype, which the sparse-path graph takes as int32
+#: (:data:`~torchrec_sparselift.semantics.graph.LENGTH_BYTES`; an int64-lengths dataloader sends
+#: twice that, and narrow ids then halve the lengths too).
+LENGTH_BYTES: Mapping[str, int] = {"int64": GRAPH_LENGTH_BYTES, "int32": 4}
 #: Inverse-index widths (bytes) and the most distinct ids each can index (uint8, int16, int32).
 _INVERSE_WIDTHS: Tuple[Tuple[int, int], ...] = ((1, 256), (2, 32768), (4, INT32_MAX + 1))
+
+
+def feature_tuple(features: Iterable[str]) -> Tuple[str, ...]:
+    """``features`` as a sorted tuple of distinct non-empty names; ``ValueError`` for a bare
+    string (name the features in a list), a non-string, an empty name or a repeat."""
+    if isinstance(features, str):
+        raise ValueError(f"dedup_features must be a list of feature names, got the string {features!r}: "
+                         f"write [{features!r}]")
+    out = list(features)
+    bad = [f for f in out if not isinstance(f, str) or not f]
+    if bad:
+        raise ValueError(f"dedup_features must hold non-empty feature names, got {bad[:3]}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"dedup_features names a feature twice: {sorted(out)}; give each once")
+    return tuple(sorted(out))
 
 
 def _check_dtype(id_dtype: str) -> int:
@@ -189,7 +212,7 @@ class WireChoice:
     (``""`` when chosen or not asked)."""
 
     id_dtype: str
-    dedup_features: Tuple[str, ...] = attrs.field(converter=lambda v: tuple(sorted(v)))
+    dedup_features: Tuple[str, ...] = attrs.field(converter=feature_tuple)
     bytes_before: float
     bytes_after: float
     refused: str = ""
@@ -215,3 +238,41 @@ def choose_wire_ids(features: Sequence[FeatureWire], table_rows: Mapping[str, in
     after = sum(feature_input_bytes(f, id_dtype, f.feature in dedup) for f in features)
     return WireChoice(id_dtype=id_dtype, dedup_features=dedup, bytes_before=before, bytes_after=after,
                       refused=refused if allow_narrow else "")
+
+
+def wire_features(tables: Sequence[Any], stats: Mapping[str, Any], sharding: Mapping[str, Tuple[str, int]], *,
+                  batch_size: int, world_size: int, local_world_size: int) -> Tuple[FeatureWire, ...]:
+    """Each model-parallel feature's input all-to-all traffic per rank and step, for
+    :func:`choose_wire_ids`.
+
+    ``tables``: values with ``name`` and ``feature_names`` (``TableSpec``); ``stats``: feature ->
+    statistics with ``pooling_factor``, ``batch_size`` (None: ``batch_size``) and
+    ``unique_ratio`` (``WorkloadStats``; a feature without statistics is refused, naming it);
+    ``sharding``: table -> (sharding type, shards). A data-parallel table sends nothing and is
+    left out; a column-wise table's ids go to each of its shards (``shards`` copies, one message
+    each); a row-wise table's go to ``world_size`` buckets, a table-row-wise one's to
+    ``local_world_size``, one message each (the distinct ids per message are the feature's spread
+    over them, as the runtime deduplicates per destination).
+    """
+    if world_size < 1 or local_world_size < 1 or batch_size < 1:
+        raise ValueError(f"batch_size, world_size and local_world_size must be >= 1, got "
+                         f"{batch_size}, {world_size}, {local_world_size}")
+    out = []
+    for t in tables:
+        if t.name not in sharding:
+            raise ValueError(f"table {t.name!r} has no sharding: give sharding[{t.name!r}] = (type, shards)")
+        st, shards = sharding[t.name]
+        if st == "data_parallel":
+            continue
+        copies = shards if st == "column_wise" else 1
+        messages = {"row_wise": world_size, "table_row_wise": local_world_size,
+                    "grid_shard": local_world_size}.get(st, 1)
+        for f in t.feature_names:
+            if f not in stats:
+                raise ValueError(f"feature {f!r} of table {t.name!r} has no workload statistics: "
+                                 "observe or declare them (semantics.workload)")
+            fs = stats[f]
+            b = fs.batch_size if fs.batch_size is not None else batch_size
+            out.append(FeatureWire(feature=f, table=t.name, ids=b * fs.pooling_factor * copies, samples=b * copies,
+                                   unique_ratio=fs.unique_ratio, messages=messages * copies))
+    return tuple(out)

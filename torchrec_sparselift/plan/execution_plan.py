@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift import defaults
+from torchrec_sparselift.cost.wire_ids import ID_DTYPES, feature_tuple
 from torchrec_sparselift.errors import PlanFormatError
 from torchrec_sparselift.files import Fields, decode_utf8, load_json, parse_json
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
@@ -180,6 +181,11 @@ class Optimizations:
         strategy_2d: how the replicas are kept in step, one of :data:`STRATEGIES_2D`
             (``DMPCollection``'s ``ShardingStrategy``; 2D only, None read as "default").
         table_grouping: whether tables with equal kernel/dim are fused into one TBE group.
+        id_dtype: element type of the ids and lengths in the input all-to-all, one of
+            :data:`~torchrec_sparselift.cost.wire_ids.ID_DTYPES` ("int64" is TorchRec's; "int32"
+            needs every model-parallel table within int32 rows).
+        dedup_features: features whose ids the input all-to-all deduplicates (distinct ids plus
+            an inverse index, rebuilt exactly on the receiver); sorted, each once.
     """
 
     pipeline: str = attrs.field(default=defaults.PIPELINE, validator=_one_of(PIPELINES))
@@ -194,8 +200,13 @@ class Optimizations:
     max_sync_interval: Optional[int] = attrs.field(default=None)
     strategy_2d: Optional[str] = attrs.field(
         default=None, validator=attrs.validators.optional(_one_of(STRATEGIES_2D)))
+    id_dtype: str = attrs.field(default="int64", validator=_one_of(ID_DTYPES))
+    dedup_features: Tuple[str, ...] = attrs.field(default=(), converter=feature_tuple)
 
     def __attrs_post_init__(self) -> None:
+        if self.is_2d and (self.id_dtype != "int64" or self.dedup_features):
+            raise ValueError("Optimizations: ids on the wire (id_dtype, dedup_features) apply to 1D plans only; "
+                             "keep id_dtype='int64' and no dedup_features for a 2D plan")
         g = self.sharding_group_size
         if g is None and self.strategy_2d is not None:
             raise ValueError(f"Optimizations.strategy_2d={self.strategy_2d!r} needs a 2D plan "
@@ -526,8 +537,10 @@ class ExecutionPlan:
         if o.layout_2d is not None:
             two_d += f" ({o.layout_2d.kind})"
         tables = sum(len(m) for m in self.sharding_plan.plan.values() if isinstance(m, dict))
+        wire = "" if o.id_dtype == "int64" else f", ids {o.id_dtype}"
+        wire += f", dedup {len(o.dedup_features)} features" if o.dedup_features else ""
         return (
-            f"{tables} tables, pipeline={o.pipeline}, comm={o.fwd_comm_precision}/{o.bwd_comm_precision}, "
+            f"{tables} tables, pipeline={o.pipeline}, comm={o.fwd_comm_precision}/{o.bwd_comm_precision}{wire}, "
             f"{two_d}, predicted {p.step_time_s * 1e3:.3f} ms/step (gap {p.gap:.1%}), "
             f"solver={self.planner_info.get('solver', '?')}"
         )

@@ -52,7 +52,7 @@ from torchrec_sparselift.semantics.tables import is_feature_processed
 from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
 from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
-from torchrec_sparselift.cost.wire_ids import ID_DTYPES
+from torchrec_sparselift.cost.wire_ids import ID_DTYPES, feature_tuple
 
 __all__ = [
     "COMM_PRECISIONS",
@@ -120,7 +120,7 @@ class RuntimeSettings:
     #: ids and lengths in the input all-to-all (:data:`torchrec_sparselift.cost.wire_ids.ID_DTYPES`)
     id_dtype: str = attrs.field(default="int64", validator=_one_of(ID_DTYPES))
     #: features whose ids the input all-to-all deduplicates (:mod:`.wire_ids`)
-    dedup_features: Tuple[str, ...] = attrs.field(default=(), converter=lambda v: tuple(sorted(v)))
+    dedup_features: Tuple[str, ...] = attrs.field(default=(), converter=feature_tuple)
 
     @property
     def is_2d(self) -> bool:
@@ -161,7 +161,7 @@ def resolve_settings(
         "fwd_comm_precision": fwd_comm_precision,
         "bwd_comm_precision": bwd_comm_precision,
         "id_dtype": id_dtype,
-        "dedup_features": None if dedup_features is None else tuple(sorted(dedup_features)),
+        "dedup_features": None if dedup_features is None else feature_tuple(dedup_features),
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(plan, ShardingPlan):
@@ -181,7 +181,7 @@ def resolve_settings(
         "fwd_comm_precision": getattr(opt, "fwd_comm_precision", defaults.COMM_PRECISION),
         "bwd_comm_precision": getattr(opt, "bwd_comm_precision", defaults.COMM_PRECISION),
         "id_dtype": getattr(opt, "id_dtype", "int64"),
-        "dedup_features": tuple(sorted(getattr(opt, "dedup_features", ()))),
+        "dedup_features": feature_tuple(getattr(opt, "dedup_features", ())),
     }
     changed = {k: v for k, v in given.items() if v != chosen[k]}
     for key, value in changed.items():

@@ -38,7 +38,7 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_sparselift.cost.wire_ids import ID_DTYPES, inverse_bytes, narrow_refusal
+from torchrec_sparselift.cost.wire_ids import ID_DTYPES, feature_tuple, inverse_bytes, narrow_refusal
 
 __all__ = ["WireFeaturesDist", "WireIdsAllToAll", "apply_wire_ids", "wire_ids_modules"]
 
@@ -329,7 +329,7 @@ def apply_wire_ids(model: nn.Module, id_dtype: str = "int64", dedup_features: It
     """
     if id_dtype not in ID_DTYPES:
         raise ValueError(f"id_dtype={id_dtype!r} is not supported: use one of {', '.join(ID_DTYPES)}")
-    dedup = frozenset(dedup_features)
+    dedup = frozenset(feature_tuple(dedup_features))
     modules = wire_ids_modules(model)
     tables = {(name, t): info for name, m in modules for t, info in _table_rows(m).items()}
     sharded = {k: v for k, v in tables.items() if v[1] != "data_parallel"}
