@@ -113,10 +113,13 @@ def _train(dmp, opt, chunks: int, batches, count=None):  # type: ignore[no-untyp
 
     from torchrec_sparselift.runtime.batch_split import TrainPipelineBatchSplit
     from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
+    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
     device = torch.device("cpu")
+    # the unsplit pipeline built directly; the split one as the runtime builds it from a plan
     pipe = (TrainPipelineOverlap(dmp, opt, device) if chunks == 0
-            else TrainPipelineBatchSplit(dmp, opt, device, chunks=chunks))
+            else make_train_pipeline("overlap", dmp, opt, device, batch_split=chunks))
+    assert type(pipe) is (TrainPipelineOverlap if chunks == 0 else TrainPipelineBatchSplit)
     it = iter(batches)
     losses = []
     a2a = dist.all_to_all_single

@@ -259,6 +259,12 @@ def _flag_default(command: str) -> Any:
     return entry.default(flag)
 
 
+#: "the default merge is X", "X (default)": the 2D replica merge a doc calls the default.
+MERGE_DEFAULT = re.compile(r"\bdefault (?:replica )?(?:merge|replica sync)\s*(?:=|is|:)?\s*(?:the |TorchRec's )?"
+                           r"(momentum-scaled|plain averaging|averaging)|(momentum-scaled|averaging)[^.;]{0,40}?"
+                           r"\((?:the |lift's )?default\)", re.IGNORECASE)
+
+
 def check_defaults(doc: Doc) -> List[Problem]:
     out = []
 
@@ -302,6 +308,13 @@ def check_defaults(doc: Doc) -> List[Problem]:
         for m in re.finditer(r"\bdefault (?:2D )?(?:sync(?:-interval)? )?bound (?:of |is |on the interval is )?(\d+)\b",
                              text):
             compare(line, "max_sync_interval", m.group(1))
+        for m in MERGE_DEFAULT.finditer(text):
+            named = next(g for g in m.groups() if g)
+            stated = None if "averag" in named.lower() else "momentum_scaled"
+            actual = DEFAULTS["replica_sync"]()
+            if (stated is None) != (actual is None):
+                out.append(Problem(doc.path, line, f"{m.group(0)!r}: the default replica merge is "
+                                                   f"{'TorchRec averaging' if actual is None else repr(actual)}"))
     return out
 
 
@@ -996,6 +1009,9 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
      "default of max_sync_interval as '4'"),
     # (a) a default stated inline
     ("docs/optimizer.md", "`DEFAULT_MAX_SYNC_INTERVAL = 2`", "`DEFAULT_MAX_SYNC_INTERVAL = 8`", "the code's is 2"),
+    # (a) the 2D replica merge called the default
+    ("docs/benchmarks.md", "| momentum-scaled: loss - 1D", "| momentum-scaled (default): loss - 1D",
+     "the default replica merge is TorchRec averaging"),
     # (b) a pipeline list of five kinds
     ("docs/concepts.md", "<!-- registry: pipelines -->",
      "`base`, `sparse_dist`, `fused`, `semi_sync`, `prefetch` are the kinds.\n\n<!-- registry: pipelines -->",

@@ -62,10 +62,12 @@ from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineCo
 from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNKS
 from torchrec_sparselift.runtime.overlap import OverlapPipelinedForward, TrainPipelineOverlap, _comm_requests
 
 __all__ = [
     "MAX_CHUNKS",
+    "BATCH_SPLIT_PIPELINE",
     "SPLIT_SHARDING_TYPES",
     "NotPerSample",
     "BatchSplitPipelinedForward",
@@ -77,8 +79,6 @@ __all__ = [
     "merge_outputs",
 ]
 
-#: the most chunks a step is split into (the planner's range is 1..MAX_CHUNKS)
-MAX_CHUNKS = 16
 #: sharding types whose output collective is split (their local pooled embeddings hold every
 #: destination rank's samples in rank order: ``[world * B, D]``), and data-parallel (``[B, D]``,
 #: no collective: split alone)

@@ -49,6 +49,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec_sparselift import defaults, vocabulary
 from torchrec_sparselift.vocabulary import PIPELINES_2D
 from torchrec_sparselift.semantics.tables import is_feature_processed
+from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_PIPELINE
 from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
 from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
@@ -121,6 +122,15 @@ class RuntimeSettings:
     id_dtype: str = attrs.field(default="int64", validator=_one_of(ID_DTYPES))
     #: features whose ids the input all-to-all deduplicates (:mod:`.wire_ids`)
     dedup_features: Tuple[str, ...] = attrs.field(default=(), converter=feature_tuple)
+    #: chunks of the overlap pipeline's all-to-alls (1: none; ``runtime.batch_split``)
+    batch_split: int = attrs.field(default=1, validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)])
+
+    def __attrs_post_init__(self) -> None:
+        if self.batch_split > 1 and (self.pipeline != BATCH_SPLIT_PIPELINE or self.is_2d):
+            raise ValueError(
+                f"batch_split={self.batch_split} splits the {BATCH_SPLIT_PIPELINE!r} pipeline's all-to-alls (1D), "
+                f"but the settings run {self.pipeline!r}{' in 2D' if self.is_2d else ''}: choose pipeline "
+                f"{BATCH_SPLIT_PIPELINE!r} or batch_split=1")
 
     @property
     def is_2d(self) -> bool:
@@ -132,9 +142,11 @@ class RuntimeSettings:
             return self.description
         sync = "fully_sharded" if self.strategy_2d == "fully_sharded" else f"sync {self.sync_interval}"
         two_d = f", 2D group {self.sharding_group_size}/{sync}" if self.is_2d else ""
+        split = f" batch split {self.batch_split}" if self.batch_split > 1 else ""
         wire = "" if self.id_dtype == "int64" else f", ids {self.id_dtype}"
         wire += f", dedup {','.join(self.dedup_features)}" if self.dedup_features else ""
-        return f"pipeline={self.pipeline}, comm={self.fwd_comm_precision}/{self.bwd_comm_precision}{two_d}{wire}"
+        return (f"pipeline={self.pipeline}{split}, comm={self.fwd_comm_precision}/{self.bwd_comm_precision}"
+                f"{two_d}{wire}")
 
 
 def resolve_settings(
@@ -145,6 +157,7 @@ def resolve_settings(
     bwd_comm_precision: Optional[str] = None,
     id_dtype: Optional[str] = None,
     dedup_features: Optional[Sequence[str]] = None,
+    batch_split: Optional[int] = None,
 ) -> Tuple[ShardingPlan, RuntimeSettings]:
     """Split ``plan`` into the TorchRec ``ShardingPlan`` and the settings to apply.
 
@@ -154,7 +167,8 @@ def resolve_settings(
     ``.prediction.step_time_s`` and ``.summary()``), the plan's optimizations with any non-None
     keyword taking precedence; a keyword that changes the plan's choice is logged and drops the
     plan's prediction and description (they describe another configuration). A 1D plan's
-    ``sync_interval`` is dropped (it only means something for 2D).
+    ``sync_interval`` is dropped (it only means something for 2D), and so is its ``batch_split``
+    where a ``pipeline`` keyword replaces the ``overlap`` pipeline it splits.
     """
     overrides = {
         "pipeline": pipeline,
@@ -162,6 +176,7 @@ def resolve_settings(
         "bwd_comm_precision": bwd_comm_precision,
         "id_dtype": id_dtype,
         "dedup_features": None if dedup_features is None else feature_tuple(dedup_features),
+        "batch_split": batch_split,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(plan, ShardingPlan):
@@ -182,6 +197,7 @@ def resolve_settings(
         "bwd_comm_precision": getattr(opt, "bwd_comm_precision", defaults.COMM_PRECISION),
         "id_dtype": getattr(opt, "id_dtype", "int64"),
         "dedup_features": feature_tuple(getattr(opt, "dedup_features", ())),
+        "batch_split": getattr(opt, "batch_split", 1),
     }
     changed = {k: v for k, v in given.items() if v != chosen[k]}
     for key, value in changed.items():
@@ -190,6 +206,8 @@ def resolve_settings(
             key, value, chosen[key],
         )
     chosen.update(given)
+    if "pipeline" in changed and "batch_split" not in given and chosen["pipeline"] != BATCH_SPLIT_PIPELINE:
+        chosen["batch_split"] = 1  # the plan's chunks split the pipeline the keyword replaced
     prediction = getattr(plan, "prediction", None)
     summary = getattr(plan, "summary", None)
     return sharding_plan, RuntimeSettings(
@@ -395,11 +413,12 @@ class SparseLiftModelParallel(DistributedModelParallel):
         embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
         id_dtype: Optional[str] = None,
         dedup_features: Optional[Sequence[str]] = None,
+        batch_split: Optional[int] = None,
         **dmp_kwargs: Any,
     ) -> None:
         sharding_plan, settings = resolve_settings(
             plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision,
-            id_dtype=id_dtype, dedup_features=dedup_features,
+            id_dtype=id_dtype, dedup_features=dedup_features, batch_split=batch_split,
         )
         if settings.is_2d:
             raise ValueError(
@@ -433,16 +452,20 @@ class SparseLiftModelParallel(DistributedModelParallel):
         dense_optimizer_factory: Optional[DenseOptimizerFactory] = None,
         kind: Optional[str] = None,
         options: Optional[Mapping[str, Any]] = None,
+        batch_split: Optional[int] = None,
     ) -> Tuple[Any, KeyedOptimizer]:
         """The planned train pipeline over this model and the optimizer it steps.
 
         See :func:`build_optimizer` for ``dense_optimizer_factory``; ``kind`` overrides the
-        planned pipeline; ``options`` go to the TorchRec pipeline constructor.
+        planned pipeline (and then splits nothing unless ``batch_split`` says so); ``options`` go
+        to the TorchRec pipeline constructor; ``batch_split`` overrides the planned chunks.
         """
+        if batch_split is None:
+            batch_split = self.settings.batch_split if kind is None else 1
         kind = kind or self.settings.pipeline
         check_pipeline_supports_plan(kind, self.sharding_plan, self.device, self)
         optimizer = build_optimizer(self, dense_optimizer_factory, self.embedding_optimizer)
-        pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options)
+        pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options, batch_split=batch_split)
         return pipeline, optimizer
 
 
@@ -568,6 +591,7 @@ def lift(
     pipeline_options: Optional[Mapping[str, Any]] = None,
     id_dtype: Optional[str] = None,
     dedup_features: Optional[Sequence[str]] = None,
+    batch_split: Optional[int] = None,
     **dmp_kwargs: Any,
 ) -> Lifted:
     """Shard ``module`` per ``plan`` and return it with its planned train pipeline.
@@ -576,12 +600,14 @@ def lift(
     delegated to :mod:`torchrec_sparselift.runtime.two_d` (``DMPCollection``). ``pipeline`` /
     ``*_comm_precision`` override the plan (defaults for a bare ``ShardingPlan``: ``sparse_dist``,
     fp32). ``pipeline_options`` go to the TorchRec pipeline constructor (e.g.
-    ``{"start_batch": 0}`` to make ``semi_sync`` stale from the first step). ``id_dtype`` /
-    ``dedup_features`` override the plan's ids on the wire (1D plans only).
+    ``{"start_batch": 0}`` to make ``semi_sync`` stale from the first step, ``{"per_sample": True}``
+    to declare a model per-sample for a batch split). ``batch_split`` overrides the plan's chunks
+    (``Optimizations.batch_split``: the ``overlap`` pipeline's all-to-alls in k chunks).
+    ``id_dtype`` / ``dedup_features`` override the plan's ids on the wire (1D plans only).
     """
     sharding_plan, settings = resolve_settings(
         plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision,
-        id_dtype=id_dtype, dedup_features=dedup_features,
+        id_dtype=id_dtype, dedup_features=dedup_features, batch_split=batch_split,
     )
     if settings.is_2d:
         if settings.id_dtype != "int64" or settings.dedup_features:
@@ -616,6 +642,7 @@ def lift(
         embedding_optimizer=embedding_optimizer,
         id_dtype=id_dtype,
         dedup_features=dedup_features,
+        batch_split=batch_split,
         **dmp_kwargs,
     )
     train_pipeline, optimizer = model.train_pipeline(
