@@ -786,6 +786,10 @@ def check_commands(doc: Doc) -> List[Problem]:
                         out.append(Problem(doc.path, start + offset + 1, p))
                 offset += chunk.count("\n") + 1
             continue
+        if kind == "?" and doc.lines[i].startswith("$ "):  # an unlabeled block's shell prompt
+            for words in _commands(doc.lines[i][2:]):
+                for p in check_command(words):
+                    out.append(Problem(doc.path, i + 1, p))
         if not kind:
             for span in _spans(doc.lines[i]):
                 if COMMAND_START.match(span) and not doc.lines[i].startswith("#"):
@@ -1022,6 +1026,7 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
     ("README.md", "sparselift plan --workload dcnv2", "sparselift plan --no-such-flag 1 --workload dcnv2",
      "sparselift has no flag --no-such-flag"),
     ("docs/quickstart.md", "examples/dlrm/train.py --scale", "examples/dlrm/train.py --scales", "has no flag --scales"),
+    ("docs/quickstart.md", "| `--planner sparselift", "| `--plannerx sparselift", "has no flag --plannerx"),
     # (d) a module, a script that does not exist
     ("docs/testbed.md", "-m torchrec_sparselift calibrate steps", "-m torchrec_sparselift.step_calibration",
      "no such module"),

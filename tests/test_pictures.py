@@ -195,8 +195,8 @@ def test_measured_hidden_and_exposed_equal_the_runtimes_step_attribution():
         assert main == [("forward", 0.0, 4.0), ("bottom MLP fwd", 4.0, 6.0), ("forward", 6.0, 7.0),
                         ("waiting", 7.0, 9.0), ("forward", 9.0, 10.0), ("backward", 10.0, 12.0),
                         ("bottom MLP bwd", 12.0, 13.0), ("backward", 13.0, 14.0), ("waiting", 14.0, 15.0),
-                        ("backward", 15.0, 18.0), ("waiting", 18.0, 20.0), ("forward", 20.0, 21.0),
-                        ("optimizer", 21.0, 22.0), ("forward", 22.0, 23.0)]
+                        ("backward", 15.0, 18.0), ("waiting", 18.0, 20.0), ("after backward", 20.0, 21.0),
+                        ("optimizer", 21.0, 22.0), ("after backward", 22.0, 23.0)]
 
 
 def test_a_collective_from_the_step_before_and_one_into_the_next_are_clipped_to_the_step():

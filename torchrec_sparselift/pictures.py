@@ -295,10 +295,10 @@ def _memory_bars(ax: Any, plans: Sequence[Tuple[str, Any]], field: str, caps: Op
         cap_txt += " per rank"
         if peak_share >= 0.25:  # capacity within reach: show it on the axis
             ax.set_ylim(0, 1.3 * max(top, float(cap.max())))
-            cap_label = f"capacity {cap_txt} (peak use {peak_share:.0%})"
+            cap_label = f"capacity the plans may fill: {cap_txt} (peak use {peak_share:.0%})"
         else:  # far above the bars: keep the bars readable, say where the capacity is
             ax.set_ylim(0, 1.45 * top if top > 0 else 1.0)
-            cap_label = f"capacity {cap_txt}: above the axis, peak use {peak_share:.1%}"
+            cap_label = f"capacity the plans may fill: {cap_txt}, above the axis (peak use {peak_share:.1%})"
         handles.append(plt.Line2D([0], [0], color="black", lw=1.6))
         labels.append(cap_label)
     else:
@@ -541,9 +541,15 @@ def fit_png(points: Sequence[FitPoint], path: str, title: str = "") -> FitPictur
         ape = (pred[i] - meas[i]) / meas[i]
         ax.annotate(f"{points[i].label} {ape:+.0%}", (meas[i], pred[i]), textcoords="offset points",
                     xytext=(6, -10 if pred[i] < meas[i] else 6), fontsize=7, color="#333333")
-    if log:
+    if log:  # plain numbers at 1, 2, 5 x 10^k: ms a reader can read off
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+            axis.set_minor_formatter(NullFormatter())
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_aspect("equal", adjustable="box")
@@ -568,7 +574,8 @@ _REGIONS = (("bottom MLP fwd", "dense_fwd_start", "dense_fwd_end"),
             ("optimizer", "opt_start", "opt_end"),
             ("backward", "backward_start", "backward_end"))
 _MAIN_COLORS = {"forward": "#4C72B0", "backward": "#8172B3", "bottom MLP fwd": "#64B5CD",
-                "bottom MLP bwd": "#2E7D32", "optimizer": "#937860", "waiting": "#E6E6E6"}
+                "bottom MLP bwd": "#2E7D32", "optimizer": "#937860", "after backward": "#B0A3D4",
+                "waiting": "#E6E6E6"}
 _STATE_COLORS = {"hidden": "#55A868", "exposed": "#C44E52"}
 _COMM_ORDER = ("input_dist", "output_dist", "grad_dist", "allreduce", "other")
 
@@ -652,7 +659,8 @@ def measured_timeline(events: Sequence[Sequence[Any]]) -> MeasuredStep:
     for it), as :func:`~torchrec_sparselift.runtime.overlap.step_attribution` counts it. A
     collective's time in flight is *exposed* while the rank waits for its kind and *hidden* the
     rest. The main thread is ``waiting`` during any wait, else computing: in the bottom MLP's
-    forward or backward, the optimizer, the backward, or (the rest) the forward."""
+    forward or backward, the optimizer, the backward, and the rest ``forward`` before the
+    backward, ``after backward`` after it."""
     evs = sorted(((float(e[0]), str(e[1]), str(e[2]) if len(e) > 2 else "", e[3] if len(e) > 3 else None)
                   for e in events), key=lambda e: e[0])
     if not evs:
@@ -729,7 +737,8 @@ def measured_timeline(events: Sequence[Sequence[Any]]) -> MeasuredStep:
         if any(c <= mid < d for c, d in waiting):
             what = "waiting"
         else:
-            what = next((n for n, c, d in regions if c <= mid < d), "forward")
+            rest = "after backward" if "backward_end" in marks and mid >= marks["backward_end"] else "forward"
+            what = next((n for n, c, d in regions if c <= mid < d), rest)
         if main and main[-1].what == what and abs(main[-1].end_ms - (a - t0)) < 1e-12:
             main[-1] = attrs.evolve(main[-1], end_ms=b - t0)
         else:
@@ -816,7 +825,7 @@ def timeline_png(steps: Mapping[str, Sequence[MeasuredStep]], path: str, title: 
         ax.set_axisbelow(True)
     axes[-1, 0].set_xlim(0, longest * 1.01)
     axes[-1, 0].set_xlabel("ms from the step's start (dotted: the step's end)")
-    order = ["forward", "bottom MLP fwd", "backward", "bottom MLP bwd", "optimizer", "waiting"]
+    order = ["forward", "bottom MLP fwd", "backward", "bottom MLP bwd", "after backward", "optimizer", "waiting"]
     present = {seg.what for name in names for s in steps[name] for seg in s.segments}
     handles = [plt.Rectangle((0, 0), 1, 1, color=_STATE_COLORS[k]) for k in ("hidden", "exposed")]
     labels = ["communication hidden (rank computes)", "communication exposed (rank waits)"]
@@ -869,6 +878,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t.add_argument("--kinds", default="sparse_dist,overlap", metavar="K1,K2",
                    help="pipelines to draw, one panel each (default sparse_dist,overlap)")
     t.add_argument("--regime", default=None, help="which regime of a driver's report (e.g. 1gbit)")
+    t.add_argument("--title", default=None, help="the picture's title (default: the ranks, the link and the file)")
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.what != "timeline":
         p.print_help()
@@ -883,7 +893,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         steps = {k: measured_steps(result, k) for k in kinds}
         world = len(next(iter(steps.values())))
         where = f", link {regime}" if regime and regime != "?" else ""
-        timeline_png(steps, args.png, title=f"measured steady step, {world} ranks{where} ({args.report})")
+        timeline_png(steps, args.png, title=args.title or f"measured steady step, {world} ranks{where} ({args.report})")
     except (OSError, ValueError) as e:
         print(f"python -m torchrec_sparselift.pictures timeline: error: {e}", file=sys.stderr)
         return 2
