@@ -22,6 +22,9 @@ What counts as a stated fact (and so what a doc must use to state one):
   and for scripts the ``add_argument`` strings of the script and of the repository modules it
   imports (read with ``ast``: nothing runs). A table preceded by ``<!-- flags: COMMAND -->`` lists
   flags of COMMAND in its first column.
+* **Keyword arguments.** Every keyword of a call of ``SparseLiftPlanner``, ``lift``,
+  ``build_2d_model_parallel`` or ``evaluate_sharding_plan`` in a Python block or a code span is
+  one its signature accepts (:data:`CALLABLES`).
 * **Links.** Every relative link names an existing file, and its ``#anchor`` a heading there.
 * **README.** Its "Known limits" has at most 15 lines, each item linking to its page; every term
   of :data:`GLOSSARY_TERMS` that README or a doc uses is defined in docs/concepts.md's glossary.
@@ -786,6 +789,10 @@ def check_commands(doc: Doc) -> List[Problem]:
                         out.append(Problem(doc.path, start + offset + 1, p))
                 offset += chunk.count("\n") + 1
             continue
+        if kind == "?" and doc.lines[i].startswith("$ "):  # an unlabeled block's shell prompt
+            for words in _commands(doc.lines[i][2:]):
+                for p in check_command(words):
+                    out.append(Problem(doc.path, i + 1, p))
         if not kind:
             for span in _spans(doc.lines[i]):
                 if COMMAND_START.match(span) and not doc.lines[i].startswith("#"):
@@ -806,6 +813,80 @@ def check_commands(doc: Doc) -> List[Problem]:
                 flags = [w for w in span.split() if w.startswith("-")]
                 for p in _check_flags(entry, flags):
                     out.append(Problem(doc.path, line + k + 1, p))
+    return out
+
+
+# ---------------------------------------------------------------- (c) keyword arguments in Python examples
+
+#: Public callables whose keyword arguments the docs show: name -> "module:attribute".
+CALLABLES = {
+    "SparseLiftPlanner": "torchrec_sparselift.planner:SparseLiftPlanner",
+    "lift": "torchrec_sparselift.runtime.model_parallel:lift",
+    "build_2d_model_parallel": "torchrec_sparselift.runtime.two_d:build_2d_model_parallel",
+    "evaluate_sharding_plan": "torchrec_sparselift.plan.evaluate:evaluate_sharding_plan",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords(name: str) -> Optional[Set[str]]:
+    """The keyword arguments ``name`` accepts; None where it takes ``**kwargs`` (anything)."""
+    import importlib
+    import inspect
+
+    module, attr = CALLABLES[name].split(":")
+    obj = getattr(importlib.import_module(module), attr)
+    params = inspect.signature(obj).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+CALL = re.compile(r"\b(" + "|".join(CALLABLES) + r")\(")
+
+
+def _call_keywords(text: str) -> Iterator[Tuple[str, str]]:
+    """(callable, keyword) of every call of a :data:`CALLABLES` name in ``text`` (Python or a span)."""
+    for m in CALL.finditer(text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        args = text[m.end():i - 1]
+        # keywords at the call's own nesting level
+        level, kw = 0, []
+        for k in re.finditer(r"[()\[\]{}]|\b([A-Za-z_]\w*)\s*=(?!=)", args):
+            tok = k.group(0)
+            if tok in "([{":
+                level += 1
+            elif tok in ")]}":
+                level -= 1
+            elif level == 0:
+                kw.append(k.group(1))
+        for name in kw:
+            yield m.group(1), name
+
+
+def check_keywords(doc: Doc) -> List[Problem]:
+    out = []
+    i = 0
+    while i < len(doc.lines):
+        if doc.fence[i] in ("python", "py"):
+            start = i
+            while i < len(doc.lines) and doc.fence[i] in ("python", "py"):
+                i += 1
+            block = "\n".join(re.sub(r"#.*", "", line) for line in doc.lines[start:i])  # comments dropped
+            for callable_, kw in _call_keywords(block):
+                accepted = _keywords(callable_)
+                if accepted is not None and kw not in accepted:
+                    out.append(Problem(doc.path, start + 1, f"{callable_}() takes no keyword {kw!r}"))
+            continue
+        if not doc.fence[i]:
+            for span in _spans(doc.lines[i]):
+                for callable_, kw in _call_keywords(span):
+                    accepted = _keywords(callable_)
+                    if accepted is not None and kw not in accepted:
+                        out.append(Problem(doc.path, i + 1, f"{callable_}() takes no keyword {kw!r}"))
+        i += 1
     return out
 
 
@@ -929,7 +1010,8 @@ def check_all(root: str = REPO, paths: Optional[Sequence[str]] = None) -> List[P
     problems: List[Problem] = []
     for path in paths:
         doc = Doc.read(root, path)
-        problems += check_defaults(doc) + check_registries(doc) + check_commands(doc) + check_links(doc, root)
+        problems += (check_defaults(doc) + check_registries(doc) + check_commands(doc) + check_keywords(doc)
+                     + check_links(doc, root))
     if "README.md" in paths:
         problems += check_readme(root)
     problems += check_glossary(root, paths)
@@ -961,6 +1043,11 @@ def test_docs_state_the_code_defaults_and_registries():
 
 def test_docs_commands_name_existing_scripts_modules_and_flags():
     problems = [p for path in _doc_paths(REPO) for p in check_commands(Doc.read(REPO, path))]
+    assert not problems, _report(problems)
+
+
+def test_docs_python_examples_use_existing_keywords():
+    problems = [p for path in _doc_paths(REPO) for p in check_keywords(Doc.read(REPO, path))]
     assert not problems, _report(problems)
 
 
@@ -1022,6 +1109,11 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
     ("README.md", "sparselift plan --workload dcnv2", "sparselift plan --no-such-flag 1 --workload dcnv2",
      "sparselift has no flag --no-such-flag"),
     ("docs/quickstart.md", "examples/dlrm/train.py --scale", "examples/dlrm/train.py --scales", "has no flag --scales"),
+    ("docs/quickstart.md", "| `--planner sparselift", "| `--plannerx sparselift", "has no flag --plannerx"),
+    # (c) a keyword argument the planner does not take
+    ("README.md", "SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=constraints)\nplan",
+     "SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=constraints, no_such_option=1)\nplan",
+     "SparseLiftPlanner() takes no keyword 'no_such_option'"),
     # (d) a module, a script that does not exist
     ("docs/testbed.md", "-m torchrec_sparselift calibrate steps", "-m torchrec_sparselift.step_calibration",
      "no such module"),
