@@ -445,7 +445,8 @@ def _compare_png(path: str, cmp: Any, capacity: Any, what: str) -> None:
         plans.append(("TorchRec (sparse_dist)", cmp.torchrec_result.prediction()))
     title = what + ("" if cmp.torchrec_result is not None else ": TorchRec's planner found no plan")
     if sl.sharding_group_size:
-        title += f" (SparseLift's 2D plan: one sharding group of {sl.sharding_group_size} ranks)"
+        title += (f" (SparseLift's 2D plan: one sharding group of {sl.sharding_group_size} ranks; its step "
+                  f"includes the replica sync, {sl.sync_s * 1e3:.3f} ms/step)")
     _draw_png(path, lambda: plans_png(plans, path, capacity=capacity, title=title))
 
 
