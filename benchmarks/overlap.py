@@ -131,16 +131,16 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, EXAMPLE)
     warnings.filterwarnings("ignore")
     import logging
 
     logging.getLogger().setLevel(logging.ERROR)
-    from dlrm_data import synthetic_batches
-    from dlrm_tables import preset_tables, scale_tables
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.sharding_plan import get_default_sharders
-    from train import arch_spec, build_model, shard_model
+
+    from torchrec_sparselift.dlrm.data import synthetic_batches
+    from torchrec_sparselift.dlrm.model import arch_spec, build_model, shard_model
+    from torchrec_sparselift.dlrm.tables import preset_tables, scale_tables
 
     from torchrec_sparselift.runtime.overlap import CommTimeline, step_windows, timeline_attribution
     from torchrec_sparselift.runtime.timing import StepTimer

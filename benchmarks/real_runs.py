@@ -52,6 +52,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from torchrec_sparselift.cost.report import mape, spearman  # noqa: E402
+from torchrec_sparselift.dlrm.tables import preset_tables, scale_tables  # noqa: E402
 from torchrec_sparselift.measure.probe import ProbeTable, ProbeWorkload  # noqa: E402
 from torchrec_sparselift.measure.steps import REFERENCE_PLAN  # noqa: E402
 
@@ -63,12 +64,7 @@ DP_MAX_BYTES = 96 * 2**20
 
 
 def _example_tables(preset: str, scale: float, dim: Optional[int] = None) -> Tuple[ProbeTable, ...]:
-    ex = os.path.join(_ROOT, "examples", "dlrm")
-    if ex not in sys.path:
-        sys.path.insert(0, ex)
-    import dlrm_tables
-
-    ts = dlrm_tables.scale_tables(dlrm_tables.preset_tables(preset, dim), scale)
+    ts = scale_tables(preset_tables(preset, dim), scale)
     return tuple(ProbeTable(t.name, t.rows, t.dim, tuple(t.features), float(t.bag_sizes()[0])) for t in ts)
 
 

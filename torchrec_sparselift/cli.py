@@ -36,6 +36,7 @@ import attrs
 from torchrec_sparselift import defaults
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.errors import CliError
+from torchrec_sparselift.pictures import plan_png, plans_png
 from torchrec_sparselift.plan.stored_inputs import (
     DEFAULT_BATCH_SIZE,
     PlanInputs,
@@ -61,7 +62,6 @@ from torchrec_sparselift.explain import (
     format_table,
     format_tables,
     format_timeline,
-    render_png,
     reprice_plan,
 )
 from torchrec_sparselift.measure.commands import main as calibrate_main
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", default=None, metavar="FILE", help="also write the numbers as JSON")
     c.add_argument("--save-plans", default=None, metavar="DIR", help="also write both plans as ExecutionPlan "
                    "JSON (DIR/sparselift.json, DIR/torchrec.json) for `sparselift explain`")
+    c.add_argument("--png", default=None, metavar="FILE", help="also draw both plans' per-rank step (stacked by "
+                   "term, SparseLift left, TorchRec right) and per-rank memory against capacity (needs matplotlib)")
     _add_common(c)
 
     e = sub.add_parser("explain", help="explain a plan: per-rank breakdown, critical path, per-table reasons",
@@ -246,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "alternative shardings it beat (re-priced with the same cost model, not re-planned).")
     e.add_argument("plan", help="ExecutionPlan JSON written by `sparselift plan`")
     e.add_argument("--top", type=int, default=8, metavar="N", help="explain this many of the largest tables (default 8)")
-    e.add_argument("--png", default=None, metavar="FILE", help="also draw per-rank bars and a step timeline "
-                   "(needs matplotlib)")
+    e.add_argument("--png", default=None, metavar="FILE", help="also draw per-rank bars stacked by term and the "
+                   "step timeline (needs matplotlib)")
     e.add_argument("--attribution", default=None, metavar="FILE.json",
                    help="a measured attribution (examples/dlrm/train.py --attribute N, or "
                    "calibration.attribution.save_attribution): show each sparse-path node kind's measured ms "
@@ -438,7 +440,35 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                                 {"planner": "EmbeddingShardingPlanner", "solver": "torchrec",
                                                  "planning_time_s": round(tr["planning_time_s"], 4), **info}))
         print(f"wrote {' and '.join(written)}; explain with: sparselift explain {written[-1]}")
+    if args.png:
+        _compare_png(args.png, cmp, planner.memory_caps(module), f"{inputs.describe()} on {inputs.topology.describe()}, "
+                     f"batch {bs}/rank")
     return 0
+
+
+def _compare_png(path: str, cmp: Any, capacity: Any, what: str) -> None:
+    """``compare --png``: both plans' per-rank bars and memory against ``capacity``."""
+    sl = cmp.result
+    plans = [(f"SparseLift ({sl.search.pipeline})", sl.prediction())]
+    if cmp.torchrec_result is not None:
+        plans.append(("TorchRec (sparse_dist)", cmp.torchrec_result.prediction()))
+    title = what + ("" if cmp.torchrec_result is not None else ": TorchRec's planner found no plan")
+    if sl.sharding_group_size:
+        title += (f" (SparseLift's 2D plan: one sharding group of {sl.sharding_group_size} ranks; its step "
+                  f"includes the replica sync, {sl.sync_s * 1e3:.3f} ms/step)")
+    _draw_png(path, lambda: plans_png(plans, path, capacity=capacity, title=title))
+
+
+def _draw_png(path: str, draw: Any) -> None:
+    """Run ``draw`` (it writes ``path``), turning a missing matplotlib or an unwritable path into
+    a CliError, and say where the picture is."""
+    try:
+        draw()
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e}") from None
+    print(f"\nwrote {path}")
 
 
 def _save_execution_plan(path: str, result: Any, fingerprint: Any, info: Dict[str, Any]) -> str:
@@ -543,14 +573,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.png:
         if segments is None:
             raise CliError("--png needs the step timeline: give the plan's inputs (see the note above)")
-        try:
-            render_png(p, segments, args.png, title=f"{os.path.basename(args.plan)}: {ep.summary()}",
-                       comparison=comparison)
-        except ImportError as e:
-            raise CliError(str(e)) from None
-        except OSError as e:
-            raise CliError(f"cannot write {args.png}: {e}") from None
-        print(f"\nwrote {args.png}")
+        _draw_png(args.png, lambda: plan_png(p, segments, args.png, title=f"{os.path.basename(args.plan)}: "
+                                             f"{ep.summary()}", comparison=comparison))
     return 0
 
 

@@ -54,6 +54,7 @@ from torchrec_sparselift.calibration.store import (
 )
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
+from torchrec_sparselift.pictures import fit_png, fit_points
 from torchrec_sparselift.runtime.process_group import close_process_group
 from torchrec_sparselift import defaults
 from torchrec_sparselift.calibration.link import LinkRatesError, differing_terms
@@ -545,6 +546,8 @@ def add_steps_arguments(p: argparse.ArgumentParser) -> None:
                    "times here (refit later with --from-measurements)")
     p.add_argument("--from-measurements", metavar="PATH", help="refit from saved measurements (one process, "
                    "no torchrun, no measuring) and store the profile")
+    p.add_argument("--png", metavar="FILE", help="also draw the fit: predicted against measured step per probe "
+                   "plan, with the base profile's predictions and the MAPE (needs matplotlib)")
 
 
 def add_store_argument(p: argparse.ArgumentParser) -> None:
@@ -647,6 +650,19 @@ def _refit(args: argparse.Namespace, store: ProfileStore) -> int:
         fitted.save(args.out)
     print(f"[calibrate] refit {len(recs)} probe plans: fit error (MAPE) {info.extra['mape_after'] * 100:.1f}% "
           f"(base profile {info.extra['mape_before'] * 100:.0f}%); stored in {path}")
+    return _fit_png(args.png, recs, f"step fit on {fp.describe()}")
+
+
+def _fit_png(path: Optional[str], recs: Sequence[ProbeRecord], what: str) -> int:
+    """``--png``: draw the fit's probe plans (exit 0), or say why not (exit 2; the profile is stored)."""
+    if not path:
+        return 0
+    try:
+        fit_png(fit_points(recs), path, title=what)
+    except (ImportError, OSError, ValueError) as e:
+        print(f"sparselift calibrate steps: error: --png {path}: {e} (the profile is stored)", file=sys.stderr)
+        return 2
+    print(f"[calibrate] wrote {path}", flush=True)
     return 0
 
 
@@ -670,6 +686,7 @@ def run_steps(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group(backend="gloo")
+    drawn = 0  # rank 0's --png exit code
     try:
         rank, W = dist.get_rank(), dist.get_world_size()
         device = "cpu"
@@ -695,7 +712,8 @@ def run_steps(args: argparse.Namespace) -> int:
                   f"{records_mape(recs, 'predicted_after_s') * 100:.1f}% (base profile "
                   f"{records_mape(recs, 'predicted_before_s') * 100:.0f}%); profile for {fp.describe()} stored in {path}",
                   flush=True)
+            drawn = _fit_png(args.png, recs, f"step fit on {fp.describe()}")
         dist.barrier()
     finally:
         close_process_group()
-    return 0
+    return drawn
