@@ -113,10 +113,13 @@ def _train(dmp, opt, chunks: int, batches, count=None):  # type: ignore[no-untyp
 
     from torchrec_sparselift.runtime.batch_split import TrainPipelineBatchSplit
     from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
+    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
     device = torch.device("cpu")
+    # the unsplit pipeline built directly; the split one as the runtime builds it from a plan
     pipe = (TrainPipelineOverlap(dmp, opt, device) if chunks == 0
-            else TrainPipelineBatchSplit(dmp, opt, device, chunks=chunks))
+            else make_train_pipeline("overlap", dmp, opt, device, batch_split=chunks))
+    assert type(pipe) is (TrainPipelineOverlap if chunks == 0 else TrainPipelineBatchSplit)
     it = iter(batches)
     losses = []
     a2a = dist.all_to_all_single
@@ -304,3 +307,50 @@ def test_slice_batch_and_merge_outputs_invert_each_other():
     assert torch.equal(merged[1], batch.labels)
     with pytest.raises(ValueError, match="no batch dimension first"):
         slice_batch(torch.zeros(3, LOCAL_B), 0, 2, LOCAL_B)
+
+
+# ------------------------------------------------------------------------------------------------
+# the GPU check script (no GPU here: it must import, judge, and refuse cleanly)
+# ------------------------------------------------------------------------------------------------
+
+
+def _gpu_script():  # type: ignore[no-untyped-def]
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "gpu_batch_split_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_batch_split_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_the_gpu_check_refuses_cleanly_without_cuda():
+    import os
+    import subprocess
+    import sys
+
+    _module, path = _gpu_script()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, path, "--chunks", "2,4"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == _module.NO_CUDA, done.stderr
+    assert "no CUDA device visible, nothing checked" in done.stderr and "Traceback" not in done.stderr
+    bad = subprocess.run([sys.executable, path, "--chunks", "1"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "--chunks must name k in 2..16" in bad.stderr
+
+
+def test_the_gpu_check_judges_losses_and_weights():
+    module, _path = _gpu_script()
+    w = {"a": torch.tensor([1.0, 2.0])}
+
+    def result(split_losses, split_w, cls="TrainPipelineBatchSplit"):  # type: ignore[no-untyped-def]
+        return [{"rank": 0, "runs": {1: {"losses": [1.0, 0.5], "class": "TrainPipelineOverlap"},
+                                     2: {"losses": split_losses, "class": cls}},
+                 "weights": {1: w, 2: split_w}}]
+
+    assert module.check(result([1.0, 0.5], w), [2], 1e-4, 1e-2)[0].startswith("ok")
+    assert module.check(result([1.0, 0.51], w), [2], 1e-4, 1e-2)[0].startswith("FAILED")
+    assert module.check(result([1.0, 0.5], {"a": torch.tensor([1.0, 2.5])}), [2], 1e-4, 1e-2)[0].startswith("FAILED")
+    assert module.check(result([1.0, 0.5], w, cls="TrainPipelineOverlap"), [2], 1e-4, 1e-2)[0].startswith("FAILED")

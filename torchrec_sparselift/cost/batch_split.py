@@ -41,6 +41,7 @@ from torchrec_sparselift.cost.pipelines import terms as _exposed_terms
 
 __all__ = [
     "MAX_CHUNKS",
+    "BATCH_SPLIT_PIPELINE",
     "SplitTerms",
     "ChunkTimes",
     "SplitSchedule",
@@ -52,6 +53,8 @@ __all__ = [
 
 #: the most chunks the runtime splits a step into (``runtime.batch_split.MAX_CHUNKS``)
 MAX_CHUNKS = 16
+#: the pipeline kind whose step batch split chunks (k = 1 is that kind's step)
+BATCH_SPLIT_PIPELINE = "overlap"
 
 
 def _seconds(instance: object, attribute: "attrs.Attribute[float]", value: float) -> None:

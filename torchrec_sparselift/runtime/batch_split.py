@@ -62,10 +62,12 @@ from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineCo
 from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNKS
 from torchrec_sparselift.runtime.overlap import OverlapPipelinedForward, TrainPipelineOverlap, _comm_requests
 
 __all__ = [
     "MAX_CHUNKS",
+    "BATCH_SPLIT_PIPELINE",
     "SPLIT_SHARDING_TYPES",
     "NotPerSample",
     "BatchSplitPipelinedForward",
@@ -77,8 +79,6 @@ __all__ = [
     "merge_outputs",
 ]
 
-#: the most chunks a step is split into (the planner's range is 1..MAX_CHUNKS)
-MAX_CHUNKS = 16
 #: sharding types whose output collective is split (their local pooled embeddings hold every
 #: destination rank's samples in rank order: ``[world * B, D]``), and data-parallel (``[B, D]``,
 #: no collective: split alone)
@@ -300,19 +300,23 @@ def _check_module(module: nn.Module, name: str) -> None:
 
 
 class _SideStream:
-    """CUDA: the stream a step's chunk collectives are issued on, and the events the dense
-    (current) stream waits on before it reads chunk j. No-op on CPU."""
+    """CUDA: the stream a step's chunks are cut and their collectives issued on (it waits for the
+    lookups on the dense stream; NCCL's own stream waits for it), and the event per chunk the dense
+    (current) stream waits on before it reads chunk j; the tensors one stream allocates and the
+    other reads are marked for the caching allocator (``record_stream``). No-op on CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.events: List[Any] = []
+        self.dense: Any = None  # the stream the step's dense work runs on
 
     def begin(self) -> Any:
         self.events = []
         if not self.cuda:
             return contextlib.nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # after the lookups
+        self.dense = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(self.dense)  # after the lookups
         return torch.cuda.stream(self.stream)
 
     def issued(self) -> None:
@@ -324,6 +328,16 @@ class _SideStream:
     def before_chunk(self, j: int) -> None:
         if self.cuda:
             torch.cuda.current_stream(self.stream.device).wait_event(self.events[j])
+
+    def used_by_side(self, tensor: Optional[torch.Tensor]) -> None:
+        """A dense-stream tensor the side stream reads: its memory is not reused before that read."""
+        if self.cuda and isinstance(tensor, torch.Tensor):
+            tensor.record_stream(self.stream)
+
+    def read_by_dense(self, tensor: Optional[torch.Tensor]) -> None:
+        """A side-stream tensor the dense stream reads: its memory is not reused before that read."""
+        if self.cuda and isinstance(tensor, torch.Tensor):
+            tensor.record_stream(self.dense)
 
 
 class BatchSplitPipelinedForward(OverlapPipelinedForward):
@@ -362,31 +376,36 @@ class BatchSplitPipelinedForward(OverlapPipelinedForward):
             raise ValueError(f"batch split: {self._name} receives a variable batch per feature, which it does "
                              "not split: keep batch_split=1")
         batch = sum(sizes)
-        groups: List[List[Tuple[torch.Tensor, Any]]] = []  # per sharding group: per chunk (input, ctx)
+        local: List[torch.Tensor] = []  # per sharding group: its local pooled embeddings
         for i in range(len(module._lookups)):
             lookup = module._lookups[i]
-            embs = lookup(data[i])
+            local.append(lookup(data[i]))
             if hasattr(lookup, "wait_for_forward"):
                 lookup.wait_for_forward()
             if getattr(lookup, "get_resize_awaitables", None) is not None and lookup.get_resize_awaitables():
                 raise ValueError(f"batch split: {self._name}'s lookups resize their outputs (2D fully sharded): "
                                  "keep batch_split=1")
-            groups.append(self._chunk_inputs(embs, module._sharding_types[i], ctx.sharding_contexts[i],
-                                             sizes, batch))
         if self._side is None:
-            self._side = _SideStream(embs.device)
+            self._side = _SideStream(local[0].device)
         out: List[Any] = []
         self.held = []
-        with self._side.begin():
+        with self._side.begin():  # CUDA: the chunks are cut and issued on the side stream
+            for embs in local:
+                self._side.used_by_side(embs)
+            groups = [self._chunk_inputs(embs, module._sharding_types[i], ctx.sharding_contexts[i], sizes, batch)
+                      for i, embs in enumerate(local)]
             for j in range(len(sizes)):
                 awaitables = []
                 for i, dist in enumerate(module._output_dists):
                     piece, sctx = groups[i][j]
                     self.held.append(piece)
                     awaitables.append(dist(piece, sctx))
-                out.append(EmbeddingBagCollectionAwaitable(
+                chunk = EmbeddingBagCollectionAwaitable(
                     awaitables=awaitables, embedding_dims=module._embedding_dims,
-                    embedding_names=module._embedding_names))
+                    embedding_names=module._embedding_names)
+                for request in _comm_requests(chunk, depth=8):
+                    self._side.read_by_dense(request.tensor)  # the receive buffer the chunk's wait reads
+                out.append(chunk)
                 self._side.issued()
         self._chunks[id(context)] = collections.deque(enumerate(out))
         return out
