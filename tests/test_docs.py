@@ -22,6 +22,9 @@ What counts as a stated fact (and so what a doc must use to state one):
   and for scripts the ``add_argument`` strings of the script and of the repository modules it
   imports (read with ``ast``: nothing runs). A table preceded by ``<!-- flags: COMMAND -->`` lists
   flags of COMMAND in its first column.
+* **Keyword arguments.** Every keyword of a call of ``SparseLiftPlanner``, ``lift``,
+  ``build_2d_model_parallel`` or ``evaluate_sharding_plan`` in a Python block or a code span is
+  one its signature accepts (:data:`CALLABLES`).
 * **Links.** Every relative link names an existing file, and its ``#anchor`` a heading there.
 * **README.** Its "Known limits" has at most 15 lines, each item linking to its page; every term
   of :data:`GLOSSARY_TERMS` that README or a doc uses is defined in docs/concepts.md's glossary.
@@ -38,6 +41,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import attrs
@@ -720,6 +724,12 @@ def _check_script(path: str, args: Sequence[str]) -> List[str]:
         return [f"{path}: no such file in the repository"]
     if not path.endswith(".py"):
         return []
+    top = path.split("/")[0]
+    text = _text(full)
+    if "/" in path and re.search(r"^\s*(?:from|import)\s+" + re.escape(top) + r"[.\s]", text, re.MULTILINE) \
+            and "sys.path" not in text:
+        module = path[:-3].replace("/", ".")
+        return [f"{path} imports the {top} package, so it runs only as a module: python -m {module}"]
     return _check_flags(_script_entry(full, path), args)
 
 
@@ -810,6 +820,80 @@ def check_commands(doc: Doc) -> List[Problem]:
                 flags = [w for w in span.split() if w.startswith("-")]
                 for p in _check_flags(entry, flags):
                     out.append(Problem(doc.path, line + k + 1, p))
+    return out
+
+
+# ---------------------------------------------------------------- (c) keyword arguments in Python examples
+
+#: Public callables whose keyword arguments the docs show: name -> "module:attribute".
+CALLABLES = {
+    "SparseLiftPlanner": "torchrec_sparselift.planner:SparseLiftPlanner",
+    "lift": "torchrec_sparselift.runtime.model_parallel:lift",
+    "build_2d_model_parallel": "torchrec_sparselift.runtime.two_d:build_2d_model_parallel",
+    "evaluate_sharding_plan": "torchrec_sparselift.plan.evaluate:evaluate_sharding_plan",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _keywords(name: str) -> Optional[Set[str]]:
+    """The keyword arguments ``name`` accepts; None where it takes ``**kwargs`` (anything)."""
+    import importlib
+    import inspect
+
+    module, attr = CALLABLES[name].split(":")
+    obj = getattr(importlib.import_module(module), attr)
+    params = inspect.signature(obj).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+CALL = re.compile(r"\b(" + "|".join(CALLABLES) + r")\(")
+
+
+def _call_keywords(text: str) -> Iterator[Tuple[str, str]]:
+    """(callable, keyword) of every call of a :data:`CALLABLES` name in ``text`` (Python or a span)."""
+    for m in CALL.finditer(text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        args = text[m.end():i - 1]
+        # keywords at the call's own nesting level
+        level, kw = 0, []
+        for k in re.finditer(r"[()\[\]{}]|\b([A-Za-z_]\w*)\s*=(?!=)", args):
+            tok = k.group(0)
+            if tok in "([{":
+                level += 1
+            elif tok in ")]}":
+                level -= 1
+            elif level == 0:
+                kw.append(k.group(1))
+        for name in kw:
+            yield m.group(1), name
+
+
+def check_keywords(doc: Doc) -> List[Problem]:
+    out = []
+    i = 0
+    while i < len(doc.lines):
+        if doc.fence[i] in ("python", "py"):
+            start = i
+            while i < len(doc.lines) and doc.fence[i] in ("python", "py"):
+                i += 1
+            block = "\n".join(re.sub(r"#.*", "", line) for line in doc.lines[start:i])  # comments dropped
+            for callable_, kw in _call_keywords(block):
+                accepted = _keywords(callable_)
+                if accepted is not None and kw not in accepted:
+                    out.append(Problem(doc.path, start + 1, f"{callable_}() takes no keyword {kw!r}"))
+            continue
+        if not doc.fence[i]:
+            for span in _spans(doc.lines[i]):
+                for callable_, kw in _call_keywords(span):
+                    accepted = _keywords(callable_)
+                    if accepted is not None and kw not in accepted:
+                        out.append(Problem(doc.path, i + 1, f"{callable_}() takes no keyword {kw!r}"))
+        i += 1
     return out
 
 
@@ -933,7 +1017,8 @@ def check_all(root: str = REPO, paths: Optional[Sequence[str]] = None) -> List[P
     problems: List[Problem] = []
     for path in paths:
         doc = Doc.read(root, path)
-        problems += check_defaults(doc) + check_registries(doc) + check_commands(doc) + check_links(doc, root)
+        problems += (check_defaults(doc) + check_registries(doc) + check_commands(doc) + check_keywords(doc)
+                     + check_links(doc, root))
     if "README.md" in paths:
         problems += check_readme(root)
     problems += check_glossary(root, paths)
@@ -965,6 +1050,11 @@ def test_docs_state_the_code_defaults_and_registries():
 
 def test_docs_commands_name_existing_scripts_modules_and_flags():
     problems = [p for path in _doc_paths(REPO) for p in check_commands(Doc.read(REPO, path))]
+    assert not problems, _report(problems)
+
+
+def test_docs_python_examples_use_existing_keywords():
+    problems = [p for path in _doc_paths(REPO) for p in check_keywords(Doc.read(REPO, path))]
     assert not problems, _report(problems)
 
 
@@ -1027,6 +1117,10 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
      "sparselift has no flag --no-such-flag"),
     ("docs/quickstart.md", "examples/dlrm/train.py --scale", "examples/dlrm/train.py --scales", "has no flag --scales"),
     ("docs/quickstart.md", "| `--planner sparselift", "| `--plannerx sparselift", "has no flag --plannerx"),
+    # (c) a keyword argument the planner does not take
+    ("README.md", "SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=constraints)\nplan",
+     "SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=constraints, no_such_option=1)\nplan",
+     "SparseLiftPlanner() takes no keyword 'no_such_option'"),
     # (d) a module, a script that does not exist
     ("docs/testbed.md", "-m torchrec_sparselift calibrate steps", "-m torchrec_sparselift.step_calibration",
      "no such module"),
@@ -1043,3 +1137,22 @@ def test_checker_flags_planted_contradictions(tmp_path, path, old, new, expect):
     assert any(expect in str(p) for p in problems), (
         f"planted {new!r} in {path}, expected a problem containing {expect!r}; got:\n  "
         + "\n  ".join(map(str, problems)))
+
+
+def test_checker_flags_a_package_script_run_by_path(tmp_path, monkeypatch):
+    """A benchmark that imports ``benchmarks.harness`` (no ``sys.path`` edit) runs only as
+    ``python -m benchmarks.x``: the docs may not show ``python benchmarks/x.py``."""
+    (tmp_path / "benchmarks" / "harness").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "harness" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "x.py").write_text(
+        "import argparse\nfrom benchmarks.harness import run\n"
+        "p = argparse.ArgumentParser()\np.add_argument('--rounds', type=int, default=4)\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
+    assert check_command(["python", "benchmarks/x.py", "--rounds", "2"]) == [
+        "benchmarks/x.py imports the benchmarks package, so it runs only as a module: python -m benchmarks.x"]
+    assert check_command(["python", "-m", "benchmarks.x", "--rounds", "2"]) == []
+    assert check_command(["python", "-m", "benchmarks.x", "--round", "2"]) == ["python -m benchmarks.x has no flag --round"]
+    assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.x"]) == []
+    assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.y"]) == [
+        "python -m benchmarks.y: no such module (or package without __main__.py) in the repository"]
