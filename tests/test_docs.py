@@ -41,6 +41,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import attrs
@@ -723,6 +724,12 @@ def _check_script(path: str, args: Sequence[str]) -> List[str]:
         return [f"{path}: no such file in the repository"]
     if not path.endswith(".py"):
         return []
+    top = path.split("/")[0]
+    text = _text(full)
+    if "/" in path and re.search(r"^\s*(?:from|import)\s+" + re.escape(top) + r"[.\s]", text, re.MULTILINE) \
+            and "sys.path" not in text:
+        module = path[:-3].replace("/", ".")
+        return [f"{path} imports the {top} package, so it runs only as a module: python -m {module}"]
     return _check_flags(_script_entry(full, path), args)
 
 
@@ -1130,3 +1137,22 @@ def test_checker_flags_planted_contradictions(tmp_path, path, old, new, expect):
     assert any(expect in str(p) for p in problems), (
         f"planted {new!r} in {path}, expected a problem containing {expect!r}; got:\n  "
         + "\n  ".join(map(str, problems)))
+
+
+def test_checker_flags_a_package_script_run_by_path(tmp_path, monkeypatch):
+    """A benchmark that imports ``benchmarks.harness`` (no ``sys.path`` edit) runs only as
+    ``python -m benchmarks.x``: the docs may not show ``python benchmarks/x.py``."""
+    (tmp_path / "benchmarks" / "harness").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "harness" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "x.py").write_text(
+        "import argparse\nfrom benchmarks.harness import run\n"
+        "p = argparse.ArgumentParser()\np.add_argument('--rounds', type=int, default=4)\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
+    assert check_command(["python", "benchmarks/x.py", "--rounds", "2"]) == [
+        "benchmarks/x.py imports the benchmarks package, so it runs only as a module: python -m benchmarks.x"]
+    assert check_command(["python", "-m", "benchmarks.x", "--rounds", "2"]) == []
+    assert check_command(["python", "-m", "benchmarks.x", "--round", "2"]) == ["python -m benchmarks.x has no flag --round"]
+    assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.x"]) == []
+    assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.y"]) == [
+        "python -m benchmarks.y: no such module (or package without __main__.py) in the repository"]

@@ -231,7 +231,11 @@ def _steps(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_steps())
 def test_measured_segments_tile_the_step_and_never_overlap_on_a_lane(events):
-    got = measured_timeline(events)
+    for form in (events, [e[:3] for e in events]):  # collectives paired by id, and in order per kind
+        _check_tiling(measured_timeline(form))
+
+
+def _check_tiling(got):
     lanes = {}
     for s in got.segments:
         assert 0.0 <= s.start_ms < s.end_ms <= got.step_ms + 1e-9, s
@@ -294,3 +298,34 @@ def test_compare_png_draws_both_planners_per_rank_bars(tmp_path, capsys):
     assert f"wrote {png}" in out
     width, height = png_size(str(png))
     assert width >= 1000 and height >= 700
+
+
+def test_calibrate_steps_png_draws_the_refit_probe_plans_at_their_measured_steps(tmp_path, capsys, monkeypatch):
+    import re
+
+    from torchrec_sparselift.calibration.records import ProbeMeasurement
+    from torchrec_sparselift.measure import probe, steps
+    from torchrec_sparselift.measure.commands import main as calibrate
+
+    w = next(x for x in probe.PROBE_WORKLOADS if x.name == "probe_wide")
+    topo = steps.probe_topology(2, "cpu")
+    measured = {"table_wise": 0.045, "row_wise": 0.056, "column_wise": 0.044, "data_parallel": 0.235}
+    ms = []
+    for kind, seconds in measured.items():
+        plan, cons = steps.forced_plan(probe.probe_model(w), w.tables, kind, topo, w.batch_size)
+        ms.append(ProbeMeasurement(workload=w.name, kind=kind, plan=plan, constraints=cons, measured_s=seconds))
+    saved = str(tmp_path / "set.pkl")
+    steps.save_measurement_set(saved, ms, None)
+    drawn = []
+    monkeypatch.setattr(steps, "fit_png", lambda points, path, title="": drawn.append(
+        fit_png(points, path, title=title)) or drawn[-1])
+    png = tmp_path / "fit.png"
+    rc = calibrate(["steps", "--from-measurements", saved, "--store", str(tmp_path / "store"), "--png", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (pic,) = drawn
+    assert png_size(str(png)) == pic.size_px
+    assert sorted(m for m, _p in pic.points_ms) == pytest.approx(sorted(s * 1e3 for s in measured.values()))
+    printed = float(re.search(r"fit error \(MAPE\) ([0-9.]+)%", out).group(1))
+    assert pic.mape * 100 == pytest.approx(printed, abs=0.05)
+    assert f"MAPE {printed:.1f}% over 4 probe plans" in pic.title

@@ -27,6 +27,9 @@ from torchrec_sparselift.cost.pipelines import PHASE_NAMES, PHASES, Placed, effe
 from torchrec_sparselift.cost.two_d import sync_evidence
 from torchrec_sparselift.search.place import best_placement
 from torchrec_sparselift.search.solve import new_evaluator
+from torchrec_sparselift.plan.baseline import decision_from_dict
+from torchrec_sparselift.planner import evaluate_sharding_plan
+from torchrec_sparselift.search.two_d import group_topology
 
 __all__ = [
     "Segment",
@@ -219,9 +222,6 @@ def reprice_plan(ep: Any, planner: Any, module: Any, constraints: Optional[Mappi
     reservation and ``profile``: the step, its timeline and the ``top`` tables' reasons. A 2D
     plan's ranks are group-local, so it is priced on one sharding group. ``ValueError`` when the
     plan does not fit the inputs."""
-    from torchrec_sparselift.planner import evaluate_sharding_plan
-    from torchrec_sparselift.search.two_d import group_topology
-
     o = ep.optimizations
     if o.is_2d:
         local = o.layout_2d.group_ranks_per_host if o.layout_2d is not None else None
@@ -369,7 +369,5 @@ def format_never_slower(planner_info: Mapping[str, Any]) -> Optional[str]:
     """The never-slower rule's decision an execution plan stored (``planner_info["never_slower"]``:
     which plan was kept, the predicted gain over TorchRec's plan, the margin it had to exceed and
     the differing terms behind it); None when the plan was made without the rule."""
-    from torchrec_sparselift.plan.baseline import decision_from_dict
-
     decision = decision_from_dict(planner_info.get("never_slower"))
     return None if decision is None else decision.describe()

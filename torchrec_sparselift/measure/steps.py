@@ -56,6 +56,14 @@ from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.pictures import fit_png, fit_points
 from torchrec_sparselift.runtime.process_group import close_process_group
+from torchrec_sparselift import defaults
+from torchrec_sparselift.calibration.link import LinkRatesError, differing_terms
+from torchrec_sparselift.measure import probe
+from torchrec_sparselift.measure.link import measure_link_rates
+from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_terms
+from torchrec_sparselift.measure.probe import probe_constraints
+from torchrec_sparselift.planner import SparseLiftPlanner
+from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
 __all__ = [
     "forced_plan",
@@ -94,9 +102,6 @@ def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, bat
     planner offers no row-wise sharding on CPU; SparseLift's does and DMP runs it; ``stats``: its
     ``workload=``); collective over ``pg`` when given. Returns ``(plan, constraints)``."""
     from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift.measure.probe import probe_constraints
-    from torchrec_sparselift.planner import SparseLiftPlanner
 
     cons = probe_constraints(tables, kind)
     planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons,
@@ -142,8 +147,6 @@ def measure_probes(
     normalized)."""
     import torch
     import torch.distributed as dist
-
-    from torchrec_sparselift.measure import probe
 
     workloads = list(workloads or probe.PROBE_WORKLOADS)
     kinds = list(kinds or probe.PLAN_KINDS)
@@ -230,8 +233,6 @@ class ReferencePlan:
                  device_type: str = "cpu") -> None:
         import torch.distributed as dist
 
-        from torchrec_sparselift.measure import probe
-
         self.workload = workload or next(w for w in probe.PROBE_WORKLOADS if w.name == REFERENCE_PLAN[0])
         w = self.workload
         self.pg, self.device_type = pg, device_type
@@ -243,8 +244,6 @@ class ReferencePlan:
         """One :func:`~torchrec_sparselift.measure.probe.measure_plan` run of the plan
         (``steps`` / ``warmup``: the harness's defaults when None)."""
         import torch
-
-        from torchrec_sparselift.measure import probe
 
         torch.manual_seed(0)
         w = self.workload
@@ -269,9 +268,6 @@ def host_terms(pg: Any = None) -> HostTermRecord:
     each pinned to its core as in the probes; the ranks' mean (every rank returns the same)."""
     import torch
 
-    from torchrec_sparselift.measure import probe
-    from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_terms
-
     old = probe.pin_rank_to_core(pg)
     try:
         rec = bench_host_terms()
@@ -294,8 +290,6 @@ def probe_pricers(measurements: Sequence[ProbeMeasurement], world_size: int = 2,
                   device_type: str = "cpu") -> List[PlanPricer]:
     """A :class:`~torchrec_sparselift.calibration.pricer.PlanPricer` per measured probe plan: its
     probe model and the statistics of the batches it trained on."""
-    from torchrec_sparselift.measure import probe
-
     by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
     topo = probe_topology(world_size, device_type)
     out = []
@@ -397,10 +391,6 @@ def measure_pipeline_factors(
     (rank 0)."""
     import torch
     import torch.distributed as dist
-
-    from torchrec_sparselift import defaults
-    from torchrec_sparselift.measure import probe
-    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
     if instances < 1 or block_steps < 1 or warmup < 0:
         raise ValueError(f"instances and block_steps must be >= 1 and warmup >= 0, got {instances}, "
@@ -523,9 +513,6 @@ def _measured_link(say: bool) -> Any:
     without a link record then)."""
     import torch.distributed as dist
 
-    from torchrec_sparselift.calibration.link import LinkRatesError
-    from torchrec_sparselift.measure.link import measure_link_rates
-
     if dist.get_world_size() < 2:
         return None
     try:
@@ -605,9 +592,6 @@ def _check_reasons(found: Any, diff: Sequence[str]) -> List[str]:
 
 def _check_with_link(store: ProfileStore) -> int:
     import torch.distributed as dist
-
-    from torchrec_sparselift.calibration.link import LinkRatesError, differing_terms
-    from torchrec_sparselift.measure.link import measure_link_rates
 
     if "RANK" not in os.environ:
         print("sparselift calibrate check --link: error: run under torchrun (every rank measures the link: "
@@ -704,8 +688,6 @@ def run_steps(args: argparse.Namespace) -> int:
     dist.init_process_group(backend="gloo")
     drawn = 0  # rank 0's --png exit code
     try:
-        from torchrec_sparselift.measure import probe
-
         rank, W = dist.get_rank(), dist.get_world_size()
         device = "cpu"
         link = _measured_link(rank == 0)

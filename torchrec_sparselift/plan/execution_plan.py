@@ -39,6 +39,7 @@ from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.vocabulary import COMM_PRECISIONS as _COMM_PRECISIONS
 from torchrec_sparselift.vocabulary import PIPELINES as _PIPELINES
 from torchrec_sparselift.vocabulary import STRATEGIES_2D
+import torchrec_sparselift
 
 __all__ = [
     "EXECUTION_PLAN_SCHEMA",
@@ -311,8 +312,6 @@ class Versions:
         import importlib.metadata
 
         import torch
-
-        import torchrec_sparselift
 
         try:
             torchrec_version = importlib.metadata.version("torchrec")
