@@ -25,6 +25,8 @@ What counts as a stated fact (and so what a doc must use to state one):
 * **Keyword arguments.** Every keyword of a call of ``SparseLiftPlanner``, ``lift``,
   ``build_2d_model_parallel`` or ``evaluate_sharding_plan`` in a Python block or a code span is
   one its signature accepts (:data:`CALLABLES`).
+* **Code references.** A code span ``module.name`` or ``module.Class.member`` naming a module of
+  the package (``semantics.tables.embedding_modules``) names something that module defines.
 * **Links.** Every relative link names an existing file, and its ``#anchor`` a heading there.
 * **README.** Its "Known limits" has at most 15 lines, each item linking to its page; every term
   of :data:`GLOSSARY_TERMS` that README or a doc uses is defined in docs/concepts.md's glossary.
@@ -897,6 +899,91 @@ def check_keywords(doc: Doc) -> List[Problem]:
     return out
 
 
+# ---------------------------------------------------------------- code references
+
+
+def _module_names(path: str) -> Dict[str, ast.AST]:
+    """Names a module defines at its top level (functions, classes, assignments, imports), also
+    inside top-level ``if``/``try`` blocks."""
+    names: Dict[str, ast.AST] = {}
+    todo: List[ast.stmt] = list(_parse(path).body)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[n.name] = n
+        elif isinstance(n, ast.Assign):
+            for t in n.targets:
+                for x in ast.walk(t):
+                    if isinstance(x, ast.Name):
+                        names[x.id] = n
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            names[n.target.id] = n
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            for a in n.names:
+                names[(a.asname or a.name).split(".")[0]] = n
+        elif isinstance(n, (ast.If, ast.Try)):
+            todo += n.body + n.orelse + [h for x in getattr(n, "handlers", []) for h in x.body]
+    return names
+
+
+def _class_members(node: ast.ClassDef) -> Set[str]:
+    out = set()
+    for m in ast.walk(node):
+        if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(m.name)
+        elif isinstance(m, ast.AnnAssign) and isinstance(m.target, ast.Name):
+            out.add(m.target.id)
+        elif isinstance(m, ast.Assign):
+            out.update(t.id for t in m.targets if isinstance(t, ast.Name))
+        elif isinstance(m, ast.Attribute) and isinstance(m.value, ast.Name) and m.value.id == "self":
+            out.add(m.attr)
+    return out
+
+
+#: Package root modules whose names are also the docs' usual variable names (``planner.last_result``).
+VARIABLE_LIKE = {"planner", "plan"}
+
+
+def _reference_problem(ident: str) -> Optional[str]:
+    """Why a dotted reference to the package (``semantics.tables.embedding_modules``,
+    ``vocabulary.Pipeline.conflict``) names nothing, or None (it resolves, or is not one)."""
+    parts = ident.split(".")
+    if parts[0] == PACKAGE:
+        parts = parts[1:]
+    root = os.path.join(REPO, PACKAGE)
+    if not parts or not (os.path.isfile(os.path.join(root, parts[0] + ".py"))
+                         or os.path.isdir(os.path.join(root, parts[0]))):
+        return None
+    for k in range(len(parts), 0, -1):
+        f = _module_file(f"{PACKAGE}." + ".".join(parts[:k]))
+        if f is None:
+            continue
+        rest = parts[k:]
+        if not rest:
+            return None
+        names = _module_names(f)
+        where = f"{PACKAGE}." + ".".join(parts[:k])
+        if rest[0] not in names:
+            return None if parts[0] in VARIABLE_LIKE and k == 1 else f"{ident}: {where} has no {rest[0]!r}"
+        node = names[rest[0]]
+        if len(rest) > 1 and isinstance(node, ast.ClassDef) and rest[1] not in _class_members(node):
+            return f"{ident}: {where}.{rest[0]} has no {rest[1]!r}"
+        return None
+    return None
+
+
+def check_references(doc: Doc) -> List[Problem]:
+    out = []
+    for line, text in doc.prose():
+        for span in _spans(text):
+            m = re.fullmatch(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?", span)
+            if m:
+                why = _reference_problem(m.group(1))
+                if why:
+                    out.append(Problem(doc.path, line, why))
+    return out
+
+
 # ---------------------------------------------------------------- links, README
 
 
@@ -1018,7 +1105,7 @@ def check_all(root: str = REPO, paths: Optional[Sequence[str]] = None) -> List[P
     for path in paths:
         doc = Doc.read(root, path)
         problems += (check_defaults(doc) + check_registries(doc) + check_commands(doc) + check_keywords(doc)
-                     + check_links(doc, root))
+                     + check_references(doc) + check_links(doc, root))
     if "README.md" in paths:
         problems += check_readme(root)
     problems += check_glossary(root, paths)
@@ -1055,6 +1142,11 @@ def test_docs_commands_name_existing_scripts_modules_and_flags():
 
 def test_docs_python_examples_use_existing_keywords():
     problems = [p for path in _doc_paths(REPO) for p in check_keywords(Doc.read(REPO, path))]
+    assert not problems, _report(problems)
+
+
+def test_docs_code_references_resolve():
+    problems = [p for path in _doc_paths(REPO) for p in check_references(Doc.read(REPO, path))]
     assert not problems, _report(problems)
 
 
@@ -1125,6 +1217,9 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
     ("docs/testbed.md", "-m torchrec_sparselift calibrate steps", "-m torchrec_sparselift.step_calibration",
      "no such module"),
     ("README.md", "bash scripts/test.sh", "bash scripts/no_such.sh", "scripts/no_such.sh: no such file"),
+    # a code reference to a name the package does not define
+    ("docs/concepts.md", "`semantics.tables.embedding_modules`", "`semantics.tables.embedding_modules_gone`",
+     "torchrec_sparselift.semantics.tables has no 'embedding_modules_gone'"),
     # links, README limits, glossary
     ("README.md", "(docs/concepts.md#glossary)", "(docs/concepts.md#no-such-heading)", "no heading with anchor"),
     ("README.md", "## Known limits\n", "## Known limits\n" + "- a limit [l](docs/memory.md)\n" * 16,
