@@ -109,6 +109,11 @@ DEFAULTS: Dict[str, Callable[[], Any]] = {
     # the 2D replica merge: None is TorchRec's plain averaging
     "replica_sync": lambda: _function_default("torchrec_sparselift/runtime/two_d.py",
                                               "build_2d_model_parallel", "replica_sync"),
+    # the opt-in 2D merge's own settings
+    "MomentumScaledRowWiseAdagrad.momentum": lambda: _field_default(
+        "torchrec_sparselift/optim/momentum_scaled.py", "MomentumScaledRowWiseAdagrad", "momentum"),
+    "MomentumScaledRowWiseAdagrad.preconditioner": lambda: _field_default(
+        "torchrec_sparselift/optim/momentum_scaled.py", "MomentumScaledRowWiseAdagrad", "preconditioner"),
     # the DLRM example's options (examples/dlrm/train.py's flags default to them)
     "TrainOptions.batch_size": lambda: _field_default("torchrec_sparselift/dlrm/options.py", "TrainOptions",
                                                       "batch_size"),
@@ -1166,7 +1171,8 @@ def test_the_docs_state_the_facts_the_checks_read():
     stated = [rows for _, _, rows in concepts.tables() if [c.lower() for c in rows[0][:2]] == ["setting", "default"]]
     assert stated, "docs/concepts.md has no '| setting | default |' table"
     keys = {(_spans(r[0]) or [""])[0] for rows in stated for r in rows[1:]}
-    for required in ("max_sync_interval", "time_budget_s", "batch_size", "pipeline", "never_slower", "replica_sync"):
+    for required in ("max_sync_interval", "time_budget_s", "batch_size", "pipeline", "never_slower", "replica_sync",
+                     "MomentumScaledRowWiseAdagrad.momentum"):
         assert required in keys, f"docs/concepts.md's defaults table does not state {required}"
     markers = {m for path in _doc_paths(REPO) for _, m, _ in Doc.read(REPO, path).tables()}
     assert "registry: pipelines" in markers and "registry: comm_precisions" in markers
