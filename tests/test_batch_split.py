@@ -106,7 +106,7 @@ def _local(value: Any) -> torch.Tensor:
     return value.detach().flatten()
 
 
-def _train(dmp, opt, chunks: int, batches, count=None):  # type: ignore[no-untyped-def]
+def _train(dmp, opt, chunks: int, batches, count=None, chain=None):  # type: ignore[no-untyped-def]
     """STEPS steps: the unsplit overlap pipeline (``chunks`` 0) or batch split into ``chunks``;
     losses, and the collectives per step when ``count`` is a list."""
     import torch.distributed as dist
@@ -118,7 +118,8 @@ def _train(dmp, opt, chunks: int, batches, count=None):  # type: ignore[no-untyp
     device = torch.device("cpu")
     # the unsplit pipeline built directly; the split one as the runtime builds it from a plan
     pipe = (TrainPipelineOverlap(dmp, opt, device) if chunks == 0
-            else make_train_pipeline("overlap", dmp, opt, device, batch_split=chunks))
+            else make_train_pipeline("overlap", dmp, opt, device, batch_split=chunks,
+                                     options=None if chain is None else {"chain_chunks": chain}))
     assert type(pipe) is (TrainPipelineOverlap if chunks == 0 else TrainPipelineBatchSplit)
     it = iter(batches)
     losses = []
@@ -163,6 +164,8 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     for plan_name in PLANS:
         ref_dmp, ref_opt = _sharded(plan_name)
         start = copy.deepcopy(dict(ref_dmp.state_dict()))
+        if plan_name == "table_wise":
+            start_tw = copy.deepcopy(start)
         ref_calls: List[str] = []
         out[plan_name, 0] = _train(ref_dmp, ref_opt, 0, batches, count=ref_calls)
         out[plan_name, 0, "calls"] = ref_calls
@@ -173,6 +176,12 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
             out[plan_name, k] = _train(dmp, opt, k, batches, count=calls)
             out[plan_name, k, "calls"] = calls
             out[plan_name, k, "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
+    # every chunk's collective issued before the forward (the CUDA order) run on gloo
+    dmp, opt = _sharded("table_wise", copy.deepcopy(start_tw))
+    calls = []
+    out["upfront"] = _train(dmp, opt, 4, batches, count=calls, chain=False)
+    out["upfront", "calls"] = calls
+    out["upfront", "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
     return out
 
 
@@ -213,10 +222,22 @@ def test_batch_split_issues_k_output_and_k_gradient_all_to_alls(results, k):
         assert calls.count("output_dist") == k
         assert calls.count("grad_dist") == k
         sparse = [c for c in calls if c in ("output_dist", "grad_dist", "over_arch_fwd", "over_arch_bwd")]
-        # every chunk's output all-to-all is issued before the first chunk's dense forward; in
-        # backward (last chunk first) each chunk's gradient all-to-all is issued before the
-        # dense backward of the chunk before it
-        assert sparse == (["output_dist"] * k + ["over_arch_fwd"] * k + ["over_arch_bwd", "grad_dist"] * k)
+        # on gloo chunk j+1's output all-to-all is issued when chunk j's embeddings are read (one
+        # chunk on the wire at a time), before chunk j's over arch; in backward (last chunk first)
+        # each chunk's gradient all-to-all is issued before the dense backward of the chunk before it
+        assert sparse == (["output_dist"] + ["output_dist", "over_arch_fwd"] * (k - 1) + ["over_arch_fwd"]
+                          + ["over_arch_bwd", "grad_dist"] * k)
+
+
+def test_every_chunk_issued_before_the_forward_is_exact_too(results):
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(torch.tensor(r["upfront"]), torch.tensor(r["table_wise", 0]), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+        for n, v in r["table_wise", 0, "weights"].items():
+            torch.testing.assert_close(r["upfront", "weights"][n], v, rtol=1e-4, atol=1e-5)
+        sparse = [c for c in r["upfront", "calls"] if c in ("output_dist", "grad_dist", "over_arch_fwd",
+                                                              "over_arch_bwd")]
+        assert sparse == ["output_dist"] * 4 + ["over_arch_fwd"] * 4 + ["over_arch_bwd", "grad_dist"] * 4
 
 
 def test_the_unsplit_pipeline_issues_one_of_each(results):
