@@ -6,7 +6,8 @@ fused row-wise AdaGrad, once unrewritten and once per rewrite (int32 ids; dedup 
 at int64 and at int32), from the same weights on the same batches; the ids are skewed (many
 repeat within a batch, so dedup has duplicates to remove and the fused update sees rows hit
 several times). The tests compare losses and every rank's final weights (embedding shards and
-dense) with the unrewritten run, count the input all-to-all's bytes with ``CommCounter``, and
+dense) with the unrewritten run, bit for bit (the receiver's KJT equals TorchRec's, so nothing
+downstream differs), count the input all-to-all's bytes with ``CommCounter``, and
 check the exchange delivers TorchRec's KJT exactly (weighted too). The pure prices have their
 hypothesis properties at the bottom.
 """
@@ -29,21 +30,27 @@ SEED = 11
 DIM = 8
 LOCAL_B = 8
 BYTES_B = 256
-TABLES = (("t0", 64, "f0"), ("t1", 96, "f1"), ("t2", 40, "f2"))  # name, rows, feature
+TABLES = (("t0", 64, "f0"), ("t1", 96, "f1"), ("t2", 40, "f2"))  # name, rows, feature; t1 mean-pooled
 FEATURES = tuple(f for _, _, f in TABLES)
 SHARDINGS = ("table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel")
 REWRITES = {"int32": ("int32", ()), "dedup_int64": ("int64", FEATURES), "dedup_int32": ("int32", FEATURES)}
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = dict(rtol=0.0, atol=0.0)  # bit for bit
+#: pipeline runs: (sharding, lift keywords); batch split does not split t1's mean-pooled row-wise output
+PIPELINES = {"sparse_dist": ("row_wise", dict(pipeline="sparse_dist")),
+             "overlap": ("row_wise", dict(pipeline="overlap")),
+             "batch_split": ("table_wise", dict(pipeline="overlap", batch_split=2,
+                                                pipeline_options={"per_sample": True}))}
 
 
 def _model() -> torch.nn.Module:
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
     class Rec(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.ebc = EmbeddingBagCollection(tables=[
-                EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f])
+                EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f],
+                                   pooling=PoolingType.MEAN if n == "t1" else PoolingType.SUM)
                 for n, r, f in TABLES])
             self.dense = torch.nn.Linear(4, DIM)
             self.over = torch.nn.Linear(DIM * (1 + len(FEATURES)), 1)
@@ -107,7 +114,7 @@ def _plan(model: torch.nn.Module, sharding: str):  # type: ignore[no-untyped-def
     return ShardingPlan({"ebc": ebc_plan})
 
 
-def _lift(sharding: str, start, pipeline: str = "base", **wire):  # type: ignore[no-untyped-def]
+def _lift(sharding: str, start, pipeline: str = "base", **kwargs):  # type: ignore[no-untyped-def]
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from torchrec_sparselift.runtime import copy_full_state, lift
@@ -115,7 +122,7 @@ def _lift(sharding: str, start, pipeline: str = "base", **wire):  # type: ignore
     model = _model()
     lifted = lift(model, _plan(model, sharding), device=torch.device("cpu"), pipeline=pipeline,
                   embedding_optimizer=(RowWiseAdagrad, {"lr": 0.3}),
-                  dense_optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1), **wire)
+                  dense_optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1), **kwargs)
     copy_full_state(lifted.model, start)
     return lifted
 
@@ -200,17 +207,20 @@ def _job(rank: int, world_size: int) -> dict:
                           for d in getattr(m, "_input_dists", ()))  # built at the first forward
             out[(sharding, name, "applied")] = (list(lifted.model.wire_ids_tables), wrapped,
                                                 lifted.settings.label())
-    # the sparse_dist pipeline calls input_dist itself, a batch ahead
-    for name, wire in (("base", {}), ("dedup_int32", dict(id_dtype="int32", dedup_features=FEATURES))):
-        lifted = _lift("row_wise", start, pipeline="sparse_dist", **wire)
-        it = iter(batches[:20])
-        losses = []
-        while True:
-            try:
-                losses.append(float(lifted.pipeline.progress(it)[0]))
-            except StopIteration:
-                break
-        out[("pipeline", name)] = (losses, _weights(lifted.model))
+    # the pipelines call input_dist themselves, a batch ahead (batch split: the overlap pipeline's
+    # output all-to-alls in 2 chunks, runtime.batch_split)
+    for kind, (sharding, extra) in PIPELINES.items():
+        for name, wire in (("base", {}), ("dedup_int32", dict(id_dtype="int32", dedup_features=FEATURES)),
+                           ("int32", dict(id_dtype="int32"))):
+            lifted = _lift(sharding, start, **extra, **wire)
+            it = iter(batches[:20])
+            losses = []
+            while True:
+                try:
+                    losses.append(float(lifted.pipeline.progress(it)[0]))
+                except StopIteration:
+                    break
+            out[("pipeline", kind, name)] = (losses, _weights(lifted.model))
     return out
 
 
@@ -223,7 +233,7 @@ def _assert_same(a, b, what: str) -> None:  # type: ignore[no-untyped-def]
     (la, wa), (lb, wb) = a, b
     assert len(la) == len(lb) and la, what
     for i, (x, y) in enumerate(zip(la, lb)):
-        assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-7), f"{what}: loss {i} {x} != {y}"
+        assert x == y, f"{what}: loss {i} {x} != {y}"
     assert set(wa) == set(wb), what
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], **TOL, msg=lambda m: f"{what}: {k}: {m}")
@@ -273,9 +283,11 @@ def test_dedup_sends_fewer_bytes_than_narrow_on_repeating_ids(runs, sharding: st
 
 
 @pytest.mark.multiprocess
-def test_sparse_dist_pipeline_with_dedup_trains_exactly(runs) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", list(PIPELINES))
+@pytest.mark.parametrize("rewrite", ["int32", "dedup_int32"])
+def test_pipelines_with_ids_on_the_wire_train_exactly(runs, kind: str, rewrite: str) -> None:  # type: ignore[no-untyped-def]
     for rank, out in enumerate(runs):
-        _assert_same(out[("pipeline", "dedup_int32")], out[("pipeline", "base")], f"rank {rank} pipeline")
+        _assert_same(out[("pipeline", kind, rewrite)], out[("pipeline", kind, "base")], f"rank {rank} {kind}")
 
 
 @pytest.mark.multiprocess
@@ -292,6 +304,39 @@ def test_exchange_delivers_torchrecs_kjt_weighted_too(runs, layout: str) -> None
 
 
 # -- single process ----------------------------------------------------------------------------------
+
+
+def test_fused_rowwise_adagrad_sums_a_batchs_duplicate_rows_before_its_one_update() -> None:
+    """Why dedup cannot change the update: TBE's backward (fbgemm, CPU) adds the gradients of a
+    row's every occurrence in the batch and updates the row and its AdaGrad state once with the
+    sum; one update per occurrence would give other weights."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
+    )  # fmt: skip
+
+    rows, dim, lr, eps = 8, 4, 0.1, 1e-8
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=lr, eps=eps, pooling_mode=PoolingMode.SUM)
+    w0 = tbe.split_embedding_weights()[0].detach().clone()
+    out = tbe(torch.tensor([3, 3, 5, 3]), torch.tensor([0, 3, 4]))  # bags [3, 3, 5] and [3]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    out.backward(g)
+    w1 = tbe.split_embedding_weights()[0]
+
+    def adagrad(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor):  # type: ignore[no-untyped-def]
+        state = state + (grad * grad).mean()
+        return w - lr * grad / (state.sqrt() + eps), state
+
+    summed, _ = adagrad(w0[3], torch.zeros(()), 2 * g[0] + g[1])
+    torch.testing.assert_close(w1[3], summed, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w1[5], adagrad(w0[5], torch.zeros(()), g[0])[0], rtol=1e-6, atol=1e-6)
+    w, state = w0[3], torch.zeros(())
+    for grad in (g[0], g[0], g[1]):  # one update per occurrence: not what TBE does
+        w, state = adagrad(w, state, grad)
+    assert not torch.allclose(w1[3], w, rtol=1e-4, atol=1e-5)
 
 
 def test_narrow_ids_refused_for_a_table_past_int32_naming_it() -> None:

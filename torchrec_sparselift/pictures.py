@@ -59,6 +59,7 @@ __all__ = [
     "plans_png",
     "plan_png",
     "png_size",
+    "require_matplotlib",
     "main",
 ]
 
@@ -95,6 +96,12 @@ def _pyplot() -> Any:
         raise ImportError("drawing a PNG needs matplotlib: pip install matplotlib "
                           "(or pip install 'torchrec_sparselift[plot]')") from e
     return plt
+
+
+def require_matplotlib() -> None:
+    """``ImportError`` naming ``pip install matplotlib`` unless matplotlib imports (a command
+    checks this before its work, not after)."""
+    _pyplot()
 
 
 def _save(fig: Any, path: str) -> Tuple[int, int]:

@@ -149,6 +149,7 @@ class WireIdsAllToAll(nn.Module):
         destination ``[stride] + [ids sent, ids] per key`` (int32)."""
         keys, stride = kjt.keys(), kjt.stride()
         values, lengths, weights = kjt.values(), kjt.lengths(), kjt.weights_or_none()
+        dev = values.device
         per_key = lengths.view(len(keys), stride).sum(1).tolist()
         key_values = list(torch.split(values, per_key))
         key_weights = list(torch.split(weights, per_key)) if weights is not None else []
@@ -167,17 +168,17 @@ class WireIdsAllToAll(nn.Module):
                 else:
                     ids.append(key_values[k])
                 counts += [int(ids[-1].numel()), int(per_key[k])]
-            headers.append(torch.tensor(counts, dtype=torch.int32))
-            sections = [torch.cat(ids).to(self._dtype) if ids else torch.empty(0, dtype=self._dtype),
+            headers.append(torch.tensor(counts, dtype=torch.int32, device=dev))
+            sections = [torch.cat(ids).to(self._dtype) if ids else torch.empty(0, dtype=self._dtype, device=dev),
                         lengths[lo * stride: hi * stride].to(torch.int32)]
             if weights is not None:
                 sections.append(torch.cat(key_weights[lo:hi]) if hi > lo else weights[:0])
             if inverses:
                 width = inverse_bytes(max(int(u.numel()) for u, k in zip(ids, range(lo, hi)) if keys[k] in self.dedup))
                 sections.append(torch.cat(inverses).to(_INVERSE_DTYPES[width]))
-            payloads.append(_pack(sections))
+            payloads.append(_pack(sections, dev))
         nk = self._splits[self._rank]
-        recv = torch.empty(self._world * (1 + 2 * nk), dtype=torch.int32)
+        recv = torch.empty(self._world * (1 + 2 * nk), dtype=torch.int32, device=dev)
         work = dist.all_to_all_single(recv, torch.cat(headers), [1 + 2 * nk] * self._world,
                                       [int(h.numel()) for h in headers], group=self._pg, async_op=True)
         return _Header(self, work, recv, payloads, weights is not None)
@@ -206,7 +207,7 @@ class WireIdsAllToAll(nn.Module):
         nk = self._splits[self._rank]
         layouts = [self._layout(h, weighted) for h in recv.view(self._world, 1 + 2 * nk)]
         sizes = [sum(b + _pad(b) for b in lay[4]) for lay in layouts]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=recv.device)
         work = dist.all_to_all_single(buffer, torch.cat(payloads), sizes, [int(p.numel()) for p in payloads],
                                       group=self._pg, async_op=True)
         return _Payload(self, work, buffer, layouts, weighted)
@@ -241,20 +242,21 @@ class WireIdsAllToAll(nn.Module):
                     weights.append(weights_s[j])
         stride = sum(p[3] for p in per_source)
         return KeyedJaggedTensor(
-            keys=list(self._keys), values=torch.cat(values) if values else torch.empty(0, dtype=self._dtype),
-            lengths=torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int32),
+            keys=list(self._keys),
+            values=torch.cat(values) if values else torch.empty(0, dtype=self._dtype, device=buffer.device),
+            lengths=torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int32, device=buffer.device),
             weights=torch.cat(weights) if weighted and weights else None, stride=stride)
 
 
-def _pack(sections: Sequence[torch.Tensor]) -> torch.Tensor:
+def _pack(sections: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The sections' bytes, each padded to :data:`_ALIGN`, in one uint8 tensor."""
     parts: List[torch.Tensor] = []
     for s in sections:
         b = _bytes(s)
         parts.append(b)
         if _pad(b.numel()):
-            parts.append(torch.zeros(_pad(b.numel()), dtype=torch.uint8))
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+            parts.append(torch.zeros(_pad(b.numel()), dtype=torch.uint8, device=b.device))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
 
 def _table_rows(sharded: ShardedEmbeddingBagCollection) -> Dict[str, Tuple[int, str, Tuple[str, ...]]]:
