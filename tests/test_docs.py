@@ -1263,3 +1263,18 @@ def test_checker_flags_a_package_script_run_by_path(tmp_path, monkeypatch):
     assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.x"]) == []
     assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.y"]) == [
         "python -m benchmarks.y: no such module (or package without __main__.py) in the repository"]
+
+
+def test_package_exports_are_visible_to_type_checkers():
+    """``torchrec_sparselift/__init__.py`` imports lazily at run time (``_EXPORTS``); its
+    ``if TYPE_CHECKING:`` block imports the same names from the same modules, so IDEs and mypy see
+    them, and ``__all__`` lists them: the three agree."""
+    import torchrec_sparselift
+
+    tree = _parse(os.path.join(REPO, PACKAGE, "__init__.py"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {a.asname or a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    lazy = dict(torchrec_sparselift._EXPORTS)
+    assert typed == lazy, (f"TYPE_CHECKING imports {sorted(set(typed.items()) ^ set(lazy.items()))} differ from "
+                           f"_EXPORTS: import each exported name from its module in both")
+    assert set(torchrec_sparselift.__all__) == {"__version__", *lazy}
