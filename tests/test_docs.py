@@ -128,7 +128,8 @@ GLOSSARY_TERMS: Tuple[str, ...] = (
     "R1", "R2", "R3", "R4", "never-slower rule", "hand back", "measured guard", "A/A control",
     "probe plan", "overlap bound", "sharding group", "sync interval", "pipeline kind",
     "comm precision", "step fit", "profile", "link correction", "lower bound", "gap", "2D",
-    "replica sync", "drift", "execution plan", "lossy comms", "stale",
+    "replica sync", "drift", "execution plan", "lossy comms", "stale", "fingerprint", "profile store",
+    "probe model", "Spearman", "qcomm", "TBE", "MAPE", "headroom", "regimes", "replica",
 )
 
 
