@@ -35,6 +35,11 @@ FEATURES = tuple(f for _, _, f in TABLES)
 SHARDINGS = ("table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel")
 REWRITES = {"int32": ("int32", ()), "dedup_int64": ("int64", FEATURES), "dedup_int32": ("int32", FEATURES)}
 TOL = dict(rtol=0.0, atol=0.0)  # bit for bit
+#: pipeline runs: (sharding, lift keywords); batch split does not split t1's mean-pooled row-wise output
+PIPELINES = {"sparse_dist": ("row_wise", dict(pipeline="sparse_dist")),
+             "overlap": ("row_wise", dict(pipeline="overlap")),
+             "batch_split": ("table_wise", dict(pipeline="overlap", batch_split=2,
+                                                pipeline_options={"per_sample": True}))}
 
 
 def _model() -> torch.nn.Module:
@@ -109,7 +114,7 @@ def _plan(model: torch.nn.Module, sharding: str):  # type: ignore[no-untyped-def
     return ShardingPlan({"ebc": ebc_plan})
 
 
-def _lift(sharding: str, start, pipeline: str = "base", **wire):  # type: ignore[no-untyped-def]
+def _lift(sharding: str, start, pipeline: str = "base", **kwargs):  # type: ignore[no-untyped-def]
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from torchrec_sparselift.runtime import copy_full_state, lift
@@ -117,7 +122,7 @@ def _lift(sharding: str, start, pipeline: str = "base", **wire):  # type: ignore
     model = _model()
     lifted = lift(model, _plan(model, sharding), device=torch.device("cpu"), pipeline=pipeline,
                   embedding_optimizer=(RowWiseAdagrad, {"lr": 0.3}),
-                  dense_optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1), **wire)
+                  dense_optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1), **kwargs)
     copy_full_state(lifted.model, start)
     return lifted
 
@@ -202,17 +207,20 @@ def _job(rank: int, world_size: int) -> dict:
                           for d in getattr(m, "_input_dists", ()))  # built at the first forward
             out[(sharding, name, "applied")] = (list(lifted.model.wire_ids_tables), wrapped,
                                                 lifted.settings.label())
-    # the sparse_dist pipeline calls input_dist itself, a batch ahead
-    for name, wire in (("base", {}), ("dedup_int32", dict(id_dtype="int32", dedup_features=FEATURES))):
-        lifted = _lift("row_wise", start, pipeline="sparse_dist", **wire)
-        it = iter(batches[:20])
-        losses = []
-        while True:
-            try:
-                losses.append(float(lifted.pipeline.progress(it)[0]))
-            except StopIteration:
-                break
-        out[("pipeline", name)] = (losses, _weights(lifted.model))
+    # the pipelines call input_dist themselves, a batch ahead (batch split: the overlap pipeline's
+    # output all-to-alls in 2 chunks, runtime.batch_split)
+    for kind, (sharding, extra) in PIPELINES.items():
+        for name, wire in (("base", {}), ("dedup_int32", dict(id_dtype="int32", dedup_features=FEATURES)),
+                           ("int32", dict(id_dtype="int32"))):
+            lifted = _lift(sharding, start, **extra, **wire)
+            it = iter(batches[:20])
+            losses = []
+            while True:
+                try:
+                    losses.append(float(lifted.pipeline.progress(it)[0]))
+                except StopIteration:
+                    break
+            out[("pipeline", kind, name)] = (losses, _weights(lifted.model))
     return out
 
 
@@ -275,9 +283,11 @@ def test_dedup_sends_fewer_bytes_than_narrow_on_repeating_ids(runs, sharding: st
 
 
 @pytest.mark.multiprocess
-def test_sparse_dist_pipeline_with_dedup_trains_exactly(runs) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", list(PIPELINES))
+@pytest.mark.parametrize("rewrite", ["int32", "dedup_int32"])
+def test_pipelines_with_ids_on_the_wire_train_exactly(runs, kind: str, rewrite: str) -> None:  # type: ignore[no-untyped-def]
     for rank, out in enumerate(runs):
-        _assert_same(out[("pipeline", "dedup_int32")], out[("pipeline", "base")], f"rank {rank} pipeline")
+        _assert_same(out[("pipeline", kind, rewrite)], out[("pipeline", kind, "base")], f"rank {rank} {kind}")
 
 
 @pytest.mark.multiprocess
