@@ -841,10 +841,10 @@ def timeline_png(steps: Mapping[str, Sequence[MeasuredStep]], path: str, title: 
             handles.append(plt.Rectangle((0, 0), 1, 1, facecolor=_MAIN_COLORS[k],
                                          edgecolor="#999999" if k == "waiting" else _MAIN_COLORS[k]))
             labels.append(("main thread " + k) if k == "waiting" else k)
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=max(2, (len(handles) + 1) // 2), fontsize=8, frameon=False)
     if title:
         fig.suptitle(_wrap(title, 110), fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 if len(handles) <= 4 else 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     size = _save(fig, path)
     return TimelinePicture(path, tuple(names), tuple(drawn_all), size)
 
