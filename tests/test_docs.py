@@ -201,6 +201,22 @@ class Doc:
             if not self.fence[i]:
                 yield i + 1, re.sub(r"<!--.*?-->", "", line)
 
+    def paragraphs(self) -> Iterator[Tuple[int, str]]:
+        """(first line, text) of each paragraph outside code blocks (its lines joined, so a code
+        span broken over two lines is one span); a table row is a paragraph of its own."""
+        start, parts = 0, []
+        for line, text in list(self.prose()) + [(len(self.lines) + 1, "")]:
+            if not text.strip() or _is_row(text):
+                if parts:
+                    yield start, " ".join(parts)
+                    parts = []
+                if _is_row(text):
+                    yield line, text
+                continue
+            if not parts:
+                start = line
+            parts.append(text.strip())
+
     def tables(self) -> Iterator[Tuple[int, str, List[List[str]]]]:
         """(line of the header, marker comment just above it or "", rows of cells incl. header)."""
         i, n = 0, len(self.lines)
@@ -374,25 +390,28 @@ def check_registries(doc: Doc) -> List[Problem]:
                     out.append(Problem(doc.path, line + k + 1, f"{name}: {cell} bytes stated, the registry "
                                                                f"has {entry.bytes}"))
     sep = r"(?:\s*,\s*(?:and\s+|or\s+)?|\s+(?:and|or)\s+|\s*/\s*)"
-    run = re.compile(r"`[\w]+`(?:" + sep + r"`[\w]+`)+")
+    run = re.compile(r"`?\b\w+\b`?(?:" + sep + r"`?\b\w+\b`?)+")  # code spans or bare words
     allowed_pipelines = {pipelines: "every pipeline kind", _exact_pipelines(): "every exact pipeline kind"}
     allowed_precisions = {precisions: "every comm precision", _cpu_precisions(): "the precisions offered on CPU"}
-    for line, text in doc.prose():
+    for line, text in doc.paragraphs():
+        # a code span that is not one name (a flag's value, a command, an expression) is opaque
+        text = CODE_SPAN.sub(lambda c: c.group(0) if re.fullmatch(r"\w+", c.group(2).strip()) else " | ", text)
         for m in run.finditer(text):
-            names = tuple(re.findall(r"`(\w+)`", m.group(0)))
+            names = tuple(re.findall(r"\w+", m.group(0).replace(" and ", " ").replace(" or ", " ")))
             for known, allowed, least in ((pipelines, allowed_pipelines, 4), (precisions, allowed_precisions, 3)):
                 mine = tuple(n for n in names if n in known)
                 if len(mine) >= least and mine not in allowed:
                     out.append(Problem(doc.path, line, f"lists {', '.join(mine)}: a list of {least} or more names "
                                        f"is one of {[list(a) for a in allowed]} (torchrec_sparselift.vocabulary), "
                                        f"in that order"))
-        for m in re.finditer(r"\b(\d+|" + "|".join(NUMBERS) + r")\s+(exact\s+)?(?:train\s+)?pipeline\s+kinds\b",
-                             text, re.IGNORECASE):
+        for m in re.finditer(r"\b(?:all|the|its|every one of the)\s+(\d+|" + "|".join(NUMBERS)
+                             + r")\s+(exact\s+)?(?:train\s+)?pipeline\s+kinds\b", text, re.IGNORECASE):
             n = int(m.group(1)) if m.group(1).isdigit() else NUMBERS[m.group(1).lower()]
             want = len(_exact_pipelines()) if m.group(2) else len(pipelines)
             if n != want:
                 out.append(Problem(doc.path, line, f"{m.group(0)!r}: the registry has {want}"))
-        for m in re.finditer(r"\b(\d+|" + "|".join(NUMBERS) + r")\s+comm\s+precisions\b", text, re.IGNORECASE):
+        for m in re.finditer(r"\b(?:all|the|its)\s+(\d+|" + "|".join(NUMBERS) + r")\s+comm\s+precisions\b", text,
+                             re.IGNORECASE):
             n = int(m.group(1)) if m.group(1).isdigit() else NUMBERS[m.group(1).lower()]
             if n != len(precisions):
                 out.append(Problem(doc.path, line, f"{m.group(0)!r}: the registry has {len(precisions)}"))
@@ -1214,6 +1233,10 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
     ("docs/concepts.md", "<!-- registry: pipelines -->",
      "`base`, `sparse_dist`, `fused`, `semi_sync`, `prefetch` are the kinds.\n\n<!-- registry: pipelines -->",
      "lists base, sparse_dist, fused, semi_sync, prefetch"),
+    # (b) the same as bare words in a table cell
+    ("docs/concepts.md", "| <a id=\"rank\"></a>**rank** |",
+     "| pipeline | TorchRec train-pipeline kind: base, sparse_dist, fused, semi_sync, prefetch |\n"
+     "| <a id=\"rank\"></a>**rank** |", "lists base, sparse_dist, fused, semi_sync, prefetch"),
     # (b) a registry table missing a row
     ("docs/concepts.md", "| `overlap_stale` |", "| `overlap_stale_gone` |", "the pipelines table lists"),
     # (c) a flag the command does not accept
