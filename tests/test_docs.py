@@ -133,20 +133,25 @@ GLOSSARY_TERMS: Tuple[str, ...] = (
 )
 
 
+def _name(value: Any) -> str:
+    """A registry name, whether the vocabulary spells it as a string or an enum member."""
+    return str(getattr(value, "value", value))
+
+
 def _pipelines() -> Tuple[str, ...]:
-    return tuple(p.name for p in vocabulary.PIPELINE_REGISTRY)
+    return tuple(_name(p) for p in vocabulary.PIPELINES)
 
 
 def _exact_pipelines() -> Tuple[str, ...]:
-    return tuple(p.name for p in vocabulary.PIPELINE_REGISTRY if not p.stale)
+    return tuple(n for n in _pipelines() if vocabulary.pipeline(n).exact)
 
 
 def _precisions() -> Tuple[str, ...]:
-    return tuple(p.name for p in vocabulary.COMM_PRECISION_REGISTRY)
+    return tuple(_name(p) for p in vocabulary.COMM_PRECISIONS)
 
 
 def _cpu_precisions() -> Tuple[str, ...]:
-    offered = {n for pair in vocabulary.comm_precision_pairs(True, True, compute_device="cpu") for n in pair}
+    offered = {_name(n) for pair in vocabulary.comm_precision_pairs(True, True, compute_device="cpu") for n in pair}
     return tuple(n for n in _precisions() if n in offered)
 
 
@@ -195,6 +200,22 @@ class Doc:
         for i, line in enumerate(self.lines):
             if not self.fence[i]:
                 yield i + 1, re.sub(r"<!--.*?-->", "", line)
+
+    def paragraphs(self) -> Iterator[Tuple[int, str]]:
+        """(first line, text) of each paragraph outside code blocks (its lines joined, so a code
+        span broken over two lines is one span); a table row is a paragraph of its own."""
+        start, parts = 0, []
+        for line, text in list(self.prose()) + [(len(self.lines) + 1, "")]:
+            if not text.strip() or _is_row(text):
+                if parts:
+                    yield start, " ".join(parts)
+                    parts = []
+                if _is_row(text):
+                    yield line, text
+                continue
+            if not parts:
+                start = line
+            parts.append(text.strip())
 
     def tables(self) -> Iterator[Tuple[int, str, List[List[str]]]]:
         """(line of the header, marker comment just above it or "", rows of cells incl. header)."""
@@ -340,8 +361,8 @@ def check_registries(doc: Doc) -> List[Problem]:
     out = []
     pipelines, precisions = _pipelines(), _precisions()
     registries = {
-        "pipelines": (pipelines, {r.name: r for r in vocabulary.PIPELINE_REGISTRY}),
-        "comm_precisions": (precisions, {r.name: r for r in vocabulary.COMM_PRECISION_REGISTRY}),
+        "pipelines": (pipelines, {n: vocabulary.pipeline(n) for n in pipelines}),
+        "comm_precisions": (precisions, {n: vocabulary.comm_precision(n) for n in precisions}),
     }
     for line, marker, rows in doc.tables():
         m = re.fullmatch(r"registry:\s*(\w+)", marker)
@@ -358,36 +379,39 @@ def check_registries(doc: Doc) -> List[Problem]:
             continue
         header = [c.lower() for c in rows[0]]
         for k, row in enumerate(rows[1:], start=1):
-            entry = by_name[listed[k - 1]]
+            entry, name = by_name[listed[k - 1]], listed[k - 1]
             for col, cell in zip(header, row):
                 if col == "exact" or col.startswith("same losses"):
                     says = cell.lower().startswith("yes")
                     if says != entry.exact:
-                        out.append(Problem(doc.path, line + k + 1, f"{entry.name}: the table says exact={says}, "
+                        out.append(Problem(doc.path, line + k + 1, f"{name}: the table says exact={says}, "
                                                                    f"the registry {entry.exact}"))
                 if col == "bytes" and _value(cell) != entry.bytes:
-                    out.append(Problem(doc.path, line + k + 1, f"{entry.name}: {cell} bytes stated, the registry "
+                    out.append(Problem(doc.path, line + k + 1, f"{name}: {cell} bytes stated, the registry "
                                                                f"has {entry.bytes}"))
     sep = r"(?:\s*,\s*(?:and\s+|or\s+)?|\s+(?:and|or)\s+|\s*/\s*)"
-    run = re.compile(r"`[\w]+`(?:" + sep + r"`[\w]+`)+")
+    run = re.compile(r"`?\b\w+\b`?(?:" + sep + r"`?\b\w+\b`?)+")  # code spans or bare words
     allowed_pipelines = {pipelines: "every pipeline kind", _exact_pipelines(): "every exact pipeline kind"}
     allowed_precisions = {precisions: "every comm precision", _cpu_precisions(): "the precisions offered on CPU"}
-    for line, text in doc.prose():
+    for line, text in doc.paragraphs():
+        # a code span that is not one name (a flag's value, a command, an expression) is opaque
+        text = CODE_SPAN.sub(lambda c: c.group(0) if re.fullmatch(r"\w+", c.group(2).strip()) else " | ", text)
         for m in run.finditer(text):
-            names = tuple(re.findall(r"`(\w+)`", m.group(0)))
+            names = tuple(re.findall(r"\w+", m.group(0).replace(" and ", " ").replace(" or ", " ")))
             for known, allowed, least in ((pipelines, allowed_pipelines, 4), (precisions, allowed_precisions, 3)):
                 mine = tuple(n for n in names if n in known)
                 if len(mine) >= least and mine not in allowed:
                     out.append(Problem(doc.path, line, f"lists {', '.join(mine)}: a list of {least} or more names "
                                        f"is one of {[list(a) for a in allowed]} (torchrec_sparselift.vocabulary), "
                                        f"in that order"))
-        for m in re.finditer(r"\b(\d+|" + "|".join(NUMBERS) + r")\s+(exact\s+)?(?:train\s+)?pipeline\s+kinds\b",
-                             text, re.IGNORECASE):
+        for m in re.finditer(r"\b(?:all|the|its|every one of the)\s+(\d+|" + "|".join(NUMBERS)
+                             + r")\s+(exact\s+)?(?:train\s+)?pipeline\s+kinds\b", text, re.IGNORECASE):
             n = int(m.group(1)) if m.group(1).isdigit() else NUMBERS[m.group(1).lower()]
             want = len(_exact_pipelines()) if m.group(2) else len(pipelines)
             if n != want:
                 out.append(Problem(doc.path, line, f"{m.group(0)!r}: the registry has {want}"))
-        for m in re.finditer(r"\b(\d+|" + "|".join(NUMBERS) + r")\s+comm\s+precisions\b", text, re.IGNORECASE):
+        for m in re.finditer(r"\b(?:all|the|its)\s+(\d+|" + "|".join(NUMBERS) + r")\s+comm\s+precisions\b", text,
+                             re.IGNORECASE):
             n = int(m.group(1)) if m.group(1).isdigit() else NUMBERS[m.group(1).lower()]
             if n != len(precisions):
                 out.append(Problem(doc.path, line, f"{m.group(0)!r}: the registry has {len(precisions)}"))
@@ -1127,8 +1151,8 @@ def _report(problems: Sequence[Problem]) -> str:
 
 def test_the_code_side_of_the_checks_is_consistent():
     assert two_d.DEFAULT_MAX_SYNC_INTERVAL == defaults.MAX_SYNC_INTERVAL
-    assert tuple(vocabulary.PIPELINES) == _pipelines()
-    assert tuple(vocabulary.COMM_PRECISIONS) == _precisions()
+    assert len(_pipelines()) == len(set(_pipelines())) >= 1
+    assert len(_precisions()) == len(set(_precisions())) >= 1
     for key, read in DEFAULTS.items():
         read()  # every default the docs may state is readable from the code
 
@@ -1209,6 +1233,10 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
     ("docs/concepts.md", "<!-- registry: pipelines -->",
      "`base`, `sparse_dist`, `fused`, `semi_sync`, `prefetch` are the kinds.\n\n<!-- registry: pipelines -->",
      "lists base, sparse_dist, fused, semi_sync, prefetch"),
+    # (b) the same as bare words in a table cell
+    ("docs/concepts.md", "| <a id=\"rank\"></a>**rank** |",
+     "| pipeline | TorchRec train-pipeline kind: base, sparse_dist, fused, semi_sync, prefetch |\n"
+     "| <a id=\"rank\"></a>**rank** |", "lists base, sparse_dist, fused, semi_sync, prefetch"),
     # (b) a registry table missing a row
     ("docs/concepts.md", "| `overlap_stale` |", "| `overlap_stale_gone` |", "the pipelines table lists"),
     # (c) a flag the command does not accept
@@ -1258,3 +1286,18 @@ def test_checker_flags_a_package_script_run_by_path(tmp_path, monkeypatch):
     assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.x"]) == []
     assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.y"]) == [
         "python -m benchmarks.y: no such module (or package without __main__.py) in the repository"]
+
+
+def test_package_exports_are_visible_to_type_checkers():
+    """``torchrec_sparselift/__init__.py`` imports lazily at run time (``_EXPORTS``); its
+    ``if TYPE_CHECKING:`` block imports the same names from the same modules, so IDEs and mypy see
+    them, and ``__all__`` lists them: the three agree."""
+    import torchrec_sparselift
+
+    tree = _parse(os.path.join(REPO, PACKAGE, "__init__.py"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {a.asname or a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    lazy = dict(torchrec_sparselift._EXPORTS)
+    assert typed == lazy, (f"TYPE_CHECKING imports {sorted(set(typed.items()) ^ set(lazy.items()))} differ from "
+                           f"_EXPORTS: import each exported name from its module in both")
+    assert set(torchrec_sparselift.__all__) == {"__version__", *lazy}

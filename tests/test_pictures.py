@@ -124,8 +124,11 @@ def test_plan_picture_shows_the_ranks_the_modelled_timeline_and_the_measured_kin
     rows = [KindComparison("lookup", 1.3, 1.0), KindComparison("output_dist", 0.7, None),
             KindComparison("step", 9.0, 8.0)]
     path = str(tmp_path / "plan.png")
-    got = plan_png(SL, segments, path, title="plan", comparison=rows)
+    got = plan_png(SL, segments, path, title="plan", comparison=rows, capacity=([4 * GIB] * 3, [GIB] * 3))
     _assert_png(path, got.size_px)
+    assert got.memory == {"device": pytest.approx((3.0, 2.0, 1.0))}  # no host bytes: no host panel
+    assert got.capacity == {"device": pytest.approx((4.0, 4.0, 4.0))} and got.memory_unit == "GiB"
+    assert plan_png(SL, segments, path).memory == {}  # without a capacity: no memory panel
     assert got.bars.heights["compute"] == pytest.approx([2.0, 1.5, 1.0])
     assert got.step_ms == pytest.approx(4.0)
     assert [(lane, phase) for lane, phase, *_ in got.segments] == [(s.lane, s.phase) for s in segments]

@@ -15,7 +15,8 @@ model's forward) and changes two things:
   lookup *once* over the whole batch; its local pooled embeddings are then split along the batch
   (every destination rank's samples ``[s_j, s_j + b_j)``, :func:`chunk_sizes`) and TorchRec's own
   output dist (the pooled all-to-all for table-wise and column-wise, the reduce-scatter for
-  row-wise, nothing for data-parallel) is called on each chunk with that chunk's batch size; each
+  row-wise, the reduce-scatter within a host then the all-to-all across hosts for table-row-wise,
+  nothing for data-parallel) is called on each chunk with that chunk's batch size; each
   returns chunk j's ``KeyedTensor``. On CUDA all k collectives are issued before the model runs
   (NCCL sends them in issue order); on CPU chunk 0's is, and chunk j+1's when chunk j's
   embeddings have arrived and are read (gloo runs two collectives at once: issued together, chunks
@@ -86,8 +87,8 @@ __all__ = [
 #: sharding types whose output collective is split (their local pooled embeddings hold every
 #: destination rank's samples in rank order: ``[world * B, D]``), and data-parallel (``[B, D]``,
 #: no collective: split alone)
-SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel")
-_RANK_MAJOR = ("table_wise", "column_wise", "row_wise")
+SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+_RANK_MAJOR = ("table_wise", "column_wise", "row_wise", "table_row_wise")
 
 #: profiler range around the lookups and the k chunked output collectives of one step
 BATCH_SPLIT_LABEL = "## batch split: lookup + chunked output_dist issued ##"
