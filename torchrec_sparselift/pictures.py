@@ -82,6 +82,8 @@ _PHASE_COLORS = {
 }
 #: the hatch of every plan after the first (the first is solid), in order
 _PLAN_HATCHES = ("", "///", "...", "xx")
+#: the line style of each plan's step time, in order
+_STEP_STYLES = ("-", "--", ":", "-.")
 _MEMORY_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#8172B3")
 
 
@@ -197,7 +199,6 @@ def _time_bars(ax: Any, plans: Sequence[Tuple[str, Any]]) -> Tuple[List[RankBars
     offs, w = _offsets(len(plans))
     drawn, steps = [], {}
     top = 0.0
-    line_styles = ("-", "--", ":", "-.")
     for i, (name, p) in enumerate(plans):
         per = sorted(p.per_rank, key=lambda r: r.rank)
         ranks = [r.rank for r in per]
@@ -214,7 +215,7 @@ def _time_bars(ax: Any, plans: Sequence[Tuple[str, Any]]) -> Tuple[List[RankBars
             bottom = bottom + h
         drawn.append(RankBars(name, tuple(ranks), tuple(float(v) for v in x), heights, bottoms))
         step = p.step_time_s * 1e3
-        line = ax.axhline(step, color="black", ls=line_styles[i], lw=1.2)
+        line = ax.axhline(step, color="black", ls=_STEP_STYLES[i], lw=1.2)
         steps[name] = float(line.get_ydata()[0])
         top = max(top, step, float(bottom.max()))
     ax.set_ylim(0, 1.12 * top if top > 0 else 1.0)
@@ -233,9 +234,9 @@ def _term_legend(plans: Sequence[Tuple[str, Any]]) -> Tuple[List[Any], List[str]
     return handles, labels
 
 
-def _plan_legend(ax: Any, plans: Sequence[Tuple[str, Any]], steps: Mapping[str, float], ncol: int = 3) -> None:
+def _plan_legend(ax: Any, plans: Sequence[Tuple[str, Any]], steps: Mapping[str, float]) -> None:
+    """The terms, which bar is which plan, and each plan's step line."""
     plt = _pyplot()
-    line_styles = ("-", "--", ":", "-.")
     handles, labels = _term_legend(plans)
     for i, (name, _p) in enumerate(plans):
         if len(plans) > 1:
@@ -243,7 +244,7 @@ def _plan_legend(ax: Any, plans: Sequence[Tuple[str, Any]], steps: Mapping[str, 
             handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#BBBBBB", hatch=_PLAN_HATCHES[i],
                                          edgecolor="white" if i else "#BBBBBB"))
             labels.append(f"{name}: {where} bars")
-        handles.append(plt.Line2D([0], [0], color="black", ls=line_styles[i], lw=1.2))
+        handles.append(plt.Line2D([0], [0], color="black", ls=_STEP_STYLES[i], lw=1.2))
         labels.append(f"{name} step {steps[name]:.3f} ms")
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False,
               title="each rank's embedding work (the step line\nadds the dense part and fixed per-step work)",
