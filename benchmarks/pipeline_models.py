@@ -42,7 +42,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--attribute", action="store_true", help="profile each pipeline's first model after timing")
     args = p.parse_args(argv)
     args.workloads = names_arg(p, "--workloads", args.workloads, WORKLOADS)
-    from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
+    from torchrec_sparselift.vocabulary import PIPELINES as PIPELINE_KINDS
 
     args.pipelines = names_arg(p, "--pipelines", args.pipelines, PIPELINE_KINDS)
     for name in ("models", "blocks", "block_steps"):

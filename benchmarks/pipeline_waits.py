@@ -34,7 +34,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from real_runs import WORKLOADS, names_arg
 
-    from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
+    from torchrec_sparselift.vocabulary import PIPELINES as PIPELINE_KINDS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="kaggle", help=f"comma-separated from {','.join(WORKLOADS)}")
