@@ -1,6 +1,6 @@
 """Bad inputs and faults, tried as a new user would: does each give one clear error?
 
-    PYTHONPATH=$PWD python benchmarks/bad_inputs.py [--only SUBSTRING] [--json OUT]
+    python -m benchmarks.bad_inputs [--only SUBSTRING] [--json OUT]
 
 Each case feeds one bad input or fault to the public API (``SparseLiftPlanner``,
 ``evaluate_sharding_plan``, ``HardwareProfile.load``, ``ProfileStore``, ``PlanCache``), the

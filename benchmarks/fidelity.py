@@ -2,10 +2,10 @@
 
 Three stages (``scripts/bench_fidelity.sh`` runs them in order)::
 
-    python benchmarks/fidelity.py predict --out runs/fidelity/plans.pkl
-    torchrun --standalone --nproc_per_node 2 benchmarks/fidelity.py measure \
+    python -m benchmarks.fidelity predict --out runs/fidelity/plans.pkl
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.fidelity measure \
         --plans runs/fidelity/plans.pkl --reps 3 --steps 60 --warmup 15 --out runs/fidelity/measured.json
-    python benchmarks/fidelity.py report --plans runs/fidelity/plans.pkl \
+    python -m benchmarks.fidelity report --plans runs/fidelity/plans.pkl \
         --measured runs/fidelity/measured.json [--profile profiles/cpu-2core-gloo.json]
 
 ``predict`` builds the DLRM example's model (``examples/dlrm``: its tables, ``build_model`` on the
@@ -48,8 +48,6 @@ from torchrec_sparselift.dlrm import tables as dlrm_tables
 from torchrec_sparselift.dlrm.data import synthetic_batches
 from torchrec_sparselift.dlrm.logs import quiet_logs
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_EXAMPLE = os.path.join(os.path.dirname(_HERE), "examples", "dlrm")
 
 __all__ = [
     "PLAN_KINDS",

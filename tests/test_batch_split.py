@@ -1,6 +1,7 @@
 """Batch-split pipelining (runtime/batch_split.py) on 2 gloo ranks: exact (losses and final dense
 and embedding weights equal the unsplit overlap pipeline's over 50 steps of TorchRec's DLRM, for
-k = 2 and 4, table-wise alone and table-wise + row-wise + column-wise + data-parallel), really
+k = 2 and 4, table-wise alone, table-wise + row-wise + column-wise + data-parallel, and
+table-row-wise + table-wise + row-wise), really
 split (k output all-to-alls, all issued before the first chunk's dense forward, and k gradient
 all-to-alls, each issued before the dense backward of the chunk before it), and refused with its
 reason for models it cannot prove per-sample."""
@@ -26,6 +27,8 @@ KS = (2, 4)
 PLANS = {
     "table_wise": {"t0": ("tw", 0), "t1": ("tw", 1), "t2": ("tw", 0), "t3": ("tw", 1), "t4": ("tw", 0)},
     "mixed": {"t0": ("tw", 0), "t1": ("tw", 1), "t2": ("rw", None), "t3": ("cw", None), "t4": ("dp", None)},
+    "table_row_wise": {"t0": ("twrw", None), "t1": ("tw", 1), "t2": ("twrw", None), "t3": ("tw", 0),
+                       "t4": ("rw", None)},
 }
 
 
@@ -67,7 +70,8 @@ def _sharded(plan_name: str, state: Dict[str, Any] = None):  # type: ignore[assi
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, get_default_sharders, row_wise, table_wise,
+        column_wise, construct_module_sharding_plan, data_parallel, get_default_sharders, row_wise, table_row_wise,
+        table_wise,
     )  # fmt: skip
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -80,7 +84,8 @@ def _sharded(plan_name: str, state: Dict[str, Any] = None):  # type: ignore[assi
     make = {"tw": lambda r: table_wise(rank=r, compute_kernel="fused"),
             "rw": lambda r: row_wise(compute_kernel="fused"),
             "cw": lambda r: column_wise(ranks=[0, 1], compute_kernel="fused"),
-            "dp": lambda r: data_parallel()}
+            "dp": lambda r: data_parallel(),
+            "twrw": lambda r: table_row_wise(host_index=0)}
     spec = PLANS[plan_name]
     plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
         ebc, {t: make[kind](r) for t, (kind, r) in spec.items()},
@@ -106,7 +111,7 @@ def _local(value: Any) -> torch.Tensor:
     return value.detach().flatten()
 
 
-def _train(dmp, opt, chunks: int, batches, count=None):  # type: ignore[no-untyped-def]
+def _train(dmp, opt, chunks: int, batches, count=None, chain=None):  # type: ignore[no-untyped-def]
     """STEPS steps: the unsplit overlap pipeline (``chunks`` 0) or batch split into ``chunks``;
     losses, and the collectives per step when ``count`` is a list."""
     import torch.distributed as dist
@@ -118,7 +123,8 @@ def _train(dmp, opt, chunks: int, batches, count=None):  # type: ignore[no-untyp
     device = torch.device("cpu")
     # the unsplit pipeline built directly; the split one as the runtime builds it from a plan
     pipe = (TrainPipelineOverlap(dmp, opt, device) if chunks == 0
-            else make_train_pipeline("overlap", dmp, opt, device, batch_split=chunks))
+            else make_train_pipeline("overlap", dmp, opt, device, batch_split=chunks,
+                                     options=None if chain is None else {"chain_chunks": chain}))
     assert type(pipe) is (TrainPipelineOverlap if chunks == 0 else TrainPipelineBatchSplit)
     it = iter(batches)
     losses = []
@@ -163,6 +169,9 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     for plan_name in PLANS:
         ref_dmp, ref_opt = _sharded(plan_name)
         start = copy.deepcopy(dict(ref_dmp.state_dict()))
+        if plan_name == "table_wise":
+            start_tw = copy.deepcopy(start)
+        out[plan_name, "start"] = {k: _local(v).clone() for k, v in ref_dmp.state_dict().items()}
         ref_calls: List[str] = []
         out[plan_name, 0] = _train(ref_dmp, ref_opt, 0, batches, count=ref_calls)
         out[plan_name, 0, "calls"] = ref_calls
@@ -173,6 +182,12 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
             out[plan_name, k] = _train(dmp, opt, k, batches, count=calls)
             out[plan_name, k, "calls"] = calls
             out[plan_name, k, "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
+    # every chunk's collective issued before the forward (the CUDA order) run on gloo
+    dmp, opt = _sharded("table_wise", copy.deepcopy(start_tw))
+    calls = []
+    out["upfront"] = _train(dmp, opt, 4, batches, count=calls, chain=False)
+    out["upfront", "calls"] = calls
+    out["upfront", "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
     return out
 
 
@@ -199,6 +214,9 @@ def test_batch_split_final_weights_equal_the_unsplit_pipeline(results, plan_name
         ref, split = r[plan_name, 0, "weights"], r[plan_name, k, "weights"]
         assert split.keys() == ref.keys()
         assert any("embedding_bags" in n for n in ref) and any("over_arch" in n for n in ref)
+        for n in ref:  # every table trains (a table that never updates would compare equal trivially)
+            if "embedding_bags" in n and ref[n].numel():
+                assert not torch.equal(ref[n], r[plan_name, "start"][n]), f"rank {rank} {plan_name}: {n} never trained"
         for n, v in ref.items():
             torch.testing.assert_close(split[n], v, rtol=1e-4, atol=1e-5,
                                        msg=lambda m, n=n: f"rank {rank} {plan_name} k={k} {n}: {m}")
@@ -213,10 +231,22 @@ def test_batch_split_issues_k_output_and_k_gradient_all_to_alls(results, k):
         assert calls.count("output_dist") == k
         assert calls.count("grad_dist") == k
         sparse = [c for c in calls if c in ("output_dist", "grad_dist", "over_arch_fwd", "over_arch_bwd")]
-        # every chunk's output all-to-all is issued before the first chunk's dense forward; in
-        # backward (last chunk first) each chunk's gradient all-to-all is issued before the
-        # dense backward of the chunk before it
-        assert sparse == (["output_dist"] * k + ["over_arch_fwd"] * k + ["over_arch_bwd", "grad_dist"] * k)
+        # on gloo chunk j+1's output all-to-all is issued when chunk j's embeddings are read (one
+        # chunk on the wire at a time), before chunk j's over arch; in backward (last chunk first)
+        # each chunk's gradient all-to-all is issued before the dense backward of the chunk before it
+        assert sparse == (["output_dist"] + ["output_dist", "over_arch_fwd"] * (k - 1) + ["over_arch_fwd"]
+                          + ["over_arch_bwd", "grad_dist"] * k)
+
+
+def test_every_chunk_issued_before_the_forward_is_exact_too(results):
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(torch.tensor(r["upfront"]), torch.tensor(r["table_wise", 0]), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+        for n, v in r["table_wise", 0, "weights"].items():
+            torch.testing.assert_close(r["upfront", "weights"][n], v, rtol=1e-4, atol=1e-5)
+        sparse = [c for c in r["upfront", "calls"] if c in ("output_dist", "grad_dist", "over_arch_fwd",
+                                                              "over_arch_bwd")]
+        assert sparse == ["output_dist"] * 4 + ["over_arch_fwd"] * 4 + ["over_arch_bwd", "grad_dist"] * 4
 
 
 def test_the_unsplit_pipeline_issues_one_of_each(results):

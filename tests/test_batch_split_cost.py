@@ -41,6 +41,7 @@ _EPS = 1e-12
 @given(terms())
 def test_one_chunk_is_the_unsplit_step(t):
     assert split_step_s(t, 1) == pytest.approx(unsplit_step_s(t), rel=1e-12, abs=_EPS)
+    assert split_step_s(t, 1, chained=True) == pytest.approx(unsplit_step_s(t), rel=1e-12, abs=_EPS)
 
 
 @settings(max_examples=300, deadline=None)
@@ -63,15 +64,24 @@ def test_the_unsplit_step_is_the_overlap_kind_s_composition(t):
 
 
 @settings(max_examples=300, deadline=None)
-@given(terms(), st.integers(1, MAX_CHUNKS))
-def test_the_step_is_never_below_max_of_compute_and_communication(t, k):
-    assert split_step_s(t, k) >= max(t.compute_s, t.comm_s) - _EPS
+@given(terms(), st.integers(1, MAX_CHUNKS), st.booleans())
+def test_the_step_is_never_below_max_of_compute_and_communication(t, k, chained):
+    assert split_step_s(t, k, chained) >= max(t.compute_s, t.comm_s) - _EPS
 
 
 @settings(max_examples=500, deadline=None)
+@given(terms(), st.integers(1, MAX_CHUNKS), st.booleans())
+def test_the_step_is_never_above_the_unsplit_step_plus_k_per_chunk_costs(t, k, chained):
+    assert split_step_s(t, k, chained) <= unsplit_step_s(t) + k * t.per_chunk_s + _EPS
+
+
+@settings(max_examples=300, deadline=None)
 @given(terms(), st.integers(1, MAX_CHUNKS))
-def test_the_step_is_never_above_the_unsplit_step_plus_k_per_chunk_costs(t, k):
-    assert split_step_s(t, k) <= unsplit_step_s(t) + k * t.per_chunk_s + _EPS
+def test_chaining_never_brings_a_chunk_earlier(t, k):
+    upfront, chained = split_schedule(t, k), split_schedule(t, k, chained=True)
+    assert chained.step_s >= upfront.step_s - _EPS
+    assert all(c.arrival_s >= u.arrival_s - _EPS for c, u in zip(chained.chunks, upfront.chunks))
+    assert split_step_s(t, 1, chained=True) == split_step_s(t, 1)
 
 
 @settings(max_examples=200, deadline=None)
@@ -106,6 +116,8 @@ def test_a_comm_bound_dlrm_step_splits_and_a_costly_chunk_does_not():
     assert sched.step_s >= t.compute_s + (k - 1) * t.chunk_overhead_s
     assert choose_chunks(_dlrm_like(latency=0.001, overhead=0.2), batch_size=1024) == 1
     assert choose_chunks(t, batch_size=1) == 1
+    # chained (gloo's order): the dense forward per chunk outlasts a chunk's transfer, so it splits too
+    assert choose_chunks(t, batch_size=1024, chained=True) > 1
 
 
 def test_chunks_arrive_in_order_and_gradients_leave_last_chunk_first():

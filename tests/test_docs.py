@@ -25,6 +25,8 @@ What counts as a stated fact (and so what a doc must use to state one):
 * **Keyword arguments.** Every keyword of a call of ``SparseLiftPlanner``, ``lift``,
   ``build_2d_model_parallel`` or ``evaluate_sharding_plan`` in a Python block or a code span is
   one its signature accepts (:data:`CALLABLES`).
+* **Code references.** A code span ``module.name`` or ``module.Class.member`` naming a module of
+  the package (``semantics.tables.embedding_modules``) names something that module defines.
 * **Links.** Every relative link names an existing file, and its ``#anchor`` a heading there.
 * **README.** Its "Known limits" has at most 15 lines, each item linking to its page; every term
   of :data:`GLOSSARY_TERMS` that README or a doc uses is defined in docs/concepts.md's glossary.
@@ -107,6 +109,11 @@ DEFAULTS: Dict[str, Callable[[], Any]] = {
     # the 2D replica merge: None is TorchRec's plain averaging
     "replica_sync": lambda: _function_default("torchrec_sparselift/runtime/two_d.py",
                                               "build_2d_model_parallel", "replica_sync"),
+    # the opt-in 2D merge's own settings
+    "MomentumScaledRowWiseAdagrad.momentum": lambda: _field_default(
+        "torchrec_sparselift/optim/momentum_scaled.py", "MomentumScaledRowWiseAdagrad", "momentum"),
+    "MomentumScaledRowWiseAdagrad.preconditioner": lambda: _field_default(
+        "torchrec_sparselift/optim/momentum_scaled.py", "MomentumScaledRowWiseAdagrad", "preconditioner"),
     # the DLRM example's options (examples/dlrm/train.py's flags default to them)
     "TrainOptions.batch_size": lambda: _field_default("torchrec_sparselift/dlrm/options.py", "TrainOptions",
                                                       "batch_size"),
@@ -121,24 +128,30 @@ GLOSSARY_TERMS: Tuple[str, ...] = (
     "R1", "R2", "R3", "R4", "never-slower rule", "hand back", "measured guard", "A/A control",
     "probe plan", "overlap bound", "sharding group", "sync interval", "pipeline kind",
     "comm precision", "step fit", "profile", "link correction", "lower bound", "gap", "2D",
-    "replica sync", "drift", "execution plan", "lossy comms", "stale",
+    "replica sync", "drift", "execution plan", "lossy comms", "stale", "fingerprint", "profile store",
+    "probe model", "Spearman", "qcomm", "TBE", "MAPE", "headroom", "regimes", "replica",
 )
 
 
+def _name(value: Any) -> str:
+    """A registry name, whether the vocabulary spells it as a string or an enum member."""
+    return str(getattr(value, "value", value))
+
+
 def _pipelines() -> Tuple[str, ...]:
-    return tuple(p.name for p in vocabulary.PIPELINE_REGISTRY)
+    return tuple(_name(p) for p in vocabulary.PIPELINES)
 
 
 def _exact_pipelines() -> Tuple[str, ...]:
-    return tuple(p.name for p in vocabulary.PIPELINE_REGISTRY if not p.stale)
+    return tuple(n for n in _pipelines() if vocabulary.pipeline(n).exact)
 
 
 def _precisions() -> Tuple[str, ...]:
-    return tuple(p.name for p in vocabulary.COMM_PRECISION_REGISTRY)
+    return tuple(_name(p) for p in vocabulary.COMM_PRECISIONS)
 
 
 def _cpu_precisions() -> Tuple[str, ...]:
-    offered = {n for pair in vocabulary.comm_precision_pairs(True, True, compute_device="cpu") for n in pair}
+    offered = {_name(n) for pair in vocabulary.comm_precision_pairs(True, True, compute_device="cpu") for n in pair}
     return tuple(n for n in _precisions() if n in offered)
 
 
@@ -187,6 +200,22 @@ class Doc:
         for i, line in enumerate(self.lines):
             if not self.fence[i]:
                 yield i + 1, re.sub(r"<!--.*?-->", "", line)
+
+    def paragraphs(self) -> Iterator[Tuple[int, str]]:
+        """(first line, text) of each paragraph outside code blocks (its lines joined, so a code
+        span broken over two lines is one span); a table row is a paragraph of its own."""
+        start, parts = 0, []
+        for line, text in list(self.prose()) + [(len(self.lines) + 1, "")]:
+            if not text.strip() or _is_row(text):
+                if parts:
+                    yield start, " ".join(parts)
+                    parts = []
+                if _is_row(text):
+                    yield line, text
+                continue
+            if not parts:
+                start = line
+            parts.append(text.strip())
 
     def tables(self) -> Iterator[Tuple[int, str, List[List[str]]]]:
         """(line of the header, marker comment just above it or "", rows of cells incl. header)."""
@@ -332,8 +361,8 @@ def check_registries(doc: Doc) -> List[Problem]:
     out = []
     pipelines, precisions = _pipelines(), _precisions()
     registries = {
-        "pipelines": (pipelines, {r.name: r for r in vocabulary.PIPELINE_REGISTRY}),
-        "comm_precisions": (precisions, {r.name: r for r in vocabulary.COMM_PRECISION_REGISTRY}),
+        "pipelines": (pipelines, {n: vocabulary.pipeline(n) for n in pipelines}),
+        "comm_precisions": (precisions, {n: vocabulary.comm_precision(n) for n in precisions}),
     }
     for line, marker, rows in doc.tables():
         m = re.fullmatch(r"registry:\s*(\w+)", marker)
@@ -350,36 +379,39 @@ def check_registries(doc: Doc) -> List[Problem]:
             continue
         header = [c.lower() for c in rows[0]]
         for k, row in enumerate(rows[1:], start=1):
-            entry = by_name[listed[k - 1]]
+            entry, name = by_name[listed[k - 1]], listed[k - 1]
             for col, cell in zip(header, row):
                 if col == "exact" or col.startswith("same losses"):
                     says = cell.lower().startswith("yes")
                     if says != entry.exact:
-                        out.append(Problem(doc.path, line + k + 1, f"{entry.name}: the table says exact={says}, "
+                        out.append(Problem(doc.path, line + k + 1, f"{name}: the table says exact={says}, "
                                                                    f"the registry {entry.exact}"))
                 if col == "bytes" and _value(cell) != entry.bytes:
-                    out.append(Problem(doc.path, line + k + 1, f"{entry.name}: {cell} bytes stated, the registry "
+                    out.append(Problem(doc.path, line + k + 1, f"{name}: {cell} bytes stated, the registry "
                                                                f"has {entry.bytes}"))
     sep = r"(?:\s*,\s*(?:and\s+|or\s+)?|\s+(?:and|or)\s+|\s*/\s*)"
-    run = re.compile(r"`[\w]+`(?:" + sep + r"`[\w]+`)+")
+    run = re.compile(r"`?\b\w+\b`?(?:" + sep + r"`?\b\w+\b`?)+")  # code spans or bare words
     allowed_pipelines = {pipelines: "every pipeline kind", _exact_pipelines(): "every exact pipeline kind"}
     allowed_precisions = {precisions: "every comm precision", _cpu_precisions(): "the precisions offered on CPU"}
-    for line, text in doc.prose():
+    for line, text in doc.paragraphs():
+        # a code span that is not one name (a flag's value, a command, an expression) is opaque
+        text = CODE_SPAN.sub(lambda c: c.group(0) if re.fullmatch(r"\w+", c.group(2).strip()) else " | ", text)
         for m in run.finditer(text):
-            names = tuple(re.findall(r"`(\w+)`", m.group(0)))
+            names = tuple(re.findall(r"\w+", m.group(0).replace(" and ", " ").replace(" or ", " ")))
             for known, allowed, least in ((pipelines, allowed_pipelines, 4), (precisions, allowed_precisions, 3)):
                 mine = tuple(n for n in names if n in known)
                 if len(mine) >= least and mine not in allowed:
                     out.append(Problem(doc.path, line, f"lists {', '.join(mine)}: a list of {least} or more names "
                                        f"is one of {[list(a) for a in allowed]} (torchrec_sparselift.vocabulary), "
                                        f"in that order"))
-        for m in re.finditer(r"\b(\d+|" + "|".join(NUMBERS) + r")\s+(exact\s+)?(?:train\s+)?pipeline\s+kinds\b",
-                             text, re.IGNORECASE):
+        for m in re.finditer(r"\b(?:all|the|its|every one of the)\s+(\d+|" + "|".join(NUMBERS)
+                             + r")\s+(exact\s+)?(?:train\s+)?pipeline\s+kinds\b", text, re.IGNORECASE):
             n = int(m.group(1)) if m.group(1).isdigit() else NUMBERS[m.group(1).lower()]
             want = len(_exact_pipelines()) if m.group(2) else len(pipelines)
             if n != want:
                 out.append(Problem(doc.path, line, f"{m.group(0)!r}: the registry has {want}"))
-        for m in re.finditer(r"\b(\d+|" + "|".join(NUMBERS) + r")\s+comm\s+precisions\b", text, re.IGNORECASE):
+        for m in re.finditer(r"\b(?:all|the|its)\s+(\d+|" + "|".join(NUMBERS) + r")\s+comm\s+precisions\b", text,
+                             re.IGNORECASE):
             n = int(m.group(1)) if m.group(1).isdigit() else NUMBERS[m.group(1).lower()]
             if n != len(precisions):
                 out.append(Problem(doc.path, line, f"{m.group(0)!r}: the registry has {len(precisions)}"))
@@ -897,6 +929,91 @@ def check_keywords(doc: Doc) -> List[Problem]:
     return out
 
 
+# ---------------------------------------------------------------- code references
+
+
+def _module_names(path: str) -> Dict[str, ast.AST]:
+    """Names a module defines at its top level (functions, classes, assignments, imports), also
+    inside top-level ``if``/``try`` blocks."""
+    names: Dict[str, ast.AST] = {}
+    todo: List[ast.stmt] = list(_parse(path).body)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[n.name] = n
+        elif isinstance(n, ast.Assign):
+            for t in n.targets:
+                for x in ast.walk(t):
+                    if isinstance(x, ast.Name):
+                        names[x.id] = n
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            names[n.target.id] = n
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            for a in n.names:
+                names[(a.asname or a.name).split(".")[0]] = n
+        elif isinstance(n, (ast.If, ast.Try)):
+            todo += n.body + n.orelse + [h for x in getattr(n, "handlers", []) for h in x.body]
+    return names
+
+
+def _class_members(node: ast.ClassDef) -> Set[str]:
+    out = set()
+    for m in ast.walk(node):
+        if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(m.name)
+        elif isinstance(m, ast.AnnAssign) and isinstance(m.target, ast.Name):
+            out.add(m.target.id)
+        elif isinstance(m, ast.Assign):
+            out.update(t.id for t in m.targets if isinstance(t, ast.Name))
+        elif isinstance(m, ast.Attribute) and isinstance(m.value, ast.Name) and m.value.id == "self":
+            out.add(m.attr)
+    return out
+
+
+#: Package root modules whose names are also the docs' usual variable names (``planner.last_result``).
+VARIABLE_LIKE = {"planner", "plan"}
+
+
+def _reference_problem(ident: str) -> Optional[str]:
+    """Why a dotted reference to the package (``semantics.tables.embedding_modules``,
+    ``vocabulary.Pipeline.conflict``) names nothing, or None (it resolves, or is not one)."""
+    parts = ident.split(".")
+    if parts[0] == PACKAGE:
+        parts = parts[1:]
+    root = os.path.join(REPO, PACKAGE)
+    if not parts or not (os.path.isfile(os.path.join(root, parts[0] + ".py"))
+                         or os.path.isdir(os.path.join(root, parts[0]))):
+        return None
+    for k in range(len(parts), 0, -1):
+        f = _module_file(f"{PACKAGE}." + ".".join(parts[:k]))
+        if f is None:
+            continue
+        rest = parts[k:]
+        if not rest:
+            return None
+        names = _module_names(f)
+        where = f"{PACKAGE}." + ".".join(parts[:k])
+        if rest[0] not in names:
+            return None if parts[0] in VARIABLE_LIKE and k == 1 else f"{ident}: {where} has no {rest[0]!r}"
+        node = names[rest[0]]
+        if len(rest) > 1 and isinstance(node, ast.ClassDef) and rest[1] not in _class_members(node):
+            return f"{ident}: {where}.{rest[0]} has no {rest[1]!r}"
+        return None
+    return None
+
+
+def check_references(doc: Doc) -> List[Problem]:
+    out = []
+    for line, text in doc.prose():
+        for span in _spans(text):
+            m = re.fullmatch(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?", span)
+            if m:
+                why = _reference_problem(m.group(1))
+                if why:
+                    out.append(Problem(doc.path, line, why))
+    return out
+
+
 # ---------------------------------------------------------------- links, README
 
 
@@ -1018,7 +1135,7 @@ def check_all(root: str = REPO, paths: Optional[Sequence[str]] = None) -> List[P
     for path in paths:
         doc = Doc.read(root, path)
         problems += (check_defaults(doc) + check_registries(doc) + check_commands(doc) + check_keywords(doc)
-                     + check_links(doc, root))
+                     + check_references(doc) + check_links(doc, root))
     if "README.md" in paths:
         problems += check_readme(root)
     problems += check_glossary(root, paths)
@@ -1034,8 +1151,8 @@ def _report(problems: Sequence[Problem]) -> str:
 
 def test_the_code_side_of_the_checks_is_consistent():
     assert two_d.DEFAULT_MAX_SYNC_INTERVAL == defaults.MAX_SYNC_INTERVAL
-    assert tuple(vocabulary.PIPELINES) == _pipelines()
-    assert tuple(vocabulary.COMM_PRECISIONS) == _precisions()
+    assert len(_pipelines()) == len(set(_pipelines())) >= 1
+    assert len(_precisions()) == len(set(_precisions())) >= 1
     for key, read in DEFAULTS.items():
         read()  # every default the docs may state is readable from the code
 
@@ -1058,6 +1175,11 @@ def test_docs_python_examples_use_existing_keywords():
     assert not problems, _report(problems)
 
 
+def test_docs_code_references_resolve():
+    problems = [p for path in _doc_paths(REPO) for p in check_references(Doc.read(REPO, path))]
+    assert not problems, _report(problems)
+
+
 def test_docs_links_resolve():
     problems = [p for path in _doc_paths(REPO) for p in check_links(Doc.read(REPO, path), REPO)]
     assert not problems, _report(problems)
@@ -1074,7 +1196,8 @@ def test_the_docs_state_the_facts_the_checks_read():
     stated = [rows for _, _, rows in concepts.tables() if [c.lower() for c in rows[0][:2]] == ["setting", "default"]]
     assert stated, "docs/concepts.md has no '| setting | default |' table"
     keys = {(_spans(r[0]) or [""])[0] for rows in stated for r in rows[1:]}
-    for required in ("max_sync_interval", "time_budget_s", "batch_size", "pipeline", "never_slower", "replica_sync"):
+    for required in ("max_sync_interval", "time_budget_s", "batch_size", "pipeline", "never_slower", "replica_sync",
+                     "MomentumScaledRowWiseAdagrad.momentum"):
         assert required in keys, f"docs/concepts.md's defaults table does not state {required}"
     markers = {m for path in _doc_paths(REPO) for _, m, _ in Doc.read(REPO, path).tables()}
     assert "registry: pipelines" in markers and "registry: comm_precisions" in markers
@@ -1110,6 +1233,10 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
     ("docs/concepts.md", "<!-- registry: pipelines -->",
      "`base`, `sparse_dist`, `fused`, `semi_sync`, `prefetch` are the kinds.\n\n<!-- registry: pipelines -->",
      "lists base, sparse_dist, fused, semi_sync, prefetch"),
+    # (b) the same as bare words in a table cell
+    ("docs/concepts.md", "| <a id=\"rank\"></a>**rank** |",
+     "| pipeline | TorchRec train-pipeline kind: base, sparse_dist, fused, semi_sync, prefetch |\n"
+     "| <a id=\"rank\"></a>**rank** |", "lists base, sparse_dist, fused, semi_sync, prefetch"),
     # (b) a registry table missing a row
     ("docs/concepts.md", "| `overlap_stale` |", "| `overlap_stale_gone` |", "the pipelines table lists"),
     # (c) a flag the command does not accept
@@ -1125,6 +1252,9 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
     ("docs/testbed.md", "-m torchrec_sparselift calibrate steps", "-m torchrec_sparselift.step_calibration",
      "no such module"),
     ("README.md", "bash scripts/test.sh", "bash scripts/no_such.sh", "scripts/no_such.sh: no such file"),
+    # a code reference to a name the package does not define
+    ("docs/concepts.md", "`semantics.tables.embedding_modules`", "`semantics.tables.embedding_modules_gone`",
+     "torchrec_sparselift.semantics.tables has no 'embedding_modules_gone'"),
     # links, README limits, glossary
     ("README.md", "(docs/concepts.md#glossary)", "(docs/concepts.md#no-such-heading)", "no heading with anchor"),
     ("README.md", "## Known limits\n", "## Known limits\n" + "- a limit [l](docs/memory.md)\n" * 16,
@@ -1156,3 +1286,18 @@ def test_checker_flags_a_package_script_run_by_path(tmp_path, monkeypatch):
     assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.x"]) == []
     assert check_command(["torchrun", "--nproc_per_node", "2", "-m", "benchmarks.y"]) == [
         "python -m benchmarks.y: no such module (or package without __main__.py) in the repository"]
+
+
+def test_package_exports_are_visible_to_type_checkers():
+    """``torchrec_sparselift/__init__.py`` imports lazily at run time (``_EXPORTS``); its
+    ``if TYPE_CHECKING:`` block imports the same names from the same modules, so IDEs and mypy see
+    them, and ``__all__`` lists them: the three agree."""
+    import torchrec_sparselift
+
+    tree = _parse(os.path.join(REPO, PACKAGE, "__init__.py"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {a.asname or a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    lazy = dict(torchrec_sparselift._EXPORTS)
+    assert typed == lazy, (f"TYPE_CHECKING imports {sorted(set(typed.items()) ^ set(lazy.items()))} differ from "
+                           f"_EXPORTS: import each exported name from its module in both")
+    assert set(torchrec_sparselift.__all__) == {"__version__", *lazy}

@@ -124,8 +124,11 @@ def test_plan_picture_shows_the_ranks_the_modelled_timeline_and_the_measured_kin
     rows = [KindComparison("lookup", 1.3, 1.0), KindComparison("output_dist", 0.7, None),
             KindComparison("step", 9.0, 8.0)]
     path = str(tmp_path / "plan.png")
-    got = plan_png(SL, segments, path, title="plan", comparison=rows)
+    got = plan_png(SL, segments, path, title="plan", comparison=rows, capacity=([4 * GIB] * 3, [GIB] * 3))
     _assert_png(path, got.size_px)
+    assert got.memory == {"device": pytest.approx((3.0, 2.0, 1.0))}  # no host bytes: no host panel
+    assert got.capacity == {"device": pytest.approx((4.0, 4.0, 4.0))} and got.memory_unit == "GiB"
+    assert plan_png(SL, segments, path).memory == {}  # without a capacity: no memory panel
     assert got.bars.heights["compute"] == pytest.approx([2.0, 1.5, 1.0])
     assert got.step_ms == pytest.approx(4.0)
     assert [(lane, phase) for lane, phase, *_ in got.segments] == [(s.lane, s.phase) for s in segments]
@@ -329,3 +332,20 @@ def test_calibrate_steps_png_draws_the_refit_probe_plans_at_their_measured_steps
     printed = float(re.search(r"fit error \(MAPE\) ([0-9.]+)%", out).group(1))
     assert pic.mape * 100 == pytest.approx(printed, abs=0.05)
     assert f"MAPE {printed:.1f}% over 4 probe plans" in pic.title
+
+
+@pytest.mark.parametrize("argv", [
+    ["compare", "--tables", "TINY", "--topology", "cpu-gloo", "--world-size", "2", "--quiet"],
+    ["explain", "PLAN", "--quiet"],
+    ["calibrate", "steps", "--from-measurements", "SET"],
+])
+def test_png_commands_refuse_a_missing_folder_or_matplotlib_before_their_work(argv, tmp_path, capsys, monkeypatch):
+    tiny = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "tables", "cpu_tiny.json")
+    # a plan and a measurement set that do not exist: the check must come before they are read
+    argv = [{"TINY": tiny, "PLAN": str(tmp_path / "plan.json"), "SET": str(tmp_path / "set.pkl")}.get(a, a)
+            for a in argv]
+    assert main(argv + ["--png", str(tmp_path / "no" / "x.png")]) == 2
+    assert f"the folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(argv + ["--png", str(tmp_path / "x.png")]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err

@@ -6,7 +6,8 @@ fused row-wise AdaGrad, once unrewritten and once per rewrite (int32 ids; dedup 
 at int64 and at int32), from the same weights on the same batches; the ids are skewed (many
 repeat within a batch, so dedup has duplicates to remove and the fused update sees rows hit
 several times). The tests compare losses and every rank's final weights (embedding shards and
-dense) with the unrewritten run, count the input all-to-all's bytes with ``CommCounter``, and
+dense) with the unrewritten run, bit for bit (the receiver's KJT equals TorchRec's, so nothing
+downstream differs), count the input all-to-all's bytes with ``CommCounter``, and
 check the exchange delivers TorchRec's KJT exactly (weighted too). The pure prices have their
 hypothesis properties at the bottom.
 """
@@ -29,21 +30,32 @@ SEED = 11
 DIM = 8
 LOCAL_B = 8
 BYTES_B = 256
-TABLES = (("t0", 64, "f0"), ("t1", 96, "f1"), ("t2", 40, "f2"))  # name, rows, feature
+TABLES = (("t0", 64, "f0"), ("t1", 96, "f1"), ("t2", 40, "f2"))  # name, rows, feature; t1 mean-pooled
 FEATURES = tuple(f for _, _, f in TABLES)
 SHARDINGS = ("table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel")
-REWRITES = {"int32": ("int32", ()), "dedup_int64": ("int64", FEATURES), "dedup_int32": ("int32", FEATURES)}
-TOL = dict(rtol=1e-5, atol=1e-6)
+#: rewrite -> (id dtype, dedup features, lookup on the distinct rows)
+REWRITES = {"int32": ("int32", (), True), "dedup_int64": ("int64", FEATURES, True),
+            "dedup_int32": ("int32", FEATURES, True), "dedup_int32_rebuilt": ("int32", FEATURES, False)}
+#: rewrites whose floating-point sums run in another order (pooling from the distinct rows)
+REORDERED = {"dedup_int64", "dedup_int32"}
+CLOSE = dict(rtol=1e-5, atol=1e-6)
+TOL = dict(rtol=0.0, atol=0.0)  # bit for bit
+#: pipeline runs: (sharding, lift keywords); batch split does not split t1's mean-pooled row-wise output
+PIPELINES = {"sparse_dist": ("row_wise", dict(pipeline="sparse_dist")),
+             "overlap": ("row_wise", dict(pipeline="overlap")),
+             "batch_split": ("table_wise", dict(pipeline="overlap", batch_split=2,
+                                                pipeline_options={"per_sample": True}))}
 
 
 def _model() -> torch.nn.Module:
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
     class Rec(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.ebc = EmbeddingBagCollection(tables=[
-                EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f])
+                EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f],
+                                   pooling=PoolingType.MEAN if n == "t1" else PoolingType.SUM)
                 for n, r, f in TABLES])
             self.dense = torch.nn.Linear(4, DIM)
             self.over = torch.nn.Linear(DIM * (1 + len(FEATURES)), 1)
@@ -107,15 +119,23 @@ def _plan(model: torch.nn.Module, sharding: str):  # type: ignore[no-untyped-def
     return ShardingPlan({"ebc": ebc_plan})
 
 
-def _lift(sharding: str, start, pipeline: str = "base", **wire):  # type: ignore[no-untyped-def]
+def _lift(sharding: str, start, pipeline: str = "base", wire=("int64", (), True), **kwargs):  # type: ignore[no-untyped-def]
+    """The model lifted under ``sharding`` from the weights ``start``; ``wire``: (id dtype, dedup
+    features, lookup on the distinct rows), through lift's keywords as a plan applies it, or
+    (without distinct-row lookups) applied after lift."""
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from torchrec_sparselift.runtime import copy_full_state, lift
+    from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
 
+    dtype, dedup, unique_rows = wire
     model = _model()
     lifted = lift(model, _plan(model, sharding), device=torch.device("cpu"), pipeline=pipeline,
                   embedding_optimizer=(RowWiseAdagrad, {"lr": 0.3}),
-                  dense_optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1), **wire)
+                  dense_optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                  **(dict(id_dtype=dtype, dedup_features=dedup) if unique_rows else {}), **kwargs)
+    if not unique_rows:
+        lifted.model.wire_ids_tables = apply_wire_ids(lifted.model, dtype, dedup, unique_rows=False)
     copy_full_state(lifted.model, start)
     return lifted
 
@@ -181,7 +201,7 @@ def _exchange(rank: int) -> dict:
 
 
 def _job(rank: int, world_size: int) -> dict:
-    from torchrec_sparselift.runtime.wire_ids import WireFeaturesDist
+    from torchrec_sparselift.runtime.wire_ids import UniqueRowsLookup, WireFeaturesDist
 
     torch.manual_seed(SEED)
     start = {k: v.detach().clone() for k, v in _model().state_dict().items()}
@@ -192,25 +212,30 @@ def _job(rank: int, world_size: int) -> dict:
         base = _lift(sharding, start)
         out[(sharding, "base", "bytes")] = _input_bytes(base, big)
         out[(sharding, "base")] = (_train(base, batches), _weights(base.model))
-        for name, (dtype, dedup) in REWRITES.items():
-            lifted = _lift(sharding, start, id_dtype=dtype, dedup_features=dedup)
+        for name, (dtype, dedup, unique_rows) in REWRITES.items():
+            lifted = _lift(sharding, start, wire=(dtype, dedup, unique_rows))
             out[(sharding, name, "bytes")] = _input_bytes(lifted, big)
             out[(sharding, name)] = (_train(lifted, batches), _weights(lifted.model))
             wrapped = sum(isinstance(d, WireFeaturesDist) for m in lifted.model.modules()
                           for d in getattr(m, "_input_dists", ()))  # built at the first forward
+            unique = sum(isinstance(getattr(lk, "forward", None), UniqueRowsLookup) for m in lifted.model.modules()
+                         for lk in getattr(m, "_lookups", ()))
             out[(sharding, name, "applied")] = (list(lifted.model.wire_ids_tables), wrapped,
-                                                lifted.settings.label())
-    # the sparse_dist pipeline calls input_dist itself, a batch ahead
-    for name, wire in (("base", {}), ("dedup_int32", dict(id_dtype="int32", dedup_features=FEATURES))):
-        lifted = _lift("row_wise", start, pipeline="sparse_dist", **wire)
-        it = iter(batches[:20])
-        losses = []
-        while True:
-            try:
-                losses.append(float(lifted.pipeline.progress(it)[0]))
-            except StopIteration:
-                break
-        out[("pipeline", name)] = (losses, _weights(lifted.model))
+                                                lifted.settings.label(), unique)
+    # the pipelines call input_dist themselves, a batch ahead (batch split: the overlap pipeline's
+    # output all-to-alls in 2 chunks, runtime.batch_split)
+    for kind, (sharding, extra) in PIPELINES.items():
+        for name in ("base", "int32", "dedup_int32", "dedup_int32_rebuilt"):
+            wire = REWRITES.get(name, ("int64", (), True))
+            lifted = _lift(sharding, start, wire=wire, **extra)
+            it = iter(batches[:20])
+            losses = []
+            while True:
+                try:
+                    losses.append(float(lifted.pipeline.progress(it)[0]))
+                except StopIteration:
+                    break
+            out[("pipeline", kind, name)] = (losses, _weights(lifted.model))
     return out
 
 
@@ -219,14 +244,14 @@ def runs():  # type: ignore[no-untyped-def]
     return run_ranks(_job, WORLD, timeout_s=900)
 
 
-def _assert_same(a, b, what: str) -> None:  # type: ignore[no-untyped-def]
+def _assert_same(a, b, what: str, tol=TOL) -> None:  # type: ignore[no-untyped-def]
     (la, wa), (lb, wb) = a, b
     assert len(la) == len(lb) and la, what
     for i, (x, y) in enumerate(zip(la, lb)):
-        assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-7), f"{what}: loss {i} {x} != {y}"
+        assert math.isclose(x, y, rel_tol=tol["rtol"], abs_tol=tol["atol"]), f"{what}: loss {i} {x} != {y}"
     assert set(wa) == set(wb), what
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], **TOL, msg=lambda m: f"{what}: {k}: {m}")
+        torch.testing.assert_close(wa[k], wb[k], **tol, msg=lambda m: f"{what}: {k}: {m}")
 
 
 @pytest.mark.multiprocess
@@ -234,10 +259,16 @@ def _assert_same(a, b, what: str) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("rewrite", list(REWRITES))
 def test_rewrite_trains_exactly_as_unrewritten(runs, sharding: str, rewrite: str) -> None:  # type: ignore[no-untyped-def]
     for rank, out in enumerate(runs):
-        _assert_same(out[(sharding, rewrite)], out[(sharding, "base")], f"rank {rank} {sharding} {rewrite}")
-        tables, wrapped, label = out[(sharding, rewrite, "applied")]
+        _assert_same(out[(sharding, rewrite)], out[(sharding, "base")], f"rank {rank} {sharding} {rewrite}",
+                     CLOSE if rewrite in REORDERED else TOL)
+        tables, wrapped, label, unique = out[(sharding, rewrite, "applied")]
         assert tables == [f"ebc.{n}" for n, _, _ in TABLES]
-        assert wrapped >= 1 and ("ids int32" in label or "dedup f0,f1,f2" in label), label
+        assert wrapped >= 1
+        if REWRITES[rewrite][2]:  # through lift's keywords: in the settings' label
+            assert "ids int32" in label or "dedup f0,f1,f2" in label, label
+        # the groups that deduplicate look up their distinct rows once (t1 is mean-pooled: its
+        # group too, unweighted)
+        assert (unique >= 1) == (rewrite in REORDERED), (rewrite, unique)
     # the losses moved: the comparison is over real training, not a frozen model
     losses = runs[0][(sharding, "base")][0]
     assert losses[-1] != losses[0]
@@ -247,8 +278,8 @@ def test_rewrite_trains_exactly_as_unrewritten(runs, sharding: str, rewrite: str
 def test_data_parallel_is_left_alone(runs) -> None:  # type: ignore[no-untyped-def]
     for out in runs:
         for rewrite in REWRITES:
-            tables, wrapped, _ = out[("data_parallel", rewrite, "applied")]
-            assert tables == [] and wrapped == 0
+            tables, wrapped, _, unique = out[("data_parallel", rewrite, "applied")]
+            assert tables == [] and wrapped == 0 and unique == 0
             _assert_same(out[("data_parallel", rewrite)], out[("data_parallel", "base")], f"dp {rewrite}")
             assert out[("data_parallel", rewrite, "bytes")]["bytes"] == 0
 
@@ -273,9 +304,12 @@ def test_dedup_sends_fewer_bytes_than_narrow_on_repeating_ids(runs, sharding: st
 
 
 @pytest.mark.multiprocess
-def test_sparse_dist_pipeline_with_dedup_trains_exactly(runs) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", list(PIPELINES))
+@pytest.mark.parametrize("rewrite", ["int32", "dedup_int32", "dedup_int32_rebuilt"])
+def test_pipelines_with_ids_on_the_wire_train_exactly(runs, kind: str, rewrite: str) -> None:  # type: ignore[no-untyped-def]
     for rank, out in enumerate(runs):
-        _assert_same(out[("pipeline", "dedup_int32")], out[("pipeline", "base")], f"rank {rank} pipeline")
+        _assert_same(out[("pipeline", kind, rewrite)], out[("pipeline", kind, "base")], f"rank {rank} {kind}",
+                     CLOSE if rewrite in REORDERED else TOL)
 
 
 @pytest.mark.multiprocess
@@ -292,6 +326,39 @@ def test_exchange_delivers_torchrecs_kjt_weighted_too(runs, layout: str) -> None
 
 
 # -- single process ----------------------------------------------------------------------------------
+
+
+def test_fused_rowwise_adagrad_sums_a_batchs_duplicate_rows_before_its_one_update() -> None:
+    """Why dedup cannot change the update: TBE's backward (fbgemm, CPU) adds the gradients of a
+    row's every occurrence in the batch and updates the row and its AdaGrad state once with the
+    sum; one update per occurrence would give other weights."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen,
+    )  # fmt: skip
+
+    rows, dim, lr, eps = 8, 4, 0.1, 1e-8
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=lr, eps=eps, pooling_mode=PoolingMode.SUM)
+    w0 = tbe.split_embedding_weights()[0].detach().clone()
+    out = tbe(torch.tensor([3, 3, 5, 3]), torch.tensor([0, 3, 4]))  # bags [3, 3, 5] and [3]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    out.backward(g)
+    w1 = tbe.split_embedding_weights()[0]
+
+    def adagrad(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor):  # type: ignore[no-untyped-def]
+        state = state + (grad * grad).mean()
+        return w - lr * grad / (state.sqrt() + eps), state
+
+    summed, _ = adagrad(w0[3], torch.zeros(()), 2 * g[0] + g[1])
+    torch.testing.assert_close(w1[3], summed, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w1[5], adagrad(w0[5], torch.zeros(()), g[0])[0], rtol=1e-6, atol=1e-6)
+    w, state = w0[3], torch.zeros(())
+    for grad in (g[0], g[0], g[1]):  # one update per occurrence: not what TBE does
+        w, state = adagrad(w, state, grad)
+    assert not torch.allclose(w1[3], w, rtol=1e-4, atol=1e-5)
 
 
 def test_narrow_ids_refused_for_a_table_past_int32_naming_it() -> None:

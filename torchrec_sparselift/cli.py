@@ -36,7 +36,7 @@ import attrs
 from torchrec_sparselift import defaults
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.errors import CliError
-from torchrec_sparselift.pictures import plan_png, plans_png
+from torchrec_sparselift.pictures import plan_png, plans_png, require_matplotlib
 from torchrec_sparselift.plan.stored_inputs import (
     DEFAULT_BATCH_SIZE,
     PlanInputs,
@@ -370,6 +370,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     inputs = _inputs_from_args(args)
+    _check_png(args.png)
     _import_torchrec(args.quiet)
     module, constraints = inputs.build()
     bs = inputs.per_rank_batch()
@@ -459,6 +460,19 @@ def _compare_png(path: str, cmp: Any, capacity: Any, what: str) -> None:
     _draw_png(path, lambda: plans_png(plans, path, capacity=capacity, title=title))
 
 
+def _check_png(path: Optional[str]) -> None:
+    """Before planning: ``--png``'s folder exists and matplotlib imports (else a CliError)."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"--png {path}: the folder {folder} does not exist")
+    try:
+        require_matplotlib()
+    except ImportError as e:
+        raise CliError(str(e)) from None
+
+
 def _draw_png(path: str, draw: Any) -> None:
     """Run ``draw`` (it writes ``path``), turning a missing matplotlib or an unwritable path into
     a CliError, and say where the picture is."""
@@ -493,6 +507,7 @@ def _explain_inputs(args: argparse.Namespace, ep: Any) -> Optional[PlanInputs]:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     _check_flags(args)
+    _check_png(args.png)
     if not os.path.isfile(args.plan):
         raise CliError(f"plan file {args.plan!r} does not exist")
     attribution = None
@@ -574,7 +589,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if segments is None:
             raise CliError("--png needs the step timeline: give the plan's inputs (see the note above)")
         _draw_png(args.png, lambda: plan_png(p, segments, args.png, title=f"{os.path.basename(args.plan)}: "
-                                             f"{ep.summary()}", comparison=comparison))
+                                             f"{ep.summary()}", comparison=comparison,
+                                             capacity=repriced.capacity))
     return 0
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "plans_png",
     "plan_png",
     "png_size",
+    "require_matplotlib",
     "main",
 ]
 
@@ -81,6 +82,8 @@ _PHASE_COLORS = {
 }
 #: the hatch of every plan after the first (the first is solid), in order
 _PLAN_HATCHES = ("", "///", "...", "xx")
+#: the line style of each plan's step time, in order
+_STEP_STYLES = ("-", "--", ":", "-.")
 _MEMORY_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#8172B3")
 
 
@@ -95,6 +98,12 @@ def _pyplot() -> Any:
         raise ImportError("drawing a PNG needs matplotlib: pip install matplotlib "
                           "(or pip install 'torchrec_sparselift[plot]')") from e
     return plt
+
+
+def require_matplotlib() -> None:
+    """``ImportError`` naming ``pip install matplotlib`` unless matplotlib imports (a command
+    checks this before its work, not after)."""
+    _pyplot()
 
 
 def _save(fig: Any, path: str) -> Tuple[int, int]:
@@ -190,7 +199,6 @@ def _time_bars(ax: Any, plans: Sequence[Tuple[str, Any]]) -> Tuple[List[RankBars
     offs, w = _offsets(len(plans))
     drawn, steps = [], {}
     top = 0.0
-    line_styles = ("-", "--", ":", "-.")
     for i, (name, p) in enumerate(plans):
         per = sorted(p.per_rank, key=lambda r: r.rank)
         ranks = [r.rank for r in per]
@@ -207,7 +215,7 @@ def _time_bars(ax: Any, plans: Sequence[Tuple[str, Any]]) -> Tuple[List[RankBars
             bottom = bottom + h
         drawn.append(RankBars(name, tuple(ranks), tuple(float(v) for v in x), heights, bottoms))
         step = p.step_time_s * 1e3
-        line = ax.axhline(step, color="black", ls=line_styles[i], lw=1.2)
+        line = ax.axhline(step, color="black", ls=_STEP_STYLES[i], lw=1.2)
         steps[name] = float(line.get_ydata()[0])
         top = max(top, step, float(bottom.max()))
     ax.set_ylim(0, 1.12 * top if top > 0 else 1.0)
@@ -226,9 +234,9 @@ def _term_legend(plans: Sequence[Tuple[str, Any]]) -> Tuple[List[Any], List[str]
     return handles, labels
 
 
-def _plan_legend(ax: Any, plans: Sequence[Tuple[str, Any]], steps: Mapping[str, float], ncol: int = 3) -> None:
+def _plan_legend(ax: Any, plans: Sequence[Tuple[str, Any]], steps: Mapping[str, float]) -> None:
+    """The terms, which bar is which plan, and each plan's step line."""
     plt = _pyplot()
-    line_styles = ("-", "--", ":", "-.")
     handles, labels = _term_legend(plans)
     for i, (name, _p) in enumerate(plans):
         if len(plans) > 1:
@@ -236,7 +244,7 @@ def _plan_legend(ax: Any, plans: Sequence[Tuple[str, Any]], steps: Mapping[str, 
             handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#BBBBBB", hatch=_PLAN_HATCHES[i],
                                          edgecolor="white" if i else "#BBBBBB"))
             labels.append(f"{name}: {where} bars")
-        handles.append(plt.Line2D([0], [0], color="black", ls=line_styles[i], lw=1.2))
+        handles.append(plt.Line2D([0], [0], color="black", ls=_STEP_STYLES[i], lw=1.2))
         labels.append(f"{name} step {steps[name]:.3f} ms")
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False,
               title="each rank's embedding work (the step line\nadds the dense part and fixed per-step work)",
@@ -293,12 +301,13 @@ def _memory_bars(ax: Any, plans: Sequence[Tuple[str, Any]], field: str, caps: Op
         same = np.allclose(cap, cap[0])
         cap_txt = _size(cap[0] * scale) if same else f"{_size(cap.min() * scale)}-{_size(cap.max() * scale)}"
         cap_txt += " per rank"
+        who = "the plan" if len(plans) == 1 else "the plans"
         if peak_share >= 0.25:  # capacity within reach: show it on the axis
             ax.set_ylim(0, 1.3 * max(top, float(cap.max())))
-            cap_label = f"capacity the plans may fill: {cap_txt} (peak use {peak_share:.0%})"
+            cap_label = f"capacity {who} may fill: {cap_txt} (peak use {peak_share:.0%})"
         else:  # far above the bars: keep the bars readable, say where the capacity is
             ax.set_ylim(0, 1.45 * top if top > 0 else 1.0)
-            cap_label = f"capacity the plans may fill: {cap_txt}, above the axis (peak use {peak_share:.1%})"
+            cap_label = f"capacity {who} may fill: {cap_txt}, above the axis (peak use {peak_share:.1%})"
         handles.append(plt.Line2D([0], [0], color="black", lw=1.6))
         labels.append(cap_label)
     else:
@@ -356,32 +365,56 @@ def plans_png(plans: Sequence[Tuple[str, Any]], path: str, capacity: Optional[Tu
 class PlanPicture:
     """What :func:`plan_png` drew: the per-rank bars (ms), the timeline's segments as
     ``(lane, phase, start ms, duration ms, critical)``, the comparison rows as
-    ``(kind, measured ms, predicted ms or None)``, the PNG's path and size in pixels."""
+    ``(kind, measured ms, predicted ms or None)``, per memory panel (``device``, ``host``) each
+    rank's bar and capacity in ``memory_unit`` (empty without ``capacity``), the PNG's path and
+    size in pixels."""
 
     path: str
     bars: RankBars
     step_ms: float
     segments: Tuple[Tuple[str, str, float, float, bool], ...]
     comparison: Tuple[Tuple[str, float, Optional[float]], ...]
+    memory: Mapping[str, Tuple[float, ...]]
+    capacity: Mapping[str, Tuple[float, ...]]
+    memory_unit: str
     size_px: Tuple[int, int]
 
 
 def plan_png(prediction: Any, segments: Sequence[Segment], path: str, title: str = "",
-             comparison: Optional[Sequence[Any]] = None) -> PlanPicture:
+             comparison: Optional[Sequence[Any]] = None,
+             capacity: Optional[Tuple[Any, Any]] = None) -> PlanPicture:
     """Write a PNG of one plan: per-rank bars stacked by :data:`TERMS` (the step time and lower
-    bound as lines) above the modelled timeline of one step (``segments``, from
-    :func:`torchrec_sparselift.explain.step_timeline`: critical segments outlined, hidden ones
-    faded). ``comparison`` (rows of :func:`torchrec_sparselift.calibration.attribution.compare`:
-    ``kind``, ``measured_ms``, ``predicted_ms``) adds a panel of measured vs predicted ms per
-    sparse-path node kind. Returns what was drawn."""
+    bound as lines); with ``capacity`` (``(device bytes per rank, host bytes per rank)``), each
+    rank's device memory (and host memory where the plan uses any) against it; the modelled
+    timeline of one step (``segments``, from :func:`torchrec_sparselift.explain.step_timeline`:
+    critical segments outlined, hidden ones faded). ``comparison`` (rows of
+    :func:`torchrec_sparselift.calibration.attribution.compare`: ``kind``, ``measured_ms``,
+    ``predicted_ms``) adds a panel of measured vs predicted ms per sparse-path node kind.
+    Returns what was drawn."""
     _check_plans([("plan", prediction)])
     plt = _pyplot()
     per = list(prediction.per_rank)
     rows3 = [r for r in (comparison or ()) if r.kind != "step"]
-    n_ax = 3 if rows3 else 2
-    fig, axes = plt.subplots(n_ax, 1, figsize=(max(11.0, min(24.0, 0.25 * len(per) + 9.5)), 8.5 + 4.5 * (n_ax - 2)),
-                             gridspec_kw={"height_ratios": [3, 2, 3][:n_ax]})
-    ax1, ax2 = axes[0], axes[1]
+    mem_rows = []
+    if capacity is not None:
+        mem_rows.append(("hbm_bytes", capacity[0], "device"))
+        if any(r.ddr_bytes > 0 for r in per):
+            mem_rows.append(("ddr_bytes", capacity[1], "host"))
+    ratios = [3] + [2] * len(mem_rows) + [2] + ([3] if rows3 else [])
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(max(11.0, min(24.0, 0.25 * len(per) + 9.5)),
+                                                      1.0 + 1.5 * sum(ratios)),
+                             gridspec_kw={"height_ratios": ratios})
+    ax1 = axes[0]
+    ax2 = axes[1 + len(mem_rows)]
+    memory: Dict[str, Tuple[float, ...]] = {}
+    memory_caps: Dict[str, Tuple[float, ...]] = {}
+    unit = _memory_unit([("plan", prediction)])
+    for ax, (field, caps, what) in zip(axes[1:], mem_rows):
+        drawn_mem, drawn_caps = _memory_bars(ax, [("plan", prediction)], field, caps, what, unit)
+        memory[what], memory_caps[what] = drawn_mem[0].heights[what], drawn_caps
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        _rank_ticks(ax, [r.rank for r in per])
     bars, steps = _time_bars(ax1, [("plan", prediction)])
     if prediction.lower_bound_s > 0:
         ax1.axhline(prediction.lower_bound_s * 1e3, color="black", ls=":", lw=1)
@@ -427,7 +460,7 @@ def plan_png(prediction: Any, segments: Sequence[Segment], path: str, title: str
                title="phases", title_fontsize=8, alignment="left", ncol=2 if len(present) > 6 else 1)
     drawn_rows: List[Tuple[str, float, Optional[float]]] = []
     if rows3:
-        ax3 = axes[2]
+        ax3 = axes[-1]
         y = np.arange(len(rows3))
         meas = ax3.barh(y - 0.2, [r.measured_ms for r in rows3], height=0.4, color="#C44E52",
                         label="measured (profiler, slowest rank)")
@@ -449,7 +482,8 @@ def plan_png(prediction: Any, segments: Sequence[Segment], path: str, title: str
         ax3.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     size = _save(fig, path)
-    return PlanPicture(path, bars[0], steps["plan"], tuple(drawn_segments), tuple(drawn_rows), size)
+    return PlanPicture(path, bars[0], steps["plan"], tuple(drawn_segments), tuple(drawn_rows), memory,
+                       memory_caps, unit[0], size)
 
 
 # ------------------------------------------------------------------------------------------
@@ -834,10 +868,10 @@ def timeline_png(steps: Mapping[str, Sequence[MeasuredStep]], path: str, title: 
             handles.append(plt.Rectangle((0, 0), 1, 1, facecolor=_MAIN_COLORS[k],
                                          edgecolor="#999999" if k == "waiting" else _MAIN_COLORS[k]))
             labels.append(("main thread " + k) if k == "waiting" else k)
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=max(2, (len(handles) + 1) // 2), fontsize=8, frameon=False)
     if title:
         fig.suptitle(_wrap(title, 110), fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 if len(handles) <= 4 else 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     size = _save(fig, path)
     return TimelinePicture(path, tuple(names), tuple(drawn_all), size)
 

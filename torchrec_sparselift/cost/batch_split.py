@@ -7,7 +7,9 @@ times from the lookup's end:
 * **forward**: the lookups run once; the k chunks' output collectives are issued at once and the
   link carries them one after the other, chunk j arriving at ``a_j = (j + 1) * o`` with
   ``o = latency + (output_dist - latency) / k`` (the cost model's ``output_dist`` holds one call's
-  latency and the transfer; a chunk pays the latency again and a k-th of the transfer). Chunk j's
+  latency and the transfer; a chunk pays the latency again and a k-th of the transfer). Chained
+  (the runtime's order on CPU/gloo) chunk j+1 leaves when chunk j is read:
+  ``a_{j+1} = max(r_j, a_j) + o`` with ``r_j`` the time chunk j's forward asks for it. Chunk j's
   dense forward runs its independent part (DLRM's bottom MLP, ``dense_fwd_indep / k``), waits for
   ``a_j``, then runs the rest (``dense_fwd_rest / k``); every chunk after the first pays
   ``chunk_overhead`` (its dense calls' fixed cost: kernel launches, the framework's per-call work).
@@ -180,8 +182,10 @@ class SplitSchedule:
         return self.emb_bwd_start_s - self.dense_end_s
 
 
-def split_schedule(terms: SplitTerms, k: int) -> SplitSchedule:
-    """The step of ``terms`` split into ``k`` chunks (module docstring); k = 1 is the unsplit step."""
+def split_schedule(terms: SplitTerms, k: int, chained: bool = False) -> SplitSchedule:
+    """The step of ``terms`` split into ``k`` chunks (module docstring); k = 1 is the unsplit step.
+    ``chained``: chunk j+1's collective is issued when chunk j's embeddings are read (the runtime's
+    order on CPU/gloo), not with the others before the forward (its order on CUDA)."""
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_CHUNKS:
         raise ValueError(f"batch split: k must be an int in 1..{MAX_CHUNKS}, got {k!r}")
     t = terms
@@ -195,6 +199,8 @@ def split_schedule(terms: SplitTerms, k: int) -> SplitSchedule:
     for j in range(k):
         ready = fwd + t.dense_fwd_indep_s / k + (t.chunk_overhead_s if j else 0.0)
         waits.append(max(0.0, arrivals[j] - ready))
+        if chained and j + 1 < k:  # chunk j+1 leaves when chunk j is read
+            arrivals[j + 1] = max(ready, arrivals[j]) + per_out
         fwd = max(ready, arrivals[j]) + t.dense_fwd_rest_s / k
     clock, link = fwd, -math.inf
     issue, arrive = [0.0] * k, [0.0] * k
@@ -210,9 +216,9 @@ def split_schedule(terms: SplitTerms, k: int) -> SplitSchedule:
     return SplitSchedule(chunks=chunks, dense_end_s=clock, emb_bwd_start_s=emb, step_s=step)
 
 
-def split_step_s(terms: SplitTerms, k: int) -> float:
-    """The step's seconds under ``k`` chunks."""
-    return split_schedule(terms, k).step_s
+def split_step_s(terms: SplitTerms, k: int, chained: bool = False) -> float:
+    """The step's seconds under ``k`` chunks (``chained``: :func:`split_schedule`)."""
+    return split_schedule(terms, k, chained).step_s
 
 
 def unsplit_step_s(terms: SplitTerms) -> float:
@@ -224,15 +230,17 @@ def unsplit_step_s(terms: SplitTerms) -> float:
                + max(t.backward_update_s, t.allreduce_s) + t.step_overhead_s)
 
 
-def choose_chunks(terms: SplitTerms, batch_size: Optional[int] = None, max_chunks: int = MAX_CHUNKS) -> int:
+def choose_chunks(terms: SplitTerms, batch_size: Optional[int] = None, max_chunks: int = MAX_CHUNKS,
+                  chained: bool = False) -> int:
     """The k in 1..``max_chunks`` (at most ``batch_size``, the samples per rank) whose step is the
-    shortest; the smallest such k on ties, so a split that wins nothing is not taken."""
+    shortest; the smallest such k on ties, so a split that wins nothing is not taken.
+    ``chained``: the runtime's order on CPU/gloo (:func:`split_schedule`)."""
     top = min(max_chunks, MAX_CHUNKS, batch_size if batch_size is not None else MAX_CHUNKS)
     if top < 1:
         raise ValueError(f"batch split: no k to choose from (max_chunks={max_chunks}, batch_size={batch_size})")
     best_k, best = 1, split_step_s(terms, 1)
     for k in range(2, top + 1):
-        step = split_step_s(terms, k)
+        step = split_step_s(terms, k, chained)
         if step < best:
             best_k, best = k, step
     return best_k

@@ -54,7 +54,7 @@ from torchrec_sparselift.calibration.store import (
 )
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
-from torchrec_sparselift.pictures import fit_png, fit_points
+from torchrec_sparselift.pictures import fit_png, fit_points, require_matplotlib
 from torchrec_sparselift.runtime.process_group import close_process_group
 from torchrec_sparselift import defaults
 from torchrec_sparselift.calibration.link import LinkRatesError, differing_terms
@@ -654,6 +654,20 @@ def _refit(args: argparse.Namespace, store: ProfileStore) -> int:
     return _fit_png(args.png, recs, f"step fit on {fp.describe()}")
 
 
+def _png_problem(path: Optional[str]) -> str:
+    """Why ``--png`` cannot be drawn (checked before measuring); "" when it can."""
+    if not path:
+        return ""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--png {path}: the folder {folder} does not exist"
+    try:
+        require_matplotlib()
+    except ImportError as e:
+        return str(e)
+    return ""
+
+
 def _fit_png(path: Optional[str], recs: Sequence[ProbeRecord], what: str) -> int:
     """``--png``: draw the fit's probe plans (exit 0), or say why not (exit 2; the profile is stored)."""
     if not path:
@@ -671,6 +685,10 @@ def run_steps(args: argparse.Namespace) -> int:
     """``sparselift calibrate steps``: measure the probe plans under torchrun and store the fitted
     profile (or refit a saved set with ``--from-measurements``)."""
     store = ProfileStore(args.store)
+    why = _png_problem(getattr(args, "png", None))
+    if why:
+        print(f"sparselift calibrate steps: error: {why}", file=sys.stderr)
+        return 2
     if args.from_measurements:
         return _refit(args, store)
     import torch

@@ -15,16 +15,22 @@ model's forward) and changes two things:
   lookup *once* over the whole batch; its local pooled embeddings are then split along the batch
   (every destination rank's samples ``[s_j, s_j + b_j)``, :func:`chunk_sizes`) and TorchRec's own
   output dist (the pooled all-to-all for table-wise and column-wise, the reduce-scatter for
-  row-wise, nothing for data-parallel) is called on each chunk with that chunk's batch size. All
-  k collectives are issued before the model runs; each returns chunk j's ``KeyedTensor``.
+  row-wise, the reduce-scatter within a host then the all-to-all across hosts for table-row-wise,
+  nothing for data-parallel) is called on each chunk with that chunk's batch size; each
+  returns chunk j's ``KeyedTensor``. On CUDA all k collectives are issued before the model runs
+  (NCCL sends them in issue order); on CPU chunk 0's is, and chunk j+1's when chunk j's
+  embeddings have arrived and are read (gloo runs two collectives at once: issued together, chunks
+  0 and 1 would share the link and the first would arrive later), so one chunk is on the wire at a
+  time.
 - **The model runs once per chunk**, on chunk j of the batch (:func:`slice_batch`); its sharded
   embedding module returns chunk j's embeddings, so the dense forward of chunk j waits only for
   chunk j's transfer while chunk j+1's is on the wire. The step's loss is the chunk losses
   weighted by chunk size (``sum_j b_j/B * loss_j``, the whole batch's mean) and **one** backward
-  runs over it. The CPU autograd engine runs ready nodes latest-created first, and every chunk's
-  collective was issued (its request node created) before any dense forward: chunk j's gradient
-  all-to-all is issued when chunk j's dense backward reaches it, and the dense backward of chunk
-  j-1 (created earlier) runs before any request node waits for a gradient. The waits, the split's
+  runs over it. The CPU autograd engine runs ready nodes latest-created first, and chunk j's
+  collective was issued (its request node created) before chunk j-1's dense work that consumes
+  embeddings: chunk j's gradient all-to-all is issued when chunk j's dense backward reaches it, and
+  the dense backward of chunk j-1 (created later than that request node) runs before the request
+  node waits for the gradient. The waits, the split's
   backward (one node that concatenates the chunks' gradients) and the TBE backward with its fused
   optimizer update come last, once, over the whole batch's gradient: the update is the unsplit
   one. DDP runs ``no_sync`` for all but the last chunk's forward, so its one all-reduce follows the
@@ -48,10 +54,9 @@ lent GPU.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -82,8 +87,8 @@ __all__ = [
 #: sharding types whose output collective is split (their local pooled embeddings hold every
 #: destination rank's samples in rank order: ``[world * B, D]``), and data-parallel (``[B, D]``,
 #: no collective: split alone)
-SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel")
-_RANK_MAJOR = ("table_wise", "column_wise", "row_wise")
+SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+_RANK_MAJOR = ("table_wise", "column_wise", "row_wise", "table_row_wise")
 
 #: profiler range around the lookups and the k chunked output collectives of one step
 BATCH_SPLIT_LABEL = "## batch split: lookup + chunked output_dist issued ##"
@@ -311,12 +316,15 @@ class _SideStream:
         self.events: List[Any] = []
         self.dense: Any = None  # the stream the step's dense work runs on
 
-    def begin(self) -> Any:
-        self.events = []
+    def begin(self, fresh: bool = True) -> Any:
+        """The side stream as the current one, after the dense stream's work so far (the lookups,
+        or, for a chained chunk, the wait for the previous one); ``fresh``: a new step's first."""
+        if fresh:
+            self.events = []
         if not self.cuda:
             return contextlib.nullcontext()
         self.dense = torch.cuda.current_stream(self.stream.device)
-        self.stream.wait_stream(self.dense)  # after the lookups
+        self.stream.wait_stream(self.dense)
         return torch.cuda.stream(self.stream)
 
     def issued(self) -> None:
@@ -350,13 +358,16 @@ class BatchSplitPipelinedForward(OverlapPipelinedForward):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._chunks: Dict[int, Deque[Any]] = {}
+        self._chunks: Dict[int, "_ChunkIssuer"] = {}
         self._side: Optional[_SideStream] = None
         self.held: List[torch.Tensor] = []  # the step's chunk inputs, alive until its backward ends
 
-    def start_chunks(self, context: TrainPipelineContext, sizes: Sequence[int]) -> List[Any]:
-        """Lookups + k chunked output collectives of this module for ``context``'s batch; returns
-        the chunks' awaitables (also kept for the model's k calls)."""
+    def start_chunks(self, context: TrainPipelineContext, sizes: Sequence[int], chained: bool,
+                     requests: List[Any]) -> None:
+        """Lookups of this module for ``context``'s batch, and its output collectives per chunk of
+        ``sizes`` samples: all of them now (``chained`` False), or chunk 0 now and chunk j+1 when
+        chunk j's embeddings have arrived and are read (``chained``). ``requests`` collects the
+        collectives' requests as they are issued (the all-reduce's hook waits for their gradients)."""
         if id(context) in self._chunks:
             raise RuntimeError(f"batch split: the output_dist of {self._name} for batch {context.index} was "
                                "already started; start it once per batch")
@@ -387,28 +398,10 @@ class BatchSplitPipelinedForward(OverlapPipelinedForward):
                                  "keep batch_split=1")
         if self._side is None:
             self._side = _SideStream(local[0].device)
-        out: List[Any] = []
         self.held = []
-        with self._side.begin():  # CUDA: the chunks are cut and issued on the side stream
-            for embs in local:
-                self._side.used_by_side(embs)
-            groups = [self._chunk_inputs(embs, module._sharding_types[i], ctx.sharding_contexts[i], sizes, batch)
-                      for i, embs in enumerate(local)]
-            for j in range(len(sizes)):
-                awaitables = []
-                for i, dist in enumerate(module._output_dists):
-                    piece, sctx = groups[i][j]
-                    self.held.append(piece)
-                    awaitables.append(dist(piece, sctx))
-                chunk = EmbeddingBagCollectionAwaitable(
-                    awaitables=awaitables, embedding_dims=module._embedding_dims,
-                    embedding_names=module._embedding_names)
-                for request in _comm_requests(chunk, depth=8):
-                    self._side.read_by_dense(request.tensor)  # the receive buffer the chunk's wait reads
-                out.append(chunk)
-                self._side.issued()
-        self._chunks[id(context)] = collections.deque(enumerate(out))
-        return out
+        step = _ChunkIssuer(self, local, ctx, sizes, batch, chained, requests)
+        self._chunks[id(context)] = step
+        step.issue_through(0 if chained else len(sizes) - 1)
 
     def _chunk_inputs(self, embs: torch.Tensor, sharding_type: str, sctx: Any, sizes: Sequence[int],
                       batch: int) -> List[Tuple[torch.Tensor, Any]]:
@@ -430,20 +423,70 @@ class BatchSplitPipelinedForward(OverlapPipelinedForward):
                 for p, b in zip(pieces, sizes)]
 
     def __call__(self, *input: Any, **kwargs: Any) -> Any:
-        chunks = self._chunks.get(id(self._context))
-        if not chunks:
+        step = self._chunks.get(id(self._context))
+        if step is None or step.next_call >= len(step.sizes):
             raise RuntimeError(f"batch split: {self._name} is called more often than the step has chunks (the "
                                "model calls each embedding module once per forward)")
-        j, awaitable = chunks.popleft()
-        if not chunks:
+        j = step.next_call
+        step.next_call += 1
+        step.issue_through(j)  # issued already unless the model never read the previous chunk
+        if step.next_call == len(step.sizes):
             del self._chunks[id(self._context)]
         if self._side is not None:
             self._side.before_chunk(j)
-        return awaitable
+        return step.awaitables[j]
 
     def discard(self, context: TrainPipelineContext) -> None:
         self._chunks.pop(id(context), None)
         super().discard(context)
+
+
+class _ChunkIssuer:
+    """One step's chunked output collectives of one module: cuts chunk j's inputs and issues its
+    collectives (:meth:`issue_through`), in chunk order, each once."""
+
+    def __init__(self, forward: BatchSplitPipelinedForward, local: List[torch.Tensor], ctx: Any,
+                 sizes: Sequence[int], batch: int, chained: bool, requests: List[Any]) -> None:
+        self.forward, self.local, self.ctx, self.sizes, self.batch = forward, local, ctx, tuple(sizes), batch
+        self.chained, self.requests = chained, requests
+        self.awaitables: List[Any] = []
+        self.next_call = 0
+        self._groups: Optional[List[List[Tuple[torch.Tensor, Any]]]] = None
+
+    def issue_through(self, last: int) -> None:
+        if len(self.awaitables) > last:
+            return
+        f, module, side = self.forward, self.forward._module, self.forward._side
+        with side.begin(fresh=not self.awaitables):  # CUDA: cut and issued on the side stream
+            if self._groups is None:
+                for embs in self.local:
+                    side.used_by_side(embs)
+                self._groups = [f._chunk_inputs(embs, module._sharding_types[i], self.ctx.sharding_contexts[i],
+                                                self.sizes, self.batch) for i, embs in enumerate(self.local)]
+            while len(self.awaitables) <= last:
+                j = len(self.awaitables)
+                awaitables = []
+                for i, dist in enumerate(module._output_dists):
+                    piece, sctx = self._groups[i][j]
+                    f.held.append(piece)
+                    awaitables.append(dist(piece, sctx))
+                chunk = EmbeddingBagCollectionAwaitable(
+                    awaitables=awaitables, embedding_dims=module._embedding_dims,
+                    embedding_names=module._embedding_names)
+                for request in _comm_requests(chunk, depth=8):
+                    side.read_by_dense(request.tensor)  # the receive buffer the chunk's wait reads
+                    self.requests.append(request)
+                if self.chained and j + 1 < len(self.sizes):
+                    chunk.callbacks.append(self._then_issue(j + 1))
+                self.awaitables.append(chunk)
+                side.issued()
+
+    def _then_issue(self, j: int) -> Any:
+        def issue(result: Any) -> Any:  # runs where chunk j-1's embeddings were waited for
+            self.issue_through(j)
+            return result
+
+        return issue
 
 
 class TrainPipelineBatchSplit(TrainPipelineOverlap):
@@ -452,18 +495,23 @@ class TrainPipelineBatchSplit(TrainPipelineOverlap):
     same losses and weights as the unsplit pipeline.
 
     Constructor arguments: those of ``TrainPipelineSparseDist`` (model: a DMP; optimizer; device),
-    and ``chunks`` (1..16; 1 runs the overlap pipeline's step) and ``per_sample`` (declare the
-    dense model per-sample: :func:`per_sample_violation`). ``NotPerSample`` with the reason where
-    the model cannot be split."""
+    and ``chunks`` (1..16; 1 runs the overlap pipeline's step), ``per_sample`` (declare the
+    dense model per-sample: :func:`per_sample_violation`) and ``chain_chunks`` (issue chunk j+1's
+    collectives when chunk j's embeddings are read, not all before the forward; default: on CPU,
+    where gloo runs two collectives at once and so would share the link between chunks 0 and 1,
+    delaying the first; NCCL runs one communicator's collectives in issue order anyway).
+    ``NotPerSample`` with the reason where the model cannot be split."""
 
     _pipelined_forward_type = BatchSplitPipelinedForward
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *args: Any,
-                 chunks: int = 2, per_sample: bool = False, **kwargs: Any) -> None:
+                 chunks: int = 2, per_sample: bool = False, chain_chunks: Optional[bool] = None,
+                 **kwargs: Any) -> None:
         chunk_sizes(chunks, chunks)  # validates chunks
         check_per_sample(model, per_sample)
         super().__init__(model, optimizer, device, *args, **kwargs)
         self.chunks = chunks
+        self.chain_chunks = device.type == "cpu" if chain_chunks is None else bool(chain_chunks)
         wrapped = getattr(model, "_dmp_wrapped_module", model)
         self._ddp: Optional[DistributedDataParallel] = (
             wrapped if isinstance(wrapped, DistributedDataParallel) else None)
@@ -487,10 +535,9 @@ class TrainPipelineBatchSplit(TrainPipelineOverlap):
 
     def start_output_dist(self, context: TrainPipelineContext, sizes: Sequence[int] = ()) -> None:  # type: ignore[override]
         with record_function(BATCH_SPLIT_LABEL):
-            requests: List[Any] = []
+            requests: List[Any] = []  # filled as the chunks are issued; the all-reduce hook reads it
             for forward in self._split_forwards():
-                for awaitable in forward.start_chunks(context, sizes):
-                    requests.extend(_comm_requests(awaitable, depth=8))
+                forward.start_chunks(context, sizes, self.chain_chunks, requests)
             self._step_requests = requests
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
