@@ -44,7 +44,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSemiSync,
 )
 
-from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_PIPELINE, TrainPipelineBatchSplit
+from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_OPTIONS, BATCH_SPLIT_PIPELINE, TrainPipelineBatchSplit
 from torchrec_sparselift.runtime.cpu_compat import cpu_pipeline_class
 from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
 from torchrec_sparselift.runtime.stale import TrainPipelineOverlapStale
@@ -101,7 +101,8 @@ def make_train_pipeline(
     ``semi_sync``, whose TorchRec default keeps the first 900 steps synchronous; ``per_sample`` for
     a batch split).
     ``batch_split``: chunks of the ``overlap`` pipeline's all-to-alls (> 1 builds
-    :class:`~torchrec_sparselift.runtime.batch_split.TrainPipelineBatchSplit`).
+    :class:`~torchrec_sparselift.runtime.batch_split.TrainPipelineBatchSplit`; at 1 its options,
+    ``per_sample`` and ``chain_chunks``, are dropped, so a model declared per-sample runs any plan).
     """
     cls = pipeline_class(kind, device)
     kwargs: Dict[str, Any] = dict(options or {})
@@ -112,6 +113,8 @@ def make_train_pipeline(
                 f"{kind!r}{' with 2D replica sync' if sync_interval is not None else ''}: choose pipeline "
                 f"{BATCH_SPLIT_PIPELINE!r} or batch_split=1")
         return TrainPipelineBatchSplit(model, optimizer, device, chunks=batch_split, **kwargs)
+    for option in BATCH_SPLIT_OPTIONS:  # a declaration made for a split the plan did not choose
+        kwargs.pop(option, None)
     if sync_interval is not None:
         if kind not in _SYNC_INTERVAL_KINDS:
             raise ValueError(
