@@ -194,19 +194,10 @@ def make_planner(
         return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
     profile = check_hardware(hardware) if isinstance(hardware, str) else hardware
     return SparseLiftPlanner(
-        topology=topology,
-        batch_size=batch_size,
-        constraints=constraints,
-        hardware=profile,
-        cache_dir=cache_dir,
-        allow_lossy_comm=allow_lossy_comm,
-        allow_staleness=allow_staleness,
-        workload=workload,
-        sharding_group_size=sharding_group_size,
-        strategy_2d=strategy_2d,
-        sync_interval=sync_interval,
-        model_errors=model_errors,
-    )
+        topology=topology, batch_size=batch_size, constraints=constraints, hardware=profile, cache_dir=cache_dir,
+        allow_lossy_comm=allow_lossy_comm, allow_staleness=allow_staleness, workload=workload,
+        sharding_group_size=sharding_group_size, strategy_2d=strategy_2d, sync_interval=sync_interval,
+        model_errors=model_errors)
 
 
 def shard_model(model, plan, device, lr: float, dense_optimizer: str, dense_lr: float):

@@ -145,9 +145,9 @@ class Cluster:
         return dist.GroupMember.WORLD
 
     def say(self, *a: Any, **k: Any) -> None:
-        """``print`` on rank 0, nothing elsewhere."""
+        """``print`` (flushed) on rank 0, nothing elsewhere."""
         if self.rank == 0:
-            print(*a, **k)
+            print(*a, flush=True, **k)
 
 
 def _free_port() -> int:

@@ -71,6 +71,7 @@ from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNK
 from torchrec_sparselift.runtime.overlap import OverlapPipelinedForward, TrainPipelineOverlap, _comm_requests
 
 __all__ = [
+    "BATCH_SPLIT_OPTIONS",
     "MAX_CHUNKS",
     "BATCH_SPLIT_PIPELINE",
     "SPLIT_SHARDING_TYPES",
@@ -90,6 +91,8 @@ __all__ = [
 SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 _RANK_MAJOR = ("table_wise", "column_wise", "row_wise", "table_row_wise")
 
+#: the pipeline options only a batch split reads (``make_train_pipeline`` drops them at k = 1)
+BATCH_SPLIT_OPTIONS = ("per_sample", "chain_chunks")
 #: profiler range around the lookups and the k chunked output collectives of one step
 BATCH_SPLIT_LABEL = "## batch split: lookup + chunked output_dist issued ##"
 
