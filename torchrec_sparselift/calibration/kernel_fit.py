@@ -41,8 +41,8 @@ from torchrec_sparselift.calibration.records import (
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost.terms import cold_row_seconds
 from torchrec_sparselift.errors import CalibrationError
-from torchrec_sparselift.calibration.records import RECORDS_SCHEMA, _RECORD_TYPES, positive_int
-from torchrec_sparselift.files import Fields, field_path, load_json
+from torchrec_sparselift.calibration.records import RECORDS_SCHEMA
+from torchrec_sparselift.files import Fields, load_json
 
 __all__ = [
     "CalibrationError",
@@ -522,18 +522,4 @@ def _records_from_fields(f: Any) -> MicrobenchRecords:
     if schema != RECORDS_SCHEMA:
         raise f.fail("schema", f"is {schema!r}, not {RECORDS_SCHEMA!r} (nor {REPORT_SCHEMA!r}): not a calibration "
                      "records file", "write one with `sparselift calibrate kernels --records PATH`")
-    return MicrobenchRecords(**{key: [_record(r, typ) for r in f.objs(key, required=False)]
-                                for key, typ in _RECORD_TYPES.items()})
-
-
-def _record(r: Any, typ: type) -> Any:
-    """One record of type ``typ`` from its reader ``r``: unknown and missing keys, and counts
-    outside 1..int64, are named by field before the record's own validators run."""
-    fields = attrs.fields(typ)
-    r.only([a.name for a in fields])
-    for a in fields:
-        if a.default is attrs.NOTHING and a.name not in r.data:
-            raise r.fail(a.name, "is missing", f"add {a.name!r} (or measure again)")
-        if a.validator is positive_int and a.name in r.data:
-            r.check(r.data[a.name], int, field_path(r.path, a.name), lo=1)
-    return r.build(None, lambda d: typ(**d))
+    return MicrobenchRecords.from_dict(f)
