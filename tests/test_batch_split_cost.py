@@ -139,3 +139,12 @@ def test_bad_terms_are_refused_with_the_culprit():
     with pytest.raises(KeyError, match="'grad_dist'"):
         SplitTerms.from_phases({"input_dist": 0, "lookup": 0, "output_dist": 0, "dense_fwd": 0, "dense_bwd": 0},
                                chunk_latency_s=0.0, chunk_overhead_s=0.0)
+
+
+def test_the_schedule_describes_each_chunk():
+    t = _dlrm_like(latency=0.001, overhead=0.001)
+    sched = split_schedule(t, 2)
+    lines = sched.describe()
+    assert len(lines) == 3 and lines[0].startswith("chunk 0: embeddings in at ")
+    assert f"step {sched.step_s * 1e3:.2f} ms" in lines[-1]
+    assert f"forward waits {sched.chunks[1].fwd_wait_s * 1e3:.2f} ms" in lines[1]

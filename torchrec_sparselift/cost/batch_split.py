@@ -181,6 +181,16 @@ class SplitSchedule:
         """The embedding backward's wait for the last gradient after the dense backward ended."""
         return self.emb_bwd_start_s - self.dense_end_s
 
+    def describe(self) -> Tuple[str, ...]:
+        """One line per chunk (ms from the step's start: what the link hides and what the step
+        waits for), then the gradients' exposed wait and the step."""
+        lines = tuple(
+            f"chunk {j}: embeddings in at {c.arrival_s * 1e3:.2f} ms, forward waits {c.fwd_wait_s * 1e3:.2f} ms; "
+            f"gradient out at {c.grad_issue_s * 1e3:.2f} ms, in at {c.grad_arrival_s * 1e3:.2f} ms"
+            for j, c in enumerate(self.chunks))
+        return lines + (f"gradients exposed {self.exposed_grad_s * 1e3:.2f} ms after the dense backward; "
+                        f"step {self.step_s * 1e3:.2f} ms",)
+
 
 def split_schedule(terms: SplitTerms, k: int, chained: bool = False) -> SplitSchedule:
     """The step of ``terms`` split into ``k`` chunks (module docstring); k = 1 is the unsplit step.

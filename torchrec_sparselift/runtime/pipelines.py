@@ -48,11 +48,9 @@ from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_OPTIONS, BATCH_S
 from torchrec_sparselift.runtime.cpu_compat import cpu_pipeline_class
 from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
 from torchrec_sparselift.runtime.stale import TrainPipelineOverlapStale
-from torchrec_sparselift.vocabulary import PIPELINE_REGISTRY, PIPELINES, PIPELINES_2D, SYNC_PIPELINES
+from torchrec_sparselift.vocabulary import PIPELINE_REGISTRY, PIPELINES, PIPELINES_2D
 
 __all__ = [
-    "PIPELINE_KINDS",
-    "EXACT_PIPELINE_KINDS",
     "pipeline_class",
     "make_train_pipeline",
 ]
@@ -66,19 +64,13 @@ _TORCHREC_CLASSES: Dict[str, Type[TrainPipeline]] = {
 #: The TorchRec class of every pipeline kind (its registry entry's ``torchrec_class``).
 _CLASSES: Dict[str, Type[TrainPipeline]] = {p.name: _TORCHREC_CLASSES[p.torchrec_class] for p in PIPELINE_REGISTRY}
 
-#: Every pipeline kind (:data:`torchrec_sparselift.vocabulary.PIPELINES`, one order everywhere).
-PIPELINE_KINDS = PIPELINES
-#: Kinds whose per-step results equal a plain forward/backward/optimizer-step loop (the ones that
-#: do not train on stale embeddings).
-EXACT_PIPELINE_KINDS = SYNC_PIPELINES
-
 # Kinds whose constructor takes ``dmp_collection_sync_interval_batches`` (2D replica sync).
 _SYNC_INTERVAL_KINDS = PIPELINES_2D
 
 
 def _check_kind(kind: str) -> None:
     if kind not in _CLASSES:
-        raise ValueError(f"unknown train-pipeline kind {kind!r}: use one of {', '.join(PIPELINE_KINDS)}")
+        raise ValueError(f"unknown train-pipeline kind {kind!r}: use one of {', '.join(PIPELINES)}")
 
 
 def pipeline_class(kind: str, device: torch.device) -> Type[TrainPipeline]:
