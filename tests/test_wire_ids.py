@@ -513,3 +513,35 @@ def test_wire_features_follow_the_sharding() -> None:
     assert choice.id_dtype == "int32" and set(choice.dedup_features) == {"a", "b", "c", "e", "g"}
     request.topology.local_world_size = 4  # one host: the fast link, where the kernel costs more
     assert W.choose_for_request(request, sharding, dedup_id_s=1e-9).dedup_features == ()
+
+
+def test_apply_refuses_narrow_ids_for_a_huge_model_parallel_table_and_unknown_dedup_features() -> None:
+    from types import SimpleNamespace
+
+    from torch import nn
+    from torchrec import EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
+
+    def holder(types):  # type: ignore[no-untyped-def]
+        """A model holding a sharded EBC's table view (no weights: the checks read configs and plan)."""
+        ebc = ShardedEmbeddingBagCollection.__new__(ShardedEmbeddingBagCollection)
+        nn.Module.__init__(ebc)
+        ebc._embedding_bag_configs = [
+            EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=4, feature_names=[f"{n}_f"])
+            for n, rows in (("small", 1000), ("huge", 2**31 + 1))]
+        ebc.module_sharding_plan = {n: SimpleNamespace(sharding_type=t) for n, t in types.items()}
+        model = nn.Module()
+        model.ebc = ebc
+        return model
+
+    with pytest.raises(ValueError, match=r"ebc\.huge \(2147483649 rows\)") as err:
+        apply_wire_ids(holder({"small": "table_wise", "huge": "row_wise"}), "int32")
+    assert "ebc.small" not in str(err.value)
+    with pytest.raises(ValueError, match=r"\['nope'\].*huge_f"):
+        apply_wire_ids(holder({"small": "table_wise", "huge": "row_wise"}), "int64", ["nope"])
+    with pytest.raises(ValueError, match="int64, int32"):
+        apply_wire_ids(holder({"small": "table_wise", "huge": "row_wise"}), "int8")
+    # a data-parallel table sends no ids: narrow ids do not look at its rows; nothing to rewrite
+    assert apply_wire_ids(holder({"small": "data_parallel", "huge": "data_parallel"}), "int32") == []
