@@ -545,3 +545,12 @@ def test_apply_refuses_narrow_ids_for_a_huge_model_parallel_table_and_unknown_de
         apply_wire_ids(holder({"small": "table_wise", "huge": "row_wise"}), "int8")
     # a data-parallel table sends no ids: narrow ids do not look at its rows; nothing to rewrite
     assert apply_wire_ids(holder({"small": "data_parallel", "huge": "data_parallel"}), "int32") == []
+    # a feature-processed EBC is left alone (its processors read the received KJT)
+    from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
+
+    fp = ShardedFeatureProcessedEmbeddingBagCollection.__new__(ShardedFeatureProcessedEmbeddingBagCollection)
+    nn.Module.__init__(fp)
+    fp._embedding_bag_collection = holder({"small": "table_wise", "huge": "row_wise"}).ebc
+    model = nn.Module()
+    model.fp = fp
+    assert apply_wire_ids(model, "int32") == []
