@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -387,8 +388,13 @@ def _table_rows(sharded: ShardedEmbeddingBagCollection) -> Dict[str, Tuple[int, 
 
 
 def wire_ids_modules(model: nn.Module) -> List[Tuple[str, ShardedEmbeddingBagCollection]]:
-    """The ``(path in the user's model, module)`` of every sharded EmbeddingBagCollection in ``model``."""
-    return [(_user_path(n), m) for n, m in model.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+    """The ``(path in the user's model, module)`` of every sharded EmbeddingBagCollection in
+    ``model`` but those inside a feature-processed one (left alone: its feature processors read
+    the received KJT)."""
+    inside_fp = {id(m._embedding_bag_collection) for m in model.modules()
+                 if isinstance(m, ShardedFeatureProcessedEmbeddingBagCollection)}
+    return [(_user_path(n), m) for n, m in model.named_modules()
+            if isinstance(m, ShardedEmbeddingBagCollection) and id(m) not in inside_fp]
 
 
 def _user_path(name: str) -> str:
