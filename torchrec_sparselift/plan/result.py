@@ -47,6 +47,8 @@ class PlanResult:
     #: the never-slower rule's decision (plan.baseline.BaselineDecision); None: not asked for
     never_slower: Optional[BaselineDecision] = None
     replica_sync: Optional[ReplicaSyncChoice] = None  # the 2D strategy chosen and its rivals (2D only)
+    #: with ``cost_model="torchrec"``: the problem TorchRec's estimators rated (their shards' Perf/Storage)
+    torchrec_problem: Any = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def strategy_2d(self) -> Optional[str]:
