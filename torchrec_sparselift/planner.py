@@ -20,14 +20,11 @@ import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import attrs
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
 from torchrec.distributed.comm import get_local_size
-from torchrec.distributed.planner.planners import to_sharding_plan
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import (
     ParameterConstraints, PlannerError, ShardingOption, Stats, StorageReservation, Topology,
@@ -39,25 +36,18 @@ from torchrec_sparselift import defaults
 from torchrec_sparselift.calibration.store import auto_profile_link
 from torchrec_sparselift.calibration.term_error import ProfileOnLink, profile_errors, profile_on_link
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile, profile_for_topology
-from torchrec_sparselift.cost.model import DenseWork
-from torchrec_sparselift.cost.pipelines import trainable_pipelines
 from torchrec_sparselift.cost.report import rank_breakdown
-from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.plan import ExecutionPlan, Fingerprint, PlanCache, PlanRequest
 from torchrec_sparselift.plan.contract import has_shardable_tables, last_reserved, reservation_note, with_reservation
 from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
-from torchrec_sparselift.plan.loader import check_context, context_digest, context_hash_int, loaded_options
-from torchrec_sparselift.plan.options import planner_options
-from torchrec_sparselift.plan.planning import execution_plan, plan_result, require_tables, run_callbacks
-from torchrec_sparselift.plan.request import describe_sharders
+from torchrec_sparselift.plan.loader import check_context, context_digest, context_hash_int
+from torchrec_sparselift.plan.options import build_request, pipelines_for_cores, planner_options
+from torchrec_sparselift.plan.planning import execution_plan, loaded_result, plan_result, require_tables
 from torchrec_sparselift.plan.result import PlanResult
+from torchrec_sparselift.runtime.agreement import agreed, check_group_size, from_rank_0
 from torchrec_sparselift.runtime.machine import machine_share
 from torchrec_sparselift.search.problem import device_caps
-from torchrec_sparselift.search.torchrec_objective import estimator_identity
 from torchrec_sparselift.semantics.dense import dense_work
-from torchrec_sparselift.semantics.tables import TableHandle, extract_tables, is_feature_processed
-from torchrec_sparselift.validation import Problems, validate_inputs
-from torchrec_sparselift.vocabulary import has_side_streams, pipeline as pipeline_kind
 
 __all__ = ["SparseLiftPlanner", "PlanResult", "dense_work", "evaluate_sharding_plan", "rank_breakdown"]
 
@@ -234,28 +224,22 @@ class SparseLiftPlanner(ShardingPlanner):
                 raise RuntimeError("collective_plan needs an initialized process group: call "
                                    "torch.distributed.init_process_group() first, or use plan() on one process")
             pg = dist.GroupMember.WORLD
-        _check_group_size(self._topology, pg)
+        check_group_size(self._topology, pg)
         on = self.on_link(link) if link is not None else None
         if on is not None and on.note is not None and dist.get_rank(pg) == 0:
             warnings.warn(f"sparselift: {on.note}", stacklevel=3)
-        sharders = list(sharders) if sharders is not None else get_default_sharders()
-        request = self.last_request = self._agreed_request(module, sharders, pg, self._pipelines_for_cores(pg, link), on)
-        local_error: List[Any] = [None]
-
-        def plan_on_rank_0() -> Tuple[Any, ...]:
-            try:
-                return ("ok", self._plan_execution(request, t0).to_json())
-            except Exception as e:  # noqa: BLE001 - shared with every rank, re-raised below
-                local_error[0] = e
-                return ("error", type(e).__name__, getattr(e, "kind", None), str(e))
-
-        out = invoke_on_rank_and_broadcast_result(pg, 0, plan_on_rank_0)
-        if out[0] == "error":
-            _reraise_shared(out, local_error[0], "rank 0 could not plan")
-        self.last_execution_plan = ExecutionPlan.from_json(out[1])
+        cores = self._pipelines_for_cores(pg, link)
+        request = self.last_request = agreed(lambda: self._request(module, sharders, cores, on), pg)
+        self.last_execution_plan = ExecutionPlan.from_json(
+            from_rank_0(lambda: self._plan_execution(request, t0).to_json(), pg))
         return self.last_execution_plan
 
     # -- the request ---------------------------------------------------------------------
+    def profile(self, on: Optional[ProfileOnLink] = None) -> HardwareProfile:
+        """The profile a plan of this planner's topology prices with: :attr:`hardware` (or the
+        topology's preset), or ``on``'s profile (:meth:`on_link`)."""
+        return profile_for_topology(self._topology, on.profile if on is not None else self.hardware)
+
     def on_link(self, link: Any) -> Optional[ProfileOnLink]:
         """With ``hardware="auto"``: the stored profile moved to the measured ``link`` (a
         ``LinkRates``) with the never-slower rule's errors for it
@@ -275,114 +259,42 @@ class SparseLiftPlanner(ShardingPlanner):
         return self._request(module, sharders, self.options.search.requested_pipelines(), on_link)
 
     @_names_reservation
-    def _request(self, module: nn.Module, sharders: Optional[Sequence[Any]], core: Tuple[str, ...],
+    def _request(self, module: Any, sharders: Optional[Sequence[Any]], pipelines: Tuple[str, ...],
                  on: Optional[ProfileOnLink]) -> PlanRequest:
-        sharders = list(sharders) if sharders is not None else get_default_sharders()
-        topo, o = self._topology, self.options
-        problems = Problems()
-        handles = extract_tables(module, sharders, topo.compute_device, self._batch_size, self._constraints,
-                                 o.workload, problems=problems)
-        validate_inputs(handles, topo, self._batch_size, self._constraints, o.workload, problems=problems)
-        return self._new_request(handles, dense_work(module, handles), sharders, self._exact(handles, core), on,
-                                 module)
-
-    def _new_request(self, handles: Sequence[TableHandle], dense: DenseWork, sharders: Sequence[Any],
-                     pipelines: Tuple[str, ...], on: Optional[ProfileOnLink] = None, module: Any = None) -> PlanRequest:
-        s, two_d, rule = self.options.search, self.options.two_d, self.options.rule
-        hardware = profile_for_topology(self._topology, on.profile if on is not None else self.hardware)
-        return PlanRequest(
-            tables=tuple(h.spec for h in handles), handles=tuple(handles), topology=self._topology,
-            batch_size=self._batch_size, constraints=self._constraints, stats=self.options.workload,
-            hardware=hardware, dense=dense, sharders=describe_sharders(sharders),
-            storage_reservation=self._storage_reservation, callbacks=tuple(self._callbacks), pipelines=pipelines,
-            precisions=s.precisions(self._topology.compute_device), allow_lossy_comm=s.allow_lossy_comm,
-            allow_fp8=s.allow_fp8, allow_staleness=s.allow_staleness, solver=s.solver,
-            time_budget_s=s.time_budget_s, sharding_group_size=two_d.sharding_group_size,
-            sync_interval=two_d.sync_interval,
-            cost_model=s.cost_model if s.cost_model != "torchrec" else f"torchrec:{estimator_identity(s.estimator)}",
-            max_sync_interval=two_d.sync_bound if two_d.is_2d else None,
-            layout_2d=two_d.layout_2d if two_d.is_2d else "auto", never_slower=rule.never_slower,
-            strategy_2d=two_d.strategy_2d if two_d.is_2d else "auto",
-            module=module, sharder_objects=tuple(sharders), estimator=s.estimator,
-            model_errors=self._errors(hardware, on) if handles else None,
-        )
+        hardware = self.profile(on)
+        return build_request(
+            self.options, topology=self._topology, batch_size=self._batch_size, constraints=self._constraints,
+            storage_reservation=self._storage_reservation, callbacks=self._callbacks, hardware=hardware,
+            pipelines=pipelines, module=module,
+            sharders=(list(sharders) if sharders is not None else get_default_sharders()) if module is not None else (),
+            errors=lambda: self._errors(hardware, on))
 
     def _errors(self, profile: HardwareProfile, on: Optional[ProfileOnLink]) -> Any:
         """The never-slower rule's error per term for ``profile`` where the rule runs: the given
         ``model_errors``, else ``on``'s, else the stored step fit's (``hardware="auto"``, or a
         profile equal to a stored one), else the documented error of an uncalibrated profile."""
-        s, rule = self.options.search, self.options.rule
-        if rule.never_slower is False or s.cost_model != "sparselift":
+        rule = self.options.rule
+        if rule.never_slower is False or self.options.search.cost_model != "sparselift":
             return None
-        if rule.model_errors is not None:
-            return rule.model_errors
-        if on is not None:
-            return on.errors
+        if rule.model_errors is not None or on is not None:
+            return rule.model_errors or on.errors
         return profile_errors(self.hardware or profile, self._stored[1] if self._stored is not None else None)
 
     def _pipelines_for_cores(self, pg: Any, link: Any = None) -> Tuple[str, ...]:
-        """The pipelines asked for, less, on CPU with the default set, those whose overlap runs
-        beside the rank's compute (``needs_spare_cores``) where more ranks share a machine than it
-        has cores (docs/overlap.md): every rank alike, from ``link``'s machine share or one
-        all-gather (``runtime.machine.machine_share``)."""
-        asked = self.options.search.requested_pipelines()
-        if not self.options.search.pipelines_by_default or self._topology.compute_device != "cpu":
-            return asked
+        """:func:`~torchrec_sparselift.plan.options.pipelines_for_cores` on this job's machine share
+        (``link``'s, else one all-gather: ``runtime.machine.machine_share``); every rank alike."""
         if link is not None and getattr(link, "machine_ranks", None) is not None:
             ranks, cores = int(link.machine_ranks), int(link.machine_cores)
-        else:
+        elif self.options.search.pipelines_by_default and self._topology.compute_device == "cpu":
             ranks, cores = machine_share(pg)
-        kept = tuple(p for p in asked if not pipeline_kind(p).needs_spare_cores)
-        if ranks <= cores or kept == asked or not kept:
-            return asked
-        if dist.get_rank(pg) == 0:
+        else:
+            ranks, cores = 1, 1
+        kept, left = pipelines_for_cores(self.options.search, self._topology.compute_device, ranks, cores)
+        if left and dist.get_rank(pg) == 0:
             warnings.warn(f"sparselift: {ranks} ranks share a machine with {cores} CPU cores; the pipelines that "
-                          f"overlap communication beside the ranks' compute ({', '.join(p for p in asked if p not in kept)}) "
-                          "need a core per rank, so the plan chooses among the others (pass pipelines=[...] to "
-                          "choose yourself)", stacklevel=4)
+                          f"overlap communication beside the ranks' compute ({', '.join(left)}) need a core per rank, "
+                          "so the plan chooses among the others (pass pipelines=[...] to choose yourself)", stacklevel=4)
         return kept
-
-    def _exact(self, handles: Sequence[TableHandle], core: Tuple[str, ...]) -> Tuple[str, ...]:
-        """``core`` less, on a device with side streams, the kinds that look up the next batch
-        before the dense optimizer's step where the model has feature processors
-        (``cost.pipelines.trainable_pipelines``); a user's list that loses one is warned about."""
-        device = self._topology.compute_device
-        fp = sorted({h.module[0] for h in handles if is_feature_processed(h.sharder_key)})
-        kept = trainable_pipelines(core, False, streams=has_side_streams(device), feature_processors=bool(fp))
-        if kept != core and not self.options.search.pipelines_by_default:
-            warnings.warn(f"sparselift: pipeline(s) {', '.join(p for p in core if p not in kept)} left out: on {device} "
-                          f"they look up the next batch before the dense optimizer updates the feature processors "
-                          f"of {', '.join(fp)} (TorchRec's TrainPipelineFusedSparseDist assumes none)", stacklevel=4)
-        return kept
-
-    def _agreed_request(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]], pg: Any,
-                        core: Tuple[str, ...], on: Optional[ProfileOnLink]) -> PlanRequest:
-        """All ranks must plan the same request (:meth:`PlanRequest.digest`); an error on one
-        rank is raised on every rank (instead of leaving the others waiting in a collective)."""
-        local_error, request = None, None
-        try:
-            request = self._request(module, sharders, core, on)
-            mine: Any = ("ok", request.digest())
-        except Exception as e:  # noqa: BLE001 - every rank learns of it through the all_gather
-            local_error = e
-            mine = ("error", type(e).__name__, getattr(e, "kind", None), str(e))
-        entries: List[Any] = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(entries, mine, group=pg)
-        failed = [r for r, e in enumerate(entries) if e[0] == "error"]
-        if failed:
-            _reraise_shared(entries[failed[0]], local_error, f"rank(s) {failed} have invalid planning input")
-        groups: Dict[str, List[int]] = {}
-        for r, e in enumerate(entries):
-            groups.setdefault(e[1], []).append(r)
-        if len(groups) > 1:
-            majority = max(groups.values(), key=len)
-            differ = sorted(r for rs in groups.values() if rs is not majority for r in rs)
-            raise SparseLiftPlannerError(
-                f"ranks planned different inputs: ranks {differ} differ from ranks {majority} (tables, topology, "
-                "batch size, constraints, workload statistics or planner options). Build the model and the "
-                "planner identically on every rank.", kind="other")
-        assert request is not None
-        return request
 
     def fingerprint(self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None) -> Fingerprint:
         """What a stored plan must match to be reused: :meth:`request`'s fingerprint."""
@@ -433,9 +345,12 @@ class SparseLiftPlanner(ShardingPlanner):
         reserved = self._storage_reservation.reserve(self._topology, self._batch_size, request.module,
                                                      list(request.sharder_objects), self._constraints)
         self._last_context = (request, reserved)
-        res = self._loaded_result(request) if self._plan_loader is not None else None
-        if res is not None:
-            return res
+        if self._plan_loader is not None:  # TorchRec's PlanLoader: its plan, where it has one, instead of a search
+            check_context(self._plan_loader, self.hash_planner_context_inputs_str())
+            res = loaded_result(self._plan_loader, request, self._callbacks)
+            if res is not None:
+                self.last_result = res
+                return res
         res = plan_result(request, t0)
         self.last_result = res
         self.last_torchrec_problem = res.torchrec_problem
@@ -456,52 +371,12 @@ class SparseLiftPlanner(ShardingPlanner):
         context without tables. What a ``PlanLoader``'s ``plan_context_hash()`` must return."""
         if self._last_context is not None:
             return context_digest(*self._last_context)
-        return context_digest(self._new_request((), DenseWork(), (), self.options.search.requested_pipelines()),
+        return context_digest(self._request(None, (), self.options.search.requested_pipelines(), None),
                               last_reserved(self._storage_reservation))
 
     def hash_planner_context_inputs(self) -> int:
         """:meth:`hash_planner_context_inputs_str` as a non-negative int."""
         return context_hash_int(self.hash_planner_context_inputs_str())
-
-    def _loaded_result(self, request: PlanRequest) -> Optional[PlanResult]:
-        """The plan loader's plan for this request, validated and priced; ``None`` when the
-        loader has none. Raises ``PLANNER_INPUT_CONTEXT_MISMATCH`` or ``PLAN_LOADING_FAILED``."""
-        check_context(self._plan_loader, self.hash_planner_context_inputs_str())
-        options = loaded_options(self._plan_loader.load(), request.handles, self._topology.world_size)
-        if options is None:
-            return None
-        options = run_callbacks(self._callbacks, options)
-        res = evaluate_sharding_plan(request.module, to_sharding_plan(options, self._topology), self._topology,
-                                     self._batch_size, self._constraints, request.hardware, request.stats,
-                                     list(request.sharder_objects))
-        res = attrs.evolve(res, sharding_options=tuple(options))
-        logger.info("SparseLiftPlanner: using the loaded plan %r (predicted step %.3f ms)",
-                    getattr(self._plan_loader, "get_plan_id", lambda: None)(), res.step_time_s * 1e3)
-        self.last_result = res
-        return res
-
-
-def _check_group_size(topology: Topology, pg: Any) -> None:
-    """The topology must have one rank per member of the process group the plan is shared over
-    (every rank sees the same sizes, so every rank raises, before any collective)."""
-    size = dist.get_world_size(pg)
-    if topology.world_size != size:
-        raise ValueError(
-            f"the topology has world_size {topology.world_size} but the process group has {size} ranks: a plan "
-            f"for {topology.world_size} ranks cannot be applied by {size}. Build the topology with "
-            f"Topology(world_size={size}, ...) (dist.get_world_size(pg)), or plan over the process group of "
-            "the ranks the topology describes")
-
-
-def _reraise_shared(out: Any, local_error: Any, who: str) -> None:
-    """Raise, on every rank, the error one rank reported: the original object where it
-    happened, the same kind and message elsewhere."""
-    if local_error is not None:
-        raise local_error
-    _, name, kind, msg = out
-    if name == "ValueError":
-        raise ValueError(f"{who}: {msg}")
-    raise SparseLiftPlannerError(f"{who}: {msg}" if kind else f"{who}: {name}: {msg}", kind=kind or "other")
 
 
 def _default_topology() -> Topology:

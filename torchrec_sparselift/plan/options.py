@@ -13,30 +13,40 @@ problem listed in one error, :mod:`torchrec_sparselift.validation`) and returns 
 - :class:`CacheOptions`: reuse of execution plans across runs (``cache_dir``, ``drift_tolerance``).
 
 Each value checks its own fields on construction (types and choices); the checks that need the
-topology or several values at once are :func:`planner_options`'s. The plan request
-(:class:`~.request.PlanRequest`) is built from these values and the model's tables.
+topology or several values at once are :func:`planner_options`'s. :func:`build_request` makes
+the plan request (:class:`~.request.PlanRequest`) from these values and the model's tables.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+import warnings
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import attrs
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 
 from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost.model import DenseWork
+from torchrec_sparselift.cost.pipelines import trainable_pipelines
 from torchrec_sparselift.cost.two_d import check_sync_interval
 from torchrec_sparselift.plan.baseline import TermErrors
+from torchrec_sparselift.plan.request import PlanRequest, describe_sharders
+from torchrec_sparselift.search.torchrec_objective import estimator_identity
 from torchrec_sparselift.search.two_d import strategies_to_price
+from torchrec_sparselift.semantics.dense import dense_work
+from torchrec_sparselift.semantics.tables import TableHandle, extract_tables, is_feature_processed
 from torchrec_sparselift.semantics.workload import WorkloadStats
-from torchrec_sparselift.validation import argument_problems, planner_option_problems, raise_problems
+from torchrec_sparselift.validation import (
+    Problems, argument_problems, planner_option_problems, raise_problems, validate_inputs,
+)
 from torchrec_sparselift.vocabulary import (
     COST_MODELS, LAYOUT_2D_CHOICES, PIPELINES, SOLVERS, STALE_PIPELINES, STRATEGY_2D_CHOICES, SYNC_PIPELINES,
-    comm_precision_pairs,
+    comm_precision_pairs, has_side_streams, pipeline as pipeline_kind,
 )
 
-__all__ = ["SearchOptions", "TwoDOptions", "RuleOptions", "CacheOptions", "PlannerOptions", "planner_options"]
+__all__ = ["SearchOptions", "TwoDOptions", "RuleOptions", "CacheOptions", "PlannerOptions", "planner_options",
+           "pipelines_for_cores", "exact_pipelines", "build_request"]
 
 _bool = attrs.validators.instance_of(bool)
 _opt_pos_int = attrs.validators.optional([attrs.validators.instance_of(int), attrs.validators.ge(1)])
@@ -208,3 +218,70 @@ def planner_options(
     return PlannerOptions(hardware=hardware, workload=workload, search=search, two_d=two_d,
                           rule=RuleOptions(never_slower=never_slower, model_errors=model_errors),
                           cache=CacheOptions(cache_dir=cache_dir, drift_tolerance=drift_tolerance))
+
+
+def pipelines_for_cores(search: SearchOptions, compute_device: str, ranks: int, cores: int
+                        ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(the pipelines a plan chooses among, those left out) where ``ranks`` ranks share a machine
+    with ``cores`` CPU cores: on CPU with the default set, the kinds whose overlap runs beside the
+    rank's compute (``needs_spare_cores``: gloo's threads move the collectives while the rank
+    computes) are left out where ranks outnumber the cores (measured: docs/overlap.md); a list the
+    user passed is kept as given."""
+    asked = search.requested_pipelines()
+    if not search.pipelines_by_default or compute_device != "cpu" or ranks <= cores:
+        return asked, ()
+    kept = tuple(p for p in asked if not pipeline_kind(p).needs_spare_cores)
+    if not kept:
+        return asked, ()
+    return kept, tuple(p for p in asked if p not in kept)
+
+
+def exact_pipelines(search: SearchOptions, compute_device: str, handles: Sequence[TableHandle],
+                    pipelines: Tuple[str, ...]) -> Tuple[str, ...]:
+    """``pipelines`` less, on a device with side streams, the kinds that look up the next batch
+    before the dense optimizer's step where the model has feature processors
+    (``cost.pipelines.trainable_pipelines``); a user's list that loses one is warned about."""
+    fp = sorted({h.module[0] for h in handles if is_feature_processed(h.sharder_key)})
+    kept = trainable_pipelines(pipelines, False, streams=has_side_streams(compute_device), feature_processors=bool(fp))
+    if kept != pipelines and not search.pipelines_by_default:
+        warnings.warn(f"sparselift: pipeline(s) {', '.join(p for p in pipelines if p not in kept)} left out: on "
+                      f"{compute_device} they look up the next batch before the dense optimizer updates the feature "
+                      f"processors of {', '.join(fp)} (TorchRec's TrainPipelineFusedSparseDist assumes none)",
+                      stacklevel=5)
+    return kept
+
+
+def build_request(options: PlannerOptions, *, topology: Topology, batch_size: int,
+                  constraints: Optional[Dict[str, ParameterConstraints]], storage_reservation: Any,
+                  callbacks: Sequence[Any], hardware: HardwareProfile, pipelines: Tuple[str, ...],
+                  module: Any = None, sharders: Sequence[Any] = (),
+                  errors: Callable[[], Optional[TermErrors]] = lambda: None) -> PlanRequest:
+    """The :class:`PlanRequest` for ``module`` under ``options``: its tables, recovered from the
+    module by ``sharders`` (every input validated, all problems listed at once), choosing among
+    ``pipelines`` (those that train it exactly, :func:`exact_pipelines`), priced with
+    ``hardware``, with the never-slower rule's ``errors()``. Without a module: the planner's
+    context alone (no tables)."""
+    handles: Sequence[TableHandle] = ()
+    dense = DenseWork()
+    if module is not None:
+        problems = Problems()
+        handles = extract_tables(module, list(sharders), topology.compute_device, batch_size, constraints,
+                                 options.workload, problems=problems)
+        validate_inputs(handles, topology, batch_size, constraints, options.workload, problems=problems)
+        dense = dense_work(module, handles)
+        pipelines = exact_pipelines(options.search, topology.compute_device, handles, pipelines)
+    s, two_d = options.search, options.two_d
+    return PlanRequest(
+        tables=tuple(h.spec for h in handles), handles=tuple(handles), topology=topology, batch_size=batch_size,
+        constraints=constraints, stats=options.workload, hardware=hardware, dense=dense,
+        sharders=describe_sharders(sharders), storage_reservation=storage_reservation, callbacks=tuple(callbacks),
+        pipelines=pipelines, precisions=s.precisions(topology.compute_device), allow_lossy_comm=s.allow_lossy_comm,
+        allow_fp8=s.allow_fp8, allow_staleness=s.allow_staleness, solver=s.solver, time_budget_s=s.time_budget_s,
+        sharding_group_size=two_d.sharding_group_size, sync_interval=two_d.sync_interval,
+        cost_model=s.cost_model if s.cost_model != "torchrec" else f"torchrec:{estimator_identity(s.estimator)}",
+        max_sync_interval=two_d.sync_bound if two_d.is_2d else None,
+        layout_2d=two_d.layout_2d if two_d.is_2d else "auto", never_slower=options.rule.never_slower,
+        strategy_2d=two_d.strategy_2d if two_d.is_2d else "auto",
+        module=module, sharder_objects=tuple(sharders), estimator=s.estimator,
+        model_errors=errors() if handles else None,
+    )

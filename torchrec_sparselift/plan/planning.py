@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import attrs
 from torchrec.distributed.planner.planners import to_sharding_plan
@@ -40,6 +40,7 @@ from torchrec_sparselift.plan.baseline import (
 from torchrec_sparselift.plan.compare import torchrec_plan
 from torchrec_sparselift.plan.evaluate import GivenPlan, evaluate_sharding_plan
 from torchrec_sparselift.plan.execution_plan import ExecutionPlan
+from torchrec_sparselift.plan.loader import loaded_options
 from torchrec_sparselift.plan.request import PlanRequest
 from torchrec_sparselift.plan.result import PlanResult
 from torchrec_sparselift.search.options import to_sharding_option
@@ -54,7 +55,7 @@ from torchrec_sparselift.semantics.tables import TableHandle
 from torchrec_sparselift.validation import callback_problem
 from torchrec_sparselift.vocabulary import has_side_streams, pipeline as pipeline_kind
 
-__all__ = ["plan", "plan_result", "require_tables", "solve_group", "apply_never_slower", "execution_plan", "run_callbacks",
+__all__ = ["plan", "plan_result", "require_tables", "solve_group", "apply_never_slower", "loaded_result", "execution_plan", "run_callbacks",
            "check_complete"]
 
 logger = logging.getLogger("torchrec_sparselift.planner")
@@ -265,6 +266,23 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
     search = attrs.evolve(kept.search, solver="torchrec(never_slower)", status="kept",
                           planning_time_s=s.planning_time_s + time.monotonic() - t0)
     return attrs.evolve(kept, sharding_options=tuple(options), search=search, never_slower=decision)
+
+
+def loaded_result(loader: Any, request: PlanRequest, callbacks: Sequence[Any] = ()) -> Optional[PlanResult]:
+    """TorchRec ``PlanLoader`` ``loader``'s plan for ``request`` (its context already checked:
+    :func:`~.loader.check_context`), validated against the tables (:func:`~.loader.loaded_options`),
+    passed through ``callbacks`` and priced; ``None`` when the loader has none."""
+    topo = request.topology
+    options = loaded_options(loader.load(), request.handles, topo.world_size)
+    if options is None:
+        return None
+    options = run_callbacks(callbacks, options)
+    res = evaluate_sharding_plan(request.module, to_sharding_plan(options, topo), topo, request.batch_size,
+                                 request.constraints or None, request.hardware, request.stats,
+                                 list(request.sharder_objects))
+    logger.info("SparseLiftPlanner: using the loaded plan %r (predicted step %.3f ms)",
+                getattr(loader, "get_plan_id", lambda: None)(), res.step_time_s * 1e3)
+    return attrs.evolve(res, sharding_options=tuple(options))
 
 
 def execution_plan(request: PlanRequest, res: PlanResult) -> ExecutionPlan:
