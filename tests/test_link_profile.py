@@ -15,7 +15,6 @@ import attrs
 import pytest
 
 from torchrec_sparselift.calibration.link import (
-    PROFILE_BYTES_PER_MEASURED,
     LinkRates,
     correct_link_terms,
     corrected_bandwidth,
@@ -36,6 +35,7 @@ from torchrec_sparselift.cost.hardware import (
     HardwareProfile,
     with_slower_compute,
 )
+from torchrec_sparselift.cost.step_terms import link_terms
 from launcher import run_ranks
 from search_helpers import meta_ebc
 from torchrec_sparselift.measure import testbed as tb
@@ -76,7 +76,8 @@ def test_a_slower_link_corrects_the_flagged_terms_and_names_them_with_both_value
     assert c.differs and len(c.differences) == len(links_differ(stored, measured)) == 2
     p = c.profile
     # the model's all-to-all bytes are sent + received: two per measured (sent) byte
-    assert PROFILE_BYTES_PER_MEASURED["inter_bw"] == 2.0 and PROFILE_BYTES_PER_MEASURED["allreduce_bw"] == 1.0
+    per_measured = {r.measured: r.profile_bytes_per_measured for r in link_terms("bandwidth")}
+    assert per_measured["inter_bw"] == 2.0 and per_measured["allreduce_bw"] == 1.0
     assert p.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 2 * 430e6, 2 * 12.4e6))
     assert p.allreduce_bw == pytest.approx(corrected_bandwidth(300e6, 220e6, 12.1e6))
     # within the spread: untouched (the latencies are 100 us apart, within 100% of the smaller)

@@ -41,7 +41,7 @@ from torchrec_sparselift.plan import ExecutionPlan, Fingerprint, PlanCache, Plan
 from torchrec_sparselift.plan.contract import has_shardable_tables, last_reserved, reservation_note, with_reservation
 from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
 from torchrec_sparselift.plan.loader import check_context, context_digest, context_hash_int
-from torchrec_sparselift.plan.options import build_request, pipelines_for_cores, planner_options
+from torchrec_sparselift.plan.options import build_request, pipelines_for_cores, planner_options, request_tables
 from torchrec_sparselift.plan.planning import execution_plan, loaded_result, plan_result, require_tables
 from torchrec_sparselift.plan.result import PlanResult
 from torchrec_sparselift.runtime.agreement import agreed, check_group_size, from_rank_0
@@ -261,13 +261,15 @@ class SparseLiftPlanner(ShardingPlanner):
     @_names_reservation
     def _request(self, module: Any, sharders: Optional[Sequence[Any]], pipelines: Tuple[str, ...],
                  on: Optional[ProfileOnLink]) -> PlanRequest:
+        sharders = () if module is None else list(sharders) if sharders is not None else get_default_sharders()
+        handles, dense = ((), None) if module is None else request_tables(
+            self.options, self._topology, self._batch_size, self._constraints, module, sharders)
         hardware = self.profile(on)
         return build_request(
             self.options, topology=self._topology, batch_size=self._batch_size, constraints=self._constraints,
             storage_reservation=self._storage_reservation, callbacks=self._callbacks, hardware=hardware,
-            pipelines=pipelines, module=module,
-            sharders=(list(sharders) if sharders is not None else get_default_sharders()) if module is not None else (),
-            errors=lambda: self._errors(hardware, on))
+            pipelines=pipelines, handles=handles, dense=dense, module=module, sharders=sharders,
+            model_errors=self._errors(hardware, on) if handles else None)
 
     def _errors(self, profile: HardwareProfile, on: Optional[ProfileOnLink]) -> Any:
         """The never-slower rule's error per term for ``profile`` where the rule runs: the given

@@ -30,11 +30,11 @@ import numpy as np
 from torchrec_sparselift import defaults
 from torchrec_sparselift.calibration.step_fit import StepFitInfo
 from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.cost.step_terms import LINK_TERMS
 from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, pipeline_term
 
 __all__ = ["term_errors", "uncalibrated_errors", "profile_errors", "with_link_errors",
-           "ProfileOnLink", "profile_on_link",
-           "LINK_TERM_OF_FIELD"]
+           "ProfileOnLink", "profile_on_link"]
 
 
 def term_errors(info: StepFitInfo, name: str = "") -> TermErrors:
@@ -107,24 +107,19 @@ def profile_errors(profile: Optional[HardwareProfile], stored_path: Optional[str
     return uncalibrated_errors(profile.name if profile is not None else "the preset")
 
 
-#: The step-fit term each rate a link correction moves belongs to (the bandwidths; the latency a
-#: correction shifts keeps the fit's error: ``LinkRates.latency_spread_s`` is the wander of the
-#: latency fits' intercepts on a busy host, an absolute spread that a relative error overstates).
-LINK_TERM_OF_FIELD = {"intra_host_bw": "1/a2a_bw", "inter_host_bw": "1/a2a_bw", "allreduce_bw": "1/allreduce_bw",
-                      "inter_reduce_scatter_factor": "reduce_scatter_factor"}
-
-
 def with_link_errors(errors: TermErrors, correction: Any, measured: Any) -> TermErrors:
     """``errors`` (a stored step fit's, :func:`profile_errors`) for the profile
     ``correction`` (a :class:`~.link.LinkCorrection`) moved to the link ``measured`` (its
     :class:`~.link.LinkRates`): each term whose rates the correction set from the measurement
-    (:data:`LINK_TERM_OF_FIELD`: the all-to-all and all-reduce bandwidths, the inter-host
+    (the ``error_term`` of its row in :data:`~torchrec_sparselift.cost.step_terms.LINK_TERMS`: the
+    all-to-all and all-reduce bandwidths, the inter-host
     reduce-scatter factor) has at least the measurement's relative spread. The step fit's error
     of those terms was measured on the calibration's link, not on this one. ``errors`` itself
     when nothing was corrected."""
     changed = {f for f, _old, _new in getattr(correction, "changed", ())}
     spread = float(getattr(measured, "spread", 0.0) or 0.0)
-    moved = {LINK_TERM_OF_FIELD[f]: spread for f in changed if f in LINK_TERM_OF_FIELD}
+    term_of = {t.field: t.error_term for t in LINK_TERMS if t.error_term}
+    moved = {term_of[f]: spread for f in changed if f in term_of}
     if not moved:
         return errors
     out = dict(errors.errors)

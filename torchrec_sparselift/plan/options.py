@@ -20,7 +20,7 @@ the plan request (:class:`~.request.PlanRequest`) from these values and the mode
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import attrs
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
@@ -46,7 +46,7 @@ from torchrec_sparselift.vocabulary import (
 )
 
 __all__ = ["SearchOptions", "TwoDOptions", "RuleOptions", "CacheOptions", "PlannerOptions", "planner_options",
-           "pipelines_for_cores", "exact_pipelines", "build_request"]
+           "pipelines_for_cores", "exact_pipelines", "request_tables", "build_request"]
 
 _bool = attrs.validators.instance_of(bool)
 _opt_pos_int = attrs.validators.optional([attrs.validators.instance_of(int), attrs.validators.ge(1)])
@@ -251,29 +251,33 @@ def exact_pipelines(search: SearchOptions, compute_device: str, handles: Sequenc
     return kept
 
 
+def request_tables(options: PlannerOptions, topology: Topology, batch_size: int,
+                   constraints: Optional[Dict[str, ParameterConstraints]], module: Any,
+                   sharders: Sequence[Any]) -> Tuple[Tuple[TableHandle, ...], DenseWork]:
+    """The tables ``sharders`` recover from ``module`` and its dense work, every input validated
+    (all problems listed in one error)."""
+    problems = Problems()
+    handles = extract_tables(module, list(sharders), topology.compute_device, batch_size, constraints,
+                             options.workload, problems=problems)
+    validate_inputs(handles, topology, batch_size, constraints, options.workload, problems=problems)
+    return tuple(handles), dense_work(module, handles)
+
+
 def build_request(options: PlannerOptions, *, topology: Topology, batch_size: int,
                   constraints: Optional[Dict[str, ParameterConstraints]], storage_reservation: Any,
                   callbacks: Sequence[Any], hardware: HardwareProfile, pipelines: Tuple[str, ...],
-                  module: Any = None, sharders: Sequence[Any] = (),
-                  errors: Callable[[], Optional[TermErrors]] = lambda: None) -> PlanRequest:
-    """The :class:`PlanRequest` for ``module`` under ``options``: its tables, recovered from the
-    module by ``sharders`` (every input validated, all problems listed at once), choosing among
-    ``pipelines`` (those that train it exactly, :func:`exact_pipelines`), priced with
-    ``hardware``, with the never-slower rule's ``errors()``. Without a module: the planner's
-    context alone (no tables)."""
-    handles: Sequence[TableHandle] = ()
-    dense = DenseWork()
-    if module is not None:
-        problems = Problems()
-        handles = extract_tables(module, list(sharders), topology.compute_device, batch_size, constraints,
-                                 options.workload, problems=problems)
-        validate_inputs(handles, topology, batch_size, constraints, options.workload, problems=problems)
-        dense = dense_work(module, handles)
+                  handles: Sequence[TableHandle] = (), dense: Optional[DenseWork] = None, module: Any = None,
+                  sharders: Sequence[Any] = (), model_errors: Optional[TermErrors] = None) -> PlanRequest:
+    """The :class:`PlanRequest` for the tables ``handles`` of ``module`` (:func:`request_tables`)
+    under ``options``, choosing among ``pipelines`` (those that train it exactly,
+    :func:`exact_pipelines`), priced with ``hardware``, with the never-slower rule's
+    ``model_errors``. Without tables: the planner's context alone."""
+    if handles:
         pipelines = exact_pipelines(options.search, topology.compute_device, handles, pipelines)
     s, two_d = options.search, options.two_d
     return PlanRequest(
         tables=tuple(h.spec for h in handles), handles=tuple(handles), topology=topology, batch_size=batch_size,
-        constraints=constraints, stats=options.workload, hardware=hardware, dense=dense,
+        constraints=constraints, stats=options.workload, hardware=hardware, dense=dense or DenseWork(),
         sharders=describe_sharders(sharders), storage_reservation=storage_reservation, callbacks=tuple(callbacks),
         pipelines=pipelines, precisions=s.precisions(topology.compute_device), allow_lossy_comm=s.allow_lossy_comm,
         allow_fp8=s.allow_fp8, allow_staleness=s.allow_staleness, solver=s.solver, time_budget_s=s.time_budget_s,
@@ -282,6 +286,5 @@ def build_request(options: PlannerOptions, *, topology: Topology, batch_size: in
         max_sync_interval=two_d.sync_bound if two_d.is_2d else None,
         layout_2d=two_d.layout_2d if two_d.is_2d else "auto", never_slower=options.rule.never_slower,
         strategy_2d=two_d.strategy_2d if two_d.is_2d else "auto",
-        module=module, sharder_objects=tuple(sharders), estimator=s.estimator,
-        model_errors=errors() if handles else None,
+        module=module, sharder_objects=tuple(sharders), estimator=s.estimator, model_errors=model_errors,
     )

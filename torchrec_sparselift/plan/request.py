@@ -32,8 +32,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import attrs
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.hardware import TWO_D_ONLY_FIELDS, HardwareProfile
+from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost.model import DenseWork
+from torchrec_sparselift.cost.step_terms import TWO_D_ONLY_FIELDS
 from torchrec_sparselift.plan.baseline import TermErrors
 from torchrec_sparselift.plan.execution_plan import (
     COMM_PRECISIONS,
@@ -236,7 +237,7 @@ class PlanRequest:
 
     def _hardware_key(self) -> Dict[str, Any]:
         """The profile as the fingerprint hashes it: a 1D request without the fields that price
-        only 2D plans (:data:`~torchrec_sparselift.cost.hardware.TWO_D_ONLY_FIELDS`)."""
+        only 2D plans (:data:`~torchrec_sparselift.cost.step_terms.TWO_D_ONLY_FIELDS`)."""
         d = self.hardware.to_dict()
         if not self.is_2d:
             for name in TWO_D_ONLY_FIELDS:
