@@ -1,6 +1,6 @@
 """Bad inputs and faults, tried as a new user would: does each give one clear error?
 
-    PYTHONPATH=$PWD python benchmarks/bad_inputs.py [--only SUBSTRING] [--json OUT]
+    python -m benchmarks.bad_inputs [--only SUBSTRING] [--json OUT]
 
 Each case feeds one bad input or fault to the public API (``SparseLiftPlanner``,
 ``evaluate_sharding_plan``, ``HardwareProfile.load``, ``ProfileStore``, ``PlanCache``), the
@@ -39,7 +39,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 TRAIN = os.path.join(EXAMPLE, "train.py")
-sys.path[:0] = [ROOT, EXAMPLE]
 
 warnings.filterwarnings("ignore")
 GiB = 1024**3
@@ -469,7 +468,6 @@ def _capture(logger: str) -> io.StringIO:
 
 ADD_RECORDS = r"""
 import sys
-sys.path[:0] = [{root!r}]
 from types import SimpleNamespace
 from torchrec_sparselift.calibration import feedback
 from torchrec_sparselift.calibration.store import MachineFingerprint, ProfileStore
@@ -480,24 +478,23 @@ fp = MachineFingerprint(device="cpu", processor="audit cpu", cores=2, devices=0,
 feedback.current_fingerprint = lambda device, ranks, **kw: fp
 store = ProfileStore(sys.argv[1])
 for i in range(8):
-    rec = FitRecord(label=f"guard/{{sys.argv[2]}}-{{i}}", quantities={{"step_overhead_s": 1.0}}, fixed_s=0.01,
+    rec = FitRecord(label=f"guard/{sys.argv[2]}-{i}", quantities={"step_overhead_s": 1.0}, fixed_s=0.01,
                     measured_s=0.02 + 1e-4 * i)
     feedback.add_feedback([rec], PRESETS["cpu-gloo"], SimpleNamespace(compute_device="cpu", local_world_size=2),
                           store=store)
-""".format(root=ROOT)
+"""
 
 SAVER = r"""
 import os, sys, time
-sys.path[:0] = [{example!r}, {root!r}]
 import torch, torch.distributed as dist
-from dlrm_checkpoint import claim_checkpoint_dir, save_checkpoint
+from torchrec_sparselift.dlrm.checkpoint import claim_checkpoint_dir, save_checkpoint
 dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 lock = claim_checkpoint_dir(sys.argv[1])
 model = torch.nn.Linear(4, 2)
-save_checkpoint(sys.argv[1], 1, model, torch.optim.SGD(model.parameters(), lr=0.1), {{"seed": 0}})
+save_checkpoint(sys.argv[1], 1, model, torch.optim.SGD(model.parameters(), lr=0.1), {"seed": 0})
 print("SAVED1", flush=True)
 sys.stdin.read()
-""".format(example=EXAMPLE, root=ROOT)
+"""
 
 TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--batch-size", "64",
         "--warmup-steps", "1", "--no-progress", "--no-plan-cache", "--device", "cpu"]

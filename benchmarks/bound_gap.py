@@ -2,7 +2,7 @@
 
 Run::
 
-    python benchmarks/bound_gap.py --scenarios dcnv2@8,dcnv2@16,kaggle@8 --limit 60
+    python -m benchmarks.bound_gap --scenarios dcnv2@8,dcnv2@16,kaggle@8 --limit 60
 
 Per scenario (inputs of :mod:`benchmarks.planners`: meta module, 80 GiB GPUs, 8 per host, h100
 profile, default 8 s budget) it plans with ``SparseLiftPlanner`` and then, offline and with
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -36,16 +34,15 @@ import attrs
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from torchrec_sparselift.cost.model import (  # noqa: E402
+from benchmarks import planners as B
+from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
-from torchrec_sparselift.search.lp import (  # noqa: E402
+from torchrec_sparselift.search.lp import (
     RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
 )
-from torchrec_sparselift.search.milp import choice_and_placement_rows, placement_vars  # noqa: E402
-from torchrec_sparselift.search.solve import new_evaluator  # noqa: E402
+from torchrec_sparselift.search.milp import choice_and_placement_rows, placement_vars
+from torchrec_sparselift.search.solve import new_evaluator
 
 _T7 = (FWD, BWD, UVM, IN_INTRA, IN_INTER, OUT_INTRA, OUT_INTER)
 
@@ -144,8 +141,6 @@ def exact(prob, pipeline, fwd="fp32", bwd="fp32", time_limit=60.0, sym=True):
 
 
 def check(name: str, limit: float, with_exact: bool) -> Dict[str, Any]:
-    import planners as B
-
     from torchrec_sparselift.planner import SparseLiftPlanner
     from torchrec_sparselift.search.choice_bound import choice_bound_solution
     from torchrec_sparselift.search.lp import solve_lp
@@ -176,14 +171,12 @@ def check(name: str, limit: float, with_exact: bool) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmarks/bound_gap.py", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bound_gap", description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", default="dcnv2@8,dcnv2@16,dcnv2@64,dcnv2@128,kaggle@8")
     ap.add_argument("--limit", type=float, default=60.0, help="seconds per MILP (default 60)")
     ap.add_argument("--exact", action="store_true", help="also run the full exact MILP")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    import planners as B
-
     B._quiet()
     rows: List[Dict[str, Any]] = []
     for name in args.scenarios.split(","):

@@ -1,7 +1,7 @@
 """How long pricing one shard move takes with the incremental evaluator, against a full
 recomputation, on a large plan (default: 2000 production-like tables on 1024 ranks).
 
-    python benchmarks/evaluator.py [--tables 2000] [--world-size 1024]
+    python -m benchmarks.evaluator [--tables 2000] [--world-size 1024]
 """
 
 from __future__ import annotations

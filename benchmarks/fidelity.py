@@ -2,10 +2,10 @@
 
 Three stages (``scripts/bench_fidelity.sh`` runs them in order)::
 
-    python benchmarks/fidelity.py predict --out runs/fidelity/plans.pkl
-    torchrun --standalone --nproc_per_node 2 benchmarks/fidelity.py measure \
+    python -m benchmarks.fidelity predict --out runs/fidelity/plans.pkl
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.fidelity measure \
         --plans runs/fidelity/plans.pkl --reps 3 --steps 60 --warmup 15 --out runs/fidelity/measured.json
-    python benchmarks/fidelity.py report --plans runs/fidelity/plans.pkl \
+    python -m benchmarks.fidelity report --plans runs/fidelity/plans.pkl \
         --measured runs/fidelity/measured.json [--profile profiles/cpu-2core-gloo.json]
 
 ``predict`` builds the DLRM example's model (``examples/dlrm``: its tables, ``build_model`` on the
@@ -43,9 +43,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift.cost.report import mape, spearman  # noqa: F401 (F.mape/F.spearman in tests)
+from torchrec_sparselift.dlrm import model as dlrm_model
+from torchrec_sparselift.dlrm import tables as dlrm_tables
+from torchrec_sparselift.dlrm.data import synthetic_batches
+from torchrec_sparselift.dlrm.logs import quiet_logs
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_EXAMPLE = os.path.join(os.path.dirname(_HERE), "examples", "dlrm")
 
 __all__ = [
     "PLAN_KINDS",
@@ -163,28 +165,16 @@ def fidelity_summary(measured: Sequence[float], predicted: Sequence[float]) -> D
 # ---------------------------------------------------------------- plans and predictions (torchrec)
 
 
-def _example():
-    """The DLRM example's ``train`` and ``dlrm_tables`` modules (its directory joins sys.path)."""
-    if _EXAMPLE not in sys.path:
-        sys.path.insert(0, _EXAMPLE)
-    import train  # noqa: F401  (examples/dlrm/train.py)
-    import dlrm_tables
-
-    return train, dlrm_tables
-
-
 def resolve_tables(cfg: FidelityConfig) -> List[Any]:
-    """The example's tables for ``cfg`` (preset, dim override, scale)."""
-    _, dlrm_tables = _example()
+    """The DLRM library's tables for ``cfg`` (preset, dim override, scale)."""
     tables = dlrm_tables.preset_tables(cfg.tables, cfg.embedding_dim)
     return dlrm_tables.scale_tables(tables, cfg.scale)
 
 
 def build_model(cfg: FidelityConfig, tables: Sequence[Any]):
-    """The example's DLRMTrain model (``cfg.model``: DLRM or DLRM_DCN) on the meta device."""
-    train, dlrm_tables = _example()
+    """The DLRM library's DLRMTrain model (``cfg.model``: DLRM or DLRM_DCN) on the meta device."""
     dim = dlrm_tables.check_uniform_dim(tables)
-    return train.build_model(tables, cfg.model, train.arch_spec(cfg.arch, dim))
+    return dlrm_model.build_model(tables, cfg.model, dlrm_model.arch_spec(cfg.arch, dim))
 
 
 def topology_for(cfg: FidelityConfig):
@@ -308,9 +298,6 @@ def measure_cases(cfg: FidelityConfig, cases: Sequence[Tuple[str, Any]], reps: i
     import torch
     import torch.distributed as dist
 
-    train, _ = _example()
-    from dlrm_data import synthetic_batches
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != cfg.world_size:
         raise RuntimeError(f"plans were made for {cfg.world_size} ranks, running on {world_size}")
@@ -319,7 +306,7 @@ def measure_cases(cfg: FidelityConfig, cases: Sequence[Tuple[str, Any]], reps: i
     batches = list(synthetic_batches(tables, cfg.batch_size, cfg.seed, rank, steps, cfg.zipf_alpha, cfg.signal))
     if cases:  # one untimed run first: the process's first training pays one-off costs
         model = build_model(cfg, tables)
-        dmp, opt = train.shard_model(model, cases[0][1], device, cfg.lr, "adagrad", cfg.dense_lr)
+        dmp, opt = dlrm_model.shard_model(model, cases[0][1], device, cfg.lr, "adagrad", cfg.dense_lr)
         timed_steps(dmp, opt, batches[: max(2, warmup)], device, max(2, warmup))
         dist.barrier()
         del dmp, opt, model
@@ -329,7 +316,7 @@ def measure_cases(cfg: FidelityConfig, cases: Sequence[Tuple[str, Any]], reps: i
         for name, plan in cases:
             torch.manual_seed(cfg.seed)
             model = build_model(cfg, tables)
-            dmp, opt = train.shard_model(model, plan, device, cfg.lr, "adagrad", cfg.dense_lr)
+            dmp, opt = dlrm_model.shard_model(model, plan, device, cfg.lr, "adagrad", cfg.dense_lr)
             dist.barrier()
             load_before = os.getloadavg()[0]
             step_s, cpu_s, loss_last = timed_steps(dmp, opt, batches, device, steps)
@@ -531,8 +518,7 @@ def _cmd_measure(args) -> int:
 
     data = _load_plans(args.plans)
     cfg = data["config"]
-    train, _ = _example()
-    train._quiet_logs()
+    quiet_logs()
     torch.set_num_threads(1)
     dist.init_process_group(backend="gloo")
     try:

@@ -1,6 +1,6 @@
 """Which TorchRec qcomm precisions run on gloo, forward and backward, and how close to fp32.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/gloo_comm_precisions.py [--out F.json]
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 -m benchmarks.gloo_comm_precisions [--out F.json]
 
 For a table-wise table (pooled all-to-all) and a row-wise table (reduce-scatter), every
 (forward, backward) pair of fp32/fp16/bf16/fp8, one forward and backward on the dense kernel

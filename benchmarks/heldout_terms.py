@@ -1,6 +1,6 @@
 """Held-out error of the step fit with and without cost terms, on one saved calibration.
 
-    python benchmarks/heldout_terms.py --measurements PROBES.pkl [--without cold_row_s] [--out R.json]
+    python -m benchmarks.heldout_terms --measurements PROBES.pkl [--without cold_row_s] [--out R.json]
 
 ``PROBES.pkl`` is what ``sparselift calibrate steps --save-measurements PROBES.pkl`` wrote (the
 probe plans' measured steps, attributions and host microbenchmarks). For each probe workload in
@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, Dict, List, Sequence
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 
 def heldout(measurements: Sequence[Any], host: Any, base: Any, exclude: Sequence[str]) -> List[Dict[str, Any]]:

@@ -11,7 +11,7 @@ link: what crosses it is the host's bytes however they are spread (``HardwarePro
 docs/cost_model.md). Run on the testbed::
 
     python -m torchrec_sparselift.measure.testbed --hosts 2 --ranks-per-host 2 --rate 1gbit -- \\
-        benchmarks/host_link_share.py
+        -m benchmarks.host_link_share
 
 Prints each pattern's seconds per all-to-all (slowest rank, 6 calls after 2 warm-ups), 3 interleaved
 repetitions.

@@ -9,7 +9,7 @@ suite checks only what load cannot change, and this prints the rest next to its 
   (the suite checks that they run and are finite and non-negative, and their arithmetic on
   synthetic timings).
 
-    python benchmarks/load_sensitive.py [--skip-planning] [--skip-microbench] [--trials 3]
+    python -m benchmarks.load_sensitive [--skip-planning] [--skip-microbench] [--trials 3]
 
 A value outside its usual range on an idle machine points at the code (a unit, a slope); on a
 loaded one, at the load (``uptime`` says which).

@@ -1,6 +1,6 @@
 """Memory safety: what one shard really pins per rank, against SparseLift's and TorchRec's estimates.
 
-    python benchmarks/memory_safety.py --rows 200000 --dim 64 --batch-size 2048 --pooling 16 \\
+    python -m benchmarks.memory_safety --rows 200000 --dim 64 --batch-size 2048 --pooling 16 \\
         --out memory.json
 
 For every sharding type the CPU runtime executes (table-wise, column-wise, row-wise,

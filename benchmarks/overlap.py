@@ -3,13 +3,13 @@ communication, the dependency bound and the share of it reached.
 
     # all regimes (needs root for the testbed): 2 one-rank hosts sharing 1 Gbit/s, then 300 Mbit/s,
     # then one host without shaping (compute-bound)
-    python benchmarks/overlap.py --regimes 1gbit,300mbit,none --rounds 5 --out overlap.json
+    python -m benchmarks.overlap --regimes 1gbit,300mbit,none --rounds 5 --out overlap.json
 
     # one job by hand (what each regime runs, under torchrun or the testbed)
     python -m torchrec_sparselift.measure.testbed --hosts 2 --ranks-per-host 1 --rate 1gbit --shared -- \\
-        benchmarks/overlap.py --worker --out r.json
+        -m benchmarks.overlap --worker --out r.json
 
-The worker builds the DLRM example's model (DCNv2 tables, ``--scale``, ``--embedding-dim``,
+The worker builds the DLRM model (:mod:`torchrec_sparselift.dlrm`) (DCNv2 tables, ``--scale``, ``--embedding-dim``,
 ``--arch``) and TorchRec's plan with every table table-wise (``EmbeddingShardingPlanner`` with a
 ``sharding_types=["table_wise"]`` constraint per table), shards it once per pipeline kind (same
 seed, same weights) and times the kinds in interleaved rounds (the order rotates every round):
@@ -39,7 +39,7 @@ from sparse_dist's measured phases (:func:`measured_phases`: collectives in flig
 work split at the embeddings, embedding backward, the rest as step overhead), set against its
 measured step. This checks the compositions, not the calibrated cost terms.
 
-    python benchmarks/overlap.py --regimes 1gbit,300mbit --rounds 6 --steps 3 --warmup 1 --out stale.json
+    python -m benchmarks.overlap --regimes 1gbit,300mbit --rounds 6 --steps 3 --warmup 1 --out stale.json
 """
 
 from __future__ import annotations
@@ -50,13 +50,27 @@ import json
 import os
 import statistics
 import sys
-import time
+import tempfile
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
+import torch
+import torch.distributed as dist
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+from benchmarks.harness import exit_now, interleaved_rounds, median_step, start_worker, stop_worker, timed_steps
+from benchmarks.harness import write_report
+from benchmarks.harness.report import REPO
+from torchrec_sparselift.cost.pipelines import evaluate, pipeline_kind, terms
+from torchrec_sparselift.dlrm.data import synthetic_batches
+from torchrec_sparselift.dlrm.model import arch_spec, build_model, shard_model
+from torchrec_sparselift.dlrm.tables import preset_tables, scale_tables
+from torchrec_sparselift.measure import testbed
+from torchrec_sparselift.runtime.overlap import (CommTimeline, TrainPipelineOverlap, step_windows,
+                                                 timeline_attribution)
+from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
 KINDS = ("base", "sparse_dist", "fused", "prefetch", "semi_sync", "overlap", "overlap_stale",
          "overlap_stale/late_allreduce")
@@ -103,11 +117,6 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _pipeline(kind: str, dmp: Any, opt: Any, device: Any) -> Any:
-    from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
-
-    from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
-    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
-
     if kind == "base":
         return TrainPipelineBase(dmp, opt, device)
     if kind == "sparse_dist":
@@ -122,46 +131,27 @@ def _pipeline(kind: str, dmp: Any, opt: Any, device: Any) -> Any:
     return make_train_pipeline(kind, dmp, opt, device)  # fused, prefetch (CPU adaptations), overlap_stale
 
 
-def _median_step(steps: List[Dict[str, float]]) -> Dict[str, float]:
-    keys = steps[0].keys()
-    return {k: statistics.median(s[k] for s in steps) for k in keys}
-
-
-def worker(args: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
-
-    sys.path.insert(0, EXAMPLE)
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger().setLevel(logging.ERROR)
-    from dlrm_data import synthetic_batches
-    from dlrm_tables import preset_tables, scale_tables
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.distributed.sharding_plan import get_default_sharders
-    from train import arch_spec, build_model, shard_model
-
-    from torchrec_sparselift.runtime.overlap import CommTimeline, step_windows, timeline_attribution
-    from torchrec_sparselift.runtime.timing import StepTimer
-    from torchrec_sparselift.measure.probe import pin_rank_to_core
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    pg = dist.group.WORLD
-    if not args.no_pin:
-        pin_rank_to_core(pg)
-    device = torch.device("cpu")
-    tables = scale_tables(preset_tables("dcnv2", args.embedding_dim), args.scale)
-    arch = arch_spec(args.arch, args.embedding_dim)
+def table_wise_dcn(embedding_dim: int, scale: float, arch_name: str, batch_size: int, world: int,
+                   local_world_size: int, pg: Any) -> Tuple[List[Any], Any, Any]:
+    """``(tables, arch, plan)``: the DLRM library's DCNv2 tables at ``scale`` and TorchRec's plan of
+    its DCN model with every table table-wise (``EmbeddingShardingPlanner`` with a
+    ``sharding_types=["table_wise"]`` constraint per table), every rank of ``pg`` alike."""
+    tables = scale_tables(preset_tables("dcnv2", embedding_dim), scale)
+    arch = arch_spec(arch_name, embedding_dim)
     constraints = {t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        topology = Topology(world_size=world, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                            compute_device="cpu")
-    planner = EmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size, constraints=constraints)
-    plan = planner.collective_plan(build_model(tables, "dcn", arch), get_default_sharders(), pg)
+        topology = Topology(world_size=world, local_world_size=local_world_size, compute_device="cpu")
+    planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
+    return tables, arch, planner.collective_plan(build_model(tables, "dcn", arch), get_default_sharders(), pg)
+
+
+def worker(args: argparse.Namespace) -> int:
+    me = start_worker(pin=not args.no_pin)
+    rank, world, pg = me.rank, me.world_size, me.pg
+    device = torch.device("cpu")
+    tables, arch, plan = table_wise_dcn(args.embedding_dim, args.scale, args.arch, args.batch_size, world,
+                                        int(os.environ.get("LOCAL_WORLD_SIZE", world)), pg)
     placement = {name: (ps.sharding_type, ps.ranks) for mp in plan.plan.values() for name, ps in mp.items()}
     batches = list(itertools.islice(synthetic_batches(tables, args.batch_size, 0, rank, args.batches), args.batches))
 
@@ -177,29 +167,30 @@ def worker(args: argparse.Namespace) -> int:
     per_round: Dict[str, List[float]] = {k: [] for k in args.kinds}
     steps: Dict[str, List[Dict[str, float]]] = {k: [] for k in args.kinds}
     timelines: Dict[str, List[Any]] = {}
-    for r in range(args.rounds):
-        order = args.kinds[r % len(args.kinds):] + args.kinds[: r % len(args.kinds)]
-        for kind in order:
-            pipe, it = runs[kind]
-            for _ in range(args.warmup):
-                pipe.progress(it)
-            dist.barrier(pg)
-            timeline.clear()
-            timer = StepTimer(device, warmup_steps=0)
-            for _ in range(args.steps):
-                with timer.step():
-                    timeline.mark("step_start")
-                    pipe.progress(it)
-                    timeline.mark("step_end")
-            per_round[kind].append(timer.record(pg, log=False).mean_s)  # the slowest rank's mean step
-            events = list(timeline.events)
-            steps[kind].extend(timeline_attribution(events))
-            windows = step_windows(events)
-            if windows:  # one steady step per kind for the timeline (the last round's middle step)
-                w = windows[len(windows) // 2]
-                timelines[kind] = [(round(1e3 * (t - w[0][0]), 2), what, k) for t, what, k, _c in w]
+
+    def measure(kind: str, _round: int) -> None:
+        pipe, it = runs[kind]
+        for _ in range(args.warmup):
+            pipe.progress(it)
+        timeline.clear()
+
+        def step() -> None:
+            timeline.mark("step_start")
+            pipe.progress(it)
+            timeline.mark("step_end")
+
+        timer = timed_steps(step, args.steps, pg, device)
+        per_round[kind].append(timer.record(pg, log=False).mean_s)  # the slowest rank's mean step
+        events = list(timeline.events)
+        steps[kind].extend(timeline_attribution(events))
+        windows = step_windows(events)
+        if windows:  # one steady step per kind for the timeline (the last round's middle step)
+            w = windows[len(windows) // 2]
+            timelines[kind] = [(round(1e3 * (t - w[0][0]), 2), what, k) for t, what, k, _c in w]
+
+    interleaved_rounds(args.kinds, measure, args.rounds)
     timeline.uninstall()
-    mine = {k: _median_step(v) for k, v in steps.items()}
+    mine = {k: median_step(v) for k, v in steps.items()}
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=pg)
     gathered_timelines: List[Any] = [None] * world
@@ -218,9 +209,8 @@ def worker(args: argparse.Namespace) -> int:
         result.update(summarize(result))
         print(format_result(result), flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-    dist.destroy_process_group()
+            write_report(args.out, result)
+    stop_worker()
     return 0
 
 
@@ -324,8 +314,6 @@ def predicted_steps(att: Dict[str, float], kinds: Sequence[str]) -> Dict[str, fl
     """Each kind's step (seconds) as its composition in ``cost.pipelines`` (the one the planner
     prices) gives it from ``att``'s measured phases (:func:`measured_phases`), on CPU (nothing hides
     under the dense backward)."""
-    from torchrec_sparselift.cost.pipelines import evaluate, pipeline_kind, terms
-
     t = terms(measured_phases(att), supports_overlap=False)
     return {k: float(evaluate(pipeline_kind(k).step, t)) for k in kinds}
 
@@ -385,10 +373,6 @@ def _rate_bps(text: str) -> float:
 
 
 def driver(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    import tempfile
-
-    from torchrec_sparselift.measure.testbed import Topology, emulated_hosts
-
     results = {}
     clean: List[str] = []  # the worker's flags: argv without --regimes/--out and their values
     skip = False
@@ -404,14 +388,14 @@ def driver(args: argparse.Namespace, argv: Sequence[str]) -> int:
         clean.append(a)
     for regime in args.regimes:
         if regime == "none":
-            topology = Topology(hosts=1, ranks_per_host=2)
+            topology = testbed.Topology(hosts=1, ranks_per_host=2)
         else:
-            topology = Topology(hosts=2, ranks_per_host=1, rate_bps=_rate_bps(regime), shared=True)
+            topology = testbed.Topology(hosts=2, ranks_per_host=1, rate_bps=_rate_bps(regime), shared=True)
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "r.json")
-            with emulated_hosts(topology) as bed:
-                host_results = bed.torchrun([os.path.abspath(__file__), "--worker", "--out", out, *clean],
-                                            env={"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+            with testbed.emulated_hosts(topology) as bed:
+                host_results = bed.torchrun(["-m", "benchmarks.overlap", "--worker", "--out", out, *clean],
+                                            env={"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO,
                                                  "SPARSELIFT_OVERLAP_REGIME": regime},
                                             timeout_s=args.timeout, capture=True)
             for h in host_results:
@@ -423,8 +407,7 @@ def driver(args: argparse.Namespace, argv: Sequence[str]) -> int:
             with open(out) as f:
                 results[regime] = json.load(f)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "regimes": results}, f, indent=1)
+        write_report(args.out, {"regimes": results})
     return 0
 
 
@@ -437,4 +420,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main)

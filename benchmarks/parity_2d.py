@@ -22,8 +22,8 @@ recorded in docs/benchmarks.md section 5b), which makes wide sweeps at 8 ranks a
 
 Usage (a few minutes on 2 cores)::
 
-    python benchmarks/parity_2d.py --seeds 0 1 2 --steps 300 --sync-interval 1 4 --out parity.json
-    python benchmarks/parity_2d.py --engine sim --world 8 --group-size 4 2 --seeds 0 1 2 \
+    python -m benchmarks.parity_2d --seeds 0 1 2 --steps 300 --sync-interval 1 4 --out parity.json
+    python -m benchmarks.parity_2d --engine sim --world 8 --group-size 4 2 --seeds 0 1 2 \
         --sync-interval 1 4 16 64 100 --rules avg end interval --out parity_w8.json
 """
 

@@ -1,12 +1,12 @@
 """Pipelines against the spread of models: TorchRec's plan of a benchmark workload trained under
 several pipelines, each on several models, interleaved; then where each pipeline's step goes.
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/pipeline_models.py \\
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.pipeline_models \\
         --workloads hot_skewed,kaggle,few_large --pipelines sparse_dist,fused --models 4 --attribute
     python -m torchrec_sparselift.measure.testbed --hosts 2 --ranks-per-host 1 --rate 1gbit --shared \\
-        -- benchmarks/pipeline_models.py --pipelines sparse_dist,fused,overlap --attribute   # R2's link
+        -- -m benchmarks.pipeline_models --pipelines sparse_dist,fused,overlap --attribute   # R2's link
 
-Per workload (``real_runs.WORKLOADS``): TorchRec's ``EmbeddingShardingPlanner`` plan, sharded for
+Per workload (:data:`benchmarks.real_runs.WORKLOADS`): TorchRec's ``EmbeddingShardingPlanner`` plan, sharded for
 training as the step calibration's probes are (``measure.probe.shard_for_training``), ranks pinned
 to their cores, pre-built batches. ``--models`` models per pipeline, built in turn, all kept, then
 ``--blocks`` interleaved blocks of ``--block-steps`` timed steps of each (order rotated), the
@@ -20,19 +20,26 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import os
 import sys
-import warnings
 from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.distributed.planner import Topology
+
+from benchmarks.harness import Cycle, exit_now, interleaved_rounds, names_arg, start_worker, stop_worker, timed_steps
+from benchmarks.real_runs import BATCH_SEED, WORKLOADS, _workloads, torchrec_plan_of
+from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.measure import probe
+from torchrec_sparselift.measure.attribution import attribute_steps
+from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 
 __all__ = ["main"]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from real_runs import WORKLOADS, names_arg
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="hot_skewed,kaggle,few_large", help=f"comma-separated from {','.join(WORKLOADS)}")
     p.add_argument("--pipelines", default="sparse_dist,fused", help="comma-separated pipeline kinds; ratios to the first")
@@ -42,8 +49,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--attribute", action="store_true", help="profile each pipeline's first model after timing")
     args = p.parse_args(argv)
     args.workloads = names_arg(p, "--workloads", args.workloads, WORKLOADS)
-    from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
-
     args.pipelines = names_arg(p, "--pipelines", args.pipelines, PIPELINE_KINDS)
     for name in ("models", "blocks", "block_steps"):
         if getattr(args, name) < 1:
@@ -54,30 +59,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
-        print("run under torchrun: torchrun --standalone --nproc_per_node 2 benchmarks/pipeline_models.py",
+        print("run under torchrun: torchrun --standalone --nproc_per_node 2 -m benchmarks.pipeline_models",
               file=sys.stderr)
         return 2
-    warnings.filterwarnings("ignore")
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    from torchrec.distributed.planner import Topology
-
-    from real_runs import BATCH_SEED, _workloads, torchrec_plan_of
-    from torchrec_sparselift.measure import probe
-    from torchrec_sparselift.measure.attribution import attribute_steps
-    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
-    from torchrec_sparselift.runtime.process_group import close_process_group
-    from torchrec_sparselift.runtime.timing import StepTimer
-
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    me = start_worker()
+    rank, world, device, say = me.rank, me.world_size, me.device, me.say
     try:
-        from torchrec_sparselift.defaults import ranks_per_host
-
         topo = Topology(world_size=world, local_world_size=ranks_per_host(world_size=world), compute_device="cpu")
         for wname in args.workloads:
             w, alpha = _workloads()[wname]
@@ -90,20 +77,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for k, m in runs:
                     torch.manual_seed(m)
                     dmp, opt = probe.shard_for_training(probe.probe_model(w), plan, device)
-                    built[(k, m)] = (make_train_pipeline(k, dmp, opt, device), itertools.cycle(batches))
+                    built[(k, m)] = (make_train_pipeline(k, dmp, opt, device), Cycle(batches))
                     for _ in range(3):
                         built[(k, m)][0].progress(built[(k, m)][1])
                 times: Dict[tuple, List[float]] = {r: [] for r in runs}
-                for b in range(args.blocks):
-                    for r in runs[b % len(runs):] + runs[:b % len(runs)]:
-                        pipe, it = built[r]
-                        pipe.progress(it)  # untimed: the switch from the previous model
-                        dist.barrier()
-                        timer = StepTimer(device, warmup_steps=0)
-                        for _ in range(args.block_steps):
-                            with timer.step():
-                                pipe.progress(it)
-                        times[r].extend(timer.slowest_rank_durations_s(dist.group.WORLD))
+
+                def measure(r: tuple, _block: int) -> None:
+                    pipe, it = built[r]
+                    # one untimed step first: the switch from the previous model
+                    timer = timed_steps(lambda: pipe.progress(it), args.block_steps, me.pg, device, untimed=1)
+                    times[r].extend(timer.slowest_rank_durations_s(me.pg))
+
+                interleaved_rounds(runs, measure, args.blocks)
                 per = {k: [x for m in range(args.models) for x in times[(k, m)]] for k in args.pipelines}
                 ref = float(np.median(per[args.pipelines[0]]))
                 say(f"{wname}: " + "; ".join(
@@ -124,9 +109,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 gc.collect()
                 probe.restore_affinity(old)
     finally:
-        close_process_group()
+        stop_worker()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main)

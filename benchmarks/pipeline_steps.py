@@ -1,6 +1,6 @@
 """Measure steady-state step time of a small DLRM under each train-pipeline kind.
 
-    python benchmarks/pipeline_steps.py --world-size 2 --steps 30 --warmup 5 \\
+    python -m benchmarks.pipeline_steps --world-size 2 --steps 30 --warmup 5 \\
         --kinds base,sparse_dist,fused,prefetch,semi_sync --comm fp32,fp16 --out steps.json
 
 Spawns ``--world-size`` ranks (gloo on CPU, NCCL with one GPU per rank when CUDA is available),

@@ -2,10 +2,11 @@
 benchmark workload under each pipeline, profiled, the regions' ms per step (mean over ranks).
 
     python -m torchrec_sparselift.measure.testbed --hosts 2 --ranks-per-host 2 --rate 1gbit -- \\
-        benchmarks/pipeline_waits.py --workloads kaggle,hot_skewed --pipelines sparse_dist,fused
+        -m benchmarks.pipeline_waits --workloads kaggle,hot_skewed --pipelines sparse_dist,fused
 
-Per workload (``real_runs.WORKLOADS``) and round, each pipeline in turn: a fresh model of TorchRec's
-``EmbeddingShardingPlanner`` plan (``regimes.lift_run``, as the regime benchmark trains it), ranks
+Per workload (:data:`benchmarks.real_runs.WORKLOADS`) and interleaved round (the order rotated each
+round), each pipeline in turn: a fresh model of TorchRec's ``EmbeddingShardingPlanner`` plan
+(:func:`benchmarks.regimes.lift_run`, as the regime benchmark trains it), ranks
 pinned to their cores, pre-built batches, ``--warmup`` steps, then ``--steps`` steps under
 ``torch.profiler`` (CPU). Prints the step (wall, under the profiler) and the ``record_function``
 regions TorchRec's pipelines and sharded modules open (``## forward ##``, ``## start_embedding_lookup
@@ -17,11 +18,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import sys
 from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.harness import (Cycle, exit_now, interleaved_rounds, names_arg, start_worker, stop_worker, timed_steps,
+                                write_report)
+from benchmarks.real_runs import BATCH_SEED, WORKLOADS, _workloads, torchrec_plan_of
+from benchmarks.regimes import job_topology, lift_run
+from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, restore_affinity
+from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
 
 __all__ = ["main", "regions"]
 
@@ -31,11 +42,6 @@ KEY_REGIONS = ("forward", "backward", "optimizer", "zero_grad", "start_embedding
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from real_runs import WORKLOADS, names_arg
-
-    from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="kaggle", help=f"comma-separated from {','.join(WORKLOADS)}")
     p.add_argument("--pipelines", default="sparse_dist,fused", help=f"comma-separated from {','.join(PIPELINE_KINDS)}")
@@ -70,20 +76,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
         print("run under torchrun or the testbed: python -m torchrec_sparselift.measure.testbed --hosts 2 "
-              "--ranks-per-host 2 --rate 1gbit -- benchmarks/pipeline_waits.py", file=sys.stderr)
+              "--ranks-per-host 2 --rate 1gbit -- -m benchmarks.pipeline_waits", file=sys.stderr)
         return 2
-    import torch
-    import torch.distributed as dist
-    from real_runs import _workloads, torchrec_plan_of
-    from regimes import BATCH_SEED, Cycle, job_topology, lift_run
-
-    from torchrec_sparselift.defaults import ranks_per_host
-    from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, restore_affinity
-    from torchrec_sparselift.runtime.timing import StepTimer
-
-    dist.init_process_group("gloo")
-    pg = dist.group.WORLD
-    W, rank = dist.get_world_size(), dist.get_rank()
+    me = start_worker(threads=None, quiet_logs=False)
+    pg, W, rank = me.pg, me.world_size, me.rank
     topo = job_topology(W, ranks_per_host(world_size=W))
     results: List[Dict[str, Any]] = []
     old = pin_rank_to_core(pg)
@@ -92,39 +88,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             w, alpha = _workloads()[wname]
             plan, _cons = torchrec_plan_of(w, topo, pg)
             batches = prebuilt_batches(w, 6, seed=BATCH_SEED, rank=rank, alpha=alpha)
-            for rnd in range(args.rounds):
-                for pipe in args.pipelines:
-                    lifted = lift_run(w, dict(plan=plan, pipeline=pipe), torch.device("cpu"))
-                    it = Cycle(batches)
-                    for _ in range(args.warmup):
-                        lifted.pipeline.progress(it)
-                    dist.barrier(group=pg)
-                    timer = StepTimer(torch.device("cpu"), warmup_steps=0)
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                        timer.time_pipeline(lifted.pipeline, it, args.steps)
-                    wall_ms = timer.record(log=False).mean_s * 1e3  # this rank's; the row takes the mean over ranks
-                    mine = dict(wall_ms=wall_ms, regions=regions(prof.events(), args.steps))
-                    every: List[Any] = [None] * W
-                    dist.all_gather_object(every, mine, group=pg)
-                    keys = sorted({k for r in every for k in r["regions"]})
-                    mean = {k: sum(r["regions"].get(k, 0.0) for r in every) / W for k in keys}
-                    row = dict(workload=wname, pipeline=pipe, round=rnd, wall_ms=sum(r["wall_ms"] for r in every) / W,
-                               regions=mean)
-                    results.append(row)
-                    if rank == 0:
-                        first = [k for k in KEY_REGIONS if k in mean] + [k for k in keys if k not in KEY_REGIONS]
-                        print(f"[pipeline_waits] {wname} {pipe} round {rnd + 1}: step {row['wall_ms']:.1f} ms; "
-                              + ", ".join(f"{k} {mean[k]:.1f}" for k in first), flush=True)
-                    del lifted
+
+            def measure(pipe: str, rnd: int) -> None:
+                lifted = lift_run(w, dict(plan=plan, pipeline=pipe), torch.device("cpu"))
+                it = Cycle(batches)
+                for _ in range(args.warmup):
+                    lifted.pipeline.progress(it)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    timer = timed_steps(lambda: lifted.pipeline.progress(it), args.steps, pg, torch.device("cpu"))
+                wall_ms = timer.record(log=False).mean_s * 1e3  # this rank's; the row takes the mean over ranks
+                mine = dict(wall_ms=wall_ms, regions=regions(prof.events(), args.steps))
+                every: List[Any] = [None] * W
+                dist.all_gather_object(every, mine, group=pg)
+                keys = sorted({k for r in every for k in r["regions"]})
+                mean = {k: sum(r["regions"].get(k, 0.0) for r in every) / W for k in keys}
+                row = dict(workload=wname, pipeline=pipe, round=rnd, wall_ms=sum(r["wall_ms"] for r in every) / W,
+                           regions=mean)
+                results.append(row)
+                first = [k for k in KEY_REGIONS if k in mean] + [k for k in keys if k not in KEY_REGIONS]
+                me.say(f"[pipeline_waits] {wname} {pipe} round {rnd + 1}: step {row['wall_ms']:.1f} ms; "
+                       + ", ".join(f"{k} {mean[k]:.1f}" for k in first))
+
+            interleaved_rounds(args.pipelines, measure, args.rounds)
     finally:
         restore_affinity(old)
     if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(settings=dict(vars(args)), world_size=W, results=results), f, indent=1)
+        write_report(args.out, dict(settings=dict(vars(args)), world_size=W, results=results))
         print(f"[pipeline_waits] wrote {args.out}", flush=True)
-    dist.destroy_process_group()
+    stop_worker()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main)

@@ -5,8 +5,8 @@ with several hardware presets and options) and on random small planning inputs (
 topologies, constraints, batch sizes, solvers, lossy comm, staleness, 2D groups), then compares
 a later checkout against the record::
 
-    python benchmarks/plan_snapshot.py record runs/snapshot.json [--random 2000]
-    python benchmarks/plan_snapshot.py compare runs/snapshot.json [--limit 300] [--only scenarios]
+    python -m benchmarks.plan_snapshot record runs/snapshot.json [--random 2000]
+    python -m benchmarks.plan_snapshot compare runs/snapshot.json [--limit 300] [--only scenarios]
 
 Per input it keeps every table's sharding type, compute kernel and ranks, the chosen pipeline and
 comm precision, the predicted step time, the lower bound, and the plan re-priced by
@@ -24,12 +24,13 @@ import argparse
 import json
 import logging
 import math
-import os
 import random
 import sys
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from benchmarks.planners import resolve_hardware  # the planner benchmark's presets
 
 GiB = 1 << 30
 
@@ -65,9 +66,6 @@ def _quiet() -> None:
 
 
 def _hardware(name: str) -> Any:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from planners import resolve_hardware  # the planner benchmark's presets
-
     return resolve_hardware(name)
 
 
@@ -223,7 +221,7 @@ def _diff(a: Any, b: Any, rtol: float, path: str, out: List[str]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/plan_snapshot.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plan_snapshot", description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=("record", "compare"))
     p.add_argument("path", help="the snapshot JSON (written by record, read by compare)")
     p.add_argument("--random", type=int, default=2000, help="random inputs (record; default 2000)")

@@ -2,7 +2,7 @@
 
 Run::
 
-    python benchmarks/planners.py --scenarios small --out results.json
+    python -m benchmarks.planners --scenarios small --out results.json
 
 Per scenario (workload x world size), one run plans the same meta-device module, topology,
 per-rank batch and constraints with both planners and records:
@@ -40,6 +40,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 import numpy as np
+
+from benchmarks.harness import exit_now, write_report
+from benchmarks.harness.report import REPO
 
 __all__ = [
     "Scenario",
@@ -216,11 +219,11 @@ def run_torchrec(sc: Scenario, timeout_s: float, mem_gib: float, hbm_gib: float 
     ``{"status": "timeout"|"oom"|"error", ...}`` saying what happened."""
     with tempfile.TemporaryDirectory(prefix="planner_bench_") as d:
         out = os.path.join(d, "torchrec.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--torchrec-child", sc.name,
+        cmd = [sys.executable, "-m", "benchmarks.planners", "--torchrec-child", sc.name,
                "--child-out", out, "--hbm-gib", str(hbm_gib)]
         t0 = time.perf_counter()
         with open(os.path.join(d, "stderr.txt"), "w+") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
                                     preexec_fn=(lambda: _limit_memory(mem_gib)) if mem_gib > 0 else None)
             try:
                 proc.wait(timeout=timeout_s)
@@ -511,24 +514,12 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
 def _write(path: Optional[str], rows: Sequence[Dict[str, Any]], targets: Sequence[Target], meta: Dict[str, Any]) -> None:
     if not path:
         return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"meta": meta, "rows": list(rows), "targets": [attrs.asdict(t) for t in targets]}, f,
-                  indent=1, default=float)
-    os.replace(tmp, path)
-
-
-def _git_commit() -> Optional[str]:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    write_report(path, {"meta": meta, "rows": list(rows), "targets": [attrs.asdict(t) for t in targets]})
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/planners.py",
+        prog="python -m benchmarks.planners",
         description="SparseLift vs TorchRec EmbeddingShardingPlanner on the same inputs.",
     )
     p.add_argument("--scenarios", default="small",
@@ -574,9 +565,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(res, f, default=float)
         return 0
     scenarios = parse_scenarios(args.scenarios)
-    meta = {"command": "python benchmarks/planners.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"command": "python -m benchmarks.planners " + " ".join(argv if argv is not None else sys.argv[1:]),
             "hardware": args.hardware, "hbm_gib": args.hbm_gib, "torchrec_timeout_s": args.torchrec_timeout,
-            "cpus": os.cpu_count(), "git_commit": _git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows: List[Dict[str, Any]] = []
     for sc in scenarios:
         print(f"== {sc.name} ...", flush=True)
@@ -599,4 +590,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main)

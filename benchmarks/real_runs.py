@@ -1,6 +1,6 @@
 """Real runs decide: SparseLift's plan vs TorchRec's plan and forced plans, measured step time.
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/real_runs.py --out runs/real_runs.json [--quick]
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.real_runs --out runs/real_runs.json [--quick]
 
 For each workload shape (:data:`WORKLOADS`: DLRM-DCNv2 and Criteo Kaggle scaled, many small tables,
 a few hot skewed tables, a few large tables, tables shared by several features) it makes these plans:
@@ -40,35 +40,49 @@ import gc
 import json
 import math
 import os
+import pickle
 import statistics
 import sys
 import time
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import attrs
+import torch
+import torch.distributed as dist
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from torchrec_sparselift.cost.report import mape, spearman  # noqa: E402
-from torchrec_sparselift.measure.probe import ProbeTable, ProbeWorkload  # noqa: E402
-from torchrec_sparselift.measure.steps import REFERENCE_PLAN  # noqa: E402
+from benchmarks.harness import (Cycle, exit_now, geomean, interleaved_rounds, paired_ratio, spread, start_worker,
+                                stop_worker, timed_steps, write_report)
+from torchrec_sparselift import SparseLiftPlanner
+from torchrec_sparselift.calibration.pricer import PlanPricer
+from torchrec_sparselift.calibration.records import HostTermRecord
+from torchrec_sparselift.calibration.store import ProfileStore, auto_profile, base_profile, current_fingerprint
+from torchrec_sparselift.calibration.term_error import profile_errors
+from torchrec_sparselift.plan.baseline import term_seconds
+from torchrec_sparselift.cost.hardware import get_profile
+from torchrec_sparselift.cost.report import mape, spearman
+from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.dlrm.tables import preset_tables, scale_tables
+from torchrec_sparselift.measure.probe import (DEFAULT_TIMING, ProbeTable, ProbeWorkload, measure_plan,
+                                               pooling_constraints, prebuilt_batches, probe_constraints, probe_model,
+                                               probe_stats, shard_for_training)
+from torchrec_sparselift.measure.steps import (REFERENCE_PLAN, ReferencePlan, calibrate_steps, fit_measurements,
+                                               forced_plan)
+from torchrec_sparselift.measure.steps import probe_topology as _topology
+from torchrec_sparselift.plan import sharding_plan_digest
+from torchrec_sparselift.plan.baseline import never_slower
 
-__all__ = ["WORKLOADS", "QUICK_WORKLOADS", "plan_kinds_for", "mape", "spearman", "geomean", "main", "names_arg",
-           "torchrec_plan_of"]
+__all__ = ["WORKLOADS", "QUICK_WORKLOADS", "BATCH_SEED", "plan_kinds_for", "main", "torchrec_plan_of",
+           "price_plans", "distinct_plans"]
 
 #: Data-parallel plans only where every table's replica (weights + grad + state) fits this.
 DP_MAX_BYTES = 96 * 2**20
 
 
 def _example_tables(preset: str, scale: float, dim: Optional[int] = None) -> Tuple[ProbeTable, ...]:
-    ex = os.path.join(_ROOT, "examples", "dlrm")
-    if ex not in sys.path:
-        sys.path.insert(0, ex)
-    import dlrm_tables
-
-    ts = dlrm_tables.scale_tables(dlrm_tables.preset_tables(preset, dim), scale)
+    ts = scale_tables(preset_tables(preset, dim), scale)
     return tuple(ProbeTable(t.name, t.rows, t.dim, tuple(t.features), float(t.bag_sizes()[0])) for t in ts)
 
 
@@ -104,25 +118,10 @@ BATCH_SEED = 1
 QUICK_WORKLOADS = ("many_small", "shared")
 
 
-def names_arg(parser: Any, flag: str, value: str, choices: Sequence[str]) -> List[str]:
-    """A comma-separated ``value`` of ``flag`` as a list of names from ``choices``; the parser's
-    error (exit 2, naming the flag, the culprits and the choices) for an unknown name or none."""
-    names = [n for n in value.split(",") if n]
-    bad = [n for n in names if n not in choices]
-    if bad or not names:
-        parser.error(f"{flag}: unknown {bad or 'none given'}; choose from {','.join(choices)}")
-    return names
-
-
 def torchrec_plan_of(w: ProbeWorkload, topo, pg) -> Tuple[Any, Dict[str, Any]]:
     """``(plan, constraints)``: TorchRec's ``EmbeddingShardingPlanner`` plan of ``w`` on ``topo``
     (every rank of ``pg`` alike) with the workload's pooling factors as its only constraints
     (``measure.probe.pooling_constraints``), as the benchmarks run TorchRec's default."""
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift.measure.probe import pooling_constraints, probe_model
-
     cons = pooling_constraints(w.tables)
     plan = EmbeddingShardingPlanner(topology=topo, batch_size=w.batch_size, constraints=cons).collective_plan(
         probe_model(w), get_default_sharders(), pg)
@@ -139,44 +138,18 @@ def plan_kinds_for(w: ProbeWorkload) -> List[str]:
     return kinds
 
 
-def _spread(runs: Sequence[float]) -> float:
-    """How far a plan's rounds disagree: slowest / fastest - 1 (0 for one round)."""
-    return max(runs) / min(runs) - 1.0 if runs else 0.0
-
-
-def paired_ratio(a_runs: Sequence[float], b_runs: Sequence[float]) -> float:
-    """Median over rounds of ``a / b`` measured in the same round (interleaved A/B: a slow stretch
-    of the machine slows both runs of its round, so it cancels in their ratio)."""
-    pairs = [a / b for a, b in zip(a_runs, b_runs) if b > 0]
-    if not pairs:
-        raise ValueError("paired_ratio needs rounds where both plans ran")
-    return statistics.median(pairs)
-
-
-def geomean(xs: Sequence[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
 def _plans(w: ProbeWorkload, topo, profile, pg, say, stats=None) -> List[Tuple[str, Any, Dict[str, Any]]]:
     """``(name, plan, constraints)`` of every plan of ``w``; SparseLift plans (and places the forced
     plans) with ``stats`` as its ``workload=``."""
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift.planner import SparseLiftPlanner
-    from torchrec_sparselift.measure.probe import pooling_constraints, probe_constraints, probe_model
-    from torchrec_sparselift.measure.steps import forced_plan
-
     big = sorted(t.rows for t in w.tables)[-max(1, len(w.tables) // 4)]
     pooling = pooling_constraints(w.tables)
     out = []
     for kind in plan_kinds_for(w):
         if kind == "column_wise_big":
             cons = probe_constraints(w.tables, kind, big_rows=big)
-            from torchrec_sparselift.planner import SparseLiftPlanner as _P
-
-            plan = _P(topology=topo, batch_size=w.batch_size, constraints=cons, hardware=profile,
-                      pipelines=["sparse_dist"], debug=False, never_slower=False,
-                      workload=stats).collective_plan(probe_model(w), get_default_sharders(), pg)
+            plan = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=cons, hardware=profile,
+                                     pipelines=["sparse_dist"], debug=False, never_slower=False,
+                                     workload=stats).collective_plan(probe_model(w), get_default_sharders(), pg)
         else:
             plan, cons = forced_plan(probe_model(w), w.tables, kind, topo, w.batch_size, pg, profile, stats=stats)
         out.append((kind, plan, cons))
@@ -200,8 +173,6 @@ def distinct_plans(plans: Sequence[Any]) -> List[int]:
     that two names share (SparseLift's is often exactly the forced all-table-wise plan, or
     TorchRec's) is one plan, measured once per round; timing it twice only measured the noise
     between a plan and itself (up to ~5% on this machine, docs/benchmarks.md)."""
-    from torchrec_sparselift.plan import sharding_plan_digest
-
     first: Dict[str, int] = {}
     return [first.setdefault(sharding_plan_digest(p), i) for i, p in enumerate(plans)]
 
@@ -221,34 +192,20 @@ def _types(plan) -> str:
 
 def _run_kept(w, runners, batches, pg, device, args, say) -> None:
     """``--keep-models``: every plan's sharded model built once and kept; rounds reuse them."""
-    import torch
-    import torch.distributed as dist
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-    from torchrec_sparselift.measure.probe import probe_model, shard_for_training
-    from torchrec_sparselift.runtime.timing import StepTimer
-
-    def feed():
-        i = 0
-        while True:
-            yield batches[i % len(batches)]
-            i += 1
-
     for r in runners:
         torch.manual_seed(0)
         dmp, opt = shard_for_training(probe_model(w), r["plan"], device)
-        r["pipe"], r["it"] = TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True), feed()
+        r["pipe"], r["it"] = TrainPipelineSparseDist(dmp, opt, device, execute_all_batches=True), Cycle(batches)
         for _ in range(args.warmup):
             r["pipe"].progress(r["it"])
-    for rep in range(args.reps):
-        k = rep % len(runners)
-        for r in runners[k:] + runners[:k]:  # rotated each round, as the default harness
-            dist.barrier(group=pg)
-            timer = StepTimer(device, warmup_steps=args.warmup)
-            timer.time_pipeline(r["pipe"], r["it"], args.warmup + args.steps)
-            r["runs"].append(timer.record(pg, log=False).measured_s)  # the slowest rank's median step
-        say(f"[real_runs] {w.name} round {rep + 1}/{args.reps}: "
-            + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms")
+
+    def measure(r, _round):
+        timer = timed_steps(lambda: r["pipe"].progress(r["it"]), args.steps, pg, device, warmup=args.warmup)
+        r["runs"].append(timer.record(pg, log=False).measured_s)  # the slowest rank's median step
+
+    interleaved_rounds(runners, measure, args.reps, after_round=lambda done: say(
+        f"[real_runs] {w.name} round {done}/{args.reps}: "
+        + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in runners) + " ms"))
     for r in runners:
         r.pop("pipe"), r.pop("it")
     gc.collect()
@@ -270,24 +227,11 @@ def reference_seconds(info: Optional[Dict[str, Any]]) -> Optional[float]:
     return None
 
 
-def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: Any = None,
-                 ref_cal_s: Optional[float] = None) -> Dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    from torchrec_sparselift.measure.probe import measure_plan, prebuilt_batches, probe_model, probe_stats
-    from torchrec_sparselift.calibration.pricer import PlanPricer
-    from torchrec_sparselift.measure.steps import probe_topology as _topology
-    from torchrec_sparselift.calibration.term_error import profile_errors, term_seconds
-    from torchrec_sparselift.plan.baseline import never_slower
-
-    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
-    topo = _topology(W, "cpu")
-    device = torch.device("cpu")
-    # the ids' statistics as a user observes them (observe() of rank 0's batches: the same on every rank)
-    stats = probe_stats(w, alpha, n=args.batches, seed=BATCH_SEED)
-    plans = _plans(w, topo, profile, pg, say, stats)
-    batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=rank, alpha=alpha)
+def price_plans(w: ProbeWorkload, plans: Sequence[Tuple[str, Any, Dict[str, Any]]], topo, profile,
+                stats) -> List[Dict[str, Any]]:
+    """One runner per plan: its name, plan, predicted step (seconds, ``profile``), summary of
+    sharding types, and the never-slower rule's verdict with the plan as the candidate against
+    TorchRec's (would the rule leave TorchRec's plan for it?). No timing (pure pricing)."""
     runners = []
     terms = {}
     for name, plan, cons in plans:
@@ -295,11 +239,23 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
         pred = pricer(profile)
         terms[name] = term_seconds(pricer, profile)
         runners.append(dict(name=name, plan=plan, predicted_s=pred, runs=[], types=_types(plan)))
-    # the never-slower rule with every plan as the candidate against TorchRec's: would it leave TorchRec's?
     errors = profile_errors(profile)
     for r in runners:
         d = never_slower(terms[r["name"]], terms["torchrec"], errors)
         r["rule"] = dict(leave=d.leave, gain_ms=d.gain_s * 1e3, margin_ms=d.margin_s * 1e3)
+    return runners
+
+
+def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: Any = None,
+                 ref_cal_s: Optional[float] = None) -> Dict[str, Any]:
+    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
+    topo = _topology(W, "cpu")
+    device = torch.device("cpu")
+    # the ids' statistics as a user observes them (observe() of rank 0's batches: the same on every rank)
+    stats = probe_stats(w, alpha, n=args.batches, seed=BATCH_SEED)
+    plans = _plans(w, topo, profile, pg, say, stats)
+    batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=rank, alpha=alpha)
+    runners = price_plans(w, plans, topo, profile, stats)
     saved_plans = [(name, plan, cons) for name, plan, cons in plans]
     owner = distinct_plans([r["plan"] for r in runners])
     measured = [r for i, r in enumerate(runners) if owner[i] == i]
@@ -315,27 +271,23 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
         measure_plan("warm-up", lambda: probe_model(w), runners[0]["plan"], batches, 2, args.warmup, pg=pg,
                      device=device)
         ref_before = ref.measure().median_s if ref is not None else None
-        rep = 0
-        todo = list(measured)
-        while todo:
-            # rotate the order each round: no plan always runs first or last (a position in the round
-            # measured up to ~5% apart for identical plans on this machine)
-            k = rep % len(todo)
-            for r in todo[k:] + todo[:k]:
-                torch.manual_seed(0)
-                m = measure_plan(r["name"], lambda: probe_model(w), r["plan"], batches, args.steps, args.warmup,
-                                 pg=pg, device=device)
-                r["runs"].append(m.median_s)
-            rep += 1
-            say(f"[real_runs] {w.name} round {rep}/{args.reps}{'+' if rep > args.reps else ''}: "
-                + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in todo) + " ms")
-            # after the --reps rounds: more rounds, up to --max-reps, while any plan's rounds still
-            # spread more than --tolerance; every plan runs in every round, so all medians and the
-            # paired ratios cover the same stretch of the machine's drift (extra rounds for the noisy
-            # plans only had a plan measured once in a slow stretch compared with one that was not)
-            more = rep < args.reps or (rep < args.max_reps and any(_spread(r["runs"]) > args.tolerance
-                                                                    for r in measured))
-            todo = list(measured) if more else []
+
+        def measure(r, _round):
+            torch.manual_seed(0)
+            m = measure_plan(r["name"], lambda: probe_model(w), r["plan"], batches, args.steps, args.warmup,
+                             pg=pg, device=device)
+            r["runs"].append(m.median_s)
+
+        # after the --reps rounds: more rounds, up to --max-reps, while any plan's rounds still
+        # spread more than --tolerance; every plan runs in every round, so all medians and the
+        # paired ratios cover the same stretch of the machine's drift (extra rounds for the noisy
+        # plans only had a plan measured once in a slow stretch compared with one that was not)
+        interleaved_rounds(
+            measured, measure, args.reps,
+            more=lambda done: done < args.max_reps and any(spread(r["runs"]) > args.tolerance for r in measured),
+            after_round=lambda done: say(
+                f"[real_runs] {w.name} round {done}/{args.reps}{'+' if done > args.reps else ''}: "
+                + ", ".join(f"{r['name']} {r['runs'][-1] * 1e3:.1f}" for r in measured) + " ms"))
     for i, r in enumerate(runners):
         r["runs"] = runners[owner[i]]["runs"]
     drift = None
@@ -346,7 +298,7 @@ def run_workload(w: ProbeWorkload, alpha: float, profile, pg, args, say, ref: An
     stat = min if args.stat == "min" else statistics.median
     for r in runners:
         rows.append(dict(plan=r["name"], types=r["types"], measured_ms=stat(r["runs"]) * 1e3,
-                         spread=_spread(r["runs"]),
+                         spread=spread(r["runs"]),
                          median_ms=statistics.median(r["runs"]) * 1e3, min_ms=min(r["runs"]) * 1e3,
                          runs_ms=[x * 1e3 for x in r["runs"]], predicted_ms=r["predicted_s"] * 1e3,
                          same_as=r.get("same_as"), rule=r["rule"]))
@@ -419,14 +371,6 @@ def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
     microbenchmark values (:class:`~torchrec_sparselift.calibration.records.HostTermRecord` fields) that
     replace the run's own in that refit, e.g. a newer microbenchmark's (a field the run did not
     measure, such as ``dense_flop_s`` before it existed, adds its floor)."""
-    import pickle
-
-    from torchrec_sparselift.cost.hardware import get_profile
-    from torchrec_sparselift.measure.probe import probe_model, probe_stats
-    from torchrec_sparselift.calibration.pricer import PlanPricer
-    from torchrec_sparselift.calibration.store import auto_profile, base_profile
-    from torchrec_sparselift.measure.steps import fit_measurements, probe_topology as _topology
-
     with open(measured_path, encoding="utf-8") as f:
         data = json.load(f)
     with open(measured_path + ".plans.pkl", "rb") as f:
@@ -436,10 +380,6 @@ def report(measured_path: str, profile_path: Optional[str], refit: bool = False,
             cal = pickle.load(f)
         host = dict(cal.get("host_terms") or {})
         if host_terms:
-            import attrs
-
-            from torchrec_sparselift.calibration.records import HostTermRecord
-
             known = {f.name for f in attrs.fields(HostTermRecord)}
             unknown = sorted(set(host_terms) - known)
             if unknown:
@@ -538,8 +478,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--profile", help="price with this profile JSON instead of the machine's step-fitted one")
     p.add_argument("--calibrate", action="store_true", help="fit this machine's profile first even if one is stored")
     args = p.parse_args(argv)
-    from torchrec_sparselift.measure.probe import DEFAULT_TIMING
-
     args.steps = DEFAULT_TIMING["steps"] if args.steps is None else args.steps
     args.warmup = DEFAULT_TIMING["warmup"] if args.warmup is None else args.warmup
     if args.quick:
@@ -550,24 +488,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         p.error(f"unknown workloads {unknown}; choose from {list(table)}")
 
-    import logging
-
-    import torch
-    import torch.distributed as dist
-
-    logging.getLogger().setLevel(logging.ERROR)
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group(backend="gloo")
-    rank = dist.get_rank()
-    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+    me = start_worker()
+    rank, say = me.rank, me.say
     try:
-        from torchrec_sparselift.cost.hardware import get_profile
-        from torchrec_sparselift.calibration.store import ProfileStore, current_fingerprint
-        from torchrec_sparselift.defaults import ranks_per_host
-        from torchrec_sparselift.measure.steps import ReferencePlan, calibrate_steps
-
         t_start = time.time()
         fp = current_fingerprint("cpu", ranks_per_host(world_size=dist.get_world_size()))
         store = ProfileStore()
@@ -652,28 +575,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                + f") MAPE {summary['mape_all_drift_corrected'] * 100:.1f}%"
                if summary["mape_all_drift_corrected"] is not None else ""))
         if rank == 0:
-            out = dict(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), wall_s=time.time() - t_start,
-                       profile=profile.to_dict(), profile_source=source, fingerprint=fp.to_dict(),
-                       settings=dict(reps=args.reps, max_reps=args.max_reps, tolerance=args.tolerance, steps=args.steps,
-                                     warmup=args.warmup, batches=args.batches,
-                                     quick=args.quick, stat=args.stat), load_end=os.getloadavg()[0], workloads=results,
-                       summary=summary)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(out, f, indent=1)
-            os.replace(args.out + ".tmp", args.out)
-            import pickle
-
+            out = write_report(args.out, dict(
+                started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)), wall_s=time.time() - t_start,
+                profile=profile.to_dict(), profile_source=source, fingerprint=fp.to_dict(),
+                settings=dict(reps=args.reps, max_reps=args.max_reps, tolerance=args.tolerance, steps=args.steps,
+                              warmup=args.warmup, batches=args.batches, quick=args.quick, stat=args.stat),
+                load_end=os.getloadavg()[0], workloads=results, summary=summary))
             with open(args.out + ".plans.pkl", "wb") as f:  # for `real_runs.py report` (re-pricing)
                 pickle.dump(all_plans, f)
             say(f"[real_runs] wrote {args.out} ({out['wall_s']:.0f} s)")
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        stop_worker()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    exit_now(main)

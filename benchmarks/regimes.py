@@ -1,7 +1,7 @@
 """SparseLift vs TorchRec over four network regimes: real runs on emulated hosts, one command.
 
-    python benchmarks/regimes.py --out runs/regimes.json                  # all four regimes (needs root)
-    python benchmarks/regimes.py --quick --regimes R1,R2 --out runs/q.json   # smoke version (~5 min)
+    python -m benchmarks.regimes --out runs/regimes.json                  # all four regimes (needs root)
+    python -m benchmarks.regimes --quick --regimes R1,R2 --out runs/q.json   # smoke version (~5 min)
 
 Regimes (:data:`REGIMES`; each one torchrun job on the emulated-host testbed,
 :mod:`torchrec_sparselift.measure.testbed`, docs/testbed.md):
@@ -12,13 +12,13 @@ Regimes (:data:`REGIMES`; each one torchrun job on the emulated-host testbed,
     R4  2 hosts x 2 ranks, 1 Gbit/s per host link (2D vs 1D here)
 
 The driver (this script without ``--job``) runs, per regime,
-``python -m torchrec_sparselift.measure.testbed <topology> -- benchmarks/regimes.py --job --regime R ...``
+``python -m torchrec_sparselift.measure.testbed <topology> -- -m benchmarks.regimes --job --regime R ...``
 (the testbed tears its namespaces down on exit, failure or Ctrl-C), then merges the jobs' JSON into
 ``--out`` and prints the summary against its targets (:data:`TARGETS`, docs/benchmarks.md section 20).
 
 The job (one rank of one regime): measures the link the job sees
 (:func:`torchrec_sparselift.measure.link.measure_link_rates`), gets its profiles (below), then per
-workload (:data:`WORKLOADS`, shared with ``benchmarks/real_runs.py``) builds these runs:
+workload (:data:`WORKLOADS`, shared with :mod:`benchmarks.real_runs`) builds these runs:
 
     torchrec            TorchRec's plan (EmbeddingShardingPlanner), its default pipeline sparse_dist
     torchrec_<p>        the same plan with TorchRec's other exact pipelines base, fused, prefetch
@@ -69,13 +69,34 @@ import time
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-for _p in (_ROOT, _HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from real_runs import BATCH_SEED, WORKLOADS, geomean, names_arg, paired_ratio, torchrec_plan_of  # noqa: E402
+from benchmarks.harness import (Cycle, exit_now, geomean, interleaved_rounds, names_arg, paired_ratio, start_worker,
+                                stop_worker, timed_steps, write_report)
+from benchmarks.harness.report import REPO
+from benchmarks.real_runs import BATCH_SEED, DP_MAX_BYTES, WORKLOADS, _workloads, torchrec_plan_of
+from benchmarks.real_runs import _types as plan_types
+from torchrec_sparselift import SparseLiftPlanner
+from torchrec_sparselift.calibration.store import (ProfileStore, current_fingerprint, disturbed_spread,
+                                                    stored_profile_problems)
+from torchrec_sparselift.calibration.term_error import profile_errors, profile_on_link
+from torchrec_sparselift.cost.report import mape, spearman
+from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.measure.link import measure_link_rates
+from torchrec_sparselift.measure.probe import (pin_rank_to_core, prebuilt_batches, probe_model, probe_stats,
+                                               restore_affinity)
+from torchrec_sparselift.measure.steps import calibrate_steps, forced_plan
+from torchrec_sparselift.plan import sharding_plan_digest
+from torchrec_sparselift.plan.evaluate import GivenPlan
+from torchrec_sparselift.runtime import copy_full_state, lift
+from torchrec_sparselift.runtime.timing import steady_step_s
+from torchrec_sparselift.vocabulary import comm_precision
 
 __all__ = ["REGIMES", "TARGETS", "parse_args", "merge_results", "summarize_workload", "summarize_regime",
            "check_targets", "format_summary", "main"]
@@ -123,8 +144,6 @@ def on_gloo(precision: str) -> str:
     (:data:`~torchrec_sparselift.vocabulary.COMM_PRECISION_REGISTRY`'s ``gloo_runs_as``: 1.8's codec
     registry replaces bf16 by fp16 there in both directions), so a bf16 run on gloo is the fp16
     run and is measured once."""
-    from torchrec_sparselift.vocabulary import comm_precision
-
     return comm_precision(precision).gloo_runs_as or precision
 
 
@@ -217,8 +236,6 @@ def dp_small_fits(tables: Sequence[Any]) -> bool:
     replicas (weights + grad + state, fp32) within ``real_runs.DP_MAX_BYTES``, as real_runs offers
     data-parallel plans (few_large's 100k-150k-row replicas measured 2.5 s steps on R2: a run that
     only costs time)."""
-    from real_runs import DP_MAX_BYTES
-
     small = sorted(tables, key=lambda t: (t.rows, t.name))[: len(tables) // 2]
     return sum(t.rows * t.dim * 4 * 3 for t in small) <= DP_MAX_BYTES
 
@@ -300,8 +317,6 @@ def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dic
     and ``rows`` holding ``measured_ms``, ``predicted_ms`` (profile -> ms), ``same_as``):
     geomeans and worst cases of the ratios, MAPE and mean Spearman per profile, 2D decisions and
     loss parity."""
-    from torchrec_sparselift.cost.report import mape, spearman
-
     out: Dict[str, Any] = dict(regime=regime, kind=REGIMES[regime]["kind"], workloads=len(workloads))
     keys = ["torchrec_over_sparselift", "torchrec_best_pipeline_over_sparselift", "sparselift_over_best",
             "torchrec_over_sparselift_unshaped", "torchrec_best_pipeline_over_sparselift_unshaped",
@@ -366,8 +381,9 @@ def check_targets(summary: Mapping[str, Any]) -> List[Dict[str, Any]]:
 
 
 def merge_results(jobs: Mapping[str, Mapping[str, Any]], settings: Mapping[str, Any]) -> Dict[str, Any]:
-    """The driver's JSON: every regime's job result, its summary (recomputed from the rows, so a
-    merged file and its parts agree) and its targets; regimes in :data:`REGIMES` order."""
+    """The driver's results: every regime's job result, its summary (recomputed from the rows, so a
+    merged file and its parts agree) and its targets; regimes in :data:`REGIMES` order (the report
+    header, :func:`benchmarks.harness.write_report`, adds the date)."""
     regimes = {}
     for name in REGIMES:
         if name not in jobs:
@@ -377,7 +393,7 @@ def merge_results(jobs: Mapping[str, Mapping[str, Any]], settings: Mapping[str, 
         job["summary"] = summary
         job["targets"] = check_targets(summary)
         regimes[name] = job
-    return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), settings=dict(settings), regimes=regimes)
+    return dict(settings=dict(settings), regimes=regimes)
 
 
 def _f(v: Optional[float], fmt: str = "{:.3f}") -> str:
@@ -463,8 +479,6 @@ def format_summary(merged: Mapping[str, Any]) -> str:
 
 
 def job_topology(world: int, local: int):
-    from torchrec.distributed.planner import Topology
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return Topology(world_size=world, local_world_size=local, compute_device="cpu")
@@ -475,14 +489,6 @@ def job_profiles(args, regime: str, link: Any, pg, say) -> Tuple[Dict[str, Any],
     calibrates into the regime's store where its profile is missing or out of date. ``errors``:
     the never-slower rule's error per term for each profile, its stored step fit's, as
     ``hardware="auto"`` finds them (a link-corrected profile equals no stored one)."""
-    import torch.distributed as dist
-
-    from torchrec_sparselift.calibration.term_error import profile_errors, profile_on_link
-    from torchrec_sparselift.calibration.store import (ProfileStore, current_fingerprint, disturbed_spread,
-                                                        stored_profile_problems)
-    from torchrec_sparselift.defaults import ranks_per_host
-    from torchrec_sparselift.measure.steps import calibrate_steps
-
     W = dist.get_world_size(pg)
     local = ranks_per_host(world_size=W)
     hosts = W // local
@@ -554,12 +560,6 @@ def signal_batches(w, n: int, seed: int, rank: int, alpha: float) -> List[Any]:
     """:func:`~torchrec_sparselift.measure.probe.prebuilt_batches` with labels from a planted
     signal (each id of each table has a hidden effect; a sample's logit is -1 plus the sum over
     features of the mean effect of its ids), so a loss comparison measures learning."""
-    import numpy as np
-    import torch
-    from torchrec.datasets.utils import Batch
-
-    from torchrec_sparselift.measure.probe import prebuilt_batches
-
     effects = {t.name: np.random.default_rng([seed, 77, i]).normal(0.0, 1.0, t.rows) for i, t in enumerate(w.tables)}
     table_of = {f: t.name for t in w.tables for f in t.features}
     rng = np.random.default_rng([seed, rank, 78])
@@ -592,32 +592,11 @@ def paired_gap_se(losses_1d: Sequence[float], losses_2d: Sequence[float], block:
 def lift_run(w, spec: Mapping[str, Any], device):
     """A fresh model of ``w`` sharded per ``spec`` (``plan``: a ShardingPlan or an execution plan;
     ``pipeline``/``fwd``/``bwd``: overrides) through :func:`torchrec_sparselift.runtime.lift`."""
-    import torch
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    from torchrec_sparselift.measure.probe import probe_model
-    from torchrec_sparselift.runtime import lift
-
     torch.manual_seed(0)
     return lift(probe_model(w), spec["plan"], device=device, pipeline=spec.get("pipeline"),
                 fwd_comm_precision=spec.get("fwd"), bwd_comm_precision=spec.get("bwd"),
                 embedding_optimizer=(RowWiseAdagrad, {"lr": 0.05}),
                 dense_optimizer_factory=lambda params: torch.optim.Adagrad(params, lr=0.005))
-
-
-class Cycle:
-    """``batches`` cycled for ever (a kept model's pipeline prefetches from it across rounds)."""
-
-    def __init__(self, batches: Sequence[Any]) -> None:
-        self.batches, self.i = batches, 0
-
-    def __iter__(self) -> "Cycle":
-        return self
-
-    def __next__(self) -> Any:
-        b = self.batches[self.i % len(self.batches)]
-        self.i += 1
-        return b
 
 
 def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warmup: int, pg,
@@ -631,12 +610,6 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
     2D plan that syncs every ``Lifted.sync_period`` steps the median of the means of whole sync
     intervals, ``steps`` rounded up to a multiple of it unless ``whole_intervals`` is False), every
     step's loss averaged over ranks, and the seconds spent sharding."""
-    import torch
-    import torch.distributed as dist
-
-    from torchrec_sparselift.measure.probe import pin_rank_to_core, restore_affinity
-    from torchrec_sparselift.runtime.timing import StepTimer, steady_step_s
-
     old = pin_rank_to_core(pg)
     try:
         t_build = time.perf_counter()
@@ -651,15 +624,14 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
         build_s = time.perf_counter() - t_build
         period = lifted.sync_period if whole_intervals else 1  # the built model's, the one reading
         steps = -(-max(steps, period) // period) * period
-        timer = StepTimer(torch.device("cpu"), warmup_steps=warmup, period=period)
-        gc.collect()
-        dist.barrier(group=pg)
-        losses = []
-        for _ in range(warmup + steps):
-            with timer.step():
-                out = lifted.pipeline.progress(it)
+        losses: List[float] = []
+
+        def keep_loss(out: Any) -> None:
             loss = out[0] if isinstance(out, tuple) else out
             losses.append(float(loss.detach().float().mean()))
+
+        timer = timed_steps(lambda pipeline=lifted.pipeline, batches=it: pipeline.progress(batches), steps, pg, torch.device("cpu"), warmup=warmup,
+                            period=period, collect=True, on_step=keep_loss)
         mx = timer.slowest_rank_durations_s(pg)
         ls = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(ls, op=dist.ReduceOp.SUM, group=pg)
@@ -683,12 +655,6 @@ def _settings_of(spec: Mapping[str, Any]) -> Tuple[str, str, str, Optional[int]]
 def build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], errors: Mapping[str, Any], stats, pg,
                  say) -> List[Dict[str, Any]]:
     """One spec per run name: its plan (ShardingPlan or execution plan), overrides and constraints."""
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift.measure.probe import probe_model
-    from torchrec_sparselift.measure.steps import forced_plan
-    from torchrec_sparselift.planner import SparseLiftPlanner
-
     specs: List[Dict[str, Any]] = []
     tr_plan, pooling = torchrec_plan_of(w, topo, pg)
 
@@ -734,15 +700,11 @@ def build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], erro
 
 
 def _types(spec: Mapping[str, Any]) -> str:
-    from real_runs import _types as plan_types
-
     plan = spec["plan"]
     return plan_types(getattr(plan, "sharding_plan", plan))
 
 
 def _run_key(spec: Mapping[str, Any]) -> str:
-    from torchrec_sparselift.plan import sharding_plan_digest
-
     plan = spec["plan"]
     pipe, fwd, bwd, group = _settings_of(spec)
     fwd, bwd = on_gloo(fwd), on_gloo(bwd)
@@ -755,9 +717,6 @@ def _predict(w, spec: Mapping[str, Any], topo, profiles: Mapping[str, Any], stat
     """Predicted ms of a run under each profile: SparseLift's cost model of its plan, pipeline and
     precisions. A 2D plan (group-local) takes its execution plan's own prediction, under the
     profile it was planned with."""
-    from torchrec_sparselift.measure.probe import probe_model
-    from torchrec_sparselift.plan.evaluate import GivenPlan
-
     pipe, fwd, bwd, group = _settings_of(spec)
     plan = spec["plan"]
     out: Dict[str, Optional[float]] = {}
@@ -778,8 +737,6 @@ def parity_control(specs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:
     first of TorchRec's plan and the forced alternatives that shards differently (another exact 1D
     plan: its loss differs from SparseLift's 1D one only by the order of floating-point sums, which
     training amplifies; measured -0.0003..+0.0002 on kaggle over 320 steps). None when none does."""
-    from torchrec_sparselift.plan import sharding_plan_digest
-
     def digest(name: str) -> Optional[str]:
         spec = specs.get(name)
         if not spec or spec.get("failed"):
@@ -799,12 +756,6 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
     control (another exact 1D plan, :func:`parity_control`) trained from the same initial weights on the same batches with a planted signal; the mean loss over
     the last half of the steps. The control's gap to the 1D loss is what two equivalent plans
     already differ by."""
-    import torch
-    import torch.distributed as dist
-
-    from torchrec_sparselift.runtime import copy_full_state
-    from torchrec_sparselift.measure.probe import probe_model
-
     rank = dist.get_rank(pg)
     batches = signal_batches(w, steps, seed=BATCH_SEED + 100, rank=rank, alpha=alpha)
     g = torch.Generator().manual_seed(4242)
@@ -845,13 +796,6 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
 
 
 def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    from real_runs import _workloads
-    from torchrec_sparselift.defaults import ranks_per_host
-    from torchrec_sparselift.measure.probe import prebuilt_batches, probe_stats
-
     w, alpha = _workloads()[wname]
     W = dist.get_world_size(pg)
     topo = job_topology(W, ranks_per_host(world_size=W))
@@ -868,24 +812,27 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
         s["runs"], s["losses"] = [], None
         s["predicted_ms"] = _predict(w, s, topo, profiles, stats)
     measured = [s for s in specs if s["same_as"] is None]
-    for r in range(args.reps):
-        k = r % len(measured)
-        for s in measured[k:] + measured[:k]:
-            if s.get("failed"):
-                continue
-            try:
-                secs, losses, build_s = timed_run(lambda: lift_run(w, s, device), batches, args.steps, args.warmup, pg,
-                                                  kept=s.setdefault("kept", {}) if args.keep_models else None)
-                s["runs"].append(secs)
-                s["losses"] = losses
-                s.setdefault("build_s", []).append(build_s)
-            except Exception as e:  # noqa: BLE001 - a precision/pipeline that cannot run here is a result
-                s["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                say(f"[regimes] {w.name}: {s['name']} failed: {s['failed']}")
-                dist.barrier(group=pg)
+
+    def measure(s: Dict[str, Any], _round: int) -> None:
+        if s.get("failed"):
+            return
+        try:
+            secs, losses, build_s = timed_run(lambda: lift_run(w, s, device), batches, args.steps, args.warmup, pg,
+                                              kept=s.setdefault("kept", {}) if args.keep_models else None)
+            s["runs"].append(secs)
+            s["losses"] = losses
+            s.setdefault("build_s", []).append(build_s)
+        except Exception as e:  # noqa: BLE001 - a precision/pipeline that cannot run here is a result
+            s["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            say(f"[regimes] {w.name}: {s['name']} failed: {s['failed']}")
+            dist.barrier(group=pg)
+
+    def progress(done: int) -> None:
         sharding = sum(s["build_s"][-1] for s in measured if s.get("build_s"))
-        say(f"[regimes] {regime} {w.name} round {r + 1}/{args.reps} (sharding {sharding:.0f} s): " + ", ".join(
+        say(f"[regimes] {regime} {w.name} round {done}/{args.reps} (sharding {sharding:.0f} s): " + ", ".join(
             f"{s['name']} {s['runs'][-1] * 1e3:.1f}" for s in measured if s["runs"] and not s.get("failed")) + " ms")
+
+    interleaved_rounds(measured, measure, args.reps, after_round=progress)
     for s in specs:
         s.pop("kept", None)  # the kept models go now
     gc.collect()
@@ -923,23 +870,11 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
 
 
 def job(args) -> int:
-    import logging
-
-    import torch
-    import torch.distributed as dist
-
-    logging.getLogger().setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group(backend="gloo")
-    pg = dist.group.WORLD
-    rank = dist.get_rank()
-    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+    me = start_worker()
+    pg, rank, say = me.pg, me.rank, me.say
     regime = args.regime
     t_start = time.time()
     try:
-        from torchrec_sparselift.measure.link import measure_link_rates
-
         link = measure_link_rates()  # every rank, before any pinning (as the calibration measures it)
         say(f"[regimes] {regime} ({REGIMES[regime]['doc']}): {dist.get_world_size()} ranks; link {link.describe()}")
         profiles, errors, pinfo = job_profiles(args, regime, link, pg, say)
@@ -951,19 +886,16 @@ def job(args) -> int:
             say(format_workload(res))
         summary = summarize_regime(regime, results)
         if rank == 0:
-            out = dict(regime=regime, topology=REGIMES[regime], started=time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                        time.gmtime(t_start)),
-                       wall_s=time.time() - t_start, link=link.to_dict(), profiles={k: v.to_dict() for k, v in profiles.items()},
-                       profile_info=pinfo, load_end=os.getloadavg()[0], workloads=results, summary=summary,
-                       targets=check_targets(summary))
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(out, f, indent=1, default=str)
-            os.replace(args.out + ".tmp", args.out)
+            out = write_report(args.out, dict(
+                regime=regime, topology=REGIMES[regime], started=time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                time.gmtime(t_start)),
+                wall_s=time.time() - t_start, link=link.to_dict(), profiles={k: v.to_dict() for k, v in profiles.items()},
+                profile_info=pinfo, load_end=os.getloadavg()[0], workloads=results, summary=summary,
+                targets=check_targets(summary)))
             say(f"[regimes] {regime}: wrote {args.out} ({out['wall_s']:.0f} s)")
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        stop_worker()
     return 0
 
 
@@ -985,7 +917,7 @@ def testbed_command(regime: str, job_argv: Sequence[str], timeout_s: float, burs
         cmd.append("--shared")
     if burst and r["rate"]:
         cmd += ["--burst", burst]
-    return cmd + ["--", os.path.abspath(__file__), "--job", "--regime", regime, *job_argv]
+    return cmd + ["--", "-m", "benchmarks.regimes", "--job", "--regime", regime, *job_argv]
 
 
 def job_argv(args, out: str) -> List[str]:
@@ -1007,7 +939,7 @@ def job_argv(args, out: str) -> List[str]:
 def driver(args) -> int:
     out_dir = os.path.abspath(os.path.splitext(args.out)[0] + "_jobs")
     os.makedirs(out_dir, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     order = [r for r in REGIMES if r in args.regimes]  # R1 first: the unshaped profile the others may use
     jobs: Dict[str, Any] = {}
     failed: Dict[str, str] = {}
@@ -1018,7 +950,7 @@ def driver(args) -> int:
             os.remove(path)
         cmd = testbed_command(regime, job_argv(args, path), args.timeout, args.burst)
         print(f"[regimes] {regime}: {REGIMES[regime]['doc']}\n  $ {' '.join(cmd)}", flush=True)
-        proc = subprocess.Popen(cmd, env=env, cwd=_ROOT)
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO)
         try:
             code = proc.wait()
         except BaseException:
@@ -1038,9 +970,7 @@ def driver(args) -> int:
                     wall_s=time.time() - t0, failed=failed)
     merged = merge_results(jobs, settings)
     print(format_summary(merged), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(merged, f, indent=1, default=str)
+    write_report(args.out, merged)
     print(f"[regimes] wrote {args.out} ({time.time() - t0:.0f} s)", flush=True)
     return 1 if failed else 0
 
@@ -1051,6 +981,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    exit_now(main)

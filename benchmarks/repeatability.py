@@ -1,12 +1,12 @@
 """How well does one plan's measured step time repeat? (the measurement harness)
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/repeatability.py --workload dcnv2 --plan table_wise \
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.repeatability --workload dcnv2 --plan table_wise \
         --runs 8 [--variant NAME ...] [--out runs/repeatability.json]
 
 Plans the workload once (a forced plan kind of :mod:`benchmarks.real_runs`, or ``sparselift``) and
 measures it ``--runs`` times with :func:`torchrec_sparselift.measure.probe.measure_plan` (a fresh
 sharded model per run, as the benchmark, the step calibration and the measured guard do), once per
-variant, interleaved (run i of every variant, then run i+1). Per variant it prints each run's time,
+variant, in interleaved rounds (run i of every variant, the order rotated each round, then run i+1). Per variant it prints each run's time,
 the spread (max/min - 1) and the coefficient of variation over runs, and the per-step durations of
 the first run (to see how many steps the warm-up needs).
 
@@ -19,18 +19,19 @@ competing equally with any other session's jobs; see ``--autogroup``) (:data:`VA
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from typing import Any, Dict, Optional, Sequence
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-for p in (_ROOT, _HERE):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import torch
+import torch.distributed as dist
+
+from benchmarks import real_runs
+from benchmarks.harness import exit_now, interleaved_rounds, start_worker, stop_worker, write_report
+from torchrec_sparselift.calibration.store import auto_profile
+from torchrec_sparselift.measure.probe import DEFAULT_TIMING, measure_plan, prebuilt_batches, probe_model
+from torchrec_sparselift.measure.steps import probe_topology as _topology
 
 #: name -> keyword arguments of measure_plan
 VARIANTS: Dict[str, Dict[str, Any]] = {
@@ -66,27 +67,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
 
-    import logging
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    logging.getLogger().setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group(backend="gloo")
-    rank = dist.get_rank()
-    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+    me = start_worker()
+    rank, say = me.rank, me.say
     try:
-        import real_runs
-
-        from torchrec_sparselift.measure.probe import DEFAULT_TIMING, measure_plan, prebuilt_batches, probe_model
-
         w, alpha = real_runs._workloads()[args.workload]
-        from torchrec_sparselift.calibration.store import auto_profile
-        from torchrec_sparselift.measure.steps import probe_topology as _topology
-
         profile = auto_profile("cpu", 2, warn=lambda m: None)[0]
         plans = {name: plan for name, plan, _c in real_runs._plans(w, _topology(2, "cpu"), profile, dist.group.WORLD,
                                                                      lambda m: None)}
@@ -98,26 +82,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         measure_plan("warm-up", lambda: probe_model(w), plan, batches, 2, 2, pg=dist.group.WORLD)
         res: Dict[str, Any] = {n: dict(runs_ms=[], first_steps_ms=None, stats={}) for n in names}
         t0 = time.time()
-        for i in range(args.runs):
-            for n in names:
-                torch.manual_seed(0)
-                kw = dict(VARIANTS[n])
-                ag = kw.pop("autogroup", args.autogroup)
-                if ag is not None:
-                    _autogroup(ag)
-                m = measure_plan(n, lambda: probe_model(w), plan, batches, pg=dist.group.WORLD, **kw)
-                if args.autogroup is not None:
-                    _autogroup(args.autogroup)
-                res[n]["runs_ms"].append(m.median_s * 1e3)
-                steady = sorted(m.durations_s[-m.steps:])
-                cpu = sorted(m.cpu_durations_s[-m.steps:])
-                for k, v in (("min", steady[0]), ("p25", steady[len(steady) // 4]), ("mean", m.mean_s),
-                             ("cpu_median", cpu[len(cpu) // 2]), ("cpu_p25", cpu[len(cpu) // 4])):
-                    res[n]["stats"].setdefault(k, []).append(v * 1e3)
-                if res[n]["first_steps_ms"] is None:
-                    res[n]["first_steps_ms"] = [d * 1e3 for d in m.durations_s]
-            say(f"[repeat] run {i + 1}/{args.runs}: " + ", ".join(f"{n} {res[n]['runs_ms'][-1]:.1f}" for n in names)
-                + f" ms (load {os.getloadavg()[0]:.2f})")
+
+        def measure(n: str, _round: int) -> None:
+            torch.manual_seed(0)
+            kw = dict(VARIANTS[n])
+            ag = kw.pop("autogroup", args.autogroup)
+            if ag is not None:
+                _autogroup(ag)
+            m = measure_plan(n, lambda: probe_model(w), plan, batches, pg=dist.group.WORLD, **kw)
+            if args.autogroup is not None:
+                _autogroup(args.autogroup)
+            res[n]["runs_ms"].append(m.median_s * 1e3)
+            steady = sorted(m.durations_s[-m.steps:])
+            cpu = sorted(m.cpu_durations_s[-m.steps:])
+            for k, v in (("min", steady[0]), ("p25", steady[len(steady) // 4]), ("mean", m.mean_s),
+                         ("cpu_median", cpu[len(cpu) // 2]), ("cpu_p25", cpu[len(cpu) // 4])):
+                res[n]["stats"].setdefault(k, []).append(v * 1e3)
+            if res[n]["first_steps_ms"] is None:
+                res[n]["first_steps_ms"] = [d * 1e3 for d in m.durations_s]
+
+        interleaved_rounds(names, measure, args.runs, after_round=lambda done: say(
+            f"[repeat] run {done}/{args.runs}: " + ", ".join(f"{n} {res[n]['runs_ms'][-1]:.1f}" for n in names)
+            + f" ms (load {os.getloadavg()[0]:.2f})"))
         for n in names:
             r = res[n]["runs_ms"]
             res[n].update(spread=max(r) / min(r) - 1, cv=statistics.stdev(r) / statistics.fmean(r) if len(r) > 1 else 0.0,
@@ -130,18 +116,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             say(f"{'':<10} first run, every step incl. warm-up: "
                 + " ".join(f"{x:.0f}" for x in res[n]["first_steps_ms"]))
         if rank == 0 and args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump(dict(workload=args.workload, plan=args.plan, runs=args.runs, wall_s=time.time() - t0,
-                               started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-                               load_end=os.getloadavg()[0], variants={n: VARIANTS[n] for n in names}, results=res),
-                          f, indent=1)
+            write_report(args.out, dict(workload=args.workload, plan=args.plan, runs=args.runs,
+                                        wall_s=time.time() - t0,
+                                        started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+                                        load_end=os.getloadavg()[0], variants={n: VARIANTS[n] for n in names},
+                                        results=res))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        stop_worker()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    exit_now(main)

@@ -1,9 +1,9 @@
 """2D replica sync, predicted vs measured, on the emulated-host testbed (docs/benchmarks.md section 20).
 
     python -m torchrec_sparselift.measure.testbed --hosts 2 --ranks-per-host 2 --rate 1gbit -- \\
-        benchmarks/replica_sync.py [--workloads kaggle,hot_skewed,few_large,shared] [--out runs/sync.json]
+        -m benchmarks.replica_sync [--workloads kaggle,hot_skewed,few_large,shared] [--out runs/sync.json]
 
-Needs R1's stored profile (``python benchmarks/regimes.py --regimes R1``), which it moves to the
+Needs R1's stored profile (``python -m benchmarks.regimes --regimes R1``), which it moves to the
 job's link as ``hardware="auto"`` does (``profile_on_link``: the link terms corrected, the replica
 sync's measured rates taken). Per workload: SparseLift's 1D plan and its 2D plan
 (``sharding_group_size=2``, the planner's sync interval), each sharded through ``runtime.lift``;
@@ -17,17 +17,19 @@ the cost model's (``cost.two_d.replica_sync_s`` of the plan's state), and whethe
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import statistics
-import sys
-import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-sys.path.insert(0, os.path.dirname(_HERE))
+import torch
+
+from benchmarks import regimes as R
+from benchmarks.harness import Cycle, exit_now, start_worker, stop_worker, timed_steps, write_report
+from benchmarks.real_runs import BATCH_SEED, _workloads
+from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.measure.link import measure_link_rates
+from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, probe_stats
+from torchrec_sparselift.runtime.timing import steady_step_s
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -48,41 +50,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _timed_syncs(model: Any, n: int, pg: Any) -> List[float]:
     """``n`` calls of ``model.sync()`` alone, each started together: the slowest rank's seconds."""
-    import torch
-    import torch.distributed as dist
-
-    from torchrec_sparselift.runtime.timing import StepTimer
-
-    timer = StepTimer(torch.device("cpu"), warmup_steps=0)
-    for _ in range(n):
-        dist.barrier(group=pg)
-        with timer.step():
-            model.sync()
-    return timer.slowest_rank_durations_s(pg)
+    durations: List[float] = []
+    for _ in range(n):  # a barrier before every call: each sync starts on every rank together
+        durations += timed_steps(model.sync, 1, pg, torch.device("cpu")).slowest_rank_durations_s(pg)
+    return durations
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    import torch
-    import torch.distributed as dist
-
-    import regimes as R
-    from real_runs import _workloads
-    from torchrec_sparselift.defaults import ranks_per_host
-    from torchrec_sparselift.measure.link import measure_link_rates
-    from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, probe_stats
-    from torchrec_sparselift.runtime.timing import steady_step_s
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger().setLevel(logging.ERROR)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    pg, rank = dist.group.WORLD, dist.get_rank()
-    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
-    W = dist.get_world_size()
+    me = start_worker()
+    pg, rank, say, W = me.pg, me.rank, me.say, me.world_size
     topo = R.job_topology(W, ranks_per_host(world_size=W))
     if topo.world_size // topo.local_world_size < 2:
-        raise SystemExit("replica_sync.py: run it on 2 or more emulated hosts (the command in its docstring)")
+        raise SystemExit("benchmarks.replica_sync: run it on 2 or more emulated hosts (the command in its docstring)")
     link = measure_link_rates()
     say(link.describe())
     prof_args = argparse.Namespace(profile_from="unshaped", store=args.store, calibrate=False, calibration_steps=None)
@@ -91,19 +71,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results: List[Dict[str, Any]] = []
     for wname in args.workloads:
         w, alpha = _workloads()[wname]
-        stats = probe_stats(w, alpha, n=6, seed=R.BATCH_SEED)
+        stats = probe_stats(w, alpha, n=6, seed=BATCH_SEED)
         specs = R.build_specs(w, ["sparselift", "sparselift_2d"], topo, profiles, errors, stats, pg, lambda m: None)
-        batches = prebuilt_batches(w, 6, seed=R.BATCH_SEED, rank=rank, alpha=alpha)
+        batches = prebuilt_batches(w, 6, seed=BATCH_SEED, rank=rank, alpha=alpha)
         res: Dict[str, Any] = dict(workload=wname)
         for s in specs:
             ep = s["plan"]
             lifted = R.lift_run(w, s, torch.device("cpu"))
-            it = R.Cycle(batches)
-            timer = lifted.step_timer(warmup_steps=args.warmup)  # over whole sync intervals
-            period = timer.period
+            it = Cycle(batches)
+            period = lifted.sync_period  # a 2D step is timed over whole sync intervals
             steps = -(-args.steps // period) * period
-            dist.barrier(group=pg)
-            timer.time_pipeline(lifted.pipeline, it, args.warmup + steps)
+            timer = timed_steps(lambda pipeline=lifted.pipeline, batches=it: pipeline.progress(batches), steps, pg, torch.device("cpu"),
+                                warmup=args.warmup, period=period)
             per_step = timer.slowest_rank_durations_s(pg)[args.warmup:]
             row = dict(plan=ep.summary(), predicted_ms=ep.prediction.step_time_s * 1e3, period=period,
                        steps_ms=[x * 1e3 for x in per_step], step_ms=steady_step_s(per_step, period) * 1e3,
@@ -120,11 +99,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for res in results:
         say(_format(res))
     if rank == 0 and args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(dict(link=link.to_dict(), workloads=results), f, indent=1, default=str)
+        write_report(args.out, dict(link=link.to_dict(), workloads=results))
         say(f"[replica_sync] wrote {args.out}")
-    dist.destroy_process_group()
+    stop_worker()
     return 0
 
 
@@ -145,4 +122,4 @@ def _format(res: Dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main)

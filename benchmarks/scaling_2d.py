@@ -6,7 +6,7 @@ quality parity) and the layout the planner picks (strided or contiguous groups, 
 hosts they really span); ``--unbounded N`` adds a second 2D plan allowed intervals up to N, to
 show what the bound costs.
 
-    python benchmarks/scaling_2d.py --out docs/scaling_2d.json --png docs/scaling_2d.png
+    python -m benchmarks.scaling_2d --out docs/scaling_2d.json --png docs/scaling_2d.png
 """
 
 from __future__ import annotations

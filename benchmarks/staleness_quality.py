@@ -1,14 +1,14 @@
 """Model quality of the stale overlap schedule (``overlap_stale``) against the exact one
 (``overlap``): held-out loss after the same training, per seed.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/staleness_quality.py \\
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 -m benchmarks.staleness_quality \\
         --steps 300 --seeds 0,1,2 --out runs/staleness_quality.json
 
-Each seed trains the DLRM example's model (``examples/dlrm``: DCNv2 tables at ``--scale``, dim
+Each seed trains the DLRM model (:mod:`torchrec_sparselift.dlrm`: DCNv2 tables at ``--scale``, dim
 ``--embedding-dim``, DCN ``small``; fused row-wise AdaGrad tables, dense AdaGrad) from the same
 initial weights on the same synthetic batches (Zipf ids with a planted label signal,
-``dlrm_data.synthetic_batches``), once per kind, with TorchRec's plan of every table table-wise
-(the plan ``benchmarks/overlap.py`` times). After ``--steps`` steps (the stale kind's last
+``torchrec_sparselift.dlrm.data.synthetic_batches``), once per kind, with TorchRec's plan of every
+table table-wise (the plan :mod:`benchmarks.overlap` times, :func:`benchmarks.overlap.table_wise_dcn`). After ``--steps`` steps (the stale kind's last
 embedding update flushed) it scores ``--eval`` held-out batches per rank (the generator's batches
 after the trained ones: same planted model, never trained on) with the model's BCE loss, averaged over ranks. Reported: each kind's held-out loss per
 seed, the stale-minus-exact difference per seed, its mean and maximum (target: at most +0.0005).
@@ -18,18 +18,21 @@ seed, the stale-minus-exact difference per seed, its mean and maximum (target: a
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import os
 import statistics
 import sys
 import time
-import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
+import torch
+import torch.distributed as dist
+
+from benchmarks.harness import exit_now, start_worker, stop_worker, write_report
+from benchmarks.overlap import table_wise_dcn
+from torchrec_sparselift.dlrm.data import synthetic_batches
+from torchrec_sparselift.dlrm.model import build_model, shard_model
+from torchrec_sparselift.runtime.pipelines import make_train_pipeline
+from torchrec_sparselift.vocabulary import pipeline
 EXACT, STALE = "overlap", "overlap_stale"
 
 
@@ -68,9 +71,6 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _pipeline(kind: str, dmp: Any, opt: Any, device: Any, start_batch: int) -> Any:
-    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
-    from torchrec_sparselift.vocabulary import pipeline
-
     # semi_sync: TorchRec's default waits 900 steps
     options = {"start_batch": start_batch} if pipeline(kind).stale else None
     return make_train_pipeline(kind, dmp, opt, device, options=options)
@@ -78,33 +78,9 @@ def _pipeline(kind: str, dmp: Any, opt: Any, device: Any, start_batch: int) -> A
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
-    import torch
-    import torch.distributed as dist
-
-    sys.path.insert(0, EXAMPLE)
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger().setLevel(logging.ERROR)
-    from dlrm_data import synthetic_batches
-    from dlrm_tables import preset_tables, scale_tables
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.distributed.sharding_plan import get_default_sharders
-    from train import arch_spec, build_model, shard_model
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    pg = dist.group.WORLD
-    device = torch.device("cpu")
-    tables = scale_tables(preset_tables("dcnv2", args.embedding_dim), args.scale)
-    arch = arch_spec("small", args.embedding_dim)
-    constraints = {t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        topology = Topology(world_size=world, local_world_size=world, compute_device="cpu")
-    planner = EmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size, constraints=constraints)
-    plan = planner.collective_plan(build_model(tables, "dcn", arch), get_default_sharders(), pg)
+    me = start_worker()
+    rank, world, pg, device = me.rank, me.world_size, me.pg, me.device
+    tables, arch, plan = table_wise_dcn(args.embedding_dim, args.scale, "small", args.batch_size, world, world, pg)
 
     heldout: Dict[str, Dict[int, float]] = {k: {} for k in args.kinds}
     train_loss: Dict[str, Dict[int, float]] = {k: {} for k in args.kinds}
@@ -145,7 +121,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if rank == 0:
         ref = args.kinds[0]
         result: Dict[str, Any] = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "world_size": world,
             "config": {k: getattr(args, k) for k in ("steps", "seeds", "eval", "scale", "embedding_dim",
                                                       "batch_size", "lr", "dense_lr", "start_batch")},
@@ -161,12 +136,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   + ", ".join(f"{d:+.5f}" for d in diffs)
                   + f"; mean {statistics.mean(diffs):+.5f}, max {max(diffs):+.5f} (target <= +0.0005)", flush=True)
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-    dist.destroy_process_group()
+            write_report(args.out, result)
+    stop_worker()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main)

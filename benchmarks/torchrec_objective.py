@@ -2,9 +2,9 @@
 
 Run (one command, writes JSON)::
 
-    python benchmarks/torchrec_objective.py --out runs/bench_torchrec_objective.json
+    python -m benchmarks.torchrec_objective --out runs/bench_torchrec_objective.json
 
-Per scenario (same inputs as ``benchmarks/planners.py``: meta-device module, simulated 80 GiB
+Per scenario (same inputs as :mod:`benchmarks.planners`: meta-device module, simulated 80 GiB
 GPUs, 8 per host, per-rank batch, pooling constraints) three plans are judged by TorchRec's own
 estimator (every shard re-estimated with ``EmbeddingPerfEstimator``/``EmbeddingStorageEstimator``,
 rated with ``NoopPerfModel``, :func:`torchrec_sparselift.cost.torchrec_score.torchrec_score`):
@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import planners as P  # noqa: E402  (the planner benchmark: scenarios, inputs, TorchRec runner)
+from benchmarks import planners as P  # the planner benchmark: scenarios, inputs, TorchRec runner
+from benchmarks.harness import exit_now, write_report
 
 DEFAULT_SCENARIOS = ("dcnv2@8", "dcnv2@16", "dcnv2@64", "dcnv2@128", "kaggle@8", "kaggle@16",
                      "production-856@128", "production-2000@512", "production-200@64")
@@ -168,7 +168,7 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmarks/torchrec_objective.py", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.torchrec_objective", description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS))
     ap.add_argument("--out", default="runs/bench_torchrec_objective.json")
     ap.add_argument("--budget", type=float, default=None, help="SparseLift time budget, s (default: the planner's 8)")
@@ -192,8 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\n".join(check_targets(data["rows"])))
         return 0
     args.skip_torchrec = {s.strip() for s in args.skip_torchrec.split(",") if s.strip()}
-    meta = {"command": "python benchmarks/torchrec_objective.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "cpus": os.cpu_count(), "git_commit": P._git_commit(),
+    meta = {"command": "python -m benchmarks.torchrec_objective " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "cpus": os.cpu_count(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_avg_at_start": os.getloadavg()[0]}
     rows: List[Dict[str, Any]] = []
@@ -205,10 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("  ", json.dumps({k: (v if k != "torchrec" else {kk: vv for kk, vv in v.items() if kk != "types"})
                                 for k, v in row.items() if k != "scenario"}, default=float), flush=True)
         if args.out:
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            with open(args.out + ".tmp", "w") as f:
-                json.dump({"meta": meta, "rows": rows, "targets": check_targets(rows)}, f, indent=1, default=float)
-            os.replace(args.out + ".tmp", args.out)
+            write_report(args.out, {"meta": meta, "rows": rows, "targets": check_targets(rows)})
     print()
     print(format_table(rows))
     print()
@@ -217,4 +214,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main)

@@ -18,35 +18,35 @@ BATCH=${BATCH:-256}
 mkdir -p "$OUT"
 export PYTHONWARNINGS=ignore
 if [ "${SKIP_MEASURE:-0}" != 1 ]; then
-  python benchmarks/fidelity.py predict --out "$OUT/plans.pkl" --profile "$PROFILE" --model "$MODEL" --batch-size "$BATCH" \
+  python -m benchmarks.fidelity predict --out "$OUT/plans.pkl" --profile "$PROFILE" --model "$MODEL" --batch-size "$BATCH" \
     2> "$OUT/predict.log"
   echo "load before: $(cat /proc/loadavg)" | tee "$OUT/load.txt"
-  timeout 1800 torchrun --standalone --nproc_per_node 2 benchmarks/fidelity.py measure --plans "$OUT/plans.pkl" \
+  timeout 1800 torchrun --standalone --nproc_per_node 2 -m benchmarks.fidelity measure --plans "$OUT/plans.pkl" \
     --reps "$REPS" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT/measured.json" 2> "$OUT/measure.log"
   echo "load after: $(cat /proc/loadavg)" | tee -a "$OUT/load.txt"
 fi
 SIX=table_wise,row_wise,column_wise,mixed,imbalanced,dp_small
 for key in step_ms cpu_step_ms; do
   echo "== $key, all plans (profile $PROFILE)"
-  python benchmarks/fidelity.py report --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" \
+  python -m benchmarks.fidelity report --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" \
     --profile "$PROFILE" --key "$key" --out "$OUT/report_${key}.json" 2>> "$OUT/report.log"
   echo "== $key, the six sharded plans"
-  python benchmarks/fidelity.py report --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" \
+  python -m benchmarks.fidelity report --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" \
     --profile "$PROFILE" --key "$key" --kinds "$SIX" --out "$OUT/report_${key}_six.json" 2>> "$OUT/report.log" | tail -3
 done
 echo "== step_ms, minimum over repetitions (interference-free estimate)"
-python benchmarks/fidelity.py report --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" \
+python -m benchmarks.fidelity report --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" \
   --profile "$PROFILE" --key step_ms --stat min --out "$OUT/report_step_ms_min.json" 2>> "$OUT/report.log"
-python benchmarks/fidelity.py report --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" \
+python -m benchmarks.fidelity report --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" \
   --profile "$PROFILE" --key step_ms --stat min --kinds "$SIX" 2>> "$OUT/report.log" | tail -3
 echo "== summary"
-python benchmarks/fidelity.py summary --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" --profile "$PROFILE" \
+python -m benchmarks.fidelity summary --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" --profile "$PROFILE" \
   2>> "$OUT/report.log" | tee "$OUT/summary.md"
 # hold-out refit (leave-one-out) of the per-table lookup overhead, dense FLOP/s and all-reduce bandwidth
 # on the load-robust CPU-time measurement; FIT_OUT receives the profile fitted on all plans
 if [ "${FIT:-1}" = 1 ]; then
   echo "== leave-one-out refit on cpu_step_ms"
-  python benchmarks/fidelity.py fit --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" --profile "$PROFILE" \
+  python -m benchmarks.fidelity fit --plans "$OUT/plans.pkl" --measured "$OUT/measured.json" --profile "$PROFILE" \
     --key cpu_step_ms --fields lookup_overhead_s,1/dense_flops,1/allreduce_bw --loo \
     --loo-out "$OUT/loo_cpu_step_ms.json" --out "${FIT_OUT:-$OUT/cpu-2core-gloo-fidelity.json}" 2>> "$OUT/report.log"
 fi

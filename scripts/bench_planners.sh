@@ -11,5 +11,5 @@ SET=${1:-small}
 shift || true
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p runs
-exec .venv/bin/python benchmarks/planners.py --scenarios "$SET" \
+exec .venv/bin/python -m benchmarks.planners --scenarios "$SET" \
     --out "runs/bench_planners_${SET//[^a-zA-Z0-9@_-]/_}.json" "$@"

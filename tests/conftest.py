@@ -51,8 +51,6 @@ def dlrm_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tm
     import logging
     import sys
 
-    example = os.path.dirname(_EXAMPLE_TRAIN)
-    monkeypatch.syspath_prepend(example)
     mod = sys.modules.get("dlrm_train_example")
     if mod is None:
         spec = importlib.util.spec_from_file_location("dlrm_train_example", _EXAMPLE_TRAIN)

@@ -1,20 +1,19 @@
-"""Checkpoint and resume of the DLRM example (examples/dlrm/train.py, dlrm_checkpoint.py): a run
+"""Checkpoint and resume of the DLRM example (examples/dlrm/train.py, torchrec_sparselift.dlrm.checkpoint): a run
 that crashes mid-training and is rerun continues from its last checkpoint and loses nothing."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
-
 from launcher import run_script, start_script
+
+from torchrec_sparselift.dlrm.checkpoint import CHECKPOINT_SCHEMA, CheckpointError, latest_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 TRAIN = os.path.join(EXAMPLE, "train.py")
-sys.path.insert(0, EXAMPLE)
 
 TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--batch-size", "64"]
 # Every kind of state a checkpoint must carry: row-, column- and table-row-wise shards (fused
@@ -77,8 +76,6 @@ def test_run_killed_mid_training_resumes_with_the_losses_of_an_uninterrupted_run
 
 
 def test_checkpoint_of_a_different_run_is_refused_with_what_differs(tmp_path):
-    from dlrm_checkpoint import CHECKPOINT_SCHEMA, CheckpointError, latest_checkpoint
-
     assert latest_checkpoint(str(tmp_path / "missing"), {"seed": 0}) is None
     (tmp_path / "step_00000004").mkdir()
     marker = {"schema": CHECKPOINT_SCHEMA, "step": 4, "path": "step_00000004", "config": {"seed": 0, "lr": 0.05}}

@@ -1,5 +1,5 @@
 """One run per checkpoint directory, and damaged checkpoints as one-line errors (the DLRM
-example: examples/dlrm/dlrm_checkpoint.py and train.py).
+example: torchrec_sparselift.dlrm.checkpoint and examples/dlrm/train.py).
 
 A second run on a directory another run is using stops at once naming that run's pid and
 deletes nothing; a checkpoint whose shard is damaged (DCP raises ``CheckpointException``, a
@@ -16,11 +16,13 @@ from types import SimpleNamespace
 
 import pytest
 from launcher import run_script
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+from torchrec_sparselift.dlrm.checkpoint import CheckpointDirLock, CheckpointError, describe_checkpoint_exception
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 TRAIN = os.path.join(EXAMPLE, "train.py")
-sys.path.insert(0, EXAMPLE)
 
 TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--batch-size", "64",
         "--warmup-steps", "1", "--no-progress", "--no-plan-cache", "--device", "cpu"]
@@ -29,9 +31,8 @@ TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--b
 # directory, saves step 1, waits for the file GO, then saves steps 2..STEPS.
 SAVER = r"""
 import os, sys, time
-sys.path[:0] = [{example!r}, {root!r}]
 import torch, torch.distributed as dist
-from dlrm_checkpoint import CheckpointError, claim_checkpoint_dir, save_checkpoint
+from torchrec_sparselift.dlrm.checkpoint import CheckpointError, claim_checkpoint_dir, save_checkpoint
 directory, steps, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 try:
@@ -42,13 +43,13 @@ except CheckpointError as e:
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(1, steps + 1):
-    save_checkpoint(directory, step, model, opt, {{"seed": 0}})
+    save_checkpoint(directory, step, model, opt, {"seed": 0})
     if step == 1:
         print("SAVED1", flush=True)
         while not os.path.exists(go):
             time.sleep(0.05)
 print("DONE", flush=True)
-""".format(example=EXAMPLE, root=ROOT)
+"""
 
 
 def _env():
@@ -93,11 +94,9 @@ def test_two_concurrent_saves_to_one_dir_the_second_fails_at_once_and_nothing_is
 
 
 def test_the_lock_ends_with_its_holder_and_names_it_while_held(tmp_path):
-    from dlrm_checkpoint import CheckpointDirLock, CheckpointError
-
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {EXAMPLE!r}); sys.path.insert(0, {ROOT!r})\n"
-         "from dlrm_checkpoint import CheckpointDirLock\n"
+        [sys.executable, "-c", "import sys\n"
+         "from torchrec_sparselift.dlrm.checkpoint import CheckpointDirLock\n"
          f"lock = CheckpointDirLock({str(tmp_path)!r})\nprint('locked', flush=True)\nsys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
     try:
@@ -113,10 +112,6 @@ def test_the_lock_ends_with_its_holder_and_names_it_while_held(tmp_path):
 
 
 def test_checkpoint_exception_is_described_on_one_line():
-    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
-
-    from dlrm_checkpoint import describe_checkpoint_exception
-
     def failure(exc):
         try:
             raise exc
@@ -136,8 +131,6 @@ def _train(args, timeout=300):
 
 @pytest.mark.slow
 def test_example_run_on_a_directory_in_use_stops_at_once_with_one_line(tmp_path):
-    from dlrm_checkpoint import CheckpointDirLock
-
     ck = tmp_path / "ck"
     (ck / "step_00000004").mkdir(parents=True)
     (ck / "latest.json").write_text('{"keep": true}')

@@ -17,15 +17,23 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 TRAIN = os.path.join(EXAMPLE, "train.py")
-sys.path.insert(0, EXAMPLE)
 
-from dlrm_data import PrefetchedBatches, hidden_id_weight, power_law_ids, synthetic_batch  # noqa: E402
-from dlrm_tables import (  # noqa: E402
+from torchrec_sparselift.dlrm.data import (
+    PrefetchedBatches,
+    criteo_batches,
+    hidden_id_weight,
+    power_law_ids,
+    synthetic_batch,
+)
+from torchrec_sparselift.dlrm.model import planner_constraints
+from torchrec_sparselift.dlrm.options import UsageError
+from torchrec_sparselift.dlrm.tables import (
     DCNV2_MULTI_HOT,
     DCNV2_ROWS,
     MIN_SCALED_ROWS,
     TableSetError,
     TableSpec,
+    load_constraints_file,
     load_table_file,
     preset_tables,
     scale_tables,
@@ -252,8 +260,6 @@ def _write_fake_criteo(directory, days=2, rows=300, seed=0):
 
 
 def test_criteo_loader_reads_npy_days_hashes_ids_and_repeats(tmp_path):
-    from dlrm_data import criteo_batches
-
     _write_fake_criteo(tmp_path)
     tables = scale_tables(preset_tables("kaggle"), 0.0001)
     batches = list(criteo_batches(str(tmp_path), tables, 64, rank=1, world_size=2, steps=7))
@@ -268,8 +274,6 @@ def test_criteo_loader_reads_npy_days_hashes_ids_and_repeats(tmp_path):
 
 
 def test_criteo_loader_refuses_other_tables_and_missing_files(tmp_path):
-    from dlrm_data import criteo_batches
-
     _write_fake_criteo(tmp_path, days=1)
     with pytest.raises(TableSetError, match="cat_0..cat_25"):
         criteo_batches(str(tmp_path), [TableSpec("a", 10, 8, ("a",))], 64, 0, 2, 1)
@@ -300,8 +304,6 @@ def test_bad_constraints_file_exits_with_a_clear_message(tmp_path, dlrm_main, co
 
 
 def test_constraints_map_to_torchrec_parameter_constraints_with_pooling_factors(tmp_path):
-    from dlrm_tables import load_constraints_file
-    from train import UsageError, planner_constraints
 
     tables = scale_tables(preset_tables("dcnv2"), 0.0001)
     path = tmp_path / "c.json"

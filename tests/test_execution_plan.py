@@ -399,8 +399,7 @@ def test_fingerprint_digests_are_pinned_canonical_json_hashes():
 def test_fingerprint_is_identical_in_another_process_with_another_hash_seed():
     script = textwrap.dedent(
         """
-        import sys, torch
-        sys.path.insert(0, sys.argv[1])
+        import torch
         from test_execution_plan import TwoModules, _topology
         from torchrec.distributed.planner.types import ParameterConstraints
         from torchrec_sparselift.plan import fingerprint_inputs, table_specs
@@ -412,8 +411,9 @@ def test_fingerprint_is_identical_in_another_process_with_another_hash_seed():
         """
     )
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", script, here], capture_output=True, text=True, env=env,
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)  # the tests import this module
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=path)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                          timeout=120, check=True)
     local = fingerprint_inputs(table_specs(TwoModules()), _topology(), 256,
                                constraints={"tw": ParameterConstraints(sharding_types=["table_wise"])},

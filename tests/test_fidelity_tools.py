@@ -1,16 +1,11 @@
 """Pure helpers of benchmarks/fidelity.py: plan kinds, constraints, imbalance, MAPE, Spearman."""
 
 import math
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import fidelity as F  # noqa: E402
-
-from torchrec_sparselift.semantics.table_file import TableEntry  # noqa: E402
+from benchmarks import fidelity as F
+from torchrec_sparselift.semantics.table_file import TableEntry
 
 
 def _T(name, rows, pooling_factor=1):

@@ -3,8 +3,8 @@ imports count too).
 
     errors, validation, atomic, vocabulary, defaults    (base: every layer may use them)
       < semantics < cost < search < plan < calibration < runtime
-      < planner, explain        (package root modules)
-      < measure < cli < __main__
+      < planner, explain, pictures        (package root modules)
+      < measure, dlrm (the DLRM model library) < cli < __main__
     optim: standalone (only the base modules); the runtime and everything above it may use it
 
 A module may import its own rank and any rank below it. ``calibration`` is pure fitting and the
@@ -14,13 +14,20 @@ and guard trials and may plan with the planner. Nothing may import the package r
 ``planner``; ``import torchrec_sparselift`` (for ``__version__``) is fine. A module at the package
 root must be given a rank here. On top of the ranks, the module graph (a module imports another
 anywhere in its file) must have no cycle at all, within a rank too.
+
+A module imports the package's own modules at its top, not inside a function: where an import
+would make a cycle at the top, the shared thing belongs a layer further down. The exceptions are
+named in :data:`TORCHREC_FREE` (the paths that must run where torch is installed but torchrec is
+not, as the package's docstring promises) and :data:`LEAD_FILES`.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
 import sys
+import textwrap
 from typing import Dict, Iterator, List, Optional, Tuple
 
 
@@ -29,8 +36,37 @@ ROOT = os.path.join(os.path.dirname(__file__), os.pardir, PACKAGE)
 
 BASE = {"errors": 0, "validation": 0, "atomic": 0, "vocabulary": 0, "defaults": 0, "files": 0}
 LAYERS = {"semantics": 1, "cost": 2, "search": 3, "plan": 4, "calibration": 5, "runtime": 6,
-          "planner": 7, "explain": 7, "measure": 8, "cli": 9, "__main__": 10}
+          "planner": 7, "explain": 7, "pictures": 7, "measure": 8, "dlrm": 8, "cli": 9, "__main__": 10}
 OPTIM = "optim"
+
+TORCHREC_FREE = {
+    # (module, the package module it imports inside a function): why the import waits
+    (f"{PACKAGE}.__main__", f"{PACKAGE}.cli"):
+        "`python -m torchrec_sparselift calibrate ...` goes to measure.commands without loading the "
+        "planner (torchrec)",
+    (f"{PACKAGE}.measure.commands", f"{PACKAGE}.measure.steps"):
+        "`calibrate kernels` needs no torchrec; `calibrate steps`/`check` train TorchRec models",
+}
+"""Function-level imports kept so that a torchrec-free path does not load torchrec."""
+
+NEEDS_TORCHREC = {
+    f"{PACKAGE}.cost.torchrec_score",  # TorchRec's own estimators
+    f"{PACKAGE}.calibration.pricer",  # prices a TorchRec ShardingPlan
+    f"{PACKAGE}.calibration.term_error",  # reads the planner's TorchRec baseline
+}
+"""The cost and calibration modules that need torchrec; every other one imports without it."""
+
+LEAD_FILES = {
+    # lead's files, moved in the planner restructuring
+    f"{PACKAGE}.planner",
+    f"{PACKAGE}.plan.request",
+    f"{PACKAGE}.plan.baseline",
+    f"{PACKAGE}.plan.compare",
+    f"{PACKAGE}.calibration.term_error",
+    f"{PACKAGE}.calibration.link",
+    f"{PACKAGE}.cost.hardware",
+}
+"""Modules whose function-level imports are not checked yet."""
 
 
 def _modules() -> Iterator[Tuple[str, str]]:
@@ -46,13 +82,27 @@ def _modules() -> Iterator[Tuple[str, str]]:
             yield ".".join([PACKAGE] + rel), path
 
 
-def _imports(module: str, path: str) -> List[Tuple[str, int]]:
-    """Every package module ``module`` imports (anywhere in the file), with its line."""
+def _function_nodes(tree: ast.AST) -> List[ast.AST]:
+    """Every node inside a function (or method) body of ``tree``."""
+    inside: Dict[int, ast.AST] = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for node in ast.walk(fn):
+                if node is not fn:
+                    inside[id(node)] = node
+    return list(inside.values())
+
+
+def _imports(module: str, path: str, in_functions: bool = False) -> List[Tuple[str, int]]:
+    """Every package module ``module`` imports (anywhere in the file; only inside functions with
+    ``in_functions``), with its line."""
     with open(path) as f:
         tree = ast.parse(f.read(), filename=path)
     is_package = path.endswith("__init__.py")
     out = []
-    for node in ast.walk(tree):
+    if module == PACKAGE:  # the root's ``if TYPE_CHECKING:`` imports are for type checkers only:
+        tree.body = [n for n in tree.body if not _is_type_checking_block(n)]  # its names import lazily
+    for node in (_function_nodes(tree) if in_functions else ast.walk(tree)):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == PACKAGE]
         elif isinstance(node, ast.ImportFrom):
@@ -73,6 +123,36 @@ def _imports(module: str, path: str) -> List[Tuple[str, int]]:
             out += [(f"{target}.{a.name}", node.lineno) for a in node.names
                     if os.path.exists(os.path.join(ROOT, *f"{target}.{a.name}".split(".")[1:]) + ".py")]
     return out
+
+
+def _function_level_imports() -> List[str]:
+    """``module:line imports target`` for every package import inside a function, less the
+    allowed ones (:data:`TORCHREC_FREE`, :data:`LEAD_FILES`)."""
+    mods = dict(_modules())
+    bad = []
+    for module, path in mods.items():
+        if module in LEAD_FILES:
+            continue
+        by_line: Dict[int, str] = {}
+        for target, line in _imports(module, path, in_functions=True):
+            parts = target.split(".")
+            while len(parts) > 1 and ".".join(parts) not in mods:
+                parts.pop()
+            resolved = ".".join(parts)
+            if len(resolved) > len(by_line.get(line, "")):
+                by_line[line] = resolved  # ``from pkg.search import a`` imports pkg.search.a
+        bad += [f"{module}:{line} imports {target} inside a function" for line, target in sorted(by_line.items())
+                if (module, target) not in TORCHREC_FREE]
+    return bad
+
+
+def _is_type_checking_block(node: ast.stmt) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) with no ``else``."""
+    if not isinstance(node, ast.If) or node.orelse:
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _rank(module: str) -> Optional[Tuple[str, int]]:
@@ -216,6 +296,65 @@ def test_layers_import_downward_only():
 def test_no_import_cycle_anywhere_in_the_package():
     cycles = _cycles()
     assert not cycles, "import cycles:\n  " + "\n  ".join(" ; ".join(c) for c in cycles)
+
+
+def test_package_modules_are_imported_at_the_top_of_the_module():
+    bad = _function_level_imports()
+    assert not bad, ("imports inside functions (move them to the top; where that makes a cycle, move "
+                     "the shared thing a layer down):\n  " + "\n  ".join(bad))
+
+
+def test_the_allowed_function_level_imports_are_still_there():
+    """Every allowed entry names a module that still imports its target inside a function (an entry
+    whose import moved up is removed, so the list stays the list of real exceptions)."""
+    mods = dict(_modules())
+    for module, target in TORCHREC_FREE:
+        inside = {t for t, _ in _imports(module, mods[module], in_functions=True)}
+        assert any(t == target or t.startswith(target + ".") for t in inside), (module, target)
+    assert LEAD_FILES <= set(mods), LEAD_FILES - set(mods)
+
+
+def test_the_cost_layer_and_the_calibration_import_without_torchrec():
+    """The package's promise: hardware profiles, the cost model and the calibration fits work where
+    torch is installed and torchrec is not (torchrec is made unimportable in a fresh interpreter)."""
+    wanted = sorted(m for m, _ in _modules() if m.split(".")[1:2] in (["cost"], ["calibration"])
+                    and m not in NEEDS_TORCHREC)
+    script = textwrap.dedent(f"""
+        import importlib, sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torchrec" or name.startswith("torchrec."):
+                    raise ImportError("torchrec is not installed here")
+        sys.meta_path.insert(0, Block())
+        for m in {wanted!r}:
+            importlib.import_module(m)
+        assert not [m for m in sys.modules if m.split(".")[0] == "torchrec"]
+        import torchrec_sparselift
+        print(torchrec_sparselift.get_profile("cpu-gloo").name)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, os.pardir))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "cpu-gloo", run.stdout
+
+
+def test_the_function_level_checker_finds_an_import_in_a_method(tmp_path, monkeypatch):
+    pkg = tmp_path / PACKAGE
+    (pkg / "search").mkdir(parents=True)
+    (pkg / "search" / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "search" / "a.py").write_text("x = 1\n")
+    (pkg / "search" / "b.py").write_text(
+        "import json\n"
+        "from torchrec_sparselift.search import a\n"
+        "class C:\n    def m(self):\n        import os\n        from . import a\n"
+        "def f():\n    from torchrec_sparselift.errors import E\n"
+        "g = lambda: __import__('json')\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(pkg))
+    found = _function_level_imports()
+    assert found == [f"{PACKAGE}.search.b:6 imports {PACKAGE}.search.a inside a function",
+                     f"{PACKAGE}.search.b:8 imports {PACKAGE}.errors inside a function"], found
 
 
 def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypatch):

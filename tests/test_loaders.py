@@ -189,20 +189,14 @@ def _read_inputs(path):
 
 
 def _read_constraints(path):
-    sys.path.insert(0, EXAMPLE)
-    try:
-        from dlrm_tables import load_constraints_file, preset_tables
-    finally:
-        sys.path.remove(EXAMPLE)
+    from torchrec_sparselift.dlrm.tables import load_constraints_file, preset_tables
+
     return load_constraints_file(path, preset_tables("kaggle"))
 
 
 def _table_set_error():
-    sys.path.insert(0, EXAMPLE)
-    try:
-        from dlrm_tables import TableSetError
-    finally:
-        sys.path.remove(EXAMPLE)
+    from torchrec_sparselift.dlrm.tables import TableSetError
+
     return TableSetError
 
 

@@ -202,15 +202,13 @@ def test_planner_picks_overlap_stale_only_with_allow_staleness_where_it_pays():
     """The DLRM example's tables table-wise on two one-rank CPU hosts: exact, the planner keeps
     ``overlap``; with ``allow_staleness`` the stale kind's shorter step wins; on one host (where
     CPU gloo overlaps nothing) neither is chosen."""
-    import os
-    import sys
     import warnings
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "dlrm"))
-    from dlrm_tables import preset_tables, scale_tables
     from torchrec.distributed.planner import ParameterConstraints, Topology
     from torchrec.distributed.sharding_plan import get_default_sharders
-    from train import arch_spec, build_model
+
+    from torchrec_sparselift.dlrm.model import arch_spec, build_model
+    from torchrec_sparselift.dlrm.tables import preset_tables, scale_tables
 
     from torchrec_sparselift import SparseLiftPlanner
 
@@ -253,13 +251,9 @@ def test_the_timeline_shows_overlap_stale_hiding_both_all_to_alls():
     (["--allow-staleness", "--planner", "torchrec"], "--allow-staleness applies to --planner sparselift"),
     (["--allow-staleness", "--measured-guard", "2"], "does not combine with --measured-guard"),
 ])
-def test_the_example_refuses_staleness_it_was_not_allowed(argv, message):
-    import os
-    import sys
+def test_the_example_refuses_staleness_it_was_not_allowed(argv, message, dlrm_main):
+    from torchrec_sparselift.dlrm.options import TrainOptions
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "dlrm"))
-    import train
-
-    with pytest.raises(train.UsageError, match=message.replace("-", r"\-")):
-        train.parse_args(argv)
-    assert train.parse_args(["--allow-staleness", "--pipeline", "overlap_stale"]).allow_staleness
+    code, err = dlrm_main([*argv, "--check"])
+    assert code == 2 and message in err, err
+    assert TrainOptions(allow_staleness=True, pipeline="overlap_stale").allow_staleness

@@ -1,13 +1,8 @@
 """benchmarks/pipeline_models.py's command line (its runs need torchrun: a benchmark, not a test)."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import pipeline_models  # noqa: E402
+from benchmarks import pipeline_models
 
 
 def test_defaults_compare_sparse_dist_and_fused_on_four_models_each():

@@ -1,15 +1,11 @@
 """benchmarks/pipeline_waits.py: its command line and how it sums the profiler's regions (its runs
 need torchrun: a benchmark, not a test)."""
 
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import pipeline_waits  # noqa: E402
+from benchmarks import pipeline_waits
 
 
 def test_defaults_compare_sparse_dist_and_fused():

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 pytest.importorskip("torchrec")
 
-from torchrec.distributed.planner.perf_models import NoopPerfModel  # noqa: E402
+from torchrec.distributed.planner.perf_models import NoopPerfModel
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import planners as pb  # noqa: E402
-from torchrec_sparselift.cost.torchrec_score import torchrec_score  # noqa: E402
+from benchmarks import planners as pb
+from torchrec_sparselift.cost.torchrec_score import torchrec_score
 
 TINY = pb.Scenario("production-6", 8)
 _RUN_TORCHREC_IN_CHILD = pb.run_torchrec

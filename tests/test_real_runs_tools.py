@@ -1,14 +1,10 @@
 """Pure helpers of benchmarks/real_runs.py: one plan, one measurement; paired ratios; the report's
 argument checks."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import real_runs  # noqa: E402
+from benchmarks import real_runs
+from benchmarks.harness import paired_ratio
 
 
 def _plan(order, rank_of_b=1, kernel="fused"):
@@ -26,11 +22,11 @@ def test_distinct_plans_groups_plans_that_shard_every_table_the_same_way():
 
 
 def test_paired_ratio_is_the_median_of_same_round_ratios():
-    assert real_runs.paired_ratio([2.0, 4.0, 3.0], [1.0, 4.0, 2.0]) == pytest.approx(1.5)
+    assert paired_ratio([2.0, 4.0, 3.0], [1.0, 4.0, 2.0]) == pytest.approx(1.5)
     same = [1.0, 2.0, 3.0]
-    assert real_runs.paired_ratio(same, same) == 1.0  # a plan against itself
+    assert paired_ratio(same, same) == 1.0  # a plan against itself
     with pytest.raises(ValueError, match="rounds where both plans ran"):
-        real_runs.paired_ratio([], [])
+        paired_ratio([], [])
 
 
 @pytest.mark.parametrize("argv, message", [

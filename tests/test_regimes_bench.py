@@ -2,14 +2,10 @@
 the targets and the merge of the regimes' JSON. No real runs."""
 
 import math
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import regimes  # noqa: E402
+from benchmarks import regimes
 
 
 def _row(ms, pred=None, **kw):
@@ -204,7 +200,7 @@ def test_merge_recomputes_summaries_in_regime_order():
 
 
 def test_dp_small_only_where_its_replicas_fit():
-    from real_runs import _workloads
+    from benchmarks.real_runs import _workloads
 
     table = _workloads()
     assert "dp_small" not in regimes.run_names("R2", "both", tables=table["few_large"][0].tables)

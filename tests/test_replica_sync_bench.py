@@ -1,13 +1,8 @@
 """Pure parts of benchmarks/replica_sync.py: its command line and its verdict. No real runs."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import replica_sync  # noqa: E402
+from benchmarks import replica_sync
 
 
 def test_defaults_and_bad_counts():

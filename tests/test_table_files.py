@@ -14,14 +14,15 @@ import sys
 import pytest
 
 from torchrec_sparselift.cli import main as cli_main
+from torchrec_sparselift.dlrm.data import synthetic_batch
+from torchrec_sparselift.dlrm.model import arch_spec, build_model, make_planner, planner_constraints
+from torchrec_sparselift.dlrm.options import TrainOptions, resolve_tables
+from torchrec_sparselift.dlrm.tables import TableSetError
+from torchrec_sparselift.dlrm.tables import load_table_file as dlrm_load_table_file
 from torchrec_sparselift.semantics.table_file import load_table_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
-sys.path.insert(0, EXAMPLE)
-
-import train  # noqa: E402
-from dlrm_data import synthetic_batch  # noqa: E402
 
 _HAS_YAML = importlib.util.find_spec("yaml") is not None
 FILES = sorted(glob.glob(os.path.join(ROOT, "examples", "tables", "*.json"))
@@ -51,14 +52,13 @@ def test_sparselift_plan_accepts_every_example_table_file(path, tmp_path, capsys
 @pytest.mark.parametrize("path", FILES, ids=os.path.basename)
 def test_dlrm_example_accepts_every_example_table_file(path):
     _needs(path)
-    args = train.parse_args(["--table-file", path, "--embedding-dim", "16", "--scale", "0.001",
-                             "--batch-size", "8", "--steps", "2", "--warmup-steps", "1"])
-    tables = train.resolve_tables(args)
+    options = TrainOptions(table_file=path, embedding_dim=16, scale=0.001, batch_size=8, steps=2, warmup_steps=1)
+    tables = resolve_tables(options)
     entries = load_table_file(path)
     assert [t.name for t in tables] == [e.name for e in entries]
     assert [t.features for t in tables] == [e.features for e in entries]
     # the file's constraints and per-feature pooling reach the planner
-    cons = train.planner_constraints(tables, [])
+    cons = planner_constraints(tables, [])
     for e in entries:
         c = cons[e.name]
         assert c.pooling_factors == [float(b) for b in e.bag_sizes()]
@@ -72,8 +72,8 @@ def test_dlrm_example_accepts_every_example_table_file(path):
     # and the planner plans the example's model for 2 CPU ranks under those constraints
     from torchrec.distributed.sharding_plan import get_default_sharders
 
-    model = train.build_model(tables, "dlrm", train.arch_spec(args.arch, 16))
-    planner = train.make_planner("sparselift", 2, 2, "cpu", 8, cons, hardware="cpu-gloo")
+    model = build_model(tables, "dlrm", arch_spec(options.arch, 16))
+    planner = make_planner("sparselift", 2, 2, "cpu", 8, cons, hardware="cpu-gloo")
     plan = planner.plan(model, get_default_sharders())
     placed = {name: ps for module_plan in plan.plan.values() for name, ps in module_plan.items()}
     assert set(placed) == {t.name for t in tables}
@@ -185,12 +185,10 @@ def test_duplicate_key_in_a_yaml_table_file_is_refused(tmp_path):
 
 
 def test_the_dlrm_example_reports_a_dotted_table_name_as_a_table_set_error(tmp_path):
-    from dlrm_tables import TableSetError, load_table_file as example_load
-
     path = tmp_path / "t.json"
     path.write_text('[{"name": "user.id", "rows": 10, "dim": 8}]')
     with pytest.raises(TableSetError, match=r"table name 'user.id' contains '.'.*rename the table, e.g. 'user_id'"):
-        example_load(str(path))
+        dlrm_load_table_file(str(path))
 
 
 _JSON = st.recursive(

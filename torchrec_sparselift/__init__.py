@@ -12,9 +12,24 @@ that have torch but not torchrec.
 """
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+#: The package version, declared once: ``pyproject.toml`` reads it (``dynamic = ["version"]``).
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names import lazily below
+    from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
+    from torchrec_sparselift.errors import SparseLiftPlannerError
+    from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
+    from torchrec_sparselift.plan import ExecutionPlan, Optimizations, PlanCache, PlanRequest
+    from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
+    from torchrec_sparselift.plan.result import PlanResult
+    from torchrec_sparselift.planner import SparseLiftPlanner
+    from torchrec_sparselift.runtime.model_parallel import SparseLiftModelParallel, lift
+    from torchrec_sparselift.runtime.two_d import build_2d_model_parallel
+    from torchrec_sparselift.search.enumerator import SparseLiftEnumerator
+    from torchrec_sparselift.search.proposer import SparseLiftProposer
+    from torchrec_sparselift.semantics.workload import WorkloadStats, declare, observe
 
 _EXPORTS = {
     "HardwareProfile": "torchrec_sparselift.cost.hardware",

@@ -6,14 +6,14 @@ installed (a bare GPU machine)."""
 import os
 import sys
 
+from torchrec_sparselift.measure.commands import main as calibrate_main
+
 
 def _run() -> int:
     argv = sys.argv[1:]
     if argv[:1] == ["calibrate"]:
-        from torchrec_sparselift.measure.commands import main as calibrate_main
-
         return calibrate_main(argv[1:])
-    from torchrec_sparselift.cli import main
+    from torchrec_sparselift.cli import main  # the planner's command line: torchrec
 
     return main(argv)
 

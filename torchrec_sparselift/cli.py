@@ -36,6 +36,7 @@ import attrs
 from torchrec_sparselift import defaults
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.errors import CliError
+from torchrec_sparselift.pictures import plan_png, plans_png, require_matplotlib
 from torchrec_sparselift.plan.stored_inputs import (
     DEFAULT_BATCH_SIZE,
     PlanInputs,
@@ -47,6 +48,26 @@ from torchrec_sparselift.plan.stored_inputs import (
 from torchrec_sparselift.vocabulary import LAYOUT_2D_CHOICES, STRATEGY_2D_CHOICES
 from torchrec_sparselift.semantics.table_file import TableEntry
 from torchrec_sparselift.validation import raise_problems, setting_problems
+from torchrec_sparselift.calibration.attribution import (
+    compare,
+    format_comparison,
+    load_attribution,
+    predicted_for_plan,
+)
+from torchrec_sparselift.explain import (
+    format_2d,
+    format_never_slower,
+    format_plan_table,
+    format_rank_breakdown,
+    format_table,
+    format_tables,
+    format_timeline,
+    reprice_plan,
+)
+from torchrec_sparselift.measure.commands import main as calibrate_main
+from torchrec_sparselift.plan import ExecutionPlan, PlanFormatError
+from torchrec_sparselift.plan.compare import compare_planners
+from torchrec_sparselift.planner import SparseLiftPlanner
 
 __all__ = [
     "main",
@@ -217,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", default=None, metavar="FILE", help="also write the numbers as JSON")
     c.add_argument("--save-plans", default=None, metavar="DIR", help="also write both plans as ExecutionPlan "
                    "JSON (DIR/sparselift.json, DIR/torchrec.json) for `sparselift explain`")
+    c.add_argument("--png", default=None, metavar="FILE", help="also draw both plans' per-rank step (stacked by "
+                   "term, SparseLift left, TorchRec right) and per-rank memory against capacity (needs matplotlib)")
     _add_common(c)
 
     e = sub.add_parser("explain", help="explain a plan: per-rank breakdown, critical path, per-table reasons",
@@ -225,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "alternative shardings it beat (re-priced with the same cost model, not re-planned).")
     e.add_argument("plan", help="ExecutionPlan JSON written by `sparselift plan`")
     e.add_argument("--top", type=int, default=8, metavar="N", help="explain this many of the largest tables (default 8)")
-    e.add_argument("--png", default=None, metavar="FILE", help="also draw per-rank bars and a step timeline "
-                   "(needs matplotlib)")
+    e.add_argument("--png", default=None, metavar="FILE", help="also draw per-rank bars stacked by term and the "
+                   "step timeline (needs matplotlib)")
     e.add_argument("--attribution", default=None, metavar="FILE.json",
                    help="a measured attribution (examples/dlrm/train.py --attribute N, or "
                    "calibration.attribution.save_attribution): show each sparse-path node kind's measured ms "
@@ -294,8 +317,6 @@ def _import_torchrec(quiet: bool) -> None:
 
 
 def _planner(inputs: PlanInputs, constraints: Dict[str, Any], cache_dir: Optional[str] = None) -> Any:
-    from torchrec_sparselift.planner import SparseLiftPlanner
-
     return SparseLiftPlanner(
         topology=inputs.topology.topology(), batch_size=inputs.per_rank_batch(),
         constraints=constraints or None, hardware=inputs.topology.profile(), debug=False,
@@ -316,8 +337,6 @@ def _peak(values: Sequence[float]) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from torchrec_sparselift.explain import format_never_slower, format_plan_table
-
     inputs = _inputs_from_args(args)
     _import_torchrec(args.quiet)
     module, constraints = inputs.build()
@@ -341,8 +360,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if rule:
         print(f"  {rule}")
     if ep.optimizations.is_2d:
-        from torchrec_sparselift.explain import format_2d
-
         print("\n".join("  " + line for line in format_2d(ep.optimizations)))
     print()
     print(format_plan_table(ep))
@@ -352,10 +369,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from torchrec_sparselift.explain import format_table
-    from torchrec_sparselift.plan.compare import compare_planners
-
     inputs = _inputs_from_args(args)
+    _check_png(args.png)
     _import_torchrec(args.quiet)
     module, constraints = inputs.build()
     bs = inputs.per_rank_batch()
@@ -409,8 +424,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print("TorchRec's planner chooses no pipeline or comm precision: its plan is priced with "
           "TrainPipelineSparseDist and fp32 comms, TorchRec's default runtime. Ratios above 1.00x favour SparseLift.")
     if ours.sharding_group_size:
-        from torchrec_sparselift.explain import format_2d
-
         print("SparseLift's plan is 2D: 'with optimizations' is its step with the replica sync; the other "
               "SparseLift rows price its group-local sharding as if it were 1D on the first ranks")
         print("\n".join(format_2d(ours.optimizations())))
@@ -428,13 +441,52 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                                 {"planner": "EmbeddingShardingPlanner", "solver": "torchrec",
                                                  "planning_time_s": round(tr["planning_time_s"], 4), **info}))
         print(f"wrote {' and '.join(written)}; explain with: sparselift explain {written[-1]}")
+    if args.png:
+        _compare_png(args.png, cmp, planner.memory_caps(module), f"{inputs.describe()} on {inputs.topology.describe()}, "
+                     f"batch {bs}/rank")
     return 0
+
+
+def _compare_png(path: str, cmp: Any, capacity: Any, what: str) -> None:
+    """``compare --png``: both plans' per-rank bars and memory against ``capacity``."""
+    sl = cmp.result
+    plans = [(f"SparseLift ({sl.search.pipeline})", sl.prediction())]
+    if cmp.torchrec_result is not None:
+        plans.append(("TorchRec (sparse_dist)", cmp.torchrec_result.prediction()))
+    title = what + ("" if cmp.torchrec_result is not None else ": TorchRec's planner found no plan")
+    if sl.sharding_group_size:
+        title += (f" (SparseLift's 2D plan: one sharding group of {sl.sharding_group_size} ranks; its step "
+                  f"includes the replica sync, {sl.sync_s * 1e3:.3f} ms/step)")
+    _draw_png(path, lambda: plans_png(plans, path, capacity=capacity, title=title))
+
+
+def _check_png(path: Optional[str]) -> None:
+    """Before planning: ``--png``'s folder exists and matplotlib imports (else a CliError)."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"--png {path}: the folder {folder} does not exist")
+    try:
+        require_matplotlib()
+    except ImportError as e:
+        raise CliError(str(e)) from None
+
+
+def _draw_png(path: str, draw: Any) -> None:
+    """Run ``draw`` (it writes ``path``), turning a missing matplotlib or an unwritable path into
+    a CliError, and say where the picture is."""
+    try:
+        draw()
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e}") from None
+    print(f"\nwrote {path}")
 
 
 def _save_execution_plan(path: str, result: Any, fingerprint: Any, info: Dict[str, Any]) -> str:
     """Write a PlanResult (planned or evaluated) as an ExecutionPlan JSON that explain can read."""
-    from torchrec_sparselift.plan import ExecutionPlan
-
     ep = ExecutionPlan(sharding_plan=result.sharding_plan, optimizations=result.optimizations(),
                        prediction=result.prediction(), fingerprint=fingerprint, planner_info=info)
     _write_text(path, ep.to_json(indent=1))
@@ -454,23 +506,17 @@ def _explain_inputs(args: argparse.Namespace, ep: Any) -> Optional[PlanInputs]:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from torchrec_sparselift.explain import (
-        format_never_slower, format_rank_breakdown, format_tables, format_timeline, render_png, reprice_plan,
-    )
-
     _check_flags(args)
+    _check_png(args.png)
     if not os.path.isfile(args.plan):
         raise CliError(f"plan file {args.plan!r} does not exist")
     attribution = None
     if args.attribution:
-        from torchrec_sparselift.calibration.attribution import load_attribution
-
         try:
             attribution = load_attribution(args.attribution)
         except ValueError as e:  # FileFormatError: names the file and the field
             raise CliError(f"--attribution: not a SparseLift attribution file: {e}") from None
     _import_torchrec(args.quiet)
-    from torchrec_sparselift.plan import ExecutionPlan, PlanFormatError
 
     try:
         ep = ExecutionPlan.load(args.plan)
@@ -480,8 +526,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
     o = ep.optimizations
     print(f"{args.plan}: {ep.summary()}")
     if o.is_2d:
-        from torchrec_sparselift.explain import format_2d
-
         print("\n".join(format_2d(o)))
     lb_txt = f"{p.lower_bound_s * 1e3:.3f} ms" if p.lower_bound_s > 0 else "n/a"
     print(f"step {p.step_time_s * 1e3:.3f} ms, lower bound {lb_txt}, gap {p.gap:.1%}"
@@ -533,8 +577,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(format_tables(expl))
     comparison = None
     if attribution is not None:
-        from torchrec_sparselift.calibration.attribution import compare, format_comparison, predicted_for_plan
-
         predicted = predicted_for_plan(evaluated) if inputs is not None else None
         comparison = compare(attribution, predicted)
         label = f" ({attribution.label})" if attribution.label else ""
@@ -546,14 +588,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.png:
         if segments is None:
             raise CliError("--png needs the step timeline: give the plan's inputs (see the note above)")
-        try:
-            render_png(p, segments, args.png, title=f"{os.path.basename(args.plan)}: {ep.summary()}",
-                       comparison=comparison)
-        except ImportError as e:
-            raise CliError(str(e)) from None
-        except OSError as e:
-            raise CliError(f"cannot write {args.png}: {e}") from None
-        print(f"\nwrote {args.png}")
+        _draw_png(args.png, lambda: plan_png(p, segments, args.png, title=f"{os.path.basename(args.plan)}: "
+                                             f"{ep.summary()}", comparison=comparison))
     return 0
 
 
@@ -606,8 +642,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``sparselift`` command line; returns the exit code (0 ok, 1 no plan, 2 bad input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "calibrate":
-        from torchrec_sparselift.measure.commands import main as calibrate_main
-
         return calibrate_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -3,8 +3,7 @@
 Everything here reads values (an :class:`~torchrec_sparselift.plan.ExecutionPlan`, a
 :class:`~torchrec_sparselift.cost.model.StepTime`, a :class:`~torchrec_sparselift.planner.PlanResult`
 from :func:`~torchrec_sparselift.planner.evaluate_sharding_plan`) and returns values or text;
-:func:`render_png` is the only function with a side effect (it writes a file, and needs
-matplotlib: ``pip install matplotlib``).
+pictures of them are :mod:`torchrec_sparselift.pictures`.
 
 * :func:`step_timeline` lays one steady-state step out as segments on lanes, from the same
   pipeline description :func:`~torchrec_sparselift.cost.model.step_time` evaluates
@@ -28,6 +27,9 @@ from torchrec_sparselift.cost.pipelines import PHASE_NAMES, PHASES, Placed, effe
 from torchrec_sparselift.cost.two_d import sync_evidence
 from torchrec_sparselift.search.place import best_placement
 from torchrec_sparselift.search.solve import new_evaluator
+from torchrec_sparselift.plan.baseline import decision_from_dict
+from torchrec_sparselift.planner import evaluate_sharding_plan
+from torchrec_sparselift.search.two_d import group_topology
 
 __all__ = [
     "Segment",
@@ -43,7 +45,6 @@ __all__ = [
     "format_rank_breakdown",
     "format_timeline",
     "format_tables",
-    "render_png",
     "format_2d",
     "format_never_slower",
 ]
@@ -221,9 +222,6 @@ def reprice_plan(ep: Any, planner: Any, module: Any, constraints: Optional[Mappi
     reservation and ``profile``: the step, its timeline and the ``top`` tables' reasons. A 2D
     plan's ranks are group-local, so it is priced on one sharding group. ``ValueError`` when the
     plan does not fit the inputs."""
-    from torchrec_sparselift.planner import evaluate_sharding_plan
-    from torchrec_sparselift.search.two_d import group_topology
-
     o = ep.optimizations
     if o.is_2d:
         local = o.layout_2d.group_ranks_per_host if o.layout_2d is not None else None
@@ -345,115 +343,6 @@ def format_tables(expl: Sequence[TableExplanation]) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------------------
-# picture
-# ------------------------------------------------------------------------------------------
-
-_COLORS = {
-    "compute": "#4C72B0", "exposed": "#C44E52", "overlapped": "#F2B880",
-    "input_dist": "#DD8452", "uvm_fetch": "#937860", "lookup": "#4C72B0", "output_dist": "#C44E52",
-    "dense_fwd": "#55A868", "dense_bwd": "#2E7D32", "grad_dist": "#E377C2",
-    "dense_fwd_indep": "#8FD19E", "dense_fwd_rest": "#55A868", "dense_bwd_rest": "#2E7D32",
-    "dense_bwd_indep": "#66BB6A",
-    "backward_update": "#8172B3", "allreduce": "#8C8C8C",
-}
-
-
-def render_png(prediction: Any, segments: Sequence[Segment], path: str, title: str = "",
-               comparison: Optional[Sequence[Any]] = None) -> str:
-    """Write a PNG with per-rank stacked bars (compute / exposed comm / overlapped comm, with the
-    step time and lower bound as lines) above a timeline of one step. Returns ``path``.
-
-    ``comparison`` (rows of :func:`torchrec_sparselift.calibration.attribution.compare`: ``kind``,
-    ``measured_ms``, ``predicted_ms``) adds a third panel: measured vs predicted ms per
-    sparse-path node kind.
-
-    Raises ``ImportError`` with the install command when matplotlib is missing.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError("the PNG needs matplotlib: pip install matplotlib "
-                          "(or pip install 'torchrec_sparselift[plot]')") from e
-    per = list(prediction.per_rank)
-    ranks = [r.rank for r in per]
-    comp = np.array([r.compute_s for r in per]) * 1e3
-    exp_ = np.array([r.exposed_comm_s for r in per]) * 1e3
-    ovl = np.array([r.overlapped_comm_s for r in per]) * 1e3
-    rows3 = [r for r in (comparison or ()) if r.kind != "step"]
-    n_ax = 3 if rows3 else 2
-    fig, axes = plt.subplots(n_ax, 1, figsize=(max(8.0, min(20.0, 0.25 * len(per) + 6)), 8.5 + 4.5 * (n_ax - 2)),
-                             gridspec_kw={"height_ratios": [3, 2, 3][:n_ax]})
-    ax1, ax2 = axes[0], axes[1]
-    if len(title) > 80:  # wrap long titles at a comma
-        cut = title.rfind(",", 0, 80)
-        title = title[: cut + 1] + "\n" + title[cut + 1:].strip() if cut > 0 else title
-    width = 0.8
-    ax1.bar(ranks, comp, width, color=_COLORS["compute"], label="compute")
-    ax1.bar(ranks, exp_, width, bottom=comp, color=_COLORS["exposed"], label="exposed comm")
-    ax1.bar(ranks, ovl, width, bottom=comp + exp_, color=_COLORS["overlapped"], hatch="//",
-            alpha=0.7, label="overlapped comm")
-    ax1.axhline(prediction.step_time_s * 1e3, color="black", lw=1.2,
-                label=f"step {prediction.step_time_s * 1e3:.3f} ms")
-    if prediction.lower_bound_s > 0:
-        ax1.axhline(prediction.lower_bound_s * 1e3, color="black", ls="--", lw=1,
-                    label=f"lower bound {prediction.lower_bound_s * 1e3:.3f} ms")
-    top = max([prediction.step_time_s * 1e3] + list(comp + exp_ + ovl))
-    ax1.set_ylim(0, 1.3 * top if top > 0 else 1.0)
-    ax1.set_xlabel("rank")
-    ax1.set_ylabel("ms per step")
-    ax1.set_title(title or "per-rank breakdown", fontsize=10)
-    ax1.legend(loc="upper left", fontsize=8, ncol=3)
-    if len(per) <= 32:
-        ax1.set_xticks(ranks)
-
-    lanes: List[str] = []
-    for s in segments:
-        if s.lane not in lanes:
-            lanes.append(s.lane)
-    for s in segments:
-        y = lanes.index(s.lane)
-        ax2.barh(y, s.duration_s * 1e3, left=s.start_s * 1e3, height=0.6,
-                 color=_COLORS.get(s.phase, "#777777"), alpha=1.0 if s.critical else 0.45,
-                 edgecolor="black" if s.critical else "none", lw=0.8)
-    total = timeline_end([s for s in segments if s.critical]) or timeline_end(segments)
-    for s in segments:
-        if s.duration_s * 1e3 > 0.06 * max(total * 1e3, 1e-12):
-            ax2.text((s.start_s + s.duration_s / 2) * 1e3, lanes.index(s.lane), s.phase,
-                     ha="center", va="center", fontsize=7)
-    ax2.set_yticks(range(len(lanes)))
-    ax2.set_yticklabels(lanes)
-    ax2.invert_yaxis()
-    ax2.set_xlabel("ms from step start (solid outline: critical path; faded: hidden by overlap)")
-    ax2.set_title("one steady-state step")
-    present = [p for p in PHASE_ORDER if any(s.phase == p for s in segments)]
-    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[p]) for p in present]
-    ax2.legend(handles, present, fontsize=7, ncol=min(5, max(1, len(present))), loc="upper center",
-               bbox_to_anchor=(0.5, -0.28))
-    if rows3:
-        ax3 = axes[2]
-        y = np.arange(len(rows3))
-        meas = [r.measured_ms for r in rows3]
-        pred = [r.predicted_ms or 0.0 for r in rows3]
-        ax3.barh(y - 0.2, meas, height=0.4, color="#C44E52", label="measured (profiler, slowest rank)")
-        if any(r.predicted_ms is not None for r in rows3):
-            ax3.barh(y + 0.2, pred, height=0.4, color="#4C72B0", label="predicted (cost model)")
-        ax3.set_yticks(y)
-        ax3.set_yticklabels([r.kind for r in rows3], fontsize=8)
-        ax3.invert_yaxis()
-        ax3.axvline(0, color="black", lw=0.6)
-        ax3.set_xlabel("ms per step")
-        ax3.set_title("measured vs predicted per sparse-path node kind")
-        ax3.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def format_2d(optimizations: Any) -> List[str]:
     """Lines on a 2D plan: the sharding and replica groups, where their collectives run, the sync
     interval, its bound and the quality evidence for it."""
@@ -480,7 +369,5 @@ def format_never_slower(planner_info: Mapping[str, Any]) -> Optional[str]:
     """The never-slower rule's decision an execution plan stored (``planner_info["never_slower"]``:
     which plan was kept, the predicted gain over TorchRec's plan, the margin it had to exceed and
     the differing terms behind it); None when the plan was made without the rule."""
-    from torchrec_sparselift.plan.baseline import decision_from_dict
-
     decision = decision_from_dict(planner_info.get("never_slower"))
     return None if decision is None else decision.describe()

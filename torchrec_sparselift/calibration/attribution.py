@@ -33,6 +33,9 @@ import attrs
 
 from torchrec_sparselift.atomic import write_json
 from torchrec_sparselift.files import Fields, load_json
+from torchrec_sparselift.cost.model import BWD, FWD, dp_optimizer_s, node_time
+from torchrec_sparselift.cost.pipelines import PHASES
+from torchrec_sparselift.semantics.graph import shard_nodes
 
 __all__ = [
     "KINDS",
@@ -240,8 +243,6 @@ def dp_optimizer_seconds(evaluated: Any) -> float:
     ``evaluated`` is a :class:`~torchrec_sparselift.planner.PlanResult`
     (:func:`torchrec_sparselift.cost.model.dp_optimizer_s` of its tables).
     """
-    from torchrec_sparselift.cost.model import dp_optimizer_s
-
     prob, s = evaluated.problem, evaluated.search
     return dp_optimizer_s(prob.specs, [prob.cands[cid] for cid, _r in s.assignment], prob.ctx)
 
@@ -256,9 +257,6 @@ def model_splits(evaluated: Any) -> Dict[str, float]:
     Keyword arguments for :func:`predicted_by_kind`; ``evaluated`` is a PlanResult.
     """
     import numpy as np
-
-    from torchrec_sparselift.cost.model import BWD, FWD, node_time
-    from torchrec_sparselift.semantics.graph import shard_nodes
 
     prob, s = evaluated.problem, evaluated.search
     ctx = prob.ctx
@@ -306,8 +304,6 @@ def predicted_by_kind(step: Any, *, dp_optimizer_s: float = 0.0, kjt_fwd_s: floa
     (``kjt_bwd_s``) (see :func:`model_splits`). ``overlap`` is
     ``total_s`` minus the sum, what the pipeline hides; the values sum to ``total_s``.
     """
-    from torchrec_sparselift.cost.pipelines import PHASES  # a split phase's parts are in its whole
-
     ph = dict(step.phases)
     out = {k: 0.0 for k in KINDS}
     named = {p for phases in PREDICTED_KINDS.values() for p in phases} | {p.name for p in PHASES if p.part_of}

@@ -41,6 +41,8 @@ from torchrec_sparselift.calibration.records import (
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost.terms import cold_row_seconds
 from torchrec_sparselift.errors import CalibrationError
+from torchrec_sparselift.calibration.records import RECORDS_SCHEMA, _RECORD_TYPES, positive_int
+from torchrec_sparselift.files import Fields, field_path, load_json
 
 __all__ = [
     "CalibrationError",
@@ -509,8 +511,6 @@ def load_records(path: str) -> Tuple[MicrobenchRecords, Dict[str, Any]]:
 
     Raises :class:`~torchrec_sparselift.errors.FileFormatError` naming the file and the field
     (``lookups[3]``) for anything unreadable or malformed."""
-    from torchrec_sparselift.files import Fields, load_json
-
     f = Fields(load_json(path, "calibration records", top=dict), file=path, what="calibration records")
     if f.data.get("schema") == REPORT_SCHEMA:
         return _records_from_fields(f.obj("records")), f.data
@@ -518,8 +518,6 @@ def load_records(path: str) -> Tuple[MicrobenchRecords, Dict[str, Any]]:
 
 
 def _records_from_fields(f: Any) -> MicrobenchRecords:
-    from torchrec_sparselift.calibration.records import _RECORD_TYPES, RECORDS_SCHEMA
-
     schema = f.data.get("schema")
     if schema != RECORDS_SCHEMA:
         raise f.fail("schema", f"is {schema!r}, not {RECORDS_SCHEMA!r} (nor {REPORT_SCHEMA!r}): not a calibration "
@@ -531,9 +529,6 @@ def _records_from_fields(f: Any) -> MicrobenchRecords:
 def _record(r: Any, typ: type) -> Any:
     """One record of type ``typ`` from its reader ``r``: unknown and missing keys, and counts
     outside 1..int64, are named by field before the record's own validators run."""
-    from torchrec_sparselift.calibration.records import positive_int
-    from torchrec_sparselift.files import field_path
-
     fields = attrs.fields(typ)
     r.only([a.name for a in fields])
     for a in fields:

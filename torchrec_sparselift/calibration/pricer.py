@@ -6,6 +6,9 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.calibration.attribution import group_kinds, predicted_by_kind
+from torchrec_sparselift.cost.model import dp_optimizer_s
+from torchrec_sparselift.plan.evaluate import GivenPlan
 
 __all__ = ["PlanPricer"]
 
@@ -23,8 +26,6 @@ class PlanPricer:
     def __init__(self, module: Any, plan: Any, topology: Any, batch_size: int,
                  constraints: Optional[Dict[str, Any]] = None, sharders: Optional[Sequence[Any]] = None,
                  pipeline: str = defaults.PIPELINE, stats: Any = None) -> None:
-        from torchrec_sparselift.plan.evaluate import GivenPlan
-
         self.given = GivenPlan.of(module, plan, topology, batch_size, constraints, stats,
                                   list(sharders) if sharders is not None else None)
         self.topology = topology
@@ -57,9 +58,6 @@ class PlanPricer:
     def groups(self, profile: HardwareProfile) -> Dict[str, float]:
         """Predicted seconds per attribution fit group
         (:data:`~torchrec_sparselift.calibration.attribution.FIT_GROUPS`; they sum to the step)."""
-        from torchrec_sparselift.calibration.attribution import group_kinds, predicted_by_kind
-        from torchrec_sparselift.cost.model import dp_optimizer_s
-
         def split(p: HardwareProfile) -> Dict[str, float]:
             dp = dp_optimizer_s(self.specs, self.cands, self.given.context(p))
             return group_kinds(predicted_by_kind(self.step_time(p), dp_optimizer_s=dp))

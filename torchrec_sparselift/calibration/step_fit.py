@@ -41,6 +41,8 @@ import numpy as np
 from torchrec_sparselift.calibration.nnls import nonnegative_least_squares
 from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
 from torchrec_sparselift.cost.hardware import HardwareProfile
+from torchrec_sparselift.calibration.attribution import StepAttribution, measured_groups
+from torchrec_sparselift.cost.report import mape
 from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS, FitTerm
 
 __all__ = [
@@ -346,8 +348,6 @@ def group_cases(label: str, measured_s: float, attribution: Any, pricer: Any) ->
     (:data:`~torchrec_sparselift.calibration.attribution.FIT_GROUPS`) its measured seconds (the
     attribution scaled to the unprofiled ``measured_s``) against the model's (``pricer.group``),
     weighted so that its residual counts relative to the whole step, as a step case's does."""
-    from torchrec_sparselift.calibration.attribution import StepAttribution, measured_groups
-
     att = attribution if isinstance(attribution, StepAttribution) else StepAttribution.from_dict(attribution)
     out = []
     for g, sec in measured_groups(att, measured_s).items():
@@ -423,8 +423,6 @@ def record_dict(r: FitRecord) -> Dict[str, Any]:
 
 def records_mape(recs: Sequence[ProbeRecord], attr: str) -> float:
     """MAPE of the probe records' ``attr`` prediction (``predicted_before_s`` or ``predicted_after_s``)."""
-    from torchrec_sparselift.cost.report import mape  # the cost model's report (torchrec): only when asked
-
     return mape([getattr(r, attr) for r in recs], [r.measured_s for r in recs])
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
+from torchrec_sparselift.measure.kernels import add_kernels_arguments, run_kernels
+
 __all__ = ["build_calibrate_parser", "main"]
 
 
 def build_calibrate_parser() -> argparse.ArgumentParser:
-    from torchrec_sparselift.measure.kernels import add_kernels_arguments
-    from torchrec_sparselift.measure.steps import add_check_arguments, add_steps_arguments
+    from torchrec_sparselift.measure.steps import add_check_arguments, add_steps_arguments  # torchrec
 
     p = argparse.ArgumentParser(prog="sparselift calibrate",
                                 description="Calibrate this machine: fit the hardware profile the planner prices with.")
@@ -54,8 +55,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return run_check(args)
     if args.what == "kernels":
-        from torchrec_sparselift.measure.kernels import run_kernels
-
         return run_kernels(args)
     parser.print_help()
     return 2

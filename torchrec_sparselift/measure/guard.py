@@ -57,6 +57,13 @@ from torchrec_sparselift.calibration.feedback import feedback_records
 from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
 from torchrec_sparselift.vocabulary import OPT_IN_SHARDING_TYPES, SHARDING_TYPES
 from torchrec_sparselift.validation import int_at_least
+from torchrec_sparselift.calibration.feedback import add_feedback
+from torchrec_sparselift.calibration.pricer import PlanPricer
+from torchrec_sparselift.calibration.store import current_fingerprint
+from torchrec_sparselift.measure.probe import measure_plan
+from torchrec_sparselift.plan import ExecutionPlan, sharding_plan_digest, table_specs
+from torchrec_sparselift.planner import SparseLiftPlanner, evaluate_sharding_plan
+from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
 __all__ = ["MeasuredGuard", "GuardTrial", "GuardResult", "Candidate", "choose_measured", "guarded_execution_plan",
            "guard_cache_path", "guard_fingerprint", "ALTERNATIVES", "feedback_records"]
@@ -228,8 +235,6 @@ def guard_fingerprint(planner: Any, model: Any, sharders: Sequence[Any], guard: 
     the guard's settings (guarded and unguarded plans, or two guard settings, never share a key)
     and its hardware replaced by this machine's fingerprint (``cores``: see
     :func:`~torchrec_sparselift.calibration.store.current_fingerprint`)."""
-    from torchrec_sparselift.calibration.store import current_fingerprint
-
     req = planner.request(model, list(sharders))
     # A guarded plan is a measured decision on this machine: key it by the machine's fingerprint,
     # not by the profile's rates (the guard's own feedback refits those, which must not turn the
@@ -249,8 +254,6 @@ def guard_cache_path(cache_dir: str, fingerprint: Any, guard: MeasuredGuard) -> 
 
 
 def _table_names(model: Any) -> List[str]:
-    from torchrec_sparselift.plan import table_specs
-
     return [s[1] for s in table_specs(model)]  # (module_path, table_name, ...)
 
 
@@ -263,8 +266,6 @@ def _prediction(model: Any, plan: Any, opt: Any, topology: Any, batch_size: int,
     price the fused backward; without them a cached plan's step printed 14 ms above the planner's
     price of the same plan). One pricing for a cached guarded plan and for TorchRec's plan when it
     is kept (it runs with the SparseLift plan's optimizations, so its comm precisions too)."""
-    from torchrec_sparselift.planner import evaluate_sharding_plan
-
     return evaluate_sharding_plan(model, plan, topology, batch_size, constraints, hardware=profile,
                                   workload=workload, sharders=list(sharders), pipeline=opt.pipeline,
                                   fwd_precision=opt.fwd_comm_precision,
@@ -298,12 +299,6 @@ def guarded_execution_plan(
     import torch.distributed as dist
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift.plan import ExecutionPlan, sharding_plan_digest
-    from torchrec_sparselift.planner import SparseLiftPlanner
-    from torchrec_sparselift.calibration.pricer import PlanPricer
-    from torchrec_sparselift.measure.probe import measure_plan
-    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
     sharders = list(sharders) if sharders is not None else get_default_sharders()
     rank = dist.get_rank(pg)
@@ -400,8 +395,6 @@ def guarded_execution_plan(
             write_text(path, final.to_json(indent=1), prefix=".guarded-")
         if guard.feedback:
             try:
-                from torchrec_sparselift.calibration.feedback import add_feedback
-
                 where = add_feedback(feedback_records(pricers, profile), profile, topology, cores=cores)
                 if where:
                     log(f"[guard] trials added to the step-fit records of {where}")

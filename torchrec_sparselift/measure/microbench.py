@@ -36,6 +36,7 @@ from torchrec_sparselift.calibration.records import (
     positive_int,
     positive_seconds,
 )
+from torchrec_sparselift.semantics.dense import ACTIVATION_BYTES, dlrm_interaction
 
 __all__ = [
     "SweepConfig",
@@ -526,8 +527,6 @@ def bench_dense_terms(device: Optional[torch.device] = None, trials: int = 5,
     (:func:`~torchrec_sparselift.semantics.dense.dlrm_interaction` plus the pooled ``F D``), with a
     constant per call, each shape's time the fastest over ``passes`` sweeps
     (:func:`fastest_over_passes`). ``(0, 0)`` without torchrec."""
-    from torchrec_sparselift.semantics.dense import ACTIVATION_BYTES, dlrm_interaction
-
     try:
         import torchrec.models.dlrm  # noqa: F401
     except ImportError:

@@ -28,6 +28,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.measure.attribution import attribute_steps
+from torchrec_sparselift.runtime.model_parallel import build_optimizer
+from torchrec_sparselift.runtime.timing import StepTimer
+from torchrec_sparselift.semantics.workload import observe
+
 __all__ = [
     "ProbeTable",
     "ProbeWorkload",
@@ -148,8 +154,6 @@ def probe_stats(w: ProbeWorkload, alpha: float = 1.05, n: int = 8, seed: int = 0
     """The :class:`~torchrec_sparselift.semantics.workload.WorkloadStats` of ``w``'s ids
     (:func:`~torchrec_sparselift.semantics.workload.observe` of rank 0's :func:`prebuilt_batches`:
     the same value on every rank, so ranks plan and price alike)."""
-    from torchrec_sparselift.semantics.workload import observe
-
     return observe(prebuilt_batches(w, n, seed=seed, rank=0, alpha=alpha), max_batches=n)
 
 
@@ -245,8 +249,6 @@ def shard_for_training(model, plan, device, lr: float = 0.05, dense_lr: float = 
     from torchrec.distributed.sharding_plan import get_default_sharders
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from torchrec_sparselift.runtime.model_parallel import build_optimizer
-
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": lr})
     dmp = DistributedModelParallel(module=model, device=device, plan=plan, sharders=get_default_sharders())
     dense = dense_optimizer_factory or (lambda params: torch.optim.Adagrad(params, lr=dense_lr))
@@ -297,8 +299,6 @@ def _rank_cores(pg: Any) -> Optional[Any]:
     slices (one core each for 2 ranks on 2 cores); None when there are fewer cores than local
     ranks, a single rank (nothing to separate) or no way to pin."""
     import os
-
-    from torchrec_sparselift.defaults import ranks_per_host
 
     if not hasattr(os, "sched_getaffinity"):
         return None
@@ -352,8 +352,6 @@ def measure_plan(
     are never profiled, so ``median_s`` is the same measurement with or without it."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from torchrec_sparselift.runtime.timing import StepTimer
-
     steps = DEFAULT_TIMING["steps"] if steps is None else steps
     warmup = DEFAULT_TIMING["warmup"] if warmup is None else warmup
     pin = DEFAULT_TIMING["pin"] if pin is None else pin
@@ -390,8 +388,6 @@ def measure_plan(
         med, mean = statistics.median(steady), statistics.fmean(steady)
         att = None
         if attribute > 0:
-            from torchrec_sparselift.measure.attribution import attribute_steps
-
             att = attribute_steps(pipeline, it, steps=attribute, warmup_steps=0, pg=pg, label=label,
                                   device=device, measure_unprofiled=False)
         del pipeline, dmp, opt, it, feed

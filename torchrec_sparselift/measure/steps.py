@@ -54,7 +54,16 @@ from torchrec_sparselift.calibration.store import (
 )
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
+from torchrec_sparselift.pictures import fit_png, fit_points, require_matplotlib
 from torchrec_sparselift.runtime.process_group import close_process_group
+from torchrec_sparselift import defaults
+from torchrec_sparselift.calibration.link import LinkRatesError, differing_terms
+from torchrec_sparselift.measure import probe
+from torchrec_sparselift.measure.link import measure_link_rates
+from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_terms
+from torchrec_sparselift.measure.probe import probe_constraints
+from torchrec_sparselift.planner import SparseLiftPlanner
+from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
 __all__ = [
     "forced_plan",
@@ -93,9 +102,6 @@ def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, bat
     planner offers no row-wise sharding on CPU; SparseLift's does and DMP runs it; ``stats``: its
     ``workload=``); collective over ``pg`` when given. Returns ``(plan, constraints)``."""
     from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift.measure.probe import probe_constraints
-    from torchrec_sparselift.planner import SparseLiftPlanner
 
     cons = probe_constraints(tables, kind)
     planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons,
@@ -141,8 +147,6 @@ def measure_probes(
     normalized)."""
     import torch
     import torch.distributed as dist
-
-    from torchrec_sparselift.measure import probe
 
     workloads = list(workloads or probe.PROBE_WORKLOADS)
     kinds = list(kinds or probe.PLAN_KINDS)
@@ -229,8 +233,6 @@ class ReferencePlan:
                  device_type: str = "cpu") -> None:
         import torch.distributed as dist
 
-        from torchrec_sparselift.measure import probe
-
         self.workload = workload or next(w for w in probe.PROBE_WORKLOADS if w.name == REFERENCE_PLAN[0])
         w = self.workload
         self.pg, self.device_type = pg, device_type
@@ -242,8 +244,6 @@ class ReferencePlan:
         """One :func:`~torchrec_sparselift.measure.probe.measure_plan` run of the plan
         (``steps`` / ``warmup``: the harness's defaults when None)."""
         import torch
-
-        from torchrec_sparselift.measure import probe
 
         torch.manual_seed(0)
         w = self.workload
@@ -268,9 +268,6 @@ def host_terms(pg: Any = None) -> HostTermRecord:
     each pinned to its core as in the probes; the ranks' mean (every rank returns the same)."""
     import torch
 
-    from torchrec_sparselift.measure import probe
-    from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_terms
-
     old = probe.pin_rank_to_core(pg)
     try:
         rec = bench_host_terms()
@@ -293,8 +290,6 @@ def probe_pricers(measurements: Sequence[ProbeMeasurement], world_size: int = 2,
                   device_type: str = "cpu") -> List[PlanPricer]:
     """A :class:`~torchrec_sparselift.calibration.pricer.PlanPricer` per measured probe plan: its
     probe model and the statistics of the batches it trained on."""
-    from torchrec_sparselift.measure import probe
-
     by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
     topo = probe_topology(world_size, device_type)
     out = []
@@ -396,10 +391,6 @@ def measure_pipeline_factors(
     (rank 0)."""
     import torch
     import torch.distributed as dist
-
-    from torchrec_sparselift import defaults
-    from torchrec_sparselift.measure import probe
-    from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
     if instances < 1 or block_steps < 1 or warmup < 0:
         raise ValueError(f"instances and block_steps must be >= 1 and warmup >= 0, got {instances}, "
@@ -522,9 +513,6 @@ def _measured_link(say: bool) -> Any:
     without a link record then)."""
     import torch.distributed as dist
 
-    from torchrec_sparselift.calibration.link import LinkRatesError
-    from torchrec_sparselift.measure.link import measure_link_rates
-
     if dist.get_world_size() < 2:
         return None
     try:
@@ -558,6 +546,8 @@ def add_steps_arguments(p: argparse.ArgumentParser) -> None:
                    "times here (refit later with --from-measurements)")
     p.add_argument("--from-measurements", metavar="PATH", help="refit from saved measurements (one process, "
                    "no torchrun, no measuring) and store the profile")
+    p.add_argument("--png", metavar="FILE", help="also draw the fit: predicted against measured step per probe "
+                   "plan, with the base profile's predictions and the MAPE (needs matplotlib)")
 
 
 def add_store_argument(p: argparse.ArgumentParser) -> None:
@@ -602,9 +592,6 @@ def _check_reasons(found: Any, diff: Sequence[str]) -> List[str]:
 
 def _check_with_link(store: ProfileStore) -> int:
     import torch.distributed as dist
-
-    from torchrec_sparselift.calibration.link import LinkRatesError, differing_terms
-    from torchrec_sparselift.measure.link import measure_link_rates
 
     if "RANK" not in os.environ:
         print("sparselift calibrate check --link: error: run under torchrun (every rank measures the link: "
@@ -663,6 +650,33 @@ def _refit(args: argparse.Namespace, store: ProfileStore) -> int:
         fitted.save(args.out)
     print(f"[calibrate] refit {len(recs)} probe plans: fit error (MAPE) {info.extra['mape_after'] * 100:.1f}% "
           f"(base profile {info.extra['mape_before'] * 100:.0f}%); stored in {path}")
+    return _fit_png(args.png, recs, f"step fit on {fp.describe()}")
+
+
+def _png_problem(path: Optional[str]) -> str:
+    """Why ``--png`` cannot be drawn (checked before measuring); "" when it can."""
+    if not path:
+        return ""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--png {path}: the folder {folder} does not exist"
+    try:
+        require_matplotlib()
+    except ImportError as e:
+        return str(e)
+    return ""
+
+
+def _fit_png(path: Optional[str], recs: Sequence[ProbeRecord], what: str) -> int:
+    """``--png``: draw the fit's probe plans (exit 0), or say why not (exit 2; the profile is stored)."""
+    if not path:
+        return 0
+    try:
+        fit_png(fit_points(recs), path, title=what)
+    except (ImportError, OSError, ValueError) as e:
+        print(f"sparselift calibrate steps: error: --png {path}: {e} (the profile is stored)", file=sys.stderr)
+        return 2
+    print(f"[calibrate] wrote {path}", flush=True)
     return 0
 
 
@@ -670,6 +684,10 @@ def run_steps(args: argparse.Namespace) -> int:
     """``sparselift calibrate steps``: measure the probe plans under torchrun and store the fitted
     profile (or refit a saved set with ``--from-measurements``)."""
     store = ProfileStore(args.store)
+    why = _png_problem(getattr(args, "png", None))
+    if why:
+        print(f"sparselift calibrate steps: error: {why}", file=sys.stderr)
+        return 2
     if args.from_measurements:
         return _refit(args, store)
     import torch
@@ -686,9 +704,8 @@ def run_steps(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group(backend="gloo")
+    drawn = 0  # rank 0's --png exit code
     try:
-        from torchrec_sparselift.measure import probe
-
         rank, W = dist.get_rank(), dist.get_world_size()
         device = "cpu"
         link = _measured_link(rank == 0)
@@ -713,7 +730,8 @@ def run_steps(args: argparse.Namespace) -> int:
                   f"{records_mape(recs, 'predicted_after_s') * 100:.1f}% (base profile "
                   f"{records_mape(recs, 'predicted_before_s') * 100:.0f}%); profile for {fp.describe()} stored in {path}",
                   flush=True)
+            drawn = _fit_png(args.png, recs, f"step fit on {fp.describe()}")
         dist.barrier()
     finally:
         close_process_group()
-    return 0
+    return drawn

@@ -19,6 +19,7 @@ from torchrec.distributed.planner.types import PlannerError, PlannerErrorType
 
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.semantics.tables import extract_tables
+from torchrec_sparselift.plan.request import describe_reservation
 
 __all__ = ["has_shardable_tables", "last_reserved", "reservation_note", "with_reservation"]
 
@@ -43,8 +44,6 @@ def reservation_note(reservation: Any, topology: Any, reserved: Any = None) -> s
     """One line naming ``reservation``: its type, what it keeps per device (from its
     configuration) and, when ``reserved`` (the topology ``reserve()`` returned) is known, what
     it left per device for embedding tables."""
-    from torchrec_sparselift.plan.request import describe_reservation
-
     desc = describe_reservation(reservation)
     name = (desc.get("__type__") or "none").rsplit(".", 1)[-1]
     parts = []

@@ -27,6 +27,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift import defaults
+from torchrec_sparselift.cost.wire_ids import ID_DTYPES, feature_tuple
+from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNKS
 from torchrec_sparselift.errors import PlanFormatError
 from torchrec_sparselift.files import Fields, decode_utf8, load_json, parse_json
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
@@ -37,6 +39,7 @@ from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.vocabulary import COMM_PRECISIONS as _COMM_PRECISIONS
 from torchrec_sparselift.vocabulary import PIPELINES as _PIPELINES
 from torchrec_sparselift.vocabulary import STRATEGIES_2D
+import torchrec_sparselift
 
 __all__ = [
     "EXECUTION_PLAN_SCHEMA",
@@ -180,6 +183,15 @@ class Optimizations:
         strategy_2d: how the replicas are kept in step, one of :data:`STRATEGIES_2D`
             (``DMPCollection``'s ``ShardingStrategy``; 2D only, None read as "default").
         table_grouping: whether tables with equal kernel/dim are fused into one TBE group.
+        id_dtype: element type of the ids and lengths in the input all-to-all, one of
+            :data:`~torchrec_sparselift.cost.wire_ids.ID_DTYPES` ("int64" is TorchRec's; "int32"
+            needs every model-parallel table within int32 rows).
+        dedup_features: features whose ids the input all-to-all deduplicates (distinct ids plus
+            an inverse index, rebuilt exactly on the receiver); sorted, each once.
+        batch_split: chunks the batch splits into for the embeddings' output and gradient
+            all-to-alls (1..16; 1 splits nothing): the ``overlap`` pipeline's step, each chunk's
+            dense work beside the next chunk's transfer, exact
+            (``runtime.batch_split.TrainPipelineBatchSplit``; priced by ``cost.batch_split``).
     """
 
     pipeline: str = attrs.field(default=defaults.PIPELINE, validator=_one_of(PIPELINES))
@@ -194,8 +206,21 @@ class Optimizations:
     max_sync_interval: Optional[int] = attrs.field(default=None)
     strategy_2d: Optional[str] = attrs.field(
         default=None, validator=attrs.validators.optional(_one_of(STRATEGIES_2D)))
+    id_dtype: str = attrs.field(default="int64", validator=_one_of(ID_DTYPES))
+    dedup_features: Tuple[str, ...] = attrs.field(default=(), converter=feature_tuple)
+    batch_split: int = attrs.field(default=1, validator=int_at_least(1, " (chunks)"))
 
     def __attrs_post_init__(self) -> None:
+        if self.is_2d and (self.id_dtype != "int64" or self.dedup_features):
+            raise ValueError("Optimizations: ids on the wire (id_dtype, dedup_features) apply to 1D plans only; "
+                             "keep id_dtype='int64' and no dedup_features for a 2D plan")
+        if self.batch_split > MAX_CHUNKS:
+            raise ValueError(f"Optimizations.batch_split must be at most {MAX_CHUNKS} chunks, got {self.batch_split}")
+        if self.batch_split > 1 and self.pipeline != BATCH_SPLIT_PIPELINE:
+            raise ValueError(
+                f"Optimizations.batch_split={self.batch_split} splits the {BATCH_SPLIT_PIPELINE!r} pipeline's "
+                f"all-to-alls, but the pipeline is {self.pipeline!r}: choose pipeline={BATCH_SPLIT_PIPELINE!r} "
+                "or batch_split=1")
         g = self.sharding_group_size
         if g is None and self.strategy_2d is not None:
             raise ValueError(f"Optimizations.strategy_2d={self.strategy_2d!r} needs a 2D plan "
@@ -287,8 +312,6 @@ class Versions:
         import importlib.metadata
 
         import torch
-
-        import torchrec_sparselift
 
         try:
             torchrec_version = importlib.metadata.version("torchrec")
@@ -526,8 +549,11 @@ class ExecutionPlan:
         if o.layout_2d is not None:
             two_d += f" ({o.layout_2d.kind})"
         tables = sum(len(m) for m in self.sharding_plan.plan.values() if isinstance(m, dict))
+        split = f" batch split {o.batch_split}" if o.batch_split > 1 else ""
+        wire = "" if o.id_dtype == "int64" else f", ids {o.id_dtype}"
+        wire += f", dedup {len(o.dedup_features)} features" if o.dedup_features else ""
         return (
-            f"{tables} tables, pipeline={o.pipeline}, comm={o.fwd_comm_precision}/{o.bwd_comm_precision}, "
+            f"{tables} tables, pipeline={o.pipeline}{split}, comm={o.fwd_comm_precision}/{o.bwd_comm_precision}{wire}, "
             f"{two_d}, predicted {p.step_time_s * 1e3:.3f} ms/step (gap {p.gap:.1%}), "
             f"solver={self.planner_info.get('solver', '?')}"
         )

@@ -32,6 +32,7 @@ from torchrec.distributed.planner.types import (
 
 from torchrec_sparselift.plan.execution_plan import canonical_digest, topology_description
 from torchrec_sparselift.semantics.tables import TableHandle
+from torchrec_sparselift.plan.request import describe_reservation
 
 __all__ = ["context_digest", "context_hash_int", "check_context", "loaded_options", "stored_plan_problem",
            "tiling_problem"]
@@ -41,7 +42,6 @@ def context_digest(request: Any, reserved_topology: Any = None) -> str:
     """sha256 hex of the planning context of ``request`` (a ``PlanRequest``) and the topology
     its storage reservation produced (``None`` before any reservation ran)."""
     fp = request.fingerprint()
-    from torchrec_sparselift.plan.request import describe_reservation
 
     return canonical_digest({
         "tables": fp.tables_digest,

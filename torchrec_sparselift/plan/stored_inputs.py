@@ -29,6 +29,10 @@ from torchrec_sparselift import defaults
 from torchrec_sparselift.errors import CliError
 from torchrec_sparselift.semantics import table_file
 from torchrec_sparselift.semantics.table_file import TableEntry
+from torchrec_sparselift.cost.hardware import PRESETS, get_profile
+from torchrec_sparselift.errors import FileFormatError
+from torchrec_sparselift.files import Fields
+from torchrec_sparselift.semantics.reference_workloads import by_name
 
 __all__ = [
     "INPUTS_SCHEMA",
@@ -79,8 +83,6 @@ class TopologySpec:
     ddr_gib: Optional[float] = None
 
     def profile(self) -> Any:
-        from torchrec_sparselift.cost.hardware import PRESETS, get_profile
-
         try:
             return get_profile(self.hardware)
         except (ValueError, OSError, KeyError, TypeError) as e:
@@ -224,9 +226,6 @@ class PlanInputs:
     def from_dict(cls, data: Mapping[str, Any], file: Optional[str] = None) -> "PlanInputs":
         """The inputs :meth:`to_dict` wrote (``file``: the plan they came from, named in errors).
         Any problem is a :class:`CliError` naming the field (``planner_info.inputs.batch_size``)."""
-        from torchrec_sparselift.errors import FileFormatError
-        from torchrec_sparselift.files import Fields
-
         if not isinstance(data, Mapping) or data.get("schema") != INPUTS_SCHEMA:
             raise CliError(f"the plan's planner_info.inputs is not a {INPUTS_SCHEMA} record")
         try:
@@ -267,8 +266,6 @@ class PlanInputs:
 def reference_workload(name: str) -> Any:
     """The reference workload ``name`` (:func:`~torchrec_sparselift.semantics.reference_workloads.by_name`),
     an unknown name as :class:`CliError`."""
-    from torchrec_sparselift.semantics.reference_workloads import by_name
-
     try:
         return by_name(name)
     except ValueError as e:

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchrec_sparselift.semantics.graph import shard_nodes
+
 __all__ = ["CollectiveCall", "CommCounter", "expected_rank_quantities"]
 
 LINK_KINDS = ("input_dist", "output_dist", "grad_dist")
@@ -301,8 +303,6 @@ def expected_rank_quantities(
     rank of each of its shards (in shard order). ``owner`` nodes land on the shard's rank,
     ``others`` nodes on every other rank, ``peers`` and ``global`` nodes (the all-reduce) on every rank.
     """
-    from torchrec_sparselift.semantics.graph import shard_nodes
-
     out: List[Dict[str, float]] = [dict() for _ in range(world_size)]
 
     def add(r: int, key: str, v: float) -> None:

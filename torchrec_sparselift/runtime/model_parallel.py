@@ -12,7 +12,8 @@ From a planner to a running loop::
 ``plan`` is either a TorchRec ``ShardingPlan`` (then the optimizations come from the keyword
 arguments, default ``sparse_dist`` and fp32 comms) or an execution plan: any object with
 ``.sharding_plan`` and ``.optimizations`` (``pipeline``, ``fwd_comm_precision``,
-``bwd_comm_precision``, ``sharding_group_size``, ``sync_interval``), such as
+``bwd_comm_precision``, ``sharding_group_size``, ``sync_interval``, ``id_dtype``,
+``dedup_features``), such as
 ``torchrec_sparselift.plan.ExecutionPlan``. Explicit keyword arguments override the plan's choice.
 The same code runs on CUDA (NCCL) and on CPU (gloo); the CPU adaptations live in
 :mod:`torchrec_sparselift.runtime.cpu_compat`.
@@ -48,8 +49,11 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec_sparselift import defaults, vocabulary
 from torchrec_sparselift.vocabulary import PIPELINES_2D
 from torchrec_sparselift.semantics.tables import is_feature_processed
+from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_PIPELINE
 from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
+from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
+from torchrec_sparselift.cost.wire_ids import ID_DTYPES, feature_tuple
 
 __all__ = [
     "COMM_PRECISIONS",
@@ -114,6 +118,19 @@ class RuntimeSettings:
         default=None, validator=attrs.validators.optional(_one_of(vocabulary.STRATEGIES_2D)))
     predicted_step_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
     description: str = attrs.field(default="")
+    #: ids and lengths in the input all-to-all (:data:`torchrec_sparselift.cost.wire_ids.ID_DTYPES`)
+    id_dtype: str = attrs.field(default="int64", validator=_one_of(ID_DTYPES))
+    #: features whose ids the input all-to-all deduplicates (:mod:`.wire_ids`)
+    dedup_features: Tuple[str, ...] = attrs.field(default=(), converter=feature_tuple)
+    #: chunks of the overlap pipeline's all-to-alls (1: none; ``runtime.batch_split``)
+    batch_split: int = attrs.field(default=1, validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)])
+
+    def __attrs_post_init__(self) -> None:
+        if self.batch_split > 1 and (self.pipeline != BATCH_SPLIT_PIPELINE or self.is_2d):
+            raise ValueError(
+                f"batch_split={self.batch_split} splits the {BATCH_SPLIT_PIPELINE!r} pipeline's all-to-alls (1D), "
+                f"but the settings run {self.pipeline!r}{' in 2D' if self.is_2d else ''}: choose pipeline "
+                f"{BATCH_SPLIT_PIPELINE!r} or batch_split=1")
 
     @property
     def is_2d(self) -> bool:
@@ -125,7 +142,11 @@ class RuntimeSettings:
             return self.description
         sync = "fully_sharded" if self.strategy_2d == "fully_sharded" else f"sync {self.sync_interval}"
         two_d = f", 2D group {self.sharding_group_size}/{sync}" if self.is_2d else ""
-        return f"pipeline={self.pipeline}, comm={self.fwd_comm_precision}/{self.bwd_comm_precision}{two_d}"
+        split = f" batch split {self.batch_split}" if self.batch_split > 1 else ""
+        wire = "" if self.id_dtype == "int64" else f", ids {self.id_dtype}"
+        wire += f", dedup {','.join(self.dedup_features)}" if self.dedup_features else ""
+        return (f"pipeline={self.pipeline}{split}, comm={self.fwd_comm_precision}/{self.bwd_comm_precision}"
+                f"{two_d}{wire}")
 
 
 def resolve_settings(
@@ -134,20 +155,28 @@ def resolve_settings(
     pipeline: Optional[str] = None,
     fwd_comm_precision: Optional[str] = None,
     bwd_comm_precision: Optional[str] = None,
+    id_dtype: Optional[str] = None,
+    dedup_features: Optional[Sequence[str]] = None,
+    batch_split: Optional[int] = None,
 ) -> Tuple[ShardingPlan, RuntimeSettings]:
     """Split ``plan`` into the TorchRec ``ShardingPlan`` and the settings to apply.
 
     Promises: for a ``ShardingPlan``, settings from the keywords (defaults ``sparse_dist``, fp32,
-    1D); for an execution plan (duck-typed: ``.sharding_plan`` and ``.optimizations``, optionally
+    1D; ids on the wire ``int64``, no dedup); for an execution plan (duck-typed: ``.sharding_plan``
+    and ``.optimizations``, optionally
     ``.prediction.step_time_s`` and ``.summary()``), the plan's optimizations with any non-None
     keyword taking precedence; a keyword that changes the plan's choice is logged and drops the
     plan's prediction and description (they describe another configuration). A 1D plan's
-    ``sync_interval`` is dropped (it only means something for 2D).
+    ``sync_interval`` is dropped (it only means something for 2D), and so is its ``batch_split``
+    where a ``pipeline`` keyword replaces the ``overlap`` pipeline it splits.
     """
     overrides = {
         "pipeline": pipeline,
         "fwd_comm_precision": fwd_comm_precision,
         "bwd_comm_precision": bwd_comm_precision,
+        "id_dtype": id_dtype,
+        "dedup_features": None if dedup_features is None else feature_tuple(dedup_features),
+        "batch_split": batch_split,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(plan, ShardingPlan):
@@ -166,6 +195,9 @@ def resolve_settings(
         "pipeline": getattr(opt, "pipeline", defaults.PIPELINE),
         "fwd_comm_precision": getattr(opt, "fwd_comm_precision", defaults.COMM_PRECISION),
         "bwd_comm_precision": getattr(opt, "bwd_comm_precision", defaults.COMM_PRECISION),
+        "id_dtype": getattr(opt, "id_dtype", "int64"),
+        "dedup_features": feature_tuple(getattr(opt, "dedup_features", ())),
+        "batch_split": getattr(opt, "batch_split", 1),
     }
     changed = {k: v for k, v in given.items() if v != chosen[k]}
     for key, value in changed.items():
@@ -174,6 +206,8 @@ def resolve_settings(
             key, value, chosen[key],
         )
     chosen.update(given)
+    if "pipeline" in changed and "batch_split" not in given and chosen["pipeline"] != BATCH_SPLIT_PIPELINE:
+        chosen["batch_split"] = 1  # the plan's chunks split the pipeline the keyword replaced
     prediction = getattr(plan, "prediction", None)
     summary = getattr(plan, "summary", None)
     return sharding_plan, RuntimeSettings(
@@ -359,7 +393,8 @@ class SparseLiftModelParallel(DistributedModelParallel):
     ``embedding_optimizer``: ``(optimizer class, kwargs)`` applied in backward
     (``apply_optimizer_in_backward``) to every embedding table before sharding, i.e. fused into
     TBE, and to the dense-kernel (e.g. data-parallel) tables (:func:`build_optimizer`); leave
-    None if the model already has one. Other keywords go to ``DistributedModelParallel``.
+    None if the model already has one. ``id_dtype`` / ``dedup_features`` override the plan's ids
+    on the wire (:mod:`.wire_ids`). Other keywords go to ``DistributedModelParallel``.
     ``settings`` keeps what was applied; :meth:`train_pipeline` builds the planned pipeline.
     """
 
@@ -376,10 +411,14 @@ class SparseLiftModelParallel(DistributedModelParallel):
         fwd_comm_precision: Optional[str] = None,
         bwd_comm_precision: Optional[str] = None,
         embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
+        id_dtype: Optional[str] = None,
+        dedup_features: Optional[Sequence[str]] = None,
+        batch_split: Optional[int] = None,
         **dmp_kwargs: Any,
     ) -> None:
         sharding_plan, settings = resolve_settings(
-            plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision
+            plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision,
+            id_dtype=id_dtype, dedup_features=dedup_features, batch_split=batch_split,
         )
         if settings.is_2d:
             raise ValueError(
@@ -402,6 +441,9 @@ class SparseLiftModelParallel(DistributedModelParallel):
         self.settings: RuntimeSettings = settings
         self.sharding_plan: ShardingPlan = sharding_plan
         self.embedding_optimizer: Optional[EmbeddingOptimizerSpec] = embedding_optimizer
+        #: the model-parallel tables whose input all-to-all carries ids at ``settings.id_dtype``
+        #: and deduplicates ``settings.dedup_features`` (:func:`.wire_ids.apply_wire_ids`)
+        self.wire_ids_tables: List[str] = apply_wire_ids(self, settings.id_dtype, settings.dedup_features)
         logger.info("sparselift: DMP on %s applying %s", device, settings.label())
 
     def train_pipeline(
@@ -410,16 +452,20 @@ class SparseLiftModelParallel(DistributedModelParallel):
         dense_optimizer_factory: Optional[DenseOptimizerFactory] = None,
         kind: Optional[str] = None,
         options: Optional[Mapping[str, Any]] = None,
+        batch_split: Optional[int] = None,
     ) -> Tuple[Any, KeyedOptimizer]:
         """The planned train pipeline over this model and the optimizer it steps.
 
         See :func:`build_optimizer` for ``dense_optimizer_factory``; ``kind`` overrides the
-        planned pipeline; ``options`` go to the TorchRec pipeline constructor.
+        planned pipeline (and then splits nothing unless ``batch_split`` says so); ``options`` go
+        to the TorchRec pipeline constructor; ``batch_split`` overrides the planned chunks.
         """
+        if batch_split is None:
+            batch_split = self.settings.batch_split if kind is None else 1
         kind = kind or self.settings.pipeline
         check_pipeline_supports_plan(kind, self.sharding_plan, self.device, self)
         optimizer = build_optimizer(self, dense_optimizer_factory, self.embedding_optimizer)
-        pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options)
+        pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options, batch_split=batch_split)
         return pipeline, optimizer
 
 
@@ -543,6 +589,9 @@ def lift(
     embedding_optimizer: Optional[EmbeddingOptimizerSpec] = None,
     dense_optimizer_factory: Optional[DenseOptimizerFactory] = None,
     pipeline_options: Optional[Mapping[str, Any]] = None,
+    id_dtype: Optional[str] = None,
+    dedup_features: Optional[Sequence[str]] = None,
+    batch_split: Optional[int] = None,
     **dmp_kwargs: Any,
 ) -> Lifted:
     """Shard ``module`` per ``plan`` and return it with its planned train pipeline.
@@ -551,12 +600,22 @@ def lift(
     delegated to :mod:`torchrec_sparselift.runtime.two_d` (``DMPCollection``). ``pipeline`` /
     ``*_comm_precision`` override the plan (defaults for a bare ``ShardingPlan``: ``sparse_dist``,
     fp32). ``pipeline_options`` go to the TorchRec pipeline constructor (e.g.
-    ``{"start_batch": 0}`` to make ``semi_sync`` stale from the first step).
+    ``{"start_batch": 0}`` to make ``semi_sync`` stale from the first step, ``{"per_sample": True}``
+    to declare a model per-sample for a batch split). ``batch_split`` overrides the plan's chunks
+    (``Optimizations.batch_split``: the ``overlap`` pipeline's all-to-alls in k chunks).
+    ``id_dtype`` / ``dedup_features`` override the plan's ids on the wire (1D plans only).
     """
     sharding_plan, settings = resolve_settings(
-        plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision
+        plan, pipeline=pipeline, fwd_comm_precision=fwd_comm_precision, bwd_comm_precision=bwd_comm_precision,
+        id_dtype=id_dtype, dedup_features=dedup_features, batch_split=batch_split,
     )
     if settings.is_2d:
+        if settings.id_dtype != "int64" or settings.dedup_features:
+            raise ValueError(
+                f"the plan is 2D (sharding_group_size={settings.sharding_group_size}): ids on the wire "
+                f"(id_dtype={settings.id_dtype!r}, dedup_features={list(settings.dedup_features)}) apply to 1D "
+                "plans only; plan 1D or keep id_dtype='int64' and no dedup_features"
+            )
         return _lift_2d(
             module,
             sharding_plan,
@@ -581,6 +640,9 @@ def lift(
         fwd_comm_precision=fwd_comm_precision,
         bwd_comm_precision=bwd_comm_precision,
         embedding_optimizer=embedding_optimizer,
+        id_dtype=id_dtype,
+        dedup_features=dedup_features,
+        batch_split=batch_split,
         **dmp_kwargs,
     )
     train_pipeline, optimizer = model.train_pipeline(

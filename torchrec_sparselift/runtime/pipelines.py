@@ -44,6 +44,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSemiSync,
 )
 
+from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_PIPELINE, TrainPipelineBatchSplit
 from torchrec_sparselift.runtime.cpu_compat import cpu_pipeline_class
 from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
 from torchrec_sparselift.runtime.stale import TrainPipelineOverlapStale
@@ -98,16 +99,27 @@ def make_train_pipeline(
     *,
     sync_interval: Optional[int] = None,
     options: Optional[Mapping[str, Any]] = None,
+    batch_split: int = 1,
 ) -> TrainPipeline:
     """A ready-to-``progress()`` train pipeline of ``kind`` over ``model`` (a DMP or DMPCollection).
 
     ``sync_interval``: steps between 2D replica syncs (``dmp_collection_sync_interval_batches``);
     only ``sparse_dist`` and ``semi_sync`` run the sync, so any other kind refuses a 2D interval.
     ``options``: extra keyword arguments for the TorchRec constructor (e.g. ``start_batch`` for
-    ``semi_sync``, whose TorchRec default keeps the first 900 steps synchronous).
+    ``semi_sync``, whose TorchRec default keeps the first 900 steps synchronous; ``per_sample`` for
+    a batch split).
+    ``batch_split``: chunks of the ``overlap`` pipeline's all-to-alls (> 1 builds
+    :class:`~torchrec_sparselift.runtime.batch_split.TrainPipelineBatchSplit`).
     """
     cls = pipeline_class(kind, device)
     kwargs: Dict[str, Any] = dict(options or {})
+    if batch_split != 1:
+        if kind != BATCH_SPLIT_PIPELINE or sync_interval is not None:
+            raise ValueError(
+                f"batch_split={batch_split} splits the {BATCH_SPLIT_PIPELINE!r} pipeline's all-to-alls (1D), not "
+                f"{kind!r}{' with 2D replica sync' if sync_interval is not None else ''}: choose pipeline "
+                f"{BATCH_SPLIT_PIPELINE!r} or batch_split=1")
+        return TrainPipelineBatchSplit(model, optimizer, device, chunks=batch_split, **kwargs)
     if sync_interval is not None:
         if kind not in _SYNC_INTERVAL_KINDS:
             raise ValueError(

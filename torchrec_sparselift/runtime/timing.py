@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_sparselift.atomic import write_json
+from torchrec_sparselift.files import Fields, load_json
 __all__ = [
     "StepRecord",
     "StepStats",
@@ -323,8 +324,6 @@ def load_records(path: str) -> List[StepRecord]:
     """Read records written by :func:`save_records`;
     :class:`~torchrec_sparselift.errors.FileFormatError` (a ``ValueError``) naming the file and the
     field (``records[2]``) for another schema or anything unreadable or malformed."""
-    from torchrec_sparselift.files import Fields, load_json
-
     f = Fields(load_json(path, "step records", top=dict), file=path, what="step records")
     schema = f.data.get("schema")
     if schema != RECORD_SCHEMA:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.distributed.remote_device import _remote_device
+
 from torchrec_sparselift import vocabulary
 from torchrec.distributed.model_parallel import (
     DataParallelWrapper,
@@ -58,6 +59,7 @@ from torchrec.distributed.types import (
     ShardingPlan,
     ShardingStrategy,
 )
+from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
 
 __all__ = [
     "TwoDConfig",
@@ -548,8 +550,6 @@ def auto_replica_sync(model: SparseLiftDMPCollection) -> Tuple[Optional[ReplicaS
     i.e. strategy ``default``, one 2D context, and every synced table a fused exact row-wise
     AdaGrad kernel without weight decay (:func:`row_wise_adagrad_slots`); else ``(None, why)``:
     TorchRec's plain averaging, and the reason."""
-    from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
-
     if model._submodule_ctxs:
         return None, "per-module 2D settings (submodule_configs): the row-aware merge handles one context"
     if model._default_ctx.sharding_strategy != ShardingStrategy.DEFAULT:

@@ -35,6 +35,11 @@ from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.semantics.graph import candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
 from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COST_MODELS, ON_EVERY_RANK_TYPES
+from torchrec_sparselift.search.torchrec_objective import (
+    makespan_problem,
+    solve_torchrec,
+    specs_from_options,
+)
 
 __all__ = ["SparseLiftProposer", "problem_from_options"]
 
@@ -171,10 +176,6 @@ class SparseLiftProposer(Proposer):
 
     def _torchrec_proposals(self, storage: Optional[Topology]) -> List[List[ShardingOption]]:
         """Option choices under TorchRec's own estimates (see the module docs)."""
-        from torchrec_sparselift.search.torchrec_objective import (
-            makespan_problem, solve_torchrec, specs_from_options,
-        )
-
         opts = self._search_space
         if self._topology is not None:
             W, L = self._topology.world_size, min(self._topology.local_world_size, self._topology.world_size)
@@ -197,7 +198,6 @@ class SparseLiftProposer(Proposer):
         prob = trp.problem
         choices = [[c for c, _ in res.assignment]]
         lp_choice = None
-        from torchrec_sparselift.search.lp import solve_lp
 
         lp = solve_lp(prob, "base")
         if lp.choice:

@@ -36,6 +36,16 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift.vocabulary import ON_EVERY_RANK_TYPES, UVM_KERNELS
+from torchrec_sparselift.cost.model import CostContext, DEV_MEM, DenseWork, FWD, HOST_MEM, K, ShardCost
+from torchrec_sparselift.search.errors import SparseLiftPlannerError
+from torchrec_sparselift.search.lp import solve_lp
+from torchrec_sparselift.search.makespan_bound import makespan_bound
+from torchrec_sparselift.search.makespan_milp import makespan_milp_size, solve_makespan_milp
+from torchrec_sparselift.search.place import WorkBudget, best_placement, local_search
+from torchrec_sparselift.search.problem import PlanningProblem, _no_fit_error, column_splits, device_caps
+from torchrec_sparselift.search.solve import SearchResult, WORK_UNITS_PER_SECOND, new_evaluator, solve
+from torchrec_sparselift.semantics.graph import Candidate
+from torchrec_sparselift.semantics.tables import TableSpec, extract_tables
 
 __all__ = [
     "TorchRecProblem",
@@ -265,8 +275,6 @@ def estimate_options(
 def makespan_context(profile: Any, world_size: int, local_world_size: int, batch_size: int) -> Any:
     """A cost context whose ``base``-pipeline step time is the maximum over ranks of the ``FWD``
     column: every fixed, latency, overlap and dense term of the profile is zero."""
-    from torchrec_sparselift.cost.model import CostContext, DenseWork
-
     zero = {}
     for f in attrs.fields(type(profile)):
         if (f.name.endswith("overhead_s") or f.name.endswith("latency_s") or f.name.endswith("_id_s")) \
@@ -312,10 +320,6 @@ def makespan_problem(
     Options whose largest shard cannot fit one rank are dropped (TorchRec's partitioner would
     reject them); a table left without options raises the planner's insufficient-storage error
     naming it."""
-    from torchrec_sparselift.cost.model import DEV_MEM, FWD, HOST_MEM, K, ShardCost
-    from torchrec_sparselift.search.problem import PlanningProblem, _no_fit_error
-    from torchrec_sparselift.semantics.graph import Candidate
-
     W, L = world_size, min(local_world_size, world_size)
     ctx = makespan_context(profile, W, L, batch_size)
     index = {(s.module_path, s.name): t for t, s in enumerate(specs)}
@@ -439,8 +443,6 @@ def build_torchrec_problem(
     ``column_splits``: also offer SparseLift's column-wise splits (2, 4, 8, ... equal shards,
     :func:`column_split_options`) that TorchRec's enumerator does not, priced by the same
     estimators."""
-    from torchrec_sparselift.search.problem import device_caps
-
     options, timings = estimate_options(module, sharders, topology, batch_size, constraints,
                                         estimator, share_estimates)
     if column_splits:
@@ -467,8 +469,6 @@ def perf_core(prob: Any, memory: bool = False) -> Tuple[Any, List[int]]:
     ``memory=True``: a candidate dominates only if it also needs no more device and host memory
     per shard, and the limits stay: the core has the same optimum as ``prob`` and its plans are
     plans of ``prob``. Returns (core, core id -> id)."""
-    from torchrec_sparselift.cost.model import DEV_MEM, FWD, HOST_MEM
-
     def key(c):
         o = prob.costs[c].owner
         return (o[FWD], o[DEV_MEM], o[HOST_MEM]) if memory else (o[FWD],)
@@ -528,12 +528,6 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
        capped at the best plan so far: its plan is taken when better, its dual bound (proven
        gap) is a bound when every option's shards are alike;
     4. the bound is the largest valid one found, never above the plan."""
-    from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM
-    from torchrec_sparselift.search.errors import SparseLiftPlannerError
-    from torchrec_sparselift.search.makespan_bound import makespan_bound
-    from torchrec_sparselift.search.makespan_milp import makespan_milp_size, solve_makespan_milp
-    from torchrec_sparselift.search.solve import new_evaluator, solve
-
     t0 = time.monotonic()
     prob = trp.problem
     bprob = trp.bound_problem if trp.bound_problem is not None else prob
@@ -612,8 +606,6 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
 def specs_from_options(options: Sequence[Any]) -> Tuple[List[Any], List[Tuple[str, str]]]:
     """One :class:`TableSpec` per table of ``options`` (sorted by (path, name)), from what the
     options carry: shape, features, pooling, batch, the sharding types and kernels offered."""
-    from torchrec_sparselift.semantics.tables import TableSpec
-
     tables: Dict[Tuple[str, str], List[Any]] = {}
     for o in options:
         tables.setdefault((o.path, o.name), []).append(o)
@@ -643,11 +635,6 @@ def _rigid_first(prob: Any, budget_s: float,
     least loaded rank that fits (LPT); a table whose option does not fit takes its best-fitting
     alternative. The shared local search then polishes the two best. Rigid options placed last would find every rank already full and
     fall back to slow UVM kernels. Returns (evaluator, seed name) of the better seed."""
-    from torchrec_sparselift.cost.model import DEV_MEM
-    from torchrec_sparselift.search.lp import solve_lp
-    from torchrec_sparselift.search.place import WorkBudget, best_placement, local_search
-    from torchrec_sparselift.search.solve import WORK_UNITS_PER_SECOND, new_evaluator
-
     t0 = time.monotonic()
     lp = solve_lp(prob, "base", time_limit_s=max(5.0, budget_s))
     seeds = []
@@ -707,8 +694,6 @@ def _rigid_first(prob: Any, budget_s: float,
 
 def _result_from(prob: Any, ev: Any, solver: str, t0: float) -> Any:
     """A :class:`SearchResult` for a plan held by an evaluator (bound filled in later)."""
-    from torchrec_sparselift.search.solve import SearchResult
-
     return SearchResult(
         assignment=tuple(ev.assignment[t] for t in range(prob.num_tables)), step=ev.step_time(),
         lower_bound_s=float("nan"), pipeline="base", fwd_precision="fp32", bwd_precision="fp32",
@@ -758,12 +743,8 @@ def column_split_options(module: Any, sharders: Sequence[Any], topology: Any, ba
     re-cut (``specs``: the tables' :class:`TableSpec` s, for ``min_partition``)."""
     from torchrec.distributed.planner.types import Shard
 
-    from torchrec_sparselift.search.problem import column_splits
-
     spec_of = {(sp.module_path, sp.name): sp for sp in (specs or ())}
     if specs is None:
-        from torchrec_sparselift.semantics.tables import extract_tables
-
         spec_of = {(h.spec.module_path, h.spec.name): h.spec for h in extract_tables(
             module, list(sharders), topology.compute_device, batch_size, constraints)}
     have = {(o.path, o.name, o.compute_kernel, len(o.shards)) for o in existing

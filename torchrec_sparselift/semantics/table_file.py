@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift.vocabulary import COMPUTE_KERNELS, SHARDING_TYPES
+from torchrec_sparselift.files import Fields, field_path, load_structured
 
 __all__ = [
     "SHARDING_TYPES",
@@ -185,8 +186,6 @@ def parse_table_entries(data: Any, where: Optional[str], constraint_only: bool =
     feature used by two tables. ``base``: the field path of ``data`` inside its file, when the
     tables are one field of a larger document (``planner_info.inputs.tables``).
     """
-    from torchrec_sparselift.files import Fields, field_path
-
     top = Fields({}, file=where, what=what, path=base)  # reports problems of the file as a whole
     if isinstance(data, dict) and "tables" in data:
         top = Fields(data, file=where, what=what, path=base)
@@ -221,8 +220,6 @@ def parse_table_entries(data: Any, where: Optional[str], constraint_only: bool =
 def read_structured(path: str, what: str = "file") -> Any:
     """The parsed content of a JSON or (``.yaml``/``.yml``, with PyYAML) YAML file, read by the
     strict loader (:func:`torchrec_sparselift.files.load_structured`)."""
-    from torchrec_sparselift.files import load_structured
-
     return load_structured(path, what=what)
 
 

@@ -24,6 +24,7 @@ from torchrec_sparselift.vocabulary import (
     OPT_IN_SHARDING_TYPES,
     ROW_SPLIT_TYPES,
 )
+from torchrec_sparselift.semantics.workload import distinct_ids
 
 __all__ = [
     "TableSpec",
@@ -108,8 +109,6 @@ class TableSpec:
     def distinct_rows(self, batches: float = 1.0) -> float:
         """Expected distinct rows among ``batches`` ranks' batches of this table's ids in one step
         (:func:`~torchrec_sparselift.semantics.workload.distinct_ids`)."""
-        from torchrec_sparselift.semantics.workload import distinct_ids
-
         return distinct_ids(self.batch_size * self.pooling_factor, batches, self.num_embeddings,
                             self.unique_ratio, self.unique_growth)
 

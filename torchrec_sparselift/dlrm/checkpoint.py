@@ -27,6 +27,7 @@ naming the checkpoint, the first failing rank and its error.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -34,6 +35,8 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 import attrs
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchrec_sparselift.atomic import write_json
 from torchrec_sparselift.files import FileFormatError, Fields, load_json
@@ -64,8 +67,6 @@ class CheckpointDirLock:
     :meth:`release` or when the process ends."""
 
     def __init__(self, directory: str) -> None:
-        import fcntl
-
         self._fd: Optional[int] = None
         self.directory = directory
         self.path = os.path.join(directory, LOCK)
@@ -146,8 +147,6 @@ def _exception_line(e: BaseException) -> str:
 
 
 def _dcp(call: Callable[[], Any], what: str, fix: str) -> None:
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         call()
     except (CheckpointException, Exception) as e:  # noqa: BLE001 - torch's is a BaseException
@@ -194,8 +193,6 @@ def save_checkpoint(directory: str, step: int, model: Any, optimizer: Any, confi
     """Collective (every rank calls it): save model and optimizer state after ``step`` completed
     steps, then (rank 0) point ``latest.json`` at it and remove older step directories.
     Returns the step directory."""
-    import torch.distributed.checkpoint as dcp
-
     path = _step_dir(directory, step)
     _dcp(lambda: dcp.save(_state(model, optimizer), checkpoint_id=path), f"cannot save checkpoint {path}",
          f"check free space and permissions of {directory}")
@@ -214,8 +211,6 @@ def load_checkpoint(directory: str, info: CheckpointInfo, model: Any, optimizer:
     """Collective: load ``info``'s state into ``model`` and ``optimizer`` (built exactly as when
     it was saved; DCP reshards if the plan placed shards elsewhere). A damaged checkpoint raises
     CheckpointError on one line."""
-    import torch.distributed.checkpoint as dcp
-
     state = _state(model, optimizer)
     path = os.path.join(directory, info.path)
     _dcp(lambda: dcp.load(state, checkpoint_id=path), f"the checkpoint {path} cannot be loaded",

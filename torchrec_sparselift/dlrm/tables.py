@@ -1,4 +1,4 @@
-"""Embedding table sets for the DLRM example: MLPerf DLRM-DCNv2 and Criteo Kaggle presets, or a file.
+"""Embedding table sets for the DLRM model library: MLPerf DLRM-DCNv2 and Criteo Kaggle presets, or a file.
 
 Importing this module needs only ``attrs`` and the repository's table-file loader (no torch), so a
 launcher can validate arguments cheaply.
@@ -16,6 +16,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.errors import FileFormatError
+from torchrec_sparselift.files import Fields, load_json
 from torchrec_sparselift.semantics.table_file import TableEntry
 from torchrec_sparselift.semantics.table_file import load_table_file as _load_table_file
 
@@ -158,9 +160,6 @@ def load_constraints_file(path: str, tables: Sequence[TableSpec]) -> List[Constr
     Read by the repository's strict loader (:mod:`torchrec_sparselift.files`: a duplicate key is
     refused). Raises TableSetError naming the file, the table and the key when the file is missing
     or malformed, a key is unknown, or a table is not one of ``tables``."""
-    from torchrec_sparselift.errors import FileFormatError
-    from torchrec_sparselift.files import Fields, load_json
-
     try:
         data = load_json(path, "constraints file", top=dict)
         top = Fields(data, file=path, what="constraints file")

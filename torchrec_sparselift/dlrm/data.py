@@ -22,10 +22,11 @@ from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
+from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, InMemoryBinaryCriteoIterDataPipe
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dlrm_tables import TableSpec, TableSetError
+from torchrec_sparselift.dlrm.tables import TableSetError, TableSpec
 
 __all__ = [
     "NUM_DENSE_FEATURES",
@@ -214,8 +215,6 @@ def criteo_batches(
     repeating the files when ``steps`` outlasts them. Ids are hashed modulo each table's rows;
     the tables must be the 26 one-feature tables ``cat_0..cat_25`` (the presets). With ``start``
     the first ``start`` batches are read and skipped (a resumed run continues where it stopped)."""
-    from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, InMemoryBinaryCriteoIterDataPipe
-
     features = [f for t in tables for f in t.features]
     if features != DEFAULT_CAT_NAMES:
         raise TableSetError(

@@ -1,0 +1,141 @@
+"""The batch-split step terms (cost/batch_split.py): k = 1 is the unsplit (overlap) step, every k's
+step lies between max(compute, communication) and the unsplit step plus k per-chunk costs, and k is
+chosen by price."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchrec_sparselift.cost import pipelines
+from torchrec_sparselift.cost.batch_split import (
+    MAX_CHUNKS,
+    SplitTerms,
+    choose_chunks,
+    split_schedule,
+    split_step_s,
+    unsplit_step_s,
+)
+
+_T = st.floats(0.0, 0.2, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def terms(draw) -> SplitTerms:  # type: ignore[no-untyped-def]
+    out, grad = draw(_T), draw(_T)
+    lat = draw(st.floats(0.0, 1.0)) * min(out, grad)
+    return SplitTerms(
+        input_dist_s=draw(_T), uvm_fetch_s=draw(_T), lookup_s=draw(_T), output_dist_s=out,
+        dense_fwd_indep_s=draw(_T), dense_fwd_rest_s=draw(_T), dense_bwd_rest_s=draw(_T),
+        dense_bwd_indep_s=draw(_T), grad_dist_s=grad, backward_update_s=draw(_T), allreduce_s=draw(_T),
+        step_overhead_s=draw(_T), chunk_latency_s=lat, chunk_overhead_s=draw(st.floats(0.0, 0.01)),
+    )
+
+
+_EPS = 1e-12
+
+
+@settings(max_examples=300, deadline=None)
+@given(terms())
+def test_one_chunk_is_the_unsplit_step(t):
+    assert split_step_s(t, 1) == pytest.approx(unsplit_step_s(t), rel=1e-12, abs=_EPS)
+    assert split_step_s(t, 1, chained=True) == pytest.approx(unsplit_step_s(t), rel=1e-12, abs=_EPS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(terms())
+def test_the_unsplit_step_is_the_overlap_kind_s_composition(t):
+    phases = {"input_dist": t.input_dist_s, "uvm_fetch": t.uvm_fetch_s, "lookup": t.lookup_s,
+              "output_dist": t.output_dist_s, "dense_fwd": t.dense_fwd_indep_s + t.dense_fwd_rest_s,
+              "dense_bwd": t.dense_bwd_rest_s + t.dense_bwd_indep_s, "grad_dist": t.grad_dist_s,
+              "backward_update": t.backward_update_s, "allreduce": t.allreduce_s,
+              "dense_fwd_indep": t.dense_fwd_indep_s, "dense_fwd_rest": t.dense_fwd_rest_s,
+              "dense_bwd_rest": t.dense_bwd_rest_s, "dense_bwd_indep": t.dense_bwd_indep_s,
+              "step_overhead": t.step_overhead_s}
+    from_phases = SplitTerms.from_phases(phases, chunk_latency_s=t.chunk_latency_s,
+                                         chunk_overhead_s=t.chunk_overhead_s)
+    composed = pipelines.evaluate(pipelines.pipeline_kind("overlap").step, pipelines.terms(phases))
+    assert unsplit_step_s(from_phases) == pytest.approx(float(composed), rel=1e-9, abs=_EPS)
+    # the all-reduce is what the dense backward leaves exposed; the rest is read as given
+    assert from_phases.allreduce_s == pytest.approx(max(0.0, t.allreduce_s - phases["dense_bwd"]), abs=_EPS)
+    assert attrs.evolve(from_phases, allreduce_s=t.allreduce_s) == t
+
+
+@settings(max_examples=300, deadline=None)
+@given(terms(), st.integers(1, MAX_CHUNKS), st.booleans())
+def test_the_step_is_never_below_max_of_compute_and_communication(t, k, chained):
+    assert split_step_s(t, k, chained) >= max(t.compute_s, t.comm_s) - _EPS
+
+
+@settings(max_examples=500, deadline=None)
+@given(terms(), st.integers(1, MAX_CHUNKS), st.booleans())
+def test_the_step_is_never_above_the_unsplit_step_plus_k_per_chunk_costs(t, k, chained):
+    assert split_step_s(t, k, chained) <= unsplit_step_s(t) + k * t.per_chunk_s + _EPS
+
+
+@settings(max_examples=300, deadline=None)
+@given(terms(), st.integers(1, MAX_CHUNKS))
+def test_chaining_never_brings_a_chunk_earlier(t, k):
+    upfront, chained = split_schedule(t, k), split_schedule(t, k, chained=True)
+    assert chained.step_s >= upfront.step_s - _EPS
+    assert all(c.arrival_s >= u.arrival_s - _EPS for c, u in zip(chained.chunks, upfront.chunks))
+    assert split_step_s(t, 1, chained=True) == split_step_s(t, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(terms(), st.integers(1, 64))
+def test_choose_chunks_picks_the_cheapest_k(t, batch):
+    k = choose_chunks(t, batch_size=batch)
+    top = min(batch, MAX_CHUNKS)
+    assert 1 <= k <= top
+    steps = [split_step_s(t, j) for j in range(1, top + 1)]
+    assert steps[k - 1] == min(steps)
+    assert all(s > steps[k - 1] for s in steps[: k - 1])  # the smallest k among the cheapest
+
+
+def _dlrm_like(latency: float, overhead: float) -> SplitTerms:
+    """docs/overlap.md section 1's step (ms -> s): the output all-to-all 31 ms, the gradient 47 ms,
+    ~235 ms of dense work that depends on the embeddings, 1-2 ms of bottom MLP."""
+    return SplitTerms(input_dist_s=0.01, lookup_s=0.030, output_dist_s=0.031, dense_fwd_indep_s=0.001,
+                      dense_fwd_rest_s=0.080, dense_bwd_rest_s=0.155, dense_bwd_indep_s=0.002,
+                      grad_dist_s=0.047, backward_update_s=0.047, allreduce_s=0.038, step_overhead_s=0.003,
+                      chunk_latency_s=latency, chunk_overhead_s=overhead)
+
+
+def test_a_comm_bound_dlrm_step_splits_and_a_costly_chunk_does_not():
+    t = _dlrm_like(latency=0.001, overhead=0.001)
+    k = choose_chunks(t, batch_size=1024)
+    assert k > 1
+    sched = split_schedule(t, k)
+    whole = split_schedule(t, 1)
+    assert sched.step_s < whole.step_s
+    assert sched.exposed_output_s < whole.exposed_output_s and sched.exposed_grad_s < whole.exposed_grad_s
+    # hidden: the first chunk's transfer stays exposed, so the step stays above compute + its share
+    assert sched.step_s >= t.compute_s + (k - 1) * t.chunk_overhead_s
+    assert choose_chunks(_dlrm_like(latency=0.001, overhead=0.2), batch_size=1024) == 1
+    assert choose_chunks(t, batch_size=1) == 1
+    # chained (gloo's order): the dense forward per chunk outlasts a chunk's transfer, so it splits too
+    assert choose_chunks(t, batch_size=1024, chained=True) > 1
+
+
+def test_chunks_arrive_in_order_and_gradients_leave_last_chunk_first():
+    t = _dlrm_like(latency=0.001, overhead=0.001)
+    sched = split_schedule(t, 4)
+    arrivals = [c.arrival_s for c in sched.chunks]
+    issues = [c.grad_issue_s for c in sched.chunks]
+    assert arrivals == sorted(arrivals) and issues == sorted(issues, reverse=True)
+    assert sched.emb_bwd_start_s >= max(c.grad_arrival_s for c in sched.chunks)
+
+
+def test_bad_terms_are_refused_with_the_culprit():
+    with pytest.raises(ValueError, match="lookup_s must be a finite time"):
+        SplitTerms(lookup_s=-1.0)
+    with pytest.raises(ValueError, match="chunk_latency_s=0.5 exceeds output_dist_s"):
+        SplitTerms(output_dist_s=0.1, grad_dist_s=1.0, chunk_latency_s=0.5)
+    with pytest.raises(ValueError, match="k must be an int in 1..16"):
+        split_step_s(SplitTerms(), 17)
+    with pytest.raises(KeyError, match="'grad_dist'"):
+        SplitTerms.from_phases({"input_dist": 0, "lookup": 0, "output_dist": 0, "dense_fwd": 0, "dense_bwd": 0},
+                               chunk_latency_s=0.0, chunk_overhead_s=0.0)

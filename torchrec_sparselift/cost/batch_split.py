@@ -1,0 +1,246 @@
+"""The step under batch-split pipelining: k chunks of the output and gradient all-to-alls against
+the dense work of the other chunks (pure functions of a step's phase times).
+
+The schedule (``runtime.batch_split.TrainPipelineBatchSplit``; docs/overlap.md section 10), per rank,
+times from the lookup's end:
+
+* **forward**: the lookups run once; the k chunks' output collectives are issued at once and the
+  link carries them one after the other, chunk j arriving at ``a_j = (j + 1) * o`` with
+  ``o = latency + (output_dist - latency) / k`` (the cost model's ``output_dist`` holds one call's
+  latency and the transfer; a chunk pays the latency again and a k-th of the transfer). Chained
+  (the runtime's order on CPU/gloo) chunk j+1 leaves when chunk j is read:
+  ``a_{j+1} = max(r_j, a_j) + o`` with ``r_j`` the time chunk j's forward asks for it. Chunk j's
+  dense forward runs its independent part (DLRM's bottom MLP, ``dense_fwd_indep / k``), waits for
+  ``a_j``, then runs the rest (``dense_fwd_rest / k``); every chunk after the first pays
+  ``chunk_overhead`` (its dense calls' fixed cost: kernel launches, the framework's per-call work).
+* **backward** (one autograd pass, the last chunk first): chunk c's dense backward down to its
+  embeddings' gradient (``dense_bwd_rest / k``), the gradient collective of chunk c issued
+  (``g = latency + (grad_dist - latency) / k`` on the link, after the previous chunk's), chunk c's
+  independent backward (``dense_bwd_indep / k``), then chunk c-1's.
+* **end**: the TBE backward with its fused update runs once when the dense backward is done and
+  every chunk's gradient has arrived; the dense all-reduce runs beside it (as under ``overlap``).
+
+With k = 1 this is the ``overlap`` kind's composition (``cost.pipelines._STEPS["overlap"]``)::
+
+    step = max(input_dist, uvm_fetch + lookup + max(output_dist, dense_fwd_indep) + dense_fwd_rest
+               + dense_bwd_rest + max(grad_dist, dense_bwd_indep) + max(backward_update, allreduce)
+               + step_overhead)
+
+and for every k the step is at least ``max(compute, communication)`` (the compute runs on one
+flow, the chunks on one link) and at most the unsplit step plus ``k`` times the per-chunk cost
+(``2 * latency + chunk_overhead``); ``tests/test_batch_split_cost.py`` checks the three.
+:func:`choose_chunks` picks k in 1..16 by price (the smallest on ties).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional, Tuple
+
+import attrs
+
+from torchrec_sparselift.cost.pipelines import terms as _exposed_terms
+
+__all__ = [
+    "MAX_CHUNKS",
+    "BATCH_SPLIT_PIPELINE",
+    "SplitTerms",
+    "ChunkTimes",
+    "SplitSchedule",
+    "split_schedule",
+    "split_step_s",
+    "unsplit_step_s",
+    "choose_chunks",
+]
+
+#: the most chunks the runtime splits a step into (``runtime.batch_split.MAX_CHUNKS``)
+MAX_CHUNKS = 16
+#: the pipeline kind whose step batch split chunks (k = 1 is that kind's step)
+BATCH_SPLIT_PIPELINE = "overlap"
+
+
+def _seconds(instance: object, attribute: "attrs.Attribute[float]", value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a finite time >= 0 in seconds, "
+                         f"got {value!r}")
+
+
+def _s() -> float:
+    return attrs.field(default=0.0, validator=_seconds, converter=float)  # type: ignore[no-any-return]
+
+
+@attrs.frozen(kw_only=True)
+class SplitTerms:
+    """One rank's phase times of a step (seconds, the cost model's phases: ``cost.pipelines.PHASES``)
+    and the two per-chunk costs.
+
+    ``chunk_latency_s``: the fixed part of one chunk's output (and of one chunk's gradient)
+    collective: ``collective_latency_s`` times the sharding groups whose outputs travel (one
+    collective each), so at most ``output_dist_s`` and ``grad_dist_s``. ``chunk_overhead_s``: the
+    dense forward and backward's fixed cost per extra chunk (their calls' kernel launches and
+    framework work, independent of the chunk's size). ``allreduce_s`` is the all-reduce's part that
+    ``dense_bwd`` does not hide (``cost.pipelines.terms``: ``allreduce'``)."""
+
+    input_dist_s: float = _s()
+    uvm_fetch_s: float = _s()
+    lookup_s: float = _s()
+    output_dist_s: float = _s()
+    dense_fwd_indep_s: float = _s()
+    dense_fwd_rest_s: float = _s()
+    dense_bwd_rest_s: float = _s()
+    dense_bwd_indep_s: float = _s()
+    grad_dist_s: float = _s()
+    backward_update_s: float = _s()
+    allreduce_s: float = _s()
+    step_overhead_s: float = _s()
+    chunk_latency_s: float = _s()
+    chunk_overhead_s: float = _s()
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("output_dist_s", "grad_dist_s"):
+            if self.chunk_latency_s > getattr(self, name) and getattr(self, name) > 0:
+                raise ValueError(
+                    f"SplitTerms.chunk_latency_s={self.chunk_latency_s} exceeds {name}={getattr(self, name)}: the "
+                    "collective's time includes its latency once; give the per-call latency times the "
+                    "sharding groups that send")
+
+    @classmethod
+    def from_phases(cls, phases: Mapping[str, float], *, chunk_latency_s: float, chunk_overhead_s: float,
+                    supports_overlap: bool = True) -> "SplitTerms":
+        """From a rank's phase times (``cost.model.phase_times``: names of ``cost.pipelines.PHASES``;
+        the dense parts ``dense_*_indep`` / ``dense_*_rest``, or the wholes ``dense_fwd`` /
+        ``dense_bwd`` read as all dependent; the all-reduce as ``cost.pipelines.terms`` exposes it
+        under ``supports_overlap``). ``KeyError`` naming a missing phase."""
+        def get(name: str) -> float:
+            if name not in phases:
+                raise KeyError(f"batch split terms need phase {name!r}; the phases given are {sorted(phases)}")
+            return float(phases[name])
+
+        def part(whole: str, indep: str, rest: str) -> Tuple[float, float]:
+            if indep in phases and rest in phases:
+                return get(indep), get(rest)
+            return 0.0, get(whole)
+
+        fi, fr = part("dense_fwd", "dense_fwd_indep", "dense_fwd_rest")
+        bi, br = part("dense_bwd", "dense_bwd_indep", "dense_bwd_rest")
+        return cls(
+            input_dist_s=get("input_dist"), uvm_fetch_s=phases.get("uvm_fetch", 0.0), lookup_s=get("lookup"),
+            output_dist_s=get("output_dist"), dense_fwd_indep_s=fi, dense_fwd_rest_s=fr, dense_bwd_rest_s=br,
+            dense_bwd_indep_s=bi, grad_dist_s=get("grad_dist"), backward_update_s=get("backward_update"),
+            allreduce_s=float(_exposed_terms({"allreduce": get("allreduce"), "dense_bwd": get("dense_bwd")},
+                                             supports_overlap)["allreduce"]),
+            step_overhead_s=phases.get("step_overhead", 0.0),
+            chunk_latency_s=chunk_latency_s, chunk_overhead_s=chunk_overhead_s,
+        )
+
+    @property
+    def compute_s(self) -> float:
+        """The compute part: what one flow runs whatever the overlap (the unsplit dense work)."""
+        return (self.uvm_fetch_s + self.lookup_s + self.dense_fwd_indep_s + self.dense_fwd_rest_s
+                + self.dense_bwd_rest_s + self.dense_bwd_indep_s + self.backward_update_s + self.step_overhead_s)
+
+    @property
+    def comm_s(self) -> float:
+        """The communication part: the output and gradient collectives, unsplit, on one link."""
+        return self.output_dist_s + self.grad_dist_s
+
+    @property
+    def per_chunk_s(self) -> float:
+        """What one more chunk costs at most: its two collectives' latency and its dense overhead."""
+        return 2 * self.chunk_latency_s + self.chunk_overhead_s
+
+
+@attrs.frozen
+class ChunkTimes:
+    """One chunk's times (seconds from the step's start): its embeddings' arrival, its forward's
+    wait for them (exposed output transfer), its gradient collective's issue and arrival."""
+
+    arrival_s: float
+    fwd_wait_s: float
+    grad_issue_s: float
+    grad_arrival_s: float
+
+
+@attrs.frozen
+class SplitSchedule:
+    """The schedule of one step under k chunks: per chunk (:class:`ChunkTimes`, chunk order), when
+    the dense work ends, when the embedding backward starts (every gradient in), the step."""
+
+    chunks: Tuple[ChunkTimes, ...]
+    dense_end_s: float
+    emb_bwd_start_s: float
+    step_s: float
+
+    @property
+    def exposed_output_s(self) -> float:
+        """The forward's waits for its chunks' embeddings, in total."""
+        return sum(c.fwd_wait_s for c in self.chunks)
+
+    @property
+    def exposed_grad_s(self) -> float:
+        """The embedding backward's wait for the last gradient after the dense backward ended."""
+        return self.emb_bwd_start_s - self.dense_end_s
+
+
+def split_schedule(terms: SplitTerms, k: int, chained: bool = False) -> SplitSchedule:
+    """The step of ``terms`` split into ``k`` chunks (module docstring); k = 1 is the unsplit step.
+    ``chained``: chunk j+1's collective is issued when chunk j's embeddings are read (the runtime's
+    order on CPU/gloo), not with the others before the forward (its order on CUDA)."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_CHUNKS:
+        raise ValueError(f"batch split: k must be an int in 1..{MAX_CHUNKS}, got {k!r}")
+    t = terms
+    lat = t.chunk_latency_s
+    per_out = min(lat, t.output_dist_s) + max(0.0, t.output_dist_s - lat) / k
+    per_grad = min(lat, t.grad_dist_s) + max(0.0, t.grad_dist_s - lat) / k
+    start = t.uvm_fetch_s + t.lookup_s
+    arrivals = [start + (j + 1) * per_out for j in range(k)]
+    fwd = start
+    waits = []
+    for j in range(k):
+        ready = fwd + t.dense_fwd_indep_s / k + (t.chunk_overhead_s if j else 0.0)
+        waits.append(max(0.0, arrivals[j] - ready))
+        if chained and j + 1 < k:  # chunk j+1 leaves when chunk j is read
+            arrivals[j + 1] = max(ready, arrivals[j]) + per_out
+        fwd = max(ready, arrivals[j]) + t.dense_fwd_rest_s / k
+    clock, link = fwd, -math.inf
+    issue, arrive = [0.0] * k, [0.0] * k
+    for c in reversed(range(k)):  # the autograd pass runs the last chunk first
+        clock += t.dense_bwd_rest_s / k
+        issue[c] = clock
+        link = max(link, clock) + per_grad
+        arrive[c] = link
+        clock += t.dense_bwd_indep_s / k
+    emb = max(clock, link)
+    step = max(t.input_dist_s, emb + max(t.backward_update_s, t.allreduce_s) + t.step_overhead_s)
+    chunks = tuple(ChunkTimes(arrivals[j], waits[j], issue[j], arrive[j]) for j in range(k))
+    return SplitSchedule(chunks=chunks, dense_end_s=clock, emb_bwd_start_s=emb, step_s=step)
+
+
+def split_step_s(terms: SplitTerms, k: int, chained: bool = False) -> float:
+    """The step's seconds under ``k`` chunks (``chained``: :func:`split_schedule`)."""
+    return split_schedule(terms, k, chained).step_s
+
+
+def unsplit_step_s(terms: SplitTerms) -> float:
+    """The ``overlap`` kind's step (its composition, written out): the batch-split step at k = 1."""
+    t = terms
+    return max(t.input_dist_s,
+               t.uvm_fetch_s + t.lookup_s + max(t.output_dist_s, t.dense_fwd_indep_s) + t.dense_fwd_rest_s
+               + t.dense_bwd_rest_s + max(t.grad_dist_s, t.dense_bwd_indep_s)
+               + max(t.backward_update_s, t.allreduce_s) + t.step_overhead_s)
+
+
+def choose_chunks(terms: SplitTerms, batch_size: Optional[int] = None, max_chunks: int = MAX_CHUNKS,
+                  chained: bool = False) -> int:
+    """The k in 1..``max_chunks`` (at most ``batch_size``, the samples per rank) whose step is the
+    shortest; the smallest such k on ties, so a split that wins nothing is not taken.
+    ``chained``: the runtime's order on CPU/gloo (:func:`split_schedule`)."""
+    top = min(max_chunks, MAX_CHUNKS, batch_size if batch_size is not None else MAX_CHUNKS)
+    if top < 1:
+        raise ValueError(f"batch split: no k to choose from (max_chunks={max_chunks}, batch_size={batch_size})")
+    best_k, best = 1, split_step_s(terms, 1)
+    for k in range(2, top + 1):
+        step = split_step_s(terms, k, chained)
+        if step < best:
+            best_k, best = k, step
+    return best_k

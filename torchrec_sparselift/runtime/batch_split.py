@@ -1,0 +1,608 @@
+"""Batch-split pipelining: the embeddings' output all-to-all in k chunks along the batch, the
+dense forward and backward of each chunk beside the next chunk's transfer. Exact.
+
+::
+
+    pipeline = TrainPipelineBatchSplit(dmp, optimizer, device, chunks=4)
+    for _ in range(steps):
+        loss, logits, labels = pipeline.progress(batches)
+
+It extends :class:`~torchrec_sparselift.runtime.overlap.TrainPipelineOverlap` (the next batch's
+input_dist runs behind the step; the lookups run and the output collectives are issued before the
+model's forward) and changes two things:
+
+- **The output collective is issued per chunk.** Every pipelined sharded embedding module runs its
+  lookup *once* over the whole batch; its local pooled embeddings are then split along the batch
+  (every destination rank's samples ``[s_j, s_j + b_j)``, :func:`chunk_sizes`) and TorchRec's own
+  output dist (the pooled all-to-all for table-wise and column-wise, the reduce-scatter for
+  row-wise, nothing for data-parallel) is called on each chunk with that chunk's batch size; each
+  returns chunk j's ``KeyedTensor``. On CUDA all k collectives are issued before the model runs
+  (NCCL sends them in issue order); on CPU chunk 0's is, and chunk j+1's when chunk j's
+  embeddings have arrived and are read (gloo runs two collectives at once: issued together, chunks
+  0 and 1 would share the link and the first would arrive later), so one chunk is on the wire at a
+  time.
+- **The model runs once per chunk**, on chunk j of the batch (:func:`slice_batch`); its sharded
+  embedding module returns chunk j's embeddings, so the dense forward of chunk j waits only for
+  chunk j's transfer while chunk j+1's is on the wire. The step's loss is the chunk losses
+  weighted by chunk size (``sum_j b_j/B * loss_j``, the whole batch's mean) and **one** backward
+  runs over it. The CPU autograd engine runs ready nodes latest-created first, and chunk j's
+  collective was issued (its request node created) before chunk j-1's dense work that consumes
+  embeddings: chunk j's gradient all-to-all is issued when chunk j's dense backward reaches it, and
+  the dense backward of chunk j-1 (created later than that request node) runs before the request
+  node waits for the gradient. The waits, the split's
+  backward (one node that concatenates the chunks' gradients) and the TBE backward with its fused
+  optimizer update come last, once, over the whole batch's gradient: the update is the unsplit
+  one. DDP runs ``no_sync`` for all but the last chunk's forward, so its one all-reduce follows the
+  one backward (on gloo held until the gradient all-to-alls arrived, as under ``overlap``).
+
+Exact: the same lookups, the same embedding update and the same dense gradient (a sum over the
+chunks' samples instead of over the batch's: equal up to floating-point summation order) as the
+unsplit pipeline. It needs a per-sample dense model: :func:`per_sample_violation` refuses
+modules that mix samples (BatchNorm in training, dropout's random masks drawn per chunk) and any
+module it cannot prove per-sample, unless the user declares the model per-sample
+(``per_sample=True``: every sample's output depends on that sample alone and the loss is the
+mean over the batch's samples).
+
+Devices: on CPU (gloo) the collectives run on gloo's worker threads beside the Python thread. On
+CUDA (NCCL) each chunk's input is cut and its collective issued on a side stream that waits for
+the lookups (an event on the current stream); the chunk's forward makes the current (dense)
+stream wait for that side stream's event recorded after the issue, and NCCL's ``wait()`` then
+orders the dense stream after the transfer. ``scripts/gpu_batch_split_check.py`` checks it on a
+lent GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable, ShardedEmbeddingBagCollection
+from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+from torchrec.distributed.types import ShardedModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNKS
+from torchrec_sparselift.runtime.overlap import OverlapPipelinedForward, TrainPipelineOverlap, _comm_requests
+
+__all__ = [
+    "MAX_CHUNKS",
+    "BATCH_SPLIT_PIPELINE",
+    "SPLIT_SHARDING_TYPES",
+    "NotPerSample",
+    "BatchSplitPipelinedForward",
+    "TrainPipelineBatchSplit",
+    "chunk_sizes",
+    "per_sample_violation",
+    "check_per_sample",
+    "slice_batch",
+    "merge_outputs",
+]
+
+#: sharding types whose output collective is split (their local pooled embeddings hold every
+#: destination rank's samples in rank order: ``[world * B, D]``), and data-parallel (``[B, D]``,
+#: no collective: split alone)
+SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel")
+_RANK_MAJOR = ("table_wise", "column_wise", "row_wise")
+
+#: profiler range around the lookups and the k chunked output collectives of one step
+BATCH_SPLIT_LABEL = "## batch split: lookup + chunked output_dist issued ##"
+
+
+class NotPerSample(ValueError):
+    """The model's dense part cannot be shown to treat samples independently: the batch-split
+    pipeline would not compute what the unsplit one computes."""
+
+
+# ------------------------------------------------------------------------------------------------
+# pure helpers: chunk sizes, the per-sample rule, batch slicing, output merging
+# ------------------------------------------------------------------------------------------------
+
+
+def chunk_sizes(batch_size: int, chunks: int) -> Tuple[int, ...]:
+    """Sizes of the ``chunks`` consecutive sample ranges a batch of ``batch_size`` splits into:
+    as equal as possible, the larger ones first (``chunk_sizes(10, 4) == (3, 3, 2, 2)``)."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"batch split: chunks must be an int in 1..{MAX_CHUNKS}, got {chunks!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < chunks:
+        raise ValueError(
+            f"batch split: a batch of {batch_size!r} samples per rank cannot split into {chunks} chunks: "
+            f"use at most {batch_size} chunks (or a larger batch)")
+    q, r = divmod(batch_size, chunks)
+    return tuple(q + (1 if j < r else 0) for j in range(chunks))
+
+
+#: module types whose forward treats every sample (dim 0) independently in training
+_PER_SAMPLE_TORCH: Tuple[type, ...] = (
+    nn.Linear, nn.Bilinear, nn.Identity, nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.LayerNorm,
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid,
+    nn.Tanh, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Embedding, nn.EmbeddingBag,
+)
+#: loss modules: per-sample with ``reduction="mean"`` (the chunk weighting assumes a mean)
+_MEAN_LOSSES: Tuple[type, ...] = (
+    nn.BCEWithLogitsLoss, nn.BCELoss, nn.MSELoss, nn.L1Loss, nn.CrossEntropyLoss, nn.NLLLoss,
+    nn.SmoothL1Loss, nn.HuberLoss,
+)
+#: TorchRec's DLRM family and its blocks (every one per-sample; DLRMTrain's loss a BCE mean)
+_PER_SAMPLE_TORCHREC = (
+    "torchrec.models.dlrm.DLRM", "torchrec.models.dlrm.DLRM_DCN", "torchrec.models.dlrm.DLRM_Projection",
+    "torchrec.models.dlrm.DLRMTrain", "torchrec.models.dlrm.DenseArch", "torchrec.models.dlrm.SparseArch",
+    "torchrec.models.dlrm.InteractionArch", "torchrec.models.dlrm.InteractionDCNArch",
+    "torchrec.models.dlrm.InteractionProjectionArch", "torchrec.models.dlrm.OverArch",
+    "torchrec.modules.mlp.MLP", "torchrec.modules.mlp.Perceptron", "torchrec.modules.activation.SwishLayerNorm",
+    "torchrec.modules.crossnet.CrossNet", "torchrec.modules.crossnet.LowRankCrossNet",
+    "torchrec.modules.crossnet.VectorCrossNet", "torchrec.modules.crossnet.LowRankMixtureCrossNet",
+)
+
+
+def _qualname(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def _inner_model(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "_dmp_wrapped_module", model)
+    return inner.module if isinstance(inner, DistributedDataParallel) else inner
+
+
+def _is_embedding_module(module: nn.Module) -> bool:
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    return isinstance(module, (ShardedModule, EmbeddingBagCollection, EmbeddingCollection))
+
+
+def per_sample_violation(model: nn.Module, declared: bool = False) -> Optional[str]:
+    """Why the dense part of ``model`` (a DMP, a DDP or the bare module; its embedding modules are
+    skipped) may not be split along the batch, or None where it may.
+
+    Always refused (the pipeline trains): a BatchNorm (in training it normalizes over the batch,
+    so a chunk's statistics differ from the batch's) and a dropout with p > 0 (its random masks are
+    drawn per chunk, not as in the unsplit step). Refused unless ``declared``: a module whose
+    type is not known to be per-sample (``torch.nn``'s layers, activations and LayerNorm; loss
+    modules with ``reduction="mean"``; TorchRec's DLRM family and MLP/CrossNet blocks), and a loss
+    with another reduction. ``declared``: the user states every sample's output depends on that
+    sample alone and the loss is the mean over the batch's samples."""
+    inner = _inner_model(model)
+    skip: List[str] = []
+    unknown: List[str] = []
+    for name, m in inner.named_modules():
+        if any(name.startswith(p + ".") for p in skip):
+            continue
+        where = name or "(the model)"
+        if _is_embedding_module(m):
+            skip.append(name)
+            continue
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return (f"batch split needs a per-sample dense model, but {where} ({type(m).__name__}) normalizes "
+                    "over the batch in training, so a chunk's statistics are not the batch's: keep batch_split=1 "
+                    "for this model (or replace the BatchNorm by a LayerNorm)")
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return (f"batch split is exact only without random per-sample masks, but {where} "
+                    f"({type(m).__name__}, p={m.p}) draws its masks per chunk: keep batch_split=1 for this model")
+        if isinstance(m, _MEAN_LOSSES):
+            if getattr(m, "reduction", "mean") != "mean" and not declared:
+                return (f"batch split weights the chunk losses by chunk size, which is the batch's loss only "
+                        f"for a mean, but {where} ({type(m).__name__}) has reduction={m.reduction!r}: use "
+                        "reduction='mean' or keep batch_split=1")
+            continue
+        if isinstance(m, _PER_SAMPLE_TORCH) or _qualname(m) in _PER_SAMPLE_TORCHREC:
+            continue
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            continue  # p == 0
+        unknown.append(f"{where} ({type(m).__name__})")
+    if unknown and not declared:
+        return (f"batch split cannot prove {', '.join(unknown[:4])}{', ...' if len(unknown) > 4 else ''} "
+                "per-sample (an op that mixes samples, such as in-batch negatives, would change the results): "
+                "declare the model per-sample (per_sample=True) if every sample's output depends on that "
+                "sample alone and the loss is the mean over the batch's samples, or keep batch_split=1")
+    return None
+
+
+def check_per_sample(model: nn.Module, declared: bool = False) -> None:
+    """:class:`NotPerSample` with :func:`per_sample_violation`'s reason, if any."""
+    why = per_sample_violation(model, declared)
+    if why is not None:
+        raise NotPerSample(why)
+
+
+def _slice_kjt(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
+    """Samples ``[start, stop)`` of every key of ``kjt`` (one batch size for every key)."""
+    keys = kjt.keys()
+    stride = kjt.stride()
+    lengths = kjt.lengths().view(len(keys), stride)
+    offsets = kjt.offsets()
+    values = kjt.values()
+    weights = kjt.weights_or_none()
+    lo = offsets[torch.arange(len(keys)) * stride + start].tolist()
+    hi = offsets[torch.arange(len(keys)) * stride + stop].tolist()
+    pieces = [values[a:b] for a, b in zip(lo, hi)]
+    wpieces = [weights[a:b] for a, b in zip(lo, hi)] if weights is not None else None
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat(pieces) if pieces else values[:0],
+        weights=torch.cat(wpieces) if wpieces else None,
+        lengths=lengths[:, start:stop].reshape(-1).contiguous(),
+        stride=stop - start,
+    )
+
+
+def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:
+    """Samples ``[start, stop)`` of ``batch`` (of ``batch_size`` samples): every tensor whose first
+    dimension is the batch, every ``KeyedJaggedTensor`` of that batch size, through dataclasses
+    (TorchRec's ``Batch``), lists, tuples and dicts; other values as they are. ``ValueError``
+    naming what cannot be sliced (a tensor or jagged tensor of another batch size)."""
+    if isinstance(batch, KeyedJaggedTensor):
+        if batch.variable_stride_per_key() or batch.stride() != batch_size:
+            raise ValueError(f"batch split: a KeyedJaggedTensor of batch size {batch.stride()} in a batch of "
+                             f"{batch_size} samples cannot be split along the batch")
+        return _slice_kjt(batch, start, stop)
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        if batch.shape[0] != batch_size:
+            raise ValueError(f"batch split: a tensor of shape {tuple(batch.shape)} in a batch of {batch_size} "
+                             "samples has no batch dimension first; split batches whose tensors lead with it")
+        return batch[start:stop]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{
+            f.name: slice_batch(getattr(batch, f.name), start, stop, batch_size)
+            for f in dataclasses.fields(batch) if f.init})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(slice_batch(v, start, stop, batch_size) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(slice_batch(v, start, stop, batch_size) for v in batch)
+    if isinstance(batch, dict):
+        return {k: slice_batch(v, start, stop, batch_size) for k, v in batch.items()}
+    return batch
+
+
+def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
+    """The whole batch's model output from the chunks' (``sizes``: their sample counts): scalar
+    tensors weighted by chunk size and summed (a chunk's mean loss -> the batch's mean), tensors
+    whose first dimension is the chunk's size concatenated along it, through tuples, lists and
+    dicts; equal non-tensor values kept. ``ValueError`` naming what cannot be merged."""
+    first = outputs[0]
+    total = float(sum(sizes))
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            return sum(o * (b / total) for o, b in zip(outputs, sizes))
+        if all(o.dim() >= 1 and o.shape[0] == b for o, b in zip(outputs, sizes)):
+            return torch.cat(list(outputs))
+        raise ValueError(f"batch split: the model returns a tensor of shape {tuple(first.shape)} for a chunk of "
+                         f"{sizes[0]} samples: neither a scalar nor per-sample, so the chunks cannot be merged")
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(merge_outputs(parts, sizes) for parts in zip(*outputs)))
+    if isinstance(first, (list, tuple)):
+        return type(first)(merge_outputs(parts, sizes) for parts in zip(*outputs))
+    if isinstance(first, dict):
+        return {k: merge_outputs([o[k] for o in outputs], sizes) for k in first}
+    if all(o == first for o in outputs[1:]):
+        return first
+    raise ValueError(f"batch split: the model returns {type(first).__name__} values that differ between "
+                     "chunks; return tensors, or keep batch_split=1")
+
+
+# ------------------------------------------------------------------------------------------------
+# the chunked output dist of one sharded module
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_module(module: nn.Module, name: str) -> None:
+    if type(module) is not ShardedEmbeddingBagCollection:
+        raise ValueError(f"batch split splits pooled embedding modules (ShardedEmbeddingBagCollection), but "
+                         f"{name} is a {type(module).__name__}: keep batch_split=1 for this model")
+    wrong = sorted({t for t in module._sharding_types if t not in SPLIT_SHARDING_TYPES})
+    if wrong:
+        raise ValueError(f"batch split splits the outputs of {', '.join(SPLIT_SHARDING_TYPES)} tables, but {name} "
+                         f"holds {', '.join(wrong)} tables: shard them with one of those or keep batch_split=1")
+    if module._has_mean_pooling_callback:
+        raise ValueError(f"batch split does not split {name}'s mean-pooled row-wise outputs (TorchRec divides "
+                         "them after the collective): use sum pooling there or keep batch_split=1")
+
+
+class _SideStream:
+    """CUDA: the stream a step's chunks are cut and their collectives issued on (it waits for the
+    lookups on the dense stream; NCCL's own stream waits for it), and the event per chunk the dense
+    (current) stream waits on before it reads chunk j; the tensors one stream allocates and the
+    other reads are marked for the caching allocator (``record_stream``). No-op on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.events: List[Any] = []
+        self.dense: Any = None  # the stream the step's dense work runs on
+
+    def begin(self, fresh: bool = True) -> Any:
+        """The side stream as the current one, after the dense stream's work so far (the lookups,
+        or, for a chained chunk, the wait for the previous one); ``fresh``: a new step's first."""
+        if fresh:
+            self.events = []
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self.dense = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(self.dense)
+        return torch.cuda.stream(self.stream)
+
+    def issued(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self.events.append(event)
+
+    def before_chunk(self, j: int) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.stream.device).wait_event(self.events[j])
+
+    def used_by_side(self, tensor: Optional[torch.Tensor]) -> None:
+        """A dense-stream tensor the side stream reads: its memory is not reused before that read."""
+        if self.cuda and isinstance(tensor, torch.Tensor):
+            tensor.record_stream(self.stream)
+
+    def read_by_dense(self, tensor: Optional[torch.Tensor]) -> None:
+        """A side-stream tensor the dense stream reads: its memory is not reused before that read."""
+        if self.cuda and isinstance(tensor, torch.Tensor):
+            tensor.record_stream(self.dense)
+
+
+class BatchSplitPipelinedForward(OverlapPipelinedForward):
+    """The pipelined forward of one sharded ``EmbeddingBagCollection`` under batch split.
+
+    :meth:`start_chunks` waits for the module's input_dist, runs its lookups over the whole batch
+    and issues its output collective per chunk of ``sizes`` samples (chunk-major: every sharding
+    group's chunk 0 first); each later call of the forward (the model runs once per chunk) returns
+    the next chunk's ``KeyedTensor`` awaitable."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._chunks: Dict[int, "_ChunkIssuer"] = {}
+        self._side: Optional[_SideStream] = None
+        self.held: List[torch.Tensor] = []  # the step's chunk inputs, alive until its backward ends
+
+    def start_chunks(self, context: TrainPipelineContext, sizes: Sequence[int], chained: bool,
+                     requests: List[Any]) -> None:
+        """Lookups of this module for ``context``'s batch, and its output collectives per chunk of
+        ``sizes`` samples: all of them now (``chained`` False), or chunk 0 now and chunk j+1 when
+        chunk j's embeddings have arrived and are read (``chained``). ``requests`` collects the
+        collectives' requests as they are issued (the all-reduce's hook waits for their gradients)."""
+        if id(context) in self._chunks:
+            raise RuntimeError(f"batch split: the output_dist of {self._name} for batch {context.index} was "
+                               "already started; start it once per batch")
+        module = self._module
+        _check_module(module, self._name)
+        if self._name not in context.input_dist_tensors_requests:
+            raise RuntimeError(f"batch split: the input_dist of {self._name} for batch {context.index} is not "
+                               "available: the module is called more than once per forward")
+        data = context.input_dist_tensors_requests.pop(self._name).wait()
+        ctx = context.module_contexts.pop(self._name)
+        if self._stream is not None:  # the input_dist ran on the data-dist stream
+            current = torch.get_device_module(self._device).current_stream()
+            current.wait_stream(self._stream)
+            data.record_stream(current)
+            ctx.record_stream(current)
+        if ctx.variable_batch_per_feature:
+            raise ValueError(f"batch split: {self._name} receives a variable batch per feature, which it does "
+                             "not split: keep batch_split=1")
+        batch = sum(sizes)
+        local: List[torch.Tensor] = []  # per sharding group: its local pooled embeddings
+        for i in range(len(module._lookups)):
+            lookup = module._lookups[i]
+            local.append(lookup(data[i]))
+            if hasattr(lookup, "wait_for_forward"):
+                lookup.wait_for_forward()
+            if getattr(lookup, "get_resize_awaitables", None) is not None and lookup.get_resize_awaitables():
+                raise ValueError(f"batch split: {self._name}'s lookups resize their outputs (2D fully sharded): "
+                                 "keep batch_split=1")
+        if self._side is None:
+            self._side = _SideStream(local[0].device)
+        self.held = []
+        step = _ChunkIssuer(self, local, ctx, sizes, batch, chained, requests)
+        self._chunks[id(context)] = step
+        step.issue_through(0 if chained else len(sizes) - 1)
+
+    def _chunk_inputs(self, embs: torch.Tensor, sharding_type: str, sctx: Any, sizes: Sequence[int],
+                      batch: int) -> List[Tuple[torch.Tensor, Any]]:
+        """Chunk j's slice of one sharding group's local pooled embeddings and the sharding context
+        its output dist reads (its batch size per rank)."""
+        if sharding_type not in _RANK_MAJOR:  # data-parallel: [B, D], this rank's own samples
+            if embs.shape[0] != batch:
+                raise ValueError(f"batch split: {self._name}'s data-parallel embeddings have {embs.shape[0]} rows "
+                                 f"for a batch of {batch}")
+            return [(p, sctx) for p in embs.split(list(sizes), dim=0)]
+        per_rank = list(sctx.batch_size_per_rank) if sctx is not None and sctx.batch_size_per_rank else []
+        world = embs.shape[0] // batch
+        if per_rank and any(b != batch for b in per_rank) or embs.shape[0] != world * batch:
+            raise ValueError(f"batch split: {self._name}'s ranks send batches of {per_rank or embs.shape[0]} "
+                             f"samples; it splits only equal batches of {batch} per rank: keep batch_split=1")
+        pieces = embs.view(world, batch, embs.shape[1]).split(list(sizes), dim=1)
+        return [(p.reshape(world * b, embs.shape[1]),
+                 dataclasses.replace(sctx, batch_size_per_rank=[b] * world) if sctx is not None else None)
+                for p, b in zip(pieces, sizes)]
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+        step = self._chunks.get(id(self._context))
+        if step is None or step.next_call >= len(step.sizes):
+            raise RuntimeError(f"batch split: {self._name} is called more often than the step has chunks (the "
+                               "model calls each embedding module once per forward)")
+        j = step.next_call
+        step.next_call += 1
+        step.issue_through(j)  # issued already unless the model never read the previous chunk
+        if step.next_call == len(step.sizes):
+            del self._chunks[id(self._context)]
+        if self._side is not None:
+            self._side.before_chunk(j)
+        return step.awaitables[j]
+
+    def discard(self, context: TrainPipelineContext) -> None:
+        self._chunks.pop(id(context), None)
+        super().discard(context)
+
+
+class _ChunkIssuer:
+    """One step's chunked output collectives of one module: cuts chunk j's inputs and issues its
+    collectives (:meth:`issue_through`), in chunk order, each once."""
+
+    def __init__(self, forward: BatchSplitPipelinedForward, local: List[torch.Tensor], ctx: Any,
+                 sizes: Sequence[int], batch: int, chained: bool, requests: List[Any]) -> None:
+        self.forward, self.local, self.ctx, self.sizes, self.batch = forward, local, ctx, tuple(sizes), batch
+        self.chained, self.requests = chained, requests
+        self.awaitables: List[Any] = []
+        self.next_call = 0
+        self._groups: Optional[List[List[Tuple[torch.Tensor, Any]]]] = None
+
+    def issue_through(self, last: int) -> None:
+        if len(self.awaitables) > last:
+            return
+        f, module, side = self.forward, self.forward._module, self.forward._side
+        with side.begin(fresh=not self.awaitables):  # CUDA: cut and issued on the side stream
+            if self._groups is None:
+                for embs in self.local:
+                    side.used_by_side(embs)
+                self._groups = [f._chunk_inputs(embs, module._sharding_types[i], self.ctx.sharding_contexts[i],
+                                                self.sizes, self.batch) for i, embs in enumerate(self.local)]
+            while len(self.awaitables) <= last:
+                j = len(self.awaitables)
+                awaitables = []
+                for i, dist in enumerate(module._output_dists):
+                    piece, sctx = self._groups[i][j]
+                    f.held.append(piece)
+                    awaitables.append(dist(piece, sctx))
+                chunk = EmbeddingBagCollectionAwaitable(
+                    awaitables=awaitables, embedding_dims=module._embedding_dims,
+                    embedding_names=module._embedding_names)
+                for request in _comm_requests(chunk, depth=8):
+                    side.read_by_dense(request.tensor)  # the receive buffer the chunk's wait reads
+                    self.requests.append(request)
+                if self.chained and j + 1 < len(self.sizes):
+                    chunk.callbacks.append(self._then_issue(j + 1))
+                self.awaitables.append(chunk)
+                side.issued()
+
+    def _then_issue(self, j: int) -> Any:
+        def issue(result: Any) -> Any:  # runs where chunk j-1's embeddings were waited for
+            self.issue_through(j)
+            return result
+
+        return issue
+
+
+class TrainPipelineBatchSplit(TrainPipelineOverlap):
+    """The overlap pipeline with each pipelined embedding module's output collective split into
+    ``chunks`` along the batch and the model run once per chunk (module docstring). Exact: the
+    same losses and weights as the unsplit pipeline.
+
+    Constructor arguments: those of ``TrainPipelineSparseDist`` (model: a DMP; optimizer; device),
+    and ``chunks`` (1..16; 1 runs the overlap pipeline's step), ``per_sample`` (declare the
+    dense model per-sample: :func:`per_sample_violation`) and ``chain_chunks`` (issue chunk j+1's
+    collectives when chunk j's embeddings are read, not all before the forward; default: on CPU,
+    where gloo runs two collectives at once and so would share the link between chunks 0 and 1,
+    delaying the first; NCCL runs one communicator's collectives in issue order anyway).
+    ``NotPerSample`` with the reason where the model cannot be split."""
+
+    _pipelined_forward_type = BatchSplitPipelinedForward
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *args: Any,
+                 chunks: int = 2, per_sample: bool = False, chain_chunks: Optional[bool] = None,
+                 **kwargs: Any) -> None:
+        chunk_sizes(chunks, chunks)  # validates chunks
+        check_per_sample(model, per_sample)
+        super().__init__(model, optimizer, device, *args, **kwargs)
+        self.chunks = chunks
+        self.chain_chunks = device.type == "cpu" if chain_chunks is None else bool(chain_chunks)
+        wrapped = getattr(model, "_dmp_wrapped_module", model)
+        self._ddp: Optional[DistributedDataParallel] = (
+            wrapped if isinstance(wrapped, DistributedDataParallel) else None)
+
+    def _split_forwards(self) -> List[BatchSplitPipelinedForward]:
+        forwards = self._overlap_forwards()
+        wrong = [type(f).__name__ for f in forwards if not isinstance(f, BatchSplitPipelinedForward)]
+        if wrong:
+            raise RuntimeError(f"batch split: pipelined modules carry {sorted(set(wrong))} forwards: build the "
+                               "TrainPipelineBatchSplit on an unpipelined DMP")
+        return forwards  # type: ignore[return-value]
+
+    def _batch_size(self, batch: Any) -> int:
+        kjts = _find(batch, KeyedJaggedTensor)
+        if kjts:
+            return int(kjts[0].stride())
+        tensors = [t for t in _find(batch, torch.Tensor) if t.dim() >= 1]
+        if not tensors:
+            raise ValueError("batch split: the batch holds no tensor with a batch dimension to split")
+        return int(tensors[0].shape[0])
+
+    def start_output_dist(self, context: TrainPipelineContext, sizes: Sequence[int] = ()) -> None:  # type: ignore[override]
+        with record_function(BATCH_SPLIT_LABEL):
+            requests: List[Any] = []  # filled as the chunks are issued; the all-reduce hook reads it
+            for forward in self._split_forwards():
+                forward.start_chunks(context, sizes, self.chain_chunks, requests)
+            self._step_requests = requests
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            raise StopIteration
+        self._set_module_context(self.contexts[0])
+        if self._model.training:
+            with record_function("## zero_grad ##"):
+                self._optimizer.zero_grad()
+        self._wait_for_batch()
+        batch = self.batches[0]
+        size = self._batch_size(batch)
+        sizes = chunk_sizes(size, self.chunks)
+        self.start_output_dist(self.contexts[0], sizes)
+        if len(self.batches) >= 2:
+            self.start_sparse_data_dist(self.batches[1], self.contexts[1])
+        if not self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)
+        losses: List[torch.Tensor] = []
+        outputs: List[Any] = []
+        try:
+            start = 0
+            for j, b in enumerate(sizes):
+                part = slice_batch(batch, start, start + b, size)
+                start += b
+                sync = j == len(sizes) - 1 or self._ddp is None
+                with record_function(f"## forward {self.contexts[0].index} chunk {j} ##"):
+                    with contextlib.nullcontext() if sync else self._ddp.no_sync():
+                        loss_j, out_j = self._model_fwd(part)
+                losses.append(loss_j)
+                outputs.append(out_j)
+        except BaseException:
+            for forward in self._split_forwards():
+                forward.discard(self.contexts[0])
+            raise
+        loss = merge_outputs(losses, sizes)
+        output = merge_outputs(outputs, sizes)
+        if self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)
+        if len(self.batches) >= 2:
+            self.wait_sparse_data_dist(self.contexts[1])
+        if self._model.training:
+            self._backward(loss)
+            self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, self.contexts[0])
+            self._optimizer_step()
+        for forward in self._split_forwards():
+            forward.held = []
+        self.dequeue_batch()
+        return output
+
+
+def _find(obj: Any, kind: type, depth: int = 4) -> List[Any]:
+    """Values of type ``kind`` inside ``obj`` (dataclasses, sequences, dicts), in order."""
+    if isinstance(obj, kind):
+        return [obj]
+    if depth == 0:
+        return []
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items: Sequence[Any] = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    else:
+        return []
+    return [x for item in items for x in _find(item, kind, depth - 1)]
