@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
+from benchmarks.harness import write_report
 from torchrec_sparselift.cost.report import mape, spearman  # noqa: F401 (F.mape/F.spearman in tests)
 from torchrec_sparselift.dlrm import model as dlrm_model
 from torchrec_sparselift.dlrm import tables as dlrm_tables
@@ -474,8 +475,7 @@ def _cmd_fit(args) -> int:
         print("leave-one-out (each plan predicted by a profile fitted on the other plans):")
         print(format_report(rep))
         if args.loo_out:
-            with open(args.loo_out, "w", encoding="utf-8") as f:
-                json.dump(rep, f, indent=1)
+            write_report(args.loo_out, rep)
     return 0
 
 
@@ -531,9 +531,7 @@ def _cmd_measure(args) -> int:
                        wall_s=time.time() - t0, records=recs,
                        started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                        torch=torch.__version__)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump(out, f, indent=1)
+            write_report(args.out, out)
             print(f"[fidelity] wrote {args.out}")
         dist.barrier()
     finally:
@@ -629,8 +627,7 @@ def _cmd_report(args) -> int:
     rep["key"] = args.key
     print(format_report(rep))
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(rep, f, indent=1)
+        write_report(args.out, rep)
     return 0
 
 

@@ -31,13 +31,14 @@ import argparse
 import json
 import os
 import socket
-import sys
 import tempfile
 from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from benchmarks.harness import exit_now, write_report
 
 __all__ = ["main", "CASES"]
 
@@ -269,10 +270,9 @@ def main(argv: Any = None) -> int:
               f"{shard / mib:7.2f} {ours[w] / mib:10.2f} {ours[w] / shard:5.2f} {theirs[w] / mib:8.2f} "
               f"{theirs[w] / shard:5.2f}", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "records": records}, f, indent=1)
+        write_report(args.out, {"args": vars(args), "records": records})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main)

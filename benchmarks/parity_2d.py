@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.harness import exit_now, write_report
+
 WORLD, GROUP = 4, 2  # default ranks and 2D sharding group size L (R = world / L replicas)
 TABLE_ROWS = [20000, 8000, 2000, 500]
 DIM, DENSE = 8, 4
@@ -472,8 +474,7 @@ def main(argv=None) -> int:
                 print(json.dumps(res), flush=True)
         print(summarize(results))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"args": vars(args), "results": results}, f, indent=2)
+            write_report(args.out, {"args": vars(args), "results": results}, indent=2)
         return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -494,10 +495,9 @@ def main(argv=None) -> int:
         return 1
     print(summarize(results))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+        write_report(args.out, {"args": vars(args), "results": results}, indent=2)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main)

@@ -34,7 +34,8 @@ from benchmarks.real_runs import BATCH_SEED, WORKLOADS, _workloads, torchrec_pla
 from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.measure import probe
 from torchrec_sparselift.measure.attribution import attribute_steps
-from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
+from torchrec_sparselift.runtime.pipelines import make_train_pipeline
+from torchrec_sparselift.vocabulary import PIPELINES as PIPELINE_KINDS
 
 __all__ = ["main"]
 

@@ -32,7 +32,7 @@ from benchmarks.real_runs import BATCH_SEED, WORKLOADS, _workloads, torchrec_pla
 from benchmarks.regimes import job_topology, lift_run
 from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, restore_affinity
-from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS
+from torchrec_sparselift.vocabulary import PIPELINES as PIPELINE_KINDS
 
 __all__ = ["main", "regions"]
 

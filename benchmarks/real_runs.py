@@ -53,8 +53,8 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from benchmarks.harness import (Cycle, exit_now, geomean, interleaved_rounds, paired_ratio, spread, start_worker,
-                                stop_worker, timed_steps, write_report)
+from benchmarks.harness import (Cycle, exit_now, geomean, interleaved_rounds, paired_ratio, spread, timed_steps,
+                                worker, write_report)
 from torchrec_sparselift import SparseLiftPlanner
 from torchrec_sparselift.calibration.pricer import PlanPricer
 from torchrec_sparselift.calibration.records import HostTermRecord
@@ -488,9 +488,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         p.error(f"unknown workloads {unknown}; choose from {list(table)}")
 
-    me = start_worker()
-    rank, say = me.rank, me.say
-    try:
+    with worker() as me:
+        rank, say = me.rank, me.say
         t_start = time.time()
         fp = current_fingerprint("cpu", ranks_per_host(world_size=dist.get_world_size()))
         store = ProfileStore()
@@ -584,9 +583,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(args.out + ".plans.pkl", "wb") as f:  # for `real_runs.py report` (re-pricing)
                 pickle.dump(all_plans, f)
             say(f"[real_runs] wrote {args.out} ({out['wall_s']:.0f} s)")
-        dist.barrier()
-    finally:
-        stop_worker()
+        dist.barrier()  # rank 0's files are written before any rank leaves
     return 0
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import real_runs
-from benchmarks.harness import exit_now, interleaved_rounds, start_worker, stop_worker, write_report
+from benchmarks.harness import exit_now, interleaved_rounds, worker, write_report
 from torchrec_sparselift.calibration.store import auto_profile
 from torchrec_sparselift.measure.probe import DEFAULT_TIMING, measure_plan, prebuilt_batches, probe_model
 from torchrec_sparselift.measure.steps import probe_topology as _topology
@@ -67,9 +67,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
 
-    me = start_worker()
-    rank, say = me.rank, me.say
-    try:
+    with worker() as me:
+        rank, say = me.rank, me.say
         w, alpha = real_runs._workloads()[args.workload]
         profile = auto_profile("cpu", 2, warn=lambda m: None)[0]
         plans = {name: plan for name, plan, _c in real_runs._plans(w, _topology(2, "cpu"), profile, dist.group.WORLD,
@@ -122,8 +121,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                         load_end=os.getloadavg()[0], variants={n: VARIANTS[n] for n in names},
                                         results=res))
         dist.barrier()
-    finally:
-        stop_worker()
     return 0
 
 

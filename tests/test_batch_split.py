@@ -1,6 +1,7 @@
 """Batch-split pipelining (runtime/batch_split.py) on 2 gloo ranks: exact (losses and final dense
 and embedding weights equal the unsplit overlap pipeline's over 50 steps of TorchRec's DLRM, for
-k = 2 and 4, table-wise alone and table-wise + row-wise + column-wise + data-parallel), really
+k = 2 and 4, table-wise alone, table-wise + row-wise + column-wise + data-parallel, and
+table-row-wise + table-wise + row-wise), really
 split (k output all-to-alls, all issued before the first chunk's dense forward, and k gradient
 all-to-alls, each issued before the dense backward of the chunk before it), and refused with its
 reason for models it cannot prove per-sample."""
@@ -26,6 +27,8 @@ KS = (2, 4)
 PLANS = {
     "table_wise": {"t0": ("tw", 0), "t1": ("tw", 1), "t2": ("tw", 0), "t3": ("tw", 1), "t4": ("tw", 0)},
     "mixed": {"t0": ("tw", 0), "t1": ("tw", 1), "t2": ("rw", None), "t3": ("cw", None), "t4": ("dp", None)},
+    "table_row_wise": {"t0": ("twrw", None), "t1": ("tw", 1), "t2": ("twrw", None), "t3": ("tw", 0),
+                       "t4": ("rw", None)},
 }
 
 
@@ -67,7 +70,8 @@ def _sharded(plan_name: str, state: Dict[str, Any] = None):  # type: ignore[assi
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, get_default_sharders, row_wise, table_wise,
+        column_wise, construct_module_sharding_plan, data_parallel, get_default_sharders, row_wise, table_row_wise,
+        table_wise,
     )  # fmt: skip
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -80,7 +84,8 @@ def _sharded(plan_name: str, state: Dict[str, Any] = None):  # type: ignore[assi
     make = {"tw": lambda r: table_wise(rank=r, compute_kernel="fused"),
             "rw": lambda r: row_wise(compute_kernel="fused"),
             "cw": lambda r: column_wise(ranks=[0, 1], compute_kernel="fused"),
-            "dp": lambda r: data_parallel()}
+            "dp": lambda r: data_parallel(),
+            "twrw": lambda r: table_row_wise(host_index=0)}
     spec = PLANS[plan_name]
     plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
         ebc, {t: make[kind](r) for t, (kind, r) in spec.items()},
@@ -166,6 +171,7 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
         start = copy.deepcopy(dict(ref_dmp.state_dict()))
         if plan_name == "table_wise":
             start_tw = copy.deepcopy(start)
+        out[plan_name, "start"] = {k: _local(v).clone() for k, v in ref_dmp.state_dict().items()}
         ref_calls: List[str] = []
         out[plan_name, 0] = _train(ref_dmp, ref_opt, 0, batches, count=ref_calls)
         out[plan_name, 0, "calls"] = ref_calls
@@ -176,6 +182,8 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
             out[plan_name, k] = _train(dmp, opt, k, batches, count=calls)
             out[plan_name, k, "calls"] = calls
             out[plan_name, k, "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
+    # the wrapper from an execution plan's optimizations: lift() reads batch_split and builds the split pipeline
+    out["lifted"], out["lifted", "class"] = _lifted(copy.deepcopy(start_tw), batches)
     # every chunk's collective issued before the forward (the CUDA order) run on gloo
     dmp, opt = _sharded("table_wise", copy.deepcopy(start_tw))
     calls = []
@@ -183,6 +191,39 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out["upfront", "calls"] = calls
     out["upfront", "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
     return out
+
+
+def _lifted(state: Dict[str, Any], batches: List[Any]):  # type: ignore[no-untyped-def]
+    """Table-wise, through ``lift`` from a plan whose optimizations ask for batch split 2: losses
+    and the pipeline's class."""
+    import attrs
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from torchrec_sparselift.plan.execution_plan import Optimizations
+    from torchrec_sparselift.runtime import lift
+
+    dmp, _opt = _sharded("table_wise")
+
+    @attrs.frozen
+    class Plan:  # the two attributes the runtime reads of an execution plan
+        sharding_plan: Any
+        optimizations: Optimizations
+
+    torch.manual_seed(3)
+    lifted = lift(_model(), Plan(dmp.plan, Optimizations(pipeline="overlap", batch_split=2)),
+                  device=torch.device("cpu"), embedding_optimizer=(RowWiseAdagrad, {"lr": 0.1}),
+                  dense_optimizer_factory=lambda params: torch.optim.Adagrad(params, lr=0.05))
+    lifted.model.load_state_dict(state)
+    it = iter(batches)
+    losses = [float(lifted.pipeline.progress(it)[0]) for _ in range(STEPS)]
+    return losses, type(lifted.pipeline).__name__
+
+
+def test_lift_applies_the_plan_s_batch_split_and_trains_like_the_unsplit_pipeline(results):
+    for rank, r in enumerate(results):
+        assert r["lifted", "class"] == "TrainPipelineBatchSplit"
+        torch.testing.assert_close(torch.tensor(r["lifted"]), torch.tensor(r["table_wise", 0]), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +249,9 @@ def test_batch_split_final_weights_equal_the_unsplit_pipeline(results, plan_name
         ref, split = r[plan_name, 0, "weights"], r[plan_name, k, "weights"]
         assert split.keys() == ref.keys()
         assert any("embedding_bags" in n for n in ref) and any("over_arch" in n for n in ref)
+        for n in ref:  # every table trains (a table that never updates would compare equal trivially)
+            if "embedding_bags" in n and ref[n].numel():
+                assert not torch.equal(ref[n], r[plan_name, "start"][n]), f"rank {rank} {plan_name}: {n} never trained"
         for n, v in ref.items():
             torch.testing.assert_close(split[n], v, rtol=1e-4, atol=1e-5,
                                        msg=lambda m, n=n: f"rank {rank} {plan_name} k={k} {n}: {m}")

@@ -120,13 +120,16 @@ def test_a_comm_bound_dlrm_step_splits_and_a_costly_chunk_does_not():
     assert choose_chunks(t, batch_size=1024, chained=True) > 1
 
 
-def test_chunks_arrive_in_order_and_gradients_leave_last_chunk_first():
+@pytest.mark.parametrize("chained", [False, True])
+def test_chunks_arrive_in_order_and_gradients_leave_last_chunk_first(chained):
     t = _dlrm_like(latency=0.001, overhead=0.001)
-    sched = split_schedule(t, 4)
+    sched = split_schedule(t, 4, chained)
     arrivals = [c.arrival_s for c in sched.chunks]
     issues = [c.grad_issue_s for c in sched.chunks]
     assert arrivals == sorted(arrivals) and issues == sorted(issues, reverse=True)
     assert sched.emb_bwd_start_s >= max(c.grad_arrival_s for c in sched.chunks)
+    if chained:  # each gradient leaves once the one before it has arrived
+        assert all(sched.chunks[c - 1].grad_issue_s >= sched.chunks[c].grad_arrival_s for c in range(1, 4))
 
 
 def test_bad_terms_are_refused_with_the_culprit():
@@ -139,3 +142,12 @@ def test_bad_terms_are_refused_with_the_culprit():
     with pytest.raises(KeyError, match="'grad_dist'"):
         SplitTerms.from_phases({"input_dist": 0, "lookup": 0, "output_dist": 0, "dense_fwd": 0, "dense_bwd": 0},
                                chunk_latency_s=0.0, chunk_overhead_s=0.0)
+
+
+def test_the_schedule_describes_each_chunk():
+    t = _dlrm_like(latency=0.001, overhead=0.001)
+    sched = split_schedule(t, 2)
+    lines = sched.describe()
+    assert len(lines) == 3 and lines[0].startswith("chunk 0: embeddings in at ")
+    assert f"step {sched.step_s * 1e3:.2f} ms" in lines[-1]
+    assert f"forward waits {sched.chunks[1].fwd_wait_s * 1e3:.2f} ms" in lines[1]

@@ -60,3 +60,18 @@ def test_the_runtime_reads_the_plan_s_batch_split():
 def test_make_train_pipeline_refuses_a_batch_split_of_another_kind():
     with pytest.raises(ValueError, match="splits the 'overlap' pipeline's all-to-alls"):
         make_train_pipeline("sparse_dist", torch.nn.Linear(1, 1), None, torch.device("cpu"), batch_split=2)
+
+
+def test_a_per_sample_declaration_is_dropped_where_the_plan_splits_nothing(monkeypatch):
+    import torchrec_sparselift.runtime.pipelines as pipelines
+
+    built = {}
+
+    class Recorder:
+        def __init__(self, model, optimizer, device, **kwargs):  # type: ignore[no-untyped-def]
+            built.update(kwargs)
+
+    monkeypatch.setattr(pipelines, "pipeline_class", lambda kind, device: Recorder)
+    make_train_pipeline("overlap", torch.nn.Linear(1, 1), None, torch.device("cpu"),
+                        options={"per_sample": True, "chain_chunks": False, "other": 1}, batch_split=1)
+    assert built == {"other": 1}

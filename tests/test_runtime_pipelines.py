@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from launcher import run_ranks
-from torchrec_sparselift.runtime.pipelines import EXACT_PIPELINE_KINDS
+from torchrec_sparselift.vocabulary import SYNC_PIPELINES
 from torchrec_sparselift.vocabulary import pipeline as registry_pipeline
 
 WORLD = 2
@@ -179,7 +179,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
 
     out["plain"] = _plain_loop_losses(_lift(_plan, pipeline="base"), batches)
 
-    for kind in EXACT_PIPELINE_KINDS:
+    for kind in SYNC_PIPELINES:
         lifted = _lift(_plan, pipeline=kind)
         out[kind] = _pipeline_losses(lifted, batches)
         out[f"{kind}_class"] = type(lifted.pipeline).__name__
@@ -187,7 +187,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
     # a data-parallel table (dense kernel, updated by the optimizer step, not in the backward):
     # every pipeline the registry lets train it must still compute the plain loop's losses
     out["plain_dp"] = _plain_loop_losses(_lift(_plan_with_data_parallel, pipeline="base"), batches)
-    for kind in EXACT_PIPELINE_KINDS:
+    for kind in SYNC_PIPELINES:
         if registry_pipeline(kind).dense_kernel:
             out[f"{kind}_dp"] = _pipeline_losses(_lift(_plan_with_data_parallel, pipeline=kind), batches)
 
@@ -312,7 +312,7 @@ def test_a_data_parallel_table_trains_as_it_would_table_wise(runs, optimizer: st
 
 @pytest.mark.multiprocess
 def test_exact_pipelines_that_train_data_parallel_tables_equal_the_plain_loop(runs) -> None:  # type: ignore[no-untyped-def]
-    kinds = [k for k in EXACT_PIPELINE_KINDS if registry_pipeline(k).dense_kernel]
+    kinds = [k for k in SYNC_PIPELINES if registry_pipeline(k).dense_kernel]
     assert "fused" in kinds and "sparse_dist" in kinds
     for res in runs:
         assert len(res["plain_dp"]) == STEPS
@@ -321,7 +321,7 @@ def test_exact_pipelines_that_train_data_parallel_tables_equal_the_plain_loop(ru
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", EXACT_PIPELINE_KINDS)
+@pytest.mark.parametrize("kind", SYNC_PIPELINES)
 def test_synchronous_pipeline_losses_equal_plain_loop(runs, kind) -> None:  # type: ignore[no-untyped-def]
     for res in runs:
         assert len(res[kind]) == STEPS
@@ -557,7 +557,7 @@ def test_semi_sync_refuses_tables_on_the_dense_kernel(table_plan) -> None:  # ty
         model.ebc, {"t0": gen, **fused}, world_size=WORLD, local_size=WORLD, device_type="cpu")})
     with pytest.raises(ValueError, match=r"ebc\.t0.*compute_kernel='fused'"):
         check_pipeline_supports_plan("semi_sync", plan)
-    for kind in EXACT_PIPELINE_KINDS:  # every synchronous pipeline accepts it
+    for kind in SYNC_PIPELINES:  # every synchronous pipeline accepts it
         check_pipeline_supports_plan(kind, plan)
     fused_only = ShardingPlan({"ebc": construct_module_sharding_plan(
         model.ebc, {"t0": table_wise(rank=0, compute_kernel="fused"), **fused},

@@ -110,8 +110,9 @@ def test_pipeline_name_lists_are_the_registry():
     from torchrec_sparselift.cost.two_d import SYNC_PIPELINES_2D
     from torchrec_sparselift.plan import PIPELINES as PLAN_PIPELINES
 
-    assert PLAN_PIPELINES == runtime_pipelines.PIPELINE_KINDS == cost_pipelines.PIPELINES == v.PIPELINES
-    assert runtime_pipelines.EXACT_PIPELINE_KINDS == cost_pipelines.SYNC_PIPELINES == v.SYNC_PIPELINES
+    assert PLAN_PIPELINES == cost_pipelines.PIPELINES == v.PIPELINES
+    assert tuple(runtime_pipelines._CLASSES) == v.PIPELINES
+    assert cost_pipelines.SYNC_PIPELINES == v.SYNC_PIPELINES
     assert SYNC_PIPELINES_2D == v.PIPELINES_2D
     assert set(v.SYNC_PIPELINES) | set(v.STALE_PIPELINES) == set(v.PIPELINES)
     assert all(v.pipeline(n).exact for n in v.SYNC_PIPELINES)

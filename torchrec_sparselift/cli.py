@@ -589,7 +589,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if segments is None:
             raise CliError("--png needs the step timeline: give the plan's inputs (see the note above)")
         _draw_png(args.png, lambda: plan_png(p, segments, args.png, title=f"{os.path.basename(args.plan)}: "
-                                             f"{ep.summary()}", comparison=comparison))
+                                             f"{ep.summary()}", comparison=comparison,
+                                             capacity=repriced.capacity))
     return 0
 
 

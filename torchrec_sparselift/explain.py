@@ -214,6 +214,9 @@ class RepricedPlan:
     segments: Tuple[Segment, ...]  # the step timeline
     supports_overlap: bool
     inputs_differ: str  # why the inputs differ from the plan's fingerprint; "" when they match
+    #: per rank, the (device, host) bytes the plan may fill (the planner's memory_caps; a 2D
+    #: plan's one sharding group): the capacity its memory is drawn against
+    capacity: Tuple[Tuple[float, ...], Tuple[float, ...]] = ((), ())
 
 
 def reprice_plan(ep: Any, planner: Any, module: Any, constraints: Optional[Mapping[str, Any]], topology: Any,
@@ -237,7 +240,8 @@ def reprice_plan(ep: Any, planner: Any, module: Any, constraints: Optional[Mappi
     step = evaluated.search.step
     supports = getattr(evaluated.profile, "supports_overlap", True)
     segments = step_timeline(step.phases, step.pipeline, supports, topology.world_size > topology.local_world_size)
-    return RepricedPlan(evaluated, tuple(expl), tuple(segments), bool(supports), why or "")
+    capacity = (tuple(float(c) for c in dev_cap), tuple(float(c) for c in host_cap))
+    return RepricedPlan(evaluated, tuple(expl), tuple(segments), bool(supports), why or "", capacity)
 
 
 def _ms(x: float) -> str:

@@ -18,17 +18,31 @@ What is refused, and how it is named:
 - a field that is missing, of the wrong type, or out of range (non-finite numbers, negative
   counts, integers beyond int64), by its path (``tables[3].rows``, ``modules["sparse.ebc"]``).
 
+What the package keys stored things by (plan fingerprints, the plan cache, the machine a profile
+was fitted on, guard results) is :func:`canonical_digest`: the sha256 of an object's canonical
+JSON (:func:`canonical_form`), the same in any process.
+
+Every record's ``from_dict`` reads through the same :class:`Fields` (:func:`record_reader`,
+:func:`read_attrs`): a dict in memory gets the errors a file gets, named by the record
+(``StepRecord: measured_s: ...``), and a file's loader hands its own reader to ``from_dict`` so the
+error names the file and the field path (``step records runs.json: records[2].measured_s: ...``).
+
 Like ``errors`` and ``atomic`` this module is a base module every layer may use: it imports
-nothing of the package but ``errors``, and nothing outside the standard library (PyYAML only
-when a YAML file is read).
+nothing of the package but ``errors``, and nothing outside the standard library and attrs
+(PyYAML only when a YAML file is read).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import hashlib
 import json
 import math
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type
+
+import attrs
 
 from torchrec_sparselift.errors import FileFormatError
 
@@ -43,6 +57,10 @@ __all__ = [
     "load_json",
     "load_structured",
     "field_path",
+    "record_reader",
+    "read_attrs",
+    "canonical_form",
+    "canonical_digest",
 ]
 
 #: Largest value an int64 tensor dimension (rows, columns, sizes, offsets) can hold.
@@ -408,7 +426,9 @@ class Fields:
               fix: str = "") -> Any:
         """``fn(value of field name)``; a ``KeyError``/``TypeError``/``ValueError``/... that ``fn``
         raises on a malformed value becomes this reader's error naming the field (``name``: ``None``
-        for this object itself). A :class:`FileFormatError` from ``fn`` passes through."""
+        for this object itself). A :class:`FileFormatError` from ``fn`` of this reader's error type
+        passes through; one of another type (a nested record's ``from_dict`` reading a dict) becomes
+        this reader's error, its message kept."""
         if name is None:
             value = self.data
         else:
@@ -420,8 +440,10 @@ class Fields:
                 return default
         try:
             return fn(value)
-        except FileFormatError:
-            raise
+        except FileFormatError as e:
+            if isinstance(e, self.error):
+                raise
+            raise self.fail(name, f"is malformed: {e}", fix or "restore the file or write it again") from None
         except KeyError as e:
             raise self.fail(name, f"is malformed: key {e} is missing", fix or "restore the file or write it again"
                             ) from None
@@ -499,3 +521,104 @@ def _default_fix(kind: type, desc: str) -> str:
     if kind is float:
         return "write a plain number in that range (no quotes, no NaN/Infinity)"
     return f"write {desc} there"
+
+
+# ----------------------------------------------------------------------------------------------
+# records
+# ----------------------------------------------------------------------------------------------
+
+
+def record_reader(record: type, data: Any, error: Type[FileFormatError] = FileFormatError) -> Fields:
+    """The reader a ``record``'s ``from_dict`` reads ``data`` with: ``data`` itself when it is a
+    :class:`Fields` (a file's loader hands over its reader, so errors name the file and the field
+    path), else a reader of the dict whose errors name the record (``StepRecord: measured_s: ...``)."""
+    if isinstance(data, Fields):
+        return data
+    return Fields(data, what=record.__name__, error=error)
+
+
+def read_attrs(record: type, data: Any, *, kinds: Optional[Dict[str, type]] = None, ignore_unknown: bool = False,
+               error: Type[FileFormatError] = FileFormatError, **read: Callable[[Fields], Any]) -> Any:
+    """One attrs ``record`` from ``data`` (a dict or a :class:`Fields` reader, as :func:`record_reader`).
+
+    Keys that are not the record's fields are refused (``ignore_unknown``: skipped, for records
+    whose older files carry more); a field without a default must be present (null is passed on
+    to the record: its validators say whether it may be), one with a default may be absent or
+    null; ``kinds[name]`` checks a present value's type (:meth:`Fields.req`; ``float`` takes an int
+    and gives a float); ``read[name](reader)`` builds a field from the reader (nested records).
+    The record's own validators run last, and whatever they refuse is a
+    :class:`FileFormatError` naming the record (or the file) and the object's path."""
+    f = record_reader(record, data, error)
+    fields = [a for a in attrs.fields(record) if a.init]
+    names = [a.name for a in fields]
+    if not ignore_unknown:
+        f.only(names)
+    values: Dict[str, Any] = {}
+    for a in fields:
+        has_default = a.default is not attrs.NOTHING
+        if a.name in read:
+            value = read[a.name](f)
+        elif a.name not in f.data:
+            if not has_default:
+                raise f.fail(a.name, "is missing", f"add {a.name!r}")
+            continue
+        elif f.data[a.name] is None and has_default:
+            continue
+        elif kinds and a.name in kinds and f.data[a.name] is not None:
+            value = f.req(a.name, kinds[a.name])
+        else:
+            value = f.data[a.name]
+        values[a.alias if getattr(a, "alias", None) else a.name.lstrip("_")] = value
+    return f.build(None, lambda _d: record(**values))
+
+
+# ----------------------------------------------------------------------------------------------
+# canonical JSON digests
+# ----------------------------------------------------------------------------------------------
+
+
+def canonical_form(obj: Any) -> Any:
+    """``obj`` as plain JSON values that do not depend on dict or set order: mappings by key
+    (keys as strings), sets sorted, tuples as lists, non-finite floats as their ``repr``, enums as
+    ``Type.NAME``, and named tuples, dataclasses, attrs classes and other objects as their fields
+    (public, non-callable attributes) under ``"__type__"``; an object with no readable state is
+    its type's full name."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, enum.Enum):
+        return f"{type(obj).__qualname__}.{obj.name}"
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else repr(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): canonical_form(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (frozenset, set)):
+        return sorted((canonical_form(v) for v in obj), key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(obj, tuple) and hasattr(obj, "_asdict"):
+        return {"__type__": type(obj).__qualname__, **canonical_form(obj._asdict())}
+    if isinstance(obj, (list, tuple)):
+        return [canonical_form(v) for v in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: canonical_form(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {"__type__": type(obj).__qualname__, **fields}
+    attributes = getattr(type(obj), "__attrs_attrs__", None)  # an attrs class (attrs.has)
+    if attributes is not None:
+        return {"__type__": type(obj).__qualname__,
+                **canonical_form({a.name: getattr(obj, a.name) for a in attributes})}
+    if hasattr(obj, "__dict__"):
+        public = {k: v for k, v in vars(obj).items() if not callable(v)}
+        return {"__type__": type(obj).__qualname__, **canonical_form(public)}
+    return {"__type__": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+
+
+def canonical_digest(obj: Any, *, chars: int = 64, spaced: bool = False) -> str:
+    """sha256 hex of the canonical JSON of ``obj`` (:func:`canonical_form`, keys sorted): equal
+    inputs give equal digests in any process. ``chars``: the digest's first characters (short
+    keys in file names). ``spaced``: the JSON has ``json.dumps``'s default separators
+    (``", "``, ``": "``) instead of none, the text the machine fingerprint
+    (``calibration.store.MachineFingerprint.digest``) and the measured guard's cache keys hash,
+    so profiles and guard results stored under those keys keep being found."""
+    separators = (", ", ": ") if spaced else (",", ":")
+    text = json.dumps(canonical_form(obj), sort_keys=True, separators=separators)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:chars]

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from torchrec_sparselift import defaults
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COMPUTE_KERNELS, SHARDING_TYPES, SOLVERS
-from torchrec_sparselift.vocabulary import FUSED_KERNELS as _FUSED_KERNELS
+from torchrec_sparselift.vocabulary import FUSED_KERNELS
 
 __all__ = [
     "validate_inputs",
@@ -59,7 +59,6 @@ __all__ = [
     "raise_problems",
     "Problems",
     "FUSED_DIM_MULTIPLE",
-    "FUSED_KERNELS",
     "KNOWN_SHARDING_TYPES",
     "KNOWN_COMPUTE_KERNELS",
     "int_at_least",
@@ -69,8 +68,6 @@ __all__ = [
 #: dim is a multiple of 4, on CUDA *and* on CPU (measured with fbgemm-gpu-cpu 1.8.0). The dense
 #: kernel (data-parallel tables) takes any dim.
 FUSED_DIM_MULTIPLE = 4
-#: Kernels backed by the TBE that needs ``embedding_dim % FUSED_DIM_MULTIPLE == 0``.
-FUSED_KERNELS: Tuple[str, ...] = _FUSED_KERNELS
 
 #: TorchRec's sharding types and compute kernels (:mod:`torchrec_sparselift.vocabulary`).
 KNOWN_SHARDING_TYPES: Tuple[str, ...] = SHARDING_TYPES

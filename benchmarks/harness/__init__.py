@@ -13,8 +13,8 @@
 from benchmarks.harness.report import machine, report_header, write_report
 from benchmarks.harness.rounds import Cycle, interleaved_rounds, rotated, timed_steps
 from benchmarks.harness.stats import geomean, median_step, paired_ratio, spread
-from benchmarks.harness.worker import Worker, exit_now, names_arg, quiet, start_worker, stop_worker, worker
+from benchmarks.harness.worker import exit_now, names_arg, quiet, start_worker, stop_worker, worker
 
 __all__ = ["machine", "report_header", "write_report", "Cycle", "interleaved_rounds", "rotated", "timed_steps",
-           "geomean", "median_step", "paired_ratio", "spread", "Worker", "exit_now", "names_arg", "quiet",
+           "geomean", "median_step", "paired_ratio", "spread", "exit_now", "names_arg", "quiet",
            "start_worker", "stop_worker", "worker"]

@@ -11,13 +11,14 @@ import sys
 import warnings
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
-import attrs
 import torch
 import torch.distributed as dist
 
+from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.dlrm.run import Cluster
 from torchrec_sparselift.measure.probe import pin_rank_to_core
 
-__all__ = ["Worker", "quiet", "start_worker", "stop_worker", "worker", "exit_now", "names_arg"]
+__all__ = ["quiet", "start_worker", "stop_worker", "worker", "exit_now", "names_arg"]
 
 
 def quiet() -> None:
@@ -28,30 +29,13 @@ def quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
-@attrs.frozen
-class Worker:
-    """This rank of the benchmark's process group."""
-
-    rank: int
-    world_size: int
-    device: Any
-
-    @property
-    def pg(self) -> Any:
-        return dist.group.WORLD
-
-    def say(self, message: str) -> None:
-        """Print ``message`` (flushed) on rank 0; nothing elsewhere."""
-        if self.rank == 0:
-            print(message, flush=True)
-
-
 def start_worker(backend: str = "gloo", threads: Optional[int] = 1, seed: Optional[int] = None,
-                 pin: bool = False, quiet_logs: bool = True, **init: Any) -> Worker:
+                 pin: bool = False, quiet_logs: bool = True, **init: Any) -> Cluster:
     """Join the process group torchrun set up (``init``: more ``init_process_group`` keywords, e.g.
     ``rank``, ``world_size``, ``store`` for a spawned rank); ``threads`` intra-op threads (None:
     torch's default); ``seed`` for torch's generator; ``pin``: this rank on its own core (CPU, as the
-    step calibration and the DLRM example run). The device is CPU for gloo, this rank's GPU for nccl."""
+    step calibration and the DLRM example run). The device is CPU for gloo, this rank's GPU for nccl.
+    Returns this rank of the group (``rank``, ``world_size``, ``pg``, ``device``, ``say``: rank 0 prints)."""
     if quiet_logs:
         quiet()
     if threads is not None:
@@ -67,7 +51,8 @@ def start_worker(backend: str = "gloo", threads: Optional[int] = 1, seed: Option
         pin_rank_to_core(dist.group.WORLD)
     if seed is not None:
         torch.manual_seed(seed)
-    return Worker(rank=rank, world_size=world, device=device)
+    return Cluster(rank=rank, world_size=world, local_world_size=ranks_per_host(world_size=world), device=device,
+                   backend=backend)
 
 
 def stop_worker() -> None:
@@ -77,7 +62,7 @@ def stop_worker() -> None:
 
 
 @contextlib.contextmanager
-def worker(**kw: Any) -> Iterator[Worker]:
+def worker(**kw: Any) -> Iterator[Cluster]:
     """:func:`start_worker` for the ``with`` block; the process group is left however it ends."""
     w = start_worker(**kw)
     try:

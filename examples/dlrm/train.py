@@ -127,33 +127,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainOptions:
                    help="with --sharding-group-size and the default 2D strategy: how replicas merge at each sync "
                    "(average: TorchRec's DMPCollection; momentum_scaled: the momentum-scaled row-wise AdaGrad "
                    "merge, which reproduces 1D when syncing every step; docs/optimizer.md)")
-    p.add_argument(
-        "--measured-guard",
-        type=int,
-        default=D["measured_guard"],
-        metavar="N",
-        help="sparselift: before training, measure SparseLift's best N candidate plans and TorchRec's plan for a "
-        "few steps each and keep the fastest (0: off); the result is cached with the plan",
-    )
+    p.add_argument("--measured-guard", type=int, default=D["measured_guard"], metavar="N",
+                   help="sparselift: before training, measure SparseLift's best N candidate plans and TorchRec's "
+                   "plan for a few steps each and keep the fastest (0: off); the result is cached with the plan")
     p.add_argument("--guard-steps", type=int, default=D["guard_steps"], metavar="S", help="timed steps per measured-guard trial")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save sharded model + optimizer state here; resume from it")
     p.add_argument("--checkpoint-every", type=int, default=D["checkpoint_every"], metavar="N", help="checkpoint after every N steps")
-    p.add_argument(
-        "--fail-at-step",
-        type=int,
-        metavar="K",
-        help="testing: exit non-zero after step K (and its checkpoint, if K is a multiple of --checkpoint-every); "
-        "only on torchrun's first attempt, so --max-restarts resumes",
-    )
+    p.add_argument("--fail-at-step", type=int, metavar="K",
+                   help="testing: exit non-zero after step K (and its checkpoint, if K is a multiple of "
+                   "--checkpoint-every); only on torchrun's first attempt, so --max-restarts resumes")
     p.add_argument("--out", help="write the JSON result here (rank 0)")
-    p.add_argument(
-        "--attribute",
-        type=int,
-        default=D["attribute"],
-        metavar="N",
-        help="after training, profile N more steps (torch.profiler) and print where the step time goes per "
-        "sparse-path node kind next to the model's prediction; costs 2 + 2N extra steps (they train too)",
-    )
+    p.add_argument("--attribute", type=int, default=D["attribute"], metavar="N",
+                   help="after training, profile N more steps (torch.profiler) and print where the step time goes "
+                   "per sparse-path node kind next to the model's prediction; costs 2 + 2N extra steps (they "
+                   "train too)")
     p.add_argument(
         "--attribution-out",
         metavar="FILE.json",

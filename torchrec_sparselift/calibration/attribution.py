@@ -32,7 +32,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift.atomic import write_json
-from torchrec_sparselift.files import Fields, load_json
+from torchrec_sparselift.files import Fields, load_json, read_attrs, record_reader
 from torchrec_sparselift.cost.model import BWD, FWD, dp_optimizer_s, node_time
 from torchrec_sparselift.cost.pipelines import PHASES
 from torchrec_sparselift.semantics.graph import shard_nodes
@@ -154,9 +154,10 @@ class RankAttribution:
                 "kinds_ms": dict(self.kinds_ms), "unprofiled_step_ms": self.unprofiled_step_ms}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RankAttribution":
-        return cls(rank=int(d["rank"]), steps=int(d["steps"]), step_ms=float(d["step_ms"]),
-                   kinds_ms=d["kinds_ms"], unprofiled_step_ms=d.get("unprofiled_step_ms"))
+    def from_dict(cls, d: Any) -> "RankAttribution":
+        """The rank :meth:`to_dict` wrote (a dict, or a file's reader)."""
+        return read_attrs(cls, d, kinds={"rank": int, "steps": int, "step_ms": float, "kinds_ms": dict,
+                                         "unprofiled_step_ms": float})
 
 
 @attrs.frozen(kw_only=True)
@@ -208,11 +209,15 @@ class StepAttribution:
                 "ranks": [r.to_dict() for r in self.ranks]}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StepAttribution":
-        if d.get("schema") != SCHEMA:
-            raise ValueError(f"not a {SCHEMA} record (schema {d.get('schema')!r})")
-        return cls(ranks=[RankAttribution.from_dict(r) for r in d["ranks"]], label=str(d.get("label", "")),
-                   pipeline=str(d.get("pipeline", "")), device=str(d.get("device", "cpu")))
+    def from_dict(cls, d: Any) -> "StepAttribution":
+        """The attribution :meth:`to_dict` wrote (a dict, or a file's reader)."""
+        f = record_reader(cls, d)
+        schema = f.data.get("schema")
+        if schema != SCHEMA:
+            raise f.fail("schema", f"is {schema!r}, not {SCHEMA!r}: not an attribution file",
+                         "write one with examples/dlrm/train.py --attribute N --attribution-out FILE")
+        return read_attrs(cls, f, ignore_unknown=True, kinds={"label": str, "pipeline": str, "device": str},
+                          ranks=lambda r: [RankAttribution.from_dict(x) for x in r.objs("ranks", nonempty=True)])
 
 
 def save_attribution(path: str, att: StepAttribution) -> None:
@@ -224,15 +229,8 @@ def load_attribution(path: str) -> StepAttribution:
     """Read a file written by :func:`save_attribution`;
     :class:`~torchrec_sparselift.errors.FileFormatError` (a ``ValueError``) naming the file and the
     field (``ranks[1].kinds_ms``) for anything else."""
-    f = Fields(load_json(path, "attribution file", top=dict), file=path, what="attribution file")
-    schema = f.data.get("schema")
-    if schema != SCHEMA:
-        raise f.fail("schema", f"is {schema!r}, not {SCHEMA!r}: not an attribution file",
-                     "write one with examples/dlrm/train.py --attribute N --attribution-out FILE")
-    ranks = [r.build(None, RankAttribution.from_dict) for r in f.objs("ranks", nonempty=True)]
-    label, pipeline = f.opt("label", str, ""), f.opt("pipeline", str, "")
-    device = f.opt("device", str, "cpu")
-    return f.build(None, lambda _d: StepAttribution(ranks=ranks, label=label, pipeline=pipeline, device=device))
+    return StepAttribution.from_dict(Fields(load_json(path, "attribution file", top=dict), file=path,
+                                            what="attribution file"))
 
 
 def dp_optimizer_seconds(evaluated: Any) -> float:

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.files import field_path, read_attrs, record_reader
+
 __all__ = [
     "LookupRecord",
     "CollectiveRecord",
@@ -150,15 +152,25 @@ class MicrobenchRecords:
         }
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> "MicrobenchRecords":
-        if data.get("schema") != RECORDS_SCHEMA:
-            raise ValueError(
-                f"not a calibration records file (schema {data.get('schema')!r}, expected "
-                f"{RECORDS_SCHEMA!r}); write one with `sparselift calibrate kernels --records PATH`"
-            )
-        return cls(
-            **{key: [typ(**r) for r in data.get(key, [])] for key, typ in _RECORD_TYPES.items()}
-        )
+    def from_dict(cls, data: Any) -> "MicrobenchRecords":
+        """The records :meth:`to_dict` wrote (a dict, or a file's reader): unknown and missing keys,
+        and counts outside 1..int64, are named by field before the records' own validators run."""
+        f = record_reader(cls, data)
+        schema = f.data.get("schema")
+        if schema != RECORDS_SCHEMA:
+            raise f.fail("schema", f"is {schema!r}, not {RECORDS_SCHEMA!r}: not a calibration records file",
+                         "write one with `sparselift calibrate kernels --records PATH`")
+        return read_attrs(cls, f, ignore_unknown=True,
+                          **{key: (lambda r, key=key, typ=typ: [_record(x, typ) for x in r.objs(key, required=False)])
+                             for key, typ in _RECORD_TYPES.items()})
+
+
+def _record(r: Any, typ: type) -> Any:
+    """One record of type ``typ`` from its reader ``r``, its counts checked as integers >= 1."""
+    for a in attrs.fields(typ):
+        if a.validator is positive_int and a.name in r.data:
+            r.check(r.data[a.name], int, field_path(r.path, a.name), lo=1)
+    return read_attrs(typ, r)
 
 
 # -- host work the step fit cannot separate -----------------------------------------------------

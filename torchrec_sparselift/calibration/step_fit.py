@@ -44,6 +44,7 @@ from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.calibration.attribution import StepAttribution, measured_groups
 from torchrec_sparselift.cost.report import mape
 from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS, FitTerm
+from torchrec_sparselift.files import read_attrs, record_reader
 
 __all__ = [
     "FitRecord",
@@ -449,14 +450,17 @@ class StepFitInfo:
     _FIELDS = ("fit", "model_version", "host_terms", "fit_records", "drift_spread", "feedback_records")
 
     @classmethod
-    def from_dict(cls, info: Optional[Mapping[str, Any]]) -> "StepFitInfo":
-        d = dict(info or {})
-        return cls(fit=d.get("fit") or {}, model_version=d.get("model_version"),
-                   host_terms=d.get("host_terms"),
-                   fit_records=[FitRecord(**r) for r in d.get("fit_records") or []],
-                   drift_spread=None if d.get("drift_spread") is None else float(d["drift_spread"]),
-                   feedback_records=int(d.get("feedback_records", 0)),
-                   extra={k: v for k, v in d.items() if k not in cls._FIELDS})
+    def from_dict(cls, info: Any) -> "StepFitInfo":
+        """The info :meth:`to_dict` wrote (a dict, a file's reader, or None: no step fit)."""
+        f = record_reader(cls, {} if info is None else info)
+        return read_attrs(cls, f, ignore_unknown=True,
+                          kinds={"fit": dict, "model_version": int, "host_terms": dict, "drift_spread": float,
+                                 "feedback_records": int},
+                          fit_records=lambda r: [read_attrs(FitRecord, x, kinds={"label": str, "quantities": dict,
+                                                                                 "fixed_s": float, "measured_s": float,
+                                                                                 "kind": str, "weight": float})
+                                                 for x in r.objs("fit_records", required=False)],
+                          extra=lambda r: {k: v for k, v in r.data.items() if k not in cls._FIELDS})
 
     def to_dict(self) -> Dict[str, Any]:
         out = dict(self.extra)

@@ -20,8 +20,6 @@ the current machine's GPU (:func:`current_fingerprint` with ``device="cuda"``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import platform
 import time
@@ -41,7 +39,7 @@ from torchrec_sparselift.calibration.step_fit import STEP_MODEL_VERSION, StepFit
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS
 from torchrec_sparselift.errors import FileFormatError
-from torchrec_sparselift.files import Fields, load_json, parse_json
+from torchrec_sparselift.files import Fields, canonical_digest, load_json, parse_json, read_attrs, record_reader
 
 __all__ = [
     "MachineFingerprint",
@@ -103,23 +101,20 @@ class MachineFingerprint:
         return attrs.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MachineFingerprint":
-        known = {f.name for f in attrs.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> "MachineFingerprint":
-        """A fingerprint from a file's object read by ``f`` (every field required, of its type;
-        unknown keys are ignored, as :meth:`from_dict` does)."""
-        return cls(**{a.name: f.req(a.name, int, lo=0) if a.type == "int" else f.req(a.name, str)
-                      for a in attrs.fields(cls)})
+    def from_dict(cls, data: Any) -> "MachineFingerprint":
+        """The fingerprint :meth:`to_dict` wrote (a dict, or a file's reader): every field of its
+        type, ``hosts`` 1 where absent (one-host profiles), unknown keys ignored."""
+        f = record_reader(cls, data)
+        for a in attrs.fields(cls):
+            if a.type == "int" and f.has(a.name):
+                f.req(a.name, int, lo=0)
+        return read_attrs(cls, f, ignore_unknown=True, kinds={a.name: str for a in attrs.fields(cls) if a.type == "str"})
 
     def digest(self) -> str:
         d = self.to_dict()
         if d["hosts"] == 1:
             del d["hosts"]
-        text = json.dumps(d, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return canonical_digest(d, chars=16, spaced=True)
 
     def differences(self, other: "MachineFingerprint") -> List[str]:
         """``"field: mine vs other"`` for each field that differs (empty: same machine)."""
@@ -318,10 +313,10 @@ class ProfileStore:
         if schema != STORED_SCHEMA:
             raise f.fail("schema", f"is {schema!r}, not {STORED_SCHEMA!r}: not a stored sparselift profile",
                          "remove the file from the profile store")
-        fingerprint = MachineFingerprint.from_fields(f.obj("fingerprint"))
+        fingerprint = MachineFingerprint.from_dict(f.obj("fingerprint"))
         profile = HardwareProfile.from_fields(f.obj("profile"))
         info = f.opt("info", dict, {})
-        f.build("info", StepFitInfo.from_dict, required=False)  # what .step_fit reads later
+        StepFitInfo.from_dict(f.obj("info", required=False))  # what .step_fit reads later
         return StoredProfile(profile=profile, fingerprint=fingerprint, path=path, info=dict(info))
 
     def all(self) -> List[StoredProfile]:

@@ -31,6 +31,7 @@ from torchrec_sparselift.cost.model import (
     step_total_batch,
 )
 from torchrec_sparselift.cost.terms import layout
+from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["PlanEvaluator", "Assignment"]
 
@@ -169,7 +170,7 @@ class PlanEvaluator:
         self.uniform += self.peers[cand] * (n * sign)
         self.allreduce_bytes += self.allreduce[cand] * n * sign / max(self.W, 1)
         st = self.types[cand]
-        if st != "data_parallel":
+        if st != DATA_PARALLEL:
             self.groups[st] += 1 if sign > 0 else -1
             if self.groups[st] <= 0:
                 del self.groups[st]
@@ -272,9 +273,9 @@ class PlanEvaluator:
         if old is not None:
             uniform = uniform - self.peers[oc] * len(oranks)
             allreduce -= self.allreduce[oc] * len(oranks) / self.W
-            if old_t != "data_parallel" and old_t != new_t and self.groups.get(old_t, 0) == 1:
+            if old_t != DATA_PARALLEL and old_t != new_t and self.groups.get(old_t, 0) == 1:
                 ngroups -= 1
-        if new_t != "data_parallel" and new_t != old_t and self.groups.get(new_t, 0) == 0:
+        if new_t != DATA_PARALLEL and new_t != old_t and self.groups.get(new_t, 0) == 0:
             ngroups += 1
         return self.objective_of(colmax + uniform, allreduce, ngroups)
 
@@ -292,7 +293,7 @@ class PlanEvaluator:
                 present[r, self.group_of[cand]] = True
             uniform += self.peers[cand] * len(ranks)
             allreduce += self.allreduce[cand] * len(ranks) / self.W
-            if self.types[cand] != "data_parallel":
+            if self.types[cand] != DATA_PARALLEL:
                 groups.add(self.types[cand])
         loads = host_mean_rows(loads, self.ctx)  # each rank's own bytes -> its host's mean
         loads += present.sum(axis=1)[:, None] * self.overhead[None, :]

@@ -59,7 +59,7 @@ from torchrec_sparselift.cost.pipelines import (
 from torchrec_sparselift.semantics.dense import DenseWork  # re-exported: the cost layer prices it
 from torchrec_sparselift.semantics.graph import HOST_WORK_KINDS, Candidate, Node, shard_memory, shard_nodes
 from torchrec_sparselift.semantics.tables import TableSpec
-from torchrec_sparselift.vocabulary import COMM_PRECISION_BYTES, comm_precision
+from torchrec_sparselift.vocabulary import COMM_PRECISION_BYTES, DATA_PARALLEL, comm_precision
 
 __all__ = [
     "COMPONENTS",
@@ -356,7 +356,7 @@ def dp_optimizer_s(specs, cands, ctx: CostContext) -> float:
     (:mod:`torchrec_sparselift.calibration.attribution`'s ``dense_optimizer``)."""
     total = 0.0
     for spec, cand in zip(specs, cands):
-        if cand.sharding_type != "data_parallel":
+        if cand.sharding_type != DATA_PARALLEL:
             continue
         for node in shard_nodes(spec, cand, ctx.world_size, ctx.local_world_size):
             if node.backward and node.kind not in ("grad_allreduce", "grad_dist") and node.unit != "rows":

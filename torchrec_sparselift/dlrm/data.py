@@ -79,15 +79,8 @@ def _dense_direction(seed: int) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
-def synthetic_batch(
-    tables: Sequence[TableSpec],
-    batch_size: int,
-    seed: int,
-    rank: int,
-    step: int,
-    alpha: float = 1.05,
-    strength: float = 3.0,
-) -> Batch:
+def synthetic_batch(tables: Sequence[TableSpec], batch_size: int, seed: int, rank: int, step: int,
+                    alpha: float = 1.05, strength: float = 3.0) -> Batch:
     """Rank ``rank``'s batch for ``step``: ``batch_size`` samples, 13 dense features, one bag of
     ``pooling_factor`` power-law ids per feature of ``tables`` (KJT keys in table order), and
     labels drawn from the planted model described in the module docstring."""
@@ -124,16 +117,8 @@ def synthetic_batch(
     )
 
 
-def synthetic_batches(
-    tables: Sequence[TableSpec],
-    batch_size: int,
-    seed: int,
-    rank: int,
-    steps: int,
-    alpha: float = 1.05,
-    strength: float = 3.0,
-    start: int = 0,
-) -> Iterator[Batch]:
+def synthetic_batches(tables: Sequence[TableSpec], batch_size: int, seed: int, rank: int, steps: int,
+                      alpha: float = 1.05, strength: float = 3.0, start: int = 0) -> Iterator[Batch]:
     """The synthetic batches of steps ``start .. steps - 1`` for ``rank`` (see ``synthetic_batch``);
     a run resumed at ``start`` sees exactly the batches an uninterrupted run sees from there."""
     for step in range(start, steps):

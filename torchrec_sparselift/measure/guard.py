@@ -41,8 +41,6 @@ the 2-core machine, defaults 2 x (5 + 16): 2.6-3.0 s per trial for the default D
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
 import math
 import os
@@ -53,9 +51,16 @@ import attrs
 from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.errors import FileFormatError
+from torchrec_sparselift.files import canonical_digest, read_attrs
 from torchrec_sparselift.calibration.feedback import feedback_records
 from torchrec_sparselift.cost.hardware import HardwareProfile, profile_for_topology
-from torchrec_sparselift.vocabulary import OPT_IN_SHARDING_TYPES, SHARDING_TYPES
+from torchrec_sparselift.vocabulary import (
+    DATA_PARALLEL,
+    OPT_IN_SHARDING_TYPES,
+    ROW_WISE,
+    SHARDING_TYPES,
+    TABLE_WISE,
+)
 from torchrec_sparselift.validation import int_at_least
 from torchrec_sparselift.calibration.feedback import add_feedback
 from torchrec_sparselift.calibration.pricer import PlanPricer
@@ -144,9 +149,12 @@ class GuardResult:
                     trials=[dict(attrs.asdict(t), runs_s=list(t.runs_s)) for t in self.trials])
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> "GuardResult":
-        return cls(chosen=data["chosen"], trials=tuple(GuardTrial(**t) for t in data["trials"]),
-                   settings=dict(data.get("settings") or {}))
+    def from_dict(cls, data: Any) -> "GuardResult":
+        """The result :meth:`to_dict` wrote (a dict, or a file's reader)."""
+        trial_kinds = {"label": str, "source": str, "predicted_s": float, "measured_s": float, "runs_s": list,
+                       "same_as": str}
+        return read_attrs(cls, data, kinds={"chosen": str, "settings": dict},
+                          trials=lambda r: tuple(read_attrs(GuardTrial, t, kinds=trial_kinds) for t in r.objs("trials")))
 
     def format(self) -> str:
         """One line per trial: measured and predicted ms, the chosen one marked."""
@@ -200,9 +208,9 @@ def choose_measured(candidates: Sequence[Candidate], trial: Callable[[str, Any],
 #: Alternative restrictions SparseLift plans under to propose more candidates: name -> sharding
 #: types removed (``None``: only table-wise allowed).
 ALTERNATIVES: Tuple[Tuple[str, Optional[Tuple[str, ...]]], ...] = (
-    ("no_data_parallel", ("data_parallel",)),
+    ("no_data_parallel", (DATA_PARALLEL,)),
     ("table_wise_only", None),
-    ("no_row_wise", ("row_wise",)),
+    ("no_row_wise", (ROW_WISE,)),
 )
 #: What a table without a user restriction may use in an alternative: every sharding type the
 #: planner offers by default (semantics.tables leaves grid_shard out unless a constraint names it).
@@ -220,10 +228,10 @@ def _restricted(constraints: Optional[Dict[str, Any]], table_names: Sequence[str
         base = (constraints or {}).get(name)
         c = copy.deepcopy(base) if base is not None else ParameterConstraints()
         allowed = list(c.sharding_types) if c.sharding_types else list(_ALL_TYPES)
-        keep = ["table_wise"] if removed is None else [t for t in allowed if t not in removed]
+        keep = [TABLE_WISE] if removed is None else [t for t in allowed if t not in removed]
         keep = [t for t in keep if t in allowed] or allowed
         c.sharding_types = keep
-        if c.compute_kernels and "data_parallel" not in keep:
+        if c.compute_kernels and DATA_PARALLEL not in keep:
             c.compute_kernels = [k for k in c.compute_kernels if k != "dense"] or c.compute_kernels
         out[name] = c
     return out
@@ -249,8 +257,8 @@ def guard_fingerprint(planner: Any, model: Any, sharders: Sequence[Any], guard: 
 
 def guard_cache_path(cache_dir: str, fingerprint: Any, guard: MeasuredGuard) -> str:
     """``cache_dir/guarded-<digest>.json``; ``fingerprint`` is :func:`guard_fingerprint`'s."""
-    text = json.dumps({"plan": fingerprint.digest(), "guard": guard.to_dict()}, sort_keys=True)
-    return os.path.join(cache_dir, f"guarded-{hashlib.sha256(text.encode()).hexdigest()[:20]}.json")
+    key = canonical_digest({"plan": fingerprint.digest(), "guard": guard.to_dict()}, chars=20, spaced=True)
+    return os.path.join(cache_dir, f"guarded-{key}.json")
 
 
 def _table_names(model: Any) -> List[str]:

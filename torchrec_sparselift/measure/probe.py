@@ -33,6 +33,7 @@ from torchrec_sparselift.measure.attribution import attribute_steps
 from torchrec_sparselift.runtime.model_parallel import build_optimizer
 from torchrec_sparselift.runtime.timing import StepTimer
 from torchrec_sparselift.semantics.workload import observe
+from torchrec_sparselift.vocabulary import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_WISE
 
 __all__ = [
     "ProbeTable",
@@ -117,7 +118,7 @@ PROBE_WORKLOADS: Tuple[ProbeWorkload, ...] = (
                   model="dlrm", dense=(64,), batch_size=512,
                   # all data-parallel: 1.4 s a step (its 87 MB replicas' all-reduce and optimizer),
                   # a sixth of the calibration for terms the other probes' replicas already fit
-                  skip_kinds=("data_parallel",)),
+                  skip_kinds=(DATA_PARALLEL,)),
 )
 
 #: Probe plan kinds: one sharding type for every table, or by size (mixed; dp_small: the smaller half
@@ -130,7 +131,7 @@ PROBE_WORKLOADS: Tuple[ProbeWorkload, ...] = (
 #: column-wise in one full-width shard (the same shard, bytes and lookups as table-wise), so the
 #: plan has the shards of all-table-wise but two sharding groups, i.e. twice the input/output/grad
 #: all-to-alls: per-collective cost separates from per-table and per-step cost.
-PLAN_KINDS = ("table_wise", "row_wise", "data_parallel", "column_wise", "mixed", "dp_small", "two_groups")
+PLAN_KINDS = (TABLE_WISE, ROW_WISE, DATA_PARALLEL, COLUMN_WISE, "mixed", "dp_small", "two_groups")
 
 
 def probe_model(w: ProbeWorkload):
@@ -220,18 +221,18 @@ def probe_constraints(tables: Sequence[Any], kind: str, big_rows: Optional[int] 
     out = {}
     for t in tables:
         if kind == "dp_small":
-            st = "data_parallel" if t.name in small else "table_wise"
+            st = DATA_PARALLEL if t.name in small else TABLE_WISE
         elif kind == "two_groups":
-            st = "column_wise" if t.name in second else "table_wise"
+            st = COLUMN_WISE if t.name in second else TABLE_WISE
         elif kind == "mixed":
-            st = "row_wise" if t.rows >= largest else ("data_parallel" if t.rows < 1000 else "table_wise")
+            st = ROW_WISE if t.rows >= largest else (DATA_PARALLEL if t.rows < 1000 else TABLE_WISE)
         elif kind == "column_wise_big":
-            st = "column_wise" if t.rows >= big else "table_wise"
+            st = COLUMN_WISE if t.rows >= big else TABLE_WISE
         else:
             st = kind
-        kw: Dict[str, Any] = dict(sharding_types=[st], compute_kernels=["dense" if st == "data_parallel" else "fused"],
+        kw: Dict[str, Any] = dict(sharding_types=[st], compute_kernels=["dense" if st == DATA_PARALLEL else "fused"],
                                   pooling_factors=[float(t.pooling_factor)] * len(t.features))
-        if st == "column_wise":
+        if st == COLUMN_WISE:
             kw["min_partition"] = t.dim if kind == "two_groups" else (column_dim or max(4, t.dim // 2))
         out[t.name] = ParameterConstraints(**kw)
     return out

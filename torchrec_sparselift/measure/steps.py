@@ -64,6 +64,7 @@ from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_
 from torchrec_sparselift.measure.probe import probe_constraints
 from torchrec_sparselift.planner import SparseLiftPlanner
 from torchrec_sparselift.runtime.pipelines import make_train_pipeline
+from torchrec_sparselift.vocabulary import TABLE_WISE
 
 __all__ = [
     "forced_plan",
@@ -218,7 +219,7 @@ def measure_probes(
 
 #: The plan measured before and after each probe workload to normalize the machine's drift
 #: (:func:`measure_probes`): ``(workload, kind)``.
-REFERENCE_PLAN = ("probe_many", "table_wise")
+REFERENCE_PLAN = ("probe_many", TABLE_WISE)
 #: Timed steps of each reference measurement (at least; its lower quartile is the reading).
 REFERENCE_STEPS = 30
 
@@ -406,7 +407,7 @@ def measure_pipeline_factors(
     for wname in workloads:
         w = by_name[wname]
         batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
-        plan, _cons = forced_plan(probe.probe_model(w), w.tables, "table_wise", topo, w.batch_size, pg, base,
+        plan, _cons = forced_plan(probe.probe_model(w), w.tables, TABLE_WISE, topo, w.batch_size, pg, base,
                                   stats=probe.probe_stats(w, n=PROBE_BATCHES))
         times: Dict[str, List[float]] = {k: [] for k in kinds}
         for b in range(instances):

@@ -16,10 +16,7 @@ no files, no logging.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import enum
-import hashlib
 import json
 import math
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -30,21 +27,17 @@ from torchrec_sparselift import defaults
 from torchrec_sparselift.cost.wire_ids import ID_DTYPES, feature_tuple
 from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNKS
 from torchrec_sparselift.errors import PlanFormatError
-from torchrec_sparselift.files import Fields, decode_utf8, load_json, parse_json
+from torchrec_sparselift.files import Fields, canonical_digest, canonical_form, decode_utf8, load_json, parse_json
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
 from torchrec_sparselift.validation import int_at_least
 from torchrec_sparselift.semantics.layout import Layout2D
 from torchrec_sparselift.semantics.tables import embedding_configs, embedding_modules
 from torchrec_sparselift.semantics.workload import WorkloadStats
-from torchrec_sparselift.vocabulary import COMM_PRECISIONS as _COMM_PRECISIONS
-from torchrec_sparselift.vocabulary import PIPELINES as _PIPELINES
-from torchrec_sparselift.vocabulary import STRATEGIES_2D
+from torchrec_sparselift.vocabulary import COMM_PRECISIONS, PIPELINES, STRATEGIES_2D
 import torchrec_sparselift
 
 __all__ = [
     "EXECUTION_PLAN_SCHEMA",
-    "PIPELINES",
-    "COMM_PRECISIONS",
     "PlanFormatError",
     "Optimizations",
     "RankPrediction",
@@ -55,7 +48,6 @@ __all__ = [
     "fingerprint_inputs",
     "sharding_plan_digest",
     "table_specs",
-    "canonical_digest",
     "topology_description",
     "ExecutionPlan",
 ]
@@ -65,56 +57,14 @@ EXECUTION_PLAN_SCHEMA = "sparselift.execution_plan/2"
 #: Schema 1 keyed plans without the planner's options (guards, pipelines, 2D settings), so a plan
 #: stored under them is never reused: it is re-planned with this reason.
 _OLDER_SCHEMAS = {"sparselift.execution_plan/1": "it was keyed without the planner's options"}
-#: Train-pipeline kinds (:data:`torchrec_sparselift.vocabulary.PIPELINES`, one order everywhere).
-PIPELINES = _PIPELINES
-#: Element types of the forward (pooled embeddings) / backward (their gradients) all-to-alls
-#: (:data:`torchrec_sparselift.vocabulary.COMM_PRECISIONS`).
-COMM_PRECISIONS = _COMM_PRECISIONS
 
 #: (module_path, table_name, rows, dim, feature_names, pooled[, data_type])
 TableSpec = Tuple[Any, ...]
 
 
-
 # ----------------------------------------------------------------------------------------------
 # canonical JSON digests
 # ----------------------------------------------------------------------------------------------
-
-
-def _canonical(obj: Any) -> Any:
-    """A JSON-ready, process-independent description of ``obj`` (no ``hash()``, no ``id()``)."""
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, enum.Enum):
-        return f"{type(obj).__qualname__}.{obj.name}"
-    if isinstance(obj, int):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else repr(obj)
-    if isinstance(obj, Mapping):
-        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(obj, (frozenset, set)):
-        return sorted((_canonical(v) for v in obj), key=lambda v: json.dumps(v, sort_keys=True))
-    if isinstance(obj, tuple) and hasattr(obj, "_asdict"):
-        return {"__type__": type(obj).__qualname__, **_canonical(obj._asdict())}
-    if isinstance(obj, (list, tuple)):
-        return [_canonical(v) for v in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: _canonical(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        return {"__type__": type(obj).__qualname__, **fields}
-    if attrs.has(type(obj)):
-        return {"__type__": type(obj).__qualname__, **_canonical(attrs.asdict(obj, recurse=False))}
-    if hasattr(obj, "__dict__"):
-        public = {k: v for k, v in vars(obj).items() if not callable(v)}
-        return {"__type__": type(obj).__qualname__, **_canonical(public)}
-    # Objects without state we can read are described by their type alone.
-    return {"__type__": f"{type(obj).__module__}.{type(obj).__qualname__}"}
-
-
-def canonical_digest(obj: Any) -> str:
-    """sha256 hex of the canonical JSON of ``obj``: equal inputs give equal digests in any process."""
-    text = json.dumps(_canonical(obj), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def sharding_plan_digest(plan: Any) -> str:
@@ -414,7 +364,7 @@ def topology_description(topology: Any) -> Dict[str, Any]:
         "uneven_sharding_perf_multiplier",
     ):
         if hasattr(topology, name):
-            desc[name] = _canonical(getattr(topology, name))
+            desc[name] = canonical_form(getattr(topology, name))
     return desc
 
 
@@ -608,7 +558,7 @@ class ExecutionPlan:
         fingerprint = f.obj("fingerprint").build(None, lambda d: Fingerprint(**d))
         if "stats" not in f.data:
             raise f.fail("stats", "is missing", "add 'stats': null or the plan's workload statistics")
-        stats = f.build("stats", WorkloadStats.from_dict, required=False)
+        stats = None if not f.has("stats") else WorkloadStats.from_dict(f.obj("stats"))
         created_at = f.req("created_at", str)
         planner_info = f.req("planner_info", dict)
         return f.build(None, lambda _d: cls(

@@ -30,9 +30,11 @@ from torchrec.distributed.planner.types import (
     ShardingOption,
 )
 
-from torchrec_sparselift.plan.execution_plan import canonical_digest, topology_description
+from torchrec_sparselift.files import canonical_digest
+from torchrec_sparselift.plan.execution_plan import topology_description
 from torchrec_sparselift.semantics.tables import TableHandle
 from torchrec_sparselift.plan.request import describe_reservation
+from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["context_digest", "context_hash_int", "check_context", "loaded_options", "stored_plan_problem",
            "tiling_problem"]
@@ -133,7 +135,7 @@ def _check_shards(handle: TableHandle, so: ShardingOption, world_size: int) -> L
     spec = handle.spec
     where = f"loaded plan, table {spec.fqn!r} ({so.sharding_type}/{so.compute_kernel})"
     problem = tiling_problem([(s.size, s.offset, s.rank) for s in so.shards or ()], spec.num_embeddings,
-                             spec.embedding_dim, world_size, whole_each=so.sharding_type == "data_parallel")
+                             spec.embedding_dim, world_size, whole_each=so.sharding_type == DATA_PARALLEL)
     if problem is not None:
         raise _failed(f"{where}: {problem}")
     return [Shard(size=list(s.size), offset=list(s.offset), storage=s.storage, perf=s.perf,
@@ -170,7 +172,7 @@ def stored_plan_problem(request: Any, plan: Any) -> Optional[str]:
                 return f"table {fqn!r} is placed on ranks {ranks}, outside 0..{world - 1}"
             shards = getattr(ps.sharding_spec, "shards", None)
             if shards is None:
-                if st != "data_parallel":
+                if st != DATA_PARALLEL:
                     return f"table {fqn!r} ({st}) has no shards"
                 continue
             placed = []
@@ -178,7 +180,7 @@ def stored_plan_problem(request: Any, plan: Any) -> Optional[str]:
                 placement = s.placement
                 placed.append((s.shard_sizes, s.shard_offsets, None if placement is None else placement.rank()))
             problem = tiling_problem(placed, spec.num_embeddings, spec.embedding_dim, world,
-                                     whole_each=st == "data_parallel")
+                                     whole_each=st == DATA_PARALLEL)
             if problem is not None:
                 return f"table {fqn!r} ({st}): {problem}"
             if sorted(set(ranks)) != sorted({p[2] for p in placed}):

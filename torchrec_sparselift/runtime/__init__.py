@@ -15,7 +15,6 @@ from torchrec_sparselift.calibration.attribution import (
 )
 from torchrec_sparselift.runtime.comm_counter import CommCounter
 from torchrec_sparselift.runtime.model_parallel import (
-    COMM_PRECISIONS,
     Lifted,
     RuntimeSettings,
     SparseLiftModelParallel,
@@ -31,8 +30,6 @@ from torchrec_sparselift.runtime.model_parallel import (
 from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
 from torchrec_sparselift.runtime.stale import TrainPipelineOverlapStale
 from torchrec_sparselift.runtime.pipelines import (
-    EXACT_PIPELINE_KINDS,
-    PIPELINE_KINDS,
     make_train_pipeline,
     pipeline_class,
 )
@@ -46,14 +43,11 @@ from torchrec_sparselift.runtime.timing import (
 )
 
 __all__ = [
-    "COMM_PRECISIONS",
     "CommCounter",
     "RankAttribution",
     "StepAttribution",
     "load_attribution",
     "save_attribution",
-    "EXACT_PIPELINE_KINDS",
-    "PIPELINE_KINDS",
     "Lifted",
     "RuntimeSettings",
     "SparseLiftModelParallel",

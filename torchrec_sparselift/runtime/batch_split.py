@@ -15,7 +15,8 @@ model's forward) and changes two things:
   lookup *once* over the whole batch; its local pooled embeddings are then split along the batch
   (every destination rank's samples ``[s_j, s_j + b_j)``, :func:`chunk_sizes`) and TorchRec's own
   output dist (the pooled all-to-all for table-wise and column-wise, the reduce-scatter for
-  row-wise, nothing for data-parallel) is called on each chunk with that chunk's batch size; each
+  row-wise, the reduce-scatter within a host then the all-to-all across hosts for table-row-wise,
+  nothing for data-parallel) is called on each chunk with that chunk's batch size; each
   returns chunk j's ``KeyedTensor``. On CUDA all k collectives are issued before the model runs
   (NCCL sends them in issue order); on CPU chunk 0's is, and chunk j+1's when chunk j's
   embeddings have arrived and are read (gloo runs two collectives at once: issued together, chunks
@@ -28,8 +29,11 @@ model's forward) and changes two things:
   runs over it. The CPU autograd engine runs ready nodes latest-created first, and chunk j's
   collective was issued (its request node created) before chunk j-1's dense work that consumes
   embeddings: chunk j's gradient all-to-all is issued when chunk j's dense backward reaches it, and
-  the dense backward of chunk j-1 (created later than that request node) runs before the request
-  node waits for the gradient. The waits, the split's
+  the dense backward of chunk j-1 that consumes embeddings (created later than that request
+  node) runs before the request node waits for the gradient. Chained (CPU), that wait comes before
+  chunk j-1's gradient is issued (its wait node is older than chunk j's request node), so the
+  gradients too leave one at a time; issued at once, every request node is older than any dense
+  work and all k gradients leave before the first wait. The waits, the split's
   backward (one node that concatenates the chunks' gradients) and the TBE backward with its fused
   optimizer update come last, once, over the whole batch's gradient: the update is the unsplit
   one. DDP runs ``no_sync`` for all but the last chunk's forward, so its one all-reduce follows the
@@ -70,6 +74,7 @@ from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNK
 from torchrec_sparselift.runtime.overlap import OverlapPipelinedForward, TrainPipelineOverlap, _comm_requests
 
 __all__ = [
+    "BATCH_SPLIT_OPTIONS",
     "MAX_CHUNKS",
     "BATCH_SPLIT_PIPELINE",
     "SPLIT_SHARDING_TYPES",
@@ -86,9 +91,11 @@ __all__ = [
 #: sharding types whose output collective is split (their local pooled embeddings hold every
 #: destination rank's samples in rank order: ``[world * B, D]``), and data-parallel (``[B, D]``,
 #: no collective: split alone)
-SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel")
-_RANK_MAJOR = ("table_wise", "column_wise", "row_wise")
+SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+_RANK_MAJOR = ("table_wise", "column_wise", "row_wise", "table_row_wise")
 
+#: the pipeline options only a batch split reads (``make_train_pipeline`` drops them at k = 1)
+BATCH_SPLIT_OPTIONS = ("per_sample", "chain_chunks")
 #: profiler range around the lookups and the k chunked output collectives of one step
 BATCH_SPLIT_LABEL = "## batch split: lookup + chunked output_dist issued ##"
 

@@ -47,16 +47,15 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_sparselift import defaults, vocabulary
-from torchrec_sparselift.vocabulary import PIPELINES_2D
+from torchrec_sparselift.vocabulary import COMM_PRECISIONS, PIPELINES, PIPELINES_2D
 from torchrec_sparselift.semantics.tables import is_feature_processed
 from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_PIPELINE
-from torchrec_sparselift.runtime.pipelines import PIPELINE_KINDS, make_train_pipeline
+from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 from torchrec_sparselift.runtime.timing import StepTimer
 from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
 from torchrec_sparselift.cost.wire_ids import ID_DTYPES, feature_tuple
 
 __all__ = [
-    "COMM_PRECISIONS",
     "RuntimeSettings",
     "resolve_settings",
     "comm_codecs_registry",
@@ -71,10 +70,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Comm precisions a plan may choose for the pooled-embedding all-to-all / reduce-scatter
-#: (:data:`torchrec_sparselift.vocabulary.COMM_PRECISIONS`).
-COMM_PRECISIONS = vocabulary.COMM_PRECISIONS
 
 EmbeddingOptimizerSpec = Tuple[Type[torch.optim.Optimizer], Mapping[str, Any]]
 DenseOptimizerFactory = Callable[[List[torch.Tensor]], torch.optim.Optimizer]
@@ -106,7 +101,7 @@ class RuntimeSettings:
     ``ShardingPlan``); ``description`` is a one-line label for logs and measurement records.
     """
 
-    pipeline: str = attrs.field(default=defaults.PIPELINE, validator=_one_of(PIPELINE_KINDS))
+    pipeline: str = attrs.field(default=defaults.PIPELINE, validator=_one_of(PIPELINES))
     fwd_comm_precision: str = attrs.field(default=defaults.COMM_PRECISION, validator=_one_of(COMM_PRECISIONS))
     bwd_comm_precision: str = attrs.field(default=defaults.COMM_PRECISION, validator=_one_of(COMM_PRECISIONS))
     sharding_group_size: Optional[int] = attrs.field(default=None, validator=_optional_positive_int)
@@ -240,7 +235,7 @@ def check_pipeline_supports_plan(kind: str, sharding_plan: ShardingPlan, device:
     feature processor in ``module`` (TorchRec: "this assumption is not true if there is feature
     processor(s)"). On CPU its order is the step's own and it trains them exactly.
     """
-    if kind not in PIPELINE_KINDS:
+    if kind not in PIPELINES:
         return
     props = vocabulary.pipeline(kind)
     streams = device is not None and vocabulary.has_side_streams(device.type)

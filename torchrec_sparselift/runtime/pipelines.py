@@ -44,15 +44,13 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSemiSync,
 )
 
-from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_PIPELINE, TrainPipelineBatchSplit
+from torchrec_sparselift.runtime.batch_split import BATCH_SPLIT_OPTIONS, BATCH_SPLIT_PIPELINE, TrainPipelineBatchSplit
 from torchrec_sparselift.runtime.cpu_compat import cpu_pipeline_class
 from torchrec_sparselift.runtime.overlap import TrainPipelineOverlap
 from torchrec_sparselift.runtime.stale import TrainPipelineOverlapStale
-from torchrec_sparselift.vocabulary import PIPELINE_REGISTRY, PIPELINES, PIPELINES_2D, SYNC_PIPELINES
+from torchrec_sparselift.vocabulary import PIPELINE_REGISTRY, PIPELINES, PIPELINES_2D
 
 __all__ = [
-    "PIPELINE_KINDS",
-    "EXACT_PIPELINE_KINDS",
     "pipeline_class",
     "make_train_pipeline",
 ]
@@ -66,19 +64,13 @@ _TORCHREC_CLASSES: Dict[str, Type[TrainPipeline]] = {
 #: The TorchRec class of every pipeline kind (its registry entry's ``torchrec_class``).
 _CLASSES: Dict[str, Type[TrainPipeline]] = {p.name: _TORCHREC_CLASSES[p.torchrec_class] for p in PIPELINE_REGISTRY}
 
-#: Every pipeline kind (:data:`torchrec_sparselift.vocabulary.PIPELINES`, one order everywhere).
-PIPELINE_KINDS = PIPELINES
-#: Kinds whose per-step results equal a plain forward/backward/optimizer-step loop (the ones that
-#: do not train on stale embeddings).
-EXACT_PIPELINE_KINDS = SYNC_PIPELINES
-
 # Kinds whose constructor takes ``dmp_collection_sync_interval_batches`` (2D replica sync).
 _SYNC_INTERVAL_KINDS = PIPELINES_2D
 
 
 def _check_kind(kind: str) -> None:
     if kind not in _CLASSES:
-        raise ValueError(f"unknown train-pipeline kind {kind!r}: use one of {', '.join(PIPELINE_KINDS)}")
+        raise ValueError(f"unknown train-pipeline kind {kind!r}: use one of {', '.join(PIPELINES)}")
 
 
 def pipeline_class(kind: str, device: torch.device) -> Type[TrainPipeline]:
@@ -109,7 +101,8 @@ def make_train_pipeline(
     ``semi_sync``, whose TorchRec default keeps the first 900 steps synchronous; ``per_sample`` for
     a batch split).
     ``batch_split``: chunks of the ``overlap`` pipeline's all-to-alls (> 1 builds
-    :class:`~torchrec_sparselift.runtime.batch_split.TrainPipelineBatchSplit`).
+    :class:`~torchrec_sparselift.runtime.batch_split.TrainPipelineBatchSplit`; at 1 its options,
+    ``per_sample`` and ``chain_chunks``, are dropped, so a model declared per-sample runs any plan).
     """
     cls = pipeline_class(kind, device)
     kwargs: Dict[str, Any] = dict(options or {})
@@ -120,6 +113,8 @@ def make_train_pipeline(
                 f"{kind!r}{' with 2D replica sync' if sync_interval is not None else ''}: choose pipeline "
                 f"{BATCH_SPLIT_PIPELINE!r} or batch_split=1")
         return TrainPipelineBatchSplit(model, optimizer, device, chunks=batch_split, **kwargs)
+    for option in BATCH_SPLIT_OPTIONS:  # a declaration made for a split the plan did not choose
+        kwargs.pop(option, None)
     if sync_interval is not None:
         if kind not in _SYNC_INTERVAL_KINDS:
             raise ValueError(

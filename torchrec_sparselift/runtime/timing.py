@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_sparselift.atomic import write_json
-from torchrec_sparselift.files import Fields, load_json
+from torchrec_sparselift.files import Fields, load_json, read_attrs
 __all__ = [
     "StepRecord",
     "StepStats",
@@ -153,8 +153,11 @@ class StepRecord:
         return d
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
-        return cls(**dict(data))
+    def from_dict(cls, data: Any) -> "StepRecord":
+        """The record :meth:`to_dict` wrote (a dict, or a file's reader: :func:`~torchrec_sparselift.files.read_attrs`)."""
+        return read_attrs(cls, data, kinds={"plan": str, "predicted_s": float, "measured_s": float, "mean_s": float,
+                                            "stdev_s": float, "steps": int, "warmup_steps": int, "device": str,
+                                            "world_size": int})
 
 
 class StepTimer:
@@ -329,4 +332,4 @@ def load_records(path: str) -> List[StepRecord]:
     if schema != RECORD_SCHEMA:
         raise f.fail("schema", f"is {schema!r}, not {RECORD_SCHEMA!r}: not a step records file",
                      "write one with torchrec_sparselift.runtime.timing.save_records")
-    return [r.build(None, StepRecord.from_dict) for r in f.objs("records")]
+    return [StepRecord.from_dict(r) for r in f.objs("records")]

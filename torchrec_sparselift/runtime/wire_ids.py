@@ -18,8 +18,13 @@ and are left alone.
   (``torch.unique``), an inverse index per id at the narrowest of uint8/int16/int32 that holds
   it, the other features' ids as they are, and the weights of a weighted KJT. The receiver
   rebuilds every feature's ids (``unique[inverse]``) into the KJT TorchRec's all-to-all would
-  have delivered (keys, lengths and weights equal, ids equal in value), so the lookup, the pooled
-  output, its gradient and the fused optimizer's update are the unrewritten ones.
+  have delivered (keys, lengths and weights equal, ids equal in value) and attaches the distinct
+  ids to it (:class:`UniqueIds`). The group's lookup (:class:`UniqueRowsLookup`) then runs the
+  TBE once per distinct row and pools each bag from those rows by the inverse index, in the TBE's
+  own pooling; the gradient of a row's every occurrence is summed before the TBE's backward, as
+  that backward sums them itself, so the fused optimizer's update is the unrewritten one (up to
+  the order of floating-point sums). ``unique_rows=False`` looks up the rebuilt ids instead:
+  bit for bit TorchRec's lookup.
 
 What is priced and when each pays: :mod:`torchrec_sparselift.cost.wire_ids`; the manual:
 docs/wire_ids.md.
@@ -35,12 +40,14 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_sparselift.cost.wire_ids import ID_DTYPES, feature_tuple, inverse_bytes, narrow_refusal
 
-__all__ = ["WireFeaturesDist", "WireIdsAllToAll", "apply_wire_ids", "wire_ids_modules"]
+__all__ = ["UNIQUE_ATTR", "UniqueIds", "UniqueRowsLookup", "WireFeaturesDist", "WireIdsAllToAll", "apply_wire_ids",
+           "wire_ids_modules"]
 
 logger = logging.getLogger(__name__)
 
@@ -214,38 +221,59 @@ class WireIdsAllToAll(nn.Module):
 
     def _unpack(self, buffer: torch.Tensor, layouts: List[Any], weighted: bool) -> KeyedJaggedTensor:
         """The KJT TorchRec's all-to-all delivers: this rank's keys, each key's samples from every
-        source in :func:`_source_order`, ids rebuilt from the distinct ids and inverse index."""
+        source in :func:`_source_order`, ids rebuilt from the distinct ids and inverse index. It
+        carries each key's distinct ids over all sources too (:class:`UniqueIds`, attribute
+        ``UNIQUE_ATTR``) for a :class:`UniqueRowsLookup`."""
         nk = len(self._keys)
-        per_source: List[Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], int]] = []
+        per_source: List[Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[Any], int]] = []
         at = 0
         for stride, sent, n, width, sizes in layouts:
             parts = []
             for b in sizes:
                 parts.append(buffer[at: at + b])
                 at += b + _pad(b)
-            ids = list(torch.split(parts[0].view(self._dtype), sent))
+            distinct = list(torch.split(parts[0].view(self._dtype), sent))
+            ids = list(distinct)
             lengths = list(torch.split(parts[1].view(torch.int32), [stride] * nk))
             weights = list(torch.split(parts[2].view(torch.float32), n)) if weighted else []
+            inverses: List[Any] = [None] * nk  # None: the ids are sent as they are
             if width:
                 dedup = [j for j, key in enumerate(self._keys) if key in self.dedup]
                 inverse = torch.split(parts[-1].view(_INVERSE_DTYPES[width]), [n[j] for j in dedup])
                 for j, inv in zip(dedup, inverse):
-                    ids[j] = ids[j][inv.long()]
-            per_source.append((ids, lengths, weights, stride))
+                    inverses[j] = inv.long()
+                    ids[j] = distinct[j][inverses[j]]
+            per_source.append((ids, lengths, weights, (distinct, inverses), stride))
         values, lengths, weights = [], [], []
+        unique_ids, unique_inverse = [], []
         for j in range(nk):
+            base = 0
+            key_distinct, key_inverse = [], []
             for s in self._order:
-                ids_s, lengths_s, weights_s, _ = per_source[s]
+                ids_s, lengths_s, weights_s, (distinct_s, inverses_s), _ = per_source[s]
                 values.append(ids_s[j])
                 lengths.append(lengths_s[j])
                 if weighted:
                     weights.append(weights_s[j])
-        stride = sum(p[3] for p in per_source)
-        return KeyedJaggedTensor(
+                key_distinct.append(distinct_s[j])
+                inv = inverses_s[j]
+                key_inverse.append((inv if inv is not None else
+                                    torch.arange(distinct_s[j].numel(), device=buffer.device)) + base)
+                base += int(distinct_s[j].numel())
+            distinct_j, inverse_j = torch.cat(key_distinct), torch.cat(key_inverse)
+            if len(key_distinct) > 1:  # a row several sources sent: one distinct row
+                distinct_j, merged = torch.unique(distinct_j, sorted=True, return_inverse=True)
+                inverse_j = merged[inverse_j]
+            unique_ids.append(distinct_j)
+            unique_inverse.append(inverse_j)
+        stride = sum(p[4] for p in per_source)
+        kjt = KeyedJaggedTensor(
             keys=list(self._keys),
             values=torch.cat(values) if values else torch.empty(0, dtype=self._dtype, device=buffer.device),
             lengths=torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int32, device=buffer.device),
             weights=torch.cat(weights) if weighted and weights else None, stride=stride)
+        setattr(kjt, UNIQUE_ATTR, UniqueIds(ids=unique_ids, inverse=unique_inverse))
+        return kjt
 
 
 def _pack(sections: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -259,6 +287,99 @@ def _pack(sections: Sequence[torch.Tensor], device: torch.device) -> torch.Tenso
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
 
+#: The attribute of a KJT :class:`WireIdsAllToAll` delivers that holds its :class:`UniqueIds`.
+UNIQUE_ATTR = "_sparselift_unique_ids"
+
+
+class UniqueIds:
+    """Per key of a received KJT: its distinct ids over every source (``ids[j]``, sorted) and,
+    per id of the KJT, the index of its row among them (``inverse[j]``): the KJT's ids of key
+    ``j`` are ``ids[j][inverse[j]]``."""
+
+    def __init__(self, ids: List[torch.Tensor], inverse: List[torch.Tensor]) -> None:
+        self.ids, self.inverse = ids, inverse
+
+
+class UniqueRowsLookup:
+    """The forward of a sharding group's TBE lookup (TorchRec's ``GroupedPooledEmbeddingsLookup``,
+    installed as its ``forward``: the module, its parameters, state and fused optimizer stay as
+    they are) that, for a KJT carrying :class:`UniqueIds`, looks up each distinct row once and
+    pools the batch's bags from those rows.
+
+    The TBE runs on a KJT whose bags are the distinct ids, one per bag (key ``j``'s first
+    ``len(ids[j])`` bags of a common stride, the rest empty); each key's pooled output is then
+    ``embedding_bag(inverse[j], rows_j, offsets_j)`` in the TBE's own pooling mode (sum, with the
+    per-sample weights; or unweighted mean), so the output equals the TBE's on the full KJT up to
+    the order of the floating-point sums. In backward the pooling adds the gradients of a row's
+    every occurrence before the TBE's backward and its fused optimizer see them, as that backward
+    does itself on the full KJT: the update is the one without dedup. A KJT without
+    :class:`UniqueIds` (or a weighted one of a mean-pooled group) goes to the TBE as it is.
+    """
+
+    def __init__(self, lookup: nn.Module) -> None:
+        if not self.supports(lookup):
+            raise TypeError(f"UniqueRowsLookup rebuilds sum and mean pooling of TorchRec's grouped pooled lookup, "
+                            f"got {type(lookup).__name__}")
+        configs = lookup.grouped_configs
+        self._forward = lookup.forward
+        self._keys: List[str] = [f for c in configs for f in c.feature_names()]
+        self._dims: List[int] = [d for c in configs for d in c.embedding_dims()]
+        self._modes: List[str] = [mode for c, mode in zip(configs, _tbe_modes(lookup)) for _ in c.feature_names()]
+
+    @staticmethod
+    def supports(lookup: nn.Module) -> bool:
+        """Whether ``lookup`` is a grouped pooled lookup whose TBEs all pool by sum or mean."""
+        configs = getattr(lookup, "grouped_configs", None)
+        modes = _tbe_modes(lookup)
+        return bool(configs) and len(modes) == len(configs) and all(modes)
+
+    def __call__(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        unique: Optional[UniqueIds] = getattr(features, UNIQUE_ATTR, None)
+        if unique is None or list(features.keys()) != self._keys:
+            return self._forward(features)
+        weights = features.weights_or_none()
+        if weights is not None and "mean" in self._modes:
+            return self._forward(features)  # a weighted mean is not embedding_bag's
+        counts = [int(u.numel()) for u in unique.ids]
+        width = max(1, max(counts))
+        device = features.values().device
+        lengths = torch.zeros(len(counts), width, dtype=torch.int32, device=device)
+        for j, c in enumerate(counts):
+            lengths[j, :c] = 1
+        rows_kjt = KeyedJaggedTensor(
+            keys=self._keys, values=torch.cat(unique.ids), lengths=lengths.flatten(), stride=width,
+            weights=None if weights is None else torch.ones(sum(counts), device=device, dtype=weights.dtype))
+        rows = self._forward(rows_kjt)  # [width, sum of dims]: key j's distinct rows in its first counts[j]
+        per_key_lengths = features.lengths().view(len(self._keys), -1)
+        per_key_weights = (torch.split(weights, per_key_lengths.sum(1).tolist()) if weights is not None
+                           else [None] * len(self._keys))
+        out = []
+        col = 0
+        for j, (dim, mode) in enumerate(zip(self._dims, self._modes)):
+            offsets = torch.zeros(per_key_lengths.size(1) + 1, dtype=torch.long, device=device)
+            torch.cumsum(per_key_lengths[j].long(), 0, out=offsets[1:])
+            table = rows[: counts[j], col: col + dim]
+            col += dim
+            if counts[j] == 0:
+                out.append(rows.new_zeros(per_key_lengths.size(1), dim))
+                continue
+            out.append(torch.nn.functional.embedding_bag(
+                unique.inverse[j], table, offsets, mode=mode, per_sample_weights=per_key_weights[j],
+                include_last_offset=True))
+        return torch.cat(out, dim=1)
+
+
+def _tbe_modes(lookup: nn.Module) -> List[str]:
+    """The pooling each TBE of a grouped lookup runs (``"sum"``, ``"mean"``, ``""`` for another):
+    the TBE's own mode, which is sum for a mean-pooled row-wise or table-row-wise table (TorchRec
+    divides after the reduce-scatter)."""
+    out = []
+    for m in getattr(lookup, "_emb_modules", None) or []:
+        mode = getattr(getattr(m, "_pooling", None), "name", "")
+        out.append({"SUM": "sum", "MEAN": "mean"}.get(mode, ""))
+    return out
+
+
 def _table_rows(sharded: ShardedEmbeddingBagCollection) -> Dict[str, Tuple[int, str, Tuple[str, ...]]]:
     """table -> (rows, sharding type, features) of a sharded EBC."""
     plan = sharded.module_sharding_plan
@@ -267,8 +388,13 @@ def _table_rows(sharded: ShardedEmbeddingBagCollection) -> Dict[str, Tuple[int, 
 
 
 def wire_ids_modules(model: nn.Module) -> List[Tuple[str, ShardedEmbeddingBagCollection]]:
-    """The ``(path in the user's model, module)`` of every sharded EmbeddingBagCollection in ``model``."""
-    return [(_user_path(n), m) for n, m in model.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+    """The ``(path in the user's model, module)`` of every sharded EmbeddingBagCollection in
+    ``model`` but those inside a feature-processed one (left alone: its feature processors read
+    the received KJT)."""
+    inside_fp = {id(m._embedding_bag_collection) for m in model.modules()
+                 if isinstance(m, ShardedFeatureProcessedEmbeddingBagCollection)}
+    return [(_user_path(n), m) for n, m in model.named_modules()
+            if isinstance(m, ShardedEmbeddingBagCollection) and id(m) not in inside_fp]
 
 
 def _user_path(name: str) -> str:
@@ -310,20 +436,29 @@ class WireFeaturesDist(nn.Module):
         return self.features_dist(_cast(kjt, self._dtype))
 
 
-def _wrap_dists(sharded: ShardedEmbeddingBagCollection, id_dtype: str, dedup: FrozenSet[str]) -> None:
-    """Wrap every model-parallel group's input dist of ``sharded`` (data-parallel ones send nothing)."""
+def _wrap_dists(sharded: ShardedEmbeddingBagCollection, id_dtype: str, dedup: FrozenSet[str],
+                unique_rows: bool) -> None:
+    """Wrap every model-parallel group's input dist of ``sharded`` (data-parallel ones send nothing)
+    and, with ``unique_rows``, install :class:`UniqueRowsLookup` on the lookups of the groups
+    that deduplicate."""
     for i, (sharding_type, sharding) in enumerate(zip(sharded._sharding_types, sharded._embedding_shardings)):
         if sharding_type == "data_parallel" or isinstance(sharded._input_dists[i], WireFeaturesDist):
             continue
         group = dedup.intersection(sharding.feature_names())
         sharded._input_dists[i] = WireFeaturesDist(sharded._input_dists[i], id_dtype, frozenset(group))
+        lookup = sharded._lookups[i]
+        if group and unique_rows and UniqueRowsLookup.supports(lookup):
+            lookup.forward = UniqueRowsLookup(lookup)
 
 
-def apply_wire_ids(model: nn.Module, id_dtype: str = "int64", dedup_features: Iterable[str] = ()) -> List[str]:
+def apply_wire_ids(model: nn.Module, id_dtype: str = "int64", dedup_features: Iterable[str] = (),
+                   unique_rows: bool = True) -> List[str]:
     """Rewrite the input all-to-all of every sharded EmbeddingBagCollection in ``model`` (in place)
     to send ids at ``id_dtype`` and deduplicate ``dedup_features``; returns the tables rewritten
     (model-parallel tables; data-parallel ones send nothing). Nothing changes for ``"int64"`` and
-    no dedup features.
+    no dedup features. ``unique_rows``: the lookups of deduplicating groups look up each distinct
+    row once (:class:`UniqueRowsLookup`); without it they look up the rebuilt ids, bit for bit
+    TorchRec's lookup.
 
     Refuses, before changing anything: an unknown id dtype; ``"int32"`` when a model-parallel
     table has more rows than int32 holds (naming it); a dedup feature that no model-parallel table
@@ -359,13 +494,13 @@ def apply_wire_ids(model: nn.Module, id_dtype: str = "int64", dedup_features: It
                              f"({getattr(m, _PATCHED)}); apply once per model")
         setattr(m, _PATCHED, (id_dtype, tuple(sorted(dedup))))
         if not m._has_uninitialized_input_dist:
-            _wrap_dists(m, id_dtype, dedup)
+            _wrap_dists(m, id_dtype, dedup, unique_rows)
             continue
         create = m._create_input_dist
 
         def create_and_wrap(input_feature_names: List[str], _m: Any = m, _create: Any = create) -> None:
             _create(input_feature_names)
-            _wrap_dists(_m, id_dtype, dedup)
+            _wrap_dists(_m, id_dtype, dedup, unique_rows)
 
         m._create_input_dist = create_and_wrap
     logger.info("sparselift: ids on the wire %s, dedup %s on %d tables", id_dtype, sorted(dedup) or "none",

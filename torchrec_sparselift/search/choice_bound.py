@@ -41,6 +41,7 @@ from torchrec_sparselift.search.equation import (
     piece_loads, step_rows, step_vars, total_memory_rows,
 )
 from torchrec_sparselift.search.problem import PlanningProblem
+from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["ChoiceBound", "choice_bound", "choice_bound_solution"]
 
@@ -89,7 +90,7 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     gid = {k: i for i, k in enumerate(gkeys)}
     grp = np.array([gid[k] for k in zip(types, kern)], dtype=int)
     all_group = np.array([bool(np.all(allp[grp == g])) for g in range(len(gkeys))])
-    ctypes = sorted({t for t in types if t != "data_parallel"})
+    ctypes = sorted({t for t in types if t != DATA_PARALLEL})
     # variables: x[c], z[col], u[col] (what every rank carries), the step equation's, group used,
     # free group used, type used, latency, data-parallel used, any type used, packing binaries
     eq = Equation()
@@ -129,7 +130,7 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     # group g used >= x[i] for its options; any free (not on every rank) group used; type used
     for i in range(C):
         add([(i, 1.0), (ig + grp[i], -1.0)], 0.0)
-        if types[i] != "data_parallel":
+        if types[i] != DATA_PARALLEL:
             add([(i, 1.0), (ity + ctypes.index(types[i]), -1.0)], 0.0)
     for g in range(len(gkeys)):
         if not all_group[g]:

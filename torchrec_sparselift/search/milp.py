@@ -26,6 +26,7 @@ from torchrec_sparselift.search.equation import (
     step_rows, step_vars,
 )
 from torchrec_sparselift.search.problem import PlanningProblem
+from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["MILPResult", "solve_milp", "milp_size", "placement_vars", "choice_and_placement_rows"]
 
@@ -114,7 +115,7 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = defaults.COMM_PR
     sv = step_vars(eq, iz)
     idp = eq.var("dp_used")  # an option that joins the gradient all-reduce is chosen
     # one binary per sharding type used (collective groups) and the per-phase latency
-    types = sorted({c.sharding_type for c in prob.cands if c.sharding_type != "data_parallel"})
+    types = sorted({c.sharding_type for c in prob.cands if c.sharding_type != DATA_PARALLEL})
     ig = eq.block("type_used", types, ub=1.0, integer=True)
     sv = attrs.evolve(sv, latency=eq.var("latency"),
                       any_group=eq.var("any_group"))  # any sharding group used (the input's shared splits all-to-all)

@@ -29,7 +29,7 @@ from torchrec_sparselift.cost.model import (
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.semantics.tables import TableHandle
-from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, TABLE_WISE
 
 __all__ = ["to_sharding_option", "shard_layout"]
 
@@ -47,7 +47,7 @@ def shard_layout(handle: TableHandle, prob: PlanningProblem, cand_id: int) -> Tu
             [[spec.num_embeddings, w] for _ in range(c.num_shards)],
             [[0, i * w] for i in range(c.num_shards)],
         )
-    if c.sharding_type == "table_wise":
+    if c.sharding_type == TABLE_WISE:
         return [[spec.num_embeddings, spec.embedding_dim]], [[0, 0]]
     kw = {"num_buckets": spec.num_buckets} if spec.num_buckets else {}  # virtual: whole buckets
     sizes, offsets = calculate_shard_sizes_and_offsets(

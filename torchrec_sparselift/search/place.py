@@ -17,6 +17,7 @@ from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, step_total_batch
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.problem import PlanningProblem
+from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["best_placement", "greedy_place", "local_search", "rank_time", "WorkBudget"]
 
@@ -33,7 +34,7 @@ def _objectives(ev: PlanEvaluator, colmax_rows: np.ndarray, cand: int, n: int) -
     uniform = ev.uniform + ev.peers[cand] * n
     allreduce = ev.allreduce_bytes + ev.allreduce[cand] * n / ev.W
     groups = set(ev.groups)
-    if ev.types[cand] != "data_parallel":
+    if ev.types[cand] != DATA_PARALLEL:
         groups.add(ev.types[cand])
     return step_total_batch(
         colmax_rows + uniform[None, :], allreduce, len(groups), ev.ctx, ev.pipeline,

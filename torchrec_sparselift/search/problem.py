@@ -23,7 +23,17 @@ from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
-from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, MODELED_KERNELS, UVM_KERNELS, comm_precision_pairs
+from torchrec_sparselift.vocabulary import (
+    COLUMN_SPLIT_TYPES,
+    GRID_SHARD,
+    MODELED_KERNELS,
+    ROW_WISE,
+    TABLE_COLUMN_WISE,
+    TABLE_ROW_WISE,
+    TABLE_WISE,
+    UVM_KERNELS,
+    comm_precision_pairs,
+)
 
 __all__ = ["PlanningProblem", "build_problem", "column_splits", "device_caps", "no_plan_kind",
            "storage_summary", "SUPPORTED_KERNELS"]
@@ -140,15 +150,15 @@ def build_problem(
                     k == "fused" for k in spec.kernels_for(st)
                 ):
                     continue  # dominated: same traffic, slower lookups, memory not needed
-                if st == "table_row_wise" and W == L and "row_wise" in spec.sharding_types:
+                if st == TABLE_ROW_WISE and W == L and ROW_WISE in spec.sharding_types:
                     continue  # one host: identical to row-wise
-                if st in ("grid_shard", "table_column_wise"):
+                if st in (GRID_SHARD, TABLE_COLUMN_WISE):
                     continue  # grid: not modelled yet; table-column-wise: column-wise covers it
                 splits = [1]
                 if st in COLUMN_SPLIT_TYPES:
                     splits = column_splits(spec, W, device)
                     if not splits:
-                        if "table_wise" in spec.sharding_types:
+                        if TABLE_WISE in spec.sharding_types:
                             continue
                         splits = [1]
                 for k in splits:

@@ -34,7 +34,7 @@ from torchrec_sparselift.search.lp import solve_lp
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.semantics.graph import candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
-from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COST_MODELS, ON_EVERY_RANK_TYPES
+from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COST_MODELS, ON_EVERY_RANK_TYPES, TABLE_ROW_WISE
 from torchrec_sparselift.search.torchrec_objective import (
     makespan_problem,
     solve_torchrec,
@@ -46,7 +46,7 @@ __all__ = ["SparseLiftProposer", "problem_from_options"]
 
 def _infer_world(options: Sequence[ShardingOption]) -> Tuple[int, int]:
     world = max((len(o.shards) for o in options if o.sharding_type in ON_EVERY_RANK_TYPES), default=0)
-    local = max((len(o.shards) for o in options if o.sharding_type == "table_row_wise"), default=0)
+    local = max((len(o.shards) for o in options if o.sharding_type == TABLE_ROW_WISE), default=0)
     world = world or max((len(o.shards) for o in options), default=1)
     return world, local or world
 

@@ -38,6 +38,7 @@ from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.place import _objectives, best_placement, rank_time
 from torchrec_sparselift.search.place import _pick as _place_pick
 from torchrec_sparselift.search.problem import PlanningProblem
+from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["fast_place", "shortlist_placement", "use_scale_path", "SCALE_MIN_WORK", "SCALE_SEARCH_S",
            "SCALE_LP_LIMIT_S", "PRICE_RANKS"]
@@ -85,7 +86,7 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
     def price(rows_new: np.ndarray, cand: int, nsh: int) -> np.ndarray:
         cm = np.maximum(colmax[None, :], rows_new)
         g = set(groups)
-        if ev.types[cand] != "data_parallel":
+        if ev.types[cand] != DATA_PARALLEL:
             g.add(ev.types[cand])
         return step_total_batch(cm + (uniform + ev.peers[cand] * nsh)[None, :],
                                 state["allreduce"] + ev.allreduce[cand] * nsh / W, len(g), ev.ctx,
@@ -105,7 +106,7 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
         key[rows] = loads[rows] @ w
         uniform[:] += ev.peers[cand] * len(idx)
         state["allreduce"] += ev.allreduce[cand] * len(idx) / W
-        if ev.types[cand] != "data_parallel":
+        if ev.types[cand] != DATA_PARALLEL:
             groups.add(ev.types[cand])
         assignment[t] = (cand, tuple(int(r) for r in idx))
 
@@ -148,7 +149,7 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
         for _ in range(need):
             cm = np.maximum(cm_local[None, :], rows)
             g = set(groups)
-            if ev.types[cand] != "data_parallel":
+            if ev.types[cand] != DATA_PARALLEL:
                 g.add(ev.types[cand])
             obj = step_total_batch(cm + (uniform + ev.peers[cand] * need)[None, :],
                                    state["allreduce"] + ev.allreduce[cand] * need / W, len(g),

@@ -35,7 +35,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
-from torchrec_sparselift.vocabulary import ON_EVERY_RANK_TYPES, UVM_KERNELS
+from torchrec_sparselift.vocabulary import (
+    COLUMN_WISE,
+    ON_EVERY_RANK_TYPES,
+    TABLE_COLUMN_WISE,
+    TABLE_ROW_WISE,
+    TABLE_WISE,
+    UVM_KERNELS,
+)
 from torchrec_sparselift.cost.model import CostContext, DEV_MEM, DenseWork, FWD, HOST_MEM, K, ShardCost
 from torchrec_sparselift.search.errors import SparseLiftPlannerError
 from torchrec_sparselift.search.lp import solve_lp
@@ -126,13 +133,13 @@ def placeable(option: Any, world_size: int, local_world_size: int) -> bool:
     """Whether the makespan problem can place ``option`` (see :func:`makespan_problem`)."""
     st, n = option.sharding_type, len(option.shards)
     L = min(local_world_size, world_size)
-    if st in ("table_wise", "column_wise"):
+    if st in (TABLE_WISE, COLUMN_WISE):
         return True
-    if st == "table_column_wise":
+    if st == TABLE_COLUMN_WISE:
         return n in (1, L)
     if st in ON_EVERY_RANK_TYPES:
         return n == world_size
-    if st == "table_row_wise":
+    if st == TABLE_ROW_WISE:
         return n == L
     return False
 
@@ -339,14 +346,14 @@ def makespan_problem(
             skipped.append(f"{o.path}.{o.name}: not a table of the module's specs")
             continue
         st, n = o.sharding_type, len(o.shards)
-        if st in ("table_wise", "column_wise") or (st == "table_column_wise" and n == 1):
+        if st in (TABLE_WISE, COLUMN_WISE) or (st == TABLE_COLUMN_WISE and n == 1):
             placement = "free"
         elif st in ON_EVERY_RANK_TYPES:
             placement = "all"
             if n != W:
                 skipped.append(f"{o.name} {st}/{o.compute_kernel}: {n} shards on {W} ranks")
                 continue
-        elif st == "table_row_wise" or (st == "table_column_wise" and n == L):
+        elif st == TABLE_ROW_WISE or (st == TABLE_COLUMN_WISE and n == L):
             placement = "host"
             if n != L:
                 skipped.append(f"{o.name} {st}/{o.compute_kernel}: {n} shards, {L} ranks per host")
@@ -748,10 +755,10 @@ def column_split_options(module: Any, sharders: Sequence[Any], topology: Any, ba
         spec_of = {(h.spec.module_path, h.spec.name): h.spec for h in extract_tables(
             module, list(sharders), topology.compute_device, batch_size, constraints)}
     have = {(o.path, o.name, o.compute_kernel, len(o.shards)) for o in existing
-            if o.sharding_type == "column_wise"}
+            if o.sharding_type == COLUMN_WISE}
     first = {}
     for o in existing:
-        if o.sharding_type == "column_wise":
+        if o.sharding_type == COLUMN_WISE:
             first.setdefault((o.path, o.name, o.compute_kernel), o)
     out = []
     for (path, name, kernel), o in first.items():

@@ -27,9 +27,14 @@ import attrs
 from torchrec_sparselift.semantics.tables import TableSpec
 from torchrec_sparselift.vocabulary import (
     COLUMN_SPLIT_TYPES,
+    DATA_PARALLEL,
+    GRID_SHARD,
     HOST_ROW_SPLIT_TYPES,
     ON_EVERY_RANK_TYPES,
     PLACED_FREELY_TYPES,
+    ROW_WISE,
+    TABLE_ROW_WISE,
+    TABLE_WISE,
 )
 
 __all__ = [
@@ -139,17 +144,17 @@ def candidate_for(
     column_splits: int = 1,
 ) -> Candidate:
     rows, dim = spec.num_embeddings, spec.embedding_dim
-    if sharding_type in ("table_wise",):
+    if sharding_type == TABLE_WISE:
         n, r, c = 1, rows, dim
     elif sharding_type in COLUMN_SPLIT_TYPES:
         n, r, c = column_splits, rows, dim // column_splits
-    elif sharding_type == "row_wise":
+    elif sharding_type == ROW_WISE:
         n, r, c = world_size, -(-rows // world_size), dim
-    elif sharding_type == "table_row_wise":
+    elif sharding_type == TABLE_ROW_WISE:
         n, r, c = local_world_size, -(-rows // local_world_size), dim
-    elif sharding_type == "data_parallel":
+    elif sharding_type == DATA_PARALLEL:
         n, r, c = world_size, rows, dim
-    elif sharding_type == "grid_shard":
+    elif sharding_type == GRID_SHARD:
         n, r, c = local_world_size * column_splits, -(-rows // local_world_size), dim // column_splits
     else:
         raise ValueError(f"table {spec.fqn!r}: unknown sharding type {sharding_type!r}")
@@ -220,7 +225,7 @@ def shard_nodes(
     def distinct(batches: float, share: float) -> float:
         return spec.distinct_rows(batches) * share if fused else 0.0
 
-    if st == "data_parallel":
+    if st == DATA_PARALLEL:
         rows_local = B * pf
         nodes.append(Node("lookup", lookup_res, rows_local, unit="rows", width_bytes=width, **kv))
         nodes.append(Node("backward_update", lookup_res, rows_local, unit="rows",
@@ -262,7 +267,7 @@ def shard_nodes(
         _host_work(nodes, nf, 1.0, 0.0)
         return nodes
 
-    if st == "row_wise":
+    if st == ROW_WISE:
         ids_here = ids_global / W
         in_bytes = ids_here * INDEX_BYTES + B * W * nf * LENGTH_BYTES
         # every rank receives its bucket from the W-1 others (owner side) and sends its own ids
@@ -353,11 +358,11 @@ def shard_memory(spec: TableSpec, cand: Candidate, world_size: int,
     """
     rows, cols = cand.shard_rows, cand.shard_cols
     weights = rows * cols * spec.elem_bytes
-    if cand.sharding_type == "data_parallel":
+    if cand.sharding_type == DATA_PARALLEL:
         return float(weights + 3 * rows * cols * 4), 0.0
     state = rows * OPTIMIZER_STATE_BYTES_PER_ROW
     B, W = spec.batch_size, world_size
-    if cand.sharding_type == "row_wise":
+    if cand.sharding_type == ROW_WISE:
         ids_here = B * W * spec.pooling_factor / W
     elif cand.sharding_type in HOST_ROW_SPLIT_TYPES:
         ids_here = B * W * spec.pooling_factor / max(cand.num_shards, 1)

@@ -21,10 +21,11 @@ groups of ``G = group_size`` ranks, ``R = W / G`` replicas. TorchRec's ``DMPColl
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Tuple
 
 import attrs
 
+from torchrec_sparselift.files import read_attrs
 from torchrec_sparselift.vocabulary import LAYOUTS_2D
 
 __all__ = ["Layout2D", "LAYOUTS", "layouts_to_price"]
@@ -160,12 +161,9 @@ class Layout2D:
                 "group_size": self.group_size, "kind": self.kind}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Layout2D":
-        known = {"world_size", "ranks_per_host", "group_size", "kind"}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown Layout2D fields {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**dict(data))
+    def from_dict(cls, data: Any) -> "Layout2D":
+        """The layout :meth:`to_dict` wrote (a dict, or a file's reader)."""
+        return read_attrs(cls, data, kinds={"world_size": int, "ranks_per_host": int, "group_size": int, "kind": str})
 
 
 def layouts_to_price(world_size: int, ranks_per_host: int, group_size: int,

@@ -34,15 +34,15 @@ execution plans can fingerprint the statistics they were planned for and detect 
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import math
 from collections.abc import Mapping as _MappingABC
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 import torch
+
+from torchrec_sparselift.files import canonical_digest, read_attrs, record_reader
 
 __all__ = [
     "FeatureStats",
@@ -157,14 +157,9 @@ class FeatureStats:
         return attrs.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "FeatureStats":
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(
-                f"FeatureStats for feature {data.get('feature', '?')!r}: unknown fields {sorted(unknown)}"
-            )
-        return cls(**dict(data))
+    def from_dict(cls, data: Any) -> "FeatureStats":
+        """The statistics :meth:`to_dict` wrote (a dict, or a file's reader)."""
+        return read_attrs(cls, data, kinds={"feature": str})
 
 
 def _sorted_features(features: Iterable[FeatureStats]) -> Tuple[FeatureStats, ...]:
@@ -182,10 +177,6 @@ def _no_duplicates(instance: Any, attribute: "attrs.Attribute[Any]", value: Tupl
     for a, b in zip(value, value[1:]):
         if a.feature == b.feature:
             raise ValueError(f"WorkloadStats: feature {a.feature!r} appears twice; give each feature once")
-
-
-def _canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 @attrs.frozen
@@ -255,15 +246,16 @@ class WorkloadStats(_MappingABC):
         return {"schema": STATS_SCHEMA, "features": [f.to_dict() for f in self.features]}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "WorkloadStats":
-        schema = data.get("schema")
-        if schema != STATS_SCHEMA:
-            raise ValueError(f"workload statistics schema {schema!r} is not {STATS_SCHEMA!r}")
-        return cls(tuple(FeatureStats.from_dict(f) for f in data["features"]))
+    def from_dict(cls, data: Any) -> "WorkloadStats":
+        """The statistics :meth:`to_dict` wrote (a dict, or a file's reader)."""
+        f = record_reader(cls, data)
+        f.req("schema", str, choices=[STATS_SCHEMA], fix="write it with WorkloadStats.to_dict")
+        return read_attrs(cls, f, ignore_unknown=True,
+                          features=lambda r: tuple(FeatureStats.from_dict(x) for x in r.objs("features")))
 
     def digest(self) -> str:
         """sha256 hex of the canonical JSON of :meth:`to_dict`: equal stats, equal digest, in any process."""
-        return hashlib.sha256(_canonical_json(self.to_dict()).encode("utf-8")).hexdigest()
+        return canonical_digest(self.to_dict())
 
 
 # ------------------------------------------------------------------------------------------------
