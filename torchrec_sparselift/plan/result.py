@@ -5,7 +5,7 @@ result, the planning problem, the tables' handles. :meth:`PlanResult.optimizatio
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import attrs
 import numpy as np
