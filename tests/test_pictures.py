@@ -368,3 +368,13 @@ def test_kernel_fit_picture_groups_the_shipped_records_by_family_with_the_printe
     rc = calibrate(["kernels", "--from-records", shipped, "--out", str(tmp_path / "p.json"), "--png", str(png)])
     assert rc == 0, capsys.readouterr().err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_pictures_module_imports_without_torchrec():
+    import subprocess
+
+    code = "import sys, torchrec_sparselift.pictures; print('torchrec' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), os.pardir)]
+                                                        + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -554,3 +554,37 @@ def test_apply_refuses_narrow_ids_for_a_huge_model_parallel_table_and_unknown_de
     model = nn.Module()
     model.fp = fp
     assert apply_wire_ids(model, "int32") == []
+
+
+def _pad8(n: int) -> int:
+    return n + (-n % 8)
+
+
+@pytest.mark.multiprocess
+def test_dedup_bytes_counted_equal_the_exchange_and_the_price(runs) -> None:  # type: ignore[no-untyped-def]
+    """Table-wise (f0, f2 on rank 0; f1 on rank 1): each rank sends the other its features'
+    header (int32: stride, then ids sent and ids per feature) and one payload (distinct ids at
+    int32, lengths at int32, the inverse index at its width, each section 8-byte aligned).
+    CommCounter's bytes (sent + received) equal that exactly, and
+    :func:`feature_input_bytes` prices the same bytes but the header and the padding."""
+    to = {0: ["f1"], 1: ["f0", "f2"]}  # what each rank sends: the features the other rank holds
+    exact, priced = {}, {}
+    for src in (0, 1):
+        kjt = _kjt(src, 0, b=BYTES_B)
+        per = kjt.to_dict()
+        keys = to[src]
+        distinct = {f: int(torch.unique(per[f].values()).numel()) for f in keys}
+        n = {f: int(per[f].values().numel()) for f in keys}
+        width = W.inverse_bytes(max(distinct.values()))
+        exact[src] = (4 * (1 + 2 * len(keys)) + _pad8(4 * sum(distinct.values())) + _pad8(4 * len(keys) * BYTES_B)
+                      + _pad8(width * sum(n.values())))
+        priced[src] = sum(W.feature_input_bytes(
+            W.FeatureWire(feature=f, ids=n[f], samples=BYTES_B, unique_ratio=distinct[f] / n[f]), "int32", dedup=True)
+            for f in keys)
+        # the price's inverse width is the feature's own; the message's is its widest feature's
+        assert all(W.inverse_bytes(distinct[f]) <= width for f in keys)
+    for rank, out in enumerate(runs):
+        counted = out[("table_wise", "dedup_int32_rebuilt", "bytes")]["bytes"]
+        assert counted == exact[0] + exact[1], rank
+        overhead = sum(4 * (1 + 2 * len(to[s])) + 3 * 7 for s in (0, 1))  # headers, padding at most
+        assert 0 <= counted - (priced[0] + priced[1]) <= overhead

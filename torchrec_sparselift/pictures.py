@@ -6,22 +6,25 @@
               capacity=planner.memory_caps(module))          # sparselift compare --png
     plan_png(ep.prediction, segments, "plan.png")             # sparselift explain --png
     fit_png(fit_points(records), "fit.png")                   # sparselift calibrate steps --png
-    timeline_png(measured_steps(report, "1gbit"), "steps.png")  # python -m torchrec_sparselift.pictures
+    fit_png(kernel_fit_points(report), "kernels.png")          # sparselift calibrate kernels --png
+    timeline_png({"overlap": measured_steps(result, "overlap")}, "steps.png")
+                                            # python -m torchrec_sparselift.pictures timeline
 
 Each drawing function writes one PNG and returns what it drew, read back from the figure's own
 artists (bar heights and bottoms, points, segments), so a test can check the picture shows its
 inputs. matplotlib is optional: it is imported inside the drawing functions, which raise an
 ``ImportError`` naming ``pip install matplotlib`` when it is missing. The rest of the module (the
-measured timeline's segments, :func:`measured_timeline`) needs nothing beyond the package.
+measured timeline's segments, :func:`measured_timeline`) needs nothing beyond the package, and
+the module imports without torchrec (``calibrate kernels`` draws with it).
 
 * :func:`plans_png`: per rank, each plan's step stacked by the terms ``sparselift explain``
   prints (compute, exposed communication, overlapped communication), the plans side by side
   (first plan left); below, each plan's per-rank device memory (and host memory where a plan
   uses any) against the per-rank capacity.
-* :func:`plan_png`: one plan's per-rank bars above its modelled step timeline (and, given a
-  measured attribution, measured vs predicted per sparse-path node kind).
-* :func:`fit_png`: a calibration's predicted against measured step time per probe plan, the
-  ``y = x`` line and the fit error (MAPE) in the title.
+* :func:`plan_png`: one plan's per-rank bars, its memory against capacity, its modelled step
+  timeline (and, given a measured attribution, measured vs predicted per sparse-path node kind).
+* :func:`fit_png`: a calibration's predicted against measured time per point (a step per probe
+  plan, or a kernel per record), the ``y = x`` line, each group's MAPE and the fit's in the title.
 * :func:`timeline_png`: measured steps (the overlap benchmark's ``timeline_per_rank``), per rank
   the main thread's compute and waits and each collective kind in flight, hidden communication
   (in flight while the rank computes) in one colour and exposed (the rank waits for it) in
@@ -96,7 +99,7 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("drawing a PNG needs matplotlib: pip install matplotlib "
+        raise ImportError("the PNG needs matplotlib: pip install matplotlib "
                           "(or pip install 'torchrec_sparselift[plot]')") from e
     return plt
 
