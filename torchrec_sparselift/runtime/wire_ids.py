@@ -3,9 +3,9 @@
 :func:`apply_wire_ids` rewrites every ``ShardedEmbeddingBagCollection`` of a sharded model, in
 place, without touching the user's model code: each model-parallel sharding group's input dist
 (``TwSparseFeaturesDist`` for table- and column-wise, ``RwSparseFeaturesDist`` for row-wise,
-``TwRwSparseFeaturesDist`` for table-row-wise) keeps its bucketizing and sends through
-:class:`WireIdsAllToAll` instead of TorchRec's ``KJTAllToAll``. Data-parallel groups send nothing
-and are left alone.
+``TwRwSparseFeaturesDist`` for table-row-wise) is wrapped in a :class:`WireFeaturesDist`, which
+keeps its bucketizing; a group that deduplicates sends through :class:`WireIdsAllToAll` instead
+of TorchRec's ``KJTAllToAll``. Data-parallel groups send nothing and are left alone.
 
 * ``id_dtype="int32"``: the KJT going into TorchRec's all-to-all is cast to int32 values and
   lengths, so both travel at 4 bytes (TorchRec's all-to-all keeps the KJT's dtype; its row-wise
@@ -13,8 +13,8 @@ and are left alone.
   table with more rows than int32 holds is refused, naming it.
 * ``dedup_features``: a group holding one of them sends through a two-collective exchange of its
   own: an int32 header (per destination: the stride and, per feature, the ids it sends and the
-  ids it stands for) and one
-  byte payload per destination with the lengths, the distinct ids of each deduplicated feature
+  ids it stands for) and one byte payload per destination with the lengths, the distinct ids of
+  each deduplicated feature
   (``torch.unique``), an inverse index per id at the narrowest of uint8/int16/int32 that holds
   it, the other features' ids as they are, and the weights of a weighted KJT. The receiver
   rebuilds every feature's ids (``unique[inverse]``) into the KJT TorchRec's all-to-all would
