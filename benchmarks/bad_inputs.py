@@ -36,6 +36,8 @@ import traceback
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from benchmarks.harness import write_report
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "dlrm")
 TRAIN = os.path.join(EXAMPLE, "train.py")
@@ -708,8 +710,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n = sum(r["clear"] for r in rows)
     print(f"\n{n} of {len(rows)} clear ({time.monotonic() - start:.0f} s)")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+        write_report(args.json, {"rows": rows})
     return 0
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from benchmarks import planners as B
+from benchmarks.harness import write_report
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
@@ -183,8 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.append(check(name.strip(), args.limit, args.exact))
         print(json.dumps(rows[-1], default=float), flush=True)
         if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(rows, fh, indent=1, default=float)
+            write_report(args.out, {"rows": rows})
     return 0
 
 

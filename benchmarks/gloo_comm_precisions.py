@@ -14,11 +14,12 @@ with ``get_qcomm_codecs`` (what the precision itself does on gloo). The result i
 
 import argparse
 import itertools
-import json
 import logging
 
 import torch
 import torch.distributed as dist
+
+from benchmarks.harness import write_report
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 
@@ -106,8 +107,7 @@ def main() -> None:
             else:
                 print(f"{key:36s} FAILS: {next(r[key]['error'] for r in every if not r[key]['ok'])}")
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(every, f, indent=1)
+            write_report(args.out, {"ranks": every})
     dist.destroy_process_group()
 
 

@@ -15,10 +15,10 @@ minutes (one fit per workload and term set).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Dict, List, Sequence
 
+from benchmarks.harness import write_report
 
 
 def heldout(measurements: Sequence[Any], host: Any, base: Any, exclude: Sequence[str]) -> List[Dict[str, Any]]:
@@ -71,8 +71,7 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"  {wl:>13}: {vals[0] * 100:5.1f}% | {vals[1] * 100:5.1f}%")
     print(f"  {'all':>13}: {_mape(runs[names[0]]) * 100:5.1f}% | {_mape(runs[names[1]]) * 100:5.1f}%")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(runs, f, indent=1)
+        write_report(a.out, runs)
     return 0
 
 

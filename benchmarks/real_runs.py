@@ -59,7 +59,8 @@ from torchrec_sparselift import SparseLiftPlanner
 from torchrec_sparselift.calibration.pricer import PlanPricer
 from torchrec_sparselift.calibration.records import HostTermRecord
 from torchrec_sparselift.calibration.store import ProfileStore, auto_profile, base_profile, current_fingerprint
-from torchrec_sparselift.calibration.term_error import profile_errors, term_seconds
+from torchrec_sparselift.calibration.term_error import profile_errors
+from torchrec_sparselift.plan.baseline import term_seconds
 from torchrec_sparselift.cost.hardware import get_profile
 from torchrec_sparselift.cost.report import mape, spearman
 from torchrec_sparselift.defaults import ranks_per_host

@@ -12,12 +12,13 @@ show what the bound costs.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
 import warnings
 from typing import List, Optional
+
+from benchmarks.harness import write_report
 
 __all__ = ["main"]
 
@@ -130,9 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = run([int(w) for w in args.world_sizes.split(",")], args.batch, args.hardware, args.budget,
                args.unbounded)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"workload": "dlrm-dcnv2", "per_gpu_batch": args.batch, "hardware": args.hardware,
-                       "rows": rows}, f, indent=2)
+        write_report(args.out, {"workload": "dlrm-dcnv2", "per_gpu_batch": args.batch, "hardware": args.hardware,
+                                "rows": rows}, indent=2)
     if args.png:
         try:
             plot(rows, args.png)

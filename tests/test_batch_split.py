@@ -182,6 +182,8 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
             out[plan_name, k] = _train(dmp, opt, k, batches, count=calls)
             out[plan_name, k, "calls"] = calls
             out[plan_name, k, "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
+    # the wrapper from an execution plan's optimizations: lift() reads batch_split and builds the split pipeline
+    out["lifted"], out["lifted", "class"] = _lifted(copy.deepcopy(start_tw), batches)
     # every chunk's collective issued before the forward (the CUDA order) run on gloo
     dmp, opt = _sharded("table_wise", copy.deepcopy(start_tw))
     calls = []
@@ -189,6 +191,39 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out["upfront", "calls"] = calls
     out["upfront", "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
     return out
+
+
+def _lifted(state: Dict[str, Any], batches: List[Any]):  # type: ignore[no-untyped-def]
+    """Table-wise, through ``lift`` from a plan whose optimizations ask for batch split 2: losses
+    and the pipeline's class."""
+    import attrs
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from torchrec_sparselift.plan.execution_plan import Optimizations
+    from torchrec_sparselift.runtime import lift
+
+    dmp, _opt = _sharded("table_wise")
+
+    @attrs.frozen
+    class Plan:  # the two attributes the runtime reads of an execution plan
+        sharding_plan: Any
+        optimizations: Optimizations
+
+    torch.manual_seed(3)
+    lifted = lift(_model(), Plan(dmp.plan, Optimizations(pipeline="overlap", batch_split=2)),
+                  device=torch.device("cpu"), embedding_optimizer=(RowWiseAdagrad, {"lr": 0.1}),
+                  dense_optimizer_factory=lambda params: torch.optim.Adagrad(params, lr=0.05))
+    lifted.model.load_state_dict(state)
+    it = iter(batches)
+    losses = [float(lifted.pipeline.progress(it)[0]) for _ in range(STEPS)]
+    return losses, type(lifted.pipeline).__name__
+
+
+def test_lift_applies_the_plan_s_batch_split_and_trains_like_the_unsplit_pipeline(results):
+    for rank, r in enumerate(results):
+        assert r["lifted", "class"] == "TrainPipelineBatchSplit"
+        torch.testing.assert_close(torch.tensor(r["lifted"]), torch.tensor(r["table_wise", 0]), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
 
 
 @pytest.fixture(scope="module")

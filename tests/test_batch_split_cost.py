@@ -120,13 +120,16 @@ def test_a_comm_bound_dlrm_step_splits_and_a_costly_chunk_does_not():
     assert choose_chunks(t, batch_size=1024, chained=True) > 1
 
 
-def test_chunks_arrive_in_order_and_gradients_leave_last_chunk_first():
+@pytest.mark.parametrize("chained", [False, True])
+def test_chunks_arrive_in_order_and_gradients_leave_last_chunk_first(chained):
     t = _dlrm_like(latency=0.001, overhead=0.001)
-    sched = split_schedule(t, 4)
+    sched = split_schedule(t, 4, chained)
     arrivals = [c.arrival_s for c in sched.chunks]
     issues = [c.grad_issue_s for c in sched.chunks]
     assert arrivals == sorted(arrivals) and issues == sorted(issues, reverse=True)
     assert sched.emb_bwd_start_s >= max(c.grad_arrival_s for c in sched.chunks)
+    if chained:  # each gradient leaves once the one before it has arrived
+        assert all(sched.chunks[c - 1].grad_issue_s >= sched.chunks[c].grad_arrival_s for c in range(1, 4))
 
 
 def test_bad_terms_are_refused_with_the_culprit():

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from torchrec_sparselift.calibration.records import HostTermRecord
-from torchrec_sparselift.calibration.step_fit import (CPU_STEP_TERMS, FitRecord, host_fit_setup, term_value,
-                                                     with_a2a_host_split)
+from torchrec_sparselift.calibration.step_fit import FitRecord, host_fit_setup, term_value, with_a2a_host_split
+from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS
 from torchrec_sparselift.calibration.store import base_profile
 from torchrec_sparselift.measure.microbench import bench_dense_terms, bench_host_terms
 

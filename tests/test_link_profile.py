@@ -15,7 +15,6 @@ import attrs
 import pytest
 
 from torchrec_sparselift.calibration.link import (
-    PROFILE_BYTES_PER_MEASURED,
     LinkRates,
     correct_link_terms,
     corrected_bandwidth,
@@ -36,7 +35,9 @@ from torchrec_sparselift.cost.hardware import (
     HardwareProfile,
     with_slower_compute,
 )
+from torchrec_sparselift.cost.step_terms import link_terms
 from launcher import run_ranks
+from search_helpers import meta_ebc
 from torchrec_sparselift.measure import testbed as tb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,7 +76,8 @@ def test_a_slower_link_corrects_the_flagged_terms_and_names_them_with_both_value
     assert c.differs and len(c.differences) == len(links_differ(stored, measured)) == 2
     p = c.profile
     # the model's all-to-all bytes are sent + received: two per measured (sent) byte
-    assert PROFILE_BYTES_PER_MEASURED["inter_bw"] == 2.0 and PROFILE_BYTES_PER_MEASURED["allreduce_bw"] == 1.0
+    per_measured = {r.measured: r.profile_bytes_per_measured for r in link_terms("bandwidth")}
+    assert per_measured["inter_bw"] == 2.0 and per_measured["allreduce_bw"] == 1.0
     assert p.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 2 * 430e6, 2 * 12.4e6))
     assert p.allreduce_bw == pytest.approx(corrected_bandwidth(300e6, 220e6, 12.1e6))
     # within the spread: untouched (the latencies are 100 us apart, within 100% of the smaller)
@@ -334,15 +336,17 @@ def test_the_planner_with_hardware_auto_corrects_the_stored_link_and_warns_once(
         warnings.simplefilter("ignore")
         topo = Topology(world_size=2, local_world_size=1, compute_device="cpu")
     planner = SparseLiftPlanner(topology=topo, batch_size=64, hardware="auto")
-    assert planner._hardware == PROFILE  # no process group, no link: the stored profile as is
-    with pytest.warns(UserWarning, match="inter_bw") as record:
-        planner._correct_link(_rates(inter_bw=12.5e6), announce=True)
-    assert len(record) == 1 and "430 MB/s" in str(record[0].message)
-    assert planner._hardware.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 2 * 430e6, 2 * 12.5e6))
-    assert planner._hardware.allreduce_bw == PROFILE.allreduce_bw
+    assert planner.hardware == PROFILE  # no process group, no link: the stored profile as is
+    on = planner.on_link(_rates(inter_bw=12.5e6))
+    assert on.corrected and "inter_bw" in on.note and "430 MB/s" in on.note
+    assert on.profile.inter_host_bw == pytest.approx(corrected_bandwidth(400e6, 2 * 430e6, 2 * 12.5e6))
+    assert on.profile.allreduce_bw == PROFILE.allreduce_bw
+    assert planner.hardware == PROFILE  # a value: the planner itself is not changed
+    request = planner.request(meta_ebc(2, 100, 8), on_link=on)
+    assert request.hardware.inter_host_bw == on.profile.inter_host_bw and request.model_errors is on.errors
     explicit = SparseLiftPlanner(topology=topo, batch_size=64, hardware=PROFILE)
-    explicit._correct_link(_rates(inter_bw=12.5e6), announce=True)  # the user's profile: left alone
-    assert explicit._hardware is PROFILE
+    assert explicit.on_link(_rates(inter_bw=12.5e6)) is None  # the user's profile: left alone
+    assert explicit.hardware is PROFILE
 
 
 # ---------------------------------------------------------------- two emulated hosts
@@ -366,12 +370,10 @@ else:
         warnings.simplefilter("ignore")
         topo = Topology(world_size=2, local_world_size=1, compute_device="cpu")
     planner = SparseLiftPlanner(topology=topo, batch_size=64, hardware="auto")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        planner._correct_link(link, dist.get_rank() == 0)
+    on = planner.on_link(link)
     if dist.get_rank() == 0:
-        out = {"link": link.to_dict(), "profile": planner._hardware.to_dict(),
-               "warnings": [str(w.message) for w in caught if "sparselift" in str(w.message)]}
+        out = {"link": link.to_dict(), "profile": on.profile.to_dict(),
+               "warnings": [on.note] if on.note else []}
         open(sys.argv[2], "w").write(json.dumps(out))
 dist.destroy_process_group()
 """

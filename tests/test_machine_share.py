@@ -17,6 +17,7 @@ def _plan_cases(rank: int, world: int):
     import torch.distributed as dist
     from torchrec.distributed.planner import Topology
 
+    import torchrec_sparselift.planner as planner_module
     import torchrec_sparselift.runtime.machine as machine
     from torchrec_sparselift import SparseLiftPlanner
     from torchrec_sparselift.measure.probe import ProbeTable, ProbeWorkload, probe_model
@@ -27,34 +28,34 @@ def _plan_cases(rank: int, world: int):
     # one rank per host: the ranks span hosts, where the overlap pipelines are offered on CPU
     topo = Topology(world_size=world, local_world_size=1, compute_device="cpu")
     for name, (share, pipelines) in CASES.items():
-        machine.machine_share = lambda pg=None, share=share: share  # the planner imports it at call time
+        planner_module.machine_share = lambda pg=None, share=share: share  # what the planner calls
         planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, pipelines=pipelines, time_budget_s=1.0,
                                     debug=False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ep = planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD)
-        out[name] = {"pipelines": list(planner.request(probe_model(w)).pipelines), "chosen": ep.optimizations.pipeline,
+        out[name] = {"pipelines": list(planner.last_request.pipelines), "chosen": ep.optimizations.pipeline,
                      "warnings": [str(c.message) for c in caught if "share a machine" in str(c.message)]}
     # one planner reused: planned where ranks outnumber the cores, then where they do not
     planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, time_budget_s=1.0, debug=False)
     reused = []
     for share in ((4, 2), (2, 2)):
-        machine.machine_share = lambda pg=None, share=share: share
+        planner_module.machine_share = lambda pg=None, share=share: share
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD)
-        reused.append(list(planner.request(probe_model(w)).pipelines))
+        reused.append(list(planner.last_request.pipelines))
     out["reused"] = reused
     # a link measurement passed in carries the machine share: no all-gather, its numbers
     from types import SimpleNamespace
 
-    machine.machine_share = lambda pg=None: (2, 2)
+    planner_module.machine_share = lambda pg=None: (2, 2)
     planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, time_budget_s=1.0, debug=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         planner.collective_plan_execution(probe_model(w), pg=dist.group.WORLD,
                                           link=SimpleNamespace(machine_ranks=4, machine_cores=2))
-    out["from_link"] = list(planner.request(probe_model(w)).pipelines)
+    out["from_link"] = list(planner.last_request.pipelines)
     return out
 
 

@@ -13,16 +13,19 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 
 from search_helpers import meta_ebc
 from torchrec_sparselift import SparseLiftPlanner
+from torchrec_sparselift import planner as planner_module
 from torchrec_sparselift.calibration import term_error
-from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitRecord, StepFitInfo
-from torchrec_sparselift.calibration.term_error import term_errors, term_seconds, uncalibrated_errors
+from torchrec_sparselift.calibration.step_fit import FitRecord, StepFitInfo
+from torchrec_sparselift.calibration.term_error import term_errors, uncalibrated_errors
 from torchrec_sparselift.cost.hardware import get_profile
+from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS
 from torchrec_sparselift.plan import sharding_plan_digest
 from torchrec_sparselift.plan.baseline import (
     FIXED_TERM, BaselineDecision, TermErrors, TermTimes, decision_from_dict, kept_plan_pipeline, never_slower,
-    never_slower_with_precision, same_sharding_price,
+    never_slower_with_precision, same_sharding_price, term_seconds,
 )
 from torchrec_sparselift.plan.compare import torchrec_plan
+from torchrec_sparselift.plan.planning import plan_result
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 GiB = 1024**3
@@ -145,7 +148,7 @@ def test_planner_keeps_the_lossy_comms_when_their_gain_clearly_exceeds_the_error
     # predicted gain of ~50%); a profile whose step fit measured 10% error per term ("auto" applies
     # it). SparseLift's lossy plan is priced as TorchRec's plan with the same comms (qcomm by hand),
     # so TorchRec's placement is kept, with the lossy comms
-    monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, 0.10, "a step fit"))
+    monkeypatch.setattr(planner_module, "profile_errors", lambda *a, **k: TermErrors({}, 0.10, "a step fit"))
     topo, module = _topo(16), meta_ebc(16, 100000, 128)
     res = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True,
                             time_budget_s=2).plan_with_result(module, get_default_sharders())
@@ -186,7 +189,7 @@ def test_planner_reads_the_error_it_is_given(monkeypatch):
     topo, module = _topo(16), meta_ebc(16, 100000, 128)
 
     def plan(error):
-        monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, error, "test"))
+        monkeypatch.setattr(planner_module, "profile_errors", lambda *a, **k: TermErrors({}, error, "test"))
         return SparseLiftPlanner(topology=topo, batch_size=512, debug=False, allow_lossy_comm=True,
                                  time_budget_s=2).plan_with_result(module, get_default_sharders())  # "auto"
 
@@ -278,21 +281,16 @@ def test_planner_on_another_link_prices_the_rule_with_the_links_spread(monkeypat
     """hardware="auto" corrected to this job's link: the rule's error of the corrected link terms
     is at least the link measurement's spread (here 10x the fit's), which keeps TorchRec's plan at
     fp32 where the fit's error alone would take the lossy comms' gain."""
-    import torchrec_sparselift.calibration.store as store
-
     prof = attrs.evolve(get_profile("cpu-gloo"), name="stored")
     stored_link = _link(inter_bw=200e6, spread=0.01)
-    monkeypatch.setattr(store, "auto_profile_link", lambda *a, **k: (prof, "/stored.json", stored_link))
+    monkeypatch.setattr(planner_module, "auto_profile_link", lambda *a, **k: (prof, "/stored.json", stored_link))
     monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors({}, 0.02, "a step fit"))
     topo, module = _topo(16), meta_ebc(16, 100000, 128)
 
     def plan(spread):
         planner = SparseLiftPlanner(topology=topo, batch_size=512, debug=False, hardware="auto",
                                     allow_lossy_comm=True, time_budget_s=2)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            planner._correct_link(_link(spread=spread), announce=False)
-        return planner.plan_with_result(module, get_default_sharders())
+        return plan_result(planner.request(module, get_default_sharders(), on_link=planner.on_link(_link(spread=spread))))
 
     tight, spread = plan(0.01), plan(5.0)
     # at 2% per term the lossy comms' gain over fp32 clears the rule (SparseLift's plan runs them

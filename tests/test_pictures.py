@@ -338,14 +338,43 @@ def test_calibrate_steps_png_draws_the_refit_probe_plans_at_their_measured_steps
     ["compare", "--tables", "TINY", "--topology", "cpu-gloo", "--world-size", "2", "--quiet"],
     ["explain", "PLAN", "--quiet"],
     ["calibrate", "steps", "--from-measurements", "SET"],
+    ["calibrate", "kernels", "--from-records", "SET", "--out", "OUT"],
 ])
 def test_png_commands_refuse_a_missing_folder_or_matplotlib_before_their_work(argv, tmp_path, capsys, monkeypatch):
     tiny = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "tables", "cpu_tiny.json")
     # a plan and a measurement set that do not exist: the check must come before they are read
-    argv = [{"TINY": tiny, "PLAN": str(tmp_path / "plan.json"), "SET": str(tmp_path / "set.pkl")}.get(a, a)
-            for a in argv]
+    argv = [{"TINY": tiny, "PLAN": str(tmp_path / "plan.json"), "SET": str(tmp_path / "set.pkl"),
+             "OUT": str(tmp_path / "out.json")}.get(a, a) for a in argv]
     assert main(argv + ["--png", str(tmp_path / "no" / "x.png")]) == 2
     assert f"the folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(argv + ["--png", str(tmp_path / "x.png")]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_kernel_fit_picture_groups_the_shipped_records_by_family_with_the_printed_mape(tmp_path, capsys):
+    from torchrec_sparselift.calibration.kernel_fit import fit_kernel_profile, load_records
+    from torchrec_sparselift.cost.hardware import get_profile
+    from torchrec_sparselift.measure.commands import main as calibrate
+
+    shipped = os.path.join(os.path.dirname(__file__), os.pardir, "profiles", "cpu-2core-gloo.records.json")
+    records, previous = load_records(shipped)
+    _profile, report = fit_kernel_profile(get_profile(previous.get("base") or "cpu-gloo"), records)
+    got = fit_png(pictures.kernel_fit_points(report), str(tmp_path / "k.png"), what="kernel measurements")
+    assert len(got.points_ms) == sum(f.points for f in report.fits) == len(records.lookups) + len(
+        records.collectives) + len(records.dense)
+    assert got.group_mape == {f.family: pytest.approx(f.mape) for f in report.fits}
+    png = tmp_path / "kernels.png"
+    rc = calibrate(["kernels", "--from-records", shipped, "--out", str(tmp_path / "p.json"), "--png", str(png)])
+    assert rc == 0, capsys.readouterr().err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_pictures_module_imports_without_torchrec():
+    import subprocess
+
+    code = "import sys, torchrec_sparselift.pictures; print('torchrec' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), os.pardir)]
+                                                        + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False", out.stderr

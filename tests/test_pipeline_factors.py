@@ -116,13 +116,13 @@ def test_a_factor_is_a_term_of_its_own_in_the_never_slower_rule():
 
 
 def test_the_planner_leaves_torchrecs_pipeline_only_past_the_factors_error(monkeypatch):
-    from torchrec_sparselift.calibration import term_error
+    from torchrec_sparselift import planner as planner_module
 
     module = meta_ebc(6, 2000, 32)
     profile = attrs.evolve(CPU, pipeline_factors=(("fused", 0.8),))
 
     def plan(factor_error):
-        monkeypatch.setattr(term_error, "profile_errors", lambda *a, **k: TermErrors(
+        monkeypatch.setattr(planner_module, "profile_errors", lambda *a, **k: TermErrors(
             {pipeline_term("fused"): factor_error}, 0.05, "test"))
         return SparseLiftPlanner(topology=_cpu_topo(), batch_size=256, hardware=profile, time_budget_s=2,
                                  debug=False).plan_with_result(module, get_default_sharders())

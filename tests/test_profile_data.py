@@ -57,4 +57,4 @@ def test_the_planner_with_auto_hardware_and_no_stored_profile_prices_with_the_ba
     with pytest.warns(UserWarning, match="torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps"):
         planner = SparseLiftPlanner(topology=Topology(world_size=2, local_world_size=2, compute_device="cpu"),
                                     batch_size=64, hardware="auto")
-    assert planner._hardware == base_profile("cpu")
+    assert planner.hardware == base_profile("cpu")

@@ -122,7 +122,7 @@ def test_makespan_bound_is_a_bound_and_closes_small_instances():
     opts, _ = estimate_options(module, sharders, topo, batch, cons)
     specs, _ = specs_from_options(opts)
     # memory tight enough to matter
-    trp = makespan_problem(opts, specs, SparseLiftPlanner(topology=topo, batch_size=batch)._profile(),
+    trp = makespan_problem(opts, specs, SparseLiftPlanner(topology=topo, batch_size=batch).profile(),
                            4, 4, batch, np.full(4, 60.0 * GiB), np.full(4, 128.0 * GiB))
     exact = solve_milp(trp.problem, "base", time_limit_s=30)
     assert exact.status == "optimal"

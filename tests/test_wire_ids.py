@@ -488,17 +488,103 @@ def test_wire_features_follow_the_sharding() -> None:
 
     from torchrec_sparselift.semantics.workload import FeatureStats, WorkloadStats
 
-    tables = [SimpleNamespace(name="tw", feature_names=["a"]), SimpleNamespace(name="cw", feature_names=["b"]),
-              SimpleNamespace(name="rw", feature_names=["c"]), SimpleNamespace(name="dp", feature_names=["d"])]
+    def table(name, feats, pf=2.0, r=None):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(name=name, feature_names=feats, pooling_factor=pf, batch_size=None, unique_ratio=r,
+                               num_embeddings=1000)
+
+    tables = [table("tw", ["a"]), table("cw", ["b"]), table("rw", ["c"]), table("dp", ["d"]),
+              table("declared", ["e", "g"], pf=6.0, r=0.5)]
     stats = WorkloadStats([FeatureStats(feature=f, pooling_factor=2.0, unique_ratio=0.25) for f in "abcd"])
-    feats = W.wire_features(tables, stats, {"tw": ("table_wise", 1), "cw": ("column_wise", 2),
-                                            "rw": ("row_wise", 4), "dp": ("data_parallel", 4)},
-                            batch_size=100, world_size=4, local_world_size=2)
+    sharding = {"tw": ("table_wise", 1), "cw": ("column_wise", 2), "rw": ("row_wise", 4),
+                "dp": ("data_parallel", 4), "declared": ("table_wise", 1)}
+    feats = W.wire_features(tables, stats, sharding, batch_size=100, world_size=4, local_world_size=2)
     by = {f.feature: f for f in feats}
-    assert set(by) == {"a", "b", "c"}  # data-parallel sends nothing
-    assert (by["a"].ids, by["a"].messages) == (200, 1)
+    assert set(by) == {"a", "b", "c", "e", "g"}  # data-parallel sends nothing
+    assert (by["a"].ids, by["a"].messages, by["a"].unique_ratio) == (200, 1, 0.25)
     assert (by["b"].ids, by["b"].messages) == (400, 2)  # every column shard gets every id
     assert (by["c"].ids, by["c"].messages) == (200, 4)
-    with pytest.raises(ValueError, match="'e'"):
-        W.wire_features([SimpleNamespace(name="x", feature_names=["e"])], stats, {"x": ("table_wise", 1)},
-                        batch_size=1, world_size=1, local_world_size=1)
+    assert (by["e"].ids, by["e"].unique_ratio) == (300, 0.5)  # no stats: the table's share
+    with pytest.raises(ValueError, match="'x'"):
+        W.wire_features([table("x", ["h"])], None, {}, batch_size=1, world_size=1, local_world_size=1)
+    request = SimpleNamespace(tables=tables, stats=stats, batch_size=100,
+                              topology=SimpleNamespace(world_size=4, local_world_size=2),
+                              hardware=SimpleNamespace(inter_host_bw=1.25e8, intra_host_bw=1e12))
+    choice = W.choose_for_request(request, sharding, dedup_id_s=1e-9)
+    assert choice.id_dtype == "int32" and set(choice.dedup_features) == {"a", "b", "c", "e", "g"}
+    request.topology.local_world_size = 4  # one host: the fast link, where the kernel costs more
+    assert W.choose_for_request(request, sharding, dedup_id_s=1e-9).dedup_features == ()
+
+
+def test_apply_refuses_narrow_ids_for_a_huge_model_parallel_table_and_unknown_dedup_features() -> None:
+    from types import SimpleNamespace
+
+    from torch import nn
+    from torchrec import EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
+
+    def holder(types):  # type: ignore[no-untyped-def]
+        """A model holding a sharded EBC's table view (no weights: the checks read configs and plan)."""
+        ebc = ShardedEmbeddingBagCollection.__new__(ShardedEmbeddingBagCollection)
+        nn.Module.__init__(ebc)
+        ebc._embedding_bag_configs = [
+            EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=4, feature_names=[f"{n}_f"])
+            for n, rows in (("small", 1000), ("huge", 2**31 + 1))]
+        ebc.module_sharding_plan = {n: SimpleNamespace(sharding_type=t) for n, t in types.items()}
+        model = nn.Module()
+        model.ebc = ebc
+        return model
+
+    with pytest.raises(ValueError, match=r"ebc\.huge \(2147483649 rows\)") as err:
+        apply_wire_ids(holder({"small": "table_wise", "huge": "row_wise"}), "int32")
+    assert "ebc.small" not in str(err.value)
+    with pytest.raises(ValueError, match=r"\['nope'\].*huge_f"):
+        apply_wire_ids(holder({"small": "table_wise", "huge": "row_wise"}), "int64", ["nope"])
+    with pytest.raises(ValueError, match="int64, int32"):
+        apply_wire_ids(holder({"small": "table_wise", "huge": "row_wise"}), "int8")
+    # a data-parallel table sends no ids: narrow ids do not look at its rows; nothing to rewrite
+    assert apply_wire_ids(holder({"small": "data_parallel", "huge": "data_parallel"}), "int32") == []
+    # a feature-processed EBC is left alone (its processors read the received KJT)
+    from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
+
+    fp = ShardedFeatureProcessedEmbeddingBagCollection.__new__(ShardedFeatureProcessedEmbeddingBagCollection)
+    nn.Module.__init__(fp)
+    fp._embedding_bag_collection = holder({"small": "table_wise", "huge": "row_wise"}).ebc
+    model = nn.Module()
+    model.fp = fp
+    assert apply_wire_ids(model, "int32") == []
+
+
+def _pad8(n: int) -> int:
+    return n + (-n % 8)
+
+
+@pytest.mark.multiprocess
+def test_dedup_bytes_counted_equal_the_exchange_and_the_price(runs) -> None:  # type: ignore[no-untyped-def]
+    """Table-wise (f0, f2 on rank 0; f1 on rank 1): each rank sends the other its features'
+    header (int32: stride, then ids sent and ids per feature) and one payload (distinct ids at
+    int32, lengths at int32, the inverse index at its width, each section 8-byte aligned).
+    CommCounter's bytes (sent + received) equal that exactly, and
+    :func:`feature_input_bytes` prices the same bytes but the header and the padding."""
+    to = {0: ["f1"], 1: ["f0", "f2"]}  # what each rank sends: the features the other rank holds
+    exact, priced = {}, {}
+    for src in (0, 1):
+        kjt = _kjt(src, 0, b=BYTES_B)
+        per = kjt.to_dict()
+        keys = to[src]
+        distinct = {f: int(torch.unique(per[f].values()).numel()) for f in keys}
+        n = {f: int(per[f].values().numel()) for f in keys}
+        width = W.inverse_bytes(max(distinct.values()))
+        exact[src] = (4 * (1 + 2 * len(keys)) + _pad8(4 * sum(distinct.values())) + _pad8(4 * len(keys) * BYTES_B)
+                      + _pad8(width * sum(n.values())))
+        priced[src] = sum(W.feature_input_bytes(
+            W.FeatureWire(feature=f, ids=n[f], samples=BYTES_B, unique_ratio=distinct[f] / n[f]), "int32", dedup=True)
+            for f in keys)
+        # the price's inverse width is the feature's own; the message's is its widest feature's
+        assert all(W.inverse_bytes(distinct[f]) <= width for f in keys)
+    for rank, out in enumerate(runs):
+        counted = out[("table_wise", "dedup_int32_rebuilt", "bytes")]["bytes"]
+        assert counted == exact[0] + exact[1], rank
+        overhead = sum(4 * (1 + 2 * len(to[s])) + 3 * 7 for s in (0, 1))  # headers, padding at most
+        assert 0 <= counted - (priced[0] + priced[1]) <= overhead

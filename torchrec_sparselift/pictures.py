@@ -6,22 +6,25 @@
               capacity=planner.memory_caps(module))          # sparselift compare --png
     plan_png(ep.prediction, segments, "plan.png")             # sparselift explain --png
     fit_png(fit_points(records), "fit.png")                   # sparselift calibrate steps --png
-    timeline_png(measured_steps(report, "1gbit"), "steps.png")  # python -m torchrec_sparselift.pictures
+    fit_png(kernel_fit_points(report), "kernels.png")          # sparselift calibrate kernels --png
+    timeline_png({"overlap": measured_steps(result, "overlap")}, "steps.png")
+                                            # python -m torchrec_sparselift.pictures timeline
 
 Each drawing function writes one PNG and returns what it drew, read back from the figure's own
 artists (bar heights and bottoms, points, segments), so a test can check the picture shows its
 inputs. matplotlib is optional: it is imported inside the drawing functions, which raise an
 ``ImportError`` naming ``pip install matplotlib`` when it is missing. The rest of the module (the
-measured timeline's segments, :func:`measured_timeline`) needs nothing beyond the package.
+measured timeline's segments, :func:`measured_timeline`) needs nothing beyond the package, and
+the module imports without torchrec (``calibrate kernels`` draws with it).
 
 * :func:`plans_png`: per rank, each plan's step stacked by the terms ``sparselift explain``
   prints (compute, exposed communication, overlapped communication), the plans side by side
   (first plan left); below, each plan's per-rank device memory (and host memory where a plan
   uses any) against the per-rank capacity.
-* :func:`plan_png`: one plan's per-rank bars above its modelled step timeline (and, given a
-  measured attribution, measured vs predicted per sparse-path node kind).
-* :func:`fit_png`: a calibration's predicted against measured step time per probe plan, the
-  ``y = x`` line and the fit error (MAPE) in the title.
+* :func:`plan_png`: one plan's per-rank bars, its memory against capacity, its modelled step
+  timeline (and, given a measured attribution, measured vs predicted per sparse-path node kind).
+* :func:`fit_png`: a calibration's predicted against measured time per point (a step per probe
+  plan, or a kernel per record), the ``y = x`` line, each group's MAPE and the fit's in the title.
 * :func:`timeline_png`: measured steps (the overlap benchmark's ``timeline_per_rank``), per rank
   the main thread's compute and waits and each collective kind in flight, hidden communication
   (in flight while the rank computes) in one colour and exposed (the rank waits for it) in
@@ -39,7 +42,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
-from torchrec_sparselift.explain import PHASE_ORDER, Segment, timeline_end
+from torchrec_sparselift.cost.pipelines import PHASE_NAMES, Placed
 
 __all__ = [
     "TERMS",
@@ -49,6 +52,7 @@ __all__ = [
     "FitPoint",
     "FitPicture",
     "fit_points",
+    "kernel_fit_points",
     "fit_png",
     "TimelineSegment",
     "MeasuredStep",
@@ -95,7 +99,7 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("drawing a PNG needs matplotlib: pip install matplotlib "
+        raise ImportError("the PNG needs matplotlib: pip install matplotlib "
                           "(or pip install 'torchrec_sparselift[plot]')") from e
     return plt
 
@@ -380,7 +384,7 @@ class PlanPicture:
     size_px: Tuple[int, int]
 
 
-def plan_png(prediction: Any, segments: Sequence[Segment], path: str, title: str = "",
+def plan_png(prediction: Any, segments: Sequence[Placed], path: str, title: str = "",
              comparison: Optional[Sequence[Any]] = None,
              capacity: Optional[Tuple[Any, Any]] = None) -> PlanPicture:
     """Write a PNG of one plan: per-rank bars stacked by :data:`TERMS` (the step time and lower
@@ -444,7 +448,8 @@ def plan_png(prediction: Any, segments: Sequence[Segment], path: str, title: str
                       edgecolor="black" if s.critical else "none", lw=0.8)
         r = bc[0]
         drawn_segments.append((s.lane, s.phase, float(r.get_x()), float(r.get_width()), bool(s.critical)))
-    total = timeline_end([s for s in segments if s.critical]) or timeline_end(segments)
+    total = max((s.end_s for s in segments if s.critical), default=0.0) or max((s.end_s for s in segments),
+                                                                              default=0.0)
     for s in segments:
         if s.duration_s > 0.0105 * len(s.phase) * max(total, 1e-15):  # the label fits in the bar
             ax2.text((s.start_s + s.duration_s / 2) * 1e3, lanes.index(s.lane), s.phase,
@@ -454,7 +459,7 @@ def plan_png(prediction: Any, segments: Sequence[Segment], path: str, title: str
     ax2.invert_yaxis()
     ax2.set_xlabel("ms from step start (outlined: critical path; faded: hidden by overlap)")
     ax2.set_title("one steady-state step, modelled", fontsize=10)
-    present = [p for p in PHASE_ORDER if any(s.phase == p for s in segments)]
+    present = [p for p in PHASE_NAMES if any(s.phase == p for s in segments)]
     handles = [plt.Rectangle((0, 0), 1, 1, color=_PHASE_COLORS.get(p, "#777777")) for p in present]
     ax2.legend(handles, present, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
                title="phases", title_fontsize=8, alignment="left", ncol=2 if len(present) > 6 else 1)
@@ -516,6 +521,14 @@ def fit_points(records: Sequence[Any]) -> Tuple[FitPoint, ...]:
                           float(r.predicted_before_s)) for r in records)
 
 
+def kernel_fit_points(report: Any) -> Tuple[FitPoint, ...]:
+    """A kernel calibration's records under its fitted profile
+    (:class:`~torchrec_sparselift.calibration.kernel_fit.CalibrationReport`'s ``points``: family,
+    label, predicted and measured seconds) as points, one group per family."""
+    return tuple(FitPoint(f"{family}: {label}", family, measured, predicted)
+                 for family, label, predicted, measured in report.points)
+
+
 def _mape(pred: Sequence[float], meas: Sequence[float]) -> float:
     return sum(abs(p - m) / m for p, m in zip(pred, meas)) / len(meas)
 
@@ -523,23 +536,27 @@ def _mape(pred: Sequence[float], meas: Sequence[float]) -> float:
 @attrs.frozen
 class FitPicture:
     """What :func:`fit_png` drew: the fitted points as (measured ms, predicted ms), the base
-    profile's where given, the MAPE in the title (a fraction), the title, path and size."""
+    profile's where given, the MAPE in the title (a fraction) and each group's in the legend,
+    the title, path and size."""
 
     path: str
     points_ms: Tuple[Tuple[float, float], ...]
     before_ms: Tuple[Tuple[float, float], ...]
     mape: float
+    group_mape: Mapping[str, float]
     title: str
     size_px: Tuple[int, int]
 
 
-def fit_png(points: Sequence[FitPoint], path: str, title: str = "") -> FitPicture:
-    """Predicted against measured step time per probe plan (one colour per workload), the
-    ``y = x`` line with a +-10% band, the base profile's predictions as hollow grey markers (when
-    the points carry them), the three worst plans named; the fit's MAPE in the title. Log axes
-    when the steps span more than a factor of 8. Writes ``path``; returns what was drawn."""
+def fit_png(points: Sequence[FitPoint], path: str, title: str = "", what: str = "probe plans",
+            quantity: str = "step") -> FitPicture:
+    """Predicted against measured time per point (``what``: probe plans, each a ``quantity`` of
+    step; one colour per group, with its MAPE), the ``y = x`` line with a +-10% band, the base
+    profile's predictions as hollow grey markers (when the points carry them), the three worst
+    points named; the fit's MAPE in the title. Log axes when the times span more than a factor
+    of 8. Writes ``path``; returns what was drawn."""
     if not points:
-        raise ValueError("no probe plan to draw: the calibration fit has no records")
+        raise ValueError(f"no {what} to draw: the calibration fit has no records")
     plt = _pyplot()
     meas = np.array([p.measured_s for p in points]) * 1e3
     pred = np.array([p.predicted_s for p in points]) * 1e3
@@ -564,17 +581,22 @@ def fit_png(points: Sequence[FitPoint], path: str, title: str = "") -> FitPictur
     groups = list(dict.fromkeys(p.group for p in points))
     cmap = plt.get_cmap("tab10")
     drawn: Dict[int, Tuple[float, float]] = {}
+    group_mape: Dict[str, float] = {}
+    size = 42 if len(points) <= 60 else 18
     for gi, g in enumerate(groups):
         idx = [i for i, p in enumerate(points) if p.group == g]
-        sc = ax.scatter(meas[idx], pred[idx], s=42, color=cmap(gi % 10), edgecolors="black", lw=0.5, zorder=3,
-                        label=f"{g} ({len(idx)})")
+        group_mape[g] = _mape(pred[idx], meas[idx])
+        sc = ax.scatter(meas[idx], pred[idx], s=size, color=cmap(gi % 10), edgecolors="black", lw=0.5, zorder=3,
+                        label=f"{g}: {len(idx)}, MAPE {group_mape[g]:.1%}")
         for i, (a, b) in zip(idx, sc.get_offsets()):
             drawn[i] = (float(a), float(b))
     worst = sorted(range(len(points)), key=lambda i: -abs(pred[i] - meas[i]) / meas[i])[:3]
     for i in worst:
         ape = (pred[i] - meas[i]) / meas[i]
         ax.annotate(f"{points[i].label} {ape:+.0%}", (meas[i], pred[i]), textcoords="offset points",
-                    xytext=(6, -10 if pred[i] < meas[i] else 6), fontsize=7, color="#333333")
+                    xytext=(6, -10 if pred[i] < meas[i] else 6), fontsize=7, color="#333333",
+                    bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85},
+                    arrowprops={"arrowstyle": "-", "color": "#777777", "lw": 0.6}, zorder=4)
     if log:  # plain numbers at 1, 2, 5 x 10^k: ms a reader can read off
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -587,15 +609,16 @@ def fit_png(points: Sequence[FitPoint], path: str, title: str = "") -> FitPictur
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_aspect("equal", adjustable="box")
-    ax.set_xlabel("measured step, ms")
-    ax.set_ylabel("predicted step, ms")
-    full = (title + ": " if title else "calibration fit: ") + f"MAPE {mape:.1%} over {len(points)} probe plans"
+    ax.set_xlabel(f"measured {quantity}, ms")
+    ax.set_ylabel(f"predicted {quantity}, ms")
+    full = (title + ": " if title else "calibration fit: ") + f"MAPE {mape:.1%} over {len(points)} {what}"
     ax.set_title(_wrap(full, 70), fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="upper left", framealpha=0.9)
     fig.tight_layout()
-    size = _save(fig, path)
-    return FitPicture(path, tuple(drawn[i] for i in range(len(points))), before_drawn, mape, full, size)
+    size_px = _save(fig, path)
+    return FitPicture(path, tuple(drawn[i] for i in range(len(points))), before_drawn, mape, group_mape, full,
+                      size_px)
 
 
 # ------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
@@ -148,6 +148,10 @@ class CalibrationReport:
     diagnostics: Mapping[str, float] = attrs.field(factory=dict)
     notes: Tuple[str, ...] = attrs.field(default=(), converter=tuple)
     records: MicrobenchRecords = attrs.field(factory=MicrobenchRecords)
+    #: every record under the fitted profile, ``(family, label, predicted s, measured s)``: the
+    #: points each family's fit summarises (derived, so not in the JSON)
+    points: Tuple[Tuple[str, str, float, float], ...] = attrs.field(default=(), converter=tuple, eq=False,
+                                                                    repr=False)
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -477,10 +481,17 @@ def fit_kernel_profile(
     profile = attrs.evolve(base, **fields)
 
     fits: List[FamilyFit] = []
+    points: List[Tuple[str, str, float, float]] = []
+
+    def family(name: str, sub: Sequence[Any], predicted: Sequence[float], label: Callable[[Any], str]) -> None:
+        fits.append(FamilyFit.of(name, predicted, [r.seconds for r in sub]))
+        points.extend((name, label(r), float(p), float(r.seconds)) for r, p in zip(sub, predicted))
+
     for phase in ("fwd", "fwd_bwd"):
         sub = [r for r in records.lookups if r.phase == phase]
         if sub:
-            fits.append(FamilyFit.of(f"lookup_{phase}", [predict_lookup(profile, r) for r in sub], [r.seconds for r in sub]))
+            family(f"lookup_{phase}", sub, [predict_lookup(profile, r) for r in sub],
+                   lambda r: f"{r.rows} rows x {r.dim}, batch {r.batch_size}, pooling {r.pooling}")
             for rows in sorted({r.rows for r in sub}):  # the model has no cache term: show its cost
                 part = [r for r in sub if r.rows == rows]
                 signed = [(predict_lookup(profile, r) - r.seconds) / r.seconds for r in part]
@@ -488,19 +499,20 @@ def fit_kernel_profile(
     for op in ("all_to_all", "all_reduce"):
         sub = [r for r in records.collectives if r.op == op]
         if sub:
-            fits.append(FamilyFit.of(op, [predict_collective(profile, r, spans_hosts) for r in sub], [r.seconds for r in sub]))
+            family(op, sub, [predict_collective(profile, r, spans_hosts) for r in sub], lambda r: f"{r.op} {r.bytes} B")
     for dt in sorted({r.dtype for r in records.dense}):
         sub = [r for r in records.dense if r.dtype == dt]
         rate = diagnostics[f"dense_{dt}_fitted_flops"]
-        fits.append(FamilyFit.of(f"dense_{dt}", [r.flops / rate for r in sub], [r.seconds for r in sub]))
+        family(f"dense_{dt}", sub, [r.flops / rate for r in sub], lambda r: f"{r.m}x{r.n}x{r.k} {r.dtype}")
     if records.copies:
         sub = [r for r in records.copies if r.direction == "h2d"]
-        fits.append(FamilyFit.of("h2d_copy", [diagnostics["h2d_fixed_s"] + r.bytes / profile.uvm_bw for r in sub], [r.seconds for r in sub]))
+        family("h2d_copy", sub, [diagnostics["h2d_fixed_s"] + r.bytes / profile.uvm_bw for r in sub],
+               lambda r: f"h2d {r.bytes} B")
 
     kernels = sorted({r.kernel for r in records.lookups})
     report = CalibrationReport(
         profile=profile, base=base.name, device=device, kernel=",".join(kernels) or None,
-        world_size=world, fits=fits, diagnostics=diagnostics, notes=notes, records=records,
+        world_size=world, fits=fits, diagnostics=diagnostics, notes=notes, records=records, points=points,
     )
     return profile, report
 

@@ -20,6 +20,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import attrs
 import numpy as np
 
+from torchrec_sparselift.cost.hardware import COMPUTE_RATE_FIELDS, COMPUTE_TIME_FIELDS, with_slower_compute
+from torchrec_sparselift.cost.step_terms import link_terms
+
 __all__ = [
     "LinkRates",
     "LinkRatesError",
@@ -31,7 +34,6 @@ __all__ = [
     "with_link_facts",
     "replica_rate_differs",
     "SHARED_LINK_MARGIN",
-    "PROFILE_BYTES_PER_MEASURED",
     "fit_latency_bandwidth",
     "fit_family",
     "relative_spread",
@@ -474,18 +476,6 @@ def host_groups(keys: Sequence[str]) -> List[List[int]]:
 
 # ---------------------------------------------------------------- correcting a profile's link terms
 
-# profile field <- LinkRates bandwidth term
-_PROFILE_BW = (("intra_host_bw", "intra_bw"), ("inter_host_bw", "inter_bw"), ("allreduce_bw", "allreduce_bw"))
-
-#: Profile bytes per measured byte, per bandwidth term. The cost model's all-to-all columns count
-#: a rank's bytes sent *plus* received (an owner's output bytes on its own column, each peer's
-#: share on the peer's: ``cost.model.shard_cost``); :func:`measure_link_rates
-#: <torchrec_sparselift.measure.link.measure_link_rates>` counts the bytes a rank sends while every
-#: rank of the group sends alike. In a symmetric all-to-all a rank receives what it sends, so one
-#: measured byte per second is two profile bytes per second. The all-reduce equation is the same
-#: on both sides (``2 (n-1)/n * bytes``).
-PROFILE_BYTES_PER_MEASURED = {"intra_bw": 2.0, "inter_bw": 2.0, "allreduce_bw": 1.0}
-_LATENCY_TERMS = ("inter_latency_s", "intra_latency_s")
 
 
 def _stored_term(stored: LinkRates, name: str) -> Optional[float]:
@@ -539,8 +529,6 @@ class LinkCorrection:
                 return f"{v:.3g}"
             return _fmt_term("latency" if field.endswith("_s") else "bw", v)
 
-        from torchrec_sparselift.cost.hardware import COMPUTE_RATE_FIELDS, COMPUTE_TIME_FIELDS
-
         compute = set(COMPUTE_RATE_FIELDS + COMPUTE_TIME_FIELDS)
         link = [(f, a, b) for f, a, b in self.changed if f not in compute]
         moved = [f"{f} {fmt(f, a)} -> {fmt(f, b)}" for f, a, b in link]
@@ -560,7 +548,8 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
 
     Each flagged bandwidth the job uses (``intra_bw`` -> ``intra_host_bw``, ``inter_bw`` ->
     ``inter_host_bw``, ``allreduce_bw`` -> ``allreduce_bw``) by :func:`corrected_bandwidth`, the
-    measured rates first put in the profile's byte count (:data:`PROFILE_BYTES_PER_MEASURED`); a
+    measured rates first put in the profile's byte count (the table
+    :data:`~torchrec_sparselift.cost.step_terms.LINK_TERMS` says which rate moves which field); a
     slower inter-host link on several hosts sets ``inter_reduce_scatter_factor`` (the factor of
     the reduce-scatter bytes that cross hosts) below ``reduce_scatter_factor`` so that the link's
     added seconds count once per byte on the wire (the factor's own seconds per byte stay;
@@ -591,17 +580,15 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
     changes: Dict[str, Any] = {}
     factor = 1.0
     if "ranks_per_core" in names:
-        from torchrec_sparselift.cost.hardware import COMPUTE_RATE_FIELDS, COMPUTE_TIME_FIELDS, with_slower_compute
-
         factor = float(measured.ranks_per_core) / float(stored.ranks_per_core)
         slower = with_slower_compute(profile, factor)
         changes.update({f: getattr(slower, f) for f in COMPUTE_RATE_FIELDS + COMPUTE_TIME_FIELDS
                         if getattr(slower, f) is not None and getattr(slower, f) != getattr(profile, f)})
-    for field, term in _PROFILE_BW:
-        m, s = getattr(measured, term), _stored_term(stored, term)
-        if term in names and m is not None and s is not None:
-            k = PROFILE_BYTES_PER_MEASURED[term]
-            changes[field] = corrected_bandwidth(getattr(profile, field), k * s, k * m)
+    for row in link_terms("bandwidth"):
+        m, s = getattr(measured, row.measured), _stored_term(stored, row.measured)
+        if row.measured in names and m is not None and s is not None:
+            k = row.profile_bytes_per_measured
+            changes[row.field] = corrected_bandwidth(getattr(profile, row.field), k * s, k * m)
     if "inter_host_bw" in changes and measured.hosts > 1:
         # a reduce-scatter's link byte counts reduce_scatter_factor all-to-all bytes: what the step
         # fit found on the calibration box (gloo's reduce-scatter does its reduction on the CPU).
@@ -612,10 +599,10 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
         f = profile.rs_factor(inter_host=True)
         if new_bw < old_bw and f > 1.0:
             changes["inter_reduce_scatter_factor"] = 1.0 + (f - 1.0) * new_bw / old_bw
-    for term in _LATENCY_TERMS:
-        m, s = getattr(measured, term), _stored_term(stored, term)
-        if term in names and m is not None and s is not None:
-            changes["collective_latency_s"] = max(0.0, profile.collective_latency_s + (m - s))
+    for row in link_terms("latency"):
+        m, s = getattr(measured, row.measured), _stored_term(stored, row.measured)
+        if row.measured in names and m is not None and s is not None:
+            changes[row.field] = max(0.0, getattr(profile, row.field) + (m - s))
             break
     if shared is not None and bool(profile.host_link_shared) != shared:
         changes["host_link_shared"] = shared
@@ -640,10 +627,10 @@ def with_link_facts(profile: Any, link: Optional[LinkRates]) -> Any:
     shared = link.host_link_shared
     if shared is not None and bool(profile.host_link_shared) != shared:
         changes["host_link_shared"] = shared
-    for name in ("replica_intra_bw", "replica_inter_bw"):
-        v = getattr(link, name)
-        if v is not None and replica_rate_differs(getattr(profile, name), v, link):
-            changes[name] = float(v)
+    for row in link_terms("taken"):
+        v = getattr(link, row.measured)
+        if v is not None and replica_rate_differs(getattr(profile, row.field), v, link):
+            changes[row.field] = float(v)
     return attrs.evolve(profile, **changes) if changes else profile
 
 

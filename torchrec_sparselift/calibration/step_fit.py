@@ -43,15 +43,14 @@ from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasure
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.calibration.attribution import StepAttribution, measured_groups
 from torchrec_sparselift.cost.report import mape
+from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS, FitTerm
 from torchrec_sparselift.files import read_attrs, record_reader
 
 __all__ = [
-    "FitTerm",
     "FitRecord",
     "FitCase",
     "StepFit",
     "StepFitInfo",
-    "CPU_STEP_TERMS",
     "STEP_MODEL_VERSION",
     "term_value",
     "with_terms",
@@ -67,18 +66,6 @@ __all__ = [
 ]
 
 
-@attrs.frozen
-class FitTerm:
-    """One fitted coefficient. ``fields``: the profile fields it sets (all to the same value);
-    ``reciprocal``: the term is ``1 / field`` (a rate enters the step time as its inverse);
-    ``step``: the finite-difference step used by :func:`linearize` when the value is 0."""
-
-    name: str
-    fields: Tuple[str, ...]
-    reciprocal: bool = False
-    step: float = 1e-5
-
-
 #: The cost model's structure a fit depends on: bumped when the quantity a term multiplies changes,
 #: so a profile fitted under an older structure is calibrated again (``sparselift calibrate check``
 #: fails on it).
@@ -86,26 +73,6 @@ class FitTerm:
 #: (``cost.model.collective_calls``; it paid one per group before).
 STEP_MODEL_VERSION = 2
 
-#: The terms fitted from real CPU steps (the rest of the profile is kept).
-CPU_STEP_TERMS: Tuple[FitTerm, ...] = (
-    FitTerm("1/lookup_bw", ("hbm_bw", "ddr_bw"), reciprocal=True, step=1e-11),
-    FitTerm("lookup_overhead_s", ("lookup_overhead_s",), step=1e-5),
-    FitTerm("1/a2a_bw", ("intra_host_bw", "inter_host_bw"), reciprocal=True, step=1e-10),
-    FitTerm("collective_latency_s", ("collective_latency_s",), step=1e-5),
-    FitTerm("1/allreduce_bw", ("allreduce_bw",), reciprocal=True, step=1e-10),
-    FitTerm("1/dense_flops", ("dense_flops",), reciprocal=True, step=1e-12),
-    FitTerm("step_overhead_s", ("step_overhead_s",), step=1e-4),
-    FitTerm("feature_overhead_s", ("feature_overhead_s",), step=1e-5),
-    FitTerm("table_overhead_s", ("table_overhead_s",), step=1e-5),
-    FitTerm("dp_table_overhead_s", ("dp_table_overhead_s",), step=1e-5),
-    FitTerm("1/dense_update_bw", ("dense_update_bw",), reciprocal=True, step=1e-11),
-    FitTerm("bucketize_id_s", ("bucketize_id_s",), step=1e-8),
-    FitTerm("1/interaction_flops", ("interaction_flops",), reciprocal=True, step=1e-12),
-    FitTerm("1/dense_mem_bw", ("dense_mem_bw",), reciprocal=True, step=1e-11),
-    FitTerm("bwd_row_s", ("bwd_row_s",), step=1e-8),
-    FitTerm("reduce_scatter_factor", ("reduce_scatter_factor",), step=1e-3),
-    FitTerm("cold_row_s", ("cold_row_s",), step=1e-9),
-)
 
 
 @attrs.frozen

@@ -35,9 +35,9 @@ import attrs
 
 from torchrec_sparselift.atomic import flock_until, lock_holder, write_json
 from torchrec_sparselift.calibration.link import LinkRates, LinkRatesError
-from torchrec_sparselift.calibration.step_fit import (CPU_STEP_TERMS, STEP_MODEL_VERSION, StepFitInfo,
-                                                     with_a2a_host_split)
+from torchrec_sparselift.calibration.step_fit import STEP_MODEL_VERSION, StepFitInfo, with_a2a_host_split
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
+from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS
 from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.files import Fields, canonical_digest, load_json, parse_json, read_attrs, record_reader
 

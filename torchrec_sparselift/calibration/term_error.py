@@ -1,14 +1,8 @@
-"""The model's measured error per cost term, and a plan's predicted step split by term: the two
-inputs of the never-slower rule (:mod:`torchrec_sparselift.plan.baseline`). Pure functions.
+"""The model's measured error per cost term, one input of the never-slower rule
+(:mod:`torchrec_sparselift.plan.baseline`, which splits a predicted step by term with
+:func:`~torchrec_sparselift.plan.baseline.term_seconds`), and a stored profile moved to a job's
+measured link (:func:`profile_on_link`).
 
-* :func:`term_seconds`: the seconds each step-fit term (:data:`~.step_fit.CPU_STEP_TERMS`, or any
-  :class:`~.step_fit.FitTerm` list) contributes to one plan's predicted step: the prediction's
-  elasticity in the term, ``t_j = x_j * d T / d x_j``, by a central difference that scales the
-  term's profile fields (rates down, costs up) by ``1 +- rel`` (at a tie between two critical
-  paths, e.g. balanced ranks, it averages their slopes); the rest of the step (never below 0:
-  terms that multiply each other each carry the product's seconds) is
-  :data:`~torchrec_sparselift.plan.baseline.FIXED_TERM`. Scaling (not setting) the fields makes it
-  exact for any profile, presets whose tied fields differ (``hbm_bw`` and ``ddr_bw``) included.
 * :func:`term_errors`: a stored step fit's relative error per term, from its whole-step records
   (:class:`~.step_fit.FitRecord` of kind "step": the probe plans, and the measured guard's trials
   added since; the attributed parts of steps are left out: their profiler attribution was 19-53%
@@ -28,52 +22,19 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Optional
 
 import attrs
 import numpy as np
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.calibration.step_fit import CPU_STEP_TERMS, FitTerm, StepFitInfo
+from torchrec_sparselift.calibration.step_fit import StepFitInfo
 from torchrec_sparselift.cost.hardware import HardwareProfile
-from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, TermTimes, pipeline_term
+from torchrec_sparselift.cost.step_terms import LINK_TERMS
+from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, pipeline_term
 
-__all__ = ["term_seconds", "term_errors", "uncalibrated_errors", "scaled_term", "profile_errors", "with_link_errors",
-           "ProfileOnLink", "profile_on_link",
-           "LINK_TERM_OF_FIELD"]
-
-
-#: Optional fields that belong to a fitted term where a profile sets them (a link correction's
-#: inter-host reduce-scatter factor is the ``reduce_scatter_factor`` term's on that link).
-TIED_OPTIONAL_FIELDS = {"reduce_scatter_factor": ("inter_reduce_scatter_factor",)}
-
-
-def scaled_term(profile: HardwareProfile, term: FitTerm, factor: float) -> HardwareProfile:
-    """``profile`` with term ``term``'s value multiplied by ``factor`` (its rate fields divided by
-    it for a reciprocal term), every field of the term alike (and the optional fields tied to it
-    that the profile sets, :data:`TIED_OPTIONAL_FIELDS`)."""
-    changes = {f: (profile.rate(f) / factor if term.reciprocal else profile.rate(f) * factor) for f in term.fields}
-    for f in TIED_OPTIONAL_FIELDS.get(term.name, ()):
-        v = getattr(profile, f)
-        if v is not None:
-            changes[f] = float(v) / factor if term.reciprocal else float(v) * factor
-    return attrs.evolve(profile, **changes)
-
-
-def term_seconds(predict: Callable[[HardwareProfile], float], profile: HardwareProfile,
-                 terms: Sequence[FitTerm] = CPU_STEP_TERMS, rel: float = 0.05) -> TermTimes:
-    """``predict(profile)`` (a pure ``profile -> seconds``) split by term (module docstring)."""
-    base = float(predict(profile))
-    out: Dict[str, float] = {}
-    for t in terms:
-        up = float(predict(scaled_term(profile, t, 1.0 + rel)))
-        down = float(predict(scaled_term(profile, t, 1.0 - rel)))
-        out[t.name] = (up - down) / (2 * rel)
-    # terms that multiply each other (a rate and ``reduce_scatter_factor``) each carry the product's
-    # seconds (the product's relative error is the sum of theirs), so the terms can sum to more
-    # than the step: the fixed part is what is left, never below 0
-    out[FIXED_TERM] = max(0.0, base - sum(out.values()))
-    return TermTimes(total_s=base, terms=out)
+__all__ = ["term_errors", "uncalibrated_errors", "profile_errors", "with_link_errors",
+           "ProfileOnLink", "profile_on_link"]
 
 
 def term_errors(info: StepFitInfo, name: str = "") -> TermErrors:
@@ -146,24 +107,19 @@ def profile_errors(profile: Optional[HardwareProfile], stored_path: Optional[str
     return uncalibrated_errors(profile.name if profile is not None else "the preset")
 
 
-#: The step-fit term each rate a link correction moves belongs to (the bandwidths; the latency a
-#: correction shifts keeps the fit's error: ``LinkRates.latency_spread_s`` is the wander of the
-#: latency fits' intercepts on a busy host, an absolute spread that a relative error overstates).
-LINK_TERM_OF_FIELD = {"intra_host_bw": "1/a2a_bw", "inter_host_bw": "1/a2a_bw", "allreduce_bw": "1/allreduce_bw",
-                      "inter_reduce_scatter_factor": "reduce_scatter_factor"}
-
-
 def with_link_errors(errors: TermErrors, correction: Any, measured: Any) -> TermErrors:
     """``errors`` (a stored step fit's, :func:`profile_errors`) for the profile
     ``correction`` (a :class:`~.link.LinkCorrection`) moved to the link ``measured`` (its
     :class:`~.link.LinkRates`): each term whose rates the correction set from the measurement
-    (:data:`LINK_TERM_OF_FIELD`: the all-to-all and all-reduce bandwidths, the inter-host
+    (the ``error_term`` of its row in :data:`~torchrec_sparselift.cost.step_terms.LINK_TERMS`: the
+    all-to-all and all-reduce bandwidths, the inter-host
     reduce-scatter factor) has at least the measurement's relative spread. The step fit's error
     of those terms was measured on the calibration's link, not on this one. ``errors`` itself
     when nothing was corrected."""
     changed = {f for f, _old, _new in getattr(correction, "changed", ())}
     spread = float(getattr(measured, "spread", 0.0) or 0.0)
-    moved = {LINK_TERM_OF_FIELD[f]: spread for f in changed if f in LINK_TERM_OF_FIELD}
+    term_of = {t.field: t.error_term for t in LINK_TERMS if t.error_term}
+    moved = {term_of[f]: spread for f in changed if f in term_of}
     if not moved:
         return errors
     out = dict(errors.errors)

@@ -16,7 +16,10 @@ times from the lookup's end:
 * **backward** (one autograd pass, the last chunk first): chunk c's dense backward down to its
   embeddings' gradient (``dense_bwd_rest / k``), the gradient collective of chunk c issued
   (``g = latency + (grad_dist - latency) / k`` on the link, after the previous chunk's), chunk c's
-  independent backward (``dense_bwd_indep / k``), then chunk c-1's.
+  independent backward (``dense_bwd_indep / k``), then chunk c-1's. Chained, chunk c's request
+  node was created after chunk c-1's wait, so the autograd engine runs it (it waits for chunk c's
+  gradient) after chunk c-1's dependent backward and before chunk c-1's gradient is issued: each
+  gradient leaves when the previous one has arrived, and the main thread waits for it.
 * **end**: the TBE backward with its fused update runs once when the dense backward is done and
   every chunk's gradient has arrived; the dense all-reduce runs beside it (as under ``overlap``).
 
@@ -163,13 +166,15 @@ class ChunkTimes:
 
 @attrs.frozen
 class SplitSchedule:
-    """The schedule of one step under k chunks: per chunk (:class:`ChunkTimes`, chunk order), when
-    the dense work ends, when the embedding backward starts (every gradient in), the step."""
+    """The schedule of one step under k chunks: per chunk (:class:`ChunkTimes`, chunk order), the
+    dense backward's compute end (its waits for gradients left out), when the embedding backward
+    starts (every gradient in), the step, and the main thread's waits for gradients in total."""
 
     chunks: Tuple[ChunkTimes, ...]
     dense_end_s: float
     emb_bwd_start_s: float
     step_s: float
+    grad_wait_s: float = 0.0
 
     @property
     def exposed_output_s(self) -> float:
@@ -178,8 +183,8 @@ class SplitSchedule:
 
     @property
     def exposed_grad_s(self) -> float:
-        """The embedding backward's wait for the last gradient after the dense backward ended."""
-        return self.emb_bwd_start_s - self.dense_end_s
+        """The main thread's waits for the chunks' gradients (chained: between chunks too)."""
+        return self.grad_wait_s
 
     def describe(self) -> Tuple[str, ...]:
         """One line per chunk (ms from the step's start: what the link hides and what the step
@@ -212,18 +217,30 @@ def split_schedule(terms: SplitTerms, k: int, chained: bool = False) -> SplitSch
         if chained and j + 1 < k:  # chunk j+1 leaves when chunk j is read
             arrivals[j + 1] = max(ready, arrivals[j]) + per_out
         fwd = max(ready, arrivals[j]) + t.dense_fwd_rest_s / k
-    clock, link = fwd, -math.inf
+    clock, link, grad_wait = fwd, -math.inf, 0.0
     issue, arrive = [0.0] * k, [0.0] * k
-    for c in reversed(range(k)):  # the autograd pass runs the last chunk first
+    if not chained:
+        for c in reversed(range(k)):  # the autograd pass runs the last chunk first
+            clock += t.dense_bwd_rest_s / k
+            issue[c] = clock
+            link = max(link, clock) + per_grad
+            arrive[c] = link
+            clock += t.dense_bwd_indep_s / k
+        emb = max(clock, link)
+        grad_wait = emb - clock
+    else:  # chunk c's request node waits for its gradient before chunk c-1's is issued
         clock += t.dense_bwd_rest_s / k
-        issue[c] = clock
-        link = max(link, clock) + per_grad
-        arrive[c] = link
-        clock += t.dense_bwd_indep_s / k
-    emb = max(clock, link)
+        for c in reversed(range(k)):
+            issue[c] = clock
+            arrive[c] = clock + per_grad
+            clock += t.dense_bwd_indep_s / k + (t.dense_bwd_rest_s / k if c else 0.0)
+            grad_wait += max(0.0, arrive[c] - clock)
+            clock = max(clock, arrive[c])
+        emb = clock
     step = max(t.input_dist_s, emb + max(t.backward_update_s, t.allreduce_s) + t.step_overhead_s)
     chunks = tuple(ChunkTimes(arrivals[j], waits[j], issue[j], arrive[j]) for j in range(k))
-    return SplitSchedule(chunks=chunks, dense_end_s=clock, emb_bwd_start_s=emb, step_s=step)
+    return SplitSchedule(chunks=chunks, dense_end_s=emb - grad_wait, emb_bwd_start_s=emb, step_s=step,
+                         grad_wait_s=grad_wait)
 
 
 def split_step_s(terms: SplitTerms, k: int, chained: bool = False) -> float:

@@ -70,10 +70,6 @@ def _pipeline_factors(instance: Any, attribute: "attrs.Attribute[Any]", value: A
 
 
 #: Optional rates and the field each falls back to when it is None.
-#: Fields that price only 2D plans (the replica sync): a 1D plan request's fingerprint leaves them
-#: out, so a cached 1D plan is reused whatever the job measured for them.
-TWO_D_ONLY_FIELDS = ("replica_intra_bw", "replica_inter_bw")
-
 RATE_FALLBACK = {"dense_update_bw": "hbm_bw", "interaction_flops": "dense_flops", "dense_mem_bw": "hbm_bw"}
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "dedup_saving_s",
     "choose_wire_ids",
     "wire_features",
+    "choose_for_request",
 ]
 
 #: Element types the input all-to-all may carry ids and lengths in (first: TorchRec's).
@@ -240,19 +241,21 @@ def choose_wire_ids(features: Sequence[FeatureWire], table_rows: Mapping[str, in
                       refused=refused if allow_narrow else "")
 
 
-def wire_features(tables: Sequence[Any], stats: Mapping[str, Any], sharding: Mapping[str, Tuple[str, int]], *,
-                  batch_size: int, world_size: int, local_world_size: int) -> Tuple[FeatureWire, ...]:
+def wire_features(tables: Sequence[Any], stats: Optional[Mapping[str, Any]], sharding: Mapping[str, Tuple[str, int]],
+                  *, batch_size: int, world_size: int, local_world_size: int) -> Tuple[FeatureWire, ...]:
     """Each model-parallel feature's input all-to-all traffic per rank and step, for
     :func:`choose_wire_ids`.
 
-    ``tables``: values with ``name`` and ``feature_names`` (``TableSpec``); ``stats``: feature ->
-    statistics with ``pooling_factor``, ``batch_size`` (None: ``batch_size``) and
-    ``unique_ratio`` (``WorkloadStats``; a feature without statistics is refused, naming it);
-    ``sharding``: table -> (sharding type, shards). A data-parallel table sends nothing and is
-    left out; a column-wise table's ids go to each of its shards (``shards`` copies, one message
-    each); a row-wise table's go to ``world_size`` buckets, a table-row-wise one's to
-    ``local_world_size``, one message each (the distinct ids per message are the feature's spread
-    over them, as the runtime deduplicates per destination).
+    ``tables``: values with ``name``, ``feature_names``, ``pooling_factor`` (ids per sample over
+    the table's features), ``batch_size`` and ``unique_ratio`` (``TableSpec``); ``stats``: feature
+    -> statistics with ``pooling_factor``, ``batch_size`` and ``unique_ratio``
+    (``WorkloadStats``, or None); a feature's own statistics win, else its table's share
+    (``pooling_factor`` split evenly over its features, the table's ``unique_ratio``), else
+    ``batch_size``. ``sharding``: table -> (sharding type, shards). A data-parallel table sends
+    nothing and is left out; a column-wise table's ids go to each of its shards (``shards``
+    copies, one message each); a row-wise table's go to ``world_size`` buckets, a table-row-wise
+    one's to ``local_world_size``, one message each (the distinct ids per message are the
+    feature's spread over them, as the runtime deduplicates per destination).
     """
     if world_size < 1 or local_world_size < 1 or batch_size < 1:
         raise ValueError(f"batch_size, world_size and local_world_size must be >= 1, got "
@@ -267,12 +270,33 @@ def wire_features(tables: Sequence[Any], stats: Mapping[str, Any], sharding: Map
         copies = shards if st == "column_wise" else 1
         messages = {"row_wise": world_size, "table_row_wise": local_world_size,
                     "grid_shard": local_world_size}.get(st, 1)
-        for f in t.feature_names:
-            if f not in stats:
-                raise ValueError(f"feature {f!r} of table {t.name!r} has no workload statistics: "
-                                 "observe or declare them (semantics.workload)")
-            fs = stats[f]
-            b = fs.batch_size if fs.batch_size is not None else batch_size
-            out.append(FeatureWire(feature=f, table=t.name, ids=b * fs.pooling_factor * copies, samples=b * copies,
-                                   unique_ratio=fs.unique_ratio, messages=messages * copies))
+        features = list(t.feature_names)
+        for f in features:
+            fs = stats[f] if stats is not None and f in stats else None
+            if fs is not None:
+                pf, b, r = fs.pooling_factor, fs.batch_size, fs.unique_ratio
+            else:
+                pf, b, r = t.pooling_factor / max(len(features), 1), getattr(t, "batch_size", None), t.unique_ratio
+            b = b if b is not None else batch_size
+            out.append(FeatureWire(feature=f, table=t.name, ids=b * pf * copies, samples=b * copies,
+                                   unique_ratio=r, messages=messages * copies))
     return tuple(out)
+
+
+def choose_for_request(request: Any, sharding: Mapping[str, Tuple[str, int]], *, dedup_id_s: float,
+                       allow_narrow: bool = True, allow_dedup: bool = True) -> WireChoice:
+    """:func:`choose_wire_ids` for a plan request (``PlanRequest``: its ``tables``, ``stats``,
+    ``batch_size``, ``topology`` and ``hardware``) under ``sharding`` (table -> (sharding type,
+    shards): the sharding the search chose). The input link is the cross-host one
+    (``inter_host_bw``) when the topology spans hosts, else ``intra_host_bw``; narrow ids need every
+    model-parallel table within int32 rows."""
+    world = int(request.topology.world_size)
+    local = int(getattr(request.topology, "local_world_size", world) or world)
+    features = wire_features(request.tables, request.stats, sharding, batch_size=request.batch_size,
+                             world_size=world, local_world_size=local)
+    rows = {t.name: int(t.num_embeddings) for t in request.tables
+            if t.name in sharding and sharding[t.name][0] != "data_parallel"}
+    hw = request.hardware
+    bandwidth = hw.inter_host_bw if world > local else hw.intra_host_bw
+    return choose_wire_ids(features, rows, dedup_id_s=dedup_id_s, bandwidth=bandwidth,
+                           allow_narrow=allow_narrow, allow_dedup=allow_dedup)

@@ -41,6 +41,7 @@ __all__ = [
     "hardware_name",
     "check_hardware",
     "make_planner",
+    "topology_for",
     "shard_model",
     "dense_optimizer_class",
     "plan_summary",
@@ -164,6 +165,14 @@ def check_hardware(name: str):
         raise UsageError(f"--hardware {name}: {e}") from e
 
 
+def topology_for(world_size: int, local_world_size: int, compute_device: str) -> Topology:
+    """TorchRec's Topology of ``world_size`` ranks, ``local_world_size`` per host (its warning that
+    TopologyFactory is preferred silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Topology(world_size=world_size, local_world_size=local_world_size, compute_device=compute_device)
+
+
 def make_planner(
     name: str,
     world_size: int,
@@ -187,9 +196,7 @@ def make_planner(
     (execution plan reuse), ``allow_lossy_comm``, ``allow_staleness``, ``workload`` (the ids'
     ``WorkloadStats``) and ``model_errors`` (the never-slower rule's errors of a link-corrected
     profile)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Topology(...) warns that TopologyFactory is preferred
-        topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=compute_device)
+    topology = topology_for(world_size, local_world_size, compute_device)
     if name == "torchrec":
         return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
     profile = check_hardware(hardware) if isinstance(hardware, str) else hardware

@@ -24,7 +24,6 @@ import attrs
 import torch
 import torch.distributed as dist
 import torchrec
-from torchrec.distributed.planner import Topology
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -57,6 +56,7 @@ from torchrec_sparselift.dlrm.model import (
     plan_summary,
     planner_constraints,
     shard_model,
+    topology_for,
 )
 from torchrec_sparselift.dlrm.options import TrainOptions, UsageError, model_kind
 from torchrec_sparselift.dlrm.tables import TableSpec, check_uniform_dim, load_constraints_file
@@ -342,7 +342,8 @@ def _guarded_plan(options: TrainOptions, setup: Setup, cluster: Cluster, sharder
         f"{guard.warmup}+{guard.steps} steps each, {guard.rounds} interleaved rounds")
     ep, guard_result, guard_reused = guarded_execution_plan(
         setup.fresh_model, cluster.pg, cluster.device, trial_batches,
-        topology=setup.planner._topology, batch_size=options.batch_size, constraints=setup.constraints,
+        topology=topology_for(cluster.world_size, cluster.local_world_size, cluster.device.type),
+        batch_size=options.batch_size, constraints=setup.constraints,
         hardware=setup.hardware_profile(), guard=guard, cache_dir=options.cache_dir,
         allow_lossy_comm=options.allow_lossy_comm, sharders=sharders, log=say, workload=setup.workload,
         cores=setup.cores)
@@ -652,9 +653,9 @@ def attribute_run(
     predicted seconds per kind, the printed table)."""
     att = attribute_steps(pipeline, batches, steps=steps, warmup_steps=ATTRIBUTION_WARMUP, pg=pg, label=label,
                           pipeline=pipeline_kind, device=device)
+    topology = topology_for(world_size, local_world_size, device.type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        topology = Topology(world_size=world_size, local_world_size=local_world_size, compute_device=device.type)
         evaluated = evaluate_sharding_plan(model_factory(), plan, topology, batch_size, constraints, hardware=hardware,
                                            pipeline=pipeline_kind, fwd_precision=fwd, bwd_precision=bwd)
     predicted = predicted_for_plan(evaluated)

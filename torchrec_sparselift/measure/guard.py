@@ -317,7 +317,7 @@ def guarded_execution_plan(
                                  allow_lossy_comm=allow_lossy_comm, workload=workload, never_slower=False)
 
     main = planner_for(constraints)
-    profile = profile_for_topology(topology, main._profile())
+    profile = profile_for_topology(topology, main.profile())
     model = model_factory()
     path = guard_cache_path(cache_dir, guard_fingerprint(main, model, sharders, guard, cores), guard) if cache_dir else None
     # rank 0 decides whether the cache holds the guarded plan; everyone follows

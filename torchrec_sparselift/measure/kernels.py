@@ -25,6 +25,7 @@ from torchrec_sparselift.calibration.kernel_fit import CalibrationReport, fit_ke
 from torchrec_sparselift.calibration.records import MicrobenchRecords
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import CalibrationError
+from torchrec_sparselift.pictures import fit_png, kernel_fit_points, require_matplotlib
 from torchrec_sparselift.runtime.process_group import close_process_group
 from torchrec_sparselift.measure.microbench import (
     SweepConfig,
@@ -142,6 +143,8 @@ def add_kernels_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to write raw records + fit report (default: OUT with .records.json)")
     p.add_argument("--from-records", default=None,
                    help="refit from a records/report JSON written earlier instead of measuring")
+    p.add_argument("--png", default=None, metavar="FILE",
+                   help="also draw the fit: predicted against measured time per record, by family (needs matplotlib)")
 
 
 def run_kernels(args: argparse.Namespace) -> int:
@@ -157,6 +160,11 @@ def run_kernels(args: argparse.Namespace) -> int:
     records_path = args.records or (os.path.splitext(args.out)[0] + ".records.json")
     own_pg = False
     try:
+        if args.png:  # before measuring: the picture's folder and matplotlib
+            if not os.path.isdir(os.path.dirname(os.path.abspath(args.png))):
+                raise CalibrationError(f"--png {args.png}: the folder {os.path.dirname(os.path.abspath(args.png))} "
+                                       "does not exist")
+            require_matplotlib()
         if args.from_records:
             records, previous = load_records(args.from_records)
             base = get_profile(args.base or previous.get("base") or "cpu-gloo")
@@ -188,8 +196,12 @@ def run_kernels(args: argparse.Namespace) -> int:
             write_json(records_path, report.to_dict(), prefix=".calib-")
             print(report.summary(), flush=True)
             print(f"[calibrate] wrote {args.out} and {records_path}", flush=True)
+            if args.png:
+                fit_png(kernel_fit_points(report), args.png, title=f"kernel fit {report.profile.name!r}",
+                        what="kernel measurements", quantity="time")
+                print(f"[calibrate] wrote {args.png}", flush=True)
         return 0
-    except (CalibrationError, ValueError, RuntimeError, OSError) as exc:
+    except (CalibrationError, ValueError, RuntimeError, OSError, ImportError) as exc:
         print(f"sparselift calibrate kernels: error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:

@@ -3,8 +3,9 @@ measured error on the terms that differ.
 
 Pure: it reads two plans' per-term breakdowns (what each cost term contributes to the predicted
 step, :class:`TermTimes`) and the model's relative error per term (:class:`TermErrors`) and
-returns a :class:`BaselineDecision`. The planner builds TorchRec's plan on the same inputs,
-prices both with SparseLift's model and the profile, and applies it (``never_slower=True``).
+returns a :class:`BaselineDecision`; :func:`term_seconds` splits a predicted step into those
+terms. :func:`torchrec_sparselift.plan.planning.apply_never_slower` builds TorchRec's plan on the
+same inputs, prices both with SparseLift's model and the profile, and applies the rule.
 
 The rule (docs/cost_model.md, "Never slower than TorchRec")::
 
@@ -44,13 +45,15 @@ TorchRec's sharding is handed back under them (``BaselineDecision.baseline_shard
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
+from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS, FitTerm, scaled_term
+
 __all__ = ["FIXED_TERM", "TermErrors", "TermTimes", "TermDifference", "BaselineDecision", "never_slower",
            "never_slower_with_precision", "decision_from_dict", "pipeline_term", "with_pipeline_term",
-           "kept_plan_pipeline", "same_sharding_price", "baseline_name"]
+           "kept_plan_pipeline", "same_sharding_price", "baseline_name", "term_seconds"]
 
 #: The part of a predicted step that no fitted term multiplies (the breakdown's remainder).
 FIXED_TERM = "fixed"
@@ -304,6 +307,29 @@ def same_sharding_price(candidate: TermTimes, baseline_same_settings: TermTimes,
     alone and its sharding is one the model cannot tell from TorchRec's, so TorchRec's sharding is
     handed back under them."""
     return baseline_same_settings.total_s <= candidate.total_s * (1.0 + rel_tolerance)
+
+
+def term_seconds(predict: Callable[[Any], float], profile: Any,
+                 terms: Sequence[FitTerm] = CPU_STEP_TERMS, rel: float = 0.05) -> TermTimes:
+    """``predict(profile)`` (a pure ``profile -> seconds``) split by term: the seconds each step-fit
+    term (:data:`~torchrec_sparselift.cost.step_terms.CPU_STEP_TERMS`, or any :class:`~torchrec_sparselift.cost.step_terms.FitTerm` list) contributes to the
+    prediction, its elasticity in the term, ``t_j = x_j * d T / d x_j``, by a central difference that
+    scales the term's profile fields (rates down, costs up) by ``1 +- rel`` (at a tie between two
+    critical paths, e.g. balanced ranks, it averages their slopes); the rest of the step (never below
+    0: terms that multiply each other each carry the product's seconds) is :data:`FIXED_TERM`.
+    Scaling (not setting) the fields makes it exact for any profile, presets whose tied fields differ
+    (``hbm_bw`` and ``ddr_bw``) included."""
+    base = float(predict(profile))
+    out: Dict[str, float] = {}
+    for t in terms:
+        up = float(predict(scaled_term(profile, t, 1.0 + rel)))
+        down = float(predict(scaled_term(profile, t, 1.0 - rel)))
+        out[t.name] = (up - down) / (2 * rel)
+    # terms that multiply each other (a rate and ``reduce_scatter_factor``) each carry the product's
+    # seconds (the product's relative error is the sum of theirs), so the terms can sum to more
+    # than the step: the fixed part is what is left, never below 0
+    out[FIXED_TERM] = max(0.0, base - sum(out.values()))
+    return TermTimes(total_s=base, terms=out)
 
 
 def decision_from_dict(data: Optional[Mapping[str, Any]]) -> Optional[BaselineDecision]:

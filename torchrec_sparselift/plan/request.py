@@ -32,8 +32,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import attrs
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.hardware import TWO_D_ONLY_FIELDS, HardwareProfile
+from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost.model import DenseWork
+from torchrec_sparselift.cost.step_terms import TWO_D_ONLY_FIELDS
+from torchrec_sparselift.plan.baseline import TermErrors
 from torchrec_sparselift.plan.execution_plan import (
     COMM_PRECISIONS,
     PIPELINES,
@@ -48,7 +50,7 @@ from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.vocabulary import SOLVERS as _SOLVERS
 from torchrec_sparselift.vocabulary import STRATEGY_2D_CHOICES, SYNC_PIPELINES, comm_precision_pairs
 
-__all__ = ["PlanRequest", "SOLVERS", "describe_callbacks", "describe_sharders", "describe_reservation"]
+__all__ = ["PlanRequest", "LIVE_FIELDS", "SOLVERS", "describe_callbacks", "describe_sharders", "describe_reservation"]
 
 #: Search strategies ``SparseLiftPlanner(solver=...)`` accepts (:data:`torchrec_sparselift.vocabulary.SOLVERS`).
 SOLVERS = _SOLVERS
@@ -56,6 +58,7 @@ SOLVERS = _SOLVERS
 _CORE_FIELDS = ("tables", "topology", "batch_size", "constraints", "stats", "hardware", "handles")
 
 _PRIMITIVES = (type(None), bool, int, float, str)
+_LIVE = {"live": True}
 
 
 def _type_name(obj: Any) -> str:
@@ -190,6 +193,20 @@ class PlanRequest:
     #: The live objects behind ``tables`` (for building TorchRec ``ShardingOption`` s); not part
     #: of the request's identity.
     handles: Tuple[TableHandle, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=False)
+    # -- what the plan reads beyond its identity (:data:`LIVE_FIELDS`) -----------------------
+    #: The model the tables came from (the storage reservation and TorchRec's planner read it).
+    module: Any = attrs.field(default=None, eq=False, repr=False, metadata=_LIVE)
+    #: The sharders themselves (``sharders`` holds their description).
+    sharder_objects: Tuple[Any, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=False,
+                                                   metadata=_LIVE)
+    #: With ``cost_model="torchrec"``: the ``ShardEstimator`` (or list) replacing TorchRec's defaults
+    #: (``cost_model`` records its identity).
+    estimator: Any = attrs.field(default=None, eq=False, repr=False, metadata=_LIVE)
+    #: The model's relative error per term for the never-slower rule (None: the rule does not run,
+    #: ``never_slower=False``, a 2D plan or TorchRec's objective).
+    model_errors: Optional[TermErrors] = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(TermErrors)),
+        eq=False, repr=False, metadata=_LIVE)
 
     def __attrs_post_init__(self) -> None:
         if self.handles and tuple(h.spec for h in self.handles) != self.tables:
@@ -200,7 +217,7 @@ class PlanRequest:
         """Every field outside the core digests, as JSON-able data (the ``options_digest`` input)."""
         out: Dict[str, Any] = {}
         for f in attrs.fields(PlanRequest):
-            if f.name in _CORE_FIELDS:
+            if f.name in _CORE_FIELDS or f.metadata.get("live"):
                 continue
             out[f.name] = f.metadata.get("describe", _describe)(getattr(self, f.name))
         return out
@@ -220,7 +237,7 @@ class PlanRequest:
 
     def _hardware_key(self) -> Dict[str, Any]:
         """The profile as the fingerprint hashes it: a 1D request without the fields that price
-        only 2D plans (:data:`~torchrec_sparselift.cost.hardware.TWO_D_ONLY_FIELDS`)."""
+        only 2D plans (:data:`~torchrec_sparselift.cost.step_terms.TWO_D_ONLY_FIELDS`)."""
         d = self.hardware.to_dict()
         if not self.is_2d:
             for name in TWO_D_ONLY_FIELDS:
@@ -294,6 +311,11 @@ class PlanRequest:
         if extra or len(placed) != len(set(placed)):
             return f"it places tables the model does not have: {[_fqn(p, n) for p, n in extra][:10]}"
         return None
+
+
+#: The fields the plan reads that are not part of the request's identity (live objects and the
+#: rule's errors): left out of :meth:`PlanRequest.options`, the fingerprint and the digest.
+LIVE_FIELDS = tuple(f.name for f in attrs.fields(PlanRequest) if f.metadata.get("live"))
 
 
 def _layout(group: Optional[int]) -> str:

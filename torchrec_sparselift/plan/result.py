@@ -5,7 +5,7 @@ result, the planning problem, the tables' handles. :meth:`PlanResult.optimizatio
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import attrs
 import numpy as np
@@ -47,6 +47,8 @@ class PlanResult:
     #: the never-slower rule's decision (plan.baseline.BaselineDecision); None: not asked for
     never_slower: Optional[BaselineDecision] = None
     replica_sync: Optional[ReplicaSyncChoice] = None  # the 2D strategy chosen and its rivals (2D only)
+    #: with ``cost_model="torchrec"``: the problem TorchRec's estimators rated (their shards' Perf/Storage)
+    torchrec_problem: Any = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def strategy_2d(self) -> Optional[str]:

@@ -29,8 +29,11 @@ model's forward) and changes two things:
   runs over it. The CPU autograd engine runs ready nodes latest-created first, and chunk j's
   collective was issued (its request node created) before chunk j-1's dense work that consumes
   embeddings: chunk j's gradient all-to-all is issued when chunk j's dense backward reaches it, and
-  the dense backward of chunk j-1 (created later than that request node) runs before the request
-  node waits for the gradient. The waits, the split's
+  the dense backward of chunk j-1 that consumes embeddings (created later than that request
+  node) runs before the request node waits for the gradient. Chained (CPU), that wait comes before
+  chunk j-1's gradient is issued (its wait node is older than chunk j's request node), so the
+  gradients too leave one at a time; issued at once, every request node is older than any dense
+  work and all k gradients leave before the first wait. The waits, the split's
   backward (one node that concatenates the chunks' gradients) and the TBE backward with its fused
   optimizer update come last, once, over the whole batch's gradient: the update is the unsplit
   one. DDP runs ``no_sync`` for all but the last chunk's forward, so its one all-reduce follows the

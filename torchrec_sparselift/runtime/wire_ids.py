@@ -3,9 +3,9 @@
 :func:`apply_wire_ids` rewrites every ``ShardedEmbeddingBagCollection`` of a sharded model, in
 place, without touching the user's model code: each model-parallel sharding group's input dist
 (``TwSparseFeaturesDist`` for table- and column-wise, ``RwSparseFeaturesDist`` for row-wise,
-``TwRwSparseFeaturesDist`` for table-row-wise) keeps its bucketizing and sends through
-:class:`WireIdsAllToAll` instead of TorchRec's ``KJTAllToAll``. Data-parallel groups send nothing
-and are left alone.
+``TwRwSparseFeaturesDist`` for table-row-wise) is wrapped in a :class:`WireFeaturesDist`, which
+keeps its bucketizing; a group that deduplicates sends through :class:`WireIdsAllToAll` instead
+of TorchRec's ``KJTAllToAll``. Data-parallel groups send nothing and are left alone.
 
 * ``id_dtype="int32"``: the KJT going into TorchRec's all-to-all is cast to int32 values and
   lengths, so both travel at 4 bytes (TorchRec's all-to-all keeps the KJT's dtype; its row-wise
@@ -13,8 +13,8 @@ and are left alone.
   table with more rows than int32 holds is refused, naming it.
 * ``dedup_features``: a group holding one of them sends through a two-collective exchange of its
   own: an int32 header (per destination: the stride and, per feature, the ids it sends and the
-  ids it stands for) and one
-  byte payload per destination with the lengths, the distinct ids of each deduplicated feature
+  ids it stands for) and one byte payload per destination with the lengths, the distinct ids of
+  each deduplicated feature
   (``torch.unique``), an inverse index per id at the narrowest of uint8/int16/int32 that holds
   it, the other features' ids as they are, and the weights of a weighted KJT. The receiver
   rebuilds every feature's ids (``unique[inverse]``) into the KJT TorchRec's all-to-all would
@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -221,8 +222,8 @@ class WireIdsAllToAll(nn.Module):
     def _unpack(self, buffer: torch.Tensor, layouts: List[Any], weighted: bool) -> KeyedJaggedTensor:
         """The KJT TorchRec's all-to-all delivers: this rank's keys, each key's samples from every
         source in :func:`_source_order`, ids rebuilt from the distinct ids and inverse index. It
-        carries the distinct ids too (:class:`UniqueIds`, attribute ``UNIQUE_ATTR``) for a
-        :class:`UniqueRowsLookup`."""
+        carries each key's distinct ids over all sources too (:class:`UniqueIds`, attribute
+        ``UNIQUE_ATTR``) for a :class:`UniqueRowsLookup`."""
         nk = len(self._keys)
         per_source: List[Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[Any], int]] = []
         at = 0
@@ -259,8 +260,12 @@ class WireIdsAllToAll(nn.Module):
                 key_inverse.append((inv if inv is not None else
                                     torch.arange(distinct_s[j].numel(), device=buffer.device)) + base)
                 base += int(distinct_s[j].numel())
-            unique_ids.append(torch.cat(key_distinct))
-            unique_inverse.append(torch.cat(key_inverse))
+            distinct_j, inverse_j = torch.cat(key_distinct), torch.cat(key_inverse)
+            if len(key_distinct) > 1:  # a row several sources sent: one distinct row
+                distinct_j, merged = torch.unique(distinct_j, sorted=True, return_inverse=True)
+                inverse_j = merged[inverse_j]
+            unique_ids.append(distinct_j)
+            unique_inverse.append(inverse_j)
         stride = sum(p[4] for p in per_source)
         kjt = KeyedJaggedTensor(
             keys=list(self._keys),
@@ -287,9 +292,9 @@ UNIQUE_ATTR = "_sparselift_unique_ids"
 
 
 class UniqueIds:
-    """Per key of a received KJT: the distinct ids its sources sent (``ids[j]``, concatenated in
-    source order; a key sent as it is contributes its ids) and, per id of the KJT, the index of
-    its row among them (``inverse[j]``): the KJT's ids of key ``j`` are ``ids[j][inverse[j]]``."""
+    """Per key of a received KJT: its distinct ids over every source (``ids[j]``, sorted) and,
+    per id of the KJT, the index of its row among them (``inverse[j]``): the KJT's ids of key
+    ``j`` are ``ids[j][inverse[j]]``."""
 
     def __init__(self, ids: List[torch.Tensor], inverse: List[torch.Tensor]) -> None:
         self.ids, self.inverse = ids, inverse
@@ -383,8 +388,13 @@ def _table_rows(sharded: ShardedEmbeddingBagCollection) -> Dict[str, Tuple[int, 
 
 
 def wire_ids_modules(model: nn.Module) -> List[Tuple[str, ShardedEmbeddingBagCollection]]:
-    """The ``(path in the user's model, module)`` of every sharded EmbeddingBagCollection in ``model``."""
-    return [(_user_path(n), m) for n, m in model.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+    """The ``(path in the user's model, module)`` of every sharded EmbeddingBagCollection in
+    ``model`` but those inside a feature-processed one (left alone: its feature processors read
+    the received KJT)."""
+    inside_fp = {id(m._embedding_bag_collection) for m in model.modules()
+                 if isinstance(m, ShardedFeatureProcessedEmbeddingBagCollection)}
+    return [(_user_path(n), m) for n, m in model.named_modules()
+            if isinstance(m, ShardedEmbeddingBagCollection) and id(m) not in inside_fp]
 
 
 def _user_path(name: str) -> str:
