@@ -99,7 +99,7 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("drawing a PNG needs matplotlib: pip install matplotlib "
+        raise ImportError("the PNG needs matplotlib: pip install matplotlib "
                           "(or pip install 'torchrec_sparselift[plot]')") from e
     return plt
 
