@@ -38,11 +38,15 @@ import pickle
 import sys
 import time
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
-from benchmarks.harness import write_report
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from benchmarks.harness import interleaved_rounds, timed_steps, worker, write_report
 from torchrec_sparselift.cost.report import mape, spearman  # noqa: F401 (F.mape/F.spearman in tests)
 from torchrec_sparselift.dlrm import model as dlrm_model
 from torchrec_sparselift.dlrm import tables as dlrm_tables
@@ -270,36 +274,23 @@ def _moved_shard(shard, rank: int):
 # ---------------------------------------------------------------- measurement (under torchrun)
 
 
-def timed_steps(dmp, optimizer, batches: Sequence[Any], device, steps: int
-                ) -> Tuple[List[float], List[float], float]:
-    """Run ``steps`` steps of TorchRec's ``TrainPipelineSparseDist`` (the example's pipeline) over
-    ``batches``; returns each step's wall-clock seconds, its process CPU seconds (all threads of
-    this rank) and the last loss."""
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
+def _sparse_dist_step(dmp, optimizer, batches: Sequence[Any], device) -> Callable[[], Any]:
+    """One training step of TorchRec's ``TrainPipelineSparseDist`` (the example's pipeline) over
+    ``batches`` per call; it returns the step's loss."""
     pipeline = TrainPipelineSparseDist(dmp, optimizer, device, execute_all_batches=True)
     it = iter(batches)
-    wall, cpu = [], []
-    loss = None
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss, _logits, _labels = pipeline.progress(it)
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return wall, cpu, float(loss.detach()) if loss is not None else float("nan")
+    return lambda: pipeline.progress(it)[0]
 
 
 def measure_cases(cfg: FidelityConfig, cases: Sequence[Tuple[str, Any]], reps: int, steps: int, warmup: int,
                   log=print) -> List[Dict[str, Any]]:
-    """Train the example's model under each ``(name, plan)`` for ``steps`` steps, ``reps``
-    rounds, plans interleaved round-robin; one record per run (every rank returns the same).
+    """Train the DLRM model under each ``(name, plan)`` for ``steps`` steps (the first ``warmup``
+    of them left out of the statistics), ``reps`` interleaved rounds (the order rotated each round), a fresh model per
+    run; one record per run (every rank returns the same).
 
     Record: name, rep, step_ms (median over the steps after ``warmup`` of the slowest rank's
     step duration), mean_step_ms (steady-state seconds / steps, slowest rank), load average."""
-    import torch
-    import torch.distributed as dist
-
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size, pg = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     if world_size != cfg.world_size:
         raise RuntimeError(f"plans were made for {cfg.world_size} ranks, running on {world_size}")
     tables = resolve_tables(cfg)
@@ -308,39 +299,43 @@ def measure_cases(cfg: FidelityConfig, cases: Sequence[Tuple[str, Any]], reps: i
     if cases:  # one untimed run first: the process's first training pays one-off costs
         model = build_model(cfg, tables)
         dmp, opt = dlrm_model.shard_model(model, cases[0][1], device, cfg.lr, "adagrad", cfg.dense_lr)
-        timed_steps(dmp, opt, batches[: max(2, warmup)], device, max(2, warmup))
+        step = _sparse_dist_step(dmp, opt, batches, device)
+        for _ in range(max(2, warmup)):
+            step()
         dist.barrier()
-        del dmp, opt, model
+        del dmp, opt, model, step
         gc.collect()
     records = []
-    for rep in range(reps):
-        for name, plan in cases:
-            torch.manual_seed(cfg.seed)
-            model = build_model(cfg, tables)
-            dmp, opt = dlrm_model.shard_model(model, plan, device, cfg.lr, "adagrad", cfg.dense_lr)
-            dist.barrier()
-            load_before = os.getloadavg()[0]
-            step_s, cpu_s, loss_last = timed_steps(dmp, opt, batches, device, steps)
-            durs = torch.tensor(step_s[warmup:], dtype=torch.float64)
-            dist.all_reduce(durs, op=dist.ReduceOp.MAX)
-            cpus = torch.tensor(cpu_s[warmup:], dtype=torch.float64)
-            dist.all_reduce(cpus, op=dist.ReduceOp.MAX)
-            total = torch.tensor([sum(step_s[warmup:])], dtype=torch.float64)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
-            rec = dict(name=name, rep=rep, step_ms=float(durs.median()) * 1e3,
-                       mean_step_ms=float(total) / (steps - warmup) * 1e3,
-                       cpu_step_ms=float(cpus.median()) * 1e3,
-                       p10_step_ms=float(durs.quantile(0.1)) * 1e3,
-                       load_before=load_before, load_after=os.getloadavg()[0],
-                       loss_last=loss_last)
-            if not math.isfinite(rec["loss_last"]):
-                raise RuntimeError(f"plan {name}: training diverged (loss {rec['loss_last']})")
-            records.append(rec)
-            if rank == 0:
-                log(f"[fidelity] rep {rep} {name:<12} median {rec['step_ms']:8.2f} ms  mean "
-                    f"{rec['mean_step_ms']:8.2f} ms  cpu {rec['cpu_step_ms']:8.2f} ms  load {load_before:.1f}", flush=True)
-            del dmp, opt, model
-            gc.collect()
+
+    def measure(case: Tuple[str, Any], rep: int) -> None:
+        name, plan = case
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, tables)
+        dmp, opt = dlrm_model.shard_model(model, plan, device, cfg.lr, "adagrad", cfg.dense_lr)
+        load_before = os.getloadavg()[0]
+        losses: List[Any] = []
+        timer = timed_steps(_sparse_dist_step(dmp, opt, batches, device), steps - warmup, pg, device, warmup=warmup,
+                            on_step=losses.append)
+        durs = torch.tensor(timer.slowest_rank_durations_s(pg)[warmup:], dtype=torch.float64)
+        cpus = torch.tensor(timer.slowest_rank_cpu_durations_s(pg)[warmup:], dtype=torch.float64)
+        total = torch.tensor([sum(timer.steady_durations_s)], dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pg)
+        rec = dict(name=name, rep=rep, step_ms=float(durs.median()) * 1e3,
+                   mean_step_ms=float(total) / (steps - warmup) * 1e3,
+                   cpu_step_ms=float(cpus.median()) * 1e3,
+                   p10_step_ms=float(durs.quantile(0.1)) * 1e3,
+                   load_before=load_before, load_after=os.getloadavg()[0],
+                   loss_last=float(losses[-1].detach()) if losses else float("nan"))
+        if not math.isfinite(rec["loss_last"]):
+            raise RuntimeError(f"plan {name}: training diverged (loss {rec['loss_last']})")
+        records.append(rec)
+        if rank == 0:
+            log(f"[fidelity] rep {rep} {name:<12} median {rec['step_ms']:8.2f} ms  mean "
+                f"{rec['mean_step_ms']:8.2f} ms  cpu {rec['cpu_step_ms']:8.2f} ms  load {load_before:.1f}", flush=True)
+        del dmp, opt, model
+        gc.collect()
+
+    interleaved_rounds(list(cases), measure, reps)
     return records
 
 
@@ -513,15 +508,10 @@ def _cmd_predict(args) -> int:
 
 
 def _cmd_measure(args) -> int:
-    import torch
-    import torch.distributed as dist
-
     data = _load_plans(args.plans)
     cfg = data["config"]
     quiet_logs()
-    torch.set_num_threads(1)
-    dist.init_process_group(backend="gloo")
-    try:
+    with worker():
         names = args.kinds.split(",") if args.kinds else [c.name for c in data["cases"]]
         chosen = [(c.name, c.plan) for c in data["cases"] if c.name in names]
         t0 = time.time()
@@ -534,8 +524,6 @@ def _cmd_measure(args) -> int:
             write_report(args.out, out)
             print(f"[fidelity] wrote {args.out}")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

@@ -630,7 +630,8 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
             loss = out[0] if isinstance(out, tuple) else out
             losses.append(float(loss.detach().float().mean()))
 
-        timer = timed_steps(lambda pipeline=lifted.pipeline, batches=it: pipeline.progress(batches), steps, pg, torch.device("cpu"), warmup=warmup,
+        timer = timed_steps(lambda pipeline=lifted.pipeline, batches=it: pipeline.progress(batches), steps, pg,
+                            torch.device("cpu"), warmup=warmup,
                             period=period, collect=True, on_step=keep_loss)
         mx = timer.slowest_rank_durations_s(pg)
         ls = torch.tensor(losses, dtype=torch.float64)

@@ -81,7 +81,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             it = Cycle(batches)
             period = lifted.sync_period  # a 2D step is timed over whole sync intervals
             steps = -(-args.steps // period) * period
-            timer = timed_steps(lambda pipeline=lifted.pipeline, batches=it: pipeline.progress(batches), steps, pg, torch.device("cpu"),
+            timer = timed_steps(lambda pipeline=lifted.pipeline, batches=it: pipeline.progress(batches), steps, pg,
+                                torch.device("cpu"),
                                 warmup=args.warmup, period=period)
             per_step = timer.slowest_rank_durations_s(pg)[args.warmup:]
             row = dict(plan=ep.summary(), predicted_ms=ep.prediction.step_time_s * 1e3, period=period,

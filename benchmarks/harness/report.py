@@ -15,7 +15,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 from torchrec_sparselift.atomic import write_json
 
-__all__ = ["REPO", "git_commit", "machine", "report_header", "write_report"]
+__all__ = ["REPO", "command_line", "git_commit", "machine", "report_header", "write_report"]
 
 #: The repository the benchmarks run from.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +35,17 @@ def git_commit(repo: str = REPO) -> Optional[str]:
     return head + ("+dirty" if dirty else "") if head else None
 
 
+def command_line(argv: Optional[Sequence[str]] = None) -> str:
+    """``argv`` joined, or this process's command line: ``python -m NAME ARGS`` for a module run
+    with ``-m`` (also under torchrun, whose workers run it so), else ``sys.argv`` as given."""
+    if argv is not None:
+        return " ".join(argv)
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        return " ".join(["python", "-m", spec.name, *sys.argv[1:]])
+    return " ".join(sys.argv)
+
+
 def machine() -> Dict[str, Any]:
     """The machine a benchmark ran on: host, processor, cores usable, load, Python and library versions."""
     versions: Dict[str, Optional[str]] = {}
@@ -42,15 +53,16 @@ def machine() -> Dict[str, Any]:
         module = sys.modules.get(name)  # never import torch only to name its version
         versions[name] = getattr(module, "__version__", None) if module is not None else None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ranks = os.environ.get("WORLD_SIZE")  # set under torchrun
     return dict(host=platform.node(), platform=platform.platform(), processor=platform.processor() or None,
                 cpu_count=os.cpu_count(), usable_cores=cores, load_average=list(os.getloadavg()),
-                python=platform.python_version(), versions=versions)
+                ranks=int(ranks) if ranks and ranks.isdigit() else None, python=platform.python_version(),
+                versions=versions)
 
 
 def report_header(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    """``command`` (this process's command line, or ``argv``), ``date`` (UTC), ``git_commit``, ``machine``."""
-    argv = list(sys.argv if argv is None else argv)
-    return dict(command=" ".join(argv), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    """``command`` (:func:`command_line`), ``date`` (UTC), ``git_commit``, ``machine``."""
+    return dict(command=command_line(argv), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 git_commit=git_commit(), machine=machine())
 
 
