@@ -124,7 +124,8 @@ def _train(dmp, opt, chunks: int, batches, count=None, chain=None):  # type: ign
     # the unsplit pipeline built directly; the split one as the runtime builds it from a plan
     pipe = (TrainPipelineOverlap(dmp, opt, device) if chunks == 0
             else make_train_pipeline("overlap", dmp, opt, device, batch_split=chunks,
-                                     options=None if chain is None else {"chain_chunks": chain}))
+                                     options=None if chain is None else {"chain_chunks": chain,
+                                                                         "serial_link": False}))
     assert type(pipe) is (TrainPipelineOverlap if chunks == 0 else TrainPipelineBatchSplit)
     it = iter(batches)
     losses = []
@@ -182,15 +183,28 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
             out[plan_name, k] = _train(dmp, opt, k, batches, count=calls)
             out[plan_name, k, "calls"] = calls
             out[plan_name, k, "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
+            out[plan_name, k, "serial"] = _serial_groups(dmp)
     # the wrapper from an execution plan's optimizations: lift() reads batch_split and builds the split pipeline
     out["lifted"], out["lifted", "class"] = _lifted(copy.deepcopy(start_tw), batches)
-    # every chunk's collective issued before the forward (the CUDA order) run on gloo
+    # chained: chunk j+1 issued when chunk j is read, on gloo's two-thread group
     dmp, opt = _sharded("table_wise", copy.deepcopy(start_tw))
     calls = []
-    out["upfront"] = _train(dmp, opt, 4, batches, count=calls, chain=False)
+    out["upfront"] = _train(dmp, opt, 4, batches, count=calls, chain=True)
     out["upfront", "calls"] = calls
     out["upfront", "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
     return out
+
+
+def _serial_groups(dmp) -> List[str]:  # type: ignore[no-untyped-def]
+    """Per output dist of the model's sharded EBC: "serial" where it runs on a one-thread gloo
+    group of :func:`serialize_output_collectives`, else its group's name."""
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    from torchrec_sparselift.runtime.batch_split import _SERIAL_GROUPS
+
+    ebc = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
+    return ["serial" if id(d._pg) in _SERIAL_GROUPS and id(getattr(d, "_dist", d)._pg) in _SERIAL_GROUPS
+            else type(d).__name__ for d in ebc._output_dists if hasattr(d, "_pg")]
 
 
 def _lifted(state: Dict[str, Any], batches: List[Any]):  # type: ignore[no-untyped-def]
@@ -266,14 +280,19 @@ def test_batch_split_issues_k_output_and_k_gradient_all_to_alls(results, k):
         assert calls.count("output_dist") == k
         assert calls.count("grad_dist") == k
         sparse = [c for c in calls if c in ("output_dist", "grad_dist", "over_arch_fwd", "over_arch_bwd")]
-        # on gloo chunk j+1's output all-to-all is issued when chunk j's embeddings are read (one
-        # chunk on the wire at a time), before chunk j's over arch; in backward (last chunk first)
-        # each chunk's gradient all-to-all is issued before the dense backward of the chunk before it
-        assert sparse == (["output_dist"] + ["output_dist", "over_arch_fwd"] * (k - 1) + ["over_arch_fwd"]
-                          + ["over_arch_bwd", "grad_dist"] * k)
+        # every chunk's output all-to-all is issued before the first chunk's dense forward (on a
+        # one-thread gloo group: they travel one at a time); in backward (last chunk first) each
+        # chunk's gradient all-to-all is issued before the dense backward of the chunk before it
+        assert sparse == (["output_dist"] * k + ["over_arch_fwd"] * k + ["over_arch_bwd", "grad_dist"] * k)
 
 
-def test_every_chunk_issued_before_the_forward_is_exact_too(results):
+def test_the_split_collectives_run_on_a_one_thread_gloo_group(results):
+    for r in results:
+        assert r["table_wise", 2, "serial"] == ["serial"]
+        assert set(r["mixed", 4, "serial"]) == {"serial"} and len(r["mixed", 4, "serial"]) >= 2
+
+
+def test_chained_chunks_are_exact_too(results):
     for rank, r in enumerate(results):
         torch.testing.assert_close(torch.tensor(r["upfront"]), torch.tensor(r["table_wise", 0]), rtol=1e-5,
                                    atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
@@ -281,7 +300,9 @@ def test_every_chunk_issued_before_the_forward_is_exact_too(results):
             torch.testing.assert_close(r["upfront", "weights"][n], v, rtol=1e-4, atol=1e-5)
         sparse = [c for c in r["upfront", "calls"] if c in ("output_dist", "grad_dist", "over_arch_fwd",
                                                               "over_arch_bwd")]
-        assert sparse == ["output_dist"] * 4 + ["over_arch_fwd"] * 4 + ["over_arch_bwd", "grad_dist"] * 4
+        # chunk j+1's output all-to-all issued when chunk j's embeddings are read, before its over arch
+        assert sparse == (["output_dist"] + ["output_dist", "over_arch_fwd"] * 3 + ["over_arch_fwd"]
+                          + ["over_arch_bwd", "grad_dist"] * 4)
 
 
 def test_the_unsplit_pipeline_issues_one_of_each(results):

@@ -1220,6 +1220,12 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
     return root
 
 
+PLANTED_IDS = ["default-in-table", "default-inline", "merge-called-default", "pipeline-list-of-five",
+               "pipeline-list-bare-words", "registry-table-row", "cli-flag", "example-flag", "flag-table",
+               "planner-keyword", "removed-module", "missing-script", "code-reference", "link-anchor",
+               "known-limits-length", "glossary-term"]
+
+
 @pytest.mark.parametrize("path, old, new, expect", [
     # (a) a default in the defaults table
     ("docs/concepts.md", "| `max_sync_interval` | `2` |", "| `max_sync_interval` | `4` |",
@@ -1260,7 +1266,7 @@ def _plant(tmp_path: Any, path: str, old: str, new: str) -> str:
     ("README.md", "## Known limits\n", "## Known limits\n" + "- a limit [l](docs/memory.md)\n" * 16,
      "Known limits has"),
     ("docs/concepts.md", "**never-slower rule** |", "**never-slowest rule** |", "uses 'never-slower rule'"),
-])
+], ids=PLANTED_IDS)
 def test_checker_flags_planted_contradictions(tmp_path, path, old, new, expect):
     root = _plant(tmp_path, path, old, new)
     problems = check_all(root, [path])

@@ -17,11 +17,12 @@ model's forward) and changes two things:
   output dist (the pooled all-to-all for table-wise and column-wise, the reduce-scatter for
   row-wise, the reduce-scatter within a host then the all-to-all across hosts for table-row-wise,
   nothing for data-parallel) is called on each chunk with that chunk's batch size; each
-  returns chunk j's ``KeyedTensor``. On CUDA all k collectives are issued before the model runs
-  (NCCL sends them in issue order); on CPU chunk 0's is, and chunk j+1's when chunk j's
-  embeddings have arrived and are read (gloo runs two collectives at once: issued together, chunks
-  0 and 1 would share the link and the first would arrive later), so one chunk is on the wire at a
-  time.
+  returns chunk j's ``KeyedTensor``. All k collectives are issued before the model runs. NCCL
+  sends one communicator's collectives in issue order; gloo runs a group's on two threads at once
+  (chunks 0 and 1 would share the link, the first arriving no earlier than the second), so on CPU
+  the output dists move to a one-thread gloo group (:func:`serialize_output_collectives`) and the
+  chunks travel one at a time. ``chain_chunks`` issues chunk j+1 only when chunk j's embeddings
+  are read instead.
 - **The model runs once per chunk**, on chunk j of the batch (:func:`slice_batch`); its sharded
   embedding module returns chunk j's embeddings, so the dense forward of chunk j waits only for
   chunk j's transfer while chunk j+1's is on the wire. The step's loss is the chunk losses
@@ -74,6 +75,7 @@ from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNK
 from torchrec_sparselift.runtime.overlap import OverlapPipelinedForward, TrainPipelineOverlap, _comm_requests
 
 __all__ = [
+    "serialize_output_collectives",
     "BATCH_SPLIT_OPTIONS",
     "MAX_CHUNKS",
     "BATCH_SPLIT_PIPELINE",
@@ -95,7 +97,7 @@ SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise
 _RANK_MAJOR = ("table_wise", "column_wise", "row_wise", "table_row_wise")
 
 #: the pipeline options only a batch split reads (``make_train_pipeline`` drops them at k = 1)
-BATCH_SPLIT_OPTIONS = ("per_sample", "chain_chunks")
+BATCH_SPLIT_OPTIONS = ("per_sample", "chain_chunks", "serial_link")
 #: profiler range around the lookups and the k chunked output collectives of one step
 BATCH_SPLIT_LABEL = "## batch split: lookup + chunked output_dist issued ##"
 
@@ -447,6 +449,43 @@ class BatchSplitPipelinedForward(OverlapPipelinedForward):
         super().discard(context)
 
 
+#: the one-thread groups :func:`serialize_output_collectives` made (by id; kept alive with them)
+_SERIAL_GROUPS: Dict[int, Any] = {}
+
+
+def serialize_output_collectives(model: nn.Module) -> int:
+    """Run every sharded ``EmbeddingBagCollection``'s output collectives (and so their gradients)
+    of ``model`` on a gloo process group with one worker thread, created once per group they used:
+    gloo runs a group's collectives on two threads at once, so chunks issued together would share
+    the link and the first would arrive no earlier than the second; on one thread they travel in
+    issue order, one at a time, as NCCL sends one communicator's. The same collectives, the same
+    results. Table-row-wise outputs (two groups, within and across hosts) keep theirs. Returns how
+    many output dists moved; a no-op for a model whose dists already moved (or NCCL groups)."""
+    import torch.distributed as dist
+
+    serial: Dict[int, Any] = {}
+    moved = 0
+    for module in model.modules():
+        if type(module) is not ShardedEmbeddingBagCollection:
+            continue
+        for out_dist in module._output_dists:
+            pg = getattr(out_dist, "_pg", None)
+            if pg is None or id(pg) in _SERIAL_GROUPS or pg.name() != "gloo":
+                continue
+            if id(pg) not in serial:
+                options = dist.ProcessGroupGloo._Options()
+                options._threads = 1
+                group = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", pg_options=options)
+                _SERIAL_GROUPS[id(group)] = group
+                serial[id(pg)] = group
+            out_dist._pg = serial[id(pg)]
+            for inner in ("_dist", "_variable_dist"):
+                if getattr(out_dist, inner, None) is not None:
+                    getattr(out_dist, inner)._pg = serial[id(pg)]
+            moved += 1
+    return moved
+
+
 class _ChunkIssuer:
     """One step's chunked output collectives of one module: cuts chunk j's inputs and issues its
     collectives (:meth:`issue_through`), in chunk order, each once."""
@@ -502,22 +541,25 @@ class TrainPipelineBatchSplit(TrainPipelineOverlap):
 
     Constructor arguments: those of ``TrainPipelineSparseDist`` (model: a DMP; optimizer; device),
     and ``chunks`` (1..16; 1 runs the overlap pipeline's step), ``per_sample`` (declare the
-    dense model per-sample: :func:`per_sample_violation`) and ``chain_chunks`` (issue chunk j+1's
-    collectives when chunk j's embeddings are read, not all before the forward; default: on CPU,
-    where gloo runs two collectives at once and so would share the link between chunks 0 and 1,
-    delaying the first; NCCL runs one communicator's collectives in issue order anyway).
+    dense model per-sample: :func:`per_sample_violation`), ``serial_link`` (default: on CPU; the
+    embedding modules' output and gradient collectives on a one-thread gloo group,
+    :func:`serialize_output_collectives`) and ``chain_chunks`` (issue chunk j+1's collectives when
+    chunk j's embeddings are read, not all before the forward: one chunk on the wire at a time
+    without ``serial_link``, at the price of a wait per chunk in the backward).
     ``NotPerSample`` with the reason where the model cannot be split."""
 
     _pipelined_forward_type = BatchSplitPipelinedForward
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *args: Any,
-                 chunks: int = 2, per_sample: bool = False, chain_chunks: Optional[bool] = None,
-                 **kwargs: Any) -> None:
+                 chunks: int = 2, per_sample: bool = False, chain_chunks: bool = False,
+                 serial_link: Optional[bool] = None, **kwargs: Any) -> None:
         chunk_sizes(chunks, chunks)  # validates chunks
         check_per_sample(model, per_sample)
         super().__init__(model, optimizer, device, *args, **kwargs)
         self.chunks = chunks
-        self.chain_chunks = device.type == "cpu" if chain_chunks is None else bool(chain_chunks)
+        self.chain_chunks = bool(chain_chunks)
+        if device.type == "cpu" if serial_link is None else serial_link:
+            serialize_output_collectives(model)
         wrapped = getattr(model, "_dmp_wrapped_module", model)
         self._ddp: Optional[DistributedDataParallel] = (
             wrapped if isinstance(wrapped, DistributedDataParallel) else None)
