@@ -388,9 +388,9 @@ def driver(args: argparse.Namespace, argv: Sequence[str]) -> int:
         clean.append(a)
     for regime in args.regimes:
         if regime == "none":
-            topology = testbed.Topology(hosts=1, ranks_per_host=2)
+            topology = testbed.HostLayout(hosts=1, ranks_per_host=2)
         else:
-            topology = testbed.Topology(hosts=2, ranks_per_host=1, rate_bps=_rate_bps(regime), shared=True)
+            topology = testbed.HostLayout(hosts=2, ranks_per_host=1, rate_bps=_rate_bps(regime), shared=True)
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "r.json")
             with testbed.emulated_hosts(topology) as bed:

@@ -116,7 +116,7 @@ def test_a_comm_bound_dlrm_step_splits_and_a_costly_chunk_does_not():
     assert sched.step_s >= t.compute_s + (k - 1) * t.chunk_overhead_s
     assert choose_chunks(_dlrm_like(latency=0.001, overhead=0.2), batch_size=1024) == 1
     assert choose_chunks(t, batch_size=1) == 1
-    # chained (gloo's order): the dense forward per chunk outlasts a chunk's transfer, so it splits too
+    # chained (chain_chunks): the dense forward per chunk outlasts a chunk's transfer, so it splits too
     assert choose_chunks(t, batch_size=1024, chained=True) > 1
 
 

@@ -432,3 +432,19 @@ def test_a_stored_table_entry_problem_names_the_plan_file_and_the_field():
     with pytest.raises(CliError) as e:
         PlanInputs.from_dict(data, file="p.json")
     assert str(e.value).startswith("the plan's stored inputs p.json: planner_info.inputs.tables[0].rows: "), str(e.value)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--max-sync-interval", "4"], "--max-sync-interval"),
+    (["--layout-2d", "strided"], "--layout-2d"),
+    (["--2d-strategy", "default"], "--2d-strategy"),
+], ids=["max-sync-interval", "layout-2d", "2d-strategy"])
+def test_a_2d_flag_without_a_sharding_group_is_refused_naming_the_flag(capsys, tmp_path, flags, named):
+    # the planner's rule (plan.options.OPTION_NEEDS) in the command line's words, before planning
+    rc, _, err = run_cli(capsys, "plan", "--tables", TINY, "--world-size", "8", *flags,
+                         "--out", str(tmp_path / "p.json"), "--quiet")
+    assert rc == 2 and f"{named} has no effect here: it needs --sharding-group-size auto|N" in err
+    assert not (tmp_path / "p.json").exists()
+    rc, _, err = run_cli(capsys, "plan", "--tables", TINY, "--world-size", "8", "--sharding-group-size", "4",
+                         *flags, "--out", str(tmp_path / "p.json"), "--quiet", "--time-budget", "2")
+    assert rc == 0, err

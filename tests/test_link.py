@@ -258,7 +258,7 @@ def _measure_on_testbed(tmp_path, rate_bps):
     out = tmp_path / f"rates_{rate_bps}.json"
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     argv = ["-m", "torchrec_sparselift.measure.link", "--repetitions", "3", "--json", str(out)]
-    with tb.emulated_hosts(tb.Topology(hosts=2, ranks_per_host=1, rate_bps=rate_bps)) as bed:
+    with tb.emulated_hosts(tb.HostLayout(hosts=2, ranks_per_host=1, rate_bps=rate_bps)) as bed:
         results = bed.torchrun(argv, env=env, timeout_s=120)
     for r in results:
         assert r.ok, f"host {r.host}: exit {r.returncode}\n{r.output}"
@@ -388,7 +388,7 @@ def test_the_ranks_of_an_emulated_host_are_found_to_share_its_link(tmp_path):
     script, out = tmp_path / "job.py", tmp_path / "rates.json"
     script.write_text(SHARING_JOB)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    with tb.emulated_hosts(tb.Topology(hosts=2, ranks_per_host=2, rate_bps=300e6)) as bed:
+    with tb.emulated_hosts(tb.HostLayout(hosts=2, ranks_per_host=2, rate_bps=300e6)) as bed:
         results = bed.torchrun([str(script), str(out)], env=env, timeout_s=120)
     for r in results:
         assert r.ok, f"host {r.host}: exit {r.returncode}\n{r.output}"

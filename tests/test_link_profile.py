@@ -384,7 +384,7 @@ def _job(tmp_path, rate_bps, mode, store_dir):
     script.write_text(JOB)
     out = tmp_path / f"{mode}.json"
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, PROFILE_STORE_ENV: str(store_dir)}
-    with tb.emulated_hosts(tb.Topology(hosts=2, ranks_per_host=1, rate_bps=rate_bps)) as bed:
+    with tb.emulated_hosts(tb.HostLayout(hosts=2, ranks_per_host=1, rate_bps=rate_bps)) as bed:
         results = bed.torchrun([str(script), mode, str(out)], env=env, timeout_s=150)
     for r in results:
         assert r.ok, f"host {r.host}: exit {r.returncode}\n{r.output}"

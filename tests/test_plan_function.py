@@ -25,7 +25,7 @@ from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS, LINK_TERMS, TWO_
 from torchrec_sparselift.plan import sharding_plan_digest
 from torchrec_sparselift.plan.baseline import TermErrors
 from torchrec_sparselift.plan.options import (
-    PlannerOptions, RuleOptions, SearchOptions, TwoDOptions, pipelines_for_cores, planner_options,
+    OPTION_NEEDS, PlannerOptions, RuleOptions, SearchOptions, TwoDOptions, pipelines_for_cores, planner_options,
 )
 from torchrec_sparselift.plan.planning import plan, plan_result
 from torchrec_sparselift.vocabulary import PIPELINES, SYNC_PIPELINES, pipeline as pipeline_kind
@@ -157,3 +157,54 @@ def test_a_corrected_bandwidth_moves_the_field_and_the_term_its_row_names():
     assert row.field in moved and "allreduce_bw" not in moved
     errors = with_link_errors(TermErrors({}, 0.05, "fit"), corr, measured)
     assert errors.of(row.error_term) == pytest.approx(0.25) and errors.of("1/allreduce_bw") == 0.05
+
+
+# -- options that do not apply ------------------------------------------------------------------
+NOT_APPLYING = [
+    (dict(sync_interval=2), "sync_interval"),
+    (dict(max_sync_interval=4), "max_sync_interval"),
+    (dict(layout_2d="strided"), "layout_2d"),
+    (dict(strategy_2d="default"), "strategy_2d"),
+    (dict(allow_fp8=True), "allow_fp8"),
+    (dict(never_slower=True, cost_model="torchrec"), "never_slower"),
+    (dict(model_errors=TermErrors({}, 0.1, "given"), never_slower=False), "model_errors"),
+    (dict(drift_tolerance=0.3), "drift_tolerance"),
+    (dict(timeout_seconds=5, time_budget_s=2), "timeout_seconds"),
+    (dict(allow_staleness=True, pipelines=["sparse_dist"]), "allow_staleness"),
+]
+
+
+@pytest.mark.parametrize("kwargs,option", NOT_APPLYING, ids=[o for _k, o in NOT_APPLYING])
+def test_an_option_that_does_not_apply_is_refused_naming_it_and_what_it_needs(kwargs, option):
+    with pytest.raises(ValueError) as e:
+        SparseLiftPlanner(topology=_topo(8, 4), batch_size=64, **kwargs)
+    assert f"{option} has no effect here: it needs" in str(e.value)
+    # with what it needs it is accepted
+    needs = {"sync_interval": dict(sharding_group_size=4), "max_sync_interval": dict(sharding_group_size=4),
+             "layout_2d": dict(sharding_group_size=4), "strategy_2d": dict(sharding_group_size=4),
+             "allow_fp8": dict(allow_lossy_comm=True), "never_slower": dict(cost_model="sparselift"),
+             "model_errors": dict(never_slower=True), "drift_tolerance": dict(cache_dir="/tmp/sparselift-cache-test"),
+             "timeout_seconds": dict(time_budget_s=5), "allow_staleness": dict(pipelines=["sparse_dist", "semi_sync"])}
+    SparseLiftPlanner(topology=_topo(8, 4), batch_size=64, **{**kwargs, **needs[option]})
+
+
+def test_a_storage_reservation_passed_with_a_percentage_is_refused():
+    from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+
+    with pytest.raises(ValueError, match="heuristical_storage_reservation_percentage has no effect"):
+        SparseLiftPlanner(topology=_topo(), storage_reservation=HeuristicalStorageReservation(0.2),
+                          heuristical_storage_reservation_percentage=0.3)
+
+
+def test_every_row_of_the_table_is_tested_and_names_its_needs():
+    assert {r.option for r in OPTION_NEEDS} == {o for _k, o in NOT_APPLYING} | {
+        "estimator", "heuristical_storage_reservation_percentage"}
+    for row in OPTION_NEEDS:
+        assert row.needs and not row.given_without({})  # nothing given: nothing refused
+
+
+def test_model_errors_name_real_terms():
+    with pytest.raises(ValueError, match=r"unknown terms \['1/a2a_bandwidth'\].*1/a2a_bw"):
+        SparseLiftPlanner(topology=_topo(), model_errors=TermErrors({"1/a2a_bandwidth": 0.1}, 0.1, "typo"))
+    ok = TermErrors({"1/a2a_bw": 0.1, "fixed": 0.2, "pipeline fused": 0.05}, 0.1, "fine")
+    assert SparseLiftPlanner(topology=_topo(), model_errors=ok).options.rule.model_errors is ok

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import time
 import pytest
 
 from torchrec_sparselift.measure import testbed as tb
+from torchrec_sparselift.measure.testbed.__main__ import main as tb_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "testbed_allreduce_job.py")
@@ -38,27 +40,27 @@ def _namespaces() -> set:
 
 
 def test_topology_lists_every_problem_with_its_fix():
-    with pytest.raises(tb.TopologyError) as e:
-        tb.Topology(hosts=0, ranks_per_host=0, rate_bps=-1.0, burst_bytes=100, queue_latency_s=0.0)
+    with pytest.raises(tb.HostLayoutError) as e:
+        tb.HostLayout(hosts=0, ranks_per_host=0, rate_bps=-1.0, burst_bytes=100, queue_latency_s=0.0)
     msg = str(e.value)
     for culprit in ("hosts=0", "ranks_per_host=0", "rate_bps=-1.0", "burst_bytes=100", "queue_latency_s=0.0"):
         assert culprit in msg
-    with pytest.raises(tb.TopologyError, match="shared link needs a rate"):
-        tb.Topology(hosts=2, shared=True)
+    with pytest.raises(tb.HostLayoutError, match="shared link needs a rate"):
+        tb.HostLayout(hosts=2, shared=True)
     # the bucket holds two of the largest packets: packet_bytes between hosts, 64 KiB on a loopback
-    with pytest.raises(tb.TopologyError, match=r"burst_bytes=32768: give at least 65536 .*packet_bytes=32768"):
-        tb.Topology(hosts=2, rate_bps=1e9, packet_bytes=32768, burst_bytes=32768)
-    with pytest.raises(tb.TopologyError, match=r"burst_bytes=65536: give at least 131072 .*loopback"):
-        tb.Topology(hosts=1, ranks_per_host=2, rate_bps=1e9, burst_bytes=65536)
-    with pytest.raises(tb.TopologyError, match=r"packet_bytes=100: give an integer from 1500"):
-        tb.Topology(hosts=2, rate_bps=1e9, packet_bytes=100)
-    assert tb.Topology(hosts=2, rate_bps=1e9).largest_packet == 16 * 1024
-    with pytest.raises(tb.TopologyError, match="hosts=True"):
-        tb.Topology(hosts=True)
-    t = tb.Topology(hosts=2, ranks_per_host=4, rate_bps=1e9)
+    with pytest.raises(tb.HostLayoutError, match=r"burst_bytes=32768: give at least 65536 .*packet_bytes=32768"):
+        tb.HostLayout(hosts=2, rate_bps=1e9, packet_bytes=32768, burst_bytes=32768)
+    with pytest.raises(tb.HostLayoutError, match=r"burst_bytes=65536: give at least 131072 .*loopback"):
+        tb.HostLayout(hosts=1, ranks_per_host=2, rate_bps=1e9, burst_bytes=65536)
+    with pytest.raises(tb.HostLayoutError, match=r"packet_bytes=100: give an integer from 1500"):
+        tb.HostLayout(hosts=2, rate_bps=1e9, packet_bytes=100)
+    assert tb.HostLayout(hosts=2, rate_bps=1e9).largest_packet == 16 * 1024
+    with pytest.raises(tb.HostLayoutError, match="hosts=True"):
+        tb.HostLayout(hosts=True)
+    t = tb.HostLayout(hosts=2, ranks_per_host=4, rate_bps=1e9)
     assert t.world_size == 8
     assert t.describe() == "2 hosts x 4 ranks, 1 Gbit/s per host link per direction"
-    assert "one shared 300 Mbit/s link" in tb.Topology(hosts=2, rate_bps=3e8, shared=True).describe()
+    assert "one shared 300 Mbit/s link" in tb.HostLayout(hosts=2, rate_bps=3e8, shared=True).describe()
 
 
 def test_rates_and_sizes_parse_in_tc_units():
@@ -67,23 +69,23 @@ def test_rates_and_sizes_parse_in_tc_units():
     assert tb.parse_rate("100kbit") == 1e5
     assert tb.parse_rate("1e9") == 1e9
     assert tb.parse_size("512kb") == 512 * 1024
-    assert tb.parse_size("64kb") == tb.Topology(hosts=2).burst_bytes
-    assert tb.parse_size("256kb") == tb.Topology(hosts=1, ranks_per_host=2, rate_bps=1e9).burst_bytes
+    assert tb.parse_size("64kb") == tb.HostLayout(hosts=2).burst_bytes
+    assert tb.parse_size("256kb") == tb.HostLayout(hosts=1, ranks_per_host=2, rate_bps=1e9).burst_bytes
     assert tb.parse_size("65536") == 65536
-    with pytest.raises(tb.TopologyError, match="1gbit"):
+    with pytest.raises(tb.HostLayoutError, match="1gbit"):
         tb.parse_rate("1 gigabit")
-    with pytest.raises(tb.TopologyError, match="512kb"):
+    with pytest.raises(tb.HostLayoutError, match="512kb"):
         tb.parse_size("lots")
 
 
 def test_unavailable_reason_names_root_and_missing_tools(monkeypatch):
     tb.unavailable_reason.cache_clear()
     try:
-        monkeypatch.setattr(tb.os, "geteuid", lambda: 1000)
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
         assert "needs root" in tb.unavailable_reason()
         tb.unavailable_reason.cache_clear()
-        monkeypatch.setattr(tb.os, "geteuid", lambda: 0)
-        monkeypatch.setattr(tb.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+        monkeypatch.setattr(os, "geteuid", lambda: 0)
+        monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
         reason = tb.unavailable_reason()
         assert "tc not found" in reason and "iproute2" in reason
     finally:
@@ -91,9 +93,9 @@ def test_unavailable_reason_names_root_and_missing_tools(monkeypatch):
 
 
 def test_cli_refuses_a_bad_topology_before_touching_the_network(capsys):
-    assert tb.main(["--hosts", "0", "--rate", "1gbit", "--check"]) == 2
+    assert tb_main(["--hosts", "0", "--rate", "1gbit", "--check"]) == 2
     assert "hosts=0" in capsys.readouterr().err
-    assert tb.main(["--rate", "fast", "--check"]) == 2
+    assert tb_main(["--rate", "fast", "--check"]) == 2
     assert "rate 'fast'" in capsys.readouterr().err
 
 
@@ -107,12 +109,12 @@ def test_the_module_imports_without_torch():
 
 @needs_testbed
 def test_a_shaped_link_measures_its_rate_and_an_unshaped_one_is_faster():
-    with tb.emulated_hosts(tb.Topology(hosts=2, rate_bps=100e6)) as bed:
+    with tb.emulated_hosts(tb.HostLayout(hosts=2, rate_bps=100e6)) as bed:
         shaped = bed.measure_link(0, 1, bulk_bytes=8 << 20, round_trips=50)
         back = bed.measure_link(1, 0, bulk_bytes=8 << 20, round_trips=50)
         time.sleep(0.2)  # an idle link: the bucket refills
         short = bed.measure_link(0, 1, bulk_bytes=512 << 10, round_trips=5)
-    with tb.emulated_hosts(tb.Topology(hosts=2)) as bed:
+    with tb.emulated_hosts(tb.HostLayout(hosts=2)) as bed:
         free = bed.measure_link(0, 1, bulk_bytes=32 << 20, round_trips=50)
     # a functional check of the shaping on a noisy machine, not a performance claim
     assert 60e6 <= shaped.bandwidth_bps <= 110e6, shaped
@@ -127,7 +129,7 @@ def test_a_shaped_link_measures_its_rate_and_an_unshaped_one_is_faster():
 @needs_testbed
 def test_a_shared_link_is_split_between_both_directions():
     rate, size = 100e6, 8 << 20
-    with tb.emulated_hosts(tb.Topology(hosts=2, rate_bps=rate, shared=True)) as bed:
+    with tb.emulated_hosts(tb.HostLayout(hosts=2, rate_bps=rate, shared=True)) as bed:
         both = bed.measure_links([(0, 1), (1, 0)], bulk_bytes=size, round_trips=20)
     alone_s = 8 * size / rate
     # both transfers crossed one 100 Mbit/s queue: the later one finished at about twice the
@@ -138,7 +140,7 @@ def test_a_shared_link_is_split_between_both_directions():
 
 @needs_testbed
 def test_a_shaped_loopback_caps_one_hosts_ranks():
-    with tb.emulated_hosts(tb.Topology(hosts=1, ranks_per_host=2, rate_bps=100e6)) as bed:
+    with tb.emulated_hosts(tb.HostLayout(hosts=1, ranks_per_host=2, rate_bps=100e6)) as bed:
         assert bed.master_addr == "127.0.0.1" and bed.interface(0) == "lo"
         m = bed.measure_link(0, 0, bulk_bytes=8 << 20, round_trips=20)
     assert 60e6 <= m.bandwidth_bps <= 110e6, m
@@ -148,7 +150,7 @@ def test_a_shaped_loopback_caps_one_hosts_ranks():
 def test_teardown_leaves_nothing_behind_when_the_body_raises():
     links_before = _root_links()
     with pytest.raises(RuntimeError, match="body failed"):
-        with tb.emulated_hosts(tb.Topology(hosts=3, rate_bps=1e9)) as bed:
+        with tb.emulated_hosts(tb.HostLayout(hosts=3, rate_bps=1e9)) as bed:
             names = set(bed.host_namespaces) | {bed.switch_namespace}
             assert names <= _namespaces()
             sleeper = bed.popen(1, ["sleep", "60"])
@@ -182,7 +184,7 @@ def test_sigterm_tears_the_testbed_down():
     code = (
         "import sys, time\n"
         "from torchrec_sparselift.measure import testbed as tb\n"
-        "with tb.emulated_hosts(tb.Topology(hosts=2, rate_bps=1e9)) as bed:\n"
+        "with tb.emulated_hosts(tb.HostLayout(hosts=2, rate_bps=1e9)) as bed:\n"
         "    bed.popen(0, ['sleep', '60'])\n"
         "    print(' '.join(bed.host_namespaces + [bed.switch_namespace]), flush=True)\n"
         "    time.sleep(60)\n"
@@ -198,7 +200,7 @@ def test_sigterm_tears_the_testbed_down():
 @needs_testbed
 def test_torchrun_all_reduce_across_two_emulated_hosts():
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}
-    with tb.emulated_hosts(tb.Topology(hosts=2, ranks_per_host=2, rate_bps=1e9)) as bed:
+    with tb.emulated_hosts(tb.HostLayout(hosts=2, ranks_per_host=2, rate_bps=1e9)) as bed:
         results = bed.torchrun([JOB, "65536"], env=env, timeout_s=180)
     for r in results:
         assert r.ok, f"host {r.host}: exit {r.returncode}\n{r.output}"
@@ -222,7 +224,7 @@ def test_a_failing_host_ends_the_job_after_the_grace_period(tmp_path):
         "time.sleep(120)\n"
     )
     t0 = time.monotonic()
-    with tb.emulated_hosts(tb.Topology(hosts=2)) as bed:
+    with tb.emulated_hosts(tb.HostLayout(hosts=2)) as bed:
         results = bed.torchrun([str(script)], timeout_s=120, grace_s=2)
     assert time.monotonic() - t0 < 60
     assert results[1].returncode != 0 and not results[1].killed

@@ -89,7 +89,8 @@ def test_cpu_planner_refuses_a_pinned_fully_sharded_and_plans_default():
     topo = Topology(world_size=4, local_world_size=2, compute_device="cpu")
     with pytest.raises(ValueError, match="does not run on CPU|cannot be planned"):
         SparseLiftPlanner(topology=topo, sharding_group_size=2, strategy_2d="fully_sharded")
-    SparseLiftPlanner(topology=topo, strategy_2d="fully_sharded")  # 1D: no 2D strategy to refuse
+    with pytest.raises(ValueError, match="strategy_2d has no effect here: it needs sharding_group_size"):
+        SparseLiftPlanner(topology=topo, strategy_2d="fully_sharded")  # 1D: a 2D strategy does not apply
 
 
 # -- runtime: 2 gloo ranks ------------------------------------------------------------------

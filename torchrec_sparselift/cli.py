@@ -37,6 +37,7 @@ from torchrec_sparselift import defaults
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.errors import CliError
 from torchrec_sparselift.pictures import plan_png, plans_png, require_matplotlib
+from torchrec_sparselift.plan.options import option_problems
 from torchrec_sparselift.plan.stored_inputs import (
     DEFAULT_BATCH_SIZE,
     PlanInputs,
@@ -278,8 +279,26 @@ def _check_flags(args: argparse.Namespace) -> None:
     ]), "the command line", CliError)
 
 
+#: The planner option each command-line flag sets (for messages that name what the user typed).
+FLAG_OF_OPTION = {"sharding_group_size": "--sharding-group-size", "max_sync_interval": "--max-sync-interval",
+                  "layout_2d": "--layout-2d", "strategy_2d": "--2d-strategy", "time_budget_s": "--time-budget",
+                  "allow_lossy_comm": "--allow-lossy-comm", "allow_staleness": "--allow-staleness"}
+
+
+def _check_options_apply(args: argparse.Namespace) -> None:
+    """The planner's rule for options that do not apply (:data:`~torchrec_sparselift.plan.options.OPTION_NEEDS`),
+    on the flags given, naming the flags (exit 2)."""
+    given = {name: getattr(args, name) for name in FLAG_OF_OPTION if hasattr(args, name)}
+    errors, warned = option_problems(given, spell=lambda name: FLAG_OF_OPTION.get(name, name))
+    for w in warned:
+        print(f"sparselift: warning: {w}", file=sys.stderr)
+    raise_problems([e.replace("sharding_group_size='auto' or a group size", "--sharding-group-size auto|N")
+                    for e in errors], "the command line", CliError)
+
+
 def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] = "h100") -> PlanInputs:
     _check_flags(args)
+    _check_options_apply(args)
     given = [n for n in ("tables", "workload", "model") if getattr(args, n, None)]
     if len(given) != 1:
         raise CliError("give exactly one input: --tables FILE, --workload NAME or --model MODULE:FACTORY"

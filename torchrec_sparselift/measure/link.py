@@ -72,8 +72,6 @@ from torchrec_sparselift.calibration.link import (
     links_differ,
     relative_spread,
 )
-from torchrec_sparselift.runtime.machine import machine_share
-from torchrec_sparselift.runtime.process_group import close_process_group
 
 __all__ = [
     "LinkRates",
@@ -277,6 +275,8 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
     import torch
     import torch.distributed as dist
 
+    from torchrec_sparselift.runtime.machine import machine_share  # the runtime package imports torch
+
     if not dist.is_available() or not dist.is_initialized():
         raise LinkRatesError(
             "measure_link_rates needs an initialized process group: call "
@@ -393,6 +393,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
 
     import torch.distributed as dist
+
+    from torchrec_sparselift.runtime.process_group import close_process_group  # the runtime package imports torch
 
     if "RANK" not in os.environ:
         print("run under torchrun: torchrun --nproc_per_node 2 -m torchrec_sparselift.measure.link", file=sys.stderr)
