@@ -38,10 +38,11 @@ flow, the chunks on one link) and at most the unsplit step plus ``k`` times the 
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import attrs
 
+from torchrec_sparselift.cost.model import CostContext, collective_calls, phase_times
 from torchrec_sparselift.cost.pipelines import terms as _exposed_terms
 
 __all__ = [
@@ -135,6 +136,22 @@ class SplitTerms:
             step_overhead_s=phases.get("step_overhead", 0.0),
             chunk_latency_s=chunk_latency_s, chunk_overhead_s=chunk_overhead_s,
         )
+
+    @classmethod
+    def from_cost_model(cls, colmax: Any, allreduce_bytes: float, comm_groups: int, ctx: CostContext, *,
+                        chunk_overhead_s: float, fwd_precision: str = "fp32",
+                        bwd_precision: str = "fp32") -> "SplitTerms":
+        """The terms of one rank's loads (``colmax``, as ``cost.model.phase_times`` takes them) under
+        the ``overlap`` kind: its phase times, and one chunk's collective latency as the cost model
+        charges the unsplit output dist (``collective_latency_s`` per call, one call per sharding
+        group that sends; none on one rank)."""
+        phases = phase_times(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision,
+                             BATCH_SPLIT_PIPELINE)
+        lat = ctx.profile.collective_latency_s if ctx.world_size > 1 else 0.0
+        per_chunk = lat * collective_calls("output_dist", comm_groups)
+        per_chunk = min(per_chunk, phases["output_dist"], phases["grad_dist"])
+        return cls.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=chunk_overhead_s,
+                               supports_overlap=ctx.profile.supports_overlap)
 
     @property
     def compute_s(self) -> float:
