@@ -41,18 +41,25 @@ import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
-
+import numpy as np
 import torch
 import torch.distributed as dist
+from scipy.optimize import nnls
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.planner.planners import to_sharding_plan
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from benchmarks.harness import interleaved_rounds, timed_steps, worker, write_report
+from torchrec_sparselift import SparseLiftPlanner, evaluate_sharding_plan
+from torchrec_sparselift.cost.hardware import get_profile
 from torchrec_sparselift.cost.report import mape, spearman  # noqa: F401 (F.mape/F.spearman in tests)
+from torchrec_sparselift.cost.torchrec_score import torchrec_score
 from torchrec_sparselift.dlrm import model as dlrm_model
 from torchrec_sparselift.dlrm import tables as dlrm_tables
 from torchrec_sparselift.dlrm.data import synthetic_batches
 from torchrec_sparselift.dlrm.logs import quiet_logs
-
 
 __all__ = [
     "PLAN_KINDS",
@@ -138,8 +145,6 @@ def table_constraints(
     """TorchRec ``ParameterConstraints`` per table: the data's pooling factor always (both
     estimators read it), and where ``forced`` names a sharding type, that type with its CPU
     kernel (column-wise: ``min_partition=column_shard_dim``)."""
-    from torchrec.distributed.planner.types import ParameterConstraints
-
     out = {}
     for t in tables:
         st = forced.get(t.name)
@@ -183,8 +188,6 @@ def build_model(cfg: FidelityConfig, tables: Sequence[Any]):
 
 
 def topology_for(cfg: FidelityConfig):
-    from torchrec.distributed.planner import Topology
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return Topology(world_size=cfg.world_size, local_world_size=cfg.world_size, compute_device="cpu")
@@ -215,8 +218,6 @@ def _plan_summary(plan) -> Tuple[Tuple[str, str, Tuple[int, ...]], ...]:
 def predict_ours(cfg: FidelityConfig, plan, profile, tables=None, model=None) -> float:
     """SparseLift's predicted step time (ms) of ``plan`` (TrainPipelineSparseDist, fp32 comm)
     for the DLRM model of ``cfg``, priced with ``profile``, dense part included."""
-    from torchrec_sparselift import evaluate_sharding_plan
-
     tables = tables if tables is not None else resolve_tables(cfg)
     model = model if model is not None else build_model(cfg, tables)
     cons = table_constraints(tables, {}, cfg.column_shard_dim)
@@ -229,12 +230,6 @@ def build_cases(cfg: FidelityConfig, kinds: Sequence[str], profile) -> List[Case
     """One :class:`Case` per plan kind: planned by SparseLiftPlanner under the kind's
     constraints (imbalanced: its table-wise shards then moved per :func:`imbalance_ranks`),
     scored by TorchRec's estimator and by SparseLift's model under ``profile``."""
-    from torchrec.distributed.planner.planners import to_sharding_plan
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift import SparseLiftPlanner
-    from torchrec_sparselift.cost.torchrec_score import torchrec_score
-
     tables = resolve_tables(cfg)
     topo = topology_for(cfg)
     sharders = get_default_sharders()
@@ -403,9 +398,6 @@ def fit_fields(points: Sequence[Tuple[float, Mapping[str, float], float]], x0: M
     linearised predictions ``base + sum_f slope_f * (x_f - x0_f)`` against the measurements;
     ``points`` holds ``(base_ms, slopes, measured_ms)`` per training plan. A field that no
     point's prediction depends on keeps its ``x0`` value."""
-    import numpy as np
-    from scipy.optimize import nnls
-
     # a field no training point depends on is not determined by them: it keeps its value
     fields = [f for f in x0 if any(sl[f] != 0 for _b, sl, _m in points)]
     out = {f: float(v) for f, v in x0.items()}
@@ -428,8 +420,6 @@ def refit(profile, points: Sequence[Tuple[float, Mapping[str, float], float]], f
 
 
 def _cmd_fit(args) -> int:
-    from torchrec_sparselift.cost.hardware import get_profile
-
     data = _load_plans(args.plans)
     with open(args.measured, encoding="utf-8") as f:
         measured = json.load(f)
@@ -486,8 +476,6 @@ def _load_plans(path: str) -> Dict[str, Any]:
 
 
 def _cmd_predict(args) -> int:
-    from torchrec_sparselift.cost.hardware import get_profile
-
     cfg = FidelityConfig(tables=args.tables, scale=args.scale, embedding_dim=args.embedding_dim,
                          model=args.model, batch_size=args.batch_size)
     profile = get_profile(args.profile)
@@ -591,8 +579,6 @@ def summary_markdown(data: Mapping[str, Any], measured: Mapping[str, Any], profi
 
 
 def _cmd_summary(args) -> int:
-    from torchrec_sparselift.cost.hardware import get_profile
-
     data = _load_plans(args.plans)
     with open(args.measured, encoding="utf-8") as f:
         measured = json.load(f)
@@ -603,8 +589,6 @@ def _cmd_summary(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from torchrec_sparselift.cost.hardware import get_profile
-
     data = _load_plans(args.plans)
     with open(args.measured, encoding="utf-8") as f:
         measured = json.load(f)

@@ -116,7 +116,7 @@ def test_a_comm_bound_dlrm_step_splits_and_a_costly_chunk_does_not():
     assert sched.step_s >= t.compute_s + (k - 1) * t.chunk_overhead_s
     assert choose_chunks(_dlrm_like(latency=0.001, overhead=0.2), batch_size=1024) == 1
     assert choose_chunks(t, batch_size=1) == 1
-    # chained (gloo's order): the dense forward per chunk outlasts a chunk's transfer, so it splits too
+    # chained (chain_chunks): the dense forward per chunk outlasts a chunk's transfer, so it splits too
     assert choose_chunks(t, batch_size=1024, chained=True) > 1
 
 
@@ -151,3 +151,24 @@ def test_the_schedule_describes_each_chunk():
     assert len(lines) == 3 and lines[0].startswith("chunk 0: embeddings in at ")
     assert f"step {sched.step_s * 1e3:.2f} ms" in lines[-1]
     assert f"forward waits {sched.chunks[1].fwd_wait_s * 1e3:.2f} ms" in lines[1]
+
+
+def test_terms_from_the_cost_model_charge_one_latency_per_sending_group_per_chunk():
+    import numpy as np
+
+    from torchrec_sparselift.cost.hardware import PRESETS
+    from torchrec_sparselift.cost.model import CostContext, DenseWork, collective_calls, phase_times
+    from torchrec_sparselift.cost.terms import layout
+
+    ctx = CostContext(profile=PRESETS["h100"], world_size=4, local_world_size=4, batch_size=512,
+                      dense=DenseWork(1e9, 1e6))
+    colmax = np.linspace(1e5, 4e6, len(layout().columns))
+    t = SplitTerms.from_cost_model(colmax, 1e6, 2, ctx, chunk_overhead_s=2e-5)
+    phases = phase_times(colmax, 1e6, 2, ctx, pipeline="overlap")
+    assert t.output_dist_s == pytest.approx(phases["output_dist"]) and t.lookup_s == pytest.approx(phases["lookup"])
+    assert t.chunk_latency_s == pytest.approx(ctx.profile.collective_latency_s * collective_calls("output_dist", 2))
+    assert 0 < t.chunk_latency_s < t.output_dist_s
+    composed = pipelines.evaluate(pipelines.pipeline_kind("overlap").step, pipelines.terms(phases))
+    assert split_step_s(t, 1) == pytest.approx(float(composed), rel=1e-9)
+    one_rank = attrs.evolve(ctx, world_size=1, local_world_size=1)
+    assert SplitTerms.from_cost_model(colmax, 1e6, 2, one_rank, chunk_overhead_s=0.0).chunk_latency_s == 0.0

@@ -98,3 +98,18 @@ def test_the_timed_loop_times_the_steps_after_the_untimed_ones_at_the_slowest_ra
         assert calls == 2 + 1 + 4 and seen == [3, 4, 5, 6, 7] and steps == 4
         assert measured_s >= 0.02  # every rank reports the slowest rank's median
     assert out[0][3] == out[1][3]
+
+
+def test_the_report_names_a_module_run_as_python_m(monkeypatch):
+    from types import ModuleType, SimpleNamespace
+
+    from benchmarks.harness.report import command_line
+
+    main = ModuleType("__main__")
+    main.__spec__ = SimpleNamespace(name="benchmarks.real_runs")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", ["/repo/benchmarks/real_runs.py", "--quick"])
+    assert command_line() == "python -m benchmarks.real_runs --quick"
+    main.__spec__ = None  # a script run by path: its command line as given
+    assert command_line() == "/repo/benchmarks/real_runs.py --quick"
+    assert command_line(["a", "b"]) == "a b"

@@ -58,6 +58,13 @@ __all__ = [
     "KEY_VALUE_KERNELS",
     "MODELED_KERNELS",
     # pipelines
+    "BASE",
+    "SPARSE_DIST",
+    "FUSED",
+    "PREFETCH",
+    "OVERLAP",
+    "SEMI_SYNC",
+    "OVERLAP_STALE",
     "Pipeline",
     "PipelineConflict",
     "PIPELINE_REGISTRY",
@@ -68,6 +75,10 @@ __all__ = [
     "pipeline",
     "has_side_streams",
     # communication precisions
+    "FP32",
+    "FP16",
+    "BF16",
+    "FP8",
     "CommPrecision",
     "COMM_PRECISION_REGISTRY",
     "COMM_PRECISIONS",
@@ -141,6 +152,16 @@ MODELED_KERNELS: Tuple[str, ...] = ("fused", "dense", "fused_uvm", "fused_uvm_ca
                                     "ssd_virtual_table")
 
 # -- train pipelines --------------------------------------------------------------------------
+
+#: Pipeline kind names (the registry below describes each; ``FUSED`` is the pipeline, not the
+#: ``fused`` compute kernel).
+BASE = "base"
+SPARSE_DIST = "sparse_dist"
+FUSED = "fused"
+PREFETCH = "prefetch"
+OVERLAP = "overlap"
+SEMI_SYNC = "semi_sync"
+OVERLAP_STALE = "overlap_stale"
 
 
 class PipelineConflict(str, enum.Enum):
@@ -248,22 +269,22 @@ class Pipeline:
 
 #: Every pipeline kind, in the planner's order of preference on equal step times.
 PIPELINE_REGISTRY: Tuple[Pipeline, ...] = (
-    Pipeline("base", "TrainPipelineBase", fused_input_splits=False,
+    Pipeline(BASE, "TrainPipelineBase", fused_input_splits=False,
              doc="host-to-device copy of batch i+1 overlaps step i"),
-    Pipeline("sparse_dist", "TrainPipelineSparseDist", syncs_2d_replicas=True,
+    Pipeline(SPARSE_DIST, "TrainPipelineSparseDist", syncs_2d_replicas=True,
              doc="+ input_dist (ids/lengths all-to-all) of batch i+1"),
-    Pipeline("fused", "TrainPipelineFusedSparseDist", side_streams=True, overlaps_between_hosts=True,
+    Pipeline(FUSED, "TrainPipelineFusedSparseDist", side_streams=True, overlaps_between_hosts=True,
              lookup_before_dense_step=True,
              doc="+ embedding backward/optimizer overlapping the dense all-reduce; lookup and output "
                  "all-to-all issued before the forward"),
-    Pipeline("prefetch", "PrefetchTrainPipelineSparseDist", side_streams=True,
+    Pipeline(PREFETCH, "PrefetchTrainPipelineSparseDist", side_streams=True,
              doc="+ cache prefetch (UVM caching kernels) of batch i+1"),
-    Pipeline("overlap", "TrainPipelineOverlap", overlaps_between_hosts=True, needs_spare_cores=True,
+    Pipeline(OVERLAP, "TrainPipelineOverlap", overlaps_between_hosts=True, needs_spare_cores=True,
              doc="+ output/gradient all-to-alls beside the dense work independent of the embeddings, "
                  "the dense all-reduce beside the embedding backward (the package's own pipeline)"),
-    Pipeline("semi_sync", "TrainPipelineSemiSync", stale=True, dense_kernel=False, syncs_2d_replicas=True,
+    Pipeline(SEMI_SYNC, "TrainPipelineSemiSync", stale=True, dense_kernel=False, syncs_2d_replicas=True,
              side_streams=True, doc="+ lookup of batch i+1 before step i's embedding update (one step stale)"),
-    Pipeline("overlap_stale", "TrainPipelineOverlapStale", stale=True, dense_kernel=False,
+    Pipeline(OVERLAP_STALE, "TrainPipelineOverlapStale", stale=True, dense_kernel=False,
              overlaps_between_hosts=True, needs_spare_cores=True,
              doc="+ lookup and output all-to-all of batch i+1 beside step i's dense backward, step i's "
                  "gradient all-to-all beside step i+1's dense forward (one step stale; the package's own)"),
@@ -295,6 +316,12 @@ def has_side_streams(device_type: str) -> bool:
 
 
 # -- communication precisions -----------------------------------------------------------------
+
+#: Comm precision names (TorchRec's qcomm ``CommType`` values, lower case).
+FP32 = "fp32"
+FP16 = "fp16"
+BF16 = "bf16"
+FP8 = "fp8"
 
 
 @attrs.frozen
@@ -335,10 +362,10 @@ class CommPrecision:
 
 
 COMM_PRECISION_REGISTRY: Tuple[CommPrecision, ...] = (
-    CommPrecision("fp32", 4, lossy=False),
-    CommPrecision("fp16", 2, lossy=True),
-    CommPrecision("bf16", 2, lossy=True, gloo_runs_as="fp16"),
-    CommPrecision("fp8", 1, lossy=True, opt_in="allow_fp8",
+    CommPrecision(FP32, 4, lossy=False),
+    CommPrecision(FP16, 2, lossy=True),
+    CommPrecision(BF16, 2, lossy=True, gloo_runs_as=FP16),
+    CommPrecision(FP8, 1, lossy=True, opt_in="allow_fp8",
                   gloo_fails="TorchRec's fp8 codec fails inside the gloo all-to-all (\"Tensor 'input' must have "
                              "2 dimension(s). Found 1\", forward and backward); on the reduce-scatter it "
                              "returns wrong values"),
@@ -351,9 +378,9 @@ COMM_PRECISION_BYTES: Dict[str, int] = {p.name: p.bytes for p in COMM_PRECISION_
 #: Precisions planned only with ``allow_lossy_comm``.
 LOSSY_COMM_PRECISIONS: Tuple[str, ...] = tuple(p.name for p in COMM_PRECISION_REGISTRY if p.lossy)
 
-_EXACT_PAIRS: Tuple[Tuple[str, str], ...] = (("fp32", "fp32"),)
-_LOSSY_PAIRS: Tuple[Tuple[str, str], ...] = (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "bf16"))
-_FP8_PAIRS: Tuple[Tuple[str, str], ...] = (("fp8", "bf16"),)
+_EXACT_PAIRS: Tuple[Tuple[str, str], ...] = ((FP32, FP32),)
+_LOSSY_PAIRS: Tuple[Tuple[str, str], ...] = ((FP16, FP16), (BF16, BF16), (FP16, BF16))
+_FP8_PAIRS: Tuple[Tuple[str, str], ...] = ((FP8, BF16),)
 
 
 def comm_precision(name: str) -> CommPrecision:

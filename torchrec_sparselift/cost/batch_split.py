@@ -8,7 +8,7 @@ times from the lookup's end:
   link carries them one after the other, chunk j arriving at ``a_j = (j + 1) * o`` with
   ``o = latency + (output_dist - latency) / k`` (the cost model's ``output_dist`` holds one call's
   latency and the transfer; a chunk pays the latency again and a k-th of the transfer). Chained
-  (the runtime's order on CPU/gloo) chunk j+1 leaves when chunk j is read:
+  (the runtime's ``chain_chunks`` order) chunk j+1 leaves when chunk j is read:
   ``a_{j+1} = max(r_j, a_j) + o`` with ``r_j`` the time chunk j's forward asks for it. Chunk j's
   dense forward runs its independent part (DLRM's bottom MLP, ``dense_fwd_indep / k``), waits for
   ``a_j``, then runs the rest (``dense_fwd_rest / k``); every chunk after the first pays
@@ -38,10 +38,11 @@ flow, the chunks on one link) and at most the unsplit step plus ``k`` times the 
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import attrs
 
+from torchrec_sparselift.cost.model import CostContext, collective_calls, phase_times
 from torchrec_sparselift.cost.pipelines import terms as _exposed_terms
 
 __all__ = [
@@ -136,6 +137,22 @@ class SplitTerms:
             chunk_latency_s=chunk_latency_s, chunk_overhead_s=chunk_overhead_s,
         )
 
+    @classmethod
+    def from_cost_model(cls, colmax: Any, allreduce_bytes: float, comm_groups: int, ctx: CostContext, *,
+                        chunk_overhead_s: float, fwd_precision: str = "fp32",
+                        bwd_precision: str = "fp32") -> "SplitTerms":
+        """The terms of one rank's loads (``colmax``, as ``cost.model.phase_times`` takes them) under
+        the ``overlap`` kind: its phase times, and one chunk's collective latency as the cost model
+        charges the unsplit output dist (``collective_latency_s`` per call, one call per sharding
+        group that sends; none on one rank)."""
+        phases = phase_times(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision,
+                             BATCH_SPLIT_PIPELINE)
+        lat = ctx.profile.collective_latency_s if ctx.world_size > 1 else 0.0
+        per_chunk = lat * collective_calls("output_dist", comm_groups)
+        per_chunk = min(per_chunk, phases["output_dist"], phases["grad_dist"])
+        return cls.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=chunk_overhead_s,
+                               supports_overlap=ctx.profile.supports_overlap)
+
     @property
     def compute_s(self) -> float:
         """The compute part: what one flow runs whatever the overlap (the unsplit dense work)."""
@@ -200,7 +217,8 @@ class SplitSchedule:
 def split_schedule(terms: SplitTerms, k: int, chained: bool = False) -> SplitSchedule:
     """The step of ``terms`` split into ``k`` chunks (module docstring); k = 1 is the unsplit step.
     ``chained``: chunk j+1's collective is issued when chunk j's embeddings are read (the runtime's
-    order on CPU/gloo), not with the others before the forward (its order on CUDA)."""
+    ``chain_chunks``), not with the others before the forward (its default, on CPU over a
+    one-thread gloo group so the chunks travel one at a time, as on NCCL)."""
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_CHUNKS:
         raise ValueError(f"batch split: k must be an int in 1..{MAX_CHUNKS}, got {k!r}")
     t = terms
@@ -261,7 +279,7 @@ def choose_chunks(terms: SplitTerms, batch_size: Optional[int] = None, max_chunk
                   chained: bool = False) -> int:
     """The k in 1..``max_chunks`` (at most ``batch_size``, the samples per rank) whose step is the
     shortest; the smallest such k on ties, so a split that wins nothing is not taken.
-    ``chained``: the runtime's order on CPU/gloo (:func:`split_schedule`)."""
+    ``chained``: the runtime's ``chain_chunks`` order (:func:`split_schedule`)."""
     top = min(max_chunks, MAX_CHUNKS, batch_size if batch_size is not None else MAX_CHUNKS)
     if top < 1:
         raise ValueError(f"batch split: no k to choose from (max_chunks={max_chunks}, batch_size={batch_size})")

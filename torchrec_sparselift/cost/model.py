@@ -59,7 +59,7 @@ from torchrec_sparselift.cost.pipelines import (
 from torchrec_sparselift.semantics.dense import DenseWork  # re-exported: the cost layer prices it
 from torchrec_sparselift.semantics.graph import HOST_WORK_KINDS, Candidate, Node, shard_memory, shard_nodes
 from torchrec_sparselift.semantics.tables import TableSpec
-from torchrec_sparselift.vocabulary import COMM_PRECISION_BYTES, DATA_PARALLEL, comm_precision
+from torchrec_sparselift.vocabulary import BASE, COMM_PRECISION_BYTES, DATA_PARALLEL, comm_precision
 
 __all__ = [
     "COMPONENTS",
@@ -573,7 +573,7 @@ def step_time(
                         fwd_precision, bwd_precision, pipeline)
     ph = {name: float(v) for name, v in zip(PHASE_NAMES, table[0])}
     overlap = getattr(ctx.profile, "supports_overlap", True)
-    serial = float(step_totals(table, "base", overlap)[0])
+    serial = float(step_totals(table, BASE, overlap)[0])
     compute = float(table[0, _COMPUTE_COLS].sum())
     total = float(step_totals(table, pipeline, overlap, ctx.num_hosts > 1)[0]) * step_factor(
         ctx.profile, pipeline, ctx.num_hosts > 1)

@@ -40,7 +40,20 @@ from typing import Any, Dict, List, Mapping, Tuple, Union
 import attrs
 import numpy as np
 
-from torchrec_sparselift.vocabulary import PIPELINES, STALE_PIPELINES, SYNC_PIPELINES, Pipeline, pipeline
+from torchrec_sparselift.vocabulary import (
+    BASE,
+    FUSED,
+    OVERLAP,
+    OVERLAP_STALE,
+    PIPELINES,
+    PREFETCH,
+    SEMI_SYNC,
+    SPARSE_DIST,
+    STALE_PIPELINES,
+    SYNC_PIPELINES,
+    Pipeline,
+    pipeline,
+)
 
 __all__ = [
     "Phase",
@@ -206,13 +219,13 @@ _PREFETCH_AHEAD = INPUT + ("uvm_fetch",)
 
 #: Each pipeline kind's step composition and what it overlaps (one entry per registry pipeline).
 _STEPS: Dict[str, Tuple[Seq, str]] = {
-    "base": (Seq(INPUT + EMB_FWD + DENSE + EMB_BWD + SYNC + STEP),
+    BASE: (Seq(INPUT + EMB_FWD + DENSE + EMB_BWD + SYNC + STEP),
              "everything in sequence (TrainPipelineBase)"),
-    "sparse_dist": (Seq([Par([
+    SPARSE_DIST: (Seq([Par([
         Lane("main", Seq(EMB_FWD + DENSE + EMB_BWD + SYNC + STEP), "the step's lookup/dense/backward"),
         _next_batch(INPUT, "the next batch's input_dist"),
     ])]), "the next batch's input_dist runs during this batch's work (TrainPipelineSparseDist)"),
-    "fused": (Seq([Par([
+    FUSED: (Seq([Par([
         Lane("main", Seq(EMB_FWD + DENSE + (Par([
             Lane("main", Seq(EMB_BWD), "embedding backward"),
             Lane("comm", Seq(SYNC), "allreduce"),
@@ -220,13 +233,13 @@ _STEPS: Dict[str, Tuple[Seq, str]] = {
         _next_batch(INPUT, "the next batch's input_dist"),
     ])]), "as sparse_dist, and the embedding backward/optimizer overlaps the dense all-reduce "
           "(TrainPipelineFusedSparseDist)"),
-    "prefetch": (Seq([Par([
+    PREFETCH: (Seq([Par([
         Lane("main", Seq(tuple(p for p in EMB_FWD if p not in _PREFETCH_AHEAD) + DENSE + EMB_BWD + SYNC + STEP),
              "the step's lookup/dense/backward"),
         _next_batch(_PREFETCH_AHEAD, "the next batch's " + "+".join(_PREFETCH_AHEAD)),
     ])]), "as sparse_dist, and UVM-cache misses are fetched with the input_dist "
           "(PrefetchTrainPipelineSparseDist)"),
-    "semi_sync": (Seq([Par([
+    SEMI_SYNC: (Seq([Par([
         Lane("main", Seq((Par([
             Lane("main", Seq(DENSE), "dense fwd/bwd"),
             _next_batch(EMB_FWD, "next batch's embedding forward"),
@@ -236,7 +249,7 @@ _STEPS: Dict[str, Tuple[Seq, str]] = {
           "forward/backward (one step of embedding staleness; TrainPipelineSemiSync). It looks up "
           "batch i+1 before step i's update, so a dense-kernel table (updated in place after that "
           "lookup) cannot train under it"),
-    "overlap": (Seq([Par([
+    OVERLAP: (Seq([Par([
         Lane("main", Seq(("uvm_fetch", "lookup",
                           Par([Lane("main", Seq(("output_dist",)), "output all-to-all"),
                                Lane("dense", Seq(("dense_fwd_indep",)), "bottom MLP forward")]),
@@ -250,7 +263,7 @@ _STEPS: Dict[str, Tuple[Seq, str]] = {
     ])]), "as sparse_dist, and the output and gradient all-to-alls overlap the dense work independent "
           "of the embeddings, the dense all-reduce the embedding backward (exact; "
           "runtime.overlap.TrainPipelineOverlap)"),
-    "overlap_stale": (Seq([Par([
+    OVERLAP_STALE: (Seq([Par([
         Lane("main", Seq((Par([Lane("main", Seq(("dense_fwd",)), "dense forward"),
                                Lane("previous batch", Seq(("grad_dist",)), "the previous batch's gradient all-to-all")]),
                           "backward_update", "uvm_fetch", "lookup",
@@ -305,7 +318,7 @@ def _input_dist_in_step(kind: PipelineKind) -> PipelineKind:
 #: network-regime workloads (0.91-1.02x; geomean 0.96-0.98), on one host 0.90-1.08x (geomean 0.98,
 #: within the A/A control beside it).
 _ACROSS_HOSTS_STEPS: Dict[str, Tuple[Seq, str]] = {
-    "fused": (Seq(("uvm_fetch", "lookup", Par([
+    FUSED: (Seq(("uvm_fetch", "lookup", Par([
         Lane("main", Seq(("output_dist",)), "output all-to-all"),
         Lane("before forward", Seq(("input_dist", "dense_fwd_indep")),
              "the next batch's input_dist and the bottom MLP forward"),
@@ -365,7 +378,7 @@ def effective_pipeline(name: str, supports_overlap: bool = True, spans_hosts: bo
         return kind
     if spans_hosts and kind.properties.overlaps_between_hosts:
         return _ACROSS_HOSTS[name]
-    return _BY_NAME["base"]
+    return _BY_NAME[BASE]
 
 
 def step_factor(profile: Any, name: str, spans_hosts: bool = False) -> float:
@@ -377,7 +390,7 @@ def step_factor(profile: Any, name: str, spans_hosts: bool = False) -> float:
     measured factors. Every step total (the evaluator's :func:`step_totals` callers and the
     solvers' rows, ``search.equation.composition_rows``) takes it from here."""
     overlap = bool(getattr(profile, "supports_overlap", True))
-    if effective_pipeline(name, overlap, spans_hosts).name != "base":
+    if effective_pipeline(name, overlap, spans_hosts).name != BASE:
         return 1.0
     factor = getattr(profile, "pipeline_factor", None)
     return float(factor(name)) if factor is not None else 1.0

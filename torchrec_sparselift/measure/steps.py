@@ -64,7 +64,7 @@ from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_
 from torchrec_sparselift.measure.probe import probe_constraints
 from torchrec_sparselift.planner import SparseLiftPlanner
 from torchrec_sparselift.runtime.pipelines import make_train_pipeline
-from torchrec_sparselift.vocabulary import TABLE_WISE
+from torchrec_sparselift.vocabulary import BASE, FUSED, OVERLAP, PREFETCH, SPARSE_DIST, TABLE_WISE
 
 __all__ = [
     "forced_plan",
@@ -107,7 +107,7 @@ def forced_plan(model: Any, tables: Sequence[Any], kind: str, topology: Any, bat
     cons = probe_constraints(tables, kind)
     planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=cons,
                                 hardware=profile or base_profile(topology.compute_device),
-                                pipelines=["sparse_dist"], debug=False, workload=stats,
+                                pipelines=[SPARSE_DIST], debug=False, workload=stats,
                                 never_slower=False)  # the forced plan as SparseLift places it
     sharders = get_default_sharders()
     plan = planner.collective_plan(model, sharders, pg) if pg is not None else planner.plan(model, sharders)
@@ -333,7 +333,7 @@ def load_measurement_set(path: str) -> Tuple[List[ProbeMeasurement], Optional[Di
 
 #: The pipelines whose step factor a calibration measures (``HardwareProfile.pipeline_factors``):
 #: every exact pipeline but ``sparse_dist``, which the probe plans are fitted under (its factor is 1).
-FACTOR_PIPELINES: Tuple[str, ...] = ("base", "fused", "prefetch", "overlap")
+FACTOR_PIPELINES: Tuple[str, ...] = (BASE, FUSED, PREFETCH, OVERLAP)
 #: The probe workloads whose table-wise plan the factors are measured on (their ratios' spread is
 #: the factors' error): many small tables, a few wide ones, many wide ones at DLRM-like counts.
 FACTOR_WORKLOADS: Tuple[str, ...] = ("probe_many", "probe_wide", "probe_deep")

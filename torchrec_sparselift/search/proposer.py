@@ -34,7 +34,7 @@ from torchrec_sparselift.search.lp import solve_lp
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.semantics.graph import candidate_for
 from torchrec_sparselift.semantics.tables import TableSpec
-from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COST_MODELS, ON_EVERY_RANK_TYPES, TABLE_ROW_WISE
+from torchrec_sparselift.vocabulary import BASE, COLUMN_SPLIT_TYPES, COST_MODELS, ON_EVERY_RANK_TYPES, TABLE_ROW_WISE
 from torchrec_sparselift.search.torchrec_objective import (
     makespan_problem,
     solve_torchrec,
@@ -199,7 +199,7 @@ class SparseLiftProposer(Proposer):
         choices = [[c for c, _ in res.assignment]]
         lp_choice = None
 
-        lp = solve_lp(prob, "base")
+        lp = solve_lp(prob, BASE)
         if lp.choice:
             lp_choice = list(lp.choice)
             choices.append(lp_choice)

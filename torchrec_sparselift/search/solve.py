@@ -25,7 +25,7 @@ from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, StepTime
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.cost.pipelines import trainable_pipelines
-from torchrec_sparselift.vocabulary import has_side_streams
+from torchrec_sparselift.vocabulary import PREFETCH, SPARSE_DIST, has_side_streams
 from torchrec_sparselift.search.choice_bound import choice_bound_solution
 from torchrec_sparselift.search.lp import analytic_bound, solve_lp
 from torchrec_sparselift.search.milp import milp_size, solve_milp
@@ -141,11 +141,11 @@ def solve(
     t0 = time.monotonic()
     pipelines = (pipeline,) if pipeline else prob.pipelines
     precisions = (precision,) if precision else prob.precisions
-    search_pl = "sparse_dist" if "sparse_dist" in pipelines else pipelines[0]
+    search_pl = SPARSE_DIST if SPARSE_DIST in pipelines else pipelines[0]
     at_scale = use_scale_path(prob)  # thousands of tables x ranks: search/scale.py
     # the pipeline the placement and local search price under: at scale the one that hides the
     # most (prefetch), as there is no budget for a second full search under it (scale.py)
-    place_pl = "prefetch" if at_scale and "prefetch" in pipelines else search_pl
+    place_pl = PREFETCH if at_scale and PREFETCH in pipelines else search_pl
     fwd, bwd = precisions[0]
 
     # the LP is deterministic when it finishes: give it room (its limit is a safety net; at

@@ -36,7 +36,9 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift.vocabulary import (
+    BASE,
     COLUMN_WISE,
+    FP32,
     ON_EVERY_RANK_TYPES,
     TABLE_COLUMN_WISE,
     TABLE_ROW_WISE,
@@ -402,7 +404,7 @@ def makespan_problem(
         specs=tuple(specs), ctx=ctx, cands=tuple(cands), costs=tuple(costs),
         candidates=tuple(tuple(ids) for ids in per_table),
         device_cap=np.asarray(device_cap, dtype=float), host_cap=np.asarray(host_cap, dtype=float),
-        pipelines=("base",), precisions=(("fp32", "fp32"),),
+        pipelines=(BASE,), precisions=((FP32, FP32),),
     )
     bound = attrs.evolve(prob, costs=tuple(low)) if uneven else None
     return TorchRecProblem(problem=prob, option_of=tuple(opt_of), bound_problem=bound,
@@ -560,7 +562,7 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
     # with an exact stage to run, the heuristics only need to give it a good cap
     heur = (0.1 if stages else 0.2) * time_budget_s
     try:
-        res = solve(prob, time_budget_s=heur, pipeline="base", solver=heur_solver)
+        res = solve(prob, time_budget_s=heur, pipeline=BASE, solver=heur_solver)
         failed = None
     except SparseLiftPlannerError as e:  # the generic greedy could not fit: try rigid-first
         res, failed = None, e
@@ -597,7 +599,7 @@ def solve_torchrec(trp: TorchRecProblem, time_budget_s: float, solver: str = "au
             bounds.append(m.bound_s * (1 - 1e-7))
             methods.append(f"makespan-milp over choice and placement({m.status})")
         if m.assignment:
-            ev = new_evaluator(prob, "base")
+            ev = new_evaluator(prob, BASE)
             for t, (c, rk) in enumerate(m.assignment):
                 ev.assign(t, ids[c], rk)
             if ev.memory_ok() and ev.objective() < res.step.total_s * (1 - 1e-9):
@@ -643,7 +645,7 @@ def _rigid_first(prob: Any, budget_s: float,
     alternative. The shared local search then polishes the two best. Rigid options placed last would find every rank already full and
     fall back to slow UVM kernels. Returns (evaluator, seed name) of the better seed."""
     t0 = time.monotonic()
-    lp = solve_lp(prob, "base", time_limit_s=max(5.0, budget_s))
+    lp = solve_lp(prob, BASE, time_limit_s=max(5.0, budget_s))
     seeds = []
     if lp.choice:
         seeds.append(("lp", list(lp.choice)))
@@ -662,7 +664,7 @@ def _rigid_first(prob: Any, budget_s: float,
     rank = {"all": 0, "host": 1, "free": 2}
     placed = []
     for name, choice in seeds:
-        ev = new_evaluator(prob, "base")
+        ev = new_evaluator(prob, BASE)
         order = sorted(range(prob.num_tables), key=lambda t: (
             rank[prob.cands[choice[t]].placement], -prob.shard_time(choice[t]),
             -ev.owner[choice[t]][DEV_MEM], t))
@@ -703,7 +705,7 @@ def _result_from(prob: Any, ev: Any, solver: str, t0: float) -> Any:
     """A :class:`SearchResult` for a plan held by an evaluator (bound filled in later)."""
     return SearchResult(
         assignment=tuple(ev.assignment[t] for t in range(prob.num_tables)), step=ev.step_time(),
-        lower_bound_s=float("nan"), pipeline="base", fwd_precision="fp32", bwd_precision="fp32",
+        lower_bound_s=float("nan"), pipeline=BASE, fwd_precision=FP32, bwd_precision=FP32,
         solver=solver, status="converged" if ev.memory_ok() else "memory_violation",
         planning_time_s=time.monotonic() - t0, moves=0, rank_loads=ev.rank_loads())
 

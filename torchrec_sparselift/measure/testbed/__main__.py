@@ -13,8 +13,8 @@ from torchrec_sparselift.measure.testbed.layout import HostLayout, HostLayoutErr
 from torchrec_sparselift.measure.testbed.namespaces import (
     TestbedError,
     TestbedUnavailable,
-    _require_available,
     cleanup_stale,
+    require_available,
 )
 
 __all__ = ["main"]
@@ -53,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         script = script[1:]
     try:
         if args.cleanup:
-            _require_available()
+            require_available()
             removed = cleanup_stale()
             print(f"removed {len(removed)} leftover namespace(s)" + (f": {' '.join(removed)}" if removed else ""))
             return 0

@@ -21,15 +21,15 @@ import attrs
 
 from torchrec_sparselift.measure.testbed.layout import HostLayout, format_rate
 from torchrec_sparselift.measure.testbed.namespaces import (
-    _ETC_NETNS,
+    ETC_NETNS,
     PREFIX,
     TestbedError,
-    _delete_namespace,
-    _kill_namespace_processes,
-    _require_available,
-    _sh,
     cleanup_stale,
+    delete_namespace,
+    kill_namespace_processes,
     leftover_namespaces,
+    require_available,
+    run_command,
 )
 
 __all__ = ["HOST_IFACE", "Testbed", "HostResult", "LinkMeasurement", "emulated_hosts"]
@@ -286,7 +286,7 @@ class Testbed:
                     if p.poll() is None:
                         killed[host] = True
                         # torchrun starts its workers in sessions of their own: end the host's all
-                        _kill_namespace_processes(self.host_namespaces[host])
+                        kill_namespace_processes(self.host_namespaces[host])
                         self._kill(p)
                 break
             time.sleep(0.1)
@@ -376,12 +376,12 @@ class Testbed:
 
     def _ns(self, ns: str) -> None:
         self._created.append(ns)
-        _sh(["ip", "netns", "add", ns])
-        _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        run_command(["ip", "netns", "add", ns])
+        run_command(["ip", "-n", ns, "link", "set", "lo", "up"])
         if self.layout.hosts > 1:
             # `ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts: the hosts' addresses
             # get names (gloo's and c10d's reverse lookups resolve without asking DNS)
-            os.makedirs(os.path.join(_ETC_NETNS, ns), exist_ok=True)
+            os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
             try:
                 with open("/etc/hosts") as f:
                     base = f.read()
@@ -392,12 +392,12 @@ class Testbed:
                 for h in range(self.layout.hosts)
                 for prefix in ("", "::ffff:")  # as an IPv6 socket sees an IPv4 peer
             )
-            with open(os.path.join(_ETC_NETNS, ns, "hosts"), "w") as f:
+            with open(os.path.join(ETC_NETNS, ns, "hosts"), "w") as f:
                 f.write(base.rstrip("\n") + "\n# emulated hosts of torchrec_sparselift.measure.testbed\n" + names)
 
     def _tbf(self, ns: str, dev: str) -> None:
         t = self.layout
-        _sh([
+        run_command([
             "tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
             "rate", f"{int(t.rate_bps)}bit", "burst", str(t.burst_bytes),
             "latency", f"{max(1, int(round(t.queue_latency_s * 1e6)))}us",
@@ -407,12 +407,12 @@ class Testbed:
         """Cap the packets ``dev`` sends at ``packet_bytes`` (its GSO size), so a small bucket
         passes them whole."""
         if self.layout.rate_bps is not None:
-            _sh(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", str(self.layout.packet_bytes)])
+            run_command(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", str(self.layout.packet_bytes)])
 
     def _sysctl(self, ns: str, **values: str) -> None:
         for key, value in values.items():
             path = "/proc/sys/net/ipv4/" + key.replace("__", "/")
-            _sh(["ip", "netns", "exec", ns, "sh", "-c", f"echo {value} > {path}"])
+            run_command(["ip", "netns", "exec", ns, "sh", "-c", f"echo {value} > {path}"])
 
     def build(self) -> None:
         t = self.layout
@@ -429,31 +429,31 @@ class Testbed:
                      conf__all__send_redirects="0", conf__default__send_redirects="0")  # fmt: skip
         for i, ns in enumerate(self.host_namespaces):
             port = f"p{i}"
-            _sh(["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", HOST_IFACE, "netns", ns])
-            _sh(["ip", "-n", sw, "addr", "add", f"198.18.{i}.1/24", "dev", port])
-            _sh(["ip", "-n", ns, "addr", "add", f"198.18.{i}.2/24", "dev", HOST_IFACE])
-            _sh(["ip", "-n", sw, "link", "set", port, "up"])
-            _sh(["ip", "-n", ns, "link", "set", HOST_IFACE, "up"])
+            run_command(["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", HOST_IFACE, "netns", ns])
+            run_command(["ip", "-n", sw, "addr", "add", f"198.18.{i}.1/24", "dev", port])
+            run_command(["ip", "-n", ns, "addr", "add", f"198.18.{i}.2/24", "dev", HOST_IFACE])
+            run_command(["ip", "-n", sw, "link", "set", port, "up"])
+            run_command(["ip", "-n", ns, "link", "set", HOST_IFACE, "up"])
             self._packets(sw, port)
             self._packets(ns, HOST_IFACE)
-            _sh(["ip", "-n", ns, "route", "add", "198.18.0.0/15", "via", f"198.18.{i}.1", "dev", HOST_IFACE])
+            run_command(["ip", "-n", ns, "route", "add", "198.18.0.0/15", "via", f"198.18.{i}.1", "dev", HOST_IFACE])
             if t.rate_bps is not None and not t.shared:
                 self._tbf(ns, HOST_IFACE)
                 self._tbf(sw, port)
         if t.shared:
             # every packet between hosts leaves through `la` (shaped) and comes back in at `lb`,
             # then goes out to its host: one queue for all pairs and both directions
-            _sh(["ip", "-n", sw, "link", "add", "la", "type", "veth", "peer", "name", "lb"])
-            _sh(["ip", "-n", sw, "link", "set", "lb", "address", _LOOP_MAC])
+            run_command(["ip", "-n", sw, "link", "add", "la", "type", "veth", "peer", "name", "lb"])
+            run_command(["ip", "-n", sw, "link", "set", "lb", "address", _LOOP_MAC])
             for dev in ("la", "lb"):
                 self._packets(sw, dev)
                 self._sysctl(sw, **{f"conf__{dev}__rp_filter": "0"})
-                _sh(["ip", "-n", sw, "link", "set", dev, "up"])
-            _sh(["ip", "-n", sw, "neigh", "replace", _LOOP_GATEWAY, "lladdr", _LOOP_MAC, "dev", "la", "nud", "permanent"])
-            _sh(["ip", "-n", sw, "route", "add", "198.18.0.0/15", "via", _LOOP_GATEWAY, "dev", "la",
+                run_command(["ip", "-n", sw, "link", "set", dev, "up"])
+            run_command(["ip", "-n", sw, "neigh", "replace", _LOOP_GATEWAY, "lladdr", _LOOP_MAC, "dev", "la", "nud", "permanent"])
+            run_command(["ip", "-n", sw, "route", "add", "198.18.0.0/15", "via", _LOOP_GATEWAY, "dev", "la",
                  "onlink", "table", _SHARED_TABLE])  # fmt: skip
             for i in range(t.hosts):
-                _sh(["ip", "-n", sw, "rule", "add", "iif", f"p{i}", "lookup", _SHARED_TABLE, "pref", "100"])
+                run_command(["ip", "-n", sw, "rule", "add", "iif", f"p{i}", "lookup", _SHARED_TABLE, "pref", "100"])
             self._tbf(sw, "la")
         self._wait_reachable()
 
@@ -486,7 +486,7 @@ class Testbed:
         for proc in procs:
             self._kill(proc)
         for ns in reversed(self._created):
-            _delete_namespace(ns)
+            delete_namespace(ns)
         left = [ns for ns in self._created if ns in leftover_namespaces()]
         if left:
             raise TestbedError(f"could not delete namespaces {left}; remove them with `ip netns del NAME`")
@@ -501,7 +501,7 @@ def emulated_hosts(layout: HostLayout) -> Iterator[Testbed]:
     """Build the emulated hosts of ``layout``, yield a :class:`Testbed`, and tear everything
     down on the way out, on an exception and on SIGTERM/SIGHUP (turned into ``SystemExit``
     while the block runs) or Ctrl-C. Removes the leftovers of dead runs first."""
-    _require_available()
+    require_available()
     cleanup_stale()
     bed = Testbed(layout, f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}")
     main_thread = threading.current_thread() is threading.main_thread()

@@ -16,14 +16,15 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-__all__ = ["PREFIX", "TestbedUnavailable", "TestbedError", "unavailable_reason", "leftover_namespaces",
+__all__ = ["PREFIX", "ETC_NETNS", "TestbedUnavailable", "TestbedError", "run_command", "unavailable_reason",
+           "require_available", "leftover_namespaces", "kill_namespace_processes", "delete_namespace",
            "cleanup_stale"]
 
 PREFIX = "sltb"
 """Every namespace this module creates is named ``sltb<pid>x<token>-<role>``."""
 
 _NAME = re.compile(rf"^{PREFIX}(\d+)x([0-9a-f]+)-(\S+)")
-_ETC_NETNS = "/etc/netns"
+ETC_NETNS = "/etc/netns"
 
 
 class TestbedUnavailable(RuntimeError):
@@ -37,7 +38,9 @@ class TestbedError(RuntimeError):
 
 
 
-def _sh(argv: Sequence[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+def run_command(argv: Sequence[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    """Run ``argv`` (an ``ip``/``tc`` command), its output captured; :class:`TestbedError` with the
+    command and its error output when it fails and ``check``."""
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise TestbedError(
@@ -62,10 +65,10 @@ def unavailable_reason() -> Optional[str]:
         return f"{' and '.join(missing)} not found on PATH; install iproute2 (`apt-get install iproute2`)"
     probe = f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}-probe"
     try:
-        made = _sh(["ip", "netns", "add", probe], check=False)
+        made = run_command(["ip", "netns", "add", probe], check=False)
         if made.returncode != 0:
             return f"`ip netns add` failed ({made.stderr.strip()}); the kernel or container forbids network namespaces"
-        tbf = _sh(
+        tbf = run_command(
             ["tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1mbit",
              "burst", "128kb", "latency", "50ms"],
             check=False,
@@ -75,24 +78,25 @@ def unavailable_reason() -> Optional[str]:
                 f"the tbf qdisc is unavailable ({tbf.stderr.strip()}); load it with `modprobe sch_tbf` "
                 "or use a kernel built with CONFIG_NET_SCH_TBF"
             )
-        veth = _sh(["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"], check=False)
+        veth = run_command(["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"], check=False)
         if veth.returncode != 0:
             return f"veth links are unavailable ({veth.stderr.strip()}); load them with `modprobe veth`"
     except (OSError, subprocess.SubprocessError) as e:
         return f"cannot run iproute2: {e}"
     finally:
-        _sh(["ip", "netns", "del", probe], check=False)
+        run_command(["ip", "netns", "del", probe], check=False)
     return None
 
 
-def _require_available() -> None:
+def require_available() -> None:
+    """:class:`TestbedUnavailable`, with :func:`unavailable_reason`, when this machine cannot emulate hosts."""
     reason = unavailable_reason()
     if reason is not None:
         raise TestbedUnavailable(reason)
 
 
 def _namespaces() -> List[str]:
-    proc = _sh(["ip", "netns", "list"], check=False)
+    proc = run_command(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
 
 
@@ -100,7 +104,7 @@ def leftover_namespaces() -> List[str]:
     """Every namespace of this module's naming that exists now (live runs' included), and every
     name with a leftover /etc/netns/NAME folder."""
     try:
-        etc = os.listdir(_ETC_NETNS)
+        etc = os.listdir(ETC_NETNS)
     except OSError:
         etc = []
     return sorted({ns for ns in _namespaces() + etc if _NAME.match(ns)})
@@ -116,10 +120,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _kill_namespace_processes(ns: str) -> None:
+def kill_namespace_processes(ns: str) -> None:
     """SIGTERM, then SIGKILL, every process inside namespace ``ns``."""
     for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
-        pids = [int(p) for p in _sh(["ip", "netns", "pids", ns], check=False).stdout.split() if p.isdigit()]
+        pids = [int(p) for p in run_command(["ip", "netns", "pids", ns], check=False).stdout.split() if p.isdigit()]
         pids = [p for p in pids if p != os.getpid()]
         if not pids:
             return
@@ -131,10 +135,11 @@ def _kill_namespace_processes(ns: str) -> None:
             time.sleep(0.05)
 
 
-def _delete_namespace(ns: str) -> None:
-    _kill_namespace_processes(ns)
-    _sh(["ip", "netns", "del", ns], check=False)
-    shutil.rmtree(os.path.join(_ETC_NETNS, ns), ignore_errors=True)
+def delete_namespace(ns: str) -> None:
+    """Kill the processes inside namespace ``ns``, delete it and its /etc/netns folder."""
+    kill_namespace_processes(ns)
+    run_command(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(os.path.join(ETC_NETNS, ns), ignore_errors=True)
 
 
 def cleanup_stale() -> List[str]:
@@ -144,6 +149,6 @@ def cleanup_stale() -> List[str]:
     for ns in leftover_namespaces():
         pid = int(_NAME.match(ns).group(1))  # type: ignore[union-attr]
         if pid != os.getpid() and not _pid_alive(pid):
-            _delete_namespace(ns)
+            delete_namespace(ns)
             removed.append(ns)
     return removed
