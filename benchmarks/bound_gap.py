@@ -36,11 +36,13 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from benchmarks import planners as B
 from benchmarks.harness import write_report
+from torchrec_sparselift import SparseLiftPlanner
 from torchrec_sparselift.cost.model import (
     BWD, DEV_MEM, FWD, HOST_MEM, IN_INTER, IN_INTRA, OUT_INTER, OUT_INTRA, PRECISION_BYTES, UVM,
 )
+from torchrec_sparselift.search.choice_bound import choice_bound_solution
 from torchrec_sparselift.search.lp import (
-    RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, term_entries,
+    RangeRows, allreduce_rows, column_scale, composition_rows, fixed_terms, solve_lp, term_entries,
 )
 from torchrec_sparselift.search.milp import choice_and_placement_rows, placement_vars
 from torchrec_sparselift.search.solve import new_evaluator
@@ -142,10 +144,6 @@ def exact(prob, pipeline, fwd="fp32", bwd="fp32", time_limit=60.0, sym=True):
 
 
 def check(name: str, limit: float, with_exact: bool) -> Dict[str, Any]:
-    from torchrec_sparselift.planner import SparseLiftPlanner
-    from torchrec_sparselift.search.choice_bound import choice_bound_solution
-    from torchrec_sparselift.search.lp import solve_lp
-
     sc = B.Scenario.parse(name)
     wl, module, topo, batch, cons, sharders = B._inputs(sc, 80.0)
     planner = SparseLiftPlanner(topology=topo, batch_size=batch, constraints=cons,

@@ -15,6 +15,14 @@ from typing import List, Optional
 
 import numpy as np
 
+from torchrec_sparselift.cost.hardware import PRESETS
+from torchrec_sparselift.cost.model import CostContext
+from torchrec_sparselift.search.place import greedy_place
+from torchrec_sparselift.search.problem import build_problem
+from torchrec_sparselift.search.solve import new_evaluator
+from torchrec_sparselift.semantics.reference_workloads import production
+from torchrec_sparselift.semantics.tables import TableSpec
+
 __all__ = ["main"]
 
 
@@ -27,15 +35,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-
-    from torchrec_sparselift.semantics.reference_workloads import production
-    from torchrec_sparselift.cost.hardware import PRESETS
-    from torchrec_sparselift.cost.model import CostContext
-    from torchrec_sparselift.search.place import greedy_place
-    from torchrec_sparselift.search.problem import build_problem
-    from torchrec_sparselift.search.solve import new_evaluator
-    from torchrec_sparselift.semantics.tables import TableSpec
-
     W = args.world_size
     wl = production(args.tables, seed=args.seed)
     types = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")

@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Any, Dict, List, Sequence
 
 from benchmarks.harness import write_report
+from torchrec_sparselift.calibration.step_fit import fit_probe_plans
+from torchrec_sparselift.calibration.store import base_profile
+from torchrec_sparselift.measure.steps import load_measurement_set, probe_pricers
 
 
 def heldout(measurements: Sequence[Any], host: Any, base: Any, exclude: Sequence[str]) -> List[Dict[str, Any]]:
     """Per measured plan: its workload, kind, measured seconds and the prediction of the profile
     fitted on every other workload's plans (``exclude``: step terms left out)."""
-    from torchrec_sparselift.calibration.step_fit import fit_probe_plans
-    from torchrec_sparselift.measure.steps import probe_pricers
-
     pricers = probe_pricers(measurements)
     out = []
     for wl in sorted({m.workload for m in measurements}):
@@ -49,11 +50,7 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--without", default="cold_row_s", help="comma-separated step terms to compare without")
     p.add_argument("--out", help="write every held-out prediction here (JSON)")
     a = p.parse_args(list(argv) or None)
-    import warnings
-
     warnings.filterwarnings("ignore")
-    from torchrec_sparselift.calibration.store import base_profile
-    from torchrec_sparselift.measure.steps import load_measurement_set
 
     ms, host = load_measurement_set(a.measurements)
     base = base_profile("cpu")

@@ -25,6 +25,13 @@ import time
 import warnings
 from typing import List, Optional, Tuple
 
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+
+from torchrec_sparselift import SparseLiftPlanner
+from torchrec_sparselift.measure.microbench import bench_host_terms
+from torchrec_sparselift.semantics.reference_workloads import production
+
 __all__ = ["main"]
 
 GiB = 1024**3
@@ -47,12 +54,6 @@ def _row(name: str, value: float, low: float, high: float) -> str:
 
 
 def planning_512_ranks() -> None:
-    from torchrec.distributed.planner import Topology
-    from torchrec.distributed.sharding_plan import get_default_sharders
-
-    from torchrec_sparselift import SparseLiftPlanner
-    from torchrec_sparselift.semantics.reference_workloads import production
-
     wl = production(120, seed=3)
     topo = Topology(world_size=512, local_world_size=8, compute_device="cuda", hbm_cap=80 * GiB,
                     ddr_cap=256 * GiB)
@@ -68,8 +69,6 @@ def planning_512_ranks() -> None:
 
 
 def host_microbenchmarks(trials: int) -> None:
-    from torchrec_sparselift.measure.microbench import bench_host_terms
-
     t0 = time.perf_counter()
     rec = bench_host_terms(trials=trials).to_dict()
     print(f"host microbenchmarks (trials={trials}, {time.perf_counter() - t0:.1f} s)")

@@ -18,18 +18,17 @@ import time
 import warnings
 from typing import List, Optional
 
+from torchrec.distributed.planner import Topology
+
 from benchmarks.harness import write_report
+from torchrec_sparselift import SparseLiftPlanner
+from torchrec_sparselift.semantics.reference_workloads import dcnv2
 
 __all__ = ["main"]
 
 
 def run(world_sizes: List[int], batch: int, hardware: str, budget: float,
         unbounded: Optional[int] = None) -> List[dict]:
-    from torchrec.distributed.planner import Topology
-
-    from torchrec_sparselift import SparseLiftPlanner
-    from torchrec_sparselift.semantics.reference_workloads import dcnv2
-
     wl = dcnv2()
     rows = []
     for W in world_sizes:

@@ -30,9 +30,12 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+import torchrec
 
 from benchmarks import planners as P  # the planner benchmark: scenarios, inputs, TorchRec runner
 from benchmarks.harness import exit_now, write_report
+from torchrec_sparselift import SparseLiftPlanner
+from torchrec_sparselift.search.torchrec_objective import rate_placed
 
 DEFAULT_SCENARIOS = ("dcnv2@8", "dcnv2@16", "dcnv2@64", "dcnv2@128", "kaggle@8", "kaggle@16",
                      "production-856@128", "production-2000@512", "production-200@64")
@@ -41,8 +44,6 @@ DEFAULT_SKIP = ("production-856@128", "production-2000@512")
 
 
 def _judge(options: Sequence[Any], topo: Any, sharders: Any, cons: Any, reserved_hbm: float) -> Dict[str, Any]:
-    from torchrec_sparselift.search.torchrec_objective import rate_placed
-
     # = cost.torchrec_score.torchrec_score (TorchRec's default estimators + NoopPerfModel), one
     # estimate per distinct shard size (tests/test_torchrec_objective.py checks they agree)
     s = rate_placed(options, topo, sharders, cons)
@@ -51,8 +52,6 @@ def _judge(options: Sequence[Any], topo: Any, sharders: Any, cons: Any, reserved
 
 
 def run_ours(sc: Any, cost_model: str, budget_s: Optional[float]) -> Dict[str, Any]:
-    from torchrec_sparselift.planner import SparseLiftPlanner
-
     wl, module, topo, batch, cons, sharders = P._inputs(sc, 80.0)
     planner = SparseLiftPlanner(topology=topo, batch_size=batch, constraints=cons, debug=False,
                                 time_budget_s=budget_s, cost_model=cost_model)
@@ -87,7 +86,6 @@ def compare(sc: Any, args: argparse.Namespace) -> Dict[str, Any]:
             row[key] = run_ours(sc, cm, args.budget)
         except Exception as e:  # noqa: BLE001 - a row records the failure and goes on
             row[key] = {"status": "error", "note": f"{type(e).__name__}: {e}"}
-    import torchrec
 
     cached = os.path.join(args.torchrec_cache or "", f"{sc.workload}@{sc.world_size}_hbm80_torchrec-{torchrec.__version__}.json")
     if sc.name in args.skip_torchrec:

@@ -28,7 +28,9 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift import defaults
+from torchrec_sparselift.calibration.link import correct_link_terms, with_link_facts
 from torchrec_sparselift.calibration.step_fit import StepFitInfo
+from torchrec_sparselift.calibration.store import ProfileStore
 from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost.step_terms import LINK_TERMS
 from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, pipeline_term
@@ -91,8 +93,6 @@ def profile_errors(profile: Optional[HardwareProfile], stored_path: Optional[str
     ``stored_path`` (what ``hardware="auto"`` loaded), else of a stored profile equal to
     ``profile`` in ``store`` (default: :class:`~.store.ProfileStore`), else
     :func:`uncalibrated_errors`. Reads the store only."""
-    from torchrec_sparselift.calibration.store import ProfileStore
-
     store = store or ProfileStore()
     stored = None
     if stored_path and os.path.isfile(stored_path):
@@ -166,8 +166,6 @@ def profile_on_link(profile: HardwareProfile, stored_link: Any, measured: Any, w
     the measurement's spread (:func:`with_link_errors`). The one place the planner's
     ``hardware="auto"``, the DLRM example and the benchmarks move a stored profile to a job's link.
     Reads the store only."""
-    from torchrec_sparselift.calibration.link import correct_link_terms, with_link_facts
-
     errors = profile_errors(None, where, store=store)
     if stored_link is None:
         return ProfileOnLink(with_link_facts(profile, measured), None, errors,

@@ -19,6 +19,7 @@ import attrs
 
 from torchrec_sparselift.atomic import write_json
 from torchrec_sparselift.files import Fields, field_path, load_json
+from torchrec_sparselift.vocabulary import PIPELINES
 __all__ = ["HardwareProfile", "RATE_FALLBACK", "PRESETS", "get_profile", "profile_for_topology",
            "COMPUTE_RATE_FIELDS", "COMPUTE_TIME_FIELDS", "with_slower_compute"]
 
@@ -55,8 +56,6 @@ def _pairs(value: Any) -> Tuple[Tuple[str, float], ...]:
 
 
 def _pipeline_factors(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
-    from torchrec_sparselift.vocabulary import PIPELINES
-
     if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
         raise ValueError(f"HardwareProfile.pipeline_factors must be (pipeline, factor) pairs, got {value!r}")
     names = [p for p, _f in value]

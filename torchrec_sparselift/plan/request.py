@@ -37,23 +37,20 @@ from torchrec_sparselift.cost.model import DenseWork
 from torchrec_sparselift.cost.step_terms import TWO_D_ONLY_FIELDS
 from torchrec_sparselift.plan.baseline import TermErrors
 from torchrec_sparselift.plan.execution_plan import (
-    COMM_PRECISIONS,
-    PIPELINES,
     ExecutionPlan,
     Fingerprint,
     Versions,
-    canonical_digest,
     topology_description,
 )
+from torchrec_sparselift.files import canonical_digest
 from torchrec_sparselift.semantics.tables import TableHandle, TableSpec
 from torchrec_sparselift.semantics.workload import WorkloadStats
-from torchrec_sparselift.vocabulary import SOLVERS as _SOLVERS
-from torchrec_sparselift.vocabulary import STRATEGY_2D_CHOICES, SYNC_PIPELINES, comm_precision_pairs
+from torchrec_sparselift.vocabulary import (
+    COMM_PRECISIONS, PIPELINES, SOLVERS, STRATEGY_2D_CHOICES, SYNC_PIPELINES, comm_precision_pairs,
+)
 
-__all__ = ["PlanRequest", "LIVE_FIELDS", "SOLVERS", "describe_callbacks", "describe_sharders", "describe_reservation"]
+__all__ = ["PlanRequest", "LIVE_FIELDS", "describe_callbacks", "describe_sharders", "describe_reservation"]
 
-#: Search strategies ``SparseLiftPlanner(solver=...)`` accepts (:data:`torchrec_sparselift.vocabulary.SOLVERS`).
-SOLVERS = _SOLVERS
 #: Fields with their own digest in :class:`Fingerprint`; every other field is an "option".
 _CORE_FIELDS = ("tables", "topology", "batch_size", "constraints", "stats", "hardware", "handles")
 
