@@ -17,8 +17,8 @@ anywhere in its file) must have no cycle at all, within a rank too.
 
 A module imports the package's own modules at its top, not inside a function: where an import
 would make a cycle at the top, the shared thing belongs a layer further down. The exceptions are
-named in :data:`LIGHT_PATHS` (paths that must not load torchrec, or torch, on import: the
-package's docstring promises the torchrec-free cost layer and calibration) and :data:`LEAD_FILES`.
+named in :data:`LIGHT_PATHS` (paths that must not load torchrec on import: the package's
+docstring promises the torchrec-free cost layer and calibration) and :data:`LEAD_FILES`.
 """
 
 from __future__ import annotations
@@ -46,14 +46,8 @@ LIGHT_PATHS = {
         "planner (torchrec)",
     (f"{PACKAGE}.measure.commands", f"{PACKAGE}.measure.steps"):
         "`calibrate kernels` needs no torchrec; `calibrate steps`/`check` train TorchRec models",
-    # the runtime package's __init__ imports torch and torchrec; machine and process_group do not
-    # (they belong a layer down, beside the planner's use of machine_share: lead's planner.py)
-    (f"{PACKAGE}.measure.link", f"{PACKAGE}.runtime.machine"):
-        "measure.link imports without torch (tests/test_link.py::test_the_module_imports_without_torch)",
-    (f"{PACKAGE}.measure.link", f"{PACKAGE}.runtime.process_group"):
-        "measure.link imports without torch (tests/test_link.py::test_the_module_imports_without_torch)",
 }
-"""Function-level imports kept so that a light path does not load torchrec (or torch)."""
+"""Function-level imports kept so that a torchrec-free path does not load torchrec."""
 
 NEEDS_TORCHREC = {
     f"{PACKAGE}.cost.torchrec_score",  # TorchRec's own estimators

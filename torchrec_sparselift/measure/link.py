@@ -44,8 +44,7 @@ a shared 300 Mbit/s link's all-reduce at 418 Mbit/s where long transfers reach 1
 :func:`measure_link_rates` returns a :class:`LinkRates`, identical on every rank (rank 0's fit,
 broadcast). :func:`links_differ` compares two of them beyond their measured spread.
 
-Run under torchrun: ``python -m torchrec_sparselift.measure.link [--json PATH]``. Importing the
-module does not import torch.
+Run under torchrun: ``python -m torchrec_sparselift.measure.link [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -59,6 +58,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import attrs
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from torchrec_sparselift.calibration.link import (
     BANDWIDTH_FLOOR,
@@ -72,6 +73,8 @@ from torchrec_sparselift.calibration.link import (
     links_differ,
     relative_spread,
 )
+from torchrec_sparselift.runtime.machine import machine_share
+from torchrec_sparselift.runtime.process_group import close_process_group
 
 __all__ = [
     "LinkRates",
@@ -115,8 +118,6 @@ class _Family:
     ``"all_reduce_coalesced"`` (the buffer as :data:`COALESCED_TENSORS` tensors in one call)."""
 
     def __init__(self, name: str, op: str, group: Any, group_size: int, src: Optional[int] = None) -> None:
-        import torch.distributed as dist
-
         self.name, self.op, self.group, self.n, self.src = name, op, group, group_size, src
         self.sender = group is not None and src is not None and dist.get_rank(group) == src
         per = (group_size - 1) / group_size
@@ -125,8 +126,6 @@ class _Family:
 
 def _buffers(family: _Family, numel: int, device: Any) -> Tuple[Any, Any, Optional[List[int]], Optional[List[int]]]:
     """``(input, output, input_splits, output_splits)`` of one call (splits None: even)."""
-    import torch
-
     def buf(k: int, fill: bool = False) -> Any:
         return (torch.ones if fill else torch.empty)(k, dtype=torch.float32, device=device)
 
@@ -139,9 +138,6 @@ def _buffers(family: _Family, numel: int, device: Any) -> Tuple[Any, Any, Option
 
 
 def _timed_call(family: _Family, numel: int, device: Any, buffers: Dict[int, Any]) -> float:
-    import torch
-    import torch.distributed as dist
-
     if numel not in buffers:
         buffers[numel] = _buffers(family, numel, device)
     inp, out, in_splits, out_splits = buffers[numel]
@@ -162,9 +158,6 @@ def _timed_call(family: _Family, numel: int, device: Any, buffers: Dict[int, Any
 
 
 def _world_max(values: Sequence[float], device: Any) -> np.ndarray:
-    import torch
-    import torch.distributed as dist
-
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.cpu().numpy()
@@ -272,11 +265,6 @@ def _measure_once(repetitions: int, target_call_s: float, min_bytes: int, max_by
                   sharing: bool = True) -> LinkRates:
     """One measurement of every family; ``sharing``: also the one-way families (several hosts of
     several ranks). The same on every rank (rank 0's fit, broadcast); raises on every rank alike."""
-    import torch
-    import torch.distributed as dist
-
-    from torchrec_sparselift.runtime.machine import machine_share  # the runtime package imports torch
-
     if not dist.is_available() or not dist.is_initialized():
         raise LinkRatesError(
             "measure_link_rates needs an initialized process group: call "
@@ -391,10 +379,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the LinkRates here")
     p.add_argument("--backend", default="gloo")
     args = p.parse_args(argv)
-
-    import torch.distributed as dist
-
-    from torchrec_sparselift.runtime.process_group import close_process_group  # the runtime package imports torch
 
     if "RANK" not in os.environ:
         print("run under torchrun: torchrun --nproc_per_node 2 -m torchrec_sparselift.measure.link", file=sys.stderr)
