@@ -7,6 +7,7 @@ Also the one table from a link measurement to profile fields to step-fit terms
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import attrs
@@ -25,9 +26,10 @@ from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS, LINK_TERMS, TWO_
 from torchrec_sparselift.plan import sharding_plan_digest
 from torchrec_sparselift.plan.baseline import TermErrors
 from torchrec_sparselift.plan.options import (
-    OPTION_NEEDS, PlannerOptions, RuleOptions, SearchOptions, TwoDOptions, pipelines_for_cores, planner_options,
+    PlannerOptions, RuleOptions, SearchOptions, TwoDOptions, pipelines_for_cores, planner_options,
 )
 from torchrec_sparselift.plan.planning import plan, plan_result
+from torchrec_sparselift.validation import OPTION_NEEDS
 from torchrec_sparselift.vocabulary import PIPELINES, SYNC_PIPELINES, pipeline as pipeline_kind
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -208,3 +210,12 @@ def test_model_errors_name_real_terms():
         SparseLiftPlanner(topology=_topo(), model_errors=TermErrors({"1/a2a_bandwidth": 0.1}, 0.1, "typo"))
     ok = TermErrors({"1/a2a_bw": 0.1, "fixed": 0.2, "pipeline fused": 0.05}, 0.1, "fine")
     assert SparseLiftPlanner(topology=_topo(), model_errors=ok).options.rule.model_errors is ok
+
+
+def test_troubleshooting_lists_every_option_with_what_it_needs():
+    # docs/troubleshooting.md's table is the rule's table: the same options, the same needs
+    doc = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "troubleshooting.md")
+    table = open(doc).read().split("<!-- option-needs -->", 1)[1].strip().split("\n\n", 1)[0]
+    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
+    documented = {r[0].strip().strip("`"): r[2].strip() for r in rows}
+    assert documented == {row.option: row.needs for row in OPTION_NEEDS}

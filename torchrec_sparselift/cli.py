@@ -37,7 +37,6 @@ from torchrec_sparselift import defaults
 from torchrec_sparselift.atomic import write_text
 from torchrec_sparselift.errors import CliError
 from torchrec_sparselift.pictures import plan_png, plans_png, require_matplotlib
-from torchrec_sparselift.plan.options import option_problems
 from torchrec_sparselift.plan.stored_inputs import (
     DEFAULT_BATCH_SIZE,
     PlanInputs,
@@ -48,7 +47,7 @@ from torchrec_sparselift.plan.stored_inputs import (
 )
 from torchrec_sparselift.vocabulary import LAYOUT_2D_CHOICES, STRATEGY_2D_CHOICES
 from torchrec_sparselift.semantics.table_file import TableEntry
-from torchrec_sparselift.validation import raise_problems, setting_problems
+from torchrec_sparselift.validation import option_problems, raise_problems, setting_problems
 from torchrec_sparselift.calibration.attribution import (
     compare,
     format_comparison,
@@ -286,7 +285,7 @@ FLAG_OF_OPTION = {"sharding_group_size": "--sharding-group-size", "max_sync_inte
 
 
 def _check_options_apply(args: argparse.Namespace) -> None:
-    """The planner's rule for options that do not apply (:data:`~torchrec_sparselift.plan.options.OPTION_NEEDS`),
+    """The planner's rule for options that do not apply (:data:`~torchrec_sparselift.validation.OPTION_NEEDS`),
     on the flags given, naming the flags (exit 2)."""
     given = {name: getattr(args, name) for name in FLAG_OF_OPTION if hasattr(args, name)}
     errors, warned = option_problems(given, spell=lambda name: FLAG_OF_OPTION.get(name, name))

@@ -42,12 +42,17 @@ import math
 import re
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+import attrs
+
 from torchrec_sparselift import defaults
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COMPUTE_KERNELS, SHARDING_TYPES, SOLVERS
-from torchrec_sparselift.vocabulary import FUSED_KERNELS
+from torchrec_sparselift.vocabulary import FUSED_KERNELS, STALE_PIPELINES
 
 __all__ = [
+    "OptionNeed",
+    "OPTION_NEEDS",
+    "option_problems",
     "validate_inputs",
     "validate_settings",
     "setting_problems",
@@ -714,3 +719,78 @@ def callback_problem(callback: Any, before: Sequence[Any], after: Any) -> Option
     if what:
         return f"callback {name} {' and '.join(what)}; {must}"
     return None
+
+
+# -- options that do not apply ---------------------------------------------------------------
+
+_TWO_D = "sharding_group_size='auto' or a group size (a 2D plan)"
+
+
+@attrs.frozen
+class OptionNeed:
+    """One row of :data:`OPTION_NEEDS`: ``option`` has no effect on the plan asked for unless
+    ``needs`` holds; ``given_without(args)`` says, from every planner argument by name, that it was
+    given where it does not apply. ``warn``: the documented default absorbs it (one warning)
+    instead of an error."""
+
+    option: str
+    needs: str
+    given_without: Any = attrs.field(eq=False)
+    warn: bool = False
+
+
+def _one_d(a: Mapping[str, Any]) -> bool:
+    return a.get("sharding_group_size") is None
+
+
+def _stale_listed(a: Mapping[str, Any]) -> bool:
+    return any(p in STALE_PIPELINES for p in a.get("pipelines") or ())
+
+
+#: Which option needs which: the one rule the planner's arguments, the command line and the DLRM
+#: example check (docs/troubleshooting.md has the same table).
+OPTION_NEEDS: Tuple[OptionNeed, ...] = (
+    OptionNeed("sync_interval", _TWO_D, lambda a: a.get("sync_interval") is not None and _one_d(a)),
+    OptionNeed("max_sync_interval", _TWO_D, lambda a: a.get("max_sync_interval") is not None and _one_d(a)),
+    OptionNeed("layout_2d", _TWO_D, lambda a: a.get("layout_2d", "auto") != "auto" and _one_d(a)),
+    OptionNeed("strategy_2d", _TWO_D, lambda a: a.get("strategy_2d", "auto") != "auto" and _one_d(a)),
+    OptionNeed("allow_fp8", "allow_lossy_comm=True (fp8 is a lossy precision)",
+               lambda a: bool(a.get("allow_fp8")) and not a.get("allow_lossy_comm")),
+    OptionNeed("estimator", "cost_model='torchrec' (TorchRec's estimators rate the plan only there)",
+               lambda a: a.get("estimator") is not None and a.get("cost_model", "sparselift") != "torchrec"),
+    OptionNeed("never_slower", "cost_model='sparselift' (the rule compares SparseLift's cost model's prices)",
+               lambda a: a.get("never_slower") is True and a.get("cost_model", "sparselift") != "sparselift"),
+    OptionNeed("model_errors", "the never-slower rule: never_slower='auto' or True with cost_model='sparselift'",
+               lambda a: a.get("model_errors") is not None and (
+                   a.get("never_slower", defaults.NEVER_SLOWER) is False
+                   or a.get("cost_model", "sparselift") != "sparselift")),
+    OptionNeed("drift_tolerance", "cache_dir=... (it decides when a cached plan is planned again)",
+               lambda a: a.get("drift_tolerance", defaults.DRIFT_TOLERANCE) != defaults.DRIFT_TOLERANCE
+               and not a.get("cache_dir")),
+    OptionNeed("heuristical_storage_reservation_percentage",
+               "storage_reservation=None (a storage reservation you pass keeps its own percentage)",
+               lambda a: a.get("storage_reservation") is not None and a.get(
+                   "heuristical_storage_reservation_percentage",
+                   defaults.STORAGE_RESERVATION_PERCENTAGE) != defaults.STORAGE_RESERVATION_PERCENTAGE),
+    OptionNeed("timeout_seconds", "no time_budget_s (time_budget_s is the search budget when both are given)",
+               lambda a: bool(a.get("timeout_seconds")) and bool(a.get("time_budget_s"))
+               and float(a["timeout_seconds"]) != float(a["time_budget_s"])),
+    OptionNeed("allow_staleness", "pipelines=None or a list with a stale pipeline ("
+               + ", ".join(STALE_PIPELINES) + ")",
+               lambda a: bool(a.get("allow_staleness")) and a.get("pipelines") is not None and not _stale_listed(a)),
+)
+
+
+def option_problems(args: Mapping[str, Any], spell: Callable[[str], str] = lambda name: name
+                    ) -> Tuple[List[str], List[str]]:
+    """(errors, warnings) for the options in ``args`` (planner keyword arguments by name) that have
+    no effect on the plan asked for (:data:`OPTION_NEEDS`); ``spell``: how the caller writes an
+    option (the command line's ``--flag``, the example's), so each message names what the user
+    typed."""
+    errors: List[str] = []
+    warned: List[str] = []
+    for row in OPTION_NEEDS:
+        if row.given_without(args):
+            msg = f"{spell(row.option)} has no effect here: it needs {row.needs}; drop it or give what it needs"
+            (warned if row.warn else errors).append(msg)
+    return errors, warned

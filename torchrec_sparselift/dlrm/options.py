@@ -15,6 +15,7 @@ import attrs
 
 from torchrec_sparselift.defaults import STRATEGY_2D as DEFAULT_STRATEGY_2D
 from torchrec_sparselift.dlrm.tables import TableSpec, check_uniform_dim, load_table_file, preset_tables, scale_tables
+from torchrec_sparselift.validation import option_problems
 from torchrec_sparselift.vocabulary import PIPELINES, STALE_PIPELINES, STRATEGY_2D_CHOICES
 
 __all__ = ["UsageError", "TrainOptions", "PLANNERS", "TABLE_PRESETS", "MODELS", "ARCHS", "DENSE_OPTIMIZERS",
@@ -56,6 +57,12 @@ def _one_of(flag: str, choices: tuple):
 def _pipeline(_self: Any, _attribute: Any, value: Optional[str]) -> None:
     if value is not None and value not in PIPELINES:
         raise UsageError(f"--pipeline must be one of {list(PIPELINES)}, got {value!r}")
+
+
+#: The planner option each of the example's flags sets (for messages that name the flag).
+FLAG_OF_OPTION = {"sharding_group_size": "--sharding-group-size", "strategy_2d": "--2d-strategy",
+                  "sync_interval": "--sync-interval", "allow_lossy_comm": "--allow-lossy-comm",
+                  "allow_staleness": "--allow-staleness"}
 
 
 @attrs.frozen(kw_only=True)
@@ -145,12 +152,17 @@ class TrainOptions:
         g = self.sharding_group_size
         if self.sync_interval is not None and self.sync_interval < 1:
             raise UsageError(f"--sync-interval must be >= 1 step, got {self.sync_interval}")
+        # the planner's rule for options that do not apply (validation.OPTION_NEEDS), in the flags' words
+        errors, _ = option_problems(
+            dict(sharding_group_size=g, strategy_2d=self.strategy_2d, sync_interval=self.sync_interval,
+                 allow_lossy_comm=self.allow_lossy_comm, allow_staleness=self.allow_staleness),
+            spell=lambda name: FLAG_OF_OPTION.get(name, name))
+        if errors:
+            raise UsageError(errors[0].replace("sharding_group_size='auto' or a group size", "--sharding-group-size auto|N"))
         if g is None:
-            for flag, value, default in (("--2d-strategy", self.strategy_2d, DEFAULT_STRATEGY_2D),
-                                         ("--sync-interval", self.sync_interval, None),
-                                         ("--replica-merge", self.replica_merge, "average")):
-                if value != default:
-                    raise UsageError(f"{flag} needs --sharding-group-size auto|N (2D); without it the plan is 1D")
+            if self.replica_merge != "average":  # the example's own 2D flag
+                raise UsageError("--replica-merge needs --sharding-group-size auto|N (a 2D plan); without it the "
+                                 "plan is 1D")
             return
         if self.planner != "sparselift":
             raise UsageError("--sharding-group-size plans 2D with --planner sparselift (TorchRec's planner has no 2D)")

@@ -20,7 +20,7 @@ the plan request (:class:`~.request.PlanRequest`) from these values and the mode
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import attrs
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
@@ -39,7 +39,7 @@ from torchrec_sparselift.semantics.dense import dense_work
 from torchrec_sparselift.semantics.tables import TableHandle, extract_tables, is_feature_processed
 from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.validation import (
-    Problems, argument_problems, planner_option_problems, raise_problems, validate_inputs,
+    Problems, argument_problems, option_problems, planner_option_problems, raise_problems, validate_inputs,
 )
 from torchrec_sparselift.vocabulary import (
     COST_MODELS, LAYOUT_2D_CHOICES, PIPELINES, SOLVERS, STALE_PIPELINES, STRATEGY_2D_CHOICES, SYNC_PIPELINES,
@@ -47,7 +47,7 @@ from torchrec_sparselift.vocabulary import (
 )
 
 __all__ = ["SearchOptions", "TwoDOptions", "RuleOptions", "CacheOptions", "PlannerOptions", "planner_options",
-           "OptionNeed", "OPTION_NEEDS", "option_problems", "check_term_names",
+           "check_term_names",
            "pipelines_for_cores", "exact_pipelines", "request_tables", "build_request"]
 
 _bool = attrs.validators.instance_of(bool)
@@ -165,79 +165,7 @@ class PlannerOptions:
     cache: CacheOptions = attrs.field(factory=CacheOptions)
 
 
-# -- options that do not apply ---------------------------------------------------------------
-
-_TWO_D = "sharding_group_size='auto' or a group size (a 2D plan)"
-
-
-@attrs.frozen
-class OptionNeed:
-    """One row of :data:`OPTION_NEEDS`: ``option`` has no effect on the plan asked for unless
-    ``needs`` holds; ``given_without(args)`` says, from every planner argument by name, that it was
-    given where it does not apply. ``warn``: the documented default absorbs it (one warning)
-    instead of an error."""
-
-    option: str
-    needs: str
-    given_without: Any = attrs.field(eq=False)
-    warn: bool = False
-
-
-def _one_d(a: Mapping[str, Any]) -> bool:
-    return a.get("sharding_group_size") is None
-
-
-def _stale_listed(a: Mapping[str, Any]) -> bool:
-    return any(p in STALE_PIPELINES for p in a.get("pipelines") or ())
-
-
-#: Which option needs which: the one rule the planner's arguments, the command line and the DLRM
-#: example check (docs/troubleshooting.md has the same table).
-OPTION_NEEDS: Tuple[OptionNeed, ...] = (
-    OptionNeed("sync_interval", _TWO_D, lambda a: a.get("sync_interval") is not None and _one_d(a)),
-    OptionNeed("max_sync_interval", _TWO_D, lambda a: a.get("max_sync_interval") is not None and _one_d(a)),
-    OptionNeed("layout_2d", _TWO_D, lambda a: a.get("layout_2d", "auto") != "auto" and _one_d(a)),
-    OptionNeed("strategy_2d", _TWO_D, lambda a: a.get("strategy_2d", "auto") != "auto" and _one_d(a)),
-    OptionNeed("allow_fp8", "allow_lossy_comm=True (fp8 is a lossy precision)",
-               lambda a: bool(a.get("allow_fp8")) and not a.get("allow_lossy_comm")),
-    OptionNeed("estimator", "cost_model='torchrec' (TorchRec's estimators rate the plan only there)",
-               lambda a: a.get("estimator") is not None and a.get("cost_model", "sparselift") != "torchrec"),
-    OptionNeed("never_slower", "cost_model='sparselift' (the rule compares SparseLift's cost model's prices)",
-               lambda a: a.get("never_slower") is True and a.get("cost_model", "sparselift") != "sparselift"),
-    OptionNeed("model_errors", "the never-slower rule: never_slower='auto' or True with cost_model='sparselift'",
-               lambda a: a.get("model_errors") is not None and (
-                   a.get("never_slower", defaults.NEVER_SLOWER) is False
-                   or a.get("cost_model", "sparselift") != "sparselift")),
-    OptionNeed("drift_tolerance", "cache_dir=... (it decides when a cached plan is planned again)",
-               lambda a: a.get("drift_tolerance", defaults.DRIFT_TOLERANCE) != defaults.DRIFT_TOLERANCE
-               and not a.get("cache_dir")),
-    OptionNeed("heuristical_storage_reservation_percentage",
-               "storage_reservation=None (a storage reservation you pass keeps its own percentage)",
-               lambda a: a.get("storage_reservation") is not None and a.get(
-                   "heuristical_storage_reservation_percentage",
-                   defaults.STORAGE_RESERVATION_PERCENTAGE) != defaults.STORAGE_RESERVATION_PERCENTAGE),
-    OptionNeed("timeout_seconds", "no time_budget_s (time_budget_s is the search budget when both are given)",
-               lambda a: bool(a.get("timeout_seconds")) and bool(a.get("time_budget_s"))
-               and float(a["timeout_seconds"]) != float(a["time_budget_s"])),
-    OptionNeed("allow_staleness", "pipelines=None or a list with a stale pipeline ("
-               + ", ".join(STALE_PIPELINES) + ")",
-               lambda a: bool(a.get("allow_staleness")) and a.get("pipelines") is not None and not _stale_listed(a)),
-)
-
-
-def option_problems(args: Mapping[str, Any], spell: Callable[[str], str] = lambda name: name
-                    ) -> Tuple[List[str], List[str]]:
-    """(errors, warnings) for the options in ``args`` (planner keyword arguments by name) that have
-    no effect on the plan asked for (:data:`OPTION_NEEDS`); ``spell``: how the caller writes an
-    option (the command line's ``--flag``, the example's), so each message names what the user
-    typed."""
-    errors: List[str] = []
-    warned: List[str] = []
-    for row in OPTION_NEEDS:
-        if row.given_without(args):
-            msg = f"{spell(row.option)} has no effect here: it needs {row.needs}; drop it or give what it needs"
-            (warned if row.warn else errors).append(msg)
-    return errors, warned
+# -- named things checked by name -----------------------------------------------------------
 
 
 def check_term_names(errors: Optional[TermErrors]) -> None:
