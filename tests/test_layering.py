@@ -46,6 +46,8 @@ LIGHT_PATHS = {
         "planner (torchrec)",
     (f"{PACKAGE}.measure.commands", f"{PACKAGE}.measure.steps"):
         "`calibrate kernels` needs no torchrec; `calibrate steps`/`check` train TorchRec models",
+    (f"{PACKAGE}.measure.kernels", f"{PACKAGE}.runtime.process_group"):
+        "`calibrate kernels` needs no torchrec; the runtime package's __init__ imports it",
 }
 """Function-level imports kept so that a torchrec-free path does not load torchrec."""
 
@@ -308,7 +310,8 @@ def test_the_allowed_function_level_imports_are_still_there():
 
 def test_the_cost_layer_and_the_calibration_import_without_torchrec():
     """The package's promise: hardware profiles, the cost model and the calibration fits work where
-    torch is installed and torchrec is not (torchrec is made unimportable in a fresh interpreter)."""
+    torch is installed and torchrec is not (torchrec is made unimportable in a fresh interpreter),
+    and so does ``python -m torchrec_sparselift calibrate kernels`` (:data:`LIGHT_PATHS`)."""
     wanted = sorted(m for m, _ in _modules() if m.split(".")[1:2] in (["cost"], ["calibration"])
                     and m not in NEEDS_TORCHREC)
     script = textwrap.dedent(f"""
@@ -323,11 +326,27 @@ def test_the_cost_layer_and_the_calibration_import_without_torchrec():
         assert not [m for m in sys.modules if m.split(".")[0] == "torchrec"]
         import torchrec_sparselift
         print(torchrec_sparselift.get_profile("cpu-gloo").name)
+        import torchrec_sparselift.measure.commands
+        assert not [m for m in sys.modules if m.split(".")[0] == "torchrec"]
     """)
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, os.pardir))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "cpu-gloo", run.stdout
+    # and the kernel calibration's command line (``python -m torchrec_sparselift calibrate kernels``)
+    block = script.split("for m in")[0]
+    command = block + textwrap.dedent("""
+        import runpy
+        sys.argv = ["torchrec_sparselift", "calibrate", "kernels", "--help"]
+        try:
+            runpy.run_module("torchrec_sparselift", run_name="__main__")
+        except SystemExit as e:
+            assert e.code in (0, None), e.code
+        assert not [m for m in sys.modules if m.split(".")[0] == "torchrec"]
+    """)
+    run = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "--out" in run.stdout and "calibrate kernels" in run.stdout, run.stdout[-2000:]
 
 
 def test_the_function_level_checker_finds_an_import_in_a_method(tmp_path, monkeypatch):

@@ -26,7 +26,6 @@ from torchrec_sparselift.calibration.records import MicrobenchRecords
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import CalibrationError
 from torchrec_sparselift.pictures import fit_png, kernel_fit_points, require_matplotlib
-from torchrec_sparselift.runtime.process_group import close_process_group
 from torchrec_sparselift.measure.microbench import (
     SweepConfig,
     bench_collectives,
@@ -206,4 +205,7 @@ def run_kernels(args: argparse.Namespace) -> int:
         return 2
     finally:
         if own_pg:
+            # the runtime package's __init__ imports torchrec; this command runs without it
+            from torchrec_sparselift.runtime.process_group import close_process_group
+
             close_process_group()

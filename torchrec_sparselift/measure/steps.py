@@ -79,8 +79,6 @@ __all__ = [
     "calibrate_steps",
     "save_measurement_set",
     "load_measurement_set",
-    "add_steps_arguments",
-    "add_check_arguments",
     "run_steps",
     "run_check",
 ]
@@ -530,38 +528,6 @@ def _measured_link(say: bool) -> Any:
 
 def _local_ranks() -> int:
     return ranks_per_host(world_size=int(os.environ.get("NPROC", "1")))
-
-
-def add_steps_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``sparselift calibrate steps``."""
-    p.add_argument("--quick", action="store_true", help="two probe models, fewer steps (smoke test)")
-    p.add_argument("--steps", type=int, help="timed steps per probe plan (default: the harness's, "
-                   "measure.probe.DEFAULT_TIMING; quick 5)")
-    p.add_argument("--warmup", type=int, help="untimed steps per probe plan (default: the harness's, "
-                   "measure.probe.DEFAULT_TIMING)")
-    add_store_argument(p)
-    p.add_argument("--out", help="also write the profile JSON here")
-    p.add_argument("--base", help="profile to start from (default: the shipped CPU profile)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--save-measurements", metavar="PATH", help="also save the probe plans and their measured "
-                   "times here (refit later with --from-measurements)")
-    p.add_argument("--from-measurements", metavar="PATH", help="refit from saved measurements (one process, "
-                   "no torchrun, no measuring) and store the profile")
-    p.add_argument("--png", metavar="FILE", help="also draw the fit: predicted against measured step per probe "
-                   "plan, with the base profile's predictions and the MAPE (needs matplotlib)")
-
-
-def add_store_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", help="profile store directory (default: $TORCHREC_SPARSELIFT_PROFILE_DIR or "
-                   "~/.cache/torchrec_sparselift/profiles)")
-
-
-def add_check_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``sparselift calibrate check``."""
-    add_store_argument(p)
-    p.add_argument("--link", action="store_true", help="also measure the link this job sees (run under torchrun, "
-                   "every rank, a few seconds) and fail when it differs from the stored profile's beyond the "
-                   "measured spread")
 
 
 def run_check(args: argparse.Namespace) -> int:
