@@ -656,6 +656,130 @@ def other_cases(tmp: str) -> Dict[str, Callable[[], Outcome]]:
 # -- running -------------------------------------------------------------------------------------
 
 
+# -- 4. options that do not apply, names, records read late, the testbed, faults in training ---
+
+TINY_RUN = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--batch-size", "64", "--steps", "8",
+            "--warmup-steps", "1", "--no-progress", "--pipeline", "sparse_dist", "--device", "cpu"]
+
+
+def _ranks(args: Sequence[str], world_size: int = 2, timeout: float = 240) -> List[subprocess.CompletedProcess]:
+    """The example as ``world_size`` rank processes with torchrun's environment, one per emulated
+    host (no launcher: a lost rank is seen by the others, not by an agent that stops them)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for r in range(world_size):
+        e = dict(env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world_size),
+                 LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        procs.append(subprocess.Popen([sys.executable, TRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=ROOT, env=e))
+    out = []
+    try:
+        o, err = procs[0].communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(procs[0].args, procs[0].returncode, o, err))
+        for p in procs[1:]:  # a rank stopped (SIGSTOP) never exits by itself: killed after the first is done
+            try:
+                o, err = p.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                o, err = p.communicate()
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, o, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def option_cases(tmp: str) -> Dict[str, Callable[[], Outcome]]:
+    def unknown_term():
+        from torchrec_sparselift.plan.baseline import TermErrors
+
+        return plan(model_errors=TermErrors({"1/a2a_bandwidth": 0.1}, 0.1, "typo"))
+
+    def reservation_and_percentage():
+        from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+
+        return plan(storage_reservation=HeuristicalStorageReservation(0.2), heuristical_storage_reservation_percentage=0.3)
+
+    def damaged_link_record():
+        from torchrec_sparselift.calibration.link import LinkRates
+        from torchrec_sparselift.calibration.store import ProfileStore, current_fingerprint
+        from torchrec_sparselift.cost.hardware import PRESETS
+
+        d = os.path.join(tmp, "store-link")
+        link = LinkRates(intra_bw=400e6, intra_latency_s=1e-4, inter_bw=None, inter_latency_s=None, spread=0.1,
+                         allreduce_bw=200e6, allreduce_latency_s=2e-4, latency_spread_s=2e-5, hosts=1, ranks_per_host=2)
+        path = ProfileStore(d).save(PRESETS["cpu-gloo"], current_fingerprint("cpu", 2), {"fit": {}}, link=link)
+        doc = json.loads(open(path).read())
+        doc["info"]["link"]["intra_bw"] = "fast"
+        open(path, "w").write(json.dumps(doc))
+        proc = subprocess.run([sys.executable, "-m", "torchrec_sparselift", "calibrate", "check", "--store", d],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(env(), LOCAL_WORLD_SIZE="2"))
+        text = (proc.stdout + proc.stderr).strip()
+        if proc.returncode == 0:
+            return Outcome("exit 0", text, False, "a damaged link record passed the check")
+        return judge_error(f"exit {proc.returncode}", text, ["info.link"], ["delete", "calibrate"])
+
+    def testbed(args: Sequence[str], culprit: Sequence[str]) -> Callable[[], Outcome]:
+        def case() -> Outcome:
+            proc = subprocess.run([sys.executable, "-m", "torchrec_sparselift.measure.testbed", *args, "--", "-c", "pass"],
+                                  capture_output=True, text=True, timeout=120, cwd=ROOT, env=env())
+            if proc.returncode == 0:
+                return Outcome("exit 0", proc.stderr[-300:], False, "accepted a bad input")
+            o = judge_error(f"exit {proc.returncode}", proc.stderr.strip(), culprit)
+            if proc.returncode != 2 and o.clear:
+                o.clear, o.why = False, f"exit {proc.returncode}, not 2 (a bad option)"
+            return o
+        return case
+
+    def lost_rank(how: str) -> Callable[[], Outcome]:
+        def case() -> Outcome:
+            procs = _ranks([*TINY_RUN, "--plan-cache", os.path.join(tmp, f"plans-{how}"), "--fail-at-step", "3",
+                            "--fail-how", how, "--fail-rank", "1", "--collective-timeout", "10"])
+            survivor = procs[0]
+            if survivor.returncode == 0:
+                return Outcome("exit 0", survivor.stderr[-300:], False, "the survivor did not notice the lost rank")
+            return example_error(survivor, ["lost rank 1"], ["resume", "checkpoint"])
+        return case
+
+    def hang_case() -> Outcome:
+        # the silent rank never exits by itself: _ranks kills it once the survivor is done
+        return lost_rank("hang")()
+
+    return {
+        "options: sync_interval for a 1D plan": lambda: api_error(lambda: plan(sync_interval=2),
+                                                                   ["sync_interval", "sharding_group_size"]),
+        "options: allow_fp8 without allow_lossy_comm": lambda: api_error(lambda: plan(allow_fp8=True),
+                                                                          ["allow_fp8", "allow_lossy_comm"]),
+        "options: drift_tolerance without cache_dir": lambda: api_error(lambda: plan(drift_tolerance=0.3),
+                                                                         ["drift_tolerance", "cache_dir"]),
+        "options: timeout_seconds and time_budget_s differ": lambda: api_error(
+            lambda: plan(timeout_seconds=5, time_budget_s=1), ["timeout_seconds", "time_budget_s"]),
+        "options: a storage reservation and a percentage": lambda: api_error(
+            reservation_and_percentage, ["heuristical_storage_reservation_percentage"]),
+        "names: model_errors with an unknown term": lambda: api_error(unknown_term, ["1/a2a_bandwidth"]),
+        "cli: --layout-2d for a 1D plan": lambda: cli_error(
+            ["plan", "--workload", "dcnv2", "--world-size", "8", "--layout-2d", "strided", "--quiet",
+             "--out", os.path.join(tmp, "p.json")], ["--layout-2d", "--sharding-group-size"]),
+        "cli: --max-sync-interval for a 1D plan": lambda: cli_error(
+            ["plan", "--workload", "dcnv2", "--world-size", "8", "--max-sync-interval", "4", "--quiet",
+             "--out", os.path.join(tmp, "p.json")], ["--max-sync-interval"]),
+        "example: --sync-interval for a 1D plan": lambda: example_error(
+            example(["--sync-interval", "2", "--check", "--device", "cpu"]), ["--sync-interval"]),
+        "example: --fail-how without --fail-at-step": lambda: example_error(
+            example(["--fail-how", "kill", "--check", "--device", "cpu"]), ["--fail-how", "--fail-at-step"]),
+        "records: a damaged link record, plain calibrate check": damaged_link_record,
+        "testbed: --rate 1gb (tc reads gb as gigabytes)": testbed(["--hosts", "2", "--rate", "1gb"], ["rate", "1gb"]),
+        "testbed: --hosts 0": testbed(["--hosts", "0"], ["hosts"]),
+        "fault: a rank killed mid-run": lost_rank("kill"),
+        "fault: a rank that stops answering": hang_case,
+    }
+
+
 def run_case(fn: Callable[[], Outcome], timeout_s: int) -> Outcome:
     def alarm(signum, frame):
         raise CaseTimeout()
@@ -688,7 +812,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cases: Dict[str, Callable[[], Outcome]] = {}
-        for group in (api_cases, file_cases, cache_cases, other_cases):
+        for group in (api_cases, file_cases, cache_cases, other_cases, option_cases):
             cases.update(group(tmp))
         for name, fn in cases.items():
             if args.only and args.only not in name:

@@ -136,7 +136,8 @@ class TrainOptions:
         if self.fail_at_step is not None and not 1 <= self.fail_at_step <= self.steps:
             raise UsageError(f"--fail-at-step must be in [1, --steps], got {self.fail_at_step}")
         if self.fail_at_step is None and (self.fail_how != "raise" or self.fail_rank is not None):
-            raise UsageError("--fail-how and --fail-rank have no effect here: they need --fail-at-step K")
+            raise UsageError("--fail-how and --fail-rank have no effect here: they need --fail-at-step K; drop them "
+                             "or add --fail-at-step K")
         if self.fail_rank is not None and self.fail_rank < 0:
             raise UsageError(f"--fail-rank must be a rank >= 0, got {self.fail_rank}")
         if not (self.collective_timeout > 0 and math.isfinite(self.collective_timeout)):
