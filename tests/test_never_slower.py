@@ -215,7 +215,7 @@ def test_planner_takes_the_errors_passed_to_it_over_the_store():
     assert lossy.never_slower.applied and lossy.search.fwd_precision != "fp32"
     assert not kept.never_slower.leave and kept.search.fwd_precision == "fp32"
     assert kept.never_slower.error_source == "given"
-    with pytest.raises(TypeError, match="model_errors must be a TermErrors"):
+    with pytest.raises(ValueError, match="model_errors must be a TermErrors"):
         SparseLiftPlanner(topology=topo, batch_size=512, model_errors={"a": 0.1})
 
 

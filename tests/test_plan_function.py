@@ -7,6 +7,7 @@ Also the one table from a link measurement to profile fields to step-fit terms
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrec.distributed.planner import Topology
+from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.sharding_plan import get_default_sharders
 
 from search_helpers import meta_ebc
@@ -96,7 +98,7 @@ def test_options_are_grouped_and_each_value_checks_its_fields():
         SearchOptions(estimator=object())
     with pytest.raises(ValueError):
         TwoDOptions(layout_2d="diagonal")
-    with pytest.raises(TypeError, match="TermErrors"):
+    with pytest.raises(ValueError, match="TermErrors"):
         RuleOptions(model_errors={"1/a2a_bw": 0.1})
 
 
@@ -219,3 +221,20 @@ def test_troubleshooting_lists_every_option_with_what_it_needs():
     rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
     documented = {r[0].strip().strip("`"): r[2].strip() for r in rows}
     assert documented == {row.option: row.needs for row in OPTION_NEEDS}
+
+
+_WEIRD = st.sampled_from([None, 0, -1, 1.5, float("nan"), "auto", "x", "", [], {}, [1], {"a": 1}, True, object(),
+                          b"b", 10**20, ("sparse_dist",), ["semi_sync"]])
+_ARGS = [p for p in inspect.signature(SparseLiftPlanner.__init__).parameters
+         if p not in ("self", "topology", "enumerator", "proposer", "partitioner", "performance_model", "plan_loader")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(kwargs=st.dictionaries(st.sampled_from(_ARGS), _WEIRD, min_size=1, max_size=3))
+def test_no_internal_exception_type_reaches_the_user_from_the_planners_arguments(kwargs):
+    # any mix of wrong values is accepted or refused with ValueError / TorchRec's PlannerError,
+    # never a TypeError, KeyError, AttributeError ... from inside
+    try:
+        SparseLiftPlanner(topology=_topo(4, 2), **kwargs)
+    except (ValueError, PlannerError):
+        pass

@@ -139,8 +139,8 @@ class RuleOptions:
     @model_errors.validator
     def _check_errors(self, attribute: Any, value: Any) -> None:
         if value is not None and not isinstance(value, TermErrors):
-            raise TypeError(f"model_errors must be a TermErrors (calibration.term_error.profile_errors(...)), "
-                            f"got {type(value).__name__}")
+            raise ValueError(f"model_errors must be a TermErrors (calibration.term_error.profile_errors(...)), "
+                             f"got {type(value).__name__}")
 
 
 @attrs.frozen(kw_only=True)
@@ -225,6 +225,9 @@ def planner_options(
                  cost_model=cost_model, estimator=estimator, max_sync_interval=max_sync_interval, layout_2d=layout_2d,
                  never_slower=never_slower, strategy_2d=strategy_2d, model_errors=model_errors)
     errors, warned = option_problems(given)
+    if model_errors is not None and not isinstance(model_errors, TermErrors):
+        errors.append(f"model_errors must be a TermErrors (calibration.term_error.profile_errors(...)), got "
+                      f"{type(model_errors).__name__}")
     raise_problems(errors, "SparseLiftPlanner's arguments")
     for w in warned:
         warnings.warn(f"sparselift: {w}", stacklevel=3)
