@@ -250,6 +250,18 @@ class ScriptRanks:
         self._procs = [subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         cwd=cwd, env=dict(env)) for env in envs]  # fmt: skip
 
+    def wait_rank(self, rank: int, timeout_s: float) -> Optional[int]:
+        """Rank ``rank``'s exit code once it exits within ``timeout_s``, else None (it keeps running)."""
+        try:
+            return self._procs[rank].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill_rank(self, rank: int) -> None:
+        """SIGKILL rank ``rank``'s process (a stopped one too)."""
+        if self._procs[rank].poll() is None:
+            self._procs[rank].kill()
+
     def wait(self) -> ScriptResult:
         """Wait for every rank; a rank still running at the start's ``timeout_s`` raises
         :class:`LaunchTimeout` (every rank killed, their output in the message)."""

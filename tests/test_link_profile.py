@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import warnings
 
 import attrs
@@ -36,6 +38,7 @@ from torchrec_sparselift.cost.hardware import (
     with_slower_compute,
 )
 from torchrec_sparselift.cost.step_terms import link_terms
+from torchrec_sparselift.errors import FileFormatError
 from launcher import run_ranks
 from search_helpers import meta_ebc
 from torchrec_sparselift.measure import testbed as tb
@@ -456,3 +459,24 @@ def test_the_replica_rates_are_in_a_2d_request_fingerprint_only():
 
     assert key(PROFILE, None) == key(other, None)
     assert key(PROFILE, 2) != key(other, 2)
+
+
+def test_a_damaged_link_record_makes_the_profile_unusable_everywhere_it_is_read(tmp_path):
+    # the loader reads the link record with the rest: the plain `calibrate check`, hardware="auto"
+    # and the link check all refuse the profile with one message naming the file, the field, the fix
+    store = ProfileStore(str(tmp_path))
+    path = store.save(PROFILE, current_fingerprint("cpu", 1, hosts=2), {"fit": {}}, link=_rates())
+    doc = json.loads(open(path).read())
+    doc["info"]["link"]["inter_bw"] = "fast"
+    open(path, "w").write(json.dumps(doc))
+    with pytest.raises(FileFormatError) as e:
+        store.load(path)
+    assert path in str(e.value) and "info.link" in str(e.value) and "intra_bw" not in str(e.value)
+    assert "inter_bw='fast'" in str(e.value) and "calibrate" in str(e.value)
+    with pytest.raises(FileFormatError, match="info.link"):
+        auto_profile_link("cpu", 1, store, warn=lambda m: None, hosts=2)
+    env = {**os.environ, "TORCHREC_SPARSELIFT_PROFILE_DIR": str(tmp_path), "LOCAL_WORLD_SIZE": "1"}
+    out = subprocess.run([sys.executable, "-m", "torchrec_sparselift", "calibrate", "check", "--store", str(tmp_path)],
+                         capture_output=True, text=True, env=env)
+    # this machine's fingerprint may differ from the stored one's hosts: the damaged file is named either way
+    assert out.returncode == 1 and "info.link" in out.stdout + out.stderr, out.stdout + out.stderr

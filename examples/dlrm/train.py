@@ -39,6 +39,7 @@ from torchrec_sparselift.dlrm.options import (
     ARCHS,
     DENSE_OPTIMIZERS,
     DEVICES,
+    FAIL_HOWS,
     MODELS,
     PLANNERS,
     REPLICA_MERGES,
@@ -136,6 +137,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainOptions:
     p.add_argument("--fail-at-step", type=int, metavar="K",
                    help="testing: exit non-zero after step K (and its checkpoint, if K is a multiple of "
                    "--checkpoint-every); only on torchrun's first attempt, so --max-restarts resumes")
+    p.add_argument("--fail-how", choices=FAIL_HOWS, default=D["fail_how"],
+                   help="testing, with --fail-at-step: raise an error (default), kill the rank (SIGKILL) or hang it "
+                   "(SIGSTOP: its connections stay open, as when its host or link is gone)")
+    p.add_argument("--fail-rank", type=int, default=None, metavar="R",
+                   help="testing, with --fail-at-step: only rank R fails (default: every rank)")
+    p.add_argument("--collective-timeout", type=float, default=D["collective_timeout"], metavar="S",
+                   help="seconds a collective waits for a lost rank or link before the job stops with an error "
+                   "naming the rank (the process group's timeout; default %(default)g s)")
     p.add_argument("--out", help="write the JSON result here (rank 0)")
     p.add_argument("--attribute", type=int, default=D["attribute"], metavar="N",
                    help="after training, profile N more steps (torch.profiler) and print where the step time goes "

@@ -317,6 +317,12 @@ class ProfileStore:
         profile = HardwareProfile.from_fields(f.obj("profile"))
         info = f.opt("info", dict, {})
         StepFitInfo.from_dict(f.obj("info", required=False))  # what .step_fit reads later
+        if info.get("link") is not None:  # what .link reads later: a damaged record makes the profile unusable
+            try:
+                LinkRates.from_dict(info["link"])
+            except (LinkRatesError, TypeError, ValueError) as e:
+                raise f.child(info, "info").fail("link", f"cannot be read ({e})",
+                                                 "delete the file and calibrate this machine again") from None
         return StoredProfile(profile=profile, fingerprint=fingerprint, path=path, info=dict(info))
 
     def all(self) -> List[StoredProfile]:
@@ -481,12 +487,7 @@ def auto_profile_link(device: str, ranks: int, store: Optional[ProfileStore] = N
         else:
             warn(f"sparselift: no calibrated profile for this machine; using {found.path} from another machine "
                  f"(differs in {'; '.join(diff)}): predictions may be off; {how}")
-        try:
-            link = found.link
-        except LinkRatesError as e:
-            warn(f"sparselift: {e}")
-            link = None
-        return with_base_terms(found.profile, found.step_fit, base_profile(device)), found.path, link
+        return with_base_terms(found.profile, found.step_fit, base_profile(device)), found.path, found.link
     base = base_profile(device)
     warn(f"sparselift: no calibrated profile for this machine in {store.root}; using {base.name}: "
          f"predictions may be off; {how}")

@@ -38,6 +38,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift.semantics.graph import LENGTH_BYTES as GRAPH_LENGTH_BYTES
+from torchrec_sparselift.vocabulary import COLUMN_WISE, DATA_PARALLEL, GRID_SHARD, ROW_WISE, TABLE_ROW_WISE
 
 __all__ = [
     "ID_DTYPES",
@@ -265,11 +266,11 @@ def wire_features(tables: Sequence[Any], stats: Optional[Mapping[str, Any]], sha
         if t.name not in sharding:
             raise ValueError(f"table {t.name!r} has no sharding: give sharding[{t.name!r}] = (type, shards)")
         st, shards = sharding[t.name]
-        if st == "data_parallel":
+        if st == DATA_PARALLEL:
             continue
-        copies = shards if st == "column_wise" else 1
-        messages = {"row_wise": world_size, "table_row_wise": local_world_size,
-                    "grid_shard": local_world_size}.get(st, 1)
+        copies = shards if st == COLUMN_WISE else 1
+        messages = {ROW_WISE: world_size, TABLE_ROW_WISE: local_world_size,
+                    GRID_SHARD: local_world_size}.get(st, 1)
         features = list(t.feature_names)
         for f in features:
             fs = stats[f] if stats is not None and f in stats else None
@@ -295,7 +296,7 @@ def choose_for_request(request: Any, sharding: Mapping[str, Tuple[str, int]], *,
     features = wire_features(request.tables, request.stats, sharding, batch_size=request.batch_size,
                              world_size=world, local_world_size=local)
     rows = {t.name: int(t.num_embeddings) for t in request.tables
-            if t.name in sharding and sharding[t.name][0] != "data_parallel"}
+            if t.name in sharding and sharding[t.name][0] != DATA_PARALLEL}
     hw = request.hardware
     bandwidth = hw.inter_host_bw if world > local else hw.intra_host_bw
     return choose_wire_ids(features, rows, dedup_id_s=dedup_id_s, bandwidth=bandwidth,

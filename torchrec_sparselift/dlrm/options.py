@@ -9,6 +9,7 @@ run cannot use raises :class:`UsageError` naming the flag and the fix. Needs no 
 
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional, Union
 
 import attrs
@@ -18,7 +19,7 @@ from torchrec_sparselift.dlrm.tables import TableSpec, check_uniform_dim, load_t
 from torchrec_sparselift.validation import option_problems
 from torchrec_sparselift.vocabulary import PIPELINES, STALE_PIPELINES, STRATEGY_2D_CHOICES
 
-__all__ = ["UsageError", "TrainOptions", "PLANNERS", "TABLE_PRESETS", "MODELS", "ARCHS", "DENSE_OPTIMIZERS",
+__all__ = ["UsageError", "TrainOptions", "FAIL_HOWS", "PLANNERS", "TABLE_PRESETS", "MODELS", "ARCHS", "DENSE_OPTIMIZERS",
            "DEVICES", "REPLICA_MERGES", "model_kind", "resolve_tables"]
 
 PLANNERS = ("sparselift", "torchrec")
@@ -58,6 +59,10 @@ def _pipeline(_self: Any, _attribute: Any, value: Optional[str]) -> None:
     if value is not None and value not in PIPELINES:
         raise UsageError(f"--pipeline must be one of {list(PIPELINES)}, got {value!r}")
 
+
+#: How ``--fail-at-step`` fails (testing faults): raise an error on the rank, kill it (SIGKILL: its
+#: connections close), or hang it (SIGSTOP: its connections stay open, as a host or link gone).
+FAIL_HOWS = ("raise", "kill", "hang")
 
 #: The planner option each of the example's flags sets (for messages that name the flag).
 FLAG_OF_OPTION = {"sharding_group_size": "--sharding-group-size", "strategy_2d": "--2d-strategy",
@@ -104,6 +109,9 @@ class TrainOptions:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 100
     fail_at_step: Optional[int] = None
+    fail_how: str = attrs.field(default="raise", validator=_one_of("--fail-how", FAIL_HOWS))
+    fail_rank: Optional[int] = None
+    collective_timeout: float = 120.0
     out: Optional[str] = None
     attribute: int = 0
     attribution_out: Optional[str] = None
@@ -127,6 +135,12 @@ class TrainOptions:
             raise UsageError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
         if self.fail_at_step is not None and not 1 <= self.fail_at_step <= self.steps:
             raise UsageError(f"--fail-at-step must be in [1, --steps], got {self.fail_at_step}")
+        if self.fail_at_step is None and (self.fail_how != "raise" or self.fail_rank is not None):
+            raise UsageError("--fail-how and --fail-rank have no effect here: they need --fail-at-step K")
+        if self.fail_rank is not None and self.fail_rank < 0:
+            raise UsageError(f"--fail-rank must be a rank >= 0, got {self.fail_rank}")
+        if not (self.collective_timeout > 0 and math.isfinite(self.collective_timeout)):
+            raise UsageError(f"--collective-timeout must be a number of seconds > 0, got {self.collective_timeout}")
         if self.pipeline is not None and self.planner != "sparselift":
             raise UsageError("--pipeline applies to --planner sparselift (--planner torchrec trains with sparse_dist)")
         if self.pipeline in STALE_PIPELINES and not self.allow_staleness:

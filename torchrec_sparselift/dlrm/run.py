@@ -11,9 +11,11 @@ the measured step time against the prediction.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -64,6 +66,7 @@ from torchrec_sparselift.measure.attribution import attribute_steps
 from torchrec_sparselift.measure.guard import MeasuredGuard, guarded_execution_plan
 from torchrec_sparselift.measure.link import LinkRatesError, measure_link_rates
 from torchrec_sparselift.measure.probe import pin_rank_to_core
+from torchrec_sparselift.runtime.liveness import CollectiveFailure, StepHeartbeat, collective_failure
 from torchrec_sparselift.runtime.timing import StepTimer
 
 __all__ = [
@@ -102,6 +105,19 @@ ATTRIBUTION_WARMUP = 2
 
 class SimulatedFailure(RuntimeError):
     """``--fail-at-step`` was reached: the run stops as if it had crashed."""
+
+
+def fail_now(how: str, step: int) -> None:
+    """``--fail-at-step`` with ``--fail-how``: raise :class:`SimulatedFailure`, or kill this process
+    (SIGKILL: the kernel closes its connections), or stop it (SIGSTOP: its connections stay open and
+    silent, as when its host or link is gone; whoever runs the test kills it afterwards)."""
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "hang":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    raise SimulatedFailure(f"--fail-at-step {step}: stopping as if the run had crashed after step {step}")
 
 
 def check_planning_input(options: TrainOptions, tables: Sequence[TableSpec]) -> None:
@@ -156,8 +172,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_flag: str) -> Cluster:
-    """Join (or, outside torchrun, create a 1-rank) process group."""
+def init_distributed(device_flag: str, timeout_s: float = 120.0) -> Cluster:
+    """Join (or, outside torchrun, create a 1-rank) process group whose collectives wait at most
+    ``timeout_s`` for a lost rank or link (``--collective-timeout``)."""
     if "RANK" not in os.environ:
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -177,7 +194,7 @@ def init_distributed(device_flag: str) -> Cluster:
         device, backend = torch.device("cpu"), "gloo"
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt == 0:
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     else:
         # torchrun --max-restarts: the restarted workers meet in the agent's store, which still
         # holds the failed attempt's gloo addresses (measured: "connectFullMesh failed ...
@@ -191,7 +208,8 @@ def init_distributed(device_flag: str) -> Cluster:
             multi_tenant=not agent_store,
         )
         prefixed = dist.PrefixStore(f"/dlrm_example/attempt_{attempt}", store)
-        dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return Cluster(rank=rank, world_size=world_size, local_world_size=local_world_size, device=device,
                    backend=backend)
 
@@ -549,11 +567,18 @@ def train(options: TrainOptions, sharded: Sharded, batches: PrefetchedBatches, f
             _flush(sharded.pipeline)  # apply the step's pending embedding update first
             save_checkpoint(options.checkpoint_dir, step, sharded.dmp, sharded.optimizer, config)
             saved.append(step)
-        if step == options.fail_at_step and first_attempt:
-            raise SimulatedFailure(f"--fail-at-step {step}: stopping as if the run had crashed after step {step}")
+        heartbeat.beat(step)
+        if step == options.fail_at_step and first_attempt and options.fail_rank in (None, cluster.rank):
+            fail_now(options.fail_how, step)
 
+    heartbeat = StepHeartbeat.of_default_group()
     try:
         result = train_loop(sharded.pipeline, batches, first_step, options.steps, timer, after_step)
+    except Exception as e:
+        lost = collective_failure(e, heartbeat, options.collective_timeout)
+        if lost is None:
+            raise
+        raise CollectiveFailure(lost) from e
     finally:
         if bar is not None:
             bar.close()
@@ -693,7 +718,7 @@ def write_result(path: str, out: Dict[str, Any]) -> None:
 
 def run(options: TrainOptions, tables: List[TableSpec]) -> Dict[str, Any]:
     """Plan, shard and train per ``options``; returns the JSON result (the same on every rank)."""
-    cluster = init_distributed(options.device)
+    cluster = init_distributed(options.device, options.collective_timeout)
     setup = prepare(options, tables, cluster)
     sharded = plan_and_shard(options, setup, cluster)
     config = checkpoint_config(options, tables, cluster.world_size)

@@ -73,6 +73,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNKS
 from torchrec_sparselift.runtime.overlap import OverlapPipelinedForward, TrainPipelineOverlap, _comm_requests
+from torchrec_sparselift.vocabulary import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE
 
 __all__ = [
     "serialize_output_collectives",
@@ -93,8 +94,8 @@ __all__ = [
 #: sharding types whose output collective is split (their local pooled embeddings hold every
 #: destination rank's samples in rank order: ``[world * B, D]``), and data-parallel (``[B, D]``,
 #: no collective: split alone)
-SPLIT_SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
-_RANK_MAJOR = ("table_wise", "column_wise", "row_wise", "table_row_wise")
+SPLIT_SHARDING_TYPES = (TABLE_WISE, COLUMN_WISE, ROW_WISE, TABLE_ROW_WISE, DATA_PARALLEL)
+_RANK_MAJOR = (TABLE_WISE, COLUMN_WISE, ROW_WISE, TABLE_ROW_WISE)
 
 #: the pipeline options only a batch split reads (``make_train_pipeline`` drops them at k = 1)
 BATCH_SPLIT_OPTIONS = ("per_sample", "chain_chunks", "serial_link")

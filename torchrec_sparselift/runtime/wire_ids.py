@@ -45,6 +45,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_sparselift.cost.wire_ids import ID_DTYPES, feature_tuple, inverse_bytes, narrow_refusal
+from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["UNIQUE_ATTR", "UniqueIds", "UniqueRowsLookup", "WireFeaturesDist", "WireIdsAllToAll", "apply_wire_ids",
            "wire_ids_modules"]
@@ -442,7 +443,7 @@ def _wrap_dists(sharded: ShardedEmbeddingBagCollection, id_dtype: str, dedup: Fr
     and, with ``unique_rows``, install :class:`UniqueRowsLookup` on the lookups of the groups
     that deduplicate."""
     for i, (sharding_type, sharding) in enumerate(zip(sharded._sharding_types, sharded._embedding_shardings)):
-        if sharding_type == "data_parallel" or isinstance(sharded._input_dists[i], WireFeaturesDist):
+        if sharding_type == DATA_PARALLEL or isinstance(sharded._input_dists[i], WireFeaturesDist):
             continue
         group = dedup.intersection(sharding.feature_names())
         sharded._input_dists[i] = WireFeaturesDist(sharded._input_dists[i], id_dtype, frozenset(group))
@@ -469,7 +470,7 @@ def apply_wire_ids(model: nn.Module, id_dtype: str = "int64", dedup_features: It
     dedup = frozenset(feature_tuple(dedup_features))
     modules = wire_ids_modules(model)
     tables = {(name, t): info for name, m in modules for t, info in _table_rows(m).items()}
-    sharded = {k: v for k, v in tables.items() if v[1] != "data_parallel"}
+    sharded = {k: v for k, v in tables.items() if v[1] != DATA_PARALLEL}
     if id_dtype == "int32":
         why = narrow_refusal((f"{m}.{t}" if m else t, rows) for (m, t), (rows, _, _) in sharded.items())
         if why:
