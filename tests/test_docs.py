@@ -631,6 +631,7 @@ def _commands(text: str) -> List[List[str]]:
     """The simple commands of a shell text: continuations joined, comments, redirections and
     ``[ ]`` option brackets dropped, split at ``|``, ``&&``, ``||``, ``;``."""
     text = re.sub(r"\\\n", " ", text)
+    text = re.sub(r"<[\w .|/-]+>", "ARG", text)  # a <placeholder> is a word, not a redirection
     out: List[List[str]] = []
     for line in text.split("\n"):
         lex = shlex.shlex(line, posix=True, punctuation_chars="|&;<>")
@@ -804,7 +805,8 @@ def _check_shell(path: str, args: Sequence[str]) -> List[str]:
     return []
 
 
-COMMAND_START = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:sparselift|python3?|torchrun|bash|\.venv/bin/\w+)\s")
+COMMAND_START = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:sparselift|python3?|torchrun|bash|\.venv/bin/\w+)\s"
+                           r"|^[\w/.-]+\.py\s+-")  # a command, or a script shown with its flags
 
 
 def check_commands(doc: Doc) -> List[Problem]:
@@ -832,13 +834,15 @@ def check_commands(doc: Doc) -> List[Problem]:
             for words in _commands(doc.lines[i][2:]):
                 for p in check_command(words):
                     out.append(Problem(doc.path, i + 1, p))
-        if not kind:
-            for span in _spans(doc.lines[i]):
-                if COMMAND_START.match(span) and not doc.lines[i].startswith("#"):
-                    for words in _commands(span):
-                        for p in check_command(words, fragment=True):
-                            out.append(Problem(doc.path, i + 1, p))
         i += 1
+    for line, text in doc.paragraphs():  # inline spans, also those wrapped over two lines
+        if text.startswith("#"):
+            continue
+        for span in _spans(text):
+            if COMMAND_START.match(span):
+                for words in _commands(span):
+                    for p in check_command(words, fragment=True):
+                        out.append(Problem(doc.path, line, p))
     for line, marker, rows in doc.tables():
         m = re.fullmatch(r"flags:\s*(.+)", marker)
         if not m:

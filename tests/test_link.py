@@ -362,6 +362,7 @@ def test_the_sharing_rates_are_measured_once_and_kept_with_the_steadiest_attempt
 
 
 SHARING_JOB = r"""
+import sys
 import torch.distributed as dist
 from torchrec_sparselift.measure.link import measure_link_rates
 
