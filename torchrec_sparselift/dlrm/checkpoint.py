@@ -70,8 +70,12 @@ class CheckpointDirLock:
         self._fd: Optional[int] = None
         self.directory = directory
         self.path = os.path.join(directory, LOCK)
-        os.makedirs(directory, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:  # a full disk, a read-only or missing mount: named, with the fix
+            raise CheckpointError(f"cannot use checkpoint directory {directory} ({e.strerror}); free space there, "
+                                  "fix its permissions, or give this run another --checkpoint-dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -84,8 +88,13 @@ class CheckpointDirLock:
                 ) from None
             raise CheckpointError(f"cannot lock checkpoint directory {directory} ({e.strerror}); use another "
                                   "--checkpoint-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            os.close(fd)
+            raise CheckpointError(f"cannot use checkpoint directory {directory} ({e.strerror}); free space there, "
+                                  "fix its permissions, or give this run another --checkpoint-dir") from None
         self._fd = fd
 
     def release(self) -> None:
