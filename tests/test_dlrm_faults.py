@@ -13,11 +13,14 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Optional
+import threading
+import time
+from typing import Any, List, Optional
 
 import pytest
 
 from launcher import ROOT, run_script, start_script
+from torchrec_sparselift.measure import testbed as tb
 
 TRAIN = os.path.join(ROOT, "examples", "dlrm", "train.py")
 TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--batch-size", "64", "--steps", "12",
@@ -117,3 +120,86 @@ def test_a_checkpoint_directory_on_a_full_disk_is_refused_naming_it(tmp_path):
     assert not res.ok
     assert f"cannot use checkpoint directory {disk}/ck (No space left on device)" in res.stderrs[0], res.tail()
     assert "Traceback" not in res.stderr
+
+
+# -- on the testbed: 2 emulated hosts x 1 rank, a real link between them ----------------------
+
+TESTBED_REASON = tb.unavailable_reason()
+needs_testbed = pytest.mark.skipif(TESTBED_REASON is not None, reason=f"testbed unavailable: {TESTBED_REASON}")
+LONG = [a if a != "12" else "1500" for a in TINY] + ["--hardware", "cpu-gloo"]  # a fixed profile: the same plan
+
+
+def _training(checkpoints: str, timeout_s: float = 120) -> None:
+    """Wait until the run has checkpointed once (it is training)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(os.path.join(checkpoints, "latest.json")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no checkpoint in {checkpoints} after {timeout_s} s")
+        time.sleep(0.05)
+
+
+def _switch_port(bed: Any, host: int, state: str) -> None:
+    """The switch's port to ``host`` down or up: the host loses its carrier as when a cable is
+    pulled (its address and routes stay, as a NIC's do; an admin ``down`` on the host's own
+    interface would flush its routes, which ``up`` does not bring back)."""
+    subprocess.run(["ip", "-n", bed.switch_namespace, "link", "set", f"p{host}", state], check=True)
+
+
+def _train_on_testbed(tmp_path, name: str, extra: List[str], during: Any = None,
+                      timeout_s: float = 300) -> List[Any]:
+    """The example under torchrun on 2 emulated hosts (1 Gbit/s), checkpointing every 300 steps
+    into ``tmp_path/name``; ``during(bed, checkpoints)`` runs beside it."""
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    checkpoints = str(tmp_path / name)
+    args = [TRAIN, *LONG, "--plan-cache", str(tmp_path / "plans"), "--out", str(tmp_path / f"{name}.json"),
+            "--checkpoint-dir", checkpoints, "--checkpoint-every", "300", *extra]
+    with tb.emulated_hosts(tb.HostLayout(hosts=2, ranks_per_host=1, rate_bps=1e9)) as bed:
+        worker = threading.Thread(target=during, args=(bed, checkpoints), daemon=True) if during else None
+        if worker:
+            worker.start()
+        results = bed.torchrun(args, env=env, timeout_s=timeout_s, grace_s=30)
+        if worker:
+            worker.join(timeout=60)
+    return results
+
+
+@needs_testbed
+@pytest.mark.slow
+def test_a_link_down_for_a_few_seconds_loses_nothing(tmp_path):
+    # host 1's link goes down for 3 s mid-run and comes back: TCP resends, the run finishes with
+    # the losses of the same run without the outage
+    def flap(bed, checkpoints):
+        _training(checkpoints)
+        _switch_port(bed, 1, "down")
+        time.sleep(3)
+        _switch_port(bed, 1, "up")
+
+    clean = _train_on_testbed(tmp_path, "clean", [])
+    assert all(r.ok for r in clean), "\n".join(r.output[-2000:] for r in clean)
+    flapped = _train_on_testbed(tmp_path, "flapped", [], during=flap)
+    assert all(r.ok for r in flapped), "\n".join(r.output[-2000:] for r in flapped)
+    want = json.loads((tmp_path / "clean.json").read_text())["losses"]
+    assert json.loads((tmp_path / "flapped.json").read_text())["losses"] == want
+
+
+@needs_testbed
+@pytest.mark.slow
+def test_a_link_gone_for_good_ends_the_job_within_the_timeout_naming_the_lost_rank(tmp_path):
+    timeout = 10
+    cut = {}
+
+    def cut_link(bed, checkpoints):
+        _training(checkpoints)
+        _switch_port(bed, 1, "down")  # and never up again
+        cut["at"] = time.monotonic()
+
+    results = _train_on_testbed(tmp_path, "cut", ["--collective-timeout", str(timeout), "--steps", "100000"],
+                                during=cut_link)
+    ended = time.monotonic()
+    assert "at" in cut and not any(r.ok for r in results)
+    host0 = results[0].output
+    assert "lost rank 1" in host0 and f"no answer within the collective timeout of {timeout} s" in host0, host0[-3000:]
+    host1 = results[1].output
+    assert "cannot be reached either" in host1 or "lost rank 0" in host1, host1[-3000:]
+    # bounded by the timeout, the roll call and the testbed's grace for the other host, not 30 minutes
+    assert ended - cut["at"] < timeout + 5 + 30 + 30

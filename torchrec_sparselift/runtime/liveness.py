@@ -13,6 +13,7 @@ with their last finished step, or the store itself where it cannot be reached (i
 from __future__ import annotations
 
 import re
+import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -22,8 +23,9 @@ import torch.distributed as dist
 __all__ = ["StepHeartbeat", "CollectiveFailure", "is_collective_failure", "collective_failure"]
 
 #: Messages of a collective that lost a peer (gloo, NCCL, the c10d store).
-_LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Timed out waiting|timed out|Broken pipe|"
-                        r"NCCL communicator was aborted|Socket Timeout|Connection refused", re.IGNORECASE)
+_LOST_PEER = re.compile(r"Connection (reset|closed) by peer|Timed out waiting|timed out|timeout caused pair closure|"
+                        r"Broken pipe|NCCL communicator was aborted|Socket Timeout|Connection refused|"
+                        r"No route to host|Network is unreachable", re.IGNORECASE)
 
 
 class CollectiveFailure(RuntimeError):
@@ -89,13 +91,27 @@ def collective_failure(exc: BaseException, heartbeat: StepHeartbeat, timeout_s: 
              if heartbeat.last_beat_s is not None else "")
     how = ("its connections closed (a process killed)" if re.search("by peer|Broken pipe", first, re.I)
            else f"no answer within the collective timeout of {timeout_s:g} s (a host, a link or a process gone)")
-    try:
-        alive = heartbeat.alive(grace_s)
-        steps = heartbeat.last_steps()
-    except Exception as e:  # noqa: BLE001 - the store's own host may be the one lost
-        return (f"rank {heartbeat.rank}: a collective failed ({how}) and the job's store cannot be reached either "
-                f"({type(e).__name__}: {' '.join(str(e).split())[:160]}): the host of the rendezvous store (rank 0's) "
-                f"is gone or cut off. gloo said: {first}")
+    # the roll call in a thread of its own: a store whose host is cut off can block a call far
+    # longer than any timeout (TCP retrying a send), so it gets grace_s + 5 s and is then given up
+    box: Dict[str, Any] = {}
+
+    def roll_call() -> None:
+        try:
+            box["alive"] = heartbeat.alive(grace_s)
+            box["steps"] = heartbeat.last_steps()
+        except Exception as e:  # noqa: BLE001 - the store's own host may be the one lost
+            box["error"] = e
+
+    caller = threading.Thread(target=roll_call, name="sparselift-roll-call", daemon=True)
+    caller.start()
+    caller.join(grace_s + 5.0)
+    if "steps" not in box:
+        e = box.get("error")
+        said = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}" if e is not None else "no answer"
+        return (f"rank {heartbeat.rank}: a collective failed{since}, {how}, and the job's store cannot be reached "
+                f"either ({said}): the host of the rendezvous store (rank 0's) is gone or cut off from this rank. "
+                f"gloo said: {first}")
+    alive, steps = box["alive"], box["steps"]
     lost = [r for r in range(heartbeat.world_size) if r not in alive]
     if lost:
         lead = "lost " + ", ".join(f"rank {r} (last finished step {steps[r]})" for r in lost)
