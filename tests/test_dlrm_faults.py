@@ -8,6 +8,7 @@ the run naming the directory and keeps the last complete checkpoint (a small tmp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import shutil
 import subprocess
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Iterator, List
 
 import pytest
 
@@ -61,25 +62,28 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_collective_timeout(
     assert timeout <= waited < timeout + 5 + 10, err
 
 
-def _mount_small_disk(path: str, kib: int) -> Optional[str]:
-    """A tmpfs of ``kib`` KiB at ``path`` (None: mounted; else why not)."""
+@contextlib.contextmanager
+def small_disk(path: str, kib: int) -> Iterator[str]:
+    """A tmpfs of ``kib`` KiB mounted at ``path`` for the block (the test skips where it cannot
+    mount one: not root)."""
     if os.geteuid() != 0:
-        return "needs root (mount -t tmpfs)"
+        pytest.skip("needs root (mount -t tmpfs)")
     os.makedirs(path, exist_ok=True)
     out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", path], capture_output=True, text=True)
-    return None if out.returncode == 0 else f"mount -t tmpfs failed: {out.stderr.strip()}"
+    if out.returncode != 0:
+        pytest.skip(f"mount -t tmpfs failed: {out.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", path], capture_output=True)
 
 
 def test_a_full_disk_during_a_checkpoint_fails_clearly_and_keeps_the_last_checkpoint(tmp_path):
     # ~1 MB a checkpoint: the first fits in 1.6 MB, the second (written before the first is
     # removed) does not; the run stops naming the directory, latest.json still names the first,
     # and a run resumed from it (on a disk with room) has the uninterrupted run's losses
-    disk = str(tmp_path / "disk")
-    why = _mount_small_disk(disk, 1600)
-    if why:
-        pytest.skip(why)
-    try:
-        common = [*TINY, "--plan-cache", str(tmp_path / "plans")]
+    common = [*TINY, "--plan-cache", str(tmp_path / "plans")]
+    with small_disk(str(tmp_path / "disk"), 1600) as disk:
         whole = run_script(TRAIN, [*common, "--out", str(tmp_path / "whole.json")], 2, timeout_s=300)
         assert whole.ok, whole.tail()
         full = run_script(TRAIN, [*common, "--checkpoint-dir", os.path.join(disk, "ck"), "--checkpoint-every", "2"],
@@ -92,8 +96,6 @@ def test_a_full_disk_during_a_checkpoint_fails_clearly_and_keeps_the_last_checkp
         assert latest["step"] == 2
         saved = str(tmp_path / "ck")
         shutil.copytree(os.path.join(disk, "ck"), saved)
-    finally:
-        subprocess.run(["umount", disk], capture_output=True)
     resumed = run_script(TRAIN, [*common, "--checkpoint-dir", saved, "--checkpoint-every", "100",
                                  "--out", str(tmp_path / "resumed.json")], 2, timeout_s=300)
     assert resumed.ok and "resumed from the checkpoint after step 2" in resumed.stdout, resumed.tail()
@@ -103,11 +105,7 @@ def test_a_full_disk_during_a_checkpoint_fails_clearly_and_keeps_the_last_checkp
 
 
 def test_a_checkpoint_directory_on_a_full_disk_is_refused_naming_it(tmp_path):
-    disk = str(tmp_path / "disk")
-    why = _mount_small_disk(disk, 4)
-    if why:
-        pytest.skip(why)
-    try:
+    with small_disk(str(tmp_path / "disk"), 4) as disk:
         try:  # fill it
             with open(os.path.join(disk, "filler"), "wb") as f:
                 f.write(b"x" * 8192)
@@ -115,8 +113,6 @@ def test_a_checkpoint_directory_on_a_full_disk_is_refused_naming_it(tmp_path):
             pass
         res = run_script(TRAIN, [*TINY, "--plan-cache", str(tmp_path / "plans"), "--checkpoint-dir",
                                  os.path.join(disk, "ck")], 2, timeout_s=300)
-    finally:
-        subprocess.run(["umount", disk], capture_output=True)
     assert not res.ok
     assert f"cannot use checkpoint directory {disk}/ck (No space left on device)" in res.stderrs[0], res.tail()
     assert "Traceback" not in res.stderr
