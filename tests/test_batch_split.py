@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from launcher import run_ranks
+from training_helpers import local_values, sharded_with_optimizers
 
 WORLD = 2
 STEPS = 50
@@ -67,16 +68,11 @@ def _batches(rank: int, n: int) -> List[Any]:
 
 
 def _sharded(plan_name: str, state: Dict[str, Any] = None):  # type: ignore[assignment]
-    from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
-    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, get_default_sharders, row_wise, table_row_wise,
+        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_row_wise,
         table_wise,
     )  # fmt: skip
     from torchrec.distributed.types import ShardingPlan
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     torch.manual_seed(3)
     model = _model()
@@ -91,24 +87,7 @@ def _sharded(plan_name: str, state: Dict[str, Any] = None):  # type: ignore[assi
         ebc, {t: make[kind](r) for t, (kind, r) in spec.items()},
         world_size=WORLD, local_size=WORLD, device_type="cpu")})
     fused = [p for t, (kind, _r) in spec.items() if kind != "dp" for p in ebc.embedding_bags[t].parameters()]
-    apply_optimizer_in_backward(RowWiseAdagrad, fused, {"lr": 0.1})
-    dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan, sharders=get_default_sharders())
-    if state is not None:
-        dmp.load_state_dict(state)
-    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    opt = CombinedOptimizer([dmp.fused_optimizer,
-                             KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adagrad(params, lr=0.05))])
-    return dmp, opt
-
-
-def _local(value: Any) -> torch.Tensor:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(value, ShardedTensor):
-        return torch.cat([s.tensor.flatten() for s in value.local_shards()]) if value.local_shards() else torch.zeros(0)
-    if hasattr(value, "to_local"):  # DTensor
-        return value.to_local().flatten()
-    return value.detach().flatten()
+    return sharded_with_optimizers(model, plan, fused, state)
 
 
 def _train(dmp, opt, chunks: int, batches, count=None, chain=None):  # type: ignore[no-untyped-def]
@@ -172,17 +151,17 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
         start = copy.deepcopy(dict(ref_dmp.state_dict()))
         if plan_name == "table_wise":
             start_tw = copy.deepcopy(start)
-        out[plan_name, "start"] = {k: _local(v).clone() for k, v in ref_dmp.state_dict().items()}
+        out[plan_name, "start"] = {k: local_values(v).clone() for k, v in ref_dmp.state_dict().items()}
         ref_calls: List[str] = []
         out[plan_name, 0] = _train(ref_dmp, ref_opt, 0, batches, count=ref_calls)
         out[plan_name, 0, "calls"] = ref_calls
-        out[plan_name, 0, "weights"] = {k: _local(v).clone() for k, v in ref_dmp.state_dict().items()}
+        out[plan_name, 0, "weights"] = {k: local_values(v).clone() for k, v in ref_dmp.state_dict().items()}
         for k in KS:
             dmp, opt = _sharded(plan_name, copy.deepcopy(start))
             calls: List[str] = []
             out[plan_name, k] = _train(dmp, opt, k, batches, count=calls)
             out[plan_name, k, "calls"] = calls
-            out[plan_name, k, "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
+            out[plan_name, k, "weights"] = {n: local_values(v).clone() for n, v in dmp.state_dict().items()}
             out[plan_name, k, "serial"] = _serial_groups(dmp)
     # the wrapper from an execution plan's optimizations: lift() reads batch_split and builds the split pipeline
     out["lifted"], out["lifted", "class"] = _lifted(copy.deepcopy(start_tw), batches)
@@ -191,7 +170,7 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     calls = []
     out["upfront"] = _train(dmp, opt, 4, batches, count=calls, chain=True)
     out["upfront", "calls"] = calls
-    out["upfront", "weights"] = {n: _local(v).clone() for n, v in dmp.state_dict().items()}
+    out["upfront", "weights"] = {n: local_values(v).clone() for n, v in dmp.state_dict().items()}
     return out
 
 

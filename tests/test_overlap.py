@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from launcher import run_ranks
+from training_helpers import local_values, sharded_with_optimizers
 
 WORLD = 2
 STEPS = 50
@@ -53,15 +54,10 @@ def _batches(rank: int, n: int) -> List[Any]:
 
 
 def _sharded(state: Dict[str, Any] = None):  # type: ignore[assignment]
-    from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
-    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, get_default_sharders, row_wise, table_wise,
+        column_wise, construct_module_sharding_plan, row_wise, table_wise,
     )  # fmt: skip
     from torchrec.distributed.types import ShardingPlan
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     torch.manual_seed(3)
     model = _model()
@@ -72,24 +68,7 @@ def _sharded(state: Dict[str, Any] = None):  # type: ignore[assignment]
          "t2": row_wise(compute_kernel="fused"), "t3": column_wise(ranks=[0, 1], compute_kernel="fused")},
         world_size=WORLD, local_size=WORLD, device_type="cpu",
     )})  # fmt: skip
-    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.1})
-    dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan, sharders=get_default_sharders())
-    if state is not None:
-        dmp.load_state_dict(state)
-    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    opt = CombinedOptimizer([dmp.fused_optimizer,
-                             KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adagrad(params, lr=0.05))])
-    return dmp, opt
-
-
-def _local(value: Any) -> torch.Tensor:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(value, ShardedTensor):
-        return torch.cat([s.tensor.flatten() for s in value.local_shards()]) if value.local_shards() else torch.zeros(0)
-    if hasattr(value, "to_local"):  # DTensor
-        return value.to_local().flatten()
-    return value.detach().flatten()
+    return sharded_with_optimizers(model, plan, model.model.sparse_arch.parameters(), state)
 
 
 def _train(dmp, opt, cls, batches, steps, traced):  # type: ignore[no-untyped-def]
@@ -137,7 +116,7 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out["base"], _ = _train(base_dmp, base_opt, TrainPipelineBase, batches, STEPS, traced=False)
     out["overlap"], out["overlap_trace"] = _train(ov_dmp, ov_opt, TrainPipelineOverlap, batches, STEPS, traced=True)
     for name, dmp in (("base", base_dmp), ("overlap", ov_dmp)):
-        out[name + "_weights"] = {k: _local(v).clone() for k, v in dmp.state_dict().items()}
+        out[name + "_weights"] = {k: local_values(v).clone() for k, v in dmp.state_dict().items()}
     # the kind as the runtime builds it from a plan's pipeline name
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 

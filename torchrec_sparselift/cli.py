@@ -291,8 +291,7 @@ def _check_options_apply(args: argparse.Namespace) -> None:
     errors, warned = option_problems(given, spell=lambda name: FLAG_OF_OPTION.get(name, name))
     for w in warned:
         print(f"sparselift: warning: {w}", file=sys.stderr)
-    raise_problems([e.replace("sharding_group_size='auto' or a group size", "--sharding-group-size auto|N")
-                    for e in errors], "the command line", CliError)
+    raise_problems(errors, "the command line", CliError)
 
 
 def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] = "h100") -> PlanInputs:

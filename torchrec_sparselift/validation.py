@@ -724,6 +724,7 @@ def callback_problem(callback: Any, before: Sequence[Any], after: Any) -> Option
 # -- options that do not apply ---------------------------------------------------------------
 
 _TWO_D = "sharding_group_size='auto' or a group size (a 2D plan)"
+_TWO_D_FLAGS = "--sharding-group-size auto|N (a 2D plan)"
 
 
 @attrs.frozen
@@ -737,6 +738,8 @@ class OptionNeed:
     needs: str
     given_without: Any = attrs.field(eq=False)
     warn: bool = False
+    #: ``needs`` in a command line's words, where they differ (the flag of the option it needs)
+    needs_flags: Optional[str] = None
 
 
 def _one_d(a: Mapping[str, Any]) -> bool:
@@ -750,10 +753,12 @@ def _stale_listed(a: Mapping[str, Any]) -> bool:
 #: Which option needs which: the one rule the planner's arguments, the command line and the DLRM
 #: example check (docs/troubleshooting.md has the same table).
 OPTION_NEEDS: Tuple[OptionNeed, ...] = (
-    OptionNeed("sync_interval", _TWO_D, lambda a: a.get("sync_interval") is not None and _one_d(a)),
-    OptionNeed("max_sync_interval", _TWO_D, lambda a: a.get("max_sync_interval") is not None and _one_d(a)),
-    OptionNeed("layout_2d", _TWO_D, lambda a: a.get("layout_2d", "auto") != "auto" and _one_d(a)),
-    OptionNeed("strategy_2d", _TWO_D, lambda a: a.get("strategy_2d", "auto") != "auto" and _one_d(a)),
+    OptionNeed("sync_interval", _TWO_D, lambda a: a.get("sync_interval") is not None and _one_d(a), needs_flags=_TWO_D_FLAGS),
+    OptionNeed("max_sync_interval", _TWO_D, lambda a: a.get("max_sync_interval") is not None and _one_d(a), needs_flags=_TWO_D_FLAGS),
+    OptionNeed("layout_2d", _TWO_D, lambda a: a.get("layout_2d", "auto") != "auto" and _one_d(a),
+               needs_flags=_TWO_D_FLAGS),
+    OptionNeed("strategy_2d", _TWO_D, lambda a: a.get("strategy_2d", "auto") != "auto" and _one_d(a),
+               needs_flags=_TWO_D_FLAGS),
     OptionNeed("allow_fp8", "allow_lossy_comm=True (fp8 is a lossy precision)",
                lambda a: bool(a.get("allow_fp8")) and not a.get("allow_lossy_comm")),
     OptionNeed("estimator", "cost_model='torchrec' (TorchRec's estimators rate the plan only there)",
@@ -781,16 +786,17 @@ OPTION_NEEDS: Tuple[OptionNeed, ...] = (
 )
 
 
-def option_problems(args: Mapping[str, Any], spell: Callable[[str], str] = lambda name: name
+def option_problems(args: Mapping[str, Any], spell: Optional[Callable[[str], str]] = None
                     ) -> Tuple[List[str], List[str]]:
     """(errors, warnings) for the options in ``args`` (planner keyword arguments by name) that have
-    no effect on the plan asked for (:data:`OPTION_NEEDS`); ``spell``: how the caller writes an
-    option (the command line's ``--flag``, the example's), so each message names what the user
-    typed."""
+    no effect on the plan asked for (:data:`OPTION_NEEDS`); ``spell``: how a command line writes an
+    option (its ``--flag``), so each message names what the user typed, and what it needs in flags."""
     errors: List[str] = []
     warned: List[str] = []
     for row in OPTION_NEEDS:
         if row.given_without(args):
-            msg = f"{spell(row.option)} has no effect here: it needs {row.needs}; drop it or give what it needs"
+            option = spell(row.option) if spell else row.option
+            needs = row.needs_flags if spell and row.needs_flags else row.needs
+            msg = f"{option} has no effect here: it needs {needs}; drop it or give what it needs"
             (warned if row.warn else errors).append(msg)
     return errors, warned

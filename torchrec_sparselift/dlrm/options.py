@@ -173,7 +173,7 @@ class TrainOptions:
                  allow_lossy_comm=self.allow_lossy_comm, allow_staleness=self.allow_staleness),
             spell=lambda name: FLAG_OF_OPTION.get(name, name))
         if errors:
-            raise UsageError(errors[0].replace("sharding_group_size='auto' or a group size", "--sharding-group-size auto|N"))
+            raise UsageError(errors[0])
         if g is None:
             if self.replica_merge != "average":  # the example's own 2D flag
                 raise UsageError("--replica-merge needs --sharding-group-size auto|N (a 2D plan); without it the "

@@ -215,8 +215,6 @@ def planner_options(
         sharding_group_size=sharding_group_size, sync_interval=sync_interval,
         drift_tolerance=drift_tolerance, never_slower=never_slower, reservation_percentage=reservation_pct,
     ), "SparseLiftPlanner's arguments")
-    if cost_model not in COST_MODELS:
-        raise ValueError(f"cost_model must be one of {', '.join(map(repr, COST_MODELS))}, got {cost_model!r}")
     given = dict(storage_reservation=storage_reservation, timeout_seconds=timeout_seconds,
                  heuristical_storage_reservation_percentage=heuristical_storage_reservation_percentage,
                  pipelines=pipelines, allow_lossy_comm=allow_lossy_comm, allow_fp8=allow_fp8,
@@ -237,10 +235,8 @@ def planner_options(
                                                                    or defaults.TIME_BUDGET_S),
         solver=solver, cost_model=cost_model, estimator=estimator)
     check_sync_interval(sync_interval, max_sync_interval)
-    for name, value, choices in (("layout_2d", layout_2d, LAYOUT_2D_CHOICES),
-                                 ("strategy_2d", strategy_2d, STRATEGY_2D_CHOICES)):
-        if value not in choices:
-            raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    if strategy_2d not in STRATEGY_2D_CHOICES:  # cost_model and layout_2d are argument_problems' choices
+        raise ValueError(f"strategy_2d must be one of {', '.join(map(repr, STRATEGY_2D_CHOICES))}, got {strategy_2d!r}")
     # a 1D plan prices no 2D strategy; a 2D one must have one left on this device
     strategies_to_price(strategy_2d if sharding_group_size is not None else "auto", topology.compute_device,
                         sync_interval)

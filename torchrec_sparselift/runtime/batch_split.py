@@ -590,16 +590,7 @@ class TrainPipelineBatchSplit(TrainPipelineOverlap):
             self._step_requests = requests
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        if not self._model_attached:
-            self.attach(self._model)
-        self.fill_pipeline(dataloader_iter)
-        if not self.batches:
-            raise StopIteration
-        self._set_module_context(self.contexts[0])
-        if self._model.training:
-            with record_function("## zero_grad ##"):
-                self._optimizer.zero_grad()
-        self._wait_for_batch()
+        self._begin_step(dataloader_iter)
         batch = self.batches[0]
         size = self._batch_size(batch)
         sizes = chunk_sizes(size, self.chunks)

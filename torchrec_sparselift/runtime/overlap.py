@@ -142,7 +142,9 @@ class TrainPipelineOverlap(TrainPipelineSparseDist):
                 requests.extend(_comm_requests(forward._started[id(context)]))
             self._step_requests = requests
 
-    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+    def _begin_step(self, dataloader_iter: Iterator[Any]) -> None:
+        """The start of every step: the model attached, the pipeline filled (``StopIteration`` when
+        the data ends), the step's module context set, gradients zeroed, the batch waited for."""
         if not self._model_attached:
             self.attach(self._model)
         self.fill_pipeline(dataloader_iter)
@@ -153,6 +155,9 @@ class TrainPipelineOverlap(TrainPipelineSparseDist):
             with record_function("## zero_grad ##"):
                 self._optimizer.zero_grad()
         self._wait_for_batch()
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._begin_step(dataloader_iter)
         # batch i: lookups and output collectives first, so they are in flight during what follows
         self.start_output_dist(self.contexts[0])
         if len(self.batches) >= 2:
