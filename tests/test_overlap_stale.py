@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from launcher import run_ranks
-from test_overlap import WORLD, _batches, _local, _sharded
+from test_overlap import WORLD, _batches, _sharded
+from training_helpers import local_values
 
 STEPS = 24
 
@@ -72,7 +73,7 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out["warm"], _ = _train(warm_dmp, warm_opt, lambda d, o, dev: make_train_pipeline(
         "overlap_stale", d, o, dev, options={"start_batch": STEPS}), batches)
     for name, dmp in (("semi_sync", ref_dmp), ("stale", st_dmp)):
-        out[name + "_weights"] = {k: _local(v).clone() for k, v in dmp.state_dict().items()}
+        out[name + "_weights"] = {k: local_values(v).clone() for k, v in dmp.state_dict().items()}
     return out
 
 
