@@ -136,3 +136,24 @@ def test_scale_path_at_production_size_is_near_its_bound():
     assert len(res.assignment) == prob.num_tables
     assert res.lower_bound_s <= res.step.total_s
     assert res.gap < 0.25, (res.step.total_s, res.lower_bound_s)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(10**3, 10**7), st.sampled_from([32, 64, 128]), st.floats(1, 60)),
+                min_size=3, max_size=10), st.sampled_from([(8, 4), (16, 8)]), st.integers(0, 10**6),
+       st.sampled_from([4, 64]))
+def test_shortlist_placer_of_a_table_prices_as_shortlist_placement(tabs, topo, seed, price_ranks):
+    # ShortlistPlacer.for_table shares the per-rank rows over a table's options: every option
+    # gets the placement and objective the uncached shortlist_placement gives it
+    W, L = topo
+    prob = _problem(tabs, W, L)
+    ev = new_evaluator(prob, "sparse_dist")
+    rng = np.random.default_rng(seed)
+    greedy_place(ev, prob, [int(rng.choice(ids)) for ids in prob.candidates])
+    for t in range(prob.num_tables):
+        old = ev.assignment[t]
+        ev.unassign(t)
+        place = scale.ShortlistPlacer(price_ranks).for_table(ev, prob, t)
+        for c in prob.candidates[t]:
+            assert place(ev, prob, t, c) == scale.shortlist_placement(ev, prob, t, c, price_ranks)
+        ev.assign(t, *old)

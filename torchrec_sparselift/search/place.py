@@ -177,8 +177,11 @@ def _try_table(ev: PlanEvaluator, prob: PlanningProblem, t: int, current: float,
     ev.unassign(t)
     found = []
     options = prob.candidates[t] if switch_options else (cand,)
+    # a placer with ``for_table`` prices the table's options against the plan without it in one
+    # setting (search/scale.py's shares the per-rank rows over the options)
+    place = (placer.for_table(ev, prob, t) if hasattr(placer, "for_table") else placer) or best_placement
     for alt in options:
-        g = (placer or best_placement)(ev, prob, t, alt)
+        g = place(ev, prob, t, alt)
         if g is not None and g[1] <= current * (1 + 1e-12):
             found.append((alt, g[0], g[1]))
     ev.assign(t, cand, ranks)
@@ -249,7 +252,8 @@ def local_search(
 
     ``budget`` bounds the work deterministically (priced candidate placements); ``deadline``
     is a wall-clock safety net. ``placer`` replaces :func:`best_placement` (same signature;
-    the search at scale prices a shortlist of ranks). Returns (moves applied, whether a budget
+    the search at scale prices a shortlist of ranks; a placer with a ``for_table(ev, prob,
+    table)`` method gives the placer of each table tried). Returns (moves applied, whether a budget
     stopped it).
     """
     w = _time_weights(ev)

@@ -15,9 +15,9 @@ maxima per table) no longer fits the budget. The stages and what changes at scal
    (:func:`~torchrec_sparselift.cost.model.step_total_batch`) on a shortlist only: the
    :data:`PRICE_RANKS` least-loaded ranks (or hosts, for host-wide shardings) that can take it
    in memory, ties going to the least-loaded. Per-rank memory is a hard limit; a table whose
-   choice fits nowhere falls back to its other options, smallest memory first; no table is
-   dropped. The plan enters a :class:`~torchrec_sparselift.cost.evaluator.PlanEvaluator` in
-   one bulk assignment, so the step time reported is the evaluator's.
+   choice fits nowhere falls back to the other option that fits with the lowest step time
+   (ties: the smallest memory); no table is dropped. The plan enters a
+   :class:`~torchrec_sparselift.cost.evaluator.PlanEvaluator` in one bulk assignment, so the step time reported is the evaluator's.
 3. **Local search** (:func:`.place.local_search`, through its ``placer`` hook) with
    :func:`shortlist_placement` as its placer and one table per hot rank (its hottest): it
    re-places or re-shards the table that sets each column's maximum. At 10,000 tables this
@@ -40,7 +40,7 @@ from torchrec_sparselift.search.place import _pick as _place_pick
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
-__all__ = ["fast_place", "shortlist_placement", "use_scale_path", "SCALE_MIN_WORK", "SCALE_SEARCH_S",
+__all__ = ["fast_place", "shortlist_placement", "ShortlistPlacer", "use_scale_path", "SCALE_MIN_WORK", "SCALE_SEARCH_S",
            "SCALE_LP_LIMIT_S", "PRICE_RANKS"]
 
 #: ``num_tables * world_size`` from which solve() takes this path (production-2000 on 512
@@ -123,7 +123,10 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
         fits = dev_ok & host_ok
         if c.placement == "all":
             k = c.num_shards
-            return tuple(range(k)) if bool(np.all(fits[:k])) else None
+            if not bool(np.all(fits[:k])):
+                return None
+            rows = rows_for(all_ranks[:k], cand, ev.L)  # every host holds L of its shards
+            return tuple(range(k)), float(price(rows.max(axis=0)[None, :], cand, k)[0])
         if c.placement == "host":
             Lc = c.num_shards
             short = host_shortlist(fits, key, Lc, price_ranks, np.max, in_host_order=False)
@@ -132,8 +135,9 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
             ok, hkey, idx = short
             r3 = rows_for(idx, cand, Lc).reshape(len(ok), Lc, K)
             obj = price(r3.max(axis=1), cand, Lc)
-            h = int(ok[_pick(obj, hkey)])
-            return tuple(range(h * Lc, (h + 1) * Lc))
+            j = _pick(obj, hkey)
+            h = int(ok[j])
+            return tuple(range(h * Lc, (h + 1) * Lc)), float(obj[j])
         # free shards on distinct ranks: the shortlist priced once per shard
         ok = np.nonzero(fits)[0]
         need = c.num_shards
@@ -146,6 +150,7 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
         tie = key[idx].copy()
         chosen: List[int] = []
         cm_local = colmax.copy()
+        obj_last = float("inf")
         for _ in range(need):
             cm = np.maximum(cm_local[None, :], rows)
             g = set(groups)
@@ -157,12 +162,13 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
             obj[[i for i in range(len(idx)) if int(idx[i]) in chosen]] = np.inf
             j = _pick(obj, tie)
             chosen.append(int(idx[j]))
+            obj_last = float(obj[j])
             # (its host mates' real rows gain only the shared columns, equal to rows[j]'s there)
             cm_local = np.maximum(cm_local, rows[j])
             if len(ev.shared):  # a later shard on a host mate adds to the link share this one took
                 mates = (idx // ev.L == idx[j] // ev.L) & (np.arange(len(idx)) != j)
                 rows[mates] += ev.owner_host[cand]
-        return tuple(chosen)
+        return tuple(chosen), obj_last
 
     def size(cand: int) -> float:
         c = prob.cands[cand]
@@ -175,17 +181,20 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
     for t in order:
         got = try_place(choice[t])
         if got is not None:
-            commit(t, choice[t], got)
+            commit(t, choice[t], got[0])
             continue
-        alts = sorted((i for i in prob.candidates[t] if i != choice[t]),
-                      key=lambda i: (owner[i][DEV_MEM] * prob.cands[i].num_shards, i))
-        for alt in alts:
+        # the choice fits nowhere: the other option that fits with the lowest step time (ties:
+        # the smallest memory), as the greedy of .place falls back
+        best = None
+        for alt in sorted((i for i in prob.candidates[t] if i != choice[t]),
+                          key=lambda i: (owner[i][DEV_MEM] * prob.cands[i].num_shards, i)):
             got = try_place(alt)
-            if got is not None:
-                commit(t, alt, got)
-                break
-        else:
+            if got is not None and (best is None or got[1] < best[2]):
+                best = (alt, got[0], got[1])
+        if best is None:
             unplaced.append(t)
+        else:
+            commit(t, best[0], best[1])
     ev.assign_many(assignment)
     return unplaced
 
@@ -223,20 +232,33 @@ def host_shortlist(fits: np.ndarray, key: np.ndarray, hosts_of: int, price_ranks
 
 
 def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
-                        price_ranks: int = PRICE_RANKS) -> Optional[Tuple[Tuple[int, ...], float]]:
+                        price_ranks: int = PRICE_RANKS,
+                        cache: Optional[dict] = None) -> Optional[Tuple[Tuple[int, ...], float]]:
     """:func:`.place.best_placement` priced on a shortlist: the ``price_ranks`` least-loaded
     ranks (or hosts) that fit the shard in memory, by the scalar load that also breaks the
     ties (the local search's placer at scale). Same contract: the best ranks for ``table`` as
-    ``cand`` given the rest of the plan and the objective, None if it fits nowhere."""
+    ``cand`` given the rest of the plan and the objective, None if it fits nowhere.
+
+    ``cache``: a dict kept while the plan does not change (:class:`ShortlistPlacer` keeps one
+    per table tried): the per-rank rows and tie-break loads of each TBE group are computed once
+    for all of the table's options instead of once per option."""
     c = prob.cands[cand]
-    if c.placement == "all":
+    if c.placement == "all" and len(ev.shared):
         return best_placement(ev, prob, table, cand)
+    need_ovh, tie_all = _group_rows(ev, int(ev.group_of[cand]), {} if cache is None else cache)
+    if c.placement == "all":
+        # best_placement's rows for shard i on rank i, without its per-rank index arithmetic (no
+        # shared host link: each rank's row gains its own shard's load, nothing else moves)
+        n = c.num_shards
+        new = _rows(ev, need_ovh, slice(0, n)) + ev.owner_local[cand]
+        if np.any(new[:, DEV_MEM] > ev.device_cap[:n] + 1e-6) or np.any(
+                new[:, HOST_MEM] > ev.host_cap[:n] + 1e-6):
+            return None
+        cm = np.maximum(ev._colmax, new.max(axis=0))
+        return tuple(range(n)), float(_objectives(ev, cm[None, :], cand, n)[0])
     vec = ev.owner_eff[cand]  # on its own rank's row (cost.evaluator: shared host links)
-    need_ovh = ev.gcount[:, ev.group_of[cand]] == 0
     fits = ((ev.loads[:, DEV_MEM] + vec[DEV_MEM] <= ev.device_cap + 1e-6)
             & (ev.loads[:, HOST_MEM] + vec[HOST_MEM] <= ev.host_cap + 1e-6))
-    loads = ev.loads + need_ovh[:, None] * ev.overhead[None, :]
-    tie_all = rank_time(ev, loads)  # as best_placement breaks ties
 
     if c.placement == "host":
         Lc = c.num_shards
@@ -244,7 +266,7 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
         if short is None:
             return None
         ok, hkey, idx = short
-        r3 = (loads[idx] + ev.block_vec(cand, Lc)).reshape(len(ok), Lc, ev.K)
+        r3 = (_rows(ev, need_ovh, idx) + ev.block_vec(cand, Lc)).reshape(len(ok), Lc, ev.K)
         cm = np.maximum(ev._colmax[None, :], r3.max(axis=1))
         obj = _objectives(ev, cm, cand, Lc)
         j = _place_pick(obj, hkey)
@@ -259,7 +281,7 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
     m = min(len(ok), price_ranks + need)
     if len(ok) > m:
         ok = np.sort(ok[np.argpartition(tie_all[ok], m - 1)[:m]])
-    base = loads[ok]
+    base = _rows(ev, need_ovh, ok)
     tie = tie_all[ok].copy()
     colmax = ev._colmax.copy()
     taken = np.zeros(len(ok), dtype=bool)
@@ -280,3 +302,43 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
             base[ok // ev.L == ok[j] // ev.L] += ev.owner_host[cand]
         obj_last = float(obj[j])
     return tuple(chosen), obj_last
+
+
+def _group_rows(ev, g: int, cache: dict) -> Tuple[np.ndarray, np.ndarray]:
+    """Which ranks lack TBE group ``g`` (a shard of it adds the group's fixed cost there) and
+    every rank's tie-break load (:func:`.place.rank_time`) with that cost added, from ``cache``
+    when there: the ranks that hold the group keep the plan's tie-break load, computed once per
+    cache, the others are priced with the cost added (the same numbers, bit for bit, as
+    pricing every row with it)."""
+    got = cache.get(g)
+    if got is None:
+        plain = cache.get("plain")
+        if plain is None:
+            plain = cache["plain"] = rank_time(ev, ev.loads)
+        need_ovh = ev.gcount[:, g] == 0
+        tie = plain.copy()
+        if need_ovh.any():
+            tie[need_ovh] = rank_time(ev, ev.loads[need_ovh] + ev.overhead[None, :])
+        got = cache[g] = (need_ovh, tie)
+    return got
+
+
+def _rows(ev, need_ovh: np.ndarray, idx) -> np.ndarray:
+    """The rows of ranks ``idx`` (a slice or indices) with the group's fixed cost where needed."""
+    return ev.loads[idx] + need_ovh[idx, None] * ev.overhead[None, :]
+
+
+class ShortlistPlacer:
+    """:func:`shortlist_placement` as the local search's placer
+    (:func:`.place.local_search`'s ``placer``): :meth:`for_table` gives the placer of one table
+    tried against an unchanging plan, sharing the per-rank rows over the table's options."""
+
+    def __init__(self, price_ranks: int = PRICE_RANKS) -> None:
+        self.price_ranks = price_ranks
+
+    def __call__(self, ev, prob: PlanningProblem, table: int, cand: int):
+        return shortlist_placement(ev, prob, table, cand, self.price_ranks)
+
+    def for_table(self, ev, prob: PlanningProblem, table: int):
+        cache: dict = {}
+        return lambda ev_, prob_, t, cand: shortlist_placement(ev_, prob_, t, cand, self.price_ranks, cache)

@@ -32,7 +32,7 @@ from torchrec_sparselift.search.milp import milp_size, solve_milp
 from torchrec_sparselift.search.place import WorkBudget, greedy_place, local_search
 from torchrec_sparselift.search.problem import PlanningProblem, no_plan_kind, storage_summary
 from torchrec_sparselift.search.scale import (
-    SCALE_LP_LIMIT_S, SCALE_SEARCH_S, fast_place, shortlist_placement, use_scale_path,
+    SCALE_LP_LIMIT_S, SCALE_SEARCH_S, ShortlistPlacer, fast_place, use_scale_path,
 )
 
 __all__ = ["SearchResult", "solve", "new_evaluator"]
@@ -194,7 +194,7 @@ def solve(
     work = WorkBudget(int(WORK_UNITS_PER_SECOND * search_s),
                       (time.monotonic() if at_scale else t0) + 3.0 * search_s)
     # at scale: the hottest table of each hot rank, priced on a shortlist of ranks (scale.py)
-    ls_kw = {"tables_per_rank": 1, "placer": shortlist_placement} if at_scale else {}
+    ls_kw = {"tables_per_rank": 1, "placer": ShortlistPlacer()} if at_scale else {}
     moves, cut = local_search(ev, prob, deadline=work.deadline, budget=work, **ls_kw)
 
     # choose the optimizations on the final loads
