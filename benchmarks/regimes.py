@@ -509,7 +509,7 @@ def _f(v: Optional[float], fmt: str = "{:.3f}") -> str:
 def format_workload(res: Mapping[str, Any]) -> str:
     rows = res["rows"]
     lines = [f"\n## {res['regime']} {res['workload']} ({res['tables']} tables, batch {res['batch_size']}/rank)",
-             f"{'run':<22}{'plan':<20}{'pipeline/comm':<22}{'ms/step':>9}{'pred reg':>9}{'pred uns':>9}"
+             f"{'run':<22}{'plan':<20}{'pipeline/comm':<30}{'ms/step':>9}{'pred reg':>9}{'pred uns':>9}"
              f"{'TR/run':>7}{'TRbp/run':>9}{'rounds':>7}{'comm':>7}{'comp':>7}{'bound':>7}{'closed':>7}"]
     tr = _ms(rows, "torchrec")
     bp = res["ratios"].get("torchrec_best_pipeline")
@@ -519,7 +519,7 @@ def format_workload(res: Mapping[str, Any]) -> str:
             lines.append(f"{name:<22}failed: {r['failed'][:90]}")
             continue
         pr = r.get("predicted_ms") or {}
-        lines.append(f"{name:<22}{r['types'][:19]:<20}{r['settings'][:21]:<22}{r['measured_ms']:>9.1f}"
+        lines.append(f"{name:<22}{r['types'][:19]:<20}{r['settings'][:29]:<30}{r['measured_ms']:>9.1f}"
                      f"{_f(pr.get('regime'), '{:.1f}'):>9}{_f(pr.get('unshaped'), '{:.1f}'):>9}"
                      f"{_f(tr / r['measured_ms'] if tr else None, '{:.2f}'):>7}"
                      f"{_f(trb / r['measured_ms'] if trb else None, '{:.2f}'):>9}{len(r['runs_ms']):>7}"

@@ -8,7 +8,7 @@ then sent again alone on the link (no compute beside them).
 
 Every counted call (``runtime.comm_counter.CollectiveCall``: the input, output and gradient
 all-to-alls and reduce-scatters) is replayed as one blocking ``all_to_all_single`` of uint8
-buffers carrying the bytes the call sent and received, this rank's share split evenly over the
+buffers carrying the bytes the call sent, this rank's share split evenly over the
 other ranks; DDP's all-reduce as one fp32 ``all_reduce`` of its bytes. The calls run one after
 the other in the order the step issued them. A reduce-scatter moves its bytes as an all-to-all
 here (the same bytes on the link, not gloo's reduce-scatter algorithm); the replay's time is
@@ -23,25 +23,36 @@ from typing import Any, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from torchrec_sparselift.runtime.comm_counter import CollectiveCall, CommCounter
 
-__all__ = ["count_step_collectives", "peer_splits", "replay_collectives"]
+__all__ = ["count_step_collectives", "ddp_bytes", "peer_splits", "replay_collectives"]
 
 #: the counted step: after this many untimed steps (the pipelines' fill and first-call setup)
 COUNT_AFTER_STEPS = 2
 
 
+def ddp_bytes(model: nn.Module) -> int:
+    """Bytes DDP all-reduces per step in ``model``: the gradients of every parameter that a
+    ``DistributedDataParallel`` inside it trains."""
+    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, DistributedDataParallel)
+               for p in m.parameters() if p.requires_grad)
+
+
 def count_step_collectives(lifted: Any, batches: Iterator[Any],
                            after: int = COUNT_AFTER_STEPS) -> Tuple[List[CollectiveCall], int]:
     """The collectives of one steady step of ``lifted`` (``runtime.Lifted``: model and pipeline) on
-    ``batches``, and the bytes DDP all-reduced in it: ``after`` steps run uncounted first."""
+    ``batches`` (``after`` steps run uncounted first), and the bytes DDP all-reduces per step
+    (:func:`ddp_bytes`: from the model, since the pipelines that hold the all-reduce back own its
+    communication hook, which a counter cannot share)."""
     for _ in range(after):
         lifted.pipeline.progress(batches)
-    with CommCounter(lifted.model) as counter:
+    with CommCounter() as counter:
         lifted.pipeline.progress(batches)
     calls = [c for c in counter.calls if c.sent_bytes or c.recv_bytes]
-    return calls, int(counter.allreduce_bytes())
+    return calls, ddp_bytes(lifted.model)
 
 
 def peer_splits(sent: Sequence[int], rank: int) -> Tuple[List[int], List[int]]:
