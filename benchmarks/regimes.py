@@ -537,7 +537,7 @@ def format_workload(res: Mapping[str, Any]) -> str:
         lines.append(f"rewrites forced: fastest {x['best_rewrite']}, TorchRec/it {_f(x['torchrec_over_best_rewrite'])}x, "
                      f"TorchRec best pipeline/it {_f(x['torchrec_best_pipeline_over_best_rewrite'])}x; most of the "
                      f"gap to the overlap bound closed: {_f(x.get('best_gap_closed'), '{:.2f}')} "
-                     f"({x.get('best_gap_closed_run') or 'no bound: the run was not measured unshaped'})")
+                     f"({x.get('best_gap_closed_run') or 'no bound yet: the driver adds R1s compute parts'})")
     if "two_d_faster" in x:
         lines.append(f"2D/1D {_f(x.get('two_d_over_one_d'))}; planner picked 2D: {x.get('planner_picked_2d')}; "
                      f"decision right: {x.get('two_d_decision_right')}")
@@ -578,6 +578,23 @@ def format_summary(merged: Mapping[str, Any]) -> str:
         if s.get("two_d_loss_gap") is not None:
             lines.append(f"{name} loss parity: 2D - 1D up to {s['two_d_loss_gap']:+.5f}; two exact 1D plans differ by "
                          f"up to {_f(s.get('one_d_control_loss_gap'), '{:.5f}')} (the control)")
+    rewrite_lines = []
+    for name, job in merged["regimes"].items():
+        for wres in job.get("workloads", []):
+            rows, x = wres["rows"], wres["ratios"]
+            if not x.get("best_rewrite"):
+                continue
+            per = ", ".join(f"{n} {_f(r.get('gap_closed'), '{:.2f}')}" for n, r in rows.items()
+                            if rewrite_of(n) is not None and not r.get("failed")
+                            and (r.get("gap_closed") is not None or not r.get("same_as")))
+            base = rows.get(x.get("best_gap_closed_run") or "", {}).get("base")
+            bound = (rows.get(base or "") or {}).get("overlap_bound_ms")
+            rewrite_lines.append(f"{name} {wres.get('workload')}: fastest {x['best_rewrite']} (TR/it "
+                                 f"{_f(x['torchrec_over_best_rewrite'])}x, TRbest/it "
+                                 f"{_f(x['torchrec_best_pipeline_over_best_rewrite'])}x); gap to the overlap bound "
+                                 f"closed: {per or '-'}" + (f" (bound of {base}: {bound:.1f} ms)" if bound else ""))
+    if rewrite_lines:
+        lines += ["\n# Rewrites forced (share of the base run's gap to its overlap bound closed)"] + rewrite_lines
     lines.append("\n# Targets")
     for name, job in merged["regimes"].items():
         for t in job["targets"]:
