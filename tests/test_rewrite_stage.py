@@ -195,3 +195,29 @@ def test_the_stage_never_worsens_the_prediction_nor_beats_the_bound(bw_div, dens
     assert r.step_s <= r.step_without_s * (1 + 1e-12)
     if r.terms is not None:
         assert r.step_s >= max(r.terms.compute_s, r.terms.comm_s) * (1 - 1e-9)
+
+
+def test_a_cached_plan_with_rewrites_comes_back_with_them(tmp_path):
+    first, _ = _plan(_profile(**COMM_HEAVY), cache_dir=str(tmp_path))
+    ep = first.plan_execution(_model(), get_default_sharders())
+    assert first.last_cache_hit is False and ep.optimizations.batch_split > 1
+    back = first.plan_execution(_model(), get_default_sharders())
+    assert first.last_cache_hit is True and back == ep and back.planner_info["rewrites"] == ep.planner_info["rewrites"]
+    other, _ = _plan(_profile(**COMM_HEAVY), cache_dir=str(tmp_path), rewrites=())
+    plain = other.plan_execution(_model(), get_default_sharders())
+    assert other.last_cache_hit is False  # another request: the rewrites allowed are in the fingerprint
+    assert plain.optimizations.batch_split == 1 and plain.optimizations.id_dtype == "int64"
+    assert "rewrites" not in plain.planner_info and plain.prediction.step_time_s > ep.prediction.step_time_s
+
+
+def test_explain_prices_a_stored_plan_again_with_its_rewrites():
+    from torchrec_sparselift.explain import reprice_plan
+
+    planner, res = _plan(_profile(**COMM_HEAVY))
+    ep = execution_plan(planner.last_request, res)
+    topo = Topology(world_size=8, local_world_size=8, compute_device="cuda", hbm_cap=80 << 30)
+    cons = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(TABLES)}
+    repriced = reprice_plan(ep, planner, _model(), cons, topo, 2048, planner.profile(), top=2)
+    again = repriced.evaluated.rewrites
+    assert (again.batch_split, again.id_dtype) == (res.rewrites.batch_split, res.rewrites.id_dtype)
+    assert repriced.evaluated.rewritten_step_s == pytest.approx(ep.prediction.step_time_s, rel=1e-9)
