@@ -227,7 +227,8 @@ class PlanInputs:
         """The inputs :meth:`to_dict` wrote (``file``: the plan they came from, named in errors).
         Any problem is a :class:`CliError` naming the field (``planner_info.inputs.batch_size``)."""
         if not isinstance(data, Mapping) or data.get("schema") != INPUTS_SCHEMA:
-            raise CliError(f"the plan's planner_info.inputs is not a {INPUTS_SCHEMA} record")
+            where = "" if file is None else f"{file}: "
+            raise CliError(f"{where}the plan's planner_info.inputs is not a {INPUTS_SCHEMA} record")
         try:
             f = Fields(dict(data), file=file, what="the plan's stored inputs", path="planner_info.inputs")
             t = f.obj("topology")
@@ -261,6 +262,10 @@ class PlanInputs:
             )
         except FileFormatError as e:
             raise CliError(str(e)) from None
+        except CliError as e:  # the inputs' own checks: name the file they came from
+            if file is None or file in str(e):
+                raise
+            raise CliError(f"{file}: the plan's stored inputs: {e}") from None
 
 
 def reference_workload(name: str) -> Any:

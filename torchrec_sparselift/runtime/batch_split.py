@@ -52,8 +52,8 @@ Devices: on CPU (gloo) the collectives run on gloo's worker threads beside the P
 CUDA (NCCL) each chunk's input is cut and its collective issued on a side stream that waits for
 the lookups (an event on the current stream); the chunk's forward makes the current (dense)
 stream wait for that side stream's event recorded after the issue, and NCCL's ``wait()`` then
-orders the dense stream after the transfer. ``scripts/gpu_batch_split_check.py`` checks it on a
-lent GPU.
+orders the dense stream after the transfer. ``scripts/gpu_check.py batch-split`` checks it on
+a lent GPU.
 """
 
 from __future__ import annotations
