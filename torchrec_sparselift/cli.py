@@ -57,6 +57,7 @@ from torchrec_sparselift.calibration.attribution import (
 from torchrec_sparselift.explain import (
     format_2d,
     format_never_slower,
+    format_rewrites,
     format_plan_table,
     format_rank_breakdown,
     format_table,
@@ -376,6 +377,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rule = format_never_slower(ep.planner_info)
     if rule:
         print(f"  {rule}")
+    for line in format_rewrites(ep.planner_info):
+        print(f"  {line}")
     if ep.optimizations.is_2d:
         print("\n".join("  " + line for line in format_2d(ep.optimizations)))
     print()
@@ -550,6 +553,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     rule = format_never_slower(ep.planner_info)
     if rule:
         print(rule)
+    for line in format_rewrites(ep.planner_info):
+        print(line)
     print()
     print("Per-rank breakdown (modelled; busy = compute + exposed comm):")
     print(format_rank_breakdown(p))

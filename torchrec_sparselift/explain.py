@@ -28,6 +28,7 @@ from torchrec_sparselift.cost.two_d import sync_evidence
 from torchrec_sparselift.search.place import best_placement
 from torchrec_sparselift.search.solve import new_evaluator
 from torchrec_sparselift.plan.baseline import decision_from_dict
+from torchrec_sparselift.plan.rewrites import RewriteChoice
 from torchrec_sparselift.planner import evaluate_sharding_plan
 from torchrec_sparselift.search.two_d import group_topology
 
@@ -47,6 +48,7 @@ __all__ = [
     "format_tables",
     "format_2d",
     "format_never_slower",
+    "format_rewrites",
 ]
 
 PHASE_ORDER = PHASE_NAMES
@@ -375,3 +377,13 @@ def format_never_slower(planner_info: Mapping[str, Any]) -> Optional[str]:
     the differing terms behind it); None when the plan was made without the rule."""
     decision = decision_from_dict(planner_info.get("never_slower"))
     return None if decision is None else decision.describe()
+
+
+def format_rewrites(planner_info: Mapping[str, Any]) -> List[str]:
+    """The rewrite stage's choice an execution plan stored (``planner_info["rewrites"]``): the
+    rewrites chosen with the predicted step with and without them, the wire-id bytes saved, per
+    chunk of a batch split what the link hides and what the step waits for
+    (``cost.batch_split.split_schedule``), and why each rewrite not chosen was not; no lines when
+    the plan was made without the stage."""
+    choice = RewriteChoice.from_dict(planner_info.get("rewrites"))
+    return [] if choice is None else choice.describe()

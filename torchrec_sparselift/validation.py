@@ -748,6 +748,13 @@ def _one_d(a: Mapping[str, Any]) -> bool:
     return a.get("sharding_group_size") is None
 
 
+def _listed(a: Mapping[str, Any], name: str) -> Optional[Tuple[Any, ...]]:
+    """Argument ``name`` as a tuple where it is a list or tuple (None otherwise: not given, or a
+    value its own check refuses)."""
+    v = a.get(name)
+    return tuple(v) if isinstance(v, (list, tuple)) else None
+
+
 def _stale_listed(a: Mapping[str, Any]) -> bool:
     return any(p in STALE_PIPELINES for p in a.get("pipelines") or ())
 
@@ -782,6 +789,15 @@ OPTION_NEEDS: Tuple[OptionNeed, ...] = (
     OptionNeed("timeout_seconds", "no time_budget_s (time_budget_s is the search budget when both are given)",
                lambda a: bool(a.get("timeout_seconds")) and bool(a.get("time_budget_s"))
                and float(a["timeout_seconds"]) != float(a["time_budget_s"])),
+    OptionNeed("rewrites", "a 1D plan (sharding_group_size=None) with cost_model='sparselift' (the rewrite stage "
+               "prices 1D plans with SparseLift's model)",
+               lambda a: bool(_listed(a, "rewrites")) and (
+                   not _one_d(a) or a.get("cost_model", "sparselift") != "sparselift"),
+               needs_flags="no --sharding-group-size, --cost-model sparselift"),
+    OptionNeed("per_sample", "the batch split among the rewrites (rewrites=None or a list with 'batch_split') "
+               "in a 1D plan", lambda a: a.get("per_sample") is True and (
+                   not _one_d(a) or (_listed(a, "rewrites") is not None and "batch_split" not in _listed(a, "rewrites"))),
+               needs_flags="the batch split among the rewrites in a 1D plan"),
     OptionNeed("allow_staleness", "pipelines=None or a list with a stale pipeline ("
                + ", ".join(STALE_PIPELINES) + ")",
                lambda a: bool(a.get("allow_staleness")) and a.get("pipelines") is not None and not _stale_listed(a)),
