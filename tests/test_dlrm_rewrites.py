@@ -37,6 +37,8 @@ SHARDING = {
     "t_cat_3": {"sharding_types": ["table_row_wise"]},
     "t_cat_4": {"sharding_types": ["table_wise"]},
 }
+# the unrewritten run: every rewrite forced off (the planner may choose them; docs/wire_ids.md)
+OFF = ["--batch-split", "1", "--id-dtype", "int64", "--dedup", "none"]
 REWRITES = {
     "batch_split": ["--batch-split", "4", "--per-sample"],
     "id_dtype": ["--id-dtype", "int32"],
@@ -85,10 +87,10 @@ def test_each_rewrite_trains_the_losses_and_weights_of_the_unrewritten_run(tmp_p
               "--plan-cache", str(tmp_path / "plans"), "--constraints", str(constraints),
               "--checkpoint-every", str(STEPS)]
     # one plan for every run: planned once here (the runs then reuse it from the cache)
-    base = start_script(TRAIN, [*common, "--checkpoint-dir", str(tmp_path / "ck_base"),
+    base = start_script(TRAIN, [*common, *OFF, "--checkpoint-dir", str(tmp_path / "ck_base"),
                                 "--out", str(tmp_path / "base.json")], 2, env=_env(), timeout_s=600).wait()
     assert base.ok, base.tail()
-    runs = {name: start_script(TRAIN, [*common, *flags, "--checkpoint-dir", str(tmp_path / f"ck_{name}"),
+    runs = {name: start_script(TRAIN, [*common, *OFF, *flags, "--checkpoint-dir", str(tmp_path / f"ck_{name}"),
                                        "--out", str(tmp_path / f"{name}.json")], 2, env=_env(), timeout_s=600)
             for name, flags in REWRITES.items()}
     done = {name: r.wait() for name, r in runs.items()}
@@ -96,7 +98,8 @@ def test_each_rewrite_trains_the_losses_and_weights_of_the_unrewritten_run(tmp_p
         assert r.ok, (name, r.tail())
 
     want = json.loads((tmp_path / "base.json").read_text())
-    assert want["rewrites"] == dict(batch_split=1, id_dtype="int64", dedup_features=[], per_sample=False, forced=[])
+    assert want["rewrites"] == dict(batch_split=1, id_dtype="int64", dedup_features=[], per_sample=False,
+                                    forced=["batch_split", "dedup_features", "id_dtype"])
     assert {r["sharding_type"] for r in want["plan"] if r["table"] in SHARDING} == {
         "row_wise", "data_parallel", "column_wise", "table_row_wise", "table_wise"}
     weights = _final_state(str(tmp_path / "ck_base"))
@@ -145,6 +148,7 @@ def _tables():
     (dict(dedup=" , "), "--dedup takes feature names"),
     (dict(planner="torchrec", per_sample=True), "--per-sample applies to --planner sparselift"),
     (dict(planner="torchrec", id_dtype="int32"), "--id-dtype applies to --planner sparselift"),
+    (dict(per_sample=True, sharding_group_size=2), "--per-sample has no effect here: it needs the batch split"),
 ])
 def test_a_rewrite_flag_that_cannot_apply_is_refused_naming_it(kwargs, message):
     with pytest.raises(UsageError) as e:
@@ -159,6 +163,7 @@ def test_the_flags_become_lifts_keywords_and_nothing_given_keeps_the_plans_choic
     got = rewrite_overrides(TrainOptions(batch_split=4, pipeline="overlap", id_dtype="int32", dedup="all"), tables)
     assert got == dict(batch_split=4, id_dtype="int32", dedup_features=tuple(f"cat_{i}" for i in range(26)))
     assert rewrite_overrides(TrainOptions(dedup="cat_3, cat_1"), tables) == {"dedup_features": ("cat_3", "cat_1")}
+    assert rewrite_overrides(TrainOptions(dedup="none", sharding_group_size=2), tables) == {"dedup_features": ()}
     with pytest.raises(UsageError, match=r"--dedup names \['cat_99'\], which no table reads"):
         rewrite_overrides(TrainOptions(dedup="cat_1,cat_99"), tables)
     big = [TableSpec(name="huge", rows=2**31 + 1, dim=16, features=("f",), pooling_factor=(1.0,))]

@@ -38,6 +38,7 @@ from torchrec_sparselift.dlrm.logs import quiet_logs
 from torchrec_sparselift.dlrm.options import (
     ARCHS,
     DEDUP_ALL,
+    DEDUP_NONE,
     DENSE_OPTIMIZERS,
     DEVICES,
     FAIL_HOWS,
@@ -130,9 +131,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainOptions:
     p.add_argument("--id-dtype", choices=ID_DTYPES,
                    help="sparselift: ids and lengths in the input all-to-all at this width (int32 needs every table "
                    "within int32 rows; 1D); default: the plan's choice (docs/wire_ids.md)")
-    p.add_argument("--dedup", metavar=f"FEATURES|{DEDUP_ALL}",
-                   help="sparselift: deduplicate the ids of these features (comma-separated; all: every feature) "
-                   "before the input all-to-all, exact (1D); default: the plan's choice (docs/wire_ids.md)")
+    p.add_argument("--dedup", metavar=f"FEATURES|{DEDUP_ALL}|{DEDUP_NONE}",
+                   help="sparselift: deduplicate the ids of these features (comma-separated; all: every feature; "
+                   "none: no feature) before the input all-to-all, exact (1D); default: the plan's choice "
+                   "(docs/wire_ids.md)")
     # ---- 2D sparse parallelism (SparseLiftPlanner(sharding_group_size=...), runtime.lift builds DMPCollection)
     p.add_argument("--sharding-group-size", metavar="auto|N", help="sparselift: plan 2D sparse parallelism: tables "
                    "sharded over groups of N ranks, the groups replicated (auto: the planner picks N, 1D included); "

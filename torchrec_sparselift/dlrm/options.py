@@ -24,7 +24,7 @@ from torchrec_sparselift.validation import option_problems
 from torchrec_sparselift.vocabulary import PIPELINES, STALE_PIPELINES, STRATEGY_2D_CHOICES
 
 __all__ = ["UsageError", "TrainOptions", "FAIL_HOWS", "PLANNERS", "TABLE_PRESETS", "MODELS", "ARCHS", "DENSE_OPTIMIZERS",
-           "DEVICES", "REPLICA_MERGES", "ID_DTYPES", "DEDUP_ALL", "model_kind", "resolve_tables", "rewrite_overrides"]
+           "DEVICES", "REPLICA_MERGES", "ID_DTYPES", "DEDUP_ALL", "DEDUP_NONE", "model_kind", "resolve_tables", "rewrite_overrides"]
 
 PLANNERS = ("sparselift", "torchrec")
 TABLE_PRESETS = ("dcnv2", "kaggle")
@@ -33,8 +33,9 @@ ARCHS = ("mlperf", "small")
 DENSE_OPTIMIZERS = ("adagrad", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 REPLICA_MERGES = ("average", "momentum_scaled")
-#: ``--dedup all``: every feature of the tables
+#: ``--dedup all``: every feature of the tables; ``--dedup none``: no feature
 DEDUP_ALL = "all"
+DEDUP_NONE = "none"
 
 
 class UsageError(ValueError):
@@ -74,7 +75,7 @@ FAIL_HOWS = ("raise", "kill", "hang")
 FLAG_OF_OPTION = {"sharding_group_size": "--sharding-group-size", "strategy_2d": "--2d-strategy",
                   "sync_interval": "--sync-interval", "allow_lossy_comm": "--allow-lossy-comm",
                   "allow_staleness": "--allow-staleness", "batch_split": "--batch-split", "id_dtype": "--id-dtype",
-                  "dedup_features": "--dedup", "pipeline": "--pipeline"}
+                  "dedup_features": "--dedup", "pipeline": "--pipeline", "per_sample": "--per-sample"}
 
 
 def _optional_one_of(flag: str, choices: tuple):
@@ -85,12 +86,12 @@ def _optional_one_of(flag: str, choices: tuple):
 
 
 def _dedup(value: Any) -> Optional[str]:
-    """``--dedup``: None (the plan's), ``all``, or comma-separated feature names (spaces dropped)."""
+    """``--dedup``: None (the plan's), ``all``, ``none`` or comma-separated feature names (spaces dropped)."""
     if value is None:
         return None
     names = [n.strip() for n in str(value).split(",") if n.strip()]
     if not names:
-        raise UsageError(f"--dedup takes feature names separated by commas or 'all', got {value!r}")
+        raise UsageError(f"--dedup takes feature names separated by commas, 'all' or 'none', got {value!r}")
     return ",".join(names)
 
 
@@ -191,11 +192,6 @@ class TrainOptions:
         self._check_2d()
         self._check_rewrites()
 
-    @property
-    def rewrites_forced(self) -> bool:
-        """A sparse-path rewrite flag was given (``--batch-split``, ``--id-dtype``, ``--dedup``)."""
-        return self.batch_split is not None or self.id_dtype is not None or self.dedup is not None
-
     def _check_rewrites(self) -> None:
         """The sparse-path rewrite flags: each needs the sparselift planner; ``--batch-split`` the
         overlap pipeline and 1D, ``--id-dtype``/``--dedup`` 1D (validation.OPTION_NEEDS)."""
@@ -212,8 +208,9 @@ class TrainOptions:
                     raise UsageError(f"{flag} applies to --planner sparselift (--planner torchrec trains TorchRec's "
                                      "sparse path as it is)")
         errors, _ = option_problems(
-            dict(batch_split=k, pipeline=self.pipeline, id_dtype=self.id_dtype, dedup_features=self.dedup,
-                 sharding_group_size=self.sharding_group_size),
+            dict(batch_split=k, pipeline=self.pipeline, id_dtype=self.id_dtype,
+                 dedup_features=None if self.dedup == DEDUP_NONE else self.dedup,
+                 per_sample=self.per_sample, sharding_group_size=self.sharding_group_size),
             spell=lambda name: FLAG_OF_OPTION.get(name, name))
         if errors:
             raise UsageError(errors[0])
@@ -263,7 +260,8 @@ def rewrite_overrides(options: TrainOptions, tables: Sequence[TableSpec]) -> Dic
     """``runtime.lift``'s keywords for the rewrite flags given (``batch_split``, ``id_dtype``,
     ``dedup_features``; a flag left out keeps the execution plan's choice), checked against
     ``tables`` as the run checks them: ``--id-dtype int32`` needs every table within int32 rows,
-    ``--dedup`` names features of the tables (``all``: every one). Raises UsageError."""
+    ``--dedup`` names features of the tables (``all``: every one; ``none``: no feature). Raises
+    UsageError."""
     out: Dict[str, Any] = {}
     if options.batch_split is not None:
         out["batch_split"] = options.batch_split
@@ -277,13 +275,15 @@ def rewrite_overrides(options: TrainOptions, tables: Sequence[TableSpec]) -> Dic
         every = feature_names(tables)
         if options.dedup == DEDUP_ALL:
             out["dedup_features"] = tuple(every)
+        elif options.dedup == DEDUP_NONE:
+            out["dedup_features"] = ()
         else:
             names = options.dedup.split(",")
             unknown = [n for n in names if n not in every]
             if unknown:
                 shown = ", ".join(every[:8]) + (", ..." if len(every) > 8 else "")
                 raise UsageError(f"--dedup names {unknown}, which no table reads; the features are {shown} "
-                                 f"(or --dedup {DEDUP_ALL})")
+                                 f"(or --dedup {DEDUP_ALL} or {DEDUP_NONE})")
             out["dedup_features"] = tuple(names)
     return out
 

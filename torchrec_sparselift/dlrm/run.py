@@ -139,7 +139,7 @@ def check_planning_input(options: TrainOptions, tables: Sequence[TableSpec]) -> 
             "sparselift", world_size, ranks_per_host(world_size=world_size), "cuda" if use_cuda else "cpu",
             options.batch_size, planner_constraints(tables, specs, one_hot=bool(options.criteo_dir)),
             allow_lossy_comm=options.allow_lossy_comm, allow_staleness=options.allow_staleness,
-            **options.two_d_options())
+            per_sample=options.per_sample, **options.two_d_options())
         planner.request(ebc, get_default_sharders())
     except ValueError as e:
         raise UsageError(f"planning would refuse this input: {e}") from None
@@ -320,7 +320,7 @@ def prepare(options: TrainOptions, tables: List[TableSpec], cluster: Cluster) ->
         options.planner, cluster.world_size, cluster.local_world_size, cluster.device.type, options.batch_size,
         constraints, hardware=hardware, cache_dir=options.cache_dir, allow_lossy_comm=options.allow_lossy_comm,
         allow_staleness=options.allow_staleness, workload=workload, model_errors=model_errors,
-        **options.two_d_options(),
+        per_sample=options.per_sample, **options.two_d_options(),
     )  # fmt: skip
     return Setup(tables=list(tables), model_kind=kind, arch=arch, model=model, constraints=constraints,
                  hardware=hardware, model_errors=model_errors, workload=workload, planner=planner, cores=cores,
