@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from launcher import run_script, start_script
 from test_dlrm_faults import TINY, TRAIN
 
@@ -27,6 +29,7 @@ def test_a_rank_killed_at_the_last_step_is_named_by_the_survivor(tmp_path):
     assert waited < 30, err
 
 
+@pytest.mark.slow  # ~45 s: the collective timeout, the roll call and two example starts
 def test_a_rank_silent_after_the_last_step_ends_the_job_within_the_collective_timeout(tmp_path):
     timeout = 8
     ranks = start_script(TRAIN, [*TINY, "--plan-cache", str(tmp_path / "plans"), "--fail-at-step", LAST,
