@@ -195,3 +195,58 @@ def test_the_stage_never_worsens_the_prediction_nor_beats_the_bound(bw_div, dens
     assert r.step_s <= r.step_without_s * (1 + 1e-12)
     if r.terms is not None:
         assert r.step_s >= max(r.terms.compute_s, r.terms.comm_s) * (1 - 1e-9)
+
+
+def test_a_cached_plan_with_rewrites_comes_back_with_them(tmp_path):
+    first, _ = _plan(_profile(**COMM_HEAVY), cache_dir=str(tmp_path))
+    ep = first.plan_execution(_model(), get_default_sharders())
+    assert first.last_cache_hit is False and ep.optimizations.batch_split > 1
+    back = first.plan_execution(_model(), get_default_sharders())
+    assert first.last_cache_hit is True and back == ep and back.planner_info["rewrites"] == ep.planner_info["rewrites"]
+    other, _ = _plan(_profile(**COMM_HEAVY), cache_dir=str(tmp_path), rewrites=())
+    plain = other.plan_execution(_model(), get_default_sharders())
+    assert other.last_cache_hit is False  # another request: the rewrites allowed are in the fingerprint
+    assert plain.optimizations.batch_split == 1 and plain.optimizations.id_dtype == "int64"
+    assert "rewrites" not in plain.planner_info and plain.prediction.step_time_s > ep.prediction.step_time_s
+
+
+def test_explain_prices_a_stored_plan_again_with_its_rewrites():
+    from torchrec_sparselift.explain import reprice_plan
+
+    planner, res = _plan(_profile(**COMM_HEAVY))
+    ep = execution_plan(planner.last_request, res)
+    topo = Topology(world_size=8, local_world_size=8, compute_device="cuda", hbm_cap=80 << 30)
+    cons = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(TABLES)}
+    repriced = reprice_plan(ep, planner, _model(), cons, topo, 2048, planner.profile(), top=2)
+    again = repriced.evaluated.rewrites
+    assert (again.batch_split, again.id_dtype) == (res.rewrites.batch_split, res.rewrites.id_dtype)
+    assert repriced.evaluated.rewritten_step_s == pytest.approx(ep.prediction.step_time_s, rel=1e-9)
+
+
+def test_dedup_is_chosen_per_feature_where_the_observed_ratio_pays_and_shortens_the_step():
+    from torchrec_sparselift.semantics.workload import FeatureStats, WorkloadStats
+
+    # f0, f1 repeat their ids (5% distinct), the others do not; 20 ids per sample
+    stats = WorkloadStats(features=[FeatureStats(feature=f"f{i}", pooling_factor=20.0, unique_ratio=0.05 if i < 2 else 1.0)
+                                    for i in range(TABLES)])
+    fast = _profile(**COMM_HEAVY, dedup_id_s=1e-11)  # at 140 MB/s a 4-byte id costs 29 ns on the link
+    _, res = _plan(fast, workload=stats, pipelines=["base"])
+    r = res.rewrites
+    assert r.dedup_features == ("f0", "f1") and r.id_dtype == "int32"
+    assert r.input_dist_saved_s > 0 and r.step_s < r.step_without_s  # base waits for the input all-to-all
+    assert res.optimizations().dedup_features == ("f0", "f1")
+    _, slow = _plan(_profile(**COMM_HEAVY, dedup_id_s=1e-3), workload=stats, pipelines=["base"])
+    assert slow.rewrites.dedup_features == () and "no feature's distinct ids are few enough" in _notes(slow)
+    _, off = _plan(fast, workload=stats, pipelines=["base"], rewrites=["id_dtype"])
+    assert off.rewrites.dedup_features == () and off.rewrites.step_s > r.step_s
+
+
+def test_a_2d_plan_records_why_it_has_no_rewrites():
+    topo = Topology(world_size=8, local_world_size=4, compute_device="cuda")
+    planner = SparseLiftPlanner(topology=topo, batch_size=512, hardware=_profile(**COMM_HEAVY), debug=False,
+                                time_budget_s=2, solver="heuristic", sharding_group_size=4)
+    res = planner.plan_with_result(_model(), get_default_sharders())
+    assert res.sharding_group_size == 4 and "a 2D plan" in _notes(res)
+    o = res.optimizations()
+    assert (o.batch_split, o.id_dtype, o.dedup_features) == (1, "int64", ())
+    assert res.step_time_s == res.search.step.total_s + res.sync_s

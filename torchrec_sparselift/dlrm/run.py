@@ -11,6 +11,7 @@ the measured step time against the prediction.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import math
@@ -67,7 +68,12 @@ from torchrec_sparselift.measure.guard import MeasuredGuard, guarded_execution_p
 from torchrec_sparselift.measure.link import LinkRatesError, measure_link_rates
 from torchrec_sparselift.measure.probe import pin_rank_to_core
 from torchrec_sparselift.runtime.batch_split import NotPerSample, per_sample_violation
-from torchrec_sparselift.runtime.liveness import CollectiveFailure, StepHeartbeat, collective_failure
+from torchrec_sparselift.runtime.liveness import (
+    CollectiveFailure,
+    StepHeartbeat,
+    collective_failure,
+    is_collective_failure,
+)
 from torchrec_sparselift.runtime.timing import StepTimer
 
 __all__ = [
@@ -89,6 +95,7 @@ __all__ = [
     "run_batches",
     "train_loop",
     "train",
+    "lost_ranks_named",
     "result_record",
     "attribute_run",
     "attribute",
@@ -592,9 +599,11 @@ def _flush(pipeline: Any) -> None:
 
 
 def train(options: TrainOptions, sharded: Sharded, batches: PrefetchedBatches, first_step: int,
-          config: Dict[str, Any], cluster: Cluster) -> Tuple[TrainResult, StepTimer, List[int]]:
+          config: Dict[str, Any], cluster: Cluster,
+          heartbeat: Optional[StepHeartbeat] = None) -> Tuple[TrainResult, StepTimer, List[int]]:
     """The timed steps after ``first_step``, with the progress bar, the checkpoints and
-    ``--fail-at-step``; returns the losses, the step timer and the steps checkpointed."""
+    ``--fail-at-step``; returns the losses, the step timer and the steps checkpointed.
+    ``heartbeat``: where each finished step is recorded (default: the default group's)."""
     to_run = options.steps - first_step
     warmup = min(options.warmup_steps, to_run - 1)
     timer = StepTimer(cluster.device, warmup_steps=warmup, predicted_s=sharded.predicted_s, plan=sharded.timer_label,
@@ -622,7 +631,7 @@ def train(options: TrainOptions, sharded: Sharded, batches: PrefetchedBatches, f
         if step == options.fail_at_step and first_attempt and options.fail_rank in (None, cluster.rank):
             fail_now(options.fail_how, step)
 
-    heartbeat = StepHeartbeat.of_default_group()
+    heartbeat = heartbeat or StepHeartbeat.of_default_group()
     try:
         result = train_loop(sharded.pipeline, batches, first_step, options.steps, timer, after_step)
     except Exception as e:
@@ -768,6 +777,25 @@ def write_result(path: str, out: Dict[str, Any]) -> None:
     write_json(path, out, indent=1)
 
 
+@contextlib.contextmanager
+def lost_ranks_named(heartbeat: StepHeartbeat, timeout_s: float) -> Iterator[None]:
+    """A collective of the block (after the train loop too: the final checkpoint, the result's
+    reductions, the last barrier) that fails because a rank was lost ends as one
+    :class:`CollectiveFailure` naming it, as in the loop (a failure already named passes as is)."""
+    try:
+        yield
+    except CollectiveFailure:
+        raise
+    except Exception as e:
+        cause: Optional[BaseException] = e
+        while cause is not None and not is_collective_failure(cause):  # e.g. a CheckpointError over gloo's
+            cause = cause.__cause__ or cause.__context__
+        lost = None if cause is None else collective_failure(cause, heartbeat, timeout_s)
+        if lost is None:
+            raise
+        raise CollectiveFailure(lost) from e
+
+
 def run(options: TrainOptions, tables: List[TableSpec]) -> Dict[str, Any]:
     """Plan, shard and train per ``options``; returns the JSON result (the same on every rank)."""
     cluster = init_distributed(options.device, options.collective_timeout)
@@ -777,14 +805,16 @@ def run(options: TrainOptions, tables: List[TableSpec]) -> Dict[str, Any]:
     resumed_from = resume(options, config, sharded, cluster)
     first_step = resumed_from or 0
     batches = run_batches(options, tables, cluster, first_step)
-    result, timer, saved = train(options, sharded, batches, first_step, config, cluster)
-    out = result_record(options, setup, sharded, cluster, result, timer, saved, resumed_from)
-    if options.attribute:
-        attribute(options, setup, sharded, batches, cluster, out)
-    if not all(math.isfinite(x) for x in out["losses"]):
-        raise RuntimeError("training diverged: a loss is not finite (lower --lr)")
-    if cluster.rank == 0 and options.out:
-        write_result(options.out, out)
-        cluster.say(f"[dlrm] wrote {options.out}")
-    dist.barrier()
+    heartbeat = StepHeartbeat.of_default_group()
+    with lost_ranks_named(heartbeat, options.collective_timeout):
+        result, timer, saved = train(options, sharded, batches, first_step, config, cluster, heartbeat)
+        out = result_record(options, setup, sharded, cluster, result, timer, saved, resumed_from)
+        if options.attribute:
+            attribute(options, setup, sharded, batches, cluster, out)
+        if not all(math.isfinite(x) for x in out["losses"]):
+            raise RuntimeError("training diverged: a loss is not finite (lower --lr)")
+        if cluster.rank == 0 and options.out:
+            write_result(options.out, out)
+            cluster.say(f"[dlrm] wrote {options.out}")
+        dist.barrier()
     return out
