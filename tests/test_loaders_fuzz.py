@@ -9,7 +9,8 @@ documented error (``FileFormatError`` / ``PlanFormatError``, ``CliError`` for pl
 directory), never a raw
 ``KeyError``, ``TypeError``, ``AttributeError``, ``IndexError``, ``UnicodeDecodeError`` or
 ``json.JSONDecodeError``. The plan cache (the loader of stored execution plans) never raises for a
-damaged file: it re-plans, naming the file. ``tests/test_loaders.py`` has the arbitrary-value
+damaged file, nor for a damaged sharding plan checked against the request it would serve
+(``plan.loader.stored_plan_problem``): it re-plans, naming the file. ``tests/test_loaders.py`` has the arbitrary-value
 mutations; this file adds truncation, type swaps per field, and the file name in every message.
 """
 
@@ -213,5 +214,39 @@ def test_the_plan_cache_replans_for_a_damaged_plan_naming_it(tmp_path_factory, d
     with open(path, "wb") as f:
         f.write(damaged)
     found, why, _level = cache._lookup(plan.fingerprint, None, 0.2)  # load() logs the same line
+    if found is None:
+        assert os.path.basename(path) in why and "\n" not in why, why
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A plan in a cache, with the request it was made for (a small model, the heuristic search)."""
+    from test_plan_cache import _small_model, _small_planner
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    directory = tmp_path_factory.mktemp("planned")
+    model = _small_model()
+    planner = _small_planner(directory)
+    plan = planner.plan_execution(model, get_default_sharders())
+    path = PlanCache(str(directory)).path_for(plan.fingerprint)
+    with open(path, "rb") as f:
+        raw = f.read()
+    return plan, planner.request(model, get_default_sharders()), raw
+
+
+@FUZZ
+@given(data=st.data())
+def test_the_plan_cache_checks_a_damaged_sharding_plan_against_the_request_without_raising(
+        tmp_path_factory, planned, data):
+    plan, request, raw = planned
+    doc = json.loads(raw)
+    at, value = data.draw(st.sampled_from(_leaves(doc["sharding_plan"])[1:]))
+    doc["sharding_plan"] = _set(doc["sharding_plan"], at, data.draw(st.sampled_from(
+        [v for v in OTHER_TYPES if type(v) is not type(value)])), remove=data.draw(st.booleans()))
+    cache = PlanCache(str(tmp_path_factory.mktemp("cache")))
+    path = cache.path_for(plan.fingerprint)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+    found, why, _level = cache._lookup(plan.fingerprint, None, 0.2, request)  # the loader's own checks too
     if found is None:
         assert os.path.basename(path) in why and "\n" not in why, why

@@ -204,8 +204,10 @@ def test_a_storage_reservation_passed_with_a_percentage_is_refused():
 
 
 def test_every_row_of_the_table_is_tested_and_names_its_needs():
+    # batch_split, id_dtype, dedup_features: runtime.lift's rewrites, forced by the DLRM example's flags
+    # (tests/test_dlrm_rewrites.py); the planner chooses them itself
     assert {r.option for r in OPTION_NEEDS} == {o for _k, o in NOT_APPLYING} | {
-        "estimator", "heuristical_storage_reservation_percentage"}
+        "estimator", "heuristical_storage_reservation_percentage", "batch_split", "id_dtype", "dedup_features"}
     for row in OPTION_NEEDS:
         assert row.needs and not row.given_without({})  # nothing given: nothing refused
 

@@ -239,3 +239,14 @@ def test_dedup_is_chosen_per_feature_where_the_observed_ratio_pays_and_shortens_
     assert slow.rewrites.dedup_features == () and "no feature's distinct ids are few enough" in _notes(slow)
     _, off = _plan(fast, workload=stats, pipelines=["base"], rewrites=["id_dtype"])
     assert off.rewrites.dedup_features == () and off.rewrites.step_s > r.step_s
+
+
+def test_a_2d_plan_records_why_it_has_no_rewrites():
+    topo = Topology(world_size=8, local_world_size=4, compute_device="cuda")
+    planner = SparseLiftPlanner(topology=topo, batch_size=512, hardware=_profile(**COMM_HEAVY), debug=False,
+                                time_budget_s=2, solver="heuristic", sharding_group_size=4)
+    res = planner.plan_with_result(_model(), get_default_sharders())
+    assert res.sharding_group_size == 4 and "a 2D plan" in _notes(res)
+    o = res.optimizations()
+    assert (o.batch_split, o.id_dtype, o.dedup_features) == (1, "int64", ())
+    assert res.step_time_s == res.search.step.total_s + res.sync_s

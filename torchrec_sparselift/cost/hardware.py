@@ -199,17 +199,19 @@ class HardwareProfile:
             (every all-to-all byte on the wire).
         chunk_overhead_s: seconds one more batch chunk adds to a step (``cost.batch_split``): the
             dense model's calls run once more per chunk (kernel launches, the framework's per-call
-            work, the merge and slice of the batch). Measured by ``sparselift calibrate kernels``
-            (``measure.microbench.bench_chunk_overhead``: a DLRM-like dense forward and backward at
-            a fixed total batch in k = 1, 2, 4, 8 chunks; the slope over k,
-            ``calibration.kernel_fit.fit_chunk_overhead``). None: not calibrated on this profile
+            work, the slice of the batch and the merge of the outputs). Measured by ``sparselift
+            calibrate kernels`` and by the step calibration's host terms
+            (``measure.microbench.bench_chunk_steps``: a DLRM-like dense forward and backward at
+            one total batch in k = 1, 2, 4, 8 chunks; the slope over k,
+            ``calibration.rewrite_fit.fit_chunk_overhead``). None: not calibrated on this profile
             (the planner does not split the batch, and says why).
         dedup_id_s: seconds per id of the id-deduplication kernels (``cost.wire_ids``): the
             sender's ``torch.unique`` with its inverse index and the receiver's rebuild
-            (``index_select``), as ``runtime.wire_ids`` runs them. Measured by ``sparselift
-            calibrate kernels`` (``measure.microbench.bench_dedup_id_s``; the per-id slope over id
-            counts and unique ratios, ``calibration.kernel_fit.fit_dedup_id_s``). None: not
-            calibrated (the planner does not deduplicate ids, and says why).
+            (``unique[inverse]``) and merge of the sources' distinct ids, as ``runtime.wire_ids``
+            runs them. Measured with ``chunk_overhead_s``
+            (``measure.microbench.bench_dedup_kernels``; the per-id slope over id counts and unique
+            ratios, ``calibration.rewrite_fit.fit_dedup_id_s``). None: not calibrated (the planner
+            does not deduplicate ids, and says why).
         The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the
         presets; :mod:`torchrec_sparselift.calibration.step_fit` fits them from measured steps
         (all but ``lookup_cache_bytes``; ``codec_byte_s`` is measured by the host microbenchmarks

@@ -849,6 +849,12 @@ def bench_rewrite_constants(device: Optional[torch.device] = None, sweep: Option
     return bench_chunk_steps(sweep, device), bench_dedup_kernels(sweep, device)
 
 
+#: The rewrites' sweep of :func:`bench_host_terms` (the step calibration reads it twice and takes
+#: the mean): the fitted cases of :class:`RewriteSweep`, four passes, nothing held out (the
+#: held-out check is ``calibrate kernels``'), ~1 s per reading on an idle core.
+HOST_REWRITE_SWEEP = RewriteSweep(held_out_chunks=(), held_out_dedup=(), passes=4)
+
+
 def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5, passes: int = 2) -> HostTermRecord:
     """Measure :class:`HostTermRecord` on ``device`` (CPU by default; a few seconds). Each cost is
     the slope between a small and a large case, so fixed per-call costs (the Python call,
@@ -872,7 +878,7 @@ def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5, pas
         per_id = 0.0
     act_byte_s, inter_flop_s = bench_dense_terms(device, trials, passes=passes)
     row_s, bwd_id_s = bench_tbe_backward(device, trials, passes=passes)
-    chunk_records, dedup_records = bench_rewrite_constants(device)
+    chunk_records, dedup_records = bench_rewrite_constants(device, HOST_REWRITE_SWEEP)
     return HostTermRecord(chunk_overhead_s=fit_chunk_overhead(chunk_records).slope,
                           dedup_id_s=fit_dedup_id_s(dedup_records).slope,
                           optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id,

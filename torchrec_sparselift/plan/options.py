@@ -327,6 +327,6 @@ def build_request(options: PlannerOptions, *, topology: Topology, batch_size: in
         max_sync_interval=two_d.sync_bound if two_d.is_2d else None,
         layout_2d=two_d.layout_2d if two_d.is_2d else "auto", never_slower=options.rule.never_slower,
         strategy_2d=two_d.strategy_2d if two_d.is_2d else "auto",
-        rewrites=s.rewrites if not two_d.is_2d else (), per_sample=s.per_sample,
+        rewrites=s.rewrites, per_sample=s.per_sample,
         module=module, sharder_objects=tuple(sharders), estimator=s.estimator, model_errors=model_errors,
     )

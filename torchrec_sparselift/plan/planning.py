@@ -45,7 +45,7 @@ from torchrec_sparselift.plan.execution_plan import ExecutionPlan
 from torchrec_sparselift.plan.loader import loaded_options
 from torchrec_sparselift.plan.request import PlanRequest
 from torchrec_sparselift.plan.result import PlanResult
-from torchrec_sparselift.plan.rewrites import choose_rewrites
+from torchrec_sparselift.plan.rewrites import choose_rewrites, no_rewrites
 from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import build_problem, device_caps
 from torchrec_sparselift.search.solve import solve
@@ -84,6 +84,9 @@ def plan_result(request: PlanRequest, started: Optional[float] = None) -> PlanRe
             lambda g, lay, budget: solve_group(request, g, budget, time.monotonic(), lay))
         res = attrs.evolve(choice.best, alternatives_2d=choice.alternatives_2d,
                            alternatives_layout=choice.alternatives_layout)
+        if request.rewrites:  # the reason is recorded like every other refusal
+            res = attrs.evolve(res, rewrites=no_rewrites(
+                res.search.step.total_s, "a 2D plan: the rewrites (batch split, ids on the wire) apply to 1D plans only"))
     if request.never_slower is not False:
         res = apply_never_slower(res, request)
     return res
