@@ -1003,7 +1003,8 @@ def replays_wanted(jobs: Mapping[str, Mapping[str, Any]], unshaped: str = UNSHAP
 
 def comm_part_ms(w, spec: Mapping[str, Any], batches: Sequence[Any], pg, device, say) -> Optional[float]:
     """The run's communication part (ms): one steady step's collectives on a fresh model of the
-    run, sent again alone on the link (:mod:`benchmarks.harness.replay`); None if it cannot run."""
+    run, sent again alone on the link over ``pg`` (a group the run's model does not use:
+    :mod:`benchmarks.harness.replay`); None if it cannot run."""
     try:
         lifted = lift_run(w, spec, device)
         calls, allreduce = count_step_collectives(lifted, Cycle(batches))
@@ -1058,9 +1059,13 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
         s.pop("kept", None)  # the kept models go now
     gc.collect()
     if args.comm_part:
+        # the replays get a group of their own: a pipeline leaves its next batch's collectives in
+        # flight on the job's group when a step returns
+        replay_pg = dist.new_group(backend="gloo")
         for s in measured:
             if not s.get("failed"):
-                s["comm_ms"] = comm_part_ms(w, s, batches, pg, device, say)
+                s["comm_ms"] = comm_part_ms(w, s, batches, replay_pg, device, say)
+        dist.destroy_process_group(replay_pg)
     by = {s["name"]: s for s in specs}
     rows: Dict[str, Dict[str, Any]] = {}
     for s in specs:
