@@ -736,15 +736,54 @@ def option_cases(tmp: str) -> Dict[str, Callable[[], Outcome]]:
             return o
         return case
 
-    def lost_rank(how: str) -> Callable[[], Outcome]:
+    def lost_rank(how: str, step: str = "3") -> Callable[[], Outcome]:
         def case() -> Outcome:
-            procs = _ranks([*TINY_RUN, "--plan-cache", os.path.join(tmp, f"plans-{how}"), "--fail-at-step", "3",
+            procs = _ranks([*TINY_RUN, "--plan-cache", os.path.join(tmp, f"plans-{how}-{step}"), "--fail-at-step", step,
                             "--fail-how", how, "--fail-rank", "1", "--collective-timeout", "10"])
             survivor = procs[0]
             if survivor.returncode == 0:
                 return Outcome("exit 0", survivor.stderr[-300:], False, "the survivor did not notice the lost rank")
             return example_error(survivor, ["lost rank 1"], ["resume", "checkpoint"])
         return case
+
+    def testbed_job_exit() -> Outcome:
+        # torchrun exits 1 whatever its worker's code: the testbed reports and returns the job's own
+        job = write(os.path.join(tmp, "exit3.py"), b"import os, sys\nsys.exit(3 if os.environ['SPARSELIFT_TESTBED_HOST']"
+                                                   b" == '1' else 0)\n")
+        proc = subprocess.run([sys.executable, "-m", "torchrec_sparselift.measure.testbed", "--hosts", "2",
+                               "--grace", "3", "--", job], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env=env())
+        text = "\n".join(ln for ln in proc.stderr.splitlines() if ln.startswith(("testbed:", "error:")))
+        if proc.returncode != 3 or "job exit 3" not in text:
+            return Outcome(f"exit {proc.returncode}", text or proc.stderr[-300:], False,
+                           "the job's own exit code (3) is not what the testbed reports")
+        return Outcome("exit 3", text, True, "the job's own exit code, reported and returned")
+
+    def module_two_d(module_type: Any, **kw: Any) -> Callable[[], Any]:
+        def make() -> Any:
+            from torchrec.distributed.types import ShardingPlan
+
+            from torchrec_sparselift.runtime.two_d import ModuleTwoD
+
+            return ModuleTwoD(module_type, ShardingPlan({}), **{"sharding_group_size": 2, **kw})
+        return make
+
+    def stored_inputs_check() -> Any:
+        from torchrec_sparselift.files import load_json
+        from torchrec_sparselift.plan import PlanInputs
+
+        doc = {"schema": "sparselift.cli_inputs/1", "topology": {"hardware": "cpu-gloo", "world_size": 2},
+               "batch_size": 64, "tables": None, "workload": None, "model": None}
+        p = write(os.path.join(tmp, "stored_inputs.json"), json.dumps(doc).encode())
+        return PlanInputs.from_dict(load_json(p), file=p)
+
+    def truncated_checkpoint_marker() -> Any:
+        from torchrec_sparselift.dlrm.checkpoint import latest_checkpoint
+
+        d = os.path.join(tmp, "ck-truncated")
+        os.makedirs(os.path.join(d, "step_00000004"), exist_ok=True)
+        write(os.path.join(d, "latest.json"), b'{"schema": "dlrm_example.checkpoint/1", "step": 4, "pa')
+        return latest_checkpoint(d, {"seed": 1})
 
     def hang_case() -> Outcome:
         # the silent rank never exits by itself: _ranks kills it once the survivor is done
@@ -777,6 +816,16 @@ def option_cases(tmp: str) -> Dict[str, Callable[[], Outcome]]:
         "testbed: --hosts 0": testbed(["--hosts", "0"], ["hosts"]),
         "fault: a rank killed mid-run": lost_rank("kill"),
         "fault: a rank that stops answering": hang_case,
+        "fault: a rank killed at the last step (after the loop)": lost_rank("kill", TINY_RUN[TINY_RUN.index("--steps") + 1]),
+        "testbed: a failed job's own exit code": testbed_job_exit,
+        "names: ModuleTwoD with an unknown module type name": lambda: api_error(
+            module_two_d("EmbeddingCollections"), ["EmbeddingCollections", "EmbeddingCollection"], ["valid"]),
+        "config: ModuleTwoD sharding_group_size '2' (a string)": lambda: api_error(
+            module_two_d("EmbeddingCollection", sharding_group_size="2"), ["sharding_group_size", "EmbeddingCollection"]),
+        "file: stored plan inputs that fail their own check name the file": lambda: api_error(
+            stored_inputs_check, ["stored_inputs.json"]),
+        "file: a truncated checkpoint marker": lambda: api_error(truncated_checkpoint_marker, ["ck-truncated",
+                                                                                              "latest.json"]),
     }
 
 

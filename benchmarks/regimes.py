@@ -29,10 +29,20 @@ workload (:data:`WORKLOADS`, shared with :mod:`benchmarks.real_runs`) builds the
     sparselift_unshaped the same with only the unshaped box's profile, link-corrected (--profile-from both)
     sparselift_lossy    SparseLiftPlanner(allow_lossy_comm=True)
     table_wise, dp_small, row_wise   forced alternatives (sparse_dist, fp32)
+    <base>_split<k>     rewrites forced (``--rewrites``, default on) on SparseLift's plan and on
+    <base>_int32        TorchRec's (``<base>``: sparselift, torchrec): batch split in k = 2, 4, 8
+    <base>_dedup        chunks (overlap pipeline, the model declared per-sample), int32 ids on the
+                        wire, int32 ids with every feature deduplicated (the base run's pipeline)
     R4 only: sparselift_2d (sharding_group_size=2, the default sync interval) and sparselift_auto
     (sharding_group_size="auto": does the planner pick 2D?)
 
-Runs that are the same (plan digest, pipeline, precisions, 2D group) are measured once. ``--reps``
+Every measured run also gets its *communication part*: one steady step's collectives counted on
+the run's model and sent again alone on the link (:mod:`benchmarks.harness.replay`). The driver
+adds its *compute part*, the unshaped regime's (R1) measured step of the same run (same plan
+digest and settings) where R1 ran it, and the *overlap bound* max(compute, communication); a
+rewrite run reports the fraction of the gap between its base run's step and that bound which it
+closes.
+Runs that are the same (plan digest, pipeline, precisions, 2D group, rewrites) are measured once. ``--reps``
 interleaved rounds (order rotated each round); each round shards a fresh model of every run (as
 the calibration's pipeline factors; ``--keep-models``: one model per run, kept across the rounds)
 through :func:`torchrec_sparselift.runtime.lift` (fused row-wise AdaGrad in backward, dense AdaGrad: the
@@ -79,6 +89,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from benchmarks.harness import (Cycle, exit_now, geomean, interleaved_rounds, names_arg, paired_ratio, start_worker,
                                 stop_worker, timed_steps, write_report)
+from benchmarks.harness.replay import count_step_collectives, replay_collectives
 from benchmarks.harness.report import REPO
 from benchmarks.real_runs import BATCH_SEED, DP_MAX_BYTES, WORKLOADS, _workloads, torchrec_plan_of
 from benchmarks.real_runs import _types as plan_types
@@ -88,11 +99,13 @@ from torchrec_sparselift.calibration.store import (ProfileStore, current_fingerp
 from torchrec_sparselift.calibration.term_error import profile_errors, profile_on_link
 from torchrec_sparselift.cost.report import mape, spearman
 from torchrec_sparselift.defaults import ranks_per_host
+from torchrec_sparselift.dlrm.tables import feature_names
 from torchrec_sparselift.measure.link import measure_link_rates
 from torchrec_sparselift.measure.probe import (pin_rank_to_core, prebuilt_batches, probe_model, probe_stats,
                                                restore_affinity)
 from torchrec_sparselift.measure.steps import calibrate_steps, forced_plan
 from torchrec_sparselift.plan import sharding_plan_digest
+from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
 from torchrec_sparselift.plan.evaluate import GivenPlan
 from torchrec_sparselift.runtime import copy_full_state, lift
 from torchrec_sparselift.runtime.timing import steady_step_s
@@ -128,6 +141,36 @@ TORCHREC_PIPELINES = ("base", "sparse_dist", "fused", "prefetch")
 #: qcomm precisions set by hand on TorchRec's plan (forward = backward).
 QCOMM_PRECISIONS = ("fp16", "bf16")
 FORCED_KINDS = ("table_wise", "dp_small", "row_wise")
+#: The runs the rewrites are forced on (their plan and pipeline), the batch-split chunks forced
+#: (``--quick``: only 4) and the wire-id settings: int32 ids; int32 ids with every feature deduplicated.
+REWRITE_BASES = ("sparselift", "torchrec")
+SPLIT_CHUNKS = (2, 4, 8)
+QUICK_SPLIT_CHUNKS = (4,)
+WIRE_REWRITES = ("int32", "dedup")
+
+
+def rewrite_runs(quick: bool = False) -> List[str]:
+    """The rewrite runs of one workload, in measuring order: every base's batch splits, then every
+    base's wire-id settings (``--quick``: k = 4 and int32 ids only)."""
+    chunks = QUICK_SPLIT_CHUNKS if quick else SPLIT_CHUNKS
+    wires = WIRE_REWRITES[:1] if quick else WIRE_REWRITES
+    return [f"{b}_split{k}" for b in REWRITE_BASES for k in chunks] + [f"{b}_{w}" for b in REWRITE_BASES for w in wires]
+
+
+def rewrite_of(name: str) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """(base run, what the rewrite run forces on it) of a rewrite run's name, None for any other run:
+    ``batch_split`` (with the overlap pipeline), ``id_dtype`` and ``dedup`` (every feature)."""
+    for base in REWRITE_BASES:
+        if not name.startswith(base + "_"):
+            continue
+        tail = name[len(base) + 1:]
+        if tail.startswith("split") and tail[5:].isdigit():
+            return base, dict(batch_split=int(tail[5:]))
+        if tail == "int32":
+            return base, dict(id_dtype="int32")
+        if tail == "dedup":
+            return base, dict(id_dtype="int32", dedup=True)
+    return None
 #: The A/A control: TorchRec's plan and default pipeline again, a second model measured as a run
 #: of its own. Two models of one plan differ in their steady step (measured: up to 35% within one
 #: interleaved run, docs/benchmarks.md section 20), so "TorchRec's best pipeline", the fastest of
@@ -152,9 +195,16 @@ LOSSY_RUNS = ("torchrec_fp16", "torchrec_bf16", "sparselift_lossy")
 
 #: Issue 26's targets: (key in a regime summary, comparison, bound, which regimes, text).
 TARGETS: Tuple[Tuple[str, str, float, str, str], ...] = (
-    ("geo_torchrec_over_sparselift", ">=", 1.3, "network", "SparseLift lossless >= 1.3x TorchRec default (geomean)"),
-    ("geo_torchrec_best_pipeline_over_sparselift", ">=", 1.1, "network",
-     "SparseLift lossless >= 1.1x TorchRec best pipeline (geomean)"),
+    # issue 44's for SparseLift lossless with the sparse-path rewrites (issue 26's: 1.3x and 1.1x everywhere)
+    ("geo_torchrec_over_sparselift", ">=", 1.4, "R2", "SparseLift lossless >= 1.4x TorchRec default (geomean)"),
+    ("geo_torchrec_best_pipeline_over_sparselift", ">=", 1.3, "R2",
+     "SparseLift lossless >= 1.3x TorchRec best pipeline (geomean)"),
+    ("geo_torchrec_over_sparselift", ">=", 1.3, "R3", "SparseLift lossless >= 1.3x TorchRec default (geomean)"),
+    ("geo_torchrec_best_pipeline_over_sparselift", ">=", 1.2, "R3",
+     "SparseLift lossless >= 1.2x TorchRec best pipeline (geomean)"),
+    ("geo_torchrec_over_sparselift", ">=", 1.3, "R4", "SparseLift lossless >= 1.3x TorchRec default (geomean)"),
+    ("geo_torchrec_best_pipeline_over_sparselift", ">=", 1.2, "R4",
+     "SparseLift lossless >= 1.2x TorchRec best pipeline (geomean)"),
     ("geo_sparselift_over_best", "<=", 1.05, "network", "SparseLift lossless within 5% of the best plan measured (geomean)"),
     ("geo_torchrec_over_sparselift_unshaped", ">=", 1.3, "network", "same with the unshaped-only profile: >= 1.3x default"),
     ("geo_torchrec_best_pipeline_over_sparselift_unshaped", ">=", 1.1, "network",
@@ -171,6 +221,9 @@ TARGETS: Tuple[Tuple[str, str, float, str, str], ...] = (
     ("mape_unshaped", "<=", 0.15, "all", "prediction MAPE <= 15% (unshaped profile, link-corrected)"),
     ("two_d_decisions_right", "==", 1.0, "R4", "planner picks 2D exactly when 2D measures faster (share of workloads)"),
     ("two_d_loss_gap", "<=", 0.0005, "R4", "2D loss - 1D loss <= 0.0005 (loss parity, docs/benchmarks.md section 11)"),
+    ("geo_best_gap_closed", ">=", 0.7, "network", "the best forced rewrite closes >= 70% of the gap to the overlap "
+     "bound (geomean over the workloads with a bound)"),
+    ("min_best_gap_closed", ">=", 0.5, "network", "... and >= 50% on every network workload with a bound"),
 )
 
 
@@ -199,12 +252,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "(default 10; --quick 6)")
     p.add_argument("--parity-steps", type=int, help="R4: 1D and 2D training steps for the loss comparison "
                    f"(default {PARITY_STEPS}; --quick 20)")
+    p.add_argument("--rewrites", action=argparse.BooleanOptionalAction, default=True,
+                   help="also force the sparse-path rewrites (batch split k = 2, 4, 8; int32 ids; dedup) on "
+                        "SparseLift's and TorchRec's plans (--no-rewrites: leave them out)")
+    p.add_argument("--comm-part", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure every run's communication part (its collectives replayed alone on the link)")
     p.add_argument("--out", default="runs/regimes.json", help="merged JSON (driver) or this regime's JSON (--job)")
     p.add_argument("--burst", help="the testbed links' token-bucket depth (tc's units, e.g. 128kb; default: the "
                    "testbed's, see docs/testbed.md)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per regime before its job is killed")
     p.add_argument("--job", action="store_true", help="run as one rank of one regime's torchrun job (the driver does)")
     p.add_argument("--regime", help="with --job: which regime this job is")
+    p.add_argument("--replay", help="with --job: measure only the runs of this file (the driver's: network regimes' "
+                   "runs to time unshaped for their compute part)")
     args = p.parse_args(argv)
     args.regimes = names_arg(p, "--regimes", args.regimes, REGIMES)
     if args.workloads:
@@ -240,7 +300,8 @@ def dp_small_fits(tables: Sequence[Any]) -> bool:
     return sum(t.rows * t.dim * 4 * 3 for t in small) <= DP_MAX_BYTES
 
 
-def run_names(regime: str, profile_from: str, quick: bool = False, tables: Optional[Sequence[Any]] = None) -> List[str]:
+def run_names(regime: str, profile_from: str, quick: bool = False, tables: Optional[Sequence[Any]] = None,
+              rewrites: bool = False) -> List[str]:
     """The runs of one workload in ``regime``, in measuring order (before de-duplication);
     ``tables``: the workload's (``dp_small`` only where :func:`dp_small_fits`)."""
     names = ["torchrec", CONTROL_RUN] + [f"torchrec_{p}" for p in TORCHREC_PIPELINES if p != TORCHREC_DEFAULT_PIPELINE
@@ -252,6 +313,8 @@ def run_names(regime: str, profile_from: str, quick: bool = False, tables: Optio
     names += ["sparselift_lossy"] + [k for k in FORCED_KINDS if k != "dp_small" or tables is None or dp_small_fits(tables)]
     if REGIMES[regime]["hosts"] > 1 and REGIMES[regime]["ranks_per_host"] > 1:
         names += ["sparselift_2d", "sparselift_auto"]
+    if rewrites:
+        names += rewrite_runs(quick)
     return names
 
 
@@ -296,6 +359,14 @@ def summarize_workload(rows: Mapping[str, Mapping[str, Any]]) -> Dict[str, Any]:
         torchrec_over_lossy=ratio(tr, lossy),
         control_over_torchrec=ratio(_ms(rows, CONTROL_RUN), tr),
     )
+    forced = {n: _ms(rows, n) for n in rows if rewrite_of(n) is not None}
+    forced = {n: v for n, v in forced.items() if v is not None}
+    best_rw = min(forced, key=forced.get) if forced else None
+    closed = {n: rows[n].get("gap_closed") for n in forced if rows[n].get("gap_closed") is not None}
+    out.update(best_rewrite=best_rw, torchrec_over_best_rewrite=ratio(tr, forced.get(best_rw)),
+               torchrec_best_pipeline_over_best_rewrite=ratio(pipes.get(best_pipe), forced.get(best_rw)),
+               best_gap_closed=max(closed.values()) if closed else None,
+               best_gap_closed_run=max(closed, key=closed.get) if closed else None)
     if "sparselift_2d" in rows:
         one, two = sl, _ms(rows, "sparselift_2d")
         auto = rows.get("sparselift_auto") or {}
@@ -322,7 +393,8 @@ def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dic
             "torchrec_over_sparselift_unshaped", "torchrec_best_pipeline_over_sparselift_unshaped",
             "sparselift_unshaped_over_best", "torchrec_over_sparselift_auto",
             "torchrec_best_pipeline_over_sparselift_auto", "sparselift_auto_over_best", "torchrec_qcomm_over_lossy",
-            "torchrec_over_lossy", "control_over_torchrec"]
+            "torchrec_over_lossy", "control_over_torchrec", "torchrec_over_best_rewrite",
+            "torchrec_best_pipeline_over_best_rewrite", "best_gap_closed"]
     for k in keys:
         vals = [w["ratios"].get(k) for w in workloads]
         out[f"geo_{k}"] = _geo(vals)
@@ -380,15 +452,57 @@ def check_targets(summary: Mapping[str, Any]) -> List[Dict[str, Any]]:
     return out
 
 
+def gap_closed(base_ms: float, run_ms: float, bound_ms: float) -> Optional[float]:
+    """The fraction of the gap between a base run's step and its overlap bound that a rewrite run
+    closes (1: the rewrite reaches the bound; 0: no faster; < 0: slower); None without a gap."""
+    gap = base_ms - bound_ms
+    return (base_ms - run_ms) / gap if gap > 0 else None
+
+
+def add_overlap_bounds(jobs: Mapping[str, Mapping[str, Any]], unshaped: str = UNSHAPED,
+                       replayed: Optional[Mapping[str, Mapping[str, float]]] = None) -> None:
+    """Give every row of every regime (in place) its compute part (``unshaped``'s measured step of
+    the same run key and workload, where that regime measured it, or ``replayed[workload][key]``:
+    the unshaped replay job's), its overlap bound
+    max(compute part, communication part), and for a rewrite run the fraction of its base run's
+    gap to the base's bound that it closes (:func:`gap_closed`)."""
+    plain = {}
+    for wres in (jobs.get(unshaped) or {}).get("workloads", []):
+        for row in wres["rows"].values():
+            if row.get("key") and not row.get("failed") and not row.get("same_as"):
+                plain[(wres.get("workload"), row["key"])] = row["measured_ms"]
+    for wname, keys in (replayed or {}).items():
+        for key, ms in keys.items():
+            plain.setdefault((wname, key), ms)
+    for job in jobs.values():
+        for wres in job.get("workloads", []):
+            rows = wres["rows"]
+            for row in rows.values():
+                c = plain.get((wres.get("workload"), row.get("key")))
+                m = row.get("comm_part_ms")
+                row["compute_part_ms"] = c
+                row["overlap_bound_ms"] = max(c, m) if c is not None and m is not None else None
+            for name, row in rows.items():
+                base = rows.get(row.get("base") or "")
+                if rewrite_of(name) is None or base is None or row.get("failed") or base.get("failed"):
+                    continue
+                bound = base.get("overlap_bound_ms")
+                row["gap_closed"] = (None if bound is None else
+                                     gap_closed(base["measured_ms"], row["measured_ms"], bound))
+
+
 def merge_results(jobs: Mapping[str, Mapping[str, Any]], settings: Mapping[str, Any]) -> Dict[str, Any]:
     """The driver's results: every regime's job result, its summary (recomputed from the rows, so a
     merged file and its parts agree) and its targets; regimes in :data:`REGIMES` order (the report
     header, :func:`benchmarks.harness.write_report`, adds the date)."""
     regimes = {}
+    add_overlap_bounds(jobs, replayed=settings.get("replayed"))
     for name in REGIMES:
         if name not in jobs:
             continue
         job = dict(jobs[name])
+        for wres in job.get("workloads", []):  # the gap each rewrite closes is known only now
+            wres["ratios"] = summarize_workload(wres["rows"])
         summary = summarize_regime(name, job.get("workloads", []))
         job["summary"] = summary
         job["targets"] = check_targets(summary)
@@ -403,8 +517,8 @@ def _f(v: Optional[float], fmt: str = "{:.3f}") -> str:
 def format_workload(res: Mapping[str, Any]) -> str:
     rows = res["rows"]
     lines = [f"\n## {res['regime']} {res['workload']} ({res['tables']} tables, batch {res['batch_size']}/rank)",
-             f"{'run':<22}{'plan':<20}{'pipeline/comm':<22}{'ms/step':>9}{'pred reg':>9}{'pred uns':>9}"
-             f"{'TR/run':>7}{'TRbp/run':>9}{'rounds':>7}"]
+             f"{'run':<22}{'plan':<20}{'pipeline/comm':<30}{'ms/step':>9}{'pred reg':>9}{'pred uns':>9}"
+             f"{'TR/run':>7}{'TRbp/run':>9}{'rounds':>7}{'comm':>7}{'comp':>7}{'bound':>7}{'closed':>7}"]
     tr = _ms(rows, "torchrec")
     bp = res["ratios"].get("torchrec_best_pipeline")
     trb = _ms(rows, "torchrec" if bp in (None, TORCHREC_DEFAULT_PIPELINE) else f"torchrec_{bp}")
@@ -413,10 +527,12 @@ def format_workload(res: Mapping[str, Any]) -> str:
             lines.append(f"{name:<22}failed: {r['failed'][:90]}")
             continue
         pr = r.get("predicted_ms") or {}
-        lines.append(f"{name:<22}{r['types'][:19]:<20}{r['settings'][:21]:<22}{r['measured_ms']:>9.1f}"
+        lines.append(f"{name:<22}{r['types'][:19]:<20}{r['settings'][:29]:<30}{r['measured_ms']:>9.1f}"
                      f"{_f(pr.get('regime'), '{:.1f}'):>9}{_f(pr.get('unshaped'), '{:.1f}'):>9}"
                      f"{_f(tr / r['measured_ms'] if tr else None, '{:.2f}'):>7}"
                      f"{_f(trb / r['measured_ms'] if trb else None, '{:.2f}'):>9}{len(r['runs_ms']):>7}"
+                     f"{_f(r.get('comm_part_ms'), '{:.1f}'):>7}{_f(r.get('compute_part_ms'), '{:.1f}'):>7}"
+                     f"{_f(r.get('overlap_bound_ms'), '{:.1f}'):>7}{_f(r.get('gap_closed'), '{:.2f}'):>7}"
                      + (f"  = {r['same_as']}" if r.get("same_as") else ""))
     x = res["ratios"]
     lines.append(f"TorchRec/SparseLift {_f(x['torchrec_over_sparselift'])}x; TorchRec best pipeline "
@@ -425,6 +541,11 @@ def format_workload(res: Mapping[str, Any]) -> str:
                  f"{_f(x['torchrec_over_sparselift_unshaped'])}x, /best {_f(x['sparselift_unshaped_over_best'])}; "
                  f"TorchRec qcomm ({x['torchrec_best_qcomm']})/lossy {_f(x['torchrec_qcomm_over_lossy'])}x; "
                  f"A/A (a second model of TorchRec's run / the first) {_f(x.get('control_over_torchrec'))}")
+    if x.get("best_rewrite"):
+        lines.append(f"rewrites forced: fastest {x['best_rewrite']}, TorchRec/it {_f(x['torchrec_over_best_rewrite'])}x, "
+                     f"TorchRec best pipeline/it {_f(x['torchrec_best_pipeline_over_best_rewrite'])}x; most of the "
+                     f"gap to the overlap bound closed: {_f(x.get('best_gap_closed'), '{:.2f}')} "
+                     f"({x.get('best_gap_closed_run') or 'no bound yet: the driver adds R1s compute parts'})")
     if "two_d_faster" in x:
         lines.append(f"2D/1D {_f(x.get('two_d_over_one_d'))}; planner picked 2D: {x.get('planner_picked_2d')}; "
                      f"decision right: {x.get('two_d_decision_right')}")
@@ -465,6 +586,23 @@ def format_summary(merged: Mapping[str, Any]) -> str:
         if s.get("two_d_loss_gap") is not None:
             lines.append(f"{name} loss parity: 2D - 1D up to {s['two_d_loss_gap']:+.5f}; two exact 1D plans differ by "
                          f"up to {_f(s.get('one_d_control_loss_gap'), '{:.5f}')} (the control)")
+    rewrite_lines = []
+    for name, job in merged["regimes"].items():
+        for wres in job.get("workloads", []):
+            rows, x = wres["rows"], wres["ratios"]
+            if not x.get("best_rewrite"):
+                continue
+            per = ", ".join(f"{n} {_f(r.get('gap_closed'), '{:.2f}')}" for n, r in rows.items()
+                            if rewrite_of(n) is not None and not r.get("failed")
+                            and (r.get("gap_closed") is not None or not r.get("same_as")))
+            base = rows.get(x.get("best_gap_closed_run") or "", {}).get("base")
+            bound = (rows.get(base or "") or {}).get("overlap_bound_ms")
+            rewrite_lines.append(f"{name} {wres.get('workload')}: fastest {x['best_rewrite']} (TR/it "
+                                 f"{_f(x['torchrec_over_best_rewrite'])}x, TRbest/it "
+                                 f"{_f(x['torchrec_best_pipeline_over_best_rewrite'])}x); gap to the overlap bound "
+                                 f"closed: {per or '-'}" + (f" (bound of {base}: {bound:.1f} ms)" if bound else ""))
+    if rewrite_lines:
+        lines += ["\n# Rewrites forced (share of the base run's gap to its overlap bound closed)"] + rewrite_lines
     lines.append("\n# Targets")
     for name, job in merged["regimes"].items():
         for t in job["targets"]:
@@ -593,8 +731,11 @@ def lift_run(w, spec: Mapping[str, Any], device):
     """A fresh model of ``w`` sharded per ``spec`` (``plan``: a ShardingPlan or an execution plan;
     ``pipeline``/``fwd``/``bwd``: overrides) through :func:`torchrec_sparselift.runtime.lift`."""
     torch.manual_seed(0)
+    split = spec.get("batch_split")
     return lift(probe_model(w), spec["plan"], device=device, pipeline=spec.get("pipeline"),
                 fwd_comm_precision=spec.get("fwd"), bwd_comm_precision=spec.get("bwd"),
+                batch_split=split, id_dtype=spec.get("id_dtype"), dedup_features=spec.get("dedup_features"),
+                pipeline_options={"per_sample": True} if split and split > 1 else None,
                 embedding_optimizer=(RowWiseAdagrad, {"lr": 0.05}),
                 dense_optimizer_factory=lambda params: torch.optim.Adagrad(params, lr=0.005))
 
@@ -644,6 +785,17 @@ def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warm
     return steady_step_s(mx[warmup:], period), [float(x) for x in ls], build_s
 
 
+def rewrites_of(spec: Mapping[str, Any]) -> str:
+    """The rewrites a run applies (its overrides over its execution plan's), as one label: "" for none."""
+    opt = getattr(spec["plan"], "optimizations", None)
+    k = spec.get("batch_split") or getattr(opt, "batch_split", 1)
+    ids = spec.get("id_dtype") or getattr(opt, "id_dtype", "int64")
+    dedup = spec.get("dedup_features") or getattr(opt, "dedup_features", ())
+    parts = ([f"split{k}"] if k > 1 else []) + ([ids] if ids != "int64" else []) + (
+        [f"dedup{len(dedup)}"] if dedup else [])
+    return "+".join(parts)
+
+
 def _settings_of(spec: Mapping[str, Any]) -> Tuple[str, str, str, Optional[int]]:
     """(pipeline, fwd, bwd, 2D group) a run applies: its overrides over its execution plan's choice."""
     opt = getattr(spec["plan"], "optimizations", None)
@@ -670,9 +822,22 @@ def build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], erro
         sync_ms = res.sync_s * res.sync_interval * 1e3 if res is not None and res.sync_s else None
         return ep, time.perf_counter() - t0, rule, sync_ms
 
+    made: Dict[str, Dict[str, Any]] = {}
     for name in names:
         spec: Dict[str, Any] = dict(name=name, cons=pooling)
-        if name in ("torchrec", CONTROL_RUN):
+        rewrite = rewrite_of(name)
+        if rewrite is not None:
+            base_name, forced = rewrite
+            base = made[base_name]  # the base runs come first (run_names)
+            spec.update(plan=base["plan"], cons=base["cons"], base=base_name, pipeline=base.get("pipeline"),
+                        fwd=base.get("fwd"), bwd=base.get("bwd"))
+            if forced.get("batch_split"):
+                spec.update(pipeline="overlap", batch_split=forced["batch_split"])
+            if forced.get("id_dtype"):
+                spec["id_dtype"] = forced["id_dtype"]
+            if forced.get("dedup"):
+                spec["dedup_features"] = feature_names(w.tables)
+        elif name in ("torchrec", CONTROL_RUN):
             spec.update(plan=tr_plan, pipeline=TORCHREC_DEFAULT_PIPELINE, instance=2 if name == CONTROL_RUN else 1)
         elif name.startswith("torchrec_") and name[9:] in TORCHREC_PIPELINES:
             spec.update(plan=tr_plan, pipeline=name[9:])
@@ -697,6 +862,7 @@ def build_specs(w, names: Sequence[str], topo, profiles: Mapping[str, Any], erro
             spec["is_2d"] = group is not None and group < topo.world_size
             say(f"[regimes] {w.name}: {name} planned in {secs:.1f} s: {ep.summary()}; {rule}")
         specs.append(spec)
+        made[name] = spec
     return specs
 
 
@@ -711,7 +877,8 @@ def _run_key(spec: Mapping[str, Any]) -> str:
     fwd, bwd = on_gloo(fwd), on_gloo(bwd)
     sync = getattr(getattr(plan, "optimizations", None), "sync_interval", None) if group else None
     instance = spec.get("instance", 1)  # the A/A control is a second model of the same run
-    return f"{sharding_plan_digest(getattr(plan, 'sharding_plan', plan))}|{pipe}|{fwd}|{bwd}|{group}|{sync}|{instance}"
+    return (f"{sharding_plan_digest(getattr(plan, 'sharding_plan', plan))}|{pipe}|{fwd}|{bwd}|{group}|{sync}|"
+            f"{rewrites_of(spec)}|{instance}")
 
 
 def _predict(w, spec: Mapping[str, Any], topo, profiles: Mapping[str, Any], stats) -> Dict[str, Optional[float]]:
@@ -721,7 +888,9 @@ def _predict(w, spec: Mapping[str, Any], topo, profiles: Mapping[str, Any], stat
     pipe, fwd, bwd, group = _settings_of(spec)
     plan = spec["plan"]
     out: Dict[str, Optional[float]] = {}
-    if group is not None and group < topo.world_size:
+    if rewrite_of(spec["name"]) is not None:  # forced rewrites: priced by no given-plan evaluator
+        return {k: None for k in profiles}
+    if (group is not None and group < topo.world_size) or rewrites_of(spec):
         which = profiles["unshaped" if spec["name"] == "sparselift_unshaped" else "regime"]
         for k, prof in profiles.items():
             out[k] = plan.prediction.step_time_s * 1e3 if prof is which else None
@@ -796,13 +965,65 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
     return out
 
 
+def replay_entry(spec: Mapping[str, Any], world: int) -> Optional[Dict[str, Any]]:
+    """What the unshaped regime needs to train ``spec``'s run again (its sharding plan as a dict, its
+    pipeline, precisions and rewrites), or None for a run whose plan depends on the host layout (2D,
+    table-row-wise) and so is not the same plan on R1's one host."""
+    _pipe, _fwd, _bwd, group = _settings_of(spec)
+    if group is not None and group < world:
+        return None
+    plan = getattr(spec["plan"], "sharding_plan", spec["plan"])
+    data = sharding_plan_to_dict(plan)
+    if any(p.get("sharding_type") == "table_row_wise" for m in data["modules"].values()
+           for p in (m.get("params") or {}).values()):
+        return None
+    pipe, fwd, bwd, _ = _settings_of(spec)
+    opt = getattr(spec["plan"], "optimizations", None)
+    return dict(plan=data, pipeline=pipe, fwd=fwd, bwd=bwd,
+                batch_split=spec.get("batch_split") or getattr(opt, "batch_split", 1),
+                id_dtype=spec.get("id_dtype") or getattr(opt, "id_dtype", "int64"),
+                dedup_features=list(spec.get("dedup_features") or getattr(opt, "dedup_features", ())))
+
+
+def replays_wanted(jobs: Mapping[str, Mapping[str, Any]], unshaped: str = UNSHAPED) -> Dict[str, Dict[str, Any]]:
+    """workload -> {run key: replay entry} of the network regimes' runs whose compute part the
+    unshaped regime did not measure (a key it ran is left out)."""
+    have = {(w.get("workload"), r.get("key")) for w in (jobs.get(unshaped) or {}).get("workloads", [])
+            for r in w["rows"].values() if not r.get("failed")}
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, job in jobs.items():
+        if name not in REGIMES or REGIMES[name]["kind"] != "network":
+            continue
+        for w in job.get("workloads", []):
+            for r in w["rows"].values():
+                if r.get("replay") and not r.get("failed") and (w.get("workload"), r.get("key")) not in have:
+                    out.setdefault(w["workload"], {})[r["key"]] = r["replay"]
+    return out
+
+
+def comm_part_ms(w, spec: Mapping[str, Any], batches: Sequence[Any], pg, device, say) -> Optional[float]:
+    """The run's communication part (ms): one steady step's collectives on a fresh model of the
+    run, sent again alone on the link over ``pg`` (a group the run's model does not use:
+    :mod:`benchmarks.harness.replay`); None if it cannot run."""
+    try:
+        lifted = lift_run(w, spec, device)
+        calls, allreduce = count_step_collectives(lifted, Cycle(batches))
+        del lifted
+        gc.collect()
+        return replay_collectives(calls, allreduce, pg) * 1e3
+    except Exception as e:  # noqa: BLE001 - reported, the run's step stands without it
+        say(f"[regimes] {w.name}: {spec['name']}: communication part not measured: {type(e).__name__}: {e}")
+        dist.barrier(group=pg)
+        return None
+
+
 def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Dict[str, Any]:
     w, alpha = _workloads()[wname]
     W = dist.get_world_size(pg)
     topo = job_topology(W, ranks_per_host(world_size=W))
     device = torch.device("cpu")
     stats = probe_stats(w, alpha, n=args.batches, seed=BATCH_SEED)
-    names = run_names(regime, args.profile_from, args.quick, w.tables)
+    names = run_names(regime, args.profile_from, args.quick, w.tables, rewrites=args.rewrites)
     specs = build_specs(w, names, topo, profiles, errors, stats, pg, say)
     batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=dist.get_rank(pg), alpha=alpha)
     owner: Dict[str, str] = {}
@@ -837,19 +1058,31 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
     for s in specs:
         s.pop("kept", None)  # the kept models go now
     gc.collect()
+    if args.comm_part:
+        # the replays get a group of their own: a pipeline leaves its next batch's collectives in
+        # flight on the job's group when a step returns
+        replay_pg = dist.new_group(backend="gloo")
+        for s in measured:
+            if not s.get("failed"):
+                s["comm_ms"] = comm_part_ms(w, s, batches, replay_pg, device, say)
+        dist.destroy_process_group(replay_pg)
     by = {s["name"]: s for s in specs}
     rows: Dict[str, Dict[str, Any]] = {}
     for s in specs:
         src = by[s["same_as"]] if s["same_as"] else s
         pipe, fwd, bwd, group = _settings_of(s)
         comm = "/".join(p if on_gloo(p) == p else f"{p}>{on_gloo(p)}" for p in (fwd, bwd))
-        row = dict(types=_types(s), settings=f"{pipe} {comm}" + (f" 2D:{group}" if group and group < W else ""),
-                   same_as=s["same_as"], predicted_ms=s["predicted_ms"], planning_s=s.get("planning_s"),
+        rewrites = rewrites_of(s)
+        row = dict(types=_types(s), settings=f"{pipe} {comm}" + (f" 2D:{group}" if group and group < W else "")
+                   + (f" {rewrites}" if rewrites else ""), key=s["key"], base=s.get("base"),
+                   comm_part_ms=src.get("comm_ms"), same_as=s["same_as"], predicted_ms=s["predicted_ms"], planning_s=s.get("planning_s"),
                    never_slower=s.get("never_slower"), is_2d=s.get("is_2d"),
                    replica_sync_ms=s.get("replica_sync_ms"))
         if s["name"].startswith("sparselift"):  # the profile it planned with
             row["profile"] = ("unshaped" if s["name"] == "sparselift_unshaped"
                               or profiles["regime"] is profiles.get("unshaped") else "regime")
+        if REGIMES[regime]["kind"] == "network" and s["same_as"] is None:
+            row["replay"] = replay_entry(s, W)
         if src.get("failed") or not src["runs"]:
             row["failed"] = src.get("failed") or "not measured"
         else:
@@ -868,6 +1101,43 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
     res["ratios"] = summarize_workload(rows)
     gc.collect()
     return res
+
+
+def replay_job(args) -> int:
+    """The unshaped replay: every run of ``--replay`` trained here, interleaved rounds per workload
+    as :func:`run_workload` times them; writes ``{workload: {run key: ms}}`` to ``--out``."""
+    me = start_worker()
+    pg, rank, say = me.pg, me.rank, me.say
+    try:
+        with open(args.replay, encoding="utf-8") as f:
+            wanted = json.load(f)
+        device = torch.device("cpu")
+        out: Dict[str, Dict[str, float]] = {}
+        for wname, entries in wanted.items():
+            w, alpha = _workloads()[wname]
+            batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=dist.get_rank(pg), alpha=alpha)
+            specs = [dict(e, name=key, plan=sharding_plan_from_dict(e["plan"]), runs=[]) for key, e in entries.items()]
+
+            def measure(s: Dict[str, Any], _round: int) -> None:
+                if s.get("failed"):
+                    return
+                try:
+                    secs, _losses, _b = timed_run(lambda: lift_run(w, s, device), batches, args.steps, args.warmup, pg)
+                    s["runs"].append(secs)
+                except Exception as e:  # noqa: BLE001 - a run that cannot train here has no compute part
+                    s["failed"] = f"{type(e).__name__}: {e}"
+                    say(f"[regimes] replay {wname}: {s['name']}: {s['failed'][:200]}")
+                    dist.barrier(group=pg)
+
+            interleaved_rounds(specs, measure, args.reps)
+            out[wname] = {s["name"]: statistics.median(s["runs"]) * 1e3 for s in specs if s["runs"]}
+            say(f"[regimes] replay {wname}: {len(out[wname])} of {len(specs)} runs timed unshaped")
+        if rank == 0:
+            write_report(args.out, dict(replayed=out))
+        dist.barrier()
+    finally:
+        stop_worker()
+    return 0
 
 
 def job(args) -> int:
@@ -934,6 +1204,8 @@ def job_argv(args, out: str) -> List[str]:
         a.append("--keep-models")
     if args.calibrate:
         a.append("--calibrate")
+    a.append("--rewrites" if args.rewrites else "--no-rewrites")
+    a.append("--comm-part" if args.comm_part else "--no-comm-part")
     return a
 
 
@@ -964,11 +1236,37 @@ def driver(args) -> int:
             continue
         with open(path, encoding="utf-8") as f:
             jobs[regime] = json.load(f)
+    replayed: Dict[str, Any] = {}
+    wanted = replays_wanted(jobs) if args.comm_part else {}
+    if wanted:  # the compute part of the network regimes' runs R1 did not run: those plans, unshaped
+        want_path, path = os.path.join(out_dir, "replay_in.json"), os.path.join(out_dir, "replay.json")
+        with open(want_path, "w", encoding="utf-8") as f:
+            json.dump(wanted, f)
+        if os.path.exists(path):
+            os.remove(path)
+        cmd = testbed_command(UNSHAPED, job_argv(args, path) + ["--replay", want_path], args.timeout, args.burst)
+        n = sum(len(v) for v in wanted.values())
+        print(f"[regimes] compute parts: {n} network-regime runs timed unshaped ({REGIMES[UNSHAPED]['doc']})\n"
+              f"  $ {' '.join(cmd)}", flush=True)
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+        try:
+            code = proc.wait()
+        except BaseException:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            raise
+        if code != 0 or not os.path.exists(path):
+            failed["replay"] = f"exit {code}"
+            print(f"[regimes] compute parts: job failed ({failed['replay']}); the bounds cover R1's own runs only",
+                  flush=True)
+        else:
+            with open(path, encoding="utf-8") as f:
+                replayed = json.load(f).get("replayed") or {}
     settings = dict(regimes=order, workloads=args.workloads, reps=args.reps, steps=args.steps, warmup=args.warmup,
                     batches=args.batches, profile_from=args.profile_from, quick=args.quick,
                     fresh_models=not args.keep_models,
                     parity_steps=args.parity_steps, calibration_steps=args.calibration_steps, burst=args.burst,
-                    wall_s=time.time() - t0, failed=failed)
+                    wall_s=time.time() - t0, failed=failed, replayed=replayed)
     merged = merge_results(jobs, settings)
     print(format_summary(merged), flush=True)
     write_report(args.out, merged)
@@ -978,7 +1276,9 @@ def driver(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    return job(args) if args.job else driver(args)
+    if args.job:
+        return replay_job(args) if args.replay else job(args)
+    return driver(args)
 
 
 if __name__ == "__main__":

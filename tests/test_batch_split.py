@@ -383,8 +383,8 @@ def _gpu_script():  # type: ignore[no-untyped-def]
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "gpu_batch_split_check.py")
-    spec = importlib.util.spec_from_file_location("gpu_batch_split_check", path)
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module, path
@@ -397,12 +397,13 @@ def test_the_gpu_check_refuses_cleanly_without_cuda():
 
     _module, path = _gpu_script()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, path, "--chunks", "2,4"], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == _module.NO_CUDA, done.stderr
-    assert "no CUDA device visible, nothing checked" in done.stderr and "Traceback" not in done.stderr
-    bad = subprocess.run([sys.executable, path, "--chunks", "1"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    for check in ("overlap", "batch-split"):
+        done = subprocess.run([sys.executable, path, check, "--chunks", "2,4"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == _module.NO_CUDA, done.stderr
+        assert "no CUDA device visible, nothing checked" in done.stderr and "Traceback" not in done.stderr
+    bad = subprocess.run([sys.executable, path, "batch-split", "--chunks", "1"], env=env, capture_output=True,
+                         text=True, timeout=120)
     assert bad.returncode != 0 and "--chunks must name k in 2..16" in bad.stderr
 
 
@@ -411,11 +412,14 @@ def test_the_gpu_check_judges_losses_and_weights():
     w = {"a": torch.tensor([1.0, 2.0])}
 
     def result(split_losses, split_w, cls="TrainPipelineBatchSplit"):  # type: ignore[no-untyped-def]
-        return [{"rank": 0, "runs": {1: {"losses": [1.0, 0.5], "class": "TrainPipelineOverlap"},
-                                     2: {"losses": split_losses, "class": cls}},
-                 "weights": {1: w, 2: split_w}}]
+        return [{"rank": 0, "runs": {"k=1": {"losses": [1.0, 0.5], "class": "TrainPipelineOverlap"},
+                                     "k=2": {"losses": split_losses, "class": cls}},
+                 "weights": {"k=1": w, "k=2": split_w}}]
 
-    assert module.check(result([1.0, 0.5], w), [2], 1e-4, 1e-2)[0].startswith("ok")
-    assert module.check(result([1.0, 0.51], w), [2], 1e-4, 1e-2)[0].startswith("FAILED")
-    assert module.check(result([1.0, 0.5], {"a": torch.tensor([1.0, 2.5])}), [2], 1e-4, 1e-2)[0].startswith("FAILED")
-    assert module.check(result([1.0, 0.5], w, cls="TrainPipelineOverlap"), [2], 1e-4, 1e-2)[0].startswith("FAILED")
+    checked = [("k=2", module.SPLIT_CLASS)]
+    assert module.check(result([1.0, 0.5], w), checked, 1e-4, 1e-2)[0].startswith("ok")
+    assert module.check(result([1.0, 0.51], w), checked, 1e-4, 1e-2)[0].startswith("FAILED")
+    assert module.check(result([1.0, 0.5], {"a": torch.tensor([1.0, 2.5])}), checked, 1e-4, 1e-2)[0].startswith("FAILED")
+    assert module.check(result([1.0, 0.5], w, cls="TrainPipelineOverlap"), checked, 1e-4, 1e-2)[0].startswith("FAILED")
+    # losses only (the overlap check): the weights do not count
+    assert module.check(result([1.0, 0.5], {"a": torch.tensor([1.0, 2.5])}), checked, 1e-4)[0].startswith("ok")

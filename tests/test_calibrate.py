@@ -28,7 +28,7 @@ from torchrec_sparselift.calibration.records import (
 from torchrec_sparselift.cost.hardware import PRESETS, HardwareProfile
 from torchrec_sparselift.measure.commands import main as calibrate_main
 from torchrec_sparselift.measure.kernels import calibrate
-from torchrec_sparselift.measure.microbench import SweepConfig
+from torchrec_sparselift.measure.microbench import RewriteSweep, SweepConfig
 
 
 def main(argv: List[str]) -> int:
@@ -191,8 +191,12 @@ TINY = SweepConfig(
 def test_quick_single_process_calibration_gives_a_profile_that_round_trips(tmp_path, kernel) -> None:
     with _one_thread():
         profile, report = calibrate(PRESETS["cpu-gloo"], device="cpu", kernel=kernel, config=TINY,
-                                    name="here", progress=None)
+                                    rewrites=RewriteSweep.quick(), name="here", progress=None)
     assert profile.name == "here" and profile.compute_device == "cpu"
+    # the sparse-path rewrites' constants are measured and fitted too, each with its held-out point
+    assert profile.chunk_overhead_s is not None and profile.dedup_id_s is not None
+    assert [f.field for f in report.slopes] == ["chunk_overhead_s", "dedup_id_s"]
+    assert all(f.held_out for f in report.slopes) and "held out k=8" in report.summary()
     assert report.world_size == 1 and not report.records.collectives
     assert len(report.records.lookups) == 2 * 2 * 2  # dims x poolings x phases
     assert any("collectives" in n for n in report.notes)

@@ -39,7 +39,12 @@ def test_bench_host_terms_recovers_known_per_tensor_byte_and_id_costs(monkeypatc
     monkeypatch.setattr(microbench, "bench_dense_flops", lambda *a, **k: 7e-12)
     per_codec_byte = 0.15e-9  # encode + decode of one fp32 byte
     monkeypatch.setattr(microbench, "_codec_s", lambda n, device, trials: 2e-5 + per_codec_byte * 4 * n)
+    # the rewrites' constants: the slopes of their records (calibration.rewrite_fit)
+    chunks = [microbench.ChunkRecord(batch_size=256, chunks=k, seconds=4e-3 + (k - 1) * 2e-4) for k in (1, 2, 4, 8)]
+    dedup = [microbench.DedupRecord(ids=n, unique_ratio=0.5, seconds=1e-5 + n * 6e-8) for n in (1024, 4096)]
+    monkeypatch.setattr(microbench, "bench_rewrite_constants", lambda *a, **k: (chunks, dedup))
     rec = microbench.bench_host_terms(trials=1, passes=1)
+    assert rec.chunk_overhead_s == pytest.approx(2e-4, rel=1e-9) and rec.dedup_id_s == pytest.approx(6e-8, rel=1e-9)
     # per byte a rank sends or receives: it encodes what it sends and decodes what it receives
     assert rec.codec_byte_s == pytest.approx(per_codec_byte / 2, rel=1e-9)
     assert rec.optimizer_tensor_s == pytest.approx(per_tensor + per_byte * 16 * 64 * 4, rel=1e-9)
@@ -116,7 +121,10 @@ def test_host_terms_across_two_ranks_measure_the_all_to_all_byte_and_agree():
     # per byte a rank sends or receives over loopback gloo (0.01-10 ns idle; a slope, so load
     # moves it: benchmarks/load_sensitive.py's range)
     assert math.isfinite(a["a2a_byte_s"]) and a["a2a_byte_s"] >= 0
-    _base, terms, floors = host_fit_setup(base_profile("cpu"), a)
+    # the rewrites' constants, measured on every rank at once and averaged
+    assert a["chunk_overhead_s"] >= 0 and a["dedup_id_s"] > 0
+    base, terms, floors = host_fit_setup(base_profile("cpu"), a)
+    assert (base.chunk_overhead_s, base.dedup_id_s) == (a["chunk_overhead_s"], a["dedup_id_s"])
     assert "1/a2a_bw" in {t.name for t in terms}  # fitted, above the bare collective's cost
     assert floors["1/a2a_bw"] == a["a2a_byte_s"]
 

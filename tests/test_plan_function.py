@@ -175,6 +175,8 @@ NOT_APPLYING = [
     (dict(drift_tolerance=0.3), "drift_tolerance"),
     (dict(timeout_seconds=5, time_budget_s=2), "timeout_seconds"),
     (dict(allow_staleness=True, pipelines=["sparse_dist"]), "allow_staleness"),
+    (dict(rewrites=["id_dtype"], sharding_group_size=4), "rewrites"),
+    (dict(per_sample=True, rewrites=["id_dtype"]), "per_sample"),
 ]
 
 
@@ -188,7 +190,8 @@ def test_an_option_that_does_not_apply_is_refused_naming_it_and_what_it_needs(kw
              "layout_2d": dict(sharding_group_size=4), "strategy_2d": dict(sharding_group_size=4),
              "allow_fp8": dict(allow_lossy_comm=True), "never_slower": dict(cost_model="sparselift"),
              "model_errors": dict(never_slower=True), "drift_tolerance": dict(cache_dir="/tmp/sparselift-cache-test"),
-             "timeout_seconds": dict(time_budget_s=5), "allow_staleness": dict(pipelines=["sparse_dist", "semi_sync"])}
+             "timeout_seconds": dict(time_budget_s=5), "allow_staleness": dict(pipelines=["sparse_dist", "semi_sync"]),
+             "rewrites": dict(sharding_group_size=None), "per_sample": dict(rewrites=["id_dtype", "batch_split"])}
     SparseLiftPlanner(topology=_topo(8, 4), batch_size=64, **{**kwargs, **needs[option]})
 
 
@@ -201,8 +204,10 @@ def test_a_storage_reservation_passed_with_a_percentage_is_refused():
 
 
 def test_every_row_of_the_table_is_tested_and_names_its_needs():
+    # batch_split, id_dtype, dedup_features: runtime.lift's rewrites, forced by the DLRM example's flags
+    # (tests/test_dlrm_rewrites.py); the planner chooses them itself
     assert {r.option for r in OPTION_NEEDS} == {o for _k, o in NOT_APPLYING} | {
-        "estimator", "heuristical_storage_reservation_percentage"}
+        "estimator", "heuristical_storage_reservation_percentage", "batch_split", "id_dtype", "dedup_features"}
     for row in OPTION_NEEDS:
         assert row.needs and not row.given_without({})  # nothing given: nothing refused
 

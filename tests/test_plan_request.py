@@ -116,6 +116,8 @@ MUTATIONS: Dict[str, Callable[[PlanRequest], Any]] = {
     "strategy_2d": lambda r: _other(["auto", "default", "fully_sharded"], r.strategy_2d),
     "measured_guard": lambda r: _other([None, 0.1, 0.2], r.measured_guard),
     "never_slower": lambda r: _other(["auto", True, False], r.never_slower),
+    "rewrites": lambda r: r.rewrites[1:] if r.rewrites else ("batch_split",),
+    "per_sample": lambda r: not r.per_sample,
 }
 
 

@@ -263,3 +263,97 @@ def test_a_run_is_timed_over_whole_sync_intervals_of_the_model_it_built():
     for res in run_ranks(_timed_run_worker, 2, timeout_s=120):
         # 1 warm-up + 4 steps rounded up to 6 (two intervals of 3); the parity runs keep their count
         assert res == [(7, 7), (5, 5)]
+
+
+# ------------------------------------------------------------------------------------------------
+# the sparse-path rewrites forced, and the overlap bound
+# ------------------------------------------------------------------------------------------------
+
+
+def test_rewrite_runs_are_named_after_their_base_and_what_they_force(tmp_path):
+    full = regimes.rewrite_runs()
+    assert full == ["sparselift_split2", "sparselift_split4", "sparselift_split8", "torchrec_split2",
+                    "torchrec_split4", "torchrec_split8", "sparselift_int32", "sparselift_dedup", "torchrec_int32",
+                    "torchrec_dedup"]
+    assert regimes.rewrite_runs(quick=True) == ["sparselift_split4", "torchrec_split4", "sparselift_int32",
+                                                "torchrec_int32"]
+    assert regimes.rewrite_of("torchrec_split8") == ("torchrec", {"batch_split": 8})
+    assert regimes.rewrite_of("sparselift_dedup") == ("sparselift", {"id_dtype": "int32", "dedup": True})
+    for other in ("torchrec", "torchrec_fused", "sparselift_lossy", "sparselift_2d", "torchrec_splitx"):
+        assert regimes.rewrite_of(other) is None
+    names = regimes.run_names("R2", "both", rewrites=True)
+    assert names[-len(full):] == full and names.index("sparselift") < names.index("sparselift_split2")
+    assert not any(regimes.rewrite_of(n) for n in regimes.run_names("R2", "both"))
+    assert regimes.parse_args(["--store", str(tmp_path)]).rewrites
+    assert not regimes.parse_args(["--no-rewrites", "--store", str(tmp_path)]).rewrites
+
+
+def test_gap_closed_is_the_share_of_the_gap_to_the_bound():
+    assert regimes.gap_closed(100.0, 60.0, 50.0) == pytest.approx(0.8)
+    assert regimes.gap_closed(100.0, 110.0, 50.0) == pytest.approx(-0.2)
+    assert regimes.gap_closed(100.0, 90.0, 100.0) is None  # no gap to close
+
+
+def test_overlap_bounds_take_the_unshaped_regimes_step_of_the_same_run():
+    r1 = {"workload": "kaggle", "rows": {"torchrec": _row(40.0, key="K"), "torchrec_split4": _row(42.0, key="K4")}}
+    r2 = {"workload": "kaggle", "rows": {
+        "torchrec": _row(100.0, key="K", comm_part_ms=55.0),
+        "torchrec_split4": _row(70.0, key="K4", base="torchrec", comm_part_ms=56.0),
+        "sparselift": _row(80.0, key="S", comm_part_ms=30.0),  # never run unshaped: no bound
+        "sparselift_split4": _row(75.0, key="S4", base="sparselift", comm_part_ms=30.0)}}
+    jobs = {"R1": {"workloads": [r1]}, "R2": {"workloads": [r2]}}
+    regimes.add_overlap_bounds(jobs)
+    rows = jobs["R2"]["workloads"][0]["rows"]
+    assert rows["torchrec"]["compute_part_ms"] == 40.0 and rows["torchrec"]["overlap_bound_ms"] == 55.0
+    assert rows["torchrec_split4"]["gap_closed"] == pytest.approx((100.0 - 70.0) / (100.0 - 55.0))
+    assert rows["sparselift"]["overlap_bound_ms"] is None and rows["sparselift_split4"]["gap_closed"] is None
+    x = regimes.summarize_workload(rows)
+    assert x["best_rewrite"] == "torchrec_split4" and x["torchrec_over_best_rewrite"] == pytest.approx(100.0 / 70.0)
+    assert x["best_gap_closed_run"] == "torchrec_split4"
+    s = regimes.summarize_regime("R2", [dict(rows=rows, ratios=x)])
+    t = {v["key"]: v for v in regimes.check_targets(s)}
+    assert t["geo_best_gap_closed"]["met"] is False and t["min_best_gap_closed"]["value"] == pytest.approx(30 / 45)
+
+
+def test_peer_splits_send_each_ranks_bytes_evenly_to_the_others():
+    from benchmarks.harness.replay import peer_splits
+
+    sent = [10, 7, 0]
+    for rank in range(3):
+        inp, out = peer_splits(sent, rank)
+        assert inp[rank] == 0 == out[rank] and sum(inp) == sent[rank]
+        assert out == [peer_splits(sent, q)[0][rank] for q in range(3)]  # what each peer sends this rank
+    assert peer_splits([5], 0) == ([0], [0])
+
+
+def _replay_rank(rank, world):
+    import torch.distributed as dist
+
+    from benchmarks.harness.replay import replay_collectives
+    from torchrec_sparselift.runtime.comm_counter import CollectiveCall
+
+    calls = [CollectiveCall(op="all_to_all_single", kind="output_dist", dtype="float32",
+                            sent_bytes=40_000 * (rank + 1), recv_bytes=0) for _ in range(3)]
+    return replay_collectives(calls, 4096, dist.group.WORLD, reps=3)
+
+
+def test_replay_collectives_runs_the_counted_bytes_on_every_rank():
+    from launcher import run_ranks
+
+    times = run_ranks(_replay_rank, 2, timeout_s=60)
+    assert times[0] == times[1] > 0  # the slowest rank's median, the same on both
+
+
+def test_the_network_regimes_runs_r1_did_not_run_are_replayed_unshaped():
+    entry = {"plan": {"modules": {}}, "pipeline": "overlap"}
+    r1 = {"workload": "kaggle", "rows": {"torchrec": _row(40.0, key="K")}}
+    r2 = {"workload": "kaggle", "rows": {"torchrec": _row(100.0, key="K", comm_part_ms=55.0, replay=entry),
+                                         "sparselift": _row(80.0, key="S", comm_part_ms=30.0, replay=entry),
+                                         "sparselift_2d": _row(90.0, key="D", replay=None),
+                                         "row_wise": dict(failed="boom", key="R", replay=entry)}}
+    jobs = {"R1": {"workloads": [r1]}, "R2": {"workloads": [r2]}}
+    assert regimes.replays_wanted(jobs) == {"kaggle": {"S": entry}}
+    regimes.add_overlap_bounds(jobs, replayed={"kaggle": {"S": 50.0}})
+    rows = jobs["R2"]["workloads"][0]["rows"]
+    assert rows["sparselift"]["compute_part_ms"] == 50.0 and rows["sparselift"]["overlap_bound_ms"] == 50.0
+    assert rows["torchrec"]["compute_part_ms"] == 40.0  # R1's own run of the same key comes first

@@ -293,7 +293,7 @@ def test_a_profile_fitted_before_the_current_terms_is_stale(tmp_path, monkeypatc
     prof = attrs.evolve(PRESETS["cpu-gloo"], name="fitted")
     old_terms = {t.name: 1e-6 for t in CPU_STEP_TERMS if t.name not in ("1/dense_mem_bw", "bucketize_id_s")}
     store.save(prof, _fp(), info={"fit": {"values": old_terms},
-                                  "host_terms": {"bucketize_id_s": 1e-8, "codec_byte_s": 1e-10},
+                                  "host_terms": {"bucketize_id_s": 1e-8, "codec_byte_s": 1e-10, "chunk_overhead_s": 3e-4, "dedup_id_s": 7e-8},
                                   "model_version": STEP_MODEL_VERSION})
     assert store.lookup(_fp())[0].step_fit.missing_terms() == ["1/dense_mem_bw"]
     assert _check(tmp_path) == 1
@@ -304,7 +304,7 @@ def test_a_profile_fitted_before_the_current_terms_is_stale(tmp_path, monkeypatc
     assert len(warned) == 1 and "1/dense_mem_bw" in warned[0] and "base profile's values" in warned[0]
     assert "torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps" in warned[0]
     store.save(prof, _fp(), info={"fit": {"values": {**old_terms, "1/dense_mem_bw": 1e-9}},
-                                  "host_terms": {"bucketize_id_s": 1e-8, "codec_byte_s": 1e-10},
+                                  "host_terms": {"bucketize_id_s": 1e-8, "codec_byte_s": 1e-10, "chunk_overhead_s": 3e-4, "dedup_id_s": 7e-8},
                                   "model_version": STEP_MODEL_VERSION})
     assert store.lookup(_fp())[0].step_fit.missing_terms() == []
     assert _check(tmp_path) == 0
@@ -313,7 +313,7 @@ def test_a_profile_fitted_before_the_current_terms_is_stale(tmp_path, monkeypatc
     assert warned == []
     # a calibration whose machine sped up or slowed down more than MAX_DRIFT_SPREAD is redone too
     info = {"fit": {"values": {**old_terms, "1/dense_mem_bw": 1e-9}},
-            "host_terms": {"bucketize_id_s": 1e-8, "codec_byte_s": 1e-10},
+            "host_terms": {"bucketize_id_s": 1e-8, "codec_byte_s": 1e-10, "chunk_overhead_s": 3e-4, "dedup_id_s": 7e-8},
             "model_version": STEP_MODEL_VERSION}
     store.save(prof, _fp(), info={**info, "drift_spread": 2.1})
     assert _check(tmp_path) == 1
@@ -358,7 +358,7 @@ def test_stored_step_fit_info_round_trips_and_keeps_unknown_fields():
     rec = FitRecord(label="p", quantities={"step_overhead_s": 1.0}, fixed_s=0.01, measured_s=0.02, kind="comm",
                     weight=0.5)
     stored = {"fit": {"values": {"step_overhead_s": 1e-3}, "mape": 0.1}, "model_version": STEP_MODEL_VERSION,
-              "host_terms": {"bucketize_id_s": 1e-8, "codec_byte_s": 1e-10}, "fit_records": [attrs.asdict(rec)], "drift_spread": 1.2,
+              "host_terms": {"bucketize_id_s": 1e-8, "codec_byte_s": 1e-10, "chunk_overhead_s": 3e-4, "dedup_id_s": 7e-8}, "fit_records": [attrs.asdict(rec)], "drift_spread": 1.2,
               "feedback_records": 3, "created": "2000-01-01T00:00:00Z", "mape_after": 0.07}
     info = StepFitInfo.from_dict(stored)
     assert info.fit_records == (rec,) and info.drift_spread == 1.2 and info.extra["mape_after"] == 0.07

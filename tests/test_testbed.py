@@ -228,4 +228,5 @@ def test_a_failing_host_ends_the_job_after_the_grace_period(tmp_path):
         results = bed.torchrun([str(script)], timeout_s=120, grace_s=2)
     assert time.monotonic() - t0 < 60
     assert results[1].returncode != 0 and not results[1].killed
+    assert results[1].job_returncode == 3  # the worker's own code, from torchrun's failure report
     assert results[0].killed and results[0].returncode is None

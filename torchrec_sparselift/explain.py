@@ -28,6 +28,7 @@ from torchrec_sparselift.cost.two_d import sync_evidence
 from torchrec_sparselift.search.place import best_placement
 from torchrec_sparselift.search.solve import new_evaluator
 from torchrec_sparselift.plan.baseline import decision_from_dict
+from torchrec_sparselift.plan.rewrites import BATCH_SPLIT, DEDUP, ID_DTYPE, RewriteChoice, choose_rewrites
 from torchrec_sparselift.planner import evaluate_sharding_plan
 from torchrec_sparselift.search.two_d import group_topology
 
@@ -47,6 +48,8 @@ __all__ = [
     "format_tables",
     "format_2d",
     "format_never_slower",
+    "format_rewrites",
+    "with_stored_rewrites",
 ]
 
 PHASE_ORDER = PHASE_NAMES
@@ -219,10 +222,26 @@ class RepricedPlan:
     capacity: Tuple[Tuple[float, ...], Tuple[float, ...]] = ((), ())
 
 
+def with_stored_rewrites(ep: Any, planner: Any, module: Any, evaluated: Any) -> Any:
+    """``evaluated`` (``ep``'s sharding priced again) with the rewrites ``ep`` carries priced again
+    on it: the rewrite stage choosing among those ``ep`` set (the batch split where ``ep`` splits,
+    narrow ids where its ids are narrow, dedup where it deduplicates), on ``planner``'s request for
+    ``module`` under ``evaluated``'s profile; ``evaluated`` unchanged for a plan without rewrites
+    or a 2D plan."""
+    o = ep.optimizations
+    allowed = tuple(name for name, on in ((BATCH_SPLIT, o.batch_split > 1), (ID_DTYPE, o.id_dtype != "int64"),
+                                          (DEDUP, bool(o.dedup_features))) if on)
+    if o.is_2d or not allowed:
+        return evaluated
+    request = attrs.evolve(planner.request(module), hardware=evaluated.profile)
+    return attrs.evolve(evaluated, rewrites=choose_rewrites(request, evaluated, allowed))
+
+
 def reprice_plan(ep: Any, planner: Any, module: Any, constraints: Optional[Mapping[str, Any]], topology: Any,
                  per_rank_batch: int, profile: Any, top: int) -> RepricedPlan:
     """Price the execution plan ``ep`` again on ``module``/``topology`` with ``planner``'s memory
-    reservation and ``profile``: the step, its timeline and the ``top`` tables' reasons. A 2D
+    reservation and ``profile``: the step (with the plan's rewrites, :func:`with_stored_rewrites`),
+    its timeline and the ``top`` tables' reasons. A 2D
     plan's ranks are group-local, so it is priced on one sharding group. ``ValueError`` when the
     plan does not fit the inputs."""
     o = ep.optimizations
@@ -233,6 +252,7 @@ def reprice_plan(ep: Any, planner: Any, module: Any, constraints: Optional[Mappi
     evaluated = evaluate_sharding_plan(
         module, ep.sharding_plan, topology, per_rank_batch, constraints or None, hardware=profile,
         pipeline=o.pipeline, fwd_precision=o.fwd_comm_precision, bwd_precision=o.bwd_comm_precision)
+    evaluated = with_stored_rewrites(ep, planner, module, evaluated)
     dev_cap, host_cap = planner.memory_caps(module)
     if o.is_2d:
         dev_cap, host_cap = dev_cap[: o.sharding_group_size], host_cap[: o.sharding_group_size]
@@ -375,3 +395,13 @@ def format_never_slower(planner_info: Mapping[str, Any]) -> Optional[str]:
     the differing terms behind it); None when the plan was made without the rule."""
     decision = decision_from_dict(planner_info.get("never_slower"))
     return None if decision is None else decision.describe()
+
+
+def format_rewrites(planner_info: Mapping[str, Any]) -> List[str]:
+    """The rewrite stage's choice an execution plan stored (``planner_info["rewrites"]``): the
+    rewrites chosen with the predicted step with and without them, the wire-id bytes saved, per
+    chunk of a batch split what the link hides and what the step waits for
+    (``cost.batch_split.split_schedule``), and why each rewrite not chosen was not; no lines when
+    the plan was made without the stage."""
+    choice = RewriteChoice.from_dict(planner_info.get("rewrites"))
+    return [] if choice is None else choice.describe()

@@ -95,6 +95,8 @@ class SparseLiftPlanner(ShardingPlanner):
     ``allow_fp8``, ``allow_staleness``, ``time_budget_s``, ``solver``, ``cost_model``,
     ``estimator``; 2D's ``sharding_group_size``, ``sync_interval``, ``max_sync_interval``,
     ``layout_2d``, ``strategy_2d``; the never-slower rule's ``never_slower`` and ``model_errors``;
+    the rewrite stage's ``rewrites`` (the rewrites the planner may choose, ``plan.rewrites.REWRITES``:
+    None all, ``()`` none) and ``per_sample`` (declare the dense part per-sample for the batch split);
     the plan cache's ``cache_dir`` and ``drift_tolerance``; and
     ``heuristical_storage_reservation_percentage`` as TorchRec's planner has it.
     ``planner.last_result`` keeps the details of the last plan.
@@ -136,6 +138,8 @@ class SparseLiftPlanner(ShardingPlanner):
         never_slower: Any = defaults.NEVER_SLOWER,
         strategy_2d: str = defaults.STRATEGY_2D,
         model_errors: Any = None,
+        rewrites: Optional[Sequence[str]] = None,
+        per_sample: bool = False,
     ) -> None:
         for name, value in (("enumerator", enumerator), ("proposer", proposer), ("partitioner", partitioner),
                             ("performance_model", performance_model)):
@@ -156,7 +160,7 @@ class SparseLiftPlanner(ShardingPlanner):
             drift_tolerance=drift_tolerance, solver=solver, sharding_group_size=sharding_group_size,
             sync_interval=sync_interval, cost_model=cost_model, estimator=estimator,
             max_sync_interval=max_sync_interval, layout_2d=layout_2d, never_slower=never_slower,
-            strategy_2d=strategy_2d, model_errors=model_errors)
+            strategy_2d=strategy_2d, model_errors=model_errors, rewrites=rewrites, per_sample=per_sample)
         self._topology = topology
         self._batch_size = int(batch_size) if batch_size else DEFAULT_BATCH_SIZE
         self._constraints = dict(constraints) if constraints else None

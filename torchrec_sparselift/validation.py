@@ -47,7 +47,7 @@ import attrs
 from torchrec_sparselift import defaults
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.vocabulary import COLUMN_SPLIT_TYPES, COMPUTE_KERNELS, SHARDING_TYPES, SOLVERS
-from torchrec_sparselift.vocabulary import FUSED_KERNELS, STALE_PIPELINES
+from torchrec_sparselift.vocabulary import FUSED_KERNELS, OVERLAP, STALE_PIPELINES
 
 __all__ = [
     "OptionNeed",
@@ -725,6 +725,8 @@ def callback_problem(callback: Any, before: Sequence[Any], after: Any) -> Option
 
 _TWO_D = "sharding_group_size='auto' or a group size (a 2D plan)"
 _TWO_D_FLAGS = "--sharding-group-size auto|N (a 2D plan)"
+_ONE_D = "a 1D plan (sharding_group_size=None)"
+_ONE_D_FLAGS = "a 1D plan (no --sharding-group-size)"
 
 
 @attrs.frozen
@@ -744,6 +746,13 @@ class OptionNeed:
 
 def _one_d(a: Mapping[str, Any]) -> bool:
     return a.get("sharding_group_size") is None
+
+
+def _listed(a: Mapping[str, Any], name: str) -> Optional[Tuple[Any, ...]]:
+    """Argument ``name`` as a tuple where it is a list or tuple (None otherwise: not given, or a
+    value its own check refuses)."""
+    v = a.get(name)
+    return tuple(v) if isinstance(v, (list, tuple)) else None
 
 
 def _stale_listed(a: Mapping[str, Any]) -> bool:
@@ -780,9 +789,26 @@ OPTION_NEEDS: Tuple[OptionNeed, ...] = (
     OptionNeed("timeout_seconds", "no time_budget_s (time_budget_s is the search budget when both are given)",
                lambda a: bool(a.get("timeout_seconds")) and bool(a.get("time_budget_s"))
                and float(a["timeout_seconds"]) != float(a["time_budget_s"])),
+    OptionNeed("rewrites", "a 1D plan (sharding_group_size=None) with cost_model='sparselift' (the rewrite stage "
+               "prices 1D plans with SparseLift's model)",
+               lambda a: bool(_listed(a, "rewrites")) and (
+                   not _one_d(a) or a.get("cost_model", "sparselift") != "sparselift"),
+               needs_flags="no --sharding-group-size, --cost-model sparselift"),
+    OptionNeed("per_sample", "the batch split among the rewrites (rewrites=None or a list with 'batch_split') "
+               "in a 1D plan", lambda a: a.get("per_sample") is True and (
+                   not _one_d(a) or (_listed(a, "rewrites") is not None and "batch_split" not in _listed(a, "rewrites"))),
+               needs_flags="the batch split among the rewrites in a 1D plan"),
     OptionNeed("allow_staleness", "pipelines=None or a list with a stale pipeline ("
                + ", ".join(STALE_PIPELINES) + ")",
                lambda a: bool(a.get("allow_staleness")) and a.get("pipelines") is not None and not _stale_listed(a)),
+    # the sparse-path rewrites forced on a run (runtime.lift's keywords; the DLRM example's flags)
+    OptionNeed("batch_split", f"pipeline={OVERLAP!r} (it splits that pipeline's all-to-alls) and {_ONE_D}",
+               lambda a: (a.get("batch_split") or 1) > 1 and (a.get("pipeline") != OVERLAP or not _one_d(a)),
+               needs_flags=f"--pipeline {OVERLAP} (it splits that pipeline's all-to-alls) and {_ONE_D_FLAGS}"),
+    OptionNeed("id_dtype", _ONE_D, lambda a: a.get("id_dtype") not in (None, "int64") and not _one_d(a),
+               needs_flags=_ONE_D_FLAGS),
+    OptionNeed("dedup_features", _ONE_D, lambda a: bool(a.get("dedup_features")) and not _one_d(a),
+               needs_flags=_ONE_D_FLAGS),
 )
 
 

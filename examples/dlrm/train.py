@@ -37,9 +37,12 @@ import attrs
 from torchrec_sparselift.dlrm.logs import quiet_logs
 from torchrec_sparselift.dlrm.options import (
     ARCHS,
+    DEDUP_ALL,
+    DEDUP_NONE,
     DENSE_OPTIMIZERS,
     DEVICES,
     FAIL_HOWS,
+    ID_DTYPES,
     MODELS,
     PLANNERS,
     REPLICA_MERGES,
@@ -47,6 +50,7 @@ from torchrec_sparselift.dlrm.options import (
     TrainOptions,
     UsageError,
     resolve_tables,
+    rewrite_overrides,
 )
 from torchrec_sparselift.dlrm.tables import TableSetError, load_constraints_file
 from torchrec_sparselift.vocabulary import PIPELINES, STALE_PIPELINES, STRATEGY_2D_CHOICES
@@ -115,6 +119,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainOptions:
     p.add_argument("--allow-staleness", action="store_true",
                    help="sparselift may plan a pipeline that trains on one-step-stale embeddings (" +
                    ", ".join(STALE_PIPELINES) + "; docs/overlap.md); --pipeline needs it to force one")
+    # ---- sparse-path rewrites (runtime.lift's batch_split / id_dtype / dedup_features; default: the plan's)
+    p.add_argument("--batch-split", type=int, metavar="K",
+                   help="sparselift: split the embeddings' output and gradient all-to-alls into K chunks (1..16; 1: "
+                   "none), each chunk's dense work beside the next chunk's transfer, exact; needs --pipeline overlap "
+                   "(1D); default: the plan's choice (docs/overlap.md section 10)")
+    p.add_argument("--per-sample", action="store_true",
+                   help="declare the dense model per-sample (every sample's output depends on that sample alone, "
+                   "the loss a mean over the batch) for a batch split; --model dcn needs it (its CrossNet's "
+                   "parameter lists are not provably per-sample)")
+    p.add_argument("--id-dtype", choices=ID_DTYPES,
+                   help="sparselift: ids and lengths in the input all-to-all at this width (int32 needs every table "
+                   "within int32 rows; 1D); default: the plan's choice (docs/wire_ids.md)")
+    p.add_argument("--dedup", metavar=f"FEATURES|{DEDUP_ALL}|{DEDUP_NONE}",
+                   help="sparselift: deduplicate the ids of these features (comma-separated; all: every feature; "
+                   "none: no feature) before the input all-to-all, exact (1D); default: the plan's choice "
+                   "(docs/wire_ids.md)")
     # ---- 2D sparse parallelism (SparseLiftPlanner(sharding_group_size=...), runtime.lift builds DMPCollection)
     p.add_argument("--sharding-group-size", metavar="auto|N", help="sparselift: plan 2D sparse parallelism: tables "
                    "sharded over groups of N ranks, the groups replicated (auto: the planner picks N, 1D included); "
@@ -175,6 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tables: List = resolve_tables(options)
         if options.constraints:
             load_constraints_file(options.constraints, tables)  # a bad file fails here, before torch
+        rewrite_overrides(options, tables)  # --id-dtype int32 over the tables' rows, --dedup's features
         if options.planner == "torchrec" and options.check:
             return 0  # nothing else to check, and no torch to import
         # torch and TorchRec load here: --help, a bad flag and a bad file above answer without them

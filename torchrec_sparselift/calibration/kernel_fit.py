@@ -11,6 +11,8 @@ row_bytes(dim)``, the bytes a lookup reads; ``n`` = ranks in the group)::
     all_reduce                t = collective_latency_s + 2 (n - 1) / n * bytes / allreduce_bw
     dense matmul              t = flops / dense_flops
     pinned host->device copy  t = c + bytes / uvm_bw                 (CUDA only)
+    dense step in k chunks    t = t_1 + (k - 1) * chunk_overhead_s     (:mod:`.rewrite_fit`)
+    dedup kernels over n ids  t = c + n * dedup_id_s                   (:mod:`.rewrite_fit`)
 
 ``bytes`` is each rank's buffer; (n - 1) / n of it leaves the rank, which is what the cost model
 counts. ``bw`` is ``hbm_bw`` on CUDA and ``ddr_bw`` on CPU (a CPU profile gets the fitted value in
@@ -42,6 +44,7 @@ from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.cost.terms import cold_row_seconds
 from torchrec_sparselift.errors import CalibrationError
 from torchrec_sparselift.calibration.records import RECORDS_SCHEMA
+from torchrec_sparselift.calibration.rewrite_fit import SlopeFit, fit_chunk_overhead, fit_dedup_id_s
 from torchrec_sparselift.files import Fields, load_json
 
 __all__ = [
@@ -148,6 +151,9 @@ class CalibrationReport:
     diagnostics: Mapping[str, float] = attrs.field(factory=dict)
     notes: Tuple[str, ...] = attrs.field(default=(), converter=tuple)
     records: MicrobenchRecords = attrs.field(factory=MicrobenchRecords)
+    #: the sparse-path rewrites' constants fitted (``chunk_overhead_s``, ``dedup_id_s``), each with
+    #: its residual and held-out predictions
+    slopes: Tuple[SlopeFit, ...] = attrs.field(default=(), converter=tuple)
     #: every record under the fitted profile, ``(family, label, predicted s, measured s)``: the
     #: points each family's fit summarises (derived, so not in the JSON)
     points: Tuple[Tuple[str, str, float, float], ...] = attrs.field(default=(), converter=tuple, eq=False,
@@ -165,6 +171,7 @@ class CalibrationReport:
             "diagnostics": dict(self.diagnostics),
             "notes": list(self.notes),
             "records": self.records.to_dict(),
+            "slopes": [f.to_dict() for f in self.slopes],
         }
 
     def summary(self) -> str:
@@ -180,6 +187,7 @@ class CalibrationReport:
             f"  dense {p.dense_flops / 1e12:.3f} TFLOP/s  uvm bw {p.uvm_bw / 1e9:.2f} GB/s",
         ]
         lines += ["  " + f.line() for f in self.fits]
+        lines += ["  " + line for f in self.slopes for line in f.lines()]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -478,6 +486,20 @@ def fit_kernel_profile(
         diagnostics["h2d_fixed_s"] = fixed
         notes.append("uvm_bw = pinned host-to-device copy bandwidth (an upper bound for UVM row gathers)")
 
+    slopes: List[SlopeFit] = []
+    for field, recs, fit, what in (("chunk_overhead_s", records.chunks, fit_chunk_overhead, "chunked dense steps"),
+                                   ("dedup_id_s", records.dedup, fit_dedup_id_s, "dedup kernels")):
+        if not recs:
+            notes.append(f"no {what} measured: {field} kept from the base profile")
+            continue
+        line = fit(recs)
+        slopes.append(line)
+        fields[field] = line.slope
+        diagnostics[f"{field}_intercept_s"] = line.intercept
+        if line.slope <= 0:
+            notes.append(f"{field}: the {what}' times did not grow with the {line.unit} count (noise?): fitted 0; "
+                         "calibrate on a quieter machine")
+
     profile = attrs.evolve(base, **fields)
 
     fits: List[FamilyFit] = []
@@ -509,10 +531,21 @@ def fit_kernel_profile(
         family("h2d_copy", sub, [diagnostics["h2d_fixed_s"] + r.bytes / profile.uvm_bw for r in sub],
                lambda r: f"h2d {r.bytes} B")
 
+    by_field = {f.field: f for f in slopes}
+    for field, sub, label, x in (
+            ("chunk_overhead_s", records.chunks, lambda r: f"k={r.chunks} of batch {r.batch_size}",
+             lambda r: r.chunks - 1),
+            ("dedup_id_s", records.dedup, lambda r: f"{r.ids} ids at ratio {r.unique_ratio:g}", lambda r: r.ids)):
+        fitted = [r for r in sub if not r.held_out]
+        if field in by_field and fitted:
+            line = by_field[field]
+            family(field, fitted, [line.intercept + line.slope * x(r) for r in fitted], label)
+
     kernels = sorted({r.kernel for r in records.lookups})
     report = CalibrationReport(
         profile=profile, base=base.name, device=device, kernel=",".join(kernels) or None,
         world_size=world, fits=fits, diagnostics=diagnostics, notes=notes, records=records, points=points,
+        slopes=slopes,
     )
     return profile, report
 

@@ -2,7 +2,9 @@
 (:mod:`torchrec_sparselift.measure`) to the fits (:mod:`.kernel_fit`, :mod:`.step_fit`).
 
 * kernel microbenchmarks: :class:`LookupRecord`, :class:`CollectiveRecord`, :class:`DenseRecord`,
-  :class:`CopyRecord`, gathered in :class:`MicrobenchRecords` (JSON);
+  :class:`CopyRecord`, and the sparse-path rewrites' constants: :class:`ChunkRecord` (a dense
+  step in chunks) and :class:`DedupRecord` (the id-deduplication kernels), gathered in
+  :class:`MicrobenchRecords` (JSON);
 * host work measured alone: :class:`HostTermRecord` (the step fit's fixed values and floors);
 * real training steps of probe plans: :class:`ProbeMeasurement` (one plan's measured step, its
   attribution and the machine's drift), and :class:`ProbeRecord` (one plan's fit result).
@@ -25,6 +27,8 @@ __all__ = [
     "CollectiveRecord",
     "DenseRecord",
     "CopyRecord",
+    "ChunkRecord",
+    "DedupRecord",
     "MicrobenchRecords",
     "RECORDS_SCHEMA",
     "DENSE_DTYPES",
@@ -128,11 +132,53 @@ class CopyRecord:
     seconds: float = attrs.field(validator=positive_seconds)
 
 
+def _unit_ratio(instance: Any, attribute: "attrs.Attribute[Any]", value: float) -> None:
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value <= 1):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a ratio in (0, 1], got {value!r}")
+
+
+def _flag(instance: Any, attribute: "attrs.Attribute[Any]", value: bool) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be true or false, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ChunkRecord:
+    """One forward + backward of a DLRM-like dense model over ``batch_size`` samples run as
+    ``chunks`` chunks of ``batch_size / chunks`` (the batch-split pipeline's dense work: slice the
+    inputs, one forward per chunk, the chunk losses weighted by size, one backward, the outputs
+    merged); ``seconds`` per step. ``held_out``: kept out of the fit, predicted by it."""
+
+    batch_size: int = attrs.field(validator=positive_int)
+    chunks: int = attrs.field(validator=positive_int)
+    seconds: float = attrs.field(validator=positive_seconds)
+    held_out: bool = attrs.field(default=False, validator=_flag)
+
+    def __attrs_post_init__(self) -> None:
+        if self.chunks > self.batch_size:
+            raise ValueError(f"ChunkRecord: {self.chunks} chunks of a batch of {self.batch_size}: a chunk needs a sample")
+
+
+@attrs.frozen(kw_only=True)
+class DedupRecord:
+    """The id-deduplication kernels over ``ids`` ids of one feature, ``unique_ratio`` of them
+    distinct (``torch.unique`` with its inverse on the sender, the rebuild and the merge of the
+    sources' distinct ids on the receiver, as ``runtime.wire_ids`` runs them); ``seconds`` per
+    call. ``held_out``: kept out of the fit, predicted by it."""
+
+    ids: int = attrs.field(validator=positive_int)
+    unique_ratio: float = attrs.field(validator=_unit_ratio)
+    seconds: float = attrs.field(validator=positive_seconds)
+    held_out: bool = attrs.field(default=False, validator=_flag)
+
+
 _RECORD_TYPES = {
     "lookups": LookupRecord,
     "collectives": CollectiveRecord,
     "dense": DenseRecord,
     "copies": CopyRecord,
+    "chunks": ChunkRecord,
+    "dedup": DedupRecord,
 }
 
 
@@ -144,6 +190,8 @@ class MicrobenchRecords:
     collectives: Tuple[CollectiveRecord, ...] = attrs.field(default=(), converter=tuple)
     dense: Tuple[DenseRecord, ...] = attrs.field(default=(), converter=tuple)
     copies: Tuple[CopyRecord, ...] = attrs.field(default=(), converter=tuple)
+    chunks: Tuple[ChunkRecord, ...] = attrs.field(default=(), converter=tuple)
+    dedup: Tuple[DedupRecord, ...] = attrs.field(default=(), converter=tuple)
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -188,7 +236,9 @@ class HostTermRecord:
     * ``bucketize_id_s``: fbgemm's ``block_bucketize_sparse_features`` (row-wise input dist) per id
       into 2 buckets;
     * ``a2a_byte_s``: ``all_to_all_single`` per byte sent or received by a rank;
-    * ``codec_byte_s``: the fp16 comm codec per byte sent or received by a rank (encode + decode).
+    * ``codec_byte_s``: the fp16 comm codec per byte sent or received by a rank (encode + decode);
+    * ``chunk_overhead_s`` / ``dedup_id_s``: the sparse-path rewrites' constants (one more batch
+      chunk's fixed cost; the dedup kernels per id), the profile fields of the same names.
     """
 
     optimizer_tensor_s: float
@@ -211,9 +261,19 @@ class HostTermRecord:
     #: TorchRec's fp16 comm codec (:func:`bench_codec_byte_s`): seconds per fp32 byte a rank sends or
     #: receives in a lossy-precision all-to-all (encode + decode, halved); 0: not measured
     codec_byte_s: float = 0.0
+    #: one more batch chunk's fixed cost and the dedup kernels' seconds per id
+    #: (``measure.microbench.bench_rewrite_constants``); None: not measured (a record saved before
+    #: they were)
+    chunk_overhead_s: Optional[float] = None
+    dedup_id_s: Optional[float] = None
 
     def to_dict(self) -> Dict[str, float]:
-        return attrs.asdict(self)
+        """Every term; the rewrites' constants only where measured."""
+        d = attrs.asdict(self)
+        for name in ("chunk_overhead_s", "dedup_id_s"):
+            if d[name] is None:
+                del d[name]
+        return d
 
     @classmethod
     def mean_of(cls, records: Sequence["HostTermRecord"]) -> "HostTermRecord":
@@ -224,8 +284,13 @@ class HostTermRecord:
         held-out predictions of the many-feature workloads by 20-30%: the readings are averaged, not chosen."""
         if not records:
             raise ValueError("HostTermRecord.mean_of needs at least one record")
-        return cls(**{f.name: float(statistics.fmean(getattr(r, f.name) for r in records))
-                      for f in attrs.fields(cls)})
+        def mean(name: str) -> Optional[float]:
+            values = [getattr(r, name) for r in records]
+            if any(v is None for v in values):  # a term one reading lacks is not measured
+                return None
+            return float(statistics.fmean(values))
+
+        return cls(**{f.name: mean(f.name) for f in attrs.fields(cls)})
 
 
 @attrs.frozen(kw_only=True)

@@ -58,6 +58,7 @@ __all__ = [
     "linearize",
     "fit_step_profile",
     "HOST_FIXED_TERMS",
+    "REWRITE_HOST_FIELDS",
     "host_fit_setup",
     "with_a2a_host_split",
     "group_cases",
@@ -268,6 +269,9 @@ def fit_step_profile(
 
 #: Step-fit terms a calibration with host microbenchmarks takes as measured instead of fitting.
 HOST_FIXED_TERMS = ("bucketize_id_s",)
+#: Profile fields the host microbenchmarks measure for the sparse-path rewrites and the step fit
+#: takes as they are (``HostTermRecord``'s fields of the same names).
+REWRITE_HOST_FIELDS = ("chunk_overhead_s", "dedup_id_s")
 
 
 def host_fit_setup(base: HardwareProfile, host: Optional[Any]
@@ -285,12 +289,18 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
     the dense activation and interaction rates above their cost measured alone
     (``measure.microbench.bench_dense_terms``), the dense layers' FLOP rate above an MLP's alone
     (``measure.microbench.bench_dense_flops``), and the fused backward's per-distinct-row cost above
-    fbgemm's alone (``measure.microbench.bench_tbe_backward``)."""
+    fbgemm's alone (``measure.microbench.bench_tbe_backward``). The rewrites' constants
+    (:data:`REWRITE_HOST_FIELDS`: ``chunk_overhead_s``, ``dedup_id_s``) are the measured values
+    where the record has them."""
     if host is None:
         return base, tuple(CPU_STEP_TERMS), {}
     if isinstance(host, Mapping):
         host = HostTermRecord(**host)
     base = attrs.evolve(base, bucketize_id_s=float(host.bucketize_id_s), codec_byte_s=float(host.codec_byte_s))
+    # the sparse-path rewrites' constants (no probe plan runs a rewrite): the measured values as they are
+    rewrites = {f: float(getattr(host, f)) for f in REWRITE_HOST_FIELDS if getattr(host, f) is not None}
+    if rewrites:
+        base = attrs.evolve(base, **rewrites)
     terms = tuple(t for t in CPU_STEP_TERMS if t.name not in HOST_FIXED_TERMS)
     floors = {"dp_table_overhead_s": float(host.optimizer_tensor_s),
               "1/dense_update_bw": float(host.optimizer_byte_s) / 3.0}
@@ -495,6 +505,12 @@ class StepFitInfo:
         """Whether the fit was calibrated before the lossy comms' codec was measured (host terms
         without ``codec_byte_s``): its profile has no codec or all-to-all host share of its own."""
         return self.fitted and bool(self.host_terms) and "codec_byte_s" not in self.host_terms
+
+    def before_rewrites(self) -> bool:
+        """Whether the fit was calibrated before the sparse-path rewrites' constants were measured
+        (host terms without ``chunk_overhead_s`` / ``dedup_id_s``): its profile has them None, so
+        the planner neither splits the batch nor deduplicates ids."""
+        return self.fitted and bool(self.host_terms) and any(f not in self.host_terms for f in REWRITE_HOST_FIELDS)
 
     def missing_terms(self) -> List[str]:
         """The :data:`CPU_STEP_TERMS` the fit neither fitted nor fixed from host measurements: it was

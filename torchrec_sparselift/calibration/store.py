@@ -432,6 +432,9 @@ def stored_profile_problems(info: StepFitInfo) -> List[str]:
     if info.before_codec():
         out.append("was calibrated before the lossy comms' codec was measured (codec_byte_s: plans with "
                    "fp16/bf16 comms are priced with the base profile's)")
+    if info.before_rewrites():
+        out.append("was calibrated before the sparse-path rewrites' constants were measured (chunk_overhead_s, "
+                   "dedup_id_s: the planner neither splits the batch nor deduplicates ids with it)")
     version = info.fitted_model_version()
     if version is not None and version != STEP_MODEL_VERSION:
         out.append(f"was fitted under cost-model structure {version} (this code prices structure "

@@ -21,7 +21,7 @@ from torchrec_sparselift.atomic import write_json
 from torchrec_sparselift.files import Fields, field_path, load_json
 from torchrec_sparselift.vocabulary import PIPELINES
 __all__ = ["HardwareProfile", "RATE_FALLBACK", "PRESETS", "get_profile", "profile_for_topology",
-           "COMPUTE_RATE_FIELDS", "COMPUTE_TIME_FIELDS", "with_slower_compute"]
+           "COMPUTE_RATE_FIELDS", "COMPUTE_TIME_FIELDS", "UNSET_OMITTED_FIELDS", "with_slower_compute"]
 
 GiB = 1024**3
 GB = 1e9
@@ -38,6 +38,16 @@ def _non_negative(instance: Any, attribute: "attrs.Attribute[Any]", value: float
     if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
         raise ValueError(
             f"HardwareProfile.{attribute.name} must be a non-negative finite number, got {value!r}"
+        )
+
+
+def _optional_non_negative(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+        raise ValueError(
+            f"HardwareProfile.{attribute.name} must be None (not calibrated) or a non-negative finite number "
+            f"of seconds, got {value!r}; calibrate it with `sparselift calibrate kernels`"
         )
 
 
@@ -187,6 +197,21 @@ class HardwareProfile:
             ``all_to_all_single``'s measured alone (its floor; ``calibration.step_fit.with_a2a_host_split``);
             a link correction keeps it (it moves only the link's own seconds). 0 in the presets
             (every all-to-all byte on the wire).
+        chunk_overhead_s: seconds one more batch chunk adds to a step (``cost.batch_split``): the
+            dense model's calls run once more per chunk (kernel launches, the framework's per-call
+            work, the slice of the batch and the merge of the outputs). Measured by ``sparselift
+            calibrate kernels`` and by the step calibration's host terms
+            (``measure.microbench.bench_chunk_steps``: a DLRM-like dense forward and backward at
+            one total batch in k = 1, 2, 4, 8 chunks; the slope over k,
+            ``calibration.rewrite_fit.fit_chunk_overhead``). None: not calibrated on this profile
+            (the planner does not split the batch, and says why).
+        dedup_id_s: seconds per id of the id-deduplication kernels (``cost.wire_ids``): the
+            sender's ``torch.unique`` with its inverse index and the receiver's rebuild
+            (``unique[inverse]``) and merge of the sources' distinct ids, as ``runtime.wire_ids``
+            runs them. Measured with ``chunk_overhead_s``
+            (``measure.microbench.bench_dedup_kernels``; the per-id slope over id counts and unique
+            ratios, ``calibration.rewrite_fit.fit_dedup_id_s``). None: not calibrated (the planner
+            does not deduplicate ids, and says why).
         The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the
         presets; :mod:`torchrec_sparselift.calibration.step_fit` fits them from measured steps
         (all but ``lookup_cache_bytes``; ``codec_byte_s`` is measured by the host microbenchmarks
@@ -234,6 +259,8 @@ class HardwareProfile:
     replica_inter_bw: Optional[float] = attrs.field(default=None)
     codec_byte_s: float = attrs.field(default=0.0, validator=_non_negative)
     a2a_host_byte_s: float = attrs.field(default=0.0, validator=_non_negative)
+    chunk_overhead_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
+    dedup_id_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):
@@ -322,7 +349,13 @@ class HardwareProfile:
 
     # -- serialization --------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
-        return attrs.asdict(self)
+        """Every field; an :data:`UNSET_OMITTED_FIELDS` field that is None (not calibrated) is left
+        out, so a profile without it has the record (and digest) it had before the field existed."""
+        d = attrs.asdict(self)
+        for name in UNSET_OMITTED_FIELDS:
+            if d.get(name, 0) is None:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "HardwareProfile":
@@ -386,13 +419,18 @@ class HardwareProfile:
 #: ``ssd_bw`` (transfers from another device).
 COMPUTE_RATE_FIELDS = ("hbm_bw", "ddr_bw", "dense_flops", "interaction_flops", "dense_mem_bw", "dense_update_bw")
 COMPUTE_TIME_FIELDS = ("lookup_overhead_s", "step_overhead_s", "feature_overhead_s", "table_overhead_s",
-                       "dp_table_overhead_s", "bucketize_id_s", "bwd_row_s", "cold_row_s", "codec_byte_s")
+                       "dp_table_overhead_s", "bucketize_id_s", "bwd_row_s", "cold_row_s", "codec_byte_s",
+                       "chunk_overhead_s", "dedup_id_s")
+
+#: Optional terms :meth:`HardwareProfile.to_dict` leaves out while they are None (not calibrated):
+#: profiles, plan fingerprints and cache keys without them keep their digests.
+UNSET_OMITTED_FIELDS = ("chunk_overhead_s", "dedup_id_s")
 
 
 def with_slower_compute(profile: HardwareProfile, factor: float) -> HardwareProfile:
     """``profile`` with every compute term ``factor`` times slower: the rates of
     :data:`COMPUTE_RATE_FIELDS` divided by it (an optional rate left None still falls back to its
-    now slower field), the seconds of :data:`COMPUTE_TIME_FIELDS` multiplied by it. ``factor`` 1
+    now slower field), the seconds of :data:`COMPUTE_TIME_FIELDS` multiplied by it (one that is None stays None). ``factor`` 1
     returns ``profile`` itself; a factor below 1 (more cores per rank) speeds the terms up."""
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor > 0 and math.isfinite(factor)):
         raise ValueError(f"with_slower_compute: factor={factor!r}: give a positive finite number")
@@ -404,7 +442,9 @@ def with_slower_compute(profile: HardwareProfile, factor: float) -> HardwareProf
         if v is not None:
             changes[name] = float(v) / factor
     for name in COMPUTE_TIME_FIELDS:
-        changes[name] = float(getattr(profile, name)) * factor
+        v = getattr(profile, name)
+        if v is not None:  # an uncalibrated term (None) stays None
+            changes[name] = float(v) * factor
     return attrs.evolve(profile, **changes)
 
 

@@ -190,12 +190,13 @@ def make_planner(
     strategy_2d: str = DEFAULT_STRATEGY_2D,
     sync_interval: Optional[int] = None,
     model_errors: Any = None,
+    per_sample: bool = False,
 ):
     """The planner ``name`` built with EmbeddingShardingPlanner's arguments (the one-word swap);
     SparseLift also gets ``hardware`` (preset name, profile JSON or HardwareProfile), ``cache_dir``
     (execution plan reuse), ``allow_lossy_comm``, ``allow_staleness``, ``workload`` (the ids'
-    ``WorkloadStats``) and ``model_errors`` (the never-slower rule's errors of a link-corrected
-    profile)."""
+    ``WorkloadStats``), ``model_errors`` (the never-slower rule's errors of a link-corrected
+    profile) and ``per_sample`` (the dense model declared per-sample: the planner may batch-split it)."""
     topology = topology_for(world_size, local_world_size, compute_device)
     if name == "torchrec":
         return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
@@ -204,7 +205,7 @@ def make_planner(
         topology=topology, batch_size=batch_size, constraints=constraints, hardware=profile, cache_dir=cache_dir,
         allow_lossy_comm=allow_lossy_comm, allow_staleness=allow_staleness, workload=workload,
         sharding_group_size=sharding_group_size, strategy_2d=strategy_2d, sync_interval=sync_interval,
-        model_errors=model_errors)
+        model_errors=model_errors, **({"per_sample": True} if per_sample else {}))
 
 
 def shard_model(model, plan, device, lr: float, dense_optimizer: str, dense_lr: float):

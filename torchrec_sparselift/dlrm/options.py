@@ -10,17 +10,21 @@ run cannot use raises :class:`UsageError` naming the flag and the fix. Needs no 
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import attrs
 
+from torchrec_sparselift.cost.batch_split import MAX_CHUNKS
+from torchrec_sparselift.cost.wire_ids import ID_DTYPES, narrow_refusal
 from torchrec_sparselift.defaults import STRATEGY_2D as DEFAULT_STRATEGY_2D
-from torchrec_sparselift.dlrm.tables import TableSpec, check_uniform_dim, load_table_file, preset_tables, scale_tables
+from torchrec_sparselift.dlrm.tables import (
+    TableSpec, check_uniform_dim, feature_names, load_table_file, preset_tables, scale_tables,
+)
 from torchrec_sparselift.validation import option_problems
 from torchrec_sparselift.vocabulary import PIPELINES, STALE_PIPELINES, STRATEGY_2D_CHOICES
 
 __all__ = ["UsageError", "TrainOptions", "FAIL_HOWS", "PLANNERS", "TABLE_PRESETS", "MODELS", "ARCHS", "DENSE_OPTIMIZERS",
-           "DEVICES", "REPLICA_MERGES", "model_kind", "resolve_tables"]
+           "DEVICES", "REPLICA_MERGES", "ID_DTYPES", "DEDUP_ALL", "DEDUP_NONE", "model_kind", "resolve_tables", "rewrite_overrides"]
 
 PLANNERS = ("sparselift", "torchrec")
 TABLE_PRESETS = ("dcnv2", "kaggle")
@@ -29,6 +33,9 @@ ARCHS = ("mlperf", "small")
 DENSE_OPTIMIZERS = ("adagrad", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 REPLICA_MERGES = ("average", "momentum_scaled")
+#: ``--dedup all``: every feature of the tables; ``--dedup none``: no feature
+DEDUP_ALL = "all"
+DEDUP_NONE = "none"
 
 
 class UsageError(ValueError):
@@ -67,7 +74,25 @@ FAIL_HOWS = ("raise", "kill", "hang")
 #: The planner option each of the example's flags sets (for messages that name the flag).
 FLAG_OF_OPTION = {"sharding_group_size": "--sharding-group-size", "strategy_2d": "--2d-strategy",
                   "sync_interval": "--sync-interval", "allow_lossy_comm": "--allow-lossy-comm",
-                  "allow_staleness": "--allow-staleness"}
+                  "allow_staleness": "--allow-staleness", "batch_split": "--batch-split", "id_dtype": "--id-dtype",
+                  "dedup_features": "--dedup", "pipeline": "--pipeline", "per_sample": "--per-sample"}
+
+
+def _optional_one_of(flag: str, choices: tuple):
+    def check(_self: Any, _attribute: Any, value: Any) -> None:
+        if value is not None and value not in choices:
+            raise UsageError(f"{flag} must be one of {list(choices)}, got {value!r}")
+    return check
+
+
+def _dedup(value: Any) -> Optional[str]:
+    """``--dedup``: None (the plan's), ``all``, ``none`` or comma-separated feature names (spaces dropped)."""
+    if value is None:
+        return None
+    names = [n.strip() for n in str(value).split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"--dedup takes feature names separated by commas, 'all' or 'none', got {value!r}")
+    return ",".join(names)
 
 
 @attrs.frozen(kw_only=True)
@@ -109,6 +134,10 @@ class TrainOptions:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 100
     fail_at_step: Optional[int] = None
+    batch_split: Optional[int] = None
+    id_dtype: Optional[str] = attrs.field(default=None, validator=_optional_one_of("--id-dtype", ID_DTYPES))
+    dedup: Optional[str] = attrs.field(default=None, converter=_dedup)
+    per_sample: bool = False
     fail_how: str = attrs.field(default="raise", validator=_one_of("--fail-how", FAIL_HOWS))
     fail_rank: Optional[int] = None
     collective_timeout: float = 120.0
@@ -161,6 +190,30 @@ class TrainOptions:
         if self.measured_guard and self.planner != "sparselift":
             raise UsageError("--measured-guard applies to --planner sparselift (it measures TorchRec's plan too)")
         self._check_2d()
+        self._check_rewrites()
+
+    def _check_rewrites(self) -> None:
+        """The sparse-path rewrite flags: each needs the sparselift planner; ``--batch-split`` the
+        overlap pipeline and 1D, ``--id-dtype``/``--dedup`` 1D (validation.OPTION_NEEDS)."""
+        k = self.batch_split
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_CHUNKS):
+            raise UsageError(f"--batch-split must be a number of chunks in 1..{MAX_CHUNKS}, got {k!r}")
+        if k is not None and k > self.batch_size:
+            raise UsageError(f"--batch-split {k} cannot split a batch of {self.batch_size} samples per rank: use at "
+                             f"most --batch-split {self.batch_size} (or a larger --batch-size)")
+        if self.planner != "sparselift":
+            for flag, given in (("--batch-split", k is not None), ("--id-dtype", self.id_dtype is not None),
+                                ("--dedup", self.dedup is not None), ("--per-sample", self.per_sample)):
+                if given:
+                    raise UsageError(f"{flag} applies to --planner sparselift (--planner torchrec trains TorchRec's "
+                                     "sparse path as it is)")
+        errors, _ = option_problems(
+            dict(batch_split=k, pipeline=self.pipeline, id_dtype=self.id_dtype,
+                 dedup_features=None if self.dedup == DEDUP_NONE else self.dedup,
+                 per_sample=self.per_sample, sharding_group_size=self.sharding_group_size),
+            spell=lambda name: FLAG_OF_OPTION.get(name, name))
+        if errors:
+            raise UsageError(errors[0])
 
     def _check_2d(self) -> None:
         """The 2D flags: the others need ``--sharding-group-size``; it needs the sparselift planner."""
@@ -201,6 +254,38 @@ class TrainOptions:
             return {}
         return dict(sharding_group_size=self.sharding_group_size, strategy_2d=self.strategy_2d,
                     sync_interval=self.sync_interval)
+
+
+def rewrite_overrides(options: TrainOptions, tables: Sequence[TableSpec]) -> Dict[str, Any]:
+    """``runtime.lift``'s keywords for the rewrite flags given (``batch_split``, ``id_dtype``,
+    ``dedup_features``; a flag left out keeps the execution plan's choice), checked against
+    ``tables`` as the run checks them: ``--id-dtype int32`` needs every table within int32 rows,
+    ``--dedup`` names features of the tables (``all``: every one; ``none``: no feature). Raises
+    UsageError."""
+    out: Dict[str, Any] = {}
+    if options.batch_split is not None:
+        out["batch_split"] = options.batch_split
+    if options.id_dtype is not None:
+        if options.id_dtype == "int32":
+            why = narrow_refusal((t.name, t.rows) for t in tables)
+            if why:
+                raise UsageError("--id-dtype int32: " + why.replace("id_dtype='int64'", "--id-dtype int64"))
+        out["id_dtype"] = options.id_dtype
+    if options.dedup is not None:
+        every = feature_names(tables)
+        if options.dedup == DEDUP_ALL:
+            out["dedup_features"] = tuple(every)
+        elif options.dedup == DEDUP_NONE:
+            out["dedup_features"] = ()
+        else:
+            names = options.dedup.split(",")
+            unknown = [n for n in names if n not in every]
+            if unknown:
+                shown = ", ".join(every[:8]) + (", ..." if len(every) > 8 else "")
+                raise UsageError(f"--dedup names {unknown}, which no table reads; the features are {shown} "
+                                 f"(or --dedup {DEDUP_ALL} or {DEDUP_NONE})")
+            out["dedup_features"] = tuple(names)
+    return out
 
 
 def model_kind(options: TrainOptions) -> str:

@@ -11,6 +11,7 @@ the measured step time against the prediction.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import math
@@ -60,13 +61,19 @@ from torchrec_sparselift.dlrm.model import (
     shard_model,
     topology_for,
 )
-from torchrec_sparselift.dlrm.options import TrainOptions, UsageError, model_kind
+from torchrec_sparselift.dlrm.options import TrainOptions, UsageError, model_kind, rewrite_overrides
 from torchrec_sparselift.dlrm.tables import TableSpec, check_uniform_dim, load_constraints_file
 from torchrec_sparselift.measure.attribution import attribute_steps
 from torchrec_sparselift.measure.guard import MeasuredGuard, guarded_execution_plan
 from torchrec_sparselift.measure.link import LinkRatesError, measure_link_rates
 from torchrec_sparselift.measure.probe import pin_rank_to_core
-from torchrec_sparselift.runtime.liveness import CollectiveFailure, StepHeartbeat, collective_failure
+from torchrec_sparselift.runtime.batch_split import NotPerSample, per_sample_violation
+from torchrec_sparselift.runtime.liveness import (
+    CollectiveFailure,
+    StepHeartbeat,
+    collective_failure,
+    is_collective_failure,
+)
 from torchrec_sparselift.runtime.timing import StepTimer
 
 __all__ = [
@@ -88,6 +95,7 @@ __all__ = [
     "run_batches",
     "train_loop",
     "train",
+    "lost_ranks_named",
     "result_record",
     "attribute_run",
     "attribute",
@@ -126,6 +134,11 @@ def check_planning_input(options: TrainOptions, tables: Sequence[TableSpec]) -> 
     meta-device model, no process group). Raises UsageError with what planning would say."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
+    if (options.batch_split or 1) > 1:  # the batch split's refusal, as the run's pipeline makes it
+        model = build_model(tables, model_kind(options), arch_spec(options.arch, check_uniform_dim(tables)))
+        why = per_sample_violation(model, options.per_sample)
+        if why is not None:
+            raise _per_sample_refusal(NotPerSample(why), options)
     specs = load_constraints_file(options.constraints, tables) if options.constraints else []
     ebc = embedding_bags(tables)
     try:
@@ -133,7 +146,7 @@ def check_planning_input(options: TrainOptions, tables: Sequence[TableSpec]) -> 
             "sparselift", world_size, ranks_per_host(world_size=world_size), "cuda" if use_cuda else "cpu",
             options.batch_size, planner_constraints(tables, specs, one_hot=bool(options.criteo_dir)),
             allow_lossy_comm=options.allow_lossy_comm, allow_staleness=options.allow_staleness,
-            **options.two_d_options())
+            per_sample=options.per_sample, **options.two_d_options())
         planner.request(ebc, get_default_sharders())
     except ValueError as e:
         raise UsageError(f"planning would refuse this input: {e}") from None
@@ -314,7 +327,7 @@ def prepare(options: TrainOptions, tables: List[TableSpec], cluster: Cluster) ->
         options.planner, cluster.world_size, cluster.local_world_size, cluster.device.type, options.batch_size,
         constraints, hardware=hardware, cache_dir=options.cache_dir, allow_lossy_comm=options.allow_lossy_comm,
         allow_staleness=options.allow_staleness, workload=workload, model_errors=model_errors,
-        **options.two_d_options(),
+        per_sample=options.per_sample, **options.two_d_options(),
     )  # fmt: skip
     return Setup(tables=list(tables), model_kind=kind, arch=arch, model=model, constraints=constraints,
                  hardware=hardware, model_errors=model_errors, workload=workload, planner=planner, cores=cores,
@@ -340,6 +353,42 @@ class Sharded:
     two_d_record: Optional[Dict[str, Any]]  # the 2D settings applied (None: 1D)
     guard_result: Any
     plan_cache: Optional[str]  # where the plan was stored or reused from (None: the guard's own entry, or none)
+    #: the sparse-path rewrites in effect (:func:`rewrites_record`; empty for --planner torchrec)
+    rewrites: Dict[str, Any] = attrs.field(factory=dict)
+
+
+def rewrites_record(settings: Any, options: TrainOptions) -> Dict[str, Any]:
+    """The sparse-path rewrites the run applies (the plan's, or the flags' where given), as the
+    result records them."""
+    return dict(batch_split=settings.batch_split, id_dtype=settings.id_dtype,
+                dedup_features=list(settings.dedup_features), per_sample=options.per_sample,
+                forced=sorted(k for k, v in (("batch_split", options.batch_split), ("id_dtype", options.id_dtype),
+                                             ("dedup_features", options.dedup)) if v is not None))
+
+
+def describe_rewrites(rewrites: Dict[str, Any]) -> str:
+    """The rewrites in one phrase for the log: ``batch split 4, ids int32, dedup 26 features``."""
+    if not rewrites:
+        return "none"
+    dedup = rewrites["dedup_features"]
+    parts = [f"batch split {rewrites['batch_split']}" if rewrites["batch_split"] > 1 else "no batch split",
+             f"ids {rewrites['id_dtype']}",
+             "no dedup" if not dedup else (f"dedup {','.join(dedup)}" if len(dedup) <= 4
+                                          else f"dedup {len(dedup)} features")]
+    forced = rewrites["forced"]
+    return ", ".join(parts) + (f" (forced: {', '.join(forced)}; the rest the plan's)" if forced else " (the plan's)")
+
+
+def _per_sample_refusal(e: NotPerSample, options: TrainOptions) -> UsageError:
+    """The batch split's per-sample refusal in the example's flags."""
+    why = str(e).replace("(per_sample=True)", "(--per-sample)").replace("keep batch_split=1", "use --batch-split 1")
+    origin = "" if options.batch_split is not None else " (the execution plan chose the batch split)"
+    if model_kind(options) == "dcn" and "crossnet" in why:
+        # TorchRec's LowRankCrossNet is per-sample, but it keeps its weights in ParameterLists,
+        # modules the rule does not know
+        why += ("; --model dcn: DLRM_DCN's LowRankCrossNet mixes no samples (x0 * (W V x + b) + x per "
+                "sample), so --per-sample is right for it")
+    return UsageError(f"{why}{origin}")
 
 
 def _guard_trial_batches(options: TrainOptions, tables: Sequence[TableSpec], cluster: Cluster) -> List[Any]:
@@ -406,11 +455,16 @@ def _sparselift_sharded(options: TrainOptions, setup: Setup, cluster: Cluster) -
     merge = ({"replica_sync": "auto"} if options.replica_merge == "momentum_scaled" and group is not None
              and group < cluster.world_size else {})  # the 2D plan's replicas merge by the momentum-scaled rule
     opt_cls = dense_optimizer_class(options.dense_optimizer)
-    lifted = lift(
-        setup.model, ep, pg=pg, device=cluster.device, pipeline=options.pipeline,  # sharders rebuilt with the planned codecs
-        embedding_optimizer=(RowWiseAdagrad, {"lr": options.lr}),
-        dense_optimizer_factory=lambda params: opt_cls(params, lr=options.dense_lr), **merge,
-    )  # fmt: skip
+    try:
+        lifted = lift(
+            setup.model, ep, pg=pg, device=cluster.device, pipeline=options.pipeline,  # sharders rebuilt with the planned codecs
+            embedding_optimizer=(RowWiseAdagrad, {"lr": options.lr}),
+            dense_optimizer_factory=lambda params: opt_cls(params, lr=options.dense_lr),
+            pipeline_options={"per_sample": True} if options.per_sample else None,  # dropped without a split
+            **rewrite_overrides(options, setup.tables), **merge,
+        )  # fmt: skip
+    except NotPerSample as e:
+        raise _per_sample_refusal(e, options) from None
     settings = lifted.settings
     two_d = _two_d_record(options, lifted.model, settings, cluster) if settings.is_2d else None
     return Sharded(
@@ -419,7 +473,8 @@ def _sparselift_sharded(options: TrainOptions, setup: Setup, cluster: Cluster) -
         prediction=execution_plan_prediction(ep, settings), pipeline_kind=settings.pipeline,
         comm=f"{settings.fwd_comm_precision}/{settings.bwd_comm_precision}", predicted_s=settings.predicted_step_s,
         timer_label=settings.label(), timer_period=lifted.sync_period,  # a 2D step is timed over whole sync intervals
-        two_d_record=two_d, guard_result=guard_result, plan_cache=cache_dir)
+        two_d_record=two_d, guard_result=guard_result, plan_cache=cache_dir,
+        rewrites=rewrites_record(settings, options))
 
 
 def _torchrec_sharded(options: TrainOptions, setup: Setup, cluster: Cluster) -> Sharded:
@@ -449,13 +504,16 @@ def plan_and_shard(options: TrainOptions, setup: Setup, cluster: Cluster) -> Sha
     say(format_plan_summary(plan_summary(sharded.plan), setup.tables))
     prediction = sharded.prediction
     if prediction is not None:
-        note = "" if prediction["applies"] else f"; not what runs: --pipeline {options.pipeline} overrides it"
+        overrides = ([f"--pipeline {options.pipeline}"] if options.pipeline else []) + [
+            f"--{k.replace('_features', '').replace('_', '-')}" for k in sharded.rewrites.get("forced", ())]
+        note = "" if prediction["applies"] else f"; not what runs: {' '.join(overrides)} override(s) it"
         say(
             f"[dlrm] SparseLift predicts {prediction['step_time_ms']:.2f} ms/step (lower bound "
             f"{prediction['lower_bound_ms']:.2f} ms) on {prediction['hardware']} with pipeline "
             f"{prediction['pipeline']}, comm {prediction['comm_precision']}{note}"
         )
-    say(f"[dlrm] training with pipeline {sharded.pipeline_kind}, comm {sharded.comm}")
+    rewrites = f", rewrites: {describe_rewrites(sharded.rewrites)}" if sharded.rewrites else ""
+    say(f"[dlrm] training with pipeline {sharded.pipeline_kind}, comm {sharded.comm}{rewrites}")
     return sharded
 
 
@@ -541,9 +599,11 @@ def _flush(pipeline: Any) -> None:
 
 
 def train(options: TrainOptions, sharded: Sharded, batches: PrefetchedBatches, first_step: int,
-          config: Dict[str, Any], cluster: Cluster) -> Tuple[TrainResult, StepTimer, List[int]]:
+          config: Dict[str, Any], cluster: Cluster,
+          heartbeat: Optional[StepHeartbeat] = None) -> Tuple[TrainResult, StepTimer, List[int]]:
     """The timed steps after ``first_step``, with the progress bar, the checkpoints and
-    ``--fail-at-step``; returns the losses, the step timer and the steps checkpointed."""
+    ``--fail-at-step``; returns the losses, the step timer and the steps checkpointed.
+    ``heartbeat``: where each finished step is recorded (default: the default group's)."""
     to_run = options.steps - first_step
     warmup = min(options.warmup_steps, to_run - 1)
     timer = StepTimer(cluster.device, warmup_steps=warmup, predicted_s=sharded.predicted_s, plan=sharded.timer_label,
@@ -571,7 +631,7 @@ def train(options: TrainOptions, sharded: Sharded, batches: PrefetchedBatches, f
         if step == options.fail_at_step and first_attempt and options.fail_rank in (None, cluster.rank):
             fail_now(options.fail_how, step)
 
-    heartbeat = StepHeartbeat.of_default_group()
+    heartbeat = heartbeat or StepHeartbeat.of_default_group()
     try:
         result = train_loop(sharded.pipeline, batches, first_step, options.steps, timer, after_step)
     except Exception as e:
@@ -629,6 +689,7 @@ def result_record(options: TrainOptions, setup: Setup, sharded: Sharded, cluster
         measured_guard=sharded.guard_result.to_dict() if sharded.guard_result is not None else None,
         pipeline=sharded.pipeline_kind,
         comm_precision=sharded.comm,
+        rewrites=sharded.rewrites or None,
         two_d=sharded.two_d_record,
         predicted_step_time_ms=None if predicted_s is None else predicted_s * 1e3,
         measured_step_time_ms=record.measured_s * 1e3,
@@ -716,6 +777,25 @@ def write_result(path: str, out: Dict[str, Any]) -> None:
     write_json(path, out, indent=1)
 
 
+@contextlib.contextmanager
+def lost_ranks_named(heartbeat: StepHeartbeat, timeout_s: float) -> Iterator[None]:
+    """A collective of the block (after the train loop too: the final checkpoint, the result's
+    reductions, the last barrier) that fails because a rank was lost ends as one
+    :class:`CollectiveFailure` naming it, as in the loop (a failure already named passes as is)."""
+    try:
+        yield
+    except CollectiveFailure:
+        raise
+    except Exception as e:
+        cause: Optional[BaseException] = e
+        while cause is not None and not is_collective_failure(cause):  # e.g. a CheckpointError over gloo's
+            cause = cause.__cause__ or cause.__context__
+        lost = None if cause is None else collective_failure(cause, heartbeat, timeout_s)
+        if lost is None:
+            raise
+        raise CollectiveFailure(lost) from e
+
+
 def run(options: TrainOptions, tables: List[TableSpec]) -> Dict[str, Any]:
     """Plan, shard and train per ``options``; returns the JSON result (the same on every rank)."""
     cluster = init_distributed(options.device, options.collective_timeout)
@@ -725,14 +805,16 @@ def run(options: TrainOptions, tables: List[TableSpec]) -> Dict[str, Any]:
     resumed_from = resume(options, config, sharded, cluster)
     first_step = resumed_from or 0
     batches = run_batches(options, tables, cluster, first_step)
-    result, timer, saved = train(options, sharded, batches, first_step, config, cluster)
-    out = result_record(options, setup, sharded, cluster, result, timer, saved, resumed_from)
-    if options.attribute:
-        attribute(options, setup, sharded, batches, cluster, out)
-    if not all(math.isfinite(x) for x in out["losses"]):
-        raise RuntimeError("training diverged: a loss is not finite (lower --lr)")
-    if cluster.rank == 0 and options.out:
-        write_result(options.out, out)
-        cluster.say(f"[dlrm] wrote {options.out}")
-    dist.barrier()
+    heartbeat = StepHeartbeat.of_default_group()
+    with lost_ranks_named(heartbeat, options.collective_timeout):
+        result, timer, saved = train(options, sharded, batches, first_step, config, cluster, heartbeat)
+        out = result_record(options, setup, sharded, cluster, result, timer, saved, resumed_from)
+        if options.attribute:
+            attribute(options, setup, sharded, batches, cluster, out)
+        if not all(math.isfinite(x) for x in out["losses"]):
+            raise RuntimeError("training diverged: a loss is not finite (lower --lr)")
+        if cluster.rank == 0 and options.out:
+            write_result(options.out, out)
+            cluster.say(f"[dlrm] wrote {options.out}")
+        dist.barrier()
     return out

@@ -1,7 +1,8 @@
 """Measure this machine's kernels and fit a hardware profile (``sparselift calibrate kernels``).
 
 :func:`calibrate` runs the microbenchmarks (:mod:`.microbench`: embedding lookups, collectives
-across the ranks of a process group, dense matmuls, host-to-device copies) and hands the records to
+across the ranks of a process group, dense matmuls, host-to-device copies, and the sparse-path
+rewrites' constants: a dense step in k chunks and the id-deduplication kernels) and hands the records to
 the pure fit (:func:`torchrec_sparselift.calibration.kernel_fit.fit_kernel_profile`);
 :func:`run_kernels` is the command: alone (no collectives: they keep the base profile's values) or
 under ``torchrun`` (rank 0 writes; collectives are measured across all ranks), or a refit of saved
@@ -27,11 +28,13 @@ from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import CalibrationError
 from torchrec_sparselift.pictures import fit_png, kernel_fit_points, require_matplotlib
 from torchrec_sparselift.measure.microbench import (
+    RewriteSweep,
     SweepConfig,
     bench_collectives,
     bench_dense,
     bench_host_to_device,
     bench_lookups,
+    bench_rewrite_constants,
     resolve_kernel,
 )
 
@@ -53,6 +56,7 @@ def calibrate(
     device: Optional[str] = None,
     kernel: str = "auto",
     config: Optional[SweepConfig] = None,
+    rewrites: Optional[RewriteSweep] = None,
     dense_dtype: Optional[str] = None,
     name: Optional[str] = None,
     budget_s: Optional[float] = None,
@@ -66,7 +70,9 @@ def calibrate(
     ranks at once (they contend as in training); each rank fits its own compute records and the
     shared collective records, so save rank 0's result (``main`` does). ``device`` defaults to
     CUDA when available. ``budget_s`` (single process only) stops starting new lookup tables
-    once 70% of it is spent, leaving the rest for the dense and copy benchmarks.
+    once 70% of it is spent, leaving the rest for the dense and copy benchmarks. ``rewrites``:
+    the sweep of the rewrites' constants (default :meth:`RewriteSweep.quick` with ``quick``, else
+    :class:`RewriteSweep`'s, a few seconds).
     """
     import torch.distributed as dist
 
@@ -98,12 +104,15 @@ def calibrate(
     say(f"lookups: {len(lookups)} records")
     dense = bench_dense(cfg, dev, progress=say)
     copies = bench_host_to_device(cfg, dev, progress=say)
+    chunks, dedup = bench_rewrite_constants(dev, rewrites or (RewriteSweep.quick() if quick else RewriteSweep()))
+    say(f"rewrite constants: {len(chunks)} chunked dense steps, {len(dedup)} dedup kernel timings")
     if world > 1:
         collectives = bench_collectives(cfg, pg, dev, progress=say)
     else:
         collectives = []
         say("single process: collectives skipped (run under torchrun with >= 2 ranks to measure them)")
-    records = MicrobenchRecords(lookups=lookups, collectives=collectives, dense=dense, copies=copies)
+    records = MicrobenchRecords(lookups=lookups, collectives=collectives, dense=dense, copies=copies,
+                                chunks=chunks, dedup=dedup)
 
     local = ranks_per_host(world_size=world) if world > 1 else None
     spans = world > 1 and local is not None and world > local

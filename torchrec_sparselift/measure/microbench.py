@@ -28,14 +28,18 @@ import torch
 
 from torchrec_sparselift.calibration.nnls import nonnegative_least_squares
 from torchrec_sparselift.calibration.records import (
+    ChunkRecord,
     CollectiveRecord,
     CopyRecord,
+    DedupRecord,
     DenseRecord,
     HostTermRecord,
     LookupRecord,
     positive_int,
     positive_seconds,
 )
+from torchrec_sparselift.calibration.rewrite_fit import fit_chunk_overhead, fit_dedup_id_s
+from torchrec_sparselift.cost.wire_ids import inverse_bytes
 from torchrec_sparselift.semantics.dense import ACTIVATION_BYTES, dlrm_interaction
 
 __all__ = [
@@ -49,6 +53,10 @@ __all__ = [
     "bench_host_to_device",
     "bench_host_terms",
     "bench_a2a_byte_s",
+    "RewriteSweep",
+    "bench_chunk_steps",
+    "bench_dedup_kernels",
+    "bench_rewrite_constants",
 ]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -654,6 +662,199 @@ def bench_codec_byte_s(device: Optional[torch.device] = None, trials: int = 5, p
     return max(0.0, (t_hi - t_lo) / (4 * (hi - lo))) / 2.0
 
 
+# -- the sparse-path rewrites' constants ---------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RewriteSweep:
+    """What :func:`bench_rewrite_constants` measures. ``batch_size``: the total batch of the
+    chunked dense steps, split into each of ``chunks`` (fitted) and ``held_out_chunks`` (predicted);
+    ``dedup_ids`` x ``unique_ratios``: the dedup kernels' fitted cases, ``held_out_dedup``:
+    ``(ids, ratio)`` cases predicted; ``passes``: interleaved sweeps, each case its fastest
+    (:func:`fastest_over_passes`); ``trials`` / ``target_trial_s``: :func:`time_per_call`'s."""
+
+    batch_size: int = attrs.field(default=256, validator=positive_int)
+    chunks: Tuple[int, ...] = attrs.field(default=(1, 2, 4, 8), converter=tuple)
+    held_out_chunks: Tuple[int, ...] = attrs.field(default=(16,), converter=tuple)
+    dedup_ids: Tuple[int, ...] = attrs.field(default=(1024, 4096, 16384), converter=tuple)
+    unique_ratios: Tuple[float, ...] = attrs.field(default=(0.1, 0.5, 0.9), converter=tuple)
+    held_out_dedup: Tuple[Tuple[int, float], ...] = attrs.field(default=((8192, 0.3),),
+                                                                converter=lambda v: tuple(tuple(p) for p in v))
+    passes: int = attrs.field(default=6, validator=positive_int)
+    trials: int = attrs.field(default=3, validator=positive_int)
+    target_trial_s: float = attrs.field(default=0.002, validator=positive_seconds)
+
+    def __attrs_post_init__(self) -> None:
+        for k in self.chunks + self.held_out_chunks:
+            if not (isinstance(k, int) and 1 <= k <= self.batch_size):
+                raise ValueError(f"RewriteSweep: chunk count {k!r} must be an int in 1..batch_size ({self.batch_size})")
+        if len(set(self.chunks)) < 2 or len(set(self.dedup_ids)) < 2:
+            raise ValueError("RewriteSweep: the fits need at least two chunk counts and two id counts")
+        for n, r in [(n, r) for n in self.dedup_ids for r in self.unique_ratios] + list(self.held_out_dedup):
+            if not (isinstance(n, int) and n >= 2 and 0 < r <= 1):
+                raise ValueError(f"RewriteSweep: dedup case ({n!r} ids, ratio {r!r}): ids must be an int >= 2 and "
+                                 "the ratio in (0, 1]")
+
+    @classmethod
+    def quick(cls) -> "RewriteSweep":
+        """A sweep of about a second (tests, ``calibrate kernels --quick``)."""
+        return cls(batch_size=64, chunks=(1, 2, 4), held_out_chunks=(8,), dedup_ids=(1024, 4096),
+                   unique_ratios=(0.2, 0.8), held_out_dedup=((2048, 0.5),), passes=2, trials=2,
+                   target_trial_s=0.001)
+
+
+#: The dense model of :func:`bench_chunk_steps`: DLRM's shape at the DLRM example's ``small``
+#: arch (``dlrm.model.arch_spec``) over 26 features of dim 64 and 13 dense inputs.
+CHUNK_MODEL = dict(dense_in=13, features=26, dim=64, bottom=(64, 64), top=(128, 64, 1))
+
+
+class _DlrmDense(torch.nn.Module):
+    """DLRM's dense part in plain torch: a bottom MLP over the dense inputs, the pairwise dot
+    interaction of its output with the pooled embeddings (upper triangle, as TorchRec's
+    ``InteractionArch``), a top MLP to one logit."""
+
+    def __init__(self, dense_in: int, features: int, dim: int, bottom: Sequence[int], top: Sequence[int]) -> None:
+        super().__init__()
+
+        def mlp(widths: Sequence[int], last_relu: bool) -> torch.nn.Sequential:
+            layers: List[torch.nn.Module] = []
+            for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+                layers.append(torch.nn.Linear(a, b))
+                if last_relu or i + 2 < len(widths):
+                    layers.append(torch.nn.ReLU())
+            return torch.nn.Sequential(*layers)
+
+        if bottom[-1] != dim:
+            raise ValueError(f"the bottom MLP must end at the embedding dim {dim}, got {list(bottom)}")
+        self.features, self.dim = features, dim
+        self.bottom = mlp([dense_in, *bottom], last_relu=True)
+        pairs = (features + 1) * features // 2
+        self.top = mlp([dim + pairs, *top], last_relu=False)
+        rows, cols = torch.triu_indices(features + 1, features + 1, offset=1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        t = torch.cat([x.unsqueeze(1), pooled.view(-1, self.features, self.dim)], dim=1)
+        inter = torch.bmm(t, t.transpose(1, 2))[:, self.rows, self.cols]
+        return self.top(torch.cat([x, inter], dim=1)).squeeze(1)
+
+
+def _chunked_step(model: torch.nn.Module, dense: torch.Tensor, pooled: torch.Tensor, labels: torch.Tensor,
+                  chunks: int) -> torch.Tensor:
+    """One step of the batch-split pipeline's dense work in ``chunks`` chunks: each chunk's inputs
+    sliced, its forward, the chunk losses weighted by their size, one backward, the logits merged."""
+    batch = dense.shape[0]
+    sizes = [batch // chunks + (1 if j < batch % chunks else 0) for j in range(chunks)]
+    loss = dense.new_zeros(())
+    logits = []
+    for d, p, y in zip(dense.split(sizes), pooled.split(sizes), labels.split(sizes)):
+        out = model(d, p)
+        loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(out, y) * (y.shape[0] / batch)
+        logits.append(out)
+    loss.backward()
+    return torch.cat(logits).detach()
+
+
+def bench_chunk_steps(sweep: RewriteSweep, device: Optional[torch.device] = None, seed: int = 0) -> List[ChunkRecord]:
+    """A :class:`ChunkRecord` per chunk count of ``sweep``: one forward + backward of
+    :data:`CHUNK_MODEL` over ``sweep.batch_size`` samples in k chunks (:func:`_chunked_step`; the
+    pooled embeddings a leaf that takes its gradient, as the sharded module's output does), each
+    the fastest over ``sweep.passes`` interleaved sweeps."""
+    device = device or torch.device("cpu")
+    torch.manual_seed(seed)
+    cfg = CHUNK_MODEL
+    model = _DlrmDense(cfg["dense_in"], cfg["features"], cfg["dim"], cfg["bottom"], cfg["top"]).to(device)
+    b = sweep.batch_size
+    dense = torch.randn(b, cfg["dense_in"], device=device)
+    pooled = torch.randn(b, cfg["features"] * cfg["dim"], device=device, requires_grad=True)
+    labels = torch.randint(0, 2, (b,), device=device).float()
+
+    def case(k: int) -> float:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            pooled.grad = None
+            _chunked_step(model, dense, pooled, labels, k)
+
+        return time_per_call(step, device, warmup=2, trials=sweep.trials, target_trial_s=sweep.target_trial_s,
+                             max_inner=50, stat="min")
+
+    ks = list(sweep.chunks) + [k for k in sweep.held_out_chunks if k not in sweep.chunks]
+    secs = fastest_over_passes([functools.partial(case, k) for k in ks], sweep.passes)
+    return [ChunkRecord(batch_size=b, chunks=k, seconds=t, held_out=k not in sweep.chunks) for k, t in zip(ks, secs)]
+
+
+_INVERSE_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _dedup_ids(n: int, ratio: float, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """``n`` int64 ids of which ``max(1, round(ratio n))`` are distinct (each at least once), shuffled."""
+    distinct = max(1, min(n, round(ratio * n)))
+    values = torch.randperm(50 * n, generator=gen)[:distinct]
+    ids = torch.cat([values, values[torch.randint(0, distinct, (n - distinct,), generator=gen)]])
+    return ids[torch.randperm(n, generator=gen)].to(device)
+
+
+def _dedup_round_trip(sources: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The dedup kernels of one feature as ``runtime.wire_ids`` runs them, for ids arriving from
+    ``sources``: per source the sender's ``torch.unique`` with its inverse and the inverse cast
+    to the narrowest width; on the receiver the inverse widened, the ids rebuilt
+    (``unique[inverse]``) and the sources' distinct ids merged (``torch.unique`` of their
+    concatenation, the inverse mapped through it). Returns the rebuilt ids."""
+    sent = []
+    for ids in sources:
+        u, inv = torch.unique(ids, sorted=True, return_inverse=True)
+        sent.append((u, inv.to(_INVERSE_DTYPES[inverse_bytes(u.numel())])))
+    rebuilt, distinct, inverses, base = [], [], [], 0
+    for u, inv in sent:
+        wide = inv.long()
+        rebuilt.append(u[wide])
+        distinct.append(u)
+        inverses.append(wide + base)
+        base += int(u.numel())
+    _merged, back = torch.unique(torch.cat(distinct), sorted=True, return_inverse=True)
+    back[torch.cat(inverses)]
+    return torch.cat(rebuilt)
+
+
+def bench_dedup_kernels(sweep: RewriteSweep, device: Optional[torch.device] = None, seed: int = 0) -> List[DedupRecord]:
+    """A :class:`DedupRecord` per ``(ids, unique ratio)`` case of ``sweep`` (and each held-out
+    case): :func:`_dedup_round_trip` of the ids in two sources' halves (a feature of a rank's batch
+    from 2 ranks), each the fastest over ``sweep.passes`` interleaved sweeps."""
+    device = device or torch.device("cpu")
+    gen = torch.Generator().manual_seed(seed)
+    cases = [(n, r, False) for n in sweep.dedup_ids for r in sweep.unique_ratios]
+    cases += [(int(n), float(r), True) for n, r in sweep.held_out_dedup]
+    inputs = []
+    for n, r, _h in cases:
+        ids = _dedup_ids(n, r, device, gen)
+        inputs.append((ids[: n // 2], ids[n // 2:]))
+
+    def case(sources: Tuple[torch.Tensor, torch.Tensor]) -> float:
+        return time_per_call(lambda: _dedup_round_trip(sources), device, warmup=2, trials=sweep.trials,
+                             target_trial_s=sweep.target_trial_s, max_inner=200, stat="min")
+
+    secs = fastest_over_passes([functools.partial(case, x) for x in inputs], sweep.passes)
+    return [DedupRecord(ids=n, unique_ratio=r, seconds=t, held_out=h) for (n, r, h), t in zip(cases, secs)]
+
+
+def bench_rewrite_constants(device: Optional[torch.device] = None, sweep: Optional[RewriteSweep] = None
+                            ) -> Tuple[List[ChunkRecord], List[DedupRecord]]:
+    """The records of both rewrite constants (:func:`bench_chunk_steps`, :func:`bench_dedup_kernels`;
+    a few seconds on one CPU core at the default sweep); the fits are
+    :func:`~torchrec_sparselift.calibration.rewrite_fit.fit_chunk_overhead` and
+    :func:`~torchrec_sparselift.calibration.rewrite_fit.fit_dedup_id_s`."""
+    sweep = sweep or RewriteSweep()
+    return bench_chunk_steps(sweep, device), bench_dedup_kernels(sweep, device)
+
+
+#: The rewrites' sweep of :func:`bench_host_terms` (the step calibration reads it twice and takes
+#: the mean): the fitted cases of :class:`RewriteSweep`, four passes, nothing held out (the
+#: held-out check is ``calibrate kernels``'), ~1 s per reading on an idle core.
+HOST_REWRITE_SWEEP = RewriteSweep(held_out_chunks=(), held_out_dedup=(), passes=4)
+
+
 def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5, passes: int = 2) -> HostTermRecord:
     """Measure :class:`HostTermRecord` on ``device`` (CPU by default; a few seconds). Each cost is
     the slope between a small and a large case, so fixed per-call costs (the Python call,
@@ -677,7 +878,10 @@ def bench_host_terms(device: Optional[torch.device] = None, trials: int = 5, pas
         per_id = 0.0
     act_byte_s, inter_flop_s = bench_dense_terms(device, trials, passes=passes)
     row_s, bwd_id_s = bench_tbe_backward(device, trials, passes=passes)
-    return HostTermRecord(optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id,
+    chunk_records, dedup_records = bench_rewrite_constants(device, HOST_REWRITE_SWEEP)
+    return HostTermRecord(chunk_overhead_s=fit_chunk_overhead(chunk_records).slope,
+                          dedup_id_s=fit_dedup_id_s(dedup_records).slope,
+                          optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte, bucketize_id_s=per_id,
                           dense_act_byte_s=act_byte_s, interaction_flop_s=inter_flop_s,
                           tbe_row_s=row_s, tbe_bwd_id_s=bwd_id_s,
                           dense_flop_s=bench_dense_flops(device, trials, passes=passes),

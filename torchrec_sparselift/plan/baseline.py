@@ -51,12 +51,19 @@ import attrs
 
 from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS, FitTerm, scaled_term
 
-__all__ = ["FIXED_TERM", "TermErrors", "TermTimes", "TermDifference", "BaselineDecision", "never_slower",
+__all__ = ["FIXED_TERM", "REWRITE_TERM", "REWRITE_CHANGES", "rewrite_error", "with_rewrite_term", "TermErrors", "TermTimes", "TermDifference", "BaselineDecision", "never_slower",
            "never_slower_with_precision", "decision_from_dict", "pipeline_term", "with_pipeline_term",
            "kept_plan_pipeline", "same_sharding_price", "baseline_name", "term_seconds"]
 
 #: The part of a predicted step that no fitted term multiplies (the breakdown's remainder).
 FIXED_TERM = "fixed"
+#: The seconds the rewrite stage's rewrites save (``plan.rewrites``): a term of the rewritten
+#: plan alone (:func:`with_rewrite_term`), its error the model's on the terms the rewrites change
+#: (:func:`rewrite_error`) unless ``TermErrors`` names it.
+REWRITE_TERM = "rewrites"
+#: The step-fit terms a rewrite changes: the collectives' bytes and latency, the dense compute
+#: the chunks split.
+REWRITE_CHANGES: Tuple[str, ...] = ("1/a2a_bw", "collective_latency_s", "1/dense_flops", "1/dense_mem_bw")
 
 
 def _error_value(instance: Any, attribute: "attrs.Attribute[Any]", value: Any) -> None:
@@ -224,6 +231,26 @@ def with_pipeline_term(unscaled: TermTimes, pipeline: str, factor: float) -> Ter
         return unscaled
     return TermTimes(total_s=factor * unscaled.total_s,
                      terms={**unscaled.terms, pipeline_term(pipeline): unscaled.total_s})
+
+
+def rewrite_error(errors: TermErrors) -> float:
+    """The error of :data:`REWRITE_TERM`: ``errors``' own for it where given, else the largest of
+    the errors of the terms a rewrite changes (:data:`REWRITE_CHANGES`) and the default one (a
+    saving is priced from those terms, so it is no surer than the least sure of them)."""
+    if REWRITE_TERM in errors.errors:
+        return errors.of(REWRITE_TERM)
+    return max([errors.default] + [errors.of(t) for t in REWRITE_CHANGES])
+
+
+def with_rewrite_term(times: TermTimes, saving_s: float, errors: TermErrors) -> Tuple[TermTimes, TermErrors]:
+    """``times`` (a plan priced without its rewrites) with the rewrites' ``saving_s`` taken off its
+    total and carried as :data:`REWRITE_TERM` (a term the unrewritten plan does not have, so its
+    whole seconds enter the margin at its error), and ``errors`` with that term's error
+    (:func:`rewrite_error`). No saving: both unchanged."""
+    if not saving_s > 0:
+        return times, errors
+    out = TermTimes(total_s=max(0.0, times.total_s - saving_s), terms={**times.terms, REWRITE_TERM: float(saving_s)})
+    return out, attrs.evolve(errors, errors={**errors.errors, REWRITE_TERM: rewrite_error(errors)})
 
 
 def never_slower(candidate: TermTimes, baseline: TermTimes, errors: TermErrors,

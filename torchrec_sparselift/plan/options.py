@@ -31,8 +31,9 @@ from torchrec_sparselift.cost.model import DenseWork
 from torchrec_sparselift.cost.pipelines import trainable_pipelines
 from torchrec_sparselift.cost.two_d import check_sync_interval
 from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS
-from torchrec_sparselift.plan.baseline import FIXED_TERM, TermErrors, pipeline_term
+from torchrec_sparselift.plan.baseline import FIXED_TERM, REWRITE_TERM, TermErrors, pipeline_term
 from torchrec_sparselift.plan.request import PlanRequest, describe_sharders
+from torchrec_sparselift.plan.rewrites import REWRITES, rewrite_names, rewrite_problem
 from torchrec_sparselift.search.torchrec_objective import estimator_identity
 from torchrec_sparselift.search.two_d import strategies_to_price
 from torchrec_sparselift.semantics.dense import dense_work
@@ -70,7 +71,10 @@ class SearchOptions:
     stale ones with ``allow_staleness``); ``allow_lossy_comm``: fp16/bf16 communication (fp8 also
     with ``allow_fp8``); ``allow_staleness``: the one-step-stale pipelines; ``time_budget_s``: the
     search budget; ``solver``: "auto", "heuristic" or "milp"; ``cost_model``: "sparselift" or
-    "torchrec" (optimize TorchRec's own rating, with ``estimator`` replacing its estimators)."""
+    "torchrec" (optimize TorchRec's own rating, with ``estimator`` replacing its estimators);
+    ``rewrites``: the rewrites the rewrite stage may choose (``plan.rewrites.REWRITES``; None given:
+    all; ``()``: none); ``per_sample``: the user declares the model's dense part per-sample (the
+    batch split then needs no proof from the module)."""
 
     pipelines: Optional[Tuple[str, ...]] = attrs.field(
         default=None, converter=_pipelines,
@@ -83,6 +87,8 @@ class SearchOptions:
     solver: str = attrs.field(default=defaults.SOLVER, validator=_choice(SOLVERS))
     cost_model: str = attrs.field(default="sparselift", validator=_choice(COST_MODELS))
     estimator: Any = attrs.field(default=None, eq=False)
+    rewrites: Tuple[str, ...] = attrs.field(default=REWRITES, converter=rewrite_names)
+    per_sample: bool = attrs.field(default=False, validator=_bool)
 
     def __attrs_post_init__(self) -> None:
         if self.estimator is not None and self.cost_model != "torchrec":
@@ -174,7 +180,7 @@ def check_term_names(errors: Optional[TermErrors]) -> None:
     default error) raises naming the valid ones."""
     if errors is None:
         return
-    known = [t.name for t in CPU_STEP_TERMS] + [FIXED_TERM] + [pipeline_term(p) for p in PIPELINES]
+    known = [t.name for t in CPU_STEP_TERMS] + [FIXED_TERM, REWRITE_TERM] + [pipeline_term(p) for p in PIPELINES]
     unknown = sorted(set(errors.errors) - set(known))
     if unknown:
         raise ValueError(f"model_errors names unknown terms {unknown}: the terms are {known}")
@@ -190,6 +196,7 @@ def planner_options(
     sharding_group_size: Any = None, sync_interval: Optional[int] = None, cost_model: str = "sparselift",
     estimator: Any = None, max_sync_interval: Optional[int] = None, layout_2d: str = defaults.LAYOUT_2D,
     never_slower: Any = defaults.NEVER_SLOWER, strategy_2d: str = defaults.STRATEGY_2D, model_errors: Any = None,
+    rewrites: Optional[Sequence[str]] = None, per_sample: bool = False,
 ) -> PlannerOptions:
     """Check ``SparseLiftPlanner``'s arguments together (one ``ValueError`` listing every problem,
     TorchRec's arguments included) and group SparseLift's into a :class:`PlannerOptions`."""
@@ -221,8 +228,14 @@ def planner_options(
                  allow_staleness=allow_staleness, time_budget_s=time_budget_s, cache_dir=cache_dir,
                  drift_tolerance=drift_tolerance, sharding_group_size=sharding_group_size, sync_interval=sync_interval,
                  cost_model=cost_model, estimator=estimator, max_sync_interval=max_sync_interval, layout_2d=layout_2d,
-                 never_slower=never_slower, strategy_2d=strategy_2d, model_errors=model_errors)
+                 never_slower=never_slower, strategy_2d=strategy_2d, model_errors=model_errors,
+                 rewrites=rewrites, per_sample=per_sample)
     errors, warned = option_problems(given)
+    bad_rewrites = rewrite_problem(rewrites)
+    if bad_rewrites:
+        errors.append(bad_rewrites)
+    if not isinstance(per_sample, bool):
+        errors.append(f"per_sample must be True or False, got {per_sample!r}")
     if model_errors is not None and not isinstance(model_errors, TermErrors):
         errors.append(f"model_errors must be a TermErrors (calibration.term_error.profile_errors(...)), got "
                       f"{type(model_errors).__name__}")
@@ -233,7 +246,7 @@ def planner_options(
         pipelines=pipelines, allow_lossy_comm=bool(allow_lossy_comm), allow_fp8=bool(allow_fp8),
         allow_staleness=bool(allow_staleness), time_budget_s=float(time_budget_s or timeout_seconds
                                                                    or defaults.TIME_BUDGET_S),
-        solver=solver, cost_model=cost_model, estimator=estimator)
+        solver=solver, cost_model=cost_model, estimator=estimator, rewrites=rewrites, per_sample=per_sample)
     check_sync_interval(sync_interval, max_sync_interval)
     if strategy_2d not in STRATEGY_2D_CHOICES:  # cost_model and layout_2d are argument_problems' choices
         raise ValueError(f"strategy_2d must be one of {', '.join(map(repr, STRATEGY_2D_CHOICES))}, got {strategy_2d!r}")
@@ -314,5 +327,6 @@ def build_request(options: PlannerOptions, *, topology: Topology, batch_size: in
         max_sync_interval=two_d.sync_bound if two_d.is_2d else None,
         layout_2d=two_d.layout_2d if two_d.is_2d else "auto", never_slower=options.rule.never_slower,
         strategy_2d=two_d.strategy_2d if two_d.is_2d else "auto",
+        rewrites=s.rewrites, per_sample=s.per_sample,
         module=module, sharder_objects=tuple(sharders), estimator=s.estimator, model_errors=model_errors,
     )

@@ -13,9 +13,11 @@ Steps, in order:
 
 1. 1D: :func:`solve_group` over the whole world; 2D: :func:`~torchrec_sparselift.search.two_d.search_groups`
    calls it per group size and layout and keeps the fastest.
-2. The never-slower rule (:func:`apply_never_slower`, the rule itself in :mod:`.baseline`): TorchRec's
+2. 1D: the rewrite stage (:func:`with_rewrites`, :mod:`.rewrites`): batch split, narrow ids and
+   dedup chosen by price on the plan the search found.
+3. The never-slower rule (:func:`apply_never_slower`, the rule itself in :mod:`.baseline`): TorchRec's
    plan is kept unless SparseLift's predicted gain exceeds the model's error on the terms they differ in.
-3. :func:`execution_plan`: the result as an :class:`~.execution_plan.ExecutionPlan`.
+4. :func:`execution_plan`: the result as an :class:`~.execution_plan.ExecutionPlan`.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from torchrec_sparselift.cost.pipelines import step_factor, trainable_pipelines
 from torchrec_sparselift.cost.two_d import check_sync_interval
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.plan.baseline import (
-    BaselineDecision, TermTimes, baseline_name, kept_plan_pipeline, never_slower_with_precision, same_sharding_price,
-    term_seconds, with_pipeline_term,
+    BaselineDecision, TermErrors, TermTimes, baseline_name, kept_plan_pipeline, never_slower, never_slower_with_precision,
+    same_sharding_price, term_seconds, with_pipeline_term, with_rewrite_term,
 )
 from torchrec_sparselift.plan.compare import torchrec_plan
 from torchrec_sparselift.plan.evaluate import GivenPlan, evaluate_sharding_plan
@@ -43,6 +45,7 @@ from torchrec_sparselift.plan.execution_plan import ExecutionPlan
 from torchrec_sparselift.plan.loader import loaded_options
 from torchrec_sparselift.plan.request import PlanRequest
 from torchrec_sparselift.plan.result import PlanResult
+from torchrec_sparselift.plan.rewrites import choose_rewrites, no_rewrites
 from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import build_problem, device_caps
 from torchrec_sparselift.search.solve import solve
@@ -55,7 +58,7 @@ from torchrec_sparselift.semantics.tables import TableHandle
 from torchrec_sparselift.validation import callback_problem
 from torchrec_sparselift.vocabulary import has_side_streams, pipeline as pipeline_kind
 
-__all__ = ["plan", "plan_result", "require_tables", "solve_group", "apply_never_slower", "loaded_result", "execution_plan", "run_callbacks",
+__all__ = ["plan", "plan_result", "with_rewrites", "require_tables", "solve_group", "apply_never_slower", "loaded_result", "execution_plan", "run_callbacks",
            "check_complete"]
 
 logger = logging.getLogger("torchrec_sparselift.planner")
@@ -73,7 +76,7 @@ def plan_result(request: PlanRequest, started: Optional[float] = None) -> PlanRe
     require_tables(request)
     topo = request.topology
     if request.sharding_group_size is None:
-        res = solve_group(request, topo.world_size, request.time_budget_s, t0)
+        res = with_rewrites(request, solve_group(request, topo.world_size, request.time_budget_s, t0))
     else:
         choice = search_groups(
             topo.world_size, topo.local_world_size, request.sharding_group_size, request.layout_2d,
@@ -81,9 +84,38 @@ def plan_result(request: PlanRequest, started: Optional[float] = None) -> PlanRe
             lambda g, lay, budget: solve_group(request, g, budget, time.monotonic(), lay))
         res = attrs.evolve(choice.best, alternatives_2d=choice.alternatives_2d,
                            alternatives_layout=choice.alternatives_layout)
+        if request.rewrites:  # the reason is recorded like every other refusal
+            res = attrs.evolve(res, rewrites=no_rewrites(
+                res.search.step.total_s, "a 2D plan: the rewrites (batch split, ids on the wire) apply to 1D plans only"))
     if request.never_slower is not False:
         res = apply_never_slower(res, request)
     return res
+
+
+def with_rewrites(request: PlanRequest, res: PlanResult) -> PlanResult:
+    """``res`` with the rewrite stage's choice (:func:`~torchrec_sparselift.plan.rewrites.choose_rewrites`)
+    where the request allows any rewrite; unchanged where it allows none (``rewrites=()``)."""
+    if not request.rewrites:
+        return res
+    return attrs.evolve(res, rewrites=choose_rewrites(request, res))
+
+
+def _judged_rewrites(request: PlanRequest, kept: PlanResult, times: TermTimes, errors: TermErrors) -> PlanResult:
+    """TorchRec's sharding ``kept`` (priced ``times`` without rewrites) with the rewrites chosen on
+    it where they clear the never-slower rule against it (one plan with and without them:
+    ``same_plan``), else with none and the rule's reason among the notes."""
+    if not request.rewrites:
+        return kept
+    choice = choose_rewrites(request, kept)
+    if not choice.chosen or not choice.saving_s:
+        return attrs.evolve(kept, rewrites=choice)
+    rewritten, errs = with_rewrite_term(times, choice.saving_s, errors)
+    d = never_slower(rewritten, times, errs, same_plan=True)
+    if d.leave:
+        return attrs.evolve(kept, rewrites=choice)
+    return attrs.evolve(kept, rewrites=choice.dropped(
+        f"the never-slower rule: the rewrites' predicted saving on TorchRec's sharding, {d.gain_s * 1e3:.3f} ms, "
+        f"is within the model's error {d.margin_s * 1e3:.3f} ms"))
 
 
 def require_tables(request: PlanRequest) -> None:
@@ -225,7 +257,9 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
         # with lossy comms, against TorchRec's plan with the same comms (qcomm by hand) and at
         # full precision (plan.baseline.never_slower_with_precision)
         full = (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
-        candidate = priced(ours, s.pipeline, s.fwd_precision, s.bwd_precision)
+        plain = priced(ours, s.pipeline, s.fwd_precision, s.bwd_precision)
+        # the rewrites are settings of SparseLift's plan: their saving is a term of its own
+        candidate, errors = with_rewrite_term(plain, res.rewrites.saving_s if res.rewrites else 0.0, errors)
         decision, kept_precision = never_slower_with_precision(
             candidate, theirs_at, (s.fwd_precision, s.bwd_precision), full, errors)
         fwd, bwd = kept_precision or full  # TorchRec's plan's comms, where it is kept
@@ -237,7 +271,7 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
         # the module's feature processors are the same for both plans, and SparseLift's pipeline
         # passed them: only TorchRec's dense-kernel tables can conflict with it
         if (decision.leave and pipeline_kind(s.pipeline).conflict(dense, streams) is None
-                and same_sharding_price(candidate, theirs_at(s.fwd_precision, s.bwd_precision, s.pipeline))):
+                and same_sharding_price(plain, theirs_at(s.fwd_precision, s.bwd_precision, s.pipeline))):
             # the gain is all in SparseLift's pipeline and precisions: TorchRec's sharding under them
             kept_pipeline, fwd, bwd = s.pipeline, s.fwd_precision, s.bwd_precision
             decision = attrs.evolve(decision, candidate_pipeline=s.pipeline, baseline_sharding=True)
@@ -250,6 +284,8 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
             if alt is not None:
                 logger.info("SparseLiftPlanner: %s", decision.describe())
                 kept_pipeline, decision = alt
+        # TorchRec's sharding, as it is kept, priced without rewrites (the rewrites on it are judged against it)
+        kept_times = None if decision.leave and not decision.candidate_pipeline else theirs_at(fwd, bwd, kept_pipeline)
     except Exception as e:  # noqa: BLE001 - the rule must never fail a plan the search found
         logger.warning("SparseLiftPlanner: the never-slower rule could not price TorchRec's plan (%s: %s); "
                        "keeping SparseLift's plan", type(e).__name__, e)
@@ -265,6 +301,8 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
                                   pipeline=kept_pipeline, fwd_precision=fwd, bwd_precision=bwd)
     search = attrs.evolve(kept.search, solver="torchrec(never_slower)", status="kept",
                           planning_time_s=s.planning_time_s + time.monotonic() - t0)
+    if kept_times is not None:
+        kept = _judged_rewrites(request, kept, kept_times, request.model_errors or errors)
     return attrs.evolve(kept, sharding_options=tuple(options), search=search, never_slower=decision)
 
 
@@ -302,6 +340,7 @@ def execution_plan(request: PlanRequest, res: PlanResult) -> ExecutionPlan:
             "hardware": res.profile.name,
             "alternatives": {k: v for k, v in s.alternatives} if s else {},
             **({"never_slower": res.never_slower.to_dict()} if res.never_slower is not None else {}),
+            **({"rewrites": res.rewrites.to_dict()} if res.rewrites is not None else {}),
         },
     )
 

@@ -43,6 +43,7 @@ from torchrec_sparselift.plan.execution_plan import (
     topology_description,
 )
 from torchrec_sparselift.files import canonical_digest
+from torchrec_sparselift.plan.rewrites import REWRITES, rewrite_names
 from torchrec_sparselift.semantics.tables import TableHandle, TableSpec
 from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.vocabulary import (
@@ -187,6 +188,10 @@ class PlanRequest:
     measured_guard: Any = attrs.field(default=None)
     never_slower: Union[bool, str] = attrs.field(default=defaults.NEVER_SLOWER,
                                                  validator=attrs.validators.in_(defaults.NEVER_SLOWER_CHOICES))
+    #: The rewrites the planner may choose (``plan.rewrites.REWRITES`` order; ``()``: none).
+    rewrites: Tuple[str, ...] = attrs.field(default=REWRITES, converter=rewrite_names)
+    #: The user declares the model's dense part per-sample (batch split need not prove it).
+    per_sample: bool = attrs.field(default=False, validator=_bool)
     #: The live objects behind ``tables`` (for building TorchRec ``ShardingOption`` s); not part
     #: of the request's identity.
     handles: Tuple[TableHandle, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=False)

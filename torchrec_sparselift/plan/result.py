@@ -17,6 +17,7 @@ from torchrec_sparselift.cost.report import rank_breakdown, ranks_repr
 from torchrec_sparselift.cost.two_d import sync_evidence
 from torchrec_sparselift.plan.baseline import BaselineDecision
 from torchrec_sparselift.plan.execution_plan import Optimizations, Prediction, RankPrediction
+from torchrec_sparselift.plan.rewrites import RewriteChoice
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.search.solve import SearchResult
 from torchrec_sparselift.search.two_d import ReplicaSyncChoice
@@ -49,6 +50,8 @@ class PlanResult:
     replica_sync: Optional[ReplicaSyncChoice] = None  # the 2D strategy chosen and its rivals (2D only)
     #: with ``cost_model="torchrec"``: the problem TorchRec's estimators rated (their shards' Perf/Storage)
     torchrec_problem: Any = attrs.field(default=None, eq=False, repr=False)
+    #: the rewrite stage's choice (``plan.rewrites``); None: the stage did not run
+    rewrites: Optional[RewriteChoice] = None
 
     @property
     def strategy_2d(self) -> Optional[str]:
@@ -59,12 +62,26 @@ class PlanResult:
 
     @property
     def step_time_s(self) -> float:
-        """Predicted steady-state step time including 2D replica sync."""
-        return self.search.step.total_s + self.sync_s
+        """Predicted steady-state step time including 2D replica sync and the chosen rewrites."""
+        return self.rewritten_step_s + self.sync_s
+
+    @property
+    def rewritten_step_s(self) -> float:
+        """The step (no replica sync) with the chosen rewrites: the search's step less their saving."""
+        if self.rewrites is None:
+            return self.search.step.total_s
+        return self.search.step.total_s - self.rewrites.saving_s
+
+    def _rewritten_search(self) -> SearchResult:
+        """The search result with its step total the rewritten one (what the per-rank breakdown reads)."""
+        s = self.search
+        if self.rewrites is None or not self.rewrites.saving_s:
+            return s
+        return attrs.evolve(s, step=attrs.evolve(s.step, total_s=self.rewritten_step_s))
 
     def rank_breakdown(self) -> List[Dict[str, float]]:
         """Per rank: compute, communication (exposed / overlapped) seconds and memory bytes."""
-        return rank_breakdown(self.problem.ctx, self.search)
+        return rank_breakdown(self.problem.ctx, self._rewritten_search())
 
     def optimizations(self) -> Optimizations:
         s = self.search
@@ -75,7 +92,17 @@ class PlanResult:
                              layout_2d=self.layout_2d if self.sharding_group_size else None,
                              strategy_2d=self.strategy_2d,
                              max_sync_interval=(self.max_sync_interval
-                                                if self.sharding_group_size else None))
+                                                if self.sharding_group_size else None),
+                             **self._rewrite_settings())
+
+    def _rewrite_settings(self) -> Dict[str, Any]:
+        r = self.rewrites
+        if r is None or self.sharding_group_size:
+            return {}
+        # the stage splits only a dense model it proved per-sample or the request declared so: the plan
+        # carries that for the runtime's batch-split pipeline (which checks the model again)
+        return dict(batch_split=r.batch_split, id_dtype=r.id_dtype, dedup_features=r.dedup_features,
+                    per_sample=r.batch_split > 1)
 
     def prediction(self) -> Prediction:
         s = self.search
@@ -123,6 +150,8 @@ class PlanResult:
         ]
         if self.never_slower is not None:
             lines.append("  " + self.never_slower.describe())
+        if self.rewrites is not None:
+            lines += ["  " + line for line in self.rewrites.describe()]
         if self.sharding_group_size and self.layout_2d is not None:
             lines += ["  " + line for line in self.layout_2d.describe()]
             if self.strategy_2d == "default":

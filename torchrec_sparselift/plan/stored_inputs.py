@@ -157,6 +157,11 @@ class PlanInputs:
     max_sync_interval: Optional[int] = None
     layout_2d: str = defaults.LAYOUT_2D
     strategy_2d: str = defaults.STRATEGY_2D
+    #: the sparse-path rewrites the planner may choose (None: every one; () none) and the
+    #: dense model's per-sample declaration (the planner's ``rewrites=`` and ``per_sample=``)
+    rewrites: Optional[Tuple[str, ...]] = attrs.field(default=None,
+                                                      converter=lambda v: None if v is None else tuple(v))
+    per_sample: bool = False
 
     def __attrs_post_init__(self) -> None:
         given = [x for x in (self.tables, self.workload, self.model) if x]
@@ -220,6 +225,8 @@ class PlanInputs:
             "max_sync_interval": self.max_sync_interval,
             "layout_2d": self.layout_2d,
             "strategy_2d": self.strategy_2d,
+            "rewrites": None if self.rewrites is None else list(self.rewrites),
+            "per_sample": self.per_sample,
         }
 
     @classmethod
@@ -227,7 +234,8 @@ class PlanInputs:
         """The inputs :meth:`to_dict` wrote (``file``: the plan they came from, named in errors).
         Any problem is a :class:`CliError` naming the field (``planner_info.inputs.batch_size``)."""
         if not isinstance(data, Mapping) or data.get("schema") != INPUTS_SCHEMA:
-            raise CliError(f"the plan's planner_info.inputs is not a {INPUTS_SCHEMA} record")
+            where = "" if file is None else f"{file}: "
+            raise CliError(f"{where}the plan's planner_info.inputs is not a {INPUTS_SCHEMA} record")
         try:
             f = Fields(dict(data), file=file, what="the plan's stored inputs", path="planner_info.inputs")
             t = f.obj("topology")
@@ -236,6 +244,10 @@ class PlanInputs:
                 hardware=t.req("hardware", str, nonempty=True), world_size=t.req("world_size", int, lo=1),
                 local_world_size=t.opt("local_world_size", int, lo=1), hbm_gib=t.opt("hbm_gib", float, gt=0),
                 ddr_gib=t.opt("ddr_gib", float, gt=0))
+            rewrites = f.data.get("rewrites")
+            if rewrites is not None and not (isinstance(rewrites, list) and all(isinstance(n, str) for n in rewrites)):
+                raise f.fail("rewrites", f"must be null (every rewrite) or a list of rewrite names, got {rewrites!r}",
+                             "write null or a list such as [\"id_dtype\"]")
             group = f.data.get("sharding_group_size")
             if group is not None and group != "auto":
                 f.check(group, int, "planner_info.inputs.sharding_group_size", lo=1,
@@ -258,9 +270,15 @@ class PlanInputs:
                 strategy_2d=f.opt("strategy_2d", str, defaults.STRATEGY_2D),
                 time_budget_s=f.opt("time_budget_s", float, defaults.TIME_BUDGET_S, lo=0.0),
                 source=f.opt("source", str, ""),
+                rewrites=rewrites,
+                per_sample=f.opt("per_sample", bool, False),
             )
         except FileFormatError as e:
             raise CliError(str(e)) from None
+        except CliError as e:  # the inputs' own checks: name the file they came from
+            if file is None or file in str(e):
+                raise
+            raise CliError(f"{file}: the plan's stored inputs: {e}") from None
 
 
 def reference_workload(name: str) -> Any:

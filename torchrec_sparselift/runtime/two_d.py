@@ -59,6 +59,7 @@ from torchrec.distributed.types import (
     ShardingPlan,
     ShardingStrategy,
 )
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec_sparselift.optim import MomentumScaledRowWiseAdagrad
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "row_wise_adagrad_slots",
     "auto_replica_sync",
     "AUTO_REPLICA_SYNC",
+    "MODULE_TYPES_2D",
     "replica_groups",
 ]
 
@@ -83,10 +85,26 @@ logger = logging.getLogger(__name__)
 #: ``build_2d_model_parallel(replica_sync="auto")``: :func:`auto_replica_sync` decides.
 AUTO_REPLICA_SYNC = "auto"
 
+#: The module types :class:`ModuleTwoD` takes by name (any ``nn.Module`` class is taken as itself).
+MODULE_TYPES_2D = {t.__name__: t for t in (EmbeddingBagCollection, EmbeddingCollection)}
+
+
+def _module_type(value: Any) -> type:
+    """``ModuleTwoD.module_type``: a module class, or the name of one in :data:`MODULE_TYPES_2D`."""
+    if isinstance(value, str):
+        if value not in MODULE_TYPES_2D:
+            raise ValueError(f"ModuleTwoD: unknown module type {value!r}; valid names: {sorted(MODULE_TYPES_2D)} "
+                             "(or pass the module class itself)")
+        return MODULE_TYPES_2D[value]
+    if not (isinstance(value, type) and issubclass(value, nn.Module)):
+        raise ValueError(f"ModuleTwoD: module_type must be an nn.Module class or one of {sorted(MODULE_TYPES_2D)}, "
+                         f"got {value!r} ({type(value).__name__})")
+    return value
+
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value}; pass a positive integer.")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an integer >= 1, got {value!r}; pass a positive integer.")
 
 
 @attrs.frozen
@@ -139,16 +157,31 @@ def _check_strategy_runs(strategy: ShardingStrategy, device: torch.device) -> No
 @attrs.frozen
 class ModuleTwoD:
     """Different 2D settings for the embedding modules of one type (TorchRec's
-    ``DMPCollectionConfig``): ``module_type`` (e.g. ``EmbeddingCollection``), its own group-local
-    ``plan`` (``{module path: module plan}`` of those modules only), ``sharding_group_size``,
-    ``strategy`` and ``layout`` ("strided" or "contiguous"). The other modules keep the
-    collection's settings."""
+    ``DMPCollectionConfig``): ``module_type`` (a module class such as ``EmbeddingCollection``, or
+    one of the names in :data:`MODULE_TYPES_2D`), its own group-local ``plan`` (a
+    ``ShardingPlan``, ``{module path: module plan}`` of those modules only),
+    ``sharding_group_size``, ``strategy`` and ``layout`` ("strided" or "contiguous"). The other
+    modules keep the collection's settings. A value of the wrong type or an unknown name is a
+    ``ValueError`` naming the module type and the valid values."""
 
-    module_type: type
+    module_type: type = attrs.field(converter=lambda t: _module_type(t))
     plan: ShardingPlan = attrs.field(eq=False)
-    sharding_group_size: int = attrs.field(validator=_positive)
-    strategy: str = attrs.field(default="default", validator=attrs.validators.in_(vocabulary.STRATEGIES_2D))
-    layout: str = attrs.field(default="strided", validator=attrs.validators.in_(vocabulary.LAYOUTS_2D))
+    sharding_group_size: int = attrs.field()
+    strategy: str = attrs.field(default="default")
+    layout: str = attrs.field(default="strided")
+
+    def __attrs_post_init__(self) -> None:
+        who = f"ModuleTwoD({self.module_type.__name__})"
+        if not isinstance(self.plan, ShardingPlan):
+            raise ValueError(f"{who}: plan must be a ShardingPlan (the group-local plan of the "
+                             f"{self.module_type.__name__} modules), got {type(self.plan).__name__}")
+        g = self.sharding_group_size
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"{who}: sharding_group_size must be an integer >= 1, got {g!r}")
+        for field, value, valid in (("strategy", self.strategy, vocabulary.STRATEGIES_2D),
+                                    ("layout", self.layout, vocabulary.LAYOUTS_2D)):
+            if not isinstance(value, str) or value not in valid:
+                raise ValueError(f"{who}: unknown {field} {value!r}; valid: {list(valid)}")
 
     def to_torchrec(self) -> DMPCollectionConfig:
         return DMPCollectionConfig(
@@ -497,6 +530,27 @@ def build_2d_model_parallel(
         sync_interval=sync_interval,
         use_inter_host_allreduce=use_inter_host_allreduce,
     )
+    subs = []
+    seen: List[type] = []
+    present = {type(m) for m in module.modules()}
+    for i, sub in enumerate(submodule_configs or ()):
+        if not isinstance(sub, ModuleTwoD):
+            raise ValueError(f"submodule_configs[{i}]: takes ModuleTwoD values (ModuleTwoD(EmbeddingCollection, "
+                             f"plan, sharding_group_size=...)), got {type(sub).__name__}")
+        name = sub.module_type.__name__
+        if sub.module_type in seen:
+            raise ValueError(f"submodule_configs[{i}]: module type {name} is configured twice; give each type once")
+        seen.append(sub.module_type)
+        if sub.module_type not in present:
+            kinds = sorted({t.__name__ for t in present if t in MODULE_TYPES_2D.values()})
+            raise ValueError(f"submodule_configs[{i}]: the model has no {name} module (its embedding module "
+                             f"types: {kinds}); configure one of those")
+        try:
+            TwoDConfig(world_size=world_size, sharding_group_size=sub.sharding_group_size)
+        except ValueError as e:
+            raise ValueError(f"submodule_configs[{i}] ({name}): {e}") from None
+        _check_2d_plan(sub.plan, sub.sharding_group_size)
+        subs.append(attrs.evolve(sub, plan=copy.deepcopy(sub.plan)).to_torchrec())
     if isinstance(replica_sync, str):
         if replica_sync != AUTO_REPLICA_SYNC:
             raise ValueError(f"replica_sync={replica_sync!r}: pass None (TorchRec's plain averaging, the default), "
@@ -509,13 +563,6 @@ def build_2d_model_parallel(
     _check_2d_plan(plan, sharding_group_size)
     sharding_strategy = torchrec_strategy(strategy)
     _check_strategy_runs(sharding_strategy, device)
-    subs = []
-    for sub in submodule_configs or ():
-        if not isinstance(sub, ModuleTwoD):
-            raise TypeError(f"submodule_configs takes ModuleTwoD values, got {type(sub).__name__}")
-        TwoDConfig(world_size=world_size, sharding_group_size=sub.sharding_group_size)
-        _check_2d_plan(sub.plan, sub.sharding_group_size)
-        subs.append(attrs.evolve(sub, plan=copy.deepcopy(sub.plan)).to_torchrec())
     plan = copy.deepcopy(plan)
     kwargs = dict(
         module=module,

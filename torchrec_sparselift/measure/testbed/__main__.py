@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from torchrec_sparselift.measure.testbed.bed import emulated_hosts
+from torchrec_sparselift.measure.testbed.bed import HostResult, emulated_hosts
 from torchrec_sparselift.measure.testbed.layout import HostLayout, HostLayoutError, format_rate, parse_rate, parse_size
 from torchrec_sparselift.measure.testbed.namespaces import (
     TestbedError,
@@ -40,10 +40,41 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-latency-ms", type=float, default=50.0, help="tbf queue limit in ms, default 50")
     p.add_argument("--check", action="store_true", help="measure the link between host 0 and host 1 and print it")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the job is killed, default 3600")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds the other hosts get to finish once one host "
+                   "failed, before they are killed; default 30")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port inside the namespaces")
     p.add_argument("--cleanup", action="store_true", help="only remove leftovers of dead runs, then exit")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS... run under torchrun on every host")
     return p
+
+
+def _job_code(code: int) -> int:
+    """A worker's exit code as a shell reports it: a signal N (torchrun's ``-N``) is 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+def _report(results: Sequence[HostResult]) -> int:
+    """Print how each host ended (its job's own exit code too) and return the job's exit code: 0
+    when every host succeeded, else the failed worker's code of the host that failed first
+    (torchrun itself exits 1 whatever it was), 1 when no worker reported one."""
+    for r in results:
+        state = "killed" if r.killed else f"exit {r.returncode}"
+        if r.job_returncode is not None:
+            state += f" (job exit {_job_code(r.job_returncode)})"
+        print(f"testbed: host {r.host}: {state}", file=sys.stderr)
+    bad = [r for r in results if not r.ok]
+    if not bad:
+        print("testbed: job exit 0", file=sys.stderr)
+        return 0
+    ended = sorted((r for r in bad if not r.killed), key=lambda r: (r.ended_s is None, r.ended_s or 0.0, r.host))
+    first = ended[0] if ended else bad[0]
+    if first.job_returncode is not None and first.job_returncode != 0:
+        code = _job_code(first.job_returncode)
+    else:
+        code = first.returncode if first.returncode is not None and 0 < first.returncode < 128 else 1
+    code = code if 0 < code < 256 else 1
+    print(f"testbed: job exit {code} (host {first.host} failed first)", file=sys.stderr)
+    return code
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -82,15 +113,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         print(f"  {m}", flush=True)
             if not script:
                 return 0
-            results = bed.torchrun(script, timeout_s=args.timeout, capture=False, master_port=args.master_port)
-        for r in results:
-            state = "killed" if r.killed else f"exit {r.returncode}"
-            print(f"testbed: host {r.host}: {state}", file=sys.stderr)
-        bad = [r for r in results if not r.ok]
-        if not bad:
-            return 0
-        code = bad[0].returncode
-        return code if code is not None and 0 < code < 128 else 1
+            results = bed.torchrun(script, timeout_s=args.timeout, capture=False, master_port=args.master_port,
+                                   grace_s=args.grace)
+        return _report(results)
     except (HostLayoutError, TestbedUnavailable, TestbedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

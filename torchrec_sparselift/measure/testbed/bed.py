@@ -8,11 +8,11 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -45,16 +45,65 @@ _SHARED_TABLE = "100"
 class HostResult:
     """How one host's command ended: its exit code (``None`` when it was killed: at the timeout,
     or still running ``grace_s`` after another host failed) and its output (stdout and stderr
-    together; empty when not captured)."""
+    together; empty when not captured). For :meth:`Testbed.torchrun`, ``job_returncode`` is the
+    exit code of the job's own failed process (torchrun exits 1 whatever its worker's code was;
+    its failure report's root cause, negative for a signal: ``-9`` is SIGKILL), ``None`` when
+    the host reported no failed worker; ``ended_s`` is when the host's torchrun ended, in seconds
+    after the start (``None`` when it was killed)."""
 
     host: int
     returncode: Optional[int]
     output: str
     killed: bool = False
+    job_returncode: Optional[int] = None
+    ended_s: Optional[float] = None
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
+
+
+_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+class _Tee:
+    """Read one torchrun's output line by line: keep it (``capture``) or pass it on to this
+    process's stdout and stderr, and find the exit code of its failed worker in torchrun's
+    failure report (the root cause's, else the first listed)."""
+
+    def __init__(self, proc: subprocess.Popen, capture: bool) -> None:
+        self.lines: List[str] = []
+        self.codes: List[int] = []
+        self.root: Optional[int] = None
+        self._capture = capture
+        self._after_root = False
+        self.muted = False  # set at teardown: the job's noise about being killed is not passed on
+        streams = [(proc.stdout, sys.stdout)] + ([] if proc.stderr is None else [(proc.stderr, sys.stderr)])
+        self._threads = [threading.Thread(target=self._read, args=(src, dst), daemon=True) for src, dst in streams]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, src: IO[str], dst: IO[str]) -> None:
+        for line in src:
+            if self._capture:
+                self.lines.append(line)
+            elif not self.muted:
+                with contextlib.suppress(OSError, ValueError):
+                    dst.write(line)
+                    dst.flush()
+            if "Root Cause" in line:
+                self._after_root = True
+            m = _EXITCODE.match(line)
+            if m:
+                self.codes.append(int(m.group(1)))
+                if self._after_root and self.root is None:
+                    self.root = int(m.group(1))
+
+    def finish(self, timeout_s: float = 10.0) -> Tuple[str, Optional[int]]:
+        for t in self._threads:
+            t.join(timeout_s)
+        code = self.root if self.root is not None else (self.codes[0] if self.codes else None)
+        return "".join(self.lines), code
 
 
 @attrs.frozen
@@ -152,6 +201,7 @@ class Testbed:
         self.switch_namespace: Optional[str] = f"{name}-sw" if layout.hosts > 1 else None
         self._created: List[str] = []
         self._procs: List[subprocess.Popen] = []
+        self._tees: List[_Tee] = []
         self._closed = False
         self._lock = threading.Lock()
 
@@ -245,40 +295,39 @@ class Testbed:
         output goes to this process's stdout/stderr). When a host fails, the others get
         ``grace_s`` to finish before they are killed; at ``timeout_s`` all are."""
         t = self.layout
-        outputs: List[Optional[IO[str]]] = []
-        procs = []
-        try:
-            for host in range(t.hosts):
-                argv = [
-                    sys.executable, "-m", "torch.distributed.run",
-                    "--nnodes", str(t.hosts), "--node_rank", str(host),
-                    "--nproc_per_node", str(t.ranks_per_host),
-                    "--master_addr", self.master_addr, "--master_port", str(master_port),
-                    *torchrun_args, *script_argv,
-                ]  # fmt: skip
-                out = tempfile.TemporaryFile(mode="w+") if capture else None
-                outputs.append(out)
-                sink = {"stdout": out, "stderr": subprocess.STDOUT} if capture else {}
-                procs.append(self.popen(host, argv, env, **sink))
-            codes = self._wait_all(procs, timeout_s, grace_s)
-            results = []
-            for host, (code, out) in enumerate(zip(codes, outputs)):
-                text = ""
-                if out is not None:
-                    out.seek(0)
-                    text = out.read()
-                results.append(HostResult(host, code, text, killed=code is None))
-            return results
-        finally:
-            for out in outputs:
-                if out is not None:
-                    out.close()
+        tees = []
+        start = time.monotonic()
+        for host in range(t.hosts):
+            argv = [
+                sys.executable, "-m", "torch.distributed.run",
+                "--nnodes", str(t.hosts), "--node_rank", str(host),
+                "--nproc_per_node", str(t.ranks_per_host),
+                "--master_addr", self.master_addr, "--master_port", str(master_port),
+                *torchrun_args, *script_argv,
+            ]  # fmt: skip
+            err = subprocess.STDOUT if capture else subprocess.PIPE
+            proc = self.popen(host, argv, env, stdout=subprocess.PIPE, stderr=err, text=True, errors="replace",
+                              bufsize=1)
+            tees.append((proc, _Tee(proc, capture)))
+            with self._lock:
+                self._tees.append(tees[-1][1])
+        codes, ended = self._wait_all([p for p, _ in tees], timeout_s, grace_s, start)
+        results = []
+        for host, ((_proc, tee), code, end) in enumerate(zip(tees, codes, ended)):
+            text, job = tee.finish()
+            results.append(HostResult(host, code, text, killed=code is None, job_returncode=job, ended_s=end))
+        return results
 
-    def _wait_all(self, procs: List[subprocess.Popen], timeout_s: float, grace_s: float) -> List[Optional[int]]:
+    def _wait_all(self, procs: List[subprocess.Popen], timeout_s: float, grace_s: float,
+                  start: float) -> Tuple[List[Optional[int]], List[Optional[float]]]:
         deadline = time.monotonic() + timeout_s
         killed: List[bool] = [False] * len(procs)
+        ended: List[Optional[float]] = [None] * len(procs)
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
+            for host, p in enumerate(procs):
+                if ended[host] is None and p.poll() is not None:
+                    ended[host] = now - start
             if any(p.poll() not in (None, 0) for p in procs):
                 deadline = min(deadline, now + grace_s)
             if now >= deadline:
@@ -290,7 +339,9 @@ class Testbed:
                         self._kill(p)
                 break
             time.sleep(0.1)
-        return [None if k else p.wait() for p, k in zip(procs, killed)]
+        now = time.monotonic()
+        ended = [None if k else (e if e is not None else now - start) for e, k in zip(ended, killed)]
+        return [None if k else p.wait() for p, k in zip(procs, killed)], ended
 
     def measure_link(
         self,
@@ -483,6 +534,8 @@ class Testbed:
                 return
             self._closed = True
             procs, self._procs = self._procs, []
+            for tee in self._tees:
+                tee.muted = True
         for proc in procs:
             self._kill(proc)
         for ns in reversed(self._created):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU check of the overlap pipeline on NCCL: base, sparse_dist and overlap train the same DLRM
-# from the same start; asserts overlap's losses equal base's and prints ms/step of each
-# (scripts/gpu_overlap_check.py; JSON under $OUT).
+# GPU checks on NCCL (scripts/gpu_check.py; JSON and logs under $OUT): base, sparse_dist and
+# overlap train the same DLRM from the same start, overlap's losses must equal base's; then overlap
+# unsplit and batch split in k chunks (CHUNKS, default 2,4,8), every split run's losses and final
+# weights must equal the unsplit run's. Prints ms/step of each run; exits non-zero if a check fails.
 #
 # torchrec and fbgemm-gpu: the device image has torch but not these. They must match the device's
 # torch (torchrec X.Y pairs with fbgemm-gpu X.Y, built for one torch release and CUDA version: see
@@ -18,12 +19,13 @@
 # before starting the device. With network access instead, WHEELS="" installs from the index
 # (INDEX_URL, default https://download.pytorch.org/whl/cu$CUDA, for fbgemm-gpu; PyPI for torchrec).
 #
-# Environment: OUT (default out/gpu-overlap), WHEELS (.whl), WORLD (0: visible GPUs, at most 2),
-# STEPS (60), WARMUP (10), BATCH (2048), EXTRA (more driver flags).
+# Environment: OUT (default out/gpu-check), WHEELS (.whl), WORLD (0: visible GPUs, at most 2),
+# STEPS (60 overlap, 50 batch split), WARMUP (10), BATCH (2048), CHUNKS (2,4,8), EXTRA (more flags
+# for both checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-OUT="${OUT:-out/gpu-overlap}"
+OUT="${OUT:-out/gpu-check}"
 WHEELS="${WHEELS-.whl}"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 mkdir -p "$OUT"
@@ -45,6 +47,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import torch, torchrec, fbgemm_gpu; print('torch', torch.__version__, 'torchrec', torchrec.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__)" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/env.txt" || true
 
-PYTHONUNBUFFERED=1 "$PY" scripts/gpu_overlap_check.py --world "${WORLD:-0}" --steps "${STEPS:-60}" \
-  --warmup "${WARMUP:-10}" --batch "${BATCH:-2048}" --out "$OUT/overlap.json" ${EXTRA:-} 2>&1 | tee "$OUT/log.txt"
-exit "${PIPESTATUS[0]}"
+status=0
+PYTHONUNBUFFERED=1 "$PY" scripts/gpu_check.py overlap --world "${WORLD:-0}" ${STEPS:+--steps "$STEPS"} \
+  --warmup "${WARMUP:-10}" --batch "${BATCH:-2048}" --out "$OUT/overlap.json" ${EXTRA:-} 2>&1 | tee "$OUT/overlap.txt" \
+  || status=1
+PYTHONUNBUFFERED=1 "$PY" scripts/gpu_check.py batch-split --world "${WORLD:-0}" ${STEPS:+--steps "$STEPS"} \
+  --warmup "${WARMUP:-10}" --batch "${BATCH:-2048}" --chunks "${CHUNKS:-2,4,8}" --out "$OUT/batch_split.json" \
+  ${EXTRA:-} 2>&1 | tee "$OUT/batch_split.txt" || status=1
+exit "$status"

@@ -1,20 +1,27 @@
-"""GPU check of batch-split pipelining (runtime/batch_split.py) on NCCL: exact against the unsplit
-overlap pipeline, and its CUDA path (side stream, events) run.
+"""GPU checks of the runtime's pipelines on NCCL: ``overlap`` against TorchRec's, and batch split
+against the unsplit ``overlap`` pipeline.
 
 Every rank trains the same DLRM (TorchRec's ``DLRMTrain``; tables table-wise, row-wise and
-column-wise on the ``fused`` kernel) from the same start under ``overlap`` (the unsplit reference)
-and under ``overlap`` with ``batch_split`` k for every k of ``--chunks`` (built through
-``make_train_pipeline``, as the runtime builds a plan's pipeline), fails unless every split run's
-losses equal the reference's step by step (``--rtol``) and its final weights (dense and embedding
-tables) equal the reference's (``--weights-rtol``), and prints ms/step of each
-(CUDA-synchronized wall clock over the timed steps, slowest rank).
+column-wise on the ``fused`` kernel) from the same start, one run per setting, each pipeline built
+through ``make_train_pipeline`` as the runtime builds a plan's (the CUDA path: side streams and
+events), and prints ms/step of each (CUDA-synchronized wall clock over the timed steps, slowest
+rank).
+
+* ``overlap``: the pipelines of ``--kinds`` (default ``base,sparse_dist,overlap``); fails unless
+  ``overlap``'s losses equal ``base``'s (the reference) step by step (``--rtol``).
+* ``batch-split``: ``overlap`` unsplit (the reference) and split in k chunks for every k of
+  ``--chunks``; fails unless every split run's losses equal the reference's step by step
+  (``--rtol``) and its final weights (dense and embedding tables) equal the reference's
+  (``--weights-rtol``).
 
 One process per GPU (``--world``, default: the visible GPUs, at most 2). With one GPU the
 collectives are a rank's own copies: the run checks exactness and the stream/event code path,
 not the hiding. Writes ``--out`` (JSON) when given. Exits 2 without a CUDA device (nothing run),
-1 when a check fails, 0 when every check passes::
+1 when a check fails, 0 when every check passes. Run from the repository root with the package
+importable (``scripts/gpu_check.sh`` sets that up on a device machine)::
 
-    python scripts/gpu_batch_split_check.py --chunks 2,4,8 --out out/gpu-batch-split.json
+    python scripts/gpu_check.py overlap --out out/gpu-overlap.json
+    python scripts/gpu_check.py batch-split --chunks 2,4,8 --out out/gpu-batch-split.json
 """
 
 from __future__ import annotations
@@ -25,18 +32,18 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 TABLES = ("t0", "t1", "t2", "t3")
 #: exit status when no CUDA device is visible (nothing was checked)
 NO_CUDA = 2
+#: the check's reference run and what the checked runs must be built as
+OVERLAP_CLASS = "TrainPipelineOverlap"
+SPLIT_CLASS = "TrainPipelineBatchSplit"
 
 
 def _model(rows: int, dim: int, dense_in: int) -> torch.nn.Module:
@@ -114,10 +121,10 @@ def _local_weights(dmp: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _train(chunks: int, dmp, opt, batches, device, warmup: int) -> Tuple[List[float], float, str]:  # type: ignore[no-untyped-def]
+def _train(kind: str, chunks: int, dmp, opt, batches, device, warmup: int) -> Tuple[List[float], float, str]:  # type: ignore[no-untyped-def]
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
-    pipe = make_train_pipeline("overlap", dmp, opt, device, batch_split=chunks)
+    pipe = make_train_pipeline(kind, dmp, opt, device, batch_split=chunks)
     it = iter(batches)
     losses: List[float] = []
     start = 0.0
@@ -130,6 +137,13 @@ def _train(chunks: int, dmp, opt, batches, device, warmup: int) -> Tuple[List[fl
     return losses, 1e3 * (time.perf_counter() - start) / max(len(batches) - warmup, 1), type(pipe).__name__
 
 
+def runs_of(args: argparse.Namespace) -> List[Tuple[str, str, int]]:
+    """(label, pipeline kind, chunks) of every run the check trains, the reference first."""
+    if args.check == "overlap":
+        return [(k, k, 1) for k in ["base"] + [k for k in args.kinds if k != "base"]]
+    return [(f"k={k}", "overlap", k) for k in [1] + args.chunks]
+
+
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -140,12 +154,12 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, q: Any) 
         batches = _batches(rank, args, device)
         first, _ = _sharded(args, world, device)
         start = copy.deepcopy(dict(first.state_dict()))
-        out: Dict[str, Any] = {"rank": rank, "runs": {}}
-        for k in [1] + args.chunks:
+        out: Dict[str, Any] = {"rank": rank, "runs": {}, "weights": {}}
+        for label, kind, chunks in runs_of(args):
             dmp, opt = _sharded(args, world, device, copy.deepcopy(start))
-            losses, ms, cls = _train(k, dmp, opt, batches, device, args.warmup)
-            out["runs"][k] = {"losses": losses, "ms_per_step": ms, "class": cls}
-            out.setdefault("weights", {})[k] = _local_weights(dmp)
+            losses, ms, cls = _train(kind, chunks, dmp, opt, batches, device, args.warmup)
+            out["runs"][label] = {"losses": losses, "ms_per_step": ms, "class": cls}
+            out["weights"][label] = _local_weights(dmp)
             del dmp, opt
             torch.cuda.empty_cache()
         q.put(out)
@@ -160,78 +174,113 @@ def _worst(a: List[float], b: List[float]) -> float:
     return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
 
 
-def check(results: List[Dict[str, Any]], chunks: List[int], rtol: float, weights_rtol: float) -> List[str]:
-    """Lines of the verdict; a line starting with ``FAILED`` for every check that fails."""
+def _worst_weights(ref: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor]) -> float:
+    return max((float(((other[n] - v).abs() / v.abs().clamp_min(1e-6)).max()) for n, v in ref.items() if v.numel()),
+               default=0.0)
+
+
+def check(results: List[Dict[str, Any]], checked: List[Tuple[str, str]], rtol: float,
+          weights_rtol: float = None) -> List[str]:  # type: ignore[assignment]
+    """Lines of the verdict, one per rank and checked run (``(label, class it must be built as)``)
+    against the first run (``results[...]["runs"]``' first label, the reference); a line starting
+    with ``FAILED`` for every check that fails. ``weights_rtol`` None: losses only."""
     lines = []
     for r in results:
-        ref, ref_w = r["runs"][1]["losses"], r["weights"][1]
-        for k in chunks:
-            run = r["runs"][k]
+        ref_label = next(iter(r["runs"]))
+        ref = r["runs"][ref_label]["losses"]
+        for label, cls in checked:
+            run = r["runs"][label]
             worst = _worst(ref, run["losses"])
-            wworst = max((float(((r["weights"][k][n] - v).abs() / v.abs().clamp_min(1e-6)).max())
-                          for n, v in ref_w.items() if v.numel()), default=0.0)
-            ok = (worst <= rtol and wworst <= weights_rtol and run["class"] == "TrainPipelineBatchSplit")
-            lines.append(f"{'ok' if ok else 'FAILED'}: rank {r['rank']} k={k} ({run['class']}): losses worst "
-                         f"relative difference {worst:.2e} (rtol {rtol:g}), weights {wworst:.2e} "
-                         f"(rtol {weights_rtol:g})")
+            ok = worst <= rtol and run["class"] == cls
+            text = f"losses worst relative difference {worst:.2e} (rtol {rtol:g})"
+            if weights_rtol is not None:
+                wworst = _worst_weights(r["weights"][ref_label], r["weights"][label])
+                ok &= wworst <= weights_rtol
+                text += f", weights {wworst:.2e} (rtol {weights_rtol:g})"
+            lines.append(f"{'ok' if ok else 'FAILED'}: rank {r['rank']} {label} vs {ref_label} ({run['class']}): {text}")
     return lines
 
 
-def main(argv: List[str] = None) -> int:  # type: ignore[assignment]
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("check", choices=("overlap", "batch-split"))
     p.add_argument("--world", type=int, default=0, help="ranks (one GPU each); 0: visible GPUs, at most 2")
-    p.add_argument("--chunks", default="2,4", help="the k to check, comma-separated, each in 2..16")
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: 60 overlap, 50 batch-split)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--batch", type=int, default=2048, help="per-rank batch")
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dense-in", type=int, default=13)
-    p.add_argument("--rtol", type=float, default=1e-4, help="split vs unsplit loss tolerance (GPU kernels "
-                   "sum a chunk's rows in another order than the batch's)")
-    p.add_argument("--weights-rtol", type=float, default=1e-2, help="final weights' tolerance (relative, "
-                   "elementwise; 50 steps of Adagrad amplify summation-order differences)")
+    p.add_argument("--kinds", default="base,sparse_dist,overlap", help="overlap: the pipelines to run")
+    p.add_argument("--chunks", default="2,4", help="batch-split: the k to check, comma-separated, each in 2..16")
+    p.add_argument("--rtol", type=float, default=1e-4, help="loss tolerance (GPU kernels may sum in another "
+                   "order between runs, and a chunk's rows in another order than the batch's)")
+    p.add_argument("--weights-rtol", type=float, default=1e-2, help="batch-split: final weights' tolerance "
+                   "(relative, elementwise; 50 steps of Adagrad amplify summation-order differences)")
     p.add_argument("--out", default="")
+    return p
+
+
+def parse(argv: List[str] = None) -> argparse.Namespace:  # type: ignore[assignment]
+    p = _parser()
     args = p.parse_args(argv)
+    args.steps = args.steps or (60 if args.check == "overlap" else 50)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if args.check == "overlap" and ("base" not in args.kinds or "overlap" not in args.kinds):
+        p.error("--kinds must include base (the reference) and overlap")
     try:
         args.chunks = sorted({int(c) for c in args.chunks.split(",") if c})
     except ValueError:
         p.error(f"--chunks must be integers separated by commas, got {args.chunks!r}")
-    if not args.chunks or any(not 2 <= k <= 16 for k in args.chunks):
+    if args.check == "batch-split" and (not args.chunks or any(not 2 <= k <= 16 for k in args.chunks)):
         p.error(f"--chunks must name k in 2..16, got {args.chunks}")
-    if not torch.cuda.is_available():
-        print("gpu_batch_split_check: no CUDA device visible, nothing checked: run it where a GPU is lent "
-              "(the CPU/gloo exactness test is tests/test_batch_split.py)", file=sys.stderr)
-        return NO_CUDA
-    world = args.world or min(2, torch.cuda.device_count())
-    if world > torch.cuda.device_count():
-        p.error(f"--world {world} needs {world} GPUs; {torch.cuda.device_count()} visible (NCCL runs one rank per GPU)")
+    return args
+
+
+def _spawn(worker: Callable[..., None], world: int, args: argparse.Namespace) -> List[Dict[str, Any]]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=_worker, args=(r, world, args, port, q)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, args, port, q)) for r in range(world)]
     for pr in procs:
         pr.start()
     results = [q.get(timeout=1800) for _ in procs]
     for pr in procs:
         pr.join()
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def main(argv: List[str] = None) -> int:  # type: ignore[assignment]
+    args = parse(argv)
+    if not torch.cuda.is_available():
+        print(f"gpu_check {args.check}: no CUDA device visible, nothing checked: run it where a GPU is lent "
+              "(the CPU/gloo exactness tests are tests/test_overlap.py and tests/test_batch_split.py)",
+              file=sys.stderr)
+        return NO_CUDA
+    world = args.world or min(2, torch.cuda.device_count())
+    if world > torch.cuda.device_count():
+        _parser().error(f"--world {world} needs {world} GPUs; {torch.cuda.device_count()} visible "
+                        "(NCCL runs one rank per GPU)")
+    results = _spawn(_worker, world, args)
     errors = [r for r in results if "error" in r]
     for r in errors:
         print(f"rank {r['rank']}: {r['error']}", file=sys.stderr)
     if errors:
         return 1
-    results.sort(key=lambda r: r["rank"])
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, world {world}, NCCL, batch {args.batch}/rank, "
           f"dim {args.dim}, {args.steps} steps ({args.warmup} warm-up)")
-    for k in [1] + args.chunks:
-        ms = max(r["runs"][k]["ms_per_step"] for r in results)
-        print(f"  k={k:<3} {ms:8.3f} ms/step  ({results[0]['runs'][k]['class']})")
-    lines = check(results, args.chunks, args.rtol, args.weights_rtol)
+    for label, _kind, _chunks in runs_of(args):
+        ms = max(r["runs"][label]["ms_per_step"] for r in results)
+        print(f"  {label:<12} {ms:8.3f} ms/step  ({results[0]['runs'][label]['class']})")
+    if args.check == "overlap":
+        lines = check(results, [("overlap", OVERLAP_CLASS)], args.rtol)
+    else:
+        lines = check(results, [(f"k={k}", SPLIT_CLASS) for k in args.chunks], args.rtol, args.weights_rtol)
     print("\n".join("  " + line for line in lines))
     ok = not any(line.startswith("FAILED") for line in lines)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"world": world, "args": vars(args), "ok": ok, "lines": lines,
+            json.dump({"check": args.check, "world": world, "args": vars(args), "ok": ok, "lines": lines,
                        "runs": [{"rank": r["rank"], "runs": r["runs"]} for r in results]}, f, indent=1)
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
