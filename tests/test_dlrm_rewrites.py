@@ -193,6 +193,9 @@ def test_without_the_flags_the_run_applies_the_plans_rewrites():
     _, settings = resolve_settings(plan, pipeline="overlap", **rewrite_overrides(opts, _tables()))
     assert (settings.batch_split, settings.id_dtype) == (1, "int32")
     assert describe_rewrites(rewrites_record(settings, opts)).endswith("(forced: batch_split; the rest the plan's)")
+    every = TrainOptions(batch_split=1, pipeline="overlap", id_dtype="int64", dedup="none")
+    assert describe_rewrites(rewrites_record(settings, every)).endswith(
+        "(forced: batch_split, dedup_features, id_dtype)")
 
 
 def _check(*args):

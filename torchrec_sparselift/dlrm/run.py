@@ -376,7 +376,10 @@ def describe_rewrites(rewrites: Dict[str, Any]) -> str:
              "no dedup" if not dedup else (f"dedup {','.join(dedup)}" if len(dedup) <= 4
                                           else f"dedup {len(dedup)} features")]
     forced = rewrites["forced"]
-    return ", ".join(parts) + (f" (forced: {', '.join(forced)}; the rest the plan's)" if forced else " (the plan's)")
+    if not forced:
+        return ", ".join(parts) + " (the plan's)"
+    rest = "" if len(forced) == 3 else "; the rest the plan's"  # batch_split, id_dtype, dedup_features
+    return ", ".join(parts) + f" (forced: {', '.join(forced)}{rest})"
 
 
 def _per_sample_refusal(e: NotPerSample, options: TrainOptions) -> UsageError:
