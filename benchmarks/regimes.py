@@ -105,6 +105,7 @@ from torchrec_sparselift.measure.probe import (pin_rank_to_core, prebuilt_batche
                                                restore_affinity)
 from torchrec_sparselift.measure.steps import calibrate_steps, forced_plan
 from torchrec_sparselift.plan import sharding_plan_digest
+from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
 from torchrec_sparselift.plan.evaluate import GivenPlan
 from torchrec_sparselift.runtime import copy_full_state, lift
 from torchrec_sparselift.runtime.timing import steady_step_s
@@ -262,6 +263,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per regime before its job is killed")
     p.add_argument("--job", action="store_true", help="run as one rank of one regime's torchrun job (the driver does)")
     p.add_argument("--regime", help="with --job: which regime this job is")
+    p.add_argument("--replay", help="with --job: measure only the runs of this file (the driver's: network regimes' "
+                   "runs to time unshaped for their compute part)")
     args = p.parse_args(argv)
     args.regimes = names_arg(p, "--regimes", args.regimes, REGIMES)
     if args.workloads:
@@ -456,9 +459,11 @@ def gap_closed(base_ms: float, run_ms: float, bound_ms: float) -> Optional[float
     return (base_ms - run_ms) / gap if gap > 0 else None
 
 
-def add_overlap_bounds(jobs: Mapping[str, Mapping[str, Any]], unshaped: str = UNSHAPED) -> None:
+def add_overlap_bounds(jobs: Mapping[str, Mapping[str, Any]], unshaped: str = UNSHAPED,
+                       replayed: Optional[Mapping[str, Mapping[str, float]]] = None) -> None:
     """Give every row of every regime (in place) its compute part (``unshaped``'s measured step of
-    the same run key and workload, where that regime measured it), its overlap bound
+    the same run key and workload, where that regime measured it, or ``replayed[workload][key]``:
+    the unshaped replay job's), its overlap bound
     max(compute part, communication part), and for a rewrite run the fraction of its base run's
     gap to the base's bound that it closes (:func:`gap_closed`)."""
     plain = {}
@@ -466,6 +471,9 @@ def add_overlap_bounds(jobs: Mapping[str, Mapping[str, Any]], unshaped: str = UN
         for row in wres["rows"].values():
             if row.get("key") and not row.get("failed") and not row.get("same_as"):
                 plain[(wres.get("workload"), row["key"])] = row["measured_ms"]
+    for wname, keys in (replayed or {}).items():
+        for key, ms in keys.items():
+            plain.setdefault((wname, key), ms)
     for job in jobs.values():
         for wres in job.get("workloads", []):
             rows = wres["rows"]
@@ -488,7 +496,7 @@ def merge_results(jobs: Mapping[str, Mapping[str, Any]], settings: Mapping[str, 
     merged file and its parts agree) and its targets; regimes in :data:`REGIMES` order (the report
     header, :func:`benchmarks.harness.write_report`, adds the date)."""
     regimes = {}
-    add_overlap_bounds(jobs)
+    add_overlap_bounds(jobs, replayed=settings.get("replayed"))
     for name in REGIMES:
         if name not in jobs:
             continue
@@ -957,9 +965,46 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
     return out
 
 
+def replay_entry(spec: Mapping[str, Any], world: int) -> Optional[Dict[str, Any]]:
+    """What the unshaped regime needs to train ``spec``'s run again (its sharding plan as a dict, its
+    pipeline, precisions and rewrites), or None for a run whose plan depends on the host layout (2D,
+    table-row-wise) and so is not the same plan on R1's one host."""
+    _pipe, _fwd, _bwd, group = _settings_of(spec)
+    if group is not None and group < world:
+        return None
+    plan = getattr(spec["plan"], "sharding_plan", spec["plan"])
+    data = sharding_plan_to_dict(plan)
+    if any(p.get("sharding_type") == "table_row_wise" for m in data["modules"].values()
+           for p in (m.get("params") or {}).values()):
+        return None
+    pipe, fwd, bwd, _ = _settings_of(spec)
+    opt = getattr(spec["plan"], "optimizations", None)
+    return dict(plan=data, pipeline=pipe, fwd=fwd, bwd=bwd,
+                batch_split=spec.get("batch_split") or getattr(opt, "batch_split", 1),
+                id_dtype=spec.get("id_dtype") or getattr(opt, "id_dtype", "int64"),
+                dedup_features=list(spec.get("dedup_features") or getattr(opt, "dedup_features", ())))
+
+
+def replays_wanted(jobs: Mapping[str, Mapping[str, Any]], unshaped: str = UNSHAPED) -> Dict[str, Dict[str, Any]]:
+    """workload -> {run key: replay entry} of the network regimes' runs whose compute part the
+    unshaped regime did not measure (a key it ran is left out)."""
+    have = {(w.get("workload"), r.get("key")) for w in (jobs.get(unshaped) or {}).get("workloads", [])
+            for r in w["rows"].values() if not r.get("failed")}
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, job in jobs.items():
+        if name not in REGIMES or REGIMES[name]["kind"] != "network":
+            continue
+        for w in job.get("workloads", []):
+            for r in w["rows"].values():
+                if r.get("replay") and not r.get("failed") and (w.get("workload"), r.get("key")) not in have:
+                    out.setdefault(w["workload"], {})[r["key"]] = r["replay"]
+    return out
+
+
 def comm_part_ms(w, spec: Mapping[str, Any], batches: Sequence[Any], pg, device, say) -> Optional[float]:
     """The run's communication part (ms): one steady step's collectives on a fresh model of the
-    run, sent again alone on the link (:mod:`benchmarks.harness.replay`); None if it cannot run."""
+    run, sent again alone on the link over ``pg`` (a group the run's model does not use:
+    :mod:`benchmarks.harness.replay`); None if it cannot run."""
     try:
         lifted = lift_run(w, spec, device)
         calls, allreduce = count_step_collectives(lifted, Cycle(batches))
@@ -1014,9 +1059,13 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
         s.pop("kept", None)  # the kept models go now
     gc.collect()
     if args.comm_part:
+        # the replays get a group of their own: a pipeline leaves its next batch's collectives in
+        # flight on the job's group when a step returns
+        replay_pg = dist.new_group(backend="gloo")
         for s in measured:
             if not s.get("failed"):
-                s["comm_ms"] = comm_part_ms(w, s, batches, pg, device, say)
+                s["comm_ms"] = comm_part_ms(w, s, batches, replay_pg, device, say)
+        dist.destroy_process_group(replay_pg)
     by = {s["name"]: s for s in specs}
     rows: Dict[str, Dict[str, Any]] = {}
     for s in specs:
@@ -1032,6 +1081,8 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
         if s["name"].startswith("sparselift"):  # the profile it planned with
             row["profile"] = ("unshaped" if s["name"] == "sparselift_unshaped"
                               or profiles["regime"] is profiles.get("unshaped") else "regime")
+        if REGIMES[regime]["kind"] == "network" and s["same_as"] is None:
+            row["replay"] = replay_entry(s, W)
         if src.get("failed") or not src["runs"]:
             row["failed"] = src.get("failed") or "not measured"
         else:
@@ -1050,6 +1101,43 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
     res["ratios"] = summarize_workload(rows)
     gc.collect()
     return res
+
+
+def replay_job(args) -> int:
+    """The unshaped replay: every run of ``--replay`` trained here, interleaved rounds per workload
+    as :func:`run_workload` times them; writes ``{workload: {run key: ms}}`` to ``--out``."""
+    me = start_worker()
+    pg, rank, say = me.pg, me.rank, me.say
+    try:
+        with open(args.replay, encoding="utf-8") as f:
+            wanted = json.load(f)
+        device = torch.device("cpu")
+        out: Dict[str, Dict[str, float]] = {}
+        for wname, entries in wanted.items():
+            w, alpha = _workloads()[wname]
+            batches = prebuilt_batches(w, args.batches, seed=BATCH_SEED, rank=dist.get_rank(pg), alpha=alpha)
+            specs = [dict(e, name=key, plan=sharding_plan_from_dict(e["plan"]), runs=[]) for key, e in entries.items()]
+
+            def measure(s: Dict[str, Any], _round: int) -> None:
+                if s.get("failed"):
+                    return
+                try:
+                    secs, _losses, _b = timed_run(lambda: lift_run(w, s, device), batches, args.steps, args.warmup, pg)
+                    s["runs"].append(secs)
+                except Exception as e:  # noqa: BLE001 - a run that cannot train here has no compute part
+                    s["failed"] = f"{type(e).__name__}: {e}"
+                    say(f"[regimes] replay {wname}: {s['name']}: {s['failed'][:200]}")
+                    dist.barrier(group=pg)
+
+            interleaved_rounds(specs, measure, args.reps)
+            out[wname] = {s["name"]: statistics.median(s["runs"]) * 1e3 for s in specs if s["runs"]}
+            say(f"[regimes] replay {wname}: {len(out[wname])} of {len(specs)} runs timed unshaped")
+        if rank == 0:
+            write_report(args.out, dict(replayed=out))
+        dist.barrier()
+    finally:
+        stop_worker()
+    return 0
 
 
 def job(args) -> int:
@@ -1148,11 +1236,37 @@ def driver(args) -> int:
             continue
         with open(path, encoding="utf-8") as f:
             jobs[regime] = json.load(f)
+    replayed: Dict[str, Any] = {}
+    wanted = replays_wanted(jobs) if args.comm_part else {}
+    if wanted:  # the compute part of the network regimes' runs R1 did not run: those plans, unshaped
+        want_path, path = os.path.join(out_dir, "replay_in.json"), os.path.join(out_dir, "replay.json")
+        with open(want_path, "w", encoding="utf-8") as f:
+            json.dump(wanted, f)
+        if os.path.exists(path):
+            os.remove(path)
+        cmd = testbed_command(UNSHAPED, job_argv(args, path) + ["--replay", want_path], args.timeout, args.burst)
+        n = sum(len(v) for v in wanted.values())
+        print(f"[regimes] compute parts: {n} network-regime runs timed unshaped ({REGIMES[UNSHAPED]['doc']})\n"
+              f"  $ {' '.join(cmd)}", flush=True)
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+        try:
+            code = proc.wait()
+        except BaseException:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            raise
+        if code != 0 or not os.path.exists(path):
+            failed["replay"] = f"exit {code}"
+            print(f"[regimes] compute parts: job failed ({failed['replay']}); the bounds cover R1's own runs only",
+                  flush=True)
+        else:
+            with open(path, encoding="utf-8") as f:
+                replayed = json.load(f).get("replayed") or {}
     settings = dict(regimes=order, workloads=args.workloads, reps=args.reps, steps=args.steps, warmup=args.warmup,
                     batches=args.batches, profile_from=args.profile_from, quick=args.quick,
                     fresh_models=not args.keep_models,
                     parity_steps=args.parity_steps, calibration_steps=args.calibration_steps, burst=args.burst,
-                    wall_s=time.time() - t0, failed=failed)
+                    wall_s=time.time() - t0, failed=failed, replayed=replayed)
     merged = merge_results(jobs, settings)
     print(format_summary(merged), flush=True)
     write_report(args.out, merged)
@@ -1162,7 +1276,9 @@ def driver(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    return job(args) if args.job else driver(args)
+    if args.job:
+        return replay_job(args) if args.replay else job(args)
+    return driver(args)
 
 
 if __name__ == "__main__":

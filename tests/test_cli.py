@@ -6,6 +6,7 @@ runs the real console entry point in a subprocess.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -448,3 +449,48 @@ def test_a_2d_flag_without_a_sharding_group_is_refused_naming_the_flag(capsys, t
     rc, _, err = run_cli(capsys, "plan", "--tables", TINY, "--world-size", "8", "--sharding-group-size", "4",
                          *flags, "--out", str(tmp_path / "p.json"), "--quiet", "--time-budget", "2")
     assert rc == 0, err
+
+
+# ---------------------------------------------------------------------------------------------
+# the sparse-path rewrites from the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plan_takes_the_rewrites_and_the_per_sample_declaration(tmp_path, capsys):
+    from torchrec_sparselift.plan.stored_inputs import PlanInputs
+
+    out = str(tmp_path / "none.json")
+    rc, _o, err = run_cli(capsys, "plan", "--tables", TINY, *CPU, "--out", out, "--time-budget", "2",
+                          "--rewrites", "none")
+    assert rc == 0, err
+    plan = json.loads(open(out).read())
+    o = plan["optimizations"]
+    assert (o["batch_split"], o["id_dtype"], o["dedup_features"]) == (1, "int64", [])
+    inputs = plan["planner_info"]["inputs"]
+    assert inputs["rewrites"] == [] and inputs["per_sample"] is False
+    # the stored inputs read back with them (explain and compare plan again from them)
+    assert PlanInputs.from_dict(inputs).rewrites == ()
+    out = str(tmp_path / "declared.json")
+    rc, _o, err = run_cli(capsys, "plan", "--tables", TINY, *CPU, "--out", out, "--time-budget", "2", "--per-sample")
+    assert rc == 0, err
+    inputs = json.loads(open(out).read())["planner_info"]["inputs"]
+    assert inputs["rewrites"] is None and PlanInputs.from_dict(inputs).per_sample
+    # a declaration with no batch split to declare it for is refused, naming the flags
+    rc, _o, err = run_cli(capsys, "plan", "--tables", TINY, *CPU, "--out", out, "--rewrites", "id_dtype", "--per-sample")
+    assert rc == 2 and "--per-sample" in err and "Traceback" not in err
+    assert cli._rewrites_arg(argparse.Namespace(rewrites="id_dtype, dedup")) == ("id_dtype", "dedup")
+    assert cli._rewrites_arg(argparse.Namespace(rewrites=None)) is None
+
+
+@pytest.mark.parametrize("flag, word", [("bogus", "unknown rewrite"), ("id_dtype,id_dtype", "twice"), (",", "none")])
+def test_plan_refuses_unknown_rewrites_naming_the_valid_ones(tmp_path, capsys, flag, word):
+    rc, _o, err = run_cli(capsys, "plan", "--tables", TINY, *CPU, "--out", str(tmp_path / "p.json"), "--rewrites", flag)
+    assert rc == 2 and word in err and "batch_split,id_dtype,dedup" in err and "Traceback" not in err
+
+
+def test_stored_inputs_refuse_a_mistyped_rewrites_field():
+    from torchrec_sparselift.plan.stored_inputs import PlanInputs
+
+    with pytest.raises(CliError, match="rewrites"):
+        PlanInputs.from_dict({"schema": "sparselift.cli_inputs/1", "topology": {"hardware": "h100", "world_size": 8},
+                              "workload": "kaggle", "batch_size": 512, "rewrites": "id_dtype"})

@@ -342,3 +342,18 @@ def test_replay_collectives_runs_the_counted_bytes_on_every_rank():
 
     times = run_ranks(_replay_rank, 2, timeout_s=60)
     assert times[0] == times[1] > 0  # the slowest rank's median, the same on both
+
+
+def test_the_network_regimes_runs_r1_did_not_run_are_replayed_unshaped():
+    entry = {"plan": {"modules": {}}, "pipeline": "overlap"}
+    r1 = {"workload": "kaggle", "rows": {"torchrec": _row(40.0, key="K")}}
+    r2 = {"workload": "kaggle", "rows": {"torchrec": _row(100.0, key="K", comm_part_ms=55.0, replay=entry),
+                                         "sparselift": _row(80.0, key="S", comm_part_ms=30.0, replay=entry),
+                                         "sparselift_2d": _row(90.0, key="D", replay=None),
+                                         "row_wise": dict(failed="boom", key="R", replay=entry)}}
+    jobs = {"R1": {"workloads": [r1]}, "R2": {"workloads": [r2]}}
+    assert regimes.replays_wanted(jobs) == {"kaggle": {"S": entry}}
+    regimes.add_overlap_bounds(jobs, replayed={"kaggle": {"S": 50.0}})
+    rows = jobs["R2"]["workloads"][0]["rows"]
+    assert rows["sparselift"]["compute_part_ms"] == 50.0 and rows["sparselift"]["overlap_bound_ms"] == 50.0
+    assert rows["torchrec"]["compute_part_ms"] == 40.0  # R1's own run of the same key comes first

@@ -82,7 +82,7 @@ def test_the_stage_splits_a_comm_heavy_plan_and_prices_the_plan_with_the_split()
     assert r.step_s < r.step_without_s and res.step_time_s == pytest.approx(r.step_s)
     assert r.split_saved_s > 0 and r.id_dtype == "int32" and r.wire_bytes_after < r.wire_bytes_before
     o = res.optimizations()
-    assert (o.batch_split, o.id_dtype) == (r.batch_split, "int32")
+    assert (o.batch_split, o.id_dtype, o.per_sample) == (r.batch_split, "int32", True)
     # the prediction carries it, and its per-rank breakdown reads the rewritten step
     pred = res.prediction()
     assert pred.step_time_s == pytest.approx(r.step_s)
@@ -114,12 +114,13 @@ def test_an_unknown_module_needs_the_users_declaration():
     assert res.rewrites.batch_split == 1 and "_MixesSamples" in _notes(res) and "per_sample=True" in _notes(res)
     _, res = _plan(_profile(**COMM_HEAVY), _model(_MixesSamples()), per_sample=True)
     assert res.rewrites.batch_split > 1
+    assert res.optimizations().per_sample  # the runtime's pipeline takes the declaration from the plan
 
 
 def test_each_reason_a_rewrite_is_not_chosen_is_recorded():
     _, res = _plan(_profile(**COMM_HEAVY, chunk_overhead_s=None, dedup_id_s=None))
     notes = _notes(res)
-    assert "no chunk_overhead_s" in notes and "no dedup_id_s" in notes and "sparselift calibrate kernels" in notes
+    assert "no chunk_overhead_s" in notes and "no dedup_id_s" in notes and "sparselift calibrate steps" in notes
     _, res = _plan(_profile(**COMM_HEAVY), pipelines=["sparse_dist"])
     assert "the pipeline is 'sparse_dist'" in _notes(res) and res.rewrites.batch_split == 1
     _, res = _plan(_profile(**COMM_HEAVY), _model(t0_rows=2**31 + 8), hbm_gib=160, constraints={

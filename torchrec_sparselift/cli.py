@@ -68,6 +68,7 @@ from torchrec_sparselift.explain import (
 from torchrec_sparselift.measure.commands import main as calibrate_main
 from torchrec_sparselift.plan import ExecutionPlan, PlanFormatError
 from torchrec_sparselift.plan.compare import compare_planners
+from torchrec_sparselift.plan.rewrites import REWRITES, rewrite_problem
 from torchrec_sparselift.planner import SparseLiftPlanner
 
 __all__ = [
@@ -170,6 +171,13 @@ def _add_planner_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-lossy-comm", action="store_true", help="allow fp16/bf16 embedding communication")
     g.add_argument("--allow-staleness", action="store_true", help="allow the semi-sync pipeline (one-step-stale "
                    "embeddings)")
+    g.add_argument("--rewrites", default=None, metavar="NAMES",
+                   help=f"the sparse-path rewrites the planner may choose, comma-separated from {','.join(REWRITES)}, "
+                        "or none (default: all)")
+    g.add_argument("--per-sample", action="store_true",
+                   help="declare the model's dense part per-sample (every sample's output depends on that sample "
+                        "alone, the loss is the batch mean), so the planner may split the batch of a model whose "
+                        "modules it does not know")
     _add_2d_args(g)
 
 
@@ -282,17 +290,33 @@ def _check_flags(args: argparse.Namespace) -> None:
 #: The planner option each command-line flag sets (for messages that name what the user typed).
 FLAG_OF_OPTION = {"sharding_group_size": "--sharding-group-size", "max_sync_interval": "--max-sync-interval",
                   "layout_2d": "--layout-2d", "strategy_2d": "--2d-strategy", "time_budget_s": "--time-budget",
-                  "allow_lossy_comm": "--allow-lossy-comm", "allow_staleness": "--allow-staleness"}
+                  "allow_lossy_comm": "--allow-lossy-comm", "allow_staleness": "--allow-staleness",
+                  "rewrites": "--rewrites", "per_sample": "--per-sample"}
 
 
 def _check_options_apply(args: argparse.Namespace) -> None:
     """The planner's rule for options that do not apply (:data:`~torchrec_sparselift.validation.OPTION_NEEDS`),
     on the flags given, naming the flags (exit 2)."""
     given = {name: getattr(args, name) for name in FLAG_OF_OPTION if hasattr(args, name)}
+    if "rewrites" in given:
+        given["rewrites"] = _rewrites_arg(args)
     errors, warned = option_problems(given, spell=lambda name: FLAG_OF_OPTION.get(name, name))
     for w in warned:
         print(f"sparselift: warning: {w}", file=sys.stderr)
     raise_problems(errors, "the command line", CliError)
+
+
+def _rewrites_arg(args: argparse.Namespace) -> Optional[Tuple[str, ...]]:
+    """``--rewrites`` as the planner's ``rewrites=`` (None: the flag not given, every rewrite)."""
+    text = getattr(args, "rewrites", None)
+    if text is None:
+        return None
+    names = [] if text.strip().lower() == "none" else [n.strip() for n in text.split(",") if n.strip()]
+    problem = rewrite_problem(names)
+    if problem or not (names or text.strip().lower() == "none"):
+        raise CliError(f"--rewrites {text!r}: " + (problem or "") +
+                       f" (give names from {','.join(REWRITES)}, comma-separated, or none)")
+    return tuple(names)
 
 
 def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] = "h100") -> PlanInputs:
@@ -325,6 +349,8 @@ def _inputs_from_args(args: argparse.Namespace, topology_default: Optional[str] 
         max_sync_interval=getattr(args, "max_sync_interval", None),
         layout_2d=getattr(args, "layout_2d", defaults.LAYOUT_2D),
         strategy_2d=getattr(args, "strategy_2d", defaults.STRATEGY_2D),
+        rewrites=_rewrites_arg(args),
+        per_sample=bool(getattr(args, "per_sample", False)),
     )
 
 
@@ -342,6 +368,7 @@ def _planner(inputs: PlanInputs, constraints: Dict[str, Any], cache_dir: Optiona
         allow_staleness=inputs.allow_staleness, cache_dir=cache_dir,
         sharding_group_size=inputs.sharding_group_size, max_sync_interval=inputs.max_sync_interval,
         layout_2d=inputs.layout_2d, strategy_2d=inputs.strategy_2d,
+        rewrites=inputs.rewrites, per_sample=inputs.per_sample,
     )
 
 

@@ -75,7 +75,8 @@ def peer_splits(sent: Sequence[int], rank: int) -> Tuple[List[int], List[int]]:
 def replay_collectives(calls: Sequence[CollectiveCall], allreduce_bytes: int, pg: Any, reps: int = 5) -> float:
     """Seconds the counted collectives take alone on the link: the slowest rank's median over
     ``reps`` sequential replays (every rank replays the same number of calls: a step's collectives
-    match across ranks)."""
+    match across ranks). ``pg``: a group no pipeline has collectives in flight on (a pipeline's
+    step returns with the next batch's input all-to-all issued on the model's group)."""
     W, rank = dist.get_world_size(pg), dist.get_rank(pg)
     n = torch.tensor([len(calls)], dtype=torch.int64)
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]

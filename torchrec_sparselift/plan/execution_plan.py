@@ -142,6 +142,9 @@ class Optimizations:
             all-to-alls (1..16; 1 splits nothing): the ``overlap`` pipeline's step, each chunk's
             dense work beside the next chunk's transfer, exact
             (``runtime.batch_split.TrainPipelineBatchSplit``; priced by ``cost.batch_split``).
+        per_sample: the batch split was chosen for a dense model the planner proved per-sample or
+            the user declared per-sample (``per_sample=True``); the runtime's batch-split pipeline
+            takes the declaration from here (only with ``batch_split`` > 1).
     """
 
     pipeline: str = attrs.field(default=defaults.PIPELINE, validator=_one_of(PIPELINES))
@@ -159,8 +162,12 @@ class Optimizations:
     id_dtype: str = attrs.field(default="int64", validator=_one_of(ID_DTYPES))
     dedup_features: Tuple[str, ...] = attrs.field(default=(), converter=feature_tuple)
     batch_split: int = attrs.field(default=1, validator=int_at_least(1, " (chunks)"))
+    per_sample: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
+        if self.per_sample and self.batch_split == 1:
+            raise ValueError("Optimizations.per_sample declares the dense model per-sample for a batch split, but "
+                             "batch_split=1 splits nothing: drop per_sample or set batch_split > 1")
         if self.is_2d and (self.id_dtype != "int64" or self.dedup_features):
             raise ValueError("Optimizations: ids on the wire (id_dtype, dedup_features) apply to 1D plans only; "
                              "keep id_dtype='int64' and no dedup_features for a 2D plan")

@@ -99,7 +99,10 @@ class PlanResult:
         r = self.rewrites
         if r is None or self.sharding_group_size:
             return {}
-        return dict(batch_split=r.batch_split, id_dtype=r.id_dtype, dedup_features=r.dedup_features)
+        # the stage splits only a dense model it proved per-sample or the request declared so: the plan
+        # carries that for the runtime's batch-split pipeline (which checks the model again)
+        return dict(batch_split=r.batch_split, id_dtype=r.id_dtype, dedup_features=r.dedup_features,
+                    per_sample=r.batch_split > 1)
 
     def prediction(self) -> Prediction:
         s = self.search

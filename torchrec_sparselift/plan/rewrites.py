@@ -64,7 +64,8 @@ SPLIT_SHARDING_TYPES: Tuple[str, ...] = (TABLE_WISE, COLUMN_WISE, ROW_WISE, TABL
 #: model-parallel sharding types whose input dist ``runtime.wire_ids`` rewrites (data-parallel sends nothing)
 WIRE_SHARDING_TYPES: Tuple[str, ...] = (TABLE_WISE, COLUMN_WISE, ROW_WISE, TABLE_ROW_WISE)
 
-_CALIBRATE = "run `sparselift calibrate kernels` to measure it"
+_CALIBRATE = ("calibrate the profile to measure it (`sparselift calibrate steps` for hardware='auto'; "
+              "`sparselift calibrate kernels` for a kernel profile)")
 
 
 def rewrite_problem(value: Any) -> Optional[str]:

@@ -157,6 +157,11 @@ class PlanInputs:
     max_sync_interval: Optional[int] = None
     layout_2d: str = defaults.LAYOUT_2D
     strategy_2d: str = defaults.STRATEGY_2D
+    #: the sparse-path rewrites the planner may choose (None: every one; () none) and the
+    #: dense model's per-sample declaration (the planner's ``rewrites=`` and ``per_sample=``)
+    rewrites: Optional[Tuple[str, ...]] = attrs.field(default=None,
+                                                      converter=lambda v: None if v is None else tuple(v))
+    per_sample: bool = False
 
     def __attrs_post_init__(self) -> None:
         given = [x for x in (self.tables, self.workload, self.model) if x]
@@ -220,6 +225,8 @@ class PlanInputs:
             "max_sync_interval": self.max_sync_interval,
             "layout_2d": self.layout_2d,
             "strategy_2d": self.strategy_2d,
+            "rewrites": None if self.rewrites is None else list(self.rewrites),
+            "per_sample": self.per_sample,
         }
 
     @classmethod
@@ -237,6 +244,10 @@ class PlanInputs:
                 hardware=t.req("hardware", str, nonempty=True), world_size=t.req("world_size", int, lo=1),
                 local_world_size=t.opt("local_world_size", int, lo=1), hbm_gib=t.opt("hbm_gib", float, gt=0),
                 ddr_gib=t.opt("ddr_gib", float, gt=0))
+            rewrites = f.data.get("rewrites")
+            if rewrites is not None and not (isinstance(rewrites, list) and all(isinstance(n, str) for n in rewrites)):
+                raise f.fail("rewrites", f"must be null (every rewrite) or a list of rewrite names, got {rewrites!r}",
+                             "write null or a list such as [\"id_dtype\"]")
             group = f.data.get("sharding_group_size")
             if group is not None and group != "auto":
                 f.check(group, int, "planner_info.inputs.sharding_group_size", lo=1,
@@ -259,6 +270,8 @@ class PlanInputs:
                 strategy_2d=f.opt("strategy_2d", str, defaults.STRATEGY_2D),
                 time_budget_s=f.opt("time_budget_s", float, defaults.TIME_BUDGET_S, lo=0.0),
                 source=f.opt("source", str, ""),
+                rewrites=rewrites,
+                per_sample=f.opt("per_sample", bool, False),
             )
         except FileFormatError as e:
             raise CliError(str(e)) from None

@@ -119,6 +119,8 @@ class RuntimeSettings:
     dedup_features: Tuple[str, ...] = attrs.field(default=(), converter=feature_tuple)
     #: chunks of the overlap pipeline's all-to-alls (1: none; ``runtime.batch_split``)
     batch_split: int = attrs.field(default=1, validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)])
+    #: the plan's per-sample declaration for its batch split (``Optimizations.per_sample``)
+    per_sample: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         if self.batch_split > 1 and (self.pipeline != BATCH_SPLIT_PIPELINE or self.is_2d):
@@ -203,10 +205,13 @@ def resolve_settings(
     chosen.update(given)
     if "pipeline" in changed and "batch_split" not in given and chosen["pipeline"] != BATCH_SPLIT_PIPELINE:
         chosen["batch_split"] = 1  # the plan's chunks split the pipeline the keyword replaced
+    # the plan's per-sample declaration holds for the model it planned, whatever the chunks
+    per_sample = bool(getattr(opt, "per_sample", False)) and chosen["batch_split"] > 1
     prediction = getattr(plan, "prediction", None)
     summary = getattr(plan, "summary", None)
     return sharding_plan, RuntimeSettings(
         **chosen,
+        per_sample=per_sample,
         sharding_group_size=group,
         sync_interval=getattr(opt, "sync_interval", None) if group is not None else None,
         layout_2d=getattr(opt, "layout_2d", None) if group is not None else None,
@@ -458,6 +463,8 @@ class SparseLiftModelParallel(DistributedModelParallel):
         if batch_split is None:
             batch_split = self.settings.batch_split if kind is None else 1
         kind = kind or self.settings.pipeline
+        if batch_split > 1 and self.settings.per_sample:  # the plan's declaration (Optimizations.per_sample)
+            options = {"per_sample": True, **dict(options or {})}
         check_pipeline_supports_plan(kind, self.sharding_plan, self.device, self)
         optimizer = build_optimizer(self, dense_optimizer_factory, self.embedding_optimizer)
         pipeline = make_train_pipeline(kind, self, optimizer, self.device, options=options, batch_split=batch_split)
