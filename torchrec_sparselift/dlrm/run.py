@@ -361,7 +361,8 @@ def rewrites_record(settings: Any, options: TrainOptions) -> Dict[str, Any]:
     """The sparse-path rewrites the run applies (the plan's, or the flags' where given), as the
     result records them."""
     return dict(batch_split=settings.batch_split, id_dtype=settings.id_dtype,
-                dedup_features=list(settings.dedup_features), per_sample=options.per_sample,
+                dedup_features=list(settings.dedup_features),
+                per_sample=options.per_sample or settings.per_sample,  # --per-sample or the plan's
                 forced=sorted(k for k, v in (("batch_split", options.batch_split), ("id_dtype", options.id_dtype),
                                              ("dedup_features", options.dedup)) if v is not None))
 
