@@ -387,11 +387,6 @@ def _per_sample_refusal(e: NotPerSample, options: TrainOptions) -> UsageError:
     """The batch split's per-sample refusal in the example's flags."""
     why = str(e).replace("(per_sample=True)", "(--per-sample)").replace("keep batch_split=1", "use --batch-split 1")
     origin = "" if options.batch_split is not None else " (the execution plan chose the batch split)"
-    if model_kind(options) == "dcn" and "crossnet" in why:
-        # TorchRec's LowRankCrossNet is per-sample, but it keeps its weights in ParameterLists,
-        # modules the rule does not know
-        why += ("; --model dcn: DLRM_DCN's LowRankCrossNet mixes no samples (x0 * (W V x + b) + x per "
-                "sample), so --per-sample is right for it")
     return UsageError(f"{why}{origin}")
 
 
