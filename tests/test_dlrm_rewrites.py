@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from torchrec_sparselift.dlrm.options import TrainOptions, UsageError, rewrite_overrides
 from torchrec_sparselift.dlrm.tables import TableSpec, preset_tables, scale_tables
-from torchrec_sparselift.dlrm.run import describe_rewrites, rewrites_record
+from torchrec_sparselift.dlrm.run import _per_sample_refusal, describe_rewrites, rewrites_record
+from torchrec_sparselift.runtime.batch_split import NotPerSample, per_sample_violation
 from torchrec_sparselift.runtime.model_parallel import resolve_settings
 from torchrec_sparselift.plan.execution_plan import Optimizations
 
@@ -193,6 +194,9 @@ def test_without_the_flags_the_run_applies_the_plans_rewrites():
     _, settings = resolve_settings(plan, pipeline="overlap", **rewrite_overrides(opts, _tables()))
     assert (settings.batch_split, settings.id_dtype) == (1, "int32")
     assert describe_rewrites(rewrites_record(settings, opts)).endswith("(forced: batch_split; the rest the plan's)")
+    every = TrainOptions(batch_split=1, pipeline="overlap", id_dtype="int64", dedup="none")
+    assert describe_rewrites(rewrites_record(settings, every)).endswith(
+        "(forced: batch_split, dedup_features, id_dtype)")
 
 
 def _check(*args):
@@ -207,12 +211,20 @@ def test_check_refuses_what_the_run_refuses_in_the_examples_flags():
     assert r.returncode == 2 and "--batch-split has no effect here: it needs --pipeline overlap" in r.stderr
     r = _check("--dedup", "cat_0,nope")
     assert r.returncode == 2 and "--dedup names ['nope']" in r.stderr
-    # DLRM_DCN (the dcnv2 preset's model): its CrossNet keeps its weights in ParameterLists, which
-    # the per-sample rule does not know, so a batch split needs --per-sample; DLRM passes as it is
-    dcn = ["--tables", "dcnv2", "--batch-split", "2", "--pipeline", "overlap"]
-    r = _check(*dcn)
-    assert r.returncode == 2, r.stderr
-    assert "declare the model per-sample (--per-sample)" in r.stderr and "--model dcn" in r.stderr
-    assert _check(*dcn, "--per-sample").returncode == 0
+    # both of the example's models pass the per-sample rule as they are: DLRM, and DLRM_DCN (the
+    # dcnv2 preset's, whose CrossNet keeps its weights in ParameterLists)
+    assert _check("--tables", "dcnv2", "--batch-split", "2", "--pipeline", "overlap").returncode == 0
     ok = _check("--batch-split", "4", "--pipeline", "overlap", "--id-dtype", "int32", "--dedup", "all")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_the_per_sample_refusal_is_said_in_the_examples_flags():
+    # no model of the example is refused; a model that is (an unknown module) gets the rule's
+    # reason with the example's flags, and says where the split came from
+    why = per_sample_violation(torch.nn.Sequential(torch.nn.Conv1d(1, 1, 1)))
+    assert why is not None and "(per_sample=True)" in why
+    forced = str(_per_sample_refusal(NotPerSample(why), TrainOptions(batch_split=2, pipeline="overlap")))
+    assert "declare the model per-sample (--per-sample)" in forced and "or use --batch-split 1" in forced
+    assert "per_sample=True" not in forced and "the execution plan chose" not in forced
+    planned = str(_per_sample_refusal(NotPerSample(why), TrainOptions()))
+    assert planned.endswith("(the execution plan chose the batch split)")

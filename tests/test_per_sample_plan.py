@@ -72,3 +72,19 @@ def test_the_declaration_needs_a_split_and_follows_the_chunks():
     assert resolve_settings(plan)[1].per_sample
     assert not resolve_settings(plan, batch_split=1)[1].per_sample
     assert not resolve_settings(plan, pipeline="sparse_dist")[1].per_sample  # the chunks it split are gone
+
+
+def test_torchrecs_dcn_model_is_per_sample_without_a_declaration():
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.models.dlrm import DLRM_DCN, DLRMTrain
+
+    from torchrec_sparselift.semantics.per_sample import per_sample_violation
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=10,
+                                                            feature_names=[f"f{i}"]) for i in range(3)],
+                                 device=torch.device("meta"))
+    model = DLRMTrain(DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[8, 8],
+                               over_arch_layer_sizes=[8, 1], dcn_num_layers=2, dcn_low_rank_dim=4))
+    assert per_sample_violation(model) is None  # its LowRankCrossNet keeps its weights in ParameterLists
+    model.model.over_arch.add_module("norm", torch.nn.BatchNorm1d(1))
+    assert "BatchNorm1d" in per_sample_violation(model, declared=True)

@@ -4,6 +4,7 @@ the targets and the merge of the regimes' JSON. No real runs."""
 import math
 
 import pytest
+import torch
 
 from benchmarks import regimes
 
@@ -357,3 +358,19 @@ def test_the_network_regimes_runs_r1_did_not_run_are_replayed_unshaped():
     rows = jobs["R2"]["workloads"][0]["rows"]
     assert rows["sparselift"]["compute_part_ms"] == 50.0 and rows["sparselift"]["overlap_bound_ms"] == 50.0
     assert rows["torchrec"]["compute_part_ms"] == 40.0  # R1's own run of the same key comes first
+
+
+def _ddp_bytes_rank(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks.harness.replay import ddp_bytes
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2 + rank))  # the last one differs per rank
+    net._ddp_params_and_buffers_to_ignore = ["1.weight", "1.bias"]
+    return ddp_bytes(torch.nn.Sequential(DistributedDataParallel(net)))
+
+
+def test_ddp_bytes_count_what_ddp_all_reduces_not_what_it_ignores():
+    from launcher import run_ranks
+
+    assert run_ranks(_ddp_bytes_rank, 2, timeout_s=60) == [(4 * 3 + 3) * 4] * 2

@@ -36,9 +36,11 @@ COUNT_AFTER_STEPS = 2
 
 def ddp_bytes(model: nn.Module) -> int:
     """Bytes DDP all-reduces per step in ``model``: the gradients of every parameter that a
-    ``DistributedDataParallel`` inside it trains."""
+    ``DistributedDataParallel`` inside it trains (not the ones it ignores: TorchRec's sharded
+    tables, which differ per rank)."""
     return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, DistributedDataParallel)
-               for p in m.parameters() if p.requires_grad)
+               for name, p in m.module.named_parameters()
+               if p.requires_grad and name not in getattr(m, "parameters_to_ignore", ()))
 
 
 def count_step_collectives(lifted: Any, batches: Iterator[Any],

@@ -126,8 +126,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainOptions:
                    "(1D); default: the plan's choice (docs/overlap.md section 10)")
     p.add_argument("--per-sample", action="store_true",
                    help="declare the dense model per-sample (every sample's output depends on that sample alone, "
-                   "the loss a mean over the batch) for a batch split; --model dcn needs it (its CrossNet's "
-                   "parameter lists are not provably per-sample)")
+                   "the loss a mean over the batch) for a batch split, to the planner and the pipeline (both of the "
+                   "example's models pass the per-sample rule without it)")
     p.add_argument("--id-dtype", choices=ID_DTYPES,
                    help="sparselift: ids and lengths in the input all-to-all at this width (int32 needs every table "
                    "within int32 rows; 1D); default: the plan's choice (docs/wire_ids.md)")

@@ -361,7 +361,8 @@ def rewrites_record(settings: Any, options: TrainOptions) -> Dict[str, Any]:
     """The sparse-path rewrites the run applies (the plan's, or the flags' where given), as the
     result records them."""
     return dict(batch_split=settings.batch_split, id_dtype=settings.id_dtype,
-                dedup_features=list(settings.dedup_features), per_sample=options.per_sample,
+                dedup_features=list(settings.dedup_features),
+                per_sample=options.per_sample or settings.per_sample,  # --per-sample or the plan's
                 forced=sorted(k for k, v in (("batch_split", options.batch_split), ("id_dtype", options.id_dtype),
                                              ("dedup_features", options.dedup)) if v is not None))
 
@@ -376,18 +377,16 @@ def describe_rewrites(rewrites: Dict[str, Any]) -> str:
              "no dedup" if not dedup else (f"dedup {','.join(dedup)}" if len(dedup) <= 4
                                           else f"dedup {len(dedup)} features")]
     forced = rewrites["forced"]
-    return ", ".join(parts) + (f" (forced: {', '.join(forced)}; the rest the plan's)" if forced else " (the plan's)")
+    if not forced:
+        return ", ".join(parts) + " (the plan's)"
+    rest = "" if len(forced) == 3 else "; the rest the plan's"  # batch_split, id_dtype, dedup_features
+    return ", ".join(parts) + f" (forced: {', '.join(forced)}{rest})"
 
 
 def _per_sample_refusal(e: NotPerSample, options: TrainOptions) -> UsageError:
     """The batch split's per-sample refusal in the example's flags."""
     why = str(e).replace("(per_sample=True)", "(--per-sample)").replace("keep batch_split=1", "use --batch-split 1")
     origin = "" if options.batch_split is not None else " (the execution plan chose the batch split)"
-    if model_kind(options) == "dcn" and "crossnet" in why:
-        # TorchRec's LowRankCrossNet is per-sample, but it keeps its weights in ParameterLists,
-        # modules the rule does not know
-        why += ("; --model dcn: DLRM_DCN's LowRankCrossNet mixes no samples (x0 * (W V x + b) + x per "
-                "sample), so --per-sample is right for it")
     return UsageError(f"{why}{origin}")
 
 

@@ -23,6 +23,7 @@ _PER_SAMPLE_TORCH: Tuple[type, ...] = (
     nn.Linear, nn.Bilinear, nn.Identity, nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.LayerNorm,
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid,
     nn.Tanh, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Embedding, nn.EmbeddingBag,
+    nn.ParameterList, nn.ParameterDict,  # containers of weights (no forward; TorchRec's CrossNets hold them)
 )
 #: loss modules: per-sample with ``reduction="mean"`` (the chunk weighting assumes a mean)
 _MEAN_LOSSES: Tuple[type, ...] = (
