@@ -162,3 +162,21 @@ def test_example_with_a_damaged_checkpoint_shard_exits_non_zero_with_one_line(tm
     assert len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith(f"error: the checkpoint {ck / 'step_00000002'} cannot be loaded: rank 0: ")
     assert f"remove {ck}" in errors[0]
+
+
+def test_a_lock_released_within_the_wait_is_taken_and_one_held_past_it_is_refused(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from torchrec_sparselift.dlrm.checkpoint import CheckpointDirLock\n"
+         f"lock = CheckpointDirLock({str(tmp_path)!r})\nprint('locked', flush=True)\nsys.stdin.read()\n"
+         "time.sleep(0.5)"],  # the crashed run still being torn down
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError, match="in use by another run"):
+            CheckpointDirLock(str(tmp_path), wait_s=0.5)
+        holder.stdin.close()  # the holder ends about 0.5 s from now
+        with CheckpointDirLock(str(tmp_path), wait_s=20) as lock:
+            assert open(lock.path).read().strip() == str(os.getpid())
+    finally:
+        holder.wait(timeout=60)

@@ -31,6 +31,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from typing import Any, Callable, Dict, Mapping, Optional
 
 import attrs
@@ -62,11 +63,16 @@ class CheckpointInfo:
     config: Dict[str, Any]
 
 
-class CheckpointDirLock:
-    """An exclusive, non-blocking ``flock`` on ``DIR/.lock`` holding the owner's pid; released by
-    :meth:`release` or when the process ends."""
+#: seconds a run waits for a checkpoint directory's lock before refusing it: a run restarted right
+#: after its crashed predecessor finds the lock held while that process is still being torn down
+LOCK_WAIT_S = 10.0
 
-    def __init__(self, directory: str) -> None:
+
+class CheckpointDirLock:
+    """An exclusive ``flock`` on ``DIR/.lock`` holding the owner's pid; released by :meth:`release`
+    or when the process ends. ``wait_s``: how long to retry a held lock before refusing it."""
+
+    def __init__(self, directory: str, wait_s: float = 0.0) -> None:
         self._fd: Optional[int] = None
         self.directory = directory
         self.path = os.path.join(directory, LOCK)
@@ -76,17 +82,27 @@ class CheckpointDirLock:
         except OSError as e:  # a full disk, a read-only or missing mount: named, with the fix
             raise CheckpointError(f"cannot use checkpoint directory {directory} ({e.strerror}); free space there, "
                                   "fix its permissions, or give this run another --checkpoint-dir") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+        deadline = time.monotonic() + max(wait_s, 0.0)
+        failed: Optional[OSError] = None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                held = e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+                if not held or time.monotonic() >= deadline:
+                    failed = e
+                    break
+                time.sleep(0.2)
+        if failed is not None:
             holder = _read_pid(fd)
             os.close(fd)
-            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            if failed.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise CheckpointError(
                     f"checkpoint directory {directory} is in use by another run (pid {holder}); wait for it to "
                     "finish or give this run another --checkpoint-dir"
                 ) from None
-            raise CheckpointError(f"cannot lock checkpoint directory {directory} ({e.strerror}); use another "
+            raise CheckpointError(f"cannot lock checkpoint directory {directory} ({failed.strerror}); use another "
                                   "--checkpoint-dir") from None
         try:
             os.ftruncate(fd, 0)
@@ -126,7 +142,7 @@ def claim_checkpoint_dir(directory: str) -> Optional[CheckpointDirLock]:
     lock, problem = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            lock = CheckpointDirLock(directory)
+            lock = CheckpointDirLock(directory, wait_s=LOCK_WAIT_S)
         except CheckpointError as e:
             problem = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:
