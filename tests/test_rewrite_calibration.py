@@ -265,3 +265,50 @@ def test_a_rewrite_sweep_that_cannot_determine_the_slopes_is_refused():
         RewriteSweep(batch_size=256, held_out_chunks=(512,))
     with pytest.raises(ValueError, match="ratio in"):
         RewriteSweep(unique_ratios=(0.0,))
+
+
+# ---------------------------------------------------------------------------------------------
+# what one more chunk costs a real step (the step calibration's batch-split steps)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_step_chunk_cost_is_the_median_slope_of_the_workloads():
+    from torchrec_sparselift.calibration.rewrite_fit import step_chunk_cost
+
+    times = {"a": {1: 0.040, 2: 0.044, 4: 0.052}, "b": {1: 0.080, 2: 0.086, 4: 0.098}, "c": {1: 0.01, 2: 0.011}}
+    per_chunk, fits = step_chunk_cost(times)
+    assert fits["a"].slope == pytest.approx(0.004) and fits["b"].slope == pytest.approx(0.006)
+    assert per_chunk == pytest.approx(0.004)  # the median of 4, 6 and 1 ms
+    with pytest.raises(CalibrationError, match="no batch-split steps"):
+        step_chunk_cost({})
+
+
+def test_the_profile_takes_the_step_chunk_cost_less_the_collectives_latency():
+    import attrs as _attrs
+
+    from torchrec_sparselift.cost.hardware import PRESETS
+    from torchrec_sparselift.cost.model import collective_calls
+    from torchrec_sparselift.measure.steps import with_step_chunk_cost
+
+    base = _attrs.evolve(PRESETS["cpu-gloo"], collective_latency_s=1e-4, chunk_overhead_s=3e-4)
+    out = with_step_chunk_cost(base, {"a": {1: 0.040, 2: 0.044, 4: 0.052}})
+    assert out.chunk_overhead_s == pytest.approx(0.004 - 2e-4 * collective_calls("output_dist", 1))
+    # never below the dense calls' own reading
+    assert with_step_chunk_cost(base, {"a": {1: 0.040, 2: 0.0401}}).chunk_overhead_s == pytest.approx(3e-4)
+
+
+def _chunk_times_rank(rank, world):
+    import torch.distributed as dist
+
+    from torchrec_sparselift.measure.steps import measure_chunk_times
+
+    return measure_chunk_times(dist.group.WORLD, workloads=("probe_many",), chunks=(1, 2), instances=1,
+                               block_steps=2, warmup=1)
+
+
+def test_two_gloo_ranks_time_the_batch_split_steps():
+    from launcher import run_ranks
+
+    out = run_ranks(_chunk_times_rank, 2, timeout_s=300)
+    assert out[0].keys() == {"probe_many"} and set(out[0]["probe_many"]) == {1, 2}
+    assert all(t > 0 for t in out[0]["probe_many"].values())

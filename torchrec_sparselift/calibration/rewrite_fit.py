@@ -24,7 +24,8 @@ the error (what ``sparselift calibrate kernels`` prints). Nothing here imports t
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import statistics
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
@@ -32,7 +33,7 @@ from torchrec_sparselift.calibration.nnls import nonnegative_least_squares
 from torchrec_sparselift.calibration.records import ChunkRecord, DedupRecord
 from torchrec_sparselift.errors import CalibrationError
 
-__all__ = ["SlopeFit", "fit_slope", "fit_chunk_overhead", "fit_dedup_id_s"]
+__all__ = ["SlopeFit", "fit_slope", "fit_chunk_overhead", "fit_dedup_id_s", "step_chunk_cost"]
 
 
 @attrs.frozen(kw_only=True)
@@ -126,3 +127,16 @@ def fit_dedup_id_s(records: Sequence[DedupRecord]) -> SlopeFit:
         raise CalibrationError("no dedup kernel timings to fit dedup_id_s; run bench_dedup_kernels")
     xs, ys, held = _split(records, lambda r: float(r.ids), lambda r: f"{r.ids} ids at unique ratio {r.unique_ratio:g}")
     return fit_slope(xs, ys, field="dedup_id_s", unit="id", held_out=held)
+
+
+def step_chunk_cost(times: Mapping[str, Mapping[int, float]]) -> Tuple[float, Dict[str, SlopeFit]]:
+    """What one more batch chunk costs a real training step: per probe workload, the slope of its
+    measured ``overlap`` step over ``k - 1`` (``times[workload][k]``, seconds, at least two chunk
+    counts; each workload its own intercept), and the median of the workloads' slopes. A real
+    chunk slices the batch, issues its collectives and merges the outputs beside running the
+    dense calls again, which the dense-only reading (:func:`fit_chunk_overhead`) leaves out."""
+    if not times:
+        raise CalibrationError("no batch-split steps to fit the chunk cost; run measure_chunk_times")
+    fits = {w: fit_slope([k - 1 for k in ks], [ks[k] for k in ks], field="chunk_overhead_s",
+                         unit=f"extra chunk of {w}'s step") for w, ks in times.items()}
+    return float(statistics.median(f.slope for f in fits.values())), fits

@@ -33,7 +33,7 @@ import pickle
 import sys
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 import numpy as np
@@ -42,6 +42,7 @@ from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.calibration.link import with_link_facts
 from torchrec_sparselift.calibration.pricer import PlanPricer
 from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
+from torchrec_sparselift.calibration.rewrite_fit import step_chunk_cost
 from torchrec_sparselift.calibration.step_fit import FitRecord, StepFit, fit_probe_plans, records_mape, stored_info
 from torchrec_sparselift.calibration.store import (
     MAX_DRIFT_SPREAD,
@@ -53,6 +54,7 @@ from torchrec_sparselift.calibration.store import (
     stored_profile_problems,
 )
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
+from torchrec_sparselift.cost.model import collective_calls
 from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.pictures import fit_png, fit_points, require_matplotlib
 from torchrec_sparselift.runtime.process_group import close_process_group
@@ -335,6 +337,12 @@ FACTOR_PIPELINES: Tuple[str, ...] = (BASE, FUSED, PREFETCH, OVERLAP)
 #: The probe workloads whose table-wise plan the factors are measured on (their ratios' spread is
 #: the factors' error): many small tables, a few wide ones, many wide ones at DLRM-like counts.
 FACTOR_WORKLOADS: Tuple[str, ...] = ("probe_many", "probe_wide", "probe_deep")
+#: The chunk counts the step calibration trains ``overlap`` at, on the table-wise plans of
+#: :data:`CHUNK_WORKLOADS`, to measure what one more chunk of a real step costs
+#: (``HardwareProfile.chunk_overhead_s``; the host terms' dense-only reading misses the batch
+#: slicing, the chunk's collectives and the merge).
+CHUNK_COUNTS: Tuple[int, ...] = (1, 2, 4)
+CHUNK_WORKLOADS: Tuple[str, ...] = ("probe_many", "probe_wide")
 #: The A/A control's label: a second model under ``sparse_dist``, timed beside the first.
 CONTROL = "sparse_dist (control)"
 #: The least error a measured factor is given (three workloads cannot show less).
@@ -431,6 +439,69 @@ def measure_pipeline_factors(
     return pipeline_factors(ratios, controls)
 
 
+def measure_chunk_times(
+    pg: Any,
+    device_type: str = "cpu",
+    workloads: Sequence[str] = CHUNK_WORKLOADS,
+    chunks: Sequence[int] = CHUNK_COUNTS,
+    instances: int = 2,
+    block_steps: int = 6,
+    warmup: int = 3,
+    base: Optional[HardwareProfile] = None,
+    say: Optional[Any] = None,
+) -> Dict[str, Dict[int, float]]:
+    """Per probe workload, its table-wise plan trained under ``overlap`` unsplit and batch split
+    into each k of ``chunks`` (the probe model declared per-sample), on ``instances`` fresh models
+    each, rounds rotated, timed as :func:`measure_pipeline_factors` times the pipelines; returns
+    ``{workload: {k: median step seconds}}`` (the same on every rank of ``pg``)."""
+    import torch
+    import torch.distributed as dist
+
+    if instances < 1 or block_steps < 1 or warmup < 0 or not chunks or min(chunks) < 1:
+        raise ValueError(f"instances and block_steps must be >= 1, warmup >= 0 and chunks >= 1, got {instances}, "
+                         f"{block_steps}, {warmup} and {list(chunks)}")
+    device = torch.device(device_type)
+    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
+    topo = probe_topology(W, device_type)
+    by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
+    out: Dict[str, Dict[int, float]] = {}
+    for wname in workloads:
+        w = by_name[wname]
+        batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
+        plan, _cons = forced_plan(probe.probe_model(w), w.tables, TABLE_WISE, topo, w.batch_size, pg, base,
+                                  stats=probe.probe_stats(w, n=PROBE_BATCHES))
+        times: Dict[int, List[float]] = {k: [] for k in chunks}
+        order = list(chunks)
+        for b in range(instances):
+
+            def model(seed: int = b, w: Any = w) -> Any:
+                torch.manual_seed(seed)
+                return probe.probe_model(w)
+
+            for k in order[b % len(order):] + order[:b % len(order)]:
+                m = probe.measure_plan(f"{w.name}/overlap k={k}", model, plan, batches, steps=block_steps,
+                                       warmup=warmup, pg=pg, device=device,
+                                       pipeline_factory=lambda dmp, opt, dev, k=k: make_train_pipeline(
+                                           OVERLAP, dmp, opt, dev, batch_split=k,
+                                           options={"per_sample": True} if k > 1 else None))
+                times[k].extend(m.durations_s[warmup:])
+        out[w.name] = {k: float(np.median(v)) for k, v in times.items()}
+        if say is not None and rank == 0:
+            say(f"[calibrate] batch split on {w.name}/table_wise ({instances} models each): " + ", ".join(
+                f"k={k} {t * 1e3:.1f} ms" for k, t in out[w.name].items()))
+    return out
+
+
+def with_step_chunk_cost(profile: HardwareProfile, times: Mapping[str, Mapping[int, float]]) -> HardwareProfile:
+    """``profile`` with ``chunk_overhead_s`` from real batch-split steps (:func:`measure_chunk_times`):
+    the median per-chunk slope less the latency of the chunk's output and gradient collectives,
+    which the cost model charges apart (``cost.batch_split.SplitTerms.per_chunk_s``), and never
+    below the dense-only reading the profile holds."""
+    per_chunk, _fits = step_chunk_cost(times)
+    latency = 2 * profile.collective_latency_s * collective_calls("output_dist", 1)
+    return attrs.evolve(profile, chunk_overhead_s=max(per_chunk - latency, profile.chunk_overhead_s or 0.0))
+
+
 def calibrate_steps(
     pg: Any,
     device_type: str = "cpu",
@@ -493,6 +564,15 @@ def calibrate_steps(
                   + ", ".join(f"{k} {v['factor']:.3f} (+-{v['error']:.3f}"
                               f"{'' if v['significant'] else ', within its error of 1: not used'})"
                               for k, v in factors.items()), flush=True)
+        # what one more batch chunk costs a real step (the dense-only host term misses most of it)
+        dense_only = fitted.chunk_overhead_s
+        chunk_times = measure_chunk_times(pg, device_type, base=base,
+                                          say=(lambda line: print(line, flush=True)) if progress else None)
+        fitted = with_step_chunk_cost(fitted, chunk_times)
+        if rank == 0 and progress:
+            print(f"[calibrate] chunk_overhead_s {fitted.chunk_overhead_s * 1e3:.3f} ms per extra chunk from the "
+                  f"batch-split steps (the dense calls alone: "
+                  f"{'-' if dense_only is None else f'{dense_only * 1e3:.3f} ms'})", flush=True)
     if rank == 0 and store is not None:
         fp = current_fingerprint(device_type, ranks_per_host(world_size=dist.get_world_size(pg)),
                                  hosts=link.hosts if link is not None else 1)
