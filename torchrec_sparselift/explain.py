@@ -28,7 +28,7 @@ from torchrec_sparselift.cost.two_d import sync_evidence
 from torchrec_sparselift.search.place import best_placement
 from torchrec_sparselift.search.solve import new_evaluator
 from torchrec_sparselift.plan.baseline import decision_from_dict
-from torchrec_sparselift.plan.rewrites import BATCH_SPLIT, DEDUP, ID_DTYPE, RewriteChoice, choose_rewrites
+from torchrec_sparselift.plan.rewrites import RewriteChoice, with_rewrites_of
 from torchrec_sparselift.planner import evaluate_sharding_plan
 from torchrec_sparselift.search.two_d import group_topology
 
@@ -224,17 +224,12 @@ class RepricedPlan:
 
 def with_stored_rewrites(ep: Any, planner: Any, module: Any, evaluated: Any) -> Any:
     """``evaluated`` (``ep``'s sharding priced again) with the rewrites ``ep`` carries priced again
-    on it: the rewrite stage choosing among those ``ep`` set (the batch split where ``ep`` splits,
-    narrow ids where its ids are narrow, dedup where it deduplicates), on ``planner``'s request for
-    ``module`` under ``evaluated``'s profile; ``evaluated`` unchanged for a plan without rewrites
-    or a 2D plan."""
-    o = ep.optimizations
-    allowed = tuple(name for name, on in ((BATCH_SPLIT, o.batch_split > 1), (ID_DTYPE, o.id_dtype != "int64"),
-                                          (DEDUP, bool(o.dedup_features))) if on)
-    if o.is_2d or not allowed:
+    on it (:func:`~torchrec_sparselift.plan.rewrites.with_rewrites_of`), on ``planner``'s request
+    for ``module`` under ``evaluated``'s profile."""
+    if ep.optimizations.is_2d:
         return evaluated
     request = attrs.evolve(planner.request(module), hardware=evaluated.profile)
-    return attrs.evolve(evaluated, rewrites=choose_rewrites(request, evaluated, allowed))
+    return with_rewrites_of(ep.optimizations, request, evaluated)
 
 
 def reprice_plan(ep: Any, planner: Any, module: Any, constraints: Optional[Mapping[str, Any]], topology: Any,

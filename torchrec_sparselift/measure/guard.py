@@ -67,6 +67,7 @@ from torchrec_sparselift.calibration.pricer import PlanPricer
 from torchrec_sparselift.calibration.store import current_fingerprint
 from torchrec_sparselift.measure.probe import measure_plan
 from torchrec_sparselift.plan import ExecutionPlan, sharding_plan_digest, table_specs
+from torchrec_sparselift.plan.rewrites import with_rewrites_of
 from torchrec_sparselift.planner import SparseLiftPlanner, evaluate_sharding_plan
 from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
@@ -273,11 +274,17 @@ def _prediction(model: Any, plan: Any, opt: Any, topology: Any, batch_size: int,
     precisions, and the run's ``workload`` statistics (the planners' ``workload=``: the distinct ids
     price the fused backward; without them a cached plan's step printed 14 ms above the planner's
     price of the same plan). One pricing for a cached guarded plan and for TorchRec's plan when it
-    is kept (it runs with the SparseLift plan's optimizations, so its comm precisions too)."""
-    return evaluate_sharding_plan(model, plan, topology, batch_size, constraints, hardware=profile,
-                                  workload=workload, sharders=list(sharders), pipeline=opt.pipeline,
-                                  fwd_precision=opt.fwd_comm_precision,
-                                  bwd_precision=opt.bwd_comm_precision).prediction()
+    is kept (it runs with the SparseLift plan's optimizations, so its comm precisions and rewrites
+    too: :func:`~torchrec_sparselift.plan.rewrites.with_rewrites_of`, priced as the planner prices them)."""
+    evaluated = evaluate_sharding_plan(model, plan, topology, batch_size, constraints, hardware=profile,
+                                       workload=workload, sharders=list(sharders), pipeline=opt.pipeline,
+                                       fwd_precision=opt.fwd_comm_precision, bwd_precision=opt.bwd_comm_precision)
+    if not opt.is_2d:
+        planner = SparseLiftPlanner(topology=topology, batch_size=batch_size, constraints=constraints,
+                                    hardware=profile, workload=workload, debug=False)
+        request = attrs.evolve(planner.request(model, list(sharders)), hardware=evaluated.profile)
+        evaluated = with_rewrites_of(opt, request, evaluated)
+    return evaluated.prediction()
 
 
 def guarded_execution_plan(

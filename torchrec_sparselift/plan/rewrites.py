@@ -348,3 +348,16 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
     return RewriteChoice(batch_split=k, id_dtype=id_dtype, dedup_features=dedup, step_without_s=step0,
                          step_s=max(0.0, min(step, step0)), input_dist_saved_s=saved_s, split_saved_s=split_saved,
                          wire_bytes_before=before, wire_bytes_after=after, notes=tuple(notes), terms=terms)
+
+
+def with_rewrites_of(optimizations: Any, request: Any, evaluated: Any) -> Any:
+    """``evaluated`` (a 1D ``PlanResult``: a plan's sharding priced again) with the rewrites
+    ``optimizations`` carries priced again on it: the stage choosing among those it set (the batch
+    split where it splits, narrow ids where its ids are narrow, dedup where it deduplicates) on
+    ``request``; ``evaluated`` unchanged for optimizations without rewrites or a 2D plan."""
+    o = optimizations
+    allowed = tuple(name for name, on in ((BATCH_SPLIT, o.batch_split > 1), (ID_DTYPE, o.id_dtype != "int64"),
+                                          (DEDUP, bool(o.dedup_features))) if on)
+    if o.is_2d or not allowed:
+        return evaluated
+    return attrs.evolve(evaluated, rewrites=choose_rewrites(request, evaluated, allowed))
