@@ -373,6 +373,45 @@ def pipeline_factors(ratios: Dict[str, Sequence[float]], control: Sequence[float
     return out
 
 
+def _check_timing(instances: int, block_steps: int, warmup: int) -> None:
+    if instances < 1 or block_steps < 1 or warmup < 0:
+        raise ValueError(f"instances and block_steps must be >= 1 and warmup >= 0, got {instances}, "
+                         f"{block_steps} and {warmup}")
+
+
+def time_table_wise_runs(pg: Any, device_type: str, wname: str, factories: Mapping[Any, Any], instances: int,
+                         block_steps: int, warmup: int, base: Optional[HardwareProfile]) -> Dict[Any, List[float]]:
+    """The table-wise plan of probe workload ``wname`` trained once per key of ``factories`` (a
+    train-pipeline factory each, ``(dmp, optimizer, device) -> pipeline``) on ``instances`` fresh
+    models per key: ``instances`` rounds, each shards one new model per key (the order rotated
+    each round), runs ``warmup`` untimed and ``block_steps`` timed steps on it and drops it, timed
+    as the probes are (:func:`~torchrec_sparselift.measure.probe.measure_plan`: ranks pinned, the
+    per-step slowest rank). Returns every timed step per key (seconds; the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    _check_timing(instances, block_steps, warmup)
+    device = torch.device(device_type)
+    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
+    w = {p.name: p for p in probe.PROBE_WORKLOADS}[wname]
+    batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
+    plan, _cons = forced_plan(probe.probe_model(w), w.tables, TABLE_WISE, probe_topology(W, device_type), w.batch_size,
+                              pg, base, stats=probe.probe_stats(w, n=PROBE_BATCHES))
+    keys = list(factories)
+    times: Dict[Any, List[float]] = {k: [] for k in keys}
+    for b in range(instances):
+
+        def model(seed: int = b) -> Any:
+            torch.manual_seed(seed)
+            return probe.probe_model(w)
+
+        for k in keys[b % len(keys):] + keys[:b % len(keys)]:
+            m = probe.measure_plan(f"{w.name}/{k}", model, plan, batches, steps=block_steps, warmup=warmup, pg=pg,
+                                   device=device, pipeline_factory=factories[k])
+            times[k].extend(m.durations_s[warmup:])
+    return times
+
+
 def measure_pipeline_factors(
     pg: Any,
     device_type: str = "cpu",
@@ -396,45 +435,24 @@ def measure_pipeline_factors(
     its models) over ``sparse_dist``'s, and :func:`pipeline_factors` reduces the workloads'
     ratios. The same on every rank of ``pg``. ``say``: a callable for one line per workload
     (rank 0)."""
-    import torch
     import torch.distributed as dist
 
-    if instances < 1 or block_steps < 1 or warmup < 0:
-        raise ValueError(f"instances and block_steps must be >= 1 and warmup >= 0, got {instances}, "
-                         f"{block_steps} and {warmup}")
-    device = torch.device(device_type)
-    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
-    topo = probe_topology(W, device_type)
-    by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
+    _check_timing(instances, block_steps, warmup)
+    rank = dist.get_rank(pg)
     control = CONTROL  # a second sparse_dist: the A/A control
     kinds = [defaults.PIPELINE, control] + [p for p in pipelines if p != defaults.PIPELINE]
     ratios: Dict[str, List[float]] = {p: [] for p in kinds[2:]}
     controls: List[float] = []
     for wname in workloads:
-        w = by_name[wname]
-        batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
-        plan, _cons = forced_plan(probe.probe_model(w), w.tables, TABLE_WISE, topo, w.batch_size, pg, base,
-                                  stats=probe.probe_stats(w, n=PROBE_BATCHES))
-        times: Dict[str, List[float]] = {k: [] for k in kinds}
-        for b in range(instances):
-
-            def model(seed: int = b, w: Any = w) -> Any:
-                torch.manual_seed(seed)
-                return probe.probe_model(w)
-
-            for k in kinds[b % len(kinds):] + kinds[:b % len(kinds)]:
-                kind = defaults.PIPELINE if k == control else k
-                m = probe.measure_plan(f"{w.name}/{k}", model, plan, batches, steps=block_steps, warmup=warmup,
-                                       pg=pg, device=device,
-                                       pipeline_factory=lambda dmp, opt, dev, kind=kind: make_train_pipeline(
-                                           kind, dmp, opt, dev))
-                times[k].extend(m.durations_s[warmup:])
+        factories = {k: (lambda dmp, opt, dev, kind=(defaults.PIPELINE if k == control else k):
+                         make_train_pipeline(kind, dmp, opt, dev)) for k in kinds}
+        times = time_table_wise_runs(pg, device_type, wname, factories, instances, block_steps, warmup, base)
         ref = float(np.median(times[kinds[0]]))
         controls.append(float(np.median(times[control])) / ref)
         for k in kinds[2:]:
             ratios[k].append(float(np.median(times[k])) / ref)
         if say is not None and rank == 0:
-            say(f"[calibrate] pipelines on {w.name}/table_wise ({instances} models each): " + ", ".join(
+            say(f"[calibrate] pipelines on {wname}/table_wise ({instances} models each): " + ", ".join(
                 f"{k} {np.median(times[k]) * 1e3:.1f} ms" for k in kinds))
     return pipeline_factors(ratios, controls)
 
@@ -454,41 +472,20 @@ def measure_chunk_times(
     into each k of ``chunks`` (the probe model declared per-sample), on ``instances`` fresh models
     each, rounds rotated, timed as :func:`measure_pipeline_factors` times the pipelines; returns
     ``{workload: {k: median step seconds}}`` (the same on every rank of ``pg``)."""
-    import torch
     import torch.distributed as dist
 
-    if instances < 1 or block_steps < 1 or warmup < 0 or not chunks or min(chunks) < 1:
-        raise ValueError(f"instances and block_steps must be >= 1, warmup >= 0 and chunks >= 1, got {instances}, "
-                         f"{block_steps}, {warmup} and {list(chunks)}")
-    device = torch.device(device_type)
-    rank, W = dist.get_rank(pg), dist.get_world_size(pg)
-    topo = probe_topology(W, device_type)
-    by_name = {w.name: w for w in probe.PROBE_WORKLOADS}
+    _check_timing(instances, block_steps, warmup)
+    if not chunks or min(chunks) < 1:
+        raise ValueError(f"chunks must be >= 1, got {list(chunks)}")
     out: Dict[str, Dict[int, float]] = {}
     for wname in workloads:
-        w = by_name[wname]
-        batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
-        plan, _cons = forced_plan(probe.probe_model(w), w.tables, TABLE_WISE, topo, w.batch_size, pg, base,
-                                  stats=probe.probe_stats(w, n=PROBE_BATCHES))
-        times: Dict[int, List[float]] = {k: [] for k in chunks}
-        order = list(chunks)
-        for b in range(instances):
-
-            def model(seed: int = b, w: Any = w) -> Any:
-                torch.manual_seed(seed)
-                return probe.probe_model(w)
-
-            for k in order[b % len(order):] + order[:b % len(order)]:
-                m = probe.measure_plan(f"{w.name}/overlap k={k}", model, plan, batches, steps=block_steps,
-                                       warmup=warmup, pg=pg, device=device,
-                                       pipeline_factory=lambda dmp, opt, dev, k=k: make_train_pipeline(
-                                           OVERLAP, dmp, opt, dev, batch_split=k,
-                                           options={"per_sample": True} if k > 1 else None))
-                times[k].extend(m.durations_s[warmup:])
-        out[w.name] = {k: float(np.median(v)) for k, v in times.items()}
-        if say is not None and rank == 0:
-            say(f"[calibrate] batch split on {w.name}/table_wise ({instances} models each): " + ", ".join(
-                f"k={k} {t * 1e3:.1f} ms" for k, t in out[w.name].items()))
+        factories = {k: (lambda dmp, opt, dev, k=k: make_train_pipeline(
+            OVERLAP, dmp, opt, dev, batch_split=k, options={"per_sample": True} if k > 1 else None)) for k in chunks}
+        times = time_table_wise_runs(pg, device_type, wname, factories, instances, block_steps, warmup, base)
+        out[wname] = {k: float(np.median(v)) for k, v in times.items()}
+        if say is not None and dist.get_rank(pg) == 0:
+            say(f"[calibrate] batch split on {wname}/table_wise ({instances} models each): " + ", ".join(
+                f"k={k} {t * 1e3:.1f} ms" for k, t in out[wname].items()))
     return out
 
 
