@@ -90,7 +90,10 @@ def test_a_full_disk_during_a_checkpoint_fails_clearly_and_keeps_the_last_checkp
                           2, timeout_s=300)
         assert not full.ok
         err = full.stderrs[0]
-        assert "cannot save checkpoint" in err and "No space left on device" in err, full.tail()
+        # the OS's words depend on which write the full disk cuts short (ENOSPC, or torch's writer
+        # finding a short write: "unexpected pos"); the run's own message is the same either way
+        assert "cannot save checkpoint" in err and ("No space left on device" in err or "unexpected pos" in err), \
+            full.tail()
         assert f"check free space and permissions of {disk}/ck" in err and "Traceback" not in err, full.tail()
         latest = json.loads(open(os.path.join(disk, "ck", "latest.json")).read())
         assert latest["step"] == 2
