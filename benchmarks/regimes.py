@@ -195,7 +195,7 @@ LOSSY_RUNS = ("torchrec_fp16", "torchrec_bf16", "sparselift_lossy")
 
 #: Issue 26's targets: (key in a regime summary, comparison, bound, which regimes, text).
 TARGETS: Tuple[Tuple[str, str, float, str, str], ...] = (
-    # issue 44's for SparseLift lossless with the sparse-path rewrites (issue 26's: 1.3x and 1.1x everywhere)
+    # SparseLift lossless with the sparse-path rewrites, per network regime
     ("geo_torchrec_over_sparselift", ">=", 1.4, "R2", "SparseLift lossless >= 1.4x TorchRec default (geomean)"),
     ("geo_torchrec_best_pipeline_over_sparselift", ">=", 1.3, "R2",
      "SparseLift lossless >= 1.3x TorchRec best pipeline (geomean)"),
