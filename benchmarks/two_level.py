@@ -145,19 +145,22 @@ def timed_calls(fn: Callable[[], object], calls: int) -> List[float]:
 
 
 def measure_link(g: Groups, calls: int, shared: bool) -> two_level.A2APrices:
-    """The price's inputs measured on this job's ranks (medians of ``calls`` slowest-rank calls)."""
+    """The price's inputs measured on this job's ranks (medians of slowest-rank calls): the latencies
+    from one-element all-to-alls (``t_world - t_intra = (H-1) L m_inter``, ``t_cross = call + (H-1)
+    m_inter``, ``t_intra = call + (L-1) m_intra``; each clamped at 0), the rates from 4 MiB per pair
+    less those latencies, the copy from one regrouping of a 4 MiB-per-pair buffer."""
     H, L, W = g.hosts, g.local, g.world
-    tiny = torch.zeros(W)
 
     def a2a(group, size: int, n: int) -> Callable[[], object]:
         x = torch.zeros(size * n)
         y = torch.empty_like(x)
         return lambda: dist.all_to_all_single(y, x, group=group)
 
-    med = lambda fn: statistics.median(timed_calls(fn, calls))
-    t_intra = med(a2a(g.intra, L, 1))
-    t_cross = med(a2a(g.cross, H, 1))
-    t_world = med(a2a(None, W, 1))
+    med = lambda fn, k=calls: statistics.median(timed_calls(fn, k))
+    small = max(15, 3 * calls)  # the latencies are differences of small times: more calls
+    t_intra = med(a2a(g.intra, L, 1), small)
+    t_cross = med(a2a(g.cross, H, 1), small)
+    t_world = med(a2a(None, W, 1), small)
     m_inter = max(0.0, (t_world - t_intra) / ((H - 1) * L))
     call = max(0.0, t_cross - (H - 1) * m_inter)
     m_intra = max(0.0, (t_intra - call) / (L - 1)) if L > 1 else 0.0
@@ -166,7 +169,6 @@ def measure_link(g: Groups, calls: int, shared: bool) -> two_level.A2APrices:
     inter_bw = (H - 1) * big * ELEM / max(1e-9, med(a2a(g.cross, H, big)) - call - (H - 1) * m_inter)
     x = torch.zeros(W * big)
     copy_s = med(lambda: x.view(H, L, -1).transpose(0, 1).contiguous()) / (W * big * ELEM)
-    del tiny
     return two_level.A2APrices(intra_bw=intra_bw if L > 1 else inter_bw, inter_bw=inter_bw, call_s=call,
                                intra_message_s=m_intra, inter_message_s=m_inter, copy_byte_s=copy_s,
                                host_link_shared=shared)

@@ -142,3 +142,29 @@ def test_an_unknown_scheme_is_named():
     p = tl.A2APrices(intra_bw=1e9, inter_bw=1e8, call_s=0, intra_message_s=0, inter_message_s=0, copy_byte_s=0)
     with pytest.raises(ValueError, match="'ring' is not one of rail, leader"):
         tl.two_level_price(tl.A2AShape(2, 2, 1.0), p, "ring")
+
+
+
+@pytest.mark.parametrize("local", [4, 8])
+def test_a_multi_host_plan_notes_the_two_level_price_and_a_one_host_plan_does_not(local):
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.models.dlrm import DLRM
+
+    from torchrec_sparselift import SparseLiftPlanner
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=200_000, feature_names=[f"f{i}"])
+              for i in range(6)]
+    model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+                 dense_in_features=13, dense_arch_layer_sizes=[128, 64], over_arch_layer_sizes=[64, 1])
+    topo = Topology(world_size=8, local_world_size=local, compute_device="cuda", hbm_cap=80 << 30)
+    planner = SparseLiftPlanner(topology=topo, batch_size=2048, hardware="h100", debug=False, time_budget_s=2,
+                                solver="heuristic")
+    res = planner.plan_with_result(model, get_default_sharders())
+    notes = [n for n in res.rewrites.notes if n.startswith("two-level all-to-all")]
+    if local == 8:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and "across 2 hosts x 4 ranks" in notes[0] and "not run" in notes[0], res.rewrites.notes

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import attrs
 
 __all__ = ["SCHEMES", "TWO_LEVEL_SCHEMES", "A2APrices", "A2AShape", "A2APrice", "price", "flat_price",
-           "two_level_price", "break_even_message_s", "prices_from_profile"]
+           "two_level_price", "break_even_message_s", "prices_from_profile", "plan_note"]
 
 #: Every scheme :func:`price` knows.
 SCHEMES = ("flat", "rail", "leader")
@@ -276,3 +276,23 @@ def prices_from_profile(profile: Any, *, intra_message_s: float, inter_message_s
                      call_s=float(profile.collective_latency_s), intra_message_s=intra_message_s,
                      inter_message_s=inter_message_s, copy_byte_s=2.0 / float(profile.hbm_bw),
                      host_link_shared=bool(profile.host_link_shared))
+
+
+def plan_note(hosts: int, ranks_per_host: int, rank_inter_bytes: float, profile: Any) -> Optional[str]:
+    """One line for a multi-host plan's rewrite notes: the ``rail`` two-level price of its output
+    all-to-all against the flat one (``rank_inter_bytes``: the busiest rank's cross-host bytes, spread
+    evenly over its ``(H-1) L`` cross-host peers), with no per-message cost (the profile prices calls,
+    not messages), and the per-message cost above which it would win. None on one host, with one
+    rank per host, or without cross-host bytes."""
+    if hosts < 2 or ranks_per_host < 2 or not rank_inter_bytes > 0:
+        return None
+    pair = float(rank_inter_bytes) / ((hosts - 1) * ranks_per_host)
+    shape = A2AShape(hosts, ranks_per_host, pair)
+    p = prices_from_profile(profile, intra_message_s=0.0, inter_message_s=0.0)
+    flat, rail = flat_price(shape, p), two_level_price(shape, p, "rail")
+    be = break_even_message_s(shape, p, "rail")
+    wins = "never" if be is None else f"above {be * 1e6:.1f} us per cross-host message"
+    return (f"two-level all-to-all: not run (the runtime runs every all-to-all flat); for the output all-to-all "
+            f"({pair:.0f} B per rank pair across {hosts} hosts x {ranks_per_host} ranks) it is priced "
+            f"{rail.seconds * 1e3:.3f} ms against {flat.seconds * 1e3:.3f} ms flat with no per-message cost, "
+            f"and would win {wins} (docs/two_level.md)")

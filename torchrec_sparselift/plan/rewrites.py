@@ -40,6 +40,8 @@ from torchrec_sparselift.cost.batch_split import (
 )
 from torchrec_sparselift.cost.model import CostContext, collective_calls
 from torchrec_sparselift.cost.pipelines import PHASE_NAMES, step_factor, step_totals
+from torchrec_sparselift.cost.terms import layout
+from torchrec_sparselift.cost.two_level import plan_note
 from torchrec_sparselift.cost.wire_ids import choose_for_request, feature_tuple, wire_features
 from torchrec_sparselift.search.solve import new_evaluator
 from torchrec_sparselift.semantics.per_sample import per_sample_violation
@@ -258,6 +260,10 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
     groups = ev.comm_groups
     sharding = _sharding(res)
     notes: List[str] = []
+    per_host = min(ctx.local_world_size, ctx.world_size)
+    hosts_note = plan_note(ctx.world_size // per_host, per_host, float(ev.colmax()[layout().index["out_inter_bytes"]]),
+                           profile)
+    notes += [hosts_note] if hosts_note else []
 
     # -- ids on the wire ---------------------------------------------------------------------
     id_dtype, dedup, saved_s, before, after = "int64", (), 0.0, 0.0, 0.0
