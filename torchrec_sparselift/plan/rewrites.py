@@ -240,13 +240,13 @@ def _calibrated(profile: Any, field: str) -> Optional[float]:
     return None if value is None else float(value)
 
 
-def _plan_phases(res: Any) -> Tuple[Dict[str, float], Any]:
-    """A 1D result's phase times (its pipeline and precisions, as the search priced it) and its
-    sharding groups (``comm_groups``: what the collective latencies count)."""
+def _plan_phases(res: Any) -> Tuple[Dict[str, float], Any, Any]:
+    """A 1D result's phase times (its pipeline and precisions, as the search priced it), its
+    sharding groups (``comm_groups``: what the collective latencies count) and its evaluator."""
     s = res.search
     ev = new_evaluator(res.problem, s.pipeline, s.fwd_precision, s.bwd_precision)
     ev.assign_many({t: (cid, ranks) for t, (cid, ranks) in enumerate(s.assignment)})
-    return dict(ev.phases()), ev.comm_groups
+    return dict(ev.phases()), ev.comm_groups, ev
 
 
 def _input_saving_s(request: Any, res: Any, phases: Mapping[str, float], groups: Any, features: Sequence[Any],
@@ -289,7 +289,7 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
         return no_rewrites(step0, "cost_model='torchrec': the rewrites are priced by SparseLift's cost model only")
     ctx = res.problem.ctx
     profile = ctx.profile
-    phases, groups = _plan_phases(res)
+    phases, groups, ev = _plan_phases(res)
     sharding = _sharding(res)
     notes: List[str] = []
     per_host = min(ctx.local_world_size, ctx.world_size)
@@ -407,7 +407,7 @@ def price_rewrites(request: Any, res: Any, *, batch_split: int = 1, id_dtype: st
         raise ValueError("price_rewrites: the rewrites apply to 1D plans only")
     ctx = res.problem.ctx
     profile = ctx.profile
-    phases, groups = _plan_phases(res)
+    phases, groups, _ = _plan_phases(res)
     dedup = feature_tuple(dedup_features)
     if id_dtype != "int64" or dedup:
         world, local = int(request.topology.world_size), int(request.topology.local_world_size)
