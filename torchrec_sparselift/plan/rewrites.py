@@ -30,7 +30,7 @@ the rewritten plan, the saving a term of its own (:data:`~torchrec_sparselift.pl
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 import numpy as np
@@ -40,7 +40,9 @@ from torchrec_sparselift.cost.batch_split import (
 )
 from torchrec_sparselift.cost.model import CostContext, collective_calls
 from torchrec_sparselift.cost.pipelines import PHASE_NAMES, step_factor, step_totals
-from torchrec_sparselift.cost.wire_ids import choose_for_request, feature_tuple, wire_features
+from torchrec_sparselift.cost.terms import layout
+from torchrec_sparselift.cost.two_level import plan_note
+from torchrec_sparselift.cost.wire_ids import choose_for_request, feature_input_bytes, feature_tuple, wire_features
 from torchrec_sparselift.search.solve import new_evaluator
 from torchrec_sparselift.semantics.per_sample import per_sample_violation
 from torchrec_sparselift.semantics.tables import is_feature_processed
@@ -49,7 +51,7 @@ from torchrec_sparselift.vocabulary import (
 )
 
 __all__ = ["REWRITES", "BATCH_SPLIT", "ID_DTYPE", "DEDUP", "SPLIT_SHARDING_TYPES", "WIRE_SHARDING_TYPES",
-           "rewrite_names", "rewrite_problem", "RewriteChoice", "choose_rewrites", "no_rewrites"]
+           "rewrite_names", "rewrite_problem", "RewriteChoice", "choose_rewrites", "no_rewrites", "price_rewrites"]
 
 #: the rewrite that splits the batch (``Optimizations.batch_split``)
 BATCH_SPLIT = "batch_split"
@@ -238,6 +240,41 @@ def _calibrated(profile: Any, field: str) -> Optional[float]:
     return None if value is None else float(value)
 
 
+def _plan_phases(res: Any) -> Tuple[Dict[str, float], Any, Any]:
+    """A 1D result's phase times (its pipeline and precisions, as the search priced it), its
+    sharding groups (``comm_groups``: what the collective latencies count) and its evaluator."""
+    s = res.search
+    ev = new_evaluator(res.problem, s.pipeline, s.fwd_precision, s.bwd_precision)
+    ev.assign_many({t: (cid, ranks) for t, (cid, ranks) in enumerate(s.assignment)})
+    return dict(ev.phases()), ev.comm_groups, ev
+
+
+def _input_saving_s(request: Any, res: Any, phases: Mapping[str, float], groups: Any, features: Sequence[Any],
+                    bytes_removed: float, dedup: Iterable[str], dedup_id_s: float) -> float:
+    """Seconds the wire rewrites take off the input all-to-all phase: the removed bytes over the
+    input link less the dedup kernels' seconds (negative where the kernels cost more), the
+    removed part at most the phase less its calls' latency."""
+    world, local = int(request.topology.world_size), int(request.topology.local_world_size)
+    hw = request.hardware
+    bandwidth = hw.inter_host_bw if world > min(local, world) else hw.intra_host_bw
+    chosen = set(dedup)
+    kernels = sum(f.ids for f in features if f.feature in chosen) * dedup_id_s
+    fused = pipeline_kind(res.search.pipeline).fused_input_splits
+    lat = res.problem.ctx.profile.collective_latency_s * collective_calls("input_dist", groups, fused) if world > 1 else 0.0
+    room = max(0.0, phases["input_dist"] - lat)
+    return min(room, bytes_removed / bandwidth) - kernels
+
+
+def _split_terms(phases: Mapping[str, float], ctx: CostContext, groups: Any, overhead: float) -> SplitTerms:
+    """The batch split's terms on a plan's phases: one chunk's collective latency as the cost model
+    charges the unsplit output dist (one call per sharding group that sends; none on one rank)."""
+    profile = ctx.profile
+    lat = profile.collective_latency_s if ctx.world_size > 1 else 0.0
+    per_chunk = min(lat * collective_calls("output_dist", groups), phases["output_dist"], phases["grad_dist"])
+    return SplitTerms.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=overhead,
+                                  supports_overlap=getattr(profile, "supports_overlap", True))
+
+
 def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = None) -> RewriteChoice:
     """The rewrites for ``res`` (a 1D ``PlanResult`` of ``request``, a ``PlanRequest``) among
     ``allowed`` (default: ``request.rewrites``), priced on its loads (module docstring)."""
@@ -252,12 +289,13 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
         return no_rewrites(step0, "cost_model='torchrec': the rewrites are priced by SparseLift's cost model only")
     ctx = res.problem.ctx
     profile = ctx.profile
-    ev = new_evaluator(res.problem, s.pipeline, s.fwd_precision, s.bwd_precision)
-    ev.assign_many({t: (cid, ranks) for t, (cid, ranks) in enumerate(s.assignment)})
-    phases = dict(ev.phases())
-    groups = ev.comm_groups
+    phases, groups, ev = _plan_phases(res)
     sharding = _sharding(res)
     notes: List[str] = []
+    per_host = min(ctx.local_world_size, ctx.world_size)
+    hosts_note = plan_note(ctx.world_size // per_host, per_host, float(ev.colmax()[layout().index["out_inter_bytes"]]),
+                           profile)
+    notes += [hosts_note] if hosts_note else []
 
     # -- ids on the wire ---------------------------------------------------------------------
     id_dtype, dedup, saved_s, before, after = "int64", (), 0.0, 0.0, 0.0
@@ -297,13 +335,8 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
             notes.append("dedup: no feature's distinct ids are few enough to pay for the dedup kernels")
         id_dtype, dedup = wire.id_dtype, wire.dedup_features
         before, after = wire.bytes_before, wire.bytes_after
-        hw = request.hardware
-        bandwidth = hw.inter_host_bw if world > local else hw.intra_host_bw
-        kernels = sum(f.ids for f in features if f.feature in dedup) * (dedup_id_s or 0.0)
-        fused = pipeline_kind(s.pipeline).fused_input_splits
-        lat = profile.collective_latency_s * collective_calls("input_dist", groups, fused) if world > 1 else 0.0
-        room = max(0.0, phases["input_dist"] - lat)
-        saved_s = min(room, max(0.0, (before - after) / bandwidth - kernels))
+        saved_s = max(0.0, _input_saving_s(request, res, phases, groups, features, before - after, dedup,
+                                           dedup_id_s or 0.0))
         phases["input_dist"] -= saved_s
     step_w = min(step0, _composed(phases, ctx, s.pipeline))
 
@@ -330,10 +363,7 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
         elif not request.per_sample:
             why = "batch split: the request carries no module to inspect; declare it per-sample (per_sample=True)"
         if why is None:
-            lat = profile.collective_latency_s if ctx.world_size > 1 else 0.0
-            per_chunk = min(lat * collective_calls("output_dist", groups), phases["output_dist"], phases["grad_dist"])
-            terms = SplitTerms.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=overhead or 0.0,
-                                           supports_overlap=getattr(profile, "supports_overlap", True))
+            terms = _split_terms(phases, ctx, groups, overhead or 0.0)
             k = choose_chunks(terms, request.batch_size)
             split_saved = max(0.0, split_step_s(terms, 1) - split_step_s(terms, k))
             if k == 1:
@@ -361,3 +391,48 @@ def with_rewrites_of(optimizations: Any, request: Any, evaluated: Any) -> Any:
     if o.is_2d or not allowed:
         return evaluated
     return attrs.evolve(evaluated, rewrites=choose_rewrites(request, evaluated, allowed))
+
+
+def price_rewrites(request: Any, res: Any, *, batch_split: int = 1, id_dtype: str = "int64",
+                   dedup_features: Iterable[str] = ()) -> float:
+    """The step (seconds) of ``res``'s plan (a 1D ``PlanResult`` of ``request``) with exactly these
+    rewrites, whether or not they pay: what a run that forces them is predicted at (the regimes
+    benchmark's forced runs). The same terms as :func:`choose_rewrites`: the input all-to-all less
+    the removed bytes' seconds plus the dedup kernels', the pipeline's composition, and with
+    ``batch_split`` k > 1 the ``overlap`` pipeline's split step at k (``ValueError`` for another
+    pipeline, an uncalibrated ``chunk_overhead_s`` or a feature without an observed distinct-id
+    ratio)."""
+    s = res.search
+    if res.sharding_group_size is not None:
+        raise ValueError("price_rewrites: the rewrites apply to 1D plans only")
+    ctx = res.problem.ctx
+    profile = ctx.profile
+    phases, groups, _ = _plan_phases(res)
+    dedup = feature_tuple(dedup_features)
+    if id_dtype != "int64" or dedup:
+        world, local = int(request.topology.world_size), int(request.topology.local_world_size)
+        features = wire_features(request.tables, request.stats, _sharding(res), batch_size=request.batch_size,
+                                 world_size=world, local_world_size=min(local, world))
+        names = {f.feature for f in features}
+        unknown = sorted(set(dedup) - names)
+        if unknown:
+            raise ValueError(f"price_rewrites: dedup features {unknown[:4]} are not model-parallel features of the plan")
+        before = sum(feature_input_bytes(f) for f in features)
+        after = sum(feature_input_bytes(f, id_dtype, f.feature in dedup) for f in features)
+        dedup_id_s = _calibrated(profile, "dedup_id_s")
+        if dedup and dedup_id_s is None:
+            raise ValueError(f"price_rewrites: the profile {profile.name} has no dedup_id_s; " + _CALIBRATE)
+        phases["input_dist"] -= _input_saving_s(request, res, phases, groups, features, before - after, dedup,
+                                                dedup_id_s or 0.0)
+    step = _composed(phases, ctx, s.pipeline)
+    if batch_split > 1:
+        if s.pipeline != BATCH_SPLIT_PIPELINE:
+            raise ValueError(f"price_rewrites: a batch split chunks the {BATCH_SPLIT_PIPELINE!r} pipeline, the plan "
+                             f"runs {s.pipeline!r}")
+        overhead = _calibrated(profile, "chunk_overhead_s")
+        if overhead is None:
+            raise ValueError(f"price_rewrites: the profile {profile.name} has no chunk_overhead_s; " + _CALIBRATE)
+        terms = _split_terms(phases, ctx, groups, overhead)
+        step += split_step_s(terms, batch_split) - split_step_s(terms, 1)
+        step = max(step, terms.compute_s, terms.comm_s)  # one compute flow, one link
+    return max(0.0, step)
