@@ -156,8 +156,10 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
             return None
         m = min(len(ok), price_ranks + need)
         if len(ok) > m:  # the ranks with the most room in the columns the shard loads (_room_key)
-            fill = (loads[ok] + vec[None, :] + uniform[None, :]) / np.maximum(colmax + uniform, 1e-30)[None, :]
-            sel = np.argpartition((fill * (vec * w > 0)[None, :]).max(axis=1), m - 1)[:m]
+            cols = np.nonzero(vec * w > 0)[0]
+            inv = 1.0 / np.maximum(colmax[cols] + uniform[cols], 1e-30)
+            fill = ((loads[:, cols] + (vec[cols] + uniform[cols])[None, :]) * inv[None, :]).max(axis=1)
+            sel = np.argpartition(fill[ok], m - 1)[:m]
         else:
             sel = np.arange(len(ok))
         idx = ok[sel]
@@ -362,10 +364,10 @@ def _room_key(ev, ok: np.ndarray, vec: np.ndarray, need_ovh: np.ndarray) -> np.n
     the ranks with the most room: a scalar load (seconds summed over the columns) ranks a rank
     light in compute but at the output's maximum among the lightest, and a shard with a large
     output priced there raises the step, so it stays where it is."""
-    top = np.maximum(ev._colmax + ev.uniform, 1e-30)
-    rows = _rows(ev, need_ovh, ok) + vec[None, :] + ev.uniform[None, :]
-    loaded = vec * layout().balance_weights(ev.ctx.profile) > 0
-    return ((rows / top[None, :]) * loaded[None, :]).max(axis=1)
+    cols = np.nonzero(vec * layout().balance_weights(ev.ctx.profile) > 0)[0]
+    inv = 1.0 / np.maximum(ev._colmax[cols] + ev.uniform[cols], 1e-30)
+    rows = ev.loads[:, cols] + need_ovh[:, None] * ev.overhead[None, cols]
+    return ((rows + (vec[cols] + ev.uniform[cols])[None, :]) * inv[None, :]).max(axis=1)[ok]
 
 
 def _rows(ev, need_ovh: np.ndarray, idx) -> np.ndarray:
