@@ -242,3 +242,28 @@ def test_the_stage_prices_the_search_s_plan_as_the_search_did(pipelines):
     assert res.step_time_s == pytest.approx(r.step_s, rel=1e-12)
     # the step without the rewrites is the same plan on TorchRec's int64 input dist, unsplit
     assert r.step_without_s >= s.step.total_s * (1 - 1e-12) and r.input_dist_saved_s > 0
+
+
+def test_explain_shows_the_rewrites_as_the_search_priced_them():
+    """The stored choice says which rewrites the search priced; a stored plan explained again
+    draws its timeline on the phases with its wire rewrites, the ones its step was priced on."""
+    from test_rewrite_stage import COMM_HEAVY, TABLES, _model, _plan, _profile
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    from torchrec_sparselift.explain import format_rewrites, reprice_plan
+    from torchrec_sparselift.plan.planning import execution_plan
+
+    planner, res = _plan(_profile(**COMM_HEAVY))
+    assert set(res.rewrites.in_search) == {"batch_split", "id_dtype", "dedup"}
+    ep = execution_plan(planner.last_request, res)
+    lines = format_rewrites(ep.planner_info)
+    assert any("priced in the search's step equation: id_dtype, dedup, batch_split" in line for line in lines)
+    topo = Topology(world_size=8, local_world_size=8, compute_device="cuda", hbm_cap=80 << 30)
+    cons = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"]) for i in range(TABLES)}
+    repriced = reprice_plan(ep, planner, _model(), cons, topo, 2048, planner.profile(), top=2)
+    rw = repriced.evaluated.rewrites
+    assert rw.phases["input_dist"] == pytest.approx(res.rewrites.phases["input_dist"], rel=1e-9)
+    assert rw.phases["input_dist"] < repriced.evaluated.search.step.phases["input_dist"]
+    drawn = [s for s in repriced.segments if s.phase == "input_dist"]
+    assert drawn and sum(s.duration_s for s in drawn) == pytest.approx(rw.phases["input_dist"], rel=1e-9)

@@ -30,7 +30,7 @@ the rewritten plan, the saving a term of its own (:data:`~torchrec_sparselift.pl
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
@@ -118,6 +118,13 @@ class RewriteChoice:
     wire_bytes_after: float = 0.0
     notes: Tuple[str, ...] = attrs.field(default=(), converter=tuple)
     terms: Optional[SplitTerms] = attrs.field(default=None, eq=False, repr=False)
+    #: the rewrites the search priced in its step equation (``search_rewrites``: ``id_dtype`` and
+    #: ``dedup`` in the options' input-dist columns, ``batch_split`` in the ``overlap`` price);
+    #: empty for a plan priced after the search (an evaluated or stored plan)
+    in_search: Tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: the plan's phase seconds with the wire rewrites (``cost.pipelines.PHASE_NAMES``; before the
+    #: split), what ``explain``'s timeline draws; empty where none is chosen
+    phases: Mapping[str, float] = attrs.field(factory=dict, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.batch_split <= MAX_CHUNKS:
@@ -154,7 +161,7 @@ class RewriteChoice:
     def dropped(self, note: str) -> "RewriteChoice":
         """No rewrite, the step as the search priced it, with every note kept and ``note`` added."""
         return RewriteChoice(step_without_s=self.step_without_s, step_s=self.step_without_s,
-                             notes=self.notes + (note,))
+                             notes=self.notes + (note,), in_search=self.in_search)
 
     def describe(self) -> List[str]:
         """Lines for a plan's explanation: what is chosen with its saving, then each note."""
@@ -177,6 +184,10 @@ class RewriteChoice:
             lines.append(f"  ids on the wire: {self.wire_bytes_before / 1024:.1f} -> {self.wire_bytes_after / 1024:.1f} "
                          f"KiB per rank and step ({self.wire_bytes_saved / 1024:.1f} KiB saved; input all-to-all "
                          f"{self.input_dist_saved_s * ms:.3f} ms shorter)")
+        if self.in_search:
+            lines.append(f"  priced in the search's step equation: {', '.join(self.in_search)} (every option's "
+                         "input-dist columns; the overlap pipeline at its best batch split), so the sharding "
+                         "is chosen with them")
         sched = self.schedule()
         if sched is not None:
             lines += ["  " + line for line in sched.describe()]
@@ -189,7 +200,8 @@ class RewriteChoice:
                     step_without_s=self.step_without_s, step_s=self.step_s, saving_s=self.saving_s,
                     input_dist_saved_s=self.input_dist_saved_s, split_saved_s=self.split_saved_s,
                     wire_bytes_before=self.wire_bytes_before, wire_bytes_after=self.wire_bytes_after,
-                    notes=list(self.notes), terms=None if self.terms is None else attrs.asdict(self.terms))
+                    notes=list(self.notes), terms=None if self.terms is None else attrs.asdict(self.terms),
+                    in_search=list(self.in_search), phases=dict(self.phases))
 
     @classmethod
     def from_dict(cls, data: Optional[Dict[str, Any]]) -> Optional["RewriteChoice"]:
@@ -205,7 +217,9 @@ class RewriteChoice:
                    wire_bytes_before=float(data.get("wire_bytes_before", 0.0)),
                    wire_bytes_after=float(data.get("wire_bytes_after", 0.0)),
                    notes=tuple(str(n) for n in data.get("notes", ())),
-                   terms=None if not terms else SplitTerms(**terms))
+                   terms=None if not terms else SplitTerms(**terms),
+                   in_search=tuple(str(n) for n in data.get("in_search", ())),
+                   phases={str(k): float(v) for k, v in (data.get("phases") or {}).items()})
 
 
 def no_rewrites(step_s: float, *notes: str) -> RewriteChoice:
@@ -406,9 +420,17 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
                              "(the per-chunk latency and overhead outweigh the transfer it hides)")
         else:
             notes.append(why)
+    in_search = []
+    if prob.wire is not None:
+        in_search += [n for n, on in ((ID_DTYPE, prob.wire.id_dtype != "int64"),
+                                      (DEDUP, prob.wire.dedup_id_s is not None)) if on and n in allowed]
+    if prob.split_overhead_s is not None and BATCH_SPLIT in allowed:
+        in_search.append(BATCH_SPLIT)
+    chosen = id_dtype != "int64" or bool(dedup)
     return RewriteChoice(batch_split=k, id_dtype=id_dtype, dedup_features=dedup, step_without_s=step0,
                          step_s=max(0.0, min(step, step0)), input_dist_saved_s=saved_s, split_saved_s=split_saved,
-                         wire_bytes_before=before, wire_bytes_after=after, notes=tuple(notes), terms=terms)
+                         wire_bytes_before=before, wire_bytes_after=after, notes=tuple(notes), terms=terms,
+                         in_search=tuple(in_search), phases=dict(ev.phases()) if chosen else {})
 
 
 def with_rewrites_of(optimizations: Any, request: Any, evaluated: Any) -> Any:
