@@ -363,17 +363,24 @@ class TableWire:
     bytes_after: float = 0.0
 
 
-def table_wire(rule: WireRule, table: Any, sharding_type: str, num_shards: int) -> TableWire:
+def table_wire(rule: WireRule, table: Any, sharding_type: str, num_shards: int,
+               dedup: Optional[Iterable[str]] = None) -> TableWire:
     """The wire terms of ``table`` (a ``TableSpec``) sharded ``sharding_type`` over ``num_shards``
     shards under ``rule`` (module docstring): the one definition the search's load columns and the
-    rewrite stage's choice both take. A data-parallel option sends nothing (factor 1)."""
+    rewrite stage's choice both take. A data-parallel option sends nothing (factor 1).
+    ``dedup``: deduplicate exactly these of the table's features (a forced run; ``ValueError``
+    for one without an observed ratio, ``feature_input_bytes``), else the ones whose price pays."""
     if sharding_type == DATA_PARALLEL:
         return TableWire()
     feats = wire_features([table], rule.stats, {table.name: (sharding_type, int(num_shards))},
                           batch_size=rule.batch_size, world_size=rule.world_size,
                           local_world_size=min(rule.local_world_size, rule.world_size))
-    dedup = tuple(f.feature for f in feats if rule.dedup_id_s is not None and f.unique_ratio is not None
-                  and dedup_saving_s(f, rule.id_dtype, rule.dedup_id_s, rule.bandwidth) > 0)
+    if dedup is not None:
+        forced = set(dedup)
+        dedup = tuple(f.feature for f in feats if f.feature in forced)
+    else:
+        dedup = tuple(f.feature for f in feats if rule.dedup_id_s is not None and f.unique_ratio is not None
+                      and dedup_saving_s(f, rule.id_dtype, rule.dedup_id_s, rule.bandwidth) > 0)
     before = sum(feature_input_bytes(f) for f in feats)
     after = sum(feature_input_bytes(f, rule.id_dtype, f.feature in dedup) for f in feats)
     kernel_s = sum(f.ids for f in feats if f.feature in dedup) * (rule.dedup_id_s or 0.0)

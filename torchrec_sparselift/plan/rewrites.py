@@ -34,11 +34,15 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
 
-from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitSchedule, SplitTerms, split_schedule
+from torchrec_sparselift.cost.batch_split import (
+    BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitSchedule, SplitTerms, split_schedule, split_step_s,
+)
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import rewrite_wire
+from torchrec_sparselift.cost.terms import layout
+from torchrec_sparselift.cost.two_level import plan_note
 from torchrec_sparselift.cost.wire_ids import WireRule, feature_tuple, narrow_refusal, table_wire, wire_features
-from torchrec_sparselift.search.solve import split_price, split_terms
+from torchrec_sparselift.search.solve import split_price, split_terms, split_floor_terms
 from torchrec_sparselift.semantics.per_sample import per_sample_violation
 from torchrec_sparselift.semantics.tables import is_feature_processed
 from torchrec_sparselift.vocabulary import (
@@ -46,7 +50,8 @@ from torchrec_sparselift.vocabulary import (
 )
 
 __all__ = ["REWRITES", "BATCH_SPLIT", "ID_DTYPE", "DEDUP", "SPLIT_SHARDING_TYPES", "WIRE_SHARDING_TYPES",
-           "rewrite_names", "rewrite_problem", "RewriteChoice", "choose_rewrites", "no_rewrites", "search_rewrites"]
+           "rewrite_names", "rewrite_problem", "RewriteChoice", "choose_rewrites", "no_rewrites", "search_rewrites",
+           "price_rewrites"]
 
 #: the rewrite that splits the batch (``Optimizations.batch_split``)
 BATCH_SPLIT = "batch_split"
@@ -343,6 +348,10 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
     step0 = float(ev0.step_time().total_s)
     sharding = _sharding(res)
     notes: List[str] = []
+    per_host = min(ctx.local_world_size, ctx.world_size)
+    hosts_note = plan_note(ctx.world_size // per_host, per_host,
+                           float(ev0.colmax()[layout().index["out_inter_bytes"]]), profile)
+    notes += [hosts_note] if hosts_note else []
 
     # -- ids on the wire ---------------------------------------------------------------------
     id_dtype, dedup, before, after = "int64", (), 0.0, 0.0
@@ -444,3 +453,55 @@ def with_rewrites_of(optimizations: Any, request: Any, evaluated: Any) -> Any:
     if o.is_2d or not allowed:
         return evaluated
     return attrs.evolve(evaluated, rewrites=choose_rewrites(request, evaluated, allowed))
+
+
+def price_rewrites(request: Any, res: Any, *, batch_split: int = 1, id_dtype: str = "int64",
+                   dedup_features: Iterable[str] = ()) -> float:
+    """The step (seconds) of ``res``'s plan (a 1D ``PlanResult`` of ``request``) with exactly these
+    rewrites, whether or not they pay: what a run that forces them is predicted at (the regimes
+    benchmark's forced runs). The same terms as :func:`choose_rewrites` and the search: the
+    options' input-dist columns under the wire rewrites (``cost.wire_ids.table_wire`` with the
+    features forced), the pipeline's composition, and with ``batch_split`` k > 1 the ``overlap``
+    pipeline's split step at k, never below the split's floor (``search.solve.split_floor_terms``)
+    (``ValueError`` for another pipeline, an uncalibrated ``chunk_overhead_s``, or a dedup feature
+    that is not a model-parallel feature of the plan or has no observed distinct-id ratio)."""
+    s = res.search
+    if res.sharding_group_size is not None:
+        raise ValueError("price_rewrites: the rewrites apply to 1D plans only")
+    prob = res.problem
+    ctx = prob.ctx
+    profile = ctx.profile
+    plain_costs = prob.plain_costs if prob.plain_costs is not None else prob.costs
+    dedup = feature_tuple(dedup_features)
+    costs = plain_costs
+    if id_dtype != "int64" or dedup:
+        sharding = _sharding(res)
+        world, local = int(request.topology.world_size), int(request.topology.local_world_size)
+        names = {f.feature for f in wire_features(request.tables, request.stats, sharding,
+                                                  batch_size=request.batch_size, world_size=world,
+                                                  local_world_size=min(local, world))}
+        unknown = sorted(set(dedup) - names)
+        if unknown:
+            raise ValueError(f"price_rewrites: dedup features {unknown[:4]} are not model-parallel features of the plan")
+        dedup_id_s = _calibrated(profile, "dedup_id_s")
+        if dedup and dedup_id_s is None:
+            raise ValueError(f"price_rewrites: the profile {profile.name} has no dedup_id_s; " + _CALIBRATE)
+        rule = _wire_rule(request, id_dtype, dedup_id_s if dedup else None, int(ctx.batch_size))
+        costs = list(plain_costs)
+        for h, (cid, _ranks) in zip(res.handles, s.assignment):
+            c = prob.cands[cid]
+            tw = table_wire(rule, h.spec, c.sharding_type, c.num_shards, dedup=dedup)
+            costs[cid] = rewrite_wire(plain_costs[cid], tw.factor, tw.kernel_s, c.num_shards, ctx)
+    ev = _evaluator(prob, costs, s)
+    step = float(ev.step_time().total_s)
+    if batch_split > 1:
+        if s.pipeline != BATCH_SPLIT_PIPELINE:
+            raise ValueError(f"price_rewrites: a batch split chunks the {BATCH_SPLIT_PIPELINE!r} pipeline, the plan "
+                             f"runs {s.pipeline!r}")
+        overhead = _calibrated(profile, "chunk_overhead_s")
+        if overhead is None:
+            raise ValueError(f"price_rewrites: the profile {profile.name} has no chunk_overhead_s; " + _CALIBRATE)
+        terms = split_terms(ev, overhead)
+        step += split_step_s(terms, batch_split) - split_step_s(terms, 1)
+        step = max(step, split_floor_terms(terms))  # one compute flow, one link
+    return max(0.0, step)

@@ -46,7 +46,8 @@ from torchrec_sparselift.search.scale import (
     SCALE_LP_LIMIT_S, SCALE_SEARCH_S, ShortlistPlacer, fast_place, use_scale_path,
 )
 
-__all__ = ["SearchResult", "solve", "new_evaluator", "split_terms", "split_price", "priced_s", "priced_split"]
+__all__ = ["SearchResult", "solve", "new_evaluator", "split_terms", "split_price", "split_floor_terms",
+           "priced_s", "priced_split"]
 
 
 @attrs.frozen
@@ -112,8 +113,12 @@ def split_price(step_s: float, terms: SplitTerms, batch_size: Optional[int] = No
     if k == 1:
         return 1, float(step_s)
     saved = max(0.0, split_step_s(terms, 1) - split_step_s(terms, k))
-    floor = split_floor_s({name: getattr(terms, name + "_s") for path in SPLIT_FLOOR_PATHS for name in path})
-    return k, float(min(step_s, max(step_s - saved, floor)))
+    return k, float(min(step_s, max(step_s - saved, split_floor_terms(terms))))
+
+
+def split_floor_terms(terms: SplitTerms) -> float:
+    """``search.equation.split_floor_s`` on split terms: the least step any k reaches."""
+    return split_floor_s({name: getattr(terms, name + "_s") for path in SPLIT_FLOOR_PATHS for name in path})
 
 
 def priced_split(ev: PlanEvaluator, prob: PlanningProblem, pipeline: Optional[str] = None,
