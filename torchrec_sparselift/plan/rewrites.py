@@ -190,9 +190,11 @@ class RewriteChoice:
                          f"KiB per rank and step ({self.wire_bytes_saved / 1024:.1f} KiB saved; input all-to-all "
                          f"{self.input_dist_saved_s * ms:.3f} ms shorter)")
         if self.in_search:
-            lines.append(f"  priced in the search's step equation: {', '.join(self.in_search)} (every option's "
-                         "input-dist columns; the overlap pipeline at its best batch split), so the sharding "
-                         "is chosen with them")
+            where = [w for w, on in (("every option's input-dist columns", set(self.in_search) & {ID_DTYPE, DEDUP}),
+                                     ("the overlap pipeline at its best batch split", BATCH_SPLIT in self.in_search))
+                     if on]
+            lines.append(f"  priced in the search's step equation: {', '.join(self.in_search)} ({'; '.join(where)}), "
+                         "so the sharding is chosen with them")
         sched = self.schedule()
         if sched is not None:
             lines += ["  " + line for line in sched.describe()]
