@@ -14,9 +14,10 @@ order rotated each round), each a fresh send buffer, one untimed call, then ``--
 after a barrier; a call's time is the slowest rank's, a round's the median call. Printed per size:
 each scheme's median over rounds, the paired ratio two-level / flat (median over rounds of the
 round's ratio), the same ratio of ``rail``'s cross-host stage timed alone (``rail_cross``), and
-the price's ratio (``two_level.price``) from what the same job measures of its own link first: the intra-host and the inter-host rate (4 MiB per pair), the latency of a call and of a
-message (one-element all-to-alls within a host, across hosts, over all ranks) and the regrouping
-copy's seconds per byte.
+the price's ratio (``two_level.price``) from what the same job measures of its own link first:
+the intra-host and the inter-host rate (4 MiB per pair), the latency of a call and of a message
+(one-element all-to-alls within a host, across hosts, over all ranks) and the regrouping copy's
+seconds per byte.
 
 Run on the testbed (2 hosts x 2 ranks, 1 Gbit/s per host link)::
 
