@@ -43,7 +43,7 @@ from torchrec_sparselift.search.milp import milp_size, solve_milp
 from torchrec_sparselift.search.place import WorkBudget, greedy_place, local_search
 from torchrec_sparselift.search.problem import PlanningProblem, no_plan_kind, storage_summary
 from torchrec_sparselift.search.scale import (
-    SCALE_LP_LIMIT_S, SCALE_SEARCH_S, ShortlistPlacer, fast_place, use_scale_path,
+    SCALE_LP_LIMIT_S, SCALE_SEARCH_S, ShortlistPlacer, fast_place, scale_local_search, use_scale_path,
 )
 
 __all__ = ["SearchResult", "solve", "new_evaluator", "split_terms", "split_price", "split_floor_terms",
@@ -231,10 +231,10 @@ def solve(
     # the LP is deterministic when it finishes: give it room (its limit is a safety net; at
     # scale its choice is the seed and its bound the only one, so more room: scale.py)
     lp_limit = max(SCALE_LP_LIMIT_S if at_scale else 20.0, 2.0 * time_budget_s)
-    lp = solve_lp(prob, search_pl, fwd, bwd, time_limit_s=lp_limit)
+    lp = solve_lp(prob, search_pl, fwd, bwd, time_limit_s=lp_limit, fit=at_scale)
     seeds: List[Tuple[str, Sequence[int]]] = []
-    if lp.choice:
-        seeds.append(("lp", lp.choice))
+    if lp.choice:  # at scale rounded against the LP's column maxima (lp.round_choice)
+        seeds.append(("lp", lp.fitted_choice if at_scale and lp.fitted_choice else lp.choice))
     if not (seeds and at_scale):  # at scale the LP's choice is far better (docs/concepts.md)
         seeds.append(("least_work", _least_work_choice(prob)))
     best_ev: Optional[PlanEvaluator] = None
@@ -275,7 +275,10 @@ def solve(
                       (time.monotonic() if at_scale else t0) + 3.0 * search_s)
     # at scale: the hottest table of each hot rank, priced on a shortlist of ranks (scale.py)
     ls_kw = {"tables_per_rank": 1, "placer": ShortlistPlacer()} if at_scale else {}
-    moves, cut = local_search(ev, prob, deadline=work.deadline, budget=work, **ls_kw)
+    if at_scale:  # widening the tables tried per hot rank as it converges (scale.py)
+        moves, cut = scale_local_search(ev, prob, work.deadline, work)
+    else:
+        moves, cut = local_search(ev, prob, deadline=work.deadline, budget=work)
 
     # choose the optimizations on the final loads
     alts, best_combo = _optimizations(ev, prob, pipelines, precisions)
