@@ -333,6 +333,8 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
             lat = profile.collective_latency_s if ctx.world_size > 1 else 0.0
             per_chunk = min(lat * collective_calls("output_dist", groups), phases["output_dist"], phases["grad_dist"])
             terms = SplitTerms.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=overhead or 0.0,
+                                           chunk_feature_s=_calibrated(profile, "chunk_feature_s") or 0.0,
+                                           features=sum(len(h.spec.feature_names) for h in res.handles),
                                            supports_overlap=getattr(profile, "supports_overlap", True))
             k = choose_chunks(terms, request.batch_size)
             split_saved = max(0.0, split_step_s(terms, 1) - split_step_s(terms, k))
