@@ -14,6 +14,7 @@ import math
 import time
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -280,11 +281,16 @@ def test_the_step_chunk_cost_is_a_line_over_the_workloads_feature_counts():
     # slopes 1.5 + 0.05 * F ms (F = 10, 30, 50) beside 0.5 ms of latency, each workload its own intercept
     times = {"a": {1: 0.040, 2: 0.042, 4: 0.046}, "b": {1: 0.080, 2: 0.083, 4: 0.089},
              "c": {1: 0.060, 2: 0.064, 4: 0.072}}
-    fit = step_chunk_cost(times, {"a": 10, "b": 30, "c": 50}, latency_s=5e-4)
+    fit = step_chunk_cost(times, {"a": 10, "b": 30, "c": 50}, {"a": 5e-4, "b": 5e-4, "c": 5e-4})
     assert fit.slopes["a"].slope == pytest.approx(0.002) and fit.slopes["c"].slope == pytest.approx(0.004)
     assert fit.overhead_s == pytest.approx(1.0e-3) and fit.feature_s == pytest.approx(5e-5)
     assert all(abs(r) < 1e-9 for r in fit.residuals.values())
-    assert fit.predicted_slope_s(60) == pytest.approx(5e-4 + 1e-3 + 60 * 5e-5)
+    assert fit.dense_s(60) == pytest.approx(1e-3 + 60 * 5e-5) and fit.predicted_slope_s("c") == pytest.approx(0.004)
+    # what the model already predicts per chunk (here: it hides 1 ms of a's) is not charged twice
+    hid = step_chunk_cost(times, {"a": 10, "b": 30, "c": 50}, {"a": -5e-4, "b": 5e-4, "c": 5e-4})
+    assert hid.predicted_slope_s("a") < fit.predicted_slope_s("a") + 1e-12 and hid.overhead_s > 0
+    with pytest.raises(CalibrationError, match="must be finite numbers"):
+        step_chunk_cost(times, {"a": 10, "b": 30, "c": 50}, {"a": float("nan"), "b": 0.0, "c": 0.0})
     assert "us per feature" in fit.lines()[0] and len(fit.lines()) == 4
     with pytest.raises(CalibrationError, match="no batch-split steps"):
         step_chunk_cost({}, {})
@@ -306,11 +312,11 @@ def test_the_step_chunk_cost_is_never_negative_and_grows_with_the_slopes():
     @given(ms, ms, ms, st.floats(0.0, 0.5))
     def check(sa: float, sb: float, extra: float, lat: float) -> None:
         times = {"a": {1: 0.05, 3: 0.05 + 2 * sa * 1e-3}, "b": {1: 0.05, 3: 0.05 + 2 * sb * 1e-3}}
-        fit = step_chunk_cost(times, {"a": 4, "b": 40}, latency_s=lat * 1e-3)
+        fit = step_chunk_cost(times, {"a": 4, "b": 40}, {"a": lat * 1e-3, "b": lat * 1e-3})
         assert fit.overhead_s >= 0 and fit.feature_s >= 0
         more = dict(times, b={1: 0.05, 3: 0.05 + 2 * (sb + extra) * 1e-3})  # more cost at many features
-        assert step_chunk_cost(more, {"a": 4, "b": 40}, latency_s=lat * 1e-3).predicted_slope_s(40) >= (
-            fit.predicted_slope_s(40) - 1e-12)
+        assert step_chunk_cost(more, {"a": 4, "b": 40}, {"a": lat * 1e-3, "b": lat * 1e-3}).predicted_slope_s(
+            "b") >= fit.predicted_slope_s("b") - 1e-12
 
     check()
 
@@ -352,3 +358,17 @@ def test_two_gloo_ranks_time_the_batch_split_steps():
     out = run_ranks(_chunk_times_rank, 2, timeout_s=300)
     assert out[0].keys() == {"probe_features"} and set(out[0]["probe_features"]) == {1, 2}
     assert all(t > 0 for t in out[0]["probe_features"].values())
+
+
+def test_the_model_s_own_slope_per_chunk_grows_with_the_collectives_latency():
+    import attrs as _attrs
+
+    from torchrec_sparselift.calibration.store import base_profile
+    from torchrec_sparselift.measure.steps import model_chunk_slopes
+
+    prof = base_profile("cpu")
+    low = model_chunk_slopes(_attrs.evolve(prof, collective_latency_s=1e-5), ["probe_many"])
+    high = model_chunk_slopes(_attrs.evolve(prof, collective_latency_s=1e-3), ["probe_many"])
+    assert set(low) == {"probe_many"} and np.isfinite(low["probe_many"])
+    assert high["probe_many"] > low["probe_many"]
+    assert high["probe_many"] <= 2 * 1e-3 + 1e-12  # at most the two collectives' latency per chunk

@@ -138,38 +138,45 @@ class ChunkCostFit:
     feature count: ``overhead_s + feature_s * features`` beside the chunk's collectives' latency.
 
     ``slopes``: per probe workload, its measured step's slope over ``k - 1`` (:class:`SlopeFit`);
-    ``features``: each workload's feature count; ``latency_s``: the chunk's collectives' latency
-    taken off every slope (the cost model charges it apart); ``residuals``: per workload, the
+    ``features``: each workload's feature count; ``model_slopes``: per workload, what the cost
+    model predicts per extra chunk without a dense chunk cost (the chunk's collectives' latency
+    less what the split hides), taken off its measured slope; ``residuals``: per workload, the
     line's error on its slope relative to its unsplit step (what the price misses of the step)."""
 
     overhead_s: float
     feature_s: float
-    latency_s: float
+    model_slopes: Mapping[str, float]
     slopes: Mapping[str, SlopeFit]
     features: Mapping[str, int]
     residuals: Mapping[str, float]
 
-    def predicted_slope_s(self, features: int) -> float:
-        """The step's seconds per extra chunk of a model of ``features`` features (latency included)."""
-        return self.latency_s + self.overhead_s + self.feature_s * features
+    def dense_s(self, features: int) -> float:
+        """One more chunk's dense cost for a model of ``features`` features."""
+        return self.overhead_s + self.feature_s * features
+
+    def predicted_slope_s(self, workload: str) -> float:
+        """The fitted step's seconds per extra chunk of ``workload`` (its model slope included)."""
+        return self.model_slopes[workload] + self.dense_s(self.features[workload])
 
     def lines(self) -> Tuple[str, ...]:
         """What the calibration prints: the two constants, then each workload's slope and the line's."""
         out = [f"chunk cost {self.overhead_s * 1e3:.3f} ms + {self.feature_s * 1e6:.1f} us per feature per extra "
-               f"chunk (beside {self.latency_s * 1e3:.3f} ms of collective latency; {len(self.slopes)} workloads)"]
+               f"chunk ({len(self.slopes)} workloads)"]
         for w, fit in self.slopes.items():
             out.append(f"  {w} ({self.features[w]} features): measured {fit.slope * 1e3:.3f} ms per extra chunk, "
-                       f"line {self.predicted_slope_s(self.features[w]) * 1e3:.3f} ms "
-                       f"({100 * self.residuals[w]:+.1f}% of its step)")
+                       f"priced {self.predicted_slope_s(w) * 1e3:.3f} ms (the model without a dense chunk cost "
+                       f"{self.model_slopes[w] * 1e3:.3f} ms; {100 * self.residuals[w]:+.1f}% of its step)")
         return tuple(out)
 
 
 def step_chunk_cost(times: Mapping[str, Mapping[int, float]], features: Mapping[str, int],
-                    latency_s: float = 0.0) -> ChunkCostFit:
+                    model_slopes: Optional[Mapping[str, float]] = None) -> ChunkCostFit:
     """What one more batch chunk costs a real training step, from the measured ``overlap`` steps of
     probe workloads of several feature counts (``times[workload][k]``: seconds, at least two chunk
-    counts each; ``features[workload]``: its feature count): per workload the slope of its step
-    over ``k - 1`` (its own intercept), then ``slope - latency_s = overhead_s + feature_s * F`` by
+    counts each; ``features[workload]``: its feature count; ``model_slopes[workload]``: what the
+    cost model predicts per extra chunk of it without a dense chunk cost, default 0): per workload
+    the slope of its step over ``k - 1`` (its own intercept), then
+    ``slope - model_slope = overhead_s + feature_s * F`` by
     non-negative least squares over the workloads, each residual relative to that workload's
     unsplit step (its shortest chunk count's). A real chunk cuts the batch, issues its
     collectives, cuts its keyed embeddings into per-feature tensors and merges their gradients
@@ -187,14 +194,16 @@ def step_chunk_cost(times: Mapping[str, Mapping[int, float]], features: Mapping[
         raise CalibrationError(f"the chunk cost's workloads span {len(set(counts.values()))} feature count(s) "
                                f"({counts}); measure workloads of at least two feature counts so that the "
                                "per-feature part is determined")
-    if not (math.isfinite(latency_s) and latency_s >= 0):
-        raise CalibrationError(f"the chunks' collective latency must be finite and >= 0, got {latency_s!r}")
+    base = {w: 0.0 for w in times} if model_slopes is None else {w: model_slopes.get(w) for w in times}
+    bad = {w: v for w, v in base.items() if not (isinstance(v, (int, float)) and math.isfinite(v))}
+    if bad:
+        raise CalibrationError(f"the cost model's slopes per extra chunk must be finite numbers, got {bad}")
     slopes = {w: fit_slope([k - 1 for k in ks], [ks[k] for k in ks], field="chunk_overhead_s",
                            unit=f"extra chunk of {w}'s step") for w, ks in times.items()}
     unsplit = {w: float(ks[min(ks)]) for w, ks in times.items()}
     rows = [[1.0 / unsplit[w], counts[w] / unsplit[w]] for w in times]
-    target = [(slopes[w].slope - latency_s) / unsplit[w] for w in times]
+    target = [(slopes[w].slope - base[w]) / unsplit[w] for w in times]
     overhead, per_feature = (float(v) for v in nonnegative_least_squares(rows, target))
-    residuals = {w: (latency_s + overhead + per_feature * counts[w] - slopes[w].slope) / unsplit[w] for w in times}
-    return ChunkCostFit(overhead_s=overhead, feature_s=per_feature, latency_s=float(latency_s), slopes=slopes,
-                        features=counts, residuals=residuals)
+    residuals = {w: (base[w] + overhead + per_feature * counts[w] - slopes[w].slope) / unsplit[w] for w in times}
+    return ChunkCostFit(overhead_s=overhead, feature_s=per_feature, model_slopes={w: float(v) for w, v in base.items()},
+                        slopes=slopes, features=counts, residuals=residuals)

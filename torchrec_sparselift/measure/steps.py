@@ -53,6 +53,8 @@ from torchrec_sparselift.calibration.store import (
     drift_spread,
     stored_profile_problems,
 )
+from torchrec_sparselift.cost.batch_split import SplitTerms, split_step_s
+from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.cost.model import collective_calls
 from torchrec_sparselift.errors import FileFormatError
@@ -64,6 +66,7 @@ from torchrec_sparselift.measure import probe
 from torchrec_sparselift.measure.link import measure_link_rates
 from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_terms
 from torchrec_sparselift.measure.probe import probe_constraints
+from torchrec_sparselift.plan.evaluate import GivenPlan
 from torchrec_sparselift.planner import SparseLiftPlanner
 from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 from torchrec_sparselift.vocabulary import BASE, FUSED, OVERLAP, PREFETCH, SPARSE_DIST, TABLE_WISE
@@ -525,20 +528,59 @@ def chunk_workload_features(names: Sequence[str]) -> Dict[str, int]:
     return {n: sum(len(t.features) for t in probe_workload(n).tables) for n in names}
 
 
-def step_chunk_fit(profile: HardwareProfile, times: Mapping[str, Mapping[int, float]]) -> ChunkCostFit:
+def model_chunk_slopes(profile: HardwareProfile, names: Sequence[str], chunks: Sequence[int] = CHUNK_COUNTS,
+                       world_size: int = 2, device_type: str = "cpu") -> Dict[str, float]:
+    """Per probe workload, the slope over ``k - 1`` of its table-wise plan's ``overlap`` step split
+    into each k of ``chunks`` as the cost model prices it under ``profile`` with no dense chunk
+    cost (``cost.batch_split.split_step_s``: the chunks' collective latency less what the split
+    hides; least squares, it may be negative): what the measured slope holds beside the dense
+    chunk cost. The plan as :func:`time_table_wise_runs` trains it, placed in this process."""
+    topo = probe_topology(world_size, device_type)
+    out: Dict[str, float] = {}
+    for name in names:
+        w = probe_workload(name)
+        stats = probe.probe_stats(w, n=PROBE_BATCHES)
+        plan, cons = forced_plan(probe.probe_model(w), w.tables, TABLE_WISE, topo, w.batch_size, None, profile,
+                                 stats=stats)
+        given = GivenPlan.of(probe.probe_model(w), plan, topo, w.batch_size, cons, stats)
+        ctx = given.context(profile)
+        cands = [c for c, _r in given.placed]
+        inf = np.full(world_size, np.inf)
+        ev = PlanEvaluator(ctx, given.shard_costs(ctx), [c.sharding_type for c in cands], inf, inf, OVERLAP,
+                           "fp32", "fp32", kernels=[c.compute_kernel for c in cands])
+        for t, (_c, ranks) in enumerate(given.placed):
+            ev.assign(t, t, ranks)
+        phases = dict(ev.phases())
+        lat = ctx.profile.collective_latency_s if world_size > 1 else 0.0
+        per_chunk = min(lat * collective_calls("output_dist", ev.comm_groups), phases["output_dist"],
+                        phases["grad_dist"])
+        terms = SplitTerms.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=0.0,
+                                       supports_overlap=ctx.profile.supports_overlap)
+        ks = sorted(set(int(k) for k in chunks))
+        out[name] = float(np.polyfit([k - 1 for k in ks], [split_step_s(terms, k) for k in ks], 1)[0])
+    return out
+
+
+def step_chunk_fit(profile: HardwareProfile, times: Mapping[str, Mapping[int, float]],
+                   model_slopes: Optional[Mapping[str, float]] = None) -> ChunkCostFit:
     """The chunk cost of real batch-split steps (:func:`measure_chunk_times` of probe workloads,
-    by name) on ``profile``'s collective latency (one table-wise group: one output and one
-    gradient collective per chunk): :func:`~torchrec_sparselift.calibration.rewrite_fit.step_chunk_cost`."""
-    latency = 2 * profile.collective_latency_s * collective_calls("output_dist", 1)
-    return step_chunk_cost(times, chunk_workload_features(list(times)), latency)
+    by name): :func:`~torchrec_sparselift.calibration.rewrite_fit.step_chunk_cost` beside
+    ``model_slopes`` (:func:`model_chunk_slopes`: what the cost model already predicts per extra
+    chunk of each workload), or, None, beside ``profile``'s collective latency of one table-wise
+    group (one output and one gradient collective per chunk, nothing hidden)."""
+    if model_slopes is None:
+        latency = 2 * profile.collective_latency_s * collective_calls("output_dist", 1)
+        model_slopes = {w: latency for w in times}
+    return step_chunk_cost(times, chunk_workload_features(list(times)), model_slopes)
 
 
-def with_step_chunk_cost(profile: HardwareProfile, times: Mapping[str, Mapping[int, float]]) -> HardwareProfile:
+def with_step_chunk_cost(profile: HardwareProfile, times: Mapping[str, Mapping[int, float]],
+                         model_slopes: Optional[Mapping[str, float]] = None) -> HardwareProfile:
     """``profile`` with ``chunk_overhead_s`` and ``chunk_feature_s`` from real batch-split steps
     (:func:`step_chunk_fit`): the line's fixed part, never below the dense-only reading the
-    profile holds, and its part per feature; the chunk's collectives' latency is charged apart
-    (``cost.batch_split.SplitTerms.per_chunk_s``)."""
-    fit = step_chunk_fit(profile, times)
+    profile holds, and its part per feature; the chunk's collectives' latency (and what the split
+    hides) is the cost model's own (``cost.batch_split.split_schedule``)."""
+    fit = step_chunk_fit(profile, times, model_slopes)
     return attrs.evolve(profile, chunk_overhead_s=max(fit.overhead_s, profile.chunk_overhead_s or 0.0),
                         chunk_feature_s=fit.feature_s)
 
@@ -608,9 +650,13 @@ def calibrate_steps(
         # what one more batch chunk costs a real step (the dense-only host term misses most of it)
         dense_only = fitted.chunk_overhead_s
         chunk_times = measure_chunk_times(pg, device_type, timing=attrs.evolve(CHUNK_TIMING, base=base, say=say))
-        fitted = with_step_chunk_cost(fitted, chunk_times)
+        # what the model already predicts per extra chunk (latency, hiding), the same on every rank
+        slopes = [model_chunk_slopes(fitted, list(chunk_times), world_size=dist.get_world_size(pg))
+                  if rank == 0 else None]
+        dist.broadcast_object_list(slopes, src=dist.get_global_rank(pg, 0), group=pg)
+        fitted = with_step_chunk_cost(fitted, chunk_times, slopes[0])
         if rank == 0 and progress:
-            for line in step_chunk_fit(fitted, chunk_times).lines():
+            for line in step_chunk_fit(fitted, chunk_times, slopes[0]).lines():
                 print(f"[calibrate] {line}", flush=True)
             print(f"[calibrate] chunk_overhead_s {fitted.chunk_overhead_s * 1e3:.3f} ms + chunk_feature_s "
                   f"{fitted.chunk_feature_s * 1e6:.1f} us per feature per extra chunk from the batch-split steps "
