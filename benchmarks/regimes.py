@@ -79,6 +79,7 @@ import time
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import attrs
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -106,7 +107,8 @@ from torchrec_sparselift.measure.probe import (pin_rank_to_core, prebuilt_batche
 from torchrec_sparselift.measure.steps import calibrate_steps, forced_plan
 from torchrec_sparselift.plan import sharding_plan_digest
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict, sharding_plan_to_dict
-from torchrec_sparselift.plan.evaluate import GivenPlan
+from torchrec_sparselift.plan.evaluate import GivenPlan, evaluate_sharding_plan
+from torchrec_sparselift.plan.rewrites import price_rewrites
 from torchrec_sparselift.runtime import copy_full_state, lift
 from torchrec_sparselift.runtime.timing import steady_step_s
 from torchrec_sparselift.vocabulary import comm_precision
@@ -219,6 +221,8 @@ TARGETS: Tuple[Tuple[str, str, float, str, str], ...] = (
     ("min_torchrec_over_sparselift", ">=", 0.98, "compute", "compute-bound: SparseLift >= 0.98x TorchRec on every workload"),
     ("mape_regime", "<=", 0.15, "all", "prediction MAPE <= 15% (regime profile)"),
     ("mape_unshaped", "<=", 0.15, "all", "prediction MAPE <= 15% (unshaped profile, link-corrected)"),
+    ("mape_rewrites_regime", "<=", 0.15, "all", "rewritten plans (forced and chosen): prediction MAPE <= 15% "
+     "(regime profile)"),
     ("two_d_decisions_right", "==", 1.0, "R4", "planner picks 2D exactly when 2D measures faster (share of workloads)"),
     ("two_d_loss_gap", "<=", 0.0005, "R4", "2D loss - 1D loss <= 0.0005 (loss parity, docs/benchmarks.md section 11)"),
     ("geo_best_gap_closed", ">=", 0.7, "network", "the best forced rewrite closes >= 70% of the gap to the overlap "
@@ -402,7 +406,7 @@ def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dic
         out[f"min_{k}"] = min(have) if have else None
         out[f"max_{k}"] = max(have) if have else None
     for prof in ("regime", "unshaped"):
-        pred, meas, sps = [], [], []
+        pred, meas, sps, rw_pred, rw_meas = [], [], [], [], []
         for w in workloads:
             p_w, m_w = [], []
             for name, row in w["rows"].items():
@@ -413,6 +417,9 @@ def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dic
                     continue
                 p_w.append(p)
                 m_w.append(row["measured_ms"])
+                if row.get("rewrites"):  # a rewritten plan: forced, or SparseLift's own choice
+                    rw_pred.append(p)
+                    rw_meas.append(row["measured_ms"])
             pred += p_w
             meas += m_w
             if len(p_w) >= 2:
@@ -422,6 +429,8 @@ def summarize_regime(regime: str, workloads: Sequence[Mapping[str, Any]]) -> Dic
         out[f"mape_{prof}"] = mape(pred, meas) if meas else None
         out[f"spearman_{prof}"] = statistics.fmean(sps) if sps else None
         out[f"plans_priced_{prof}"] = len(meas)
+        out[f"mape_rewrites_{prof}"] = mape(rw_pred, rw_meas) if rw_meas else None
+        out[f"rewritten_priced_{prof}"] = len(rw_meas)
     decisions = [w["ratios"].get("two_d_decision_right") for w in workloads if "two_d_decision_right" in w["ratios"]]
     decisions = [d for d in decisions if d is not None]
     out["two_d_decisions_right"] = (sum(decisions) / len(decisions)) if decisions else None
@@ -888,8 +897,8 @@ def _predict(w, spec: Mapping[str, Any], topo, profiles: Mapping[str, Any], stat
     pipe, fwd, bwd, group = _settings_of(spec)
     plan = spec["plan"]
     out: Dict[str, Optional[float]] = {}
-    if rewrite_of(spec["name"]) is not None:  # forced rewrites: priced by no given-plan evaluator
-        return {k: None for k in profiles}
+    if rewrite_of(spec["name"]) is not None:  # forced rewrites: the plan priced with exactly them
+        return {k: _forced_ms(w, spec, topo, prof, stats) for k, prof in profiles.items()}
     if (group is not None and group < topo.world_size) or rewrites_of(spec):
         which = profiles["unshaped" if spec["name"] == "sparselift_unshaped" else "regime"]
         for k, prof in profiles.items():
@@ -900,6 +909,29 @@ def _predict(w, spec: Mapping[str, Any], topo, profiles: Mapping[str, Any], stat
     for k, prof in profiles.items():
         out[k] = float(given.step_time(prof, pipe, fwd, bwd).total_s) * 1e3
     return out
+
+
+def _forced_ms(w, spec: Mapping[str, Any], topo, profile: Any, stats) -> float:
+    """Predicted ms of a forced rewrite run under ``profile``: its base plan (sharding, pipeline,
+    precisions) priced again, with exactly the rewrites the run applies
+    (``plan.rewrites.price_rewrites``; dedup on the model-parallel features it deduplicates)."""
+    pipe, fwd, bwd, _group = _settings_of(spec)
+    plan = spec["plan"]
+    sharding = getattr(plan, "sharding_plan", plan)
+    opt = getattr(plan, "optimizations", None)
+    module = probe_model(w)
+    planner = SparseLiftPlanner(topology=topo, batch_size=w.batch_size, constraints=spec["cons"], workload=stats,
+                                hardware=profile, debug=False)
+    evaluated = evaluate_sharding_plan(module, sharding, topo, w.batch_size, spec["cons"], hardware=profile,
+                                       workload=stats, pipeline=pipe, fwd_precision=fwd, bwd_precision=bwd)
+    request = attrs.evolve(planner.request(module), hardware=evaluated.profile)
+    model_parallel = {t for mp in sharding.plan.values() for t, ps in mp.items() if ps.sharding_type != "data_parallel"}
+    mp_features = {f for t in w.tables if t.name in model_parallel for f in t.features}
+    dedup = spec.get("dedup_features") or getattr(opt, "dedup_features", ())
+    step = price_rewrites(request, evaluated, batch_split=spec.get("batch_split") or getattr(opt, "batch_split", 1),
+                          id_dtype=spec.get("id_dtype") or getattr(opt, "id_dtype", "int64"),
+                          dedup_features=[f for f in dedup if f in mp_features])
+    return step * 1e3
 
 
 def parity_control(specs: Mapping[str, Mapping[str, Any]]) -> Optional[str]:
@@ -1077,7 +1109,7 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
                    + (f" {rewrites}" if rewrites else ""), key=s["key"], base=s.get("base"),
                    comm_part_ms=src.get("comm_ms"), same_as=s["same_as"], predicted_ms=s["predicted_ms"], planning_s=s.get("planning_s"),
                    never_slower=s.get("never_slower"), is_2d=s.get("is_2d"),
-                   replica_sync_ms=s.get("replica_sync_ms"))
+                   replica_sync_ms=s.get("replica_sync_ms"), rewrites=rewrites)
         if s["name"].startswith("sparselift"):  # the profile it planned with
             row["profile"] = ("unshaped" if s["name"] == "sparselift_unshaped"
                               or profiles["regime"] is profiles.get("unshaped") else "regime")

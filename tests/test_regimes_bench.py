@@ -374,3 +374,17 @@ def test_ddp_bytes_count_what_ddp_all_reduces_not_what_it_ignores():
     from launcher import run_ranks
 
     assert run_ranks(_ddp_bytes_rank, 2, timeout_s=60) == [(4 * 3 + 3) * 4] * 2
+
+
+def test_rewritten_plans_have_their_own_mape_and_target():
+    w = _workload({"torchrec": _row(100.0), "sparselift": _row(80.0, {"regime": 60.0, "unshaped": 80.0},
+                                                                   rewrites="split4+int32"),
+                   "torchrec_split4": _row(70.0, {"regime": 77.0, "unshaped": 70.0}, rewrites="split4", base="torchrec"),
+                   "torchrec_split8": _row(90.0, {"regime": None, "unshaped": None}, rewrites="split8", base="torchrec")})
+    s = regimes.summarize_regime("R2", [w])
+    # the unpriced run counts in neither MAPE; the plain run only in the whole one
+    assert s["rewritten_priced_regime"] == 2
+    assert s["mape_rewrites_regime"] == pytest.approx((0.25 + 0.1) / 2)
+    assert s["mape_regime"] == pytest.approx((0 + 0.25 + 0.1) / 3)
+    t = {x["key"]: x for x in regimes.check_targets(s)}
+    assert t["mape_rewrites_regime"]["met"] is False

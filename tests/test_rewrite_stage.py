@@ -266,3 +266,29 @@ def test_a_2d_plan_records_why_it_has_no_rewrites():
     o = res.optimizations()
     assert (o.batch_split, o.id_dtype, o.dedup_features) == (1, "int64", ())
     assert res.step_time_s == res.search.step.total_s + res.sync_s
+
+
+def test_forced_rewrites_are_priced_as_the_stage_prices_its_choice_and_a_forced_split_may_cost():
+    from torchrec_sparselift.plan.rewrites import price_rewrites
+
+    planner, res = _plan(_profile(**COMM_HEAVY))
+    r, req = res.rewrites, planner.last_request
+    assert r.batch_split > 1
+    forced = price_rewrites(req, res, batch_split=r.batch_split, id_dtype=r.id_dtype)
+    assert forced == pytest.approx(r.step_s, rel=1e-9)  # the choice, forced, is its own price
+    assert price_rewrites(req, res) == pytest.approx(r.step_without_s, rel=1e-9)  # nothing forced
+    assert price_rewrites(req, res, id_dtype="int32") <= r.step_without_s  # overlap hides the input dist
+    base_planner, base = _plan(_profile(**COMM_HEAVY), pipelines=["base"])  # base waits for it
+    assert price_rewrites(base_planner.last_request, base, id_dtype="int32") < base.rewrites.step_without_s
+    with pytest.raises(ValueError, match="chunks the 'overlap' pipeline"):
+        price_rewrites(base_planner.last_request, base, batch_split=2)
+    # a chunk dearer than the transfer it hides: the forced split is slower than no split
+    dear_planner, dear = _plan(_profile(**COMM_HEAVY, chunk_overhead_s=0.05))
+    assert dear.rewrites.batch_split == 1
+    slow = price_rewrites(dear_planner.last_request, dear, batch_split=8)
+    assert slow > dear.rewrites.step_without_s
+    with pytest.raises(ValueError, match="no chunk_overhead_s"):
+        uncal_planner, uncal = _plan(_profile(**COMM_HEAVY, chunk_overhead_s=None))
+        price_rewrites(uncal_planner.last_request, uncal, batch_split=2)
+    with pytest.raises(ValueError, match="not model-parallel features"):
+        price_rewrites(req, res, dedup_features=["nope"])

@@ -3,6 +3,7 @@ a bound never above the exhaustive optimum, and the shortlist placer equal to th
 the shortlist holds every rank. The scale path is forced on small instances by lowering
 ``scale.SCALE_MIN_WORK``."""
 
+import time
 import warnings
 
 import attrs
@@ -12,10 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchrec_sparselift.cost.hardware import PRESETS
-from torchrec_sparselift.cost.model import DEV_MEM, CostContext, DenseWork
+from torchrec_sparselift.cost.model import DEV_MEM, CostContext, DenseWork, piece_loads, step_total_batch
 from torchrec_sparselift.errors import SparseLiftPlannerError
-from torchrec_sparselift.search import scale
-from torchrec_sparselift.search.place import best_placement, greedy_place
+from torchrec_sparselift.cost.terms import layout
+from torchrec_sparselift.search import lp, scale
+from torchrec_sparselift.search.place import WorkBudget, best_placement, greedy_place
 from torchrec_sparselift.search.problem import build_problem
 from torchrec_sparselift.search.solve import new_evaluator, solve
 from search_helpers import exhaustive_optimum, table_spec
@@ -38,6 +40,24 @@ def _problem(tabs, W, L, cap_frac=None, pipelines=("sparse_dist",), overhead=20e
 @pytest.fixture
 def scale_path(monkeypatch):
     monkeypatch.setattr(scale, "SCALE_MIN_WORK", 0)
+
+
+@pytest.fixture(scope="module")
+def each_table_out():
+    """A random greedy plan of ``tabs`` on ``topo`` = (W, L); yields (evaluator, problem, t)
+    with table ``t`` taken out of the plan, then puts it back."""
+    def run(tabs, topo, seed):
+        W, L = topo
+        prob = _problem(tabs, W, L)
+        ev = new_evaluator(prob, "sparse_dist")
+        rng = np.random.default_rng(seed)
+        greedy_place(ev, prob, [int(rng.choice(ids)) for ids in prob.candidates])
+        for t in range(prob.num_tables):
+            old = ev.assignment[t]
+            ev.unassign(t)
+            yield ev, prob, t
+            ev.assign(t, *old)
+    return run
 
 
 tables = st.lists(
@@ -82,23 +102,15 @@ def test_scale_path_plan_is_complete_priced_by_the_evaluator_and_bounded(scale_p
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(10**3, 10**7), st.sampled_from([32, 64, 128]), st.floats(1, 60)),
                 min_size=3, max_size=12), st.sampled_from([(8, 4), (16, 8)]), st.integers(0, 10**6))
-def test_shortlist_placement_with_every_rank_is_best_placement(tabs, topo, seed):
-    W, L = topo
-    prob = _problem(tabs, W, L)
-    ev = new_evaluator(prob, "sparse_dist")
-    rng = np.random.default_rng(seed)
-    greedy_place(ev, prob, [int(rng.choice(ids)) for ids in prob.candidates])
-    for t in range(prob.num_tables):
-        old = ev.assignment[t]
-        ev.unassign(t)
+def test_shortlist_placement_with_every_rank_is_best_placement(each_table_out, tabs, topo, seed):
+    for ev, prob, t in each_table_out(tabs, topo, seed):
         for c in prob.candidates[t]:
             full = best_placement(ev, prob, t, c)
-            short = scale.shortlist_placement(ev, prob, t, c, price_ranks=W)
+            short = scale.shortlist_placement(ev, prob, t, c, price_ranks=ev.W)
             assert (full is None) == (short is None)
             if full is not None:
                 assert short[1] == pytest.approx(full[1], rel=1e-12)
                 assert sorted(short[0]) == sorted(full[0])
-        ev.assign(t, *old)
 
 
 def test_fast_place_respects_memory_and_falls_back_instead_of_dropping():
@@ -142,18 +154,56 @@ def test_scale_path_at_production_size_is_near_its_bound():
 @given(st.lists(st.tuples(st.integers(10**3, 10**7), st.sampled_from([32, 64, 128]), st.floats(1, 60)),
                 min_size=3, max_size=10), st.sampled_from([(8, 4), (16, 8)]), st.integers(0, 10**6),
        st.sampled_from([4, 64]))
-def test_shortlist_placer_of_a_table_prices_as_shortlist_placement(tabs, topo, seed, price_ranks):
+def test_shortlist_placer_of_a_table_prices_as_shortlist_placement(each_table_out, tabs, topo, seed,
+                                                                   price_ranks):
     # ShortlistPlacer.for_table shares the per-rank rows over a table's options: every option
     # gets the placement and objective the uncached shortlist_placement gives it
-    W, L = topo
-    prob = _problem(tabs, W, L)
-    ev = new_evaluator(prob, "sparse_dist")
-    rng = np.random.default_rng(seed)
-    greedy_place(ev, prob, [int(rng.choice(ids)) for ids in prob.candidates])
-    for t in range(prob.num_tables):
-        old = ev.assignment[t]
-        ev.unassign(t)
+    for ev, prob, t in each_table_out(tabs, topo, seed):
         place = scale.ShortlistPlacer(price_ranks).for_table(ev, prob, t)
         for c in prob.candidates[t]:
             assert place(ev, prob, t, c) == scale.shortlist_placement(ev, prob, t, c, price_ranks)
-        ev.assign(t, *old)
+
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tables, st.sampled_from([(2, 2), (4, 2), (4, 4)]), st.sampled_from(["sparse_dist", "prefetch"]))
+def test_round_choice_keeps_the_argmax_where_it_fits_and_reprices_where_not(tabs, topo, pipeline):
+    W, L = topo
+    prob = _problem(tabs, W, L)
+    res = lp.solve_lp(prob, pipeline, fit=True)
+    assert len(res.fitted_choice) == prob.num_tables
+    assert all(c in ids for c, ids in zip(res.fitted_choice, prob.candidates))
+    # column maxima no shard exceeds: every table keeps the LP's argmax
+    roomy = np.full(layout().width, 1e30)
+    assert lp.round_choice(prob, res.x, roomy, 0.0, pipeline, "fp32", "fp32") == res.choice
+    # no room at all (zmax = 0, x = 0): each table takes the option whose own shard and average
+    # load alone price lowest
+    lay = layout()
+    tight = lp.round_choice(prob, np.zeros_like(res.x), np.zeros(lay.width), 0.0, pipeline, "fp32", "fp32")
+    groups = len({c.sharding_type for c in prob.cands})
+    for t, ids in enumerate(prob.candidates):
+        def alone(i):
+            c, cost = prob.cands[i], prob.costs[i]
+            row = np.maximum(c.num_shards * (cost.owner / W + cost.peers),
+                             piece_loads(cost.owner[None, :], prob.ctx)[0] + lay.group_costs(prob.ctx.profile)
+                             + cost.peers)
+            row[[j for j in range(lay.width) if j not in lay.time]] = 0.0
+            return float(step_total_batch(row[None, :], 0.0, groups, prob.ctx, pipeline)[0])
+        assert alone(tight[t]) <= min(alone(i) for i in ids) * (1 + 1e-9)
+
+
+def test_scale_path_is_deterministic_and_its_local_search_never_worsens_the_seed(scale_path):
+    tabs = [(4 * 10**6, 128, 8.0), (10**6, 64, 20.0), (3 * 10**5, 32, 4.0), (10**5, 64, 30.0)] * 3
+    prob = _problem(tabs, 8, 4)
+    first = solve(prob, time_budget_s=0.5, solver="heuristic")
+    again = solve(prob, time_budget_s=0.5, solver="heuristic")
+    assert first.assignment == again.assignment
+    assert first.step.total_s == again.step.total_s
+    seed = lp.solve_lp(prob, "sparse_dist", fit=True).fitted_choice
+    ev = new_evaluator(prob, "sparse_dist")
+    assert scale.fast_place(ev, prob, seed) == []
+    before = ev.objective()
+    moves, cut = scale.scale_local_search(ev, prob, time.monotonic() + 60, WorkBudget(10**6, time.monotonic() + 60))
+    assert not cut
+    assert ev.objective() <= before * (1 + 1e-12)
+    assert ev.objective() == pytest.approx(ev.full_objective(), rel=1e-9)

@@ -52,6 +52,7 @@ __all__ = [
     "BATCH_SPLIT_PIPELINE",
     "SplitTerms",
     "chunk_dense_s",
+    "pooled_features",
     "ChunkTimes",
     "SplitSchedule",
     "split_schedule",
@@ -87,6 +88,12 @@ def chunk_dense_s(profile: Any, features: int) -> Optional[float]:
     if overhead is None:
         return None
     return float(overhead) + float(getattr(profile, "chunk_feature_s", None) or 0.0) * features
+
+
+def pooled_features(handles: Any) -> int:
+    """The features of the pooled tables among ``handles`` (``TableHandle``s): what a batch chunk
+    cuts per feature (``chunk_feature_s``)."""
+    return sum(len(h.spec.feature_names) for h in handles if h.spec.is_pooled)
 
 
 def _s() -> float:

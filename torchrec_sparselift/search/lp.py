@@ -19,7 +19,9 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.model import step_total_batch
+from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE
+from torchrec_sparselift.cost.model import phase_table, step_total_batch
+from torchrec_sparselift.cost.pipelines import PHASE_NAMES, exposed, step_factor
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (  # noqa: F401  (re-exported: one definition)
     Equation,
@@ -35,6 +37,7 @@ from torchrec_sparselift.search.equation import (  # noqa: F401  (re-exported: o
     load_maxima,
     phase_forms,
     piece_loads,
+    split_floor_s,
     step_rows,
     step_vars,
     total_memory_rows,
@@ -53,6 +56,9 @@ class LPResult:
     choice: Tuple[int, ...]  # chosen candidate id per table (argmax of x)
     x: np.ndarray = attrs.field(eq=False)
     status: str = "optimal"
+    #: the choice rounded by :func:`round_choice` against the LP's column maxima (solve_lp's
+    #: ``fit``; () without): the seed at scale
+    fitted_choice: Tuple[int, ...] = ()
 
 
 def term_entries(z, iy_in, iy_out, ia, fs, bs, dense_fwd, dense_bwd, ilat=None, step_overhead=0.0,
@@ -74,7 +80,10 @@ def solve_lp(
     fwd_precision: str = defaults.COMM_PRECISION,
     bwd_precision: str = defaults.COMM_PRECISION,
     time_limit_s: float = 30.0,
+    fit: bool = False,
 ) -> LPResult:
+    """The LP's bound and choice (module docs); ``fit``: also round it by :func:`round_choice`
+    (``LPResult.fitted_choice``, the seed at scale)."""
     ctx = prob.ctx
     p = ctx.profile
     W = ctx.world_size
@@ -89,7 +98,7 @@ def solve_lp(
     iz = load_maxima(eq)
     sv = step_vars(eq, iz)
     # Units: milliseconds for time, link columns pre-divided by their bandwidth, GiB for memory.
-    ft = fixed_terms(ctx)
+    ft = fixed_terms(ctx, split=prob.split_overhead_s is not None)
     scale = column_scale(p)
     own = owner * scale[None, :]
     per = peers * scale[None, :]
@@ -126,10 +135,12 @@ def solve_lp(
         # infeasible aggregated memory means no plan can fit
         return LPResult(lower_bound_s=float("nan"), choice=(), x=np.zeros(nx), status=f"lp:{res.message}")
     x = res.x[:nx]
-    choice = []
-    for ids in prob.candidates:
-        vals_t = x[list(ids)]
-        choice.append(int(ids[int(np.argmax(vals_t))]))
+    choice = [int(ids[int(np.argmax(x[list(ids)]))]) for ids in prob.candidates]
+    zmax = lay.zeros()  # the LP's column maxima in the evaluator's units (seconds, bytes)
+    for c in lay.time:
+        zmax[c] = res.x[iz[c]] / scale[c] if scale[c] else 0.0
+    fitted = (round_choice(prob, x, zmax, float(x @ allreduce), pipeline, fwd_precision, bwd_precision)
+              if fit else ())
     # linprog's optimum is feasible-primal; its objective is the bound (small tolerance). The
     # all-reduce row charges its latency always; a plan without dense parameters or
     # data-parallel tables has no all-reduce, so that latency is taken off the bound (the
@@ -137,7 +148,61 @@ def solve_lp(
     spare = 0.0 if ft.dense_allreduce else ft.latency
     bound = max(0.0, float(res.fun) - spare) / 1e3 * (1 - 1e-6)
     return LPResult(lower_bound_s=bound, choice=tuple(choice), x=x,
-                    status="optimal" if res.status == 0 else "time_limit")
+                    status="optimal" if res.status == 0 else "time_limit", fitted_choice=fitted)
+
+
+def round_choice(prob: PlanningProblem, x: np.ndarray, zmax: np.ndarray, allreduce_bytes: float,
+                 pipeline: str, fwd_precision: str, bwd_precision: str) -> Tuple[int, ...]:
+    """The LP's fractional choice ``x`` rounded to one option per table against the LP's column
+    maxima ``zmax`` (seconds and bytes, the evaluator's units).
+
+    A table keeps its largest-``x`` option (ties: the lower id) when that option's single shard
+    fits under ``zmax`` in every time column (``piece``: the shard's increment of its rank, with
+    one TBE group's fixed cost and its peers' load). Otherwise it takes the option that raises
+    the step time of ``zmax`` the least: per option ``o`` of table ``t``, column maxima
+    ``max(zmax + avg_o - avg_t(x), piece_o)`` (``avg``: the load over all ranks divided by the
+    ranks, ``avg_t(x)`` the table's fractional share), composed by
+    :func:`~torchrec_sparselift.cost.model.step_total_batch`; ties (within 1e-9) go to the larger
+    ``x``, then to the lower id.
+
+    Why: the LP has largest-piece rows for the tables with the biggest pieces only, so for the
+    others its optimum is degenerate (any option is optimal while the averages have room) and
+    the plain argmax can pick an option whose one shard alone exceeds every column maximum (a
+    table-wise UVM shard whose backward is tens of milliseconds). Only those tables move, one
+    at a time against the same ``zmax``: re-pricing every table independently lets each take
+    a little of the same slack (thousands of small moves that together overload a column)."""
+    ctx = prob.ctx
+    W = ctx.world_size
+    lay = layout()
+    nx = len(prob.cands)
+    if not nx:
+        return ()
+    n = np.array([c.num_shards for c in prob.cands], dtype=float)
+    owner = np.stack([c.owner for c in prob.costs])
+    peers = np.stack([c.peers for c in prob.costs])
+    time_cols = np.zeros(lay.width, dtype=bool)
+    time_cols[list(lay.time)] = True
+    avg = (n[:, None] * (owner / W + peers)) * time_cols[None, :]
+    piece = (piece_loads(owner, ctx) + lay.group_costs(ctx.profile)[None, :] + peers) * time_cols[None, :]
+    share = np.zeros((prob.num_tables, lay.width))
+    tab = np.empty(nx, dtype=np.int64)
+    for t, ids in enumerate(prob.candidates):
+        tab[list(ids)] = t
+    np.add.at(share, tab, x[:, None] * avg)
+    rows = np.maximum(np.maximum(zmax[None, :] + avg - share[tab], 0.0), piece)
+    groups = len({c.sharding_type for c in prob.cands})
+    price = step_total_batch(rows, allreduce_bytes, groups, ctx, pipeline, fwd_precision, bwd_precision)
+    fits = np.all(piece <= zmax[None, :] * (1 + 1e-6) + 1e-15, axis=1)
+    out = []
+    for ids in prob.candidates:
+        top = max(ids, key=lambda i: (float(x[i]), -i))
+        if fits[top]:
+            out.append(top)
+            continue
+        best = min(float(price[i]) for i in ids)
+        ok = [i for i in ids if price[i] <= best * (1 + 1e-9) + 1e-15]
+        out.append(min(ok, key=lambda i: (-float(x[i]), i)))
+    return tuple(out)
 
 
 def analytic_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = defaults.COMM_PRECISION,
@@ -165,5 +230,12 @@ def analytic_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = de
     if prob.candidates:  # the rank holding a piece pays at least one TBE group's fixed cost
         piece += lay.group_costs(prob.ctx.profile)
     colmax = np.maximum(lb, piece)
-    return float(step_total_batch(colmax[None, :], allreduce, 0, prob.ctx, pipeline,
+    step = float(step_total_batch(colmax[None, :], allreduce, 0, prob.ctx, pipeline,
                                   fwd_precision, bwd_precision)[0])
+    if prob.split_overhead_s is not None and pipeline == BATCH_SPLIT_PIPELINE:  # every k: equation.split_floor_rows
+        ctx = prob.ctx
+        table = phase_table(colmax[None, :], allreduce, 0, ctx, fwd_precision, bwd_precision, pipeline)
+        row = exposed(table, getattr(ctx.profile, "supports_overlap", True))[0]
+        floor = split_floor_s(dict(zip(PHASE_NAMES, row.tolist())))
+        step = min(step, min(1.0, step_factor(ctx.profile, pipeline, ctx.num_hosts > 1)) * floor)
+    return step

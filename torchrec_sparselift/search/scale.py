@@ -5,22 +5,28 @@
 :mod:`.place`, about 1 ms a shard at 4,096 ranks, plus one refresh of the evaluator's column
 maxima per table) no longer fits the budget. The stages and what changes at scale:
 
-1. **Choice and bound**: the LP of :mod:`.lp`, unchanged. It has no per-rank variables (every
-   rank is alike: loads enter as their average over ranks and as the largest single piece), so
-   its size grows with the candidates, not with the world size; its optimum is the bound.
-   Its wall-clock safety limit is :data:`SCALE_LP_LIMIT_S` (its choice is the only seed).
+1. **Choice and bound**: the LP of :mod:`.lp`. It has no per-rank variables (every rank is
+   alike: loads enter as their average over ranks and as the largest single piece), so its size
+   grows with the candidates, not with the world size; its optimum is the bound. Its choice is
+   the only seed, rounded by :func:`.lp.round_choice` (a table whose largest-``x`` option has a
+   shard above the LP's column maxima takes the option that raises the LP's step the least:
+   the plain argmax leaves UVM table-wise shards of tens of milliseconds there). Its wall-clock
+   safety limit is :data:`SCALE_LP_LIMIT_S`.
 2. **Placement** (:func:`fast_place`): LPT over the LP's rounded choice, biggest shards first,
    on numpy arrays of the per-rank loads the cost model composes (no evaluator refresh per
    shard). Each shard is priced with the model's own step-time composition
    (:func:`~torchrec_sparselift.cost.model.step_total_batch`) on a shortlist only: the
    :data:`PRICE_RANKS` least-loaded ranks (or hosts, for host-wide shardings) that can take it
-   in memory, ties going to the least-loaded. Per-rank memory is a hard limit; a table whose
+   in memory; ties (most shards raise no column maximum) go to the rank whose squared
+   per-column loads grow the least (each column balanced on its own; a host-wide shard: the
+   least-loaded host). Per-rank memory is a hard limit; a table whose
    choice fits nowhere falls back to the other option that fits with the lowest step time
    (ties: the smallest memory); no table is dropped. The plan enters a
    :class:`~torchrec_sparselift.cost.evaluator.PlanEvaluator` in one bulk assignment, so the step time reported is the evaluator's.
-3. **Local search** (:func:`.place.local_search`, through its ``placer`` hook) with
-   :func:`shortlist_placement` as its placer and one table per hot rank (its hottest): it
-   re-places or re-shards the table that sets each column's maximum. At 10,000 tables this
+3. **Local search** (:func:`scale_local_search`: :func:`.place.local_search` through its
+   ``placer`` hook) with :func:`shortlist_placement` as its placer, first with one table per hot
+   rank (its hottest), then, each time no move helps, with the next width of
+   :data:`TABLES_PER_RANK`: it re-places or re-shards the tables that set each column's maximum. At 10,000 tables this
    is what turns the LP's rounded choice (whose hottest tables keep big pieces) into a plan
    near the bound. It prices under ``prefetch`` when allowed (the pipeline that hides the
    most; the plan is then priced under every allowed pipeline as on the small path), and
@@ -35,13 +41,13 @@ import numpy as np
 
 from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, step_total_batch
 from torchrec_sparselift.cost.terms import layout
-from torchrec_sparselift.search.place import _objectives, best_placement, rank_time
+from torchrec_sparselift.search.place import _objectives, best_placement, local_search, rank_time
 from torchrec_sparselift.search.place import _pick as _place_pick
 from torchrec_sparselift.search.problem import PlanningProblem
 from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
-__all__ = ["fast_place", "shortlist_placement", "ShortlistPlacer", "use_scale_path", "SCALE_MIN_WORK", "SCALE_SEARCH_S",
-           "SCALE_LP_LIMIT_S", "PRICE_RANKS"]
+__all__ = ["fast_place", "shortlist_placement", "ShortlistPlacer", "use_scale_path", "scale_local_search",
+           "SCALE_MIN_WORK", "SCALE_SEARCH_S", "SCALE_LP_LIMIT_S", "PRICE_RANKS", "TABLES_PER_RANK"]
 
 #: ``num_tables * world_size`` from which solve() takes this path (production-2000 on 512
 #: ranks is about 1e6; the per-shard greedy there takes a few seconds)
@@ -56,6 +62,9 @@ SCALE_SEARCH_S = 10.0
 #: 4,096 ranks; on a shared machine its wall time can be several times that, and without it
 #: the plan falls back to the "least work" seed and the analytic bound)
 SCALE_LP_LIMIT_S = 90.0
+#: the local search's tables tried per hot rank, widened each time it converges (while the
+#: work budget lasts): the hottest table first, which is cheap and settles the seed, then more
+TABLES_PER_RANK = (1, 4, 12)
 
 
 def use_scale_path(prob: PlanningProblem) -> bool:
@@ -147,7 +156,9 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
         sel = np.argpartition(key[ok], m - 1)[:m] if len(ok) > m else np.arange(len(ok))
         idx = ok[sel]
         rows = rows_for(idx, cand)
-        tie = key[idx].copy()
+        # ties: the rank whose squared per-column loads grow the least (each column balanced on
+        # its own; the scalar load lets one column pile up to its maximum on ranks light in others)
+        tie = ((rows * w[None, :]) ** 2).sum(axis=1) - ((loads[idx] * w[None, :]) ** 2).sum(axis=1)
         chosen: List[int] = []
         cm_local = colmax.copy()
         obj_last = float("inf")
@@ -197,6 +208,21 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
             commit(t, best[0], best[1])
     ev.assign_many(assignment)
     return unplaced
+
+
+def scale_local_search(ev, prob: PlanningProblem, deadline: float, budget,
+                       tables_per_rank: Sequence[int] = TABLES_PER_RANK) -> Tuple[int, bool]:
+    """:func:`.place.local_search` with :class:`ShortlistPlacer`, trying the hottest table of
+    each hot rank until no move helps, then the ``tables_per_rank`` next widths in turn, all on
+    the one ``budget``. Returns (moves applied, whether the budget stopped it)."""
+    moves = 0
+    placer = ShortlistPlacer()
+    for k in tables_per_rank:
+        more, cut = local_search(ev, prob, deadline=deadline, budget=budget, tables_per_rank=k, placer=placer)
+        moves += more
+        if cut:
+            return moves, True
+    return moves, False
 
 
 def _time_weights(prob: PlanningProblem) -> np.ndarray:
