@@ -38,7 +38,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift.cost.batch_split import (
-    BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitSchedule, SplitTerms, split_schedule, split_step_s,
+    BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitSchedule, SplitTerms, chunk_dense_s, pooled_features, split_schedule,
+    split_step_s,
 )
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import rewrite_wire
@@ -297,8 +298,9 @@ def search_rewrites(request: Any, handles: Sequence[Any], pipelines: Sequence[st
     sharding type fits int32 (so every plan of the space may narrow its ids), per-feature dedup
     where ``dedup`` is allowed and the profile has ``dedup_id_s``; None where neither applies, for
     a 2D plan, ``cost_model='torchrec'``, or sequence and feature-processed tables (the runtime
-    rewrites EmbeddingBagCollections' input dists only). ``split_overhead_s``: the profile's
-    ``chunk_overhead_s`` where the batch split applies to every plan the search may choose under
+    rewrites EmbeddingBagCollections' input dists only). ``split_overhead_s``: one more chunk's
+    dense cost on the profile (``cost.batch_split.chunk_dense_s``: ``chunk_overhead_s`` plus
+    ``chunk_feature_s`` per pooled feature of the tables) where the batch split applies to every plan the search may choose under
     ``overlap`` (:func:`_split_refusal`), else None. :func:`choose_rewrites` judges one plan by
     the same rules, so it prices what the search priced."""
     if two_d or not str(request.cost_model).startswith("sparselift"):
@@ -317,7 +319,7 @@ def search_rewrites(request: Any, handles: Sequence[Any], pipelines: Sequence[st
     split = None
     if BATCH_SPLIT in allowed and BATCH_SPLIT_PIPELINE in pipelines and _split_refusal(
             request, handles, BATCH_SPLIT_PIPELINE, profile, SPLIT_SHARDING_TYPES) is None:
-        split = _calibrated(profile, "chunk_overhead_s")
+        split = chunk_dense_s(profile, pooled_features(handles))  # the features are the search's every plan's
     return wire, split
 
 
@@ -426,7 +428,8 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
     if BATCH_SPLIT in allowed:
         why = _split_refusal(request, res.handles, s.pipeline, profile, (st for st, _ in sharding.values()))
         if why is None:
-            terms = split_terms(ev, _calibrated(profile, "chunk_overhead_s") or 0.0)
+            terms = split_terms(ev, _calibrated(profile, "chunk_overhead_s") or 0.0,
+                                _calibrated(profile, "chunk_feature_s") or 0.0, pooled_features(res.handles))
             k, step = split_price(step_w, terms, ctx.batch_size)
             split_saved = max(0.0, step_w - step)
             if k == 1:
@@ -506,7 +509,8 @@ def price_rewrites(request: Any, res: Any, *, batch_split: int = 1, id_dtype: st
         overhead = _calibrated(profile, "chunk_overhead_s")
         if overhead is None:
             raise ValueError(f"price_rewrites: the profile {profile.name} has no chunk_overhead_s; " + _CALIBRATE)
-        terms = split_terms(ev, overhead)
+        terms = split_terms(ev, overhead, _calibrated(profile, "chunk_feature_s") or 0.0,
+                            pooled_features(res.handles))
         step += split_step_s(terms, batch_split) - split_step_s(terms, 1)
         step = max(step, split_floor_terms(terms))  # one compute flow, one link
     return max(0.0, step)

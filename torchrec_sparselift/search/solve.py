@@ -91,13 +91,16 @@ def new_evaluator(prob: PlanningProblem, pipeline: str, fwd: str = defaults.COMM
     )
 
 
-def split_terms(ev: PlanEvaluator, chunk_overhead_s: float) -> SplitTerms:
+def split_terms(ev: PlanEvaluator, chunk_overhead_s: float, chunk_feature_s: float = 0.0,
+                features: int = 0) -> SplitTerms:
     """The batch-split terms of ``ev``'s plan (its loads under the ``overlap`` kind and its comm
     precisions): ``SplitTerms.from_cost_model``, the one construction the search and the rewrite
-    stage price the split on."""
+    stage price the split on. One more chunk's dense cost: ``chunk_overhead_s + chunk_feature_s *
+    features`` (the search passes that sum as ``chunk_overhead_s``)."""
     # (the incremental loads may hold a rounding residue below 0 where a table left: -1e-20 s)
     return SplitTerms.from_cost_model(np.maximum(ev.colmax(), 0.0), max(0.0, ev.allreduce_bytes), ev.comm_groups, ev.ctx,
-                                      chunk_overhead_s=chunk_overhead_s, fwd_precision=ev.fwd_precision,
+                                      chunk_overhead_s=chunk_overhead_s, chunk_feature_s=chunk_feature_s,
+                                      features=features, fwd_precision=ev.fwd_precision,
                                       bwd_precision=ev.bwd_precision)
 
 
