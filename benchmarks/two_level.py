@@ -13,10 +13,11 @@ before anything is timed. Then interleaved rounds (every scheme at every size on
 order rotated each round), each a fresh send buffer, one untimed call, then ``--calls`` calls, each
 after a barrier; a call's time is the slowest rank's, a round's the median call. Printed per size:
 each scheme's median over rounds, the paired ratio two-level / flat (median over rounds of the
-round's ratio) and the price's ratio (``two_level.price``) from what the same job measures of its own
-link first: the intra-host and the inter-host rate (4 MiB per pair), the latency of a call and of a
-message (one-element all-to-alls within a host, across hosts, over all ranks) and the regrouping
-copy's seconds per byte.
+round's ratio), the same ratio of ``rail``'s cross-host stage timed alone (``rail_cross``), and
+the price's ratio (``two_level.price``) from what the same job measures of its own link first:
+the intra-host and the inter-host rate (4 MiB per pair), the latency of a call and of a message
+(one-element all-to-alls within a host, across hosts, over all ranks) and the regrouping copy's
+seconds per byte.
 
 Run on the testbed (2 hosts x 2 ranks, 1 Gbit/s per host link)::
 
@@ -112,6 +113,19 @@ def leader(x: torch.Tensor, g: Groups) -> torch.Tensor:
 RUN: Dict[str, Callable[[torch.Tensor, Groups], torch.Tensor]] = {"flat": flat, "rail": rail, "leader": leader}
 
 
+def rail_cross(x: torch.Tensor, g: Groups) -> torch.Tensor:
+    """``rail``'s cross-host stage alone (``L`` blocks to each other host's rank of this local index):
+    what of ``rail`` is the cross-host exchange, timed beside the whole (not an all-to-all of ``x``)."""
+    y = torch.empty_like(x)
+    dist.all_to_all_single(y, x, group=g.cross)
+    return y
+
+
+#: parts of a scheme, timed beside the schemes
+PARTS: Dict[str, Callable[[torch.Tensor, Groups], torch.Tensor]] = {"rail_cross": rail_cross}
+TIMED = {**RUN, **PARTS}
+
+
 def send_buffer(rank: int, world: int, n: int) -> torch.Tensor:
     """Distinct values per (sender, receiver, element), exact in float32."""
     base = torch.arange(n, dtype=torch.float32) % 4096
@@ -202,22 +216,22 @@ def run(args: argparse.Namespace, g: Groups) -> Dict[str, object]:
     if args.check_only:
         return {"checked_sizes": args.sizes}
     prices = measure_link(g, args.calls, shared=not args.link_per_rank)
-    runs: Dict[tuple, List[float]] = {(s, k): [] for s in args.sizes for k in SCHEMES}
+    runs: Dict[tuple, List[float]] = {(s, k): [] for s in args.sizes for k in TIMED}
 
     def measure(item: tuple, _round: int) -> None:
         size, scheme = item
         x = send_buffer(g.rank, g.world, size // ELEM)
-        runs[item].append(statistics.median(timed_calls(lambda: RUN[scheme](x, g), args.calls)))
+        runs[item].append(statistics.median(timed_calls(lambda: TIMED[scheme](x, g), args.calls)))
 
     interleaved_rounds(list(runs), measure, args.rounds)
     rows = []
     for size in args.sizes:
         shape = two_level.A2AShape(g.hosts, g.local, float(size))
         priced = {k: two_level.price(shape, prices, k).seconds for k in SCHEMES}
-        row = dict(pair_bytes=size, measured_s={k: statistics.median(runs[(size, k)]) for k in SCHEMES},
-                   spread={k: spread(runs[(size, k)]) for k in SCHEMES}, priced_s=priced, rounds=
-                   {k: runs[(size, k)] for k in SCHEMES})
-        row["ratio"] = {k: paired_ratio(runs[(size, k)], runs[(size, "flat")]) for k in two_level.TWO_LEVEL_SCHEMES}
+        row = dict(pair_bytes=size, measured_s={k: statistics.median(runs[(size, k)]) for k in TIMED},
+                   spread={k: spread(runs[(size, k)]) for k in TIMED}, priced_s=priced, rounds=
+                   {k: runs[(size, k)] for k in TIMED})
+        row["ratio"] = {k: paired_ratio(runs[(size, k)], runs[(size, "flat")]) for k in (*two_level.TWO_LEVEL_SCHEMES, *PARTS)}
         row["priced_ratio"] = {k: priced[k] / priced["flat"] for k in two_level.TWO_LEVEL_SCHEMES}
         rows.append(row)
     return {"hosts": g.hosts, "ranks_per_host": g.local, "rounds": args.rounds, "calls": args.calls,
@@ -234,11 +248,11 @@ def report(out: Dict[str, object]) -> None:
           f"{p['inter_message_s'] * 1e6:.0f} us inter, copy {p['copy_byte_s'] * 1e9:.2f} ns/B, "
           f"link {'shared by a host' if p['host_link_shared'] else 'per rank'}")
     print(f"{'bytes/pair':>10} {'flat ms':>9} {'rail ms':>9} {'leader ms':>9}  {'rail/flat':>9} {'priced':>7}"
-          f"  {'leader/flat':>11} {'priced':>7}  {'spread flat/rail/leader':>24}")
+          f"  {'leader/flat':>11} {'priced':>7}  {'rail cross stage/flat':>21}  {'spread flat/rail/leader':>24}")
     for r in out["rows"]:
         m, q, pr, sp = r["measured_s"], r["ratio"], r["priced_ratio"], r["spread"]
         print(f"{r['pair_bytes']:>10} {m['flat'] * 1e3:>9.2f} {m['rail'] * 1e3:>9.2f} {m['leader'] * 1e3:>9.2f}  "
-              f"{q['rail']:>9.2f} {pr['rail']:>7.2f}  {q['leader']:>11.2f} {pr['leader']:>7.2f}  "
+              f"{q['rail']:>9.2f} {pr['rail']:>7.2f}  {q['leader']:>11.2f} {pr['leader']:>7.2f}  {q['rail_cross']:>21.2f}  "
               f"{sp['flat']:>7.0%} {sp['rail']:>7.0%} {sp['leader']:>7.0%}", flush=True)
 
 

@@ -254,7 +254,10 @@ def reprice_plan(ep: Any, planner: Any, module: Any, constraints: Optional[Mappi
     expl = explain_tables(evaluated, dev_cap, host_cap, top=top)
     step = evaluated.search.step
     supports = getattr(evaluated.profile, "supports_overlap", True)
-    segments = step_timeline(step.phases, step.pipeline, supports, topology.world_size > topology.local_world_size)
+    # the phases with the plan's wire rewrites where it has them (plan.rewrites.RewriteChoice.phases)
+    rw = getattr(evaluated, "rewrites", None)
+    phases = rw.phases if rw is not None and rw.phases else step.phases
+    segments = step_timeline(phases, step.pipeline, supports, topology.world_size > topology.local_world_size)
     capacity = (tuple(float(c) for c in dev_cap), tuple(float(c) for c in host_cap))
     return RepricedPlan(evaluated, tuple(expl), tuple(segments), bool(supports), why or "", capacity)
 

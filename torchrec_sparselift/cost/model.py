@@ -76,6 +76,8 @@ __all__ = [
     "host_mean_rows",
     "piece_loads",
     "shard_cost",
+    "input_kernel_column",
+    "rewrite_wire",
     "step_time",
     "step_total_batch",
     "phase_times",
@@ -418,6 +420,37 @@ def shard_cost(spec: TableSpec, cand: Candidate, ctx: CostContext) -> ShardCost:
         if column.shard_load is not None:
             owner[j] += column.shard_load(spec, cand, ctx)
     return ShardCost(owner=owner, peers=peers, allreduce_bytes=allreduce)
+
+
+def input_kernel_column(ctx: CostContext) -> int:
+    """The input-dist load column that carries the dedup kernels' seconds (as bytes at its
+    bandwidth): the cross-host one where the ranks span hosts, else the intra-host one (the link
+    whose bandwidth prices dedup, ``cost.wire_ids.choose_for_request``)."""
+    return IN_INTER if ctx.world_size > min(ctx.local_world_size, ctx.world_size) else IN_INTRA
+
+
+def rewrite_wire(cost: ShardCost, factor: float, kernel_s: float, num_shards: int, ctx: CostContext) -> ShardCost:
+    """One option's shard cost with the ids-on-the-wire rewrites (``cost.wire_ids.table_wire``):
+    its input-dist bytes (``in_intra_bytes``, ``in_inter_bytes``, owner and peers) times
+    ``factor``, and ``kernel_s`` seconds per rank (the dedup kernels every rank runs before the
+    input all-to-all) on :func:`input_kernel_column` as bytes at its bandwidth, spread over the
+    ``num_shards`` shards' peers terms (every rank carries ``kernel_s`` once the table is
+    placed). The input-dist phase is then ``latency + max(in_intra / intra_bw, in_inter / inter_bw)``
+    over these columns, in the evaluator and in every solver's rows alike."""
+    if not (0.0 <= factor and np.isfinite(factor)) or not (kernel_s >= 0 and np.isfinite(kernel_s)):
+        raise ValueError(f"rewrite_wire: factor must be finite >= 0 and kernel_s finite >= 0, got {factor!r}, "
+                         f"{kernel_s!r}")
+    if factor == 1.0 and kernel_s == 0.0:
+        return cost
+    owner, peers = cost.owner.copy(), cost.peers.copy()
+    for j in (IN_INTRA, IN_INTER):
+        owner[j] *= factor
+        peers[j] *= factor
+    if kernel_s > 0:
+        col = input_kernel_column(ctx)
+        bw = float(getattr(ctx.profile, _terms.layout().columns[col].bandwidth))
+        peers[col] += kernel_s * bw / max(int(num_shards), 1)
+    return attrs.evolve(cost, owner=owner, peers=peers)
 
 
 @attrs.frozen

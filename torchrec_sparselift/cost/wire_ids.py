@@ -28,6 +28,18 @@ pooling_factor``) and ``r`` its observed ``unique_ratio``
 (:class:`~torchrec_sparselift.semantics.workload.FeatureStats`); the lengths (one per sample) are
 the same under every choice but their element size. :func:`choose_wire_ids` picks both settings
 for a set of tables by these prices.
+
+**In the step equation** (:class:`WireRule`, :func:`table_wire`): the search prices both rewrites
+per option. Under a rule (the plan's id dtype, the dedup kernels' ``dedup_id_s``, the input
+link's bandwidth), one option (a table under one sharding type and shard count) sends
+
+    factor = sum_f feature_input_bytes(f, id_dtype, f in dedup) / sum_f feature_input_bytes(f)
+
+of its int64 input bytes (``f`` its features under that sharding, :func:`wire_features`; a
+feature is deduplicated where :func:`dedup_saving_s` is positive), and every rank runs its
+deduplicated features' kernels, ``kernel_s = sum_{f in dedup} f.ids * dedup_id_s`` seconds per
+step. ``cost.model.rewrite_wire`` writes both into the option's input-dist load columns, the one
+place the LP, the MILP, the bounds, the local search and the rewrite stage read them from.
 """
 
 from __future__ import annotations
@@ -59,6 +71,9 @@ __all__ = [
     "choose_wire_ids",
     "wire_features",
     "choose_for_request",
+    "WireRule",
+    "TableWire",
+    "table_wire",
 ]
 
 #: Element types the input all-to-all may carry ids and lengths in (first: TorchRec's).
@@ -301,3 +316,73 @@ def choose_for_request(request: Any, sharding: Mapping[str, Tuple[str, int]], *,
     bandwidth = hw.inter_host_bw if world > local else hw.intra_host_bw
     return choose_wire_ids(features, rows, dedup_id_s=dedup_id_s, bandwidth=bandwidth,
                            allow_narrow=allow_narrow, allow_dedup=allow_dedup)
+
+
+@attrs.frozen(kw_only=True)
+class WireRule:
+    """What the search prices on the wire: ``id_dtype`` (every model-parallel table's ids and
+    lengths; ``"int64"``: TorchRec's), ``dedup_id_s`` (the dedup kernels' seconds per id; None:
+    no feature is deduplicated), ``bandwidth`` (the input link's bytes per second, which prices
+    dedup), the workload's feature ``stats`` (None: the tables' own ratios) and the sizes
+    :func:`wire_features` takes. :func:`table_wire` prices one option under it."""
+
+    id_dtype: str = attrs.field(default="int64")
+    dedup_id_s: Optional[float] = None
+    bandwidth: float = attrs.field(converter=float)
+    batch_size: int
+    world_size: int
+    local_world_size: int
+    stats: Optional[Mapping[str, Any]] = attrs.field(default=None, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        _check_dtype(self.id_dtype)
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise ValueError(f"WireRule.bandwidth must be a finite bytes/s > 0, got {self.bandwidth!r}")
+        if self.dedup_id_s is not None and not (self.dedup_id_s >= 0 and math.isfinite(self.dedup_id_s)):
+            raise ValueError(f"WireRule.dedup_id_s must be None or finite seconds >= 0, got {self.dedup_id_s!r}")
+        if min(self.batch_size, self.world_size, self.local_world_size) < 1:
+            raise ValueError(f"WireRule: batch_size, world_size and local_world_size must be >= 1, got "
+                             f"{self.batch_size}, {self.world_size}, {self.local_world_size}")
+
+    @property
+    def active(self) -> bool:
+        """Whether the rule changes anything (narrow ids or a priced dedup)."""
+        return self.id_dtype != "int64" or self.dedup_id_s is not None
+
+
+@attrs.frozen(kw_only=True)
+class TableWire:
+    """One option's wire terms (:func:`table_wire`): ``factor`` on its int64 input bytes,
+    ``kernel_s`` the dedup kernels' seconds per rank and step, the deduplicated features, and
+    the option's input bytes per rank (its features' sum) before and after."""
+
+    factor: float = 1.0
+    kernel_s: float = 0.0
+    dedup_features: Tuple[str, ...] = ()
+    bytes_before: float = 0.0
+    bytes_after: float = 0.0
+
+
+def table_wire(rule: WireRule, table: Any, sharding_type: str, num_shards: int,
+               dedup: Optional[Iterable[str]] = None) -> TableWire:
+    """The wire terms of ``table`` (a ``TableSpec``) sharded ``sharding_type`` over ``num_shards``
+    shards under ``rule`` (module docstring): the one definition the search's load columns and the
+    rewrite stage's choice both take. A data-parallel option sends nothing (factor 1).
+    ``dedup``: deduplicate exactly these of the table's features (a forced run; ``ValueError``
+    for one without an observed ratio, ``feature_input_bytes``), else the ones whose price pays."""
+    if sharding_type == DATA_PARALLEL:
+        return TableWire()
+    feats = wire_features([table], rule.stats, {table.name: (sharding_type, int(num_shards))},
+                          batch_size=rule.batch_size, world_size=rule.world_size,
+                          local_world_size=min(rule.local_world_size, rule.world_size))
+    if dedup is not None:
+        forced = set(dedup)
+        dedup = tuple(f.feature for f in feats if f.feature in forced)
+    else:
+        dedup = tuple(f.feature for f in feats if rule.dedup_id_s is not None and f.unique_ratio is not None
+                      and dedup_saving_s(f, rule.id_dtype, rule.dedup_id_s, rule.bandwidth) > 0)
+    before = sum(feature_input_bytes(f) for f in feats)
+    after = sum(feature_input_bytes(f, rule.id_dtype, f.feature in dedup) for f in feats)
+    kernel_s = sum(f.ids for f in feats if f.feature in dedup) * (rule.dedup_id_s or 0.0)
+    return TableWire(factor=after / before if before > 0 else 1.0, kernel_s=kernel_s,
+                     dedup_features=feature_tuple(dedup), bytes_before=before, bytes_after=after)

@@ -45,7 +45,7 @@ from torchrec_sparselift.plan.execution_plan import ExecutionPlan
 from torchrec_sparselift.plan.loader import loaded_options
 from torchrec_sparselift.plan.request import PlanRequest
 from torchrec_sparselift.plan.result import PlanResult
-from torchrec_sparselift.plan.rewrites import choose_rewrites, no_rewrites
+from torchrec_sparselift.plan.rewrites import choose_rewrites, no_rewrites, search_rewrites
 from torchrec_sparselift.search.options import to_sharding_option
 from torchrec_sparselift.search.problem import build_problem, device_caps
 from torchrec_sparselift.search.solve import solve
@@ -156,8 +156,10 @@ def solve_group(request: PlanRequest, group: int, budget: float, t0: float,
     two_d = request.sharding_group_size is not None and group < W
     if layout is not None and group < W:  # only these pipelines run DMPCollection's sync
         pipelines = sync_pipelines(pipelines)
+    # the rewrites the search prices (plan.rewrites.search_rewrites): 1D, SparseLift's model
+    wire, split = search_rewrites(request, handles, pipelines, two_d=request.sharding_group_size is not None)
     prob = build_problem([h.spec for h in handles], ctx, device_cap, host_cap,
-                         pipelines=pipelines, precisions=request.precisions)
+                         pipelines=pipelines, precisions=request.precisions, wire=wire, split_overhead_s=split)
     result = solve(prob, time_budget_s=max(0.5, budget - (time.monotonic() - t0)), solver=request.solver)
     options = [to_sharding_option(h, prob, cid, ranks) for h, (cid, ranks) in zip(handles, result.assignment)]
     options = run_callbacks(request.callbacks, options)

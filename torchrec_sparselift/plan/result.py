@@ -67,15 +67,16 @@ class PlanResult:
 
     @property
     def rewritten_step_s(self) -> float:
-        """The step (no replica sync) with the chosen rewrites: the search's step less their saving."""
+        """The step (no replica sync) with the chosen rewrites (``plan.rewrites.RewriteChoice.step_s``:
+        the search's priced step for the plan it chose); the search's step without a rewrite stage."""
         if self.rewrites is None:
-            return self.search.step.total_s
-        return self.search.step.total_s - self.rewrites.saving_s
+            return self.search.priced_step_s
+        return self.rewrites.step_s
 
     def _rewritten_search(self) -> SearchResult:
         """The search result with its step total the rewritten one (what the per-rank breakdown reads)."""
         s = self.search
-        if self.rewrites is None or not self.rewrites.saving_s:
+        if self.rewritten_step_s == s.step.total_s:
             return s
         return attrs.evolve(s, step=attrs.evolve(s.step, total_s=self.rewritten_step_s))
 

@@ -1,5 +1,5 @@
-"""The rewrite stage of the decision: after the search has chosen the sharding, the pipeline and the
-comm precisions of a 1D plan, choose the sparse-path rewrites by price.
+"""The sparse-path rewrites of a 1D plan: which ones the search prices (:func:`search_rewrites`),
+and, for the plan it chose, which are chosen and what they save (:func:`choose_rewrites`).
 
 * ``batch_split`` (:mod:`~torchrec_sparselift.cost.batch_split`): the ``overlap`` pipeline's output
   and gradient all-to-alls in k chunks, k in 1..16 by :func:`~torchrec_sparselift.cost.batch_split.choose_chunks`.
@@ -12,18 +12,21 @@ comm precisions of a 1D plan, choose the sparse-path rewrites by price.
   sharding type's input dist; narrow ids never send more bytes, so they are chosen whenever allowed.
 * ``dedup``: per feature, where the profile has a calibrated ``dedup_id_s`` and the workload
   statistics give the feature's distinct-id ratio, when the bytes it removes outweigh its kernels
-  (:func:`~torchrec_sparselift.cost.wire_ids.choose_for_request`).
+  (:func:`~torchrec_sparselift.cost.wire_ids.dedup_saving_s`).
 
-The price of the rewritten plan (:func:`choose_rewrites`): the input all-to-all's phase less the
-seconds of the bytes the wire rewrites remove (plus the dedup kernels' seconds), the pipeline's
-composition on those phases (its measured step factor included, as the search prices it), and,
-with a split, less what the split schedule wins on those phases::
+The search prices them in its step equation (docs/cost_model.md, "The sparse-path rewrites in the
+step equation"): the wire rewrites in every option's input-dist columns
+(:func:`~torchrec_sparselift.cost.wire_ids.table_wire`, ``cost.model.rewrite_wire``), the split in
+the ``overlap`` pipeline's price (``search.solve.split_price``). The price of the rewritten plan
+(:func:`choose_rewrites`) takes the same functions on the plan's options: its loads with the wire
+rewrites, the pipeline's composition on them (its measured step factor included), and with a
+split::
 
-    step = composition(phases') - (split_step_s(terms', 1) - split_step_s(terms', k))
+    step = min(S, max(S - (split_step_s(terms, 1) - split_step_s(terms, k)), F))
 
-which is ``split_step_s(terms', k)`` wherever the model prices ``overlap`` by its own composition
-(hardware with overlap), never above the unrewritten step and never below ``max(compute,
-communication)`` of the split terms. Every rewrite not chosen has its reason in
+(``S`` the unsplit step, ``F`` the split's floor, ``search.equation.SPLIT_FLOOR_PATHS``), so for
+the search's own plan it is the search's ``priced_step_s``; ``step_without_s`` is the same plan on
+TorchRec's int64 input dist, unsplit. Every rewrite not chosen has its reason in
 :attr:`RewriteChoice.notes`. The never-slower rule (``plan.planning.apply_never_slower``) judges
 the rewritten plan, the saving a term of its own (:data:`~torchrec_sparselift.plan.baseline.REWRITE_TERM`).
 """
@@ -33,25 +36,26 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
-import numpy as np
 
 from torchrec_sparselift.cost.batch_split import (
-    BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitSchedule, SplitTerms, choose_chunks, split_schedule, split_step_s,
+    BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitSchedule, SplitTerms, chunk_dense_s, pooled_features, split_schedule,
+    split_step_s,
 )
-from torchrec_sparselift.cost.model import CostContext, collective_calls
-from torchrec_sparselift.cost.pipelines import PHASE_NAMES, step_factor, step_totals
+from torchrec_sparselift.cost.evaluator import PlanEvaluator
+from torchrec_sparselift.cost.model import rewrite_wire
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.cost.two_level import plan_note
-from torchrec_sparselift.cost.wire_ids import choose_for_request, feature_input_bytes, feature_tuple, wire_features
-from torchrec_sparselift.search.solve import new_evaluator
+from torchrec_sparselift.cost.wire_ids import WireRule, feature_tuple, narrow_refusal, table_wire, wire_features
+from torchrec_sparselift.search.solve import split_price, split_terms, split_floor_terms
 from torchrec_sparselift.semantics.per_sample import per_sample_violation
 from torchrec_sparselift.semantics.tables import is_feature_processed
 from torchrec_sparselift.vocabulary import (
-    COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, pipeline as pipeline_kind,
+    COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE,
 )
 
 __all__ = ["REWRITES", "BATCH_SPLIT", "ID_DTYPE", "DEDUP", "SPLIT_SHARDING_TYPES", "WIRE_SHARDING_TYPES",
-           "rewrite_names", "rewrite_problem", "RewriteChoice", "choose_rewrites", "no_rewrites", "price_rewrites"]
+           "rewrite_names", "rewrite_problem", "RewriteChoice", "choose_rewrites", "no_rewrites", "search_rewrites",
+           "price_rewrites"]
 
 #: the rewrite that splits the batch (``Optimizations.batch_split``)
 BATCH_SPLIT = "batch_split"
@@ -123,6 +127,13 @@ class RewriteChoice:
     wire_bytes_after: float = 0.0
     notes: Tuple[str, ...] = attrs.field(default=(), converter=tuple)
     terms: Optional[SplitTerms] = attrs.field(default=None, eq=False, repr=False)
+    #: the rewrites the search priced in its step equation (``search_rewrites``: ``id_dtype`` and
+    #: ``dedup`` in the options' input-dist columns, ``batch_split`` in the ``overlap`` price);
+    #: empty for a plan priced after the search (an evaluated or stored plan)
+    in_search: Tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: the plan's phase seconds with the wire rewrites (``cost.pipelines.PHASE_NAMES``; before the
+    #: split), what ``explain``'s timeline draws; empty where none is chosen
+    phases: Mapping[str, float] = attrs.field(factory=dict, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.batch_split <= MAX_CHUNKS:
@@ -159,7 +170,7 @@ class RewriteChoice:
     def dropped(self, note: str) -> "RewriteChoice":
         """No rewrite, the step as the search priced it, with every note kept and ``note`` added."""
         return RewriteChoice(step_without_s=self.step_without_s, step_s=self.step_without_s,
-                             notes=self.notes + (note,))
+                             notes=self.notes + (note,), in_search=self.in_search)
 
     def describe(self) -> List[str]:
         """Lines for a plan's explanation: what is chosen with its saving, then each note."""
@@ -182,6 +193,12 @@ class RewriteChoice:
             lines.append(f"  ids on the wire: {self.wire_bytes_before / 1024:.1f} -> {self.wire_bytes_after / 1024:.1f} "
                          f"KiB per rank and step ({self.wire_bytes_saved / 1024:.1f} KiB saved; input all-to-all "
                          f"{self.input_dist_saved_s * ms:.3f} ms shorter)")
+        if self.in_search:
+            where = [w for w, on in (("every option's input-dist columns", set(self.in_search) & {ID_DTYPE, DEDUP}),
+                                     ("the overlap pipeline at its best batch split", BATCH_SPLIT in self.in_search))
+                     if on]
+            lines.append(f"  priced in the search's step equation: {', '.join(self.in_search)} ({'; '.join(where)}), "
+                         "so the sharding is chosen with them")
         sched = self.schedule()
         if sched is not None:
             lines += ["  " + line for line in sched.describe()]
@@ -194,7 +211,8 @@ class RewriteChoice:
                     step_without_s=self.step_without_s, step_s=self.step_s, saving_s=self.saving_s,
                     input_dist_saved_s=self.input_dist_saved_s, split_saved_s=self.split_saved_s,
                     wire_bytes_before=self.wire_bytes_before, wire_bytes_after=self.wire_bytes_after,
-                    notes=list(self.notes), terms=None if self.terms is None else attrs.asdict(self.terms))
+                    notes=list(self.notes), terms=None if self.terms is None else attrs.asdict(self.terms),
+                    in_search=list(self.in_search), phases=dict(self.phases))
 
     @classmethod
     def from_dict(cls, data: Optional[Dict[str, Any]]) -> Optional["RewriteChoice"]:
@@ -210,20 +228,14 @@ class RewriteChoice:
                    wire_bytes_before=float(data.get("wire_bytes_before", 0.0)),
                    wire_bytes_after=float(data.get("wire_bytes_after", 0.0)),
                    notes=tuple(str(n) for n in data.get("notes", ())),
-                   terms=None if not terms else SplitTerms(**terms))
+                   terms=None if not terms else SplitTerms(**terms),
+                   in_search=tuple(str(n) for n in data.get("in_search", ())),
+                   phases={str(k): float(v) for k, v in (data.get("phases") or {}).items()})
 
 
 def no_rewrites(step_s: float, *notes: str) -> RewriteChoice:
     """No rewrite chosen (the step unchanged), with the reasons ``notes``."""
     return RewriteChoice(step_without_s=step_s, step_s=step_s, notes=notes)
-
-
-def _composed(phases: Dict[str, float], ctx: CostContext, pipeline: str) -> float:
-    """The pipeline's step on ``phases`` as the search prices it (``cost.model.step_time``)."""
-    row = np.array([[float(phases.get(n, 0.0)) for n in PHASE_NAMES]])
-    spans = ctx.num_hosts > 1
-    return float(step_totals(row, pipeline, getattr(ctx.profile, "supports_overlap", True), spans)[0]) * step_factor(
-        ctx.profile, pipeline, spans)
 
 
 def _sharding(res: Any) -> Dict[str, Tuple[str, int]]:
@@ -240,65 +252,116 @@ def _calibrated(profile: Any, field: str) -> Optional[float]:
     return None if value is None else float(value)
 
 
-def _plan_phases(res: Any) -> Tuple[Dict[str, float], Any, Any]:
-    """A 1D result's phase times (its pipeline and precisions, as the search priced it), its
-    sharding groups (``comm_groups``: what the collective latencies count) and its evaluator."""
-    s = res.search
-    ev = new_evaluator(res.problem, s.pipeline, s.fwd_precision, s.bwd_precision)
-    ev.assign_many({t: (cid, ranks) for t, (cid, ranks) in enumerate(s.assignment)})
-    return dict(ev.phases()), ev.comm_groups, ev
+def _split_refusal(request: Any, handles: Sequence[Any], pipeline: str, profile: Any,
+                   sharding_types: Iterable[str]) -> Optional[str]:
+    """Why the batch split does not apply (None where it does): the pipeline, the profile's
+    ``chunk_overhead_s``, the sharding types, the modules and the per-sample rule."""
+    splits = sorted({st for st in sharding_types if st not in SPLIT_SHARDING_TYPES})
+    if pipeline != BATCH_SPLIT_PIPELINE:
+        return (f"batch split: the pipeline is {pipeline!r}; the split chunks the {BATCH_SPLIT_PIPELINE!r} "
+                "pipeline's all-to-alls")
+    if _calibrated(profile, "chunk_overhead_s") is None:
+        return (f"batch split: the profile {profile.name} has no chunk_overhead_s (the dense calls' cost per "
+                "extra chunk); " + _CALIBRATE)
+    if splits:
+        return f"batch split: the runtime does not split the output of {', '.join(splits)} tables"
+    if any(not h.spec.is_pooled for h in handles):
+        return "batch split: the runtime splits pooled outputs only, and the model has sequence tables (EmbeddingCollection)"
+    if any(is_feature_processed(h.sharder_key) for h in handles):
+        return "batch split: the runtime does not split a feature-processed module's output"
+    if request.module is not None:  # a declaration cannot clear a BatchNorm or a dropout
+        return per_sample_violation(request.module, request.per_sample)
+    if not request.per_sample:
+        return "batch split: the request carries no module to inspect; declare it per-sample (per_sample=True)"
+    return None
 
 
-def _input_saving_s(request: Any, res: Any, phases: Mapping[str, float], groups: Any, features: Sequence[Any],
-                    bytes_removed: float, dedup: Iterable[str], dedup_id_s: float) -> float:
-    """Seconds the wire rewrites take off the input all-to-all phase: the removed bytes over the
-    input link less the dedup kernels' seconds (negative where the kernels cost more), the
-    removed part at most the phase less its calls' latency."""
+def _input_bandwidth(request: Any) -> float:
     world, local = int(request.topology.world_size), int(request.topology.local_world_size)
     hw = request.hardware
-    bandwidth = hw.inter_host_bw if world > min(local, world) else hw.intra_host_bw
-    chosen = set(dedup)
-    kernels = sum(f.ids for f in features if f.feature in chosen) * dedup_id_s
-    fused = pipeline_kind(res.search.pipeline).fused_input_splits
-    lat = res.problem.ctx.profile.collective_latency_s * collective_calls("input_dist", groups, fused) if world > 1 else 0.0
-    room = max(0.0, phases["input_dist"] - lat)
-    return min(room, bytes_removed / bandwidth) - kernels
+    return float(hw.inter_host_bw if world > local else hw.intra_host_bw)
 
 
-def _split_terms(phases: Mapping[str, float], ctx: CostContext, groups: Any, overhead: float) -> SplitTerms:
-    """The batch split's terms on a plan's phases: one chunk's collective latency as the cost model
-    charges the unsplit output dist (one call per sharding group that sends; none on one rank)."""
-    profile = ctx.profile
-    lat = profile.collective_latency_s if ctx.world_size > 1 else 0.0
-    per_chunk = min(lat * collective_calls("output_dist", groups), phases["output_dist"], phases["grad_dist"])
-    return SplitTerms.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=overhead,
-                                  supports_overlap=getattr(profile, "supports_overlap", True))
+def _wire_rule(request: Any, id_dtype: str, dedup_id_s: Optional[float], batch_size: int) -> WireRule:
+    world, local = int(request.topology.world_size), int(request.topology.local_world_size)
+    return WireRule(id_dtype=id_dtype, dedup_id_s=dedup_id_s, bandwidth=_input_bandwidth(request),
+                    batch_size=batch_size, world_size=world, local_world_size=min(local, world),
+                    stats=request.stats)
+
+
+def search_rewrites(request: Any, handles: Sequence[Any], pipelines: Sequence[str],
+                    two_d: bool = False) -> Tuple[Optional[WireRule], Optional[float]]:
+    """The rewrites the search prices for ``request``'s tables (``handles``) over the whole world:
+    ``(wire, split_overhead_s)`` for ``search.problem.build_problem``.
+
+    ``wire``: narrow ids where ``id_dtype`` is allowed and every table that has a model-parallel
+    sharding type fits int32 (so every plan of the space may narrow its ids), per-feature dedup
+    where ``dedup`` is allowed and the profile has ``dedup_id_s``; None where neither applies, for
+    a 2D plan, ``cost_model='torchrec'``, or sequence and feature-processed tables (the runtime
+    rewrites EmbeddingBagCollections' input dists only). ``split_overhead_s``: one more chunk's
+    dense cost on the profile (``cost.batch_split.chunk_dense_s``: ``chunk_overhead_s`` plus
+    ``chunk_feature_s`` per pooled feature of the tables) where the batch split applies to every plan the search may choose under
+    ``overlap`` (:func:`_split_refusal`), else None. :func:`choose_rewrites` judges one plan by
+    the same rules, so it prices what the search priced."""
+    if two_d or not str(request.cost_model).startswith("sparselift"):
+        return None, None
+    allowed = tuple(request.rewrites)
+    profile = request.hardware
+    wire = None
+    if (ID_DTYPE in allowed or DEDUP in allowed) and not any(
+            not h.spec.is_pooled or is_feature_processed(h.sharder_key) for h in handles):
+        narrow = ID_DTYPE in allowed and narrow_refusal(
+            (h.spec.name, int(h.spec.num_embeddings)) for h in handles
+            if any(st != DATA_PARALLEL for st in h.spec.sharding_types)) is None
+        dedup_id_s = _calibrated(profile, "dedup_id_s") if DEDUP in allowed else None
+        rule = _wire_rule(request, "int32" if narrow else "int64", dedup_id_s, int(request.batch_size))
+        wire = rule if rule.active else None
+    split = None
+    if BATCH_SPLIT in allowed and BATCH_SPLIT_PIPELINE in pipelines and _split_refusal(
+            request, handles, BATCH_SPLIT_PIPELINE, profile, SPLIT_SHARDING_TYPES) is None:
+        split = chunk_dense_s(profile, pooled_features(handles))  # the features are the search's every plan's
+    return wire, split
+
+
+def _evaluator(prob: Any, costs: Sequence[Any], s: Any) -> PlanEvaluator:
+    """An evaluator of ``prob``'s options priced ``costs`` under ``s``'s settings, with ``s``'s plan."""
+    ev = PlanEvaluator(prob.ctx, list(costs), [c.sharding_type for c in prob.cands], prob.device_cap,
+                       prob.host_cap, s.pipeline, s.fwd_precision, s.bwd_precision,
+                       kernels=[c.compute_kernel for c in prob.cands])
+    ev.assign_many({t: (cid, ranks) for t, (cid, ranks) in enumerate(s.assignment)})
+    return ev
 
 
 def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = None) -> RewriteChoice:
     """The rewrites for ``res`` (a 1D ``PlanResult`` of ``request``, a ``PlanRequest``) among
-    ``allowed`` (default: ``request.rewrites``), priced on its loads (module docstring)."""
+    ``allowed`` (default: ``request.rewrites``), priced on its loads (module docstring): the same
+    terms the search prices (``cost.wire_ids.table_wire`` in the input-dist columns,
+    ``search.solve.split_price``), so for a plan the search chose its ``step_s`` is the search's
+    ``priced_step_s``."""
     s = res.search
-    step0 = float(s.step.total_s)
+    prob = res.problem
     allowed = tuple(request.rewrites if allowed is None else allowed)
     if not allowed:
-        return no_rewrites(step0)
+        return no_rewrites(float(s.step.total_s))
     if res.sharding_group_size is not None:
-        return no_rewrites(step0, "a 2D plan: the rewrites apply to 1D plans only")
+        return no_rewrites(float(s.step.total_s), "a 2D plan: the rewrites apply to 1D plans only")
     if not str(request.cost_model).startswith("sparselift"):
-        return no_rewrites(step0, "cost_model='torchrec': the rewrites are priced by SparseLift's cost model only")
-    ctx = res.problem.ctx
+        return no_rewrites(float(s.step.total_s),
+                           "cost_model='torchrec': the rewrites are priced by SparseLift's cost model only")
+    ctx = prob.ctx
     profile = ctx.profile
-    phases, groups, ev = _plan_phases(res)
+    plain_costs = prob.plain_costs if prob.plain_costs is not None else prob.costs
+    ev0 = _evaluator(prob, plain_costs, s)
+    step0 = float(ev0.step_time().total_s)
     sharding = _sharding(res)
     notes: List[str] = []
     per_host = min(ctx.local_world_size, ctx.world_size)
-    hosts_note = plan_note(ctx.world_size // per_host, per_host, float(ev.colmax()[layout().index["out_inter_bytes"]]),
-                           profile)
+    hosts_note = plan_note(ctx.world_size // per_host, per_host,
+                           float(ev0.colmax()[layout().index["out_inter_bytes"]]), profile)
     notes += [hosts_note] if hosts_note else []
 
     # -- ids on the wire ---------------------------------------------------------------------
-    id_dtype, dedup, saved_s, before, after = "int64", (), 0.0, 0.0, 0.0
+    id_dtype, dedup, before, after = "int64", (), 0.0, 0.0
     want_narrow, want_dedup = ID_DTYPE in allowed, DEDUP in allowed
     unsupported = sorted({st for st, _ in sharding.values() if st != DATA_PARALLEL and st not in WIRE_SHARDING_TYPES})
     sequence = sorted(h.spec.name for h in res.handles
@@ -319,6 +382,7 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
     if (want_narrow or want_dedup) and not model_parallel:
         notes.append("ids on the wire: every table is data-parallel, the plan has no input all-to-all")
         want_narrow = want_dedup = False
+    ev, costs = ev0, plain_costs
     if want_narrow or want_dedup:
         world, local = int(request.topology.world_size), int(request.topology.local_world_size)
         features = wire_features(request.tables, request.stats, sharding, batch_size=request.batch_size,
@@ -327,57 +391,63 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
             notes.append("dedup: no observed distinct-id ratio for the model-parallel features (pass the workload's "
                          "statistics: workload=semantics.workload.observe(...))")
             want_dedup = False
-        wire = choose_for_request(request, sharding, dedup_id_s=dedup_id_s or 0.0, allow_narrow=want_narrow,
-                                  allow_dedup=want_dedup)
-        if wire.refused:
-            notes.append(f"id_dtype: {wire.refused}")
-        if want_dedup and not wire.dedup_features:
+        refused = narrow_refusal((h.spec.name, int(h.spec.num_embeddings)) for h in res.handles
+                                 if sharding[h.spec.name][0] != DATA_PARALLEL) if want_narrow else None
+        if refused:
+            notes.append(f"id_dtype: {refused}")
+        narrow = want_narrow and not refused
+        for dedup_on in ((True, False) if want_dedup else (False,)):
+            rule = _wire_rule(request, "int32" if narrow else "int64", dedup_id_s if dedup_on else None,
+                              int(ctx.batch_size))
+            if not rule.active:
+                break
+            rewritten = list(plain_costs)
+            wires = []
+            for h, (cid, _ranks) in zip(res.handles, s.assignment):
+                c = prob.cands[cid]
+                tw = table_wire(rule, h.spec, c.sharding_type, c.num_shards)
+                rewritten[cid] = rewrite_wire(plain_costs[cid], tw.factor, tw.kernel_s, c.num_shards, ctx)
+                wires.append(tw)
+            ev1 = _evaluator(prob, rewritten, s)
+            if dedup_on and ev1.step_time().total_s > step0 * (1 + 1e-12):
+                notes.append("dedup: its kernels outweigh the bytes it removes on this plan's slowest rank")
+                continue
+            ev, costs = ev1, rewritten
+            id_dtype = rule.id_dtype
+            dedup = feature_tuple(f for tw in wires for f in tw.dedup_features)
+            before = sum(tw.bytes_before for tw in wires)
+            after = sum(tw.bytes_after for tw in wires)
+            break
+        if want_dedup and not dedup and not any("dedup:" in n for n in notes):
             notes.append("dedup: no feature's distinct ids are few enough to pay for the dedup kernels")
-        id_dtype, dedup = wire.id_dtype, wire.dedup_features
-        before, after = wire.bytes_before, wire.bytes_after
-        saved_s = max(0.0, _input_saving_s(request, res, phases, groups, features, before - after, dedup,
-                                           dedup_id_s or 0.0))
-        phases["input_dist"] -= saved_s
-    step_w = min(step0, _composed(phases, ctx, s.pipeline))
+    step_w = min(step0, float(ev.step_time().total_s))
+    saved_s = max(0.0, ev0.phases()["input_dist"] - ev.phases()["input_dist"])
 
     # -- batch split -------------------------------------------------------------------------
-    k, split_saved, terms = 1, 0.0, None
+    k, split_saved, terms, step = 1, 0.0, None, step_w
     if BATCH_SPLIT in allowed:
-        overhead = _calibrated(profile, "chunk_overhead_s")
-        splits = sorted({st for st, _ in sharding.values() if st not in SPLIT_SHARDING_TYPES})
-        why = None
-        if s.pipeline != BATCH_SPLIT_PIPELINE:
-            why = (f"batch split: the pipeline is {s.pipeline!r}; the split chunks the {BATCH_SPLIT_PIPELINE!r} "
-                   "pipeline's all-to-alls")
-        elif overhead is None:
-            why = (f"batch split: the profile {profile.name} has no chunk_overhead_s (the dense calls' cost per "
-                   "extra chunk); " + _CALIBRATE)
-        elif splits:
-            why = f"batch split: the runtime does not split the output of {', '.join(splits)} tables"
-        elif any(not h.spec.is_pooled for h in res.handles):
-            why = "batch split: the runtime splits pooled outputs only, and the model has sequence tables (EmbeddingCollection)"
-        elif any(is_feature_processed(h.sharder_key) for h in res.handles):
-            why = "batch split: the runtime does not split a feature-processed module's output"
-        elif request.module is not None:  # a declaration cannot clear a BatchNorm or a dropout
-            why = per_sample_violation(request.module, request.per_sample)
-        elif not request.per_sample:
-            why = "batch split: the request carries no module to inspect; declare it per-sample (per_sample=True)"
+        why = _split_refusal(request, res.handles, s.pipeline, profile, (st for st, _ in sharding.values()))
         if why is None:
-            terms = _split_terms(phases, ctx, groups, overhead or 0.0)
-            k = choose_chunks(terms, request.batch_size)
-            split_saved = max(0.0, split_step_s(terms, 1) - split_step_s(terms, k))
+            terms = split_terms(ev, _calibrated(profile, "chunk_overhead_s") or 0.0,
+                                _calibrated(profile, "chunk_feature_s") or 0.0, pooled_features(res.handles))
+            k, step = split_price(step_w, terms, ctx.batch_size)
+            split_saved = max(0.0, step_w - step)
             if k == 1:
-                notes.append(f"batch split: no k in 2..{min(MAX_CHUNKS, request.batch_size)} is priced faster "
+                notes.append(f"batch split: no k in 2..{min(MAX_CHUNKS, ctx.batch_size)} is priced faster "
                              "(the per-chunk latency and overhead outweigh the transfer it hides)")
         else:
             notes.append(why)
-    step = step_w - split_saved
-    if terms is not None and k > 1:  # the compute runs on one flow, the chunks on one link
-        step = min(step_w, max(step, terms.compute_s, terms.comm_s))
-        split_saved = step_w - step
+    in_search = []
+    if prob.wire is not None:
+        in_search += [n for n, on in ((ID_DTYPE, prob.wire.id_dtype != "int64"),
+                                      (DEDUP, prob.wire.dedup_id_s is not None)) if on and n in allowed]
+    if prob.split_overhead_s is not None and BATCH_SPLIT in allowed:
+        in_search.append(BATCH_SPLIT)
+    chosen = id_dtype != "int64" or bool(dedup)
     return RewriteChoice(batch_split=k, id_dtype=id_dtype, dedup_features=dedup, step_without_s=step0,
                          step_s=max(0.0, min(step, step0)), input_dist_saved_s=saved_s, split_saved_s=split_saved,
-                         wire_bytes_before=before, wire_bytes_after=after, notes=tuple(notes), terms=terms)
+                         wire_bytes_before=before, wire_bytes_after=after, notes=tuple(notes), terms=terms,
+                         in_search=tuple(in_search), phases=dict(ev.phases()) if chosen else {})
 
 
 def with_rewrites_of(optimizations: Any, request: Any, evaluated: Any) -> Any:
@@ -397,34 +467,41 @@ def price_rewrites(request: Any, res: Any, *, batch_split: int = 1, id_dtype: st
                    dedup_features: Iterable[str] = ()) -> float:
     """The step (seconds) of ``res``'s plan (a 1D ``PlanResult`` of ``request``) with exactly these
     rewrites, whether or not they pay: what a run that forces them is predicted at (the regimes
-    benchmark's forced runs). The same terms as :func:`choose_rewrites`: the input all-to-all less
-    the removed bytes' seconds plus the dedup kernels', the pipeline's composition, and with
-    ``batch_split`` k > 1 the ``overlap`` pipeline's split step at k (``ValueError`` for another
-    pipeline, an uncalibrated ``chunk_overhead_s`` or a feature without an observed distinct-id
-    ratio)."""
+    benchmark's forced runs). The same terms as :func:`choose_rewrites` and the search: the
+    options' input-dist columns under the wire rewrites (``cost.wire_ids.table_wire`` with the
+    features forced), the pipeline's composition, and with ``batch_split`` k > 1 the ``overlap``
+    pipeline's split step at k, never below the split's floor (``search.solve.split_floor_terms``)
+    (``ValueError`` for another pipeline, an uncalibrated ``chunk_overhead_s``, or a dedup feature
+    that is not a model-parallel feature of the plan or has no observed distinct-id ratio)."""
     s = res.search
     if res.sharding_group_size is not None:
         raise ValueError("price_rewrites: the rewrites apply to 1D plans only")
-    ctx = res.problem.ctx
+    prob = res.problem
+    ctx = prob.ctx
     profile = ctx.profile
-    phases, groups, _ = _plan_phases(res)
+    plain_costs = prob.plain_costs if prob.plain_costs is not None else prob.costs
     dedup = feature_tuple(dedup_features)
+    costs = plain_costs
     if id_dtype != "int64" or dedup:
+        sharding = _sharding(res)
         world, local = int(request.topology.world_size), int(request.topology.local_world_size)
-        features = wire_features(request.tables, request.stats, _sharding(res), batch_size=request.batch_size,
-                                 world_size=world, local_world_size=min(local, world))
-        names = {f.feature for f in features}
+        names = {f.feature for f in wire_features(request.tables, request.stats, sharding,
+                                                  batch_size=request.batch_size, world_size=world,
+                                                  local_world_size=min(local, world))}
         unknown = sorted(set(dedup) - names)
         if unknown:
             raise ValueError(f"price_rewrites: dedup features {unknown[:4]} are not model-parallel features of the plan")
-        before = sum(feature_input_bytes(f) for f in features)
-        after = sum(feature_input_bytes(f, id_dtype, f.feature in dedup) for f in features)
         dedup_id_s = _calibrated(profile, "dedup_id_s")
         if dedup and dedup_id_s is None:
             raise ValueError(f"price_rewrites: the profile {profile.name} has no dedup_id_s; " + _CALIBRATE)
-        phases["input_dist"] -= _input_saving_s(request, res, phases, groups, features, before - after, dedup,
-                                                dedup_id_s or 0.0)
-    step = _composed(phases, ctx, s.pipeline)
+        rule = _wire_rule(request, id_dtype, dedup_id_s if dedup else None, int(ctx.batch_size))
+        costs = list(plain_costs)
+        for h, (cid, _ranks) in zip(res.handles, s.assignment):
+            c = prob.cands[cid]
+            tw = table_wire(rule, h.spec, c.sharding_type, c.num_shards, dedup=dedup)
+            costs[cid] = rewrite_wire(plain_costs[cid], tw.factor, tw.kernel_s, c.num_shards, ctx)
+    ev = _evaluator(prob, costs, s)
+    step = float(ev.step_time().total_s)
     if batch_split > 1:
         if s.pipeline != BATCH_SPLIT_PIPELINE:
             raise ValueError(f"price_rewrites: a batch split chunks the {BATCH_SPLIT_PIPELINE!r} pipeline, the plan "
@@ -432,7 +509,8 @@ def price_rewrites(request: Any, res: Any, *, batch_split: int = 1, id_dtype: st
         overhead = _calibrated(profile, "chunk_overhead_s")
         if overhead is None:
             raise ValueError(f"price_rewrites: the profile {profile.name} has no chunk_overhead_s; " + _CALIBRATE)
-        terms = _split_terms(phases, ctx, groups, overhead)
+        terms = split_terms(ev, overhead, _calibrated(profile, "chunk_feature_s") or 0.0,
+                            pooled_features(res.handles))
         step += split_step_s(terms, batch_split) - split_step_s(terms, 1)
-        step = max(step, terms.compute_s, terms.comm_s)  # one compute flow, one link
+        step = max(step, split_floor_terms(terms))  # one compute flow, one link
     return max(0.0, step)

@@ -81,7 +81,7 @@ def choice_bound_solution(prob: PlanningProblem, pipeline: str, fwd_precision: s
     per = np.stack([c.peers for c in prob.costs]) * scale[None, :]
     n = np.array([c.num_shards for c in prob.cands], dtype=float)
     allp = np.array([c.placement == "all" and c.num_shards == W for c in prob.cands])
-    ft = fixed_terms(ctx)
+    ft = fixed_terms(ctx, split=prob.split_overhead_s is not None)
     fixed = {c: ft.group_cost[c] for c in lay.time}
     # TBE groups (sharding type, kernel) as the evaluator counts them, and the collective types
     kern = [c.compute_kernel for c in prob.cands]

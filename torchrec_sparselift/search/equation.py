@@ -21,6 +21,18 @@ relaxation's rows; the step time itself is written once, here:
   (``cost.model.phase_constants``), the same parts :func:`torchrec_sparselift.cost.model.phase_table`
   adds up for the evaluator.
 
+The sparse-path rewrites are terms of the same rows:
+
+* **ids on the wire** (narrow ids, per-feature dedup): each option's input-dist load columns hold
+  its bytes after the rewrites and its dedup kernels' seconds (``cost.wire_ids.table_wire``,
+  ``cost.model.rewrite_wire``, built into ``PlanningProblem.costs`` by ``build_problem(wire=...)``),
+  so every row that reads an option's loads reads them with no edit here;
+* **batch split** (``FixedTerms.split``): where the search prices the ``overlap`` pipeline at its
+  best chunk count (``search.solve.split_price``), that pipeline's composition rows give way to
+  the rows every k satisfies, ``total >= min(1, factor) * sum(path)`` for each path of
+  :data:`SPLIT_FLOOR_PATHS` (the input dist; the compute flow; the output and gradient
+  collectives on one link between the lookup and the update; :func:`split_floor_s`).
+
 A load column added to the registry is then in every solver's rows with no further edit.
 """
 
@@ -34,6 +46,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_matrix
 
 from torchrec_sparselift import defaults
+from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE
 from torchrec_sparselift.cost.model import (PRECISION_BYTES, collective_call_form, lossy_column_rates,
                                             phase_constants, piece_loads, shared_link_columns)
 from torchrec_sparselift.cost.pipelines import (PHASE_NAMES, PHASE_PARTS, PHASES, PIPELINES, effective_pipeline, paths,
@@ -45,7 +58,46 @@ __all__ = [
     "step_vars", "link_rows", "allreduce_rows", "precision_scales", "lossy_per_z", "lossy_coefficients", "phase_forms",
     "composition_rows", "step_rows",
     "choice_rows", "total_memory_rows", "piece_loads", "rank_load_rows", "MS", "GIB",
+    "SPLIT_FLOOR_PATHS", "split_floor_s", "split_floor_rows",
 ]
+
+#: The paths the batch-split step never goes below at any k (``cost.batch_split``: the lookups and
+#: the dense work run on one flow; every chunk's output and then its gradient cross one link after
+#: the lookup, and the update or the exposed all-reduce follows the last gradient), each a tuple
+#: of phase names (``cost.pipelines.PHASE_NAMES``; ``allreduce`` as ``cost.pipelines.terms``
+#: exposes it). The search's split price is clamped to their largest sum
+#: (``search.solve.split_price``) and the bound's rows for a split ``overlap`` take them
+#: (:func:`split_floor_rows`), so both read one list.
+_COMPUTE_FLOW = ("uvm_fetch", "lookup", "dense_fwd_indep", "dense_fwd_rest", "dense_bwd_rest", "dense_bwd_indep")
+SPLIT_FLOOR_PATHS: Tuple[Tuple[str, ...], ...] = (
+    ("input_dist",),
+    _COMPUTE_FLOW + ("backward_update", "step_overhead"),
+    _COMPUTE_FLOW + ("allreduce", "step_overhead"),
+    ("uvm_fetch", "lookup", "output_dist", "grad_dist", "backward_update", "step_overhead"),
+    ("uvm_fetch", "lookup", "output_dist", "grad_dist", "allreduce", "step_overhead"),
+)
+
+
+def split_floor_s(exposed: Mapping[str, float]) -> float:
+    """The largest path sum of :data:`SPLIT_FLOOR_PATHS` over a rank's exposed phase times
+    (``cost.pipelines.terms``; a missing phase counts 0)."""
+    return max(sum(float(exposed.get(n, 0.0)) for n in path) for path in SPLIT_FLOOR_PATHS)
+
+
+def split_floor_rows(forms, itot, factor=1.0):
+    """Rows ``(entries, rhs)`` making ``itot`` >= ``min(1, factor)`` times every path of
+    :data:`SPLIT_FLOOR_PATHS` (``forms`` from :func:`phase_forms`): a lower bound on the split
+    step at every k (``search.solve.split_price``), hence on ``overlap`` with the split allowed."""
+    f = min(1.0, float(factor))
+    out = []
+    for path in SPLIT_FLOOR_PATHS:
+        entries, const = [], 0.0
+        for t in path:
+            e, c = forms[t]
+            entries.extend((v, f * a) for v, a in e)
+            const += c
+        out.append((entries + [(itot, -1.0)], -f * const))
+    return out
 
 #: The solvers' time unit (ms) and memory unit (GiB): HiGHS drops matrix coefficients below
 #: ~1e-9, so seconds and raw bytes / bandwidth would vanish.
@@ -234,6 +286,9 @@ class FixedTerms:
     #: precision adds (``cost.model.lossy_byte_s * bandwidth``: z is the column's bytes over its
     #: bandwidth); :func:`lossy_per_z`
     lossy_per_z: Mapping[str, Mapping[int, float]] = attrs.field(factory=dict)
+    #: the search prices ``overlap`` with its batch split (``PlanningProblem.split_overhead_s``):
+    #: :func:`step_rows` gives that pipeline the split's rows (:func:`split_floor_rows`)
+    split: bool = False
 
     @property
     def dense_allreduce(self) -> bool:
@@ -252,8 +307,9 @@ class FixedTerms:
                 + self.allreduce_per_byte * self.dense_param_bytes) - self.hidden
 
 
-def fixed_terms(ctx) -> FixedTerms:
-    """:class:`FixedTerms` of a :class:`~torchrec_sparselift.cost.model.CostContext`."""
+def fixed_terms(ctx, split: bool = False) -> FixedTerms:
+    """:class:`FixedTerms` of a :class:`~torchrec_sparselift.cost.model.CostContext`; ``split``:
+    the problem allows the batch split (``PlanningProblem.split_overhead_s`` is set)."""
     p = ctx.profile
     W = ctx.world_size
     const = phase_constants(ctx)
@@ -269,7 +325,7 @@ def fixed_terms(ctx) -> FixedTerms:
         group_cost=MS * layout().group_costs(p),
         parts={q: MS * const[q] for qs in PHASE_PARTS.values() for q in qs}, spans_hosts=ctx.num_hosts > 1,
         step_factors={pl: step_factor(p, pl, ctx.num_hosts > 1) for pl in PIPELINES},
-        lossy_per_z=lossy_per_z(p),
+        lossy_per_z=lossy_per_z(p), split=bool(split),
     )
 
 
@@ -410,11 +466,17 @@ def composition_rows(pl, forms, itot, supports_overlap=True, spans_hosts=False, 
 
 def step_rows(eq: Equation, sv: StepVars, pipeline: str, fixed: FixedTerms, fwd: str = defaults.COMM_PRECISION,
               bwd: str = defaults.COMM_PRECISION, fused_splits: bool = True) -> None:
-    """Add the composition rows: ``total`` >= every path of ``pipeline``'s step."""
+    """Add the composition rows: ``total`` >= every path of ``pipeline``'s step; for ``overlap``
+    with the batch split allowed (``fixed.split``) the rows every chunk count satisfies
+    (:func:`split_floor_rows`)."""
     forms = phase_forms(sv, fixed.constants(), precision_scales(fwd, bwd), latency=fixed.latency,
                         fused_splits=fused_splits, lossy=lossy_coefficients(fixed.lossy_per_z, fwd, bwd))
-    for entries, rhs in composition_rows(pipeline, forms, sv.total, fixed.overlap, fixed.spans_hosts,
-                                         fixed.step_factors.get(pipeline, 1.0)):
+    factor = fixed.step_factors.get(pipeline, 1.0)
+    if fixed.split and pipeline == BATCH_SPLIT_PIPELINE:
+        rows = split_floor_rows(forms, sv.total, factor)
+    else:
+        rows = composition_rows(pipeline, forms, sv.total, fixed.overlap, fixed.spans_hosts, factor)
+    for entries, rhs in rows:
         eq.add(entries, -np.inf, rhs)
 
 

@@ -19,7 +19,9 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.model import step_total_batch
+from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE
+from torchrec_sparselift.cost.model import phase_table, step_total_batch
+from torchrec_sparselift.cost.pipelines import PHASE_NAMES, exposed, step_factor
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.equation import (  # noqa: F401  (re-exported: one definition)
     Equation,
@@ -35,6 +37,7 @@ from torchrec_sparselift.search.equation import (  # noqa: F401  (re-exported: o
     load_maxima,
     phase_forms,
     piece_loads,
+    split_floor_s,
     step_rows,
     step_vars,
     total_memory_rows,
@@ -95,7 +98,7 @@ def solve_lp(
     iz = load_maxima(eq)
     sv = step_vars(eq, iz)
     # Units: milliseconds for time, link columns pre-divided by their bandwidth, GiB for memory.
-    ft = fixed_terms(ctx)
+    ft = fixed_terms(ctx, split=prob.split_overhead_s is not None)
     scale = column_scale(p)
     own = owner * scale[None, :]
     per = peers * scale[None, :]
@@ -227,5 +230,12 @@ def analytic_bound(prob: PlanningProblem, pipeline: str, fwd_precision: str = de
     if prob.candidates:  # the rank holding a piece pays at least one TBE group's fixed cost
         piece += lay.group_costs(prob.ctx.profile)
     colmax = np.maximum(lb, piece)
-    return float(step_total_batch(colmax[None, :], allreduce, 0, prob.ctx, pipeline,
+    step = float(step_total_batch(colmax[None, :], allreduce, 0, prob.ctx, pipeline,
                                   fwd_precision, bwd_precision)[0])
+    if prob.split_overhead_s is not None and pipeline == BATCH_SPLIT_PIPELINE:  # every k: equation.split_floor_rows
+        ctx = prob.ctx
+        table = phase_table(colmax[None, :], allreduce, 0, ctx, fwd_precision, bwd_precision, pipeline)
+        row = exposed(table, getattr(ctx.profile, "supports_overlap", True))[0]
+        floor = split_floor_s(dict(zip(PHASE_NAMES, row.tolist())))
+        step = min(step, min(1.0, step_factor(ctx.profile, pipeline, ctx.num_hosts > 1)) * floor)
+    return step

@@ -99,7 +99,7 @@ def solve_milp(prob: PlanningProblem, pipeline: str, fwd: str = defaults.COMM_PR
     W = ctx.world_size
     C = len(prob.cands)
     lay = layout()
-    ft = fixed_terms(ctx)
+    ft = fixed_terms(ctx, split=prob.split_overhead_s is not None)
     scale = column_scale(p)
     owner = np.stack([c.owner for c in prob.costs]) * scale[None, :]
     peers = np.stack([c.peers for c in prob.costs]) * scale[None, :]

@@ -17,8 +17,10 @@ from torchrec_sparselift.cost.model import (
     HOST_MEM,
     CostContext,
     ShardCost,
+    rewrite_wire,
     shard_cost,
 )
+from torchrec_sparselift.cost.wire_ids import WireRule, table_wire
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.semantics.graph import Candidate, candidate_for
@@ -102,6 +104,15 @@ class PlanningProblem:
     #: (device, host) bytes that every plan needs at least: per table, its smallest option's
     #: total over all shards, summed (what :func:`no_plan_kind` compares with the cluster).
     lowest_storage: Tuple[float, float] = (0.0, 0.0)
+    #: the ids-on-the-wire rewrites ``costs`` price (``cost.wire_ids.WireRule``; None: int64 ids,
+    #: no dedup, TorchRec's input dist); ``plain_costs`` then holds the options' costs without them
+    wire: Optional[WireRule] = None
+    plain_costs: Optional[Tuple[ShardCost, ...]] = attrs.field(default=None, eq=False, repr=False)
+    #: per option, the features its wire terms deduplicate (empty without ``wire``)
+    dedup_of: Tuple[Tuple[str, ...], ...] = attrs.field(default=(), eq=False, repr=False)
+    #: the batch split the search prices under the ``overlap`` pipeline: the profile's per-chunk
+    #: dense overhead (seconds); None where the split is not allowed for this problem
+    split_overhead_s: Optional[float] = None
 
     @property
     def num_tables(self) -> int:
@@ -119,8 +130,14 @@ def build_problem(
     host_cap: np.ndarray,
     pipelines: Sequence[str] = (defaults.PIPELINE,),
     precisions: Sequence[Tuple[str, str]] = comm_precision_pairs(),
+    wire: Optional[WireRule] = None,
+    split_overhead_s: Optional[float] = None,
 ) -> PlanningProblem:
     """Enumerate candidates for every table, price one shard of each, drop what cannot fit.
+
+    ``wire``: the ids-on-the-wire rewrites to price in every option's input-dist columns
+    (``cost.wire_ids.table_wire``, ``cost.model.rewrite_wire``); ``split_overhead_s``: the batch
+    split's per-chunk overhead where the search may price the split (``search.solve.split_price``).
 
     Raises ``ValueError`` naming each table for which nothing fits, with how much memory its
     smallest option needs against the largest per-rank capacity.
@@ -129,6 +146,9 @@ def build_problem(
     device = ctx.profile.compute_device
     cands: List[Candidate] = []
     costs: List[ShardCost] = []
+    plain: List[ShardCost] = []
+    dedup_of: List[Tuple[str, ...]] = []
+    wire = wire if wire is not None and wire.active else None
     per_table: List[Tuple[int, ...]] = []
     max_dev = float(np.max(device_cap)) if len(device_cap) else 0.0
     max_host = float(np.max(host_cap)) if len(host_cap) else 0.0
@@ -137,6 +157,7 @@ def build_problem(
     min_dev = float(np.min(device_cap)) if len(device_cap) else 0.0
     for t, spec in enumerate(specs):
         ids: List[int] = []
+        wires: dict = {}
         # UVM kernels trade speed for memory: only worth offering when the table is big
         # relative to a rank's memory (its whole fused table would take over 1/8 of a rank).
         uvm_useful = spec.weight_bytes > min_dev / 8
@@ -179,6 +200,14 @@ def build_problem(
                         continue
                     ids.append(len(cands))
                     cands.append(cand)
+                    plain.append(cost)
+                    if wire is not None:  # one price per (sharding type, shards): the kernels share it
+                        key = (cand.sharding_type, cand.num_shards)
+                        if key not in wires:
+                            wires[key] = table_wire(wire, spec, cand.sharding_type, cand.num_shards)
+                        tw = wires[key]
+                        cost = rewrite_wire(cost, tw.factor, tw.kernel_s, cand.num_shards, ctx)
+                        dedup_of.append(tw.dedup_features)
                     costs.append(cost)
         if not ids:
             if smallest is None:
@@ -211,6 +240,10 @@ def build_problem(
         pipelines=tuple(pipelines),
         precisions=tuple(precisions),
         lowest_storage=(lowest[0], lowest[1]),
+        wire=wire,
+        plain_costs=tuple(plain) if wire is not None else None,
+        dedup_of=tuple(dedup_of),
+        split_overhead_s=None if split_overhead_s is None else float(split_overhead_s),
     )
 
 

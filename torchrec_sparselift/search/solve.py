@@ -10,6 +10,15 @@ Strategy (large-scale path, any size):
 3. Local search on the hottest ranks (re-place or re-shard their biggest tables).
 4. Price every allowed pipeline kind and comm precision on the final loads; keep the best,
    and polish with local search under it.
+
+The rewrites the problem allows are in every price: the ids on the wire in the options' input-dist
+columns (``PlanningProblem.wire``), which every move's price reads; the batch split
+(``PlanningProblem.split_overhead_s``) in the price of the ``overlap`` pipeline wherever the search
+compares pipelines and final candidates (:func:`split_price` at the best k on the plan's phases,
+:func:`priced_s`). The local search's moves price ``overlap`` unsplit (k = 1): 16 chunk counts per
+priced placement would multiply its cost, and the split only lowers a step whose loads the moves
+already balance. The bound's rows for a split ``overlap`` hold at every k
+(``search.equation.split_floor_rows``).
 """
 
 from __future__ import annotations
@@ -21,12 +30,14 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift import defaults
+from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, SplitTerms, choose_chunks, split_step_s
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, StepTime
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.cost.pipelines import trainable_pipelines
 from torchrec_sparselift.vocabulary import PREFETCH, SPARSE_DIST, has_side_streams
 from torchrec_sparselift.search.choice_bound import choice_bound_solution
+from torchrec_sparselift.search.equation import SPLIT_FLOOR_PATHS, split_floor_s
 from torchrec_sparselift.search.lp import analytic_bound, solve_lp
 from torchrec_sparselift.search.milp import milp_size, solve_milp
 from torchrec_sparselift.search.place import WorkBudget, greedy_place, local_search
@@ -35,7 +46,8 @@ from torchrec_sparselift.search.scale import (
     SCALE_LP_LIMIT_S, SCALE_SEARCH_S, ShortlistPlacer, fast_place, scale_local_search, use_scale_path,
 )
 
-__all__ = ["SearchResult", "solve", "new_evaluator"]
+__all__ = ["SearchResult", "solve", "new_evaluator", "split_terms", "split_price", "split_floor_terms",
+           "priced_s", "priced_split"]
 
 
 @attrs.frozen
@@ -54,12 +66,22 @@ class SearchResult:
     moves: int
     rank_loads: np.ndarray = attrs.field(eq=False, repr=False)
     alternatives: Tuple[Tuple[str, float], ...] = ()
+    #: the batch split the search priced for the plan (``PlanningProblem.split_overhead_s`` set
+    #: and the pipeline ``overlap``): its chunk count and step (:func:`split_price`); 1 and None
+    #: where it priced none (``step`` is the unsplit step either way)
+    split_chunks: int = 1
+    split_s: Optional[float] = None
+
+    @property
+    def priced_step_s(self) -> float:
+        """The plan's step as the search priced it: with its batch split where it priced one."""
+        return self.step.total_s if self.split_s is None else min(self.step.total_s, self.split_s)
 
     @property
     def gap(self) -> float:
         if not self.lower_bound_s or not np.isfinite(self.lower_bound_s):
             return float("nan")
-        return self.step.total_s / self.lower_bound_s - 1.0
+        return self.priced_step_s / self.lower_bound_s - 1.0
 
 
 def new_evaluator(prob: PlanningProblem, pipeline: str, fwd: str = defaults.COMM_PRECISION, bwd: str = defaults.COMM_PRECISION) -> PlanEvaluator:
@@ -67,6 +89,67 @@ def new_evaluator(prob: PlanningProblem, pipeline: str, fwd: str = defaults.COMM
         prob.ctx, prob.costs, [c.sharding_type for c in prob.cands], prob.device_cap,
         prob.host_cap, pipeline, fwd, bwd, kernels=[c.compute_kernel for c in prob.cands],
     )
+
+
+def split_terms(ev: PlanEvaluator, chunk_overhead_s: float, chunk_feature_s: float = 0.0,
+                features: int = 0) -> SplitTerms:
+    """The batch-split terms of ``ev``'s plan (its loads under the ``overlap`` kind and its comm
+    precisions): ``SplitTerms.from_cost_model``, the one construction the search and the rewrite
+    stage price the split on. One more chunk's dense cost: ``chunk_overhead_s + chunk_feature_s *
+    features`` (the search passes that sum as ``chunk_overhead_s``)."""
+    # (the incremental loads may hold a rounding residue below 0 where a table left: -1e-20 s)
+    return SplitTerms.from_cost_model(np.maximum(ev.colmax(), 0.0), max(0.0, ev.allreduce_bytes), ev.comm_groups, ev.ctx,
+                                      chunk_overhead_s=chunk_overhead_s, chunk_feature_s=chunk_feature_s,
+                                      features=features, fwd_precision=ev.fwd_precision,
+                                      bwd_precision=ev.bwd_precision)
+
+
+def split_price(step_s: float, terms: SplitTerms, batch_size: Optional[int] = None) -> Tuple[int, float]:
+    """``(k, step)``: the chunk count ``cost.batch_split.choose_chunks`` picks for ``terms`` and
+    the step of a plan whose unsplit ``overlap`` step is priced ``step_s`` (the pipeline's
+    composition with its measured step factor): ``step_s`` less what k chunks win on the split
+    schedule (``split_step_s(terms, 1) - split_step_s(terms, k)``), never above ``step_s`` and
+    never below the largest path of ``search.equation.SPLIT_FLOOR_PATHS`` on ``terms`` (what the
+    bound's rows take, so the bound stays below this price at every k). ``(1, step_s)`` where no
+    k > 1 wins."""
+    k = choose_chunks(terms, batch_size)
+    if k == 1:
+        return 1, float(step_s)
+    saved = max(0.0, split_step_s(terms, 1) - split_step_s(terms, k))
+    return k, float(min(step_s, max(step_s - saved, split_floor_terms(terms))))
+
+
+def split_floor_terms(terms: SplitTerms) -> float:
+    """``search.equation.split_floor_s`` on split terms: the least step any k reaches."""
+    return split_floor_s({name: getattr(terms, name + "_s") for path in SPLIT_FLOOR_PATHS for name in path})
+
+
+def priced_split(ev: PlanEvaluator, prob: PlanningProblem, pipeline: Optional[str] = None,
+                 fwd: Optional[str] = None, bwd: Optional[str] = None) -> Tuple[int, float]:
+    """``(k, step)`` of ``ev``'s plan under ``pipeline`` (default: ``ev``'s) as the search prices
+    it: :func:`split_price` where the problem allows the split and the pipeline is ``overlap``,
+    else ``(1, its step)``."""
+    pl = pipeline or ev.pipeline
+    f, b = fwd or ev.fwd_precision, bwd or ev.bwd_precision
+    step = ev.step_time(pl, f, b).total_s
+    if prob.split_overhead_s is None or pl != BATCH_SPLIT_PIPELINE:
+        return 1, step
+    if (f, b) != (ev.fwd_precision, ev.bwd_precision):
+        saved = ev.fwd_precision, ev.bwd_precision
+        ev.fwd_precision, ev.bwd_precision = f, b
+        try:
+            terms = split_terms(ev, prob.split_overhead_s)
+        finally:
+            ev.fwd_precision, ev.bwd_precision = saved
+    else:
+        terms = split_terms(ev, prob.split_overhead_s)
+    return split_price(step, terms, prob.ctx.batch_size)
+
+
+def priced_s(ev: PlanEvaluator, prob: PlanningProblem) -> float:
+    """``ev``'s plan's step under its own pipeline and precisions as the search prices final
+    candidates (:func:`priced_split`)."""
+    return priced_split(ev, prob)[1]
 
 
 def _least_work_choice(prob: PlanningProblem) -> List[int]:
@@ -94,10 +177,10 @@ def _optimizations(ev: PlanEvaluator, prob: PlanningProblem, pipelines: Sequence
     ordered = sorted(trainable, key=lambda p: p != defaults.PIPELINE)  # stable: the rest keep their order
     for pl in ordered:
         for f, b in precisions:
-            st = ev.step_time(pl, f, b)
-            alts.append((f"{pl}/{f}/{b}", st.total_s))
-            if best_combo is None or st.total_s < best_combo[3] * (1 - 1e-12):
-                best_combo = (pl, f, b, st.total_s)
+            _k, total = priced_split(ev, prob, pl, f, b)  # overlap at its best batch split, where allowed
+            alts.append((f"{pl}/{f}/{b}", total))
+            if best_combo is None or total < best_combo[3] * (1 - 1e-12):
+                best_combo = (pl, f, b, total)
     return alts, best_combo
 
 
@@ -231,7 +314,7 @@ def solve(
             if not unplaced:
                 polish = WorkBudget(max(200, work.units // 4), t0 + 3.5 * time_budget_s)
                 more, cut3 = local_search(alt, prob, deadline=polish.deadline, budget=polish, **ls_kw)
-                if alt.memory_ok() and alt.objective() < ev.objective() * (1 - 1e-9):
+                if alt.memory_ok() and priced_s(alt, prob) < priced_s(ev, prob) * (1 - 1e-9):
                     ev, best_name, moves, cut = alt, "choice_bound", moves + more, cut or cut3
                     alts, _ = _optimizations(ev, prob, pipelines, precisions)
     solver_name = f"lp+greedy({best_name})+local_search"
@@ -246,17 +329,18 @@ def solve(
             alt = new_evaluator(prob, pl, f, b)
             for t, (c, rk) in enumerate(m.assignment):
                 alt.assign(t, c, rk)
-            if alt.memory_ok() and alt.objective() < ev.objective() * (1 - 1e-9):
+            if alt.memory_ok() and priced_s(alt, prob) < priced_s(ev, prob) * (1 - 1e-9):
                 ev = alt
                 solver_name = f"milp({m.status})"
             else:
                 solver_name += f"; milp({m.status}) not better"
     step = ev.step_time()
+    chunks, priced = priced_split(ev, prob)
     assignment = tuple(ev.assignment[t] for t in range(prob.num_tables))
     return SearchResult(
         assignment=assignment,
         step=step,
-        lower_bound_s=float(min(bound, step.total_s)) if np.isfinite(bound) else float("nan"),
+        lower_bound_s=float(min(bound, priced)) if np.isfinite(bound) else float("nan"),
         pipeline=pl,
         fwd_precision=f,
         bwd_precision=b,
@@ -266,4 +350,6 @@ def solve(
         moves=moves,
         rank_loads=ev.rank_loads(),
         alternatives=tuple(alts),
+        split_chunks=chunks,
+        split_s=priced if prob.split_overhead_s is not None and pl == BATCH_SPLIT_PIPELINE else None,
     )
