@@ -168,18 +168,20 @@ def test_narrow_ids_change_the_chosen_sharding():
 
 # -- the batch split in the search -------------------------------------------------------------
 
-def _split_problem(seed, overhead=2e-6, W=4, L=2, bw_div=30.0):
+def _split_problem(seed, overhead=2e-6, W=4, L=2, bw_div=30.0, id_dtype=None):
     ctx = _ctx(W=W, L=L, bw_div=bw_div, flops=3e8, indep=5e7)
-    return _problem(_specs(seed, ratio=False), ctx, None, overhead, pipelines=("sparse_dist", "overlap"))
+    wire = _rule(ctx, id_dtype, 1e-12) if id_dtype else None
+    return _problem(_specs(seed, ratio=wire is not None), ctx, wire, overhead, pipelines=("sparse_dist", "overlap"))
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), overhead=st.sampled_from([0.0, 2e-6, 2e-4]))
-def test_the_bound_stays_below_the_split_optimum_at_every_k(seed, overhead):
-    """With the split allowed, the search prices ``overlap`` at its best k; the LP, choice,
-    analytic and MILP bounds stay at or below the exhaustive optimum of that price, and that
-    price is never above the unsplit one."""
-    prob = _split_problem(seed, overhead)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), overhead=st.sampled_from([0.0, 2e-6, 2e-4]),
+       id_dtype=st.sampled_from([None, "int32", "int64"]))
+def test_the_bound_stays_below_the_split_optimum_at_every_k(seed, overhead, id_dtype):
+    """With the split allowed (and the wire rewrites, where drawn), the search prices ``overlap``
+    at its best k; the LP, choice, analytic and MILP bounds stay at or below the exhaustive
+    optimum of that price, and that price is never above the unsplit one."""
+    prob = _split_problem(seed, overhead, id_dtype=id_dtype)
     opt = _optimum(prob, "overlap", split=True)
     assert opt <= _optimum(prob, "overlap") * (1 + 1e-12)
     m = solve_milp(prob, "overlap", time_limit_s=60)
