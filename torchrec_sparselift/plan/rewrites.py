@@ -300,9 +300,9 @@ def search_rewrites(request: Any, handles: Sequence[Any], pipelines: Sequence[st
     a 2D plan, ``cost_model='torchrec'``, or sequence and feature-processed tables (the runtime
     rewrites EmbeddingBagCollections' input dists only). ``split_overhead_s``: one more chunk's
     dense cost on the profile (``cost.batch_split.chunk_dense_s``: ``chunk_overhead_s`` plus
-    ``chunk_feature_s`` per pooled feature of the tables) where the batch split applies to every plan the search may choose under
-    ``overlap`` (:func:`_split_refusal`), else None. :func:`choose_rewrites` judges one plan by
-    the same rules, so it prices what the search priced."""
+    ``chunk_feature_s`` per pooled feature of the tables) where the batch split applies to every
+    plan the search may choose under ``overlap`` (:func:`_split_refusal`), else None.
+    :func:`choose_rewrites` judges one plan by the same rules, so it prices what the search priced."""
     if two_d or not str(request.cost_model).startswith("sparselift"):
         return None, None
     allowed = tuple(request.rewrites)
@@ -319,7 +319,7 @@ def search_rewrites(request: Any, handles: Sequence[Any], pipelines: Sequence[st
     split = None
     if BATCH_SPLIT in allowed and BATCH_SPLIT_PIPELINE in pipelines and _split_refusal(
             request, handles, BATCH_SPLIT_PIPELINE, profile, SPLIT_SHARDING_TYPES) is None:
-        split = chunk_dense_s(profile, pooled_features(handles))  # the features are the search's every plan's
+        split = chunk_dense_s(profile, pooled_features(handles))  # every plan of the search: the same features
     return wire, split
 
 
