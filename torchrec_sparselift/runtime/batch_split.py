@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -137,29 +138,35 @@ def check_per_sample(model: nn.Module, declared: bool = False) -> None:
 def _split_kjt(kjt: KeyedJaggedTensor, sizes: Sequence[int]) -> List[KeyedJaggedTensor]:
     """``kjt`` cut into consecutive sample ranges of ``sizes`` samples (one batch size for every
     key; a size may be 0): chunk j holds samples ``[s_j, s_j + b_j)`` of every key, keys in order.
-    A few tensor ops whatever the key count: every value's chunk (its sample's, repeated over the
-    lengths), one stable sort of the values by chunk (so each chunk's values, key-major as in
-    ``kjt``, are one contiguous run) and one read of the chunks' value counts."""
+    A few tensor ops whatever the key count: each (key, chunk) pair's values are one contiguous run
+    of ``kjt``'s values (its start and length from the lengths' running sum at the chunk
+    boundaries), so one gather reorders them chunk-major and each chunk's values are one slice."""
     keys = kjt.keys()
     stride = kjt.stride()
     values = kjt.values()
     weights = kjt.weights_or_none()
     lengths = kjt.lengths()
-    k = len(sizes)
+    k, nkeys = len(sizes), len(keys)
     device = lengths.device
-    chunk_of_sample = torch.repeat_interleave(torch.arange(k, device=device),
-                                              torch.tensor(list(sizes), device=device))
-    chunk_of_slot = chunk_of_sample.repeat(len(keys))
-    per_chunk = torch.zeros(k, dtype=torch.long, device=device).index_add_(0, chunk_of_slot, lengths.long())
-    counts = per_chunk.tolist()
+    per_key = lengths.view(nkeys, stride).long()
+    running = torch.zeros(nkeys, stride + 1, dtype=torch.long, device=device)
+    torch.cumsum(per_key, dim=1, out=running[:, 1:])
+    bounds = torch.tensor([0] + list(itertools.accumulate(sizes)), device=device)
+    at = running[:, bounds]  # [keys, k + 1]: each key's value count before each chunk boundary
+    key_base = torch.zeros(nkeys, dtype=torch.long, device=device)
+    torch.cumsum(running[:-1, -1], dim=0, out=key_base[1:])
+    seg_len = (at[:, 1:] - at[:, :-1]).t().reshape(-1)  # chunk-major: chunk 0's keys, chunk 1's, ...
+    seg_start = (key_base[:, None] + at[:, :-1]).t().reshape(-1)
+    counts = seg_len.view(k, nkeys).sum(dim=1).tolist()
     if sum(counts) != values.numel():
         raise ValueError(f"batch split: a KeyedJaggedTensor's lengths sum to {sum(counts)} but it holds "
                          f"{values.numel()} values; it cannot be split along the batch")
-    chunk_of_value = torch.repeat_interleave(chunk_of_slot, lengths, output_size=values.numel())
-    order = torch.argsort(chunk_of_value, stable=True)
+    out_start = torch.cumsum(seg_len, dim=0) - seg_len
+    order = torch.repeat_interleave(seg_start - out_start, seg_len, output_size=values.numel()) + torch.arange(
+        values.numel(), device=device)
     vparts = values[order].split(counts)
     wparts = weights[order].split(counts) if weights is not None else [None] * k
-    lparts = lengths.view(len(keys), stride).split(list(sizes), dim=1)
+    lparts = lengths.view(nkeys, stride).split(list(sizes), dim=1)
     return [KeyedJaggedTensor(keys=keys, values=v, weights=w, lengths=ln.reshape(-1).contiguous(), stride=b)
             for v, w, ln, b in zip(vparts, wparts, lparts, sizes)]
 
