@@ -374,6 +374,51 @@ def test_slice_batch_and_merge_outputs_invert_each_other():
         slice_batch(torch.zeros(3, LOCAL_B), 0, 2, LOCAL_B)
 
 
+def test_split_batch_cuts_every_key_of_a_jagged_tensor_as_a_per_key_slice_does():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_sparselift.runtime.batch_split import chunk_sizes, split_batch
+
+    @settings(max_examples=80, deadline=None)
+    @given(st.integers(1, 6), st.integers(1, 20), st.integers(1, 8), st.booleans(), st.integers(0, 2 ** 16),
+           st.booleans())
+    def check(keys: int, batch: int, k: int, weighted: bool, seed: int, empty: bool) -> None:
+        k = min(k, batch)
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(0, 4, (keys * batch,), generator=g, dtype=torch.int32)
+        n = int(lengths.sum())
+        kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(keys)], values=torch.randint(0, 99, (n,), generator=g),
+                                weights=torch.rand(n, generator=g) if weighted else None, lengths=lengths,
+                                stride=batch)
+        sizes = list(chunk_sizes(batch, k))
+        if empty:  # chunks of no sample (slice_batch cuts [0, start), [start, stop), [stop, B))
+            cut = int(torch.randint(0, len(sizes) + 1, (1,), generator=g))
+            sizes = sizes[:cut] + [0] + sizes[cut:]
+        parts = split_batch(kjt, sizes, batch)
+        assert [p.stride() for p in parts] == list(sizes)
+        whole, start = kjt.to_dict(), 0
+        for p, b in zip(parts, sizes):
+            assert p.keys() == kjt.keys()
+            if b == 0:  # (TorchRec's to_dict does not take a jagged tensor of no sample)
+                assert p.lengths().numel() == 0 and p.values().numel() == 0
+                continue
+            got = p.to_dict()
+            for key, jt in whole.items():  # the reference: one key's samples [start, start + b)
+                offs = jt.offsets()
+                lo, hi = int(offs[start]), int(offs[start + b])
+                assert torch.equal(got[key].lengths(), jt.lengths()[start:start + b])
+                assert torch.equal(got[key].values(), jt.values()[lo:hi])
+                if weighted:
+                    assert torch.equal(got[key].weights(), jt.weights()[lo:hi])
+            start += b
+
+    check()
+    with pytest.raises(ValueError, match="do not cover a batch of 5"):
+        split_batch(torch.zeros(5, 2), [2, 2], 5)
+
+
 # ------------------------------------------------------------------------------------------------
 # the GPU check script (no GPU here: it must import, judge, and refuse cleanly)
 # ------------------------------------------------------------------------------------------------

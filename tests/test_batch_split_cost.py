@@ -10,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrec_sparselift.cost import pipelines
+from torchrec_sparselift.cost.hardware import PRESETS
 from torchrec_sparselift.cost.batch_split import (
     MAX_CHUNKS,
     SplitTerms,
+    chunk_dense_s,
     choose_chunks,
     split_schedule,
     split_step_s,
@@ -31,6 +33,7 @@ def terms(draw) -> SplitTerms:  # type: ignore[no-untyped-def]
         dense_fwd_indep_s=draw(_T), dense_fwd_rest_s=draw(_T), dense_bwd_rest_s=draw(_T),
         dense_bwd_indep_s=draw(_T), grad_dist_s=grad, backward_update_s=draw(_T), allreduce_s=draw(_T),
         step_overhead_s=draw(_T), chunk_latency_s=lat, chunk_overhead_s=draw(st.floats(0.0, 0.01)),
+        chunk_feature_s=draw(st.floats(0.0, 1e-4)), features=draw(st.integers(0, 200)),
     )
 
 
@@ -55,7 +58,8 @@ def test_the_unsplit_step_is_the_overlap_kind_s_composition(t):
               "dense_bwd_rest": t.dense_bwd_rest_s, "dense_bwd_indep": t.dense_bwd_indep_s,
               "step_overhead": t.step_overhead_s}
     from_phases = SplitTerms.from_phases(phases, chunk_latency_s=t.chunk_latency_s,
-                                         chunk_overhead_s=t.chunk_overhead_s)
+                                         chunk_overhead_s=t.chunk_overhead_s, chunk_feature_s=t.chunk_feature_s,
+                                         features=t.features)
     composed = pipelines.evaluate(pipelines.pipeline_kind("overlap").step, pipelines.terms(phases))
     assert unsplit_step_s(from_phases) == pytest.approx(float(composed), rel=1e-9, abs=_EPS)
     # the all-reduce is what the dense backward leaves exposed; the rest is read as given
@@ -148,8 +152,9 @@ def test_the_schedule_describes_each_chunk():
     t = _dlrm_like(latency=0.001, overhead=0.001)
     sched = split_schedule(t, 2)
     lines = sched.describe()
-    assert len(lines) == 3 and lines[0].startswith("chunk 0: embeddings in at ")
-    assert f"step {sched.step_s * 1e3:.2f} ms" in lines[-1]
+    assert len(lines) == 4 and lines[0].startswith("chunk 0: embeddings in at ")
+    assert f"step {sched.step_s * 1e3:.2f} ms" in lines[-2]
+    assert lines[-1].startswith(f"each extra chunk: {t.per_chunk_s * 1e3:.3f} ms")
     assert f"forward waits {sched.chunks[1].fwd_wait_s * 1e3:.2f} ms" in lines[1]
 
 
@@ -172,3 +177,31 @@ def test_terms_from_the_cost_model_charge_one_latency_per_sending_group_per_chun
     assert split_step_s(t, 1) == pytest.approx(float(composed), rel=1e-9)
     one_rank = attrs.evolve(ctx, world_size=1, local_world_size=1)
     assert SplitTerms.from_cost_model(colmax, 1e6, 2, one_rank, chunk_overhead_s=0.0).chunk_latency_s == 0.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(terms(), st.integers(1, MAX_CHUNKS), st.integers(0, 100), st.booleans())
+def test_the_split_step_grows_with_the_features_a_chunk_carries(t, k, more, chained):
+    wider = attrs.evolve(t, features=t.features + more)
+    assert wider.chunk_dense_s >= t.chunk_dense_s
+    assert split_step_s(wider, k, chained) >= split_step_s(t, k, chained) - _EPS
+    assert split_step_s(wider, 1) == split_step_s(t, 1)  # one chunk pays no chunk cost
+
+
+def test_one_more_chunk_costs_its_fixed_part_and_its_part_per_feature():
+    prof = attrs.evolve(PRESETS["cpu-gloo"], chunk_overhead_s=1e-3, chunk_feature_s=4e-5)
+    assert chunk_dense_s(prof, 0) == pytest.approx(1e-3) and chunk_dense_s(prof, 60) == pytest.approx(3.4e-3)
+    assert chunk_dense_s(attrs.evolve(prof, chunk_feature_s=None), 60) == pytest.approx(1e-3)
+    assert chunk_dense_s(attrs.evolve(prof, chunk_overhead_s=None), 60) is None
+    with pytest.raises(ValueError, match="features must be an int >= 0"):
+        chunk_dense_s(prof, -1)
+    t = _dlrm_like(latency=1e-4, overhead=1e-3)
+    wide = attrs.evolve(t, chunk_feature_s=4e-5, features=60)
+    assert wide.per_chunk_s == pytest.approx(2e-4 + 3.4e-3)
+    assert split_step_s(wide, 4) - split_step_s(t, 4) == pytest.approx(3 * 60 * 4e-5, rel=1e-6)
+    assert "dense 1.000 ms + 40.0 us x 60 features" in split_schedule(wide, 4).describe()[-1]
+    with pytest.raises(ValueError, match="features must be an int >= 0"):
+        attrs.evolve(t, features=-2)
+    # a stored SplitTerms without the per-feature fields prices as before
+    old = {k: v for k, v in attrs.asdict(t).items() if k not in ("chunk_feature_s", "features")}
+    assert SplitTerms(**old) == t

@@ -168,18 +168,20 @@ def test_narrow_ids_change_the_chosen_sharding():
 
 # -- the batch split in the search -------------------------------------------------------------
 
-def _split_problem(seed, overhead=2e-6, W=4, L=2, bw_div=30.0):
+def _split_problem(seed, overhead=2e-6, W=4, L=2, bw_div=30.0, id_dtype=None):
     ctx = _ctx(W=W, L=L, bw_div=bw_div, flops=3e8, indep=5e7)
-    return _problem(_specs(seed, ratio=False), ctx, None, overhead, pipelines=("sparse_dist", "overlap"))
+    wire = _rule(ctx, id_dtype, 1e-12) if id_dtype else None
+    return _problem(_specs(seed, ratio=wire is not None), ctx, wire, overhead, pipelines=("sparse_dist", "overlap"))
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), overhead=st.sampled_from([0.0, 2e-6, 2e-4]))
-def test_the_bound_stays_below_the_split_optimum_at_every_k(seed, overhead):
-    """With the split allowed, the search prices ``overlap`` at its best k; the LP, choice,
-    analytic and MILP bounds stay at or below the exhaustive optimum of that price, and that
-    price is never above the unsplit one."""
-    prob = _split_problem(seed, overhead)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), overhead=st.sampled_from([0.0, 2e-6, 2e-4]),
+       id_dtype=st.sampled_from([None, "int32", "int64"]))
+def test_the_bound_stays_below_the_split_optimum_at_every_k(seed, overhead, id_dtype):
+    """With the split allowed (and the wire rewrites, where drawn), the search prices ``overlap``
+    at its best k; the LP, choice, analytic and MILP bounds stay at or below the exhaustive
+    optimum of that price, and that price is never above the unsplit one."""
+    prob = _split_problem(seed, overhead, id_dtype=id_dtype)
     opt = _optimum(prob, "overlap", split=True)
     assert opt <= _optimum(prob, "overlap") * (1 + 1e-12)
     m = solve_milp(prob, "overlap", time_limit_s=60)
@@ -267,3 +269,65 @@ def test_explain_shows_the_rewrites_as_the_search_priced_them():
     assert rw.phases["input_dist"] < repriced.evaluated.search.step.phases["input_dist"]
     drawn = [s for s in repriced.segments if s.phase == "input_dist"]
     assert drawn and sum(s.duration_s for s in drawn) == pytest.approx(rw.phases["input_dist"], rel=1e-9)
+
+
+# -- the rows, evaluated at a plan, are the evaluator's price ----------------------------------------
+
+def _form_value(form, values):
+    entries, const = form
+    return sum(a * values.get(v, 0.0) for v, a in entries) + const
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10**6), id_dtype=st.sampled_from(["int32", "int64"]),
+       dedup=st.sampled_from([None, 1e-12]), hosts=st.sampled_from([1, 2]),
+       pipeline=st.sampled_from(["base", "sparse_dist", "overlap"]), split=st.booleans())
+def test_the_rows_with_the_rewrites_equal_the_evaluator_on_random_plans(seed, id_dtype, dedup, hosts, pipeline, split):
+    """At a random plan's column maxima, every phase form of the step equation (search.equation:
+    the input dist with the wire terms in its columns) equals the evaluator's phase, and the
+    pipeline's rows give the evaluator's step; for ``overlap`` with the split allowed the floor
+    rows give ``min(1, factor)`` times the split's floor, never above the search's split price."""
+    from torchrec_sparselift.search.equation import (
+        MS, Equation, column_scale, composition_rows, fixed_terms, lossy_coefficients, phase_forms,
+        precision_scales, split_floor_rows, step_vars, load_maxima,
+    )
+    from torchrec_sparselift.cost.terms import layout
+
+    ctx = _ctx(W=4, L=4 // hosts, flops=3e8, indep=5e7)
+    ctx = attrs.evolve(ctx, profile=attrs.evolve(ctx.profile, collective_latency_s=0.0))  # no latency vars
+    rule = _rule(ctx, id_dtype, dedup)
+    prob = _problem(_specs(seed), ctx, rule, 2e-6 if split else None, pipelines=("base", "sparse_dist", "overlap"))
+    rng = np.random.default_rng(seed)
+    plans = _all_plans(prob)
+    ev = new_evaluator(prob, pipeline)
+    for t, (c, rk) in enumerate(plans[int(rng.integers(len(plans)))]):
+        ev.assign(t, c, rk)
+    eq = Equation()
+    sv = step_vars(eq, load_maxima(eq))
+    lay = layout()
+    zval = ev.colmax() * column_scale(ctx.profile)
+    values = {sv.z[j]: float(zval[j]) for j in lay.time}
+    for phases, cols in lay.link_groups:
+        values[sv.link[phases]] = max(float(zval[j]) for j in cols)
+    exposed = exposed_terms(ev.phases(), ctx.profile.supports_overlap)
+    values[sv.allreduce] = MS * float(exposed["allreduce"])
+    ft = fixed_terms(ctx, split=split)
+    forms = phase_forms(sv, ft.constants(), precision_scales(), latency=0.0,
+                        lossy=lossy_coefficients(ft.lossy_per_z))
+    for name in PHASE_NAMES:
+        if name in ("dense_fwd", "dense_bwd"):
+            continue  # the split parts carry them
+        assert _form_value(forms[name], values) == pytest.approx(MS * float(exposed[name]), rel=1e-9, abs=1e-12), name
+    factor = ft.step_factors.get(pipeline, 1.0)
+    itot = sv.total
+    if split and pipeline == "overlap":
+        rows = split_floor_rows(forms, itot, factor)
+    else:
+        rows = composition_rows(pipeline, forms, itot, ft.overlap, ft.spans_hosts, factor)
+    # each row: entries - total <= rhs, i.e. total >= entries - rhs
+    need = max(sum(a * values.get(v, 0.0) for v, a in e if v != itot) - rhs for e, rhs in rows)
+    if split and pipeline == "overlap":
+        assert need == pytest.approx(MS * min(1.0, factor) * split_floor_s(exposed), rel=1e-9)
+        assert need <= MS * priced_split(ev, prob)[1] * (1 + 1e-9)
+    else:
+        assert need == pytest.approx(MS * ev.objective(), rel=1e-9)

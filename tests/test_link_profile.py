@@ -164,7 +164,8 @@ def test_ranks_outnumbering_the_cores_slow_every_compute_term_by_the_share():
 
 
 def test_with_slower_compute_scales_rates_and_seconds_and_keeps_fallbacks():
-    prof = attrs.evolve(PROFILE, step_overhead_s=2e-3, cold_row_s=70e-9, chunk_overhead_s=3e-4, dedup_id_s=8e-9)
+    prof = attrs.evolve(PROFILE, step_overhead_s=2e-3, cold_row_s=70e-9, chunk_overhead_s=3e-4, chunk_feature_s=3e-5,
+                        dedup_id_s=8e-9)
     slow = with_slower_compute(prof, 1.5)
     for f in COMPUTE_RATE_FIELDS:
         v = getattr(prof, f)

@@ -153,10 +153,10 @@ def test_factors_reduce_to_the_median_with_the_largest_distance_as_error():
 def _measure_factors(rank: int, world: int):
     import torch.distributed as dist
 
-    from torchrec_sparselift.measure.steps import measure_pipeline_factors
+    from torchrec_sparselift.measure.steps import StepTiming, measure_pipeline_factors
 
     return measure_pipeline_factors(dist.group.WORLD, pipelines=("fused", "base"), workloads=("probe_many",),
-                                    instances=2, block_steps=2, warmup=1)
+                                    timing=StepTiming(instances=2, block_steps=2, warmup=1))
 
 
 def test_two_gloo_ranks_measure_the_same_factors():
@@ -169,7 +169,7 @@ def test_two_gloo_ranks_measure_the_same_factors():
 
 @pytest.mark.parametrize("kw", [dict(instances=0), dict(block_steps=0), dict(warmup=-1)])
 def test_measuring_factors_needs_at_least_one_model_and_step(kw):
-    from torchrec_sparselift.measure.steps import measure_pipeline_factors
+    from torchrec_sparselift.measure.steps import StepTiming
 
     with pytest.raises(ValueError, match="instances and block_steps must be >= 1"):
-        measure_pipeline_factors(None, **kw)
+        StepTiming(**kw)

@@ -14,6 +14,7 @@ import math
 import time
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -45,7 +46,7 @@ from torchrec_sparselift.measure.microbench import (
     bench_rewrite_constants,
 )
 
-FIELDS = ("chunk_overhead_s", "dedup_id_s")
+FIELDS = ("chunk_overhead_s", "chunk_feature_s", "dedup_id_s")
 
 
 def _fp() -> MachineFingerprint:
@@ -76,9 +77,11 @@ def test_an_uncalibrated_profile_has_the_record_and_digest_it_had_without_the_fi
     assert canonical_digest(prof.to_dict()) != canonical_digest(PRESETS["h100"].to_dict())
 
 
-@pytest.mark.parametrize("values", [(None, None), (2.5e-4, None), (None, 4e-9), (0.0, 0.0), (1e-3, 7.5e-9)])
+@pytest.mark.parametrize("values", [(None, None, None), (2.5e-4, None, None), (None, 4e-9, None), (0.0, 0.0, 0.0),
+                                    (1e-3, 7.5e-9, 3.5e-5), (1e-3, None, 2e-5)])
 def test_the_fields_round_trip_through_a_profile_file_and_the_store(tmp_path, values):
-    prof = attrs.evolve(base_profile("cpu"), chunk_overhead_s=values[0], dedup_id_s=values[1])
+    prof = attrs.evolve(base_profile("cpu"), chunk_overhead_s=values[0], dedup_id_s=values[1],
+                        chunk_feature_s=values[2])
     path = tmp_path / "p.json"
     prof.save(str(path))
     assert HardwareProfile.load(str(path)) == prof
@@ -272,15 +275,50 @@ def test_a_rewrite_sweep_that_cannot_determine_the_slopes_is_refused():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_the_step_chunk_cost_is_the_median_slope_of_the_workloads():
+def test_the_step_chunk_cost_is_a_line_over_the_workloads_feature_counts():
     from torchrec_sparselift.calibration.rewrite_fit import step_chunk_cost
 
-    times = {"a": {1: 0.040, 2: 0.044, 4: 0.052}, "b": {1: 0.080, 2: 0.086, 4: 0.098}, "c": {1: 0.01, 2: 0.011}}
-    per_chunk, fits = step_chunk_cost(times)
-    assert fits["a"].slope == pytest.approx(0.004) and fits["b"].slope == pytest.approx(0.006)
-    assert per_chunk == pytest.approx(0.004)  # the median of 4, 6 and 1 ms
+    # slopes 1.5 + 0.05 * F ms (F = 10, 30, 50) beside 0.5 ms of latency, each workload its own intercept
+    times = {"a": {1: 0.040, 2: 0.042, 4: 0.046}, "b": {1: 0.080, 2: 0.083, 4: 0.089},
+             "c": {1: 0.060, 2: 0.064, 4: 0.072}}
+    fit = step_chunk_cost(times, {"a": 10, "b": 30, "c": 50}, {"a": 5e-4, "b": 5e-4, "c": 5e-4})
+    assert fit.slopes["a"].slope == pytest.approx(0.002) and fit.slopes["c"].slope == pytest.approx(0.004)
+    assert fit.overhead_s == pytest.approx(1.0e-3) and fit.feature_s == pytest.approx(5e-5)
+    assert all(abs(r) < 1e-9 for r in fit.residuals.values())
+    assert fit.dense_s(60) == pytest.approx(1e-3 + 60 * 5e-5) and fit.predicted_slope_s("c") == pytest.approx(0.004)
+    # what the model already predicts per chunk (here: it hides 1 ms of a's) is not charged twice
+    hid = step_chunk_cost(times, {"a": 10, "b": 30, "c": 50}, {"a": -5e-4, "b": 5e-4, "c": 5e-4})
+    assert hid.predicted_slope_s("a") < fit.predicted_slope_s("a") + 1e-12 and hid.overhead_s > 0
+    with pytest.raises(CalibrationError, match="must be finite numbers"):
+        step_chunk_cost(times, {"a": 10, "b": 30, "c": 50}, {"a": float("nan"), "b": 0.0, "c": 0.0})
+    assert "us per feature" in fit.lines()[0] and len(fit.lines()) == 4
     with pytest.raises(CalibrationError, match="no batch-split steps"):
-        step_chunk_cost({})
+        step_chunk_cost({}, {})
+    with pytest.raises(CalibrationError, match="at least two feature counts"):
+        step_chunk_cost({"a": times["a"], "b": times["b"]}, {"a": 16, "b": 16})
+    with pytest.raises(CalibrationError, match=r"none for \['c'\]"):
+        step_chunk_cost(times, {"a": 10, "b": 30})
+
+
+def test_the_step_chunk_cost_is_never_negative_and_grows_with_the_slopes():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from torchrec_sparselift.calibration.rewrite_fit import step_chunk_cost
+
+    ms = st.floats(0.0, 10.0)
+
+    @settings(max_examples=80, deadline=None)
+    @given(ms, ms, ms, st.floats(0.0, 0.5))
+    def check(sa: float, sb: float, extra: float, lat: float) -> None:
+        times = {"a": {1: 0.05, 3: 0.05 + 2 * sa * 1e-3}, "b": {1: 0.05, 3: 0.05 + 2 * sb * 1e-3}}
+        fit = step_chunk_cost(times, {"a": 4, "b": 40}, {"a": lat * 1e-3, "b": lat * 1e-3})
+        assert fit.overhead_s >= 0 and fit.feature_s >= 0
+        more = dict(times, b={1: 0.05, 3: 0.05 + 2 * (sb + extra) * 1e-3})  # more cost at many features
+        assert step_chunk_cost(more, {"a": 4, "b": 40}, {"a": lat * 1e-3, "b": lat * 1e-3}).predicted_slope_s(
+            "b") >= fit.predicted_slope_s("b") - 1e-12
+
+    check()
 
 
 def test_the_profile_takes_the_step_chunk_cost_less_the_collectives_latency():
@@ -288,27 +326,49 @@ def test_the_profile_takes_the_step_chunk_cost_less_the_collectives_latency():
 
     from torchrec_sparselift.cost.hardware import PRESETS
     from torchrec_sparselift.cost.model import collective_calls
-    from torchrec_sparselift.measure.steps import with_step_chunk_cost
+    from torchrec_sparselift.measure.steps import chunk_workload_features, with_step_chunk_cost
 
+    feats = chunk_workload_features(["probe_wide", "probe_many", "probe_features"])
+    assert feats == {"probe_wide": 4, "probe_many": 16, "probe_features": 48}
     base = _attrs.evolve(PRESETS["cpu-gloo"], collective_latency_s=1e-4, chunk_overhead_s=3e-4)
-    out = with_step_chunk_cost(base, {"a": {1: 0.040, 2: 0.044, 4: 0.052}})
-    assert out.chunk_overhead_s == pytest.approx(0.004 - 2e-4 * collective_calls("output_dist", 1))
-    # never below the dense calls' own reading
-    assert with_step_chunk_cost(base, {"a": {1: 0.040, 2: 0.0401}}).chunk_overhead_s == pytest.approx(3e-4)
+    lat = 2e-4 * collective_calls("output_dist", 1)
+    slope = {w: lat + 1e-3 + 4e-5 * f for w, f in feats.items()}
+    out = with_step_chunk_cost(base, {w: {1: 0.040, 2: 0.040 + s, 4: 0.040 + 3 * s} for w, s in slope.items()})
+    assert out.chunk_overhead_s == pytest.approx(1e-3) and out.chunk_feature_s == pytest.approx(4e-5)
+    # the fixed part never below the dense calls' own reading
+    flat = {w: {1: 0.040, 2: 0.040 + lat + 1e-4 + 1e-5 * f} for w, f in feats.items()}
+    low = with_step_chunk_cost(base, flat)
+    assert low.chunk_overhead_s == pytest.approx(3e-4) and low.chunk_feature_s == pytest.approx(1e-5)
+    with pytest.raises(ValueError, match="no probe workload 'nope'"):
+        chunk_workload_features(["nope"])
 
 
 def _chunk_times_rank(rank, world):
     import torch.distributed as dist
 
-    from torchrec_sparselift.measure.steps import measure_chunk_times
+    from torchrec_sparselift.measure.steps import StepTiming, measure_chunk_times
 
-    return measure_chunk_times(dist.group.WORLD, workloads=("probe_many",), chunks=(1, 2), instances=1,
-                               block_steps=2, warmup=1)
+    return measure_chunk_times(dist.group.WORLD, workloads=("probe_features",), chunks=(1, 2),
+                               timing=StepTiming(instances=1, block_steps=2, warmup=1))
 
 
 def test_two_gloo_ranks_time_the_batch_split_steps():
     from launcher import run_ranks
 
     out = run_ranks(_chunk_times_rank, 2, timeout_s=300)
-    assert out[0].keys() == {"probe_many"} and set(out[0]["probe_many"]) == {1, 2}
-    assert all(t > 0 for t in out[0]["probe_many"].values())
+    assert out[0].keys() == {"probe_features"} and set(out[0]["probe_features"]) == {1, 2}
+    assert all(t > 0 for t in out[0]["probe_features"].values())
+
+
+def test_the_model_s_own_slope_per_chunk_grows_with_the_collectives_latency():
+    import attrs as _attrs
+
+    from torchrec_sparselift.calibration.store import base_profile
+    from torchrec_sparselift.measure.steps import model_chunk_slopes
+
+    prof = base_profile("cpu")
+    low = model_chunk_slopes(_attrs.evolve(prof, collective_latency_s=1e-5), ["probe_many"])
+    high = model_chunk_slopes(_attrs.evolve(prof, collective_latency_s=1e-3), ["probe_many"])
+    assert set(low) == {"probe_many"} and np.isfinite(low["probe_many"])
+    assert high["probe_many"] > low["probe_many"]
+    assert high["probe_many"] <= 2 * 1e-3 + 1e-12  # at most the two collectives' latency per chunk

@@ -90,6 +90,21 @@ def test_the_stage_splits_a_comm_heavy_plan_and_prices_the_plan_with_the_split()
         x.exposed_comm_s for x in attrs.evolve(res, rewrites=None).prediction().per_rank)
 
 
+def test_the_stage_prices_a_chunk_by_the_features_it_carries():
+    _, res = _plan(_profile(**COMM_HEAVY))
+    cheap = res.rewrites
+    assert cheap.terms.features == TABLES and cheap.terms.chunk_feature_s == 0.0  # None: priced as 0
+    _, res = _plan(attrs.evolve(_profile(**COMM_HEAVY), chunk_feature_s=2e-4))
+    wide = res.rewrites
+    assert wide.terms.features == TABLES and wide.terms.chunk_dense_s == pytest.approx(2e-5 + TABLES * 2e-4)
+    # a costlier chunk: never more chunks, never a shorter predicted step
+    assert wide.batch_split <= cheap.batch_split and wide.step_s >= cheap.step_s
+    if wide.batch_split > 1:
+        assert wide.step_s == pytest.approx(split_step_s(wide.terms, wide.batch_split), rel=1e-9)
+    _, res = _plan(attrs.evolve(_profile(**COMM_HEAVY), chunk_feature_s=0.05))
+    assert res.rewrites.batch_split == 1 and "batch split: no k in 2.." in _notes(res)
+
+
 def test_the_stage_does_not_split_a_compute_bound_plan_and_says_why():
     _, res = _plan(_profile())
     assert res.rewrites.batch_split == 1

@@ -1,7 +1,7 @@
 """Fit the sparse-path rewrites' machine constants to their measurements (pure: the measuring is
-:mod:`torchrec_sparselift.measure.microbench`).
+:mod:`torchrec_sparselift.measure.microbench` and :mod:`torchrec_sparselift.measure.steps`).
 
-Two profile fields, each the slope of a line through its records
+The host microbenchmarks' two profile fields, each the slope of a line through its records
 (:func:`~torchrec_sparselift.calibration.nnls.nonnegative_least_squares` on ``[1, x]``, residuals
 relative to each measured time so that every point counts the same)::
 
@@ -9,13 +9,17 @@ relative to each measured time so that every point counts the same)::
         t(k): one forward + backward of a DLRM-like dense model over a fixed batch run as k
         chunks (:class:`~torchrec_sparselift.calibration.records.ChunkRecord`): what one more
         chunk adds to a step (the dense calls run once more, the batch is sliced and merged once
-        more), the term ``cost.batch_split`` charges per extra chunk;
+        more): the dense calls' own part of what ``cost.batch_split`` charges per extra chunk;
 
     dedup_id_s         t(n) = c + n * dedup_id_s
         t(n): the id-deduplication kernels over n ids of a feature at a unique ratio
         (:class:`~torchrec_sparselift.calibration.records.DedupRecord`), over several n and ratios:
         the per-id price ``cost.wire_ids`` charges (``n * dedup_id_s``; the per-call ``c`` is
         reported, not priced).
+
+The step calibration's real batch-split steps give the chunk cost of a real step
+(:func:`step_chunk_cost`): ``chunk_overhead_s`` and ``chunk_feature_s``, the intercept and slope
+of the probe workloads' per-chunk step slopes over their feature counts.
 
 Records marked ``held_out`` are not fitted: the fit predicts them and :class:`SlopeFit` reports
 the error (what ``sparselift calibrate kernels`` prints). Nothing here imports torch.
@@ -24,7 +28,6 @@ the error (what ``sparselift calibrate kernels`` prints). Nothing here imports t
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import attrs
@@ -33,7 +36,7 @@ from torchrec_sparselift.calibration.nnls import nonnegative_least_squares
 from torchrec_sparselift.calibration.records import ChunkRecord, DedupRecord
 from torchrec_sparselift.errors import CalibrationError
 
-__all__ = ["SlopeFit", "fit_slope", "fit_chunk_overhead", "fit_dedup_id_s", "step_chunk_cost"]
+__all__ = ["SlopeFit", "ChunkCostFit", "fit_slope", "fit_chunk_overhead", "fit_dedup_id_s", "step_chunk_cost"]
 
 
 @attrs.frozen(kw_only=True)
@@ -129,14 +132,78 @@ def fit_dedup_id_s(records: Sequence[DedupRecord]) -> SlopeFit:
     return fit_slope(xs, ys, field="dedup_id_s", unit="id", held_out=held)
 
 
-def step_chunk_cost(times: Mapping[str, Mapping[int, float]]) -> Tuple[float, Dict[str, SlopeFit]]:
-    """What one more batch chunk costs a real training step: per probe workload, the slope of its
-    measured ``overlap`` step over ``k - 1`` (``times[workload][k]``, seconds, at least two chunk
-    counts; each workload its own intercept), and the median of the workloads' slopes. A real
-    chunk slices the batch, issues its collectives and merges the outputs beside running the
-    dense calls again, which the dense-only reading (:func:`fit_chunk_overhead`) leaves out."""
+@attrs.frozen(kw_only=True)
+class ChunkCostFit:
+    """What one more batch chunk costs a real training step, as a line over the split module's
+    feature count: ``overhead_s + feature_s * features`` beside the chunk's collectives' latency.
+
+    ``slopes``: per probe workload, its measured step's slope over ``k - 1`` (:class:`SlopeFit`);
+    ``features``: each workload's feature count; ``model_slopes``: per workload, what the cost
+    model predicts per extra chunk without a dense chunk cost (the chunk's collectives' latency
+    less what the split hides), taken off its measured slope; ``residuals``: per workload, the
+    line's error on its slope relative to its unsplit step (what the price misses of the step)."""
+
+    overhead_s: float
+    feature_s: float
+    model_slopes: Mapping[str, float]
+    slopes: Mapping[str, SlopeFit]
+    features: Mapping[str, int]
+    residuals: Mapping[str, float]
+
+    def dense_s(self, features: int) -> float:
+        """One more chunk's dense cost for a model of ``features`` features."""
+        return self.overhead_s + self.feature_s * features
+
+    def predicted_slope_s(self, workload: str) -> float:
+        """The fitted step's seconds per extra chunk of ``workload`` (its model slope included)."""
+        return self.model_slopes[workload] + self.dense_s(self.features[workload])
+
+    def lines(self) -> Tuple[str, ...]:
+        """What the calibration prints: the two constants, then each workload's slope and the line's."""
+        out = [f"chunk cost {self.overhead_s * 1e3:.3f} ms + {self.feature_s * 1e6:.1f} us per feature per extra "
+               f"chunk ({len(self.slopes)} workloads)"]
+        for w, fit in self.slopes.items():
+            out.append(f"  {w} ({self.features[w]} features): measured {fit.slope * 1e3:.3f} ms per extra chunk, "
+                       f"priced {self.predicted_slope_s(w) * 1e3:.3f} ms (the model without a dense chunk cost "
+                       f"{self.model_slopes[w] * 1e3:.3f} ms; {100 * self.residuals[w]:+.1f}% of its step)")
+        return tuple(out)
+
+
+def step_chunk_cost(times: Mapping[str, Mapping[int, float]], features: Mapping[str, int],
+                    model_slopes: Optional[Mapping[str, float]] = None) -> ChunkCostFit:
+    """What one more batch chunk costs a real training step, from the measured ``overlap`` steps of
+    probe workloads of several feature counts (``times[workload][k]``: seconds, at least two chunk
+    counts each; ``features[workload]``: its feature count; ``model_slopes[workload]``: what the
+    cost model predicts per extra chunk of it without a dense chunk cost, default 0): per workload
+    the slope of its step over ``k - 1`` (its own intercept), then
+    ``slope - model_slope = overhead_s + feature_s * F`` by
+    non-negative least squares over the workloads, each residual relative to that workload's
+    unsplit step (its shortest chunk count's). A real chunk cuts the batch, issues its
+    collectives, cuts its keyed embeddings into per-feature tensors and merges their gradients
+    beside running the dense calls again, which the dense-only reading (:func:`fit_chunk_overhead`)
+    leaves out. :class:`~torchrec_sparselift.errors.CalibrationError` for no workloads, a
+    workload without its feature count, or fewer than two distinct feature counts (the
+    per-feature part is then not determined)."""
     if not times:
         raise CalibrationError("no batch-split steps to fit the chunk cost; run measure_chunk_times")
-    fits = {w: fit_slope([k - 1 for k in ks], [ks[k] for k in ks], field="chunk_overhead_s",
-                         unit=f"extra chunk of {w}'s step") for w, ks in times.items()}
-    return float(statistics.median(f.slope for f in fits.values())), fits
+    missing = sorted(w for w in times if w not in features)
+    if missing:
+        raise CalibrationError(f"the chunk cost needs each workload's feature count; none for {missing}")
+    counts = {w: int(features[w]) for w in times}
+    if len(set(counts.values())) < 2:
+        raise CalibrationError(f"the chunk cost's workloads span {len(set(counts.values()))} feature count(s) "
+                               f"({counts}); measure workloads of at least two feature counts so that the "
+                               "per-feature part is determined")
+    base = {w: 0.0 for w in times} if model_slopes is None else {w: model_slopes.get(w) for w in times}
+    bad = {w: v for w, v in base.items() if not (isinstance(v, (int, float)) and math.isfinite(v))}
+    if bad:
+        raise CalibrationError(f"the cost model's slopes per extra chunk must be finite numbers, got {bad}")
+    slopes = {w: fit_slope([k - 1 for k in ks], [ks[k] for k in ks], field="chunk_overhead_s",
+                           unit=f"extra chunk of {w}'s step") for w, ks in times.items()}
+    unsplit = {w: float(ks[min(ks)]) for w, ks in times.items()}
+    rows = [[1.0 / unsplit[w], counts[w] / unsplit[w]] for w in times]
+    target = [(slopes[w].slope - base[w]) / unsplit[w] for w in times]
+    overhead, per_feature = (float(v) for v in nonnegative_least_squares(rows, target))
+    residuals = {w: (base[w] + overhead + per_feature * counts[w] - slopes[w].slope) / unsplit[w] for w in times}
+    return ChunkCostFit(overhead_s=overhead, feature_s=per_feature, model_slopes={w: float(v) for w, v in base.items()},
+                        slopes=slopes, features=counts, residuals=residuals)

@@ -12,7 +12,9 @@ times from the lookup's end:
   ``a_{j+1} = max(r_j, a_j) + o`` with ``r_j`` the time chunk j's forward asks for it. Chunk j's
   dense forward runs its independent part (DLRM's bottom MLP, ``dense_fwd_indep / k``), waits for
   ``a_j``, then runs the rest (``dense_fwd_rest / k``); every chunk after the first pays
-  ``chunk_overhead`` (its dense calls' fixed cost: kernel launches, the framework's per-call work).
+  ``chunk_dense = chunk_overhead + chunk_feature * features`` (its dense calls' fixed cost: kernel
+  launches, the framework's per-call work, and per feature of the split module the cut of its
+  keyed embeddings into per-feature tensors and their gradients' merge).
 * **backward** (one autograd pass, the last chunk first): chunk c's dense backward down to its
   embeddings' gradient (``dense_bwd_rest / k``), the gradient collective of chunk c issued
   (``g = latency + (grad_dist - latency) / k`` on the link, after the previous chunk's), chunk c's
@@ -31,7 +33,7 @@ With k = 1 this is the ``overlap`` kind's composition (``cost.pipelines._STEPS["
 
 and for every k the step is at least ``max(compute, communication)`` (the compute runs on one
 flow, the chunks on one link) and at most the unsplit step plus ``k`` times the per-chunk cost
-(``2 * latency + chunk_overhead``); ``tests/test_batch_split_cost.py`` checks the three.
+(``2 * latency + chunk_dense``); ``tests/test_batch_split_cost.py`` checks the three.
 :func:`choose_chunks` picks k in 1..16 by price (the smallest on ties).
 """
 
@@ -49,6 +51,8 @@ __all__ = [
     "MAX_CHUNKS",
     "BATCH_SPLIT_PIPELINE",
     "SplitTerms",
+    "chunk_dense_s",
+    "pooled_features",
     "ChunkTimes",
     "SplitSchedule",
     "split_schedule",
@@ -69,6 +73,29 @@ def _seconds(instance: object, attribute: "attrs.Attribute[float]", value: float
                          f"got {value!r}")
 
 
+def _count(instance: object, attribute: "attrs.Attribute[int]", value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be an int >= 0, got {value!r}")
+
+
+def chunk_dense_s(profile: Any, features: int) -> Optional[float]:
+    """One more batch chunk's dense cost on ``profile`` for split modules of ``features``
+    features: ``chunk_overhead_s + chunk_feature_s * features`` (``chunk_feature_s`` None prices
+    as 0); None where ``chunk_overhead_s`` is not calibrated."""
+    if isinstance(features, bool) or not isinstance(features, int) or features < 0:
+        raise ValueError(f"batch split: features must be an int >= 0, got {features!r}")
+    overhead = getattr(profile, "chunk_overhead_s", None)
+    if overhead is None:
+        return None
+    return float(overhead) + float(getattr(profile, "chunk_feature_s", None) or 0.0) * features
+
+
+def pooled_features(handles: Any) -> int:
+    """The features of the pooled tables among ``handles`` (``TableHandle``s): what a batch chunk
+    cuts per feature (``chunk_feature_s``)."""
+    return sum(len(h.spec.feature_names) for h in handles if h.spec.is_pooled)
+
+
 def _s() -> float:
     return attrs.field(default=0.0, validator=_seconds, converter=float)  # type: ignore[no-any-return]
 
@@ -76,14 +103,17 @@ def _s() -> float:
 @attrs.frozen(kw_only=True)
 class SplitTerms:
     """One rank's phase times of a step (seconds, the cost model's phases: ``cost.pipelines.PHASES``)
-    and the two per-chunk costs.
+    and the per-chunk costs.
 
     ``chunk_latency_s``: the fixed part of one chunk's output (and of one chunk's gradient)
     collective: ``collective_latency_s`` times the sharding groups whose outputs travel (one
     collective each), so at most ``output_dist_s`` and ``grad_dist_s``. ``chunk_overhead_s``: the
     dense forward and backward's fixed cost per extra chunk (their calls' kernel launches and
-    framework work, independent of the chunk's size). ``allreduce_s`` is the all-reduce's part that
-    ``dense_bwd`` does not hide (``cost.pipelines.terms``: ``allreduce'``)."""
+    framework work, independent of the chunk's size), ``chunk_feature_s`` what it adds per feature
+    of the split modules, ``features`` their feature count: one more chunk's dense cost is
+    :attr:`chunk_dense_s` (``HardwareProfile.chunk_overhead_s`` / ``chunk_feature_s``).
+    ``allreduce_s`` is the all-reduce's part that ``dense_bwd`` does not hide
+    (``cost.pipelines.terms``: ``allreduce'``)."""
 
     input_dist_s: float = _s()
     uvm_fetch_s: float = _s()
@@ -99,6 +129,8 @@ class SplitTerms:
     step_overhead_s: float = _s()
     chunk_latency_s: float = _s()
     chunk_overhead_s: float = _s()
+    chunk_feature_s: float = _s()
+    features: int = attrs.field(default=0, validator=_count)
 
     def __attrs_post_init__(self) -> None:
         for name in ("output_dist_s", "grad_dist_s"):
@@ -110,6 +142,7 @@ class SplitTerms:
 
     @classmethod
     def from_phases(cls, phases: Mapping[str, float], *, chunk_latency_s: float, chunk_overhead_s: float,
+                    chunk_feature_s: float = 0.0, features: int = 0,
                     supports_overlap: bool = True) -> "SplitTerms":
         """From a rank's phase times (``cost.model.phase_times``: names of ``cost.pipelines.PHASES``;
         the dense parts ``dense_*_indep`` / ``dense_*_rest``, or the wholes ``dense_fwd`` /
@@ -134,13 +167,14 @@ class SplitTerms:
             allreduce_s=float(_exposed_terms({"allreduce": get("allreduce"), "dense_bwd": get("dense_bwd")},
                                              supports_overlap)["allreduce"]),
             step_overhead_s=phases.get("step_overhead", 0.0),
-            chunk_latency_s=chunk_latency_s, chunk_overhead_s=chunk_overhead_s,
+            chunk_latency_s=chunk_latency_s, chunk_overhead_s=chunk_overhead_s, chunk_feature_s=chunk_feature_s,
+            features=features,
         )
 
     @classmethod
     def from_cost_model(cls, colmax: Any, allreduce_bytes: float, comm_groups: int, ctx: CostContext, *,
-                        chunk_overhead_s: float, fwd_precision: str = "fp32",
-                        bwd_precision: str = "fp32") -> "SplitTerms":
+                        chunk_overhead_s: float, chunk_feature_s: float = 0.0, features: int = 0,
+                        fwd_precision: str = "fp32", bwd_precision: str = "fp32") -> "SplitTerms":
         """The terms of one rank's loads (``colmax``, as ``cost.model.phase_times`` takes them) under
         the ``overlap`` kind: its phase times, and one chunk's collective latency as the cost model
         charges the unsplit output dist (``collective_latency_s`` per call, one call per sharding
@@ -151,6 +185,7 @@ class SplitTerms:
         per_chunk = lat * collective_calls("output_dist", comm_groups)
         per_chunk = min(per_chunk, phases["output_dist"], phases["grad_dist"])
         return cls.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=chunk_overhead_s,
+                               chunk_feature_s=chunk_feature_s, features=features,
                                supports_overlap=ctx.profile.supports_overlap)
 
     @property
@@ -165,9 +200,14 @@ class SplitTerms:
         return self.output_dist_s + self.grad_dist_s
 
     @property
+    def chunk_dense_s(self) -> float:
+        """One more chunk's dense cost: ``chunk_overhead_s + chunk_feature_s * features``."""
+        return self.chunk_overhead_s + self.chunk_feature_s * self.features
+
+    @property
     def per_chunk_s(self) -> float:
-        """What one more chunk costs at most: its two collectives' latency and its dense overhead."""
-        return 2 * self.chunk_latency_s + self.chunk_overhead_s
+        """What one more chunk costs at most: its two collectives' latency and its dense cost."""
+        return 2 * self.chunk_latency_s + self.chunk_dense_s
 
 
 @attrs.frozen
@@ -192,6 +232,7 @@ class SplitSchedule:
     emb_bwd_start_s: float
     step_s: float
     grad_wait_s: float = 0.0
+    terms: Optional[SplitTerms] = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def exposed_output_s(self) -> float:
@@ -205,13 +246,20 @@ class SplitSchedule:
 
     def describe(self) -> Tuple[str, ...]:
         """One line per chunk (ms from the step's start: what the link hides and what the step
-        waits for), then the gradients' exposed wait and the step."""
+        waits for), then the gradients' exposed wait and the step, then what one more chunk
+        costs (its collectives' latency and its dense cost, per feature of the split modules)."""
         lines = tuple(
             f"chunk {j}: embeddings in at {c.arrival_s * 1e3:.2f} ms, forward waits {c.fwd_wait_s * 1e3:.2f} ms; "
             f"gradient out at {c.grad_issue_s * 1e3:.2f} ms, in at {c.grad_arrival_s * 1e3:.2f} ms"
             for j, c in enumerate(self.chunks))
-        return lines + (f"gradients exposed {self.exposed_grad_s * 1e3:.2f} ms after the dense backward; "
-                        f"step {self.step_s * 1e3:.2f} ms",)
+        lines += (f"gradients exposed {self.exposed_grad_s * 1e3:.2f} ms after the dense backward; "
+                  f"step {self.step_s * 1e3:.2f} ms",)
+        t = self.terms
+        if t is not None:
+            lines += (f"each extra chunk: {t.per_chunk_s * 1e3:.3f} ms (collective latency 2 x "
+                      f"{t.chunk_latency_s * 1e3:.3f} ms, dense {t.chunk_overhead_s * 1e3:.3f} ms + "
+                      f"{t.chunk_feature_s * 1e6:.1f} us x {t.features} features)",)
+        return lines
 
 
 def split_schedule(terms: SplitTerms, k: int, chained: bool = False) -> SplitSchedule:
@@ -230,7 +278,7 @@ def split_schedule(terms: SplitTerms, k: int, chained: bool = False) -> SplitSch
     fwd = start
     waits = []
     for j in range(k):
-        ready = fwd + t.dense_fwd_indep_s / k + (t.chunk_overhead_s if j else 0.0)
+        ready = fwd + t.dense_fwd_indep_s / k + (t.chunk_dense_s if j else 0.0)
         waits.append(max(0.0, arrivals[j] - ready))
         if chained and j + 1 < k:  # chunk j+1 leaves when chunk j is read
             arrivals[j + 1] = max(ready, arrivals[j]) + per_out
@@ -258,7 +306,7 @@ def split_schedule(terms: SplitTerms, k: int, chained: bool = False) -> SplitSch
     step = max(t.input_dist_s, emb + max(t.backward_update_s, t.allreduce_s) + t.step_overhead_s)
     chunks = tuple(ChunkTimes(arrivals[j], waits[j], issue[j], arrive[j]) for j in range(k))
     return SplitSchedule(chunks=chunks, dense_end_s=emb - grad_wait, emb_bwd_start_s=emb, step_s=step,
-                         grad_wait_s=grad_wait)
+                         grad_wait_s=grad_wait, terms=terms)
 
 
 def split_step_s(terms: SplitTerms, k: int, chained: bool = False) -> float:

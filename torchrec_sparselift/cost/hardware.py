@@ -197,14 +197,22 @@ class HardwareProfile:
             ``all_to_all_single``'s measured alone (its floor; ``calibration.step_fit.with_a2a_host_split``);
             a link correction keeps it (it moves only the link's own seconds). 0 in the presets
             (every all-to-all byte on the wire).
-        chunk_overhead_s: seconds one more batch chunk adds to a step (``cost.batch_split``): the
-            dense model's calls run once more per chunk (kernel launches, the framework's per-call
-            work, the slice of the batch and the merge of the outputs). Measured by ``sparselift
-            calibrate kernels`` and by the step calibration's host terms
-            (``measure.microbench.bench_chunk_steps``: a DLRM-like dense forward and backward at
-            one total batch in k = 1, 2, 4, 8 chunks; the slope over k,
-            ``calibration.rewrite_fit.fit_chunk_overhead``). None: not calibrated on this profile
-            (the planner does not split the batch, and says why).
+        chunk_overhead_s: seconds one more batch chunk adds to a step (``cost.batch_split``) beside
+            its collectives' latency, whatever the model's feature count: the dense model's calls run
+            once more per chunk (kernel launches, the framework's per-call work, the cut of the batch
+            and the merge of the outputs). Measured by the step calibration on real batch-split
+            steps of probe plans of several feature counts (``measure.steps.measure_chunk_times``,
+            the fit's intercept, ``calibration.rewrite_fit.step_chunk_cost``; at least the dense
+            calls alone, ``measure.microbench.bench_chunk_steps``, which ``sparselift calibrate
+            kernels`` measures). None: not calibrated on this profile (the planner does not split
+            the batch, and says why).
+        chunk_feature_s: seconds one more batch chunk adds per feature of the split module (its
+            keyed embeddings are cut into per-feature tensors, concatenated and their gradients
+            split once more per chunk: ``KeyedTensor.to_dict``, the interaction's input): the
+            per-chunk price is ``chunk_overhead_s + chunk_feature_s * features``. Measured with
+            ``chunk_overhead_s`` by the step calibration (the fit's slope over the probe plans'
+            feature counts). None: not calibrated (priced as 0: the per-chunk price is
+            ``chunk_overhead_s`` alone).
         dedup_id_s: seconds per id of the id-deduplication kernels (``cost.wire_ids``): the
             sender's ``torch.unique`` with its inverse index and the receiver's rebuild
             (``unique[inverse]``) and merge of the sources' distinct ids, as ``runtime.wire_ids``
@@ -260,6 +268,7 @@ class HardwareProfile:
     codec_byte_s: float = attrs.field(default=0.0, validator=_non_negative)
     a2a_host_byte_s: float = attrs.field(default=0.0, validator=_non_negative)
     chunk_overhead_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
+    chunk_feature_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
     dedup_id_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
 
     def __attrs_post_init__(self) -> None:
@@ -420,11 +429,11 @@ class HardwareProfile:
 COMPUTE_RATE_FIELDS = ("hbm_bw", "ddr_bw", "dense_flops", "interaction_flops", "dense_mem_bw", "dense_update_bw")
 COMPUTE_TIME_FIELDS = ("lookup_overhead_s", "step_overhead_s", "feature_overhead_s", "table_overhead_s",
                        "dp_table_overhead_s", "bucketize_id_s", "bwd_row_s", "cold_row_s", "codec_byte_s",
-                       "chunk_overhead_s", "dedup_id_s")
+                       "chunk_overhead_s", "chunk_feature_s", "dedup_id_s")
 
 #: Optional terms :meth:`HardwareProfile.to_dict` leaves out while they are None (not calibrated):
 #: profiles, plan fingerprints and cache keys without them keep their digests.
-UNSET_OMITTED_FIELDS = ("chunk_overhead_s", "dedup_id_s")
+UNSET_OMITTED_FIELDS = ("chunk_overhead_s", "chunk_feature_s", "dedup_id_s")
 
 
 def with_slower_compute(profile: HardwareProfile, factor: float) -> HardwareProfile:

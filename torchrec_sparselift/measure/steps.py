@@ -42,7 +42,7 @@ from torchrec_sparselift.defaults import ranks_per_host
 from torchrec_sparselift.calibration.link import with_link_facts
 from torchrec_sparselift.calibration.pricer import PlanPricer
 from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
-from torchrec_sparselift.calibration.rewrite_fit import step_chunk_cost
+from torchrec_sparselift.calibration.rewrite_fit import ChunkCostFit, step_chunk_cost
 from torchrec_sparselift.calibration.step_fit import FitRecord, StepFit, fit_probe_plans, records_mape, stored_info
 from torchrec_sparselift.calibration.store import (
     MAX_DRIFT_SPREAD,
@@ -53,6 +53,8 @@ from torchrec_sparselift.calibration.store import (
     drift_spread,
     stored_profile_problems,
 )
+from torchrec_sparselift.cost.batch_split import SplitTerms, split_step_s
+from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.cost.model import collective_calls
 from torchrec_sparselift.errors import FileFormatError
@@ -64,6 +66,7 @@ from torchrec_sparselift.measure import probe
 from torchrec_sparselift.measure.link import measure_link_rates
 from torchrec_sparselift.measure.microbench import bench_a2a_byte_s, bench_host_terms
 from torchrec_sparselift.measure.probe import probe_constraints
+from torchrec_sparselift.plan.evaluate import GivenPlan
 from torchrec_sparselift.planner import SparseLiftPlanner
 from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 from torchrec_sparselift.vocabulary import BASE, FUSED, OVERLAP, PREFETCH, SPARSE_DIST, TABLE_WISE
@@ -72,6 +75,7 @@ __all__ = [
     "forced_plan",
     "probe_topology",
     "measure_probes",
+    "StepTiming",
     "REFERENCE_PLAN",
     "ReferencePlan",
     "reference_drifts",
@@ -342,7 +346,16 @@ FACTOR_WORKLOADS: Tuple[str, ...] = ("probe_many", "probe_wide", "probe_deep")
 #: (``HardwareProfile.chunk_overhead_s``; the host terms' dense-only reading misses the batch
 #: slicing, the chunk's collectives and the merge).
 CHUNK_COUNTS: Tuple[int, ...] = (1, 2, 4)
-CHUNK_WORKLOADS: Tuple[str, ...] = ("probe_many", "probe_wide")
+#: A probe model of many narrow features (48 tables of one feature, dim 16), for the chunk cost's
+#: per-feature part: one more chunk cuts the batch's jagged ids, the keyed embeddings into
+#: per-feature tensors and their gradients once more per feature.
+PROBE_FEATURES = probe.ProbeWorkload(
+    "probe_features", tuple(probe.ProbeTable(f"f{i}", 200 + 31 * i, 16, (f"f{i}_f0",), 1.0) for i in range(48)),
+    model="dlrm", dense=(64,), batch_size=256)
+#: The probe workloads the chunk cost is measured on: 4, 16 and 48 features, so that the per-chunk
+#: price's per-feature part (``HardwareProfile.chunk_feature_s``) is determined apart from its
+#: fixed part (``chunk_overhead_s``).
+CHUNK_WORKLOADS: Tuple[str, ...] = ("probe_wide", "probe_many", PROBE_FEATURES.name)
 #: The A/A control's label: a second model under ``sparse_dist``, timed beside the first.
 CONTROL = "sparse_dist (control)"
 #: The least error a measured factor is given (three workloads cannot show less).
@@ -373,27 +386,58 @@ def pipeline_factors(ratios: Dict[str, Sequence[float]], control: Sequence[float
     return out
 
 
-def _check_timing(instances: int, block_steps: int, warmup: int) -> None:
-    if instances < 1 or block_steps < 1 or warmup < 0:
-        raise ValueError(f"instances and block_steps must be >= 1 and warmup >= 0, got {instances}, "
-                         f"{block_steps} and {warmup}")
+def _timing_count(instance: Any, attribute: "attrs.Attribute[int]", value: int) -> None:
+    least = 0 if attribute.name == "warmup" else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"instances and block_steps must be >= 1 and warmup >= 0, got "
+                         f"{attribute.name}={value!r}")
 
 
-def time_table_wise_runs(pg: Any, device_type: str, wname: str, factories: Mapping[Any, Any], instances: int,
-                         block_steps: int, warmup: int, base: Optional[HardwareProfile]) -> Dict[Any, List[float]]:
-    """The table-wise plan of probe workload ``wname`` trained once per key of ``factories`` (a
-    train-pipeline factory each, ``(dmp, optimizer, device) -> pipeline``) on ``instances`` fresh
-    models per key: ``instances`` rounds, each shards one new model per key (the order rotated
-    each round), runs ``warmup`` untimed and ``block_steps`` timed steps on it and drops it, timed
-    as the probes are (:func:`~torchrec_sparselift.measure.probe.measure_plan`: ranks pinned, the
-    per-step slowest rank). Returns every timed step per key (seconds; the same on every rank)."""
+@attrs.frozen(kw_only=True)
+class StepTiming:
+    """How :func:`time_table_wise_runs` times a probe's table-wise plan under several pipelines:
+    ``instances`` fresh models per pipeline (rounds, the order rotated each round), each run
+    ``warmup`` untimed and ``block_steps`` timed steps; ``base``: the profile the plan is made
+    with (None: the machine's base profile); ``say``: a callable for one line per workload (rank 0)."""
+
+    instances: int = attrs.field(default=4, validator=_timing_count)
+    block_steps: int = attrs.field(default=6, validator=_timing_count)
+    warmup: int = attrs.field(default=3, validator=_timing_count)
+    base: Optional[HardwareProfile] = None
+    say: Optional[Any] = attrs.field(default=None, eq=False)
+
+
+#: :func:`measure_pipeline_factors`' timing: four models per pipeline
+FACTOR_TIMING = StepTiming(instances=4)
+#: :func:`measure_chunk_times`' timing: two models per chunk count
+CHUNK_TIMING = StepTiming(instances=2)
+
+
+def probe_workload(name: str) -> Any:
+    """The probe workload ``name`` (:data:`~torchrec_sparselift.measure.probe.PROBE_WORKLOADS`, or
+    :data:`PROBE_FEATURES`); ``ValueError`` naming the known ones."""
+    known = {p.name: p for p in probe.PROBE_WORKLOADS + (PROBE_FEATURES,)}
+    if name not in known:
+        raise ValueError(f"no probe workload {name!r}; the probe workloads are {sorted(known)}")
+    return known[name]
+
+
+def time_table_wise_runs(pg: Any, device_type: str, wname: str, factories: Mapping[Any, Any],
+                         timing: StepTiming) -> Dict[Any, List[float]]:
+    """The table-wise plan of probe workload ``wname`` (:func:`probe_workload`) trained once per key
+    of ``factories`` (a train-pipeline factory each, ``(dmp, optimizer, device) -> pipeline``) on
+    ``timing.instances`` fresh models per key: that many rounds, each shards one new model per key
+    (the order rotated each round), runs ``timing.warmup`` untimed and ``timing.block_steps`` timed
+    steps on it and drops it, timed as the probes are
+    (:func:`~torchrec_sparselift.measure.probe.measure_plan`: ranks pinned, the per-step slowest
+    rank). Returns every timed step per key (seconds; the same on every rank)."""
     import torch
     import torch.distributed as dist
 
-    _check_timing(instances, block_steps, warmup)
+    instances, block_steps, warmup, base = timing.instances, timing.block_steps, timing.warmup, timing.base
     device = torch.device(device_type)
     rank, W = dist.get_rank(pg), dist.get_world_size(pg)
-    w = {p.name: p for p in probe.PROBE_WORKLOADS}[wname]
+    w = probe_workload(wname)
     batches = probe.prebuilt_batches(w, PROBE_BATCHES, seed=0, rank=rank)
     plan, _cons = forced_plan(probe.probe_model(w), w.tables, TABLE_WISE, probe_topology(W, device_type), w.batch_size,
                               pg, base, stats=probe.probe_stats(w, n=PROBE_BATCHES))
@@ -417,27 +461,21 @@ def measure_pipeline_factors(
     device_type: str = "cpu",
     pipelines: Sequence[str] = FACTOR_PIPELINES,
     workloads: Sequence[str] = FACTOR_WORKLOADS,
-    instances: int = 4,
-    block_steps: int = 6,
-    warmup: int = 3,
-    base: Optional[HardwareProfile] = None,
-    say: Optional[Any] = None,
+    timing: StepTiming = FACTOR_TIMING,
 ) -> Dict[str, Dict[str, Any]]:
     """Per probe workload, its table-wise plan trained under each pipeline (``sparse_dist``, a
-    second ``sparse_dist`` as the A/A control, and each of ``pipelines``) on ``instances`` fresh
-    models each: ``instances`` rounds, each shards one new model per pipeline (the order rotated
-    each round), runs ``warmup`` untimed and ``block_steps`` timed steps on it and drops it. Two
+    second ``sparse_dist`` as the A/A control, and each of ``pipelines``) on ``timing.instances``
+    fresh models each (:func:`time_table_wise_runs`: rounds, one new model per pipeline each, the
+    order rotated each round, ``timing.warmup`` untimed and ``timing.block_steps`` timed steps). Two
     models of one plan differ in their steady step by up to 35% on this CPU (section 20 of
     docs/benchmarks.md: the same pipeline's second model), so one model per pipeline measures the
     model as much as the pipeline; fresh ones average that out. Each model is timed as the probes
     are (:func:`~torchrec_sparselift.measure.probe.measure_plan`: ranks pinned to their cores, the
     per-step slowest rank). A pipeline's ratio is the median of its steps (the per-step slowest rank, over all
     its models) over ``sparse_dist``'s, and :func:`pipeline_factors` reduces the workloads'
-    ratios. The same on every rank of ``pg``. ``say``: a callable for one line per workload
-    (rank 0)."""
+    ratios. The same on every rank of ``pg``."""
     import torch.distributed as dist
 
-    _check_timing(instances, block_steps, warmup)
     rank = dist.get_rank(pg)
     control = CONTROL  # a second sparse_dist: the A/A control
     kinds = [defaults.PIPELINE, control] + [p for p in pipelines if p != defaults.PIPELINE]
@@ -446,13 +484,13 @@ def measure_pipeline_factors(
     for wname in workloads:
         factories = {k: (lambda dmp, opt, dev, kind=(defaults.PIPELINE if k == control else k):
                          make_train_pipeline(kind, dmp, opt, dev)) for k in kinds}
-        times = time_table_wise_runs(pg, device_type, wname, factories, instances, block_steps, warmup, base)
+        times = time_table_wise_runs(pg, device_type, wname, factories, timing)
         ref = float(np.median(times[kinds[0]]))
         controls.append(float(np.median(times[control])) / ref)
         for k in kinds[2:]:
             ratios[k].append(float(np.median(times[k])) / ref)
-        if say is not None and rank == 0:
-            say(f"[calibrate] pipelines on {wname}/table_wise ({instances} models each): " + ", ".join(
+        if timing.say is not None and rank == 0:
+            timing.say(f"[calibrate] pipelines on {wname}/table_wise ({timing.instances} models each): " + ", ".join(
                 f"{k} {np.median(times[k]) * 1e3:.1f} ms" for k in kinds))
     return pipeline_factors(ratios, controls)
 
@@ -462,41 +500,89 @@ def measure_chunk_times(
     device_type: str = "cpu",
     workloads: Sequence[str] = CHUNK_WORKLOADS,
     chunks: Sequence[int] = CHUNK_COUNTS,
-    instances: int = 2,
-    block_steps: int = 6,
-    warmup: int = 3,
-    base: Optional[HardwareProfile] = None,
-    say: Optional[Any] = None,
+    timing: StepTiming = CHUNK_TIMING,
 ) -> Dict[str, Dict[int, float]]:
     """Per probe workload, its table-wise plan trained under ``overlap`` unsplit and batch split
-    into each k of ``chunks`` (the probe model declared per-sample), on ``instances`` fresh models
-    each, rounds rotated, timed as :func:`measure_pipeline_factors` times the pipelines; returns
-    ``{workload: {k: median step seconds}}`` (the same on every rank of ``pg``)."""
+    into each k of ``chunks`` (the probe model declared per-sample), on ``timing.instances`` fresh
+    models each, rounds rotated, timed as :func:`measure_pipeline_factors` times the pipelines
+    (:func:`time_table_wise_runs`); returns ``{workload: {k: median step seconds}}`` (the same on
+    every rank of ``pg``)."""
     import torch.distributed as dist
 
-    _check_timing(instances, block_steps, warmup)
     if not chunks or min(chunks) < 1:
         raise ValueError(f"chunks must be >= 1, got {list(chunks)}")
     out: Dict[str, Dict[int, float]] = {}
     for wname in workloads:
         factories = {k: (lambda dmp, opt, dev, k=k: make_train_pipeline(
             OVERLAP, dmp, opt, dev, batch_split=k, options={"per_sample": True} if k > 1 else None)) for k in chunks}
-        times = time_table_wise_runs(pg, device_type, wname, factories, instances, block_steps, warmup, base)
+        times = time_table_wise_runs(pg, device_type, wname, factories, timing)
         out[wname] = {k: float(np.median(v)) for k, v in times.items()}
-        if say is not None and dist.get_rank(pg) == 0:
-            say(f"[calibrate] batch split on {wname}/table_wise ({instances} models each): " + ", ".join(
+        if timing.say is not None and dist.get_rank(pg) == 0:
+            timing.say(f"[calibrate] batch split on {wname}/table_wise ({timing.instances} models each): " + ", ".join(
                 f"k={k} {t * 1e3:.1f} ms" for k, t in out[wname].items()))
     return out
 
 
-def with_step_chunk_cost(profile: HardwareProfile, times: Mapping[str, Mapping[int, float]]) -> HardwareProfile:
-    """``profile`` with ``chunk_overhead_s`` from real batch-split steps (:func:`measure_chunk_times`):
-    the median per-chunk slope less the latency of the chunk's output and gradient collectives,
-    which the cost model charges apart (``cost.batch_split.SplitTerms.per_chunk_s``), and never
-    below the dense-only reading the profile holds."""
-    per_chunk, _fits = step_chunk_cost(times)
-    latency = 2 * profile.collective_latency_s * collective_calls("output_dist", 1)
-    return attrs.evolve(profile, chunk_overhead_s=max(per_chunk - latency, profile.chunk_overhead_s or 0.0))
+def chunk_workload_features(names: Sequence[str]) -> Dict[str, int]:
+    """Each probe workload's feature count (:func:`probe_workload`): what its chunks carry."""
+    return {n: sum(len(t.features) for t in probe_workload(n).tables) for n in names}
+
+
+def model_chunk_slopes(profile: HardwareProfile, names: Sequence[str], chunks: Sequence[int] = CHUNK_COUNTS,
+                       world_size: int = 2, device_type: str = "cpu") -> Dict[str, float]:
+    """Per probe workload, the slope over ``k - 1`` of its table-wise plan's ``overlap`` step split
+    into each k of ``chunks`` as the cost model prices it under ``profile`` with no dense chunk
+    cost (``cost.batch_split.split_step_s``: the chunks' collective latency less what the split
+    hides; least squares, it may be negative): what the measured slope holds beside the dense
+    chunk cost. The plan as :func:`time_table_wise_runs` trains it, placed in this process."""
+    topo = probe_topology(world_size, device_type)
+    out: Dict[str, float] = {}
+    for name in names:
+        w = probe_workload(name)
+        stats = probe.probe_stats(w, n=PROBE_BATCHES)
+        plan, cons = forced_plan(probe.probe_model(w), w.tables, TABLE_WISE, topo, w.batch_size, None, profile,
+                                 stats=stats)
+        given = GivenPlan.of(probe.probe_model(w), plan, topo, w.batch_size, cons, stats)
+        ctx = given.context(profile)
+        cands = [c for c, _r in given.placed]
+        inf = np.full(world_size, np.inf)
+        ev = PlanEvaluator(ctx, given.shard_costs(ctx), [c.sharding_type for c in cands], inf, inf, OVERLAP,
+                           "fp32", "fp32", kernels=[c.compute_kernel for c in cands])
+        for t, (_c, ranks) in enumerate(given.placed):
+            ev.assign(t, t, ranks)
+        phases = dict(ev.phases())
+        lat = ctx.profile.collective_latency_s if world_size > 1 else 0.0
+        per_chunk = min(lat * collective_calls("output_dist", ev.comm_groups), phases["output_dist"],
+                        phases["grad_dist"])
+        terms = SplitTerms.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=0.0,
+                                       supports_overlap=ctx.profile.supports_overlap)
+        ks = sorted(set(int(k) for k in chunks))
+        out[name] = float(np.polyfit([k - 1 for k in ks], [split_step_s(terms, k) for k in ks], 1)[0])
+    return out
+
+
+def step_chunk_fit(profile: HardwareProfile, times: Mapping[str, Mapping[int, float]],
+                   model_slopes: Optional[Mapping[str, float]] = None) -> ChunkCostFit:
+    """The chunk cost of real batch-split steps (:func:`measure_chunk_times` of probe workloads,
+    by name): :func:`~torchrec_sparselift.calibration.rewrite_fit.step_chunk_cost` beside
+    ``model_slopes`` (:func:`model_chunk_slopes`: what the cost model already predicts per extra
+    chunk of each workload), or, None, beside ``profile``'s collective latency of one table-wise
+    group (one output and one gradient collective per chunk, nothing hidden)."""
+    if model_slopes is None:
+        latency = 2 * profile.collective_latency_s * collective_calls("output_dist", 1)
+        model_slopes = {w: latency for w in times}
+    return step_chunk_cost(times, chunk_workload_features(list(times)), model_slopes)
+
+
+def with_step_chunk_cost(profile: HardwareProfile, times: Mapping[str, Mapping[int, float]],
+                         model_slopes: Optional[Mapping[str, float]] = None) -> HardwareProfile:
+    """``profile`` with ``chunk_overhead_s`` and ``chunk_feature_s`` from real batch-split steps
+    (:func:`step_chunk_fit`): the line's fixed part, never below the dense-only reading the
+    profile holds, and its part per feature; the chunk's collectives' latency (and what the split
+    hides) is the cost model's own (``cost.batch_split.split_schedule``)."""
+    fit = step_chunk_fit(profile, times, model_slopes)
+    return attrs.evolve(profile, chunk_overhead_s=max(fit.overhead_s, profile.chunk_overhead_s or 0.0),
+                        chunk_feature_s=fit.feature_s)
 
 
 def calibrate_steps(
@@ -551,8 +637,8 @@ def calibrate_steps(
     if device_type == "cpu":
         # on CPU the model prices every pipeline as the plain loop; what each still costs per step
         # is measured here (HardwareProfile.pipeline_factors, cost.pipelines.step_factor)
-        factors = measure_pipeline_factors(pg, device_type, base=base,
-                                           say=(lambda line: print(line, flush=True)) if progress else None)
+        say = (lambda line: print(line, flush=True)) if progress else None
+        factors = measure_pipeline_factors(pg, device_type, timing=attrs.evolve(FACTOR_TIMING, base=base, say=say))
         fitted = attrs.evolve(fitted, pipeline_factors=tuple(
             (k, v["factor"]) for k, v in factors.items() if v["significant"]))
         if rank == 0 and progress:
@@ -563,13 +649,19 @@ def calibrate_steps(
                               for k, v in factors.items()), flush=True)
         # what one more batch chunk costs a real step (the dense-only host term misses most of it)
         dense_only = fitted.chunk_overhead_s
-        chunk_times = measure_chunk_times(pg, device_type, base=base,
-                                          say=(lambda line: print(line, flush=True)) if progress else None)
-        fitted = with_step_chunk_cost(fitted, chunk_times)
+        chunk_times = measure_chunk_times(pg, device_type, timing=attrs.evolve(CHUNK_TIMING, base=base, say=say))
+        # what the model already predicts per extra chunk (latency, hiding), the same on every rank
+        slopes = [model_chunk_slopes(fitted, list(chunk_times), world_size=dist.get_world_size(pg))
+                  if rank == 0 else None]
+        dist.broadcast_object_list(slopes, src=dist.get_global_rank(pg, 0), group=pg)
+        fitted = with_step_chunk_cost(fitted, chunk_times, slopes[0])
         if rank == 0 and progress:
-            print(f"[calibrate] chunk_overhead_s {fitted.chunk_overhead_s * 1e3:.3f} ms per extra chunk from the "
-                  f"batch-split steps (the dense calls alone: "
-                  f"{'-' if dense_only is None else f'{dense_only * 1e3:.3f} ms'})", flush=True)
+            for line in step_chunk_fit(fitted, chunk_times, slopes[0]).lines():
+                print(f"[calibrate] {line}", flush=True)
+            print(f"[calibrate] chunk_overhead_s {fitted.chunk_overhead_s * 1e3:.3f} ms + chunk_feature_s "
+                  f"{fitted.chunk_feature_s * 1e6:.1f} us per feature per extra chunk from the batch-split steps "
+                  f"(the dense calls alone: {'-' if dense_only is None else f'{dense_only * 1e3:.3f} ms'})",
+                  flush=True)
     if rank == 0 and store is not None:
         fp = current_fingerprint(device_type, ranks_per_host(world_size=dist.get_world_size(pg)),
                                  hosts=link.hosts if link is not None else 1)

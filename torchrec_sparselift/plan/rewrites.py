@@ -1,5 +1,5 @@
-"""The rewrite stage of the decision: after the search has chosen the sharding, the pipeline and the
-comm precisions of a 1D plan, choose the sparse-path rewrites by price.
+"""The sparse-path rewrites of a 1D plan: which ones the search prices (:func:`search_rewrites`),
+and, for the plan it chose, which are chosen and what they save (:func:`choose_rewrites`).
 
 * ``batch_split`` (:mod:`~torchrec_sparselift.cost.batch_split`): the ``overlap`` pipeline's output
   and gradient all-to-alls in k chunks, k in 1..16 by :func:`~torchrec_sparselift.cost.batch_split.choose_chunks`.
@@ -12,18 +12,21 @@ comm precisions of a 1D plan, choose the sparse-path rewrites by price.
   sharding type's input dist; narrow ids never send more bytes, so they are chosen whenever allowed.
 * ``dedup``: per feature, where the profile has a calibrated ``dedup_id_s`` and the workload
   statistics give the feature's distinct-id ratio, when the bytes it removes outweigh its kernels
-  (:func:`~torchrec_sparselift.cost.wire_ids.choose_for_request`).
+  (:func:`~torchrec_sparselift.cost.wire_ids.dedup_saving_s`).
 
-The price of the rewritten plan (:func:`choose_rewrites`): the input all-to-all's phase less the
-seconds of the bytes the wire rewrites remove (plus the dedup kernels' seconds), the pipeline's
-composition on those phases (its measured step factor included, as the search prices it), and,
-with a split, less what the split schedule wins on those phases::
+The search prices them in its step equation (docs/cost_model.md, "The sparse-path rewrites in the
+step equation"): the wire rewrites in every option's input-dist columns
+(:func:`~torchrec_sparselift.cost.wire_ids.table_wire`, ``cost.model.rewrite_wire``), the split in
+the ``overlap`` pipeline's price (``search.solve.split_price``). The price of the rewritten plan
+(:func:`choose_rewrites`) takes the same functions on the plan's options: its loads with the wire
+rewrites, the pipeline's composition on them (its measured step factor included), and with a
+split::
 
-    step = composition(phases') - (split_step_s(terms', 1) - split_step_s(terms', k))
+    step = min(S, max(S - (split_step_s(terms, 1) - split_step_s(terms, k)), F))
 
-which is ``split_step_s(terms', k)`` wherever the model prices ``overlap`` by its own composition
-(hardware with overlap), never above the unrewritten step and never below ``max(compute,
-communication)`` of the split terms. Every rewrite not chosen has its reason in
+(``S`` the unsplit step, ``F`` the split's floor, ``search.equation.SPLIT_FLOOR_PATHS``), so for
+the search's own plan it is the search's ``priced_step_s``; ``step_without_s`` is the same plan on
+TorchRec's int64 input dist, unsplit. Every rewrite not chosen has its reason in
 :attr:`RewriteChoice.notes`. The never-slower rule (``plan.planning.apply_never_slower``) judges
 the rewritten plan, the saving a term of its own (:data:`~torchrec_sparselift.plan.baseline.REWRITE_TERM`).
 """
@@ -35,7 +38,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import attrs
 
 from torchrec_sparselift.cost.batch_split import (
-    BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitSchedule, SplitTerms, split_schedule, split_step_s,
+    BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitSchedule, SplitTerms, chunk_dense_s, pooled_features, split_schedule,
+    split_step_s,
 )
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import rewrite_wire
@@ -294,10 +298,11 @@ def search_rewrites(request: Any, handles: Sequence[Any], pipelines: Sequence[st
     sharding type fits int32 (so every plan of the space may narrow its ids), per-feature dedup
     where ``dedup`` is allowed and the profile has ``dedup_id_s``; None where neither applies, for
     a 2D plan, ``cost_model='torchrec'``, or sequence and feature-processed tables (the runtime
-    rewrites EmbeddingBagCollections' input dists only). ``split_overhead_s``: the profile's
-    ``chunk_overhead_s`` where the batch split applies to every plan the search may choose under
-    ``overlap`` (:func:`_split_refusal`), else None. :func:`choose_rewrites` judges one plan by
-    the same rules, so it prices what the search priced."""
+    rewrites EmbeddingBagCollections' input dists only). ``split_overhead_s``: one more chunk's
+    dense cost on the profile (``cost.batch_split.chunk_dense_s``: ``chunk_overhead_s`` plus
+    ``chunk_feature_s`` per pooled feature of the tables) where the batch split applies to every
+    plan the search may choose under ``overlap`` (:func:`_split_refusal`), else None.
+    :func:`choose_rewrites` judges one plan by the same rules, so it prices what the search priced."""
     if two_d or not str(request.cost_model).startswith("sparselift"):
         return None, None
     allowed = tuple(request.rewrites)
@@ -314,7 +319,7 @@ def search_rewrites(request: Any, handles: Sequence[Any], pipelines: Sequence[st
     split = None
     if BATCH_SPLIT in allowed and BATCH_SPLIT_PIPELINE in pipelines and _split_refusal(
             request, handles, BATCH_SPLIT_PIPELINE, profile, SPLIT_SHARDING_TYPES) is None:
-        split = _calibrated(profile, "chunk_overhead_s")
+        split = chunk_dense_s(profile, pooled_features(handles))  # every plan of the search: the same features
     return wire, split
 
 
@@ -423,7 +428,8 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
     if BATCH_SPLIT in allowed:
         why = _split_refusal(request, res.handles, s.pipeline, profile, (st for st, _ in sharding.values()))
         if why is None:
-            terms = split_terms(ev, _calibrated(profile, "chunk_overhead_s") or 0.0)
+            terms = split_terms(ev, _calibrated(profile, "chunk_overhead_s") or 0.0,
+                                _calibrated(profile, "chunk_feature_s") or 0.0, pooled_features(res.handles))
             k, step = split_price(step_w, terms, ctx.batch_size)
             split_saved = max(0.0, step_w - step)
             if k == 1:
@@ -503,7 +509,8 @@ def price_rewrites(request: Any, res: Any, *, batch_split: int = 1, id_dtype: st
         overhead = _calibrated(profile, "chunk_overhead_s")
         if overhead is None:
             raise ValueError(f"price_rewrites: the profile {profile.name} has no chunk_overhead_s; " + _CALIBRATE)
-        terms = split_terms(ev, overhead)
+        terms = split_terms(ev, overhead, _calibrated(profile, "chunk_feature_s") or 0.0,
+                            pooled_features(res.handles))
         step += split_step_s(terms, batch_split) - split_step_s(terms, 1)
         step = max(step, split_floor_terms(terms))  # one compute flow, one link
     return max(0.0, step)

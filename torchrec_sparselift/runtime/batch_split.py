@@ -23,7 +23,7 @@ model's forward) and changes two things:
   the output dists move to a one-thread gloo group (:func:`serialize_output_collectives`) and the
   chunks travel one at a time. ``chain_chunks`` issues chunk j+1 only when chunk j's embeddings
   are read instead.
-- **The model runs once per chunk**, on chunk j of the batch (:func:`slice_batch`); its sharded
+- **The model runs once per chunk**, on chunk j of the batch (:func:`split_batch`: the batch is cut once per step); its sharded
   embedding module returns chunk j's embeddings, so the dense forward of chunk j waits only for
   chunk j's transfer while chunk j+1's is on the wire. The step's loss is the chunk losses
   weighted by chunk size (``sum_j b_j/B * loss_j``, the whole batch's mean) and **one** backward
@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -87,6 +88,7 @@ __all__ = [
     "chunk_sizes",
     "per_sample_violation",
     "check_per_sample",
+    "split_batch",
     "slice_batch",
     "merge_outputs",
 ]
@@ -133,55 +135,87 @@ def check_per_sample(model: nn.Module, declared: bool = False) -> None:
         raise NotPerSample(why)
 
 
-def _slice_kjt(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
-    """Samples ``[start, stop)`` of every key of ``kjt`` (one batch size for every key)."""
+def _split_kjt(kjt: KeyedJaggedTensor, sizes: Sequence[int]) -> List[KeyedJaggedTensor]:
+    """``kjt`` cut into consecutive sample ranges of ``sizes`` samples (one batch size for every
+    key; a size may be 0): chunk j holds samples ``[s_j, s_j + b_j)`` of every key, keys in order.
+    A few tensor ops whatever the key count: each (key, chunk) pair's values are one contiguous run
+    of ``kjt``'s values (its start and length from the lengths' running sum at the chunk
+    boundaries), so one gather reorders them chunk-major and each chunk's values are one slice."""
     keys = kjt.keys()
     stride = kjt.stride()
-    lengths = kjt.lengths().view(len(keys), stride)
-    offsets = kjt.offsets()
     values = kjt.values()
     weights = kjt.weights_or_none()
-    lo = offsets[torch.arange(len(keys)) * stride + start].tolist()
-    hi = offsets[torch.arange(len(keys)) * stride + stop].tolist()
-    pieces = [values[a:b] for a, b in zip(lo, hi)]
-    wpieces = [weights[a:b] for a, b in zip(lo, hi)] if weights is not None else None
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=torch.cat(pieces) if pieces else values[:0],
-        weights=torch.cat(wpieces) if wpieces else None,
-        lengths=lengths[:, start:stop].reshape(-1).contiguous(),
-        stride=stop - start,
-    )
+    lengths = kjt.lengths()
+    k, nkeys = len(sizes), len(keys)
+    device = lengths.device
+    per_key = lengths.view(nkeys, stride).long()
+    running = torch.zeros(nkeys, stride + 1, dtype=torch.long, device=device)
+    torch.cumsum(per_key, dim=1, out=running[:, 1:])
+    bounds = torch.tensor([0] + list(itertools.accumulate(sizes)), device=device)
+    at = running[:, bounds]  # [keys, k + 1]: each key's value count before each chunk boundary
+    key_base = torch.zeros(nkeys, dtype=torch.long, device=device)
+    torch.cumsum(running[:-1, -1], dim=0, out=key_base[1:])
+    seg_len = (at[:, 1:] - at[:, :-1]).t().reshape(-1)  # chunk-major: chunk 0's keys, chunk 1's, ...
+    seg_start = (key_base[:, None] + at[:, :-1]).t().reshape(-1)
+    counts = seg_len.view(k, nkeys).sum(dim=1).tolist()
+    if sum(counts) != values.numel():
+        raise ValueError(f"batch split: a KeyedJaggedTensor's lengths sum to {sum(counts)} but it holds "
+                         f"{values.numel()} values; it cannot be split along the batch")
+    out_start = torch.cumsum(seg_len, dim=0) - seg_len
+    order = torch.repeat_interleave(seg_start - out_start, seg_len, output_size=values.numel()) + torch.arange(
+        values.numel(), device=device)
+    vparts = values[order].split(counts)
+    wparts = weights[order].split(counts) if weights is not None else [None] * k
+    lparts = lengths.view(nkeys, stride).split(list(sizes), dim=1)
+    return [KeyedJaggedTensor(keys=keys, values=v, weights=w, lengths=ln.reshape(-1).contiguous(), stride=b)
+            for v, w, ln, b in zip(vparts, wparts, lparts, sizes)]
 
 
-def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:
-    """Samples ``[start, stop)`` of ``batch`` (of ``batch_size`` samples): every tensor whose first
-    dimension is the batch, every ``KeyedJaggedTensor`` of that batch size, through dataclasses
-    (TorchRec's ``Batch``), lists, tuples and dicts; other values as they are. ``ValueError``
-    naming what cannot be sliced (a tensor or jagged tensor of another batch size)."""
+def split_batch(batch: Any, sizes: Sequence[int], batch_size: int) -> List[Any]:
+    """``batch`` (of ``batch_size`` samples) cut into consecutive chunks of ``sizes`` samples
+    (they sum to ``batch_size``): every tensor whose first dimension is the batch, every
+    ``KeyedJaggedTensor`` of that batch size (:func:`_split_kjt`: a few tensor ops, not a loop over
+    its keys), through dataclasses (TorchRec's ``Batch``), lists, tuples and dicts; other values as
+    they are, in every chunk. ``ValueError`` naming what cannot be split (a tensor or jagged tensor
+    of another batch size)."""
+    sizes = [int(b) for b in sizes]
+    if sum(sizes) != batch_size or any(b < 0 for b in sizes):
+        raise ValueError(f"batch split: chunk sizes {sizes} do not cover a batch of {batch_size} samples")
+    k = len(sizes)
     if isinstance(batch, KeyedJaggedTensor):
         if batch.variable_stride_per_key() or batch.stride() != batch_size:
             raise ValueError(f"batch split: a KeyedJaggedTensor of batch size {batch.stride()} in a batch of "
                              f"{batch_size} samples cannot be split along the batch")
-        return _slice_kjt(batch, start, stop)
+        return _split_kjt(batch, sizes)
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
-            return batch
+            return [batch] * k
         if batch.shape[0] != batch_size:
             raise ValueError(f"batch split: a tensor of shape {tuple(batch.shape)} in a batch of {batch_size} "
                              "samples has no batch dimension first; split batches whose tensors lead with it")
-        return batch[start:stop]
+        return list(batch.split(sizes))
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{
-            f.name: slice_batch(getattr(batch, f.name), start, stop, batch_size)
-            for f in dataclasses.fields(batch) if f.init})
+        fields = [f.name for f in dataclasses.fields(batch) if f.init]
+        parts = {name: split_batch(getattr(batch, name), sizes, batch_size) for name in fields}
+        return [dataclasses.replace(batch, **{name: parts[name][j] for name in fields}) for j in range(k)]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(slice_batch(v, start, stop, batch_size) for v in batch))
+        cols = [split_batch(v, sizes, batch_size) for v in batch]
+        return [type(batch)(*(c[j] for c in cols)) for j in range(k)]
     if isinstance(batch, (list, tuple)):
-        return type(batch)(slice_batch(v, start, stop, batch_size) for v in batch)
+        cols = [split_batch(v, sizes, batch_size) for v in batch]
+        return [type(batch)(c[j] for c in cols) for j in range(k)]
     if isinstance(batch, dict):
-        return {k: slice_batch(v, start, stop, batch_size) for k, v in batch.items()}
-    return batch
+        cols = {key: split_batch(v, sizes, batch_size) for key, v in batch.items()}
+        return [{key: c[j] for key, c in cols.items()} for j in range(k)]
+    return [batch] * k
+
+
+def slice_batch(batch: Any, start: int, stop: int, batch_size: int) -> Any:
+    """Samples ``[start, stop)`` of ``batch`` (of ``batch_size`` samples), as :func:`split_batch`
+    cuts them (the same rules and errors)."""
+    if not 0 <= start <= stop <= batch_size:
+        raise ValueError(f"batch split: samples [{start}, {stop}) are not within a batch of {batch_size}")
+    return split_batch(batch, [start, stop - start, batch_size - stop], batch_size)[1]
 
 
 def merge_outputs(outputs: Sequence[Any], sizes: Sequence[int]) -> Any:
@@ -517,10 +551,8 @@ class TrainPipelineBatchSplit(TrainPipelineOverlap):
         losses: List[torch.Tensor] = []
         outputs: List[Any] = []
         try:
-            start = 0
-            for j, b in enumerate(sizes):
-                part = slice_batch(batch, start, start + b, size)
-                start += b
+            parts = split_batch(batch, sizes, size)
+            for j, part in enumerate(parts):
                 sync = j == len(sizes) - 1 or self._ddp is None
                 with record_function(f"## forward {self.contexts[0].index} chunk {j} ##"):
                     with contextlib.nullcontext() if sync else self._ddp.no_sync():

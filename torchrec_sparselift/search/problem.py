@@ -157,6 +157,7 @@ def build_problem(
     min_dev = float(np.min(device_cap)) if len(device_cap) else 0.0
     for t, spec in enumerate(specs):
         ids: List[int] = []
+        wires: dict = {}
         # UVM kernels trade speed for memory: only worth offering when the table is big
         # relative to a rank's memory (its whole fused table would take over 1/8 of a rank).
         uvm_useful = spec.weight_bytes > min_dev / 8
@@ -200,8 +201,11 @@ def build_problem(
                     ids.append(len(cands))
                     cands.append(cand)
                     plain.append(cost)
-                    if wire is not None:
-                        tw = table_wire(wire, spec, cand.sharding_type, cand.num_shards)
+                    if wire is not None:  # one price per (sharding type, shards): the kernels share it
+                        key = (cand.sharding_type, cand.num_shards)
+                        if key not in wires:
+                            wires[key] = table_wire(wire, spec, cand.sharding_type, cand.num_shards)
+                        tw = wires[key]
                         cost = rewrite_wire(cost, tw.factor, tw.kernel_s, cand.num_shards, ctx)
                         dedup_of.append(tw.dedup_features)
                     costs.append(cost)
