@@ -16,17 +16,19 @@ maxima per table) no longer fits the budget. The stages and what changes at scal
    on numpy arrays of the per-rank loads the cost model composes (no evaluator refresh per
    shard). Each shard is priced with the model's own step-time composition
    (:func:`~torchrec_sparselift.cost.model.step_total_batch`) on a shortlist only: the
-   :data:`PRICE_RANKS` least-loaded ranks (or hosts, for host-wide shardings) that can take it
-   in memory; ties (most shards raise no column maximum) go to the rank whose squared
-   per-column loads grow the least (each column balanced on its own; a host-wide shard: the
-   least-loaded host). Per-rank memory is a hard limit; a table whose
+   :data:`PRICE_RANKS` ranks that can take it in memory with the most room in the columns it
+   loads (the fullest of them, after the shard, as a fraction of the plan's maximum there; a
+   host-wide sharding: the least-loaded hosts); ties (most shards raise no column maximum) go
+   to the rank whose squared per-column loads grow the least (each column balanced on its own;
+   a host-wide shard: the least-loaded host). Per-rank memory is a hard limit; a table whose
    choice fits nowhere falls back to the other option that fits with the lowest step time
    (ties: the smallest memory); no table is dropped. The plan enters a
    :class:`~torchrec_sparselift.cost.evaluator.PlanEvaluator` in one bulk assignment, so the step time reported is the evaluator's.
 3. **Local search** (:func:`scale_local_search`: :func:`.place.local_search` through its
    ``placer`` hook) with :func:`shortlist_placement` as its placer, first with one table per hot
    rank (its hottest), then, each time no move helps, with the next width of
-   :data:`TABLES_PER_RANK`: it re-places or re-shards the tables that set each column's maximum. At 10,000 tables this
+   :data:`TABLES_PER_RANK`: it re-places or re-shards the tables that set each column's maximum,
+   each priced on the shortlist of the ranks with the most room for it. At 10,000 tables this
    is what turns the LP's rounded choice (whose hottest tables keep big pieces) into a plan
    near the bound. It prices under ``prefetch`` when allowed (the pipeline that hides the
    most; the plan is then priced under every allowed pipeline as on the small path), and
@@ -88,7 +90,7 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
     devcap = ev.device_cap + 1e-6
     hostcap = ev.host_cap + 1e-6
     w = _time_weights(prob)
-    key = np.zeros(W)  # scalar load per rank (seconds), the tie-break and the shortlist
+    key = np.zeros(W)  # scalar load per rank (seconds): the host-wide shardings' shortlist and ties
     ovh = ev.overhead
     assignment: dict = {}
 
@@ -153,7 +155,13 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
         if len(ok) < need:
             return None
         m = min(len(ok), price_ranks + need)
-        sel = np.argpartition(key[ok], m - 1)[:m] if len(ok) > m else np.arange(len(ok))
+        if len(ok) > m:  # the ranks with the most room in the columns the shard loads (_room_key)
+            cols = np.nonzero(vec * w > 0)[0]
+            inv = 1.0 / np.maximum(colmax[cols] + uniform[cols], 1e-30)
+            fill = ((loads[:, cols] + (vec[cols] + uniform[cols])[None, :]) * inv[None, :]).max(axis=1)
+            sel = np.argpartition(fill[ok], m - 1)[:m]
+        else:
+            sel = np.arange(len(ok))
         idx = ok[sel]
         rows = rows_for(idx, cand)
         # ties: the rank whose squared per-column loads grow the least (each column balanced on
@@ -260,10 +268,11 @@ def host_shortlist(fits: np.ndarray, key: np.ndarray, hosts_of: int, price_ranks
 def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
                         price_ranks: int = PRICE_RANKS,
                         cache: Optional[dict] = None) -> Optional[Tuple[Tuple[int, ...], float]]:
-    """:func:`.place.best_placement` priced on a shortlist: the ``price_ranks`` least-loaded
-    ranks (or hosts) that fit the shard in memory, by the scalar load that also breaks the
-    ties (the local search's placer at scale). Same contract: the best ranks for ``table`` as
-    ``cand`` given the rest of the plan and the objective, None if it fits nowhere.
+    """:func:`.place.best_placement` priced on a shortlist: the ``price_ranks`` ranks that fit
+    the shard in memory with the most room for it (:func:`_room_key`; host-wide shardings: the
+    least-loaded hosts by the scalar load), ties broken by the scalar load (the local search's
+    placer at scale). Same contract: the best ranks for ``table`` as ``cand`` given the rest of
+    the plan and the objective, None if it fits nowhere.
 
     ``cache``: a dict kept while the plan does not change (:class:`ShortlistPlacer` keeps one
     per table tried): the per-rank rows and tie-break loads of each TBE group are computed once
@@ -306,7 +315,7 @@ def shortlist_placement(ev, prob: PlanningProblem, table: int, cand: int,
         return None
     m = min(len(ok), price_ranks + need)
     if len(ok) > m:
-        ok = np.sort(ok[np.argpartition(tie_all[ok], m - 1)[:m]])
+        ok = np.sort(ok[np.argpartition(_room_key(ev, ok, vec, need_ovh), m - 1)[:m]])
     base = _rows(ev, need_ovh, ok)
     tie = tie_all[ok].copy()
     colmax = ev._colmax.copy()
@@ -347,6 +356,18 @@ def _group_rows(ev, g: int, cache: dict) -> Tuple[np.ndarray, np.ndarray]:
             tie[need_ovh] = rank_time(ev, ev.loads[need_ovh] + ev.overhead[None, :])
         got = cache[g] = (need_ovh, tie)
     return got
+
+
+def _room_key(ev, ok: np.ndarray, vec: np.ndarray, need_ovh: np.ndarray) -> np.ndarray:
+    """Per rank of ``ok``: how full the shard ``vec`` leaves the rank in the time columns it
+    loads, the fullest of them as a fraction of the plan's maximum there. The shortlist takes
+    the ranks with the most room: a scalar load (seconds summed over the columns) ranks a rank
+    light in compute but at the output's maximum among the lightest, and a shard with a large
+    output priced there raises the step, so it stays where it is."""
+    cols = np.nonzero(vec * layout().balance_weights(ev.ctx.profile) > 0)[0]
+    inv = 1.0 / np.maximum(ev._colmax[cols] + ev.uniform[cols], 1e-30)
+    rows = ev.loads[:, cols] + need_ovh[:, None] * ev.overhead[None, cols]
+    return ((rows + (vec[cols] + ev.uniform[cols])[None, :]) * inv[None, :]).max(axis=1)[ok]
 
 
 def _rows(ev, need_ovh: np.ndarray, idx) -> np.ndarray:

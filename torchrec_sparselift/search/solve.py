@@ -234,7 +234,10 @@ def solve(
     # the LP is deterministic when it finishes: give it room (its limit is a safety net; at
     # scale its choice is the seed and its bound the only one, so more room: scale.py)
     lp_limit = max(SCALE_LP_LIMIT_S if at_scale else 20.0, 2.0 * time_budget_s)
-    lp = solve_lp(prob, search_pl, fwd, bwd, time_limit_s=lp_limit, fit=at_scale)
+    # at scale the LP is solved under the placement's pipeline: its bound is then the plan's
+    # when the search keeps that pipeline (the usual case), and the second LP below is not needed
+    lp_pl = place_pl if at_scale else search_pl
+    lp = solve_lp(prob, lp_pl, fwd, bwd, time_limit_s=lp_limit, fit=at_scale)
     seeds: List[Tuple[str, Sequence[int]]] = []
     if lp.choice:  # at scale rounded against the LP's column maxima (lp.round_choice)
         seeds.append(("lp", lp.fitted_choice if at_scale and lp.fitted_choice else lp.choice))
@@ -293,7 +296,7 @@ def solve(
         moves += more
         cut = cut or cut2
     bound = lp.lower_bound_s
-    if (pl, f, b) != (search_pl, fwd, bwd) or lp.status != "optimal":
+    if (pl, f, b) != (lp_pl, fwd, bwd) or lp.status != "optimal":
         lp2 = solve_lp(prob, pl, f, b, time_limit_s=lp_limit)
         bound = lp2.lower_bound_s if lp2.status == "optimal" else float("nan")
     if not np.isfinite(bound):
