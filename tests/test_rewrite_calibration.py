@@ -372,3 +372,27 @@ def test_the_model_s_own_slope_per_chunk_grows_with_the_collectives_latency():
     assert set(low) == {"probe_many"} and np.isfinite(low["probe_many"])
     assert high["probe_many"] > low["probe_many"]
     assert high["probe_many"] <= 2 * 1e-3 + 1e-12  # at most the two collectives' latency per chunk
+
+
+def _chunk_cost_rank(rank, world):
+    import attrs as _attrs
+    import torch.distributed as dist
+
+    from torchrec_sparselift.calibration.store import base_profile
+    from torchrec_sparselift.measure.steps import StepTiming, calibrate_chunk_cost
+
+    lines = []
+    prof = _attrs.evolve(base_profile("cpu"), chunk_overhead_s=1e-4)  # the dense calls' reading: the floor
+    out = calibrate_chunk_cost(dist.group.WORLD, prof, workloads=("probe_many", "probe_features"), chunks=(1, 2),
+                               timing=StepTiming(instances=1, block_steps=2, warmup=1, say=lines.append))
+    return out.chunk_overhead_s, out.chunk_feature_s, lines
+
+
+def test_two_gloo_ranks_calibrate_the_chunk_price_alike():
+    from launcher import run_ranks
+
+    out = run_ranks(_chunk_cost_rank, 2, timeout_s=300)
+    assert out[0][:2] == out[1][:2]
+    overhead, per_feature, lines = out[0]
+    assert overhead >= 1e-4 and per_feature is not None and per_feature >= 0
+    assert any("us per feature per extra chunk" in line for line in lines) and out[1][2] == []

@@ -585,6 +585,33 @@ def with_step_chunk_cost(profile: HardwareProfile, times: Mapping[str, Mapping[i
                         chunk_feature_s=fit.feature_s)
 
 
+def calibrate_chunk_cost(pg: Any, profile: HardwareProfile, device_type: str = "cpu",
+                         workloads: Sequence[str] = CHUNK_WORKLOADS, chunks: Sequence[int] = CHUNK_COUNTS,
+                         timing: StepTiming = CHUNK_TIMING) -> HardwareProfile:
+    """``profile`` with the batch split's per-chunk price (``chunk_overhead_s``, ``chunk_feature_s``)
+    from real batch-split steps: :func:`measure_chunk_times` of ``workloads``, the cost model's own
+    slopes on ``profile`` (:func:`model_chunk_slopes`, rank 0's, sent to every rank) and
+    :func:`with_step_chunk_cost`; ``timing.say`` gets the fit's lines (rank 0). The same profile
+    on every rank of ``pg``."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(pg)
+    dense_only = profile.chunk_overhead_s
+    chunk_times = measure_chunk_times(pg, device_type, workloads, chunks, timing)
+    # what the model already predicts per extra chunk (latency, hiding), the same on every rank
+    slopes = [model_chunk_slopes(profile, list(chunk_times), chunks, dist.get_world_size(pg), device_type)
+              if rank == 0 else None]
+    dist.broadcast_object_list(slopes, src=dist.get_global_rank(pg, 0), group=pg)
+    fitted = with_step_chunk_cost(profile, chunk_times, slopes[0])
+    if rank == 0 and timing.say is not None:
+        for line in step_chunk_fit(profile, chunk_times, slopes[0]).lines():
+            timing.say(f"[calibrate] {line}")
+        timing.say(f"[calibrate] chunk_overhead_s {fitted.chunk_overhead_s * 1e3:.3f} ms + chunk_feature_s "
+                   f"{fitted.chunk_feature_s * 1e6:.1f} us per feature per extra chunk from the batch-split steps "
+                   f"(the dense calls alone: {'-' if dense_only is None else f'{dense_only * 1e3:.3f} ms'})")
+    return fitted
+
+
 def calibrate_steps(
     pg: Any,
     device_type: str = "cpu",
@@ -648,20 +675,7 @@ def calibrate_steps(
                               f"{'' if v['significant'] else ', within its error of 1: not used'})"
                               for k, v in factors.items()), flush=True)
         # what one more batch chunk costs a real step (the dense-only host term misses most of it)
-        dense_only = fitted.chunk_overhead_s
-        chunk_times = measure_chunk_times(pg, device_type, timing=attrs.evolve(CHUNK_TIMING, base=base, say=say))
-        # what the model already predicts per extra chunk (latency, hiding), the same on every rank
-        slopes = [model_chunk_slopes(fitted, list(chunk_times), world_size=dist.get_world_size(pg))
-                  if rank == 0 else None]
-        dist.broadcast_object_list(slopes, src=dist.get_global_rank(pg, 0), group=pg)
-        fitted = with_step_chunk_cost(fitted, chunk_times, slopes[0])
-        if rank == 0 and progress:
-            for line in step_chunk_fit(fitted, chunk_times, slopes[0]).lines():
-                print(f"[calibrate] {line}", flush=True)
-            print(f"[calibrate] chunk_overhead_s {fitted.chunk_overhead_s * 1e3:.3f} ms + chunk_feature_s "
-                  f"{fitted.chunk_feature_s * 1e6:.1f} us per feature per extra chunk from the batch-split steps "
-                  f"(the dense calls alone: {'-' if dense_only is None else f'{dense_only * 1e3:.3f} ms'})",
-                  flush=True)
+        fitted = calibrate_chunk_cost(pg, fitted, device_type, timing=attrs.evolve(CHUNK_TIMING, base=base, say=say))
     if rank == 0 and store is not None:
         fp = current_fingerprint(device_type, ranks_per_host(world_size=dist.get_world_size(pg)),
                                  hosts=link.hosts if link is not None else 1)
