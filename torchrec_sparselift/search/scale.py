@@ -158,7 +158,10 @@ def fast_place(ev, prob: PlanningProblem, choice: Sequence[int],
         if len(ok) > m:  # the ranks with the most room in the columns the shard loads (_room_key)
             cols = np.nonzero(vec * w > 0)[0]
             inv = 1.0 / np.maximum(colmax[cols] + uniform[cols], 1e-30)
-            fill = ((loads[:, cols] + (vec[cols] + uniform[cols])[None, :]) * inv[None, :]).max(axis=1)
+            add = vec[cols] + uniform[cols]
+            fill = np.full(W, -np.inf)
+            for j, col in enumerate(cols):  # column by column: a reduce over a few columns is slower
+                np.maximum(fill, (loads[:, col] + add[j]) * inv[j], out=fill)
             sel = np.argpartition(fill[ok], m - 1)[:m]
         else:
             sel = np.arange(len(ok))
@@ -366,8 +369,13 @@ def _room_key(ev, ok: np.ndarray, vec: np.ndarray, need_ovh: np.ndarray) -> np.n
     output priced there raises the step, so it stays where it is."""
     cols = np.nonzero(vec * layout().balance_weights(ev.ctx.profile) > 0)[0]
     inv = 1.0 / np.maximum(ev._colmax[cols] + ev.uniform[cols], 1e-30)
-    rows = ev.loads[:, cols] + need_ovh[:, None] * ev.overhead[None, cols]
-    return ((rows + (vec[cols] + ev.uniform[cols])[None, :]) * inv[None, :]).max(axis=1)[ok]
+    add = vec[cols] + ev.uniform[cols]
+    sub = ev.loads[ok]
+    lack = need_ovh[ok]
+    out = np.full(len(ok), -np.inf)
+    for j, c in enumerate(cols):  # column by column: a reduce over a few columns is slower
+        np.maximum(out, ((sub[:, c] + lack * ev.overhead[c]) + add[j]) * inv[j], out=out)
+    return out
 
 
 def _rows(ev, need_ovh: np.ndarray, idx) -> np.ndarray:
