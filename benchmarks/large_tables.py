@@ -2,7 +2,7 @@
 table size?
 
     torchrun --standalone --nproc_per_node 2 -m benchmarks.large_tables steps --profile P.json [--rounds 4] [--out R.json]
-    python -m benchmarks.large_tables kernels [--passes 20]
+    python -m benchmarks.large_tables kernels [--passes 20] [--id-sets 64]
 
 ``steps``: the table-wise plans of ``probe_many`` (16 tables within the cache), ``probe_large`` (the
 step calibration's large-table probe, tables of 2k-200k rows), the benchmark workload ``few_large``
@@ -20,8 +20,10 @@ tables the rank owns.
 
 ``kernels``: one process, one fbgemm TBE with the fused row-wise AdaGrad (as TorchRec's fused tables
 run it), forward + backward of 2,048 ids (bags of 2, the workloads' power-law ids) on tables of 2k
-to 3M rows, interleaved passes: seconds per id and per distinct row, and each size's time relative
-to the 200k-row table in the same pass.
+to 3M rows, ``--id-sets`` id sets cycled call by call, interleaved passes: seconds per id and per
+distinct row, and each size's time relative to the 200k-row table in the same pass. The rows one
+pass touches stay within a large last-level cache (480 MiB on the 2-core box), so the sweep shows
+what grows with distinct rows, not the misses of a step whose other work runs between lookups.
 """
 
 from __future__ import annotations
