@@ -62,8 +62,9 @@ def test_the_fields_are_none_by_default_and_take_non_negative_finite_seconds(nam
         assert getattr(attrs.evolve(PRESETS["h100"], **{name: ok}), name) == ok
     for bad in (-1e-9, float("nan"), float("inf"), True, "1e-3"):
         with pytest.raises(ValueError, match=rf"HardwareProfile.{name} must be None \(not calibrated\) or a "
-                                             "non-negative finite number"):
+                                             "non-negative finite number") as err:
             attrs.evolve(PRESETS["h100"], **{name: bad})
+        assert ("calibrate steps" if name == "chunk_feature_s" else "calibrate kernels") in str(err.value)
 
 
 def test_an_uncalibrated_profile_has_the_record_and_digest_it_had_without_the_fields():

@@ -168,3 +168,28 @@ def test_a_multi_host_plan_notes_the_two_level_price_and_a_one_host_plan_does_no
         assert notes == []
     else:
         assert len(notes) == 1 and "across 2 hosts x 4 ranks" in notes[0] and "not run" in notes[0], res.rewrites.notes
+
+
+@settings(max_examples=60, deadline=None)
+@given(hosts=st.integers(1, 4), per_host=st.integers(1, 4), pair=st.floats(0, 1e7),
+       shared=st.booleans(), scheme=st.sampled_from(["flat", "rail", "leader"]))
+def test_a_uniform_shape_is_priced_in_closed_form_as_its_matrix(hosts, per_host, pair, shared, scheme):
+    p = tl.A2APrices(intra_bw=1e11, inter_bw=1e9, call_s=2e-5, intra_message_s=1e-6, inter_message_s=5e-6,
+                     copy_byte_s=1e-11, host_link_shared=shared)
+    w = hosts * per_host
+    uniform = tl.A2AShape(hosts, per_host, pair)
+    matrix = tl.A2AShape(hosts, per_host, [[pair] * w for _ in range(w)])
+    assert uniform.uniform and not matrix.uniform
+    a, b = tl.price(uniform, p, scheme), tl.price(matrix, p, scheme)
+    assert attrs.evolve(a, parts={}) == pytest.approx(attrs.evolve(b, parts={})) or (
+        a.seconds == pytest.approx(b.seconds, rel=1e-12)
+        and (a.intra_bytes, a.inter_bytes, a.copy_bytes) == pytest.approx((b.intra_bytes, b.inter_bytes, b.copy_bytes)))
+
+
+def test_the_plan_note_at_thousands_of_ranks_never_builds_the_matrix(monkeypatch):
+    def no_matrix(self):
+        raise AssertionError("a uniform shape is priced in closed form, not on its W x W matrix")
+
+    monkeypatch.setattr(tl.A2AShape, "matrix", no_matrix)
+    note = tl.plan_note(512, 8, 5e7, PRESETS["h100"])
+    assert note is not None and "512 hosts x 8 ranks" in note

@@ -47,7 +47,9 @@ def _optional_non_negative(instance: Any, attribute: "attrs.Attribute[Any]", val
     if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
         raise ValueError(
             f"HardwareProfile.{attribute.name} must be None (not calibrated) or a non-negative finite number "
-            f"of seconds, got {value!r}; calibrate it with `sparselift calibrate kernels`"
+            f"of seconds, got {value!r}; calibrate it with "
+            + ("`torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps` (real "
+               "batch-split steps)" if attribute.name == "chunk_feature_s" else "`sparselift calibrate kernels`")
         )
 
 

@@ -118,6 +118,11 @@ class A2AShape:
     def world_size(self) -> int:
         return self.hosts * self.ranks_per_host
 
+    @property
+    def uniform(self) -> bool:
+        """Whether every rank sends every rank the same bytes (one number): priced in closed form."""
+        return not isinstance(self.pair_bytes, tuple)
+
     def matrix(self) -> List[List[float]]:
         """``S[sender][receiver]`` (a uniform size expanded; the diagonal what a rank keeps)."""
         if isinstance(self.pair_bytes, tuple):
@@ -163,30 +168,40 @@ def _link(sent: Sequence[float], recv: Sequence[float], L: int, shared: bool) ->
 def flat_price(shape: A2AShape, p: A2APrices) -> A2APrice:
     """One ``all_to_all_single`` over every rank:
     ``call_s + (L-1) intra_message_s + (H-1) L inter_message_s + max(B_intra / intra_bw, B_inter / inter_bw)``."""
-    H, L, S = shape.hosts, shape.ranks_per_host, shape.matrix()
+    H, L = shape.hosts, shape.ranks_per_host
     W = H * L
-    si, ri, se, re = ([0.0] * W for _ in range(4))
-    for a in range(W):
-        for b in range(W):
-            if a == b:
-                continue
-            if _host(a, L) == _host(b, L):
-                si[a] += S[a][b]
-                ri[b] += S[a][b]
-            else:
-                se[a] += S[a][b]
-                re[b] += S[a][b]
-    intra = max((max(x, y) for x, y in zip(si, ri)), default=0.0)
-    inter = _link(se, re, L, p.host_link_shared)
+    if shape.uniform:  # every rank sends (L-1) s within its host and (H-1) L s across
+        s = float(shape.pair_bytes)
+        intra, inter = (L - 1) * s, (H - 1) * L * s
+    else:
+        S = shape.matrix()
+        si, ri, se, re = ([0.0] * W for _ in range(4))
+        for a in range(W):
+            for b in range(W):
+                if a == b:
+                    continue
+                if _host(a, L) == _host(b, L):
+                    si[a] += S[a][b]
+                    ri[b] += S[a][b]
+                else:
+                    se[a] += S[a][b]
+                    re[b] += S[a][b]
+        intra = max((max(x, y) for x, y in zip(si, ri)), default=0.0)
+        inter = _link(se, re, L, p.host_link_shared)
     messages = (L - 1) * p.intra_message_s + (H - 1) * L * p.inter_message_s
     wire = max(intra / p.intra_bw, inter / p.inter_bw)
     parts = dict(calls=p.call_s, messages=messages, bytes=wire, copies=0.0)
     return A2APrice("flat", sum(parts.values()), 1, (H - 1) * L, L * L if H > 1 else 0, intra, inter, 0.0, parts)
 
 
-def _rail(shape: A2AShape, p: A2APrices) -> A2APrice:
-    H, L, S = shape.hosts, shape.ranks_per_host, shape.matrix()
+def _rail_loads(shape: A2AShape, p: A2APrices) -> Tuple[float, float, float]:
+    """(intra, inter, copies) bytes of the slowest rank under ``rail``."""
+    H, L = shape.hosts, shape.ranks_per_host
     W = H * L
+    if shape.uniform:  # stage 1: H (L-1) s each way; stage 2: (H-1) L s; copies: the send buffer and the held one
+        s = float(shape.pair_bytes)
+        return H * (L - 1) * s, (H - 1) * L * s, 2 * W * s
+    S = shape.matrix()
     # stage 1, within host h: rank (h, l) -> rank (h, l') every block bound for local index l'
     s1, r1, hold = [0.0] * W, [0.0] * W, [0.0] * W  # hold: what a rank has after stage 1
     for a in range(W):
@@ -210,14 +225,25 @@ def _rail(shape: A2AShape, p: A2APrices) -> A2APrice:
     intra = max((max(x, y) for x, y in zip(s1, r1)), default=0.0)
     inter = _link(s2, r2, L, p.host_link_shared)
     copies = max(sum(S[a]) + hold[a] for a in range(W))  # regroup before stage 1 and before stage 2
+    return intra, inter, copies
+
+
+def _rail(shape: A2AShape, p: A2APrices) -> A2APrice:
+    H, L = shape.hosts, shape.ranks_per_host
+    intra, inter, copies = _rail_loads(shape, p)
     parts = dict(calls=2 * p.call_s, messages=(L - 1) * p.intra_message_s + (H - 1) * p.inter_message_s,
                  bytes=intra / p.intra_bw + inter / p.inter_bw, copies=copies * p.copy_byte_s)
     return A2APrice("rail", sum(parts.values()), 2, H - 1, L, intra, inter, copies, parts)
 
 
-def _leader(shape: A2AShape, p: A2APrices) -> A2APrice:
-    H, L, S = shape.hosts, shape.ranks_per_host, shape.matrix()
+def _leader_loads(shape: A2AShape) -> Tuple[float, float, float, float]:
+    """(gather, scatter, inter, copies) bytes of the busiest leader under ``leader``."""
+    H, L = shape.hosts, shape.ranks_per_host
     W = H * L
+    if shape.uniform:  # every rank's buffer is W s; a leader sends (H-1) L^2 s across
+        s = float(shape.pair_bytes)
+        return (L - 1) * W * s, (L - 1) * W * s, (H - 1) * L * L * s, 2 * L * W * s
+    S = shape.matrix()
     row = [sum(S[a]) for a in range(W)]
     col = [sum(S[a][b] for a in range(W)) for b in range(W)]
     gather = max(sum(row[h * L + 1:(h + 1) * L]) for h in range(H))  # the leader receives its ranks' buffers
@@ -230,8 +256,14 @@ def _leader(shape: A2AShape, p: A2APrices) -> A2APrice:
                 sent[ha] += S[a][b]
                 recv[hb] += S[a][b]
     inter = max((max(x, y) for x, y in zip(sent, recv)), default=0.0)  # one rank per host on the link
-    inter_bw = p.inter_bw * (L if p.host_link_shared else 1)
     copies = max(sum(row[h * L:(h + 1) * L]) + sum(col[h * L:(h + 1) * L]) for h in range(H))
+    return gather, scatter, inter, copies
+
+
+def _leader(shape: A2AShape, p: A2APrices) -> A2APrice:
+    H, L = shape.hosts, shape.ranks_per_host
+    gather, scatter, inter, copies = _leader_loads(shape)
+    inter_bw = p.inter_bw * (L if p.host_link_shared else 1)
     parts = dict(calls=3 * p.call_s, messages=2 * (L - 1) * p.intra_message_s + (H - 1) * p.inter_message_s,
                  bytes=(gather + scatter) / p.intra_bw + inter / inter_bw, copies=copies * p.copy_byte_s)
     return A2APrice("leader", sum(parts.values()), 3, H - 1, 1, max(gather, scatter), inter, copies, parts)
