@@ -332,6 +332,20 @@ def _evaluator(prob: Any, costs: Sequence[Any], s: Any) -> PlanEvaluator:
     return ev
 
 
+def _wired_costs(res: Any, plain_costs: Sequence[Any], rule: WireRule,
+                 dedup: Optional[Iterable[str]] = None) -> Tuple[List[Any], List[Any]]:
+    """The plan's options' costs with the wire rewrites of ``rule`` in their input-dist columns
+    (``table_wire``: ``dedup`` forced, or the features whose price pays) and each table's wire terms."""
+    prob, ctx = res.problem, res.problem.ctx
+    costs, wires = list(plain_costs), []
+    for h, (cid, _ranks) in zip(res.handles, res.search.assignment):
+        c = prob.cands[cid]
+        tw = table_wire(rule, h.spec, c.sharding_type, c.num_shards, dedup=dedup)
+        costs[cid] = rewrite_wire(plain_costs[cid], tw.factor, tw.kernel_s, c.num_shards, ctx)
+        wires.append(tw)
+    return costs, wires
+
+
 def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = None) -> RewriteChoice:
     """The rewrites for ``res`` (a 1D ``PlanResult`` of ``request``, a ``PlanRequest``) among
     ``allowed`` (default: ``request.rewrites``), priced on its loads (module docstring): the same
@@ -401,13 +415,7 @@ def choose_rewrites(request: Any, res: Any, allowed: Optional[Iterable[str]] = N
                               int(ctx.batch_size))
             if not rule.active:
                 break
-            rewritten = list(plain_costs)
-            wires = []
-            for h, (cid, _ranks) in zip(res.handles, s.assignment):
-                c = prob.cands[cid]
-                tw = table_wire(rule, h.spec, c.sharding_type, c.num_shards)
-                rewritten[cid] = rewrite_wire(plain_costs[cid], tw.factor, tw.kernel_s, c.num_shards, ctx)
-                wires.append(tw)
+            rewritten, wires = _wired_costs(res, plain_costs, rule)
             ev1 = _evaluator(prob, rewritten, s)
             if dedup_on and ev1.step_time().total_s > step0 * (1 + 1e-12):
                 notes.append("dedup: its kernels outweigh the bytes it removes on this plan's slowest rank")
@@ -495,11 +503,7 @@ def price_rewrites(request: Any, res: Any, *, batch_split: int = 1, id_dtype: st
         if dedup and dedup_id_s is None:
             raise ValueError(f"price_rewrites: the profile {profile.name} has no dedup_id_s; " + _CALIBRATE)
         rule = _wire_rule(request, id_dtype, dedup_id_s if dedup else None, int(ctx.batch_size))
-        costs = list(plain_costs)
-        for h, (cid, _ranks) in zip(res.handles, s.assignment):
-            c = prob.cands[cid]
-            tw = table_wire(rule, h.spec, c.sharding_type, c.num_shards, dedup=dedup)
-            costs[cid] = rewrite_wire(plain_costs[cid], tw.factor, tw.kernel_s, c.num_shards, ctx)
+        costs, _wires = _wired_costs(res, plain_costs, rule, dedup)
     ev = _evaluator(prob, costs, s)
     step = float(ev.step_time().total_s)
     if batch_split > 1:
