@@ -35,16 +35,23 @@ and for every k the step is at least ``max(compute, communication)`` (the comput
 flow, the chunks on one link) and at most the unsplit step plus ``k`` times the per-chunk cost
 (``2 * latency + chunk_dense``); ``tests/test_batch_split_cost.py`` checks the three.
 :func:`choose_chunks` picks k in 1..16 by price (the smallest on ties).
+
+:class:`SplitTermsBatch` holds the terms of many rows at once (one rank's loads per row, as
+``cost.model.phase_table`` prices them) and :func:`split_step_batch` is :func:`split_step_s` at one
+k over every row in one numpy pass (the search's moves price candidate placements with it;
+``tests/test_split_moves.py`` checks it equals :func:`split_step_s` row by row).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import attrs
+import numpy as np
 
-from torchrec_sparselift.cost.model import CostContext, collective_calls, phase_times
+from torchrec_sparselift.cost.model import CostContext, collective_calls, phase_table, phase_times
+from torchrec_sparselift.cost.pipelines import PHASE_NAMES
 from torchrec_sparselift.cost.pipelines import terms as _exposed_terms
 
 __all__ = [
@@ -57,6 +64,8 @@ __all__ = [
     "SplitSchedule",
     "split_schedule",
     "split_step_s",
+    "SplitTermsBatch",
+    "split_step_batch",
     "unsplit_step_s",
     "choose_chunks",
 ]
@@ -337,3 +346,150 @@ def choose_chunks(terms: SplitTerms, batch_size: Optional[int] = None, max_chunk
         if step < best:
             best_k, best = k, step
     return best_k
+
+
+def _rows(instance: object, attribute: "attrs.Attribute[np.ndarray]", value: np.ndarray) -> None:
+    if value.ndim != 1 or not np.all(np.isfinite(value)) or np.any(value < 0):
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be a 1-D array of finite times >= 0 "
+                         f"in seconds (one per row), got {value!r}")
+
+
+def _a() -> np.ndarray:
+    return attrs.field(validator=_rows, converter=lambda v: np.atleast_1d(np.asarray(v, dtype=float)))  # type: ignore[no-any-return]
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SplitTermsBatch:
+    """The :class:`SplitTerms` of many rows at once: each field an array with one value per row
+    (seconds; a field of one value stands for every row), with one more chunk's dense cost given
+    as ``chunk_dense_s`` (:attr:`SplitTerms.chunk_dense_s`). Built from a phase table
+    (:meth:`from_phase_table`), a cost model's loads (:meth:`from_cost_model`) or scalar terms
+    (:meth:`from_terms`); :func:`split_step_batch` prices it."""
+
+    input_dist_s: np.ndarray = _a()
+    uvm_fetch_s: np.ndarray = _a()
+    lookup_s: np.ndarray = _a()
+    output_dist_s: np.ndarray = _a()
+    dense_fwd_indep_s: np.ndarray = _a()
+    dense_fwd_rest_s: np.ndarray = _a()
+    dense_bwd_rest_s: np.ndarray = _a()
+    dense_bwd_indep_s: np.ndarray = _a()
+    grad_dist_s: np.ndarray = _a()
+    backward_update_s: np.ndarray = _a()
+    allreduce_s: np.ndarray = _a()
+    step_overhead_s: np.ndarray = _a()
+    chunk_latency_s: np.ndarray = _a()
+    chunk_dense_s: np.ndarray = _a()
+
+    def __attrs_post_init__(self) -> None:
+        sizes = {len(getattr(self, a.name)) for a in attrs.fields(type(self))} - {1}
+        if len(sizes) > 1:
+            raise ValueError(f"SplitTermsBatch: every field needs one value per row (or one for all rows), "
+                             f"got lengths {sorted(sizes)}")
+        for name in ("output_dist_s", "grad_dist_s"):
+            whole = getattr(self, name)
+            bad = (self.chunk_latency_s > whole) & (whole > 0)
+            if np.any(bad):
+                raise ValueError(
+                    f"SplitTermsBatch.chunk_latency_s exceeds {name} in row(s) {np.nonzero(bad)[0].tolist()[:5]}: "
+                    "the collective's time includes its latency once; give the per-call latency times the "
+                    "sharding groups that send")
+
+    @property
+    def rows(self) -> int:
+        """The number of rows (1 where every field holds one value)."""
+        return max(len(getattr(self, a.name)) for a in attrs.fields(type(self)))
+
+    @classmethod
+    def from_terms(cls, terms: Sequence[SplitTerms]) -> "SplitTermsBatch":
+        """One row per :class:`SplitTerms` of ``terms`` (in order)."""
+        if not terms:
+            raise ValueError("SplitTermsBatch.from_terms: give at least one SplitTerms")
+        names = [a.name for a in attrs.fields(cls)]
+        return cls(**{n: [getattr(t, n) for t in terms] for n in names})
+
+    @classmethod
+    def from_phase_table(cls, table: np.ndarray, *, chunk_latency_s: Any, chunk_dense_s: Any,
+                         supports_overlap: bool = True) -> "SplitTermsBatch":
+        """From a phase table (rows x ``cost.pipelines.PHASE_NAMES`` seconds, as
+        ``cost.model.phase_table`` returns): row i is ``SplitTerms.from_phases`` of row i's phases."""
+        tab = np.atleast_2d(np.asarray(table, dtype=float))
+        if tab.shape[1] != len(PHASE_NAMES):
+            raise ValueError(f"SplitTermsBatch.from_phase_table: the table needs {len(PHASE_NAMES)} columns "
+                             f"(cost.pipelines.PHASE_NAMES), got {tab.shape[1]}")
+        col = {name: tab[:, i] for i, name in enumerate(PHASE_NAMES)}
+        zero = np.zeros(tab.shape[0])
+
+        def part(whole: str, indep: str, rest: str) -> Tuple[np.ndarray, np.ndarray]:
+            if indep in col and rest in col:
+                return col[indep], col[rest]
+            return zero, col[whole]
+
+        fi, fr = part("dense_fwd", "dense_fwd_indep", "dense_fwd_rest")
+        bi, br = part("dense_bwd", "dense_bwd_indep", "dense_bwd_rest")
+        return cls(
+            input_dist_s=col["input_dist"], uvm_fetch_s=col.get("uvm_fetch", zero), lookup_s=col["lookup"],
+            output_dist_s=col["output_dist"], dense_fwd_indep_s=fi, dense_fwd_rest_s=fr, dense_bwd_rest_s=br,
+            dense_bwd_indep_s=bi, grad_dist_s=col["grad_dist"], backward_update_s=col["backward_update"],
+            allreduce_s=_exposed_terms({"allreduce": col["allreduce"], "dense_bwd": col["dense_bwd"]},
+                                       supports_overlap)["allreduce"],
+            step_overhead_s=col.get("step_overhead", zero), chunk_latency_s=chunk_latency_s,
+            chunk_dense_s=chunk_dense_s,
+        )
+
+    @classmethod
+    def from_cost_model(cls, colmax_rows: np.ndarray, allreduce_bytes: float, comm_groups: int, ctx: CostContext, *,
+                        chunk_overhead_s: float, chunk_feature_s: float = 0.0, features: int = 0,
+                        fwd_precision: str = "fp32", bwd_precision: str = "fp32") -> "SplitTermsBatch":
+        """Row i is ``SplitTerms.from_cost_model(colmax_rows[i], ...)``: the ``overlap`` kind's
+        phases of each row of loads (one ``cost.model.phase_table`` call) and one chunk's
+        collective latency as the cost model charges the unsplit output dist."""
+        tab = phase_table(np.atleast_2d(np.asarray(colmax_rows, dtype=float)), allreduce_bytes, comm_groups, ctx,
+                          fwd_precision, bwd_precision, BATCH_SPLIT_PIPELINE)
+        lat = ctx.profile.collective_latency_s if ctx.world_size > 1 else 0.0
+        per_chunk = lat * collective_calls("output_dist", comm_groups)
+        per_chunk = np.minimum(np.minimum(per_chunk, tab[:, PHASE_NAMES.index("output_dist")]),
+                               tab[:, PHASE_NAMES.index("grad_dist")])
+        dense = float(chunk_overhead_s) + float(chunk_feature_s) * features
+        return cls.from_phase_table(tab, chunk_latency_s=per_chunk, chunk_dense_s=dense,
+                                    supports_overlap=ctx.profile.supports_overlap)
+
+
+def split_step_batch(terms: SplitTermsBatch, k: int, chained: bool = False) -> np.ndarray:
+    """:func:`split_step_s` of every row of ``terms`` under ``k`` chunks (one value per row): the
+    schedule of :func:`split_schedule` step by step on arrays, in its order of operations."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_CHUNKS:
+        raise ValueError(f"batch split: k must be an int in 1..{MAX_CHUNKS}, got {k!r}")
+    t = terms
+    lat = t.chunk_latency_s
+    per_out = np.minimum(lat, t.output_dist_s) + np.maximum(0.0, t.output_dist_s - lat) / k
+    per_grad = np.minimum(lat, t.grad_dist_s) + np.maximum(0.0, t.grad_dist_s - lat) / k
+    start = t.uvm_fetch_s + t.lookup_s
+    fi, fr = t.dense_fwd_indep_s / k, t.dense_fwd_rest_s / k
+    br, bi = t.dense_bwd_rest_s / k, t.dense_bwd_indep_s / k
+    fwd = start
+    arrival = start + 1 * per_out
+    for j in range(k):
+        ready = fwd + fi + (t.chunk_dense_s if j else 0.0)
+        if not chained and j:
+            arrival = start + (j + 1) * per_out
+        got = np.maximum(ready, arrival)
+        if chained and j + 1 < k:  # chunk j+1 leaves when chunk j is read
+            arrival = got + per_out
+        fwd = got + fr
+    clock = fwd
+    if not chained:
+        link = np.full_like(clock, -np.inf)
+        for _ in range(k):  # the autograd pass runs the last chunk first
+            clock = clock + br
+            link = np.maximum(link, clock) + per_grad
+            clock = clock + bi
+        emb = np.maximum(clock, link)
+    else:  # chunk c's request node waits for its gradient before chunk c-1's is issued
+        clock = clock + br
+        for c in reversed(range(k)):
+            arrive = clock + per_grad
+            clock = clock + (bi + br if c else bi)
+            clock = np.maximum(clock, arrive)
+        emb = clock
+    return np.maximum(t.input_dist_s, emb + np.maximum(t.backward_update_s, t.allreduce_s) + t.step_overhead_s)

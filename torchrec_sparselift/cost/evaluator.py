@@ -14,7 +14,7 @@ untouched maximum there often falls back to a masked max over the ranks). The pr
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -111,6 +111,10 @@ class PlanEvaluator:
         self._all_ranks = np.arange(self.W, dtype=np.int64)
         self._top = np.zeros((min(_TOP, self.W), K), dtype=np.int64)
         self._colmax = np.zeros(K)
+        #: what prices rows of column maxima instead of the pipeline's step (``step_total_batch``):
+        #: ``row_price(rows, allreduce_bytes, comm_groups) -> step per row``; None: the step. The
+        #: search sets it while its moves price the batch split (``search.split_pricing``).
+        self.row_price: Optional[Callable[[np.ndarray, float, int], np.ndarray]] = None
 
     # -- bookkeeping --------------------------------------------------------------------
     def _refresh_top(self) -> None:
@@ -208,11 +212,16 @@ class PlanEvaluator:
         """Per-column maximum over ranks of each rank's load (owner + peers share)."""
         return self._colmax + self.uniform
 
+    def objective_rows(self, colmax_rows: np.ndarray, allreduce_bytes: float, groups: int) -> np.ndarray:
+        """The objective of each row of column maxima (rows x columns, peers' share included):
+        :attr:`row_price` where set, else the pipeline's step (``cost.model.step_total_batch``)."""
+        if self.row_price is not None:
+            return self.row_price(colmax_rows, allreduce_bytes, groups)
+        return step_total_batch(colmax_rows, allreduce_bytes, groups, self.ctx, self.pipeline,
+                                self.fwd_precision, self.bwd_precision)
+
     def objective_of(self, colmax: np.ndarray, allreduce_bytes: float, groups: int) -> float:
-        return float(step_total_batch(
-            colmax[None, :], allreduce_bytes, groups, self.ctx, self.pipeline,
-            self.fwd_precision, self.bwd_precision,
-        )[0])
+        return float(self.objective_rows(colmax[None, :], allreduce_bytes, groups)[0])
 
     def objective(self) -> float:
         return self.objective_of(self.colmax(), self.allreduce_bytes, self.comm_groups)

@@ -14,9 +14,10 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
-from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, step_total_batch
+from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM
 from torchrec_sparselift.cost.terms import layout
 from torchrec_sparselift.search.problem import PlanningProblem
+from torchrec_sparselift.search.split_pricing import move_pricing
 from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["best_placement", "greedy_place", "local_search", "rank_time", "WorkBudget"]
@@ -36,10 +37,8 @@ def _objectives(ev: PlanEvaluator, colmax_rows: np.ndarray, cand: int, n: int) -
     groups = set(ev.groups)
     if ev.types[cand] != DATA_PARALLEL:
         groups.add(ev.types[cand])
-    return step_total_batch(
-        colmax_rows + uniform[None, :], allreduce, len(groups), ev.ctx, ev.pipeline,
-        ev.fwd_precision, ev.bwd_precision,
-    )
+    # the pipeline's step, or what the local search prices its moves on (ev.row_price)
+    return ev.objective_rows(colmax_rows + uniform[None, :], allreduce, len(groups))
 
 
 def _pick(obj: np.ndarray, tie: np.ndarray) -> int:
@@ -255,7 +254,22 @@ def local_search(
     the search at scale prices a shortlist of ranks; a placer with a ``for_table(ev, prob,
     table)`` method gives the placer of each table tried). Returns (moves applied, whether a budget
     stopped it).
+
+    Under the ``overlap`` pipeline with the batch split allowed (``prob.split_overhead_s``) every
+    move, and the plan it is compared against, is priced at the split at the incumbent's best k
+    (``search.split_pricing.move_pricing``: chosen when the search starts and again after every
+    round that applies a move); elsewhere at the pipeline's step.
     """
+    saved = ev.row_price
+    ev.row_price = move_pricing(ev, prob)
+    try:
+        return _local_search(ev, prob, deadline, max_rounds, tables_per_rank, budget, placer)
+    finally:
+        ev.row_price = saved
+
+
+def _local_search(ev: PlanEvaluator, prob: PlanningProblem, deadline: float, max_rounds: Optional[int],
+                  tables_per_rank: int, budget: Optional[WorkBudget], placer) -> Tuple[int, bool]:
     w = _time_weights(ev)
     moves = 0
     current = ev.objective()
@@ -292,6 +306,9 @@ def local_search(
                 break
             current = ev.objective()
             moves += 1
+        if ev.row_price is not None:  # the split's k of the plan the round's moves left
+            ev.row_price = move_pricing(ev, prob)
+            current = ev.objective()
     return moves, False
 
 

@@ -15,10 +15,12 @@ The rewrites the problem allows are in every price: the ids on the wire in the o
 columns (``PlanningProblem.wire``), which every move's price reads; the batch split
 (``PlanningProblem.split_overhead_s``) in the price of the ``overlap`` pipeline wherever the search
 compares pipelines and final candidates (:func:`split_price` at the best k on the plan's phases,
-:func:`priced_s`). The local search's moves price ``overlap`` unsplit (k = 1): 16 chunk counts per
-priced placement would multiply its cost, and the split only lowers a step whose loads the moves
-already balance. The bound's rows for a split ``overlap`` hold at every k
-(``search.equation.split_floor_rows``).
+:func:`priced_s`), and in the local search's moves under ``overlap``: each move, and the plan it is
+compared against, priced at the split at a fixed k, the incumbent's best k (chosen when the pass
+starts and again after every round that applies a move), over every candidate rank at once
+(``search.split_pricing``: ``SplitMovePrice``, ``cost.batch_split.split_step_batch``). The final
+price is the best k again (:func:`priced_split`). The bound's rows for a split ``overlap`` hold at
+every k (``search.equation.split_floor_rows``).
 """
 
 from __future__ import annotations
@@ -30,18 +32,18 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift import defaults
-from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, SplitTerms, choose_chunks, split_step_s
+from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.model import DEV_MEM, HOST_MEM, StepTime
 from torchrec_sparselift.errors import SparseLiftPlannerError
 from torchrec_sparselift.cost.pipelines import trainable_pipelines
 from torchrec_sparselift.vocabulary import PREFETCH, SPARSE_DIST, has_side_streams
 from torchrec_sparselift.search.choice_bound import choice_bound_solution
-from torchrec_sparselift.search.equation import SPLIT_FLOOR_PATHS, split_floor_s
 from torchrec_sparselift.search.lp import analytic_bound, solve_lp
 from torchrec_sparselift.search.milp import milp_size, solve_milp
 from torchrec_sparselift.search.place import WorkBudget, greedy_place, local_search
 from torchrec_sparselift.search.problem import PlanningProblem, no_plan_kind, storage_summary
+from torchrec_sparselift.search.split_pricing import split_floor_terms, split_price, split_terms
 from torchrec_sparselift.search.scale import (
     SCALE_LP_LIMIT_S, SCALE_SEARCH_S, ShortlistPlacer, fast_place, scale_local_search, use_scale_path,
 )
@@ -89,39 +91,6 @@ def new_evaluator(prob: PlanningProblem, pipeline: str, fwd: str = defaults.COMM
         prob.ctx, prob.costs, [c.sharding_type for c in prob.cands], prob.device_cap,
         prob.host_cap, pipeline, fwd, bwd, kernels=[c.compute_kernel for c in prob.cands],
     )
-
-
-def split_terms(ev: PlanEvaluator, chunk_overhead_s: float, chunk_feature_s: float = 0.0,
-                features: int = 0) -> SplitTerms:
-    """The batch-split terms of ``ev``'s plan (its loads under the ``overlap`` kind and its comm
-    precisions): ``SplitTerms.from_cost_model``, the one construction the search and the rewrite
-    stage price the split on. One more chunk's dense cost: ``chunk_overhead_s + chunk_feature_s *
-    features`` (the search passes that sum as ``chunk_overhead_s``)."""
-    # (the incremental loads may hold a rounding residue below 0 where a table left: -1e-20 s)
-    return SplitTerms.from_cost_model(np.maximum(ev.colmax(), 0.0), max(0.0, ev.allreduce_bytes), ev.comm_groups, ev.ctx,
-                                      chunk_overhead_s=chunk_overhead_s, chunk_feature_s=chunk_feature_s,
-                                      features=features, fwd_precision=ev.fwd_precision,
-                                      bwd_precision=ev.bwd_precision)
-
-
-def split_price(step_s: float, terms: SplitTerms, batch_size: Optional[int] = None) -> Tuple[int, float]:
-    """``(k, step)``: the chunk count ``cost.batch_split.choose_chunks`` picks for ``terms`` and
-    the step of a plan whose unsplit ``overlap`` step is priced ``step_s`` (the pipeline's
-    composition with its measured step factor): ``step_s`` less what k chunks win on the split
-    schedule (``split_step_s(terms, 1) - split_step_s(terms, k)``), never above ``step_s`` and
-    never below the largest path of ``search.equation.SPLIT_FLOOR_PATHS`` on ``terms`` (what the
-    bound's rows take, so the bound stays below this price at every k). ``(1, step_s)`` where no
-    k > 1 wins."""
-    k = choose_chunks(terms, batch_size)
-    if k == 1:
-        return 1, float(step_s)
-    saved = max(0.0, split_step_s(terms, 1) - split_step_s(terms, k))
-    return k, float(min(step_s, max(step_s - saved, split_floor_terms(terms))))
-
-
-def split_floor_terms(terms: SplitTerms) -> float:
-    """``search.equation.split_floor_s`` on split terms: the least step any k reaches."""
-    return split_floor_s({name: getattr(terms, name + "_s") for path in SPLIT_FLOOR_PATHS for name in path})
 
 
 def priced_split(ev: PlanEvaluator, prob: PlanningProblem, pipeline: Optional[str] = None,
