@@ -197,7 +197,7 @@ def test_the_split_aware_local_search_takes_a_move_only_the_split_step_rewards()
 
     unsplit = new_evaluator(prob, "overlap")
     _two_table_wise(unsplit, prob)
-    with mock.patch.object(place, "move_pricing", lambda ev, prob: None):  # moves priced at k = 1
+    with _unsplit_moves():
         local_search(unsplit, prob, deadline=1e18)
     split = new_evaluator(prob, "overlap")
     _two_table_wise(split, prob)
@@ -219,14 +219,26 @@ def test_the_split_aware_local_search_takes_a_move_only_the_split_step_rewards()
     assert start.move_objective(2, tw, (0,)) < price0
 
 
-def test_the_split_aware_local_search_never_ends_above_its_start():
-    """Moves are taken only where the split price at the incumbent's k falls, and k is chosen
-    again (the best k) after each round: the pass ends at or below the split price it started at."""
-    for seed in range(4):
-        prob = _random_problem(seed)
+def _unsplit_moves():
+    return mock.patch.object(place, "move_pricing", lambda ev, prob: None)  # every move priced at k = 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_split_aware_local_search_never_ends_above_the_unsplit_priced_one(seed):
+    """The moves priced at the split run after the moves priced at the pipeline's step have
+    converged, so the pass ends at or below the split price the unsplit-priced pass ends at (and
+    at or below the one it started at)."""
+    prob = _random_problem(seed)
+    plans = []
+    for split in (True, False):
         ev = new_evaluator(prob, "overlap")
         _random_plan(ev, prob, np.random.default_rng(seed))
         before = priced_split(ev, prob)[1]
-        local_search(ev, prob, deadline=1e18)
-        assert priced_split(ev, prob)[1] <= before * (1 + 1e-12)
-
+        if split:
+            local_search(ev, prob, deadline=1e18)
+        else:
+            with _unsplit_moves():
+                local_search(ev, prob, deadline=1e18)
+        plans.append(priced_split(ev, prob)[1])
+        assert plans[-1] <= before * (1 + 1e-12)
+    assert plans[0] <= plans[1] * (1 + 1e-12)

@@ -255,15 +255,24 @@ def local_search(
     table)`` method gives the placer of each table tried). Returns (moves applied, whether a budget
     stopped it).
 
-    Under the ``overlap`` pipeline with the batch split allowed (``prob.split_overhead_s``) every
-    move, and the plan it is compared against, is priced at the split at the incumbent's best k
-    (``search.split_pricing.move_pricing``: chosen when the search starts and again after every
-    round that applies a move); elsewhere at the pipeline's step.
+    The moves are priced at the pipeline's step. Under the ``overlap`` pipeline with the batch
+    split allowed (``prob.split_overhead_s``), once no such move helps, a second pass prices every
+    move, and the plan it is compared against, at the split at the incumbent's best k
+    (``search.split_pricing.move_pricing``: chosen when that pass starts and again after every
+    round that applies a move), each pass with up to ``max_rounds`` rounds: the plan ends at or
+    below the split price of the first pass's plan, and takes the moves only the split step
+    rewards (more output traffic the chunks hide, less exposed all-reduce).
     """
     saved = ev.row_price
-    ev.row_price = move_pricing(ev, prob)
     try:
-        return _local_search(ev, prob, deadline, max_rounds, tables_per_rank, budget, placer)
+        ev.row_price = None
+        moves, cut = _local_search(ev, prob, deadline, max_rounds, tables_per_rank, budget, placer)
+        split = None if cut else move_pricing(ev, prob)
+        if split is not None:
+            ev.row_price = split
+            more, cut = _local_search(ev, prob, deadline, max_rounds, tables_per_rank, budget, placer)
+            moves += more
+        return moves, cut
     finally:
         ev.row_price = saved
 

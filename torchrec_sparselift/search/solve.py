@@ -15,10 +15,11 @@ The rewrites the problem allows are in every price: the ids on the wire in the o
 columns (``PlanningProblem.wire``), which every move's price reads; the batch split
 (``PlanningProblem.split_overhead_s``) in the price of the ``overlap`` pipeline wherever the search
 compares pipelines and final candidates (:func:`split_price` at the best k on the plan's phases,
-:func:`priced_s`), and in the local search's moves under ``overlap``: each move, and the plan it is
-compared against, priced at the split at a fixed k, the incumbent's best k (chosen when the pass
-starts and again after every round that applies a move), over every candidate rank at once
-(``search.split_pricing``: ``SplitMovePrice``, ``cost.batch_split.split_step_batch``). The final
+:func:`priced_s`), and in the local search under ``overlap``: once the moves priced at the
+pipeline's step converge, a second pass prices each move, and the plan it is compared against, at
+the split at a fixed k, the incumbent's best k (chosen when that pass starts and again after every
+round that applies a move), over every candidate rank at once (``search.split_pricing``:
+``SplitMovePrice``, ``cost.batch_split.split_step_batch``; ``.place.local_search``). The final
 price is the best k again (:func:`priced_split`). The bound's rows for a split ``overlap`` hold at
 every k (``search.equation.split_floor_rows``).
 """

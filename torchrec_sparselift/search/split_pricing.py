@@ -12,8 +12,9 @@ compares pipelines and final candidates on), :func:`split_price_at` at a given k
 :class:`SplitMovePrice` at a FIXED k over many rows of column maxima at once (one numpy pass,
 ``cost.batch_split.split_step_batch``): the local search's moves price with it
 (:func:`move_pricing`), so a move that only helps the split step (more output traffic the chunks
-hide, less all-reduce) is taken. Its k is the incumbent plan's best k, chosen when the local
-search starts and chosen again after every round that applies a move.
+hide, less all-reduce) is taken. That pass runs once the moves priced at the unsplit step have
+converged (``search.place.local_search``); its k is the incumbent plan's best k, chosen when the
+pass starts and chosen again after every round that applies a move.
 """
 
 from __future__ import annotations
