@@ -268,7 +268,7 @@ def local_search(
         ev.row_price = None
         moves, cut = _local_search(ev, prob, deadline, max_rounds, tables_per_rank, budget, placer)
         split = None if cut else move_pricing(ev, prob)
-        if split is not None:
+        if split is not None and split.k > 1:  # (at k = 1 the split prices as the first pass did)
             ev.row_price = split
             more, cut = _local_search(ev, prob, deadline, max_rounds, tables_per_rank, budget, placer)
             moves += more
