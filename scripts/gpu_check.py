@@ -1,5 +1,5 @@
-"""GPU checks of the runtime's pipelines on NCCL: ``overlap`` against TorchRec's, and batch split
-against the unsplit ``overlap`` pipeline.
+"""GPU checks of the runtime on NCCL: ``overlap`` against TorchRec's pipelines, batch split against
+the unsplit ``overlap`` pipeline, and ids on the wire against the unrewritten input all-to-all.
 
 Every rank trains the same DLRM (TorchRec's ``DLRMTrain``; tables table-wise, row-wise and
 column-wise on the ``fused`` kernel) from the same start, one run per setting, each pipeline built
@@ -13,15 +13,28 @@ rank).
   ``--chunks``; fails unless every split run's losses equal the reference's step by step
   (``--rtol``) and its final weights (dense and embedding tables) equal the reference's
   (``--weights-rtol``).
+* ``wire-ids``: ``sparse_dist``, unrewritten (``int64``, the reference), and with the input
+  all-to-all rewritten by ``apply_wire_ids`` on the sharded model before training (ids skewed
+  toward each table's first ``--id-rows`` rows, the cube of a uniform draw, so a batch repeats
+  ids): ``int32`` ids and lengths; ``dedup``, every feature deduplicated at int32 (the lookup on
+  the rebuilt ids); ``dedup_unique``, the same with the distinct-row lookup
+  (``unique_rows=True``). Fails unless every rewritten run's losses (``--rtol``) and final
+  weights (``--weights-rtol``) equal the reference's, and, counted by ``CommCounter`` on one
+  forward of each run, the int32 input all-to-all moves exactly half the reference's bytes
+  (int32 only) and both dedup runs move fewer than int32 (with one rank nothing leaves it: the
+  bytes are 0 and that part is reported as not checked).
 
 One process per GPU (``--world``, default: the visible GPUs, at most 2). With one GPU the
 collectives are a rank's own copies: the run checks exactness and the stream/event code path,
 not the hiding. Writes ``--out`` (JSON) when given. Exits 2 without a CUDA device (nothing run),
-1 when a check fails, 0 when every check passes. Run from the repository root with the package
-importable (``scripts/gpu_check.sh`` sets that up on a device machine)::
+1 when a check fails, 0 when every check passes. ``--device cpu`` runs the same worker on CPU
+ranks joined by gloo (``--world``, default 2), for debugging the check where no GPU is lent: it
+checks the CPU path, not the CUDA one. Run from the repository root with the package importable
+(``scripts/gpu_check.sh`` sets that up on a device machine)::
 
     python scripts/gpu_check.py overlap --out out/gpu-overlap.json
     python scripts/gpu_check.py batch-split --chunks 2,4,8 --out out/gpu-batch-split.json
+    python scripts/gpu_check.py wire-ids --out out/gpu-wire-ids.json
 """
 
 from __future__ import annotations
@@ -39,11 +52,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TABLES = ("t0", "t1", "t2", "t3")
+FEATURES = tuple(f"f{i}" for i in range(len(TABLES)))
 #: exit status when no CUDA device is visible (nothing was checked)
 NO_CUDA = 2
 #: the check's reference run and what the checked runs must be built as
 OVERLAP_CLASS = "TrainPipelineOverlap"
 SPLIT_CLASS = "TrainPipelineBatchSplit"
+SPARSE_DIST_CLASS = "TrainPipelineSparseDist"
+CHECKS = ("overlap", "batch-split", "wire-ids")
+#: wire-ids: label -> (id dtype, dedup every feature, lookup on the distinct rows), the reference first
+WIRE_RUNS = {"int64": ("int64", False, False), "int32": ("int32", False, False),
+             "dedup": ("int32", True, False), "dedup_unique": ("int32", True, True)}
+WIRE_REFERENCE = "int64"
 
 
 def _model(rows: int, dim: int, dense_in: int) -> torch.nn.Module:
@@ -51,8 +71,8 @@ def _model(rows: int, dim: int, dense_in: int) -> torch.nn.Module:
     from torchrec.models.dlrm import DLRM, DLRMTrain
 
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=t, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{i}"])
-                for i, t in enumerate(TABLES)],
+        tables=[EmbeddingBagConfig(name=t, embedding_dim=dim, num_embeddings=rows, feature_names=[f])
+                for t, f in zip(TABLES, FEATURES)],
         device=torch.device("meta"),
     )
     return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=dense_in,
@@ -67,16 +87,21 @@ def _batches(rank: int, args: argparse.Namespace, device: torch.device) -> List[
     for step in range(args.steps):
         g = torch.Generator().manual_seed(1000 * rank + step)
         lengths = torch.randint(1, 8, (len(TABLES) * args.batch,), generator=g)
-        ids = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(len(TABLES))], values=ids,
-                                                  lengths=lengths)
+        if args.check == "wire-ids":  # skewed: low rows repeat within a batch, so dedup has duplicates
+            ids = (torch.rand(int(lengths.sum()), generator=g) ** 3 * min(args.id_rows, args.rows)).long()
+        else:
+            ids = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=list(FEATURES), values=ids, lengths=lengths)
         dense = torch.randn(args.batch, args.dense_in, generator=g)
         labels = (dense[:, 0] + 0.5 * dense[:, 1] > 0).float()
         out.append(Batch(dense_features=dense, sparse_features=kjt, labels=labels).to(device))
     return out
 
 
-def _sharded(args: argparse.Namespace, world: int, device: torch.device, state: Dict[str, Any] = None):  # type: ignore[assignment]
+def _sharded(args: argparse.Namespace, world: int, device: torch.device, state: Dict[str, Any] = None,  # type: ignore[assignment]
+             wire: Tuple[str, bool, bool] = ("int64", False, False)):
+    """The sharded DLRM and its optimizer, from ``state`` when given; ``wire``: (id dtype, dedup
+    every feature, lookup on the distinct rows), applied to the DMP by ``apply_wire_ids``."""
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
@@ -87,6 +112,8 @@ def _sharded(args: argparse.Namespace, world: int, device: torch.device, state: 
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+    from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
+
     torch.manual_seed(3)
     model = _model(args.rows, args.dim, args.dense_in)
     ebc = model.model.sparse_arch.embedding_bag_collection
@@ -94,12 +121,15 @@ def _sharded(args: argparse.Namespace, world: int, device: torch.device, state: 
         ebc,
         {"t0": table_wise(rank=0, compute_kernel="fused"), "t1": table_wise(rank=world - 1, compute_kernel="fused"),
          "t2": row_wise(compute_kernel="fused"), "t3": column_wise(ranks=list(range(world)), compute_kernel="fused")},
-        world_size=world, local_size=world, device_type="cuda",
+        world_size=world, local_size=world, device_type=device.type,
     )})  # fmt: skip
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
     dmp = DistributedModelParallel(module=model, device=device, plan=plan, sharders=get_default_sharders())
     if state is not None:
         dmp.load_state_dict(state)
+    id_dtype, dedup, unique_rows = wire
+    # the input dists are built at the first forward: apply_wire_ids wraps them then
+    apply_wire_ids(dmp, id_dtype, FEATURES if dedup else (), unique_rows=unique_rows)
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt = CombinedOptimizer([dmp.fused_optimizer,
                              KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adagrad(params, lr=0.02))])
@@ -121,6 +151,22 @@ def _local_weights(dmp: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _input_bytes(dmp: torch.nn.Module, batch: Any) -> Dict[str, Any]:
+    """This rank's input all-to-all bytes (sent + received, ``CommCounter``) and their dtypes on
+    one forward of ``batch`` (no backward: nothing is updated)."""
+    from torchrec_sparselift.runtime.comm_counter import CommCounter
+
+    with CommCounter(dmp) as counter, torch.no_grad():
+        dmp(batch)
+    dtypes = sorted({c.dtype for c in counter.calls if c.kind == "input_dist"})
+    return {"bytes": counter.link_bytes().get("input_dist", 0), "dtypes": dtypes}
+
+
 def _train(kind: str, chunks: int, dmp, opt, batches, device, warmup: int) -> Tuple[List[float], float, str]:  # type: ignore[no-untyped-def]
     from torchrec_sparselift.runtime.pipelines import make_train_pipeline
 
@@ -130,10 +176,10 @@ def _train(kind: str, chunks: int, dmp, opt, batches, device, warmup: int) -> Tu
     start = 0.0
     for step in range(len(batches)):
         if step == warmup:
-            torch.cuda.synchronize(device)
+            _sync(device)
             start = time.perf_counter()
         losses.append(float(pipe.progress(it)[0].detach().float().cpu()))
-    torch.cuda.synchronize(device)
+    _sync(device)
     return losses, 1e3 * (time.perf_counter() - start) / max(len(batches) - warmup, 1), type(pipe).__name__
 
 
@@ -141,28 +187,47 @@ def runs_of(args: argparse.Namespace) -> List[Tuple[str, str, int]]:
     """(label, pipeline kind, chunks) of every run the check trains, the reference first."""
     if args.check == "overlap":
         return [(k, k, 1) for k in ["base"] + [k for k in args.kinds if k != "base"]]
+    if args.check == "wire-ids":
+        return [(label, "sparse_dist", 1) for label in [WIRE_REFERENCE] + args.runs]
     return [(f"k={k}", "overlap", k) for k in [1] + args.chunks]
+
+
+def run_rank(rank: int, world: int, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """One rank's runs of the check, in a process group already joined: every run from the same
+    start weights on the same batches; ``{"rank", "runs": {label: {"losses", "ms_per_step",
+    "class"[, "input_bytes"]}}, "weights": {label: ...}}`` (wire-ids counts ``input_bytes``)."""
+    batches = _batches(rank, args, device)
+    first, _ = _sharded(args, world, device)
+    start = copy.deepcopy(dict(first.state_dict()))
+    del first
+    out: Dict[str, Any] = {"rank": rank, "runs": {}, "weights": {}}
+    for label, kind, chunks in runs_of(args):
+        wire = WIRE_RUNS[label] if args.check == "wire-ids" else WIRE_RUNS[WIRE_REFERENCE]
+        dmp, opt = _sharded(args, world, device, copy.deepcopy(start), wire)
+        counted = _input_bytes(dmp, batches[0]) if args.check == "wire-ids" else None
+        losses, ms, cls = _train(kind, chunks, dmp, opt, batches, device, args.warmup)
+        out["runs"][label] = {"losses": losses, "ms_per_step": ms, "class": cls}
+        if counted is not None:
+            out["runs"][label]["input_bytes"] = counted
+        out["weights"][label] = _local_weights(dmp)
+        del dmp, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        batches = _batches(rank, args, device)
-        first, _ = _sharded(args, world, device)
-        start = copy.deepcopy(dict(first.state_dict()))
-        out: Dict[str, Any] = {"rank": rank, "runs": {}, "weights": {}}
-        for label, kind, chunks in runs_of(args):
-            dmp, opt = _sharded(args, world, device, copy.deepcopy(start))
-            losses, ms, cls = _train(kind, chunks, dmp, opt, batches, device, args.warmup)
-            out["runs"][label] = {"losses": losses, "ms_per_step": ms, "class": cls}
-            out["weights"][label] = _local_weights(dmp)
-            del dmp, opt
-            torch.cuda.empty_cache()
-        q.put(out)
+        q.put(run_rank(rank, world, args, device))
     except BaseException as exc:  # report, then let the parent fail the run
         q.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
         raise
@@ -201,11 +266,56 @@ def check(results: List[Dict[str, Any]], checked: List[Tuple[str, str]], rtol: f
     return lines
 
 
+def check_bytes(results: List[Dict[str, Any]]) -> List[str]:
+    """Lines of the wire-ids byte verdict, one per rank, from each run's ``input_bytes`` (this
+    rank's input all-to-all bytes on one forward, ``CommCounter``): ``FAILED`` unless the
+    reference sends int64 ids only, ``int32`` sends int32 only and exactly half the reference's
+    bytes, and every dedup run sends fewer bytes than ``int32``. A rank whose reference moved no
+    byte (one rank: its own chunk never leaves it) gets a ``not checked`` line."""
+    lines = []
+    for r in results:
+        counted = {label: run["input_bytes"] for label, run in r["runs"].items()}
+        text = ", ".join(f"{label} {c['bytes']} B ({'/'.join(d.replace('torch.', '') for d in c['dtypes'])})"
+                         for label, c in counted.items())
+        ref, narrow = counted[WIRE_REFERENCE], counted.get("int32")
+        if ref["bytes"] == 0:
+            lines.append(f"not checked: rank {r['rank']} input all-to-all bytes: {text} (one rank: nothing "
+                         "leaves it; the byte check needs 2 GPUs)")
+            continue
+        why = []
+        if ref["dtypes"] != ["torch.int64"]:
+            why.append("int64 must send int64 only")
+        if narrow is not None:
+            if narrow["dtypes"] != ["torch.int32"]:
+                why.append("int32 must send int32 only")
+            if 2 * narrow["bytes"] != ref["bytes"]:
+                why.append(f"int32 must send half of int64's {ref['bytes']} B")
+            why += [f"{label} must send fewer than int32's {narrow['bytes']} B" for label, c in counted.items()
+                    if WIRE_RUNS[label][1] and not c["bytes"] < narrow["bytes"]]
+        lines.append(f"{'FAILED' if why else 'ok'}: rank {r['rank']} input all-to-all bytes: {text}"
+                     + (f": {'; '.join(why)}" if why else ""))
+    return lines
+
+
+def verdict(args: argparse.Namespace, results: List[Dict[str, Any]]) -> List[str]:
+    """Every verdict line of ``args.check`` on the ranks' ``results`` (:func:`run_rank`'s)."""
+    if args.check == "overlap":
+        return check(results, [("overlap", OVERLAP_CLASS)], args.rtol)
+    if args.check == "wire-ids":
+        checked = [(label, SPARSE_DIST_CLASS) for label in args.runs]
+        return check(results, checked, args.rtol, args.weights_rtol) + check_bytes(results)
+    return check(results, [(f"k={k}", SPLIT_CLASS) for k in args.chunks], args.rtol, args.weights_rtol)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("check", choices=("overlap", "batch-split"))
-    p.add_argument("--world", type=int, default=0, help="ranks (one GPU each); 0: visible GPUs, at most 2")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default: 60 overlap, 50 batch-split)")
+    p.add_argument("check", choices=CHECKS)
+    p.add_argument("--world", type=int, default=0, help="ranks (one GPU each); 0: visible GPUs, at most 2 "
+                   "(--device cpu: 2)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda: NCCL, one rank per GPU; "
+                   "cpu: gloo CPU ranks, to debug the check where no GPU is lent")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: 60 overlap, 50 batch-split "
+                   "and wire-ids)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--batch", type=int, default=2048, help="per-rank batch")
     p.add_argument("--rows", type=int, default=200_000)
@@ -215,8 +325,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", default="2,4", help="batch-split: the k to check, comma-separated, each in 2..16")
     p.add_argument("--rtol", type=float, default=1e-4, help="loss tolerance (GPU kernels may sum in another "
                    "order between runs, and a chunk's rows in another order than the batch's)")
-    p.add_argument("--weights-rtol", type=float, default=1e-2, help="batch-split: final weights' tolerance "
-                   "(relative, elementwise; 50 steps of Adagrad amplify summation-order differences)")
+    p.add_argument("--weights-rtol", type=float, default=1e-2, help="batch-split, wire-ids: final weights' "
+                   "tolerance (relative, elementwise; 50 steps of Adagrad amplify summation-order differences)")
+    p.add_argument("--runs", default=",".join(k for k in WIRE_RUNS if k != WIRE_REFERENCE),
+                   help="wire-ids: the rewritten runs to check against int64, comma-separated")
+    p.add_argument("--id-rows", type=int, default=4096, help="wire-ids: ids fall in each table's first N rows, "
+                   "skewed toward row 0, so a batch repeats ids")
     p.add_argument("--out", default="")
     return p
 
@@ -234,6 +348,15 @@ def parse(argv: List[str] = None) -> argparse.Namespace:  # type: ignore[assignm
         p.error(f"--chunks must be integers separated by commas, got {args.chunks!r}")
     if args.check == "batch-split" and (not args.chunks or any(not 2 <= k <= 16 for k in args.chunks)):
         p.error(f"--chunks must name k in 2..16, got {args.chunks}")
+    args.runs = [r for r in args.runs.split(",") if r]
+    unknown = [r for r in args.runs if r not in WIRE_RUNS or r == WIRE_REFERENCE]
+    if args.check == "wire-ids" and (unknown or not args.runs):
+        p.error(f"--runs must name some of {', '.join(k for k in WIRE_RUNS if k != WIRE_REFERENCE)}, "
+                f"got {unknown or args.runs}")
+    if args.id_rows < 1:
+        p.error(f"--id-rows must be at least 1, got {args.id_rows}")
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): the timed steps come after it")
     return args
 
 
@@ -252,30 +375,36 @@ def _spawn(worker: Callable[..., None], world: int, args: argparse.Namespace) ->
 
 def main(argv: List[str] = None) -> int:  # type: ignore[assignment]
     args = parse(argv)
+    if args.device == "cpu":
+        world = args.world or 2
+        results = _spawn(_worker, world, args)
+        return _report(args, world, results, "CPU, gloo")
     if not torch.cuda.is_available():
         print(f"gpu_check {args.check}: no CUDA device visible, nothing checked: run it where a GPU is lent "
-              "(the CPU/gloo exactness tests are tests/test_overlap.py and tests/test_batch_split.py)",
+              "(the CPU/gloo exactness tests are tests/test_overlap.py, tests/test_batch_split.py and "
+              "tests/test_wire_ids.py; --device cpu runs this check's worker on gloo CPU ranks)",
               file=sys.stderr)
         return NO_CUDA
     world = args.world or min(2, torch.cuda.device_count())
     if world > torch.cuda.device_count():
         _parser().error(f"--world {world} needs {world} GPUs; {torch.cuda.device_count()} visible "
                         "(NCCL runs one rank per GPU)")
-    results = _spawn(_worker, world, args)
+    return _report(args, world, _spawn(_worker, world, args), f"{torch.cuda.get_device_name(0)}, NCCL")
+
+
+def _report(args: argparse.Namespace, world: int, results: List[Dict[str, Any]], where: str) -> int:
+    """Print the ranks' timings and the verdict, write ``--out``; the exit status."""
     errors = [r for r in results if "error" in r]
     for r in errors:
         print(f"rank {r['rank']}: {r['error']}", file=sys.stderr)
     if errors:
         return 1
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, world {world}, NCCL, batch {args.batch}/rank, "
+    print(f"torch {torch.__version__}, {where}, world {world}, batch {args.batch}/rank, "
           f"dim {args.dim}, {args.steps} steps ({args.warmup} warm-up)")
     for label, _kind, _chunks in runs_of(args):
         ms = max(r["runs"][label]["ms_per_step"] for r in results)
         print(f"  {label:<12} {ms:8.3f} ms/step  ({results[0]['runs'][label]['class']})")
-    if args.check == "overlap":
-        lines = check(results, [("overlap", OVERLAP_CLASS)], args.rtol)
-    else:
-        lines = check(results, [(f"k={k}", SPLIT_CLASS) for k in args.chunks], args.rtol, args.weights_rtol)
+    lines = verdict(args, results)
     print("\n".join("  " + line for line in lines))
     ok = not any(line.startswith("FAILED") for line in lines)
     if args.out:
