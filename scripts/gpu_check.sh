@@ -2,7 +2,9 @@
 # GPU checks on NCCL (scripts/gpu_check.py; JSON and logs under $OUT): base, sparse_dist and
 # overlap train the same DLRM from the same start, overlap's losses must equal base's; then overlap
 # unsplit and batch split in k chunks (CHUNKS, default 2,4,8), every split run's losses and final
-# weights must equal the unsplit run's. Prints ms/step of each run; exits non-zero if a check fails.
+# weights must equal the unsplit run's; then sparse_dist unrewritten and with ids on the wire (int32,
+# dedup, dedup with the distinct-row lookup: WIRE_RUNS), losses, final weights must equal and the input
+# all-to-all bytes shrink. Prints ms/step of each run; exits non-zero if a check fails.
 #
 # torchrec and fbgemm-gpu: the device image has torch but not these. They must match the device's
 # torch (torchrec X.Y pairs with fbgemm-gpu X.Y, built for one torch release and CUDA version: see
@@ -20,8 +22,8 @@
 # (INDEX_URL, default https://download.pytorch.org/whl/cu$CUDA, for fbgemm-gpu; PyPI for torchrec).
 #
 # Environment: OUT (default out/gpu-check), WHEELS (.whl), WORLD (0: visible GPUs, at most 2),
-# STEPS (60 overlap, 50 batch split), WARMUP (10), BATCH (2048), CHUNKS (2,4,8), EXTRA (more flags
-# for both checks).
+# STEPS (60 overlap, 50 batch split and wire ids), WARMUP (10), BATCH (2048), CHUNKS (2,4,8),
+# WIRE_RUNS (int32,dedup,dedup_unique), EXTRA (more flags for every check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,4 +56,7 @@ PYTHONUNBUFFERED=1 "$PY" scripts/gpu_check.py overlap --world "${WORLD:-0}" ${ST
 PYTHONUNBUFFERED=1 "$PY" scripts/gpu_check.py batch-split --world "${WORLD:-0}" ${STEPS:+--steps "$STEPS"} \
   --warmup "${WARMUP:-10}" --batch "${BATCH:-2048}" --chunks "${CHUNKS:-2,4,8}" --out "$OUT/batch_split.json" \
   ${EXTRA:-} 2>&1 | tee "$OUT/batch_split.txt" || status=1
+PYTHONUNBUFFERED=1 "$PY" scripts/gpu_check.py wire-ids --world "${WORLD:-0}" ${STEPS:+--steps "$STEPS"} \
+  --warmup "${WARMUP:-10}" --batch "${BATCH:-2048}" --runs "${WIRE_RUNS:-int32,dedup,dedup_unique}" \
+  --out "$OUT/wire_ids.json" ${EXTRA:-} 2>&1 | tee "$OUT/wire_ids.txt" || status=1
 exit "$status"
