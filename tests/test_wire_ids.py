@@ -6,8 +6,9 @@ fused row-wise AdaGrad, once unrewritten and once per rewrite (int32 ids; dedup 
 at int64 and at int32), from the same weights on the same batches; the ids are skewed (many
 repeat within a batch, so dedup has duplicates to remove and the fused update sees rows hit
 several times). The tests compare losses and every rank's final weights (embedding shards and
-dense) with the unrewritten run, bit for bit (the receiver's KJT equals TorchRec's, so nothing
-downstream differs), count the input all-to-all's bytes with ``CommCounter``, and
+dense) with the unrewritten run, bit for bit (the receiver's KJT equals TorchRec's and the lookup
+runs on it, so nothing downstream differs; the opt-in lookup on the distinct rows within
+floating-point tolerance), count the input all-to-all's bytes with ``CommCounter``, and
 check the exchange delivers TorchRec's KJT exactly (weighted too). The pure prices have their
 hypothesis properties at the bottom.
 """
@@ -33,11 +34,12 @@ BYTES_B = 256
 TABLES = (("t0", 64, "f0"), ("t1", 96, "f1"), ("t2", 40, "f2"))  # name, rows, feature; t1 mean-pooled
 FEATURES = tuple(f for _, _, f in TABLES)
 SHARDINGS = ("table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel")
-#: rewrite -> (id dtype, dedup features, lookup on the distinct rows)
-REWRITES = {"int32": ("int32", (), True), "dedup_int64": ("int64", FEATURES, True),
-            "dedup_int32": ("int32", FEATURES, True), "dedup_int32_rebuilt": ("int32", FEATURES, False)}
+#: rewrite -> (id dtype, dedup features, lookup on the distinct rows: ``apply_wire_ids(...,
+#: unique_rows=True)`` after lift; else through lift's keywords, the lookup on the rebuilt ids)
+REWRITES = {"int32": ("int32", (), False), "dedup_int64": ("int64", FEATURES, False),
+            "dedup_int32": ("int32", FEATURES, False), "dedup_int32_unique": ("int32", FEATURES, True)}
 #: rewrites whose floating-point sums run in another order (pooling from the distinct rows)
-REORDERED = {"dedup_int64", "dedup_int32"}
+REORDERED = {"dedup_int32_unique"}
 CLOSE = dict(rtol=1e-5, atol=1e-6)
 TOL = dict(rtol=0.0, atol=0.0)  # bit for bit
 #: pipeline runs: (sharding, lift keywords); batch split does not split t1's mean-pooled row-wise output
@@ -119,10 +121,10 @@ def _plan(model: torch.nn.Module, sharding: str):  # type: ignore[no-untyped-def
     return ShardingPlan({"ebc": ebc_plan})
 
 
-def _lift(sharding: str, start, pipeline: str = "base", wire=("int64", (), True), **kwargs):  # type: ignore[no-untyped-def]
+def _lift(sharding: str, start, pipeline: str = "base", wire=("int64", (), False), **kwargs):  # type: ignore[no-untyped-def]
     """The model lifted under ``sharding`` from the weights ``start``; ``wire``: (id dtype, dedup
     features, lookup on the distinct rows), through lift's keywords as a plan applies it, or
-    (without distinct-row lookups) applied after lift."""
+    (with distinct-row lookups, which no plan sets) applied after lift."""
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from torchrec_sparselift.runtime import copy_full_state, lift
@@ -133,9 +135,9 @@ def _lift(sharding: str, start, pipeline: str = "base", wire=("int64", (), True)
     lifted = lift(model, _plan(model, sharding), device=torch.device("cpu"), pipeline=pipeline,
                   embedding_optimizer=(RowWiseAdagrad, {"lr": 0.3}),
                   dense_optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1),
-                  **(dict(id_dtype=dtype, dedup_features=dedup) if unique_rows else {}), **kwargs)
-    if not unique_rows:
-        lifted.model.wire_ids_tables = apply_wire_ids(lifted.model, dtype, dedup, unique_rows=False)
+                  **(dict(id_dtype=dtype, dedup_features=dedup) if not unique_rows else {}), **kwargs)
+    if unique_rows:
+        lifted.model.wire_ids_tables = apply_wire_ids(lifted.model, dtype, dedup, unique_rows=True)
     copy_full_state(lifted.model, start)
     return lifted
 
@@ -225,8 +227,8 @@ def _job(rank: int, world_size: int) -> dict:
     # the pipelines call input_dist themselves, a batch ahead (batch split: the overlap pipeline's
     # output all-to-alls in 2 chunks, runtime.batch_split)
     for kind, (sharding, extra) in PIPELINES.items():
-        for name in ("base", "int32", "dedup_int32", "dedup_int32_rebuilt"):
-            wire = REWRITES.get(name, ("int64", (), True))
+        for name in ("base", "int32", "dedup_int32", "dedup_int32_unique"):
+            wire = REWRITES.get(name, ("int64", (), False))
             lifted = _lift(sharding, start, wire=wire, **extra)
             it = iter(batches[:20])
             losses = []
@@ -264,7 +266,7 @@ def test_rewrite_trains_exactly_as_unrewritten(runs, sharding: str, rewrite: str
         tables, wrapped, label, unique = out[(sharding, rewrite, "applied")]
         assert tables == [f"ebc.{n}" for n, _, _ in TABLES]
         assert wrapped >= 1
-        if REWRITES[rewrite][2]:  # through lift's keywords: in the settings' label
+        if not REWRITES[rewrite][2]:  # through lift's keywords: in the settings' label
             assert "ids int32" in label or "dedup f0,f1,f2" in label, label
         # the groups that deduplicate look up their distinct rows once (t1 is mean-pooled: its
         # group too, unweighted)
@@ -305,7 +307,7 @@ def test_dedup_sends_fewer_bytes_than_narrow_on_repeating_ids(runs, sharding: st
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", list(PIPELINES))
-@pytest.mark.parametrize("rewrite", ["int32", "dedup_int32", "dedup_int32_rebuilt"])
+@pytest.mark.parametrize("rewrite", ["int32", "dedup_int32", "dedup_int32_unique"])
 def test_pipelines_with_ids_on_the_wire_train_exactly(runs, kind: str, rewrite: str) -> None:  # type: ignore[no-untyped-def]
     for rank, out in enumerate(runs):
         _assert_same(out[("pipeline", kind, rewrite)], out[("pipeline", kind, "base")], f"rank {rank} {kind}",
@@ -584,7 +586,7 @@ def test_dedup_bytes_counted_equal_the_exchange_and_the_price(runs) -> None:  # 
         # the price's inverse width is the feature's own; the message's is its widest feature's
         assert all(W.inverse_bytes(distinct[f]) <= width for f in keys)
     for rank, out in enumerate(runs):
-        counted = out[("table_wise", "dedup_int32_rebuilt", "bytes")]["bytes"]
+        counted = out[("table_wise", "dedup_int32_unique", "bytes")]["bytes"]
         assert counted == exact[0] + exact[1], rank
         overhead = sum(4 * (1 + 2 * len(to[s])) + 3 * 7 for s in (0, 1))  # headers, padding at most
         assert 0 <= counted - (priced[0] + priced[1]) <= overhead

@@ -19,12 +19,14 @@ of TorchRec's ``KJTAllToAll``. Data-parallel groups send nothing and are left al
   it, the other features' ids as they are, and the weights of a weighted KJT. The receiver
   rebuilds every feature's ids (``unique[inverse]``) into the KJT TorchRec's all-to-all would
   have delivered (keys, lengths and weights equal, ids equal in value) and attaches the distinct
-  ids to it (:class:`UniqueIds`). The group's lookup (:class:`UniqueRowsLookup`) then runs the
-  TBE once per distinct row and pools each bag from those rows by the inverse index, in the TBE's
-  own pooling; the gradient of a row's every occurrence is summed before the TBE's backward, as
-  that backward sums them itself, so the fused optimizer's update is the unrewritten one (up to
-  the order of floating-point sums). ``unique_rows=False`` looks up the rebuilt ids instead:
-  bit for bit TorchRec's lookup.
+  ids to it (:class:`UniqueIds`). The group's lookup runs on the rebuilt ids: bit for bit
+  TorchRec's lookup. ``unique_rows=True`` installs :class:`UniqueRowsLookup` instead, which runs
+  the TBE once per distinct row and pools each bag from those rows by the inverse index, in the
+  TBE's own pooling; the gradient of a row's every occurrence is summed before the TBE's backward,
+  as that backward sums them itself, so the fused optimizer's update is the unrewritten one (up to
+  the order of floating-point sums). It is not the default: on CPU it measures slower than the
+  lookup on the rebuilt ids on every benchmark workload (docs/wire_ids.md, section 3), and the
+  cost model prices dedup as the wire's saving and the dedup kernels alone.
 
 What is priced and when each pays: :mod:`torchrec_sparselift.cost.wire_ids`; the manual:
 docs/wire_ids.md.
@@ -355,12 +357,13 @@ class UniqueRowsLookup:
         per_key_weights = (torch.split(weights, per_key_lengths.sum(1).tolist()) if weights is not None
                            else [None] * len(self._keys))
         out = []
-        col = 0
+        # one column block per key (a split: its backward writes the rows' gradient once, where a
+        # 2D slice per key would allocate and add a rows-sized gradient per key)
+        blocks = rows.split(self._dims, dim=1)
         for j, (dim, mode) in enumerate(zip(self._dims, self._modes)):
             offsets = torch.zeros(per_key_lengths.size(1) + 1, dtype=torch.long, device=device)
             torch.cumsum(per_key_lengths[j].long(), 0, out=offsets[1:])
-            table = rows[: counts[j], col: col + dim]
-            col += dim
+            table = blocks[j][: counts[j]]
             if counts[j] == 0:
                 out.append(rows.new_zeros(per_key_lengths.size(1), dim))
                 continue
@@ -453,7 +456,7 @@ def _wrap_dists(sharded: ShardedEmbeddingBagCollection, id_dtype: str, dedup: Fr
 
 
 def apply_wire_ids(model: nn.Module, id_dtype: str = "int64", dedup_features: Iterable[str] = (),
-                   unique_rows: bool = True) -> List[str]:
+                   unique_rows: bool = False) -> List[str]:
     """Rewrite the input all-to-all of every sharded EmbeddingBagCollection in ``model`` (in place)
     to send ids at ``id_dtype`` and deduplicate ``dedup_features``; returns the tables rewritten
     (model-parallel tables; data-parallel ones send nothing). Nothing changes for ``"int64"`` and
