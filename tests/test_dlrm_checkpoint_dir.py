@@ -27,18 +27,29 @@ TRAIN = os.path.join(EXAMPLE, "train.py")
 TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--batch-size", "64",
         "--warmup-steps", "1", "--no-progress", "--no-plan-cache", "--device", "cpu"]
 
-# A run that saves checkpoints of a small model on its own 1-rank gloo group: it claims the
-# directory, saves step 1, waits for the file GO, then saves steps 2..STEPS.
+# A run that saves checkpoints of a small model on its own 1-rank gloo group: once the file
+# START exists (none given: at once) it claims the directory, waiting up to WAIT s
+# (checkpoint.LOCK_WAIT_S, none given: the example's) for a held lock, saves step 1, waits for
+# the file GO, then saves steps 2..STEPS. Refused, it prints the refusal and then how long it
+# waited.
 SAVER = r"""
 import os, sys, time
 import torch, torch.distributed as dist
+from torchrec_sparselift.dlrm import checkpoint
 from torchrec_sparselift.dlrm.checkpoint import CheckpointError, claim_checkpoint_dir, save_checkpoint
 directory, steps, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+start = sys.argv[4] if len(sys.argv) > 4 else None
+if len(sys.argv) > 5:
+    checkpoint.LOCK_WAIT_S = float(sys.argv[5])
 dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+while start is not None and not os.path.exists(start):
+    time.sleep(0.05)
+t0 = time.monotonic()
 try:
     lock = claim_checkpoint_dir(directory)
 except CheckpointError as e:
     print("REFUSED", e, flush=True)
+    print(f"WAITED {time.monotonic() - t0:.3f}", flush=True)
     sys.exit(2)
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -59,8 +70,8 @@ def _env():
     return env
 
 
-def _saver(directory, steps, go):
-    return subprocess.Popen([sys.executable, "-c", SAVER, str(directory), str(steps), str(go)],
+def _saver(directory, steps, go, *start):
+    return subprocess.Popen([sys.executable, "-c", SAVER, str(directory), str(steps), str(go), *map(str, start)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
 
 
@@ -70,24 +81,30 @@ def _tree(directory):
 
 
 def test_two_concurrent_saves_to_one_dir_the_second_fails_at_once_and_nothing_is_deleted(tmp_path):
-    ck, go = tmp_path / "ck", tmp_path / "go"
+    ck, go, start = tmp_path / "ck", tmp_path / "go", tmp_path / "start"
     first = _saver(ck, 4, go)
+    # the second starts (imports torch) meanwhile and claims the directory only once told, after
+    # the first holds it and has saved; it waits 1 s (not the example's 10) for the held lock
+    second = _saver(ck, 4, tmp_path / "never", start, 1.0)
     try:
         assert first.stdout.readline().strip() == "SAVED1", first.stderr.read()[-2000:]
         before = _tree(ck)
         marker = (ck / "latest.json").read_text()
-        second = _saver(ck, 4, tmp_path / "never")
+        start.touch()
         out, err = second.communicate(timeout=120)
         assert second.returncode == 2, err[-2000:]
-        assert out.strip() == (f"REFUSED checkpoint directory {ck} is in use by another run (pid {first.pid}); "
-                               "wait for it to finish or give this run another --checkpoint-dir")
+        refused, waited = out.strip().splitlines()
+        assert refused == (f"REFUSED checkpoint directory {ck} is in use by another run (pid {first.pid}); "
+                           "wait for it to finish or give this run another --checkpoint-dir")
+        assert 1.0 <= float(waited.split()[1]) < 60, out  # the claim waited LOCK_WAIT_S for the lock
         assert _tree(ck) == before and (ck / "latest.json").read_text() == marker  # nothing touched
         go.touch()
         out, err = first.communicate(timeout=120)
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.communicate()
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert first.returncode == 0 and out.strip() == "DONE", err[-2000:]
     assert json.loads((ck / "latest.json").read_text())["step"] == 4
     assert sorted(p.name for p in ck.iterdir()) == [".lock", "latest.json", "step_00000004"]

@@ -28,7 +28,25 @@ TINY = ["--tables", "kaggle", "--scale", "0.0001", "--embedding-dim", "16", "--b
         "--warmup-steps", "1", "--no-progress", "--pipeline", "sparse_dist", "--device", "cpu"]
 
 
-def test_a_killed_rank_stops_the_other_at_once_naming_it(tmp_path):
+HANG_TIMEOUT_S = 8
+
+
+@pytest.fixture(scope="module")
+def hung_job(tmp_path_factory):
+    """The job of the hang test below, rank 1 stopping at step 4 (SIGSTOP). Started by the first
+    test that asks for it (the kill test, before its own job), so the survivor's idle wait for the
+    collective timeout and the roll call runs while that test and the full-disk tests work; the
+    hang test, after them, collects it."""
+    plans = tmp_path_factory.mktemp("hung") / "plans"
+    ranks = start_script(TRAIN, [*TINY, "--plan-cache", str(plans), "--fail-at-step", "4", "--fail-how", "hang",
+                                 "--fail-rank", "1", "--collective-timeout", str(HANG_TIMEOUT_S)],
+                         2, timeout_s=300)
+    yield ranks
+    for rank in (0, 1):
+        ranks.kill_rank(rank)
+
+
+def test_a_killed_rank_stops_the_other_at_once_naming_it(tmp_path, hung_job):
     ranks = start_script(TRAIN, [*TINY, "--plan-cache", str(tmp_path / "plans"), "--fail-at-step", "4",
                                  "--fail-how", "kill", "--fail-rank", "1", "--collective-timeout", "60"],
                          2, timeout_s=300)
@@ -41,25 +59,6 @@ def test_a_killed_rank_stops_the_other_at_once_naming_it(tmp_path):
     # it did not wait for the timeout: the failure is seen as soon as the connections close
     waited = float(re.search(r"failed, ([0-9.]+) s after this rank's last finished step", err).group(1))
     assert waited < 30, err
-
-
-def test_a_rank_that_stops_answering_ends_the_job_within_the_collective_timeout(tmp_path):
-    timeout = 8
-    ranks = start_script(TRAIN, [*TINY, "--plan-cache", str(tmp_path / "plans"), "--fail-at-step", "4",
-                                 "--fail-how", "hang", "--fail-rank", "1", "--collective-timeout", str(timeout)],
-                         2, timeout_s=300)
-    try:
-        code = ranks.wait_rank(0, timeout_s=240)
-    finally:
-        ranks.kill_rank(1)  # stopped (SIGSTOP): as a host whose link is gone, it never exits by itself
-    res = ranks.wait()
-    assert code == 1, res.tail()
-    err = res.stderrs[0]
-    assert f"no answer within the collective timeout of {timeout} s" in err, err
-    assert "lost rank 1 (last finished step 4)" in err and "Traceback" not in err, err
-    # bounded: the timeout, the few seconds the survivors wait for each other, and one step
-    waited = float(re.search(r"failed, ([0-9.]+) s after this rank's last finished step", err).group(1))
-    assert timeout <= waited < timeout + 5 + 10, err
 
 
 @contextlib.contextmanager
@@ -84,8 +83,9 @@ def test_a_full_disk_during_a_checkpoint_fails_clearly_and_keeps_the_last_checkp
     # and a run resumed from it (on a disk with room) has the uninterrupted run's losses
     common = [*TINY, "--plan-cache", str(tmp_path / "plans")]
     with small_disk(str(tmp_path / "disk"), 1600) as disk:
-        whole = run_script(TRAIN, [*common, "--out", str(tmp_path / "whole.json")], 2, timeout_s=300)
-        assert whole.ok, whole.tail()
+        # the uninterrupted run is independent of the full one: side by side (the runs may share
+        # a plan cache, tests/test_dlrm_checkpoint.py); collected after the disk is unmounted
+        whole_run = start_script(TRAIN, [*common, "--out", str(tmp_path / "whole.json")], 2, timeout_s=300)
         full = run_script(TRAIN, [*common, "--checkpoint-dir", os.path.join(disk, "ck"), "--checkpoint-every", "2"],
                           2, timeout_s=300)
         assert not full.ok
@@ -99,6 +99,8 @@ def test_a_full_disk_during_a_checkpoint_fails_clearly_and_keeps_the_last_checkp
         assert latest["step"] == 2
         saved = str(tmp_path / "ck")
         shutil.copytree(os.path.join(disk, "ck"), saved)
+    whole = whole_run.wait()
+    assert whole.ok, whole.tail()
     resumed = run_script(TRAIN, [*common, "--checkpoint-dir", saved, "--checkpoint-every", "100",
                                  "--out", str(tmp_path / "resumed.json")], 2, timeout_s=300)
     assert resumed.ok and "resumed from the checkpoint after step 2" in resumed.stdout, resumed.tail()
@@ -119,6 +121,22 @@ def test_a_checkpoint_directory_on_a_full_disk_is_refused_naming_it(tmp_path):
     assert not res.ok
     assert f"cannot use checkpoint directory {disk}/ck (No space left on device)" in res.stderrs[0], res.tail()
     assert "Traceback" not in res.stderr
+
+
+def test_a_rank_that_stops_answering_ends_the_job_within_the_collective_timeout(hung_job):
+    timeout, ranks = HANG_TIMEOUT_S, hung_job
+    try:
+        code = ranks.wait_rank(0, timeout_s=240)
+    finally:
+        ranks.kill_rank(1)  # stopped (SIGSTOP): as a host whose link is gone, it never exits by itself
+    res = ranks.wait()
+    assert code == 1, res.tail()
+    err = res.stderrs[0]
+    assert f"no answer within the collective timeout of {timeout} s" in err, err
+    assert "lost rank 1 (last finished step 4)" in err and "Traceback" not in err, err
+    # bounded: the timeout, the few seconds the survivors wait for each other, and one step
+    waited = float(re.search(r"failed, ([0-9.]+) s after this rank's last finished step", err).group(1))
+    assert timeout <= waited < timeout + 5 + 10, err
 
 
 # -- on the testbed: 2 emulated hosts x 1 rank, a real link between them ----------------------

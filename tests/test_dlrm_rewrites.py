@@ -204,18 +204,25 @@ def _check(*args):
                           text=True, timeout=300, cwd=ROOT, env=_env())
 
 
-def test_check_refuses_what_the_run_refuses_in_the_examples_flags():
+def test_check_refuses_what_the_run_refuses_in_the_examples_flags(dlrm_main):
     """``--check`` runs the rule the run applies: the flags' needs, the tables' rows and
-    features, and the batch split's per-sample rule on the model the run would build."""
+    features, and the batch split's per-sample rule on the model the run would build. One
+    command line as a process (its exit code and stderr); the rest through the example's
+    ``main`` in this process (``dlrm_main``), which is what that command line runs."""
     r = _check("--batch-split", "4")
     assert r.returncode == 2 and "--batch-split has no effect here: it needs --pipeline overlap" in r.stderr
-    r = _check("--dedup", "cat_0,nope")
-    assert r.returncode == 2 and "--dedup names ['nope']" in r.stderr
+
+    def check(*args):
+        return dlrm_main([*TINY, "--no-plan-cache", "--check", *args], OMP_NUM_THREADS=1)
+
+    code, err = check("--dedup", "cat_0,nope")
+    assert code == 2 and "--dedup names ['nope']" in err, err
     # both of the example's models pass the per-sample rule as they are: DLRM, and DLRM_DCN (the
     # dcnv2 preset's, whose CrossNet keeps its weights in ParameterLists)
-    assert _check("--tables", "dcnv2", "--batch-split", "2", "--pipeline", "overlap").returncode == 0
-    ok = _check("--batch-split", "4", "--pipeline", "overlap", "--id-dtype", "int32", "--dedup", "all")
-    assert ok.returncode == 0, ok.stderr
+    code, err = check("--tables", "dcnv2", "--batch-split", "2", "--pipeline", "overlap")
+    assert code == 0, err
+    code, err = check("--batch-split", "4", "--pipeline", "overlap", "--id-dtype", "int32", "--dedup", "all")
+    assert code == 0, err
 
 
 def test_the_per_sample_refusal_is_said_in_the_examples_flags():

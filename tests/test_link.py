@@ -249,7 +249,9 @@ REASON = tb.unavailable_reason()
 def _measure_on_testbed(tmp_path, rate_bps):
     out = tmp_path / f"rates_{rate_bps}.json"
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    argv = ["-m", "torchrec_sparselift.measure.link", "--repetitions", "3", "--json", str(out)]
+    # calls of 100 ms: the largest call at 100 Mbit/s is 1.25 MB, 20x the token bucket's 64 KB burst
+    argv = ["-m", "torchrec_sparselift.measure.link", "--repetitions", "3", "--target-call-ms", "100",
+            "--json", str(out)]
     with tb.emulated_hosts(tb.HostLayout(hosts=2, ranks_per_host=1, rate_bps=rate_bps)) as bed:
         results = bed.torchrun(argv, env=env, timeout_s=120)
     for r in results:
@@ -263,8 +265,8 @@ def test_a_100_mbit_link_between_two_emulated_hosts_measures_at_its_rate(tmp_pat
     with ThreadPoolExecutor(2) as pool:
         shaped, unshaped = pool.map(lambda rate: _measure_on_testbed(tmp_path, rate), (100e6, None))
     assert (shaped.hosts, shaped.ranks_per_host) == (2, 1) and shaped.intra_bw is None
-    # both measure at the shaped rate (calls of the default 0.25 s, largest first: a token
-    # bucket's burst is a small part of each timed size); a rank's all-to-all sends and
+    # both measure at the shaped rate (calls of 0.1 s, largest first: a token bucket's burst
+    # is a small part of each timed size); a rank's all-to-all sends and
     # receives over one connection and reaches about half the rate per direction on per-host links
     # (0.47-0.5 measured, docs/testbed.md)
     assert 0.8 * 12.5e6 <= shaped.allreduce_bw <= 1.25 * 12.5e6, shaped.describe()

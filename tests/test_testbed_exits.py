@@ -68,14 +68,17 @@ def _alive(pid_file):
     return True
 
 
-def _driver(tmp_path, mode, *flags):
+def _driver(tmp_path, mode, *flags, sigint=signal.SIG_DFL):
+    """The testbed's command line on JOB in ``mode``, started with SIGINT's disposition
+    ``sigint`` (a shell's ``command &`` without job control starts it ignored)."""
     job = tmp_path / "job.py"
     job.write_text(JOB)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "torchrec_sparselift.measure.testbed", "--hosts", "2", *flags, "--timeout", "150",
          "--", str(job), str(tmp_path), mode],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
 def _left_behind(before, tmp_path, proc):
@@ -122,10 +125,16 @@ def test_a_bad_option_exits_2_before_creating_anything(tmp_path, flags, says):
     _left_behind(before, tmp_path, proc)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
-def test_a_signal_to_the_driver_tears_everything_down(tmp_path, sig, code):
+@pytest.mark.parametrize("sig, code, inherited", [
+    (signal.SIGINT, 130, signal.SIG_DFL),
+    # started with SIGINT ignored (a background job of a script, as a suite run with `&` starts
+    # pytest): Ctrl-C still tears down, not the job's own end or timeout
+    (signal.SIGINT, 130, signal.SIG_IGN),
+    (signal.SIGTERM, 128 + signal.SIGTERM, signal.SIG_DFL),
+], ids=["SIGINT", "SIGINT-inherited-ignored", "SIGTERM"])
+def test_a_signal_to_the_driver_tears_everything_down(tmp_path, sig, code, inherited):
     before = _state()
-    proc = _driver(tmp_path, "wait")
+    proc = _driver(tmp_path, "wait", sigint=inherited)
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"pid{h}").exists() for h in (0, 1)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

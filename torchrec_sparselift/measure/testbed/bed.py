@@ -553,7 +553,12 @@ def _raise_exit(signum: int, frame: object) -> None:
 def emulated_hosts(layout: HostLayout) -> Iterator[Testbed]:
     """Build the emulated hosts of ``layout``, yield a :class:`Testbed`, and tear everything
     down on the way out, on an exception and on SIGTERM/SIGHUP (turned into ``SystemExit``
-    while the block runs) or Ctrl-C. Removes the leftovers of dead runs first."""
+    while the block runs) or Ctrl-C. Removes the leftovers of dead runs first.
+
+    SIGINT raises ``KeyboardInterrupt`` while the block runs even where this process was started
+    with SIGINT ignored (a non-interactive shell's ``command &`` starts it so, and Python then
+    never installs its Ctrl-C handler): an interrupt always tears the hosts down instead of
+    leaving the job to run on to its timeout."""
     require_available()
     cleanup_stale()
     bed = Testbed(layout, f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}")
@@ -563,6 +568,7 @@ def emulated_hosts(layout: HostLayout) -> Iterator[Testbed]:
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, _raise_exit)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit.register(bed.teardown)
     try:
         bed.build()
