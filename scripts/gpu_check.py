@@ -15,8 +15,8 @@ rank).
   (``--weights-rtol``).
 * ``wire-ids``: ``sparse_dist``, unrewritten (``int64``, the reference), and with the input
   all-to-all rewritten by ``apply_wire_ids`` on the sharded model before training (ids skewed
-  toward each table's first ``--id-rows`` rows, the cube of a uniform draw, so a batch repeats
-  ids): ``int32`` ids and lengths; ``dedup``, every feature deduplicated at int32 (the lookup on
+  over ``--id-rows`` hot rows spread evenly across each table, the cube of a uniform draw, so a
+  batch repeats ids and every row-wise block receives some): ``int32`` ids and lengths; ``dedup``, every feature deduplicated at int32 (the lookup on
   the rebuilt ids); ``dedup_unique``, the same with the distinct-row lookup
   (``unique_rows=True``). Fails unless every rewritten run's losses (``--rtol``) and final
   weights (``--weights-rtol``) equal the reference's, and, counted by ``CommCounter`` on one
@@ -87,8 +87,10 @@ def _batches(rank: int, args: argparse.Namespace, device: torch.device) -> List[
     for step in range(args.steps):
         g = torch.Generator().manual_seed(1000 * rank + step)
         lengths = torch.randint(1, 8, (len(TABLES) * args.batch,), generator=g)
-        if args.check == "wire-ids":  # skewed: low rows repeat within a batch, so dedup has duplicates
-            ids = (torch.rand(int(lengths.sum()), generator=g) ** 3 * min(args.id_rows, args.rows)).long()
+        if args.check == "wire-ids":  # skewed over id_rows hot rows spread across the table (every
+            # row-wise block gets ids): the low ones repeat within a batch, so dedup has duplicates
+            hot = min(args.id_rows, args.rows)
+            ids = (torch.rand(int(lengths.sum()), generator=g) ** 3 * hot).long() * (args.rows // hot)
         else:
             ids = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=list(FEATURES), values=ids, lengths=lengths)
@@ -329,8 +331,8 @@ def _parser() -> argparse.ArgumentParser:
                    "tolerance (relative, elementwise; 50 steps of Adagrad amplify summation-order differences)")
     p.add_argument("--runs", default=",".join(k for k in WIRE_RUNS if k != WIRE_REFERENCE),
                    help="wire-ids: the rewritten runs to check against int64, comma-separated")
-    p.add_argument("--id-rows", type=int, default=4096, help="wire-ids: ids fall in each table's first N rows, "
-                   "skewed toward row 0, so a batch repeats ids")
+    p.add_argument("--id-rows", type=int, default=4096, help="wire-ids: ids fall on N rows spread evenly "
+                   "across each table, skewed toward the first, so a batch repeats ids")
     p.add_argument("--out", default="")
     return p
 
