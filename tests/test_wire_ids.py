@@ -276,6 +276,31 @@ def test_rewrite_trains_exactly_as_unrewritten(runs, sharding: str, rewrite: str
     assert losses[-1] != losses[0]
 
 
+def _empty_job(rank: int, world_size: int) -> dict:
+    """Row-wise tables whose ids all fall in rank 0's rows: rank 1's group receives no ids (its
+    lookup pools only empty bags). Unrewritten and with dedup's distinct-row lookup, 6 steps."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    torch.manual_seed(SEED)
+    start = {k: v.detach().clone() for k, v in _model().state_dict().items()}
+    batches = []
+    for b in _batches(rank, 6):
+        kjt = b.sparse_features
+        low = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() % 8, lengths=kjt.lengths(), stride=kjt.stride())
+        batches.append(Batch(dense_features=b.dense_features, sparse_features=low, labels=b.labels))
+    base = _lift("row_wise", start)
+    unique = _lift("row_wise", start, wire=("int32", FEATURES, True))
+    return {"base": (_train(base, batches), _weights(base.model)),
+            "unique": (_train(unique, batches), _weights(unique.model))}
+
+
+@pytest.mark.multiprocess
+def test_distinct_row_lookup_trains_where_a_rank_receives_no_ids() -> None:
+    for rank, out in enumerate(run_ranks(_empty_job, WORLD, timeout_s=120)):
+        _assert_same(out["unique"], out["base"], f"rank {rank} row-wise, no ids on rank 1", CLOSE)
+
+
 @pytest.mark.multiprocess
 def test_data_parallel_is_left_alone(runs) -> None:  # type: ignore[no-untyped-def]
     for out in runs:

@@ -363,10 +363,9 @@ class UniqueRowsLookup:
         for j, (dim, mode) in enumerate(zip(self._dims, self._modes)):
             offsets = torch.zeros(per_key_lengths.size(1) + 1, dtype=torch.long, device=device)
             torch.cumsum(per_key_lengths[j].long(), 0, out=offsets[1:])
-            table = blocks[j][: counts[j]]
-            if counts[j] == 0:
-                out.append(rows.new_zeros(per_key_lengths.size(1), dim))
-                continue
+            # a key with no ids here pools its empty bags from the (empty) row 0 of its padded
+            # block: zeros, in the graph (every rank's backward then runs the group's collectives)
+            table = blocks[j][: max(counts[j], 1)]
             out.append(torch.nn.functional.embedding_bag(
                 unique.inverse[j], table, offsets, mode=mode, per_sample_weights=per_key_weights[j],
                 include_last_offset=True))
