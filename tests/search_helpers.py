@@ -1,12 +1,34 @@
 """What the search tests share: the ``TableSpec`` their small problems are built from and the
-exhaustive optimum their bounds are checked against (one copy, not one per test file)."""
+exhaustive optimum their bounds are checked against, and random batch-split terms (one copy,
+not one per test file)."""
 
 import itertools
 
+from hypothesis import strategies as st
+
+from torchrec_sparselift.cost.batch_split import SplitTerms
 from torchrec_sparselift.search.solve import new_evaluator
 from torchrec_sparselift.semantics.tables import TableSpec
 
 TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+
+
+_T = st.floats(0.0, 0.2, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def split_terms_st(draw) -> SplitTerms:  # type: ignore[no-untyped-def]
+    """Random batch-split terms (phase times up to 0.2 s, a chunk latency within the smaller
+    collective), for the split pricing's hypothesis tests."""
+    out, grad = draw(_T), draw(_T)
+    lat = draw(st.floats(0.0, 1.0)) * min(out, grad)
+    return SplitTerms(
+        input_dist_s=draw(_T), uvm_fetch_s=draw(_T), lookup_s=draw(_T), output_dist_s=out,
+        dense_fwd_indep_s=draw(_T), dense_fwd_rest_s=draw(_T), dense_bwd_rest_s=draw(_T),
+        dense_bwd_indep_s=draw(_T), grad_dist_s=grad, backward_update_s=draw(_T), allreduce_s=draw(_T),
+        step_overhead_s=draw(_T), chunk_latency_s=lat, chunk_overhead_s=draw(st.floats(0.0, 0.01)),
+        chunk_feature_s=draw(st.floats(0.0, 1e-4)), features=draw(st.integers(0, 200)),
+    )
 
 
 def table_spec(i, rows, dim, pf, types=TYPES, *, pooled=True, batch_size=512):

@@ -29,24 +29,10 @@ from torchrec_sparselift.search.split_pricing import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from search_helpers import _placements, table_spec  # noqa: E402
+from search_helpers import _placements, split_terms_st, table_spec  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-_T = st.floats(0.0, 0.2, allow_nan=False, allow_infinity=False)
-
-
-@st.composite
-def split_terms_st(draw) -> SplitTerms:  # type: ignore[no-untyped-def]
-    out, grad = draw(_T), draw(_T)
-    lat = draw(st.floats(0.0, 1.0)) * min(out, grad)
-    return SplitTerms(
-        input_dist_s=draw(_T), uvm_fetch_s=draw(_T), lookup_s=draw(_T), output_dist_s=out,
-        dense_fwd_indep_s=draw(_T), dense_fwd_rest_s=draw(_T), dense_bwd_rest_s=draw(_T),
-        dense_bwd_indep_s=draw(_T), grad_dist_s=grad, backward_update_s=draw(_T), allreduce_s=draw(_T),
-        step_overhead_s=draw(_T), chunk_latency_s=lat, chunk_overhead_s=draw(st.floats(0.0, 0.01)),
-        chunk_feature_s=draw(st.floats(0.0, 1e-4)), features=draw(st.integers(0, 200)),
-    )
 
 
 @settings(max_examples=400, deadline=None)
