@@ -8,8 +8,9 @@ benchmark trains TorchRec's default), under ``sparse_dist`` with int32 ids, thre
 (``int32``), every model-parallel feature deduplicated with the lookup on the rebuilt ids
 (``dedup``, what a plan applies) and the same with the lookup on the distinct rows
 (``dedup_unique``). Each run a fresh model on the workload's pre-built batches, the ranks pinned
-to their cores, ``--warmup`` untimed then ``--steps`` timed steps (the slowest rank's median), in
-interleaved rounds (the order rotated each round). Prints ms/step per round and each run's median
+to their cores, ``--warmup`` untimed then ``--steps`` timed steps (the slowest rank's steady step), in
+interleaved rounds (the order rotated each round; ``benchmarks.regimes.timed_run``, as the regime
+benchmark times its runs). Prints ms/step per round and each run's median
 over ``int32``'s in the same round.
 """
 
@@ -23,10 +24,10 @@ from typing import Any, Dict, List
 
 import torch
 
-from benchmarks.harness import Cycle, exit_now, interleaved_rounds, names_arg, timed_steps, worker, write_report
+from benchmarks.harness import exit_now, interleaved_rounds, names_arg, worker, write_report
 from benchmarks.real_runs import BATCH_SEED, WORKLOADS, _workloads, torchrec_plan_of
-from benchmarks.regimes import lift_run
-from torchrec_sparselift.measure.probe import pin_rank_to_core, prebuilt_batches, restore_affinity
+from benchmarks.regimes import lift_run, timed_run
+from torchrec_sparselift.measure.probe import prebuilt_batches
 from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
 from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
@@ -68,18 +69,11 @@ def main() -> int:
                 spec = {"plan": plan, "pipeline": "sparse_dist"} if unique else {
                     "plan": plan, "pipeline": "sparse_dist", "id_dtype": "int32",
                     "dedup_features": features if dedup else None}
-                old = pin_rank_to_core(c.pg)
-                try:
-                    lifted = lift_run(w, spec, c.device)
-                    if unique:
-                        apply_wire_ids(lifted.model, "int32", features, unique_rows=True)
-                    it = Cycle(batches)
-                    timer = timed_steps(lambda: lifted.pipeline.progress(it), args.steps, c.pg, c.device,
-                                        warmup=args.warmup)
-                    mx = timer.slowest_rank_durations_s(c.pg)[args.warmup:]
-                finally:
-                    restore_affinity(old)
-                ms[run].append(1e3 * statistics.median(mx))
+                step_s, _losses, _build_s = timed_run(
+                    lambda: lift_run(w, spec, c.device), batches, args.steps, args.warmup, c.pg,
+                    after_build=(lambda lifted: apply_wire_ids(lifted.model, "int32", features, unique_rows=True))
+                    if unique else None)
+                ms[run].append(1e3 * step_s)
 
             interleaved_rounds(list(RUNS), measure, args.rounds)
             ratios = {run: [round(x / y, 3) for x, y in zip(ms[run], ms["int32"])] for run in RUNS}
