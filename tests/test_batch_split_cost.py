@@ -17,7 +17,9 @@ from torchrec_sparselift.cost.hardware import PRESETS
 from torchrec_sparselift.cost.batch_split import (
     MAX_CHUNKS,
     SplitTerms,
+    SplitTermsBatch,
     chunk_dense_s,
+    chunk_link_latency_s,
     choose_chunks,
     split_schedule,
     split_step_s,
@@ -167,6 +169,33 @@ def test_terms_from_the_cost_model_charge_one_latency_per_sending_group_per_chun
     assert split_step_s(t, 1) == pytest.approx(float(composed), rel=1e-9)
     one_rank = attrs.evolve(ctx, world_size=1, local_world_size=1)
     assert SplitTerms.from_cost_model(colmax, 1e6, 2, one_rank, chunk_overhead_s=0.0).chunk_latency_s == 0.0
+    # the link's own latency measured: a chunk puts that much per sending group on the link
+    on_link = attrs.evolve(ctx, profile=attrs.evolve(ctx.profile, link_latency_s=ctx.profile.collective_latency_s / 4))
+    t_link = SplitTerms.from_cost_model(colmax, 1e6, 2, on_link, chunk_overhead_s=2e-5)
+    assert t_link.chunk_latency_s == pytest.approx(t.chunk_latency_s / 4)
+    assert split_step_s(t_link, 1) == split_step_s(t, 1)  # the unsplit step is the same
+    batch = SplitTermsBatch.from_cost_model(colmax[None, :], 1e6, 2, on_link, chunk_overhead_s=2e-5)
+    assert float(batch.chunk_latency_s[0]) == pytest.approx(t_link.chunk_latency_s)
+
+
+def test_an_extra_chunk_puts_the_links_own_latency_on_the_link_and_at_most_the_fitted_one():
+    p = attrs.evolve(PRESETS["h100"], collective_latency_s=6e-4)
+    assert chunk_link_latency_s(p, 2, 1) == pytest.approx(6e-4)  # not measured: all of the fitted latency
+    measured = attrs.evolve(p, link_latency_s=2e-4)
+    assert chunk_link_latency_s(measured, 2, 1) == pytest.approx(2e-4)
+    assert chunk_link_latency_s(measured, 8, 3) == pytest.approx(3 * chunk_link_latency_s(measured, 8, 1))
+    assert chunk_link_latency_s(attrs.evolve(p, link_latency_s=9e-4), 2, 1) == pytest.approx(6e-4)
+    assert chunk_link_latency_s(measured, 1, 2) == 0.0
+    # on a link-bound step the chunks' latency is what a large k pays on the link: less of it, a
+    # cheaper split at every k > 1 and the same unsplit step
+    comm_bound = SplitTerms(input_dist_s=0.01, lookup_s=0.005, output_dist_s=0.2, dense_fwd_indep_s=0.001,
+                            dense_fwd_rest_s=0.02, dense_bwd_rest_s=0.04, dense_bwd_indep_s=0.002, grad_dist_s=0.2,
+                            backward_update_s=0.005, allreduce_s=0.001, step_overhead_s=0.001,
+                            chunk_latency_s=6e-4, chunk_overhead_s=1e-3)
+    link_only = attrs.evolve(comm_bound, chunk_latency_s=2e-4)
+    assert split_step_s(link_only, 1) == split_step_s(comm_bound, 1)
+    for k in (2, 4, 8, 16):
+        assert split_step_s(link_only, k) < split_step_s(comm_bound, k)
 
 
 @settings(max_examples=300, deadline=None)

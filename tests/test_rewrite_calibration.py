@@ -46,7 +46,7 @@ from torchrec_sparselift.measure.microbench import (
     bench_rewrite_constants,
 )
 
-FIELDS = ("chunk_overhead_s", "chunk_feature_s", "dedup_id_s")
+FIELDS = ("chunk_overhead_s", "chunk_feature_s", "dedup_id_s", "link_latency_s")
 
 
 def _fp() -> MachineFingerprint:
@@ -64,7 +64,8 @@ def test_the_fields_are_none_by_default_and_take_non_negative_finite_seconds(nam
         with pytest.raises(ValueError, match=rf"HardwareProfile.{name} must be None \(not calibrated\) or a "
                                              "non-negative finite number") as err:
             attrs.evolve(PRESETS["h100"], **{name: bad})
-        assert ("calibrate steps" if name == "chunk_feature_s" else "calibrate kernels") in str(err.value)
+        assert ("calibrate steps" if name in ("chunk_feature_s", "link_latency_s") else "calibrate kernels") \
+            in str(err.value)
 
 
 def test_an_uncalibrated_profile_has_the_record_and_digest_it_had_without_the_fields():

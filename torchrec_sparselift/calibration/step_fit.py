@@ -72,7 +72,9 @@ __all__ = [
 #: fails on it).
 #: 2: the input distribution pays two latencies per sharding group plus its splits exchange
 #: (``cost.model.collective_calls``; it paid one per group before).
-STEP_MODEL_VERSION = 2
+#: 3: a batch split's extra chunk puts the link's own latency (``link_latency_s``) on the link; the
+#: rest of a collective's fitted latency is in the measured per-chunk price (``chunk_overhead_s``).
+STEP_MODEL_VERSION = 3
 
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "BATCH_SPLIT_PIPELINE",
     "SplitTerms",
     "chunk_dense_s",
+    "chunk_link_latency_s",
     "pooled_features",
     "ChunkTimes",
     "SplitSchedule",
@@ -97,6 +98,22 @@ def chunk_dense_s(profile: Any, features: int) -> Optional[float]:
     if overhead is None:
         return None
     return float(overhead) + float(getattr(profile, "chunk_feature_s", None) or 0.0) * features
+
+
+def chunk_link_latency_s(profile: Any, world_size: int, comm_groups: int) -> float:
+    """What one chunk's output (or gradient) collectives add to the link beyond their bytes: the
+    link's own latency per call (``profile.link_latency_s``, at most ``collective_latency_s``; all
+    of ``collective_latency_s`` where it is not measured) times the calls (one per sharding group
+    that sends, ``cost.model.collective_calls``); 0 on one rank. The rest of a call's fitted
+    latency is work on the rank's own thread, which the step calibration measures in the
+    per-chunk price (``chunk_overhead_s``: the measured per-chunk slope less the model's)."""
+    if world_size <= 1:
+        return 0.0
+    lat = float(profile.collective_latency_s)
+    link = getattr(profile, "link_latency_s", None)
+    if link is not None:
+        lat = min(lat, float(link))
+    return lat * collective_calls("output_dist", comm_groups)
 
 
 def pooled_features(handles: Any) -> int:
@@ -185,14 +202,12 @@ class SplitTerms:
                         chunk_overhead_s: float, chunk_feature_s: float = 0.0, features: int = 0,
                         fwd_precision: str = "fp32", bwd_precision: str = "fp32") -> "SplitTerms":
         """The terms of one rank's loads (``colmax``, as ``cost.model.phase_times`` takes them) under
-        the ``overlap`` kind: its phase times, and one chunk's collective latency as the cost model
-        charges the unsplit output dist (``collective_latency_s`` per call, one call per sharding
-        group that sends; none on one rank)."""
+        the ``overlap`` kind: its phase times, and what one chunk's collectives add to the link
+        (:func:`chunk_link_latency_s`)."""
         phases = phase_times(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision,
                              BATCH_SPLIT_PIPELINE)
-        lat = ctx.profile.collective_latency_s if ctx.world_size > 1 else 0.0
-        per_chunk = lat * collective_calls("output_dist", comm_groups)
-        per_chunk = min(per_chunk, phases["output_dist"], phases["grad_dist"])
+        per_chunk = min(chunk_link_latency_s(ctx.profile, ctx.world_size, comm_groups), phases["output_dist"],
+                        phases["grad_dist"])
         return cls.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=chunk_overhead_s,
                                chunk_feature_s=chunk_feature_s, features=features,
                                supports_overlap=ctx.profile.supports_overlap)
@@ -442,12 +457,11 @@ class SplitTermsBatch:
                         chunk_overhead_s: float, chunk_feature_s: float = 0.0, features: int = 0,
                         fwd_precision: str = "fp32", bwd_precision: str = "fp32") -> "SplitTermsBatch":
         """Row i is ``SplitTerms.from_cost_model(colmax_rows[i], ...)``: the ``overlap`` kind's
-        phases of each row of loads (one ``cost.model.phase_table`` call) and one chunk's
-        collective latency as the cost model charges the unsplit output dist."""
+        phases of each row of loads (one ``cost.model.phase_table`` call) and what one chunk's
+        collectives add to the link (:func:`chunk_link_latency_s`)."""
         tab = phase_table(np.atleast_2d(np.asarray(colmax_rows, dtype=float)), allreduce_bytes, comm_groups, ctx,
                           fwd_precision, bwd_precision, BATCH_SPLIT_PIPELINE)
-        lat = ctx.profile.collective_latency_s if ctx.world_size > 1 else 0.0
-        per_chunk = lat * collective_calls("output_dist", comm_groups)
+        per_chunk = chunk_link_latency_s(ctx.profile, ctx.world_size, comm_groups)
         per_chunk = np.minimum(np.minimum(per_chunk, tab[:, PHASE_NAMES.index("output_dist")]),
                                tab[:, PHASE_NAMES.index("grad_dist")])
         dense = float(chunk_overhead_s) + float(chunk_feature_s) * features

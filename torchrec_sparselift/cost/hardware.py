@@ -49,7 +49,9 @@ def _optional_non_negative(instance: Any, attribute: "attrs.Attribute[Any]", val
             f"HardwareProfile.{attribute.name} must be None (not calibrated) or a non-negative finite number "
             f"of seconds, got {value!r}; calibrate it with "
             + ("`torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps` (real "
-               "batch-split steps)" if attribute.name == "chunk_feature_s" else "`sparselift calibrate kernels`")
+               "batch-split steps)" if attribute.name == "chunk_feature_s"
+               else "`torchrun --standalone --nproc_per_node 2 -m torchrec_sparselift calibrate steps` (its link "
+               "measurement)" if attribute.name == "link_latency_s" else "`sparselift calibrate kernels`")
         )
 
 
@@ -222,6 +224,15 @@ class HardwareProfile:
             (``measure.microbench.bench_dedup_kernels``; the per-id slope over id counts and unique
             ratios, ``calibration.rewrite_fit.fit_dedup_id_s``). None: not calibrated (the planner
             does not deduplicate ids, and says why).
+        link_latency_s: seconds the link itself takes per collective call: a bare
+            ``all_to_all_single``'s latency as the job's link measurement reads it
+            (``calibration.link.LinkRates``: the inter-host one on several hosts, else the intra-host
+            one; set by ``calibration.link.with_link_facts``). ``collective_latency_s`` (fitted on
+            whole steps) also holds each call's work on the rank's own thread (TorchRec's collective
+            wrappers, their autograd nodes); a batch split's extra chunk puts only this part on the
+            link, the rest is in the per-chunk price ``chunk_overhead_s`` the step calibration
+            measures (``cost.batch_split.chunk_link_latency_s``). None: not measured (an extra
+            chunk puts all of ``collective_latency_s`` on the link).
         The terms from ``step_overhead_s`` on are 0 (or None; ``reduce_scatter_factor`` 1.0) in the
         presets; :mod:`torchrec_sparselift.calibration.step_fit` fits them from measured steps
         (all but ``lookup_cache_bytes``; ``codec_byte_s`` is measured by the host microbenchmarks
@@ -272,6 +283,7 @@ class HardwareProfile:
     chunk_overhead_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
     chunk_feature_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
     dedup_id_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
+    link_latency_s: Optional[float] = attrs.field(default=None, validator=_optional_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.compute_device not in ("cuda", "cpu", "mtia"):
@@ -435,7 +447,7 @@ COMPUTE_TIME_FIELDS = ("lookup_overhead_s", "step_overhead_s", "feature_overhead
 
 #: Optional terms :meth:`HardwareProfile.to_dict` leaves out while they are None (not calibrated):
 #: profiles, plan fingerprints and cache keys without them keep their digests.
-UNSET_OMITTED_FIELDS = ("chunk_overhead_s", "chunk_feature_s", "dedup_id_s")
+UNSET_OMITTED_FIELDS = ("chunk_overhead_s", "chunk_feature_s", "dedup_id_s", "link_latency_s")
 
 
 def with_slower_compute(profile: HardwareProfile, factor: float) -> HardwareProfile:

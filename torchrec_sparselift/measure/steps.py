@@ -53,10 +53,9 @@ from torchrec_sparselift.calibration.store import (
     drift_spread,
     stored_profile_problems,
 )
-from torchrec_sparselift.cost.batch_split import SplitTerms, split_step_s
+from torchrec_sparselift.cost.batch_split import SplitTerms, chunk_link_latency_s, split_step_s
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
-from torchrec_sparselift.cost.model import collective_calls
 from torchrec_sparselift.errors import FileFormatError
 from torchrec_sparselift.pictures import fit_png, fit_points, require_matplotlib
 from torchrec_sparselift.runtime.process_group import close_process_group
@@ -551,8 +550,7 @@ def model_chunk_slopes(profile: HardwareProfile, names: Sequence[str], chunks: S
         for t, (_c, ranks) in enumerate(given.placed):
             ev.assign(t, t, ranks)
         phases = dict(ev.phases())
-        lat = ctx.profile.collective_latency_s if world_size > 1 else 0.0
-        per_chunk = min(lat * collective_calls("output_dist", ev.comm_groups), phases["output_dist"],
+        per_chunk = min(chunk_link_latency_s(ctx.profile, world_size, ev.comm_groups), phases["output_dist"],
                         phases["grad_dist"])
         terms = SplitTerms.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=0.0,
                                        supports_overlap=ctx.profile.supports_overlap)
@@ -566,10 +564,11 @@ def step_chunk_fit(profile: HardwareProfile, times: Mapping[str, Mapping[int, fl
     """The chunk cost of real batch-split steps (:func:`measure_chunk_times` of probe workloads,
     by name): :func:`~torchrec_sparselift.calibration.rewrite_fit.step_chunk_cost` beside
     ``model_slopes`` (:func:`model_chunk_slopes`: what the cost model already predicts per extra
-    chunk of each workload), or, None, beside ``profile``'s collective latency of one table-wise
-    group (one output and one gradient collective per chunk, nothing hidden)."""
+    chunk of each workload), or, None, beside what one table-wise group's output and gradient
+    collectives add to the link per chunk (``cost.batch_split.chunk_link_latency_s``, nothing
+    hidden)."""
     if model_slopes is None:
-        latency = 2 * profile.collective_latency_s * collective_calls("output_dist", 1)
+        latency = 2 * chunk_link_latency_s(profile, 2, 1)
         model_slopes = {w: latency for w in times}
     return step_chunk_cost(times, chunk_workload_features(list(times)), model_slopes)
 
