@@ -229,35 +229,39 @@ def test_a_one_host_profile_used_on_hosts_sharing_a_link_gets_the_flag_with_the_
 
 
 def test_with_link_facts_takes_the_measured_sharing_and_leaves_the_profile_otherwise():
-    base = attrs.evolve(PROFILE, link_latency_s=130e-6)  # the link latency _rates measures between hosts
-    assert with_link_facts(base, _two_by_two(2.0)).host_link_shared is True
-    assert with_link_facts(base, _two_by_two(2.0)) == attrs.evolve(base, host_link_shared=True)
-    shared = attrs.evolve(base, host_link_shared=True)
+    assert with_link_facts(PROFILE, _two_by_two(2.0)).host_link_shared is True
+    assert with_link_facts(PROFILE, _two_by_two(2.0)) == attrs.evolve(PROFILE, host_link_shared=True)
+    shared = attrs.evolve(PROFILE, host_link_shared=True)
     assert with_link_facts(shared, _two_by_two(1.0)).host_link_shared is False
-    one_host = _rates(hosts=1, inter_bw=None, inter_latency_s=None, ranks_per_host=2, intra_bw=8e8,
-                      intra_latency_s=1.5e-4)
-    for unknown in (None, _two_by_two(), one_host):
-        assert with_link_facts(base, unknown) is base and with_link_facts(shared, unknown) is shared
-    assert with_link_facts(base, _two_by_two(1.0)) is base
-    assert with_link_facts(PROFILE, None) is PROFILE
+    for unknown in (None, _two_by_two(), _rates(hosts=1, inter_bw=None, inter_latency_s=None, ranks_per_host=2,
+                                                intra_bw=8e8, intra_latency_s=3e-4)):
+        assert with_link_facts(PROFILE, unknown) is PROFILE and with_link_facts(shared, unknown) is shared
+    assert with_link_facts(PROFILE, _two_by_two(1.0)) is PROFILE
 
 
-def test_with_link_facts_takes_the_link_latency_the_job_measured():
-    # none yet: taken, the inter-host one on several hosts, the intra-host one on one host
-    assert with_link_facts(PROFILE, _two_by_two()).link_latency_s == 130e-6
+def test_the_calibration_takes_the_link_latency_and_a_correction_moves_it_with_the_link():
+    from torchrec_sparselift.calibration.link import with_link_latency
+
+    # the calibration's link: the inter-host all-to-all latency on several hosts, else the intra-host one
+    assert with_link_latency(PROFILE, _two_by_two()).link_latency_s == 130e-6
     one_host = _rates(hosts=1, inter_bw=None, inter_latency_s=None, ranks_per_host=2, intra_bw=8e8,
                       intra_latency_s=3e-4)
-    assert with_link_facts(PROFILE, one_host).link_latency_s == 3e-4
-    # within the noise a latency is allowed (100 us apart, or within 2x): the profile stays as it is
-    near = attrs.evolve(PROFILE, link_latency_s=200e-6)
-    assert with_link_facts(near, _two_by_two()) is near
-    # beyond it: the job's
-    far = attrs.evolve(PROFILE, link_latency_s=900e-6)
-    assert with_link_facts(far, _two_by_two()).link_latency_s == 130e-6
-    # a stored profile moved to a job's link takes the job's
-    from torchrec_sparselift.calibration.term_error import profile_on_link
-
-    assert profile_on_link(PROFILE, _two_by_two(), _two_by_two(), "stored.json").profile.link_latency_s == 130e-6
+    calibrated = with_link_latency(PROFILE, one_host)
+    assert calibrated.link_latency_s == 3e-4
+    assert with_link_latency(PROFILE, None) is PROFILE
+    # moved to a link whose latency differs beyond the noise: the job's, as collective_latency_s shifts
+    slow = _two_by_two(inter_latency_s=5e-3)
+    moved = correct_link_terms(calibrated, one_host, slow).profile
+    assert moved.link_latency_s == 5e-3
+    assert moved.collective_latency_s == pytest.approx(calibrated.collective_latency_s + 5e-3 - 3e-4)
+    # within the noise, or a profile calibrated without it: left as it is (a plan cache keyed on
+    # the profile stays valid from one job to the next)
+    on_two = with_link_latency(PROFILE, _two_by_two())
+    near = correct_link_terms(on_two, _two_by_two(), _two_by_two(inter_latency_s=1.6e-4, inter_bw=40e6)).profile
+    assert near.link_latency_s == 130e-6 and near.inter_host_bw < on_two.inter_host_bw
+    assert correct_link_terms(PROFILE, one_host, slow).profile.link_latency_s is None
+    # the facts a job's link measures leave it alone
+    assert with_link_facts(calibrated, slow).link_latency_s == 3e-4
 
 
 def test_the_replica_sync_rates_are_taken_as_measured_and_price_the_2d_sync():

@@ -251,8 +251,7 @@ def test_corrected_link_terms_carry_at_least_the_link_measurements_spread():
 
 def test_a_stored_profile_on_the_jobs_link_is_corrected_with_its_errors_in_one_place(monkeypatch):
     """profile_on_link: what hardware="auto", the DLRM example and the benchmarks plan with."""
-    # (the link latency the jobs measure, as every stored profile calibrated on a link has it)
-    prof = attrs.evolve(get_profile("cpu-gloo"), name="stored", link_latency_s=700e-6)
+    prof = attrs.evolve(get_profile("cpu-gloo"), name="stored")
     fit = TermErrors({"1/a2a_bw": 0.05}, 0.08, "the step fit")
     seen = []
     monkeypatch.setattr(term_error, "profile_errors", lambda p, path, store=None: seen.append(path) or fit)

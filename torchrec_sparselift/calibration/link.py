@@ -32,7 +32,7 @@ __all__ = [
     "correct_link_terms",
     "corrected_bandwidth",
     "with_link_facts",
-    "link_latency_differs",
+    "with_link_latency",
     "replica_rate_differs",
     "SHARED_LINK_MARGIN",
     "fit_latency_bandwidth",
@@ -556,7 +556,8 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
     added seconds count once per byte on the wire (the factor's own seconds per byte stay;
     ``reduce_scatter_factor`` keeps pricing the intra-host bytes, whose link did not slow);
     ``collective_latency_s`` shifted by ``measured - stored`` of the flagged all-to-all latency
-    (inter-host first, then intra-host: the one the job's all-to-alls wait on), not below zero;
+    (inter-host first, then intra-host: the one the job's all-to-alls wait on), not below zero, and
+    ``link_latency_s`` (where the profile has one, :func:`with_link_latency`) set to the measured;
     a flagged all-reduce latency alone does not move it (the step fit prices mostly all-to-all
     calls with it, and a shaped link's all-reduce latency fits near zero). Where more (or fewer)
     ranks share each core than in the calibration (``ranks_per_core``, both measured), every
@@ -604,6 +605,8 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
         m, s = getattr(measured, row.measured), _stored_term(stored, row.measured)
         if row.measured in names and m is not None and s is not None:
             changes[row.field] = max(0.0, getattr(profile, row.field) + (m - s))
+            if getattr(profile, "link_latency_s", None) is not None:  # the link's own part: the job's
+                changes["link_latency_s"] = float(m)
             break
     if shared is not None and bool(profile.host_link_shared) != shared:
         changes["host_link_shared"] = shared
@@ -615,13 +618,10 @@ def correct_link_terms(profile: Any, stored: LinkRates, measured: LinkRates, **t
 
 def with_link_facts(profile: Any, link: Optional[LinkRates]) -> Any:
     """``profile`` with what ``link`` measured directly of the job's network: ``host_link_shared``
-    (:attr:`LinkRates.host_link_shared`), the replica sync's rates (``replica_intra_bw``,
+    (:attr:`LinkRates.host_link_shared`) and the replica sync's rates (``replica_intra_bw``,
     ``replica_inter_bw``: the collective a 2D plan's replica sync calls, timed as it runs, so
     they are taken as measured, not corrected, where the profile has none or the measurement
-    differs beyond its noise, :func:`replica_rate_differs`) and the link's own latency per call
-    (``link_latency_s``: the inter-host all-to-all latency on several hosts, else the intra-host
-    one; taken where the profile has none or it differs beyond the noise :func:`links_differ`
-    allows a latency, :func:`link_latency_differs`); ``profile`` itself when the link is
+    differs beyond its noise, :func:`replica_rate_differs`); ``profile`` itself when the link is
     None or measured none of them (one host of one rank, an older record) or they agree. The step
     calibration stores its fitted profile through this, and a stored profile moved to a job's
     link (:func:`~torchrec_sparselift.calibration.term_error.profile_on_link`) takes the job's."""
@@ -635,23 +635,22 @@ def with_link_facts(profile: Any, link: Optional[LinkRates]) -> Any:
         v = getattr(link, row.measured)
         if v is not None and replica_rate_differs(getattr(profile, row.field), v, link):
             changes[row.field] = float(v)
-    latency = link.inter_latency_s if link.inter_latency_s is not None else link.intra_latency_s
-    if latency is not None and link_latency_differs(getattr(profile, "link_latency_s", None), latency, link):
-        changes["link_latency_s"] = float(latency)
     return attrs.evolve(profile, **changes) if changes else profile
 
 
-def link_latency_differs(current: Optional[float], measured: float, link: LinkRates,
-                         latency_floor: float = LATENCY_FLOOR, latency_floor_s: float = LATENCY_FLOOR_S) -> bool:
-    """Whether a per-call link latency ``measured`` on ``link`` replaces the profile's ``current``:
-    always where it has none; else where they differ as :func:`links_differ` says two latencies
-    differ (further apart than ``max(latency_floor_s, 2 * link.latency_spread_s)`` and more than
-    ``1 + latency_floor`` times), so a profile stays the same from one job to the next on the
-    same link."""
-    if current is None:
-        return True
-    hi, lo = max(current, measured), min(current, measured)
-    return hi - lo > max(latency_floor_s, 2 * link.latency_spread_s) and not (lo > 0 and hi / lo - 1 <= latency_floor)
+def with_link_latency(profile: Any, link: Optional[LinkRates]) -> Any:
+    """``profile`` with ``link_latency_s``, the link's own latency per collective call, as ``link``
+    measured it: the inter-host all-to-all latency on several hosts, else the intra-host one. The
+    step calibration stores its profile through this; a stored profile moved to another link has
+    it moved by :func:`correct_link_terms` where the latencies differ beyond their noise (a plan
+    cache keyed on the profile stays valid from one job to the next on the same link). ``profile``
+    itself where ``link`` is None or measured no all-to-all latency (one rank)."""
+    if link is None:
+        return profile
+    latency = link.inter_latency_s if link.inter_latency_s is not None else link.intra_latency_s
+    if latency is None:
+        return profile
+    return attrs.evolve(profile, link_latency_s=float(latency))
 
 
 def replica_rate_differs(current: Optional[float], measured: float, link: LinkRates) -> bool:

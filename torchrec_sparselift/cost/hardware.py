@@ -227,7 +227,8 @@ class HardwareProfile:
         link_latency_s: seconds the link itself takes per collective call: a bare
             ``all_to_all_single``'s latency as the job's link measurement reads it
             (``calibration.link.LinkRates``: the inter-host one on several hosts, else the intra-host
-            one; set by ``calibration.link.with_link_facts``). ``collective_latency_s`` (fitted on
+            one; set by the step calibration, ``calibration.link.with_link_latency``, and moved with
+            a link correction, ``correct_link_terms``). ``collective_latency_s`` (fitted on
             whole steps) also holds each call's work on the rank's own thread (TorchRec's collective
             wrappers, their autograd nodes); a batch split's extra chunk puts only this part on the
             link, the rest is in the per-chunk price ``chunk_overhead_s`` the step calibration

@@ -39,7 +39,7 @@ import attrs
 import numpy as np
 
 from torchrec_sparselift.defaults import ranks_per_host
-from torchrec_sparselift.calibration.link import with_link_facts
+from torchrec_sparselift.calibration.link import with_link_facts, with_link_latency
 from torchrec_sparselift.calibration.pricer import PlanPricer
 from torchrec_sparselift.calibration.records import HostTermRecord, ProbeMeasurement, ProbeRecord
 from torchrec_sparselift.calibration.rewrite_fit import ChunkCostFit, step_chunk_cost
@@ -646,7 +646,7 @@ def calibrate_steps(
     if link is None:
         link = _measured_link(progress and dist.get_rank(pg) == 0)
     # hosts whose ranks share one link: the probes are fitted priced as shared, as the profile stored
-    base = with_link_facts(base, link)
+    base = with_link_latency(with_link_facts(base, link), link)
     # the host microbenchmarks run before and after the probes, a minute apart, and their floors
     # take the mean of the two readings (HostTermRecord.mean_of: one reading in a slow stretch
     # lifted a floor, and with it every prediction of the many-feature DLRM workloads, by ~20%)
