@@ -461,6 +461,16 @@ class SplitTermsBatch:
         collectives add to the link (:func:`chunk_link_latency_s`)."""
         tab = phase_table(np.atleast_2d(np.asarray(colmax_rows, dtype=float)), allreduce_bytes, comm_groups, ctx,
                           fwd_precision, bwd_precision, BATCH_SPLIT_PIPELINE)
+        return cls.from_overlap_table(tab, comm_groups, ctx, chunk_overhead_s=chunk_overhead_s,
+                                      chunk_feature_s=chunk_feature_s, features=features)
+
+    @classmethod
+    def from_overlap_table(cls, tab: np.ndarray, comm_groups: int, ctx: CostContext, *, chunk_overhead_s: float,
+                           chunk_feature_s: float = 0.0, features: int = 0) -> "SplitTermsBatch":
+        """:meth:`from_cost_model` on an ``overlap`` phase table already built (``cost.model.phase_table``
+        under ``BATCH_SPLIT_PIPELINE``): what one chunk's collectives add to the link
+        (:func:`chunk_link_latency_s`) and :meth:`from_phase_table`."""
+        tab = np.atleast_2d(np.asarray(tab, dtype=float))
         per_chunk = chunk_link_latency_s(ctx.profile, ctx.world_size, comm_groups)
         per_chunk = np.minimum(np.minimum(per_chunk, tab[:, PHASE_NAMES.index("output_dist")]),
                                tab[:, PHASE_NAMES.index("grad_dist")])

@@ -28,7 +28,8 @@ from torchrec_sparselift.cost.batch_split import (
     BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitTerms, SplitTermsBatch, choose_chunks, split_step_batch, split_step_s,
 )
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
-from torchrec_sparselift.cost.model import CostContext, step_total_batch
+from torchrec_sparselift.cost.model import CostContext, phase_table
+from torchrec_sparselift.cost.pipelines import step_factor, step_totals
 from torchrec_sparselift.search.equation import SPLIT_FLOOR_PATHS, split_floor_s
 from torchrec_sparselift.search.problem import PlanningProblem
 
@@ -110,7 +111,10 @@ class SplitMovePrice:
     """The moves' objective under the split ``overlap`` pipeline at a fixed ``k``: for rows of
     column maxima (peers' share included; ``PlanEvaluator.row_price``'s signature), each row's
     :func:`split_price_at` at ``k``, with its terms as :func:`split_terms` builds them (one more
-    chunk's dense cost ``chunk_overhead_s``) and its unsplit step ``cost.model.step_total_batch``."""
+    chunk's dense cost ``chunk_overhead_s``) and its unsplit step ``cost.model.step_total_batch``.
+    One ``cost.model.phase_table`` per call gives both the unsplit step and the split terms
+    (``SplitTermsBatch.from_overlap_table``); a second one, on the loads clamped at 0, only where a
+    load or the all-reduce holds a rounding residue below 0."""
 
     ctx: CostContext
     k: int = attrs.field(validator=_chunks)
@@ -119,14 +123,17 @@ class SplitMovePrice:
     bwd_precision: str
 
     def __call__(self, colmax_rows: np.ndarray, allreduce_bytes: float, groups: int) -> np.ndarray:
-        step = step_total_batch(colmax_rows, allreduce_bytes, groups, self.ctx, BATCH_SPLIT_PIPELINE,
-                                self.fwd_precision, self.bwd_precision)
+        rows = np.atleast_2d(np.asarray(colmax_rows, dtype=float))
+        ctx, pipe = self.ctx, BATCH_SPLIT_PIPELINE
+        table = phase_table(rows, allreduce_bytes, groups, ctx, self.fwd_precision, self.bwd_precision, pipe)
+        step = step_totals(table, pipe, getattr(ctx.profile, "supports_overlap", True), ctx.num_hosts > 1
+                           ) * step_factor(ctx.profile, pipe, ctx.num_hosts > 1)
         if self.k == 1:
             return step
-        terms = SplitTermsBatch.from_cost_model(
-            np.maximum(colmax_rows, 0.0), max(0.0, allreduce_bytes), groups, self.ctx,
-            chunk_overhead_s=self.chunk_overhead_s, fwd_precision=self.fwd_precision,
-            bwd_precision=self.bwd_precision)
+        clamped, ar = np.maximum(rows, 0.0), max(0.0, allreduce_bytes)
+        if ar != allreduce_bytes or np.any(clamped != rows):  # a rounding residue below 0: its own table
+            table = phase_table(clamped, ar, groups, ctx, self.fwd_precision, self.bwd_precision, pipe)
+        terms = SplitTermsBatch.from_overlap_table(table, groups, ctx, chunk_overhead_s=self.chunk_overhead_s)
         return split_price_rows(step, terms, self.k)
 
 
