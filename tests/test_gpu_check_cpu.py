@@ -33,25 +33,32 @@ def _failed(lines: list) -> list:
     return [line for line in lines if line.startswith("FAILED")]
 
 
-def _assert_trained(results: list, ref: str) -> None:
+def _passing(job, argv: list, ref: str, label: str, cls: str) -> tuple:
+    """The check's worker on 2 gloo ranks: it trained, and its verdict passes on both ranks for
+    ``label`` built as ``cls``. Returns the module, its arguments and the ranks' results."""
+    gc = _gpu_check()
+    args = gc.parse(argv)
+    results = run_ranks(job, 2, timeout_s=300)
     for r in results:
         losses = r["runs"][ref]["losses"]
         assert len(losses) == 4 and losses[-1] != losses[0]  # it trained
+    lines = gc.verdict(args, results)
+    assert len(lines) == 2 and all(line.startswith("ok") for line in lines), "\n".join(lines)
+    assert all(f"{label} vs {ref}" in line and getattr(gc, cls) in line for line in lines)
+    return gc, args, results
+
+
+def _fails_on_a_perturbed_loss(gc, args, results: list, rank: int, run: str, step: int, ref: str) -> None:
+    bad = copy.deepcopy(results)
+    bad[rank]["runs"][run]["losses"][step] *= 1.01
+    (line,) = _failed(gc.verdict(args, bad))
+    assert f"rank {rank} {run} vs {ref}" in line and "losses worst relative difference 1.00e-02" in line
 
 
 @pytest.mark.multiprocess
 def test_overlap_worker_passes_and_fails_on_a_perturbed_loss() -> None:
-    gc = _gpu_check()
-    args = gc.parse(OVERLAP)
-    results = run_ranks(_overlap_job, 2, timeout_s=300)
-    _assert_trained(results, "base")
-    lines = gc.verdict(args, results)
-    assert len(lines) == 2 and all(line.startswith("ok") for line in lines), "\n".join(lines)
-    assert all("overlap vs base" in line and gc.OVERLAP_CLASS in line for line in lines)
-    bad = copy.deepcopy(results)
-    bad[1]["runs"]["overlap"]["losses"][-1] *= 1.01
-    (line,) = _failed(gc.verdict(args, bad))
-    assert "rank 1 overlap vs base" in line and "losses worst relative difference 1.00e-02" in line
+    gc, args, results = _passing(_overlap_job, OVERLAP, "base", "overlap", "OVERLAP_CLASS")
+    _fails_on_a_perturbed_loss(gc, args, results, 1, "overlap", -1, "base")
     bad = copy.deepcopy(results)
     bad[0]["runs"]["overlap"]["class"] = "TrainPipelineBase"
     (line,) = _failed(gc.verdict(args, bad))
@@ -60,17 +67,10 @@ def test_overlap_worker_passes_and_fails_on_a_perturbed_loss() -> None:
 
 @pytest.mark.multiprocess
 def test_batch_split_worker_passes_and_fails_on_a_perturbed_loss_or_weight() -> None:
-    gc = _gpu_check()
-    args = gc.parse(SPLIT)
-    results = run_ranks(_split_job, 2, timeout_s=300)
-    _assert_trained(results, "k=1")
+    gc, args, results = _passing(_split_job, SPLIT, "k=1", "k=2", "SPLIT_CLASS")
     lines = gc.verdict(args, results)
-    assert len(lines) == 2 and all(line.startswith("ok") for line in lines), "\n".join(lines)
-    assert all("k=2 vs k=1" in line and gc.SPLIT_CLASS in line and ", weights " in line for line in lines)
-    bad = copy.deepcopy(results)
-    bad[0]["runs"]["k=2"]["losses"][0] *= 1.01
-    (line,) = _failed(gc.verdict(args, bad))
-    assert "rank 0 k=2 vs k=1" in line and "losses worst relative difference 1.00e-02" in line
+    assert all(", weights " in line for line in lines)
+    _fails_on_a_perturbed_loss(gc, args, results, 0, "k=2", 0, "k=1")
     bad = copy.deepcopy(results)
     name = next(n for n, v in bad[1]["weights"]["k=2"].items() if v.numel())
     bad[1]["weights"]["k=2"][name] = bad[1]["weights"]["k=2"][name] * 2.0
