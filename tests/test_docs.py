@@ -487,8 +487,12 @@ def _own_flags(path: str) -> Dict[str, Any]:
                 action = next((kw.value.value for kw in node.keywords if kw.arg == "action"
                                and isinstance(kw.value, ast.Constant)), None)
                 default = False if action == "store_true" else True if action == "store_false" else None
+            negated = any(kw.arg == "action" and isinstance(kw.value, ast.Attribute)
+                          and kw.value.attr == "BooleanOptionalAction" for kw in node.keywords)
             for o in opts:
                 flags.setdefault(o, default)
+                if negated and o.startswith("--"):  # argparse.BooleanOptionalAction adds --no-FLAG
+                    flags.setdefault("--no-" + o[2:], not default if isinstance(default, bool) else default)
     return flags
 
 
