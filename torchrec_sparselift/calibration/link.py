@@ -647,7 +647,9 @@ def with_link_latency(profile: Any, link: Optional[LinkRates]) -> Any:
     itself where ``link`` is None or measured no all-to-all latency (one rank)."""
     if link is None:
         return profile
-    latency = link.inter_latency_s if link.inter_latency_s is not None else link.intra_latency_s
+    # the rows that move collective_latency_s, in the order correct_link_terms reads them
+    latency = next((getattr(link, row.measured) for row in link_terms("latency")
+                    if getattr(link, row.measured) is not None), None)
     if latency is None:
         return profile
     return attrs.evolve(profile, link_latency_s=float(latency))

@@ -60,6 +60,7 @@ __all__ = [
     "SplitTerms",
     "chunk_dense_s",
     "chunk_link_latency_s",
+    "chunk_latency_within",
     "pooled_features",
     "ChunkTimes",
     "SplitSchedule",
@@ -114,6 +115,13 @@ def chunk_link_latency_s(profile: Any, world_size: int, comm_groups: int) -> flo
     if link is not None:
         lat = min(lat, float(link))
     return lat * collective_calls("output_dist", comm_groups)
+
+
+def chunk_latency_within(profile: Any, world_size: int, comm_groups: int, output_dist_s: Any,
+                         grad_dist_s: Any) -> Any:
+    """:func:`chunk_link_latency_s`, at most the unsplit output and gradient collectives' times (a
+    float or, given arrays, one value per row): one chunk's ``SplitTerms.chunk_latency_s``."""
+    return np.minimum(np.minimum(chunk_link_latency_s(profile, world_size, comm_groups), output_dist_s), grad_dist_s)
 
 
 def pooled_features(handles: Any) -> int:
@@ -206,8 +214,8 @@ class SplitTerms:
         (:func:`chunk_link_latency_s`)."""
         phases = phase_times(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision,
                              BATCH_SPLIT_PIPELINE)
-        per_chunk = min(chunk_link_latency_s(ctx.profile, ctx.world_size, comm_groups), phases["output_dist"],
-                        phases["grad_dist"])
+        per_chunk = float(chunk_latency_within(ctx.profile, ctx.world_size, comm_groups, phases["output_dist"],
+                                               phases["grad_dist"]))
         return cls.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=chunk_overhead_s,
                                chunk_feature_s=chunk_feature_s, features=features,
                                supports_overlap=ctx.profile.supports_overlap)
@@ -471,9 +479,8 @@ class SplitTermsBatch:
         under ``BATCH_SPLIT_PIPELINE``): what one chunk's collectives add to the link
         (:func:`chunk_link_latency_s`) and :meth:`from_phase_table`."""
         tab = np.atleast_2d(np.asarray(tab, dtype=float))
-        per_chunk = chunk_link_latency_s(ctx.profile, ctx.world_size, comm_groups)
-        per_chunk = np.minimum(np.minimum(per_chunk, tab[:, PHASE_NAMES.index("output_dist")]),
-                               tab[:, PHASE_NAMES.index("grad_dist")])
+        per_chunk = chunk_latency_within(ctx.profile, ctx.world_size, comm_groups,
+                                         tab[:, PHASE_NAMES.index("output_dist")], tab[:, PHASE_NAMES.index("grad_dist")])
         dense = float(chunk_overhead_s) + float(chunk_feature_s) * features
         return cls.from_phase_table(tab, chunk_latency_s=per_chunk, chunk_dense_s=dense,
                                     supports_overlap=ctx.profile.supports_overlap)

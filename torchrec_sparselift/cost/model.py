@@ -645,5 +645,11 @@ def step_total_batch(
     ``step_time(row, ...).total_s`` for each row (tested).
     """
     table = phase_table(colmax, allreduce_bytes, comm_groups, ctx, fwd_precision, bwd_precision, pipeline)
+    return step_total_of_table(table, ctx, pipeline)
+
+
+def step_total_of_table(table: np.ndarray, ctx: CostContext, pipeline: str = defaults.PIPELINE) -> np.ndarray:
+    """:func:`step_total_batch` of a :func:`phase_table` already built under ``pipeline``: the
+    pipeline's composition times its measured step factor, per row."""
     return step_totals(table, pipeline, getattr(ctx.profile, "supports_overlap", True), ctx.num_hosts > 1
                        ) * step_factor(ctx.profile, pipeline, ctx.num_hosts > 1)

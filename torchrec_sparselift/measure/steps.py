@@ -53,7 +53,7 @@ from torchrec_sparselift.calibration.store import (
     drift_spread,
     stored_profile_problems,
 )
-from torchrec_sparselift.cost.batch_split import SplitTerms, chunk_link_latency_s, split_step_s
+from torchrec_sparselift.cost.batch_split import SplitTerms, chunk_latency_within, chunk_link_latency_s, split_step_s
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
 from torchrec_sparselift.cost.hardware import HardwareProfile, get_profile
 from torchrec_sparselift.errors import FileFormatError
@@ -550,8 +550,8 @@ def model_chunk_slopes(profile: HardwareProfile, names: Sequence[str], chunks: S
         for t, (_c, ranks) in enumerate(given.placed):
             ev.assign(t, t, ranks)
         phases = dict(ev.phases())
-        per_chunk = min(chunk_link_latency_s(ctx.profile, world_size, ev.comm_groups), phases["output_dist"],
-                        phases["grad_dist"])
+        per_chunk = float(chunk_latency_within(ctx.profile, world_size, ev.comm_groups, phases["output_dist"],
+                                               phases["grad_dist"]))
         terms = SplitTerms.from_phases(phases, chunk_latency_s=per_chunk, chunk_overhead_s=0.0,
                                        supports_overlap=ctx.profile.supports_overlap)
         ks = sorted(set(int(k) for k in chunks))

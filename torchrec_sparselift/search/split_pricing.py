@@ -28,8 +28,7 @@ from torchrec_sparselift.cost.batch_split import (
     BATCH_SPLIT_PIPELINE, MAX_CHUNKS, SplitTerms, SplitTermsBatch, choose_chunks, split_step_batch, split_step_s,
 )
 from torchrec_sparselift.cost.evaluator import PlanEvaluator
-from torchrec_sparselift.cost.model import CostContext, phase_table
-from torchrec_sparselift.cost.pipelines import step_factor, step_totals
+from torchrec_sparselift.cost.model import CostContext, phase_table, step_total_of_table
 from torchrec_sparselift.search.equation import SPLIT_FLOOR_PATHS, split_floor_s
 from torchrec_sparselift.search.problem import PlanningProblem
 
@@ -126,8 +125,7 @@ class SplitMovePrice:
         rows = np.atleast_2d(np.asarray(colmax_rows, dtype=float))
         ctx, pipe = self.ctx, BATCH_SPLIT_PIPELINE
         table = phase_table(rows, allreduce_bytes, groups, ctx, self.fwd_precision, self.bwd_precision, pipe)
-        step = step_totals(table, pipe, getattr(ctx.profile, "supports_overlap", True), ctx.num_hosts > 1
-                           ) * step_factor(ctx.profile, pipe, ctx.num_hosts > 1)
+        step = step_total_of_table(table, ctx, pipe)
         if self.k == 1:
             return step
         clamped, ar = np.maximum(rows, 0.0), max(0.0, allreduce_bytes)
