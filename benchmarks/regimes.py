@@ -998,8 +998,8 @@ def _parity(w, alpha: float, specs: Mapping[str, Mapping[str, Any]], steps: int,
 
 
 def replay_entry(spec: Mapping[str, Any], world: int) -> Optional[Dict[str, Any]]:
-    """What the unshaped regime needs to train ``spec``'s run again (its sharding plan as a dict, its
-    pipeline, precisions and rewrites), or None for a run whose plan depends on the host layout (2D,
+    """What a run needs to train ``spec``'s run again (its sharding plan as a dict, its pipeline,
+    precisions and rewrites: the unshaped regime's compute part, ``benchmarks.rewrite_pairs``), or None for a run whose plan depends on the host layout (2D,
     table-row-wise) and so is not the same plan on R1's one host."""
     _pipe, _fwd, _bwd, group = _settings_of(spec)
     if group is not None and group < world:
@@ -1113,7 +1113,7 @@ def run_workload(args, regime: str, wname: str, profiles, errors, pg, say) -> Di
         if s["name"].startswith("sparselift"):  # the profile it planned with
             row["profile"] = ("unshaped" if s["name"] == "sparselift_unshaped"
                               or profiles["regime"] is profiles.get("unshaped") else "regime")
-        if REGIMES[regime]["kind"] == "network" and s["same_as"] is None:
+        if s["same_as"] is None:  # the unshaped job's compute parts, benchmarks.rewrite_pairs
             row["replay"] = replay_entry(s, W)
         if src.get("failed") or not src["runs"]:
             row["failed"] = src.get("failed") or "not measured"

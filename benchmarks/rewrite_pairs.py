@@ -7,7 +7,9 @@ rounds of fresh models, where the regime benchmark's two rounds cannot tell rewr
 
 ``--from``: a ``benchmarks.regimes`` result (``--out``); ``--row``: one of its rows of
 ``--workload`` in ``--regime`` (``sparselift``, ``torchrec``, ``sparselift_split4``, ...), whose
-stored replay (its sharding plan, pipeline, precisions and ids dtype) every variant trains.
+stored replay (its sharding plan, pipeline, precisions and ids dtype) every variant trains; or
+several, comma-separated (``--row torchrec,sparselift --variants 1``: two rows' own plans side by
+side, each variant of each row, labelled ``ROW:VARIANT``).
 ``--variants``: comma-separated ``K`` (batch split into K chunks, ``overlap`` where K > 1, the
 run's own pipeline at 1; no dedup) or ``Kd`` (the same with every model-parallel feature
 deduplicated). Launch it on the link of the regime the run came from (the testbed command above
@@ -16,8 +18,9 @@ for R2 and R3: ``--rate 1gbit`` / ``300mbit``; ``torchrun --standalone --nproc_p
 Each round trains every variant once (the order rotated each round; ``benchmarks.regimes.timed_run``,
 as the regime benchmark times its runs: ranks pinned, ``--warmup`` untimed then ``--steps`` timed
 steps, the slowest rank's steady step). Prints each variant's ms per round, its median, its
-median ratio to the first variant paired by round, and whether its last loss agrees with the first
-variant's within :data:`LOSS_RTOL` (the rewrites are exact: a difference is a bug).
+median ratio to the first variant paired by round, and whether its last loss agrees within
+:data:`LOSS_RTOL` with the first variant's of the same sharding plan (the rewrites are exact: a
+difference is a bug; another plan's tables start from other random streams).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import json
 import math
 import statistics
 import warnings
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, TypeVar
 
 from benchmarks.harness import exit_now, interleaved_rounds, paired_ratio, worker, write_report
 from benchmarks.real_runs import BATCH_SEED, _workloads
@@ -37,7 +40,9 @@ from torchrec_sparselift.measure.probe import prebuilt_batches
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict
 from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
-__all__ = ["LOSS_RTOL", "parse_variants", "replay_of", "variant_spec", "main"]
+__all__ = ["LOSS_RTOL", "parse_variants", "parse_rows", "replay_of", "same_plan_first", "variant_spec", "main"]
+
+T = TypeVar("T")
 
 #: the last losses of two variants agree within this (the batch split sums the chunks' losses and
 #: gradients in another order than the unsplit step: equal up to floating-point summation order)
@@ -62,6 +67,18 @@ def parse_variants(text: str) -> List[Tuple[int, bool]]:
     if not out:
         raise ValueError("--variants: give at least one variant (e.g. 1,4)")
     return out
+
+
+def parse_rows(text: str) -> List[str]:
+    """``"torchrec, sparselift"`` -> ``["torchrec", "sparselift"]``. ``ValueError`` naming an empty
+    or repeated row."""
+    rows = [r.strip() for r in text.split(",")]
+    for r in rows:
+        if not r:
+            raise ValueError(f"--row {text!r}: an empty row name (e.g. --row torchrec,sparselift)")
+        if rows.count(r) > 1:
+            raise ValueError(f"--row {text!r}: {r!r} is given twice")
+    return rows
 
 
 def replay_of(result: Mapping[str, Any], regime: str, workload: str, run: str) -> Dict[str, Any]:
@@ -93,8 +110,16 @@ def variant_spec(replay: Mapping[str, Any], plan: Any, chunks: int, dedup: bool,
                 id_dtype=replay.get("id_dtype"), dedup_features=list(features) if dedup else None)
 
 
-def _label(chunks: int, dedup: bool) -> str:
-    return f"{chunks}{'d' if dedup else ''}"
+def same_plan_first(items: Sequence[T], plan_of: Callable[[T], Any], item: T) -> T:
+    """The first of ``items`` whose plan (``plan_of``) is ``item``'s: the variant whose last loss
+    ``item``'s must equal (rewrites of one sharding are exact; another sharding initializes its
+    tables from other random streams, so its loss is not compared)."""
+    return next(x for x in items if plan_of(x) == plan_of(item))
+
+
+def _label(row: str, chunks: int, dedup: bool, rows: int) -> str:
+    """A variant's label: ``K`` / ``Kd``, prefixed ``ROW:`` where several rows are replayed."""
+    return f"{row + ':' if rows > 1 else ''}{chunks}{'d' if dedup else ''}"
 
 
 def main() -> int:
@@ -102,7 +127,8 @@ def main() -> int:
     p.add_argument("--from", dest="source", required=True, help="a benchmarks.regimes result JSON")
     p.add_argument("--regime", required=True)
     p.add_argument("--workload", required=True)
-    p.add_argument("--row", default="sparselift", help="the run (row) whose plan the variants train (default sparselift)")
+    p.add_argument("--row", default="sparselift",
+                   help="the run (row) whose plan the variants train, or several comma-separated (default sparselift)")
     p.add_argument("--variants", default="1,2,4,8", help="comma-separated K or Kd (default 1,2,4,8)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=8)
@@ -111,8 +137,10 @@ def main() -> int:
     args = p.parse_args()
     try:
         variants = parse_variants(args.variants)
+        rows = parse_rows(args.row)
         with open(args.source, encoding="utf-8") as f:
-            replay = replay_of(json.load(f), args.regime, args.workload, args.row)
+            result = json.load(f)
+        replays = {r: replay_of(result, args.regime, args.workload, r) for r in rows}
         if args.workload not in _workloads():
             raise ValueError(f"--workload {args.workload}: not a benchmark workload ({sorted(_workloads())})")
     except (OSError, ValueError) as e:
@@ -121,32 +149,41 @@ def main() -> int:
         p.error("--rounds and --steps must be >= 1, --warmup >= 0")
     warnings.filterwarnings("ignore")
     w, alpha = _workloads()[args.workload]
-    plan = sharding_plan_from_dict(replay["plan"])
-    sharding = {t: ps.sharding_type for module in plan.plan.values() for t, ps in module.items()}
-    features = [f for t in w.tables if sharding.get(t.name) != DATA_PARALLEL for f in t.features]
+    plans = {r: sharding_plan_from_dict(replays[r]["plan"]) for r in rows}
+
+    def model_parallel_features(row: str) -> List[str]:
+        sharding = {t: ps.sharding_type for module in plans[row].plan.values() for t, ps in module.items()}
+        return [f for t in w.tables if sharding.get(t.name) != DATA_PARALLEL for f in t.features]
+
+    features = {r: model_parallel_features(r) for r in rows}
+    items = [(r, k, d) for r in rows for k, d in variants]
+    label = {it: _label(*it, len(rows)) for it in items}
     with worker() as c:
         batches = prebuilt_batches(w, 6, seed=BATCH_SEED, rank=c.rank, alpha=alpha)
-        ms: Dict[str, List[float]] = {_label(*v): [] for v in variants}
+        ms: Dict[str, List[float]] = {label[it]: [] for it in items}
         loss: Dict[str, float] = {}
 
-        def measure(v: Tuple[int, bool], _round: int) -> None:
-            spec = variant_spec(replay, plan, v[0], v[1], features)
+        def measure(it: Tuple[str, int, bool], _round: int) -> None:
+            row, chunks, dedup = it
+            spec = variant_spec(replays[row], plans[row], chunks, dedup, features[row])
             step_s, losses, _build_s = timed_run(lambda: lift_run(w, spec, c.device), batches, args.steps,
                                                  args.warmup, c.pg)
-            ms[_label(*v)].append(1e3 * step_s)
-            loss[_label(*v)] = losses[-1]
+            ms[label[it]].append(1e3 * step_s)
+            loss[label[it]] = losses[-1]
 
-        interleaved_rounds(variants, measure, args.rounds)
-        first = _label(*variants[0])
+        interleaved_rounds(items, measure, args.rounds)
+        first = label[items[0]]
         out: Dict[str, Any] = {}
-        for label, runs in ms.items():
-            out[label] = dict(ms=runs, median_ms=statistics.median(runs),
-                              over_first=paired_ratio(runs, ms[first]), last_loss=loss[label],
-                              loss_equal=math.isclose(loss[label], loss[first], rel_tol=LOSS_RTOL))
-            c.say(f"[rewrite_pairs] {args.regime} {args.workload} {args.row} {label}: median "
-                  f"{out[label]['median_ms']:.2f} ms, /{first} {out[label]['over_first']:.3f}, rounds "
-                  f"{[round(x, 1) for x in runs]}, last loss {loss[label]:.6f}"
-                  f"{'' if out[label]['loss_equal'] else f' (differs from the first variant beyond {LOSS_RTOL:g})'}")
+        for it in items:
+            name, runs = label[it], ms[label[it]]
+            same = label[same_plan_first(items, lambda x: replays[x[0]]["plan"], it)]
+            out[name] = dict(ms=runs, median_ms=statistics.median(runs),
+                             over_first=paired_ratio(runs, ms[first]), last_loss=loss[name], loss_of=same,
+                             loss_equal=math.isclose(loss[name], loss[same], rel_tol=LOSS_RTOL))
+            c.say(f"[rewrite_pairs] {args.regime} {args.workload} {args.row} {name}: median "
+                  f"{out[name]['median_ms']:.2f} ms, /{first} {out[name]['over_first']:.3f}, rounds "
+                  f"{[round(x, 1) for x in runs]}, last loss {loss[name]:.6f}"
+                  f"{'' if out[name]['loss_equal'] else f' (differs from {same} beyond {LOSS_RTOL:g})'}")
         if args.out and c.rank == 0:
             write_report(args.out, {"variants": out, "replay_of": args.row, "settings": vars(args)})
     return 0

@@ -25,6 +25,7 @@ from torchrec_sparselift.plan.baseline import (
     never_slower_with_precision, same_sharding_price, term_seconds,
 )
 from torchrec_sparselift.plan.compare import torchrec_plan
+from torchrec_sparselift.plan import planning
 from torchrec_sparselift.plan.planning import plan_result
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -327,6 +328,36 @@ def test_kept_plan_pipeline_takes_the_fastest_pipeline_that_clears_the_rule():
     assert name == "fused" and d.baseline == "torchrec+fp16/fp16" and "with fp16/fp16 comms" in d.describe()
 
 
+def test_kept_plan_pipeline_weighs_each_pipeline_with_its_rewrites():
+    """A pipeline with the rewrites chosen on it is a setting of its own (the split needs overlap);
+    where the default pipeline with its rewrites clears the rule, another setting must beat it."""
+    from torchrec_sparselift.plan.baseline import REWRITE_TERM, with_rewrite_term
+
+    errs = TermErrors({"a2a": 0.1}, 0.1)
+    base = _times({"a2a": 0.010, FIXED_TERM: 0.020})  # TorchRec's plan under sparse_dist
+    fused = _times({"a2a": 0.008, FIXED_TERM: 0.020})  # 2 ms faster
+    overlap = _times({"a2a": 0.011, FIXED_TERM: 0.020})  # slower unsplit ...
+    split, rw_errs = with_rewrite_term(overlap, 0.005, errs)  # ... and 4 ms faster than base split
+    name, d = kept_plan_pipeline(base, {"fused": fused, "overlap": overlap}, rw_errs, rewritten={"overlap": split},
+                                 default="sparse_dist")
+    assert name == "overlap" and d.with_rewrites and d.candidate_s == pytest.approx(0.026)
+    assert "TorchRec's plan under overlap with its rewrites kept" in d.describe()
+    assert REWRITE_TERM in [t.term for t in d.differing]
+    # without the rewrites' setting: fused, as before
+    name, d = kept_plan_pipeline(base, {"fused": fused, "overlap": overlap}, errs)
+    assert name == "fused" and not d.with_rewrites
+    # the rewrites' saving within its error (100%): the split does not clear, fused does
+    doubt = attrs.evolve(rw_errs, errors={**rw_errs.errors, REWRITE_TERM: 2.0})
+    assert kept_plan_pipeline(base, {"fused": fused, "overlap": overlap}, doubt,
+                              rewritten={"overlap": split})[0] == "fused"
+    # the default pipeline with the same rewrites is as fast: no other pipeline is kept for them
+    own, _ = with_rewrite_term(base, 0.001, errs)
+    same, _ = with_rewrite_term(_times({"a2a": 0.010, FIXED_TERM: 0.020}), 0.001, errs)
+    assert kept_plan_pipeline(base, {"base": base}, rw_errs, rewritten={"base": same, "sparse_dist": own},
+                              default="sparse_dist") is None
+    assert kept_plan_pipeline(base, {"base": base}, rw_errs, rewritten={"base": same})[0] == "base"
+
+
 def test_one_plan_under_two_settings_is_judged_on_the_difference_of_each_term():
     """Between two plans a differing term's margin is e * max(t); within one plan (two pipelines,
     or two comm precisions) the term's error moves both sides alike: e * |difference|. A term only
@@ -353,17 +384,20 @@ def test_one_plan_under_two_settings_is_judged_on_the_difference_of_each_term():
         pytest.approx(0.0135)
 
 
+def _sparselift_plan_fails_the_rule(monkeypatch) -> None:
+    """Make SparseLift's own plan fail the rule (the planner imports the rule by name)."""
+    def within_error(candidate, baseline_at, precision, full, errors):
+        return BaselineDecision(leave=False, candidate_s=0.0, baseline_s=0.0), tuple(full)
+
+    monkeypatch.setattr(planning, "never_slower_with_precision", within_error)
+
+
 def test_where_torchrecs_plan_is_kept_it_runs_under_a_pipeline_that_clears_the_rule(monkeypatch):
     """Across hosts on CPU, TorchRec's fused issues the output all-to-all before the forward
     (docs/overlap.md section 9). Where SparseLift's plan does not clear the rule (here: made so),
     TorchRec's sharding is kept, under fused where that alone clears the rule against TorchRec's
     default pipeline, else under sparse_dist."""
-    import torchrec_sparselift.plan.baseline as baseline
-
-    def within_error(candidate, baseline_at, precision, full, errors):  # SparseLift's own plan fails
-        return baseline.BaselineDecision(leave=False, candidate_s=0.0, baseline_s=0.0), tuple(full)
-
-    monkeypatch.setattr(baseline, "never_slower_with_precision", within_error)
+    _sparselift_plan_fails_the_rule(monkeypatch)
     topo = Topology(world_size=4, local_world_size=2, compute_device="cpu")
     module = meta_ebc(8, 200000, 64)
     theirs = torchrec_plan(module, get_default_sharders(), topo, 512)
@@ -380,13 +414,64 @@ def test_where_torchrecs_plan_is_kept_it_runs_under_a_pipeline_that_clears_the_r
     assert res.search.pipeline == "fused" and res.search.solver == "torchrec(never_slower)"
     d = res.never_slower
     assert d.leave and d.candidate_pipeline == "fused" and d.gain_s > d.margin_s > 0.0
-    assert "TorchRec's plan under fused kept" in d.describe()
+    assert "TorchRec's plan under fused with its rewrites kept" in d.describe()  # its int32 ids
+    assert d.with_rewrites and res.rewrites.id_dtype == "int32" and res.rewrites.saving_s > 0
     assert res.rewritten_step_s == pytest.approx(d.candidate_s, rel=1e-6)  # priced under fused, with its rewrites
     assert d.gain_s == pytest.approx(plan(5.0).search.step.total_s - d.candidate_s, rel=1e-6)
     # with the error at 500% the pipeline's gain is within it: TorchRec's default pipeline
     big = plan(5.0)
     assert sharding_plan_digest(big.sharding_plan) == sharding_plan_digest(theirs.plan)
     assert big.search.pipeline == "sparse_dist" and not big.never_slower.candidate_pipeline
+
+
+def test_where_torchrecs_plan_is_kept_it_can_run_under_overlap_with_the_batch_split(monkeypatch):
+    """TorchRec's sharding reaches the batch split only under ``overlap``: where overlap alone is
+    priced slower than fused but overlap with the split chosen on it is faster, the rule weighs the
+    pipeline with its rewrites (the split's saving a term of its own) and keeps TorchRec's
+    sharding under overlap, split."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.models.dlrm import DLRM
+
+    from torchrec_sparselift.plan.baseline import REWRITE_TERM
+    from torchrec_sparselift.plan.evaluate import evaluate_sharding_plan
+
+    _sparselift_plan_fails_the_rule(monkeypatch)
+    p = get_profile("cpu-gloo")
+    prof = attrs.evolve(p, inter_host_bw=p.inter_host_bw / 2, chunk_overhead_s=2e-4, link_latency_s=2e-4)
+    topo = Topology(world_size=2, local_world_size=1, compute_device="cpu")
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=32, num_embeddings=100_000, feature_names=[f"f{i}"])
+              for i in range(12)]
+    module = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+                  dense_in_features=13, dense_arch_layer_sizes=[256, 32], over_arch_layer_sizes=[256, 1])
+    theirs = torchrec_plan(module, get_default_sharders(), topo, 256)
+
+    def plan(errors):
+        planner = SparseLiftPlanner(topology=topo, batch_size=256, debug=False, hardware=prof, never_slower=True,
+                                    model_errors=errors, per_sample=True, time_budget_s=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return planner.plan_with_result(module, get_default_sharders())
+
+    def step(pipeline):
+        return evaluate_sharding_plan(module, theirs.plan, topo, 256, hardware=prof, pipeline=pipeline).step_time_s
+
+    res = plan(TermErrors({}, 0.05, "a test"))
+    d, r = res.never_slower, res.rewrites
+    assert sharding_plan_digest(res.sharding_plan) == sharding_plan_digest(theirs.plan)
+    assert res.search.pipeline == "overlap" and r.batch_split > 1 and d.candidate_pipeline == "overlap"
+    assert d.with_rewrites and "TorchRec's plan under overlap with its rewrites kept" in d.describe()
+    assert REWRITE_TERM in [t.term for t in d.differing] and d.gain_s > d.margin_s
+    # overlap alone is priced slower than fused; with the split it is faster (what the old rule missed)
+    assert step("overlap") > step("fused") > res.rewritten_step_s
+    assert res.rewritten_step_s == pytest.approx(d.candidate_s, rel=1e-6)
+    # the rewrites' saving enters the margin at its error (one plan: error x the saving)
+    rw = next(t for t in d.differing if t.term == REWRITE_TERM)
+    assert rw.candidate_s == pytest.approx(r.saving_s) and rw.margin_s == pytest.approx(rw.error * r.saving_s)
+    # every setting's gain within the error: TorchRec's plan under its default pipeline, no split
+    doubt = plan(TermErrors({}, 5.0, "a test"))
+    assert doubt.search.pipeline == "sparse_dist" and doubt.rewrites.batch_split == 1
+    assert not doubt.never_slower.leave and not doubt.never_slower.with_rewrites
 
 
 def test_same_sharding_price_is_true_only_where_torchrecs_sharding_is_no_slower():
@@ -438,9 +523,7 @@ def test_torchrecs_sharding_is_handed_back_only_under_a_pipeline_that_trains_it(
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-    import torchrec_sparselift.plan.baseline as baseline
-
-    monkeypatch.setattr(baseline, "same_sharding_price", lambda *a, **k: True)
+    monkeypatch.setattr(planning, "same_sharding_price", lambda *a, **k: True)
     rows = [3, 4, 10, 20, 100, 1000, 100000, 200000]  # TorchRec makes the five smallest data-parallel
     module = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=r,
                                                                feature_names=[f"f{i}"]) for i, r in enumerate(rows)],

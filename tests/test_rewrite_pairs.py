@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.rewrite_pairs import parse_variants, replay_of, variant_spec
+from benchmarks.rewrite_pairs import parse_rows, parse_variants, replay_of, same_plan_first, variant_spec
 
 RESULT = {"regimes": {"R3": {"workloads": [
     {"workload": "many_small", "rows": {
@@ -41,3 +41,18 @@ def test_a_split_variant_runs_the_overlap_pipeline_and_dedup_the_model_parallel_
     split = variant_spec(replay, "PLAN", 8, True, ["f0", "f1"])
     assert (split["pipeline"], split["batch_split"], split["dedup_features"]) == ("overlap", 8, ["f0", "f1"])
     assert split["plan"] == "PLAN" and split["fwd"] == "fp32"
+
+
+def test_several_rows_are_named_once_each():
+    assert parse_rows("torchrec, sparselift") == ["torchrec", "sparselift"]
+    assert parse_rows("sparselift") == ["sparselift"]
+    for bad, what in (("torchrec,,sparselift", "an empty row name"), ("a,b,a", "'a' is given twice"), ("", "empty")):
+        with pytest.raises(ValueError, match=what):
+            parse_rows(bad)
+
+
+def test_a_variants_loss_is_compared_with_the_first_variant_of_the_same_plan():
+    plans = {"torchrec": "P", "sparselift": "P", "table_wise": "Q"}
+    items = [("torchrec", 1, False), ("table_wise", 1, False), ("sparselift", 1, False), ("table_wise", 8, False)]
+    first = [same_plan_first(items, lambda x: plans[x[0]], it) for it in items]
+    assert first == [items[0], items[1], items[0], items[1]]

@@ -173,10 +173,19 @@ class BaselineDecision:
         return "TorchRec's plan" + self._with_comms
 
     @property
+    def with_rewrites(self) -> bool:
+        """Whether the candidate carries the rewrites' saving (:data:`REWRITE_TERM` differs)."""
+        return any(d.term == REWRITE_TERM for d in self.differing)
+
+    @property
     def candidate_label(self) -> str:
         """``"SparseLift's plan"``, or ``"TorchRec's plan under fused"`` for a candidate that is
-        TorchRec's plan under another pipeline (:func:`kept_plan_pipeline`)."""
-        return f"TorchRec's plan under {self.candidate_pipeline}" if self.candidate_pipeline else "SparseLift's plan"
+        TorchRec's plan under another pipeline (:func:`kept_plan_pipeline`; ``"... under overlap
+        with its rewrites"`` where the rewrites chosen on it are part of the candidate)."""
+        if not self.candidate_pipeline:
+            return "SparseLift's plan"
+        rewrites = " with its rewrites" if self.with_rewrites and not self.baseline_sharding else ""
+        return f"TorchRec's plan under {self.candidate_pipeline}{rewrites}"
 
     def describe(self) -> str:
         """One line: what was kept and why (gain, margin, the largest differing terms)."""
@@ -310,16 +319,30 @@ def never_slower_with_precision(
 
 
 def kept_plan_pipeline(baseline: TermTimes, under: Mapping[str, TermTimes], errors: TermErrors,
-                       label: str = "torchrec") -> Optional[Tuple[str, BaselineDecision]]:
+                       label: str = "torchrec", rewritten: Optional[Mapping[str, TermTimes]] = None,
+                       default: Optional[str] = None, rel_tolerance: float = 1e-9,
+                       ) -> Optional[Tuple[str, BaselineDecision]]:
     """Where TorchRec's plan is kept: the pipeline to keep it with. ``baseline``: TorchRec's plan
-    under its default pipeline; ``under``: the same plan under each other pipeline the planner may
-    choose (each priced with its measured factor term, :func:`with_pipeline_term`). The fastest
-    pipeline whose predicted gain over ``baseline`` clears the rule (:func:`never_slower` with
-    ``same_plan=True``: one plan, so each term's error is common to both sides), with its decision
-    (``candidate_pipeline`` set, ``baseline`` = ``label``); None when none does (TorchRec's plan is
-    kept under its default pipeline)."""
-    for name, times in sorted(under.items(), key=lambda kv: (kv[1].total_s, kv[0])):
-        if times.total_s >= baseline.total_s:
+    under its default pipeline (named ``default``); ``under``: the same plan under each other
+    pipeline the planner may choose (each priced with its measured factor term,
+    :func:`with_pipeline_term`); ``rewritten``: the same plan under a pipeline with the rewrites
+    chosen on it (:func:`with_rewrite_term`; the batch split needs ``overlap``, so TorchRec's
+    sharding reaches it only this way). The fastest of these settings whose predicted gain over
+    ``baseline`` clears the rule (:func:`never_slower` with ``same_plan=True``: one plan, so each
+    term's error is common to both sides), with its decision (``candidate_pipeline`` set,
+    ``baseline`` = ``label``, ``with_rewrites`` where it is one of ``rewritten``); None when none
+    does (TorchRec's plan is kept under its default pipeline). Where the default pipeline with its
+    rewrites (``rewritten[default]``) clears the rule, another setting must be faster than it
+    beyond ``rel_tolerance`` (float rounding), else None: the gain is the rewrites', and the caller
+    keeps them under the default pipeline."""
+    rewritten = dict(rewritten or {})
+    own = rewritten.pop(default, None) if default is not None else None
+    limit = baseline.total_s
+    if own is not None and never_slower(own, baseline, errors, same_plan=True).leave:
+        limit = min(limit, own.total_s * (1 - rel_tolerance))
+    settings = [(t, name) for name, t in under.items()] + [(t, name) for name, t in rewritten.items()]
+    for times, name in sorted(settings, key=lambda tn: (tn[0].total_s, tn[1], REWRITE_TERM in tn[0].terms)):
+        if times.total_s >= limit:
             break
         d = never_slower(times, baseline, errors, same_plan=True)
         if d.leave:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import attrs
 from torchrec.distributed.planner.planners import to_sharding_plan
@@ -116,6 +116,24 @@ def _judged_rewrites(request: PlanRequest, kept: PlanResult, times: TermTimes, e
     return attrs.evolve(kept, rewrites=choice.dropped(
         f"the never-slower rule: the rewrites' predicted saving on TorchRec's sharding, {d.gain_s * 1e3:.3f} ms, "
         f"is within the model's error {d.margin_s * 1e3:.3f} ms"))
+
+
+def _rewritten_sharding(request: PlanRequest, plan: Any, pipelines: Sequence[str], fwd: str, bwd: str,
+                        profile: Any) -> Dict[str, PlanResult]:
+    """TorchRec's sharding ``plan`` priced under each of ``pipelines`` with the rewrites chosen on it
+    there (:func:`~torchrec_sparselift.plan.rewrites.choose_rewrites`), for the pipelines where any
+    rewrite is chosen and saves time; empty where the request allows none."""
+    if not request.rewrites:
+        return {}
+    out = {}
+    for p in pipelines:
+        kept = evaluate_sharding_plan(request.module, plan, request.topology, request.batch_size,
+                                      request.constraints or None, profile, request.stats,
+                                      list(request.sharder_objects), pipeline=p, fwd_precision=fwd, bwd_precision=bwd)
+        choice = choose_rewrites(request, kept)
+        if choice.chosen and choice.saving_s > 0:
+            out[p] = attrs.evolve(kept, rewrites=choice)
+    return out
 
 
 def require_tables(request: PlanRequest) -> None:
@@ -277,17 +295,27 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
             # the gain is all in SparseLift's pipeline and precisions: TorchRec's sharding under them
             kept_pipeline, fwd, bwd = s.pipeline, s.fwd_precision, s.bwd_precision
             decision = attrs.evolve(decision, candidate_pipeline=s.pipeline, baseline_sharding=True)
+        rewritten_kept: Optional[PlanResult] = None
         if not decision.leave:
-            # TorchRec's plan is kept: under another of the planner's pipelines where that clears
-            # the rule against TorchRec's plan under its default one (plan.baseline.kept_plan_pipeline)
+            # TorchRec's plan is kept: under another of the planner's pipelines, with or without the
+            # rewrites chosen on it there, where that clears the rule against TorchRec's plan under
+            # its default one (plan.baseline.kept_plan_pipeline)
             others = [p for p in trainable if p != pipeline]
-            alt = kept_plan_pipeline(theirs_at(fwd, bwd), {p: theirs_at(fwd, bwd, p) for p in others},
-                                     errors, baseline_name((fwd, bwd), full)) if others else None
+            under = {p: theirs_at(fwd, bwd, p) for p in trainable}
+            rewritten = _rewritten_sharding(request, tr.plan, trainable, fwd, bwd, profile) if others else {}
+            rewritten_times = {}
+            for p, r in rewritten.items():
+                rewritten_times[p], errors = with_rewrite_term(under[p], r.rewrites.saving_s, errors)
+            alt = kept_plan_pipeline(under.pop(pipeline, theirs_at(fwd, bwd)), under, errors,
+                                     baseline_name((fwd, bwd), full), rewritten=rewritten_times,
+                                     default=pipeline) if others else None
             if alt is not None:
                 logger.info("SparseLiftPlanner: %s", decision.describe())
                 kept_pipeline, decision = alt
+                rewritten_kept = rewritten[kept_pipeline] if decision.with_rewrites else None
         # TorchRec's sharding, as it is kept, priced without rewrites (the rewrites on it are judged against it)
-        kept_times = None if decision.leave and not decision.candidate_pipeline else theirs_at(fwd, bwd, kept_pipeline)
+        kept_times = (None if (decision.leave and not decision.candidate_pipeline) or rewritten_kept is not None
+                      else theirs_at(fwd, bwd, kept_pipeline))
     except Exception as e:  # noqa: BLE001 - the rule must never fail a plan the search found
         logger.warning("SparseLiftPlanner: the never-slower rule could not price TorchRec's plan (%s: %s); "
                        "keeping SparseLift's plan", type(e).__name__, e)
@@ -299,8 +327,9 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
         return attrs.evolve(res, never_slower=decision)
     options = list(tr.options)
     check_complete(res.handles, options)
-    kept = evaluate_sharding_plan(module, tr.plan, topo, batch, constraints, profile, request.stats, sharders,
-                                  pipeline=kept_pipeline, fwd_precision=fwd, bwd_precision=bwd)
+    kept = rewritten_kept or evaluate_sharding_plan(module, tr.plan, topo, batch, constraints, profile, request.stats,
+                                                    sharders, pipeline=kept_pipeline, fwd_precision=fwd,
+                                                    bwd_precision=bwd)
     search = attrs.evolve(kept.search, solver="torchrec(never_slower)", status="kept",
                           planning_time_s=s.planning_time_s + time.monotonic() - t0)
     if kept_times is not None:
