@@ -306,7 +306,8 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
             rewritten_times = {}
             for p, r in rewritten.items():
                 rewritten_times[p], errors = with_rewrite_term(under[p], r.rewrites.saving_s, errors)
-            alt = kept_plan_pipeline(under.pop(pipeline, theirs_at(fwd, bwd)), under, errors,
+            theirs_default = under.pop(pipeline) if pipeline in under else theirs_at(fwd, bwd)
+            alt = kept_plan_pipeline(theirs_default, under, errors,
                                      baseline_name((fwd, bwd), full), rewritten=rewritten_times,
                                      default=pipeline) if others else None
             if alt is not None:
