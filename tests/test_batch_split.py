@@ -171,6 +171,8 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out["upfront"] = _train(dmp, opt, 4, batches, count=calls, chain=True)
     out["upfront", "calls"] = calls
     out["upfront", "weights"] = {n: local_values(v).clone() for n, v in dmp.state_dict().items()}
+    from torchrec_sparselift.runtime.batch_split import _SERIAL_GROUPS
+    out["serial groups"] = len(_SERIAL_GROUPS)
     return out
 
 
@@ -210,6 +212,15 @@ def _lifted(state: Dict[str, Any], batches: List[Any]):  # type: ignore[no-untyp
     it = iter(batches)
     losses = [float(lifted.pipeline.progress(it)[0]) for _ in range(STEPS)]
     return losses, type(lifted.pipeline).__name__
+
+
+def test_every_split_model_on_one_group_shares_one_serial_group(results):
+    """The models of the run (each plan at each k, and lift's) all use the world group: one
+    one-thread group serves them all (one per model would accumulate gloo groups in a process
+    that builds many models, as a benchmark or a calibration does)."""
+    for r in results:
+        assert r["serial groups"] == 1
+        assert all(r[p, k, "serial"] and set(r[p, k, "serial"]) == {"serial"} for p in PLANS for k in KS)
 
 
 def test_lift_applies_the_plan_s_batch_split_and_trains_like_the_unsplit_pipeline(results):

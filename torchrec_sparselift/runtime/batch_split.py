@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -401,11 +402,17 @@ class BatchSplitPipelinedForward(OverlapPipelinedForward):
 
 #: the one-thread groups :func:`serialize_output_collectives` made (by id; kept alive with them)
 _SERIAL_GROUPS: Dict[int, Any] = {}
+#: the one-thread group made for each gloo group whose output collectives moved, reused by every
+#: later model on that group (``new_group`` is a collective every rank calls, and a group lives
+#: until the process group is destroyed: a process that builds many models, a benchmark or a
+#: calibration, made one group per model)
+_SERIAL_OF: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def serialize_output_collectives(model: nn.Module) -> int:
     """Run every sharded ``EmbeddingBagCollection``'s output collectives (and so their gradients)
-    of ``model`` on a gloo process group with one worker thread, created once per group they used:
+    of ``model`` on a gloo process group with one worker thread, created once per group they used
+    and reused by later models on that group:
     gloo runs a group's collectives on two threads at once, so chunks issued together would share
     the link and the first would arrive no earlier than the second; on one thread they travel in
     issue order, one at a time, as NCCL sends one communicator's. The same collectives, the same
@@ -413,7 +420,6 @@ def serialize_output_collectives(model: nn.Module) -> int:
     many output dists moved; a no-op for a model whose dists already moved (or NCCL groups)."""
     import torch.distributed as dist
 
-    serial: Dict[int, Any] = {}
     moved = 0
     for module in model.modules():
         if type(module) is not ShardedEmbeddingBagCollection:
@@ -422,16 +428,17 @@ def serialize_output_collectives(model: nn.Module) -> int:
             pg = getattr(out_dist, "_pg", None)
             if pg is None or id(pg) in _SERIAL_GROUPS or pg.name() != "gloo":
                 continue
-            if id(pg) not in serial:
+            group = _SERIAL_OF.get(pg)
+            if group is None:
                 options = dist.ProcessGroupGloo._Options()
                 options._threads = 1
                 group = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", pg_options=options)
                 _SERIAL_GROUPS[id(group)] = group
-                serial[id(pg)] = group
-            out_dist._pg = serial[id(pg)]
+                _SERIAL_OF[pg] = group
+            out_dist._pg = group
             for inner in ("_dist", "_variable_dist"):
                 if getattr(out_dist, inner, None) is not None:
-                    getattr(out_dist, inner)._pg = serial[id(pg)]
+                    getattr(out_dist, inner)._pg = group
             moved += 1
     return moved
 
