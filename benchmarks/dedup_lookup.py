@@ -25,21 +25,15 @@ from typing import Any, Dict, List
 import torch
 
 from benchmarks.harness import exit_now, interleaved_rounds, names_arg, worker, write_report
-from benchmarks.real_runs import BATCH_SEED, WORKLOADS, _workloads, torchrec_plan_of
+from benchmarks.real_runs import BATCH_SEED, WORKLOADS, _workloads, model_parallel_features, torchrec_plan_of
 from benchmarks.regimes import lift_run, timed_run
 from torchrec_sparselift.measure.probe import prebuilt_batches
 from torchrec_sparselift.runtime.wire_ids import apply_wire_ids
-from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["RUNS", "main"]
 
 #: run -> (dedup every model-parallel feature, lookup on the distinct rows)
 RUNS = {"int32": (False, False), "dedup": (True, False), "dedup_unique": (True, True)}
-
-
-def _model_parallel_features(w: Any, plan: Any) -> List[str]:
-    sharding = {t: p.sharding_type for module in plan.plan.values() for t, p in module.items()}
-    return [f for t in w.tables if sharding.get(t.name) != DATA_PARALLEL for f in t.features]
 
 
 def main() -> int:
@@ -59,7 +53,7 @@ def main() -> int:
         for name in names:
             w, alpha = _workloads()[name]
             plan, _ = torchrec_plan_of(w, Topology(world_size=c.world_size, compute_device="cpu"), c.pg)
-            features = _model_parallel_features(w, plan)
+            features = model_parallel_features(w, plan)
             batches = prebuilt_batches(w, 6, seed=BATCH_SEED, rank=c.rank, alpha=alpha)
             ms: Dict[str, List[float]] = {run: [] for run in RUNS}
 

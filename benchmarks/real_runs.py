@@ -73,9 +73,10 @@ from torchrec_sparselift.measure.steps import (REFERENCE_PLAN, ReferencePlan, ca
 from torchrec_sparselift.measure.steps import probe_topology as _topology
 from torchrec_sparselift.plan import sharding_plan_digest
 from torchrec_sparselift.plan.baseline import never_slower
+from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["WORKLOADS", "QUICK_WORKLOADS", "BATCH_SEED", "plan_kinds_for", "main", "torchrec_plan_of",
-           "price_plans", "distinct_plans"]
+           "price_plans", "distinct_plans", "model_parallel_features"]
 
 #: Data-parallel plans only where every table's replica (weights + grad + state) fits this.
 DP_MAX_BYTES = 96 * 2**20
@@ -110,6 +111,13 @@ def _workloads() -> Dict[str, Tuple[ProbeWorkload, float]]:
                                                           (2000, 64, 2, 1.0), (800, 64, 2, 1.0), (200, 64, 2, 1.0)]),
                                  model="dcn", dense=(64,), batch_size=512), 1.05),
     }
+
+
+def model_parallel_features(workload: ProbeWorkload, plan: Any) -> List[str]:
+    """The features of ``workload``'s tables that ``plan`` (a ``ShardingPlan``) does not place
+    data-parallel: the ones an input all-to-all sends (what a forced dedup deduplicates)."""
+    sharding = {t: p.sharding_type for module in plan.plan.values() for t, p in module.items()}
+    return [f for t in workload.tables if sharding.get(t.name) != DATA_PARALLEL for f in t.features]
 
 
 WORKLOADS = tuple(_workloads())

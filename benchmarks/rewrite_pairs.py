@@ -33,12 +33,11 @@ import warnings
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, TypeVar
 
 from benchmarks.harness import exit_now, interleaved_rounds, paired_ratio, worker, write_report
-from benchmarks.real_runs import BATCH_SEED, _workloads
+from benchmarks.real_runs import BATCH_SEED, _workloads, model_parallel_features
 from benchmarks.regimes import lift_run, timed_run
 from torchrec_sparselift.cost.batch_split import BATCH_SPLIT_PIPELINE, MAX_CHUNKS
 from torchrec_sparselift.measure.probe import prebuilt_batches
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict
-from torchrec_sparselift.vocabulary import DATA_PARALLEL
 
 __all__ = ["LOSS_RTOL", "parse_variants", "parse_rows", "replay_of", "same_plan_first", "variant_spec", "main"]
 
@@ -150,12 +149,7 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     w, alpha = _workloads()[args.workload]
     plans = {r: sharding_plan_from_dict(replays[r]["plan"]) for r in rows}
-
-    def model_parallel_features(row: str) -> List[str]:
-        sharding = {t: ps.sharding_type for module in plans[row].plan.values() for t, ps in module.items()}
-        return [f for t in w.tables if sharding.get(t.name) != DATA_PARALLEL for f in t.features]
-
-    features = {r: model_parallel_features(r) for r in rows}
+    features = {r: model_parallel_features(w, plans[r]) for r in rows}
     items = [(r, k, d) for r in rows for k, d in variants]
     label = {it: _label(*it, len(rows)) for it in items}
     with worker() as c:

@@ -225,7 +225,7 @@ class HardwareProfile:
             ratios, ``calibration.rewrite_fit.fit_dedup_id_s``). None: not calibrated (the planner
             does not deduplicate ids, and says why).
         link_latency_s: seconds the link itself takes per collective call: a bare
-            ``all_to_all_single``'s latency as the job's link measurement reads it
+            ``all_to_all_single``'s latency as the calibration's link measurement reads it
             (``calibration.link.LinkRates``: the inter-host one on several hosts, else the intra-host
             one; set by the step calibration, ``calibration.link.with_link_latency``, and moved with
             a link correction, ``correct_link_terms``). ``collective_latency_s`` (fitted on
