@@ -5,7 +5,8 @@ import math
 import pytest
 
 from torchrec_sparselift.calibration.records import HostTermRecord
-from torchrec_sparselift.calibration.step_fit import FitRecord, host_fit_setup, term_value, with_a2a_host_split
+from torchrec_sparselift.calibration.step_fit import (FitRecord, StepFitInfo, host_fit_setup, host_fixed_terms, term_value,
+                                                     with_a2a_host_split)
 from torchrec_sparselift.cost.step_terms import CPU_STEP_TERMS
 from torchrec_sparselift.calibration.store import base_profile
 from torchrec_sparselift.measure.microbench import bench_dense_terms, bench_host_terms
@@ -155,15 +156,38 @@ def test_bench_dense_terms_runs_the_real_kernels_and_gives_finite_non_negative_c
     assert math.isfinite(flop_s) and flop_s >= 0
 
 
-def test_host_fit_setup_floors_the_dense_rates_at_a_third_of_their_measured_cost():
+def test_host_fit_setup_takes_the_dense_rates_as_measured_at_a_third_of_their_cost():
     host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9,
                           dense_act_byte_s=1.2e-9, interaction_flop_s=3e-11)
-    _fixed, _terms, floors = host_fit_setup(base_profile("cpu"), host)
-    # the model prices the forward at the rate and the backward at twice it
-    assert floors["1/dense_mem_bw"] == pytest.approx(0.4e-9)
-    assert floors["1/interaction_flops"] == pytest.approx(1e-11)
+    fixed, terms, floors = host_fit_setup(base_profile("cpu"), host)
+    # the model prices the forward at the rate and the backward at twice it: forward + backward
+    # measured alone is 3x the forward's cost
+    assert 1.0 / fixed.dense_mem_bw == pytest.approx(0.4e-9)
+    assert 1.0 / fixed.interaction_flops == pytest.approx(1e-11)
+    names = {t.name for t in terms}
+    assert "1/dense_mem_bw" not in names and "1/interaction_flops" not in names  # not fitted
+    assert "1/dense_mem_bw" not in floors and "1/interaction_flops" not in floors
+    assert host_fixed_terms(host) == ("bucketize_id_s", "1/dense_mem_bw", "1/interaction_flops")
+    assert host_fixed_terms(host.to_dict()) == host_fixed_terms(host)
+    # not measured (an older record, no torchrec): fitted from the steps as before
     no_dense = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9)
-    assert "1/dense_mem_bw" not in host_fit_setup(base_profile("cpu"), no_dense)[2]
+    base = base_profile("cpu")
+    same, terms, floors = host_fit_setup(base, no_dense)
+    assert same.dense_mem_bw == base.dense_mem_bw and same.interaction_flops == base.interaction_flops
+    assert {"1/dense_mem_bw", "1/interaction_flops"} <= {t.name for t in terms}
+    assert host_fixed_terms(no_dense) == ("bucketize_id_s",) and host_fixed_terms(None) == ()
+
+
+def test_a_fit_with_measured_dense_rates_does_not_report_them_missing():
+    values = {t.name: 1.0 for t in CPU_STEP_TERMS
+              if t.name not in ("bucketize_id_s", "1/dense_mem_bw", "1/interaction_flops")}
+    host = HostTermRecord(optimizer_tensor_s=30e-6, optimizer_byte_s=0.6e-9, bucketize_id_s=15e-9,
+                          dense_act_byte_s=1.2e-9, interaction_flop_s=3e-11).to_dict()
+    assert StepFitInfo(fit={"values": values}, host_terms=host).missing_terms() == []
+    # a record without the dense rates measured: the fit should have fitted them
+    no_dense = {**host, "dense_act_byte_s": 0.0, "interaction_flop_s": 0.0}
+    assert StepFitInfo(fit={"values": values}, host_terms=no_dense).missing_terms() == [
+        "1/interaction_flops", "1/dense_mem_bw"]
 
 
 def test_bench_dense_flops_recovers_a_known_flop_cost(monkeypatch):

@@ -58,6 +58,8 @@ __all__ = [
     "linearize",
     "fit_step_profile",
     "HOST_FIXED_TERMS",
+    "HOST_DENSE_TERMS",
+    "host_fixed_terms",
     "REWRITE_HOST_FIELDS",
     "host_fit_setup",
     "with_a2a_host_split",
@@ -74,7 +76,9 @@ __all__ = [
 #: (``cost.model.collective_calls``; it paid one per group before).
 #: 3: a batch split's extra chunk puts the link's own latency (``link_latency_s``) on the link; the
 #: rest of a collective's fitted latency is in the measured per-chunk price (``chunk_overhead_s``).
-STEP_MODEL_VERSION = 3
+#: 4: the dense part's activation and interaction rates are the host microbenchmark's, not fitted
+#: (:func:`host_fixed_terms`; a fit of version 3 put the interaction at ~4x its measured cost).
+STEP_MODEL_VERSION = 4
 
 
 
@@ -271,6 +275,23 @@ def fit_step_profile(
 
 #: Step-fit terms a calibration with host microbenchmarks takes as measured instead of fitting.
 HOST_FIXED_TERMS = ("bucketize_id_s",)
+#: Step-fit terms taken as the host microbenchmarks measured them where they measured them (> 0):
+#: the dense part's parameter-free work (``measure.microbench.bench_dense_terms``), term -> the
+#: :class:`~torchrec_sparselift.calibration.records.HostTermRecord` field.
+HOST_DENSE_TERMS = (("1/dense_mem_bw", "dense_act_byte_s"), ("1/interaction_flops", "interaction_flop_s"))
+
+
+def host_fixed_terms(host: Optional[Any]) -> Tuple[str, ...]:
+    """The step-fit terms a fit with host microbenchmarks ``host`` (a
+    :class:`~torchrec_sparselift.calibration.records.HostTermRecord` or its stored dict; None: none)
+    takes as measured instead of fitting: :data:`HOST_FIXED_TERMS`, and each of
+    :data:`HOST_DENSE_TERMS` the record measured."""
+    if not host:
+        return ()
+    get = host.get if isinstance(host, Mapping) else lambda f, d=0.0: getattr(host, f, d)
+    return HOST_FIXED_TERMS + tuple(t for t, f in HOST_DENSE_TERMS if float(get(f, 0.0) or 0.0) > 0)
+
+
 #: Profile fields the host microbenchmarks measure for the sparse-path rewrites and the step fit
 #: takes as they are (``HostTermRecord``'s fields of the same names).
 REWRITE_HOST_FIELDS = ("chunk_overhead_s", "dedup_id_s")
@@ -288,8 +309,8 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
     (``1/dense_update_bw``, the model's dense update moves 3x the replica's bytes) terms are fitted
     above what the tables' ``RowWiseAdagrad.step`` alone costs (DDP's per-parameter work and cold caches come on top),
     ``1/a2a_bw`` above the bare all-to-all's per-byte cost (measured across ranks; 0 when not), and
-    the dense activation and interaction rates above their cost measured alone
-    (``measure.microbench.bench_dense_terms``), the dense layers' FLOP rate above an MLP's alone
+    the dense part's activation and interaction rates are their cost measured alone
+    (``measure.microbench.bench_dense_terms``; :func:`host_fixed_terms`), the dense layers' FLOP rate above an MLP's alone
     (``measure.microbench.bench_dense_flops``), and the fused backward's per-distinct-row cost above
     fbgemm's alone (``measure.microbench.bench_tbe_backward``). The rewrites' constants
     (:data:`REWRITE_HOST_FIELDS`: ``chunk_overhead_s``, ``dedup_id_s``) are the measured values
@@ -303,7 +324,16 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
     rewrites = {f: float(getattr(host, f)) for f in REWRITE_HOST_FIELDS if getattr(host, f) is not None}
     if rewrites:
         base = attrs.evolve(base, **rewrites)
-    terms = tuple(t for t in CPU_STEP_TERMS if t.name not in HOST_FIXED_TERMS)
+    # the dense part's parameter-free work measured alone (forward + backward = 3x the forward the
+    # rates price), taken as it is: the probes cannot tell activation bytes from FLOPs (their ratio
+    # is within 0.06-0.12 B/FLOP on all four probe models; fitted freely the byte rate went to 0 or
+    # infinity), and as floors the fit put the interaction at ~4x its measured cost, which priced
+    # the held-out workloads' dense part at 1.3-1.8x their dense forward + backward timed alone
+    # (benchmarks/dense_part.py; docs/calibration.md, "Dense part")
+    dense = {"dense_mem_bw": host.dense_act_byte_s, "interaction_flops": host.interaction_flop_s}
+    base = attrs.evolve(base, **{f: 3.0 / float(v) for f, v in dense.items() if v > 0})
+    fixed = set(host_fixed_terms(host))
+    terms = tuple(t for t in CPU_STEP_TERMS if t.name not in fixed)
     floors = {"dp_table_overhead_s": float(host.optimizer_tensor_s),
               "1/dense_update_bw": float(host.optimizer_byte_s) / 3.0}
     if host.a2a_byte_s > 0:
@@ -312,12 +342,6 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
         # Fixing it at the bare cost made the planner keep kaggle/dcnv2 table-wise but priced every
         # plan 6-18% low, so it is a floor, not the value.
         floors["1/a2a_bw"] = float(host.a2a_byte_s)
-    # the dense part's parameter-free work measured alone (forward + backward = 3x the forward the
-    # rates price): the probes cannot tell activation bytes from FLOPs (their ratio is within
-    # 0.06-0.12 B/FLOP on all four probe models), fitted freely the byte rate went to 0 or infinity
-    for term, value in (("1/dense_mem_bw", host.dense_act_byte_s), ("1/interaction_flops", host.interaction_flop_s)):
-        if value > 0:
-            floors[term] = float(value) / 3.0
     # the dense layers' products cannot run faster than a near-square MLP's measured alone (fitted
     # freely the FLOP rate went to 1e18, i.e. free, where the probes' FLOPs moved with their
     # activation bytes; the DCN example's 1.4 GFLOP per step, forward + backward, then cost nothing)
@@ -519,7 +543,7 @@ class StepFitInfo:
         calibrated by an older cost model. Empty without a step fit."""
         if not self.fitted:
             return []
-        fixed = set(HOST_FIXED_TERMS) if self.host_terms else set()
+        fixed = set(host_fixed_terms(self.host_terms))
         return [t.name for t in CPU_STEP_TERMS if t.name not in self.fit["values"] and t.name not in fixed]
 
 
