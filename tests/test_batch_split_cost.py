@@ -22,6 +22,7 @@ from torchrec_sparselift.cost.batch_split import (
     chunk_link_latency_s,
     choose_chunks,
     split_schedule,
+    split_step_batch,
     split_step_s,
     unsplit_step_s,
 )
@@ -37,6 +38,45 @@ _EPS = 1e-12
 def test_one_chunk_is_the_unsplit_step(t):
     assert split_step_s(t, 1) == pytest.approx(unsplit_step_s(t), rel=1e-12, abs=_EPS)
     assert split_step_s(t, 1, chained=True) == pytest.approx(unsplit_step_s(t), rel=1e-12, abs=_EPS)
+
+
+def _phases_of(t):
+    return {"input_dist": t.input_dist_s, "uvm_fetch": t.uvm_fetch_s, "lookup": t.lookup_s,
+            "output_dist": t.output_dist_s, "dense_fwd": t.dense_fwd_indep_s + t.dense_fwd_rest_s,
+            "dense_bwd": t.dense_bwd_rest_s + t.dense_bwd_indep_s, "grad_dist": t.grad_dist_s,
+            "backward_update": t.backward_update_s, "allreduce": t.allreduce_s,
+            "dense_fwd_indep": t.dense_fwd_indep_s, "dense_fwd_rest": t.dense_fwd_rest_s,
+            "dense_bwd_rest": t.dense_bwd_rest_s, "dense_bwd_indep": t.dense_bwd_indep_s,
+            "step_overhead": t.step_overhead_s}
+
+
+@settings(max_examples=300, deadline=None)
+@given(terms())
+def test_without_overlap_the_unsplit_step_is_the_overlap_kind_across_hosts_all_reduce_after_the_update(t):
+    """CPU gloo across hosts: the split's k = 1 is the composition the step equation prices for
+    ``overlap`` there, which pays the all-reduce after the embedding backward (not beside it)."""
+    phases = _phases_of(t)
+    cpu = SplitTerms.from_phases(phases, chunk_latency_s=t.chunk_latency_s, chunk_overhead_s=t.chunk_overhead_s,
+                                 chunk_feature_s=t.chunk_feature_s, features=t.features, supports_overlap=False)
+    assert cpu.allreduce_after_update and cpu.allreduce_s == pytest.approx(t.allreduce_s)  # nothing hides it
+    kind = pipelines.effective_pipeline("overlap", supports_overlap=False, spans_hosts=True)
+    composed = pipelines.evaluate(kind.step, pipelines.terms(phases, supports_overlap=False))
+    # (that composition runs the next batch's input_dist in the step's flow, ahead of the rest)
+    rest = unsplit_step_s(attrs.evolve(cpu, input_dist_s=0.0))
+    assert t.input_dist_s + rest == pytest.approx(float(composed), rel=1e-9, abs=_EPS)
+    assert split_step_s(cpu, 1) == pytest.approx(unsplit_step_s(cpu), rel=1e-12, abs=_EPS)
+    # after the update costs the smaller of the two more than beside it, at every k
+    beside = attrs.evolve(cpu, allreduce_after_update=False)
+    for k in (1, 2, 5):
+        assert split_step_s(cpu, k) >= split_step_s(beside, k) - _EPS
+    tail = min(t.backward_update_s, t.allreduce_s)
+    if split_step_s(beside, 1) > t.input_dist_s + tail:  # input_dist not the longest path
+        assert split_step_s(cpu, 1) == pytest.approx(split_step_s(beside, 1) + tail, rel=1e-9, abs=1e-9)
+    batch = SplitTermsBatch.from_terms([cpu, cpu])
+    assert batch.allreduce_after_update
+    assert split_step_batch(batch, 3)[1] == pytest.approx(split_step_s(cpu, 3), rel=1e-12, abs=_EPS)
+    with pytest.raises(ValueError, match="allreduce_after_update"):
+        SplitTermsBatch.from_terms([cpu, beside])
 
 
 @settings(max_examples=300, deadline=None)

@@ -23,9 +23,13 @@ times from the lookup's end:
   gradient) after chunk c-1's dependent backward and before chunk c-1's gradient is issued: each
   gradient leaves when the previous one has arrived, and the main thread waits for it.
 * **end**: the TBE backward with its fused update runs once when the dense backward is done and
-  every chunk's gradient has arrived; the dense all-reduce runs beside it (as under ``overlap``).
+  every chunk's gradient has arrived; the dense all-reduce runs beside it (as under ``overlap``),
+  or after it on hardware without overlap (``SplitTerms.allreduce_after_update``: CPU gloo, where
+  the ``overlap`` kind across hosts pays it after the embedding backward,
+  ``cost.pipelines._ACROSS_HOSTS_STEPS``).
 
-With k = 1 this is the ``overlap`` kind's composition (``cost.pipelines._STEPS["overlap"]``)::
+With k = 1 this is the ``overlap`` kind's composition (``cost.pipelines._STEPS["overlap"]``; with
+``allreduce_after_update``, ``backward_update + allreduce`` in place of their maximum)::
 
     step = max(input_dist, uvm_fetch + lookup + max(output_dist, dense_fwd_indep) + dense_fwd_rest
                + dense_bwd_rest + max(grad_dist, dense_bwd_indep) + max(backward_update, allreduce)
@@ -147,7 +151,9 @@ class SplitTerms:
     of the split modules, ``features`` their feature count: one more chunk's dense cost is
     :attr:`chunk_dense_s` (``HardwareProfile.chunk_overhead_s`` / ``chunk_feature_s``).
     ``allreduce_s`` is the all-reduce's part that ``dense_bwd`` does not hide
-    (``cost.pipelines.terms``: ``allreduce'``)."""
+    (``cost.pipelines.terms``: ``allreduce'``); ``allreduce_after_update``: it runs after the
+    embedding backward instead of beside it (hardware without overlap: ``supports_overlap``
+    False)."""
 
     input_dist_s: float = _s()
     uvm_fetch_s: float = _s()
@@ -165,6 +171,7 @@ class SplitTerms:
     chunk_overhead_s: float = _s()
     chunk_feature_s: float = _s()
     features: int = attrs.field(default=0, validator=_count)
+    allreduce_after_update: bool = attrs.field(default=False, converter=bool)
 
     def __attrs_post_init__(self) -> None:
         for name in ("output_dist_s", "grad_dist_s"):
@@ -181,7 +188,8 @@ class SplitTerms:
         """From a rank's phase times (``cost.model.phase_times``: names of ``cost.pipelines.PHASES``;
         the dense parts ``dense_*_indep`` / ``dense_*_rest``, or the wholes ``dense_fwd`` /
         ``dense_bwd`` read as all dependent; the all-reduce as ``cost.pipelines.terms`` exposes it
-        under ``supports_overlap``). ``KeyError`` naming a missing phase."""
+        under ``supports_overlap``, and after the embedding backward without it). ``KeyError`` naming
+        a missing phase."""
         def get(name: str) -> float:
             if name not in phases:
                 raise KeyError(f"batch split terms need phase {name!r}; the phases given are {sorted(phases)}")
@@ -202,7 +210,7 @@ class SplitTerms:
                                              supports_overlap)["allreduce"]),
             step_overhead_s=phases.get("step_overhead", 0.0),
             chunk_latency_s=chunk_latency_s, chunk_overhead_s=chunk_overhead_s, chunk_feature_s=chunk_feature_s,
-            features=features,
+            features=features, allreduce_after_update=not supports_overlap,
         )
 
     @classmethod
@@ -335,10 +343,18 @@ def split_schedule(terms: SplitTerms, k: int, chained: bool = False) -> SplitSch
             grad_wait += max(0.0, arrive[c] - clock)
             clock = max(clock, arrive[c])
         emb = clock
-    step = max(t.input_dist_s, emb + max(t.backward_update_s, t.allreduce_s) + t.step_overhead_s)
+    step = max(t.input_dist_s, emb + _tail(t) + t.step_overhead_s)
     chunks = tuple(ChunkTimes(arrivals[j], waits[j], issue[j], arrive[j]) for j in range(k))
     return SplitSchedule(chunks=chunks, dense_end_s=emb - grad_wait, emb_bwd_start_s=emb, step_s=step,
                          grad_wait_s=grad_wait, terms=terms)
+
+
+def _tail(t: Any) -> Any:
+    """The embedding backward and the dense all-reduce at the step's end: side by side, or one
+    after the other (``allreduce_after_update``); floats or arrays."""
+    if t.allreduce_after_update:
+        return t.backward_update_s + t.allreduce_s
+    return np.maximum(t.backward_update_s, t.allreduce_s)
 
 
 def split_step_s(terms: SplitTerms, k: int, chained: bool = False) -> float:
@@ -352,7 +368,7 @@ def unsplit_step_s(terms: SplitTerms) -> float:
     return max(t.input_dist_s,
                t.uvm_fetch_s + t.lookup_s + max(t.output_dist_s, t.dense_fwd_indep_s) + t.dense_fwd_rest_s
                + t.dense_bwd_rest_s + max(t.grad_dist_s, t.dense_bwd_indep_s)
-               + max(t.backward_update_s, t.allreduce_s) + t.step_overhead_s)
+               + _tail(t) + t.step_overhead_s)
 
 
 def choose_chunks(terms: SplitTerms, batch_size: Optional[int] = None, max_chunks: int = MAX_CHUNKS,
@@ -403,9 +419,11 @@ class SplitTermsBatch:
     step_overhead_s: np.ndarray = _a()
     chunk_latency_s: np.ndarray = _a()
     chunk_dense_s: np.ndarray = _a()
+    #: the all-reduce after the embedding backward, for every row (:attr:`SplitTerms.allreduce_after_update`)
+    allreduce_after_update: bool = attrs.field(default=False, converter=bool)
 
     def __attrs_post_init__(self) -> None:
-        sizes = {len(getattr(self, a.name)) for a in attrs.fields(type(self))} - {1}
+        sizes = {len(getattr(self, a.name)) for a in attrs.fields(type(self)) if a.name in _ROW_FIELDS} - {1}
         if len(sizes) > 1:
             raise ValueError(f"SplitTermsBatch: every field needs one value per row (or one for all rows), "
                              f"got lengths {sorted(sizes)}")
@@ -421,15 +439,20 @@ class SplitTermsBatch:
     @property
     def rows(self) -> int:
         """The number of rows (1 where every field holds one value)."""
-        return max(len(getattr(self, a.name)) for a in attrs.fields(type(self)))
+        return max(len(getattr(self, n)) for n in _ROW_FIELDS)
 
     @classmethod
     def from_terms(cls, terms: Sequence[SplitTerms]) -> "SplitTermsBatch":
         """One row per :class:`SplitTerms` of ``terms`` (in order)."""
         if not terms:
             raise ValueError("SplitTermsBatch.from_terms: give at least one SplitTerms")
-        names = [a.name for a in attrs.fields(cls)]
-        return cls(**{n: [getattr(t, n) for t in terms] for n in names})
+        after = {bool(t.allreduce_after_update) for t in terms}
+        if len(after) > 1:
+            raise ValueError("SplitTermsBatch.from_terms: the terms disagree on allreduce_after_update; "
+                             "batch terms of one hardware profile")
+        names = [n for n in _ROW_FIELDS if n != "chunk_dense_s"]
+        return cls(**{n: [getattr(t, n) for t in terms] for n in names},
+                   chunk_dense_s=[t.chunk_dense_s for t in terms], allreduce_after_update=after.pop())
 
     @classmethod
     def from_phase_table(cls, table: np.ndarray, *, chunk_latency_s: Any, chunk_dense_s: Any,
@@ -457,7 +480,7 @@ class SplitTermsBatch:
             allreduce_s=_exposed_terms({"allreduce": col["allreduce"], "dense_bwd": col["dense_bwd"]},
                                        supports_overlap)["allreduce"],
             step_overhead_s=col.get("step_overhead", zero), chunk_latency_s=chunk_latency_s,
-            chunk_dense_s=chunk_dense_s,
+            chunk_dense_s=chunk_dense_s, allreduce_after_update=not supports_overlap,
         )
 
     @classmethod
@@ -523,4 +546,8 @@ def split_step_batch(terms: SplitTermsBatch, k: int, chained: bool = False) -> n
             clock = clock + (bi + br if c else bi)
             clock = np.maximum(clock, arrive)
         emb = clock
-    return np.maximum(t.input_dist_s, emb + np.maximum(t.backward_update_s, t.allreduce_s) + t.step_overhead_s)
+    return np.maximum(t.input_dist_s, emb + _tail(t) + t.step_overhead_s)
+
+
+#: The per-row (array) fields of :class:`SplitTermsBatch`.
+_ROW_FIELDS: Tuple[str, ...] = tuple(a.name for a in attrs.fields(SplitTermsBatch) if a.name != "allreduce_after_update")

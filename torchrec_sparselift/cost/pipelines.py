@@ -317,7 +317,25 @@ def _input_dist_in_step(kind: PipelineKind) -> PipelineKind:
 #: to 11 ms; over the day's regime runs ``fused`` ran below ``sparse_dist``'s step on 68 of 72
 #: network-regime workloads (0.91-1.02x; geomean 0.96-0.98), on one host 0.90-1.08x (geomean 0.98,
 #: within the A/A control beside it).
+#: ``overlap`` across hosts on CPU issues the next batch's input_dist in the step's flow (as
+#: :func:`_input_dist_in_step` does) and pays the gradient all-reduce *after* the embedding
+#: backward, not beside it: a rank is pinned to one core, so gloo's all-reduce (its reduction and
+#: socket work on the same core) does not run beside the TBE backward. Measured on the shared
+#: 1 Gbit/s link (docs/cost_model.md section 3; 2026-12-07, R2 of benchmarks.regimes): priced
+#: beside it, the 44 `overlap` runs (most with data-parallel tables, whose all-reduce is the
+#: largest collective left) read 0.77-1.03 of their measured steps (MAPE 9.4%); priced after it,
+#: 0.84-1.28 (MAPE 5.2%).
 _ACROSS_HOSTS_STEPS: Dict[str, Tuple[Seq, str]] = {
+    OVERLAP: (Seq(INPUT + ("uvm_fetch", "lookup",
+                           Par([Lane("main", Seq(("output_dist",)), "output all-to-all"),
+                                Lane("dense", Seq(("dense_fwd_indep",)), "bottom MLP forward")]),
+                           "dense_fwd_rest", "dense_bwd_rest",
+                           Par([Lane("main", Seq(("grad_dist",)), "gradient all-to-all"),
+                                Lane("dense", Seq(("dense_bwd_indep",)), "bottom MLP backward")]),
+                           "backward_update") + SYNC + STEP),
+              "the output and gradient all-to-alls beside the bottom MLP's forward and backward, the next "
+              "batch's input_dist and the dense all-reduce in the step's flow (runtime.overlap across hosts "
+              "on CPU)"),
     FUSED: (Seq(("uvm_fetch", "lookup", Par([
         Lane("main", Seq(("output_dist",)), "output all-to-all"),
         Lane("before forward", Seq(("input_dist", "dense_fwd_indep")),
