@@ -82,13 +82,7 @@ def test_without_overlap_the_unsplit_step_is_the_overlap_kind_across_hosts_all_r
 @settings(max_examples=300, deadline=None)
 @given(terms())
 def test_the_unsplit_step_is_the_overlap_kind_s_composition(t):
-    phases = {"input_dist": t.input_dist_s, "uvm_fetch": t.uvm_fetch_s, "lookup": t.lookup_s,
-              "output_dist": t.output_dist_s, "dense_fwd": t.dense_fwd_indep_s + t.dense_fwd_rest_s,
-              "dense_bwd": t.dense_bwd_rest_s + t.dense_bwd_indep_s, "grad_dist": t.grad_dist_s,
-              "backward_update": t.backward_update_s, "allreduce": t.allreduce_s,
-              "dense_fwd_indep": t.dense_fwd_indep_s, "dense_fwd_rest": t.dense_fwd_rest_s,
-              "dense_bwd_rest": t.dense_bwd_rest_s, "dense_bwd_indep": t.dense_bwd_indep_s,
-              "step_overhead": t.step_overhead_s}
+    phases = _phases_of(t)
     from_phases = SplitTerms.from_phases(phases, chunk_latency_s=t.chunk_latency_s,
                                          chunk_overhead_s=t.chunk_overhead_s, chunk_feature_s=t.chunk_feature_s,
                                          features=t.features)
