@@ -328,11 +328,11 @@ def host_fit_setup(base: HardwareProfile, host: Optional[Any]
     # rates price), taken as it is: the probes cannot tell activation bytes from FLOPs (their ratio
     # is within 0.06-0.12 B/FLOP on all four probe models; fitted freely the byte rate went to 0 or
     # infinity), and as floors the fit put the interaction at ~4x its measured cost, which priced
-    # the held-out workloads' dense part at 1.3-1.8x their dense forward + backward timed alone
-    # (benchmarks/dense_part.py; docs/calibration.md, "Dense part")
-    dense = {"dense_mem_bw": host.dense_act_byte_s, "interaction_flops": host.interaction_flop_s}
-    base = attrs.evolve(base, **{f: 3.0 / float(v) for f, v in dense.items() if v > 0})
+    # the held-out workloads' dense part at 1.25-1.97x their dense forward + backward timed alone
+    # (benchmarks/dense_part.py; docs/cost_model.md, "Dense part")
     fixed = set(host_fixed_terms(host))
+    base = with_terms(base, {t: float(getattr(host, f)) / 3.0 for t, f in HOST_DENSE_TERMS if t in fixed},
+                      CPU_STEP_TERMS)
     terms = tuple(t for t in CPU_STEP_TERMS if t.name not in fixed)
     floors = {"dp_table_overhead_s": float(host.optimizer_tensor_s),
               "1/dense_update_bw": float(host.optimizer_byte_s) / 3.0}

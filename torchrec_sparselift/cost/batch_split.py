@@ -26,7 +26,7 @@ times from the lookup's end:
   every chunk's gradient has arrived; the dense all-reduce runs beside it (as under ``overlap``),
   or after it on hardware without overlap (``SplitTerms.allreduce_after_update``: CPU gloo, where
   the ``overlap`` kind across hosts pays it after the embedding backward,
-  ``cost.pipelines._ACROSS_HOSTS_STEPS``).
+  ``cost.pipelines._allreduce_after_update``).
 
 With k = 1 this is the ``overlap`` kind's composition (``cost.pipelines._STEPS["overlap"]``; with
 ``allreduce_after_update``, ``backward_update + allreduce`` in place of their maximum)::
@@ -423,7 +423,7 @@ class SplitTermsBatch:
     allreduce_after_update: bool = attrs.field(default=False, converter=bool)
 
     def __attrs_post_init__(self) -> None:
-        sizes = {len(getattr(self, a.name)) for a in attrs.fields(type(self)) if a.name in _ROW_FIELDS} - {1}
+        sizes = {len(getattr(self, n)) for n in _ROW_FIELDS} - {1}
         if len(sizes) > 1:
             raise ValueError(f"SplitTermsBatch: every field needs one value per row (or one for all rows), "
                              f"got lengths {sorted(sizes)}")
@@ -450,9 +450,7 @@ class SplitTermsBatch:
         if len(after) > 1:
             raise ValueError("SplitTermsBatch.from_terms: the terms disagree on allreduce_after_update; "
                              "batch terms of one hardware profile")
-        names = [n for n in _ROW_FIELDS if n != "chunk_dense_s"]
-        return cls(**{n: [getattr(t, n) for t in terms] for n in names},
-                   chunk_dense_s=[t.chunk_dense_s for t in terms], allreduce_after_update=after.pop())
+        return cls(**{n: [getattr(t, n) for t in terms] for n in _ROW_FIELDS}, allreduce_after_update=after.pop())
 
     @classmethod
     def from_phase_table(cls, table: np.ndarray, *, chunk_latency_s: Any, chunk_dense_s: Any,

@@ -317,25 +317,7 @@ def _input_dist_in_step(kind: PipelineKind) -> PipelineKind:
 #: to 11 ms; over the day's regime runs ``fused`` ran below ``sparse_dist``'s step on 68 of 72
 #: network-regime workloads (0.91-1.02x; geomean 0.96-0.98), on one host 0.90-1.08x (geomean 0.98,
 #: within the A/A control beside it).
-#: ``overlap`` across hosts on CPU issues the next batch's input_dist in the step's flow (as
-#: :func:`_input_dist_in_step` does) and pays the gradient all-reduce *after* the embedding
-#: backward, not beside it: a rank is pinned to one core, so gloo's all-reduce (its reduction and
-#: socket work on the same core) does not run beside the TBE backward. Measured on the shared
-#: 1 Gbit/s link (docs/cost_model.md section 3; 2026-12-07, R2 of benchmarks.regimes): priced
-#: beside it, the 44 `overlap` runs (most with data-parallel tables, whose all-reduce is the
-#: largest collective left) read 0.77-1.03 of their measured steps (MAPE 9.4%); priced after it,
-#: 0.84-1.28 (MAPE 5.2%).
 _ACROSS_HOSTS_STEPS: Dict[str, Tuple[Seq, str]] = {
-    OVERLAP: (Seq(INPUT + ("uvm_fetch", "lookup",
-                           Par([Lane("main", Seq(("output_dist",)), "output all-to-all"),
-                                Lane("dense", Seq(("dense_fwd_indep",)), "bottom MLP forward")]),
-                           "dense_fwd_rest", "dense_bwd_rest",
-                           Par([Lane("main", Seq(("grad_dist",)), "gradient all-to-all"),
-                                Lane("dense", Seq(("dense_bwd_indep",)), "bottom MLP backward")]),
-                           "backward_update") + SYNC + STEP),
-              "the output and gradient all-to-alls beside the bottom MLP's forward and backward, the next "
-              "batch's input_dist and the dense all-reduce in the step's flow (runtime.overlap across hosts "
-              "on CPU)"),
     FUSED: (Seq(("uvm_fetch", "lookup", Par([
         Lane("main", Seq(("output_dist",)), "output all-to-all"),
         Lane("before forward", Seq(("input_dist", "dense_fwd_indep")),
@@ -345,12 +327,37 @@ _ACROSS_HOSTS_STEPS: Dict[str, Tuple[Seq, str]] = {
               "forward (TrainPipelineFusedSparseDist across hosts on CPU)"),
 }
 
+def _allreduce_after_update(node: Union[str, Seq, Par]) -> Union[str, Seq, Par]:
+    """``node`` with every :class:`Par` that runs the gradient all-reduce (:data:`SYNC`) in a lane
+    beside the step's flow turned into that flow followed by the all-reduce: how a kind runs
+    across hosts on hardware without overlap. A rank is pinned to one core, so gloo's all-reduce
+    (its reduction and socket work on that core) does not run beside the TBE backward. Measured on
+    the shared 1 Gbit/s link (docs/cost_model.md section 3; 2026-12-07, R2 of benchmarks.regimes):
+    priced beside it, the 44 ``overlap`` runs (most with data-parallel tables, whose all-reduce is
+    the largest collective left) read 0.77-1.03 of their measured steps (MAPE 9.4%); priced after
+    it, 0.84-1.28 (MAPE 5.2%)."""
+    if isinstance(node, str):
+        return node
+    if isinstance(node, Seq):
+        parts: List[Union[str, Par]] = []
+        for part in node.parts:
+            done = _allreduce_after_update(part)
+            parts.extend(done.parts if isinstance(done, Seq) else (done,))
+        return Seq(parts)
+    main, *others = node.lanes
+    if others and all(tuple(lane.body.parts) == SYNC and not lane.next_batch for lane in others):
+        return Seq(tuple(_allreduce_after_update(main.body).parts) + SYNC)
+    return Par([attrs.evolve(lane, body=_allreduce_after_update(lane.body)) for lane in node.lanes])
+
+
 #: The kinds that overlap between hosts (``Pipeline.overlaps_between_hosts``) as they run across
-#: hosts on hardware without overlap: :data:`_ACROSS_HOSTS_STEPS`, else :func:`_input_dist_in_step`.
+#: hosts on hardware without overlap: :data:`_ACROSS_HOSTS_STEPS`, else :func:`_input_dist_in_step`,
+#: each with the all-reduce after the embedding backward (:func:`_allreduce_after_update`).
 _ACROSS_HOSTS: Dict[str, PipelineKind] = {
-    k.name: (PipelineKind(k.name, *_ACROSS_HOSTS_STEPS[k.name]) if k.name in _ACROSS_HOSTS_STEPS
-             else _input_dist_in_step(k))
-    for k in PIPELINE_KINDS if k.properties.overlaps_between_hosts}
+    k.name: attrs.evolve(kind, step=_allreduce_after_update(kind.step))
+    for k in PIPELINE_KINDS if k.properties.overlaps_between_hosts
+    for kind in (PipelineKind(k.name, *_ACROSS_HOSTS_STEPS[k.name]) if k.name in _ACROSS_HOSTS_STEPS
+                 else _input_dist_in_step(k),)}
 if not set(_ACROSS_HOSTS_STEPS) <= set(_ACROSS_HOSTS):
     raise RuntimeError("cost.pipelines: a composition across hosts for a kind whose registry entry does not say "
                        "overlaps_between_hosts")
