@@ -736,9 +736,10 @@ def paired_gap_se(losses_1d: Sequence[float], losses_2d: Sequence[float], block:
     return statistics.stdev(blocks) / math.sqrt(len(blocks)) if len(blocks) >= 2 else None
 
 
-def lift_run(w, spec: Mapping[str, Any], device):
+def lift_run(w, spec: Mapping[str, Any], device, dense_optimizer: Callable[..., Any] = torch.optim.Adagrad):
     """A fresh model of ``w`` sharded per ``spec`` (``plan``: a ShardingPlan or an execution plan;
-    ``pipeline``/``fwd``/``bwd``: overrides) through :func:`torchrec_sparselift.runtime.lift`."""
+    ``pipeline``/``fwd``/``bwd``: overrides) through :func:`torchrec_sparselift.runtime.lift`;
+    row-wise AdaGrad on the tables, ``dense_optimizer`` (lr 0.005) on the rest."""
     torch.manual_seed(0)
     split = spec.get("batch_split")
     return lift(probe_model(w), spec["plan"], device=device, pipeline=spec.get("pipeline"),
@@ -746,7 +747,7 @@ def lift_run(w, spec: Mapping[str, Any], device):
                 batch_split=split, id_dtype=spec.get("id_dtype"), dedup_features=spec.get("dedup_features"),
                 pipeline_options={"per_sample": True} if split and split > 1 else None,
                 embedding_optimizer=(RowWiseAdagrad, {"lr": 0.05}),
-                dense_optimizer_factory=lambda params: torch.optim.Adagrad(params, lr=0.005))
+                dense_optimizer_factory=lambda params: dense_optimizer(params, lr=0.005))
 
 
 def timed_run(build: Callable[[], Any], batches: Sequence[Any], steps: int, warmup: int, pg,

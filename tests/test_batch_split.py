@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from launcher import run_ranks
-from training_helpers import local_values, sharded_with_optimizers
+from training_helpers import local_values, plan_with_fused, sharded_with_optimizers
 
 WORLD = 2
 STEPS = 50
@@ -68,25 +68,9 @@ def _batches(rank: int, n: int) -> List[Any]:
 
 
 def _sharded(plan_name: str, state: Dict[str, Any] = None):  # type: ignore[assignment]
-    from torchrec.distributed.sharding_plan import (
-        column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_row_wise,
-        table_wise,
-    )  # fmt: skip
-    from torchrec.distributed.types import ShardingPlan
-
     torch.manual_seed(3)
     model = _model()
-    ebc = model.model.sparse_arch.embedding_bag_collection
-    make = {"tw": lambda r: table_wise(rank=r, compute_kernel="fused"),
-            "rw": lambda r: row_wise(compute_kernel="fused"),
-            "cw": lambda r: column_wise(ranks=[0, 1], compute_kernel="fused"),
-            "dp": lambda r: data_parallel(),
-            "twrw": lambda r: table_row_wise(host_index=0)}
-    spec = PLANS[plan_name]
-    plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
-        ebc, {t: make[kind](r) for t, (kind, r) in spec.items()},
-        world_size=WORLD, local_size=WORLD, device_type="cpu")})
-    fused = [p for t, (kind, _r) in spec.items() if kind != "dp" for p in ebc.embedding_bags[t].parameters()]
+    plan, fused = plan_with_fused(model.model.sparse_arch.embedding_bag_collection, PLANS[plan_name], WORLD)
     return sharded_with_optimizers(model, plan, fused, state)
 
 
