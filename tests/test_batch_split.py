@@ -155,8 +155,8 @@ def _run(rank: int, world: int) -> Dict[str, Any]:
     out["upfront"] = _train(dmp, opt, 4, batches, count=calls, chain=True)
     out["upfront", "calls"] = calls
     out["upfront", "weights"] = {n: local_values(v).clone() for n, v in dmp.state_dict().items()}
-    from torchrec_sparselift.runtime.batch_split import _SERIAL_GROUPS
-    out["serial groups"] = len(_SERIAL_GROUPS)
+    from torchrec_sparselift.runtime.batch_split import serial_groups
+    out["serial groups"] = len(serial_groups())
     return out
 
 
@@ -165,10 +165,11 @@ def _serial_groups(dmp) -> List[str]:  # type: ignore[no-untyped-def]
     group of :func:`serialize_output_collectives`, else its group's name."""
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
-    from torchrec_sparselift.runtime.batch_split import _SERIAL_GROUPS
+    from torchrec_sparselift.runtime.batch_split import serial_groups
 
     ebc = next(m for m in dmp.modules() if isinstance(m, ShardedEmbeddingBagCollection))
-    return ["serial" if id(d._pg) in _SERIAL_GROUPS and id(getattr(d, "_dist", d)._pg) in _SERIAL_GROUPS
+    serial = [id(g) for g in serial_groups()]
+    return ["serial" if id(d._pg) in serial and id(getattr(d, "_dist", d)._pg) in serial
             else type(d).__name__ for d in ebc._output_dists if hasattr(d, "_pg")]
 
 

@@ -79,6 +79,7 @@ from torchrec_sparselift.vocabulary import COLUMN_WISE, DATA_PARALLEL, ROW_WISE,
 
 __all__ = [
     "serialize_output_collectives",
+    "serial_groups",
     "BATCH_SPLIT_OPTIONS",
     "MAX_CHUNKS",
     "BATCH_SPLIT_PIPELINE",
@@ -400,13 +401,16 @@ class BatchSplitPipelinedForward(OverlapPipelinedForward):
         super().discard(context)
 
 
-#: the one-thread groups :func:`serialize_output_collectives` made (by id; kept alive with them)
-_SERIAL_GROUPS: Dict[int, Any] = {}
-#: the one-thread group made for each gloo group whose output collectives moved, reused by every
-#: later model on that group (``new_group`` is a collective every rank calls, and a group lives
-#: until the process group is destroyed: a process that builds many models, a benchmark or a
-#: calibration, made one group per model)
+#: the one-thread group made for each gloo group whose output collectives moved (held as long as
+#: that group lives), reused by every later model on that group (``new_group`` is a collective
+#: every rank calls, and a group lives until the process group is destroyed: a process that builds
+#: many models, a benchmark or a calibration, would otherwise make one group per model)
 _SERIAL_OF: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def serial_groups() -> List[Any]:
+    """The one-thread gloo groups :func:`serialize_output_collectives` made in this process."""
+    return list(_SERIAL_OF.values())
 
 
 def serialize_output_collectives(model: nn.Module) -> int:
@@ -426,14 +430,13 @@ def serialize_output_collectives(model: nn.Module) -> int:
             continue
         for out_dist in module._output_dists:
             pg = getattr(out_dist, "_pg", None)
-            if pg is None or id(pg) in _SERIAL_GROUPS or pg.name() != "gloo":
+            if pg is None or pg.name() != "gloo" or any(pg is g for g in _SERIAL_OF.values()):
                 continue
             group = _SERIAL_OF.get(pg)
             if group is None:
                 options = dist.ProcessGroupGloo._Options()
                 options._threads = 1
                 group = dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", pg_options=options)
-                _SERIAL_GROUPS[id(group)] = group
                 _SERIAL_OF[pg] = group
             out_dist._pg = group
             for inner in ("_dist", "_variable_dist"):
