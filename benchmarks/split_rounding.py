@@ -98,9 +98,10 @@ def copy_training_state(src_model: torch.nn.Module, src_opt: Any, dst_model: tor
             if na != nb:
                 raise ValueError(f"copy_training_state: the models differ ({na} against {nb})")
             pb.copy_(pa)
-    dst_opt.load_state_dict(copy.deepcopy(src_opt.state_dict()))
-    if not state_tensors(src_opt.state_dict()):
+    state = src_opt.state_dict()
+    if not state_tensors(state):
         raise ValueError("copy_training_state: the optimizer holds no state to copy")
+    dst_opt.load_state_dict(copy.deepcopy(state))
     return max(largest_difference(src_model.state_dict(), dst_model.state_dict()),
                largest_difference(src_opt.state_dict(), dst_opt.state_dict()))
 

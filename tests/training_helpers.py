@@ -24,13 +24,14 @@ def sharded_with_optimizers(model: torch.nn.Module, plan: Any, fused_params: Ite
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    apply_optimizer_in_backward(torch.optim.SGD if sgd else RowWiseAdagrad, list(fused_params), {"lr": embedding_lr})
+    embedding_optimizer, dense_optimizer = (torch.optim.SGD, torch.optim.SGD) if sgd else (RowWiseAdagrad, torch.optim.Adagrad)
+    apply_optimizer_in_backward(embedding_optimizer, list(fused_params), {"lr": embedding_lr})
     dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan, sharders=get_default_sharders())
     if state is not None:
         dmp.load_state_dict(state)
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt = CombinedOptimizer([dmp.fused_optimizer,
-                             KeyedOptimizerWrapper(dense, lambda params: (torch.optim.SGD if sgd else torch.optim.Adagrad)(params, lr=dense_lr))])
+                             KeyedOptimizerWrapper(dense, lambda params: dense_optimizer(params, lr=dense_lr))])
     return dmp, opt
 
 
