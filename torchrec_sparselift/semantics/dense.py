@@ -102,10 +102,11 @@ def independent_modules(module: nn.Module, sharded: Sequence[nn.Module]) -> List
     """The modules ``module``'s forward calls whose inputs do not depend on any of the
     ``sharded`` modules' outputs (DLRM's ``dense_arch``), in call order: ``torch.fx`` traces the
     forward with every module that holds no sharded module as a leaf and follows each sharded
-    call's users. ``[]`` when there is no sharded module or the forward does not trace (data-
-    dependent control flow): nothing is then counted independent."""
+    call's users. ``[]`` when there is no sharded module, when ``module`` is itself one of them (a
+    bare ``EmbeddingBagCollection``: its forward is the sharded module's, not traced), or when the
+    forward does not trace (data-dependent control flow): nothing is then counted independent."""
     ids = {id(m) for m in sharded}
-    if not ids:
+    if not ids or id(module) in ids:  # no sharded module, or the model is one: nothing beside it
         return []
     holds = {id(m) for m in module.modules() if any(id(s) in ids for s in m.modules())}
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Tuple
 
@@ -106,7 +107,10 @@ def production(num_tables: int, seed: int = 0, global_batch: int = 65536) -> Wor
     return Workload(name=f"production-{num_tables}", tables=tuple(tables), global_batch=global_batch)
 
 
+@functools.lru_cache(maxsize=8)
 def by_name(name: str) -> Workload:
+    """The reference workload ``name``; a :class:`Workload` is immutable, so one is built once per name
+    (``production-10000`` draws its tables in ~0.2 s, and ``sparselift plan`` asks for it five times)."""
     if name in ("dcnv2", "dlrm-dcnv2"):
         return dcnv2()
     if name in ("kaggle", "criteo-kaggle"):
