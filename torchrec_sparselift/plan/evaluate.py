@@ -29,7 +29,7 @@ from torchrec_sparselift.cost.hardware import HardwareProfile
 from torchrec_sparselift.semantics.workload import WorkloadStats
 from torchrec_sparselift.validation import argument_problems, raise_problems, setting_problems
 
-__all__ = ["evaluate_sharding_plan", "given_candidates", "GivenPlan"]
+__all__ = ["evaluate_sharding_plan", "evaluate_given", "given_candidates", "GivenPlan"]
 
 
 def given_candidates(handles: Sequence[TableHandle], plan: ShardingPlan, world_size: int,
@@ -128,6 +128,14 @@ def evaluate_sharding_plan(
         [] if isinstance(plan, ShardingPlan) else [f"plan must be a torchrec ShardingPlan, got {type(plan).__name__}"]
     ), "evaluate_sharding_plan's arguments")
     given = GivenPlan.of(module, plan, topology, batch_size, constraints, workload, sharders)
+    return evaluate_given(given, plan, topology, hardware, pipeline, fwd_precision, bwd_precision)
+
+
+def evaluate_given(given: "GivenPlan", plan: ShardingPlan, topology: Topology, hardware: Any = None,
+                   pipeline: str = defaults.PIPELINE, fwd_precision: str = defaults.COMM_PRECISION,
+                   bwd_precision: str = defaults.COMM_PRECISION) -> PlanResult:
+    """:func:`evaluate_sharding_plan` of a plan already read (``given``: :meth:`GivenPlan.of` of
+    ``plan``), for a caller that prices one plan under several settings."""
     handles = given.handles
     ctx = given.context(hardware)
     profile = ctx.profile

@@ -40,7 +40,7 @@ from torchrec_sparselift.plan.baseline import (
     same_sharding_price, term_seconds, with_pipeline_term, with_rewrite_term,
 )
 from torchrec_sparselift.plan.compare import torchrec_plan
-from torchrec_sparselift.plan.evaluate import GivenPlan, evaluate_sharding_plan
+from torchrec_sparselift.plan.evaluate import GivenPlan, evaluate_given, evaluate_sharding_plan
 from torchrec_sparselift.plan.execution_plan import ExecutionPlan
 from torchrec_sparselift.plan.loader import loaded_options
 from torchrec_sparselift.plan.request import PlanRequest
@@ -118,18 +118,17 @@ def _judged_rewrites(request: PlanRequest, kept: PlanResult, times: TermTimes, e
         f"is within the model's error {d.margin_s * 1e3:.3f} ms"))
 
 
-def _rewritten_sharding(request: PlanRequest, plan: Any, pipelines: Sequence[str], fwd: str, bwd: str,
-                        profile: Any) -> Dict[str, PlanResult]:
-    """TorchRec's sharding ``plan`` priced under each of ``pipelines`` with the rewrites chosen on it
-    there (:func:`~torchrec_sparselift.plan.rewrites.choose_rewrites`), for the pipelines where any
+def _rewritten_sharding(request: PlanRequest, evaluated: Callable[[str], PlanResult],
+                        pipelines: Sequence[str]) -> Dict[str, PlanResult]:
+    """TorchRec's sharding (``evaluated(pipeline)``: its plan priced under that pipeline) with the
+    rewrites chosen on it under each of ``pipelines``
+    (:func:`~torchrec_sparselift.plan.rewrites.choose_rewrites`), for the pipelines where any
     rewrite is chosen and saves time; empty where the request allows none."""
     if not request.rewrites:
         return {}
     out = {}
     for p in pipelines:
-        kept = evaluate_sharding_plan(request.module, plan, request.topology, request.batch_size,
-                                      request.constraints or None, profile, request.stats,
-                                      list(request.sharder_objects), pipeline=p, fwd_precision=fwd, bwd_precision=bwd)
+        kept = evaluated(p)
         choice = choose_rewrites(request, kept)
         if choice.chosen and choice.saving_s > 0:
             out[p] = attrs.evolve(kept, rewrites=choice)
@@ -274,6 +273,13 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
         def theirs_at(fwd: str, bwd: str, under: str = pipeline) -> TermTimes:
             return priced(theirs, under, fwd, bwd)
 
+        results: Dict[tuple, PlanResult] = {}  # TorchRec's plan as a PlanResult, once per setting
+
+        def theirs_result(under: str, fwd: str, bwd: str) -> PlanResult:
+            if (under, fwd, bwd) not in results:
+                results[under, fwd, bwd] = evaluate_given(theirs, tr.plan, topo, profile, under, fwd, bwd)
+            return results[under, fwd, bwd]
+
         # with lossy comms, against TorchRec's plan with the same comms (qcomm by hand) and at
         # full precision (plan.baseline.never_slower_with_precision)
         full = (defaults.COMM_PRECISION, defaults.COMM_PRECISION)
@@ -302,7 +308,8 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
             # its default one (plan.baseline.kept_plan_pipeline)
             others = [p for p in trainable if p != pipeline]
             under = {p: theirs_at(fwd, bwd, p) for p in trainable}
-            rewritten = _rewritten_sharding(request, tr.plan, trainable, fwd, bwd, profile) if others else {}
+            rewritten = (_rewritten_sharding(request, lambda p: theirs_result(p, fwd, bwd), trainable)
+                         if others else {})
             rewritten_times = {}
             for p, r in rewritten.items():
                 rewritten_times[p], errors = with_rewrite_term(under[p], r.rewrites.saving_s, errors)
@@ -328,9 +335,7 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
         return attrs.evolve(res, never_slower=decision)
     options = list(tr.options)
     check_complete(res.handles, options)
-    kept = rewritten_kept or evaluate_sharding_plan(module, tr.plan, topo, batch, constraints, profile, request.stats,
-                                                    sharders, pipeline=kept_pipeline, fwd_precision=fwd,
-                                                    bwd_precision=bwd)
+    kept = rewritten_kept or theirs_result(kept_pipeline, fwd, bwd)
     search = attrs.evolve(kept.search, solver="torchrec(never_slower)", status="kept",
                           planning_time_s=s.planning_time_s + time.monotonic() - t0)
     if kept_times is not None:
