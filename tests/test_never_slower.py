@@ -419,9 +419,21 @@ def test_where_torchrecs_plan_is_kept_it_runs_under_a_pipeline_that_clears_the_r
     assert res.rewritten_step_s == pytest.approx(d.candidate_s, rel=1e-6)  # priced under fused, with its rewrites
     assert d.gain_s == pytest.approx(plan(5.0).search.step.total_s - d.candidate_s, rel=1e-6)
     # with the error at 500% the pipeline's gain is within it: TorchRec's default pipeline
+    from torchrec_sparselift.plan import planning
+
+    settings = []
+    real = planning.evaluate_given
+
+    def counted(given, plan_, topo_, hardware, pipeline, fwd, bwd):  # type: ignore[no-untyped-def]
+        settings.append((pipeline, fwd, bwd))
+        return real(given, plan_, topo_, hardware, pipeline, fwd, bwd)
+
+    monkeypatch.setattr(planning, "evaluate_given", counted)
     big = plan(5.0)
     assert sharding_plan_digest(big.sharding_plan) == sharding_plan_digest(theirs.plan)
     assert big.search.pipeline == "sparse_dist" and not big.never_slower.candidate_pipeline
+    # TorchRec's plan is evaluated once per setting: the plan kept shares the evaluation weighed
+    assert ("sparse_dist", "fp32", "fp32") in settings and len(settings) == len(set(settings))
 
 
 def test_where_torchrecs_plan_is_kept_it_can_run_under_overlap_with_the_batch_split(monkeypatch):
