@@ -35,7 +35,8 @@ from torchrec_sparselift.cost.batch_split import MAX_CHUNKS
 from torchrec_sparselift.measure.probe import prebuilt_batches
 from torchrec_sparselift.plan.serialization import sharding_plan_from_dict
 
-__all__ = ["parse_against", "local_values", "state_tensors", "copy_training_state", "largest_difference", "main"]
+__all__ = ["parse_against", "local_values", "state_tensors", "copy_training_state", "largest_difference",
+           "largest_entry", "main"]
 
 
 def parse_against(text: str) -> Tuple[str, float]:
@@ -74,6 +75,13 @@ def state_tensors(tree: Any) -> List[torch.Tensor]:
     if isinstance(tree, torch.Tensor) or hasattr(tree, "local_shards"):
         return [local_values(tree).float()]
     return []
+
+
+def largest_entry(a: Dict[str, Any], b: Dict[str, Any]) -> Tuple[float, str]:
+    """``(difference, key)``: the largest elementwise difference between two model state dicts of one
+    plan, and the entry where it is (``(0.0, "")`` when every entry is empty)."""
+    return max(((float((local_values(b[n]) - local_values(v)).abs().max()), n)
+                for n, v in a.items() if local_values(v).numel()), default=(0.0, ""))
 
 
 def largest_difference(a: Any, b: Any) -> float:
@@ -153,9 +161,7 @@ def main() -> int:
         rows: List[Dict[str, Any]] = []
         for step in range(args.steps):
             losses = [float(m.pipeline.progress(it)[0].detach().mean()) for m, it in zip(models, its)]
-            a, b = models[0].model.state_dict(), models[1].model.state_dict()
-            diff, name = max(((float((local_values(b[n]) - local_values(v)).abs().max()), n)
-                              for n, v in a.items() if local_values(v).numel()), default=(0.0, ""))
+            diff, name = largest_entry(models[0].model.state_dict(), models[1].model.state_dict())
             rows.append(dict(step=step, loss_diff=losses[1] - losses[0], weight_diff=diff, worst=name))
             c.say(f"[split_rounding] {args.workload} {args.row} against {args.against} step {step}: loss "
                   f"{losses[0]:.6f}, difference {losses[1] - losses[0]:+.1e}; largest weight difference "

@@ -424,9 +424,9 @@ def test_where_torchrecs_plan_is_kept_it_runs_under_a_pipeline_that_clears_the_r
     settings = []
     real = planning.evaluate_given
 
-    def counted(given, plan_, topo_, hardware, pipeline, fwd, bwd):  # type: ignore[no-untyped-def]
+    def counted(given, plan_, hardware, pipeline, fwd, bwd):  # type: ignore[no-untyped-def]
         settings.append((pipeline, fwd, bwd))
-        return real(given, plan_, topo_, hardware, pipeline, fwd, bwd)
+        return real(given, plan_, hardware, pipeline, fwd, bwd)
 
     monkeypatch.setattr(planning, "evaluate_given", counted)
     big = plan(5.0)

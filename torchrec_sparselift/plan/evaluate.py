@@ -128,14 +128,15 @@ def evaluate_sharding_plan(
         [] if isinstance(plan, ShardingPlan) else [f"plan must be a torchrec ShardingPlan, got {type(plan).__name__}"]
     ), "evaluate_sharding_plan's arguments")
     given = GivenPlan.of(module, plan, topology, batch_size, constraints, workload, sharders)
-    return evaluate_given(given, plan, topology, hardware, pipeline, fwd_precision, bwd_precision)
+    return evaluate_given(given, plan, hardware, pipeline, fwd_precision, bwd_precision)
 
 
-def evaluate_given(given: "GivenPlan", plan: ShardingPlan, topology: Topology, hardware: Any = None,
+def evaluate_given(given: "GivenPlan", plan: ShardingPlan, hardware: Any = None,
                    pipeline: str = defaults.PIPELINE, fwd_precision: str = defaults.COMM_PRECISION,
                    bwd_precision: str = defaults.COMM_PRECISION) -> PlanResult:
     """:func:`evaluate_sharding_plan` of a plan already read (``given``: :meth:`GivenPlan.of` of
-    ``plan``), for a caller that prices one plan under several settings."""
+    ``plan``, on its topology), for a caller that prices one plan under several settings."""
+    topology = given.topology
     handles = given.handles
     ctx = given.context(hardware)
     profile = ctx.profile

@@ -277,7 +277,7 @@ def apply_never_slower(res: PlanResult, request: PlanRequest) -> PlanResult:
 
         def theirs_result(under: str, fwd: str, bwd: str) -> PlanResult:
             if (under, fwd, bwd) not in results:
-                results[under, fwd, bwd] = evaluate_given(theirs, tr.plan, topo, profile, under, fwd, bwd)
+                results[under, fwd, bwd] = evaluate_given(theirs, tr.plan, profile, under, fwd, bwd)
             return results[under, fwd, bwd]
 
         # with lossy comms, against TorchRec's plan with the same comms (qcomm by hand) and at
